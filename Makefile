@@ -1,0 +1,35 @@
+# gpubadge: `make run` starts the main job, `make test` runs every check.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+DEB_PACKAGES := docker-registry skopeo docker.io runc chromium
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test deps-system deps-python lint typecheck pytest bench
+
+deps-system:  ## Debian packages the tests drive for real (registry, pusher, engine, browser)
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+deps-python:
+	$(PIP) install -q -e '.[test]'
+
+run: deps-system deps-python
+	$(PYTHON) -m fixtures.demo
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+typecheck:
+	$(PYTHON) -m mypy
+
+pytest:
+	$(PYTHON) -m pytest -q
+
+test: deps-system deps-python lint typecheck pytest
+
+bench: deps-system deps-python
+	$(PYTHON) -m bench.run

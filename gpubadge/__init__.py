@@ -1,0 +1,1 @@
+"""The `gpubadge` command line."""

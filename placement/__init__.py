@@ -1,0 +1,4 @@
+"""Where an image can run: inventory models, NVIDIA requirement evaluation, the decision.
+
+Pure: no HTTP and no SQL. Imports scanner/ models only.
+"""

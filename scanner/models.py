@@ -1,0 +1,143 @@
+"""Pydantic models for what a scan finds.
+
+These are the scanner's boundary: the CLI prints them as JSON, the store keeps
+them, the API serves them and placement reads them. The JSON field names of
+`ImageReport` are a public contract (`gpubadge scan --json`), so rename nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LibcFlavour = Literal["glibc", "musl", "none", "unknown"]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Platform(BaseModel):
+    """An OCI platform, printed the way Docker prints it (`linux/arm64/v8`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    os: str = "linux"
+    architecture: str = "amd64"
+    variant: str | None = None
+
+    def __str__(self) -> str:
+        parts = [self.os, self.architecture]
+        if self.variant:
+            parts.append(self.variant)
+        return "/".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> Platform:
+        """Parse `os/arch[/variant]`; raises ValueError naming the bad part."""
+        parts = text.strip().split("/")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"invalid platform {text!r}: expected os/arch or os/arch/variant")
+        return cls(os=parts[0], architecture=parts[1], variant=parts[2] if len(parts) == 3 else None)
+
+    def matches(self, other: Platform) -> bool:
+        """True when `other` (from an index) satisfies this requested platform.
+
+        A request without a variant matches any variant; `arm64` and `arm64/v8` are the same.
+        """
+        if self.os != other.os or self.architecture != other.architecture:
+            return False
+        if self.variant is None:
+            return True
+        mine = self.variant
+        theirs = other.variant or ("v8" if other.architecture == "arm64" else None)
+        return mine == theirs
+
+
+class RequirementIssue(BaseModel):
+    """A requirement variable that did not parse with NVIDIA's grammar."""
+
+    variable: str
+    value: str
+    error: str
+
+
+class GpuFacts(BaseModel):
+    """What an image config says about NVIDIA GPUs. Derived from the config alone."""
+
+    required: bool = False
+    cuda_version: str | None = Field(default=None, description="major.minor of CUDA, if known")
+    requirements: list[str] = Field(
+        default_factory=list, description="values of every NVIDIA_REQUIRE_* variable, ordered by name"
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="every NVIDIA_* and CUDA_* variable found, with its value"
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="NVIDIA labels such as com.nvidia.*")
+    signals: list[str] = Field(
+        default_factory=list, description="the names that made `required` true, for the UI's 'why'"
+    )
+    disable_require: bool = False
+    visible_devices: str | None = None
+    driver_capabilities: str | None = None
+    requirement_errors: list[RequirementIssue] = Field(default_factory=list)
+
+
+class LibcVerdict(BaseModel):
+    """Which C library the image's root filesystem carries, and how we know."""
+
+    flavour: LibcFlavour = "unknown"
+    evidence: str | None = Field(default=None, description="the file or ELF interpreter that decided")
+    distro: str | None = Field(default=None, description="PRETTY_NAME or ID+VERSION_ID from os-release")
+    musl_also: bool = Field(default=False, description="a musl loader is present beside glibc")
+    layers_read: int = 0
+    layers_total: int = 0
+    bytes_read: int = Field(default=0, description="compressed bytes fetched from the registry")
+    bytes_total: int = Field(default=0, description="compressed size of all layers")
+
+
+class LayerInfo(BaseModel):
+    digest: str
+    size: int
+    media_type: str
+
+
+class PlatformReport(BaseModel):
+    """One platform image (a single manifest) inside a reference."""
+
+    platform: str
+    digest: str
+    config_digest: str | None = None
+    gpu: GpuFacts = Field(default_factory=GpuFacts)
+    libc: LibcVerdict = Field(default_factory=LibcVerdict)
+    badges: list[str] = Field(default_factory=list)
+    layers: list[LayerInfo] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    created: str | None = None
+
+
+class ImageReport(BaseModel):
+    """Everything we know about one reference. The `--json` line and the API shape."""
+
+    reference: str
+    digest: str | None = None
+    error: str | None = None
+    platforms: list[PlatformReport] = Field(default_factory=list)
+    registry: str | None = None
+    repository: str | None = None
+    tag: str | None = None
+    media_type: str | None = None
+    scanned_at: datetime = Field(default_factory=utc_now)
+    requests: int = Field(default=0, description="HTTP requests this scan made (cached tokens excluded)")
+    cached: bool = Field(default=False, description="the digest was already scanned; no new requests")
+    config_only: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def gpu_required(self) -> bool:
+        return any(p.gpu.required for p in self.platforms)

@@ -1,0 +1,33 @@
+"""Shared test fixtures: one real registry per session, and a pusher that uses skopeo."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.oci import ImageSpec, push_image
+from fixtures.registry import LocalRegistry, run_registry
+
+Pusher = Callable[[ImageSpec | list[ImageSpec], str], str]
+
+
+@pytest.fixture(scope="session")
+def registry() -> Iterator[LocalRegistry]:
+    """A real CNCF Distribution registry on a free loopback port, shared by the session."""
+    with run_registry() as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def push(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> Pusher:
+    """push(spec_or_specs, "repo:tag") -> digest. Pushes with skopeo, never with our code."""
+    counter = itertools.count()
+
+    def _push(spec: ImageSpec | list[ImageSpec], name: str) -> str:
+        workdir: Path = tmp_path_factory.mktemp(f"layout{next(counter)}")
+        return push_image(spec, f"{registry.host}/{name}", workdir)
+
+    return _push

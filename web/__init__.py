@@ -1,0 +1,1 @@
+"""The aiohttp service: webhooks, JSON API, and the HTML UI."""
