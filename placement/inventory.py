@@ -1,0 +1,122 @@
+"""The fleet: servers and their GPUs, in the shape agents report and inventory files hold.
+
+Other tools write inventory files in exactly this shape, so optional fields take
+defaults and unknown fields are ignored rather than rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RuntimeMode = Literal["runtime", "device-requests", "cdi"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """`256Gi`, `40GB`, `512Mi` or a plain number of bytes -> bytes. Raises ValueError naming the bad part."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid quantity {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    match = _QUANTITY.match(value)
+    if not match:
+        raise ValueError(f"invalid quantity {value!r}: expected a number with an optional unit such as 40Gi")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"invalid quantity {value!r}: unknown unit {unit!r}")
+    return int(float(number) * factor)
+
+
+class Gpu(BaseModel):
+    """One GPU as NVML describes it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    uuid: str
+    name: str
+    brand: str = ""
+    memory_mib: int = 0
+    compute_capability: str = ""
+    mig: bool = False
+
+
+class Server(BaseModel):
+    """A server that can run containers; a CPU server has no GPUs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arch: str = "amd64"
+    cpus: int = 0
+    memory: int = Field(default=0, description="bytes; files may say 256Gi")
+    labels: dict[str, str] = Field(default_factory=dict)
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    musl: bool = False
+    runtime_modes: list[RuntimeMode] = Field(default_factory=list)
+    gpus: list[Gpu] = Field(default_factory=list)
+    gpus_in_use: list[str] = Field(default_factory=list, description="UUIDs reserved or busy")
+    last_heartbeat: datetime | None = None
+    source: Literal["file", "agent"] = "file"
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_quantity(cls, value: Any) -> int:
+        return parse_bytes(value) if value is not None else 0
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _normalise_arch(cls, value: Any) -> str:
+        aliases = {"x86_64": "amd64", "aarch64": "arm64", "arm64/v8": "arm64"}
+        text = str(value).lower()
+        return aliases.get(text, text)
+
+    @property
+    def free_gpus(self) -> list[Gpu]:
+        busy = set(self.gpus_in_use)
+        return [gpu for gpu in self.gpus if gpu.uuid not in busy]
+
+
+class Inventory(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    servers: list[Server] = Field(default_factory=list)
+
+
+def load_inventory(path: Path) -> Inventory:
+    """Read a YAML or JSON inventory file (`{"servers": [...]}`)."""
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if isinstance(data, list):
+        data = {"servers": data}
+    return Inventory.model_validate(data or {})
