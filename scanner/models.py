@@ -133,6 +133,7 @@ class ImageReport(BaseModel):
     requests: int = Field(default=0, description="HTTP requests this scan made (cached tokens excluded)")
     cached: bool = Field(default=False, description="the digest was already scanned; no new requests")
     config_only: bool = False
+    retryable: bool = Field(default=False, exclude=True, description="the error may pass on a retry")
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,550 @@
+"""The SQLite store: the only module that knows SQL.
+
+It owns the schema for scan reports (keyed by manifest digest), the tag -> digest
+history, the per-layer libc evidence cache, the durable scan-job queue, and the
+fleet (servers, deployments, GPU reservations). Callers speak in pydantic models
+and plain values; nothing outside this module builds a query.
+
+SQLite runs in WAL mode so the web service can read while a worker writes. Every
+write is a short transaction; the queue's claim and the GPU reservation are
+single `BEGIN IMMEDIATE` transactions so two workers or two deploys never take
+the same job or the same GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlite_utils
+
+from scanner.models import ImageReport, PlatformReport
+
+JobState = Literal["queued", "running", "done", "failed"]
+ACTIVE_JOB_STATES = ("queued", "running")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS reports (
+    digest TEXT PRIMARY KEY,
+    registry TEXT NOT NULL,
+    repository TEXT NOT NULL,
+    reference TEXT NOT NULL,
+    media_type TEXT,
+    gpu_required INTEGER NOT NULL,
+    cuda_versions TEXT NOT NULL,
+    libc_flavours TEXT NOT NULL,
+    platforms TEXT NOT NULL,
+    distro TEXT,
+    scanned_at TEXT NOT NULL,
+    report TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS reports_repo ON reports(registry, repository);
+CREATE INDEX IF NOT EXISTS reports_scanned ON reports(scanned_at);
+CREATE TABLE IF NOT EXISTS platform_reports (
+    digest TEXT PRIMARY KEY,
+    report TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tags (
+    id INTEGER PRIMARY KEY,
+    registry TEXT NOT NULL,
+    repository TEXT NOT NULL,
+    tag TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    first_seen TEXT NOT NULL,
+    last_seen TEXT NOT NULL,
+    gone_at TEXT
+);
+CREATE INDEX IF NOT EXISTS tags_lookup ON tags(registry, repository, tag, id);
+CREATE INDEX IF NOT EXISTS tags_digest ON tags(digest);
+CREATE TABLE IF NOT EXISTS gone_digests (
+    registry TEXT NOT NULL,
+    repository TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    gone_at TEXT NOT NULL,
+    PRIMARY KEY (registry, repository, digest)
+);
+CREATE TABLE IF NOT EXISTS layers (
+    digest TEXT PRIMARY KEY,
+    evidence TEXT NOT NULL,
+    stored_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    reference TEXT NOT NULL,
+    registry TEXT NOT NULL,
+    dedupe_key TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    max_attempts INTEGER NOT NULL DEFAULT 5,
+    not_before TEXT NOT NULL,
+    error TEXT,
+    result_digest TEXT,
+    source TEXT,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, not_before);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_key ON jobs(dedupe_key) WHERE state IN ('queued', 'running');
+CREATE INDEX IF NOT EXISTS jobs_reference ON jobs(reference, created_at);
+"""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A durable scan job."""
+
+    id: str
+    reference: str
+    registry: str
+    state: JobState
+    attempts: int
+    max_attempts: int
+    error: str | None
+    result_digest: str | None
+    source: str | None
+    created_at: str
+    updated_at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class TagEvent:
+    tag: str
+    digest: str
+    first_seen: str
+    last_seen: str
+    gone_at: str | None
+
+
+@dataclass(frozen=True)
+class ImageRow:
+    """A summary row for listings (one per manifest digest)."""
+
+    digest: str
+    registry: str
+    repository: str
+    reference: str
+    gpu_required: bool
+    cuda_versions: list[str]
+    libc_flavours: list[str]
+    platforms: list[str]
+    distro: str | None
+    scanned_at: str
+    tags: list[str]
+
+
+class Store:
+    """Thread-safe facade over one SQLite file."""
+
+    def __init__(self, path: Path | str, *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL") -> None:
+        self.path = Path(path) if str(path) != ":memory:" else path
+        if isinstance(self.path, Path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._lock = threading.RLock()
+        self.db = sqlite_utils.Database(connection)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(f"PRAGMA synchronous={synchronous}")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One immediate transaction: writers serialise here, readers never block."""
+        with self._lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    # ---------------------------------------------------------------- reports
+
+    def save_report(self, report: ImageReport) -> None:
+        """Store a successful report under its manifest digest, and each platform under its own."""
+        if report.error is not None or report.digest is None:
+            raise ValueError("only successful reports are stored")
+        platforms = report.platforms
+        row = {
+            "digest": report.digest,
+            "registry": report.registry or "",
+            "repository": report.repository or "",
+            "reference": report.reference,
+            "media_type": report.media_type,
+            "gpu_required": int(any(p.gpu.required for p in platforms)),
+            "cuda_versions": json.dumps(
+                sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})
+            ),
+            "libc_flavours": json.dumps(sorted({p.libc.flavour for p in platforms})),
+            "platforms": json.dumps([p.platform for p in platforms]),
+            "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
+            "scanned_at": _iso(report.scanned_at),
+            "report": report.model_dump_json(),
+        }
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO reports (digest, registry, repository, reference, media_type,"
+                " gpu_required, cuda_versions, libc_flavours, platforms, distro, scanned_at, report)"
+                " VALUES (:digest, :registry, :repository, :reference, :media_type, :gpu_required,"
+                " :cuda_versions, :libc_flavours, :platforms, :distro, :scanned_at, :report)",
+                row,
+            )
+            conn.executemany(
+                "INSERT OR REPLACE INTO platform_reports (digest, report) VALUES (?, ?)",
+                [(p.digest, p.model_dump_json()) for p in platforms],
+            )
+
+    def report(self, digest: str) -> ImageReport | None:
+        with self._lock:
+            row = self.db.execute("SELECT report FROM reports WHERE digest = ?", [digest]).fetchone()
+        return ImageReport.model_validate_json(row[0]) if row else None
+
+    def platform_report(self, digest: str) -> PlatformReport | None:
+        with self._lock:
+            row = self.db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()
+        return PlatformReport.model_validate_json(row[0]) if row else None
+
+    def list_images(
+        self,
+        *,
+        gpu: bool | None = None,
+        libc: str | None = None,
+        cuda: str | None = None,
+        registry: str | None = None,
+        query: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> tuple[list[ImageRow], int]:
+        """Filtered, newest-first listing plus the total count for pagination."""
+        where: list[str] = []
+        params: dict[str, Any] = {}
+        if gpu is not None:
+            where.append("r.gpu_required = :gpu")
+            params["gpu"] = int(gpu)
+        if libc:
+            where.append("EXISTS (SELECT 1 FROM json_each(r.libc_flavours) WHERE value = :libc)")
+            params["libc"] = libc
+        if cuda:
+            where.append(
+                "EXISTS (SELECT 1 FROM json_each(r.cuda_versions) WHERE value = :cuda OR value LIKE :cuda_major)"
+            )
+            params["cuda"] = cuda
+            params["cuda_major"] = cuda if "." in cuda else f"{cuda}.%"
+        if registry:
+            where.append("r.registry = :registry")
+            params["registry"] = registry
+        if query:
+            where.append(
+                "(r.repository LIKE :q ESCAPE '\\' OR r.reference LIKE :q ESCAPE '\\' OR r.digest LIKE :q"
+                " ESCAPE '\\' OR r.distro LIKE :q ESCAPE '\\')"
+            )
+            escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params["q"] = f"%{escaped}%"
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        with self._lock:
+            total = self.db.execute(f"SELECT count(*) FROM reports r {clause}", params).fetchone()[0]
+            rows = self.db.execute(
+                "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
+                " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
+                " (SELECT json_group_array(t.tag) FROM tags t WHERE t.digest = r.digest AND t.gone_at IS NULL"
+                "   AND t.registry = r.registry AND t.repository = r.repository"
+                "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
+                "   AND t2.repository = t.repository AND t2.tag = t.tag))"
+                f" FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest LIMIT :limit OFFSET :offset",
+                {**params, "limit": limit, "offset": offset},
+            ).fetchall()
+        images = [
+            ImageRow(
+                digest=row[0],
+                registry=row[1],
+                repository=row[2],
+                reference=row[3],
+                gpu_required=bool(row[4]),
+                cuda_versions=json.loads(row[5]),
+                libc_flavours=json.loads(row[6]),
+                platforms=json.loads(row[7]),
+                distro=row[8],
+                scanned_at=row[9],
+                tags=sorted(json.loads(row[10] or "[]")),
+            )
+            for row in rows
+        ]
+        return images, int(total)
+
+    def registries(self) -> list[str]:
+        with self._lock:
+            return [row[0] for row in self.db.execute("SELECT DISTINCT registry FROM reports ORDER BY 1")]
+
+    # ------------------------------------------------------------------- tags
+
+    def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        """Remember that `tag` points at `digest` now; a change starts a new history row."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            current = conn.execute(
+                "SELECT id, digest, gone_at FROM tags WHERE registry = ? AND repository = ? AND tag = ?"
+                " ORDER BY id DESC LIMIT 1",
+                [registry, repository, tag],
+            ).fetchone()
+            if current and current[1] == digest and current[2] is None:
+                conn.execute("UPDATE tags SET last_seen = ? WHERE id = ?", [now, current[0]])
+            else:
+                conn.execute(
+                    "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [registry, repository, tag, digest, now, now],
+                )
+            conn.execute(
+                "DELETE FROM gone_digests WHERE registry = ? AND repository = ? AND digest = ?",
+                [registry, repository, digest],
+            )
+
+    def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        """The digest a tag pointed at when last seen, or None if unknown or deleted."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT digest, gone_at FROM tags WHERE registry = ? AND repository = ? AND tag = ?"
+                " ORDER BY id DESC LIMIT 1",
+                [registry, repository, tag],
+            ).fetchone()
+        return row[0] if row and row[1] is None else None
+
+    def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT tag, digest, first_seen, last_seen, gone_at FROM tags"
+                " WHERE registry = ? AND repository = ? ORDER BY id DESC",
+                [registry, repository],
+            ).fetchall()
+        return [TagEvent(*row) for row in rows]
+
+    def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
+        """(registry, repository, tag) triples currently pointing at `digest`."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT t.registry, t.repository, t.tag FROM tags t WHERE t.digest = ? AND t.gone_at IS NULL"
+                " AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
+                " AND t2.repository = t.repository AND t2.tag = t.tag) ORDER BY t.tag",
+                [digest],
+            ).fetchall()
+        return [(row[0], row[1], row[2]) for row in rows]
+
+    def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
+        """A registry deleted a tag or a manifest: keep the history, flag it gone."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            if tag:
+                conn.execute(
+                    "UPDATE tags SET gone_at = ? WHERE id = (SELECT max(id) FROM tags WHERE registry = ?"
+                    " AND repository = ? AND tag = ?) AND gone_at IS NULL",
+                    [now, registry, repository, tag],
+                )
+            if digest:
+                conn.execute(
+                    "UPDATE tags SET gone_at = ? WHERE registry = ? AND repository = ? AND digest = ?"
+                    " AND gone_at IS NULL",
+                    [now, registry, repository, digest],
+                )
+                conn.execute(
+                    "INSERT OR REPLACE INTO gone_digests (registry, repository, digest, gone_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    [registry, repository, digest, now],
+                )
+
+    def is_gone(self, registry: str, repository: str, digest: str) -> bool:
+        with self._lock:
+            row = self.db.execute(
+                "SELECT 1 FROM gone_digests WHERE registry = ? AND repository = ? AND digest = ?",
+                [registry, repository, digest],
+            ).fetchone()
+        return row is not None
+
+    # ----------------------------------------------------------- layer cache
+
+    def layer_evidence(self, digest: str) -> str | None:
+        """The cached libc evidence JSON for a layer digest."""
+        with self._lock:
+            row = self.db.execute("SELECT evidence FROM layers WHERE digest = ?", [digest]).fetchone()
+        return row[0] if row else None
+
+    def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO layers (digest, evidence, stored_at) VALUES (?, ?, ?)",
+                [digest, evidence_json, _iso(_now())],
+            )
+
+    # ------------------------------------------------------------------ jobs
+
+    def enqueue(
+        self, references: Sequence[tuple[str, str]], *, source: str | None = None, max_attempts: int = 5
+    ) -> list[str]:
+        """Queue (reference, registry) jobs in one transaction; returns a job id per item.
+
+        A reference that already has a queued or running job is coalesced into it,
+        so a burst of N webhooks for one index yields one scan.
+        """
+        now = _iso(_now())
+        ids: list[str] = []
+        with self._transaction() as conn:
+            for reference, registry in references:
+                existing = conn.execute(
+                    "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
+                    [reference],
+                ).fetchone()
+                if existing:
+                    ids.append(existing[0])
+                    continue
+                job_id = uuid.uuid4().hex
+                conn.execute(
+                    "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
+                    " not_before, source, created_at, updated_at)"
+                    " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
+                    [job_id, reference, registry, reference, max_attempts, now, source, now, now],
+                )
+                ids.append(job_id)
+        return ids
+
+    def claim_jobs(self, limit: int, *, exclude_registries: Sequence[str] = ()) -> list[Job]:
+        """Atomically move up to `limit` ready jobs to `running` and return them."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            placeholders = ",".join("?" * len(exclude_registries))
+            skip = f"AND registry NOT IN ({placeholders})" if exclude_registries else ""
+            rows = conn.execute(
+                f"SELECT id FROM jobs WHERE state = 'queued' AND not_before <= ? {skip}"
+                " ORDER BY not_before, created_at LIMIT ?",
+                [now, *exclude_registries, limit],
+            ).fetchall()
+            ids = [row[0] for row in rows]
+            if not ids:
+                return []
+            conn.executemany(
+                "UPDATE jobs SET state = 'running', attempts = attempts + 1, updated_at = ? WHERE id = ?",
+                [(now, job_id) for job_id in ids],
+            )
+            placeholders = ",".join("?" * len(ids))
+            claimed = conn.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders})", ids
+            ).fetchall()
+        return [Job(*row) for row in claimed]
+
+    def finish_job(self, job_id: str, *, digest: str | None) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "UPDATE jobs SET state = 'done', error = NULL, result_digest = ?, updated_at = ? WHERE id = ?",
+                [digest, _iso(_now()), job_id],
+            )
+
+    def fail_job(self, job_id: str, error: str, *, retry_in: float | None) -> JobState:
+        """Record a failure: back to `queued` after `retry_in` seconds, or `failed` for good."""
+        now = _now()
+        with self._transaction() as conn:
+            row = conn.execute("SELECT attempts, max_attempts FROM jobs WHERE id = ?", [job_id]).fetchone()
+            final = row is None or retry_in is None or row[0] >= row[1]
+            state: JobState = "failed" if final else "queued"
+            not_before = _iso(now + timedelta(seconds=retry_in or 0))
+            conn.execute(
+                "UPDATE jobs SET state = ?, error = ?, not_before = ?, updated_at = ? WHERE id = ?",
+                [state, error, not_before, _iso(now), job_id],
+            )
+        return state
+
+    def retry_job(self, job_id: str) -> Job | None:
+        """Put a failed job back in the queue by hand (attempts start again)."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            row = conn.execute("SELECT state, dedupe_key FROM jobs WHERE id = ?", [job_id]).fetchone()
+            if row is None:
+                return None
+            if row[0] == "failed":
+                active = conn.execute(
+                    "SELECT 1 FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')", [row[1]]
+                ).fetchone()
+                if not active:
+                    conn.execute(
+                        "UPDATE jobs SET state = 'queued', attempts = 0, error = NULL, not_before = ?,"
+                        " updated_at = ? WHERE id = ?",
+                        [now, now, job_id],
+                    )
+        return self.job(job_id)
+
+    def requeue_running(self) -> int:
+        """On start: jobs left `running` by a crash go back to the queue."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "UPDATE jobs SET state = 'queued', not_before = ?, updated_at = ? WHERE state = 'running'",
+                [now, now],
+            )
+            return cursor.rowcount
+
+    def job(self, job_id: str) -> Job | None:
+        with self._lock:
+            row = self.db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
+        return Job(*row) if row else None
+
+    def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
+        placeholders = ",".join("?" * len(states))
+        clause = f"WHERE state IN ({placeholders})" if states else ""
+        with self._lock:
+            rows = self.db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs {clause} ORDER BY created_at DESC LIMIT ?", [*states, limit]
+            ).fetchall()
+        return [Job(*row) for row in rows]
+
+    def pending_job_for(self, reference: str) -> Job | None:
+        with self._lock:
+            row = self.db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
+                [reference],
+            ).fetchone()
+        return Job(*row) if row else None
+
+    def latest_job_for(self, reference: str) -> Job | None:
+        with self._lock:
+            row = self.db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = ? ORDER BY created_at DESC LIMIT 1",
+                [reference],
+            ).fetchone()
+        return Job(*row) if row else None
+
+    def queue_depth(self) -> dict[str, int]:
+        with self._lock:
+            rows = self.db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
+        depth = {state: 0 for state in ("queued", "running", "done", "failed")}
+        depth.update({row[0]: row[1] for row in rows})
+        return depth
+
+    def next_job_due(self) -> datetime | None:
+        with self._lock:
+            row = self.db.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
+        return datetime.fromisoformat(row[0]) if row and row[0] else None
+
+
+_JOB_COLUMNS = "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at, updated_at"
