@@ -1,0 +1,104 @@
+"""Scanner settings: environment (prefix GPUBADGE_), an optional TOML/YAML file, and defaults.
+
+Secrets are `SecretStr` so they never show up in a repr, a log line or an error.
+Precedence: explicit keyword arguments, then environment, then the config file, then defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+CONFIG_ENV = "GPUBADGE_CONFIG"
+
+
+def default_docker_config() -> Path:
+    """`$DOCKER_CONFIG/config.json` when set, as the Docker CLI does; else `~/.docker/config.json`."""
+    directory = os.environ.get("DOCKER_CONFIG")
+    if directory:
+        return Path(directory) / "config.json"
+    return Path.home() / ".docker" / "config.json"
+
+
+class RegistryConfig(BaseModel):
+    """Per-registry options. `host` is the registry name as in references (`docker.io`, `ghcr.io`)."""
+
+    host: str
+    username: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = Field(
+        default=None, description="a pre-issued bearer token, sent as-is (no token exchange)"
+    )
+    insecure: bool = Field(default=False, description="allow plain HTTP to this host")
+    mirror: str | None = Field(default=None, description="host[:port] tried first for this registry")
+
+
+class ScannerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUBADGE_", env_nested_delimiter="__", extra="ignore")
+
+    registries: list[RegistryConfig] = Field(default_factory=list)
+    docker_config: Path | None = Field(default_factory=default_docker_config)
+    max_manifest_bytes: int = 4 * MiB
+    max_config_bytes: int = 8 * MiB
+    max_layer_bytes: int = Field(default=512 * MiB, description="decompressed bytes read per layer")
+    concurrency_per_registry: int = 8
+    request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
+    retries: int = Field(default=4, description="attempts per request, including the first")
+    backoff_base: float = Field(default=0.5, description="seconds before the first retry; doubles")
+    backoff_max: float = 8.0
+    retry_after_max: float = Field(
+        default=60.0, description="longest Retry-After we wait; longer ones fail as RateLimited"
+    )
+    max_redirects: int = 5
+    credential_helper_timeout: float = 10.0
+    docker_mirror: str | None = Field(default=None, description="host[:port] of a Docker Hub mirror")
+
+    def registry_config(self, host: str) -> RegistryConfig | None:
+        """The configured entry for a registry name or API host, if any."""
+        for entry in self.registries:
+            if entry.host == host:
+                return entry
+        return None
+
+    def is_insecure(self, host: str) -> bool:
+        entry = self.registry_config(host)
+        return bool(entry and entry.insecure)
+
+    def mirror_for(self, registry: str) -> str | None:
+        entry = self.registry_config(registry)
+        if entry and entry.mirror:
+            return entry.mirror
+        if registry == "docker.io":
+            return self.docker_mirror
+        return None
+
+    @classmethod
+    def load(cls, path: Path | None = None, **overrides: Any) -> ScannerSettings:
+        """Settings from `path` (or $GPUBADGE_CONFIG), with the environment taking precedence."""
+        if path is None and os.environ.get(CONFIG_ENV):
+            path = Path(os.environ[CONFIG_ENV])
+        file_values = read_config_file(path) if path else {}
+        from_env = cls()
+        env_values = {name: getattr(from_env, name) for name in from_env.model_fields_set}
+        return cls(**{**file_values, **env_values, **overrides})
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present."""
+    text = path.read_text()
+    data: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping at the top level")
+    section = data.get("scanner", data)
+    if not isinstance(section, dict):
+        raise ValueError(f"config file {path}: 'scanner' must be a mapping")
+    return section
