@@ -83,6 +83,17 @@ class GpuFacts(BaseModel):
     visible_devices: str | None = None
     driver_capabilities: str | None = None
     requirement_errors: list[RequirementIssue] = Field(default_factory=list)
+    legacy: bool = Field(
+        default=False,
+        description="CUDA_VERSION set without NVIDIA_REQUIRE_CUDA: the toolkit derives cuda>=X.Y",
+    )
+    effective_requirements: list[str] = Field(
+        default_factory=list,
+        description="what NVIDIA's runtime hook checks: requirements (+ legacy cuda>=X.Y), none if disabled",
+    )
+    runtime_gpu_request: bool = Field(
+        default=False, description="the NVIDIA runtime would inject GPUs from this env alone (not void/none)"
+    )
 
 
 class LibcVerdict(BaseModel):

@@ -1,0 +1,35 @@
+"""Badge names for a platform image: short, stable words the UI and the SVG badges build on.
+
+The vocabulary (in this order; each appears at most once):
+- `nvidia-gpu`         the image asks for an NVIDIA GPU (GpuFacts.required)
+- `cuda-<major.minor>` the CUDA version it was built for, e.g. `cuda-12.2`
+- `require-disabled`   NVIDIA_DISABLE_REQUIRE turns the runtime's requirement check off
+- `requirement-error`  a warning: an NVIDIA_REQUIRE_* value (or a legacy CUDA_VERSION) that
+                       NVIDIA's runtime would reject, so the container may fail to start
+- libc, exactly one:   `glibc`, `musl`, `no-libc` (static/scratch), `libc-unknown`
+- `musl-also`          a musl loader sits beside glibc (e.g. Ubuntu with the musl package)
+"""
+
+from __future__ import annotations
+
+from scanner.models import GpuFacts, LibcVerdict
+
+LIBC_BADGES = {"glibc": "glibc", "musl": "musl", "none": "no-libc", "unknown": "libc-unknown"}
+WARNING_BADGES = frozenset({"requirement-error"})
+
+
+def badges(gpu: GpuFacts, libc: LibcVerdict) -> list[str]:
+    """The badge names for one platform image, in display order."""
+    names: list[str] = []
+    if gpu.required:
+        names.append("nvidia-gpu")
+    if gpu.cuda_version:
+        names.append(f"cuda-{gpu.cuda_version}")
+    if gpu.disable_require:
+        names.append("require-disabled")
+    if gpu.requirement_errors:
+        names.append("requirement-error")
+    names.append(LIBC_BADGES[libc.flavour])
+    if libc.flavour == "glibc" and libc.musl_also:
+        names.append("musl-also")
+    return names

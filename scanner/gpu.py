@@ -1,0 +1,194 @@
+"""Image config -> GpuFacts: does the image ask for an NVIDIA GPU, and on what terms.
+
+Pure: it reads only the parsed image config JSON (`config.Env`, `config.Labels`) and
+tolerates missing, null or garbage fields, because registries serve whatever was pushed.
+
+Semantics follow NVIDIA's own code (see the shared nvidia_semantics note):
+- `required` is our product signal: any of `NVIDIA_GPU` (a convention of ours and some
+  images; NVIDIA's toolkit does not read it), `NVIDIA_REQUIRE_CUDA`, `CUDA_VERSION`,
+  `NVIDIA_VISIBLE_DEVICES` selecting devices (not empty/`void`/`none`), or the nvidia-docker
+  v1 label `com.nvidia.volumes.needed` (whose presence makes `nvidia-docker run` inject all
+  GPUs and the driver volume). Empty values do not count, as in the toolkit.
+- `runtime_gpu_request` is what the toolkit itself would do from the env alone:
+  NVIDIA_VISIBLE_DEVICES set to anything but ""/`void`, or a legacy image with it unset.
+- `requirements` are the NVIDIA_REQUIRE_* values ordered by variable name, without
+  NVIDIA_REQUIRE_JETPACK* (Tegra mount flags the toolkit excludes; they stay in `env`).
+- `effective_requirements` is what the runtime hook checks: nothing when
+  NVIDIA_DISABLE_REQUIRE parses true with Go's strconv.ParseBool, else the requirements plus
+  `cuda>=MAJOR.MINOR` for legacy images (CUDA_VERSION set, NVIDIA_REQUIRE_CUDA unset/empty).
+- A requirement that NVIDIA's grammar rejects becomes a RequirementIssue, never an exception.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from scanner.models import GpuFacts, RequirementIssue
+from scanner.requirements import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
+
+REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
+JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"
+V1_VOLUMES_LABEL = "com.nvidia.volumes.needed"
+V1_CUDA_LABEL = "com.nvidia.cuda.version"
+
+# Go's strconv.ParseBool true values: the only ones NVIDIA_DISABLE_REQUIRE honours.
+_PARSEBOOL_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+# NVIDIA_GPU is not NVIDIA's; we read an explicit "no" as no.
+_FALSEY = frozenset({"0", "false", "no", "off", "n", "f"})
+_UINT32_MAX = 0xFFFFFFFF
+# Masterminds/semver NewVersion as the toolkit uses it for CUDA_VERSION: optional v, 1-3 parts.
+_CUDA_VERSION = re.compile(
+    r"^v?(?P<major>\d+)(?:\.(?P<minor>\d+))?(?:\.(?P<patch>\d+))?"
+    r"(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
+)
+_DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
+
+
+def _config_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The runtime `config` object (`Config` in some old Docker dumps); {} when absent or junk."""
+    if not isinstance(config, Mapping):
+        return {}
+    for key in ("config", "Config"):
+        section = config.get(key)
+        if isinstance(section, Mapping):
+            return section
+    return {}
+
+
+def parse_env(raw: Any) -> dict[str, str]:
+    """`["K=V", ...]` -> dict; later duplicates win (as Docker applies them); junk is skipped."""
+    env: dict[str, str] = {}
+    if not isinstance(raw, list):
+        return env
+    for item in raw:
+        if not isinstance(item, str) or "=" not in item:
+            continue
+        name, _, value = item.partition("=")
+        if name:
+            env[name] = value
+    return env
+
+
+def _parse_labels(raw: Any) -> dict[str, str]:
+    if not isinstance(raw, Mapping):
+        return {}
+    return {str(k): v if isinstance(v, str) else str(v) for k, v in raw.items() if v is not None}
+
+
+def cuda_major_minor(cuda_version: str) -> str | None:
+    """CUDA_VERSION -> "MAJOR.MINOR" the way the toolkit derives it ("9.0.116" -> "9.0", "8" -> "8.0").
+
+    None when the toolkit would reject the value (e.g. "9.", "7.foo", "9.0.116.50").
+    """
+    match = _CUDA_VERSION.match(cuda_version.strip())
+    if not match:
+        return None
+    parts = [match.group(name) for name in ("major", "minor", "patch")]
+    if any(p is not None and int(p) > _UINT32_MAX for p in parts):
+        return None
+    return f"{int(parts[0] or 0)}.{int(parts[1] or 0)}"
+
+
+def _cuda_from_requirement(value: str) -> str | None:
+    """MAJOR.MINOR of the first `cuda>=X.Y` factor (key matched case-insensitively, like dsl.c)."""
+    for condition in parse_requirement_lenient(value).conditions:
+        if condition.key.lower() == "cuda" and condition.op == ">=" and condition.valid:
+            match = _DOTTED.match(condition.value)
+            if match:
+                return f"{int(match.group(1))}.{int(match.group(2) or 0)}"
+    return None
+
+
+def _selects_devices(visible_devices: str) -> bool:
+    """NVIDIA_VISIBLE_DEVICES naming real devices: not empty, `void` or `none`."""
+    items = [item.strip() for item in visible_devices.split(",") if item.strip()]
+    if not items or "void" in items:
+        return False
+    return items[0] != "none"
+
+
+def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
+    """What the image config says about NVIDIA GPUs. Never raises on odd input."""
+    section = _config_section(config)
+    env = parse_env(section.get("Env"))
+    labels = _parse_labels(section.get("Labels"))
+
+    nvidia_env = {k: env[k] for k in sorted(env) if k.startswith(("NVIDIA_", "CUDA_"))}
+    nvidia_labels = {k: labels[k] for k in sorted(labels) if k.startswith("com.nvidia.")}
+    require_vars = sorted(
+        k for k in nvidia_env if k.startswith(REQUIRE_PREFIX) and not k.startswith(JETPACK_PREFIX)
+    )
+    requirements = [nvidia_env[k] for k in require_vars]
+
+    visible_devices = env.get("NVIDIA_VISIBLE_DEVICES")
+    cuda_version_raw = env.get("CUDA_VERSION", "")
+    require_cuda = env.get("NVIDIA_REQUIRE_CUDA", "")
+    legacy = bool(cuda_version_raw) and not require_cuda
+    disable_require = env.get("NVIDIA_DISABLE_REQUIRE", "") in _PARSEBOOL_TRUE
+
+    signals: list[str] = []
+    nvidia_gpu = env.get("NVIDIA_GPU", "").strip()
+    if nvidia_gpu and nvidia_gpu.lower() not in _FALSEY:
+        signals.append("NVIDIA_GPU")
+    if require_cuda:
+        signals.append("NVIDIA_REQUIRE_CUDA")
+    if cuda_version_raw:
+        signals.append("CUDA_VERSION")
+    if visible_devices is not None and _selects_devices(visible_devices):
+        signals.append("NVIDIA_VISIBLE_DEVICES")
+    if V1_VOLUMES_LABEL in labels:
+        signals.append(V1_VOLUMES_LABEL)
+
+    if visible_devices is None:
+        runtime_gpu_request = legacy
+    else:
+        items = [item.strip() for item in visible_devices.split(",") if item.strip()]
+        runtime_gpu_request = bool(items) and "void" not in items
+
+    issues: list[RequirementIssue] = []
+    for name in require_vars:
+        try:
+            parse_requirement(nvidia_env[name])
+        except RequirementSyntaxError as exc:
+            issues.append(RequirementIssue(variable=name, value=nvidia_env[name], error=str(exc)))
+
+    cuda_version = cuda_major_minor(cuda_version_raw) if cuda_version_raw else None
+    if cuda_version_raw and cuda_version is None and legacy:
+        issues.append(
+            RequirementIssue(
+                variable="CUDA_VERSION",
+                value=cuda_version_raw,
+                error=f"CUDA_VERSION {cuda_version_raw!r} is not a version NVIDIA's runtime hook can "
+                "parse; a legacy image with it fails to start",
+            )
+        )
+    if cuda_version is None and require_cuda:
+        cuda_version = _cuda_from_requirement(require_cuda)
+    if cuda_version is None and V1_CUDA_LABEL in labels:
+        match = _DOTTED.match(labels[V1_CUDA_LABEL].strip())
+        cuda_version = f"{int(match.group(1))}.{int(match.group(2) or 0)}" if match else None
+
+    effective: list[str] = []
+    if not disable_require:
+        effective = list(requirements)
+        legacy_cuda = cuda_major_minor(cuda_version_raw) if legacy else None
+        if legacy_cuda is not None:
+            effective.append(f"cuda>={legacy_cuda}")
+
+    return GpuFacts(
+        required=bool(signals),
+        cuda_version=cuda_version,
+        requirements=requirements,
+        env=nvidia_env,
+        labels=nvidia_labels,
+        signals=signals,
+        disable_require=disable_require,
+        visible_devices=visible_devices,
+        driver_capabilities=env.get("NVIDIA_DRIVER_CAPABILITIES"),
+        requirement_errors=issues,
+        legacy=legacy,
+        effective_requirements=effective,
+        runtime_gpu_request=runtime_gpu_request,
+    )

@@ -1,0 +1,461 @@
+"""Stream a layer blob: decompress incrementally and parse tar entries without holding the layer.
+
+Two parts:
+
+- `TarParser`, a pure push parser. Feed it decompressed bytes in any slicing; it returns
+  `(TarEntry, head)` pairs. For each entry it asks `want(entry) -> int` how many leading
+  content bytes the consumer needs (0 for none), buffers only that head, and skips the
+  rest by counting. It understands ustar, PAX extended headers (`path`, `linkpath`,
+  `size`) and GNU long names/links (`L`/`K`); it verifies every header checksum.
+  Memory is bounded by one header, one PAX/GNU record (<= 1 MiB) and the requested head.
+
+- `iter_layer`, the async driver. It pulls compressed chunks from an async iterator,
+  picks gzip, zstd or plain tar by magic bytes (falling back to the media type, since
+  registries mislabel layers), decompresses in bounded slices into the parser, and
+  yields entries. It stops pulling as soon as the tar's end marker is seen or the
+  consumer stops iterating (use `contextlib.aclosing`), and raises `LayerTooLarge` once
+  more than `max_decompressed` bytes come out (decompression-bomb guard). Corrupt input
+  (bad gzip/zstd, a bad tar checksum, a truncated archive) raises `CorruptLayer`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import IO, Literal, Protocol, cast
+
+import zstandard
+
+BLOCK = 512
+MAX_EXTENDED_HEADER = 1 << 20
+DECOMPRESS_SLICE = 256 * 1024
+
+EntryKind = Literal["file", "dir", "symlink", "hardlink", "other"]
+Compression = Literal["gzip", "zstd", "none"]
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+_REGULAR_TYPES = frozenset(b"07\0")
+# Types whose size field carries no data (tarfile and Go's archive/tar agree): links, dirs, devices, fifos.
+_NO_DATA_TYPES: dict[int, EntryKind] = {
+    ord("1"): "hardlink",
+    ord("2"): "symlink",
+    ord("5"): "dir",
+    ord("3"): "other",
+    ord("4"): "other",
+    ord("6"): "other",
+}
+
+
+class LayerError(Exception):
+    """A layer could not be read. Messages name the problem, never credentials."""
+
+
+class CorruptLayer(LayerError):
+    """The layer is not a valid (compressed) tar archive."""
+
+
+class LayerTooLarge(LayerError):
+    """The layer decompressed past the configured limit (decompression-bomb guard)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TarEntry:
+    """One archive member. `path` is absolute and normalised (`/usr/bin/sh`).
+
+    `linkname` is the raw target for symlinks and the normalised absolute path for
+    hardlinks (tar hardlink targets name another member of the same archive).
+    """
+
+    path: str
+    kind: EntryKind
+    size: int
+    mode: int
+    linkname: str = ""
+
+
+WantHead = Callable[[TarEntry], int]
+
+
+def normalise_path(name: str) -> str:
+    """Archive member name -> `/abs/path` without `.`/`..`/trailing slashes; `/` for the root."""
+    return posixpath.normpath("/" + name.lstrip("/")) if name.strip("/.") else "/"
+
+
+def _number(field: bytes, what: str) -> int:
+    """Octal (NUL/space padded) or GNU base-256 numeric field."""
+    if field and field[0] & 0x80:
+        if field[0] != 0x80:
+            raise CorruptLayer(f"tar header has a negative {what}")
+        return int.from_bytes(field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip()
+    if not text:
+        return 0
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise CorruptLayer(f"tar header has an invalid {what} field {text[:16]!r}") from None
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _verify_checksum(block: bytes) -> None:
+    stored = _number(block[148:156], "checksum")
+    unsigned = sum(block[:148]) + 8 * 0x20 + sum(block[156:])
+    if stored == unsigned:
+        return
+    signed = sum((b - 256 if b > 127 else b) for b in block[:148] + b" " * 8 + block[156:])
+    if stored != signed:
+        raise CorruptLayer("tar header checksum mismatch (not a tar archive, or corrupt)")
+
+
+def _parse_pax(data: bytes) -> dict[str, str]:
+    """PAX records `LEN KEY=VALUE\\n` -> dict."""
+    records: dict[str, str] = {}
+    position = 0
+    while position < len(data):
+        if data[position] == 0:  # some writers pad with NULs
+            break
+        space = data.find(b" ", position)
+        if space < 0:
+            raise CorruptLayer("malformed PAX extended header")
+        try:
+            length = int(data[position:space])
+        except ValueError:
+            raise CorruptLayer("malformed PAX extended header length") from None
+        record = data[space + 1 : position + length]
+        if length <= 0 or position + length > len(data) or not record.endswith(b"\n"):
+            raise CorruptLayer("malformed PAX extended header record")
+        key, equals, value = record[:-1].partition(b"=")
+        if not equals:
+            raise CorruptLayer("malformed PAX extended header record (no '=')")
+        records[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        position += length
+    return records
+
+
+class TarParser:
+    """Pure push parser for tar streams. See the module docstring."""
+
+    def __init__(self, want: WantHead) -> None:
+        self._want = want
+        self._buffer = bytearray()
+        self._need = BLOCK
+        self._state: Literal["header", "extended", "head", "skip", "done"] = "header"
+        self._skip = 0
+        self._zero_blocks = 0
+        self._pending: dict[str, str] = {}  # path/linkpath/size from PAX or GNU records
+        self._extended_type = 0
+        self._extended_size = 0
+        self._entry: TarEntry | None = None
+        self._rest_after_head = 0
+        self.entries_seen = 0
+
+    @property
+    def done(self) -> bool:
+        """True once the end-of-archive marker was read; further input is ignored."""
+        return self._state == "done"
+
+    def feed(self, data: bytes | memoryview) -> list[tuple[TarEntry, bytes]]:
+        out: list[tuple[TarEntry, bytes]] = []
+        view = memoryview(data)
+        position, end = 0, len(view)
+        while position < end and self._state != "done":
+            if self._state == "skip":
+                step = min(self._skip, end - position)
+                self._skip -= step
+                position += step
+                if self._skip == 0:
+                    self._state = "header"
+                    self._need = BLOCK
+                continue
+            take = min(self._need - len(self._buffer), end - position)
+            self._buffer += view[position : position + take]
+            position += take
+            if len(self._buffer) < self._need:
+                break
+            chunk = bytes(self._buffer)
+            self._buffer.clear()
+            if self._state == "header":
+                self._on_header(chunk, out)
+            elif self._state == "extended":
+                self._on_extended(chunk)
+            else:
+                self._on_head(chunk, out)
+        return out
+
+    def close(self) -> None:
+        """Call at end of input: raises CorruptLayer if the archive stopped mid-way."""
+        if self._state == "done":
+            return
+        at_boundary = self._state == "header" and not self._buffer and not self._pending
+        if at_boundary and self._zero_blocks:
+            return  # one end block instead of two: harmless
+        if at_boundary and self.entries_seen == 0:
+            raise CorruptLayer("layer holds no tar data")
+        # Strict on purpose: a layer cut at an entry boundary could hide the loader we look for.
+        raise CorruptLayer("tar archive is truncated (no end-of-archive marker)")
+
+    # -- states
+
+    def _skip_then_header(self, count: int) -> None:
+        if count:
+            self._state, self._skip = "skip", count
+        else:
+            self._state, self._need = "header", BLOCK
+
+    def _on_header(self, block: bytes, out: list[tuple[TarEntry, bytes]]) -> None:
+        if block.count(0) == BLOCK:
+            self._zero_blocks += 1
+            if self._zero_blocks >= 2:
+                self._state = "done"
+            return
+        if self._zero_blocks:
+            raise CorruptLayer("tar data after an end-of-archive block")
+        _verify_checksum(block)
+        typeflag = block[156]
+        size = _number(block[124:136], "size")
+        padded = -(-size // BLOCK) * BLOCK
+        if typeflag in (ord("x"), ord("g"), ord("L"), ord("K")):
+            if size > MAX_EXTENDED_HEADER:
+                raise CorruptLayer(f"tar extended header of {size} bytes is implausibly large")
+            self._extended_type = typeflag
+            self._extended_size = size
+            if padded == 0:
+                self._on_extended(b"")
+            else:
+                self._state, self._need = "extended", padded
+            return
+
+        name = _text(block[0:100])
+        if block[257:263] == b"ustar\x00":
+            prefix = _text(block[345:500])
+            if prefix:
+                name = f"{prefix}/{name}"
+        linkname = _text(block[157:257])
+        pending, self._pending = self._pending, {}
+        name = pending.get("path", name)
+        linkname = pending.get("linkpath", linkname)
+        if "size" in pending:
+            try:
+                size = int(pending["size"])
+            except ValueError:
+                raise CorruptLayer("PAX size is not a number") from None
+            padded = -(-size // BLOCK) * BLOCK
+
+        kind: EntryKind
+        has_data = True
+        if typeflag in _REGULAR_TYPES:
+            kind = "file"
+        elif typeflag in _NO_DATA_TYPES:
+            kind = _NO_DATA_TYPES[typeflag]
+            has_data = False
+        else:
+            kind = "other"
+        if kind == "hardlink":
+            linkname = normalise_path(linkname)
+        entry = TarEntry(
+            path=normalise_path(name),
+            kind=kind,
+            size=size if has_data else 0,
+            mode=_number(block[100:108], "mode") & 0o7777,
+            linkname=linkname,
+        )
+        self.entries_seen += 1
+        data_blocks = padded if has_data else 0
+        head_size = min(max(self._want(entry), 0), entry.size) if kind == "file" else 0
+        if head_size:
+            self._entry = entry
+            self._rest_after_head = data_blocks - head_size
+            self._state, self._need = "head", head_size
+            return
+        out.append((entry, b""))
+        self._skip_then_header(data_blocks)
+
+    def _on_extended(self, data: bytes) -> None:
+        body = data[: self._extended_size]
+        if self._extended_type == ord("x"):
+            records = _parse_pax(body)
+            for key in ("path", "linkpath", "size"):
+                if records.get(key):
+                    self._pending[key] = records[key]
+        elif self._extended_type == ord("L"):
+            self._pending["path"] = _text(body)
+        elif self._extended_type == ord("K"):
+            self._pending["linkpath"] = _text(body)
+        # 'g' (global PAX): path/linkpath make no sense globally; nothing we use.
+        self._state, self._need = "header", BLOCK
+
+    def _on_head(self, head: bytes, out: list[tuple[TarEntry, bytes]]) -> None:
+        assert self._entry is not None
+        out.append((self._entry, head))
+        self._entry = None
+        self._skip_then_header(self._rest_after_head)
+
+
+# -- decompression
+
+
+class _Decoder(Protocol):
+    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None: ...
+
+
+class _Plain:
+    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
+        for start in range(0, len(data), DECOMPRESS_SLICE):
+            sink(data[start : start + DECOMPRESS_SLICE])
+
+
+class _Gzip:
+    """Multi-member gzip (eStargz layers are many members), output in bounded slices."""
+
+    def __init__(self) -> None:
+        self._inflater = zlib.decompressobj(wbits=31)
+
+    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
+        pending = data
+        while True:
+            try:
+                out = self._inflater.decompress(pending, DECOMPRESS_SLICE)
+            except zlib.error as exc:
+                raise CorruptLayer(f"invalid gzip data: {exc}") from None
+            if out:
+                sink(out)
+            if self._inflater.eof:
+                pending = self._inflater.unused_data
+                if pending and pending[:2] != GZIP_MAGIC:
+                    return  # trailing padding after the last member: ignore, as gzip does
+                self._inflater = zlib.decompressobj(wbits=31)
+                if not pending:
+                    return
+                continue
+            pending = self._inflater.unconsumed_tail
+            # A full output slice may leave output inside zlib even with no input left: drain it.
+            if not pending and len(out) < DECOMPRESS_SLICE:
+                return
+
+
+class _SinkWriter:
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self.sink = sink
+
+    def write(self, data: bytes) -> int:
+        self.sink(bytes(data))
+        return len(data)
+
+
+class _Zstd:
+    """zstd through a stream writer, so output arrives in bounded slices (multi-frame too)."""
+
+    def __init__(self) -> None:
+        self._target = _SinkWriter(lambda _data: None)
+        self._writer = zstandard.ZstdDecompressor().stream_writer(
+            cast(IO[bytes], self._target), write_size=DECOMPRESS_SLICE, write_return_read=True
+        )
+
+    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
+        self._target.sink = sink
+        try:
+            self._writer.write(data)
+        except zstandard.ZstdError as exc:
+            raise CorruptLayer(f"invalid zstd data: {exc}") from None
+
+
+def detect_compression(head: bytes, media_type: str) -> Compression:
+    """Magic bytes first (registries mislabel layers), then the media type."""
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    if head.startswith(ZSTD_MAGIC) or (
+        len(head) >= 4 and head[0] & 0xF0 == 0x50 and head[1:4] == b"\x2a\x4d\x18"
+    ):
+        return "zstd"  # a zstd frame, or a zstd skippable frame (zstd:chunked metadata)
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "none"
+    lowered = media_type.lower()
+    if "zstd" in lowered:
+        return "zstd"
+    if "gzip" in lowered:
+        return "gzip"
+    return "none"
+
+
+def _decoder(compression: Compression) -> _Decoder:
+    if compression == "gzip":
+        return _Gzip()
+    if compression == "zstd":
+        return _Zstd()
+    return _Plain()
+
+
+@dataclass
+class StreamStats:
+    """Counters the driver updates as it goes, for reports and tests."""
+
+    compressed_bytes: int = 0
+    decompressed_bytes: int = 0
+    entries: int = 0
+    compression: Compression | None = None
+    reached_end: bool = False
+
+
+async def iter_layer(
+    chunks: AsyncIterator[bytes],
+    media_type: str,
+    *,
+    max_decompressed: int,
+    want: WantHead,
+    stats: StreamStats | None = None,
+) -> AsyncIterator[tuple[TarEntry, bytes]]:
+    """Yield `(entry, head)` for each member of a layer blob; see the module docstring.
+
+    `stats.reached_end` is True only when the whole archive was parsed.
+    """
+    stats = stats if stats is not None else StreamStats()
+    parser = TarParser(want)
+    decoder: _Decoder | None = None
+    sniff = b""
+    ready: list[tuple[TarEntry, bytes]] = []
+
+    def sink(data: bytes) -> None:
+        if parser.done:
+            return
+        stats.decompressed_bytes += len(data)
+        if stats.decompressed_bytes > max_decompressed:
+            raise LayerTooLarge(f"layer decompresses to more than {max_decompressed} bytes; stopped reading")
+        ready.extend(parser.feed(data))
+
+    async for chunk in chunks:
+        if not chunk:
+            continue
+        stats.compressed_bytes += len(chunk)
+        if decoder is None:
+            sniff += chunk
+            if len(sniff) < 262:
+                continue
+            stats.compression = detect_compression(sniff, media_type)
+            decoder, chunk, sniff = _decoder(stats.compression), sniff, b""
+        decoder.feed(chunk, sink)
+        for item in ready:
+            stats.entries += 1
+            yield item
+        ready.clear()
+        if parser.done:
+            stats.reached_end = True
+            return
+    if decoder is None:
+        if not sniff:
+            raise CorruptLayer("layer is empty: no data")
+        stats.compression = detect_compression(sniff, media_type)
+        decoder = _decoder(stats.compression)
+        decoder.feed(sniff, sink)
+        for item in ready:
+            stats.entries += 1
+            yield item
+        ready.clear()
+    parser.close()
+    stats.reached_end = True
