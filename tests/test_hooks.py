@@ -656,15 +656,29 @@ def test_comparisons_are_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
-    authenticate("dockerhub", BODY, {"Authorization": f"Bearer {SECRET}"}, {}, SECRET)
-    authenticate("quay", BODY, {}, {"token": SECRET}, SECRET)
-    authenticate("ghcr", BODY, {"X-Hub-Signature-256": github_signature(BODY)}, {}, SECRET)
-    authenticate("jfrog", BODY, {"X-JFrog-Event-Auth": SECRET}, {}, SECRET)
+    scenarios: list[tuple[str, dict[str, str], dict[str, str], bytes]] = [
+        ("dockerhub", {"Authorization": f"Bearer {SECRET}"}, {}, SECRET.encode()),
+        ("quay", {}, {"token": SECRET}, SECRET.encode()),
+        ("ghcr", {"X-Hub-Signature-256": github_signature(BODY)}, {}, github_signature(BODY)[7:].encode()),
+        ("jfrog", {"X-JFrog-Event-Auth": SECRET}, {}, SECRET.encode()),
+    ]
+    for source, headers, query, compared in scenarios:
+        calls.clear()
+        authenticate(source, BODY, headers, query, SECRET)
+        assert (compared, compared) in calls, source
+    calls.clear()
     with pytest.raises(WebhookAuthError):
         authenticate("quay", BODY, {}, {"token": "wrong"}, SECRET)
-    assert len(calls) == 5
-    assert calls[0] == (SECRET.encode(), SECRET.encode())
-    assert calls[2][1] == github_signature(BODY)[7:].encode()
+    assert calls == [(b"wrong", SECRET.encode())]
+
+
+def test_case_insensitive_multidict_headers_as_aiohttp_passes_them() -> None:
+    from multidict import CIMultiDict, MultiDict
+
+    headers = CIMultiDict({"X-GITHUB-EVENT": "package", "x-hub-signature-256": github_signature(BODY)})
+    authenticate("ghcr", BODY, headers, MultiDict(), SECRET)
+    assert len(normalise("ghcr", BODY, headers)) == 1
+    authenticate("quay", BODY, CIMultiDict(), MultiDict({"token": SECRET}), SECRET)
 
 
 def test_non_ascii_credentials_are_refused_not_crashing() -> None:
