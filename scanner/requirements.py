@@ -9,7 +9,8 @@ The grammar is the one `nvidia-container-cli --require` implements (libnvidia-co
                                             OP: the whole run of "<>=!" chars, one of = != < <= > >=
                                             VALUE: non-empty; digits and dots for cuda/driver/arch
 
-An empty requirement (or only spaces/commas) is always satisfied. Unknown keys are errors,
+An empty requirement (or only spaces/commas) is always satisfied; a lone `!` operator means `!=`
+(both quirks of dsl.c, kept because the runtime has them). Unknown keys are errors,
 as in the C implementation (the Go CSV-mode code would skip them, but it is not the path
 Docker/containerd use).
 
@@ -33,6 +34,8 @@ VERSION_KEYS: frozenset[str] = frozenset({"cuda", "driver", "arch"})
 _OPERATOR_CHARS = "<>=!"
 _VERSION_TEXT = re.compile(r"^[0-9.]*$")
 _OPERATOR_RUN = re.compile(r"[<>=!]+")
+# strcasecmp folds ASCII only; str.lower() would also fold other letters and change lengths.
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 # Words the UI uses for the operators, so a condition reads as a sentence.
 _OPERATOR_WORDS: dict[str, str] = {
@@ -152,7 +155,10 @@ def _parse_factor(text: str) -> Condition:
     run = _OPERATOR_RUN.match(text, start)
     assert run is not None
     raw_key, op, value = text[:start], run.group(0), text[run.end() :]
-    key = raw_key.lower()
+    key = raw_key.translate(_ASCII_LOWER)
+    if op == "!":
+        # dsl.c matches the operator with strncmp over the run's length, so a lone "!" is "!=".
+        op = "!="
     if key not in KEYS:
         return Condition(
             raw_key,
@@ -206,8 +212,12 @@ def parse_requirement_lenient(text: str) -> Expression:
             if condition.error is not None:
                 errors.append(condition.error)
             conditions.append(condition)
-        if conditions:
-            alternatives.append(AllOf(tuple(conditions)))
+        if not conditions:
+            # A term made only of commas ends dsl.c's loop with the result so far: satisfied when it
+            # comes first, unsatisfied after failed terms. Dropping it and every later term is the
+            # same thing (later terms are never looked at, so their errors never surface either).
+            break
+        alternatives.append(AllOf(tuple(conditions)))
     return Expression(tuple(alternatives), text, tuple(errors))
 
 
