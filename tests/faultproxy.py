@@ -18,7 +18,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-Action = Literal["status", "reset", "tamper", "hang", "redirect", "strip_headers", "add_headers", "replace"]
+Action = Literal["status", "reset", "tamper", "hang", "redirect", "strip_headers", "add_headers", "chunked"]
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 
 
@@ -159,9 +159,8 @@ class FaultProxy:
             return await self._forward(request)
         if rule.action == "status":
             return web.Response(status=rule.status, headers=rule.headers, body=rule.body)
-        if rule.action == "replace":
-            response = web.Response(status=rule.status, headers=rule.headers, body=rule.body)
-            return response
+        if rule.action == "chunked":
+            return await self._forward(request, chunked=True)
         if rule.action == "redirect":
             return web.Response(status=307, headers={"Location": rule.location.rstrip("/") + request.path_qs})
         if rule.action == "hang":
@@ -181,6 +180,7 @@ class FaultProxy:
         *,
         tamper: bool = False,
         reset_midway: bool = False,
+        chunked: bool = False,
         remove: tuple[str, ...] = (),
         extra: dict[str, str] | None = None,
     ) -> web.StreamResponse:
@@ -210,6 +210,14 @@ class FaultProxy:
                 await response.write(body[: len(body) // 2])
                 assert request.transport is not None
                 request.transport.abort()
+                return response
+            if chunked:  # no Content-Length: the client can only enforce caps while reading
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                response.enable_chunked_encoding()
+                await response.prepare(request)
+                for start in range(0, len(body), 1024):
+                    await response.write(body[start : start + 1024])
+                await response.write_eof()
                 return response
             if request.method == "HEAD":
                 response = web.Response(status=upstream.status, headers=out_headers)

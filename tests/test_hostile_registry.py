@@ -4,6 +4,7 @@ redirects across hosts, schema 1, missing digests, mirrors, and secrets that nev
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from scanner.registry import (
     RateLimited,
     RegistryClient,
     ServerError,
+    TooLarge,
     TransportError,
     Unauthorized,
     UnsupportedManifest,
@@ -51,7 +53,7 @@ def settings(**overrides: object) -> ScannerSettings:
 
 @pytest.fixture(scope="module")
 def digest(push: Pusher) -> str:
-    noise = bytes(range(256)) * 400
+    noise = b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(8000))  # incompressible
     spec = ImageSpec([LayerSpec([file("bin/tool", noise), file("etc/os-release", "ID=x\n")])], env={"A": "1"})
     return push(spec, f"{REPO}:v1")
 
@@ -300,3 +302,32 @@ async def test_token_over_plain_http_to_remote_realm_is_refused(proxy: FaultProx
     async with RegistryClient(settings()) as client:
         with pytest.raises(InsecureTransport, match=r"auth\.example\.com"):
             await client.resolve(parse_reference(f"{proxy.host}/{REPO}:v1"))
+
+
+async def test_size_caps_hold_without_content_length(proxy: FaultProxy, digest: str) -> None:
+    proxy.add(Rule("chunked", times=None))
+    ref = parse_reference(f"{proxy.host}/{REPO}:v1")
+    async with RegistryClient(settings(max_manifest_bytes=200)) as client:
+        with pytest.raises(TooLarge, match="exceeds the 200-byte limit"):
+            await client.manifest(ref, digest)
+    async with RegistryClient(settings()) as client:
+        manifest = await client.manifest(ref, digest)
+        layer = manifest.layers[0]
+        with client.track() as stats, pytest.raises(TooLarge, match="exceeds the 100000-byte limit"):
+            await client.blob(ref, layer.digest, 100_000)
+        assert layer.size > 200_000
+        assert stats.bytes_received < 100_000 + 65536 < layer.size  # stopped one chunk past the cap
+
+
+async def test_static_registry_token_and_request_hook(
+    registry: LocalRegistry, proxy: FaultProxy, digest: str
+) -> None:
+    proxy.require_bearer("http://127.0.0.1:9/unused", {"pre-issued-token"})
+    observed: list[tuple[str, int | None, str | None]] = []
+    config = settings(registries=[RegistryConfig(host=proxy.host, token=SecretStr("pre-issued-token"))])
+    async with RegistryClient(config, on_request=lambda *event: observed.append(event)) as client:
+        with client.track() as stats:
+            descriptor = await client.resolve(parse_reference(f"{proxy.host}/{REPO}:v1"))
+    assert descriptor.digest == digest
+    assert (stats.requests, stats.token_requests) == (1, 0)
+    assert observed == [(proxy.host, 200, None)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -193,8 +194,11 @@ def basic_registry(registry: LocalRegistry, pushed: dict[str, str]) -> Iterator[
     htpasswd = root / "htpasswd"
     htpasswd.write_text(f"scanner:{bcrypt_hash('hunter2-secret')}\n")
     auth = {"auth": {"htpasswd": {"realm": "gpubadge-test", "path": str(htpasswd)}}}
-    with run_registry(extra_config=auth, root=root) as running:
-        yield running
+    try:
+        with run_registry(extra_config=auth, root=root) as running:
+            yield running
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # unlinks the data symlink; never follows it
 
 
 async def test_basic_auth_with_configured_credentials(
