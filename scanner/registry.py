@@ -42,7 +42,7 @@ from scanner.auth import (
 )
 from scanner.credentials import Credentials, CredentialStore
 from scanner.models import Platform
-from scanner.reference import Reference, ReferenceError, validate_digest
+from scanner.reference import DOCKER_HUB_API, Reference, ReferenceError, validate_digest
 from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ MANIFEST_ACCEPT = ", ".join(MANIFEST_MEDIA_TYPES)
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 ERROR_BODY_MAX = 4096
 RETRYABLE_STATUSES = frozenset({408, 500, 502, 503, 504, 522})
+DOCKER_HUB_CHALLENGE = Challenge(
+    "bearer", {"realm": "https://auth.docker.io/token", "service": "registry.docker.io"}
+)
 
 T = TypeVar("T")
 RequestHook = Callable[[str, int | None, str | None], None]
@@ -376,7 +379,8 @@ class RegistryClient:
         self._credentials = credentials or CredentialStore(self.settings)
         self._session: aiohttp.ClientSession | None = None
         self._semaphores: dict[str, asyncio.Semaphore] = {}
-        self._challenges: dict[str, Challenge] = {}
+        # Docker Hub's challenge is well known: asking for its token first saves a 401 per cold start.
+        self._challenges: dict[str, Challenge] = {DOCKER_HUB_API: DOCKER_HUB_CHALLENGE}
         self._tokens = TokenCache()
         self._token_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
 
@@ -530,10 +534,14 @@ class RegistryClient:
                     raise
                 log.warning("mirror %s failed (%s); trying %s", host, exc, hosts[index + 1])
         assert response is not None and semaphore is not None
+        stream = BlobStream(response, digest, chunk_size, what, self.settings.request_timeout, self.totals)
         try:
-            yield BlobStream(response, digest, chunk_size, what, self.settings.request_timeout, self.totals)
+            yield stream
         finally:
-            response.close()
+            if stream.verified:
+                response.release()  # fully read: the connection can be reused
+            else:
+                response.close()  # stopped early: drop the connection rather than drain the blob
             semaphore.release()
 
     # --- endpoints, slots, retries -------------------------------------------------------------

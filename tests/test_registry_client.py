@@ -16,6 +16,7 @@ from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, run_registry
+from scanner.auth import Challenge, TokenCache, parse_challenges, parse_token_response
 from scanner.reference import parse_reference
 from scanner.registry import (
     OCI_INDEX,
@@ -268,3 +269,36 @@ async def test_identity_token_uses_oauth_refresh_post(
             descriptor = await client.resolve(parse_reference(f"{proxy.host}/client/single:v1"))
     assert descriptor.digest == pushed["single"]
     assert [(c["method"], c["grant_type"]) for c in tokens.calls] == [("POST", "refresh_token")]
+
+
+# --- pure auth pieces ------------------------------------------------------------------------------
+
+
+def test_challenge_parsing_handles_quotes_commas_and_several_schemes() -> None:
+    header = (
+        'Bearer realm="https://auth.example.com/token",service="registry.example.com",'
+        'scope="repository:a/b:pull,push", Basic realm="x \\"quoted\\""'
+    )
+    bearer, basic = parse_challenges([header])
+    assert bearer.scheme == "bearer" and bearer.realm == "https://auth.example.com/token"
+    assert bearer.service == "registry.example.com"
+    assert bearer.params["scope"] == "repository:a/b:pull,push"
+    assert basic.scheme == "basic" and basic.realm == 'x "quoted"'
+    assert parse_challenges(['Basic realm="Registry Realm"']) == [
+        Challenge("basic", {"realm": "Registry Realm"})
+    ]
+
+
+def test_token_responses_and_cache_expiry() -> None:
+    assert parse_token_response(b'{"token": "t"}') == ("t", 60.0)  # expires_in defaults to 60 s
+    assert parse_token_response(b'{"access_token": "a", "expires_in": 300}') == ("a", 300.0)
+    with pytest.raises(ValueError, match="no token"):
+        parse_token_response(b'{"expires_in": 5}')
+    now = [1000.0]
+    cache = TokenCache(clock=lambda: now[0])
+    cache.put(("h", "s", "repository:a:pull"), "secret-token-value", 60)
+    now[0] += 54
+    assert cache.get(("h", "s", "repository:a:pull")) == "secret-token-value"
+    assert "secret-token-value" not in repr(cache)
+    now[0] += 2  # within the 5 s safety margin: treated as expired
+    assert cache.get(("h", "s", "repository:a:pull")) is None
