@@ -1,14 +1,194 @@
-"""`gpubadge scan | serve | eligible | agent`: a thin dispatcher that imports each command lazily."""
+"""`gpubadge scan | serve | eligible | agent`.
+
+A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
+never loads the web service and the agent never loads web/ at all.
+Exit status: 0 success, 1 a failure (one clear line each), 2 usage errors;
+`eligible` also uses 3 for "no server can run it".
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from scanner.models import ImageReport, Platform
+
+DEFAULT_DB = (
+    Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "gpubadge" / "gpubadge.db"
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    del argv
-    print("usage: gpubadge {scan,serve,eligible,agent} ...", file=sys.stderr)
+def _platform(text: str) -> Platform:
+    try:
+        return Platform.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge", description="Which container images need an NVIDIA GPU, and where they can run."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    scan = commands.add_parser("scan", help="scan image references", description="Scan image references.")
+    scan.add_argument(
+        "references", nargs="+", metavar="REF", help="e.g. alpine, ghcr.io/org/app:1.2, repo@sha256:…"
+    )
+    scan.add_argument("--json", action="store_true", help="print one JSON object per reference, one per line")
+    scan.add_argument("--platform", type=_platform, help="scan only this platform (os/arch[/variant])")
+    scan.add_argument(
+        "--config-only", action="store_true", help="read manifests and configs, skip the layers"
+    )
+    scan.add_argument(
+        "--concurrency", type=_positive, default=8, help="references scanned at once (default 8)"
+    )
+    scan.add_argument(
+        "--db", type=Path, default=None, help=f"SQLite store (default $GPUBADGE_DB or {DEFAULT_DB})"
+    )
+    scan.add_argument("--no-store", action="store_true", help="do not read or write the store")
+    scan.add_argument("--config", type=Path, default=None, help="settings file (TOML or YAML)")
+
+    for name, help_text in (
+        ("serve", "run the service (webhooks, API, UI)"),
+        ("eligible", "list the servers that can run an image"),
+        ("agent", "run the node agent"),
+    ):
+        sub = commands.add_parser(name, help=help_text, add_help=False)
+        sub.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if args_list and args_list[0] in ("serve", "eligible", "agent"):
+        return _delegate(args_list[0], args_list[1:])
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.command == "scan":
+        return run_scan(args)
     return 2
+
+
+def _delegate(command: str, rest: list[str]) -> int:
+    if command == "serve":
+        from web.cli import run_serve
+
+        return run_serve(rest)
+    if command == "eligible":
+        from web.cli import run_eligible
+
+        return run_eligible(rest)
+    from agent.main import run_agent
+
+    return run_agent(rest)
+
+
+def run_scan(args: argparse.Namespace) -> int:
+    from scanner.registry import RegistryClient
+    from scanner.scan import Scanner, ScanOptions, scan_many
+    from scanner.settings import ScannerSettings
+    from scanner.store import Store
+
+    settings = ScannerSettings.load(args.config)
+    store: Store | None = None
+    if not args.no_store:
+        db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
+        store = Store(db_path)
+    options = ScanOptions(platform=args.platform, config_only=args.config_only)
+    progress = Progress(len(args.references), sys.stderr) if not args.json else None
+
+    async def run() -> list[ImageReport]:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store, settings)
+
+            def done(_: int, report: ImageReport) -> None:
+                if args.json:
+                    print(report.model_dump_json(), flush=True)
+                elif progress:
+                    progress.step()
+
+            return await scan_many(scanner, args.references, options, args.concurrency, done)
+
+    try:
+        reports = asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if store is not None:
+            store.close()
+    if progress:
+        progress.finish()
+    if not args.json:
+        print_table(reports, sys.stdout)
+    failures = [r for r in reports if r.error]
+    for report in failures:
+        print(f"gpubadge: {report.reference}: {report.error}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+class Progress:
+    """A one-line progress bar on a terminal, for batches long enough to wait on."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.enabled = total >= 4 and stream.isatty()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 50 + "\r")
+            self.stream.flush()
+
+
+def print_table(reports: Sequence[ImageReport], out: TextIO) -> None:
+    """A readable table: one row per platform, failures marked plainly."""
+    header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "LIBC", "DISTRO", "BADGES")
+    rows: list[tuple[str, ...]] = []
+    for report in reports:
+        if report.error:
+            rows.append((report.reference, "-", "-", "-", "-", "-", f"error: {report.error}"))
+            continue
+        for platform in report.platforms:
+            rows.append(
+                (
+                    report.reference,
+                    platform.platform,
+                    "yes" if platform.gpu.required else "no",
+                    platform.gpu.cuda_version or "-",
+                    platform.libc.flavour,
+                    platform.libc.distro or "-",
+                    " ".join(platform.badges),
+                )
+            )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
 
 
 if __name__ == "__main__":

@@ -402,14 +402,23 @@ class Store:
     # ------------------------------------------------------------------ jobs
 
     def enqueue(
-        self, references: Sequence[tuple[str, str]], *, source: str | None = None, max_attempts: int = 5
+        self,
+        references: Sequence[tuple[str, str]],
+        *,
+        source: str | None = None,
+        max_attempts: int = 5,
+        delay: float = 0.0,
     ) -> list[str]:
         """Queue (reference, registry) jobs in one transaction; returns a job id per item.
 
         A reference that already has a queued or running job is coalesced into it,
-        so a burst of N webhooks for one index yields one scan.
+        so a burst of N webhooks for one index yields one scan. `delay` holds the
+        jobs back briefly, so that digest-only child events of a multi-arch push
+        run after the index job that covers them.
         """
-        now = _iso(_now())
+        moment = _now()
+        now = _iso(moment)
+        not_before = _iso(moment + timedelta(seconds=delay))
         ids: list[str] = []
         with self._transaction() as conn:
             for reference, registry in references:
@@ -425,7 +434,7 @@ class Store:
                     "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
                     " not_before, source, created_at, updated_at)"
                     " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
-                    [job_id, reference, registry, reference, max_attempts, now, source, now, now],
+                    [job_id, reference, registry, reference, max_attempts, not_before, source, now, now],
                 )
                 ids.append(job_id)
         return ids
@@ -519,10 +528,13 @@ class Store:
         return [Job(*row) for row in rows]
 
     def pending_job_for(self, reference: str) -> Job | None:
+        """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
         with self._lock:
             row = self.db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
-                [reference],
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
+                " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
+                " ORDER BY created_at DESC LIMIT 1",
+                {"ref": reference},
             ).fetchone()
         return Job(*row) if row else None
 

@@ -1,0 +1,245 @@
+"""One scan, end to end: reference -> registry -> GPU and libc analysis -> report -> store.
+
+This is the only place that combines I/O with the pure cores. It spends as few
+requests as the budget allows (HEAD, manifest, config per platform), reuses a
+stored report when the digest is already known, and reads layers top-down only
+until the libc verdict is decided, sharing each layer's evidence through the
+store so a common base layer is read once across all images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scanner.badges import badges
+from scanner.gpu import gpu_facts
+from scanner.layers import LayerReader
+from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
+from scanner.reference import Reference, ReferenceError, parse_reference
+from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
+from scanner.settings import ScannerSettings
+from scanner.store import Store
+from scanner.tarstream import LayerError
+
+log = logging.getLogger(__name__)
+
+ATTESTATION_PLATFORM = Platform(os="unknown", architecture="unknown")
+
+
+class ScanError(Exception):
+    """A scan could not finish; the message is safe to show to users."""
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    platform: Platform | None = None
+    config_only: bool = False
+    force: bool = False  # ignore a stored report for the same digest
+
+
+def _is_attestation(descriptor: Descriptor) -> bool:
+    """Buildkit attestations and other non-runnable entries of an index."""
+    if descriptor.platform is not None and descriptor.platform == ATTESTATION_PLATFORM:
+        return True
+    return descriptor.annotations.get("vnd.docker.reference.type") == "attestation-manifest"
+
+
+def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
+    if stored is None or options.force:
+        return False
+    return not (stored.config_only and not options.config_only)
+
+
+def _filter_platforms(report: ImageReport, wanted: Platform | None) -> ImageReport:
+    if wanted is None:
+        return report
+    kept = [p for p in report.platforms if wanted.matches(Platform.parse(p.platform))]
+    return report.model_copy(update={"platforms": kept})
+
+
+class Scanner:
+    """Scans references with one registry client and (optionally) one store."""
+
+    def __init__(
+        self,
+        client: RegistryClient,
+        store: Store | None = None,
+        settings: ScannerSettings | None = None,
+        *,
+        on_result: Callable[[ImageReport], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.store = store
+        self.settings = settings or ScannerSettings()
+        self.layers = LayerReader(client, store, max_layer_bytes=self.settings.max_layer_bytes)
+        self.on_result = on_result
+
+    async def scan(self, text: str, options: ScanOptions | None = None) -> ImageReport:
+        """Scan one reference. Never raises for bad input: the report carries the error."""
+        options = options or ScanOptions()
+        try:
+            reference = parse_reference(text)
+        except ReferenceError as exc:
+            return ImageReport(reference=text, error=str(exc))
+        with self.client.track() as stats:
+            try:
+                report = await self._scan(reference, options)
+            except RegistryError as exc:
+                report = self._failed(reference, str(exc))
+                report.retryable = exc.retryable
+            except ScanError as exc:
+                report = self._failed(reference, str(exc))
+            except LayerError as exc:
+                report = self._failed(reference, f"corrupt layer: {exc}")
+            except Exception as exc:  # keep the service up whatever a registry sends
+                log.exception("unexpected error scanning %s", reference)
+                report = self._failed(reference, f"internal error: {type(exc).__name__}: {exc}")
+        report.requests = stats.requests
+        if self.on_result:
+            self.on_result(report)
+        return report
+
+    def _failed(self, reference: Reference, error: str) -> ImageReport:
+        return ImageReport(
+            reference=str(reference),
+            error=error,
+            registry=reference.registry,
+            repository=reference.repository,
+            tag=reference.tag,
+            digest=reference.digest,
+        )
+
+    async def _scan(self, reference: Reference, options: ScanOptions) -> ImageReport:
+        digest = reference.digest
+        media_type: str | None = None
+        if digest is None:
+            head = await self.client.resolve(reference)
+            digest, media_type = head.digest, head.media_type
+        stored = self.store.report(digest) if self.store else None
+        if stored is not None and _reusable(stored, options):
+            self._remember_tag(reference, digest)
+            reused = stored.model_copy(
+                update={"reference": str(reference), "tag": reference.tag, "cached": True}
+            )
+            return _filter_platforms(reused, options.platform)
+
+        manifest = await self.client.manifest(reference, digest)
+        if manifest.is_index:
+            platforms = await self._scan_index(reference, manifest, options)
+        else:
+            platforms = [await self._scan_image(reference, manifest, options, None)]
+        report = ImageReport(
+            reference=str(reference),
+            digest=manifest.digest,
+            platforms=platforms,
+            registry=reference.registry,
+            repository=reference.repository,
+            tag=reference.tag,
+            media_type=media_type or manifest.media_type,
+            config_only=options.config_only,
+        )
+        if self.store is not None:
+            if options.platform is None or not manifest.is_index:
+                self.store.save_report(report)
+            self._remember_tag(reference, manifest.digest)
+        return report
+
+    def _remember_tag(self, reference: Reference, digest: str) -> None:
+        if self.store is not None and reference.tag:
+            self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
+
+    async def _scan_index(
+        self, reference: Reference, index: Manifest, options: ScanOptions
+    ) -> list[PlatformReport]:
+        children = [child for child in index.manifests if not _is_attestation(child)]
+        if options.platform is not None:
+            children = [c for c in children if c.platform and options.platform.matches(c.platform)]
+            if not children:
+                available = ", ".join(str(c.platform) for c in index.manifests if c.platform)
+                raise ScanError(f"no platform {options.platform} in the index (available: {available})")
+        if not children:
+            raise ScanError("the index lists no runnable platform images")
+
+        async def one(child: Descriptor) -> PlatformReport:
+            if self.store is not None and not options.force:
+                cached = self.store.platform_report(child.digest)
+                if cached is not None and (options.config_only or cached.libc.flavour != "unknown"):
+                    return cached
+            manifest = await self.client.manifest(reference, child.digest)
+            if manifest.is_index:
+                raise ScanError(f"nested index {child.digest} is not supported")
+            return await self._scan_image(reference, manifest, options, child.platform)
+
+        return list(await asyncio.gather(*(one(child) for child in children)))
+
+    async def _scan_image(
+        self,
+        reference: Reference,
+        manifest: Manifest,
+        options: ScanOptions,
+        platform: Platform | None,
+    ) -> PlatformReport:
+        config_descriptor = manifest.config
+        raw = await self.client.blob(reference, config_descriptor.digest, self.settings.max_config_bytes)
+        config = _parse_config(raw)
+        platform = platform or Platform(
+            os=str(config.get("os") or "linux"),
+            architecture=str(config.get("architecture") or "amd64"),
+            variant=config.get("variant") or None,
+        )
+        gpu = gpu_facts(config)
+        layers = manifest.layers
+        warnings = [f"{issue.variable} does not parse: {issue.error}" for issue in gpu.requirement_errors]
+        if options.config_only:
+            libc = LibcVerdict(layers_total=len(layers), bytes_total=sum(layer.size for layer in layers))
+        else:
+            libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
+            warnings.extend(layer_warnings)
+        return PlatformReport(
+            platform=str(platform),
+            digest=manifest.digest,
+            config_digest=config_descriptor.digest,
+            gpu=gpu,
+            libc=libc,
+            badges=badges(gpu, libc),
+            layers=[LayerInfo(digest=d.digest, size=d.size, media_type=d.media_type) for d in layers],
+            warnings=warnings,
+            created=config.get("created") if isinstance(config.get("created"), str) else None,
+        )
+
+
+def _parse_config(raw: bytes) -> dict[str, Any]:
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScanError(f"image config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ScanError("image config is not a JSON object")
+    return config
+
+
+async def scan_many(
+    scanner: Scanner,
+    references: Sequence[str],
+    options: ScanOptions,
+    concurrency: int,
+    on_done: Callable[[int, ImageReport], None] | None = None,
+) -> list[ImageReport]:
+    """Scan references concurrently (bounded), returning reports in input order."""
+    semaphore = asyncio.Semaphore(max(1, concurrency))
+    results: list[ImageReport | None] = [None] * len(references)
+
+    async def run(position: int, text: str) -> None:
+        async with semaphore:
+            report = await scanner.scan(text, options)
+        results[position] = report
+        if on_done:
+            on_done(position, report)
+
+    await asyncio.gather(*(run(i, text) for i, text in enumerate(references)))
+    return [r for r in results if r is not None]

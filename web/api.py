@@ -1,0 +1,357 @@
+"""JSON API, webhook intake, health and metrics.
+
+A webhook is answered 202 only after its scan jobs are committed to SQLite, so
+an acknowledged push is never lost. Bad input gets a 4xx with a reason and
+changes nothing. The SSRF guard runs before anything is queued: a registry
+outside the allowlist is refused here and never contacted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, Field, ValidationError
+
+from scanner.models import ImageReport
+from scanner.reference import Reference, ReferenceError, parse_reference
+from scanner.store import Job
+from web import hooks
+from web.app import SERVICES, Services, json_error
+from web.openapi import openapi_document
+
+log = logging.getLogger(__name__)
+
+MAX_PAGE = 200
+MAX_WAIT = 60.0
+
+
+class ScanBody(BaseModel):
+    ref: str = Field(description="image reference: a tag or a digest")
+
+
+class JobView(BaseModel):
+    id: str
+    reference: str
+    state: str
+    attempts: int
+    error: str | None
+    digest: str | None
+    source: str | None
+    created_at: str
+    updated_at: str
+
+    @classmethod
+    def of(cls, job: Job) -> JobView:
+        return cls(
+            id=job.id,
+            reference=job.reference,
+            state=job.state,
+            attempts=job.attempts,
+            error=job.error,
+            digest=job.result_digest,
+            source=job.source,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+        )
+
+
+def services_of(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def require_api_token(request: web.Request) -> None:
+    """Write endpoints need the API token when one is configured (constant-time compare)."""
+    expected = services_of(request).settings.api_token
+    if expected is None:
+        return
+    given = bearer_token(request) or ""
+    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
+        raise web.HTTPUnauthorized(
+            text='{"error": "a valid API token is required (Authorization: Bearer <token>)"}',
+            content_type="application/json",
+            headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+        )
+
+
+def canonical_job_reference(reference: Reference) -> str:
+    return str(reference)
+
+
+# ------------------------------------------------------------------ webhooks
+
+
+async def receive_webhook(request: web.Request) -> web.Response:
+    services = services_of(request)
+    source = request.match_info["source"]
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await _receive_webhook(request, services, source)
+        status = response.status
+        return response
+    finally:
+        label = source if source in hooks.SOURCES else "unknown"
+        services.metrics.webhooks.inc(label, str(status))
+        services.metrics.webhook_seconds.observe(time.perf_counter() - started, label)
+
+
+async def _receive_webhook(request: web.Request, services: Services, source: str) -> web.Response:
+    settings = services.settings
+    if source not in hooks.SOURCES:
+        return json_error(
+            404, f"unknown webhook source {source!r}; expected one of {', '.join(hooks.SOURCES)}"
+        )
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return json_error(413, f"body larger than {settings.max_body_bytes} bytes")
+    try:
+        hooks.authenticate(source, body, request.headers, request.query, settings.webhook_secret_for(source))
+    except hooks.WebhookAuthError as exc:
+        log.warning("webhook from %s refused: %s", request.remote, exc)
+        return json_error(401, str(exc))
+    default_registry = settings.jfrog_registry if source == "jfrog" else None
+    try:
+        events = hooks.normalise(source, body, request.headers, default_registry=default_registry)
+    except hooks.WebhookError as exc:
+        return json_error(400, f"malformed {source} webhook: {exc}")
+    refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
+    if refused:
+        return json_error(
+            403,
+            f"registry not on the allowlist: {', '.join(refused)} (set GPUBADGE_REGISTRIES)",
+            refused=refused,
+        )
+    pushes = [event for event in events if event.action == "push"]
+    for event in events:
+        if event.action == "delete":
+            services.store.mark_gone(event.registry, event.repository, tag=event.tag, digest=event.digest)
+    try:
+        queued = [(str(parse_reference(event.reference)), event) for event in pushes]
+    except ReferenceError as exc:
+        return json_error(400, f"malformed {source} webhook: {exc}")
+    by_tag = [(ref, event.registry) for ref, event in queued if event.tag]
+    by_digest = [(ref, event.registry) for ref, event in queued if not event.tag]
+    job_ids = services.store.enqueue(by_tag, source=source, max_attempts=settings.max_attempts)
+    job_ids += services.store.enqueue(
+        by_digest, source=source, max_attempts=settings.max_attempts, delay=settings.coalesce_seconds
+    )
+    services.wake_workers()
+    deleted = len(events) - len(pushes)
+    return web.json_response(
+        {"accepted": len(pushes), "deleted": deleted, "jobs": sorted(set(job_ids))}, status=202
+    )
+
+
+# ----------------------------------------------------------------------- API
+
+
+def _report_json(report: ImageReport) -> dict[str, Any]:
+    return report.model_dump(mode="json")
+
+
+def _bool_param(value: str | None, name: str) -> bool | None:
+    if value is None or value == "":
+        return None
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "gpu"):
+        return True
+    if lowered in ("0", "false", "no", "cpu"):
+        return False
+    raise web.HTTPBadRequest(
+        text=f'{{"error": "{name} must be true or false"}}', content_type="application/json"
+    )
+
+
+def _wait_param(request: web.Request) -> float:
+    """`?wait=S`: long-poll for at most S seconds (capped), so clients sync on events, not sleeps."""
+    raw = request.query.get("wait", "")
+    try:
+        return min(MAX_WAIT, max(0.0, float(raw))) if raw else 0.0
+    except ValueError:
+        raise web.HTTPBadRequest(
+            text='{"error": "wait must be a number of seconds"}', content_type="application/json"
+        ) from None
+
+
+def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(
+            text=f'{{"error": "{name} must be an integer"}}', content_type="application/json"
+        ) from None
+    return max(low, min(high, value))
+
+
+async def list_images(request: web.Request) -> web.Response:
+    services = services_of(request)
+    query = request.query
+    limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    page = _int_param(request, "page", 1, 1, 1_000_000)
+    libc = query.get("libc") or None
+    if libc == "no-libc":
+        libc = "none"
+    rows, total = services.store.list_images(
+        gpu=_bool_param(query.get("gpu"), "gpu"),
+        libc=libc,
+        cuda=query.get("cuda") or None,
+        registry=query.get("registry") or None,
+        query=query.get("q") or None,
+        limit=limit,
+        offset=(page - 1) * limit,
+    )
+    return web.json_response(
+        {
+            "total": total,
+            "page": page,
+            "limit": limit,
+            "images": [row.__dict__ for row in rows],
+        }
+    )
+
+
+def find_report(services: Services, reference: Reference) -> ImageReport | None:
+    """The latest stored report for a tag or digest reference."""
+    store = services.store
+    digest = reference.digest or store.resolve_tag(
+        reference.registry, reference.repository, reference.tag or ""
+    )
+    if digest is None:
+        return None
+    report = store.report(digest)
+    if report is None:
+        platform = store.platform_report(digest)
+        if platform is None:
+            return None
+        report = ImageReport(
+            reference=str(reference),
+            digest=digest,
+            platforms=[platform],
+            registry=reference.registry,
+            repository=reference.repository,
+        )
+    return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
+
+
+async def image_by_ref(request: web.Request) -> web.Response:
+    services = services_of(request)
+    text = request.query.get("ref", "")
+    if not text:
+        return json_error(400, "missing query parameter ref")
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        return json_error(400, str(exc))
+    wait = _wait_param(request)
+    report = find_report(services, reference)
+    if report is None and wait and services.workers is not None:
+        await services.workers.wait_until(lambda: find_report(services, reference) is not None, wait)
+        report = find_report(services, reference)
+    if report is None:
+        pending = services.store.pending_job_for(canonical_job_reference(reference))
+        latest = pending or services.store.latest_job_for(canonical_job_reference(reference))
+        return json_error(
+            404,
+            f"{reference} has not been scanned",
+            pending=pending is not None,
+            job=JobView.of(latest).model_dump() if latest else None,
+        )
+    return web.json_response(_report_json(report))
+
+
+async def create_scan(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    try:
+        body = ScanBody.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return json_error(
+            400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
+        )
+    try:
+        reference = parse_reference(body.ref)
+    except ReferenceError as exc:
+        return json_error(400, str(exc))
+    if not services.settings.allows(reference.registry):
+        return json_error(
+            403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
+        )
+    (job_id,) = services.store.enqueue(
+        [(canonical_job_reference(reference), reference.registry)],
+        source="api",
+        max_attempts=services.settings.max_attempts,
+    )
+    services.wake_workers()
+    job = services.store.job(job_id)
+    assert job is not None
+    return web.json_response(JobView.of(job).model_dump(), status=202)
+
+
+async def get_scan(request: web.Request) -> web.Response:
+    services = services_of(request)
+    job_id = request.match_info["job_id"]
+    wait = _wait_param(request)
+    job = services.store.job(job_id)
+    if job is not None and wait and services.workers is not None:
+        job = await services.workers.wait_for(job_id, wait)
+    if job is None:
+        return json_error(404, f"no scan job {job_id}")
+    return web.json_response(JobView.of(job).model_dump())
+
+
+async def retry_scan(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    job = services.store.retry_job(request.match_info["job_id"])
+    if job is None:
+        return json_error(404, f"no scan job {request.match_info['job_id']}")
+    services.wake_workers()
+    return web.json_response(JobView.of(job).model_dump(), status=202)
+
+
+async def list_scans(request: web.Request) -> web.Response:
+    services = services_of(request)
+    states = [s for s in request.query.get("state", "").split(",") if s]
+    jobs = services.store.jobs(states=states, limit=_int_param(request, "limit", 50, 1, MAX_PAGE))
+    return web.json_response({"jobs": [JobView.of(job).model_dump() for job in jobs]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    depth = services_of(request).store.queue_depth()
+    return web.json_response({"status": "ok", "queue": depth})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = services_of(request).metrics.render()
+    return web.Response(text=body, content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"})
+
+
+async def openapi(_: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/hooks/{source}", receive_webhook)
+    app.router.add_get("/api/images", list_images)
+    app.router.add_get("/api/images/by-ref", image_by_ref)
+    app.router.add_post("/api/scans", create_scan)
+    app.router.add_get("/api/scans", list_scans)
+    app.router.add_get("/api/scans/{job_id}", get_scan)
+    app.router.add_post("/api/scans/{job_id}/retry", retry_scan)
+    app.router.add_get("/api/openapi.json", openapi)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)

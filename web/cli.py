@@ -1,0 +1,60 @@
+"""`gpubadge serve` and `gpubadge eligible`: argument parsing around the service and placement."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+from web.settings import ServiceSettings
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge serve",
+        description="Run the service: registry webhooks, the scan queue, the JSON API and the web UI.",
+        epilog="Settings (environment variables; the same names, lower-case and without the prefix,"
+        " work in the --config file):\n" + ServiceSettings.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", help="listen address (GPUBADGE_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
+    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB, default ./gpubadge.db)")
+    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return parser
+
+
+def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
+    chosen = {key: value for key, value in overrides.items() if value is not None}
+    return cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+
+
+def run_serve(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = load_settings(args.config, host=args.host, port=args.port, db=args.db)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    from web.app import create_app
+
+    app = create_app(settings)
+    web.run_app(
+        app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
+    )
+    return 0
+
+
+def run_eligible(argv: list[str]) -> int:
+    from web.eligible_cli import main as eligible_main
+
+    status: int = eligible_main(argv)
+    return status

@@ -1,0 +1,181 @@
+"""A small Prometheus text-format registry: counters, gauges and histograms with labels.
+
+Small enough to own, so the service needs no metrics dependency, and the
+exposition stays exactly the text format Prometheus scrapes (version 0.0.4).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+LabelValues = tuple[str, ...]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        self.name, self.help, self.label_names = name, help_text, tuple(labels)
+        self._lock = threading.Lock()
+
+    def samples(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def render(self) -> str:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self.samples()]
+        return "\n".join(lines)
+
+
+class Counter(Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help_text, labels)
+        self._values: dict[LabelValues, float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, *labels: str) -> float:
+        return self._values.get(labels, 0.0)
+
+    def samples(self) -> Iterable[str]:
+        for key, value in sorted(self._values.items()):
+            yield f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
+
+
+class Gauge(Metric):
+    """A gauge set directly, or read from a callback at scrape time."""
+
+    kind = "gauge"
+
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labels: Sequence[str] = (),
+        collect: Callable[[], dict[LabelValues, float]] | None = None,
+    ) -> None:
+        super().__init__(name, help_text, labels)
+        self._values: dict[LabelValues, float] = {}
+        self._collect = collect
+
+    def set(self, value: float, *labels: str) -> None:
+        with self._lock:
+            self._values[labels] = value
+
+    def samples(self) -> Iterable[str]:
+        values = self._collect() if self._collect else dict(self._values)
+        for key, value in sorted(values.items()):
+            yield f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
+
+
+class Histogram(Metric):
+    kind = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] = LATENCY_BUCKETS,
+    ) -> None:
+        super().__init__(name, help_text, labels)
+        self.buckets = tuple(sorted(buckets))
+        self._counts: dict[LabelValues, list[int]] = {}
+        self._sums: dict[LabelValues, float] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        with self._lock:
+            counts = self._counts.setdefault(labels, [0] * (len(self.buckets) + 1))
+            counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sums[labels] = self._sums.get(labels, 0.0) + value
+
+    def count(self, *labels: str) -> int:
+        return sum(self._counts.get(labels, []))
+
+    def samples(self) -> Iterable[str]:
+        for key, counts in sorted(self._counts.items()):
+            cumulative = 0
+            for bound, count in zip([*self.buckets, math.inf], counts, strict=True):
+                cumulative += count
+                le = f'le="{_number(bound)}"'
+                yield f"{self.name}_bucket{_labels(self.label_names, key, le)} {cumulative}"
+            yield f"{self.name}_sum{_labels(self.label_names, key)} {_number(self._sums[key])}"
+            yield f"{self.name}_count{_labels(self.label_names, key)} {cumulative}"
+
+
+M = TypeVar("M", bound="Metric")
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.metrics: list[Metric] = []
+
+    def add(self, metric: M) -> M:
+        self.metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        return "\n".join(metric.render() for metric in self.metrics) + "\n"
+
+
+class ServiceMetrics:
+    """The service's metrics, named once here."""
+
+    def __init__(self, queue_depth: Callable[[], dict[str, int]]) -> None:
+        self.registry = Registry()
+        add = self.registry.add
+        self.scans = add(Counter("gpubadge_scans_total", "Scans finished, by outcome.", ["outcome"]))
+        self.scan_seconds = add(Histogram("gpubadge_scan_duration_seconds", "Wall time of one scan job."))
+        self.webhooks = add(
+            Counter(
+                "gpubadge_webhooks_total", "Webhook requests, by source and status.", ["source", "status"]
+            )
+        )
+        self.webhook_seconds = add(
+            Histogram(
+                "gpubadge_webhook_duration_seconds", "Webhook handling time, to the durable 202.", ["source"]
+            )
+        )
+        self.registry_errors = add(
+            Counter("gpubadge_registry_errors_total", "Registry requests that failed, by host.", ["registry"])
+        )
+        self.rate_limit = add(
+            Gauge("gpubadge_registry_ratelimit_remaining", "Last ratelimit-remaining seen.", ["registry"])
+        )
+        self.queue = add(
+            Gauge(
+                "gpubadge_queue_jobs",
+                "Scan jobs by state.",
+                ["state"],
+                collect=lambda: {(state,): float(n) for state, n in queue_depth().items()},
+            )
+        )
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,97 @@
+"""Service settings: environment variables (prefix GPUBADGE_) plus an optional TOML or YAML file.
+
+They extend the scanner's settings (registries, credentials, limits) with what
+only the service needs: the store, the listen address, secrets and workers.
+`gpubadge serve --help` prints every field with its variable and default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr
+
+from scanner.settings import ScannerSettings
+
+log = logging.getLogger(__name__)
+
+DOCKER_HUB = "docker.io"
+
+
+def is_loopback_host(host: str) -> bool:
+    """`127.0.0.1:5000`, `[::1]:80`, `localhost` -> True."""
+    name = host
+    if name.startswith("["):
+        name = name[1:].split("]", 1)[0]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class ServiceSettings(ScannerSettings):
+    """Everything `gpubadge serve` reads. Field descriptions become `--help` text."""
+
+    db: Path = Field(default=Path("gpubadge.db"), description="SQLite database file")
+    host: str = Field(default="127.0.0.1", description="listen address")
+    port: int = Field(default=8080, description="listen port")
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="shared webhook secret (Bearer header, ?token=, or HMAC key)"
+    )
+    webhook_secrets: dict[str, SecretStr] = Field(
+        default_factory=dict, description="per-source webhook secrets, e.g. {ghcr: ..., jfrog: ...}"
+    )
+    api_token: SecretStr | None = Field(default=None, description="token required by write endpoints")
+    agent_token: SecretStr | None = Field(default=None, description="token node agents present")
+    agent_tokens: dict[str, SecretStr] = Field(
+        default_factory=dict, description="per-agent tokens by server name"
+    )
+    workers: int = Field(default=4, description="scans run at once")
+    per_registry_scans: int = Field(default=4, description="scans run at once against one registry")
+    max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
+    retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
+    coalesce_seconds: float = Field(
+        default=0.5, description="delay for digest-only push events, so the index job covers them"
+    )
+    max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
+    jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
+    inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
+    heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
+    stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
+
+    def allowlist(self) -> set[str]:
+        """Registries the service may contact. Mirrors of allowed registries are allowed too."""
+        hosts = {entry.host for entry in self.registries}
+        hosts |= {entry.mirror for entry in self.registries if entry.mirror}
+        if self.docker_mirror and (not self.registries or DOCKER_HUB in hosts):
+            hosts.add(self.docker_mirror)
+        return hosts
+
+    def allows(self, registry: str) -> bool:
+        """The SSRF guard: with no list configured, Docker Hub and loopback registries only."""
+        if not self.registries:
+            return registry == DOCKER_HUB or is_loopback_host(registry)
+        return registry in self.allowlist()
+
+    def webhook_secret_for(self, source: str) -> str | None:
+        secret = self.webhook_secrets.get(source) or self.webhook_secret
+        return secret.get_secret_value() if secret else None
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line per setting for `--help`: variable, default, meaning."""
+        lines = []
+        for name, info in cls.model_fields.items():
+            default: Any = info.default
+            if info.default_factory is not None:
+                default = "(computed)" if name == "docker_config" else "(empty)"
+            shown = "(unset)" if default is None else default
+            lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
+        return "\n".join(lines)

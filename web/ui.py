@@ -1,0 +1,614 @@
+"""HTML pages and SVG badges: server-rendered with Jinja2, usable without JavaScript.
+
+Handlers do the I/O (store reads, form posts) and hand plain view objects, built by the
+pure functions below, to templates in web/templates/. The Jinja2 environment is built
+once and autoescapes HTML, so every value taken from an image (env vars, labels,
+repository names) reaches the browser as text; a Content-Security-Policy without inline
+scripts is the second line of defence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import jinja2
+from aiohttp import web
+
+from scanner.badges import LIBC_BADGES
+from scanner.models import ImageReport, PlatformReport
+from scanner.reference import Reference, ReferenceError, parse_reference
+from scanner.requirements import describe_condition, parse_requirement_lenient
+from scanner.store import ImageRow, Job, TagEvent
+from web.api import find_report
+from web.app import SERVICES, Services
+from web.badge_svg import badge_for, render_badge
+from web.scan_requests import ScanRefused, request_scan, token_matches
+
+HERE = Path(__file__).parent
+TEMPLATE_DIR = HERE / "templates"
+STATIC_DIR = HERE / "static"
+PAGE_SIZE = 50
+RECENT_FAILURES = 5
+MAX_PAGE = 1_000_000
+
+# Pages carry no inline script; anything injected into the markup could not run.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self';"
+        " object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+
+# A scanned image's badge changes only when a push is scanned; five minutes of staleness is fine
+# in a README, lets GitHub's image proxy and browsers cache it, and the ETag makes revalidation
+# cheap. "Not scanned" is served no-cache so the badge turns green as soon as the scan lands.
+BADGE_MAX_AGE = "max-age=300, public"
+BADGE_NO_CACHE = "no-cache"
+
+
+# ---------------------------------------------------------------- templates
+
+
+@cache
+def environment() -> jinja2.Environment:
+    """The one Jinja2 environment of the process, loaded on first use."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        autoescape=jinja2.select_autoescape(["html"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["bytes"] = human_bytes
+    env.filters["when"] = format_time
+    env.filters["ago"] = time_ago
+    env.filters["image_url"] = image_url
+    env.globals["nav"] = NAVIGATION
+    return env
+
+
+def render(name: str, **context: Any) -> str:
+    return environment().get_template(name).render(**context)
+
+
+def page(request: web.Request, name: str, *, status: int = 200, **context: Any) -> web.Response:
+    context.setdefault("title", "gpubadge")
+    context.setdefault("active", "")
+    context["origin"] = origin_of(request)
+    return web.Response(
+        text=render(name, **context),
+        status=status,
+        content_type="text/html",
+        charset="utf-8",
+        headers=SECURITY_HEADERS,
+    )
+
+
+NAVIGATION = (
+    ("images", "Images", "/"),
+    ("scans", "Scans", "/scans"),
+    ("servers", "Servers", "/servers"),
+    ("eligibility", "Eligibility", "/eligibility"),
+)
+
+
+# ------------------------------------------------------------ pure helpers
+
+
+def human_bytes(size: int | float) -> str:
+    """1536 -> `1.5 KiB`; binary units, as registries and Docker report sizes."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _parse_time(value: str | datetime) -> datetime:
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def format_time(value: str | datetime | None) -> str:
+    if value is None:
+        return "never"
+    return _parse_time(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def time_ago(value: str | datetime | None, now: datetime | None = None) -> str:
+    """`3 min ago`, for scan times; the exact time goes in a title attribute beside it."""
+    if value is None:
+        return "never"
+    seconds = ((now or datetime.now(UTC)) - _parse_time(value)).total_seconds()
+    if seconds < 60:
+        return "just now"
+    for limit, size, unit in ((3600, 60, "min"), (86400, 3600, "h"), (math.inf, 86400, "d")):
+        if seconds < limit:
+            return f"{int(seconds // size)} {unit} ago"
+    raise AssertionError("unreachable")
+
+
+def image_url(reference: str) -> str:
+    """The detail page of a reference (`127.0.0.1:5000/team/app:1.0` keeps its port and slashes)."""
+    return "/images/" + quote(reference, safe="/:@")
+
+
+def badge_url(reference: Reference) -> str | None:
+    """The README badge of a tagged reference, or None for a digest-only one."""
+    if reference.tag is None:
+        return None
+    return "/badge/" + quote(f"{reference.name}/{reference.tag}", safe="/:") + ".svg"
+
+
+def origin_of(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}"
+
+
+_PLAIN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"not on the allowlist", re.I), "This registry is not on the allowlist (GPUBADGE_REGISTRIES)."),
+    (
+        re.compile(r"not found|manifest_unknown|name_unknown", re.I),
+        "The registry has no such image: the tag or digest does not exist (deleted, or misspelt).",
+    ),
+    (
+        re.compile(r"access denied|unauthori[sz]ed|denied", re.I),
+        "The registry refused access: configure credentials for it, or check they are still valid.",
+    ),
+    (re.compile(r"rate limited|429", re.I), "The registry rate-limited us; try again later."),
+    (re.compile(r"timed out|timeout", re.I), "The registry did not answer in time."),
+    (
+        re.compile(r"refused|cannot connect|connection|unreachable|name resolution", re.I),
+        "The registry could not be reached.",
+    ),
+    (re.compile(r"server error|5\d\d", re.I), "The registry failed with a server error."),
+    (re.compile(r"digest", re.I), "The registry sent content that does not match its digest."),
+    (re.compile(r"too large|larger than", re.I), "The image is larger than the scan limits allow."),
+    (
+        re.compile(r"platform|index|manifest|config", re.I),
+        "The image's manifest or config is not something we can read.",
+    ),
+)
+
+
+def explain_error(message: str | None) -> str:
+    """One plain sentence for a scan error; the exact message is shown beside it."""
+    if not message:
+        return "The scan failed without a message."
+    for pattern, sentence in _PLAIN_ERRORS:
+        if pattern.search(message):
+            return sentence
+    return "The scan failed."
+
+
+# -------------------------------------------------------------- view models
+
+
+@dataclass(frozen=True)
+class BadgeView:
+    """One coloured pill: `kind` picks its colour (see the legend)."""
+
+    text: str
+    kind: str
+
+
+LEGEND = (
+    (BadgeView("NVIDIA GPU", "gpu"), "the image asks for an NVIDIA GPU (NVIDIA_* env or labels)"),
+    (BadgeView("CUDA 12.2", "cuda"), "the CUDA version it was built for"),
+    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU"),
+    (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
+    (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
+    (BadgeView("no libc", "nolibc"), "static binaries or scratch: no C library"),
+    (BadgeView("requirement error", "warn"), "an NVIDIA_REQUIRE_* value the runtime would reject"),
+    (BadgeView("libc unknown", "unknown"), "the scan could not tell"),
+)
+
+_NAMED_BADGES = {
+    "nvidia-gpu": BadgeView("NVIDIA GPU", "gpu"),
+    "require-disabled": BadgeView("require disabled", "info"),
+    "requirement-error": BadgeView("requirement error", "warn"),
+    "glibc": BadgeView("glibc", "glibc"),
+    "musl": BadgeView("musl", "musl"),
+    "no-libc": BadgeView("no libc", "nolibc"),
+    "libc-unknown": BadgeView("libc unknown", "unknown"),
+    "musl-also": BadgeView("musl also", "musl"),
+}
+
+
+def badge_view(name: str) -> BadgeView:
+    """A badge name from scanner/badges.py (`cuda-12.2`) as the UI shows it (`CUDA 12.2`)."""
+    if name.startswith("cuda-"):
+        return BadgeView(f"CUDA {name.removeprefix('cuda-')}", "cuda")
+    return _NAMED_BADGES.get(name, BadgeView(name, "info"))
+
+
+def row_badges(row: ImageRow) -> list[BadgeView]:
+    names = ["nvidia-gpu"] if row.gpu_required else []
+    names += [f"cuda-{version}" for version in row.cuda_versions]
+    names += [LIBC_BADGES.get(flavour, "libc-unknown") for flavour in row.libc_flavours]
+    views = [badge_view(name) for name in names]
+    if not row.gpu_required:
+        views.insert(0, BadgeView("CPU only", "cpu"))
+    return views
+
+
+@dataclass(frozen=True)
+class ImageRowView:
+    name: str
+    url: str
+    digest: str
+    tags: list[tuple[str, str]]
+    badges: list[BadgeView]
+    platforms: list[str]
+    distro: str | None
+    scanned_at: str
+
+
+def image_row_view(row: ImageRow) -> ImageRowView:
+    name = f"{row.registry}/{row.repository}"
+    url = image_url(f"{name}:{row.tags[0]}") if row.tags else image_url(f"{name}@{row.digest}")
+    return ImageRowView(
+        name=name,
+        url=url,
+        digest=row.digest,
+        tags=[(tag, image_url(f"{name}:{tag}")) for tag in row.tags],
+        badges=row_badges(row),
+        platforms=row.platforms,
+        distro=row.distro,
+        scanned_at=row.scanned_at,
+    )
+
+
+@dataclass(frozen=True)
+class ConditionView:
+    words: str
+    text: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class RequirementView:
+    """One NVIDIA_REQUIRE_* variable: any one alternative must hold, all conditions within it."""
+
+    variable: str
+    value: str
+    alternatives: list[list[ConditionView]]
+    errors: list[str]
+    derived: bool = False
+
+
+def requirement_view(variable: str, value: str, *, derived: bool = False) -> RequirementView:
+    expression = parse_requirement_lenient(value)
+    alternatives = [
+        [
+            ConditionView(
+                words=condition.text if condition.error else describe_condition(condition),
+                text=condition.text,
+                error=condition.error,
+            )
+            for condition in term.conditions
+        ]
+        for term in expression.alternatives
+    ]
+    return RequirementView(variable, value, alternatives, list(expression.errors), derived)
+
+
+@dataclass(frozen=True)
+class PlatformView:
+    report: PlatformReport
+    badges: list[BadgeView]
+    requirements: list[RequirementView]
+    layers_read: int
+    layers_total: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def platform_view(report: PlatformReport) -> PlatformView:
+    gpu = report.gpu
+    requirements = [
+        requirement_view(name, value)
+        for name, value in sorted(gpu.env.items())
+        if name.startswith("NVIDIA_REQUIRE_")
+    ]
+    derived = [text for text in gpu.effective_requirements if text not in gpu.requirements]
+    if gpu.legacy:
+        requirements += [requirement_view("CUDA_VERSION (legacy image)", text, derived=True) for text in derived]
+    warnings = [f"{issue.variable}={issue.value!s}: {issue.error}" for issue in gpu.requirement_errors]
+    warnings += report.warnings
+    return PlatformView(
+        report=report,
+        badges=[badge_view(name) for name in report.badges],
+        requirements=requirements,
+        layers_read=report.libc.layers_read,
+        layers_total=report.libc.layers_total or len(report.layers),
+        warnings=warnings,
+    )
+
+
+@dataclass(frozen=True)
+class TagEventView:
+    tag: str
+    url: str
+    digest: str
+    first_seen: str
+    last_seen: str
+    gone_at: str | None
+    current: bool
+
+
+def tag_history_view(events: Sequence[TagEvent], name: str, digests: set[str]) -> list[TagEventView]:
+    """The tag -> digest history of repository `name`; rows for this image are marked current."""
+    return [
+        TagEventView(
+            e.tag, image_url(f"{name}:{e.tag}"), e.digest, e.first_seen, e.last_seen, e.gone_at, e.digest in digests
+        )
+        for e in events
+    ]
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: str
+    reference: str
+    url: str
+    state: str
+    attempts: str
+    source: str
+    created_at: str
+    updated_at: str
+    error: str | None
+    explanation: str | None
+
+
+def job_view(job: Job) -> JobView:
+    return JobView(
+        id=job.id,
+        reference=job.reference,
+        url=image_url(job.reference),
+        state=job.state,
+        attempts=f"{job.attempts}/{job.max_attempts}",
+        source=job.source or "",
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        error=job.error,
+        explanation=explain_error(job.error) if job.error else None,
+    )
+
+
+@dataclass(frozen=True)
+class ImageFilters:
+    """The images page's GET form, validated: bad values fall back to "any" instead of failing."""
+
+    gpu: str = ""
+    libc: str = ""
+    cuda: str = ""
+    registry: str = ""
+    q: str = ""
+    page: int = 1
+
+    GPU_CHOICES = ("", "gpu", "cpu")
+    LIBC_CHOICES = ("", "glibc", "musl", "none", "unknown")
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> ImageFilters:
+        gpu = query.get("gpu", "")
+        libc = query.get("libc", "")
+        cuda = query.get("cuda", "").strip()
+        try:
+            page = max(1, min(MAX_PAGE, int(query.get("page", "1") or 1)))
+        except ValueError:
+            page = 1
+        return cls(
+            gpu=gpu if gpu in cls.GPU_CHOICES else "",
+            libc=libc if libc in cls.LIBC_CHOICES else "",
+            cuda=cuda if re.fullmatch(r"\d+(\.\d+)?", cuda) else "",
+            registry=query.get("registry", "").strip(),
+            q=query.get("q", "").strip()[:200],
+            page=page,
+        )
+
+    @property
+    def active(self) -> bool:
+        return any((self.gpu, self.libc, self.cuda, self.registry, self.q))
+
+    def store_arguments(self) -> dict[str, Any]:
+        return {
+            "gpu": {"gpu": True, "cpu": False}.get(self.gpu),
+            "libc": self.libc or None,
+            "cuda": self.cuda or None,
+            "registry": self.registry or None,
+            "query": self.q or None,
+        }
+
+    def page_url(self, page: int) -> str:
+        params = {
+            key: value
+            for key, value in (
+                ("gpu", self.gpu),
+                ("libc", self.libc),
+                ("cuda", self.cuda),
+                ("registry", self.registry),
+                ("q", self.q),
+            )
+            if value
+        }
+        if page > 1:
+            params["page"] = str(page)
+        return "/?" + urlencode(params) if params else "/"
+
+
+# ----------------------------------------------------------------- handlers
+
+
+def services_of(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+async def images_page(request: web.Request) -> web.Response:
+    services = services_of(request)
+    store = services.store
+    filters = ImageFilters.from_query(request.query)
+    rows, total = store.list_images(
+        **filters.store_arguments(), limit=PAGE_SIZE, offset=(filters.page - 1) * PAGE_SIZE
+    )
+    if filters.active or filters.page > 1:
+        newest, _ = store.list_images(limit=1)
+    else:
+        newest = rows[:1]
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    return page(
+        request,
+        "images.html",
+        title="Images · gpubadge",
+        active="images",
+        filters=filters,
+        rows=[image_row_view(row) for row in rows],
+        total=total,
+        pages=pages,
+        registries=store.registries(),
+        last_scan=newest[0].scanned_at if newest else None,
+        failures=[job_view(job) for job in store.jobs(states=["failed"], limit=RECENT_FAILURES)],
+        legend=LEGEND,
+        token_required=services.settings.api_token is not None,
+    )
+
+
+async def image_page(request: web.Request) -> web.Response:
+    services = services_of(request)
+    text = request.match_info["path"]
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
+    report = find_report(services, reference)
+    if report is None:
+        store = services.store
+        pending = store.pending_job_for(str(reference))
+        latest = pending or store.latest_job_for(str(reference))
+        return page(
+            request,
+            "not_scanned.html",
+            status=404,
+            title=f"{reference} · not scanned",
+            active="images",
+            reference=str(reference),
+            pending=job_view(pending) if pending else None,
+            latest=job_view(latest) if latest else None,
+            token_required=services.settings.api_token is not None,
+        )
+    return page(request, "image.html", title=f"{reference} · gpubadge", active="images", **detail_context(services, reference, report))
+
+
+def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+    store = services.store
+    digests = {report.digest or ""} | {p.digest for p in report.platforms}
+    tags = store.tags_for_digest(report.digest) if report.digest else []
+    return {
+        "reference": str(reference),
+        "report": report,
+        "platforms": [platform_view(p) for p in report.platforms],
+        "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
+        "history": tag_history_view(
+            store.tag_history(reference.registry, reference.repository), reference.name, digests
+        ),
+        "badge_url": badge_url(reference),
+        "error": explain_error(report.error) if report.error else None,
+    }
+
+
+async def scans_page(request: web.Request) -> web.Response:
+    return scans_response(request)
+
+
+def scans_response(
+    request: web.Request, *, status: int = 200, error: str | None = None, ref: str = ""
+) -> web.Response:
+    services = services_of(request)
+    store = services.store
+    return page(
+        request,
+        "scans.html",
+        status=status,
+        title="Scans · gpubadge",
+        active="scans",
+        pending=[job_view(job) for job in store.jobs(states=["queued", "running"], limit=100)],
+        recent=[job_view(job) for job in store.jobs(limit=50)],
+        depth=store.queue_depth(),
+        token_required=services.settings.api_token is not None,
+        form_error=error,
+        ref=ref,
+    )
+
+
+async def submit_scan(request: web.Request) -> web.Response:
+    """The scan form: same checks as POST /api/scans, then 303 back to /scans (post/redirect/get)."""
+    services = services_of(request)
+    form = await request.post()
+    ref = str(form.get("ref", "")).strip()
+    token = str(form.get("token", ""))
+    if not token_matches(services.settings.api_token, token):
+        return scans_response(request, status=401, error="That API token is not valid.", ref=ref)
+    if not ref:
+        return scans_response(request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref)
+    try:
+        request_scan(services, ref, source="ui")
+    except ScanRefused as refused:
+        return scans_response(request, status=refused.status, error=refused.message, ref=ref)
+    raise web.HTTPSeeOther("/scans")
+
+
+def badge_reference(path: str) -> Reference:
+    """`127.0.0.1:5000/team/app/1.0` (the badge URL without `.svg`) -> the tagged reference.
+
+    The last segment is the tag; a `sha256:...` last segment pins a digest instead.
+    """
+    name, slash, last = path.rpartition("/")
+    if not slash or not name or not last:
+        raise ReferenceError(f"badge path {path!r} must be REGISTRY/REPOSITORY/TAG.svg")
+    separator = "@" if ":" in last else ":"
+    return parse_reference(f"{name}{separator}{last}")
+
+
+async def badge(request: web.Request) -> web.Response:
+    services = services_of(request)
+    path = request.match_info["path"].removesuffix(".svg")
+    try:
+        reference = badge_reference(path)
+    except ReferenceError as exc:
+        return web.Response(status=400, text=str(exc), content_type="text/plain")
+    report = find_report(services, reference)
+    failed = False
+    if report is None:
+        latest = services.store.latest_job_for(str(reference))
+        failed = latest is not None and latest.state == "failed"
+    svg = render_badge(badge_for(report, last_scan_failed=failed))
+    etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'
+    headers = {
+        "Cache-Control": BADGE_MAX_AGE if report is not None else BADGE_NO_CACHE,
+        "ETag": etag,
+        "X-Content-Type-Options": "nosniff",
+    }
+    if etag in request.headers.get("If-None-Match", ""):
+        return web.Response(status=304, headers=headers)
+    return web.Response(text=svg, content_type="image/svg+xml", charset="utf-8", headers=headers)
+
+
+def setup_routes(app: web.Application) -> None:
+    environment()  # load and check the templates at startup, not on the first request
+    app.router.add_get("/", images_page)
+    app.router.add_get("/images/{path:.+}", image_page)
+    app.router.add_get("/scans", scans_page)
+    app.router.add_post("/scans", submit_scan)
+    app.router.add_get(r"/badge/{path:.+\.svg}", badge)
+    app.router.add_static("/static", STATIC_DIR)
