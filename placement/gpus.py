@@ -87,7 +87,7 @@ GPU_MODELS: tuple[GpuModel, ...] = (
     GpuModel("NVIDIA GeForce RTX 2080", ("rtx-2080", "2080"), "7.5", 8),
 )
 _BY_NAME: dict[str, GpuModel] = {squash(m.nvml_name): m for m in GPU_MODELS}
-_FAMILY = re.compile(r"^(?:rtx)?([a-z]{1,3}\d{1,4}[a-z]?)")
+_FAMILY = re.compile(r"^(?:rtx)?[a-z]{0,3}\d{1,4}[a-z]?$")
 _SIZE = re.compile(r"(\d+)gb")
 
 
@@ -108,12 +108,12 @@ def model_keys(nvml_name: str) -> frozenset[str]:
     words = [w for w in re.split(r"[^a-z0-9]+", nvml_name.lower()) if w and w not in _VENDOR_WORDS]
     rest = "".join(words)
     keys.add(rest)
-    family = _FAMILY.match(rest)
-    if family:
-        keys.add(family.group(1))
-        size = _SIZE.search(rest)
-        if size:
-            keys.add(f"{family.group(1)}{size.group(1)}gb")
+    family = "".join(words[:2]) if words[:1] == ["rtx"] else "".join(words[:1])
+    if _FAMILY.match(family):
+        keys.add(family)
+        sizes = [w for w in words if _SIZE.fullmatch(w)]
+        if sizes:
+            keys.add(f"{family}{sizes[0]}")
     return frozenset(keys)
 
 

@@ -1,0 +1,342 @@
+"""Placement: GPU aliases, brands, memory slack, request forms and the ranked decision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from placement.decide import Decision, FleetIndex, ImageFacts, decide
+from placement.gpus import matches_model, memory_satisfies, runtime_brands
+from placement.inventory import Server, load_inventory, parse_bytes
+from placement.request import DeployRequest
+from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FLEET = load_inventory(FIXTURES / "fleet.yaml").servers
+IMAGES = json.loads((FIXTURES / "cuda_require_strings.json").read_text())["images"]
+
+
+def cuda_image(
+    version: str, platforms: tuple[str, ...] = ("linux/amd64",), libc: str = "glibc"
+) -> ImageFacts:
+    reports = []
+    for platform in platforms:
+        require = next(
+            i["NVIDIA_REQUIRE_CUDA"]
+            for i in IMAGES
+            if i["cuda_version"].startswith(version) and i["platform"] == platform
+        )
+        env = {"NVIDIA_REQUIRE_CUDA": require, "CUDA_VERSION": version, "NVIDIA_VISIBLE_DEVICES": "all"}
+        gpu = GpuFacts(required=True, cuda_version=version[:4], requirements=[require], env=env)
+        reports.append(
+            PlatformReport(
+                platform=platform, digest="sha256:" + "0" * 64, gpu=gpu, libc=LibcVerdict(flavour=libc)
+            )
+        )
+    return ImageFacts.from_report(ImageReport(reference=f"nvidia/cuda:{version}", platforms=reports))
+
+
+def cpu_image(*platforms: str, libc: str = "glibc") -> ImageFacts:
+    reports = [
+        PlatformReport(platform=p, digest="sha256:" + "1" * 64, libc=LibcVerdict(flavour=libc))
+        for p in platforms
+    ]
+    return ImageFacts.from_report(ImageReport(reference="alpine", platforms=reports))
+
+
+def reasons_of(decision: Decision, server: str) -> list[str]:
+    return next(item["reasons"] for item in decision.ineligible if item["server"] == server)
+
+
+def eligible_names(decision: Decision) -> list[str]:
+    return [item["server"] for item in decision.eligible]
+
+
+# --- GPU names, brands, memory ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nvml_name", "wanted", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100", True),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB", True),
+        ("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", True),
+        ("NVIDIA H100 80GB HBM3", "NVIDIA-H100-80GB-HBM3", True),  # GFD product label
+        ("NVIDIA H100 PCIe", "h100", True),
+        ("NVIDIA H100 80GB HBM3", "h200", False),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb", True),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb", True),
+        ("NVIDIA A100-SXM4-40GB", "a100-80gb", False),
+        ("NVIDIA A100-SXM4-40GB", "a100", True),
+        ("NVIDIA A100-SXM4-40GB", "a10", False),
+        ("NVIDIA A10G", "a10", False),
+        ("Tesla T4", "t4", True),
+        ("NVIDIA T4", "t4", True),
+        ("NVIDIA L4", "l4", True),
+        ("NVIDIA L40S", "l4", False),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090", True),
+        ("NVIDIA GH200 480GB", "gh200", True),  # not in the table: derived family
+    ],
+)
+def test_model_aliases(nvml_name: str, wanted: str, expected: bool) -> None:
+    assert matches_model(nvml_name, wanted) is expected
+
+
+@pytest.mark.parametrize(
+    ("reported_mib", "wanted", "expected"),
+    [
+        (40960, "40Gi", True),  # A100-40GB on driver 570
+        (39538, "40Gi", True),  # same card as GFD's README shows it
+        (81559, "80Gi", True),  # H100 80GB
+        (81559, "80GB", True),
+        (15360, "16Gi", True),  # T4
+        (46068, "48Gi", True),  # L40S
+        (32768, "40Gi", False),
+        (40960, "48Gi", False),
+        (24564, "40Gi", False),
+    ],
+)
+def test_memory_tolerance(reported_mib: int, wanted: str, expected: bool) -> None:
+    assert memory_satisfies(reported_mib, parse_bytes(wanted)) is expected
+
+
+@pytest.mark.parametrize(
+    ("brand", "expected"),
+    [
+        ("Tesla", ("Tesla",)),
+        ("GeForce", ("GeForce",)),
+        ("NVIDIA", ("Nvidia", "Unknown")),  # data-center GPUs: current and pre-2022 libnvidia-container
+        ("NVIDIA RTX", ("NvidiaRTX", "Unknown")),
+        ("NVIDIA Virtual Compute Server", ("VCS", "Unknown")),
+        ("NvidiaVApps", ("VApps", "Unknown")),
+        ("14", ("Nvidia", "Unknown")),
+        ("", ()),
+    ],
+)
+def test_runtime_brands(brand: str, expected: tuple[str, ...]) -> None:
+    assert runtime_brands(brand) == expected
+
+
+# --- request forms ---------------------------------------------------------------------------
+
+
+def test_native_request_parses_units() -> None:
+    request = DeployRequest.parse_any(
+        {"gpus": 2, "gpu_models": "h100", "min_gpu_memory": "40Gi", "memory": "64Gi", "min_driver": "535"}
+    )
+    assert request.gpu_models == ["h100"]
+    assert request.min_gpu_memory == 40 * 1024**3 and request.memory == 64 * 1024**3
+
+
+def test_akash_sdl_form() -> None:
+    sdl = {
+        "cpu": {"units": "500m"},
+        "memory": {"size": "16Gi"},
+        "gpu": {
+            "units": 2,
+            "attributes": {
+                "vendor": {"nvidia": [{"model": "a100", "ram": "80Gi"}, {"model": "h100", "ram": "80Gi"}]}
+            },
+        },
+    }
+    request = DeployRequest.parse_any({"resources": sdl})
+    assert request.gpus == 2 and request.gpu_models == ["a100", "h100"]
+    assert request.min_gpu_memory == 80 * 1024**3 and request.cpus == 0.5 and request.memory == 16 * 1024**3
+    mixed = DeployRequest.parse_any(
+        {
+            "gpu": {
+                "units": 1,
+                "attributes": {
+                    "vendor": {"nvidia": [{"model": "a100", "ram": "40Gi"}, {"model": "h100", "ram": "80Gi"}]}
+                },
+            }
+        }
+    )
+    assert mixed.gpu_models == ["a100-40gb", "h100-80gb"] and mixed.min_gpu_memory is None
+    anything = DeployRequest.parse_any({"gpu": {"units": 1, "attributes": {"vendor": {"nvidia": None}}}})
+    assert anything.gpus == 1 and anything.gpu_models == []
+
+
+def test_zenml_form() -> None:
+    request = DeployRequest.parse_any({"gpu_count": 1, "cpu_count": 4, "memory": "32GB"})
+    assert (request.gpus, request.cpus, request.memory) == (1, 4, 32 * 1000**3)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"gpus": -1}, "gpus"),
+        ({"gpu": 2}, "gpu"),  # not an Akash block: unknown field in our form
+        ({"gpus": 1, "min_gpu_memory": "40 bananas"}, "unknown unit"),
+        ({"min_compute_capability": "eight"}, "not a version"),
+        ({"gpu": {"units": 1}}, "requires gpu.attributes"),
+        ({"gpu": {"units": 1, "attributes": {"vendor": {"amd": []}}}}, "only vendor 'nvidia'"),
+        ({"gpu_count": 1, "memory": "32G"}, "ZenML's memory format"),
+    ],
+)
+def test_invalid_requests_say_what_is_wrong(data: dict[str, object], fragment: str) -> None:
+    with pytest.raises((ValidationError, ValueError)) as info:
+        DeployRequest.parse_any(data)
+    assert fragment in str(info.value)
+
+
+# --- decisions on the sample fleet -----------------------------------------------------------
+
+
+def test_cuda_12_2_image_on_the_sample_fleet() -> None:
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=1), FLEET)
+    eligible = eligible_names(decision)
+    # t4-legacy is on branch 470 (escape term); a100-80-a on 525; v100-old/rtx4090 have CUDA 12.4 drivers.
+    assert set(eligible) == {
+        "h100-a",
+        "a100-40-a",
+        "a100-80-a",
+        "t4-legacy",
+        "v100-old",
+        "rtx4090-lab",
+        "l4-edge",
+    }
+    assert eligible[0] == "l4-edge"  # a single free GPU: no spare left after assignment
+    first = decision.eligible[0]
+    assert first["gpus"] == ["GPU-l4-0000-0000-0000-000000000000"] and first["platform"] == "linux/amd64"
+    assert reasons_of(decision, "gh200-arm") == [
+        "CPU architecture arm64 is not among the image's platforms (linux/amd64)"
+    ]
+    assert reasons_of(decision, "cpu-1") == ["no NVIDIA driver", "needs 1 free GPU(s), has 0 free of 0"]
+    h100 = next(item for item in decision.eligible if item["server"] == "h100-a")
+    assert h100["gpus"] == ["GPU-h100a-0002-0000-0000-000000000000"]  # 0 and 1 are in use
+
+
+def test_multi_arch_image_uses_the_matching_platform() -> None:
+    decision = decide(cuda_image("12.2.2", ("linux/amd64", "linux/arm64")), DeployRequest(), FLEET)
+    gh200 = next(item for item in decision.eligible if item["server"] == "gh200-arm")
+    assert gh200["platform"] == "linux/arm64"
+
+
+def test_cuda_13_needs_turing_or_newer_and_escape_branches() -> None:
+    decision = decide(cuda_image("13.0.2"), DeployRequest(gpus=1), FLEET)
+    assert any("compute capability 7.5 or newer" in r for r in reasons_of(decision, "v100-old"))
+    assert "l4-edge" in eligible_names(decision)  # driver CUDA 13.0
+    assert "a100-40-a" in eligible_names(decision)  # branch 535 is an escape term
+    t4 = reasons_of(decision, "t4-legacy")
+    assert any("driver CUDA 11.4 < cuda>=13.0" in r for r in t4)
+    assert any("is not in branch 535, 550, 565, 570, 575" in r for r in t4)
+    geforce = reasons_of(decision, "rtx4090-lab")
+    assert any("brand GeForce is not one of" in r for r in geforce)
+
+
+def test_gpu_count_and_best_fit_ranking() -> None:
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=4), FLEET)
+    eligible = eligible_names(decision)
+    assert eligible[:3] == ["a100-40-a", "a100-80-a", "v100-old"] or eligible[:2] == ["v100-old", "a100-40-a"]
+    assert all(len(item["gpus"]) == 4 for item in decision.eligible)
+    assert eligible[-1] == "h100-a"  # 6 free: 2 spare after assignment
+    assert reasons_of(decision, "t4-legacy")[0] == "needs 4 free GPU(s), has 2 free of 2"
+    scores = [item["score"] for item in decision.eligible]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_model_preference_order_and_memory() -> None:
+    request = DeployRequest(
+        gpus=1, gpu_models=["a100", "h100"], gpu_model_order="ordered", min_gpu_memory="40Gi"
+    )
+    decision = decide(cuda_image("12.2.2"), request, FLEET)
+    assert eligible_names(decision) == ["a100-40-a", "a100-80-a", "h100-a"]
+    t4 = reasons_of(decision, "t4-legacy")
+    assert "2 free Tesla T4: model Tesla T4 is not a100 or h100" in t4
+    assert "2 free Tesla T4: memory 15360 MiB < requested 40Gi" in t4
+    reverse = decide(cuda_image("12.2.2"), request.model_copy(update={"gpu_models": ["h100", "a100"]}), FLEET)
+    assert eligible_names(reverse)[0] == "h100-a"
+    big = decide(cuda_image("12.2.2"), DeployRequest(gpus=1, gpu_models=["a100-80gb"]), FLEET)
+    assert eligible_names(big) == ["a100-80-a"]
+
+
+def test_every_failed_condition_is_reported() -> None:
+    request = DeployRequest(
+        gpus=1,
+        cpus=64,
+        memory="256Gi",
+        labels={"zone": "us-east"},
+        min_compute_capability="8.0",
+        min_driver="535",
+    )
+    reasons = reasons_of(decide(cuda_image("12.2.2"), request, FLEET), "t4-legacy")
+    assert "has 32 CPUs, request needs 64" in reasons
+    assert "has 128Gi memory, request needs 256Gi" in reasons
+    assert "driver 470.57.02 < requested 535" in reasons
+    assert "2 free Tesla T4: compute capability 7.5 < requested 8.0" in reasons
+    edge = reasons_of(decide(cuda_image("12.2.2"), request, FLEET), "l4-edge")
+    assert "label zone=us-east missing (server has zone=edge)" in edge
+
+
+def test_musl_gpu_image_needs_musl_support() -> None:
+    decision = decide(cuda_image("12.2.2", libc="musl"), DeployRequest(), FLEET)
+    assert eligible_names(decision) == ["rtx4090-lab"]
+    assert "image uses musl libc with GPUs; server has no musl GPU support" in reasons_of(decision, "h100-a")
+
+
+def test_cpu_image_goes_anywhere_matching_arch() -> None:
+    decision = decide(cpu_image("linux/arm64"), DeployRequest(cpus=8), FLEET)
+    assert set(eligible_names(decision)) == {"gh200-arm", "cpu-arm"}
+    assert all(item["gpus"] == [] for item in decision.eligible)
+    with_gpu = decide(cpu_image("linux/amd64"), DeployRequest(gpus=1), FLEET)
+    assert "cpu-1" not in eligible_names(with_gpu) and "l4-edge" in eligible_names(with_gpu)
+
+
+def test_unparsable_requirement_is_ineligible_everywhere() -> None:
+    env = {"NVIDIA_REQUIRE_CUDA": "cuda>=12.0 gpu=h100", "NVIDIA_VISIBLE_DEVICES": "all"}
+    report = ImageReport(
+        reference="bad",
+        platforms=[
+            PlatformReport(
+                platform="linux/amd64", digest="sha256:" + "2" * 64, gpu=GpuFacts(required=True, env=env)
+            )
+        ],
+    )
+    decision = decide(ImageFacts.from_report(report), DeployRequest(), FLEET)
+    assert decision.eligible == []
+    assert any("unknown key 'gpu'" in r for r in reasons_of(decision, "h100-a"))
+
+
+def test_legacy_brand_naming_is_considered() -> None:
+    server = Server.model_validate(
+        {
+            "name": "custom",
+            "driver_version": "535.104.05",
+            "cuda_driver_version": "12.2",
+            "gpus": [
+                {
+                    "index": 0,
+                    "uuid": "GPU-x",
+                    "name": "NVIDIA L4",
+                    "brand": "NVIDIA",
+                    "compute_capability": "8.9",
+                }
+            ],
+        }
+    )
+    env = {"NVIDIA_REQUIRE_BRAND": "brand=nvidia", "NVIDIA_VISIBLE_DEVICES": "all"}
+    report = ImageReport(
+        reference="b",
+        platforms=[
+            PlatformReport(
+                platform="linux/amd64", digest="sha256:" + "3" * 64, gpu=GpuFacts(required=True, env=env)
+            )
+        ],
+    )
+    reasons = reasons_of(decide(ImageFacts.from_report(report), DeployRequest(), [server]), "custom")
+    assert any("older libnvidia-container reports brand Unknown" in r for r in reasons)
+
+
+def test_decision_json_shape_and_prepared_index() -> None:
+    index = FleetIndex.build(FLEET)
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=2), index)
+    data = json.loads(decision.model_dump_json())
+    assert set(data) == {"eligible", "ineligible"}
+    assert {"server", "gpus", "score"} <= set(data["eligible"][0])
+    assert set(data["ineligible"][0]) == {"server", "reasons"}
+    assert len(data["eligible"]) + len(data["ineligible"]) == len(FLEET)
+    assert decision == decide(cuda_image("12.2.2"), DeployRequest(gpus=2), FLEET)
