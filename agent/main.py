@@ -1,0 +1,127 @@
+"""`gpubadge agent`: command line, discovery wiring and a clean SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import docker.errors
+
+from agent.client import ServiceClient
+from agent.host import build_server, detect_runtime_modes, load_server_file
+from agent.loop import Agent, AgentSettings, Discovery
+from agent.nvml import read_nvml
+from agent.runner import DockerRunner
+from placement.inventory import Server
+
+log = logging.getLogger("gpubadge.agent")
+TOKEN_ENV = "GPUBADGE_AGENT_TOKEN"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge agent", description="Run deployments for gpubadge on this server."
+    )
+    parser.add_argument("--service", required=True, help="service base URL, e.g. http://gpubadge:8080")
+    parser.add_argument("--token", default=None, help=f"agent token (default: ${TOKEN_ENV})")
+    parser.add_argument("--name", default=None, help="server name (default: the host name)")
+    parser.add_argument("--inventory-file", type=Path, default=None, help="one Server (YAML/JSON) to report")
+    parser.add_argument("--docker-host", default=None, help="Docker engine URL (default: $DOCKER_HOST)")
+    parser.add_argument("--poll-timeout", type=float, default=30.0, help="long-poll wait in seconds")
+    parser.add_argument(
+        "--heartbeat", type=float, default=None, help="heartbeat seconds (default: service's)"
+    )
+    parser.add_argument(
+        "--gpu-mode",
+        choices=["auto", "runtime", "device-requests", "cdi"],
+        default="auto",
+        help="how GPU containers get the NVIDIA runtime (auto: the nvidia runtime when Docker lists it)",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def make_discovery(name: str, runner: DockerRunner, inventory_file: Path | None) -> Discovery:
+    """Build the inventory callable: the file when given, else NVML + host + `docker info`."""
+
+    def from_file() -> tuple[Server, str | None]:
+        assert inventory_file is not None
+        server = load_server_file(inventory_file, name)
+        return server, None if server.gpus else f"{inventory_file} lists no GPUs"
+
+    def from_host() -> tuple[Server, str | None]:
+        facts = read_nvml()
+        try:
+            modes = detect_runtime_modes(runner.info())
+        except docker.errors.DockerException as exc:
+            log.warning("cannot read docker info: %s", exc)
+            modes = []
+        return build_server(name, facts, modes), facts.reason
+
+    return from_file if inventory_file is not None else from_host
+
+
+def server_name(explicit: str | None, inventory_file: Path | None) -> str:
+    """--name, else the inventory file's server name, else the host name."""
+    if explicit:
+        return explicit
+    if inventory_file is not None:
+        return load_server_file(inventory_file).name
+    return socket.gethostname()
+
+
+async def _main(args: argparse.Namespace, token: str) -> int:
+    name = server_name(args.name, args.inventory_file)
+    runner = DockerRunner.from_env(name, args.docker_host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    settings = AgentSettings(
+        name=name, poll_timeout=args.poll_timeout, heartbeat=args.heartbeat, gpu_mode=args.gpu_mode
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            agent = Agent(
+                settings,
+                ServiceClient(args.service, token, session),
+                runner,
+                make_discovery(name, runner, args.inventory_file),
+            )
+            await agent.run(stop)
+    finally:
+        runner.client.close()
+    log.info("agent %s stopped", name)
+    return 0
+
+
+def run_agent(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        print(f"gpubadge agent: no token; pass --token or set {TOKEN_ENV}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, token))
+    except docker.errors.DockerException as exc:
+        print(f"gpubadge agent: cannot reach the Docker engine: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"gpubadge agent: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_agent(sys.argv[1:]))

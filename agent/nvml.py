@@ -1,0 +1,130 @@
+"""NVML -> the GPU facts placement needs (nvidia-ml-py, imported as `pynvml`).
+
+The NVML module is a parameter so tests can hand in a stand-in; by default the real
+`pynvml` is imported. NVML missing, failing or seeing no GPUs is not an error: the
+server registers as a CPU server, and `NvmlFacts.reason` says why in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from placement.inventory import Gpu
+
+log = logging.getLogger(__name__)
+
+# nvmlBrandType_t -> the brand strings libnvidia-container compares `brand=` requirements with
+# (src/driver.c @63d366ee). The enum numbers are NVML's C ABI, so they are spelled out here.
+_BRANDS: dict[int, str] = {
+    1: "Quadro",
+    2: "Tesla",
+    3: "NVS",
+    4: "GRID",
+    5: "GeForce",
+    6: "TITAN",
+    7: "VApps",
+    8: "VPC",
+    9: "VCS",
+    10: "VWS",
+    11: "CloudGaming",
+    12: "QuadroRTX",
+    13: "NvidiaRTX",
+    14: "Nvidia",
+    15: "GeForceRTX",
+    16: "TitanRTX",
+}
+_MIG_ENABLED = 1
+_MIB = 1024 * 1024
+
+
+def brand_name(brand: int) -> str:
+    """NVML brand enum -> the runtime's brand name; anything unlisted is `Unknown`, as in the runtime."""
+    return _BRANDS.get(int(brand), "Unknown")
+
+
+def format_cuda_version(version: int) -> str:
+    """12020 -> "12.2", formatted exactly as libnvidia-container does (major v/1000, minor v%100/10)."""
+    return f"{version // 1000}.{version % 100 // 10}"
+
+
+@dataclass(frozen=True)
+class NvmlFacts:
+    """What NVML said; `reason` is set (and `gpus` empty) when this host has no usable GPU."""
+
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    gpus: list[Gpu] = field(default_factory=list)
+    reason: str | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _import_pynvml() -> Any:
+    return importlib.import_module("pynvml")
+
+
+def _mig_enabled(nvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:
+        return False  # NOT_SUPPORTED on GPUs without MIG
+    return bool(current == _MIG_ENABLED)
+
+
+def _cuda_driver_version(nvml: Any) -> str | None:
+    getter = getattr(nvml, "nvmlSystemGetCudaDriverVersion_v2", None) or nvml.nvmlSystemGetCudaDriverVersion
+    try:
+        return format_cuda_version(int(getter()))
+    except nvml.NVMLError as exc:
+        log.warning("NVML could not report the driver's CUDA version: %s", exc)
+        return None
+
+
+def _read_gpu(nvml: Any, index: int) -> Gpu:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return Gpu(
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        brand=brand_name(nvml.nvmlDeviceGetBrand(handle)),
+        memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+        compute_capability=f"{major}.{minor}",
+        mig=_mig_enabled(nvml, handle),
+    )
+
+
+def read_nvml(nvml: Any | None = None) -> NvmlFacts:
+    """Ask NVML for the driver and every GPU. Never raises for a host without NVIDIA hardware."""
+    if nvml is None:
+        try:
+            nvml = _import_pynvml()
+        except ImportError as exc:
+            return NvmlFacts(reason=f"nvidia-ml-py (pynvml) is not installed: {exc}")
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return NvmlFacts(reason=f"NVML is not available: {exc}")
+    try:
+        driver = _text(nvml.nvmlSystemGetDriverVersion())
+        cuda = _cuda_driver_version(nvml)
+        count = int(nvml.nvmlDeviceGetCount())
+        gpus: list[Gpu] = []
+        for index in range(count):
+            try:
+                gpus.append(_read_gpu(nvml, index))
+            except nvml.NVMLError as exc:
+                log.warning("skipping GPU %d: NVML error: %s", index, exc)
+        reason = None if gpus else f"NVML (driver {driver}) found no usable GPU"
+        return NvmlFacts(driver_version=driver, cuda_driver_version=cuda, gpus=gpus, reason=reason)
+    except nvml.NVMLError as exc:
+        return NvmlFacts(reason=f"NVML failed: {exc}")
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()

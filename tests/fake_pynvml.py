@@ -1,0 +1,101 @@
+"""STAND-IN for the `pynvml` module (nvidia-ml-py), for tests only.
+
+`FakeNvml` answers the NVML calls agent/nvml.py makes, from a list of `FakeGpu`s,
+with NVML's own conventions: brand enum numbers, memory in bytes, CUDA version as
+an int (12020), MIG mode as [current, pending], NVMLError for unsupported queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_GPU_IS_LOST = 15
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return {
+            NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+            NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+            NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+        }.get(self.value, f"NVML error {self.value}")
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str
+    brand: int
+    memory_bytes: int
+    compute_capability: tuple[int, int]
+    mig_mode: tuple[int, int] | None = None  # None: MIG not supported
+    lost: bool = False
+
+
+@dataclass
+class FakeNvml:
+    gpus: list[FakeGpu] = field(default_factory=list)
+    driver_version: str = "535.104.05"
+    cuda_version: int = 12020
+    init_error: int | None = None
+    calls: list[str] = field(default_factory=list)
+    NVMLError: type[NVMLError] = NVMLError
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+        if self.init_error is not None:
+            raise NVMLError(self.init_error)
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return self.cuda_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        gpu = self.gpus[index]
+        if gpu.lost:
+            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
+        return handle.uuid
+
+    def nvmlDeviceGetName(self, handle: FakeGpu) -> bytes:
+        return handle.name.encode()  # older nvidia-ml-py returned bytes
+
+    def nvmlDeviceGetBrand(self, handle: FakeGpu) -> int:
+        return handle.brand
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu) -> Any:
+        return SimpleNamespace(total=handle.memory_bytes, free=handle.memory_bytes, used=0)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGpu) -> tuple[int, int]:
+        return handle.compute_capability
+
+    def nvmlDeviceGetMigMode(self, handle: FakeGpu) -> list[int]:
+        if handle.mig_mode is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return list(handle.mig_mode)
+
+
+def h100(uuid: str = "GPU-11111111-2222-3333-4444-555555555555") -> FakeGpu:
+    return FakeGpu(uuid, "NVIDIA H100 80GB HBM3", 2, 81559 * 1024 * 1024, (9, 0), mig_mode=(0, 0))
+
+
+def a100_mig(uuid: str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee") -> FakeGpu:
+    return FakeGpu(uuid, "NVIDIA A100-SXM4-40GB", 2, 40960 * 1024 * 1024, (8, 0), mig_mode=(1, 1))

@@ -1,0 +1,131 @@
+"""NVML discovery and host assembly, against the pynvml stand-in (tests/fake_pynvml.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.host import build_server, detect_runtime_modes, load_server_file
+from agent.main import make_discovery
+from agent.nvml import brand_name, format_cuda_version, read_nvml
+from tests.fake_pynvml import NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, a100_mig, h100
+
+
+def test_h100_and_a100_mig() -> None:
+    nvml = FakeNvml(gpus=[h100(), a100_mig()], driver_version="535.104.05", cuda_version=12020)
+    facts = read_nvml(nvml)
+    assert facts.reason is None
+    assert facts.driver_version == "535.104.05"
+    assert facts.cuda_driver_version == "12.2"
+    first, second = facts.gpus
+    assert (first.index, first.uuid, first.name) == (0, h100().uuid, "NVIDIA H100 80GB HBM3")
+    assert (first.brand, first.memory_mib, first.compute_capability, first.mig) == (
+        "Tesla",
+        81559,
+        "9.0",
+        False,
+    )
+    assert (second.index, second.compute_capability, second.memory_mib, second.mig) == (1, "8.0", 40960, True)
+    assert nvml.calls == ["init", "shutdown"]
+
+
+def test_gpu_without_mig_support_and_a_lost_gpu() -> None:
+    geforce = FakeGpu("GPU-g", "NVIDIA GeForce RTX 4090", 15, 24564 * 1024 * 1024, (8, 9), mig_mode=None)
+    lost = FakeGpu("GPU-lost", "gone", 2, 0, (8, 0), lost=True)
+    facts = read_nvml(FakeNvml(gpus=[geforce, lost]))
+    assert [(g.uuid, g.brand, g.mig) for g in facts.gpus] == [("GPU-g", "GeForceRTX", False)]
+
+
+def test_no_gpus_is_a_cpu_server_with_a_reason() -> None:
+    facts = read_nvml(FakeNvml(gpus=[]))
+    assert facts.gpus == []
+    assert facts.reason is not None and "no usable GPU" in facts.reason
+    server = build_server("cpu1", facts, ["runtime"], arch="x86_64", cpus=4, memory=1024)
+    assert (server.arch, server.gpus, server.runtime_modes, server.driver_version) == ("amd64", [], [], None)
+
+
+def test_nvml_library_missing() -> None:
+    facts = read_nvml(FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND))
+    assert facts.gpus == [] and facts.reason == "NVML is not available: NVML Shared Library Not Found"
+
+
+def test_pynvml_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    facts = read_nvml()
+    assert facts.gpus == [] and facts.reason is not None and "not installed" in facts.reason
+
+
+@pytest.mark.parametrize(
+    ("brand", "name"),
+    [
+        (1, "Quadro"),
+        (2, "Tesla"),
+        (5, "GeForce"),
+        (11, "CloudGaming"),
+        (16, "TitanRTX"),
+        (0, "Unknown"),
+        (17, "Unknown"),
+    ],
+)
+def test_brand_names_follow_the_runtime(brand: int, name: str) -> None:
+    assert brand_name(brand) == name
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"), [(12020, "12.2"), (11080, "11.8"), (13000, "13.0"), (12090, "12.9")]
+)
+def test_cuda_version_format(raw: int, text: str) -> None:
+    assert format_cuda_version(raw) == text
+
+
+def test_runtime_modes(tmp_path: Path) -> None:
+    nothing = lambda _name: None  # noqa: E731
+    assert detect_runtime_modes({"Runtimes": {"runc": {}}}, nothing, []) == []
+    assert detect_runtime_modes({"Runtimes": {"runc": {}, "nvidia": {}}}, nothing, []) == [
+        "runtime",
+        "device-requests",
+    ]
+    hook = lambda name: "/usr/bin/x" if name == "nvidia-container-runtime-hook" else None  # noqa: E731
+    assert detect_runtime_modes({"Runtimes": {}}, hook, []) == ["device-requests"]
+    (tmp_path / "other.yaml").write_text("cdiVersion: 0.5.0\nkind: vendor.com/device\n")
+    assert detect_runtime_modes({"CDISpecDirs": [str(tmp_path)]}, nothing) == []
+    (tmp_path / "nvidia.json").write_text(
+        json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": []})
+    )
+    assert detect_runtime_modes({"CDISpecDirs": [str(tmp_path)]}, nothing) == ["cdi"]
+
+
+def test_inventory_file_overrides_discovery(tmp_path: Path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text(
+        "name: from-file\narch: x86_64\nmemory: 64Gi\nruntime_modes: [runtime]\n"
+        "gpus:\n  - {index: 0, uuid: GPU-1, name: NVIDIA L4, compute_capability: '8.9'}\n"
+    )
+    server = load_server_file(path)
+    assert (server.name, server.arch, server.memory, server.source) == (
+        "from-file",
+        "amd64",
+        64 * 1024**3,
+        "agent",
+    )
+    assert load_server_file(path, name="override").name == "override"
+    as_json = tmp_path / "server.json"
+    as_json.write_text(json.dumps({"servers": [{"name": "j", "gpus": []}]}))
+    assert load_server_file(as_json).name == "j"
+
+
+def test_host_discovery_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real discovery wiring with NVML absent: a CPU server, and the reason to log."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+
+    class NoDocker:
+        def info(self) -> dict[str, object]:
+            return {"Runtimes": {"runc": {}}}
+
+    discover = make_discovery("box", NoDocker(), None)  # type: ignore[arg-type]
+    server, reason = discover()
+    assert server.gpus == [] and server.name == "box" and server.cpus > 0 and server.memory > 0
+    assert reason is not None and "pynvml" in reason
