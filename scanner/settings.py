@@ -6,14 +6,15 @@ Precedence: explicit keyword arguments, then environment, then the config file, 
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
 CONFIG_ENV = "GPUBADGE_CONFIG"
@@ -43,7 +44,10 @@ class RegistryConfig(BaseModel):
 class ScannerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUBADGE_", env_nested_delimiter="__", extra="ignore")
 
-    registries: list[RegistryConfig] = Field(default_factory=list)
+    registries: Annotated[list[RegistryConfig], NoDecode] = Field(
+        default_factory=list,
+        description="allowed registries: host[:port],... or a JSON list of {host, mirror, insecure, ...}",
+    )
     docker_config: Path | None = Field(default_factory=default_docker_config)
     max_manifest_bytes: int = 4 * MiB
     max_config_bytes: int = 8 * MiB
@@ -59,6 +63,25 @@ class ScannerSettings(BaseSettings):
     max_redirects: int = 5
     credential_helper_timeout: float = 10.0
     docker_mirror: str | None = Field(default=None, description="host[:port] of a Docker Hub mirror")
+
+    @field_validator("registries", mode="before")
+    @classmethod
+    def _registries_from_text(cls, value: Any) -> Any:
+        """`GPUBADGE_REGISTRIES=a,b:5000` or a JSON list; bare host strings inside a list too."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(
+                        f"registries: not a JSON list ({exc.msg} at column {exc.colno})"
+                    ) from None
+            else:
+                value = [host.strip() for host in text.split(",") if host.strip()]
+        if isinstance(value, list):
+            return [{"host": item} if isinstance(item, str) else item for item in value]
+        return value
 
     def registry_config(self, host: str) -> RegistryConfig | None:
         """The configured entry for a registry name or API host, if any."""
