@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import posixpath
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import IO, Literal, Protocol, cast
 
@@ -410,10 +410,12 @@ async def iter_layer(
     max_decompressed: int,
     want: WantHead,
     stats: StreamStats | None = None,
-) -> AsyncIterator[tuple[TarEntry, bytes]]:
+    stop: Callable[[], bool] | None = None,
+) -> AsyncGenerator[tuple[TarEntry, bytes], None]:
     """Yield `(entry, head)` for each member of a layer blob; see the module docstring.
 
-    `stats.reached_end` is True only when the whole archive was parsed.
+    `stop()` is asked after every chunk, so a consumer can give up even in the middle of
+    one huge member. `stats.reached_end` is True only when the whole archive was parsed.
     """
     stats = stats if stats is not None else StreamStats()
     parser = TarParser(want)
@@ -446,6 +448,8 @@ async def iter_layer(
         ready.clear()
         if parser.done:
             stats.reached_end = True
+            return
+        if stop is not None and stop():
             return
     if decoder is None:
         if not sniff:

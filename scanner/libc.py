@@ -1,0 +1,582 @@
+"""Which C library an image's root filesystem carries, read top-down from its layers.
+
+The core is pure and incremental. Layers are fed **top layer first**; each contributes a
+`LayerEvidence` (a small, serialisable summary: the relevant files, symlinks, whiteouts and
+opaque dirs it holds, the ELF interpreters of the binaries that matter, os-release). The
+merged view follows OCI overlay rules: an upper layer's entry shadows lower ones, a
+`.wh.name` whiteout or a `.wh..wh..opq` opaque dir hides lower content, and a non-directory
+hides everything a lower layer has beneath it.
+
+Decisive evidence, strongest first:
+1. the ELF interpreter (PT_INTERP) of `/bin/sh`, or of another common binary
+   (`/usr/bin/env`, `/bin/busybox`, `/bin/bash`, python3, ...), after following symlinks
+   (`/bin/sh -> busybox`, usrmerge `/bin -> usr/bin`) through the merged view:
+   `ld-musl-*` => musl, `ld-linux*`/`ld64.so.*` => glibc. This decides as soon as it is
+   known, so a scan stops reading mid-layer.
+2. after every layer is read, the per-architecture loaders (`ld-linux-*.so.*`, `ld64.so.*`,
+   `ld-musl-*.so.1` in /lib, /lib64, /usr/lib, /lib/<triplet>, ...; symlinks count): glibc
+   if a glibc loader is present (with `musl_also` when a musl one is too), else musl.
+3. no interpreter and no loader anywhere => `none` (scratch, static binaries).
+`unknown` when not every layer could be read, or a probed binary's ELF header is unreadable.
+`musl_also` reflects the layers read before the verdict was decided.
+
+How the orchestrator drives it (per platform image):
+
+    analysis = LibcAnalysis(arch, layers_total=len(layers))
+    for layer in layers_top_down:
+        if analysis.decided:
+            break
+        cached = cache.get(layer.digest)                      # LayerEvidence JSON, by digest
+        if cached is not None and analysis.layer_from_cache(cached):
+            continue                                           # False: partial and not enough
+        evidence = await analyse_layer(analysis, chunks, media_type, max_decompressed=...)
+        cache.put(layer.digest, evidence)                      # prefer complete over partial
+    verdict = analysis.verdict(bytes_read=..., bytes_total=...)
+
+`analyse_layer` is the only async part: it streams the blob through `scanner.tarstream`
+and stops pulling bytes once `analysis.decided`. Errors from the stream (CorruptLayer,
+LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
+`verdict()` stays truthful (`unknown` unless already decided). `combine()` is the pure
+one-shot form over cached evidences.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from scanner.elf import ElfInfo, parse_elf
+from scanner.models import LibcFlavour, LibcVerdict
+from scanner.tarstream import EntryKind, StreamStats, TarEntry, iter_layer
+
+EVIDENCE_SCHEMA = 1
+HEAD_BYTES = 4096
+OS_RELEASE_BYTES = 16384
+MAX_SYMLINK_HOPS = 40
+DISTRO_BUDGET = 4 << 20  # compressed bytes read past the decision while looking for os-release
+
+BIN_DIRS = frozenset({"/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"})
+# Binaries whose interpreter names the system libc; /bin/sh first (uv's order, plus multi-call tools).
+PROBES = (
+    "/bin/sh",
+    "/usr/bin/env",
+    "/bin/busybox",
+    "/bin/bash",
+    "/bin/dash",
+    "/usr/bin/python3",
+    "/usr/local/bin/python3",
+    "/bin/ls",
+    "/usr/bin/perl",
+)
+_PROBE_NAME = re.compile(
+    r"^(sh|bash|dash|ash|zsh|mksh|busybox|toybox|coreutils|env|ls|perl|python3?(\.\d+)?)$"
+)
+OS_RELEASE_PATHS = ("/etc/os-release", "/usr/lib/os-release")
+_ANCESTORS = frozenset(
+    {"/", "/etc", "/usr", "/usr/local"}
+    | BIN_DIRS
+    | {"/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32"}
+)
+_LIB_DIR = re.compile(r"^(/usr)?/lib(32|64|x32)?(/[^/]+-linux-[^/]+)?$")
+_TRIPLET_DIR = re.compile(r"^(/usr)?/lib/[^/]+-linux-[^/]+$")
+_GLIBC_LOADER = re.compile(r"^(ld-linux[^/]*\.so\.\d+|ld64\.so\.\d+)$")
+_MUSL_LOADER = re.compile(r"^ld-musl-[^/]+\.so\.1$")
+# Substrings of loader names that belong to each Docker architecture (used to pick the evidence).
+_ARCH_HINTS: dict[str, tuple[str, ...]] = {
+    "amd64": ("x86-64", "x86_64"),
+    "arm64": ("aarch64",),
+    "arm": ("armhf", "ld-linux.so.3", "musl-arm"),
+    "386": ("ld-linux.so.2", "i386"),
+    "ppc64le": ("ld64.so.2", "powerpc64le"),
+    "s390x": ("ld64.so.1", "s390x"),
+    "riscv64": ("riscv64",),
+    "loong64": ("loongarch",),
+}
+
+Lookup = Literal["found", "absent", "unknown"]
+
+
+def classify_interpreter(path: str) -> Literal["glibc", "musl"] | None:
+    """The libc an ELF interpreter path names, or None for anything else."""
+    name = posixpath.basename(path)
+    if name.startswith("ld-musl-"):
+        return "musl"
+    if _GLIBC_LOADER.match(name):
+        return "glibc"
+    return None
+
+
+def loader_flavour(path: str) -> Literal["glibc", "musl"] | None:
+    """glibc/musl when `path` is a dynamic loader in a library directory."""
+    directory, name = posixpath.split(path)
+    if not _LIB_DIR.match(directory):
+        return None
+    if _MUSL_LOADER.match(name):
+        return "musl"
+    if _GLIBC_LOADER.match(name):
+        return "glibc"
+    return None
+
+
+def parse_os_release(text: str) -> str | None:
+    """PRETTY_NAME, else `ID VERSION_ID`, else NAME, from os-release text."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, equals, value = line.strip().partition("=")
+        if not equals or not key or key.startswith("#"):
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        values[key] = re.sub(r"\\(.)", r"\1", value)
+    if values.get("PRETTY_NAME"):
+        return values["PRETTY_NAME"]
+    if values.get("ID"):
+        return " ".join(v for v in (values["ID"], values.get("VERSION_ID", "")) if v)
+    return values.get("NAME") or None
+
+
+def _ancestors(path: str) -> Iterable[str]:
+    """Strict ancestors of an absolute path, nearest first, ending with `/`."""
+    while path != "/":
+        path = posixpath.dirname(path)
+        yield path
+
+
+def _is_probe(path: str) -> bool:
+    directory, name = posixpath.split(path)
+    return directory in BIN_DIRS and bool(_PROBE_NAME.match(name))
+
+
+def _relevant(path: str) -> bool:
+    return (
+        path in _ANCESTORS
+        or bool(_TRIPLET_DIR.match(path))
+        or _is_probe(path)
+        or loader_flavour(path) is not None
+        or path in OS_RELEASE_PATHS
+    )
+
+
+class PathRecord(BaseModel):
+    """One relevant entry of a layer.
+
+    `target`: a symlink's target as stored, or the member a hardlink names. `probed`: the
+    file's head was read; then `elf` is its ELF header (None: not ELF, e.g. a script).
+    """
+
+    kind: EntryKind
+    target: str | None = None
+    probed: bool = False
+    elf: ElfInfo | None = None
+    os_release: str | None = None
+
+
+class LayerEvidence(BaseModel):
+    """What one layer contributes to the libc verdict; cacheable by layer digest."""
+
+    schema_version: int = EVIDENCE_SCHEMA
+    complete: bool = Field(default=False, description="the layer was read to its end")
+    entries: dict[str, PathRecord] = Field(default_factory=dict)
+    whiteouts: list[str] = Field(default_factory=list, description="paths deleted from lower layers")
+    opaque_dirs: list[str] = Field(default_factory=list, description="dirs whose lower content is hidden")
+
+
+@dataclass
+class _Layer:
+    entries: dict[str, PathRecord] = field(default_factory=dict)
+    whiteouts: set[str] = field(default_factory=set)
+    opaque: set[str] = field(default_factory=set)
+    complete: bool = False
+
+    @classmethod
+    def from_evidence(cls, evidence: LayerEvidence) -> _Layer:
+        return cls(
+            dict(evidence.entries), set(evidence.whiteouts), set(evidence.opaque_dirs), evidence.complete
+        )
+
+    def evidence(self) -> LayerEvidence:
+        return LayerEvidence(
+            complete=self.complete,
+            entries=dict(self.entries),
+            whiteouts=sorted(self.whiteouts),
+            opaque_dirs=sorted(self.opaque),
+        )
+
+    def hides_lower(self, path: str) -> bool:
+        """True when this layer hides `path` of the layers below it."""
+        if path in self.whiteouts:
+            return True
+        for ancestor in _ancestors(path):
+            if ancestor in self.whiteouts or ancestor in self.opaque:
+                return True
+            record = self.entries.get(ancestor)
+            if record is not None and record.kind != "dir":
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class _Decision:
+    flavour: Literal["glibc", "musl"]
+    evidence: str
+
+
+class LayerCollector:
+    """Builds one layer's evidence from its tar entries. Get one from `LibcAnalysis.begin_layer`."""
+
+    def __init__(self, analysis: LibcAnalysis, layer: _Layer) -> None:
+        self._analysis = analysis
+        self._layer = layer
+        self._bin_elves: dict[str, ElfInfo | None] = {}  # every probed file of this layer, transient
+        self._wanted: set[str] = set()  # symlink targets of probes not seen yet
+        self._finished = False
+
+    def wants(self, entry: TarEntry) -> int:
+        """How many leading content bytes of `entry` to read (0: none)."""
+        if entry.kind != "file":
+            return 0
+        if entry.path in OS_RELEASE_PATHS:
+            return OS_RELEASE_BYTES
+        if posixpath.dirname(entry.path) in BIN_DIRS or entry.path in self._wanted:
+            return HEAD_BYTES
+        return 0
+
+    def add(self, entry: TarEntry, head: bytes) -> None:
+        if self._finished:
+            raise RuntimeError("layer already finished")
+        path = entry.path
+        directory, name = posixpath.split(path)
+        if name.startswith(".wh."):
+            self._add_whiteout(directory, name)
+            return
+        elf: ElfInfo | None = None
+        probed = bool(head) or (entry.kind == "file" and self.wants(entry) > 0)
+        if entry.kind == "file" and probed:
+            elf = parse_elf(head)
+            self._bin_elves[path] = elf
+        wanted = path in self._wanted
+        if not (_relevant(path) or wanted):
+            return
+        record = PathRecord(kind=entry.kind, probed=probed and entry.kind == "file", elf=elf)
+        if entry.kind == "symlink":
+            record.target = entry.linkname
+            self._want_target(path, entry.linkname)
+        elif entry.kind == "hardlink":
+            record.target = entry.linkname
+            if entry.linkname in self._bin_elves:  # tar puts a hardlink after its target
+                record.probed, record.elf = True, self._bin_elves[entry.linkname]
+        if path in OS_RELEASE_PATHS and entry.kind == "file":
+            record.os_release = parse_os_release(head.decode("utf-8", "replace"))
+        self._wanted.discard(path)
+        self._layer.entries[path] = record
+        self._analysis._changed()
+
+    def _add_whiteout(self, directory: str, name: str) -> None:
+        if name == ".wh..wh..opq":
+            if directory in _ANCESTORS or _TRIPLET_DIR.match(directory):
+                self._layer.opaque.add(directory)
+                self._analysis._changed()
+            return
+        hidden = posixpath.join(directory, name[len(".wh.") :])
+        if _relevant(hidden):
+            self._layer.whiteouts.add(hidden)
+            self._analysis._changed()
+
+    def _want_target(self, path: str, target: str) -> None:
+        """Remember where a probe's symlink points, so that file's head is read too."""
+        if not (_is_probe(path) or path in self._wanted) or not target:
+            return
+        absolute = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
+        if absolute in self._layer.entries:
+            return
+        if absolute in self._bin_elves:  # the target came first: record it now
+            self._layer.entries[absolute] = PathRecord(
+                kind="file", probed=True, elf=self._bin_elves[absolute]
+            )
+        else:
+            self._wanted.add(absolute)
+
+    def finish(self, complete: bool) -> LayerEvidence:
+        """Close the layer; `complete` says whether every entry was seen."""
+        if not self._finished:
+            self._finished = True
+            self._layer.complete = complete
+            self._analysis._end_layer()
+        return self._layer.evidence()
+
+
+class LibcAnalysis:
+    """Pure, incremental libc analysis over layers fed top-down. See the module docstring."""
+
+    def __init__(self, arch: str, layers_total: int) -> None:
+        self.arch = arch
+        self.layers_total = layers_total
+        self._layers: list[_Layer] = []
+        self._open: LayerCollector | None = None
+        self._dirty = True
+        self._decision: _Decision | None = None
+        self._distro_found: str | None = None
+
+    # -- feeding
+
+    def begin_layer(self) -> LayerCollector:
+        """Start streaming the next lower layer."""
+        if self._open is not None:
+            raise RuntimeError("finish the current layer before starting another")
+        layer = _Layer()
+        self._layers.append(layer)
+        self._open = LayerCollector(self, layer)
+        self._changed()
+        return self._open
+
+    def layer_from_cache(self, evidence: LayerEvidence) -> bool:
+        """Use cached evidence for the next lower layer.
+
+        Returns False (and changes nothing) when the evidence cannot be used: another
+        schema, or a partial layer that does not decide the verdict for this image; the
+        caller then streams the layer instead.
+        """
+        if self._open is not None:
+            raise RuntimeError("finish the current layer before adding another")
+        if evidence.schema_version != EVIDENCE_SCHEMA:
+            return False
+        self._layers.append(_Layer.from_evidence(evidence))
+        self._changed()
+        if evidence.complete or self.decided:
+            return True
+        self._layers.pop()
+        self._changed()
+        return False
+
+    def _changed(self) -> None:
+        self._dirty = True
+
+    def _end_layer(self) -> None:
+        self._open = None
+        self._changed()
+
+    # -- state
+
+    @property
+    def layers_read(self) -> int:
+        return len(self._layers)
+
+    @property
+    def all_read(self) -> bool:
+        """Every layer was seen to its end: nothing more can change the verdict."""
+        return (
+            self._open is None
+            and len(self._layers) >= self.layers_total
+            and all(layer.complete for layer in self._layers)
+        )
+
+    @property
+    def decided(self) -> bool:
+        """True when reading further layers (or further into this one) cannot change the flavour."""
+        return self._current_decision() is not None or self.all_read
+
+    @property
+    def distro_known(self) -> bool:
+        """os-release was found in the merged view read so far."""
+        self._current_decision()
+        return self._distro_found is not None
+
+    def _current_decision(self) -> _Decision | None:
+        if self._dirty:
+            self._decision = self._decide()
+            self._distro_found = self._distro()
+            self._dirty = False
+        return self._decision
+
+    # -- the merged view
+
+    def _lookup(self, path: str) -> tuple[Lookup, PathRecord | None]:
+        for layer in self._layers:
+            record = layer.entries.get(path)
+            if record is not None:
+                return "found", record
+            if layer.hides_lower(path):
+                return "absent", None
+            if not layer.complete:
+                return "unknown", None
+        return ("absent" if len(self._layers) >= self.layers_total else "unknown"), None
+
+    def _resolve(self, path: str) -> tuple[Lookup, str, PathRecord | None]:
+        """Follow symlinks component by component through the merged view."""
+        current = "/"
+        remaining = [part for part in path.split("/") if part]
+        hops = 0
+        while remaining:
+            part = remaining.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                current = posixpath.dirname(current)
+                continue
+            candidate = posixpath.join(current, part)
+            status, record = self._lookup(candidate)
+            if record is not None and record.kind == "symlink" and record.target:
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    return "absent", candidate, None
+                if record.target.startswith("/"):
+                    current = "/"
+                remaining = [p for p in record.target.split("/") if p] + remaining
+                continue
+            if not remaining:
+                if record is not None and record.kind == "hardlink" and not record.probed and record.target:
+                    hops += 1
+                    if hops > MAX_SYMLINK_HOPS:
+                        return "absent", candidate, None
+                    current, remaining = "/", [p for p in record.target.split("/") if p]
+                    continue
+                return status, candidate, record
+            if record is not None and record.kind != "dir":
+                return "absent", candidate, None  # a file where a directory should be
+            current = candidate  # a directory, explicit or implied by its children
+        return "found", current, None
+
+    def _decide(self) -> _Decision | None:
+        for probe in PROBES:
+            status, final, record = self._resolve(probe)
+            if status != "found" or record is None or record.elf is None:
+                continue
+            interpreter = record.elf.interpreter
+            flavour = classify_interpreter(interpreter) if interpreter is not None else None
+            if flavour is None:
+                continue
+            shown = probe if final == probe else f"{probe} -> {final}"
+            return _Decision(flavour, f"{shown}: ELF interpreter {interpreter}")
+        return None
+
+    def _visible_loaders(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {"glibc": [], "musl": []}
+        for layer in self._layers:
+            for path, record in layer.entries.items():
+                flavour = loader_flavour(path)
+                if flavour is None or record.kind in ("dir", "other"):
+                    continue
+                status, visible = self._lookup(path)
+                if status == "found" and visible is record:
+                    found[flavour].append(path)
+        hints = _ARCH_HINTS.get(self.arch, ())
+        for paths in found.values():
+            paths.sort(key=lambda p: (not any(h in posixpath.basename(p) for h in hints), p))
+        return found
+
+    def _unreadable_probe(self) -> str | None:
+        for probe in PROBES:
+            status, final, record = self._resolve(probe)
+            if status == "found" and record is not None and record.elf is not None and record.elf.error:
+                return f"{final}: unreadable ELF header ({record.elf.error})"
+        return None
+
+    def _distro(self) -> str | None:
+        for path in OS_RELEASE_PATHS:
+            status, _, record = self._resolve(path)
+            if status == "found" and record is not None and record.os_release:
+                return record.os_release
+        return None
+
+    def verdict(self, *, bytes_read: int = 0, bytes_total: int = 0) -> LibcVerdict:
+        """The verdict from what has been fed so far (`unknown` if undecided and unfinished)."""
+        decision = self._current_decision()
+        loaders = self._visible_loaders()
+        flavour: LibcFlavour
+        musl_also = False
+        if decision is not None:
+            flavour, evidence = decision.flavour, decision.evidence
+            musl_also = flavour == "glibc" and bool(loaders["musl"])
+            if flavour == "musl" and loaders["glibc"]:
+                evidence += f" (glibc loader {loaders['glibc'][0]} also present)"
+        elif not self.all_read:
+            flavour, evidence = "unknown", "not every layer could be read"
+        elif loaders["glibc"]:
+            flavour, evidence = "glibc", f"loader {loaders['glibc'][0]}"
+            if loaders["musl"]:
+                musl_also = True
+                evidence += f" (musl loader {loaders['musl'][0]} also present)"
+        elif loaders["musl"]:
+            flavour, evidence = "musl", f"loader {loaders['musl'][0]}"
+        elif (unreadable := self._unreadable_probe()) is not None:
+            flavour, evidence = "unknown", unreadable
+        else:
+            flavour, evidence = "none", "no ELF interpreter or C library loader in any layer"
+        return LibcVerdict(
+            flavour=flavour,
+            evidence=evidence,
+            distro=self._distro_found,
+            musl_also=musl_also,
+            layers_read=self.layers_read,
+            layers_total=self.layers_total,
+            bytes_read=bytes_read,
+            bytes_total=bytes_total,
+        )
+
+
+def combine(
+    evidences_top_down: Iterable[LayerEvidence], arch: str = "amd64", layers_total: int | None = None
+) -> LibcVerdict:
+    """The verdict from already-built layer evidences (top layer first), e.g. all from cache."""
+    evidences = list(evidences_top_down)
+    analysis = LibcAnalysis(arch, layers_total if layers_total is not None else len(evidences))
+    for evidence in evidences:
+        if analysis.decided:
+            break
+        analysis._layers.append(_Layer.from_evidence(evidence))
+        analysis._changed()
+    return analysis.verdict()
+
+
+async def analyse_layer(
+    analysis: LibcAnalysis,
+    chunks: AsyncIterator[bytes],
+    media_type: str,
+    *,
+    max_decompressed: int,
+    distro_budget: int = DISTRO_BUDGET,
+    stats: StreamStats | None = None,
+) -> LayerEvidence:
+    """Stream one layer into `analysis`, stopping as soon as the verdict is decided.
+
+    Once decided, it reads on for os-release only while the distro is unknown and at most
+    `distro_budget` more compressed bytes (cheap in a base layer, never a whole big layer).
+    Returns the layer's evidence (`complete=False` when it stopped early). Stream errors
+    propagate after the partial evidence is recorded as incomplete.
+    """
+    stats = stats if stats is not None else StreamStats()
+    collector = analysis.begin_layer()
+    decided_at: int | None = None
+
+    def over_budget() -> bool:
+        return decided_at is not None and stats.compressed_bytes - decided_at > distro_budget
+
+    try:
+        entries = iter_layer(
+            chunks,
+            media_type,
+            max_decompressed=max_decompressed,
+            want=collector.wants,
+            stats=stats,
+            stop=over_budget,
+        )
+        async with aclosing(entries):
+            async for entry, head in entries:
+                collector.add(entry, head)
+                if not analysis.decided:
+                    continue
+                if decided_at is None:
+                    decided_at = stats.compressed_bytes
+                if analysis.distro_known or over_budget():
+                    break
+    except BaseException:
+        collector.finish(complete=False)
+        raise
+    return collector.finish(complete=stats.reached_end)
