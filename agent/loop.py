@@ -49,6 +49,7 @@ class AgentSettings:
     gpu_mode: GpuMode = "auto"
     retry_max: float = 10.0  # longest back-off between attempts to reach the service
     shutdown_grace: float = 20.0  # how long in-flight deployment work may finish on shutdown
+    stop_timeout: int = 10  # seconds between SIGTERM and SIGKILL when a deployment is stopped
 
 
 class Agent:
@@ -278,7 +279,11 @@ class Agent:
                     deployment.id, DeploymentStatus(state="stopped", reason="no container was running")
                 )
                 return
-            view = existing if existing.finished else await asyncio.to_thread(self.runner.stop, existing.id)
+            view = (
+                existing
+                if existing.finished
+                else await asyncio.to_thread(self.runner.stop, existing.id, self.settings.stop_timeout)
+            )
             await self._report_finished(view, "stopped")
         finally:
             self._stopping.discard(deployment.id)
@@ -316,16 +321,20 @@ class Agent:
             if view.finished:
                 self._spawn(self._container_died(view.id))
             else:
-                log.info("found running container %s for deployment %s", view.id[:12], view.deployment_id)
-                self._spawn(
-                    self._report_quietly(
-                        view.deployment_id, DeploymentStatus(state="running", container_id=view.id)
-                    )
-                )
+                log.info("found container %s for deployment %s", view.id[:12], view.deployment_id)
+                self._spawn(self._resume(view))
 
-    async def _report_quietly(self, deployment_id: str, status: DeploymentStatus) -> None:
-        async with self._lock(deployment_id):
-            await self._report(deployment_id, status)
+    async def _resume(self, view: ContainerView) -> None:
+        """A container from before the restart: start it if the agent died between create and
+        start, then tell the service it runs (with its container id)."""
+        async with self._lock(view.deployment_id):
+            if view.status == "created":
+                try:
+                    await asyncio.to_thread(self.runner.start, view.id)
+                except docker.errors.DockerException as exc:
+                    await self._fail_start(view.deployment_id, view.id, exc)
+                    return
+            await self._report(view.deployment_id, DeploymentStatus(state="running", container_id=view.id))
 
     async def _watch_docker_events(self) -> None:
         """Feed Docker `die` events into the loop; resubscribe (and rescan) if the stream breaks."""

@@ -209,6 +209,9 @@ class DockerRunner:
             container.start()
         return str(container.id)
 
+    def start(self, container_id: str) -> None:
+        self.client.api.start(container_id)
+
     def list_own(self) -> list[ContainerView]:
         """This server's deployment containers, running or not (found by label after a restart)."""
         containers = self.client.containers.list(

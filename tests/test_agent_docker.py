@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from agent.client import ServiceClient
 from agent.loop import Agent, AgentSettings
-from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner
+from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner, pull_reference
 from fixtures.busybox import busybox_image, busybox_unavailable_reason, gpu_busybox_image
 from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
 from fixtures.registry import LocalRegistry
@@ -36,6 +36,8 @@ from tests.conftest import Pusher
 pytestmark = pytest.mark.docker
 TOKEN = "agent-secret-token"
 UUIDS = ["GPU-11111111-2222-3333-4444-555555555555", "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"]
+# PID 1 ignores SIGTERM unless it traps it; this exits 143 at once when Docker stops it.
+TERMINABLE_SLEEP = "trap 'exit 143' TERM; sleep 300 & wait"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -199,7 +201,7 @@ async def test_stop_and_labels(
     service, url = peer
     async with running_agent(url, dockerd, gpu_server("stop-a", ["runtime"])):
         await service.add(
-            deployment("long-1", images["gpu"], [UUIDS[0]], ["sh", "-c", "echo started; exec sleep 300"])
+            deployment("long-1", images["gpu"], [UUIDS[0]], ["sh", "-c", f"echo started; {TERMINABLE_SLEEP}"])
         )
         running = await service.wait_state("long-1", "running")
         (container,) = own_containers(dockerd, "stop-a")
@@ -210,7 +212,8 @@ async def test_stop_and_labels(
         stopped = await service.wait_state("long-1", "stopped")
     # checked after the agent stopped: removal follows the accepted report, and shutdown lets it finish
     assert own_containers(dockerd, "stop-a") == []
-    assert stopped.logs == "started\n" and stopped.exit_code is not None
+    assert stopped.logs == "started\n" and stopped.exit_code == 143
+    assert stopped.reason == "stopped on request (exit code 143)"
     assert "exited" not in service.states("long-1")
 
 
@@ -289,7 +292,7 @@ async def test_restart_finds_its_container_and_sigterm_is_clean(
     inventory.write_text(json.dumps(gpu_server("restart-a", ["runtime"]).model_dump(mode="json")))
     first = await _agent_process(url, dockerd, inventory)
     try:
-        await service.add(deployment("keep-1", images["gpu"], [UUIDS[0]], ["sleep", "300"]))
+        await service.add(deployment("keep-1", images["gpu"], [UUIDS[0]], ["sh", "-c", TERMINABLE_SLEEP]))
         running = await service.wait_state("keep-1", "running")
     finally:
         first.kill()  # no chance to clean up: the container must survive and be found again
@@ -310,3 +313,35 @@ async def test_restart_finds_its_container_and_sigterm_is_clean(
             await second.wait()
     assert len(service.registrations) == 2 and service.registrations[1].gpus[0].uuid == UUIDS[0]
     assert service.states("keep-1") == ["pulling", "running", "running", "stopped"]
+
+
+async def test_containers_left_by_a_previous_agent_are_reported(
+    dockerd: LocalDockerd, images: dict[str, tuple[str, str]], peer: tuple[ProtocolPeer, str]
+) -> None:
+    """One exited while no agent ran, one was created but never started: both are picked up by label."""
+    service, url = peer
+    client = docker.DockerClient(base_url=dockerd.host)
+    reference = pull_reference(*images["cpu"])
+    client.images.pull(reference)
+
+    def leftover(dep_id: str, command: str) -> Any:
+        labels = {DEPLOYMENT_LABEL: dep_id, SERVER_LABEL: "left-a"}
+        return client.containers.create(reference, ["sh", "-c", command], labels=labels, network_mode="none")
+
+    exited = leftover("gone-1", "echo bye; exit 7")
+    exited.start()
+    assert exited.wait(timeout=30)["StatusCode"] == 7
+    created = leftover("late-1", f"echo late; {TERMINABLE_SLEEP}")
+    for dep_id in ("gone-1", "late-1"):
+        left = deployment(dep_id, images["cpu"], []).model_copy(update={"state": "running"})
+        await service.add(left)
+    async with running_agent(url, dockerd, gpu_server("left-a", ["runtime"])):
+        final = await service.wait_state("gone-1", "exited")
+        resumed = await service.wait_state("late-1", "running")
+        assert client.containers.get(created.id).status == "running"
+        await service.request_stop("late-1")
+        await service.wait_state("late-1", "stopped")
+    client.close()
+    assert (final.exit_code, final.logs, final.container_id) == (7, "bye\n", exited.id)
+    assert resumed.container_id == created.id
+    assert own_containers(dockerd, "left-a") == []
