@@ -128,6 +128,19 @@ class Scanner:
             )
             return _filter_platforms(reused, options.platform)
 
+        child = self.store.platform_report(digest) if self.store and not options.force else None
+        if child is not None and (options.config_only or child.libc.flavour != "unknown"):
+            # A platform of an index we already scanned (the child events of a multi-arch push).
+            return ImageReport(
+                reference=str(reference),
+                digest=digest,
+                platforms=[child],
+                registry=reference.registry,
+                repository=reference.repository,
+                tag=reference.tag,
+                cached=True,
+            )
+
         manifest = await self.client.manifest(reference, digest)
         if manifest.is_index:
             platforms = await self._scan_index(reference, manifest, options)

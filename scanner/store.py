@@ -48,6 +48,8 @@ CREATE TABLE IF NOT EXISTS reports (
 );
 CREATE INDEX IF NOT EXISTS reports_repo ON reports(registry, repository);
 CREATE INDEX IF NOT EXISTS reports_scanned ON reports(scanned_at);
+-- matches list_images' ORDER BY exactly, so deep pages skip rows in the index without a sort
+CREATE INDEX IF NOT EXISTS reports_order ON reports(scanned_at DESC, digest);
 CREATE TABLE IF NOT EXISTS platform_reports (
     digest TEXT PRIMARY KEY,
     report TEXT NOT NULL
@@ -94,7 +96,32 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, not_before);
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_key ON jobs(dedupe_key) WHERE state IN ('queued', 'running');
 CREATE INDEX IF NOT EXISTS jobs_reference ON jobs(reference, created_at);
+CREATE TABLE IF NOT EXISTS servers (
+    name TEXT PRIMARY KEY,
+    inventory TEXT NOT NULL,
+    registered_at TEXT NOT NULL,
+    last_heartbeat TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deployments (
+    id TEXT PRIMARY KEY,
+    server TEXT NOT NULL,
+    record TEXT NOT NULL,
+    state TEXT NOT NULL,
+    desired TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deployments_server ON deployments(server, state);
+CREATE TABLE IF NOT EXISTS reservations (
+    gpu_uuid TEXT PRIMARY KEY,
+    server TEXT NOT NULL,
+    deployment_id TEXT NOT NULL
+);
 """
+
+
+class GpuTaken(Exception):
+    """A GPU chosen for a deployment was reserved by another deployment first."""
 
 
 def _now() -> datetime:
@@ -218,6 +245,15 @@ class Store:
                 "INSERT OR REPLACE INTO platform_reports (digest, report) VALUES (?, ?)",
                 [(p.digest, p.model_dump_json()) for p in platforms],
             )
+            children = [p.digest for p in platforms if p.digest != report.digest]
+            if children:
+                # Platform manifests scanned on their own before their index arrived are not
+                # images of their own: the index report covers them.
+                marks = ",".join("?" * len(children))
+                conn.execute(
+                    f"DELETE FROM reports WHERE digest IN ({marks}) AND digest NOT IN (SELECT digest FROM tags)",
+                    children,
+                )
 
     def report(self, digest: str) -> ImageReport | None:
         with self._lock:
@@ -557,6 +593,124 @@ class Store:
         with self._lock:
             row = self.db.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
         return datetime.fromisoformat(row[0]) if row and row[0] else None
+
+    # ----------------------------------------------------------------- fleet
+    # Servers and deployments are stored as JSON documents: their shape belongs to
+    # placement/, which scanner/ must not import. Only the reservation is relational,
+    # because its primary key is what makes double-booking a GPU impossible.
+
+    def upsert_server(self, name: str, inventory_json: str) -> None:
+        now = _iso(_now())
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT INTO servers (name, inventory, registered_at, last_heartbeat) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET inventory = excluded.inventory,"
+                " last_heartbeat = excluded.last_heartbeat",
+                [name, inventory_json, now, now],
+            )
+
+    def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
+        """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            if inventory_json is None:
+                cursor = conn.execute("UPDATE servers SET last_heartbeat = ? WHERE name = ?", [now, name])
+            else:
+                cursor = conn.execute(
+                    "UPDATE servers SET last_heartbeat = ?, inventory = ? WHERE name = ?",
+                    [now, inventory_json, name],
+                )
+            return cursor.rowcount > 0
+
+    def servers(self) -> list[tuple[str, str, str]]:
+        """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name"
+            ).fetchall()
+        return [(row[0], row[1], row[2]) for row in rows]
+
+    def server_inventory(self, name: str) -> str | None:
+        with self._lock:
+            row = self.db.execute("SELECT inventory FROM servers WHERE name = ?", [name]).fetchone()
+        return row[0] if row else None
+
+    def reserved_gpus(self) -> dict[str, str]:
+        """GPU UUID -> deployment id, for every GPU currently reserved."""
+        with self._lock:
+            rows = self.db.execute("SELECT gpu_uuid, deployment_id FROM reservations").fetchall()
+        return {row[0]: row[1] for row in rows}
+
+    def create_deployment(
+        self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
+    ) -> None:
+        """Reserve `gpus` and record the deployment in one transaction, or raise GpuTaken."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            if gpus:
+                marks = ",".join("?" * len(gpus))
+                taken = conn.execute(
+                    f"SELECT gpu_uuid FROM reservations WHERE gpu_uuid IN ({marks})", list(gpus)
+                ).fetchall()
+                if taken:
+                    raise GpuTaken(", ".join(row[0] for row in taken))
+            conn.executemany(
+                "INSERT INTO reservations (gpu_uuid, server, deployment_id) VALUES (?, ?, ?)",
+                [(gpu, server, deployment_id) for gpu in gpus],
+            )
+            conn.execute(
+                "INSERT INTO deployments (id, server, record, state, desired, created_at, updated_at)"
+                " VALUES (?, ?, ?, 'pending', 'run', ?, ?)",
+                [deployment_id, server, record_json, now, now],
+            )
+
+    def deployment(self, deployment_id: str) -> tuple[str, str, str] | None:
+        """(record JSON, state, desired)."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT record, state, desired FROM deployments WHERE id = ?", [deployment_id]
+            ).fetchone()
+        return (row[0], row[1], row[2]) if row else None
+
+    def deployments(self, *, server: str | None = None, limit: int = 100) -> list[tuple[str, str, str]]:
+        clause, params = ("WHERE server = ?", [server]) if server else ("", [])
+        with self._lock:
+            rows = self.db.execute(
+                f"SELECT record, state, desired FROM deployments {clause} ORDER BY created_at DESC LIMIT ?",
+                [*params, limit],
+            ).fetchall()
+        return [(row[0], row[1], row[2]) for row in rows]
+
+    def update_deployment(
+        self,
+        deployment_id: str,
+        record_json: str,
+        *,
+        state: str,
+        desired: str | None = None,
+        release: bool = False,
+    ) -> None:
+        """Store a new state (and record); `release` frees the deployment's GPUs in the same step."""
+        with self._transaction() as conn:
+            conn.execute(
+                "UPDATE deployments SET record = ?, state = ?, desired = coalesce(?, desired), updated_at = ?"
+                " WHERE id = ?",
+                [record_json, state, desired, _iso(_now()), deployment_id],
+            )
+            if release:
+                conn.execute("DELETE FROM reservations WHERE deployment_id = ?", [deployment_id])
+
+    def actionable_deployments(self, server: str) -> list[tuple[str, str, str]]:
+        """Deployments the server's agent must act on: new ones to run, live ones to stop."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT record, state, desired FROM deployments WHERE server = ? AND ("
+                " (desired = 'run' AND state = 'pending') OR"
+                " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
+                " ORDER BY created_at",
+                [server],
+            ).fetchall()
+        return [(row[0], row[1], row[2]) for row in rows]
 
 
 _JOB_COLUMNS = "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at, updated_at"

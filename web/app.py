@@ -77,11 +77,14 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[SERVICES] = services
 
-    from web import api, ui
+    from web import api, fleet, ui
 
     api.setup_routes(app)
+    fleet.setup_routes(app)
     ui.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
+    if settings.agent_token is None and not settings.agent_tokens:
+        log.warning("GPUBADGE_AGENT_TOKEN is unset: any client may register servers")
     if not settings.registries:
         log.warning("GPUBADGE_REGISTRIES is unset: only Docker Hub and loopback registries will be contacted")
     return app

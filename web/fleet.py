@@ -1,0 +1,409 @@
+"""Servers, eligibility and deployments: the HTTP side of placement and of the node agents.
+
+The decision itself is placement's pure `decide`; this module only gathers its
+inputs (the image report, the request, the live inventory) and acts on its
+answer. Reserving GPUs is one store transaction whose primary key on the GPU
+UUID makes double-booking impossible; a deploy that loses that race decides
+again on the fresh inventory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, Field, ValidationError
+
+from placement.decide import Decision, ImageFacts, decide
+from placement.inventory import Server, load_inventory
+from placement.protocol import (
+    TERMINAL_STATES,
+    AgentDeployment,
+    DeploymentsResponse,
+    DeploymentState,
+    DeploymentStatus,
+    Heartbeat,
+    RegisterResponse,
+)
+from placement.request import DeployRequest
+from scanner.models import ImageReport
+from scanner.reference import ReferenceError, parse_reference
+from scanner.store import GpuTaken
+from web.api import bearer_token, find_report, require_api_token, services_of
+from web.app import Services, json_error
+
+log = logging.getLogger(__name__)
+
+MAX_POLL = 60.0
+RESERVE_ATTEMPTS = 5
+
+
+class Deployment(BaseModel):
+    """A deployment as the API shows it (`GET /api/deployments/{id}`)."""
+
+    id: str
+    image: str
+    digest: str
+    platform: str
+    server: str
+    gpus: list[str] = Field(default_factory=list)
+    gpu_required: bool = False
+    driver_capabilities: str | None = None
+    state: DeploymentState = "pending"
+    desired: str = "run"
+    exit_code: int | None = None
+    reason: str | None = None
+    logs: str | None = None
+    container_id: str | None = None
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    def for_agent(self) -> AgentDeployment:
+        return AgentDeployment(
+            id=self.id,
+            image=self.image,
+            digest=self.digest,
+            gpu_required=self.gpu_required,
+            gpus=self.gpus,
+            driver_capabilities=self.driver_capabilities,
+            desired="stop" if self.desired == "stop" else "run",
+            state=self.state,
+        )
+
+
+class FleetEvents:
+    """Wakes long-polling agents when a deployment for them appears or must stop."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait(self, timeout: float) -> None:
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+FLEET_EVENTS = web.AppKey("fleet_events", FleetEvents)
+STATIC_FLEET = web.AppKey("static_fleet", list[Server])
+
+
+# ------------------------------------------------------------------ inventory
+
+
+def live_servers(app: web.Application) -> list[Server]:
+    """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
+    services = services_of_app(app)
+    stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
+    reserved = services.store.reserved_gpus()
+    servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
+    for inventory, _, last_heartbeat in services.store.servers():
+        server = Server.model_validate_json(inventory)
+        seen = datetime.fromisoformat(last_heartbeat)
+        if seen < stale_before:
+            continue
+        servers[server.name] = server.model_copy(update={"last_heartbeat": seen, "source": "agent"})
+    result = []
+    for server in servers.values():
+        in_use = sorted({*server.gpus_in_use, *(gpu.uuid for gpu in server.gpus if gpu.uuid in reserved)})
+        result.append(server.model_copy(update={"gpus_in_use": in_use}))
+    return result
+
+
+def services_of_app(app: web.Application) -> Services:
+    from web.app import SERVICES
+
+    return app[SERVICES]
+
+
+def require_agent_token(request: web.Request, server_name: str | None = None) -> None:
+    """Agents present GPUBADGE_AGENT_TOKEN, or their own per-agent token."""
+    settings = services_of(request).settings
+    candidates = []
+    if server_name and server_name in settings.agent_tokens:
+        candidates.append(settings.agent_tokens[server_name].get_secret_value())
+    if settings.agent_token is not None:
+        candidates.append(settings.agent_token.get_secret_value())
+    if not candidates and not settings.agent_tokens:
+        return  # no agent token configured: open (logged at startup)
+    given = (bearer_token(request) or "").encode()
+    if not any(hmac.compare_digest(given, candidate.encode()) for candidate in candidates):
+        raise web.HTTPUnauthorized(
+            text='{"error": "a valid agent token is required (Authorization: Bearer <token>)"}',
+            content_type="application/json",
+        )
+
+
+async def list_servers(request: web.Request) -> web.Response:
+    servers = live_servers(request.app)
+    return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
+
+
+async def register_server(request: web.Request) -> web.Response:
+    try:
+        server = Server.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return json_error(400, f"invalid server: {_first_error(exc)}")
+    require_agent_token(request, server.name)
+    services = services_of(request)
+    stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
+    services.store.upsert_server(server.name, stored.model_dump_json())
+    log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
+    body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
+    return web.json_response(body.model_dump())
+
+
+async def server_heartbeat(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    require_agent_token(request, name)
+    services = services_of(request)
+    try:
+        beat = Heartbeat.model_validate_json(await request.read() or b"{}")
+    except ValidationError as exc:
+        return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
+    inventory = None
+    if beat.gpus is not None:
+        current = services.store.server_inventory(name)
+        if current is not None:
+            inventory = (
+                Server.model_validate_json(current).model_copy(update={"gpus": beat.gpus}).model_dump_json()
+            )
+    if not services.store.heartbeat(name, inventory):
+        return json_error(404, f"unknown server {name}; register again")
+    return web.json_response({"ok": True})
+
+
+# ---------------------------------------------------------------- eligibility
+
+
+async def _request_body(request: web.Request) -> tuple[str, DeployRequest]:
+    try:
+        data: Any = await request.json()
+    except ValueError:
+        raise _bad("body is not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("image"), str):
+        raise _bad('expected {"image": REF, ...request}')
+    image = data.pop("image")
+    try:
+        return image, DeployRequest.parse_any(data)
+    except (ValidationError, ValueError) as exc:
+        detail = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise _bad(f"invalid request: {detail}") from None
+
+
+def _bad(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=_json_text({"error": message}), content_type="application/json")
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
+
+
+async def image_report(services: Services, text: str) -> ImageReport:
+    """The stored report for `text`, scanning it now if it was never scanned."""
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        raise _bad(str(exc)) from None
+    report = find_report(services, reference)
+    if report is not None:
+        return report
+    if not services.settings.allows(reference.registry):
+        raise web.HTTPForbidden(
+            text=_json_text({"error": f"registry not on the allowlist: {reference.registry}"}),
+            content_type="application/json",
+        )
+    if services.scanner is None:
+        raise web.HTTPServiceUnavailable(text=_json_text({"error": "scanner not ready"}))
+    report = await services.scanner.scan(str(reference))
+    if report.error:
+        raise web.HTTPUnprocessableEntity(
+            text=_json_text({"error": f"could not scan {reference}: {report.error}"}),
+            content_type="application/json",
+        )
+    return report
+
+
+async def eligibility(request: web.Request) -> web.Response:
+    services = services_of(request)
+    image, deploy = await _request_body(request)
+    report = await image_report(services, image)
+    started = time.perf_counter()
+    decision = decide(ImageFacts.from_report(report), deploy, live_servers(request.app))
+    body = decision.model_dump(mode="json")
+    body["image"] = {"reference": report.reference, "digest": report.digest}
+    body["seconds"] = round(time.perf_counter() - started, 6)
+    return web.json_response(body)
+
+
+# ---------------------------------------------------------------- deployments
+
+
+def _load(services: Services, deployment_id: str) -> Deployment | None:
+    row = services.store.deployment(deployment_id)
+    return Deployment.model_validate_json(row[0]) if row else None
+
+
+async def create_deployment(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    image, deploy = await _request_body(request)
+    report = await image_report(services, image)
+    facts = ImageFacts.from_report(report)
+    decision: Decision | None = None
+    for _ in range(RESERVE_ATTEMPTS):
+        decision = decide(facts, deploy, live_servers(request.app))
+        if not decision.eligible:
+            break
+        choice = decision.eligible[0]
+        platform = next(p for p in report.platforms if p.platform == choice["platform"])
+        deployment = Deployment(
+            id=uuid.uuid4().hex,
+            image=report.reference,
+            digest=platform.digest,
+            platform=platform.platform,
+            server=choice["server"],
+            gpus=list(choice["gpus"]),
+            gpu_required=bool(choice["gpus"]),
+            driver_capabilities=platform.gpu.driver_capabilities,
+        )
+        try:
+            services.store.create_deployment(
+                deployment.id, deployment.server, deployment.gpus, deployment.model_dump_json()
+            )
+        except GpuTaken:
+            continue  # another deploy reserved one of these GPUs first: decide again
+        await request.app[FLEET_EVENTS].notify()
+        return web.json_response(deployment.model_dump(mode="json"), status=201)
+    assert decision is not None
+    return json_error(
+        409,
+        "no server can run this image with this request",
+        ineligible=decision.ineligible,
+    )
+
+
+async def get_deployment(request: web.Request) -> web.Response:
+    deployment = _load(services_of(request), request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    return web.json_response(deployment.model_dump(mode="json"))
+
+
+async def list_deployments(request: web.Request) -> web.Response:
+    rows = services_of(request).store.deployments(server=request.query.get("server") or None)
+    return web.json_response(
+        {"deployments": [Deployment.model_validate_json(row[0]).model_dump(mode="json") for row in rows]}
+    )
+
+
+async def delete_deployment(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    deployment = _load(services, request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    if deployment.state in TERMINAL_STATES:
+        return web.json_response(deployment.model_dump(mode="json"))
+    now = datetime.now(UTC)
+    if deployment.state == "pending":  # the agent never saw it: stop here and free the GPUs
+        deployment = deployment.model_copy(
+            update={
+                "state": "stopped",
+                "desired": "stop",
+                "reason": "stopped before it started",
+                "updated_at": now,
+            }
+        )
+        services.store.update_deployment(
+            deployment.id, deployment.model_dump_json(), state="stopped", desired="stop", release=True
+        )
+    else:
+        deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
+        services.store.update_deployment(
+            deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
+        )
+    await request.app[FLEET_EVENTS].notify()
+    return web.json_response(deployment.model_dump(mode="json"), status=202)
+
+
+async def agent_poll(request: web.Request) -> web.Response:
+    """The agent's long poll: answers at once when there is work, else after `wait` seconds."""
+    name = request.match_info["name"]
+    require_agent_token(request, name)
+    services = services_of(request)
+    try:
+        wait = min(MAX_POLL, max(0.0, float(request.query.get("wait", "0") or 0)))
+    except ValueError:
+        return json_error(400, "wait must be a number of seconds")
+    services.store.heartbeat(name)
+    deadline = time.monotonic() + wait
+    while True:
+        rows = services.store.actionable_deployments(name)
+        remaining = deadline - time.monotonic()
+        if rows or remaining <= 0:
+            break
+        await request.app[FLEET_EVENTS].wait(remaining)
+    body = DeploymentsResponse(
+        deployments=[Deployment.model_validate_json(row[0]).for_agent() for row in rows]
+    )
+    return web.json_response(body.model_dump(mode="json"))
+
+
+async def deployment_status(request: web.Request) -> web.Response:
+    services = services_of(request)
+    deployment = _load(services, request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    require_agent_token(request, deployment.server)
+    try:
+        status = DeploymentStatus.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return json_error(400, f"invalid status: {_first_error(exc)}")
+    updated = deployment.model_copy(
+        update={
+            "state": status.state,
+            "exit_code": status.exit_code,
+            "reason": status.reason,
+            "logs": status.logs if status.logs is not None else deployment.logs,
+            "container_id": status.container_id or deployment.container_id,
+            "updated_at": datetime.now(UTC),
+        }
+    )
+    services.store.update_deployment(
+        deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
+    )
+    return web.json_response(updated.model_dump(mode="json"))
+
+
+def setup_routes(app: web.Application) -> None:
+    app[FLEET_EVENTS] = FleetEvents()
+    settings = services_of_app(app).settings
+    app[STATIC_FLEET] = load_inventory(settings.inventory_file).servers if settings.inventory_file else []
+    app.router.add_get("/api/servers", list_servers)
+    app.router.add_post("/api/servers", register_server)
+    app.router.add_post("/api/servers/{name}/heartbeat", server_heartbeat)
+    app.router.add_post("/api/eligibility", eligibility)
+    app.router.add_get("/api/deployments", list_deployments)
+    app.router.add_post("/api/deployments", create_deployment)
+    app.router.add_get("/api/deployments/{id}", get_deployment)
+    app.router.add_delete("/api/deployments/{id}", delete_deployment)
+    app.router.add_post("/api/deployments/{id}/status", deployment_status)
+    app.router.add_get("/api/agents/{name}/deployments", agent_poll)
