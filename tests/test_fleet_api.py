@@ -1,0 +1,174 @@
+"""Placement through the service: servers, eligibility with reasons, atomic GPU reservations."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from fixtures import catalog
+from fixtures.registry import LocalRegistry
+from fixtures.service import RunningService, run_service_inprocess
+from tests.conftest import Pusher
+from web.settings import ServiceSettings
+
+AGENT_TOKEN = "agent-secret"
+API_TOKEN = "api-secret"
+
+
+def gpu(index: int, server: str, name: str = "NVIDIA H100 80GB HBM3", memory: int = 81559) -> dict[str, Any]:
+    return {
+        "index": index,
+        "uuid": f"GPU-{server}-{index}",
+        "name": name,
+        "brand": "NVIDIA",
+        "memory_mib": memory,
+        "compute_capability": "9.0",
+    }
+
+
+FLEET = {
+    "servers": [
+        {
+            "name": "h100-new",
+            "arch": "amd64",
+            "cpus": 64,
+            "memory": "512Gi",
+            "driver_version": "550.54.15",
+            "cuda_driver_version": "12.4",
+            "gpus": [gpu(0, "h100-new")],
+        },
+        {
+            "name": "t4-old",
+            "arch": "amd64",
+            "cpus": 16,
+            "memory": "64Gi",
+            "driver_version": "515.65.01",
+            "cuda_driver_version": "11.7",
+            "gpus": [gpu(0, "t4-old", "Tesla T4", 15360) | {"brand": "Tesla", "compute_capability": "7.5"}],
+        },
+        {"name": "arm-cpu", "arch": "arm64", "cpus": 8, "memory": "16Gi"},
+    ]
+}
+
+
+@pytest.fixture
+async def service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -> AsyncIterator[RunningService]:
+    push(catalog.cuda_ubuntu(), "fleet/cuda:12.2")
+    push(catalog.static_scratch(), "fleet/static:1")
+    inventory = tmp_path / "fleet.yaml"
+    inventory.write_text(yaml.safe_dump(FLEET))
+    settings = ServiceSettings(
+        db=tmp_path / "fleet.db",
+        port=0,
+        inventory_file=inventory,
+        agent_token=AGENT_TOKEN,
+        api_token=API_TOKEN,
+        docker_config=None,
+    )
+    async with run_service_inprocess(settings, port=_port()) as running:
+        yield running
+
+
+def _port() -> int:
+    from fixtures.registry import free_port
+
+    return free_port()
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None = None
+) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with session.post(url, json=body, headers=headers) as response:
+        return response.status, await response.json()
+
+
+async def test_eligibility_scans_first_and_explains_every_rejection(
+    service: RunningService, registry: LocalRegistry
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, body = await _post(
+            session,
+            f"{service.url}/api/eligibility",
+            {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1},
+        )
+    assert status == 200, body
+    assert [entry["server"] for entry in body["eligible"]] == ["h100-new"]
+    assert body["eligible"][0]["gpus"] == ["GPU-h100-new-0"]
+    reasons = {entry["server"]: entry["reasons"] for entry in body["ineligible"]}
+    assert any("12.2" in reason for reason in reasons["t4-old"])
+    assert any("arch" in reason or "arm64" in reason for reason in reasons["arm-cpu"])
+
+
+async def test_cpu_image_fits_anywhere_matching(service: RunningService, registry: LocalRegistry) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, body = await _post(
+            session, f"{service.url}/api/eligibility", {"image": f"{registry.host}/fleet/static:1"}
+        )
+    assert status == 200
+    assert {entry["server"] for entry in body["eligible"]} == {"h100-new", "t4-old"}
+
+
+async def test_bad_requests_are_clear(service: RunningService, registry: LocalRegistry) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, body = await _post(session, f"{service.url}/api/eligibility", {"gpus": 1})
+        assert status == 400 and "image" in body["error"]
+        status, body = await _post(session, f"{service.url}/api/eligibility", {"image": "Bad Ref", "gpus": 1})
+        assert status == 400
+        status, body = await _post(
+            session,
+            f"{service.url}/api/eligibility",
+            {"image": f"{registry.host}/fleet/cuda:12.2", "min_gpu_memory": "lots"},
+        )
+        assert status == 400 and "min_gpu_memory" in body["error"]
+
+
+async def test_two_concurrent_deploys_for_one_gpu(service: RunningService, registry: LocalRegistry) -> None:
+    body = {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1}
+    async with aiohttp.ClientSession() as session:
+        status, _ = await _post(session, f"{service.url}/api/deployments", body)
+        assert status == 401  # the API token is required
+        results = await asyncio.gather(
+            *(_post(session, f"{service.url}/api/deployments", body, API_TOKEN) for _ in range(2))
+        )
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [201, 409], results
+        created = next(payload for status, payload in results if status == 201)
+        assert created["gpus"] == ["GPU-h100-new-0"] and created["state"] == "pending"
+        async with session.get(f"{service.url}/api/servers") as response:
+            servers = {s["name"]: s for s in (await response.json())["servers"]}
+        assert servers["h100-new"]["gpus_in_use"] == ["GPU-h100-new-0"]
+        async with session.delete(
+            f"{service.url}/api/deployments/{created['id']}", headers={"Authorization": f"Bearer {API_TOKEN}"}
+        ) as response:
+            assert response.status == 202
+            assert (await response.json())["state"] == "stopped"
+        status, again = await _post(session, f"{service.url}/api/deployments", body, API_TOKEN)
+        assert status == 201 and again["gpus"] == ["GPU-h100-new-0"]  # freed by the stop
+
+
+async def test_agent_registration_needs_the_token(service: RunningService) -> None:
+    server = {"name": "agent-1", "arch": "amd64", "cpus": 4, "memory": "8Gi", "gpus": [gpu(0, "agent-1")]}
+    async with aiohttp.ClientSession() as session:
+        status, body = await _post(session, f"{service.url}/api/servers", server, "wrong")
+        assert status == 401 and "wrong" not in str(body)
+        status, body = await _post(session, f"{service.url}/api/servers", server, AGENT_TOKEN)
+        assert status == 200 and body["heartbeat_seconds"] > 0
+        status, _ = await _post(session, f"{service.url}/api/servers/agent-1/heartbeat", {}, AGENT_TOKEN)
+        assert status == 200
+        status, _ = await _post(session, f"{service.url}/api/servers/ghost/heartbeat", {}, AGENT_TOKEN)
+        assert status == 404
+        async with session.get(f"{service.url}/api/servers") as response:
+            names = {s["name"] for s in (await response.json())["servers"]}
+        assert "agent-1" in names
+        async with session.get(
+            f"{service.url}/api/agents/agent-1/deployments?wait=0.2",
+            headers={"Authorization": f"Bearer {AGENT_TOKEN}"},
+        ) as response:
+            assert response.status == 200 and (await response.json())["deployments"] == []
