@@ -59,7 +59,7 @@ EVIDENCE_SCHEMA = 1
 HEAD_BYTES = 4096
 OS_RELEASE_BYTES = 16384
 MAX_SYMLINK_HOPS = 40
-DISTRO_BUDGET = 4 << 20  # compressed bytes read past the decision while looking for os-release
+DISTRO_BUDGET = 256 << 10  # compressed bytes read past the decision while looking for os-release
 
 BIN_DIRS = frozenset({"/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"})
 # Binaries whose interpreter names the system libc; /bin/sh first (uv's order, plus multi-call tools).
