@@ -157,7 +157,10 @@ def origin_of(request: web.Request) -> str:
 
 
 _PLAIN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"not on the allowlist", re.I), "This registry is not on the allowlist (GPUBADGE_REGISTRIES)."),
+    (
+        re.compile(r"not on the allowlist", re.I),
+        "This registry is not on the allowlist (GPUBADGE_REGISTRIES).",
+    ),
     (
         re.compile(r"not found|manifest_unknown|name_unknown", re.I),
         "The registry has no such image: the tag or digest does not exist (deleted, or misspelt).",
@@ -323,7 +326,9 @@ def platform_view(report: PlatformReport) -> PlatformView:
     ]
     derived = [text for text in gpu.effective_requirements if text not in gpu.requirements]
     if gpu.legacy:
-        requirements += [requirement_view("CUDA_VERSION (legacy image)", text, derived=True) for text in derived]
+        requirements += [
+            requirement_view("CUDA_VERSION (legacy image)", text, derived=True) for text in derived
+        ]
     warnings = [f"{issue.variable}={issue.value!s}: {issue.error}" for issue in gpu.requirement_errors]
     warnings += report.warnings
     return PlatformView(
@@ -351,7 +356,13 @@ def tag_history_view(events: Sequence[TagEvent], name: str, digests: set[str]) -
     """The tag -> digest history of repository `name`; rows for this image are marked current."""
     return [
         TagEventView(
-            e.tag, image_url(f"{name}:{e.tag}"), e.digest, e.first_seen, e.last_seen, e.gone_at, e.digest in digests
+            e.tag,
+            image_url(f"{name}:{e.tag}"),
+            e.digest,
+            e.first_seen,
+            e.last_seen,
+            e.gone_at,
+            e.digest in digests,
         )
         for e in events
     ]
@@ -507,7 +518,13 @@ async def image_page(request: web.Request) -> web.Response:
             latest=job_view(latest) if latest else None,
             token_required=services.settings.api_token is not None,
         )
-    return page(request, "image.html", title=f"{reference} · gpubadge", active="images", **detail_context(services, reference, report))
+    return page(
+        request,
+        "image.html",
+        title=f"{reference} · gpubadge",
+        active="images",
+        **detail_context(services, reference, report),
+    )
 
 
 def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
@@ -560,7 +577,9 @@ async def submit_scan(request: web.Request) -> web.Response:
     if not token_matches(services.settings.api_token, token):
         return scans_response(request, status=401, error="That API token is not valid.", ref=ref)
     if not ref:
-        return scans_response(request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref)
+        return scans_response(
+            request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
+        )
     try:
         request_scan(services, ref, source="ui")
     except ScanRefused as refused:

@@ -1,0 +1,57 @@
+"""Asking for a scan: the one path shared by the JSON API (POST /api/scans) and the UI form (POST /scans).
+
+Both must parse the reference, apply the SSRF allowlist *before* anything is queued,
+and coalesce into an existing job the same way, so the rule lives here once.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from pydantic import SecretStr
+
+from scanner.reference import ReferenceError, parse_reference
+from scanner.store import Job
+from web.app import Services
+
+
+class ScanRefused(Exception):
+    """A scan request that is not queued; `status` is the HTTP status that fits, the message says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def token_matches(expected: SecretStr | None, given: str) -> bool:
+    """True when no token is configured, or `given` equals it (compared in constant time)."""
+    if expected is None:
+        return True
+    return hmac.compare_digest(given.encode(), expected.get_secret_value().encode())
+
+
+def request_scan(services: Services, text: str, *, source: str) -> Job:
+    """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one).
+
+    Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
+    registry outside the allowlist, which is then never contacted.
+    """
+    try:
+        reference = parse_reference(text.strip())
+    except ReferenceError as exc:
+        raise ScanRefused(400, str(exc)) from None
+    if not services.settings.allows(reference.registry):
+        raise ScanRefused(
+            403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
+        )
+    (job_id,) = services.store.enqueue(
+        [(str(reference), reference.registry)],
+        source=source,
+        max_attempts=services.settings.max_attempts,
+    )
+    services.wake_workers()
+    job = services.store.job(job_id)
+    if job is None:  # pragma: no cover - enqueue committed it in the same process
+        raise ScanRefused(500, f"scan job {job_id} vanished after it was queued")
+    return job
