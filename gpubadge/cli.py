@@ -94,7 +94,7 @@ def _delegate(command: str, rest: list[str]) -> int:
 
         return run_serve(rest)
     if command == "eligible":
-        from web.cli import run_eligible
+        from gpubadge.eligible import main as run_eligible
 
         return run_eligible(rest)
     from agent.main import run_agent

@@ -12,7 +12,7 @@ from scanner.badges import badges
 from scanner.gpu import cuda_major_minor, gpu_facts
 from scanner.models import GpuFacts, LibcVerdict
 
-CASES_FILE = Path("/work/shared/reference/nvidia_toolkit_test_cases.json")
+CASES_FILE = Path(__file__).parent.parent / "fixtures" / "nvidia_toolkit_test_cases.json"
 BRANDS_11_5_TO_12_4 = [
     "tesla",
     "unknown",

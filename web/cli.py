@@ -51,10 +51,3 @@ def run_serve(argv: list[str]) -> int:
         app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
     )
     return 0
-
-
-def run_eligible(argv: list[str]) -> int:
-    from web.eligible_cli import main as eligible_main
-
-    status: int = eligible_main(argv)
-    return status

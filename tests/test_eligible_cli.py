@@ -1,0 +1,55 @@
+"""`gpubadge eligible`: exit 0 when a server fits, 3 when none does, 1 on error; local and via the service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from fixtures import catalog
+from fixtures.registry import LocalRegistry, free_port
+from fixtures.service import run_service_inprocess
+from tests.conftest import Pusher
+from tests.test_fleet_api import FLEET
+from web.settings import ServiceSettings
+
+
+async def _eligible(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gpubadge.cli",
+        "eligible",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_eligible_exit_codes(registry: LocalRegistry, push: Pusher, tmp_path: Path) -> None:
+    push(catalog.cuda_ubuntu(), "eligible/cuda:12.2")
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(yaml.safe_dump(FLEET))
+    image = f"{registry.host}/eligible/cuda:12.2"
+
+    code, out, _ = await _eligible(image, "--servers", str(servers), "--gpus", "1")
+    assert code == 0 and "eligible    h100-new" in out and "ineligible  t4-old" in out
+
+    code, out, _ = await _eligible(image, "--servers", str(servers), "--gpu-model", "a100", "--json")
+    assert code == 3
+    decision = json.loads(out)
+    assert decision["eligible"] == [] and all(entry["reasons"] for entry in decision["ineligible"])
+
+    code, _, err = await _eligible(f"{registry.host}/eligible/missing:1", "--servers", str(servers))
+    assert code == 1 and "missing" in err
+
+    settings = ServiceSettings(db=tmp_path / "svc.db", inventory_file=servers, docker_config=None)
+    async with run_service_inprocess(settings, port=free_port()) as service:
+        code, out, _ = await _eligible(image, "--service", service.url, "--min-gpu-memory", "40Gi", "--json")
+    assert code == 0 and json.loads(out)["eligible"][0]["server"] == "h100-new"
