@@ -1,0 +1,215 @@
+"""The scanner end to end against a real registry: verdicts, request budget, early stop, caching."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from fixtures import catalog
+from fixtures.oci import ImageSpec, LayerSpec, LayoutWriter, file, push_layout
+from fixtures.registry import LocalRegistry
+from scanner.models import ImageReport, Platform
+from scanner.registry import RegistryClient
+from scanner.scan import Scanner, ScanOptions
+from scanner.settings import ScannerSettings
+from scanner.store import Store
+from tests.conftest import Pusher
+
+
+@pytest.fixture(scope="module")
+def samples(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
+    """Every catalog image pushed once; name -> full reference."""
+    refs = {}
+    for name, spec in catalog.SAMPLES.items():
+        push(spec, name)
+        refs[name] = f"{registry.host}/{name}"
+    return refs
+
+
+@pytest.fixture
+async def scanner(tmp_path: Path) -> AsyncIterator[Scanner]:
+    settings = ScannerSettings(docker_config=None)
+    async with RegistryClient(settings) as client:
+        yield Scanner(client, Store(tmp_path / "scan.db"), settings)
+
+
+def only(report: ImageReport) -> dict[str, object]:
+    assert report.error is None, report.error
+    assert len(report.platforms) == 1
+    platform = report.platforms[0]
+    return {
+        "gpu": platform.gpu.required,
+        "cuda": platform.gpu.cuda_version,
+        "libc": platform.libc.flavour,
+        "distro": platform.libc.distro,
+        "musl_also": platform.libc.musl_also,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("samples/cuda-ubuntu:12.2", {"gpu": True, "cuda": "12.2", "libc": "glibc", "musl_also": False}),
+        ("samples/alpine-gpu:3.20", {"gpu": True, "cuda": None, "libc": "musl", "musl_also": False}),
+        ("samples/static:1", {"gpu": False, "cuda": None, "libc": "none", "musl_also": False}),
+        ("samples/legacy-cuda:10.0", {"gpu": True, "cuda": "10.0", "libc": "glibc", "musl_also": False}),
+        ("samples/plain-glibc:22.04", {"gpu": False, "cuda": None, "libc": "glibc", "musl_also": False}),
+        ("samples/zstd:1", {"gpu": False, "cuda": None, "libc": "musl", "musl_also": False}),
+        ("samples/whiteout:1", {"gpu": False, "cuda": None, "libc": "none", "musl_also": False}),
+        ("samples/glibc-musl:1", {"gpu": False, "cuda": None, "libc": "glibc", "musl_also": True}),
+    ],
+)
+async def test_verdicts(
+    scanner: Scanner, samples: dict[str, str], name: str, expected: dict[str, object]
+) -> None:
+    facts = only(await scanner.scan(samples[name]))
+    assert {key: facts[key] for key in expected} == expected
+
+
+async def test_cuda_image_records_requirements_and_env(scanner: Scanner, samples: dict[str, str]) -> None:
+    report = await scanner.scan(samples["samples/cuda-ubuntu:12.2"])
+    platform = report.platforms[0]
+    assert platform.gpu.requirements == [catalog.cuda_images()[1]["NVIDIA_REQUIRE_CUDA"]]
+    assert platform.gpu.env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert platform.gpu.visible_devices == "all"
+    assert "PATH" not in platform.gpu.env
+    assert platform.libc.evidence and "ld-linux-x86-64" in platform.libc.evidence
+    assert {"nvidia-gpu", "cuda-12.2", "glibc"} <= set(platform.badges)
+
+
+async def test_index_scans_every_platform_and_skips_attestations(
+    scanner: Scanner, samples: dict[str, str]
+) -> None:
+    with scanner.client.track() as stats:
+        report = await scanner.scan(samples["samples/multi-arch:12.4"], ScanOptions(config_only=True))
+    assert report.error is None
+    assert sorted(p.platform for p in report.platforms) == ["linux/amd64", "linux/arm64/v8"]
+    assert stats.requests <= 2 + 2 * 2  # HEAD, index, then manifest + config per platform
+    assert all(p.gpu.cuda_version == "12.4" for p in report.platforms)
+
+
+async def test_platform_flag_limits_the_scan(scanner: Scanner, samples: dict[str, str]) -> None:
+    report = await scanner.scan(
+        samples["samples/multi-arch:12.4"], ScanOptions(platform=Platform.parse("linux/arm64"))
+    )
+    assert [p.platform for p in report.platforms] == ["linux/arm64/v8"]
+    assert report.platforms[0].libc.evidence and "aarch64" in report.platforms[0].libc.evidence
+    missing = await scanner.scan(
+        samples["samples/multi-arch:12.4"], ScanOptions(platform=Platform.parse("linux/s390x"))
+    )
+    assert missing.error and "linux/s390x" in missing.error and "linux/amd64" in missing.error
+
+
+async def test_request_budget_and_digest_reuse(scanner: Scanner, samples: dict[str, str]) -> None:
+    ref = samples["samples/plain-glibc:22.04"]
+    first = await scanner.scan(ref, ScanOptions(config_only=True))
+    assert first.requests <= 3 and not first.cached
+    again = await scanner.scan(ref, ScanOptions(config_only=True))
+    assert again.cached and again.requests == 1  # HEAD only, the report is reused
+    assert again.digest == first.digest
+    by_digest = await scanner.scan(f"{ref.split(':22.04')[0]}@{first.digest}", ScanOptions(config_only=True))
+    assert by_digest.cached and by_digest.requests == 0
+
+
+async def test_large_layer_stops_early(scanner: Scanner, registry: LocalRegistry, push: Pusher) -> None:
+    push(catalog.large_layer_early_evidence(megabytes=12), "samples/large:1")
+    report = await scanner.scan(f"{registry.host}/samples/large:1")
+    libc = report.platforms[0].libc
+    assert libc.flavour == "glibc"
+    assert libc.bytes_total > 12 * 1024 * 1024
+    assert libc.bytes_read < 0.05 * libc.bytes_total, (libc.bytes_read, libc.bytes_total)
+
+
+async def test_shared_base_layer_is_read_once(
+    scanner: Scanner, registry: LocalRegistry, push: Pusher
+) -> None:
+    base = catalog.ubuntu_base()
+    push(ImageSpec([base, LayerSpec([file("one/app", "1")])]), "samples/shared-a:1")
+    push(ImageSpec([base, LayerSpec([file("two/app", "2")])]), "samples/shared-b:1")
+    first = (await scanner.scan(f"{registry.host}/samples/shared-a:1")).platforms[0]
+    second = (await scanner.scan(f"{registry.host}/samples/shared-b:1")).platforms[0]
+    base_size = first.layers[0].size
+    assert first.libc.bytes_read >= base_size
+    assert second.libc.bytes_read < base_size  # only its own top layer was fetched
+    assert second.libc.flavour == "glibc"
+
+
+async def test_real_cuda_require_strings_parse(
+    scanner: Scanner, registry: LocalRegistry, push: Pusher
+) -> None:
+    images = catalog.cuda_images()
+    for position, image in enumerate(images[:6]):
+        push(
+            catalog.cuda_ubuntu(image["NVIDIA_REQUIRE_CUDA"], image["cuda_version"]),
+            f"samples/cuda-real:{position}",
+        )
+    for position, image in enumerate(images[:6]):
+        report = await scanner.scan(
+            f"{registry.host}/samples/cuda-real:{position}", ScanOptions(config_only=True)
+        )
+        gpu = report.platforms[0].gpu
+        assert gpu.required and gpu.requirement_errors == []
+        assert gpu.cuda_version == ".".join(image["cuda_version"].split(".")[:2])
+
+
+async def test_corrupt_layer_is_an_error_and_stores_nothing(
+    scanner: Scanner, registry: LocalRegistry, tmp_path: Path
+) -> None:
+    layout = LayoutWriter(tmp_path / "corrupt")
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers"}})
+    garbage = b"\x1f\x8b\x08\x00" + b"not really gzip" * 40
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": layout.descriptor("application/vnd.oci.image.config.v1+json", config.encode()),
+        "layers": [layout.descriptor("application/vnd.oci.image.layer.v1.tar+gzip", garbage)],
+    }
+    descriptor = layout.descriptor(
+        "application/vnd.oci.image.manifest.v1+json", json.dumps(manifest).encode()
+    )
+    layout.tag(descriptor, "bad")
+    push_layout(tmp_path / "corrupt", "bad", f"{registry.host}/samples/corrupt:1")
+    report = await scanner.scan(f"{registry.host}/samples/corrupt:1")
+    assert report.error and "corrupt" in report.error
+    assert scanner.store is not None and scanner.store.report(descriptor["digest"]) is None
+
+
+async def test_missing_image_and_bad_reference(scanner: Scanner, registry: LocalRegistry) -> None:
+    missing = await scanner.scan(f"{registry.host}/samples/nope:1")
+    assert missing.error and "not found" in missing.error.lower()
+    bad = await scanner.scan("Upper/Case")
+    assert bad.error and "lowercase" in bad.error and bad.requests == 0
+
+
+def _cli(*args: str, db: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "scan", "--db", str(db), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_json_contract_and_exit_codes(samples: dict[str, str], tmp_path: Path) -> None:
+    db = tmp_path / "cli.db"
+    ok = _cli("--json", samples["samples/alpine-gpu:3.20"], samples["samples/multi-arch:12.4"], db=db)
+    assert ok.returncode == 0, ok.stderr
+    lines = [json.loads(line) for line in ok.stdout.splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert {"reference", "digest", "error", "platforms"} <= set(line)
+        for platform in line["platforms"]:
+            assert {"platform", "digest", "gpu", "libc", "badges"} <= set(platform)
+            assert {"required", "cuda_version", "requirements", "env"} <= set(platform["gpu"])
+            assert {"flavour", "evidence", "distro"} <= set(platform["libc"])
+    failed = _cli(samples["samples/static:1"], f"{samples['samples/static:1']}-missing", db=db)
+    assert failed.returncode == 1
+    assert "no libc" in failed.stdout or "none" in failed.stdout
+    assert failed.stderr.count("\n") == 1 and "missing" in failed.stderr
+    usage = _cli("--platform", "linux", samples["samples/static:1"], db=db)
+    assert usage.returncode == 2
