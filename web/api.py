@@ -22,6 +22,7 @@ from scanner.store import Job
 from web import hooks
 from web.app import SERVICES, Services, json_error
 from web.openapi import openapi_document
+from web.scan_requests import ScanRefused, request_scan
 
 log = logging.getLogger(__name__)
 
@@ -283,21 +284,9 @@ async def create_scan(request: web.Request) -> web.Response:
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
         )
     try:
-        reference = parse_reference(body.ref)
-    except ReferenceError as exc:
-        return json_error(400, str(exc))
-    if not services.settings.allows(reference.registry):
-        return json_error(
-            403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
-        )
-    (job_id,) = services.store.enqueue(
-        [(canonical_job_reference(reference), reference.registry)],
-        source="api",
-        max_attempts=services.settings.max_attempts,
-    )
-    services.wake_workers()
-    job = services.store.job(job_id)
-    assert job is not None
+        job = request_scan(services, body.ref, source="api")
+    except ScanRefused as refused:
+        return json_error(refused.status, refused.message)
     return web.json_response(JobView.of(job).model_dump(), status=202)
 
 
