@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.busybox import busybox_unavailable_reason
+from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
 from fixtures.oci import ImageSpec, push_image
 from fixtures.registry import LocalRegistry, run_registry
 
@@ -31,3 +33,13 @@ def push(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> P
         return push_image(spec, f"{registry.host}/{name}", workdir)
 
     return _push
+
+
+@pytest.fixture(scope="session")
+def dockerd() -> Iterator[LocalDockerd]:
+    """One private dockerd (stand-in `nvidia` runtime) for every Docker test: vfs makes starts slow."""
+    reason = dockerd_unavailable_reason() or busybox_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with run_dockerd() as daemon:
+        yield daemon

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from aiohttp.test_utils import TestServer
 from agent.client import ServiceClient
 from agent.loop import Agent, AgentSettings
 from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner, pull_reference
-from fixtures.busybox import busybox_image, busybox_unavailable_reason, gpu_busybox_image
-from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
+from fixtures.busybox import busybox_image, gpu_busybox_image
+from fixtures.dockerd import LocalDockerd
 from fixtures.registry import LocalRegistry
 from placement.inventory import Gpu, RuntimeMode, Server
 from placement.protocol import AgentDeployment
@@ -39,15 +39,6 @@ UUIDS = ["GPU-11111111-2222-3333-4444-555555555555", "GPU-aaaaaaaa-bbbb-cccc-ddd
 # PID 1 ignores SIGTERM unless it traps it; this exits 143 at once when Docker stops it.
 TERMINABLE_SLEEP = "trap 'exit 143' TERM; sleep 300 & wait"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def dockerd() -> Iterator[LocalDockerd]:
-    reason = dockerd_unavailable_reason() or busybox_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with run_dockerd() as daemon:
-        yield daemon
 
 
 @pytest.fixture(scope="session")
