@@ -8,6 +8,7 @@ query, and the loop over servers touches plain Python objects only (no pydantic 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,8 +22,10 @@ from placement.requirements import DeviceFacts, ImageRequirements, Verdict, comp
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
 
 _GIB = 1024**3
-SortKey = tuple[int, int, int, float, int, str]  # rank, spare GPUs, GPU MiB, spare CPUs, memory, name
-_NO_KEY: SortKey = (0, 0, 0, 0.0, 0, "")
+SortKey = tuple[int, int, int, float, int]  # rank, spare GPUs, GPU MiB assigned, spare CPUs, memory
+_NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
+# (reasons, GPU picks as (group position, count), sort key, platform, score) for one server shape
+_ShapeResult = tuple[tuple[str, ...], tuple[tuple[int, int], ...], SortKey, str, float]
 
 
 class PlatformFacts(BaseModel):
@@ -110,6 +113,7 @@ class ServerEntry:
     total_gpus: int
     busy_gpus: int
     groups: tuple[tuple[int, tuple[str, ...]], ...]  # (GPU class id, free UUIDs in index order)
+    shape: int = 0  # servers with the same shape get the same verdict; labels and names aside
 
 
 @dataclass(slots=True)
@@ -118,11 +122,13 @@ class FleetIndex:
 
     entries: list[ServerEntry] = field(default_factory=list)
     classes: list[GpuClass] = field(default_factory=list)
+    shape_count: int = 0
 
     @classmethod
     def build(cls, servers: Sequence[Server]) -> FleetIndex:
         index = cls()
         class_ids: dict[GpuClass, int] = {}
+        shape_ids: dict[tuple[object, ...], int] = {}
         for server in servers:
             busy = set(server.gpus_in_use)
             grouped: dict[int, list[str]] = {}
@@ -157,6 +163,21 @@ class FleetIndex:
                     groups=tuple((cid, tuple(uuids)) for cid, uuids in grouped.items()),
                 )
             )
+            entry = index.entries[-1]
+            shape = (
+                entry.arch,
+                entry.cpus,
+                entry.memory,
+                entry.musl,
+                entry.driver,
+                entry.cuda,
+                entry.total_gpus,
+                entry.busy_gpus,
+                tuple((cid, len(uuids)) for cid, uuids in entry.groups),
+            )
+            entry.shape = shape_ids.setdefault(shape, len(shape_ids))
+        index.shape_count = len(shape_ids)
+        index.entries.sort(key=lambda entry: entry.name)  # stable output order, whatever the input order
         return index
 
 
@@ -270,8 +291,8 @@ class _Query:
                 return [line + suffix for line in verdict.failed] or [verdict.message]
         return []
 
-    def evaluate(self, entry: ServerEntry) -> tuple[list[str], list[str], SortKey, str]:
-        """(reasons, assigned UUIDs, sort key, platform) for one server."""
+    def evaluate(self, entry: ServerEntry) -> _ShapeResult:
+        """Everything but labels for one server; valid for every server of the same shape."""
         request = self.request
         reasons: list[str] = []
         plan = self.plans.get(entry.arch)
@@ -280,7 +301,7 @@ class _Query:
                 f"CPU architecture {entry.arch} is not among the image's platforms ({self.platform_names})"
             )
             if not self.plans:
-                return reasons, [], _NO_KEY, ""
+                return tuple(reasons), (), _NO_KEY, "", 0.0
             plan = next(iter(self.plans.values()))
         if request.cpus is not None and entry.cpus < request.cpus:
             reasons.append(f"has {entry.cpus} CPUs, request needs {_fmt_cpus(request.cpus)}")
@@ -288,13 +309,6 @@ class _Query:
             reasons.append(
                 f"has {_fmt_bytes(entry.memory)} memory, request needs {_fmt_bytes(request.memory)}"
             )
-        for label, value in request.labels.items():
-            have = entry.labels.get(label)
-            if have != value:
-                reasons.append(
-                    f"label {label}={value} missing"
-                    + (f" (server has {label}={have})" if have is not None else "")
-                )
         needed = plan.needed
         uses_nvidia = plan.gpu_image or needed > 0
         if uses_nvidia:
@@ -308,19 +322,20 @@ class _Query:
                 reasons.append(f"image requirement cannot be evaluated: {plan.requirements.error}")
             if plan.musl and plan.gpu_image and not entry.musl:
                 reasons.append("image uses musl libc with GPUs; server has no musl GPU support")
-        assigned: list[str] = []
+        picks: list[tuple[int, int]] = []  # (position in entry.groups, how many GPUs to take)
+        picked = 0
         memory_mib = 0
         rank = 0
         if needed > 0:
-            usable: list[tuple[int, int, tuple[str, ...]]] = []
+            usable: list[tuple[int, int, int, int]] = []  # (rank, MiB, group position, free count)
             refused: list[tuple[int, int, tuple[str, ...]]] = []
-            for class_id, uuids in entry.groups:
+            for position, (class_id, uuids) in enumerate(entry.groups):
                 ok, class_rank, why = self.class_verdict(plan, class_id)
                 if ok:
-                    usable.append((class_rank, self.index.classes[class_id].memory_mib, uuids))
+                    usable.append((class_rank, self.index.classes[class_id].memory_mib, position, len(uuids)))
                 else:
                     refused.append((class_id, len(uuids), why))
-            available = sum(len(u) for _, _, u in usable)
+            available = sum(item[3] for item in usable)
             if available < needed:
                 free = available + sum(n for _, n, _ in refused)
                 detail = f"{free} free of {entry.total_gpus}"
@@ -334,13 +349,14 @@ class _Query:
                     name = self.index.classes[class_id].name
                     reasons.extend(f"{count} free {name}: {line}" for line in why)
             elif not reasons:
-                usable.sort(key=lambda item: (item[0], item[1]))
-                for class_rank, mib, uuids in usable:
-                    take = uuids[: needed - len(assigned)]
-                    assigned.extend(take)
-                    memory_mib += mib * len(take)
+                usable.sort()
+                for class_rank, mib, position, free in usable:
+                    take = min(free, needed - picked)
+                    picks.append((position, take))
+                    picked += take
+                    memory_mib += mib * take
                     rank = max(rank, class_rank)
-                    if len(assigned) == needed:
+                    if picked == needed:
                         break
         elif plan.gpu_image and entry.driver is not None and not plan.requirements.disabled:
             # No GPU assigned: the runtime checks once without a device (arch/brand are then true).
@@ -348,12 +364,12 @@ class _Query:
             if not verdict.ok:
                 reasons.extend(verdict.failed or (verdict.message,))
         if reasons:
-            return reasons, [], _NO_KEY, plan.platform
+            return tuple(reasons), (), _NO_KEY, plan.platform, 0.0
         free_total = sum(len(u) for _, u in entry.groups)
         spare_gpus = free_total - needed
         spare_cpus = entry.cpus - (request.cpus or 0)
-        key: SortKey = (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory, entry.name)
-        return reasons, assigned, key, plan.platform
+        key: SortKey = (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory)
+        return (), tuple(picks), key, plan.platform, round(1.0 / (1 + rank + spare_gpus), 4)
 
 
 def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server] | FleetIndex) -> Decision:
@@ -364,16 +380,70 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     """
     index = inventory if isinstance(inventory, FleetIndex) else FleetIndex.build(inventory)
     query = _Query(image, request, index)
-    ranked: list[tuple[SortKey, EligibleServer]] = []
+    labels = list(request.labels.items())
+    # The loop allocates a few acyclic objects per server; a cyclic-GC pass triggered mid-query would
+    # walk the whole heap (the inventory included) and dominate p99, so it waits until we are done.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _decide(query, index, labels)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _decide(query: _Query, index: FleetIndex, labels: list[tuple[str, str]]) -> Decision:
+    """One pass over the servers (in name order); servers of one shape share their verdict.
+
+    Eligible servers are bucketed per shape, so ranking sorts shapes, not servers: equal-key
+    shapes keep name order inside each shape. Ineligible servers of one shape share one reasons
+    list (treat Decision as read-only).
+    """
+    results: list[_ShapeResult | None] = [None] * index.shape_count
+    shared_reasons: list[list[str] | None] = [None] * index.shape_count
+    buckets: dict[int, list[EligibleServer]] = {}
     ineligible: list[IneligibleServer] = []
     for entry in index.entries:
-        reasons, assigned, key, platform = query.evaluate(entry)
+        shape = entry.shape
+        result = results[shape]
+        if result is None:
+            result = results[shape] = query.evaluate(entry)
+        reasons = result[0]
+        if labels:
+            missing = _label_reasons(entry.labels, labels)
+            if missing:
+                ineligible.append({"server": entry.name, "reasons": [*reasons, *missing]})
+                continue
         if reasons:
-            ineligible.append({"server": entry.name, "reasons": reasons})
+            listed = shared_reasons[shape]
+            if listed is None:
+                listed = shared_reasons[shape] = list(reasons)
+            ineligible.append({"server": entry.name, "reasons": listed})
+            continue
+        picks = result[1]
+        if len(picks) == 1:  # the common case: every GPU from one class
+            position, count = picks[0]
+            gpus = list(entry.groups[position][1][:count])
         else:
-            score = round(1.0 / (1 + key[0] + key[1]), 4)
-            ranked.append(
-                (key, {"server": entry.name, "gpus": assigned, "score": score, "platform": platform})
-            )
-    ranked.sort(key=lambda item: item[0])
-    return Decision.model_construct(eligible=[item for _, item in ranked], ineligible=ineligible)
+            gpus = [uuid for position, count in picks for uuid in entry.groups[position][1][:count]]
+        bucket = buckets.get(shape)
+        if bucket is None:
+            bucket = buckets[shape] = []
+        bucket.append({"server": entry.name, "gpus": gpus, "score": result[4], "platform": result[3]})
+    order = sorted(buckets, key=lambda shape: (_key_of(results[shape]), buckets[shape][0]["server"]))
+    eligible = [item for shape in order for item in buckets[shape]]
+    return Decision.model_construct(eligible=eligible, ineligible=ineligible)
+
+
+def _key_of(result: _ShapeResult | None) -> SortKey:
+    return result[2] if result is not None else _NO_KEY
+
+
+def _label_reasons(have: dict[str, str], wanted: list[tuple[str, str]]) -> list[str]:
+    reasons = []
+    for label, value in wanted:
+        current = have.get(label)
+        if current != value:
+            suffix = f" (server has {label}={current})" if current is not None else ""
+            reasons.append(f"label {label}={value} missing{suffix}")
+    return reasons
