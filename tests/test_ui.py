@@ -345,6 +345,11 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
         "/scans", data={"ref": "evil.example.com/x:1", "token": "s3cret"}, allow_redirects=False
     )
     assert refused.status == 403 and "allowlist" in await refused.text()
+    api_refused = await client.post(
+        "/api/scans", json={"ref": "evil.example.com/x:1"}, headers={"Authorization": "Bearer s3cret"}
+    )
+    assert api_refused.status == 403  # the JSON API applies the same shared rule
+    assert (await api_refused.json())["error"] in await refused.text()
     malformed = await client.post("/scans", data={"ref": "a b", "token": "s3cret"}, allow_redirects=False)
     assert malformed.status == 400
     assert services.store.jobs() == []
