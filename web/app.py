@@ -77,11 +77,12 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[SERVICES] = services
 
-    from web import api, fleet, ui
+    from web import api, fleet, ui, ui_fleet
 
     api.setup_routes(app)
     fleet.setup_routes(app)
     ui.setup_routes(app)
+    ui_fleet.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     if settings.agent_token is None and not settings.agent_tokens:
         log.warning("GPUBADGE_AGENT_TOKEN is unset: any client may register servers")

@@ -1,0 +1,307 @@
+"""HTML pages for placement: the fleet (`/servers`) and the eligibility explorer (`/eligibility`).
+
+The handlers do the I/O (live inventory, finding or scanning the image) and hand plain view
+objects, built by the pure functions below, to templates rendered through web/ui.py's one
+autoescaping Jinja2 environment. The eligibility form is a GET form, so it works without
+JavaScript and a result can be bookmarked or shared as a link.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from placement.decide import Decision, ImageFacts, decide
+from placement.inventory import Gpu, Server
+from placement.request import DeployRequest
+from scanner.models import ImageReport
+from web.app import SERVICES
+from web.fleet import image_report, live_servers
+from web.ui import human_bytes, image_url, page, time_ago
+
+# ------------------------------------------------------------------ servers
+
+
+@dataclass(frozen=True)
+class GpuGroupView:
+    """Identical GPUs of one server, shown as one line (`8 × NVIDIA H100 80GB HBM3`)."""
+
+    count: int
+    model: str
+    memory: str
+    compute_capability: str
+    mig: bool
+
+
+@dataclass(frozen=True)
+class GpuInUseView:
+    index: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class ServerRowView:
+    name: str
+    arch: str
+    cpus: int
+    memory: str
+    driver: str
+    cuda: str
+    gpu_groups: list[GpuGroupView]
+    gpu_count: int
+    in_use: list[GpuInUseView]
+    source: str
+    heartbeat: str
+    heartbeat_at: str | None
+    labels: list[tuple[str, str]]
+
+
+def gpu_groups(gpus: Sequence[Gpu]) -> list[GpuGroupView]:
+    """Group GPUs by model, memory, compute capability and MIG mode, in index order of first appearance."""
+    counts: dict[tuple[str, int, str, bool], int] = {}
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        key = (gpu.name, gpu.memory_mib, gpu.compute_capability, gpu.mig)
+        counts[key] = counts.get(key, 0) + 1
+    return [
+        GpuGroupView(
+            count=count,
+            model=name,
+            memory=human_bytes(memory_mib * 1024 * 1024) if memory_mib else "unknown",
+            compute_capability=capability or "unknown",
+            mig=mig,
+        )
+        for (name, memory_mib, capability, mig), count in counts.items()
+    ]
+
+
+def server_row_view(server: Server, now: datetime | None = None) -> ServerRowView:
+    busy = set(server.gpus_in_use)
+    in_use = [
+        GpuInUseView(gpu.index, gpu.uuid)
+        for gpu in sorted(server.gpus, key=lambda g: g.index)
+        if gpu.uuid in busy
+    ]
+    heartbeat = "static" if server.source == "file" else time_ago(server.last_heartbeat, now)
+    return ServerRowView(
+        name=server.name,
+        arch=server.arch,
+        cpus=server.cpus,
+        memory=human_bytes(server.memory) if server.memory else "unknown",
+        driver=server.driver_version or "—",
+        cuda=server.cuda_driver_version or "—",
+        gpu_groups=gpu_groups(server.gpus),
+        gpu_count=len(server.gpus),
+        in_use=in_use,
+        source=server.source,
+        heartbeat=heartbeat,
+        heartbeat_at=server.last_heartbeat.isoformat() if server.last_heartbeat else None,
+        labels=sorted(server.labels.items()),
+    )
+
+
+def server_rows(servers: Sequence[Server], now: datetime | None = None) -> list[ServerRowView]:
+    return [server_row_view(server, now) for server in sorted(servers, key=lambda s: s.name)]
+
+
+# -------------------------------------------------------------- eligibility
+
+# Form field -> (DeployRequest field, label the page shows); the label names the field in errors.
+FORM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("gpus", "GPU count"),
+    ("gpu_models", "GPU models"),
+    ("min_gpu_memory", "Min GPU memory"),
+    ("min_compute_capability", "Min compute capability"),
+    ("min_driver", "Min driver"),
+    ("cpus", "CPUs"),
+    ("memory", "Memory"),
+)
+FIELD_LABELS = dict(FORM_FIELDS)
+
+
+class FormError(ValueError):
+    """Input the user can fix; the message is shown on the page as it is."""
+
+
+@dataclass(frozen=True)
+class EligibilityForm:
+    """The explorer's query string, kept as typed so the form shows it back unchanged."""
+
+    image: str = ""
+    values: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> EligibilityForm:
+        return cls(
+            image=query.get("image", "").strip(),
+            values={name: query.get(name, "").strip() for name, _ in FORM_FIELDS},
+        )
+
+    def value(self, name: str) -> str:
+        return self.values.get(name, "")
+
+    @property
+    def submitted(self) -> bool:
+        return bool(self.image) or any(self.values.values())
+
+    def request_fields(self) -> dict[str, Any]:
+        """The non-empty fields as DeployRequest takes them (GPU models split on commas)."""
+        fields: dict[str, Any] = {}
+        for name, _ in FORM_FIELDS:
+            text = self.value(name)
+            if not text:
+                continue
+            if name == "gpu_models":
+                fields[name] = [model.strip() for model in text.split(",") if model.strip()]
+            else:
+                fields[name] = text
+        return fields
+
+    def deploy_request(self) -> DeployRequest:
+        """Parse the form into a DeployRequest; a FormError names the field in the page's words."""
+        try:
+            return DeployRequest.parse_any(self.request_fields())
+        except ValidationError as exc:
+            raise FormError(validation_message(exc)) from None
+        except ValueError as exc:
+            raise FormError(str(exc)) from None
+
+
+def validation_message(exc: ValidationError) -> str:
+    """`Min GPU memory: invalid quantity 'lots': …` for the first wrong field."""
+    error = exc.errors(include_url=False)[0]
+    location = [str(part) for part in error.get("loc", ())]
+    label = FIELD_LABELS.get(location[0], location[0]) if location else ""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{label}: {message}" if label else message
+
+
+def http_error_message(exc: web.HTTPException) -> str:
+    """The `error` text of an API error (JSON body), else its reason phrase."""
+    text = exc.text or ""
+    try:
+        body = json.loads(text.removeprefix(f"{exc.status}: "))
+    except ValueError:
+        body = None
+    message = body.get("error") if isinstance(body, dict) else None
+    if isinstance(message, str):
+        return message
+    return exc.reason
+
+
+def page_status(exc: web.HTTPException) -> int:
+    """Bad input is 400; a reference we cannot scan (allowlist, scan failure) is 422."""
+    if exc.status == 400:
+        return 400
+    if exc.status in (403, 404, 422):
+        return 422
+    return exc.status
+
+
+@dataclass(frozen=True)
+class AssignedGpuView:
+    uuid: str
+    description: str
+
+
+@dataclass(frozen=True)
+class EligibleView:
+    rank: int
+    server: str
+    platform: str
+    score: str
+    gpus: list[AssignedGpuView]
+
+
+@dataclass(frozen=True)
+class RejectedView:
+    server: str
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class ResultView:
+    reference: str
+    digest: str | None
+    image_url: str
+    gpu_required: bool
+    eligible: list[EligibleView]
+    rejected: list[RejectedView]
+
+
+def result_view(report: ImageReport, decision: Decision, servers: Sequence[Server]) -> ResultView:
+    gpus_by_uuid = {gpu.uuid: gpu for server in servers for gpu in server.gpus}
+
+    def assigned(uuid: str) -> AssignedGpuView:
+        gpu = gpus_by_uuid.get(uuid)
+        text = f"GPU {gpu.index} · {gpu.name}" if gpu else ""
+        return AssignedGpuView(uuid=uuid, description=text)
+
+    return ResultView(
+        reference=report.reference,
+        digest=report.digest,
+        image_url=image_url(report.reference),
+        gpu_required=any(platform.gpu.required for platform in report.platforms),
+        eligible=[
+            EligibleView(
+                rank=rank,
+                server=entry["server"],
+                platform=entry["platform"],
+                score=f"{entry['score']:.3g}",
+                gpus=[assigned(uuid) for uuid in entry["gpus"]],
+            )
+            for rank, entry in enumerate(decision.eligible, start=1)
+        ],
+        rejected=[RejectedView(entry["server"], list(entry["reasons"])) for entry in decision.ineligible],
+    )
+
+
+# ------------------------------------------------------------------ handlers
+
+
+async def servers_page(request: web.Request) -> web.Response:
+    rows = server_rows(live_servers(request.app))
+    return page(request, "servers.html", title="Servers · gpubadge", active="servers", servers=rows)
+
+
+async def eligibility_page(request: web.Request) -> web.Response:
+    form = EligibilityForm.from_query(request.query)
+
+    def show(status: int = 200, error: str | None = None, result: ResultView | None = None) -> web.Response:
+        return page(
+            request,
+            "eligibility.html",
+            status=status,
+            title="Eligibility · gpubadge",
+            active="eligibility",
+            form=form,
+            fields=FORM_FIELDS,
+            error=error,
+            result=result,
+        )
+
+    if not form.submitted:
+        return show()
+    if not form.image:
+        return show(400, "Enter an image reference, such as registry.example.com/team/app:1.0.")
+    try:
+        deploy = form.deploy_request()
+    except FormError as exc:
+        return show(400, str(exc))
+    try:
+        report = await image_report(request.app[SERVICES], form.image)
+    except web.HTTPException as exc:
+        return show(page_status(exc), http_error_message(exc))
+    servers = live_servers(request.app)
+    decision = decide(ImageFacts.from_report(report), deploy, servers)
+    return show(result=result_view(report, decision, servers))
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/servers", servers_page)
+    app.router.add_get("/eligibility", eligibility_page)
