@@ -145,6 +145,9 @@ class ImageReport(BaseModel):
     cached: bool = Field(default=False, description="the digest was already scanned; no new requests")
     config_only: bool = False
     retryable: bool = Field(default=False, exclude=True, description="the error may pass on a retry")
+    not_an_image: bool = Field(
+        default=False, exclude=True, description="an artifact (attestation, signature), not a container image"
+    )
 
     @property
     def ok(self) -> bool:

@@ -134,6 +134,9 @@ class ScanWorkers:
             report = await self.scanner.scan(job.reference, ScanOptions())
             if report.error is None:
                 self.store.finish_job(job.id, digest=report.digest)
+            elif report.not_an_image:  # e.g. the attestation child of a multi-arch push
+                log.info("scan %s: %s; nothing to badge", job.id, report.error)
+                self.store.finish_job(job.id, digest=None)
             else:
                 retry_in = self._backoff(job.attempts) if report.retryable else None
                 state = self.store.fail_job(job.id, report.error, retry_in=retry_in)

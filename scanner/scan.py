@@ -35,6 +35,14 @@ class ScanError(Exception):
     """A scan could not finish; the message is safe to show to users."""
 
 
+class NotAnImage(ScanError):
+    """The manifest is an artifact (an attestation, a signature, a Helm chart), not a runnable image."""
+
+
+def _is_layer(media_type: str) -> bool:
+    return "tar" in media_type or media_type.endswith("rootfs.diff.tar.gzip")
+
+
 @dataclass(frozen=True)
 class ScanOptions:
     platform: Platform | None = None
@@ -92,6 +100,9 @@ class Scanner:
             except RegistryError as exc:
                 report = self._failed(reference, str(exc))
                 report.retryable = exc.retryable
+            except NotAnImage as exc:
+                report = self._failed(reference, str(exc))
+                report.not_an_image = True
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
             except LayerError as exc:
@@ -198,6 +209,11 @@ class Scanner:
         platform: Platform | None,
     ) -> PlatformReport:
         config_descriptor = manifest.config
+        artifacts = sorted({d.media_type for d in manifest.layers if not _is_layer(d.media_type)})
+        if artifacts:
+            raise NotAnImage(
+                f"{manifest.digest} is not a container image (layers of type {', '.join(artifacts)})"
+            )
         raw = await self.client.blob(reference, config_descriptor.digest, self.settings.max_config_bytes)
         config = _parse_config(raw)
         platform = platform or Platform(
