@@ -8,6 +8,7 @@ headless Chromium.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -166,6 +167,12 @@ BROWSER_ARGS = [
 ]
 
 
+def screenshot_path(name: str, tmp_path: Path) -> Path:
+    """GPUBADGE_SCREENSHOTS=docs refreshes docs/<name>; otherwise the shot lands in tmp_path."""
+    target = os.environ.get("GPUBADGE_SCREENSHOTS")
+    return (Path(target) if target else tmp_path) / name
+
+
 @pytest.fixture(scope="module")
 def fleet_service(
     tmp_path_factory: pytest.TempPathFactory, registry: LocalRegistry, push: Pusher
@@ -205,7 +212,9 @@ def page(browser: Any) -> Iterator[Any]:
 
 
 @pytest.mark.browser
-def test_servers_page_lists_the_fleet(fleet_service: tuple[RunningService, str], page: Any) -> None:
+def test_servers_page_lists_the_fleet(
+    fleet_service: tuple[RunningService, str], page: Any, tmp_path: Path
+) -> None:
     service, _ = fleet_service
     page.goto(service.url + "/servers")
     rows = page.locator("table.servers tbody tr")
@@ -220,11 +229,12 @@ def test_servers_page_lists_the_fleet(fleet_service: tuple[RunningService, str],
     assert "0 of 1" in t4.locator(".in-use").inner_text()
     assert "static" in t4.inner_text() and "file" in t4.inner_text()
     assert "CPU only" in page.locator("tr[data-server='arm-cpu']").inner_text()
+    page.screenshot(path=str(screenshot_path("servers.png", tmp_path)), full_page=True)
 
 
 @pytest.mark.browser
 def test_eligibility_form_scans_and_explains(
-    fleet_service: tuple[RunningService, str], page: Any, record_property: Any
+    fleet_service: tuple[RunningService, str], page: Any, record_property: Any, tmp_path: Path
 ) -> None:
     service, reference = fleet_service
     page.goto(service.url + "/eligibility")
@@ -244,6 +254,7 @@ def test_eligibility_form_scans_and_explains(
     arm = page.locator("table.rejected tr[data-server='arm-cpu'] .reasons li").all_inner_texts()
     assert arm, "every rejected server carries its reasons"
     assert page.locator("input[name=gpus]").input_value() == "1"  # the form keeps what was typed
+    page.screenshot(path=str(screenshot_path("eligibility.png", tmp_path)), full_page=True)
 
 
 @pytest.mark.browser
