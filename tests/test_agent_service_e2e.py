@@ -32,8 +32,6 @@ from placement.protocol import TERMINAL_STATES
 from tests.conftest import Pusher
 from web.settings import ServiceSettings
 
-pytestmark = pytest.mark.docker
-
 AGENT_TOKEN = "e2e-agent-token"
 API_TOKEN = "e2e-api-token"
 SERVER = "e2e-node"
@@ -191,6 +189,7 @@ async def stack(
         assert code == 0, f"agent exit {code}:\n{stack.agent_log_text()}"
 
 
+@pytest.mark.docker
 async def test_deployments_run_through_the_service_and_the_agent(stack: Stack) -> None:
     server = await stack.server()
     assert server is not None and server["source"] == "agent"
@@ -234,3 +233,39 @@ async def test_deployments_run_through_the_service_and_the_agent(stack: Stack) -
     assert stopped["logs"] == "serving\n"
     server = await stack.server()
     assert server is not None and server["gpus_in_use"] == []
+
+
+async def test_service_shutdown_ends_open_long_polls(tmp_path: Path) -> None:
+    """A graceful stop must not wait out the agents' long polls (aiohttp waits for handlers)."""
+    settings = ServiceSettings(
+        db=tmp_path / "poll.db", port=0, agent_token=AGENT_TOKEN, api_token=API_TOKEN, docker_config=None
+    )
+    headers = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        service_context = run_service_inprocess(settings, port=free_port())
+        service = await service_context.__aenter__()
+        async with session.post(
+            f"{service.url}/api/servers", json=agent_server().model_dump(mode="json"), headers=headers
+        ) as response:
+            assert response.status == 200
+        registered_at = await _last_heartbeat(session, service.url)
+        poll = asyncio.create_task(
+            session.get(f"{service.url}/api/agents/{SERVER}/deployments?wait=30", headers=headers)
+        )
+        deadline = time.monotonic() + 5
+        while await _last_heartbeat(session, service.url) == registered_at:  # the poll stamps it
+            assert time.monotonic() < deadline and not poll.done(), "the long poll never reached the service"
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await asyncio.wait_for(service_context.__aexit__(None, None, None), 10)
+        stopped_after = time.monotonic() - started
+        response = await asyncio.wait_for(poll, 10)
+        async with response:
+            assert response.status == 200 and (await response.json())["deployments"] == []
+    assert stopped_after < 5, f"shutdown waited {stopped_after:.1f}s for a long poll"
+
+
+async def _last_heartbeat(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/api/servers") as response:
+        servers = (await response.json())["servers"]
+    return str(next(server for server in servers if server["name"] == SERVER)["last_heartbeat"])

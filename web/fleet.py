@@ -80,17 +80,28 @@ class Deployment(BaseModel):
 
 
 class FleetEvents:
-    """Wakes long-polling agents when a deployment for them appears or must stop."""
+    """Wakes long-polling agents when a deployment for them appears or must stop.
+
+    On shutdown it wakes them for good: aiohttp waits for running handlers before it
+    exits, so open long polls would otherwise hold a graceful stop for up to MAX_POLL.
+    """
 
     def __init__(self) -> None:
         self._changed = asyncio.Condition()
+        self.closing = False
 
     async def notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
+    async def close(self) -> None:
+        self.closing = True
+        await self.notify()
+
     async def wait(self, timeout: float) -> None:
         async with self._changed:
+            if self.closing:
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
 
@@ -358,7 +369,7 @@ async def agent_poll(request: web.Request) -> web.Response:
     while True:
         rows = services.store.actionable_deployments(name)
         remaining = deadline - time.monotonic()
-        if rows or remaining <= 0:
+        if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
             break
         await request.app[FLEET_EVENTS].wait(remaining)
     body = DeploymentsResponse(
@@ -393,8 +404,13 @@ async def deployment_status(request: web.Request) -> web.Response:
     return web.json_response(updated.model_dump(mode="json"))
 
 
+async def _end_long_polls(app: web.Application) -> None:
+    await app[FLEET_EVENTS].close()
+
+
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
+    app.on_shutdown.append(_end_long_polls)
     settings = services_of_app(app).settings
     app[STATIC_FLEET] = load_inventory(settings.inventory_file).servers if settings.inventory_file else []
     app.router.add_get("/api/servers", list_servers)
