@@ -1,0 +1,160 @@
+"""Shared measuring tools for the benchmarks: CPU accounting, percentiles, pushes, result rows.
+
+Client CPU is taken from `getrusage(RUSAGE_CHILDREN)` deltas (so process start is
+included, exactly as a user pays it), the registry's own CPU from /proc/<pid>/stat.
+Setup (building and pushing images) is never inside a measured window.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fixtures.oci import push_layout
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Figure:
+    """One measured line of the results table. `ratio` is peer/ours (bigger is better for us)."""
+
+    section: str
+    name: str
+    ours: str
+    peer: str = ""
+    ratio: float | None = None
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+
+@dataclass
+class Results:
+    figures: list[Figure] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    def add(self, figure: Figure) -> None:
+        self.figures.append(figure)
+        print(f"  {figure.name}: ours={figure.ours} peer={figure.peer or '-'} {_verdict(figure)}", flush=True)
+
+    def detail(self, line: str) -> None:
+        self.details.append(line)
+        print(f"  {line}", flush=True)
+
+
+def _verdict(figure: Figure) -> str:
+    if figure.met is None:
+        return ""
+    return "MET" if figure.met else "MISSED"
+
+
+@dataclass
+class CpuWindow:
+    """CPU and wall time spent between `start` and `stop`."""
+
+    wall_s: float = 0.0
+    children_cpu_s: float = 0.0
+    watched_cpu_s: float = 0.0  # the watched process (e.g. the registry), from /proc
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a running process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextmanager
+def measure(watch_pid: int | None = None) -> Iterator[CpuWindow]:
+    """Wall time, CPU of child processes reaped inside the block, and CPU of `watch_pid`."""
+    window = CpuWindow()
+    watched = process_cpu_seconds(watch_pid) if watch_pid else 0.0
+    children = children_cpu_seconds()
+    started = time.perf_counter()
+    try:
+        yield window
+    finally:
+        window.wall_s = time.perf_counter() - started
+        window.children_cpu_s = children_cpu_seconds() - children
+        if watch_pid:
+            window.watched_cpu_s = process_cpu_seconds(watch_pid) - watched
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..1); the honest choice for small samples."""
+    ordered = sorted(samples)
+    if not ordered:
+        return float("nan")
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered))))
+    return ordered[rank - 1]
+
+
+def push_tags(layout: Path, tags: Sequence[str], destination_repo: str, parallel: int = 6) -> float:
+    """Push `layout:tag` to `destination_repo:tag` for each tag with skopeo; returns seconds taken."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(lambda tag: push_layout(layout, tag, f"{destination_repo}:{tag}"), tags))
+    return time.perf_counter() - started
+
+
+def gpubadge_command(*args: str) -> list[str]:
+    """`gpubadge ...` as a user runs it (the console script when installed, else the module)."""
+    return [sys.executable, "-m", "gpubadge.cli", *args]
+
+
+def machine_description() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f", {kib / 1024 / 1024:.1f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{os.cpu_count()} cores ({cpu}){memory}, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def tool_versions() -> str:
+    versions = []
+    for command in (["skopeo", "--version"], ["docker-registry", "--version"]):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip()
+            versions.append(out.splitlines()[0] if out else command[0])
+        except (OSError, subprocess.SubprocessError):
+            versions.append(f"{command[0]}: not found")
+    return "; ".join(versions)
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def ratio(peer: float, ours: float) -> float | None:
+    return peer / ours if ours > 0 else None

@@ -1,0 +1,149 @@
+"""Run every benchmark, print one table of figures and ratios, and write bench/RESULTS.md.
+
+    python3 -m bench.run            # full workloads (about 10 minutes on 2 cores)
+    python3 -m bench.run --quick    # smaller workloads, prints only (unless --output)
+    python3 -m bench.run --only scan,placement
+
+These are measurements, not tests: nothing here asserts, and pytest never collects it.
+Ratios are peer/ours, so 4.0x means gpubadge needed a quarter of what the peer tool did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import scan_bench, service_bench
+from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
+
+SECTIONS = ("scan", "service", "placement")
+
+
+def run_placement(results: Results, quick: bool) -> None:
+    """bench/placement_bench.py (another engineer's) in a child process; its lines become figures."""
+    servers, queries = ("10000", "50") if quick else ("10000", "200")
+    print(
+        f"placement: bench.placement_bench {servers} servers, {queries} queries per request form", flush=True
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.placement_bench", servers, queries],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    if completed.returncode != 0:
+        results.add(Figure("placement", "placement_bench", "failed", note=completed.stderr.strip()[-300:]))
+        return
+    for line in completed.stdout.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part and not part.startswith("{"))
+        if "p99_ms" in fields and line.startswith("request="):
+            request = line.split(" eligible=", 1)[0].removeprefix("request=")
+            p99 = float(fields["p99_ms"])
+            results.add(
+                Figure(
+                    "placement",
+                    f"one query over {servers} servers, request {request}",
+                    f"p50 {fields['p50_ms']} ms, p99 {p99:.2f} ms",
+                    target="p99 < 10 ms",
+                    met=p99 < 10,
+                    note=f"{fields.get('eligible', '?')} eligible",
+                )
+            )
+        else:
+            results.detail(f"placement: {line}")
+
+
+def format_table(figures: list[Figure]) -> str:
+    header = "| section | figure | gpubadge | peer | ratio (peer/ours) | target | met |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for figure in figures:
+        shown_ratio = f"{figure.ratio:.1f}x" if figure.ratio is not None else ""
+        met = "" if figure.met is None else ("yes" if figure.met else "**no**")
+        ours = figure.ours + (f" ({figure.note})" if figure.note else "")
+        lines.append(
+            f"| {figure.section} | {figure.name} | {ours} | {figure.peer} | {shown_ratio} | {figure.target} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def write_results(path: Path, results: Results, header: dict[str, str], commentary: str) -> None:
+    body = [
+        "# Benchmark results",
+        "",
+        "Measured by `python3 -m bench.run` (bench/run.py). Ratios are peer/ours: bigger is better for gpubadge.",
+        "",
+        *(f"- **{key}:** {value}" for key, value in header.items()),
+        "",
+        format_table(results.figures),
+        "",
+        "## Details",
+        "",
+        *(f"- {line}" for line in results.details),
+        "",
+    ]
+    if commentary:
+        body += ["## Notes", "", commentary.strip(), ""]
+    path.write_text("\n".join(body))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Run gpubadge's benchmarks side by side with peer tools.")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (a couple of minutes)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument(
+        "--output", type=Path, help="write the results here (default: bench/RESULTS.md unless --quick)"
+    )
+    parser.add_argument(
+        "--notes", type=Path, help="a Markdown file appended as the Notes section (analysis of the figures)"
+    )
+    args = parser.parse_args()
+    wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+    unknown = wanted - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+
+    results = Results()
+    started = time.perf_counter()
+    load_before = load_average()
+    if "scan" in wanted:
+        scan_bench.run_all(results, args.quick)
+    if "service" in wanted:
+        service_bench.run_all(results, args.quick)
+    if "placement" in wanted:
+        run_placement(results, args.quick)
+    elapsed = time.perf_counter() - started
+
+    print()
+    print(format_table(results.figures))
+    header = {
+        "Date": today(),
+        "Machine": machine_description(),
+        "Tools": tool_versions(),
+        "Mode": ("quick" if args.quick else "full")
+        + f", sections: {', '.join(s for s in SECTIONS if s in wanted)}",
+        "Load average (1/5/15 min) before / after": f"{load_before} / {load_average()} "
+        "(other work on the machine shares the cores and inflates wall-time figures)",
+        "Run time": f"{elapsed:.0f} s",
+    }
+    output = args.output or (None if args.quick else Path(__file__).with_name("RESULTS.md"))
+    if output is not None:
+        commentary = args.notes.read_text() if args.notes else ""
+        write_results(output, results, header, commentary)
+        print(f"\nwrote {os.path.relpath(output)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

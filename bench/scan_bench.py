@@ -1,0 +1,645 @@
+"""Scanner benchmarks against a real loopback registry, side by side with `skopeo inspect --config`.
+
+Each tool runs the way a user would run it: skopeo as one process per image with
+N processes at once, gpubadge as ONE `gpubadge scan` process over all references
+with `--concurrency N`. Measured: wall time, client CPU (process start included),
+the registry's CPU, requests per image, bytes read for the libc verdict, the reads
+of a shared base layer, and peak RSS while streaming a very large layer.
+
+Run alone: python3 -m bench.scan_bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    Figure,
+    Results,
+    gpubadge_command,
+    measure,
+    ms,
+    push_tags,
+    ratio,
+)
+from fixtures.oci import (
+    LAYER_MEDIA_TYPES,
+    OCI_CONFIG,
+    OCI_MANIFEST,
+    Entry,
+    ImageSpec,
+    LayerSpec,
+    LayoutWriter,
+    fake_elf,
+    file,
+    push_layout,
+)
+from fixtures.registry import LocalRegistry, run_registry
+
+GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
+MiB = 1024 * 1024
+ACCESS_LOG: dict[str, Any] = {"log": {"level": "warn", "accesslog": {"disabled": False}}}
+# Combined log format: "METHOD PATH HTTP/1.1" STATUS BYTES
+ACCESS_LINE = re.compile(r'"(GET|HEAD|PUT|POST|PATCH|DELETE) (\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
+
+
+@dataclass
+class ScanFigures:
+    """Quick mode shrinks the workloads (figures are still honest, just noisier)."""
+
+    images: int = 500
+    concurrency: int = 8
+    rounds: int = 2
+    front_layer_mib: int = 32
+    shared_images: int = 10
+    shared_base_mib: int = 16
+    huge_layer_mib: int = 1024
+
+    @classmethod
+    def quick(cls) -> ScanFigures:
+        return cls(
+            images=100, rounds=1, front_layer_mib=24, shared_images=6, shared_base_mib=8, huge_layer_mib=256
+        )
+
+
+# --- image building ------------------------------------------------------------------------------
+
+
+def base_entries() -> list[Entry]:
+    """A tiny glibc root filesystem: what the libc verdict looks for, and little else."""
+    return [
+        file("bin/sh", fake_elf(GLIBC_LOADER), 0o755),
+        file(GLIBC_LOADER.lstrip("/"), fake_elf(None), 0o755),
+        file("etc/os-release", 'ID=debian\nVERSION_ID="12"\nPRETTY_NAME="Debian GNU/Linux 12"\n'),
+    ]
+
+
+def config_only_layout(root: Path, count: int) -> list[str]:
+    """`count` distinct images (distinct configs and manifests) over one small shared layer."""
+    layout = LayoutWriter(root)
+    base = LayerSpec(base_entries())
+    tags = []
+    for n in range(count):
+        env = {"APP_BUILD": str(n), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+        if n % 4 == 0:  # a quarter are CUDA images, as in a GPU platform's registry
+            env |= {"CUDA_VERSION": "12.2.2", "NVIDIA_REQUIRE_CUDA": "cuda>=12.2 brand=tesla,driver>=470"}
+        tag = f"v{n}"
+        layout.tag(layout.image(ImageSpec([base], env=env)), tag)
+        tags.append(tag)
+    return tags
+
+
+class _HashingSink(io.RawIOBase):
+    """Receives the tar stream: hashes it (diff_id) and writes it gzip-compressed, hashed again."""
+
+    def __init__(self, out: io.BufferedWriter, level: int) -> None:
+        self.out = out
+        self.raw_hash = hashlib.sha256()
+        self.blob_hash = hashlib.sha256()
+        self.blob_size = 0
+        self.compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self.raw_hash.update(chunk)
+        self._emit(self.compressor.compress(chunk))
+        return len(chunk)
+
+    def _emit(self, blob: bytes) -> None:
+        if blob:
+            self.blob_hash.update(blob)
+            self.blob_size += len(blob)
+            self.out.write(blob)
+
+    def finish(self) -> None:
+        self._emit(self.compressor.flush())
+
+
+class _RandomFile(io.RawIOBase):
+    """`size` bytes of incompressible data, produced on demand (never held in memory)."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self.left, MiB)
+        buffer[:count] = os.urandom(count)
+        self.left -= count
+        return count
+
+
+@dataclass
+class StreamedLayer:
+    digest: str
+    diff_id: str
+    size: int
+
+
+def write_streamed_layer(
+    layout: LayoutWriter,
+    before: Sequence[Entry],
+    filler_bytes: int,
+    after: Sequence[Entry],
+    level: int = 1,
+) -> StreamedLayer:
+    """A gzip layer: `before`, one `filler_bytes` random file, then `after`; streamed to disk."""
+    blobs = layout.root / "blobs" / "sha256"
+    partial = blobs / f"partial-{os.getpid()}-{len(os.listdir(blobs))}"
+    with partial.open("wb") as out:
+        sink = _HashingSink(out, level)
+        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as archive:
+            for entry in before:
+                _add(archive, entry)
+            info = tarfile.TarInfo("opt/data/blob.bin")
+            info.size, info.mode, info.mtime = filler_bytes, 0o644, 0
+            archive.addfile(info, io.BufferedReader(_RandomFile(filler_bytes), buffer_size=MiB))
+            for entry in after:
+                _add(archive, entry)
+        sink.finish()
+    digest = "sha256:" + sink.blob_hash.hexdigest()
+    partial.rename(blobs / digest.removeprefix("sha256:"))
+    return StreamedLayer(digest, "sha256:" + sink.raw_hash.hexdigest(), sink.blob_size)
+
+
+def _add(archive: tarfile.TarFile, entry: Entry) -> None:
+    info = tarfile.TarInfo(entry.path.lstrip("/"))
+    info.size, info.mode, info.mtime = len(entry.content), entry.mode, 0
+    archive.addfile(info, io.BytesIO(entry.content))
+
+
+def small_layer(layout: LayoutWriter, entries: Sequence[Entry]) -> StreamedLayer:
+    """A small gzip layer built in memory (fine for kilobytes)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for entry in entries:
+            _add(archive, entry)
+    data = raw.getvalue()
+    blob = zlib.compressobj(6, zlib.DEFLATED, 31)
+    compressed = blob.compress(data) + blob.flush()
+    digest = layout.blob(compressed)
+    return StreamedLayer(digest, "sha256:" + hashlib.sha256(data).hexdigest(), len(compressed))
+
+
+def assemble_image(layout: LayoutWriter, layers: Sequence[StreamedLayer], tag: str) -> str:
+    """Config + manifest over already-written layers (bottom first); tags it; returns the digest."""
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Env": [f"BENCH_TAG={tag}"]},
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
+        "created": "2026-01-01T00:00:00Z",
+    }
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": layout.descriptor(OCI_CONFIG, json.dumps(config, sort_keys=True).encode()),
+        "layers": [
+            {"mediaType": LAYER_MEDIA_TYPES["gzip"], "digest": layer.digest, "size": layer.size}
+            for layer in layers
+        ],
+    }
+    descriptor = layout.descriptor(OCI_MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+    layout.tag(descriptor, tag)
+    digest: str = descriptor["digest"]
+    return digest
+
+
+# --- running the tools ---------------------------------------------------------------------------
+
+
+def run_skopeo_inspect(refs: Sequence[str], parallel: int) -> int:
+    """`skopeo inspect --config` once per reference, `parallel` processes at a time; returns failures."""
+
+    def one(ref: str) -> int:
+        result = subprocess.run(
+            ["skopeo", "inspect", "--config", "--tls-verify=false", f"docker://{ref}"],
+            capture_output=True,
+            timeout=120,
+        )
+        return result.returncode
+
+    with ThreadPoolExecutor(parallel) as pool:
+        return sum(1 for code in pool.map(one, refs) if code != 0)
+
+
+def run_gpubadge_scan(
+    refs: Sequence[str], *args: str, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """One `gpubadge scan --json` process over all references; returns the reports."""
+    result = subprocess.run(
+        gpubadge_command("scan", "--json", *args, *refs),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    if len(reports) != len(refs):
+        raise RuntimeError(
+            f"gpubadge scan gave {len(reports)} reports for {len(refs)} refs: {result.stderr[-2000:]}"
+        )
+    return reports
+
+
+def errors_of(reports: Sequence[dict[str, Any]]) -> list[str]:
+    return [f"{r['reference']}: {r['error']}" for r in reports if r.get("error")]
+
+
+@dataclass
+class Access:
+    method: str
+    path: str
+    status: int
+    size: int
+
+
+def access_lines(registry: LocalRegistry, start: int = 0) -> tuple[list[Access], int]:
+    """Parsed access-log lines from byte offset `start`; returns them and the new offset."""
+    data = registry.log_path.read_bytes()
+    lines = []
+    for match in ACCESS_LINE.finditer(data[start:].decode(errors="replace")):
+        method, path, status, size = match.groups()
+        lines.append(Access(method, path, int(status), 0 if size == "-" else int(size)))
+    return lines, len(data)
+
+
+def wait_for_log_sentinel(registry: LocalRegistry, label: str, timeout: float = 5.0) -> None:
+    """Make one marked request and wait (bounded) until the registry has logged it.
+
+    Requests are logged in the order they finish, so once the sentinel is in the log,
+    every request a finished client process made is in it too.
+    """
+    import time
+    import urllib.request
+
+    marker = f"bench-sentinel={label}"
+    with urllib.request.urlopen(f"{registry.url}/v2/?{marker}", timeout=timeout):
+        pass
+    deadline = time.monotonic() + timeout
+    while marker not in registry.log():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"registry never logged {marker}")
+        time.sleep(0.01)
+
+
+def client_requests(lines: Sequence[Access]) -> list[Access]:
+    """Access-log lines that are not our own sentinels."""
+    return [line for line in lines if "bench-sentinel=" not in line.path]
+
+
+@contextmanager
+def logged(registry: LocalRegistry, label: str) -> Iterator[list[Access]]:
+    """Collect the access-log lines of the requests made inside the block."""
+    wait_for_log_sentinel(registry, f"{label}-start")
+    _, start = access_lines(registry)
+    collected: list[Access] = []
+    yield collected
+    wait_for_log_sentinel(registry, f"{label}-end")
+    lines, _ = access_lines(registry, start)
+    collected.extend(client_requests(lines))
+
+
+def describe_requests(lines: Sequence[Access]) -> str:
+    kinds: Counter[str] = Counter()
+    for line in lines:
+        what = "ping" if line.path.rstrip("/") == "/v2" else line.path.split("/")[-2]
+        kinds[f"{line.method} {what}"] += 1
+    return ", ".join(f"{count}x {kind}" for kind, count in sorted(kinds.items()))
+
+
+# --- the benchmarks ------------------------------------------------------------------------------
+
+
+def bench_requests(results: Results, workdir: Path) -> float:
+    """Requests per image, counted by the library and by the registry; returns skopeo's per image."""
+    print("requests per image (registry access log + RequestStats)", flush=True)
+    layout = LayoutWriter(workdir / "requests-layout")
+    app = LayerSpec([*base_entries(), file("app/run", "#!/bin/sh\necho hi\n", 0o755)])
+    layout.tag(layout.image(ImageSpec([app], env={"CUDA_VERSION": "12.2.2"})), "single")
+    arches = ["amd64", "arm64", "ppc64le"]
+    for k in (2, 3):
+        specs = [ImageSpec([app], architecture=arch) for arch in arches[:k]]
+        layout.tag(layout.multi_platform(specs, attestation=True), f"index{k}")
+    skopeo_per_image = 0.0
+    with run_registry(extra_config=ACCESS_LOG) as registry:
+        push_tags(layout.root, ["single", "index2", "index3"], f"{registry.host}/bench/requests", parallel=3)
+        cases = [
+            ("single-platform by tag", "single", 1),
+            ("index, 2 platforms", "index2", 2),
+            ("index, 3 platforms", "index3", 3),
+        ]
+        for title, tag, k in cases:
+            ref = f"{registry.host}/bench/requests:{tag}"
+            budget = 3 if k == 1 else 2 + 2 * k
+            with logged(registry, f"ours-{tag}") as ours_lines:
+                (report,) = run_gpubadge_scan([ref], "--config-only", "--no-store")
+            with logged(registry, f"full-{tag}") as full_lines:
+                (full,) = run_gpubadge_scan([ref], "--no-store")
+            with logged(registry, f"peer-{tag}") as peer_lines:
+                failures = run_skopeo_inspect([ref], 1)
+            if report.get("error") or full.get("error") or failures:
+                raise RuntimeError(f"scan of {ref} failed: {report.get('error') or full.get('error')}")
+            counted = int(report["requests"])
+            seen = len(ours_lines)
+            results.add(
+                Figure(
+                    "requests",
+                    f"requests per image, config-only, {title}",
+                    f"{seen} (RequestStats {counted})",
+                    f"{len(peer_lines)} (skopeo inspect --config, one platform only)",
+                    ratio(len(peer_lines), seen) if k == 1 else None,
+                    f"<= {budget}",
+                    seen <= budget and counted <= budget,
+                )
+            )
+            results.detail(f"{title}: gpubadge config-only: {describe_requests(ours_lines)}")
+            results.detail(f"{title}: skopeo inspect --config: {describe_requests(peer_lines)}")
+            results.detail(
+                f"{title}: gpubadge full scan (layers too): {len(full_lines)} requests "
+                f"(RequestStats {full['requests']}): {describe_requests(full_lines)}"
+            )
+            if k == 1:
+                skopeo_per_image = float(len(peer_lines))
+    return skopeo_per_image
+
+
+@dataclass
+class Run:
+    wall_s: float
+    client_cpu_s: float
+    registry_cpu_s: float
+    requests: int
+
+
+def median_run(runs: Sequence[Run]) -> Run:
+    ordered = sorted(runs, key=lambda run: run.wall_s)
+    return ordered[len(ordered) // 2]
+
+
+def bench_config_only(
+    results: Results, figures: ScanFigures, workdir: Path, skopeo_requests_per_image: float
+) -> None:
+    n, concurrency = figures.images, figures.concurrency
+    print(
+        f"config-only scan of {n} fresh images, {concurrency} at a time, vs skopeo inspect --config",
+        flush=True,
+    )
+    root = workdir / "config-layout"
+    tags = config_only_layout(root, n)
+    with run_registry() as registry:
+        push_s = push_tags(root, tags, f"{registry.host}/bench/config", parallel=6)
+        results.detail(f"setup: pushed {n} images with skopeo in {push_s:.1f} s (not measured)")
+        refs = [f"{registry.host}/bench/config:{tag}" for tag in tags]
+        pid = registry.process.pid
+        run_skopeo_inspect(refs[:concurrency], concurrency)  # warm-up (page cache, registry)
+        run_gpubadge_scan(refs[:concurrency], "--config-only", "--no-store")
+        peer_runs, our_runs = [], []
+        for _ in range(figures.rounds):
+            with measure(pid) as peer:
+                failures = run_skopeo_inspect(refs, concurrency)
+            if failures:
+                raise RuntimeError(f"skopeo inspect failed for {failures} references")
+            peer_runs.append(
+                Run(peer.wall_s, peer.children_cpu_s, peer.watched_cpu_s, int(skopeo_requests_per_image * n))
+            )
+            args = ("--config-only", "--concurrency", str(concurrency), "--no-store")
+            with measure(pid) as ours:
+                reports = run_gpubadge_scan(refs, *args)
+            if errors_of(reports):
+                raise RuntimeError(f"gpubadge scan errors: {errors_of(reports)[:3]}")
+            our_runs.append(
+                Run(
+                    ours.wall_s,
+                    ours.children_cpu_s,
+                    ours.watched_cpu_s,
+                    sum(int(r["requests"]) for r in reports),
+                )
+            )
+    peer_run, our_run = median_run(peer_runs), median_run(our_runs)
+    cpu_ratio = ratio(peer_run.client_cpu_s, our_run.client_cpu_s)
+    wall_ratio = ratio(peer_run.wall_s, our_run.wall_s)
+    cores = os.cpu_count() or 1
+    results.add(
+        Figure(
+            "config-only",
+            f"client CPU (user+sys, process start included), {n} images",
+            f"{our_run.client_cpu_s:.2f} s",
+            f"{peer_run.client_cpu_s:.2f} s",
+            cpu_ratio,
+            ">= 10x less",
+            cpu_ratio is not None and cpu_ratio >= 10,
+        )
+    )
+    results.add(
+        Figure(
+            "config-only",
+            f"wall time, {n} images, concurrency {concurrency}",
+            f"{our_run.wall_s:.2f} s",
+            f"{peer_run.wall_s:.2f} s",
+            wall_ratio,
+            ">= 2.5x less",
+            wall_ratio is not None and wall_ratio >= 2.5,
+        )
+    )
+    for label, run in (("ours", our_run), ("peer", peer_run)):
+        per_request = run.registry_cpu_s / run.requests if run.requests else 0.0
+        results.detail(
+            f"{label}: registry CPU {run.registry_cpu_s:.2f} s for {run.requests} requests "
+            f"({ms(per_request)}/request); client CPU {run.client_cpu_s:.2f} s; wall {run.wall_s:.2f} s"
+        )
+    floor = our_run.registry_cpu_s / cores
+    results.add(
+        Figure(
+            "config-only",
+            f"wall-time floor set by the registry's own CPU on {cores} cores (ours)",
+            f"{floor:.2f} s",
+            f"{peer_run.registry_cpu_s / cores:.2f} s",
+            note=f"ours: {our_run.registry_cpu_s / max(1, our_run.requests) * 1000:.2f} ms registry CPU/request",
+        )
+    )
+    rounds = ", ".join(f"{r.wall_s:.2f}s/{r.client_cpu_s:.2f}s" for r in our_runs)
+    peer_rounds = ", ".join(f"{r.wall_s:.2f}s/{r.client_cpu_s:.2f}s" for r in peer_runs)
+    results.detail(f"rounds (wall/client CPU): ours {rounds}; skopeo {peer_rounds}")
+
+
+def bench_front_bytes(results: Results, figures: ScanFigures, workdir: Path) -> None:
+    print(
+        f"bytes read for the libc verdict: {figures.front_layer_mib} MiB layer, evidence at the front",
+        flush=True,
+    )
+    layout = LayoutWriter(workdir / "front-layout")
+    big = write_streamed_layer(layout, base_entries(), figures.front_layer_mib * MiB, [])
+    app = small_layer(layout, [file("app/run", "#!/bin/sh\nexec /app/server\n", 0o755)])
+    assemble_image(layout, [big, app], "front")
+    with run_registry(extra_config=ACCESS_LOG) as registry:
+        push_layout(layout.root, "front", f"{registry.host}/bench/front:front", timeout=600)
+        ref = f"{registry.host}/bench/front:front"
+        with logged(registry, "front") as lines:
+            (report,) = run_gpubadge_scan([ref], "--no-store")
+    if report.get("error"):
+        raise RuntimeError(f"scan failed: {report['error']}")
+    libc = report["platforms"][0]["libc"]
+    fraction = libc["bytes_read"] / libc["bytes_total"]
+    sent = sum(line.size for line in lines if line.method == "GET" and "/blobs/" in line.path)
+    results.add(
+        Figure(
+            "libc bytes",
+            f"bytes read for the libc verdict / all layer bytes ({libc['flavour']}, evidence at the front)",
+            f"{fraction * 100:.2f}% ({libc['bytes_read'] / 1024:.0f} KiB of {libc['bytes_total'] / MiB:.1f} MiB)",
+            "100% (a pull reads every layer)",
+            ratio(1.0, fraction),
+            "<= 5%",
+            fraction <= 0.05 and libc["flavour"] == "glibc",
+            note=f"registry wrote {sent / 1024:.0f} KiB of blob bytes before the connection closed",
+        )
+    )
+    results.detail(
+        f"front: verdict {libc['flavour']} from {libc['evidence']}; registry-side blob bytes {sent / 1024:.0f} KiB"
+    )
+
+
+def bench_shared_base(results: Results, figures: ScanFigures, workdir: Path) -> None:
+    n = figures.shared_images
+    print(
+        f"shared base layer: {n} images over one {figures.shared_base_mib} MiB base (evidence at its end)",
+        flush=True,
+    )
+    layout = LayoutWriter(workdir / "shared-layout")
+    base = write_streamed_layer(layout, [], figures.shared_base_mib * MiB, base_entries())
+    tags = []
+    for i in range(n):
+        top = small_layer(layout, [file(f"app/build-{i}.txt", f"build {i}\n")])
+        assemble_image(layout, [base, top], f"app{i}")
+        tags.append(f"app{i}")
+    with run_registry(extra_config=ACCESS_LOG) as registry:
+        push_tags(layout.root, tags, f"{registry.host}/bench/shared", parallel=4)
+        refs = [f"{registry.host}/bench/shared:{tag}" for tag in tags]
+        db = workdir / "shared.db"
+        with logged(registry, "shared") as lines:
+            reports = run_gpubadge_scan(refs, "--db", str(db), "--concurrency", "8")
+    if errors_of(reports):
+        raise RuntimeError(f"scan errors: {errors_of(reports)[:3]}")
+    base_gets = [line for line in lines if line.method == "GET" and line.path.endswith(base.digest)]
+    read_total = sum(r["platforms"][0]["libc"]["bytes_read"] for r in reports)
+    flavours = Counter(r["platforms"][0]["libc"]["flavour"] for r in reports)
+    results.add(
+        Figure(
+            "libc bytes",
+            f"reads of a shared {figures.shared_base_mib} MiB base layer, {n} images in one scan",
+            f"{len(base_gets)} GET(s); {read_total / MiB:.1f} MiB read in all",
+            f"{n} reads / {n * base.size / MiB:.1f} MiB (one per image)",
+            ratio(n * base.size, read_total),
+            "1 read",
+            len(base_gets) == 1 and flavours == Counter({"glibc": n}),
+            note=f"verdicts: {dict(flavours)}",
+        )
+    )
+
+
+def bench_peak_rss(results: Results, figures: ScanFigures, workdir: Path) -> None:
+    size = figures.huge_layer_mib * MiB
+    free = shutil.disk_usage(workdir).free
+    if free < 3 * size:
+        results.detail(
+            f"peak RSS: skipped, {free / 2**30:.1f} GiB free on {workdir} (need {3 * size / 2**30:.1f})"
+        )
+        return
+    print(f"peak RSS while scanning a {figures.huge_layer_mib} MiB layer (evidence at its end)", flush=True)
+    layout = LayoutWriter(workdir / "huge-layout")
+    tiny = small_layer(layout, base_entries())
+    assemble_image(layout, [tiny], "tiny")
+    huge = write_streamed_layer(layout, [], size, base_entries())
+    assemble_image(layout, [huge], "huge")
+    env = {"GPUBADGE_MAX_LAYER_BYTES": str(size + 64 * MiB)}
+    with run_registry() as registry:
+        push_tags(layout.root, ["tiny"], f"{registry.host}/bench/huge")
+        push_layout(layout.root, "huge", f"{registry.host}/bench/huge:huge", timeout=600)
+        shutil.rmtree(layout.root)  # the registry holds its own copy now
+        baseline_kib, _, _ = scan_rss(f"{registry.host}/bench/huge:tiny", env)
+        peak_kib, report, seconds = scan_rss(f"{registry.host}/bench/huge:huge", env)
+    libc = report["platforms"][0]["libc"]
+    results.add(
+        Figure(
+            "memory",
+            f"peak RSS of `gpubadge scan` streaming a {figures.huge_layer_mib} MiB layer",
+            f"{peak_kib / 1024:.0f} MB",
+            target="< 150 MB",
+            met=peak_kib / 1024 < 150 and libc["bytes_read"] >= huge.size * 0.99,
+            note=(
+                f"baseline (tiny image) {baseline_kib / 1024:.0f} MB; read {libc['bytes_read'] / MiB:.0f} MiB "
+                f"of {huge.size / MiB:.0f} MiB in {seconds:.1f} s; verdict {libc['flavour']}"
+            ),
+        )
+    )
+
+
+def scan_rss(ref: str, env: dict[str, str]) -> tuple[int, dict[str, Any], float]:
+    """Scan in a child process; returns its peak RSS (KiB, from wait4), the report, and seconds."""
+    import time
+
+    started = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(
+            gpubadge_command("scan", "--json", "--no-store", ref),
+            stdout=out,
+            stderr=err,
+            env={**os.environ, **env},
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        lines = [line for line in out.read().decode().splitlines() if line.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"gpubadge scan {ref} printed no report: {err.read().decode()[-2000:]}")
+    report = json.loads(lines[0])
+    if report.get("error"):
+        raise RuntimeError(f"scan of {ref} failed: {report['error']}")
+    return usage.ru_maxrss, report, seconds
+
+
+def run_all(results: Results, quick: bool) -> None:
+    figures = ScanFigures.quick() if quick else ScanFigures()
+    workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-"))
+    try:
+        skopeo_per_image = bench_requests(results, workdir)
+        bench_config_only(results, figures, workdir, skopeo_per_image)
+        bench_front_bytes(results, figures, workdir)
+        bench_shared_base(results, figures, workdir)
+        bench_peak_rss(results, figures, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    run_all(Results(), parser.parse_args().quick)
+
+
+if __name__ == "__main__":
+    main()
