@@ -118,7 +118,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
             yield
         finally:
             if services.workers is not None:
-                await services.workers.stop()
+                await services.workers.stop(drain_timeout=settings.drain_seconds)
             await client.close()
             services.store.close()
 

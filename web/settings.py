@@ -60,6 +60,9 @@ class ServiceSettings(ScannerSettings):
     coalesce_seconds: float = Field(
         default=0.5, description="delay for digest-only push events, so the index job covers them"
     )
+    drain_seconds: float = Field(
+        default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
+    )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")

@@ -1,0 +1,227 @@
+"""Durability of `gpubadge serve`: kill -9 mid-burst, restart on the same database; SIGTERM drains.
+
+A 202 means "queued durably". So every image whose webhook got a 202 must end up
+scanned, once, even when the process is killed with SIGKILL in the middle of a burst;
+senders whose request failed retry it, as registries do. SIGTERM must exit cleanly
+and leave unfinished jobs queued for the next start, never `running` and never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import re
+import signal
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fixtures.oci import ImageSpec, LayerSpec, file, push_many
+from fixtures.registry import LocalRegistry, free_port, run_registry
+from fixtures.service import run_service_process
+from tests.faultproxy import FaultProxy, Rule
+from tests.test_service_e2e import by_ref, call, wait_job
+
+SECRET = "durability-secret"
+BURST = 200
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+
+
+@dataclass
+class Burst:
+    registry: LocalRegistry
+    digests: dict[str, str]  # repository -> manifest digest, all pushed as :latest
+
+    def reference(self, repository: str) -> str:
+        return f"{self.registry.host}/{repository}:latest"
+
+    def payload(self, repository: str, host: str | None = None) -> bytes:
+        """What `docker-registry` itself sends for a manifest push (v1 envelope, one event)."""
+        host = host or self.registry.host
+        digest = self.digests[repository]
+        event = {
+            "action": "push",
+            "target": {
+                "mediaType": OCI_MANIFEST,
+                "digest": digest,
+                "repository": repository,
+                "url": f"http://{host}/v2/{repository}/manifests/{digest}",
+                "tag": "latest",
+            },
+            "request": {"host": host, "method": "PUT"},
+        }
+        return json.dumps({"events": [event]}).encode()
+
+
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Burst]:
+    """A registry (access log on, so reads can be counted) holding BURST distinct tiny images."""
+    log_config = {"level": "info", "accesslog": {"disabled": False}}
+    with run_registry(extra_config={"log": log_config}) as registry:
+        base = LayerSpec([file("etc/os-release", "ID=burst\n")])
+        specs = {f"burst/img{n:03d}": ImageSpec([base], env={"IMAGE": str(n)}) for n in range(BURST)}
+        digests = push_many(specs, registry.host, tmp_path_factory.mktemp("burst"))
+        assert len(set(digests.values())) == BURST
+        yield Burst(registry, digests)
+
+
+def service_env(registry: LocalRegistry, **extra: str) -> dict[str, str]:
+    return {
+        "GPUBADGE_REGISTRIES": registry.host,
+        "GPUBADGE_WEBHOOK_SECRET": SECRET,
+        "GPUBADGE_WORKERS": "4",
+        **extra,
+    }
+
+
+@dataclass
+class Sender:
+    """Sends webhooks concurrently and remembers which ones a service acknowledged."""
+
+    url: str
+    registry_host: str | None = None  # the host the payloads name (a proxy in front of the registry)
+    acked: dict[str, list[str]] = field(default_factory=dict)  # repository -> job ids
+    failed: set[str] = field(default_factory=set)
+
+    async def send(
+        self, burst: Burst, repositories: list[str], on_ack: asyncio.Event, ack_target: int
+    ) -> None:
+        limit = asyncio.Semaphore(16)
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def one(repository: str) -> None:
+                async with limit:
+                    try:
+                        async with session.post(
+                            f"{self.url}/hooks/distribution",
+                            data=burst.payload(repository, self.registry_host),
+                            headers={
+                                "Authorization": f"Bearer {SECRET}",
+                                "Content-Type": "application/vnd.docker.distribution.events.v1+json",
+                            },
+                        ) as response:
+                            body = await response.json()
+                            if response.status != 202:
+                                raise AssertionError(f"{repository}: {response.status} {body}")
+                    except (aiohttp.ClientError, TimeoutError):
+                        self.failed.add(repository)
+                        return
+                self.failed.discard(repository)
+                self.acked.setdefault(repository, []).extend(body["jobs"])
+                if len(self.acked) >= ack_target:
+                    on_ack.set()
+
+            await asyncio.gather(*(one(repository) for repository in repositories))
+
+
+def rows(db: Path, query: str) -> list[Any]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+        return list(connection.execute(query).fetchall())
+
+
+def config_reads(registry: LocalRegistry) -> collections.Counter[str]:
+    """Manifest GETs by digest, from the registry's own access log (one per scan of an image)."""
+    return collections.Counter(
+        re.findall(r'"GET /v2/burst/[^"/]+/manifests/(sha256:[0-9a-f]{64}) ', registry.log())
+    )
+
+
+async def test_kill_9_mid_burst_loses_no_acknowledged_push(burst: Burst, tmp_path: Path) -> None:
+    db = tmp_path / "gpubadge.db"
+    port = free_port()
+    env = service_env(burst.registry)
+    repositories = sorted(burst.digests)
+    sender = Sender(f"http://127.0.0.1:{port}")
+    halfway = asyncio.Event()
+    reads_before = config_reads(burst.registry)
+
+    with run_service_process(db, env=env, port=port) as first:
+        assert first.process is not None
+        sending = asyncio.create_task(sender.send(burst, repositories, halfway, ack_target=BURST // 3))
+        await asyncio.wait_for(halfway.wait(), timeout=30)
+        first.process.send_signal(signal.SIGKILL)  # mid-burst: requests are in flight
+        await asyncio.wait_for(sending, timeout=30)
+        assert first.process.wait(timeout=10) == -signal.SIGKILL
+    acked_by_first = set(sender.acked)
+    assert BURST // 3 <= len(acked_by_first) < BURST, "the kill must land mid-burst"
+    assert sender.failed, "some deliveries must have failed with the kill"
+
+    with run_service_process(db, env=env, port=port) as second:
+        # Registries redeliver what failed; bounded: three rounds at most.
+        for _ in range(3):
+            if not sender.failed:
+                break
+            await asyncio.wait_for(sender.send(burst, sorted(sender.failed), asyncio.Event(), BURST + 1), 30)
+        assert not sender.failed
+        assert set(sender.acked) == set(repositories)
+
+        for repository in repositories:
+            for job_id in sender.acked[repository]:
+                job = await asyncio.to_thread(wait_job, second.url, job_id, 30.0)
+                assert job["state"] == "done", job
+        view = by_ref(second.url, burst.reference("burst/img000"), wait=0)
+        assert view.status == 200 and view.body["digest"] == burst.digests["burst/img000"]
+        listing = call("GET", f"{second.url}/api/images?registry={burst.registry.host}&limit=200").body
+        assert listing["total"] == BURST
+
+    # One report per digest, every job done, nothing left queued or running.
+    reports = dict(rows(db, "SELECT repository, digest FROM reports"))
+    assert reports == burst.digests
+    states = dict(rows(db, "SELECT state, count(*) FROM jobs GROUP BY state"))
+    assert set(states) == {"done"}, states
+    per_reference = collections.Counter(ref for (ref,) in rows(db, "SELECT dedupe_key FROM jobs"))
+    assert len(per_reference) == BURST
+    # A job runs twice only if the kill caught it mid-scan (at most WORKERS of them).
+    reads = config_reads(burst.registry) - reads_before
+    assert set(reads) == set(burst.digests.values())
+    rescanned = [digest for digest, count in reads.items() if count > 1]
+    assert len(rescanned) <= 4, rescanned
+
+
+async def test_sigterm_drains_and_requeues(burst: Burst, tmp_path: Path) -> None:
+    """SIGTERM: running scans get `drain_seconds`; one stuck on a hanging registry is requeued."""
+    db = tmp_path / "gpubadge.db"
+    port = free_port()
+    repositories = sorted(burst.digests)[:40]
+    stuck = repositories[5]
+    async with FaultProxy(burst.registry.url) as proxy:
+        proxy.add(Rule("hang", method="GET", path=rf"^/v2/{stuck}/manifests/"))
+        env = service_env(burst.registry, GPUBADGE_REGISTRIES=proxy.host, GPUBADGE_DRAIN_SECONDS="1")
+        sender = Sender(f"http://127.0.0.1:{port}", registry_host=proxy.host)
+        with run_service_process(db, env=env, port=port) as service:
+            process = service.process
+            assert process is not None
+            await asyncio.wait_for(
+                sender.send(burst, repositories, asyncio.Event(), len(repositories) + 1), 30
+            )
+            assert set(sender.acked) == set(repositories)
+            await proxy.wait_for_in_flight(1, timeout=15)  # the stuck scan is under way
+            first_job = sender.acked[repositories[0]][0]
+            assert (await asyncio.to_thread(wait_job, service.url, first_job, 15.0))["state"] == "done"
+            process.send_signal(signal.SIGTERM)
+            try:
+                returncode = await asyncio.to_thread(process.wait, 15)
+            except subprocess.TimeoutExpired:
+                pytest.fail("gpubadge serve did not exit within 15 s of SIGTERM")
+            assert returncode == 0, service.log()[-2000:]
+
+        states = dict(rows(db, "SELECT state, count(*) FROM jobs GROUP BY state"))
+        assert "running" not in states, states
+        assert states.get("done", 0) + states.get("queued", 0) == len(repositories), states
+        stuck_job = sender.acked[stuck][0]
+        assert rows(db, f"SELECT state FROM jobs WHERE id = '{stuck_job}'") == [("queued",)]
+
+        proxy.release.set()  # the registry answers again; the next start finishes everything
+        with run_service_process(db, env=env, port=port) as again:
+            for repository in repositories:
+                job = await asyncio.to_thread(wait_job, again.url, sender.acked[repository][0], 30.0)
+                assert job["state"] == "done", job
+    assert len(rows(db, "SELECT digest FROM reports")) == len(repositories)
