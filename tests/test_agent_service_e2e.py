@@ -269,3 +269,53 @@ async def _last_heartbeat(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(f"{url}/api/servers") as response:
         servers = (await response.json())["servers"]
     return str(next(server for server in servers if server["name"] == SERVER)["last_heartbeat"])
+
+
+async def test_a_deployment_stopped_as_the_agent_starts_it_is_stopped_on_the_node(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher
+) -> None:
+    """DELETE while pending frees the GPU at once; if the agent had already taken it, its
+    `pulling`/`running` report must not leave a container running unasked: the next poll says stop."""
+    push(gpu_busybox_image(["/bin/sh", "-c", TERMINABLE_SLEEP]), "e2e/race:1")
+    settings = ServiceSettings(
+        db=tmp_path / "race.db", port=0, agent_token=AGENT_TOKEN, api_token=API_TOKEN, docker_config=None
+    )
+    agent = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+    user = {"Authorization": f"Bearer {API_TOKEN}"}
+    async with (
+        run_service_inprocess(settings, port=free_port()) as service,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+    ):
+        url = service.url
+
+        async def call(method: str, path: str, headers: dict[str, str], body: Any = None) -> Any:
+            async with session.request(method, f"{url}{path}", json=body, headers=headers) as response:
+                assert response.status < 300, await response.text()
+                return await response.json()
+
+        await call("POST", "/api/servers", agent, agent_server().model_dump(mode="json"))
+        created = await call(
+            "POST", "/api/deployments", user, {"image": f"{registry.host}/e2e/race:1", "gpus": 1}
+        )
+        (taken,) = (await call("GET", f"/api/agents/{SERVER}/deployments?wait=0", agent))["deployments"]
+        assert taken["id"] == created["id"] and taken["desired"] == "run"
+        assert (await call("DELETE", f"/api/deployments/{created['id']}", user))["state"] == "stopped"
+        # The agent's next long poll is already waiting when its `pulling` report arrives.
+        polled_at = await _last_heartbeat(session, url)
+        poll = asyncio.create_task(call("GET", f"/api/agents/{SERVER}/deployments?wait=20", agent))
+        deadline = time.monotonic() + 5
+        while await _last_heartbeat(session, url) == polled_at:  # the poll stamps it
+            assert time.monotonic() < deadline and not poll.done(), "the long poll never reached the service"
+            await asyncio.sleep(0.01)
+        await call("POST", f"/api/deployments/{created['id']}/status", agent, {"state": "pulling"})
+        (again,) = (await asyncio.wait_for(poll, 5))["deployments"]  # woken, not waited out
+        assert again["id"] == created["id"] and again["desired"] == "stop"
+        await call("POST", f"/api/deployments/{created['id']}/status", agent, {"state": "running"})
+        await call(
+            "POST", f"/api/deployments/{created['id']}/status", agent, {"state": "stopped", "exit_code": 143}
+        )
+        final = await call("GET", f"/api/deployments/{created['id']}", user)
+        assert final["state"] == "stopped" and final["desired"] == "stop"
+        assert (await call("GET", f"/api/agents/{SERVER}/deployments?wait=0", agent))["deployments"] == []
+        servers = (await call("GET", "/api/servers", user))["servers"]
+        assert next(s for s in servers if s["name"] == SERVER)["gpus_in_use"] == []

@@ -388,6 +388,9 @@ async def deployment_status(request: web.Request) -> web.Response:
         status = DeploymentStatus.model_validate_json(await request.read())
     except ValidationError as exc:
         return json_error(400, f"invalid status: {_first_error(exc)}")
+    # Stopped while still pending, but the agent had already picked it up: record what runs
+    # so the next poll tells the agent to stop it (its GPUs were freed by the stop).
+    late_start = deployment.state in TERMINAL_STATES and status.state not in TERMINAL_STATES
     updated = deployment.model_copy(
         update={
             "state": status.state,
@@ -401,6 +404,9 @@ async def deployment_status(request: web.Request) -> web.Response:
     services.store.update_deployment(
         deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
     )
+    if late_start:
+        log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
+        await request.app[FLEET_EVENTS].notify()
     return web.json_response(updated.model_dump(mode="json"))
 
 
