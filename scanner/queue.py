@@ -138,7 +138,9 @@ class ScanWorkers:
                 log.info("scan %s: %s; nothing to badge", job.id, report.error)
                 self.store.finish_job(job.id, digest=None)
             else:
-                retry_in = self._backoff(job.attempts) if report.retryable else None
+                # Every failure is retried up to max_attempts: besides transient errors, a manifest
+                # "not found" right after a push notification is often replication lag.
+                retry_in = self._backoff(job.attempts)
                 state = self.store.fail_job(job.id, report.error, retry_in=retry_in)
                 log.warning("scan %s of %s failed (%s): %s", job.id, job.reference, state, report.error)
             if self.on_outcome:
