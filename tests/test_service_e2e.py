@@ -104,16 +104,18 @@ def bearer(secret: str = SECRET) -> dict[str, str]:
 @dataclass
 class Stack:
     service: RunningService
-    registry: LocalRegistry
+    registry: LocalRegistry  # notifies the service on every push
+    quiet: LocalRegistry  # notifies nobody: the senders' images live here
     workdir: Path
 
     @property
     def url(self) -> str:
         return self.service.url
 
-    def push(self, spec: ImageSpec | list[ImageSpec], name: str) -> str:
+    def push(self, spec: ImageSpec | list[ImageSpec], name: str, *, quiet: bool = False) -> str:
         target = self.workdir / f"layout-{len(list(self.workdir.iterdir()))}"
-        return push_image(spec, f"{self.registry.host}/{name}", target)
+        host = self.quiet.host if quiet else self.registry.host
+        return push_image(spec, f"{host}/{name}", target)
 
     def hook(self, source: str, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
         return call("POST", f"{self.url}/hooks/{source}", payload, {**bearer(), **(headers or {})})
@@ -137,15 +139,18 @@ def notifications(notify_url: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The service, a registry that notifies it, and a quiet registry (the session's) for the
+    other senders' payloads, so that a badge there can only come from the payload under test."""
     root = tmp_path_factory.mktemp("e2e")
     port = free_port()
     notify_url = f"http://127.0.0.1:{port}/hooks/distribution"
     log_config = {"level": "info", "accesslog": {"disabled": False}}
     with run_registry(
         extra_config={"notifications": notifications(notify_url), "log": log_config}
-    ) as registry:
+    ) as notifying:
         allowlist = [
+            {"host": notifying.host},
             {"host": registry.host},
             {"host": "docker.io"},
             {"host": ECR_HOST, "mirror": registry.host},
@@ -161,7 +166,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         with run_service_process(root / "service.db", env=env, port=port) as service:
             workdir = root / "layouts"
             workdir.mkdir()
-            yield Stack(service, registry, workdir)
+            yield Stack(service, notifying, registry, workdir)
 
 
 # ------------------------------------------------------------------ registry notifications
@@ -302,8 +307,8 @@ def sender_image(case: SenderCase) -> ImageSpec:
     "case", SENDERS, ids=[f"{c.source}-{c.fixture.removesuffix('.json')}" for c in SENDERS]
 )
 def test_documented_sender_payload_produces_a_badge(stack: Stack, case: SenderCase) -> None:
-    digest = stack.push(sender_image(case), case.pushed_as)
-    body = sender_payload(case, stack.registry.host, digest)
+    digest = stack.push(sender_image(case), case.pushed_as, quiet=True)
+    body = sender_payload(case, stack.quiet.host, digest)
     headers = dict(case.headers)
     if case.source == "ghcr":  # GitHub signs; the signature is the proof, not a token
         signature = hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
@@ -315,7 +320,7 @@ def test_documented_sender_payload_produces_a_badge(stack: Stack, case: SenderCa
     assert reply.status == 202, reply.text
     assert reply.body["accepted"] == 1 and len(reply.body["jobs"]) == 1
 
-    expected = case.expected.format(host=stack.registry.host, digest=digest)
+    expected = case.expected.format(host=stack.quiet.host, digest=digest)
     view = by_ref(stack.url, expected)
     assert view.status == 200, (view.text, wait_job(stack.url, reply.body["jobs"][0], wait=0))
     assert view.body["digest"] == digest
@@ -328,7 +333,7 @@ def test_documented_sender_payload_produces_a_badge(stack: Stack, case: SenderCa
 def test_foreign_ecr_account_is_refused(stack: Stack) -> None:
     """Only the ECR account configured (with its mirror) is allowed; another is a 403."""
     case = next(c for c in SENDERS if c.source == "ecr")
-    body = sender_payload(case, stack.registry.host, "sha256:" + "a" * 64).replace(
+    body = sender_payload(case, stack.quiet.host, "sha256:" + "a" * 64).replace(
         b"123456789012", b"999999999999"
     )
     reply = call("POST", f"{stack.url}/hooks/ecr", body, bearer())
