@@ -110,8 +110,22 @@ def push_tags(layout: Path, tags: Sequence[str], destination_repo: str, parallel
     """Push `layout:tag` to `destination_repo:tag` for each tag with skopeo; returns seconds taken."""
     started = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(lambda tag: push_layout(layout, tag, f"{destination_repo}:{tag}"), tags))
+        list(pool.map(lambda tag: push_with_retry(layout, tag, f"{destination_repo}:{tag}"), tags))
     return time.perf_counter() - started
+
+
+def push_with_retry(layout: Path, tag: str, destination: str, attempts: int = 3) -> None:
+    """skopeo push; concurrent pushes of one shared blob into one repository occasionally fail
+    (the registry's upload race), so a failed push is retried and its error shown."""
+    for attempt in range(1, attempts + 1):
+        try:
+            push_layout(layout, tag, destination, timeout=600)
+            return
+        except subprocess.CalledProcessError as exc:
+            error = (exc.stderr or b"").decode(errors="replace").strip()[-300:]
+            print(f"  skopeo push of {destination} failed (attempt {attempt}): {error}", flush=True)
+            if attempt == attempts:
+                raise
 
 
 def gpubadge_command(*args: str) -> list[str]:
