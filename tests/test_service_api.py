@@ -7,8 +7,10 @@ POST /api/scans; nothing is written to the store except by the service itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from fixtures.oci import ImageSpec
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
 from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule
 from tests.test_service_e2e import Reply, by_ref, call, metric_values, wait_job
 
 TOKEN = "api-token-3c9e1b"
@@ -213,3 +216,27 @@ def test_healthz_reports_queue(service: RunningService) -> None:
     reply = call("GET", f"{service.url}/healthz")
     assert reply.status == 200 and reply.body["status"] == "ok"
     assert set(reply.body["queue"]) >= {"queued", "running", "done", "failed"}
+
+
+async def test_rate_limit_remaining_is_exported(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """A registry that sends Docker Hub's `ratelimit-remaining` header: the gauge shows it."""
+    push(catalog.plain_glibc(), "api/limited:1")
+    async with FaultProxy(registry.url) as proxy:
+        proxy.add(
+            Rule(
+                "add_headers", path=r"/manifests/", times=None, headers={"ratelimit-remaining": "97;w=21600"}
+            )
+        )
+        env = {"GPUBADGE_REGISTRIES": proxy.host}
+        with run_service_process(tmp_path / "limited.db", env=env) as limited:
+            reply = await asyncio.to_thread(
+                call, "POST", f"{limited.url}/api/scans", {"ref": f"{proxy.host}/api/limited:1"}
+            )
+            assert reply.status == 202, reply.text
+            job = await asyncio.to_thread(wait_job, limited.url, reply.body["id"])
+            assert job["state"] == "done", job
+            metrics = await asyncio.to_thread(call, "GET", f"{limited.url}/metrics")
+    gauge = metric_values(metrics.text, "gpubadge_registry_ratelimit_remaining")
+    assert gauge == {f'{{registry="{proxy.host}"}}': 97.0}
