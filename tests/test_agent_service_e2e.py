@@ -219,6 +219,15 @@ async def test_deployments_run_through_the_service_and_the_agent(stack: Stack) -
     assert cpu_done["exit_code"] == 0 and cpu_done["logs"] == "hello from busybox\n"
     assert stack.dockerd.runtime_spec(cpu_done["container_id"]) is None
 
+    # The deploy request may replace the command and add environment variables.
+    command = ["sh", "-c", 'echo "$GREETING"; exit 5']
+    status, custom = await stack.deploy(stack.images["cpu"], command=command, env={"GREETING": "hi there"})
+    assert status == 201, custom
+    custom_done = await stack.wait_state(custom["id"], "exited")
+    assert custom_done["exit_code"] == 5 and custom_done["logs"] == "hi there\n"
+    status, refused_env = await stack.deploy(stack.images["cpu"], env={"NVIDIA_VISIBLE_DEVICES": "all"})
+    assert status == 400 and "NVIDIA_VISIBLE_DEVICES" in refused_env["error"]
+
     # A long-running GPU deployment, stopped by DELETE.
     status, long = await stack.deploy(stack.images["gpu-long"], gpus=1)
     assert status == 201 and long["gpus"] == [GPU_UUID], long  # the GPU is free again

@@ -14,13 +14,14 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from placement.decide import Decision, ImageFacts, decide
 from placement.inventory import Server, load_inventory
@@ -57,6 +58,8 @@ class Deployment(BaseModel):
     gpus: list[str] = Field(default_factory=list)
     gpu_required: bool = False
     driver_capabilities: str | None = None
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
     state: DeploymentState = "pending"
     desired: str = "run"
     exit_code: int | None = None
@@ -74,6 +77,8 @@ class Deployment(BaseModel):
             gpu_required=self.gpu_required,
             gpus=self.gpus,
             driver_capabilities=self.driver_capabilities,
+            command=self.command,
+            env=self.env,
             desired="stop" if self.desired == "stop" else "run",
             state=self.state,
         )
@@ -198,7 +203,35 @@ async def server_heartbeat(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- eligibility
 
 
-async def _request_body(request: web.Request) -> tuple[str, DeployRequest]:
+class RunSpec(BaseModel):
+    """What to run in the container, beside the image's own defaults (deployments only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] | None = Field(default=None, description="replaces the image's CMD")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"invalid environment variable name {name!r}")
+            if name == "NVIDIA_VISIBLE_DEVICES":
+                raise ValueError(
+                    "NVIDIA_VISIBLE_DEVICES is set to the reserved GPUs and cannot be overridden"
+                )
+        return env
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RUN_FIELDS = ("command", "env")
+
+
+async def _request_body(
+    request: web.Request, *, run_fields: bool = False
+) -> tuple[str, DeployRequest, RunSpec]:
+    """Split `{"image", ...request}` (plus `command`/`env` for deployments) into checked parts."""
     try:
         data: Any = await request.json()
     except ValueError:
@@ -206,8 +239,9 @@ async def _request_body(request: web.Request) -> tuple[str, DeployRequest]:
     if not isinstance(data, dict) or not isinstance(data.get("image"), str):
         raise _bad('expected {"image": REF, ...request}')
     image = data.pop("image")
+    run_data = {key: data.pop(key) for key in RUN_FIELDS if run_fields and key in data}
     try:
-        return image, DeployRequest.parse_any(data)
+        return image, DeployRequest.parse_any(data), RunSpec.model_validate(run_data)
     except (ValidationError, ValueError) as exc:
         detail = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise _bad(f"invalid request: {detail}") from None
@@ -254,7 +288,7 @@ async def image_report(services: Services, text: str) -> ImageReport:
 
 async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
-    image, deploy = await _request_body(request)
+    image, deploy, _ = await _request_body(request)
     report = await image_report(services, image)
     started = time.perf_counter()
     decision = decide(ImageFacts.from_report(report), deploy, live_servers(request.app))
@@ -275,7 +309,7 @@ def _load(services: Services, deployment_id: str) -> Deployment | None:
 async def create_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    image, deploy = await _request_body(request)
+    image, deploy, run = await _request_body(request, run_fields=True)
     report = await image_report(services, image)
     facts = ImageFacts.from_report(report)
     decision: Decision | None = None
@@ -294,6 +328,8 @@ async def create_deployment(request: web.Request) -> web.Response:
             gpus=list(choice["gpus"]),
             gpu_required=bool(choice["gpus"]),
             driver_capabilities=platform.gpu.driver_capabilities,
+            command=run.command,
+            env=run.env,
         )
         try:
             services.store.create_deployment(
