@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from scanner.libc import LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.models import LibcVerdict
 from scanner.reference import Reference
 from scanner.registry import Descriptor, RegistryClient
-from scanner.store import Store
 from scanner.tarstream import LayerTooLarge, StreamStats
+
+if TYPE_CHECKING:
+    from scanner.store import Store
 
 
 class LayerReader:

@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scanner.badges import badges
 from scanner.gpu import gpu_facts
@@ -23,8 +23,10 @@ from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, Platfo
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
 from scanner.settings import ScannerSettings
-from scanner.store import Store
 from scanner.tarstream import LayerError
+
+if TYPE_CHECKING:
+    from scanner.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,9 @@ class Scanner:
     async def _scan(self, reference: Reference, options: ScanOptions) -> ImageReport:
         digest = reference.digest
         media_type: str | None = None
+        if digest is None and self.store is None:
+            # Nothing stored to reuse, so a HEAD would be one request for nothing: GET by tag.
+            return await self._scan_manifest(reference, await self.client.manifest(reference), None, options)
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
@@ -152,7 +157,13 @@ class Scanner:
                 cached=True,
             )
 
-        manifest = await self.client.manifest(reference, digest)
+        return await self._scan_manifest(
+            reference, await self.client.manifest(reference, digest), media_type, options
+        )
+
+    async def _scan_manifest(
+        self, reference: Reference, manifest: Manifest, media_type: str | None, options: ScanOptions
+    ) -> ImageReport:
         if manifest.is_index:
             platforms = await self._scan_index(reference, manifest, options)
         else:

@@ -22,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any, Literal
 
 from scanner.models import ImageReport, PlatformReport
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 JobState = Literal["queued", "running", "done", "failed"]
 ACTIVE_JOB_STATES = ("queued", "running")
@@ -187,7 +188,9 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self._lock = threading.RLock()
-        self.db = sqlite_utils.Database(connection)
+        import sqlite_utils  # deferred: ~150 ms of imports that `scan --no-store` never needs
+
+        self.db: sqlite_utils.Database = sqlite_utils.Database(connection)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.execute("PRAGMA foreign_keys=ON")

@@ -116,6 +116,15 @@ async def test_request_budget_and_digest_reuse(scanner: Scanner, samples: dict[s
     assert by_digest.cached and by_digest.requests == 0
 
 
+async def test_without_a_store_a_tag_costs_two_requests(samples: dict[str, str]) -> None:
+    settings = ScannerSettings(docker_config=None)
+    async with RegistryClient(settings) as client:
+        report = await Scanner(client, None, settings).scan(
+            samples["samples/plain-glibc:22.04"], ScanOptions(config_only=True)
+        )
+    assert report.error is None and report.requests == 2  # manifest by tag (verified), config
+
+
 async def test_large_layer_stops_early(scanner: Scanner, registry: LocalRegistry, push: Pusher) -> None:
     push(catalog.large_layer_early_evidence(megabytes=12), "samples/large:1")
     report = await scanner.scan(f"{registry.host}/samples/large:1")
