@@ -442,25 +442,28 @@ class Store:
 
     def enqueue(
         self,
-        references: Sequence[tuple[str, str]],
+        references: Sequence[tuple[str, str] | tuple[str, str, float]],
         *,
         source: str | None = None,
         max_attempts: int = 5,
         delay: float = 0.0,
     ) -> list[str]:
-        """Queue (reference, registry) jobs in one transaction; returns a job id per item.
+        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
 
         A reference that already has a queued or running job is coalesced into it,
-        so a burst of N webhooks for one index yields one scan. `delay` holds the
-        jobs back briefly, so that digest-only child events of a multi-arch push
-        run after the index job that covers them.
+        so a burst of N webhooks for one index yields one scan. A delay (per item,
+        else `delay`) holds a job back briefly, so that digest-only child events of
+        a multi-arch push run after the index job that covers them.
         """
+        if not references:
+            return []
         moment = _now()
         now = _iso(moment)
-        not_before = _iso(moment + timedelta(seconds=delay))
         ids: list[str] = []
         with self._transaction() as conn:
-            for reference, registry in references:
+            for item in references:
+                reference, registry = item[0], item[1]
+                not_before = _iso(moment + timedelta(seconds=item[2] if len(item) == 3 else delay))
                 existing = conn.execute(
                     "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
                     [reference],

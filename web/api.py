@@ -141,12 +141,9 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         queued = [(str(parse_reference(event.reference)), event) for event in pushes]
     except ReferenceError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
-    by_tag = [(ref, event.registry) for ref, event in queued if event.tag]
-    by_digest = [(ref, event.registry) for ref, event in queued if not event.tag]
-    job_ids = services.store.enqueue(by_tag, source=source, max_attempts=settings.max_attempts)
-    job_ids += services.store.enqueue(
-        by_digest, source=source, max_attempts=settings.max_attempts, delay=settings.coalesce_seconds
-    )
+    # Digest-only events (the children of a multi-arch push) wait briefly for their index job.
+    items = [(ref, event.registry, 0.0 if event.tag else settings.coalesce_seconds) for ref, event in queued]
+    job_ids = services.store.enqueue(items, source=source, max_attempts=settings.max_attempts)
     services.wake_workers()
     deleted = len(events) - len(pushes)
     return web.json_response(
