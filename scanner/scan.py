@@ -101,7 +101,6 @@ class Scanner:
                 report = await self._scan(reference, options)
             except RegistryError as exc:
                 report = self._failed(reference, str(exc))
-                report.retryable = exc.retryable
             except NotAnImage as exc:
                 report = self._failed(reference, str(exc))
                 report.not_an_image = True

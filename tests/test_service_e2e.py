@@ -27,7 +27,7 @@ import pytest
 
 from fixtures import catalog
 from fixtures.oci import ImageSpec, push_image
-from fixtures.registry import LocalRegistry, free_port, run_registry
+from fixtures.registry import LocalRegistry, free_port, notification_endpoint, run_registry
 from fixtures.service import RunningService, run_service_process
 
 WEBHOOKS = Path(__file__).resolve().parent.parent / "fixtures" / "webhooks"
@@ -123,19 +123,7 @@ class Stack:
 
 def notifications(notify_url: str) -> dict[str, Any]:
     """The registry's own notification config, authenticated the way operators do it."""
-    return {
-        "endpoints": [
-            {
-                "name": "gpubadge",
-                "url": notify_url,
-                "headers": {"Authorization": [f"Bearer {SECRET}"]},
-                "timeout": "2s",
-                "threshold": 5,
-                "backoff": "200ms",
-                "ignoredmediatypes": ["application/octet-stream"],
-            }
-        ]
-    }
+    return {"endpoints": [notification_endpoint(notify_url, SECRET)]}
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,8 @@ class ServiceSettings(ScannerSettings):
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
     )
-    workers: int = Field(default=4, description="scans run at once")
-    per_registry_scans: int = Field(default=4, description="scans run at once against one registry")
+    workers: int = Field(default=8, description="scans run at once")
+    per_registry_scans: int = Field(default=8, description="scans run at once against one registry")
     max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
     retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
     coalesce_seconds: float = Field(
