@@ -134,6 +134,16 @@ def _iso(moment: datetime) -> str:
 
 
 @dataclass(frozen=True)
+class EnqueueBatch:
+    """The jobs of one delivery: (reference, registry[, delay seconds]) items and their source."""
+
+    references: Sequence[tuple[str, str] | tuple[str, str, float]]
+    source: str | None = None
+    max_attempts: int = 5
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
 class Job:
     """A durable scan job."""
 
@@ -455,31 +465,48 @@ class Store:
         else `delay`) holds a job back briefly, so that digest-only child events of
         a multi-arch push run after the index job that covers them.
         """
-        if not references:
-            return []
+        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
+
+    def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """Several deliveries' jobs in one transaction (group commit); job ids per batch."""
+        if not any(batch.references for batch in batches):
+            return [[] for _ in batches]
         moment = _now()
         now = _iso(moment)
-        ids: list[str] = []
+        results: list[list[str]] = []
         with self._transaction() as conn:
-            for item in references:
-                reference, registry = item[0], item[1]
-                not_before = _iso(moment + timedelta(seconds=item[2] if len(item) == 3 else delay))
-                existing = conn.execute(
-                    "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
-                    [reference],
-                ).fetchone()
-                if existing:
-                    ids.append(existing[0])
-                    continue
-                job_id = uuid.uuid4().hex
-                conn.execute(
-                    "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
-                    " not_before, source, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
-                    [job_id, reference, registry, reference, max_attempts, not_before, source, now, now],
-                )
-                ids.append(job_id)
-        return ids
+            for batch in batches:
+                ids: list[str] = []
+                for item in batch.references:
+                    reference, registry = item[0], item[1]
+                    wait = item[2] if len(item) == 3 else batch.delay
+                    existing = conn.execute(
+                        "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
+                        [reference],
+                    ).fetchone()
+                    if existing:
+                        ids.append(existing[0])
+                        continue
+                    job_id = uuid.uuid4().hex
+                    conn.execute(
+                        "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
+                        " not_before, source, created_at, updated_at)"
+                        " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
+                        [
+                            job_id,
+                            reference,
+                            registry,
+                            reference,
+                            batch.max_attempts,
+                            _iso(moment + timedelta(seconds=wait)),
+                            batch.source,
+                            now,
+                            now,
+                        ],
+                    )
+                    ids.append(job_id)
+                results.append(ids)
+        return results
 
     def claim_jobs(self, limit: int, *, exclude_registries: Sequence[str] = ()) -> list[Job]:
         """Atomically move up to `limit` ready jobs to `running` and return them."""

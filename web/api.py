@@ -143,7 +143,7 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         return json_error(400, f"malformed {source} webhook: {exc}")
     # Digest-only events (the children of a multi-arch push) wait briefly for their index job.
     items = [(ref, event.registry, 0.0 if event.tag else settings.coalesce_seconds) for ref, event in queued]
-    job_ids = services.store.enqueue(items, source=source, max_attempts=settings.max_attempts)
+    job_ids = await services.intake.enqueue(items, source=source, max_attempts=settings.max_attempts)
     services.wake_workers()
     deleted = len(events) - len(pushes)
     return web.json_response(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from scanner.queue import JobOutcome, ScanWorkers, WorkerSettings
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.store import Store
+from web.intake import JobIntake
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 
@@ -35,6 +36,10 @@ class Services:
     client: RegistryClient | None = None
     scanner: Scanner | None = None
     workers: ScanWorkers | None = None
+    intake: JobIntake = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.intake = JobIntake(self.store)
 
     def wake_workers(self) -> None:
         if self.workers is not None:
