@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+import yaml
+from aiohttp import web
 from pydantic import ValidationError
 
+from fixtures import catalog
+from fixtures.registry import LocalRegistry, free_port
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.inventory import Server, load_inventory, parse_bytes
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
+from tests.conftest import Pusher
+from web.app import SERVICES, create_app
+from web.fleet import FLEET_INDEX, FleetIndexCache
+from web.settings import ServiceSettings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FLEET = load_inventory(FIXTURES / "fleet.yaml").servers
@@ -340,3 +353,177 @@ def test_decision_json_shape_and_prepared_index() -> None:
     assert set(data["ineligible"][0]) == {"server", "reasons"}
     assert len(data["eligible"]) + len(data["ineligible"]) == len(FLEET)
     assert decision == decide(cuda_image("12.2.2"), DeployRequest(gpus=2), FLEET)
+
+
+# --- a prepared index kept current -------------------------------------------------------------
+
+
+def test_index_updates_match_a_fresh_build() -> None:
+    index = FleetIndex.build(FLEET)
+    h100 = next(server for server in FLEET if server.name == "h100-a")
+    busier = h100.model_copy(update={"gpus_in_use": [gpu.uuid for gpu in h100.gpus[:5]]})
+    extra = h100.model_copy(update={"name": "h100-b", "labels": {"zone": "b"}})
+    index.update([busier, extra])
+    index.remove(["l4-edge"])
+    fleet = [busier if s.name == "h100-a" else s for s in FLEET if s.name != "l4-edge"] + [extra]
+    for request in (DeployRequest(gpus=1), DeployRequest(gpus=2, labels={"zone": "b"}), DeployRequest()):
+        updated = decide(cuda_image("12.2.2"), request, index)
+        assert updated == decide(cuda_image("12.2.2"), request, FleetIndex.build(fleet))
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=4), index)
+    assert "needs 4 free GPU(s), has 3 free of 8, 5 in use" in reasons_of(decision, "h100-a")
+    assert "h100-b" in eligible_names(decision)
+    assert all(item["server"] != "l4-edge" for item in [*decision.eligible, *decision.ineligible])
+
+
+def test_index_lists_servers_in_name_order_whatever_the_input_order() -> None:
+    shuffled = sorted(FLEET, key=lambda server: server.name[::-1])
+    assert decide(cuda_image("12.2.2"), DeployRequest(gpus=1), shuffled) == decide(
+        cuda_image("12.2.2"), DeployRequest(gpus=1), FLEET
+    )
+    assert [server.name for server in FleetIndex.build(shuffled).servers] == sorted(s.name for s in FLEET)
+
+
+# --- the service keeps one index between requests ----------------------------------------------
+
+API_TOKEN = "api-secret"
+AGENT_TOKEN = "agent-secret"
+ONE_GPU_FLEET = {
+    "servers": [
+        {
+            "name": "h100-one",
+            "cpus": 32,
+            "memory": "256Gi",
+            "driver_version": "550.54.15",
+            "cuda_driver_version": "12.4",
+            "gpus": [
+                {
+                    "index": 0,
+                    "uuid": "GPU-one-0",
+                    "name": "NVIDIA H100 80GB HBM3",
+                    "brand": "NVIDIA",
+                    "memory_mib": 81559,
+                    "compute_capability": "9.0",
+                }
+            ],
+        }
+    ]
+}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FleetService:
+    url: str
+    app: web.Application
+    clock: FakeClock
+    image: str
+
+    @property
+    def cache(self) -> FleetIndexCache:
+        return self.app[FLEET_INDEX]
+
+    async def post(self, path: str, body: dict[str, Any], token: str | None = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.url + path, json=body, headers=headers) as response,
+        ):
+            return response.status, await response.json()
+
+    async def eligibility(self, **request: Any) -> dict[str, Any]:
+        status, body = await self.post("/api/eligibility", {"image": self.image, **request})
+        assert status == 200, body
+        return dict(body)
+
+
+@pytest.fixture
+async def fleet_service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -> AsyncIterator[FleetService]:
+    push(catalog.cuda_ubuntu(), "cache/cuda:12.2")
+    inventory = tmp_path / "fleet.yaml"
+    inventory.write_text(yaml.safe_dump(ONE_GPU_FLEET))
+    settings = ServiceSettings(
+        db=tmp_path / "fleet.db",
+        port=0,
+        inventory_file=inventory,
+        agent_token=AGENT_TOKEN,
+        api_token=API_TOKEN,
+        docker_config=None,
+    )
+    app = create_app(settings)
+    clock = FakeClock()
+    app[FLEET_INDEX] = FleetIndexCache(check_seconds=5.0, clock=clock)  # time moves only when a test says
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield FleetService(f"http://127.0.0.1:{port}", app, clock, f"{registry.host}/cache/cuda:12.2")
+    finally:
+        await runner.cleanup()
+
+
+def _eligible(body: dict[str, Any]) -> dict[str, list[str]]:
+    return {item["server"]: item["gpus"] for item in body["eligible"]}
+
+
+def _ineligible(body: dict[str, Any]) -> dict[str, list[str]]:
+    return {item["server"]: item["reasons"] for item in body["ineligible"]}
+
+
+async def test_cached_index_follows_reservations(fleet_service: FleetService) -> None:
+    service = fleet_service
+    assert _eligible(await service.eligibility(gpus=1)) == {"h100-one": ["GPU-one-0"]}
+    deploy = {"image": service.image, "gpus": 1}
+    status, first = await service.post("/api/deployments", deploy, API_TOKEN)
+    assert status == 201 and first["gpus"] == ["GPU-one-0"]
+    status, second = await service.post("/api/deployments", deploy, API_TOKEN)
+    assert status == 409, second  # the cached index saw the reservation
+    assert "needs 1 free GPU(s), has 0 free of 1, 1 in use" in second["ineligible"][0]["reasons"]
+    body = await service.eligibility(gpus=1)
+    assert body["eligible"] == [] and "h100-one" in _ineligible(body)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.delete(
+            f"{service.url}/api/deployments/{first['id']}", headers={"Authorization": f"Bearer {API_TOKEN}"}
+        ) as response,
+    ):
+        assert response.status == 202
+    status, third = await service.post("/api/deployments", deploy, API_TOKEN)
+    assert status == 201 and third["gpus"] == ["GPU-one-0"]  # released, and the index knows it
+    assert service.cache.inventory_reads == 1  # reservations alone never re-read the servers
+
+
+async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) -> None:
+    service = fleet_service
+    assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
+    agent = ONE_GPU_FLEET["servers"][0] | {"name": "agent-a"}
+    agent["gpus"] = [gpu | {"uuid": "GPU-a-0"} for gpu in agent["gpus"]]
+    status, _ = await service.post("/api/servers", agent, AGENT_TOKEN)
+    assert status == 200
+    assert _eligible(await service.eligibility(gpus=1)) == {"h100-one": ["GPU-one-0"], "agent-a": ["GPU-a-0"]}
+    second_gpu = agent["gpus"][0] | {"index": 1, "uuid": "GPU-a-1"}
+    status, _ = await service.post(
+        "/api/servers/agent-a/heartbeat", {"gpus": [*agent["gpus"], second_gpu]}, AGENT_TOKEN
+    )
+    assert status == 200
+    assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
+    # The agent goes silent: its last heartbeat is now older than stale_after_seconds.
+    store = service.app[SERVICES].store
+    silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    with store._lock:  # the store has no API to age a heartbeat; tests only
+        store.db.conn.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
+        store.db.conn.commit()
+    assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
+    service.clock.now += service.cache.check_seconds
+    assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
+    status, _ = await service.post("/api/servers/agent-a/heartbeat", {}, AGENT_TOKEN)
+    assert status == 200
+    assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one", "agent-a"}  # back at once
