@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from bench import scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "placement")
+SECTIONS = ("scan", "service", "placement", "ui")
 
 
 def run_placement(results: Results, quick: bool) -> None:
@@ -56,6 +57,37 @@ def run_placement(results: Results, quick: bool) -> None:
             )
         else:
             results.detail(f"placement: {line}")
+
+
+def run_ui(results: Results, quick: bool) -> None:
+    """bench/ui_bench.py in a child process: page render time with 10,000 images (target < 100 ms)."""
+    rounds = "5" if quick else "20"
+    print("ui: bench.ui_bench, 10000 images", flush=True)
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.ui_bench", "10000", rounds],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if completed.returncode != 0:
+        results.add(Figure("ui", "ui_bench", "failed", note=completed.stderr.strip()[-300:]))
+        return
+    for line in completed.stdout.splitlines():
+        match = re.match(r"^(\S+): median ([\d.]+) ms, p95 ([\d.]+) ms$", line)
+        if not match:
+            continue
+        page, median, p95 = match.group(1), float(match.group(2)), float(match.group(3))
+        results.add(
+            Figure(
+                "ui",
+                f"render {page}, 10,000 images",
+                f"median {median:.1f} ms, p95 {p95:.1f} ms",
+                target="< 100 ms",
+                met=p95 < 100,
+            )
+        )
 
 
 def format_table(figures: list[Figure]) -> str:
@@ -123,6 +155,8 @@ def main() -> int:
         service_bench.run_all(results, args.quick)
     if "placement" in wanted:
         run_placement(results, args.quick)
+    if "ui" in wanted:
+        run_ui(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 import threading
@@ -382,7 +382,8 @@ async def test_badge_endpoint_serves_cacheable_svg(app_client: tuple[TestClient[
     )
 
 
-# ------------------------------------------------------------------ timing
+# ------------------------------------------------------------------ a big store
+# Render time is a benchmark (bench/ui_bench.py), not a timed test; this checks the pages work at size.
 
 
 @pytest.fixture(scope="module")
@@ -411,38 +412,21 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def test_pages_render_fast_with_10000_images(big_store: Path, record_property: Any) -> None:
+async def test_pages_work_with_10000_images(big_store: Path) -> None:
     app = create_app(ServiceSettings(db=big_store), start_workers=False)
-    best: dict[str, float] = {}
-    median: dict[str, float] = {}
     async with TestClient(TestServer(app)) as client:
-        for url in (
-            "/",
-            "/?gpu=gpu&libc=glibc",
-            "/?cuda=12.3&registry=ghcr.io",
-            "/?q=app99",
-            "/?page=150",
-            "/images/127.0.0.1:5000/team0/app0:latest",
-            "/badge/127.0.0.1:5000/team0/app0/latest.svg",
-            "/scans",
-        ):
-            samples = []
-            for _ in range(5):
-                started = time.perf_counter()
-                response = await client.get(url)
-                await response.read()
-                samples.append(time.perf_counter() - started)
-                assert response.status == 200, url
-            best[url] = min(samples) * 1000
-            median[url] = statistics.median(samples) * 1000
-    record_property("render_ms_best", best)
-    record_property("render_ms_median", median)
-    print(
-        "ms per page with 10,000 images (best, median):",
-        json.dumps({u: (round(best[u], 1), round(median[u], 1)) for u in best}, indent=1),
-    )
-    # Best of five: what the page costs, without the noise of other processes on a 2-core runner.
-    assert max(best.values()) < 100, (best, median)
+        first = await (await client.get("/")).text()
+        assert "team49/app9999" in first  # newest first
+        deep = await client.get("/?page=150")
+        assert deep.status == 200 and "team" in await deep.text()
+        filtered = await (await client.get("/?gpu=gpu&libc=glibc&cuda=12.0")).text()
+        shown = {int(number) for number in re.findall(r"team\d+/app(\d+)", filtered)}
+        assert shown and all(number % 12 == 0 for number in shown)  # GPU, glibc and CUDA 12.0: every 12th
+        for url in ("/?q=app99", "/images/127.0.0.1:5000/team0/app0:latest", "/scans"):
+            response = await client.get(url)
+            assert response.status == 200, url
+        badge = await client.get("/badge/127.0.0.1:5000/team0/app0/latest.svg")
+        assert badge.status == 200 and "cuda 12.0" in await badge.text()
 
 
 # ===================================================================== browser
