@@ -22,7 +22,7 @@ from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from web.app import SERVICES
-from web.fleet import image_report, live_servers
+from web.fleet import fleet_index, image_report, live_servers
 from web.ui import human_bytes, image_url, page, time_ago
 
 # ------------------------------------------------------------------ servers
@@ -297,9 +297,9 @@ async def eligibility_page(request: web.Request) -> web.Response:
         report = await image_report(request.app[SERVICES], form.image)
     except web.HTTPException as exc:
         return show(page_status(exc), http_error_message(exc))
-    servers = live_servers(request.app)
-    decision = decide(ImageFacts.from_report(report), deploy, servers)
-    return show(result=result_view(report, decision, servers))
+    index = fleet_index(request.app)
+    decision = decide(ImageFacts.from_report(report), deploy, index)
+    return show(result=result_view(report, decision, index.servers))
 
 
 def setup_routes(app: web.Application) -> None:
