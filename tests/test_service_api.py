@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -207,9 +208,46 @@ def test_openapi_document_lists_the_api(service: RunningService) -> None:
         "/api/scans/{job_id}/retry",
         "/healthz",
         "/metrics",
+        "/api/servers",
+        "/api/servers/{name}/heartbeat",
+        "/api/eligibility",
+        "/api/deployments",
+        "/api/deployments/{id}",
+        "/api/deployments/{id}/status",
+        "/api/agents/{name}/deployments",
     ):
         assert path in paths, path
     assert "post" in document["paths"]["/api/scans"]
+    deploy = document["paths"]["/api/deployments"]["post"]
+    body = deploy["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    fields = set(document["components"]["schemas"][body]["properties"])
+    assert {"image", "gpus", "gpu_models", "command", "env"} <= fields
+    assert deploy["responses"]["201"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Deployment"
+    }
+
+
+def test_openapi_documents_every_route_and_every_schema_it_names(tmp_path: Path) -> None:
+    """A route added without its OpenAPI entry, or a `$ref` to a schema never registered, fails here."""
+    from web.app import create_app
+    from web.openapi import openapi_document
+    from web.settings import ServiceSettings
+
+    app = create_app(ServiceSettings(db=tmp_path / "routes.db"), start_workers=False)
+    document = openapi_document()
+    routes = {
+        (route.method.lower(), route.resource.canonical)
+        for route in app.router.routes()
+        if route.resource is not None
+        and route.method != "HEAD"
+        and route.resource.canonical.startswith(("/api", "/hooks", "/healthz", "/metrics"))
+    }
+    documented = {(method, path) for path, item in document["paths"].items() for method in item}
+    assert routes - documented == set()
+    assert documented - routes == set()
+    names = set(document["components"]["schemas"])
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(document)))
+    assert refs and refs <= names
 
 
 def test_healthz_reports_queue(service: RunningService) -> None:

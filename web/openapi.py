@@ -6,16 +6,49 @@ from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
 
+from placement.decide import Decision
+from placement.inventory import Server
+from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
+from placement.request import DeployRequest
 from scanner.models import ImageReport
 
 
-def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, str]:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+def _schema(
+    model: type[BaseModel], components: dict[str, Any], mode: JsonSchemaMode = "serialization"
+) -> dict[str, str]:
+    """Register `model` (and the models it uses) under components; returns a `$ref` to it."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
     for name, definition in schema.pop("$defs", {}).items():
         components[name] = definition
     components[model.__name__] = schema
     return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _image_body(name: str, components: dict[str, Any], *models: type[BaseModel]) -> dict[str, str]:
+    """A flat `{"image": REF, ...fields of models}` request body, as the placement endpoints read it.
+
+    The handlers pop `image` (and the run fields) before validating the rest, so the body is one
+    object, not an `allOf` of the models: those forbid unknown fields and would reject `image`.
+    """
+    properties: dict[str, Any] = {
+        "image": {"type": "string", "description": "image reference: a tag or a digest"}
+    }
+    required = ["image"]
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="validation")
+        components.update(schema.pop("$defs", {}))
+        properties.update(schema.get("properties", {}))
+        required += schema.get("required", [])
+    components[name] = {
+        "title": name,
+        "description": "The request fields may also be an Akash SDL `resources` block or ZenML ResourceSettings.",
+        "type": "object",
+        "properties": properties,
+        "required": required,
+    }
+    return {"$ref": f"#/components/schemas/{name}"}
 
 
 def query(name: str, description: str, kind: str = "string") -> dict[str, Any]:
@@ -28,6 +61,10 @@ def query(name: str, description: str, kind: str = "string") -> dict[str, Any]:
     }
 
 
+def _path(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -38,13 +75,52 @@ ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "require
 @cache
 def openapi_document() -> dict[str, Any]:
     from web.api import JobView, ScanBody
+    from web.fleet import Deployment, RunSpec
 
     components: dict[str, Any] = {"Error": ERROR}
     report = _schema(ImageReport, components)
     job = _schema(JobView, components)
     scan_body = _schema(ScanBody, components)
+    server = _schema(Server, components, mode="validation")
+    registered = _schema(RegisterResponse, components)
+    heartbeat = _schema(Heartbeat, components, mode="validation")
+    decision = _schema(Decision, components)
+    deployment = _schema(Deployment, components)
+    agent_deployments = _schema(DeploymentsResponse, components)
+    deployment_status = _schema(DeploymentStatus, components, mode="validation")
+    eligibility_body = _image_body("EligibilityRequest", components, DeployRequest)
+    deployment_body = _image_body("DeploymentRequest", components, DeployRequest, RunSpec)
     error = {"$ref": "#/components/schemas/Error"}
     bearer: list[dict[str, list[str]]] = [{"bearer": []}]
+    servers_list = {"type": "object", "properties": {"servers": {"type": "array", "items": server}}}
+    deployments_list = {
+        "type": "object",
+        "properties": {"deployments": {"type": "array", "items": deployment}},
+    }
+    eligibility_answer = {
+        "allOf": [
+            decision,
+            {
+                "type": "object",
+                "properties": {
+                    "image": {
+                        "type": "object",
+                        "properties": {
+                            "reference": {"type": "string"},
+                            "digest": {"type": ["string", "null"]},
+                        },
+                    },
+                    "seconds": {"type": "number", "description": "time spent deciding"},
+                },
+            },
+        ]
+    }
+    not_placeable = {
+        "400": _json(error, "invalid body or reference"),
+        "403": _json(error, "registry not on the allowlist"),
+        "422": _json(error, "the image could not be scanned"),
+        "503": _json(error, "scanner not ready"),
+    }
     paths: dict[str, Any] = {
         "/api/images": {
             "get": {
@@ -90,7 +166,7 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "A scan job's state and error",
                 "parameters": [
-                    {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                    _path("job_id"),
                     query("wait", "seconds to wait for the job to finish (max 60)", "number"),
                 ],
                 "responses": {"200": _json(job, "the job"), "404": _json(error, "unknown job")},
@@ -100,9 +176,7 @@ def openapi_document() -> dict[str, Any]:
             "post": {
                 "summary": "Retry a failed scan job",
                 "security": bearer,
-                "parameters": [
-                    {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
-                ],
+                "parameters": [_path("job_id")],
                 "responses": {"202": _json(job, "queued again"), "404": _json(error, "unknown job")},
             }
         },
@@ -110,7 +184,7 @@ def openapi_document() -> dict[str, Any]:
             "post": {
                 "summary": "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog)",
                 "parameters": [
-                    {"name": "source", "in": "path", "required": True, "schema": {"type": "string"}},
+                    _path("source"),
                     query("token", "shared secret, for senders that cannot set headers"),
                 ],
                 "responses": {
@@ -121,6 +195,120 @@ def openapi_document() -> dict[str, Any]:
                     "404": _json(error, "unknown source"),
                     "413": _json(error, "body too large"),
                 },
+            }
+        },
+        "/api/servers": {
+            "get": {
+                "summary": "Live servers: the inventory file plus agents heard from recently, with GPUs in use",
+                "responses": {"200": _json(servers_list, "the fleet")},
+            },
+            "post": {
+                "summary": "Register a server (node agents); registering again replaces its inventory",
+                "security": bearer,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": server}}},
+                "responses": {
+                    "200": _json(registered, "registered; heartbeat this often"),
+                    "400": _json(error, "invalid server"),
+                    "401": _json(error, "agent token required"),
+                },
+            },
+        },
+        "/api/servers/{name}/heartbeat": {
+            "post": {
+                "summary": "Agent heartbeat; a `gpus` list replaces the server's GPUs",
+                "security": bearer,
+                "parameters": [_path("name")],
+                "requestBody": {"required": False, "content": {"application/json": {"schema": heartbeat}}},
+                "responses": {
+                    "200": _json({"type": "object"}, "ok"),
+                    "400": _json(error, "invalid heartbeat"),
+                    "401": _json(error, "agent token required"),
+                    "404": _json(error, "unknown server: register again"),
+                },
+            }
+        },
+        "/api/eligibility": {
+            "post": {
+                "summary": "Which servers can run an image with this request, best fit first, and why not the others",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": eligibility_body}},
+                },
+                "responses": {"200": _json(eligibility_answer, "the decision"), **not_placeable},
+            }
+        },
+        "/api/deployments": {
+            "get": {
+                "summary": "Deployments, newest first",
+                "parameters": [query("server", "only this server's deployments")],
+                "responses": {"200": _json(deployments_list, "deployments")},
+            },
+            "post": {
+                "summary": "Deploy an image: reserve GPUs on the best eligible server for its agent to run",
+                "security": bearer,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": deployment_body}},
+                },
+                "responses": {
+                    "201": _json(deployment, "reserved; the server's agent will run it"),
+                    **not_placeable,
+                    "401": _json(error, "token required"),
+                    "409": _json(error, "no server can run it; `ineligible` says why"),
+                },
+            },
+        },
+        "/api/deployments/{id}": {
+            "get": {
+                "summary": "A deployment's state, exit code and last log lines",
+                "parameters": [_path("id")],
+                "responses": {"200": _json(deployment, "the deployment"), "404": _json(error, "unknown")},
+            },
+            "delete": {
+                "summary": "Stop a deployment (at once when its agent has not picked it up yet)",
+                "security": bearer,
+                "parameters": [_path("id")],
+                "responses": {
+                    "200": _json(deployment, "already finished"),
+                    "202": _json(deployment, "stopping"),
+                    "401": _json(error, "token required"),
+                    "404": _json(error, "unknown deployment"),
+                },
+            },
+        },
+        "/api/deployments/{id}/status": {
+            "post": {
+                "summary": "Agent report of a deployment's state; a terminal state frees its GPUs",
+                "security": bearer,
+                "parameters": [_path("id")],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": deployment_status}},
+                },
+                "responses": {
+                    "200": _json(deployment, "recorded"),
+                    "400": _json(error, "invalid status"),
+                    "401": _json(error, "agent token required"),
+                    "404": _json(error, "unknown deployment"),
+                },
+            }
+        },
+        "/api/agents/{name}/deployments": {
+            "get": {
+                "summary": "Agent long poll: answers at once when a deployment needs action, else after `wait`",
+                "security": bearer,
+                "parameters": [_path("name"), query("wait", "seconds to wait for work (max 60)", "number")],
+                "responses": {
+                    "200": _json(agent_deployments, "deployments to run or stop (maybe none)"),
+                    "400": _json(error, "wait is not a number"),
+                    "401": _json(error, "agent token required"),
+                },
+            }
+        },
+        "/api/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
             }
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
@@ -137,8 +325,3 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
-
-
-def add_paths(extra: dict[str, Any]) -> None:
-    """Let other route modules (placement, agents) document their paths too."""
-    openapi_document()["paths"].update(extra)
