@@ -515,25 +515,22 @@ class RegistryClient:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.settings.request_timeout, sock_read=self.settings.request_timeout
         )
-        hosts = self._endpoints(ref)
-        response: aiohttp.ClientResponse | None = None
-        semaphore: asyncio.Semaphore | None = None
-        for index, host in enumerate(hosts):
-            semaphore = self._semaphore(host)
-            await semaphore.acquire()
+
+        async def open_holding_slot(host: str) -> tuple[aiohttp.ClientResponse, asyncio.Semaphore]:
+            # The slot stays taken while the caller reads, so it is acquired here rather than with
+            # `_slot`; any way out before the response is handed over (errors, cancellation) gives it back.
+            slot = self._semaphore(host)
+            await slot.acquire()
             try:
-                response = await self._retrying(
-                    lambda host=host: self._open(  # type: ignore[misc]
-                        host, ref.repository, "GET", path, {"Accept-Encoding": "identity"}, timeout
-                    )
+                response = await self._open(
+                    host, ref.repository, "GET", path, {"Accept-Encoding": "identity"}, timeout
                 )
-                break
-            except RegistryError as exc:
-                semaphore.release()
-                if index == len(hosts) - 1 or not self._fall_back(exc):
-                    raise
-                log.warning("mirror %s failed (%s); trying %s", host, exc, hosts[index + 1])
-        assert response is not None and semaphore is not None
+            except BaseException:
+                slot.release()
+                raise
+            return response, slot
+
+        response, slot = await self._on_endpoints(ref, open_holding_slot)
         stream = BlobStream(response, digest, chunk_size, what, self.settings.request_timeout, self.totals)
         try:
             yield stream
@@ -542,7 +539,7 @@ class RegistryClient:
                 response.release()  # fully read: the connection can be reused
             else:
                 response.close()  # stopped early: drop the connection rather than drain the blob
-            semaphore.release()
+            slot.release()
 
     # --- endpoints, slots, retries -------------------------------------------------------------
 

@@ -331,3 +331,22 @@ async def test_static_registry_token_and_request_hook(
     assert descriptor.digest == digest
     assert (stats.requests, stats.token_requests) == (1, 0)
     assert observed == [(proxy.host, 200, None)]
+
+
+async def test_cancelled_stream_open_gives_its_registry_slot_back(proxy: FaultProxy, digest: str) -> None:
+    """A scan cancelled while a layer request is still unanswered must not keep the host's slot."""
+    ref = parse_reference(f"{proxy.host}/{REPO}:v1")
+    async with RegistryClient(settings(concurrency_per_registry=1)) as client:
+        layer = (await client.manifest(ref, digest)).layers[0]
+        proxy.add(Rule("hang", method="GET", path="/blobs/", times=1))
+
+        async def read_layer() -> int:
+            async with client.stream_blob(ref, layer.digest) as stream:
+                return sum([len(chunk) async for chunk in stream])
+
+        stuck = asyncio.create_task(read_layer())
+        await proxy.wait_for_in_flight(1)
+        stuck.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stuck
+        assert await asyncio.wait_for(read_layer(), timeout=5) == layer.size
