@@ -15,7 +15,6 @@ from __future__ import annotations
 from scanner.models import GpuFacts, LibcVerdict
 
 LIBC_BADGES = {"glibc": "glibc", "musl": "musl", "none": "no-libc", "unknown": "libc-unknown"}
-WARNING_BADGES = frozenset({"requirement-error"})
 
 
 def badges(gpu: GpuFacts, libc: LibcVerdict) -> list[str]:

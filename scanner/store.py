@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 JobState = Literal["queued", "running", "done", "failed"]
-ACTIVE_JOB_STATES = ("queued", "running")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS reports (
@@ -158,9 +157,6 @@ class Job:
     source: str | None
     created_at: str
     updated_at: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
