@@ -8,7 +8,6 @@ outside the allowlist is refused here and never contacted.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from scanner.store import Job
 from web import hooks
 from web.app import SERVICES, Services, json_error
 from web.openapi import openapi_document
-from web.scan_requests import ScanRefused, request_scan
+from web.scan_requests import ScanRefused, request_scan, token_matches
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +71,7 @@ def bearer_token(request: web.Request) -> str | None:
 
 def require_api_token(request: web.Request) -> None:
     """Write endpoints need the API token when one is configured (constant-time compare)."""
-    expected = services_of(request).settings.api_token
-    if expected is None:
-        return
-    given = bearer_token(request) or ""
-    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
+    if not token_matches(services_of(request).settings.api_token, bearer_token(request) or ""):
         raise web.HTTPUnauthorized(
             text='{"error": "a valid API token is required (Authorization: Bearer <token>)"}',
             content_type="application/json",
