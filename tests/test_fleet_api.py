@@ -172,3 +172,9 @@ async def test_agent_registration_needs_the_token(service: RunningService) -> No
             headers={"Authorization": f"Bearer {AGENT_TOKEN}"},
         ) as response:
             assert response.status == 200 and (await response.json())["deployments"] == []
+        async with session.get(
+            f"{service.url}/api/agents/agent-1/deployments?wait=soon",
+            headers={"Authorization": f"Bearer {AGENT_TOKEN}"},
+        ) as response:
+            assert response.status == 400
+            assert (await response.json()) == {"error": "wait must be a number of seconds"}

@@ -166,11 +166,11 @@ def _bool_param(value: str | None, name: str) -> bool | None:
     )
 
 
-def _wait_param(request: web.Request) -> float:
+def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
     """`?wait=S`: long-poll for at most S seconds (capped), so clients sync on events, not sleeps."""
     raw = request.query.get("wait", "")
     try:
-        return min(MAX_WAIT, max(0.0, float(raw))) if raw else 0.0
+        return min(cap, max(0.0, float(raw))) if raw else 0.0
     except ValueError:
         raise web.HTTPBadRequest(
             text='{"error": "wait must be a number of seconds"}', content_type="application/json"
@@ -249,7 +249,7 @@ async def image_by_ref(request: web.Request) -> web.Response:
         reference = parse_reference(text)
     except ReferenceError as exc:
         return json_error(400, str(exc))
-    wait = _wait_param(request)
+    wait = wait_param(request)
     report = find_report(services, reference)
     if report is None and wait and services.workers is not None:
         await services.workers.wait_until(lambda: find_report(services, reference) is not None, wait)
@@ -285,7 +285,7 @@ async def create_scan(request: web.Request) -> web.Response:
 async def get_scan(request: web.Request) -> web.Response:
     services = services_of(request)
     job_id = request.match_info["job_id"]
-    wait = _wait_param(request)
+    wait = wait_param(request)
     job = services.store.job(job_id)
     if job is not None and wait and services.workers is not None:
         job = await services.workers.wait_for(job_id, wait)

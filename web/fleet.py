@@ -39,7 +39,7 @@ from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from scanner.store import GpuTaken
-from web.api import bearer_token, find_report, require_api_token, services_of
+from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
 from web.app import Services, json_error
 
 log = logging.getLogger(__name__)
@@ -528,10 +528,7 @@ async def agent_poll(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
-    try:
-        wait = min(MAX_POLL, max(0.0, float(request.query.get("wait", "0") or 0)))
-    except ValueError:
-        return json_error(400, "wait must be a number of seconds")
+    wait = wait_param(request, MAX_POLL)
     if services.store.heartbeat(name):
         request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
