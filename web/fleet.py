@@ -40,7 +40,7 @@ from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from scanner.store import GpuTaken
 from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
-from web.app import Services, json_error
+from web.app import SERVICES, Services, json_error
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,6 @@ def fleet_index(app: web.Application) -> FleetIndex:
 
 
 def services_of_app(app: web.Application) -> Services:
-    from web.app import SERVICES
-
     return app[SERVICES]
 
 
