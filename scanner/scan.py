@@ -143,8 +143,8 @@ class Scanner:
             )
             return _filter_platforms(reused, options.platform)
 
-        child = self.store.platform_report(digest) if self.store and not options.force else None
-        if child is not None and (options.config_only or child.libc.flavour != "unknown"):
+        child = self._stored_platform(digest, options)
+        if child is not None:
             # A platform of an index we already scanned (the child events of a multi-arch push).
             return ImageReport(
                 reference=str(reference),
@@ -183,6 +183,19 @@ class Scanner:
             self._remember_tag(reference, manifest.digest)
         return report
 
+    def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
+        """A platform image already scanned (e.g. as part of its index) that answers `options`.
+
+        A stored libc flavour of `unknown` comes from a config-only scan or from layers that could
+        not be read, so a full scan reads the layers again rather than reuse it.
+        """
+        if self.store is None or options.force:
+            return None
+        stored = self.store.platform_report(digest)
+        if stored is None or not (options.config_only or stored.libc.flavour != "unknown"):
+            return None
+        return stored
+
     def _remember_tag(self, reference: Reference, digest: str) -> None:
         if self.store is not None and reference.tag:
             self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
@@ -200,10 +213,9 @@ class Scanner:
             raise ScanError("the index lists no runnable platform images")
 
         async def one(child: Descriptor) -> PlatformReport:
-            if self.store is not None and not options.force:
-                cached = self.store.platform_report(child.digest)
-                if cached is not None and (options.config_only or cached.libc.flavour != "unknown"):
-                    return cached
+            cached = self._stored_platform(child.digest, options)
+            if cached is not None:
+                return cached
             manifest = await self.client.manifest(reference, child.digest)
             if manifest.is_index:
                 raise ScanError(f"nested index {child.digest} is not supported")
