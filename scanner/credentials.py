@@ -49,14 +49,14 @@ def docker_auth_key(registry: str) -> str:
     return DOCKER_HUB_AUTH_KEY if registry in _HUB_ALIASES else registry
 
 
+def _registry_name(registry: str) -> str:
+    """Every Docker Hub host is `docker.io`, the name references use."""
+    return "docker.io" if registry in _HUB_ALIASES else registry
+
+
 def _normalise_key(key: str) -> str:
     """`https://host/v1/` and `host` name the same registry in config.json."""
-    host = key.split("://", 1)[-1].split("/", 1)[0]
-    return "docker.io" if host in _HUB_ALIASES else host
-
-
-def _registry_name(registry: str) -> str:
-    return "docker.io" if registry in _HUB_ALIASES else registry
+    return _registry_name(key.split("://", 1)[-1].split("/", 1)[0])
 
 
 def read_docker_config(path: Path | None) -> dict[str, Any]:
