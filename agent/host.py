@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from agent.nvml import NvmlFacts
-from placement.inventory import RuntimeMode, Server, load_inventory
+from placement.inventory import RuntimeMode, Server, parse_inventory
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def load_server_file(path: Path, name: str | None = None) -> Server:
     text = path.read_text()
     data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if (isinstance(data, dict) and "servers" in data) or isinstance(data, list):
-        servers = load_inventory(path).servers
+        servers = parse_inventory(text).servers
         if len(servers) != 1:
             raise ValueError(f"{path}: expected exactly one server, found {len(servers)}")
         server = servers[0]

@@ -64,14 +64,14 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 async def decide_locally(reference: str, servers: Path, fields: dict[str, Any]) -> dict[str, Any]:
     from placement.decide import ImageFacts, decide
-    from placement.inventory import load_inventory
+    from placement.inventory import parse_inventory
     from placement.request import DeployRequest
     from scanner.registry import RegistryClient
     from scanner.scan import Scanner
     from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
-    inventory = load_inventory(servers)
+    inventory = parse_inventory(servers.read_text())
     settings = ScannerSettings.load()
     async with RegistryClient(settings) as client:
         report = await Scanner(client, None, settings).scan(reference)

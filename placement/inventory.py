@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -113,10 +112,18 @@ class Inventory(BaseModel):
     servers: list[Server] = Field(default_factory=list)
 
 
-def load_inventory(path: Path) -> Inventory:
-    """Read a YAML or JSON inventory file (`{"servers": [...]}`)."""
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+def parse_inventory(text: str) -> Inventory:
+    """Parse an inventory document, JSON or YAML (`{"servers": [...]}` or a bare list of servers).
+
+    Pure: callers read the file, so placement stays free of I/O. Raises ValueError with the reason.
+    """
+    try:
+        data: Any = json.loads(text)
+    except ValueError:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"inventory is neither JSON nor YAML: {exc}") from None
     if isinstance(data, list):
         data = {"servers": data}
     return Inventory.model_validate(data or {})

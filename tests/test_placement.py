@@ -19,7 +19,7 @@ from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
-from placement.inventory import Server, load_inventory, parse_bytes
+from placement.inventory import Server, parse_bytes, parse_inventory
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from tests.conftest import Pusher
@@ -28,7 +28,7 @@ from web.fleet import FLEET_INDEX, FleetIndexCache
 from web.settings import ServiceSettings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-FLEET = load_inventory(FIXTURES / "fleet.yaml").servers
+FLEET = parse_inventory((FIXTURES / "fleet.yaml").read_text()).servers
 IMAGES = json.loads((FIXTURES / "cuda_require_strings.json").read_text())["images"]
 
 

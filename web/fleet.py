@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
-from placement.inventory import Server, load_inventory
+from placement.inventory import Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,
     AgentDeployment,
@@ -585,7 +585,8 @@ def setup_routes(app: web.Application) -> None:
     app[FLEET_INDEX] = FleetIndexCache()
     app.on_shutdown.append(_end_long_polls)
     settings = services_of_app(app).settings
-    app[STATIC_FLEET] = load_inventory(settings.inventory_file).servers if settings.inventory_file else []
+    inventory_file = settings.inventory_file
+    app[STATIC_FLEET] = parse_inventory(inventory_file.read_text()).servers if inventory_file else []
     app.router.add_get("/api/servers", list_servers)
     app.router.add_post("/api/servers", register_server)
     app.router.add_post("/api/servers/{name}/heartbeat", server_heartbeat)
