@@ -113,8 +113,10 @@ class ScanWorkers:
             self._wake.clear()
             free = self.settings.concurrency - len(self._running)
             if free > 0:
-                saturated = [r for r, n in self._per_registry.items() if n >= self.settings.per_registry]
-                for job in self.store.claim_jobs(free, exclude_registries=saturated):
+                claimed = self.store.claim_jobs(
+                    free, per_registry=self.settings.per_registry, running=self._per_registry
+                )
+                for job in claimed:
                     self._per_registry[job.registry] += 1
                     task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                     self._running.add(task)

@@ -17,7 +17,7 @@ import json
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -504,18 +504,31 @@ class Store:
                 results.append(ids)
         return results
 
-    def claim_jobs(self, limit: int, *, exclude_registries: Sequence[str] = ()) -> list[Job]:
-        """Atomically move up to `limit` ready jobs to `running` and return them."""
+    def claim_jobs(
+        self, limit: int, *, per_registry: int | None = None, running: Mapping[str, int] | None = None
+    ) -> list[Job]:
+        """Atomically move up to `limit` ready jobs to `running` and return them.
+
+        With `per_registry`, no registry ends up with more than that many running jobs,
+        counting the `running` ones the caller already has; a busy registry's jobs wait
+        while other registries' jobs go ahead.
+        """
         now = _iso(_now())
+        busy = dict(running or {})
         with self._transaction() as conn:
-            placeholders = ",".join("?" * len(exclude_registries))
-            skip = f"AND registry NOT IN ({placeholders})" if exclude_registries else ""
-            rows = conn.execute(
-                f"SELECT id FROM jobs WHERE state = 'queued' AND not_before <= ? {skip}"
-                " ORDER BY not_before, created_at LIMIT ?",
-                [now, *exclude_registries, limit],
-            ).fetchall()
-            ids = [row[0] for row in rows]
+            ids: list[str] = []
+            candidates = conn.execute(
+                "SELECT id, registry FROM jobs WHERE state = 'queued' AND not_before <= ?"
+                " ORDER BY not_before, created_at",
+                [now],
+            )
+            for job_id, registry in candidates:
+                if len(ids) >= limit:
+                    break
+                if per_registry is not None and busy.get(registry, 0) >= per_registry:
+                    continue
+                busy[registry] = busy.get(registry, 0) + 1
+                ids.append(job_id)
             if not ids:
                 return []
             conn.executemany(

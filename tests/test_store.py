@@ -90,3 +90,12 @@ def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path
     assert job is not None and job.state == "failed" and job.error == "boom again"
     retried = store.retry_job(job_id)
     assert retried is not None and retried.state == "queued" and retried.attempts == 0
+
+
+def test_claims_respect_the_per_registry_limit(tmp_path: Path) -> None:
+    store = Store(tmp_path / "q.db")
+    store.enqueue([(f"busy/app:{n}", "busy") for n in range(5)] + [("calm/app:1", "calm")])
+    first = store.claim_jobs(10, per_registry=2, running={"busy": 1})
+    assert sorted(job.registry for job in first) == ["busy", "calm"]  # one more busy job fits, then calm
+    assert store.claim_jobs(10, per_registry=2, running={"busy": 2}) == []
+    assert len(store.claim_jobs(10, per_registry=2, running={})) == 2
