@@ -269,6 +269,16 @@ class Store:
             row = self.db.execute("SELECT report FROM reports WHERE digest = ?", [digest]).fetchone()
         return ImageReport.model_validate_json(row[0]) if row else None
 
+    def has_report(self, digest: str) -> bool:
+        """Whether `digest` was scanned, as an image or as one platform of an index."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT EXISTS (SELECT 1 FROM reports WHERE digest = :d)"
+                " OR EXISTS (SELECT 1 FROM platform_reports WHERE digest = :d)",
+                {"d": digest},
+            ).fetchone()
+        return bool(row[0])
+
     def platform_report(self, digest: str) -> PlatformReport | None:
         with self._lock:
             row = self.db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()

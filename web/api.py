@@ -217,12 +217,23 @@ async def list_images(request: web.Request) -> web.Response:
     )
 
 
+def _stored_digest(services: Services, reference: Reference) -> str | None:
+    """The digest a tag or digest reference stands for, if the store knows it."""
+    if reference.digest:
+        return reference.digest
+    return services.store.resolve_tag(reference.registry, reference.repository, reference.tag or "")
+
+
+def report_exists(services: Services, reference: Reference) -> bool:
+    """Cheap check for long polls: re-run on every finished scan, so it parses no report."""
+    digest = _stored_digest(services, reference)
+    return digest is not None and services.store.has_report(digest)
+
+
 def find_report(services: Services, reference: Reference) -> ImageReport | None:
     """The latest stored report for a tag or digest reference."""
     store = services.store
-    digest = reference.digest or store.resolve_tag(
-        reference.registry, reference.repository, reference.tag or ""
-    )
+    digest = _stored_digest(services, reference)
     if digest is None:
         return None
     report = store.report(digest)
@@ -252,7 +263,7 @@ async def image_by_ref(request: web.Request) -> web.Response:
     wait = wait_param(request)
     report = find_report(services, reference)
     if report is None and wait and services.workers is not None:
-        await services.workers.wait_until(lambda: find_report(services, reference) is not None, wait)
+        await services.workers.wait_until(lambda: report_exists(services, reference), wait)
         report = find_report(services, reference)
     if report is None:
         pending = services.store.pending_job_for(canonical_job_reference(reference))
