@@ -8,6 +8,8 @@ user can fix the reference without reading a grammar.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -168,3 +170,27 @@ def parse_reference(text: str) -> Reference:
     if tag is None and digest_value is None:
         tag = DEFAULT_TAG
     return Reference(registry=domain, repository=repository, tag=tag, digest=digest_value)
+
+
+def split_host(host: str) -> str:
+    """The hostname without port (and without IPv6 brackets)."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    if host.count(":") > 1:
+        return host
+    return host.rsplit(":", 1)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def is_loopback(host: str) -> bool:
+    """`127.0.0.1:5000`, `[::1]:80`, `localhost` -> True: where plain HTTP is allowed by default.
+
+    Cached: it is asked on every request, and hosts are few.
+    """
+    name = split_host(host).lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import email.utils
 import hashlib
-import ipaddress
 import json
 import logging
 import random
@@ -42,7 +41,7 @@ from scanner.auth import (
 )
 from scanner.credentials import Credentials, CredentialStore
 from scanner.models import Platform
-from scanner.reference import DOCKER_HUB_API, Reference, ReferenceError, validate_digest
+from scanner.reference import DOCKER_HUB_API, Reference, ReferenceError, is_loopback, validate_digest
 from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)
@@ -231,25 +230,6 @@ def _count(totals: RequestStats, **increments: int) -> None:
 
 
 # --- pure helpers ------------------------------------------------------------------------------
-
-
-def split_host(host: str) -> str:
-    """The hostname without port (and without IPv6 brackets)."""
-    if host.startswith("["):
-        return host[1:].split("]", 1)[0]
-    if host.count(":") > 1:
-        return host
-    return host.rsplit(":", 1)[0]
-
-
-def is_loopback(host: str) -> bool:
-    name = split_host(host).lower()
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def compute_digest(data: bytes, algorithm: str = "sha256") -> str:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from scanner.badges import badges
 from scanner.gpu import gpu_facts
-from scanner.layers import LayerReader
 from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
@@ -26,6 +25,7 @@ from scanner.settings import ScannerSettings
 from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:
+    from scanner.layers import LayerReader
     from scanner.store import Store
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,17 @@ class Scanner:
         self.client = client
         self.store = store
         self.settings = settings or ScannerSettings()
-        self.layers = LayerReader(client, store, max_layer_bytes=self.settings.max_layer_bytes)
+        self._layers: LayerReader | None = None
         self.on_result = on_result
+
+    @property
+    def layers(self) -> LayerReader:
+        """The layer reader, built on first use: config-only scans never load the tar and libc code."""
+        if self._layers is None:
+            from scanner.layers import LayerReader
+
+            self._layers = LayerReader(self.client, self.store, max_layer_bytes=self.settings.max_layer_bytes)
+        return self._layers
 
     async def scan(self, text: str, options: ScanOptions | None = None) -> ImageReport:
         """Scan one reference. Never raises for bad input: the report carries the error."""

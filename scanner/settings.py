@@ -12,7 +12,6 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -116,7 +115,12 @@ class ScannerSettings(BaseSettings):
 def read_config_file(path: Path) -> dict[str, Any]:
     """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present."""
     text = path.read_text()
-    data: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    if path.suffix == ".toml":
+        data: Any = tomllib.loads(text)
+    else:
+        import yaml  # deferred: only YAML config files need it
+
+        data = yaml.safe_load(text)
     if data is None:
         return {}
     if not isinstance(data, dict):

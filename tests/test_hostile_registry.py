@@ -17,7 +17,7 @@ from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry
-from scanner.reference import parse_reference
+from scanner.reference import is_loopback, parse_reference
 from scanner.registry import (
     DigestMismatch,
     InsecureTransport,
@@ -28,7 +28,6 @@ from scanner.registry import (
     TransportError,
     Unauthorized,
     UnsupportedManifest,
-    is_loopback,
     parse_rate_limit,
     parse_retry_after,
 )

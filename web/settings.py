@@ -7,33 +7,18 @@ only the service needs: the store, the listen address, secrets and workers.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr
 
+from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)
 
 DOCKER_HUB = "docker.io"
-
-
-def is_loopback_host(host: str) -> bool:
-    """`127.0.0.1:5000`, `[::1]:80`, `localhost` -> True."""
-    name = host
-    if name.startswith("["):
-        name = name[1:].split("]", 1)[0]
-    elif name.count(":") == 1:
-        name = name.split(":", 1)[0]
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 class ServiceSettings(ScannerSettings):
@@ -80,7 +65,7 @@ class ServiceSettings(ScannerSettings):
     def allows(self, registry: str) -> bool:
         """The SSRF guard: with no list configured, Docker Hub and loopback registries only."""
         if not self.registries:
-            return registry == DOCKER_HUB or is_loopback_host(registry)
+            return registry == DOCKER_HUB or is_loopback(registry)
         return registry in self.allowlist()
 
     def webhook_secret_for(self, source: str) -> str | None:
