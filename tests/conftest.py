@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +44,27 @@ def dockerd() -> Iterator[LocalDockerd]:
         pytest.skip(reason)
     with run_dockerd() as daemon:
         yield daemon
+
+
+# Debian's chromium, driven by Playwright; never `playwright install`. No network, no sandbox (root).
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium per test module (the sync API must not outlive the module's sync tests)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

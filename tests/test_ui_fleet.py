@@ -157,15 +157,6 @@ async def test_blank_form_is_a_plain_page(client: TestClient[Any, Any]) -> None:
 
 # ===================================================================== browser
 
-BROWSER_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-]
-
 
 def screenshot_path(name: str, tmp_path: Path) -> Path:
     """GPUBADGE_SCREENSHOTS=docs refreshes docs/<name>; otherwise the shot lands in tmp_path."""
@@ -186,18 +177,6 @@ def fleet_service(
         root / "gpubadge.db", env={"GPUBADGE_INVENTORY_FILE": str(inventory)}
     ) as service:
         yield service, f"{registry.host}/uifleet/cuda:12.2"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture
