@@ -14,12 +14,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -36,7 +32,7 @@ import aiohttp
 from bench.common import Figure, Results, measure, ms, percentile, process_cpu_seconds, push_with_retry
 from fixtures.oci import ImageSpec, LayerSpec, LayoutWriter, fake_elf, file
 from fixtures.registry import free_port, run_registry
-from fixtures.service import RunningService, run_service_process, wait_healthy
+from fixtures.service import RunningService, run_service_process
 
 GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
 Synchronous = Literal["NORMAL", "FULL"]
@@ -56,39 +52,9 @@ class ServiceFigures:
 
 @contextlib.contextmanager
 def run_service(db: Path, env: dict[str, str], synchronous: Synchronous) -> Iterator[RunningService]:
-    """`gpubadge serve`; for FULL, the same command with the store opened `synchronous=FULL`.
-
-    The service has no setting for SQLite's synchronous mode yet, so FULL is measured by
-    starting the same CLI with `web.app.Store` bound to `Store(..., synchronous="FULL")`.
-    """
-    if synchronous == "NORMAL":
-        with run_service_process(db, env=env) as service:
-            yield service
-        return
-    port = free_port()
-    launcher = (
-        "import functools, web.app, scanner.store\n"
-        "web.app.Store = functools.partial(scanner.store.Store, synchronous='FULL')\n"
-        "from gpubadge.cli import main\n"
-        "raise SystemExit(main(['serve', '--log-level', 'WARNING']))\n"
-    )
-    full_env = {**os.environ, "GPUBADGE_DB": str(db), "GPUBADGE_PORT": str(port), **env}
-    log_path = db.with_suffix(".log")
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", launcher], env=full_env, stdout=log, stderr=subprocess.STDOUT
-        )
-    service = RunningService(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        wait_healthy(service.url, process)
+    """`gpubadge serve` with SQLite's synchronous mode set through GPUBADGE_SQLITE_SYNCHRONOUS."""
+    with run_service_process(db, env={**env, "GPUBADGE_SQLITE_SYNCHRONOUS": synchronous}) as service:
         yield service
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 # --- push -> badge -------------------------------------------------------------------------------

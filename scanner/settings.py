@@ -47,20 +47,25 @@ class ScannerSettings(BaseSettings):
         default_factory=list,
         description="allowed registries: host[:port],... or a JSON list of {host, mirror, insecure, ...}",
     )
-    docker_config: Path | None = Field(default_factory=default_docker_config)
-    max_manifest_bytes: int = 4 * MiB
-    max_config_bytes: int = 8 * MiB
+    docker_config: Path | None = Field(
+        default_factory=default_docker_config,
+        description="Docker client config for credentials (auths, credsStore, credHelpers); default $DOCKER_CONFIG/config.json or ~/.docker/config.json",
+    )
+    max_manifest_bytes: int = Field(default=4 * MiB, description="largest manifest or index read")
+    max_config_bytes: int = Field(default=8 * MiB, description="largest image config read")
     max_layer_bytes: int = Field(default=512 * MiB, description="decompressed bytes read per layer")
-    concurrency_per_registry: int = 8
+    concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
     request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
     retries: int = Field(default=4, description="attempts per request, including the first")
     backoff_base: float = Field(default=0.5, description="seconds before the first retry; doubles")
-    backoff_max: float = 8.0
+    backoff_max: float = Field(default=8.0, description="longest wait between retries, in seconds")
     retry_after_max: float = Field(
         default=60.0, description="longest Retry-After we wait; longer ones fail as RateLimited"
     )
-    max_redirects: int = 5
-    credential_helper_timeout: float = 10.0
+    max_redirects: int = Field(default=5, description="redirects followed per request (blob CDNs)")
+    credential_helper_timeout: float = Field(
+        default=10.0, description="seconds a docker-credential-* helper may take"
+    )
     docker_mirror: str | None = Field(default=None, description="host[:port] of a Docker Hub mirror")
 
     @field_validator("registries", mode="before")

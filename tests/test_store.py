@@ -99,3 +99,14 @@ def test_claims_respect_the_per_registry_limit(tmp_path: Path) -> None:
     assert sorted(job.registry for job in first) == ["busy", "calm"]  # one more busy job fits, then calm
     assert store.claim_jobs(10, per_registry=2, running={"busy": 2}) == []
     assert len(store.claim_jobs(10, per_registry=2, running={})) == 2
+
+
+def test_the_service_opens_the_store_in_the_configured_sync_mode(tmp_path: Path) -> None:
+    from web.app import SERVICES, create_app
+    from web.settings import ServiceSettings
+
+    for mode, pragma in (("NORMAL", 1), ("FULL", 2)):
+        settings = ServiceSettings(db=tmp_path / f"{mode}.db", sqlite_synchronous=mode, docker_config=None)
+        store = create_app(settings, start_workers=False)[SERVICES].store
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == pragma
+        store.close()

@@ -77,7 +77,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
-    store = Store(settings.db)
+    store = Store(settings.db, synchronous=settings.sqlite_synchronous)
     metrics = ServiceMetrics(store.queue_depth)
     services = Services(settings=settings, store=store, metrics=metrics)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])

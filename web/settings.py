@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 
@@ -25,6 +25,10 @@ class ServiceSettings(ScannerSettings):
     """Everything `gpubadge serve` reads. Field descriptions become `--help` text."""
 
     db: Path = Field(default=Path("gpubadge.db"), description="SQLite database file")
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        default="NORMAL",
+        description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
+    )
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
     webhook_secret: SecretStr | None = Field(
