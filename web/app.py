@@ -90,6 +90,12 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     ui.setup_routes(app)
     ui_fleet.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
+    if settings.webhook_secret is None and not settings.webhook_secrets:
+        log.warning("GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication")
+    if settings.api_token is None:
+        log.warning(
+            "GPUBADGE_API_TOKEN is unset: anyone who reaches the service may request scans and deploys"
+        )
     if settings.agent_token is None and not settings.agent_tokens:
         log.warning("GPUBADGE_AGENT_TOKEN is unset: any client may register servers")
     if not settings.registries:
