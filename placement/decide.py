@@ -29,6 +29,8 @@ SortKey = tuple[int, int, int, float, int]  # rank, spare GPUs, GPU MiB assigned
 _NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
 # (reasons, GPU picks as (group position, count), sort key, platform, score) for one server shape
 _ShapeResult = tuple[tuple[str, ...], tuple[tuple[int, int], ...], SortKey, str, float]
+# (reasons, GPU picks, rank, spare GPUs, GPU MiB assigned, score) for one GPU sub-shape and plan
+_GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float]
 
 
 class PlatformFacts(BaseModel):
@@ -136,6 +138,9 @@ class _View:
     label_of: list[int]  # label-set id per position
     combo_of: list[int]  # dense (shape, label set) number per position
     combos: list[tuple[int, int]]  # (dense shape, label-set id) per combo
+    # GPU sub-shape per dense shape: shapes that differ only in arch, CPUs or memory share one, and
+    # with it the GPU part of their verdict (the expensive part) within a query.
+    shape_gpu: list[int]
 
 
 _gpu_position = attrgetter("index")
@@ -152,6 +157,23 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if paused:
             gc.enable()
+
+
+def _gpu_shapes(shape_entries: list[ServerEntry]) -> list[int]:
+    """Dense GPU sub-shape number per shape: everything the GPU part of a verdict reads."""
+    ids: dict[tuple[object, ...], int] = {}
+    numbers = []
+    for entry in shape_entries:
+        key = (
+            entry.driver,
+            entry.cuda,
+            entry.musl,
+            entry.total_gpus,
+            entry.busy_gpus,
+            tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
+        )
+        numbers.append(ids.setdefault(key, len(ids)))
+    return numbers
 
 
 def _first_free(entry: ServerEntry) -> tuple[str, ...]:
@@ -314,6 +336,7 @@ class FleetIndex:
             label_of=[entry.label_set for entry in self.entries],
             combo_of=combo_of,
             combos=list(combo_ids),
+            shape_gpu=_gpu_shapes(shape_entries),
         )
         return self._view
 
@@ -373,6 +396,8 @@ class _Query:
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
         self.ordered = request.gpu_model_order == "ordered"
+        self.arch_plans: dict[str, tuple[_Plan | None, str | None]] = {}
+        self.gpu_parts: dict[tuple[str, int], _GpuPart] = {}
 
     def class_verdict(self, plan: _Plan, class_id: int) -> tuple[bool, int, tuple[str, ...]]:
         """(usable, preference rank, reasons) for one GPU class, computed once per query."""
@@ -428,27 +453,63 @@ class _Query:
                 return [line + suffix for line in verdict.failed] or [verdict.message]
         return []
 
-    def evaluate(self, entry: ServerEntry) -> _ShapeResult:
-        """Everything but labels for one server; valid for every server of the same shape."""
+    def evaluate(self, entry: ServerEntry, gpu_shape: int) -> _ShapeResult:
+        """Everything but labels for one server; valid for every server of the same shape.
+
+        The GPU part (driver, image requirements, GPU picks) is shared by every shape with the same
+        GPU sub-shape and platform plan, so it is computed once per query for all of them; only the
+        architecture, CPU and memory checks are per shape.
+        """
+        arch = self.arch_plans.get(entry.arch)
+        if arch is None:
+            arch = self.arch_plans[entry.arch] = self._arch_plan(entry.arch)
+        plan, arch_reason = arch
+        if plan is None:  # the image has no platforms at all
+            assert arch_reason is not None
+            return (arch_reason,), (), _NO_KEY, "", 0.0
+        cpus = self.request.cpus
+        memory = self.request.memory
+        cpus_short = cpus is not None and entry.cpus < cpus
+        memory_short = memory is not None and entry.memory < memory
+        # Without GPUs in play the GPU part reads no plan, so every platform shares one entry.
+        key = (plan.platform if plan.gpu_image or plan.needed else "", gpu_shape)
+        gpu = self.gpu_parts.get(key)
+        if gpu is None:
+            gpu = self.gpu_parts[key] = self._gpu_part(plan, entry)
+        gpu_reasons, picks, rank, spare_gpus, memory_mib, score = gpu
+        if arch_reason is not None or cpus_short or memory_short or gpu_reasons:
+            reasons: list[str] = []
+            if arch_reason is not None:
+                reasons.append(arch_reason)
+            if cpus is not None and cpus_short:
+                reasons.append(f"has {entry.cpus} CPUs, request needs {_fmt_cpus(cpus)}")
+            if memory is not None and memory_short:
+                reasons.append(f"has {_fmt_bytes(entry.memory)} memory, request needs {_fmt_bytes(memory)}")
+            reasons.extend(gpu_reasons)
+            return tuple(reasons), (), _NO_KEY, plan.platform, 0.0
+        spare_cpus = entry.cpus - (cpus or 0)
+        return (
+            (),
+            picks,
+            (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory),
+            plan.platform,
+            score,
+        )
+
+    def _arch_plan(self, arch: str) -> tuple[_Plan | None, str | None]:
+        """The plan servers of `arch` are judged by, and the reason when the image lacks that arch."""
+        plan = self.plans.get(arch)
+        if plan is not None:
+            return plan, None
+        reason = f"CPU architecture {arch} is not among the image's platforms ({self.platform_names})"
+        return next(iter(self.plans.values()), None), reason
+
+    def _gpu_part(self, plan: _Plan, entry: ServerEntry) -> _GpuPart:
+        """Driver, image-requirement and GPU-availability verdict, with the picks when it passes."""
         request = self.request
         reasons: list[str] = []
-        plan = self.plans.get(entry.arch)
-        if plan is None:
-            reasons.append(
-                f"CPU architecture {entry.arch} is not among the image's platforms ({self.platform_names})"
-            )
-            if not self.plans:
-                return tuple(reasons), (), _NO_KEY, "", 0.0
-            plan = next(iter(self.plans.values()))
-        if request.cpus is not None and entry.cpus < request.cpus:
-            reasons.append(f"has {entry.cpus} CPUs, request needs {_fmt_cpus(request.cpus)}")
-        if request.memory is not None and entry.memory < request.memory:
-            reasons.append(
-                f"has {_fmt_bytes(entry.memory)} memory, request needs {_fmt_bytes(request.memory)}"
-            )
         needed = plan.needed
-        uses_nvidia = plan.gpu_image or needed > 0
-        if uses_nvidia:
+        if plan.gpu_image or needed > 0:
             if entry.driver is None:
                 reasons.append("no NVIDIA driver")
             elif request.min_driver is not None and not compare_version(
@@ -463,18 +524,24 @@ class _Query:
         picked = 0
         memory_mib = 0
         rank = 0
+        free_total = 0
         if needed > 0:
             usable: list[tuple[int, int, int, int]] = []  # (rank, MiB, group position, free count)
             refused: list[tuple[int, int, tuple[str, ...]]] = []
+            available = 0
+            verdicts = plan.verdicts
+            classes = self.index.classes
             for position, (class_id, uuids) in enumerate(entry.groups):
-                ok, class_rank, why = self.class_verdict(plan, class_id)
-                if ok:
-                    usable.append((class_rank, self.index.classes[class_id].memory_mib, position, len(uuids)))
+                count = len(uuids)
+                free_total += count
+                judged = verdicts.get(class_id) or self.class_verdict(plan, class_id)
+                if judged[0]:
+                    usable.append((judged[1], classes[class_id].memory_mib, position, count))
+                    available += count
                 else:
-                    refused.append((class_id, len(uuids), why))
-            available = sum(item[3] for item in usable)
+                    refused.append((class_id, count, judged[2]))
             if available < needed:
-                free = available + sum(n for _, n, _ in refused)
+                free = free_total
                 detail = f"{free} free of {entry.total_gpus}"
                 if entry.busy_gpus:
                     detail += f", {entry.busy_gpus} in use"
@@ -486,7 +553,8 @@ class _Query:
                     name = self.index.classes[class_id].name
                     reasons.extend(f"{count} free {name}: {line}" for line in why)
             elif not reasons:
-                usable.sort()
+                if len(usable) > 1:
+                    usable.sort()
                 for class_rank, mib, position, free in usable:
                     take = min(free, needed - picked)
                     picks.append((position, take))
@@ -501,12 +569,11 @@ class _Query:
             if not verdict.ok:
                 reasons.extend(verdict.failed or (verdict.message,))
         if reasons:
-            return tuple(reasons), (), _NO_KEY, plan.platform, 0.0
-        free_total = sum(len(u) for _, u in entry.groups)
+            return tuple(reasons), (), 0, 0, 0, 0.0
+        if needed == 0:
+            free_total = sum(len(uuids) for _, uuids in entry.groups)
         spare_gpus = free_total - needed
-        spare_cpus = entry.cpus - (request.cpus or 0)
-        key: SortKey = (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory)
-        return (), tuple(picks), key, plan.platform, round(1.0 / (1 + rank + spare_gpus), 4)
+        return (), tuple(picks), rank, spare_gpus, memory_mib, round(1.0 / (1 + rank + spare_gpus), 4)
 
 
 def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server] | FleetIndex) -> Decision:
@@ -520,8 +587,14 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     labels = list(request.labels.items())
     # The result allocates 10,000 small acyclic objects; a cyclic-GC pass triggered mid-query would
     # walk the whole heap (the inventory included) and dominate p99, so it waits until we are done.
-    with _gc_paused():
-        return _decide(query, index.view(), index, labels)
+    view = index.view()
+    paused = gc.isenabled()  # inline rather than `with _gc_paused()`: a generator per query costs more
+    gc.disable()
+    try:
+        return _decide(query, view, index, labels)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[str, str]]) -> Decision:
@@ -530,7 +603,7 @@ def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[st
     Ranking sorts shapes, not servers: equal-key shapes keep name order inside each shape.
     Servers that share a shape and label set share one reasons list (treat Decision as read-only).
     """
-    results = [query.evaluate(entry) for entry in view.shape_entries]
+    results = list(map(query.evaluate, view.shape_entries, view.shape_gpu))
     names = view.names
     if labels:
         missing = [_label_reasons(have, labels) for have in index.label_sets]

@@ -383,6 +383,51 @@ def test_index_lists_servers_in_name_order_whatever_the_input_order() -> None:
     assert [server.name for server in FleetIndex.build(shuffled).servers] == sorted(s.name for s in FLEET)
 
 
+def test_servers_sharing_gpus_but_not_arch_or_size_get_their_own_verdicts() -> None:
+    """Verdicts share the GPU part between servers with identical GPUs; the rest stays per server."""
+    h100 = next(server for server in FLEET if server.name == "h100-a")
+
+    def twin(name: str, **update: Any) -> Server:
+        gpus = [gpu.model_copy(update={"uuid": f"GPU-{name}-{gpu.index}"}) for gpu in h100.gpus]
+        return h100.model_copy(update={"name": name, "gpus": gpus, "gpus_in_use": [], **update})
+
+    fleet = [
+        twin("twin-big"),
+        twin("twin-small", cpus=8, memory=parse_bytes("16Gi")),
+        twin("twin-arm", arch="arm64"),
+        twin("twin-arm-small", arch="arm64", cpus=8),
+    ]
+    request = DeployRequest(gpus=2, cpus=16, memory="64Gi")
+    decision = decide(cuda_image("12.2.2"), request, fleet)
+    assert decision.eligible == [
+        {
+            "server": "twin-big",
+            "gpus": ["GPU-twin-big-0", "GPU-twin-big-1"],
+            "score": 0.1429,
+            "platform": "linux/amd64",
+        }
+    ]
+    arch = "CPU architecture arm64 is not among the image's platforms (linux/amd64)"
+    assert reasons_of(decision, "twin-small") == [
+        "has 8 CPUs, request needs 16",
+        "has 16Gi memory, request needs 64Gi",
+    ]
+    assert reasons_of(decision, "twin-arm") == [arch]
+    assert reasons_of(decision, "twin-arm-small") == [arch, "has 8 CPUs, request needs 16"]
+    # A GPU failure is listed after the per-server reasons, for every server with those GPUs.
+    failing = decide(cuda_image("12.2.2"), DeployRequest(gpus=2, cpus=16, min_driver="999"), fleet)
+    assert failing.eligible == []
+    driver = f"driver {h100.driver_version} < requested 999"
+    assert reasons_of(failing, "twin-big") == [driver]
+    assert reasons_of(failing, "twin-arm-small") == [arch, "has 8 CPUs, request needs 16", driver]
+    # A CPU image for both architectures: one shared GPU part, each server its own platform.
+    anywhere = decide(cpu_image("linux/amd64", "linux/arm64"), DeployRequest(cpus=16), fleet)
+    assert {item["server"]: item["platform"] for item in anywhere.eligible} == {
+        "twin-big": "linux/amd64",
+        "twin-arm": "linux/arm64",
+    }
+
+
 # --- the service keeps one index between requests ----------------------------------------------
 
 API_TOKEN = "api-secret"
