@@ -601,7 +601,8 @@ def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[st
     """Verdicts per shape, label verdicts per label set, then two comprehensions over the servers.
 
     Ranking sorts shapes, not servers: equal-key shapes keep name order inside each shape.
-    Servers that share a shape and label set share one reasons list (treat Decision as read-only).
+    Servers that share a shape and label set share one reasons list, and servers assigned no GPUs
+    share one empty `gpus` list, within one Decision (treat Decision as read-only).
     """
     results = list(map(query.evaluate, view.shape_entries, view.shape_gpu))
     names = view.names
@@ -634,6 +635,7 @@ def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[st
         buckets.append((result[2], first, shape, kept))
     buckets.sort(key=lambda bucket: (bucket[0], bucket[1]))
     eligible: list[EligibleServer] = []
+    no_gpus: list[str] = []  # one list for every server assigned no GPUs (a CPU image: 10,000 of them)
     for _, _, shape, kept in buckets:
         _, picks, _, platform, score = results[shape]
         shape_names = view.shape_names[shape]
@@ -643,7 +645,10 @@ def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[st
             first_free = [first_free[i] for i in kept]
         if not picks:
             eligible.extend(
-                [{"server": name, "gpus": [], "score": score, "platform": platform} for name in shape_names]
+                [
+                    {"server": name, "gpus": no_gpus, "score": score, "platform": platform}
+                    for name in shape_names
+                ]
             )
         elif len(picks) == 1 and picks[0][0] == 0:  # the common case: every GPU from the first class
             count = picks[0][1]

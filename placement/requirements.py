@@ -334,16 +334,8 @@ class ImageRequirements:
 
     @classmethod
     def from_texts(cls, texts: Iterable[tuple[str, str]]) -> ImageRequirements:
-        pairs = list(texts)
-        if len(pairs) > MAX_REQUIREMENTS:
-            return cls(error=f"too many requirements: {len(pairs)} (nvidia-container-cli accepts 32)")
-        parsed: list[tuple[str, Expression]] = []
-        for variable, value in pairs:
-            try:
-                parsed.append((variable, parse_requirement(value)))
-            except RequirementSyntaxError as exc:
-                return cls(error=f"{variable}: {exc}")
-        return cls(tuple(parsed))
+        """Parse (variable, requirement) pairs; the same texts give the same (immutable) result."""
+        return _parsed_requirements(tuple(texts))
 
     @classmethod
     def from_gpu_facts(cls, facts: GpuFacts) -> ImageRequirements:
@@ -380,6 +372,22 @@ class ImageRequirements:
                     verdict.requirement,
                 )
         return SATISFIED
+
+
+@lru_cache(maxsize=256)
+def _parsed_requirements(pairs: tuple[tuple[str, str], ...]) -> ImageRequirements:
+    """Parsing is pure and its result frozen, so a query for an image already seen skips it."""
+    if len(pairs) > MAX_REQUIREMENTS:
+        return ImageRequirements(
+            error=f"too many requirements: {len(pairs)} (nvidia-container-cli accepts 32)"
+        )
+    parsed: list[tuple[str, Expression]] = []
+    for variable, value in pairs:
+        try:
+            parsed.append((variable, parse_requirement(value)))
+        except RequirementSyntaxError as exc:
+            return ImageRequirements(error=f"{variable}: {exc}")
+    return ImageRequirements(tuple(parsed))
 
 
 def check_devices(requirements: ImageRequirements, devices: Sequence[DeviceFacts]) -> Verdict:
