@@ -19,7 +19,7 @@ from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.store import Job
 from web import hooks
-from web.app import SERVICES, Services, json_error
+from web.app import SERVICES, Services, json_error, json_http_error
 from web.openapi import openapi_document
 from web.scan_requests import ScanRefused, request_scan, token_matches
 
@@ -72,15 +72,11 @@ def bearer_token(request: web.Request) -> str | None:
 def require_api_token(request: web.Request) -> None:
     """Write endpoints need the API token when one is configured (constant-time compare)."""
     if not token_matches(services_of(request).settings.api_token, bearer_token(request) or ""):
-        raise web.HTTPUnauthorized(
-            text='{"error": "a valid API token is required (Authorization: Bearer <token>)"}',
-            content_type="application/json",
+        raise json_http_error(
+            web.HTTPUnauthorized,
+            "a valid API token is required (Authorization: Bearer <token>)",
             headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
         )
-
-
-def canonical_job_reference(reference: Reference) -> str:
-    return str(reference)
 
 
 # ------------------------------------------------------------------ webhooks
@@ -161,9 +157,7 @@ def _bool_param(value: str | None, name: str) -> bool | None:
         return True
     if lowered in ("0", "false", "no", "cpu"):
         return False
-    raise web.HTTPBadRequest(
-        text=f'{{"error": "{name} must be true or false"}}', content_type="application/json"
-    )
+    raise json_http_error(web.HTTPBadRequest, f"{name} must be true or false")
 
 
 def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
@@ -172,9 +166,7 @@ def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
     try:
         return min(cap, max(0.0, float(raw))) if raw else 0.0
     except ValueError:
-        raise web.HTTPBadRequest(
-            text='{"error": "wait must be a number of seconds"}', content_type="application/json"
-        ) from None
+        raise json_http_error(web.HTTPBadRequest, "wait must be a number of seconds") from None
 
 
 def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
@@ -184,9 +176,7 @@ def _int_param(request: web.Request, name: str, default: int, low: int, high: in
     try:
         value = int(raw)
     except ValueError:
-        raise web.HTTPBadRequest(
-            text=f'{{"error": "{name} must be an integer"}}', content_type="application/json"
-        ) from None
+        raise json_http_error(web.HTTPBadRequest, f"{name} must be an integer") from None
     return max(low, min(high, value))
 
 
@@ -266,8 +256,8 @@ async def image_by_ref(request: web.Request) -> web.Response:
         await services.workers.wait_until(lambda: report_exists(services, reference), wait)
         report = find_report(services, reference)
     if report is None:
-        pending = services.store.pending_job_for(canonical_job_reference(reference))
-        latest = pending or services.store.latest_job_for(canonical_job_reference(reference))
+        pending = services.store.pending_job_for(str(reference))
+        latest = pending or services.store.latest_job_for(str(reference))
         return json_error(
             404,
             f"{reference} has not been scanned",

@@ -9,6 +9,7 @@ webhooks) and web/ui.py (HTML). Startup resumes unfinished jobs; shutdown
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def json_error(status: int, message: str, **extra: object) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
+
+
+def json_http_error(
+    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
+) -> web.HTTPException:
+    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
+    return kind(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
 
 
 @web.middleware

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import re
 import time
@@ -40,7 +39,7 @@ from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from scanner.store import GpuTaken
 from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
-from web.app import SERVICES, Services, json_error
+from web.app import SERVICES, Services, json_error, json_http_error
 
 log = logging.getLogger(__name__)
 
@@ -276,9 +275,8 @@ def require_agent_token(request: web.Request, server_name: str | None = None) ->
         return  # no agent token configured: open (logged at startup)
     given = (bearer_token(request) or "").encode()
     if not any(hmac.compare_digest(given, candidate.encode()) for candidate in candidates):
-        raise web.HTTPUnauthorized(
-            text='{"error": "a valid agent token is required (Authorization: Bearer <token>)"}',
-            content_type="application/json",
+        raise json_http_error(
+            web.HTTPUnauthorized, "a valid agent token is required (Authorization: Bearer <token>)"
         )
 
 
@@ -361,24 +359,16 @@ async def _request_body(
     try:
         data: Any = await request.json()
     except ValueError:
-        raise _bad("body is not JSON") from None
+        raise json_http_error(web.HTTPBadRequest, "body is not JSON") from None
     if not isinstance(data, dict) or not isinstance(data.get("image"), str):
-        raise _bad('expected {"image": REF, ...request}')
+        raise json_http_error(web.HTTPBadRequest, 'expected {"image": REF, ...request}')
     image = data.pop("image")
     run_data = {key: data.pop(key) for key in RUN_FIELDS if run_fields and key in data}
     try:
         return image, DeployRequest.parse_any(data), RunSpec.model_validate(run_data)
     except (ValidationError, ValueError) as exc:
         detail = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
-        raise _bad(f"invalid request: {detail}") from None
-
-
-def _bad(message: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(text=_json_text({"error": message}), content_type="application/json")
-
-
-def _json_text(data: dict[str, Any]) -> str:
-    return json.dumps(data)
+        raise json_http_error(web.HTTPBadRequest, f"invalid request: {detail}") from None
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -392,23 +382,17 @@ async def image_report(services: Services, text: str) -> ImageReport:
     try:
         reference = parse_reference(text)
     except ReferenceError as exc:
-        raise _bad(str(exc)) from None
+        raise json_http_error(web.HTTPBadRequest, str(exc)) from None
     report = find_report(services, reference)
     if report is not None:
         return report
     if not services.settings.allows(reference.registry):
-        raise web.HTTPForbidden(
-            text=_json_text({"error": f"registry not on the allowlist: {reference.registry}"}),
-            content_type="application/json",
-        )
+        raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
     if services.scanner is None:
-        raise web.HTTPServiceUnavailable(text=_json_text({"error": "scanner not ready"}))
+        raise json_http_error(web.HTTPServiceUnavailable, "scanner not ready")
     report = await services.scanner.scan(str(reference))
     if report.error:
-        raise web.HTTPUnprocessableEntity(
-            text=_json_text({"error": f"could not scan {reference}: {report.error}"}),
-            content_type="application/json",
-        )
+        raise json_http_error(web.HTTPUnprocessableEntity, f"could not scan {reference}: {report.error}")
     return report
 
 
