@@ -24,23 +24,33 @@ from bench.common import REPO_ROOT, Figure, Results, machine_description, today,
 SECTIONS = ("scan", "service", "placement", "ui")
 
 
+def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
+    """Run a benchmark module in its own process (a clean heap and GC); its stdout lines.
+
+    A failure becomes a 'failed' figure for the section and an empty list.
+    """
+    completed = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if completed.returncode != 0:
+        results.add(Figure(section, module, "failed", note=completed.stderr.strip()[-300:]))
+        return []
+    return completed.stdout.splitlines()
+
+
 def run_placement(results: Results, quick: bool) -> None:
     """bench/placement_bench.py (another engineer's) in a child process; its lines become figures."""
     servers, queries = ("10000", "50") if quick else ("10000", "200")
     print(
         f"placement: bench.placement_bench {servers} servers, {queries} queries per request form", flush=True
     )
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.placement_bench", servers, queries],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
-    )
-    if completed.returncode != 0:
-        results.add(Figure("placement", "placement_bench", "failed", note=completed.stderr.strip()[-300:]))
-        return
-    for line in completed.stdout.splitlines():
+    output = run_child(results, "placement", "bench.placement_bench", servers, queries)
+    for line in output:
         fields = dict(part.split("=", 1) for part in line.split() if "=" in part and not part.startswith("{"))
         if "p99_ms" in fields and line.startswith("request="):
             request = line.split(" eligible=", 1)[0].removeprefix("request=")
@@ -63,18 +73,7 @@ def run_ui(results: Results, quick: bool) -> None:
     """bench/ui_bench.py in a child process: page render time with 10,000 images (target < 100 ms)."""
     rounds = "5" if quick else "20"
     print("ui: bench.ui_bench, 10000 images", flush=True)
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.ui_bench", "10000", rounds],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if completed.returncode != 0:
-        results.add(Figure("ui", "ui_bench", "failed", note=completed.stderr.strip()[-300:]))
-        return
-    for line in completed.stdout.splitlines():
+    for line in run_child(results, "ui", "bench.ui_bench", "10000", rounds):
         match = re.match(r"^(\S+): median ([\d.]+) ms, p95 ([\d.]+) ms$", line)
         if not match:
             continue
