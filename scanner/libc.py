@@ -52,7 +52,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from scanner.elf import ElfInfo, parse_elf
-from scanner.limits import AnalysisLimits, ScanBudget
+from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcFlavour, LibcVerdict
 from scanner.tarstream import EntryKind, StreamStats, TarEntry
 from scanner.walk import EntryCollector, LayerWalk
@@ -242,6 +242,18 @@ class LayerCollector:
         self._distro_budget = distro_budget
         self._decided_at: int | None = None
         self.position = 0  # compressed bytes read so far, kept up to date by the walk
+        self._kept = 0  # records, whiteouts and ELF heads kept, against max_layer_records
+
+    def _keep(self) -> None:
+        """Count one more thing this layer keeps in memory (and in its evidence)."""
+        self._kept += 1
+        limit = self._analysis.limits.max_layer_records
+        if self._kept > limit:
+            raise LimitExceeded(
+                f"a layer holds more than {limit:,} entries the libc analysis must keep",
+                limit,
+                "max_layer_records",
+            )
 
     def wants(self, entry: TarEntry) -> int:
         """How many leading content bytes of `entry` to read (0: none)."""
@@ -275,6 +287,7 @@ class LayerCollector:
         if entry.kind == "file" and probed:
             elf = parse_elf(head)
             if elf is not None:
+                self._keep()
                 self._bin_elves[path] = elf
         wanted = path in self._wanted
         if not (_relevant(path) or wanted):
@@ -290,17 +303,20 @@ class LayerCollector:
         if path in OS_RELEASE_PATHS and entry.kind == "file":
             record.os_release = parse_os_release(head.decode("utf-8", "replace"))
         self._wanted.discard(path)
+        self._keep()
         self._layer.entries[path] = record
         self._analysis._index_record(self._index, path, record)
 
     def _add_whiteout(self, directory: str, name: str) -> None:
         if name == ".wh..wh..opq":
             if directory in _ANCESTORS or _TRIPLET_DIR.match(directory):
+                self._keep()
                 self._layer.opaque.add(directory)
                 self._analysis._index_hide(self._analysis._covered, self._index, directory)
             return
         hidden = posixpath.join(directory, name[len(".wh.") :])
         if _relevant(hidden):
+            self._keep()
             self._layer.whiteouts.add(hidden)
             self._analysis._index_hide(self._analysis._gone, self._index, hidden)
 

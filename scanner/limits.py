@@ -29,6 +29,7 @@ DEFAULT_MAX_SYMLINK_HOPS = 40  # Linux MAXSYMLINKS
 DEFAULT_MAX_PATH_COMPONENTS = 200_000
 DEFAULT_MAX_LAYER_ENTRIES = 2_000_000
 DEFAULT_MAX_TAR_HEADER_BYTES = 1 * MiB
+DEFAULT_MAX_LAYER_RECORDS = 100_000
 DEFAULT_MAX_IMAGE_BYTES = 16 * GiB
 DEFAULT_MAX_SCAN_SECONDS = 300.0
 
@@ -59,6 +60,7 @@ class AnalysisLimits(BaseModel):
     max_path_components: int = DEFAULT_MAX_PATH_COMPONENTS
     max_layer_entries: int = DEFAULT_MAX_LAYER_ENTRIES
     max_tar_header_bytes: int = DEFAULT_MAX_TAR_HEADER_BYTES
+    max_layer_records: int = DEFAULT_MAX_LAYER_RECORDS
     max_layer_bytes: int = 512 * MiB
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_scan_seconds: float = DEFAULT_MAX_SCAN_SECONDS

@@ -76,6 +76,10 @@ class ScannerSettings(BaseSettings):
     max_tar_header_bytes: int = Field(
         default=limits.DEFAULT_MAX_TAR_HEADER_BYTES, description="bytes in one PAX or GNU extended header"
     )
+    max_layer_records: int = Field(
+        default=limits.DEFAULT_MAX_LAYER_RECORDS,
+        description="entries of one layer the libc analysis keeps (shells, loaders, library dirs, ELF heads)",
+    )
     max_image_bytes: int = Field(
         default=limits.DEFAULT_MAX_IMAGE_BYTES, description="decompressed bytes read per image"
     )
