@@ -32,14 +32,15 @@ from scanner.fatbin import (
     MAX_CONTAINERS_PER_FILE,
     MAX_SIGNATURES_PER_FILE,
     ArchSummary,
-    ContainerArchs,
     FatbinError,
     FatbinScan,
     merge_signatures,
     summarise,
 )
+from scanner.models import ContainerArchs
 
 HEAD_BYTES = 4096
+ELF_MAGIC_BYTES = 64  # smaller files cannot be ELF (the ELF64 header alone is 64 bytes)
 SECTION_NAMES_WINDOW = 64 << 10
 MAX_NAME_SITES = 4096
 FATBIN_SECTIONS = (".nv_fatbin", "__nv_relfatbin")
@@ -105,7 +106,7 @@ class _Capture:
     def full(self) -> bool:
         return len(self.data) >= self.size
 
-    def feed(self, offset: int, data: bytes) -> None:
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
         if self.full:
             return
         low = max(self.start + len(self.data), offset)
@@ -143,13 +144,16 @@ class ElfCudaProbe:
             return True
         return False if self._not_elf else None
 
-    def feed(self, data: bytes) -> bool:
+    def feed(self, data: bytes | memoryview) -> bool:
         if self._not_elf:
             return False
         offset = self._position
         self._position += len(data)
         if self._layout is None:
             self._head += data[: HEAD_BYTES - len(self._head)]
+            if len(self._head) >= 4 and self._head[:4] != b"\x7fELF":
+                self._not_elf = True
+                return False
             if len(self._head) < min(HEAD_BYTES, self.size) and self._position < self.size:
                 self._scan.feed(offset, data)
                 self._find_names(offset, data)
@@ -184,7 +188,7 @@ class ElfCudaProbe:
             if capture is not None:
                 capture.feed(0, head)
 
-    def _find_names(self, offset: int, data: bytes) -> None:
+    def _find_names(self, offset: int, data: bytes | memoryview) -> None:
         if self._names_overflow:
             return
         window = self._names_carry + data

@@ -32,7 +32,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from scanner.models import ContainerArchs
 
 CONTAINER_MAGIC = 0xBA55ED50
 CONTAINER_PREFIX = struct.pack("<IHH", CONTAINER_MAGIC, 1, 16)
@@ -93,27 +95,13 @@ def ptx_runs_on(arch: str, cc: CC) -> bool:
     return (major, minor) <= cc
 
 
-class ContainerArchs(BaseModel):
-    """What one container (or `count` containers with the same content) holds."""
-
-    model_config = ConfigDict(frozen=True)
-
-    sass: tuple[str, ...] = ()
-    ptx: tuple[str, ...] = ()
-    ptx_isa: str | None = Field(default=None, description="the newest PTX ISA version among its PTX entries")
-    count: int = 1
-
-    def runs_on(self, cc: CC) -> Literal["sass", "ptx"] | None:
-        """How this container runs on a GPU of compute capability `cc`, if it does."""
-        if any(sass_runs_on(arch, cc) for arch in self.sass):
-            return "sass"
-        if any(ptx_runs_on(arch, cc) for arch in self.ptx):
-            return "ptx"
-        return None
-
-    @property
-    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-        return self.sass, self.ptx, self.ptx_isa
+def container_runs_on(container: ContainerArchs, cc: CC) -> Literal["sass", "ptx"] | None:
+    """How a container runs on a GPU of compute capability `cc`, if it does."""
+    if any(sass_runs_on(arch, cc) for arch in container.sass):
+        return "sass"
+    if any(ptx_runs_on(arch, cc) for arch in container.ptx):
+        return "ptx"
+    return None
 
 
 class ArchSummary(BaseModel):
@@ -200,7 +188,7 @@ class FatbinScan:
     def position(self) -> int:
         return self._position
 
-    def feed(self, offset: int, data: bytes) -> None:
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self._position:
             raise ValueError(f"fatbin scan fed at {offset}, expected {self._position}")
         if not data:

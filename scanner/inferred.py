@@ -34,7 +34,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from scanner.cudaelf import ElfCudaFacts, ElfCudaProbe
-from scanner.fatbin import ArchSummary, ContainerArchs, summarise
+from scanner.fatbin import ArchSummary, summarise
+from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
 from scanner.tarstream import TarEntry
 
 CUDA_EVIDENCE_SCHEMA = 1
@@ -94,35 +95,6 @@ class CudaLayerEvidence(BaseModel):
     whiteouts: list[str] = Field(default_factory=list)
     opaque_dirs: list[str] = Field(default_factory=list)
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
-
-
-class FileArchs(BaseModel):
-    path: str
-    sections: list[str] = Field(default_factory=list)
-    sass: list[str] = Field(default_factory=list)
-    ptx: list[str] = Field(default_factory=list)
-    containers: list[ContainerArchs] = Field(default_factory=list)
-    error: str | None = None
-
-
-class GpuArchs(BaseModel):
-    """What every container of every CUDA file in the image can run (intersections), and per file."""
-
-    sass: list[str] = Field(default_factory=list)
-    ptx: list[str] = Field(default_factory=list)
-    files: list[FileArchs] = Field(default_factory=list)
-
-
-class InferredCuda(BaseModel):
-    cuda: str | None = Field(default=None, description="the most precise CUDA version the evidence supports")
-    evidence: list[str] = Field(default_factory=list, description='"<path>: <what it says>"')
-    sources: list[str] = Field(
-        default_factory=list, description="the kinds of evidence: torch, conda, elf, ..."
-    )
-    conflict: bool = Field(
-        default=False, description="sources name different CUDA versions; the lowest is kept"
-    )
-    complete: bool = Field(default=True, description="every layer was read")
 
 
 # -- parsers of small files (pure, never raise)

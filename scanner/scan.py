@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scanner.badges import badges
+from scanner.badges import badges, cuda_mismatch
 from scanner.gpu import gpu_facts
 from scanner.limits import LimitExceeded, scan_too_slow
-from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
+from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
 from scanner.settings import ScannerSettings
@@ -27,6 +27,7 @@ from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:
     from scanner.analysis import AnalysisPool
+    from scanner.deep import DeepReader
     from scanner.layers import LayerReader
     from scanner.store import Store
 
@@ -89,6 +90,7 @@ class Scanner:
         self.store = store
         self.settings = settings or ScannerSettings()
         self._layers: LayerReader | None = None
+        self._deep: DeepReader | None = None
         self._pool: AnalysisPool | None = None
         self.on_result = on_result
 
@@ -104,6 +106,20 @@ class Scanner:
                 self.client, self.store, limits=self.settings.analysis_limits(), pool=self._pool
             )
         return self._layers
+
+    @property
+    def deep(self) -> DeepReader:
+        """The deep-scan reader (CUDA found in layers), built on first use."""
+        if self._deep is None:
+            from scanner.deep import DeepReader
+
+            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits())
+        return self._deep
+
+    def _wants_deep(self, gpu: GpuFacts) -> bool:
+        """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
+        mode = self.settings.deep_scan
+        return mode == "always" or (mode == "auto" and not gpu.required)
 
     async def close(self) -> None:
         """Stop the analysis processes, if any were started."""
@@ -284,6 +300,13 @@ class Scanner:
         else:
             libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
             warnings.extend(layer_warnings)
+            if self._wants_deep(gpu):
+                deep = await self.deep.scan(reference, layers)
+                gpu = gpu.model_copy(update={"inferred": deep.inferred, "archs": deep.archs})
+                warnings.extend(deep.warnings)
+                mismatch = cuda_mismatch(gpu)
+                if mismatch:
+                    warnings.append(mismatch)
         return PlatformReport(
             platform=str(platform),
             digest=manifest.digest,

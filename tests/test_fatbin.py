@@ -15,15 +15,16 @@ import pytest
 
 from scanner.cudaelf import ElfCudaProbe
 from scanner.fatbin import (
-    ContainerArchs,
     FatbinError,
     FatbinScan,
+    container_runs_on,
     ptx_runs_on,
     sass_runs_on,
     summarise,
     walk_section,
 )
 from scanner.inferred import needed_finding
+from scanner.models import ContainerArchs
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 
 # cuobjdump on nvidia-nvjpeg-cu12 12.4.0.76's libnvjpeg.so.12 (see the shared cuda_inference note).
@@ -190,8 +191,8 @@ def test_arch_specific_flag_runs_only_at_its_cc(cu12: bytes) -> None:
     archs = facts.fatbin.archs.sass
     assert "90a" in archs and "90" not in archs
     container = facts.fatbin.containers[0]
-    assert container.runs_on((9, 0)) == "sass"
-    assert container.runs_on((8, 9)) == "sass"  # sm_89 still covers 8.9
+    assert container_runs_on(container, (9, 0)) == "sass"
+    assert container_runs_on(container, (8, 9)) == "sass"  # sm_89 still covers 8.9
 
 
 def test_too_many_containers_is_bounded(cu12: bytes) -> None:
@@ -219,7 +220,7 @@ def test_summary_intersects_never_unites() -> None:
     summary = summarise([one, two])
     assert summary.sass == ["80"]  # sm_90 SASS is missing in the second container
     assert summary.ptx == ["90"]  # from 9.0 on, both containers JIT
-    assert two.runs_on((9, 0)) == "ptx" and one.runs_on((9, 0)) == "sass"
+    assert container_runs_on(two, (9, 0)) == "ptx" and container_runs_on(one, (9, 0)) == "sass"
     assert summarise([ContainerArchs(sass=("90a",)), ContainerArchs(sass=("90",))]).sass == ["90", "90a"]
 
 
