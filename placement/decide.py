@@ -18,6 +18,7 @@ from operator import attrgetter
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
+from placement import inferred
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.inventory import Server
 from placement.request import DeployRequest
@@ -87,6 +88,9 @@ class Decision(BaseModel):
 
     eligible: list[EligibleServer] = Field(default_factory=list)
     ineligible: list[IneligibleServer] = Field(default_factory=list)
+    hints: list[str] = Field(
+        default_factory=list, description="e.g. CUDA found in the layers of a CPU request"
+    )
 
 
 # --- the prepared inventory --------------------------------------------------------------------
@@ -355,6 +359,7 @@ class _Plan:
     cuda_major: int | None
     needed: int
     verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
+    inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
@@ -392,6 +397,7 @@ class _Query:
                 musl=platform.libc.flavour == "musl",
                 cuda_major=_cuda_major(platform.gpu),
                 needed=needed,
+                inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
@@ -435,6 +441,8 @@ class _Query:
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             )
         reasons.extend(self._requirement_reasons(plan, gpu, cc))
+        if plan.inferred is not None:
+            reasons.extend(inferred.gpu_reasons(plan.inferred, cc, gpu.driver))
         verdict = (not reasons, rank, tuple(reasons))
         plan.verdicts[class_id] = verdict
         return verdict
@@ -591,10 +599,14 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     paused = gc.isenabled()  # inline rather than `with _gc_paused()`: a generator per query costs more
     gc.disable()
     try:
-        return _decide(query, view, index, labels)
+        decision = _decide(query, view, index, labels)
     finally:
         if paused:
             gc.enable()
+    hint = inferred.hint([platform.gpu for platform in image.platforms], request.gpus)
+    if hint is not None:
+        decision.hints.append(hint)
+    return decision
 
 
 def _decide(query: _Query, view: _View, index: FleetIndex, labels: list[tuple[str, str]]) -> Decision:

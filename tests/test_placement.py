@@ -348,7 +348,7 @@ def test_decision_json_shape_and_prepared_index() -> None:
     index = FleetIndex.build(FLEET)
     decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=2), index)
     data = json.loads(decision.model_dump_json())
-    assert set(data) == {"eligible", "ineligible"}
+    assert set(data) == {"eligible", "ineligible", "hints"}
     assert {"server", "gpus", "score"} <= set(data["eligible"][0])
     assert set(data["ineligible"][0]) == {"server", "reasons"}
     assert len(data["eligible"]) + len(data["ineligible"]) == len(FLEET)

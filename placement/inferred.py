@@ -1,0 +1,176 @@
+"""Placement rules for CUDA an image carries without declaring it (found by a deep scan). Pure.
+
+A CUDA build is not a GPU requirement (PyPI's torch and TensorFlow are CUDA builds that also run on
+a CPU), so a request without `gpus` places such an image as before, with a hint. When the request
+asks for GPUs, two NVIDIA rules decide, and every rejection names the file and the rule:
+
+* **Driver floor** (minor-version compatibility, Linux): a CUDA 13.x runtime needs driver >= 580,
+  12.x >= 525.60.13, 11.x >= 450.80.02 (11.0: 450.51.05); 10.2 and older have no minor-version
+  compatibility and need their own release's driver. `CUDA_DRIVER_FLOORS` is the one table.
+* **Compute capability**, in every fatbin container of every runnable file: SASS of the same major
+  and a lower or equal minor; an `a` build only at exactly its CC; PTX at or below the CC. When only
+  PTX covers the GPU, the driver must be at least the one of the toolkit that produced the PTX
+  (`PTX_TOOLKIT_DRIVERS`), because a driver cannot JIT a newer PTX ISA than it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from placement.requirements import compare_version
+from scanner.fatbin import container_runs_on
+from scanner.models import ContainerArchs, GpuFacts
+
+# Minor-version compatibility floors, by CUDA major (NVIDIA's CUDA compatibility guide).
+CUDA_DRIVER_FLOORS: dict[int, str] = {13: "580", 12: "525.60.13", 11: "450.80.02"}
+CUDA_11_0_FLOOR = "450.51.05"
+# The Linux driver each toolkit release shipped with (its release notes, "CUDA Toolkit and Corresponding
+# Driver Versions"). Used for 10.2 and older (no minor-version compatibility) and for PTX JIT.
+TOOLKIT_DRIVERS: dict[tuple[int, int], str] = {
+    (7, 0): "346.46",
+    (7, 5): "352.31",
+    (8, 0): "375.26",
+    (9, 0): "384.81",
+    (9, 1): "390.46",
+    (9, 2): "396.26",
+    (10, 0): "410.48",
+    (10, 1): "418.39",
+    (10, 2): "440.33",
+    (11, 0): "450.51.05",
+    (11, 1): "455.23",
+    (11, 2): "460.27.03",
+    (11, 3): "465.19.01",
+    (11, 4): "470.42.01",
+    (11, 5): "495.29.05",
+    (11, 6): "510.39.01",
+    (11, 7): "515.43.04",
+    (11, 8): "520.61.05",
+    (12, 0): "525.60.13",
+    (12, 1): "530.30.02",
+    (12, 2): "535.54.03",
+    (12, 3): "545.23.06",
+    (12, 4): "550.54.14",
+    (12, 5): "555.42.02",
+    (12, 6): "560.28.03",
+    (12, 8): "570.26",
+    (12, 9): "575.51.03",
+    (13, 0): "580.65.06",
+    (13, 1): "590.44.01",
+}
+# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
+PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    **{(7, minor): (11, minor) for minor in range(9)},
+    **{(8, minor): (12, minor) for minor in range(6)},
+    (8, 6): (12, 7),
+    (8, 7): (12, 8),
+    (8, 8): (12, 9),
+    (9, 0): (13, 0),
+    (9, 1): (13, 1),
+}
+
+
+def _pair(version: str) -> tuple[int, int] | None:
+    major, _, minor = version.partition(".")
+    if not major.isdigit():
+        return None
+    return int(major), int(minor) if minor.isdigit() else 0
+
+
+def driver_floor(cuda: str) -> tuple[str, str] | None:
+    """(minimum driver, the rule in words) for a CUDA runtime version ("12.1" or "12"), or None."""
+    pair = _pair(cuda)
+    if pair is None:
+        return None
+    major, minor = pair
+    if major in CUDA_DRIVER_FLOORS:
+        if (major, minor) == (11, 0) and "." in cuda:
+            return CUDA_11_0_FLOOR, "CUDA 11.0 needs driver >= 450.51.05"
+        floor = CUDA_DRIVER_FLOORS[major]
+        return floor, f"CUDA {major}.x needs driver >= {floor} (minor-version compatibility)"
+    if major > max(CUDA_DRIVER_FLOORS):
+        floor = CUDA_DRIVER_FLOORS[max(CUDA_DRIVER_FLOORS)]
+        return floor, f"CUDA {cuda} is newer than this table; it needs at least driver {floor}"
+    own = TOOLKIT_DRIVERS.get((major, minor))
+    if own is None:
+        return None
+    return own, f"CUDA {major}.{minor} has no minor-version compatibility and needs its own driver >= {own}"
+
+
+def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
+    """(minimum driver, rule) to JIT PTX of an ISA version, from the toolkit that produced it."""
+    pair = _pair(isa) if isa else None
+    if pair is None:
+        return None
+    toolkit = PTX_ISA_TOOLKITS.get(pair)
+    if toolkit is None:
+        newest = max(TOOLKIT_DRIVERS)
+        floor = TOOLKIT_DRIVERS[newest]
+        return floor, f"PTX ISA {isa} is newer than this table; JIT needs at least driver {floor}"
+    own = TOOLKIT_DRIVERS.get(toolkit)
+    if own is None:
+        return None
+    floor = own
+    return (
+        floor,
+        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {floor} is the first to JIT it",
+    )
+
+
+def _cc_pair(cc: str) -> tuple[int, int] | None:
+    return _pair(cc)
+
+
+def _describe(container: ContainerArchs) -> str:
+    sass = ", ".join(f"sm_{a}" for a in container.sass) or "none"
+    ptx = ", ".join(f"compute_{a}" for a in container.ptx) or "none"
+    return f"SASS {sass}; PTX {ptx}"
+
+
+def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | None) -> list[str]:
+    """Why a GPU (its CC and host driver) cannot run an image's inferred CUDA; [] when it can."""
+    reasons: list[str] = []
+    inferred = gpu.inferred
+    if inferred is not None and inferred.cuda and driver:
+        floor = driver_floor(inferred.cuda)
+        if floor is not None and not compare_version(driver, ">=", floor[0]):
+            source = inferred.evidence[0] if inferred.evidence else "the layers"
+            reasons.append(f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source})")
+    archs = gpu.archs
+    cc = _cc_pair(compute_capability) if compute_capability else None
+    if archs is None or cc is None:
+        return reasons
+    for file in archs.files:
+        if file.error is not None or any("relocatable" in section for section in file.sections):
+            continue
+        for container in file.containers:
+            how = container_runs_on(container, cc)
+            if how is None:
+                reasons.append(
+                    f"compute capability {compute_capability}: {file.path} has GPU code it cannot run "
+                    f"({_describe(container)}): SASS runs only on its own major at or above its minor, "
+                    f"an `a` build only at its exact CC, PTX at or above its arch"
+                )
+                break
+            if how == "ptx" and driver:
+                floor = ptx_driver_floor(container.ptx_isa)
+                if floor is not None and not compare_version(driver, ">=", floor[0]):
+                    reasons.append(
+                        f"compute capability {compute_capability}: {file.path} runs here only through PTX "
+                        f"({_describe(container)}); {floor[1]}, this server has {driver}"
+                    )
+                    break
+    return reasons
+
+
+def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:
+    """The hint for a request without `gpus` for an image that carries CUDA but declares no GPU."""
+    if gpus_requested:
+        return None
+    for gpu in gpus:
+        if gpu.required or gpu.inferred is None:
+            continue
+        inferred = gpu.inferred
+        version = f"CUDA {inferred.cuda}" if inferred.cuda else "CUDA"
+        sources = ", ".join(inferred.sources) if inferred.sources else "its layers"
+        return f"carries {version} ({sources}): ask for gpus to run it on a GPU"
+    return None
