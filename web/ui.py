@@ -213,6 +213,10 @@ class BadgeView:
 LEGEND = (
     (BadgeView("NVIDIA GPU", "gpu"), "the image asks for an NVIDIA GPU (NVIDIA_* env or labels)"),
     (BadgeView("CUDA 12.2", "cuda"), "the CUDA version it was built for"),
+    (
+        BadgeView("CUDA 12.1 inside (inferred)", "inferred"),
+        "CUDA found in the layers; no NVIDIA variable declares it",
+    ),
     (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
     (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
@@ -230,11 +234,19 @@ _NAMED_BADGES = {
     "no-libc": BadgeView("no libc", "nolibc"),
     "libc-unknown": BadgeView("libc unknown", "unknown"),
     "musl-also": BadgeView("musl also", "musl"),
+    "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
+    "cuda-mismatch": BadgeView("declared and inferred CUDA differ", "warn"),
 }
 
 
 def badge_view(name: str) -> BadgeView:
     """A badge name from scanner/badges.py (`cuda-12.2`) as the UI shows it (`CUDA 12.2`)."""
+    if name in _NAMED_BADGES:
+        return _NAMED_BADGES[name]
+    if name.startswith("cuda-") and name.endswith("-inferred"):
+        return BadgeView(
+            f"CUDA {name.removeprefix('cuda-').removesuffix('-inferred')} inside (inferred)", "inferred"
+        )
     if name.startswith("cuda-"):
         return BadgeView(f"CUDA {name.removeprefix('cuda-')}", "cuda")
     return _NAMED_BADGES.get(name, BadgeView(name, "info"))
@@ -412,7 +424,7 @@ class ImageFilters:
     q: str = ""
     page: int = 1
 
-    GPU_CHOICES = ("", "gpu", "cpu")
+    GPU_CHOICES = ("", "gpu", "cpu", "inferred")
     LIBC_CHOICES = ("", "glibc", "musl", "none", "unknown")
 
     @classmethod
@@ -440,6 +452,7 @@ class ImageFilters:
     def store_arguments(self) -> dict[str, Any]:
         return {
             "gpu": {"gpu": True, "cpu": False}.get(self.gpu),
+            "inferred": True if self.gpu == "inferred" else None,
             "libc": self.libc or None,
             "cuda": self.cuda or None,
             "registry": self.registry or None,
