@@ -301,8 +301,7 @@ class Store:
         params: dict[str, Any] = {}
         if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
             where.append(
-                ("" if inferred else "NOT ")
-                + "EXISTS (SELECT 1 FROM json_each(r.report, '$.platforms') p"
+                ("" if inferred else "NOT ") + "EXISTS (SELECT 1 FROM json_each(r.report, '$.platforms') p"
                 " WHERE json_extract(p.value, '$.gpu.inferred') IS NOT NULL)"
             )
         if gpu is not None:
