@@ -28,12 +28,12 @@ from scanner.cudaelf import ELF_MAGIC_BYTES, ElfCudaProbe
 from scanner.inferred import CUDA_EVIDENCE_SCHEMA, CudaLayerCollector, CudaLayerEvidence, combine
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import GpuArchs, InferredCuda
-from scanner.reference import Reference
-from scanner.registry import Descriptor, RegistryClient
 from scanner.tarstream import LayerError, StreamStats, TarEntry
 from scanner.walk import LayerWalk
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the registry client is only passed in; importing it costs TLS set-up at start
+    from scanner.reference import Reference
+    from scanner.registry import Descriptor, RegistryClient
     from scanner.store import Store
 
 CACHE_PREFIX = "cuda:"
