@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from scanner.cudaelf import ElfCudaFacts, ElfCudaProbe
+from scanner.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.fatbin import ArchSummary, summarise
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
 from scanner.tarstream import TarEntry
@@ -419,6 +419,51 @@ class CudaLayerCollector:
     def finish(self, complete: bool) -> CudaLayerEvidence:
         self.evidence.complete = complete
         return self.evidence
+
+
+class _ElfSink:
+    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector."""
+
+    __slots__ = ("_collector", "_entry", "_probe")
+
+    def __init__(self, collector: CudaLayerCollector, entry: TarEntry) -> None:
+        self._collector = collector
+        self._entry = entry
+        self._probe = ElfCudaProbe(entry.size)
+
+    def feed(self, data: memoryview) -> bool:
+        return self._probe.feed(data)
+
+    def close(self, complete: bool) -> None:
+        if self._probe.is_elf:
+            self._collector.add_elf(self._entry, self._probe.finish())
+
+
+class CudaEntryCollector:
+    """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early."""
+
+    def __init__(self) -> None:
+        self.layer = CudaLayerCollector()
+        self.position = 0
+
+    def wants(self, entry: TarEntry) -> int:
+        return self.layer.wants(entry)
+
+    def add(self, entry: TarEntry, head: bytes) -> None:
+        want = self.layer.wants(entry)
+        self.layer.add(entry, head[:want] if want else b"")
+
+    @property
+    def satisfied(self) -> bool:
+        return False  # evidence can sit in any entry of any layer
+
+    def finish(self, complete: bool) -> CudaLayerEvidence:
+        return self.layer.finish(complete)
+
+    def stream(self, entry: TarEntry) -> _ElfSink | None:
+        if entry.kind != "file" or entry.size < ELF_MAGIC_BYTES or self.layer.wants(entry):
+            return None
+        return _ElfSink(self.layer, entry)
 
 
 def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidence:

@@ -113,7 +113,9 @@ class Scanner:
         if self._deep is None:
             from scanner.deep import DeepReader
 
-            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits())
+            self.layers  # noqa: B018  (builds the shared analysis pool)
+            assert self._pool is not None
+            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits(), self._pool)
         return self._deep
 
     def _wants_deep(self, gpu: GpuFacts) -> bool:

@@ -58,8 +58,8 @@ def images(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
 
 @pytest.fixture
 async def scanner(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Scanner]:
-    mode = getattr(request, "param", "auto")
-    settings = ScannerSettings(docker_config=None, deep_scan=mode, analysis_processes=0)
+    mode, processes = getattr(request, "param", ("auto", 0))
+    settings = ScannerSettings(docker_config=None, deep_scan=mode, analysis_processes=processes)
     async with RegistryClient(settings) as client:
         scanner = Scanner(client, Store(tmp_path / "scan.db"), settings)
         yield scanner
@@ -72,6 +72,9 @@ async def platform_of(scanner: Scanner, reference: str) -> PlatformReport:
     return report.platforms[0]
 
 
+@pytest.mark.parametrize(
+    "scanner", [("auto", 0), ("auto", 2)], indirect=True, ids=["in-process", "2-processes"]
+)
 async def test_undeclared_cuda_is_inferred_with_archs(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/torch:1"])
     gpu = platform.gpu
@@ -84,6 +87,9 @@ async def test_undeclared_cuda_is_inferred_with_archs(scanner: Scanner, images: 
     assert "cuda-12.1-inferred" in platform.badges and "nvidia-gpu" not in platform.badges
 
 
+@pytest.mark.parametrize(
+    "scanner", [("auto", 0), ("auto", 2)], indirect=True, ids=["in-process", "2-processes"]
+)
 async def test_a_shared_layer_is_read_once(scanner: Scanner, images: dict[str, str]) -> None:
     await platform_of(scanner, images["deep/torch:1"])
     reference = parse_reference(images["deep/torch-app:1"])
@@ -104,7 +110,7 @@ async def test_auto_skips_images_that_declare_cuda(scanner: Scanner, images: dic
     assert platform.gpu.required and platform.gpu.inferred is None
 
 
-@pytest.mark.parametrize("scanner", ["always"], indirect=True)
+@pytest.mark.parametrize("scanner", [("always", 0)], indirect=True)
 async def test_always_flags_a_mismatch(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/declared:1"])
     assert platform.gpu.cuda_version == "11.8"
@@ -113,7 +119,7 @@ async def test_always_flags_a_mismatch(scanner: Scanner, images: dict[str, str])
     assert "the config declares CUDA 11.8, but the layers carry CUDA 12.1" in platform.warnings
 
 
-@pytest.mark.parametrize("scanner", ["never"], indirect=True)
+@pytest.mark.parametrize("scanner", [("never", 0)], indirect=True)
 async def test_never(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/torch:1"])
     assert platform.gpu.inferred is None
