@@ -85,8 +85,7 @@ class _Reader:
 
 def walk_blob(blob: Path) -> dict[str, object]:
     """The child: the deep scan's layer walk over a blob read in 1 MiB chunks."""
-    from scanner.inferred import CudaEntryCollector
-    from scanner.inferred import combine
+    from scanner.inferred import CudaEntryCollector, combine
     from scanner.limits import AnalysisLimits, ScanBudget
     from scanner.tarstream import StreamStats
     from scanner.walk import LayerWalk
