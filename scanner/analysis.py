@@ -460,23 +460,22 @@ class _Server:
     def _finish_layer(self, session: int, state: _ServerSession) -> None:
         assert state.walk is not None
         evidence = state.collector.finish(complete=state.walk.stats.reached_end)
+        try:
+            decided = state.analysis.decided  # may cross a bound (path components)
+        except Exception as exc:
+            self._fail_layer(session, state, exc)
+            return
         state.answered = True
-        self._reply(
-            session,
-            {
-                "evidence": evidence.model_dump_json(),
-                "complete": evidence.complete,
-                "decided": state.analysis.decided,
-            },
-        )
+        reply = {"evidence": evidence.model_dump_json(), "complete": evidence.complete, "decided": decided}
+        self._reply(session, reply)
 
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
         if state.collector is not None:
             state.collector.finish(complete=False)
         state.answered = True
         if not isinstance(exc, LayerError | LimitExceeded):
-            log.exception("analysis failed")
-        self._reply(session, {"error": _error_of(exc), "decided": state.analysis.decided})
+            log.error("analysis failed", exc_info=exc)
+        self._reply(session, {"error": _error_of(exc)})
 
 
 def main() -> None:
