@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IBI")
 OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY = range(1, 9)
+PIPE_BYTES = 256 << 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
 
 
@@ -153,6 +155,15 @@ class LocalSession:
         pass
 
 
+def _widen_pipe(pipe: Any) -> None:
+    """A 256 KiB pipe: 4x fewer wake-ups than 64 KiB, and still little read past an early stop."""
+    setter = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if pipe is None or setter is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(pipe.fileno(), setter, PIPE_BYTES)
+
+
 class _Worker:
     """One analysis process and the replies it owes, by session."""
 
@@ -161,6 +172,7 @@ class _Worker:
         assert process.stdin is not None and process.stdout is not None
         self.stdin = process.stdin
         self.stdout = process.stdout
+        _widen_pipe(self.stdin.transport.get_extra_info("pipe"))
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.sessions = 0
         self.alive = True
