@@ -32,9 +32,11 @@ from multidict import CIMultiDictProxy
 
 from scanner.auth import (
     Challenge,
+    RealmRefused,
     TokenCache,
     basic_authorization,
     build_token_request,
+    check_realm,
     parse_challenges,
     parse_token_response,
     pull_scope,
@@ -119,6 +121,10 @@ class RateLimited(RegistryError):
 
 class InsecureTransport(RegistryError):
     pass
+
+
+class TokenRealmRefused(RegistryError):
+    """The registry named a token realm we will not contact (SSRF or credential-leak guard)."""
 
 
 class TransportError(RegistryError):
@@ -799,6 +805,14 @@ class RegistryClient:
             self._tokens.put(key, token, lifetime)
             return token
 
+    def _realm_allowlist(self) -> set[str]:
+        """Configured registries and their mirrors: hosts a token realm may name."""
+        hosts = {entry.host for entry in self.settings.registries}
+        hosts |= {
+            entry.mirror.split("://", 1)[-1].rstrip("/") for entry in self.settings.registries if entry.mirror
+        }
+        return hosts
+
     async def _fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
     ) -> tuple[str, float]:
@@ -806,15 +820,17 @@ class RegistryClient:
             request = build_token_request(challenge, scopes, credentials)
         except ValueError as exc:
             raise Unauthorized(f"{host}: {exc}", host=host) from None
+        try:
+            check_realm(
+                host,
+                request.url,
+                allowlist=self._realm_allowlist(),
+                sends_credentials=request.sends_credentials,
+                insecure_hosts=[entry.host for entry in self.settings.registries if entry.insecure],
+            )
+        except RealmRefused as exc:
+            raise TokenRealmRefused(str(exc), host=host) from None
         realm = urlsplit(request.url)
-        if realm.scheme not in ("http", "https") or not realm.netloc:
-            raise Unauthorized(f"{host}: the token realm is not an http(s) URL", host=host)
-        if realm.scheme == "http" and not (
-            is_loopback(realm.netloc)
-            or self.settings.is_insecure(realm.netloc)
-            or self.settings.is_insecure(host)
-        ):
-            raise InsecureTransport(f"{host}: refusing to fetch a token over plain HTTP from {realm.netloc}")
         _count(self.totals, token_requests=1)
         what = f"token from {realm.netloc}{realm.path} for {host}"
         headers = {"Authorization": request.authorization} if request.authorization else {}

@@ -24,6 +24,7 @@ from scanner.registry import (
     RateLimited,
     RegistryClient,
     ServerError,
+    TokenRealmRefused,
     TooLarge,
     TransportError,
     Unauthorized,
@@ -298,9 +299,14 @@ async def test_mirror_first_then_fallback(registry: LocalRegistry, digest: str) 
 
 async def test_token_over_plain_http_to_remote_realm_is_refused(proxy: FaultProxy) -> None:
     proxy.require_bearer("http://auth.example.com/token", set())
+    ref = parse_reference(f"{proxy.host}/{REPO}:v1")
     async with RegistryClient(settings()) as client:
-        with pytest.raises(InsecureTransport, match=r"auth\.example\.com"):
-            await client.resolve(parse_reference(f"{proxy.host}/{REPO}:v1"))
+        with pytest.raises(TokenRealmRefused, match=r"auth\.example\.com.*GPUBADGE_REGISTRIES"):
+            await client.resolve(ref)
+    allowed_host = settings(registries=[RegistryConfig(host="auth.example.com")])
+    async with RegistryClient(allowed_host) as client:
+        with pytest.raises(TokenRealmRefused, match=r"plain HTTP from auth\.example\.com"):
+            await client.resolve(ref)
 
 
 async def test_size_caps_hold_without_content_length(proxy: FaultProxy, digest: str) -> None:
