@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.host import build_server, detect_runtime_modes, load_server_file
+from agent.host import build_server, detect_runtime_modes, load_server_file, merge_runtime_modes
 from agent.main import make_discovery
 from agent.nvml import brand_name, format_cuda_version, read_nvml
 from tests.fake_pynvml import NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, a100_mig, h100
@@ -129,3 +129,10 @@ def test_host_discovery_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     server, reason = discover()
     assert server.gpus == [] and server.name == "box" and server.cpus > 0 and server.memory > 0
     assert reason is not None and "pynvml" in reason
+
+
+def test_inventory_modes_add_to_the_engines() -> None:
+    assert merge_runtime_modes(["runtime", "device-requests"], []) == ["runtime", "device-requests"]
+    assert merge_runtime_modes(["runtime"], ["cdi", "runtime"]) == ["runtime", "cdi"]
+    assert merge_runtime_modes([], ["cdi"]) == ["cdi"]
+    assert merge_runtime_modes(None, ["runtime"]) == ["runtime"]
