@@ -66,7 +66,7 @@ async def peer() -> AsyncIterator[tuple[ProtocolPeer, str]]:
 
 def gpu_server(name: str, modes: list[RuntimeMode]) -> Server:
     gpus = [
-        Gpu(index=i, uuid=u, name="NVIDIA H100", brand="Tesla", compute_capability="9.0")
+        Gpu(index=i, uuid=u, name="NVIDIA H100", brand="Nvidia", compute_capability="9.0")
         for i, u in enumerate(UUIDS)
     ]
     return Server(
