@@ -14,6 +14,7 @@ job or the same GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -221,26 +222,37 @@ class SqliteStore:
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
         """This thread's read connection: in WAL mode it never waits for a writer."""
-        connection: sqlite3.Connection | None = getattr(self._local, "reader", None)
-        if connection is None:
-            connection = self._connect(self.busy_timeout)
-            connection.execute("PRAGMA query_only=ON")
-            self._local.reader = connection
-        yield connection
+        try:
+            connection: sqlite3.Connection | None = getattr(self._local, "reader", None)
+            if connection is None:
+                connection = self._connect(self.busy_timeout)
+                connection.execute("PRAGMA query_only=ON")
+                self._local.reader = connection
+            yield connection
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"the SQLite store {self.path} cannot be read: {exc}") from exc
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One immediate transaction on the shared writer: writers serialise here, readers never block."""
+        """One immediate transaction on the shared writer: writers serialise here, readers never block.
+
+        A lock held too long elsewhere, a full disk or a read-only file becomes StoreUnavailable,
+        with SQLite's own words for the cause.
+        """
         with self._write_lock:
             conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield conn
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
 
     # ---------------------------------------------------------------- health
 
