@@ -20,7 +20,6 @@ from fixtures.service import run_service_inprocess
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import RegistryConfig, ScannerSettings
-from scanner.store import Store
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, TokenServer
 from tests.test_registry_client import bcrypt_hash
@@ -58,7 +57,7 @@ def assert_free_of(texts: dict[str, str], secrets: list[str]) -> None:
 
 
 async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
-    registry: LocalRegistry, basic_registry: LocalRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    registry: LocalRegistry, basic_registry: LocalRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, aiohttp's included
     tokens = TokenServer(users={"robot": BEARER_PASSWORD}, allow_anonymous=False)
@@ -70,7 +69,7 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         ]
         settings = ScannerSettings(registries=good, docker_config=None)
         async with RegistryClient(settings) as client:
-            scanner = Scanner(client, Store(tmp_path / "good.db"), settings)
+            scanner = Scanner(client, None, settings)
             reports = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),
@@ -83,7 +82,7 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         ]
         bad_settings = ScannerSettings(registries=bad, docker_config=None)
         async with RegistryClient(bad_settings) as client:
-            scanner = Scanner(client, Store(tmp_path / "bad.db"), bad_settings)
+            scanner = Scanner(client, None, bad_settings)
             refused = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),
