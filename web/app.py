@@ -9,20 +9,23 @@ webhooks) and web/ui.py (HTML). Startup resumes unfinished jobs; shutdown
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from scanner.models import ImageReport
 from scanner.queue import JobOutcome, ScanWorkers, WorkerSettings
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.store import Store
+from web.errors import json_error, json_http_error
+from web.hooks import SOURCES
 from web.intake import JobIntake
 from web.metrics import ServiceMetrics
+from web.security import private_reads
 from web.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -53,15 +56,7 @@ SERVICES = web.AppKey("services", Services)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def json_error(status: int, message: str, **extra: object) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
-
-
-def json_http_error(
-    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
-) -> web.HTTPException:
-    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
-    return kind(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
+__all__ = ["SERVICES", "Services", "create_app", "json_error", "json_http_error"]
 
 
 @web.middleware
@@ -85,10 +80,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
+    settings.check_consistent()
     store = Store(settings.db, synchronous=settings.sqlite_synchronous)
     metrics = ServiceMetrics(store.queue_depth)
     services = Services(settings=settings, store=store, metrics=metrics)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    middlewares: list[Middleware] = [error_middleware]
+    if not settings.public_reads:
+        middlewares.append(private_reads(settings))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
 
     from web import api, fleet, ui, ui_fleet
@@ -98,8 +97,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     ui.setup_routes(app)
     ui_fleet.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
-    if settings.webhook_secret is None and not settings.webhook_secrets:
-        log.warning("GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication")
+    _log_webhook_doors(settings)
     if settings.api_token is None:
         log.warning(
             "GPUBADGE_API_TOKEN is unset: anyone who reaches the service may request scans and deploys"
@@ -109,6 +107,26 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     if not settings.registries:
         log.warning("GPUBADGE_REGISTRIES is unset: only Docker Hub and loopback registries will be contacted")
     return app
+
+
+def _log_webhook_doors(settings: ServiceSettings) -> None:
+    """Say at start-up which webhook sources are open, which need a secret, which are refused."""
+    if settings.open_webhook_sources():
+        log.warning(
+            "GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication"
+            " (open sources: %s)",
+            ", ".join(settings.open_webhook_sources()),
+        )
+    elif settings.webhook_secret is None:
+        refused = [source for source in SOURCES if settings.webhook_refused(source)]
+        log.info(
+            "webhook sources open: none; accepted with their own secret: %s; refused (no secret"
+            " configured, set GPUBADGE_WEBHOOK_SECRET or webhook_secrets): %s",
+            ", ".join(sorted(settings.webhook_secrets)),
+            ", ".join(refused) or "none",
+        )
+    else:
+        log.info("webhook sources open: none; every source needs its secret")
 
 
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -29,7 +29,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
     chosen = {key: value for key, value in overrides.items() if value is not None}
-    return cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings = cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings.check_consistent()
+    return settings
 
 
 def run_serve(argv: list[str]) -> int:
@@ -45,9 +47,14 @@ def run_serve(argv: list[str]) -> int:
     from aiohttp import web
 
     from web.app import create_app
+    from web.security import RedactingAccessLogger
 
     app = create_app(settings)
     web.run_app(
-        app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=lambda message: logging.info("%s", message),
+        access_log_class=RedactingAccessLogger,
     )
     return 0

@@ -24,7 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
-from placement.inventory import Server, parse_inventory
+from placement.inventory import Gpu, Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,
     AgentDeployment,
@@ -38,8 +38,10 @@ from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from scanner.store import GpuTaken
-from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
-from web.app import SERVICES, Services, json_error, json_http_error
+from web.api import find_report, require_api_token, services_of, wait_param
+from web.app import SERVICES, Services
+from web.errors import json_error, json_http_error, read_json
+from web.security import bearer_token, holds_api_token, mask_values, token_matches
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ class Deployment(BaseModel):
     container_id: str | None = None
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    def shown(self, reveal_env: bool) -> dict[str, Any]:
+        """The API's JSON; `env` values only for API token holders (they may carry secrets)."""
+        body = self.model_dump(mode="json")
+        if not reveal_env:
+            body["env"] = mask_values(self.env)
+        return body
 
     def for_agent(self) -> AgentDeployment:
         return AgentDeployment(
@@ -169,6 +178,11 @@ class FleetIndexCache:
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
 
+    def gpu_owners(self, app: web.Application) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static or an agent not yet stale), current now."""
+        self.index(app)
+        return self._owner
+
     def heard_from(self, name: str) -> None:
         """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
         if name not in self._base:
@@ -252,6 +266,7 @@ class FleetIndexCache:
 
 
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
+GPU_CLAIMS = web.AppKey("gpu_claims", asyncio.Lock)
 
 
 def fleet_index(app: web.Application) -> FleetIndex:
@@ -263,21 +278,62 @@ def services_of_app(app: web.Application) -> Services:
     return app[SERVICES]
 
 
-def require_agent_token(request: web.Request, server_name: str | None = None) -> None:
-    """Agents present GPUBADGE_AGENT_TOKEN, or their own per-agent token."""
+def require_agent_token(request: web.Request, server_name: str) -> None:
+    """Agents present GPUBADGE_AGENT_TOKEN (any server), or the per-agent token of `server_name`.
+
+    A per-agent token is bound to its server: presented for another server it gets 403, so one
+    compromised node cannot register, heartbeat, poll or report as its neighbours.
+    """
     settings = services_of(request).settings
-    candidates = []
-    if server_name and server_name in settings.agent_tokens:
-        candidates.append(settings.agent_tokens[server_name].get_secret_value())
-    if settings.agent_token is not None:
-        candidates.append(settings.agent_token.get_secret_value())
-    if not candidates and not settings.agent_tokens:
+    if settings.agent_token is None and not settings.agent_tokens:
         return  # no agent token configured: open (logged at startup)
     given = (bearer_token(request) or "").encode()
-    if not any(hmac.compare_digest(given, candidate.encode()) for candidate in candidates):
+    fleet_wide = settings.agent_token is not None and hmac.compare_digest(
+        given, settings.agent_token.get_secret_value().encode()
+    )
+    owner = None
+    for name, token in settings.agent_tokens.items():  # every comparison runs, whichever matches
+        if hmac.compare_digest(given, token.get_secret_value().encode()):
+            owner = name
+    if fleet_wide or owner == server_name:
+        return
+    if owner is not None:
+        log.warning("agent token of server %s used for server %s: refused", owner, server_name)
         raise json_http_error(
-            web.HTTPUnauthorized, "a valid agent token is required (Authorization: Bearer <token>)"
+            web.HTTPForbidden, f"this agent token belongs to server {owner}; it cannot act for {server_name}"
         )
+    raise json_http_error(
+        web.HTTPUnauthorized,
+        "a valid agent token is required (Authorization: Bearer <token>)",
+        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+    )
+
+
+def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
+    """A 409 when a live server other than `name` reports one of these GPU UUIDs, else None.
+
+    The same UUID on two servers is a cloned inventory or an impostor; either way placement must
+    not hand that GPU out twice. The claim lapses once its server goes stale.
+    """
+    owners = app[FLEET_INDEX].gpu_owners(app)
+    taken = {gpu.uuid: owners[gpu.uuid] for gpu in gpus if owners.get(gpu.uuid, name) != name}
+    if not taken:
+        return None
+    holders = sorted(set(taken.values()))
+    log.warning(
+        "server %s reports GPU(s) %s already reported by live server(s) %s: refused until %s goes stale",
+        name,
+        ", ".join(sorted(taken)),
+        ", ".join(holders),
+        " / ".join(holders),
+    )
+    stale_after = services_of_app(app).settings.stale_after_seconds
+    return json_error(
+        409,
+        f"GPU {', '.join(sorted(taken))} is already reported by live server {', '.join(holders)};"
+        f" it is released {stale_after:g} s after that server's last heartbeat",
+        claimed=taken,
+    )
 
 
 async def list_servers(request: web.Request) -> web.Response:
@@ -286,15 +342,20 @@ async def list_servers(request: web.Request) -> web.Response:
 
 
 async def register_server(request: web.Request) -> web.Response:
+    services = services_of(request)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        server = Server.model_validate_json(await request.read())
+        server = Server.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid server: {_first_error(exc)}")
     require_agent_token(request, server.name)
-    services = services_of(request)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
-    services.store.upsert_server(server.name, stored.model_dump_json())
-    request.app[FLEET_INDEX].inventory_changed()
+    async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
+        conflict = claimed_elsewhere(request.app, server.name, server.gpus)
+        if conflict is not None:
+            return conflict
+        services.store.upsert_server(server.name, stored.model_dump_json())
+        request.app[FLEET_INDEX].inventory_changed()
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
     return web.json_response(body.model_dump())
@@ -304,23 +365,30 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
+    data = await read_json(request, services.settings.json_limits(), empty={})
     try:
-        beat = Heartbeat.model_validate_json(await request.read() or b"{}")
+        beat = Heartbeat.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
-    inventory = None
-    if beat.gpus is not None:
-        current = services.store.server_inventory(name)
-        if current is not None:
-            inventory = (
-                Server.model_validate_json(current).model_copy(update={"gpus": beat.gpus}).model_dump_json()
-            )
-    if not services.store.heartbeat(name, inventory):
-        return json_error(404, f"unknown server {name}; register again")
-    if inventory is not None:
-        request.app[FLEET_INDEX].inventory_changed()
-    else:
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        inventory = None
+        if beat.gpus is not None:
+            conflict = claimed_elsewhere(request.app, name, beat.gpus)
+            if conflict is not None:
+                return conflict
+            current = services.store.server_inventory(name)
+            if current is not None:
+                inventory = (
+                    Server.model_validate_json(current)
+                    .model_copy(update={"gpus": beat.gpus})
+                    .model_dump_json()
+                )
+        if not services.store.heartbeat(name, inventory):
+            return json_error(404, f"unknown server {name}; register again")
+        if inventory is not None:
+            request.app[FLEET_INDEX].inventory_changed()
+        else:
+            request.app[FLEET_INDEX].heard_from(name)
     return web.json_response({"ok": True})
 
 
@@ -356,10 +424,7 @@ async def _request_body(
     request: web.Request, *, run_fields: bool = False
 ) -> tuple[str, DeployRequest, RunSpec]:
     """Split `{"image", ...request}` (plus `command`/`env` for deployments) into checked parts."""
-    try:
-        data: Any = await request.json()
-    except ValueError:
-        raise json_http_error(web.HTTPBadRequest, "body is not JSON") from None
+    data: Any = await read_json(request, services_of(request).settings.json_limits())
     if not isinstance(data, dict) or not isinstance(data.get("image"), str):
         raise json_http_error(web.HTTPBadRequest, 'expected {"image": REF, ...request}')
     image = data.pop("image")
@@ -377,8 +442,12 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-async def image_report(services: Services, text: str) -> ImageReport:
-    """The stored report for `text`, scanning it now if it was never scanned."""
+async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
+    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
+
+    A scan costs registry traffic and a worker's time, so a caller without the API token
+    (`may_scan=False`) gets a 404 that says how to ask for the scan instead.
+    """
     try:
         reference = parse_reference(text)
     except ReferenceError as exc:
@@ -386,6 +455,13 @@ async def image_report(services: Services, text: str) -> ImageReport:
     report = find_report(services, reference)
     if report is not None:
         return report
+    if not may_scan:
+        raise json_http_error(
+            web.HTTPNotFound,
+            f"{reference} has not been scanned, and scanning it needs the API token: send"
+            " Authorization: Bearer <token> with this request, or request the scan with"
+            f' POST /api/scans {{"ref": "{reference}"}}',
+        )
     if not services.settings.allows(reference.registry):
         raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
     if services.scanner is None:
@@ -399,7 +475,8 @@ async def image_report(services: Services, text: str) -> ImageReport:
 async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
     image, deploy, _ = await _request_body(request)
-    report = await image_report(services, image)
+    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
+    report = await image_report(services, image, may_scan=may_scan)
     started = time.perf_counter()
     decision = decide(ImageFacts.from_report(report), deploy, fleet_index(request.app))
     body = decision.model_dump(mode="json")
@@ -451,7 +528,9 @@ async def create_deployment(request: web.Request) -> web.Response:
             continue
         request.app[FLEET_INDEX].reservations_changed()
         await request.app[FLEET_EVENTS].notify()
-        return web.json_response(deployment.model_dump(mode="json"), status=201)
+        return web.json_response(
+            deployment.shown(holds_api_token(request, services.settings.api_token)), status=201
+        )
     assert decision is not None
     return json_error(
         409,
@@ -461,16 +540,19 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 
 async def get_deployment(request: web.Request) -> web.Response:
-    deployment = _load(services_of(request), request.match_info["id"])
+    services = services_of(request)
+    deployment = _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
-    return web.json_response(deployment.model_dump(mode="json"))
+    return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    rows = services_of(request).store.deployments(server=request.query.get("server") or None)
+    services = services_of(request)
+    reveal = holds_api_token(request, services.settings.api_token)
+    rows = services.store.deployments(server=request.query.get("server") or None)
     return web.json_response(
-        {"deployments": [Deployment.model_validate_json(row[0]).model_dump(mode="json") for row in rows]}
+        {"deployments": [Deployment.model_validate_json(row[0]).shown(reveal) for row in rows]}
     )
 
 
@@ -480,8 +562,9 @@ async def delete_deployment(request: web.Request) -> web.Response:
     deployment = _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
+    reveal = holds_api_token(request, services.settings.api_token)
     if deployment.state in TERMINAL_STATES:
-        return web.json_response(deployment.model_dump(mode="json"))
+        return web.json_response(deployment.shown(reveal))
     now = datetime.now(UTC)
     if deployment.state == "pending":  # the agent never saw it: stop here and free the GPUs
         deployment = deployment.model_copy(
@@ -502,7 +585,7 @@ async def delete_deployment(request: web.Request) -> web.Response:
             deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
         )
     await request.app[FLEET_EVENTS].notify()
-    return web.json_response(deployment.model_dump(mode="json"), status=202)
+    return web.json_response(deployment.shown(reveal), status=202)
 
 
 async def agent_poll(request: web.Request) -> web.Response:
@@ -532,8 +615,9 @@ async def deployment_status(request: web.Request) -> web.Response:
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        status = DeploymentStatus.model_validate_json(await request.read())
+        status = DeploymentStatus.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid status: {_first_error(exc)}")
     # Stopped while still pending, but the agent had already picked it up: record what runs
@@ -557,7 +641,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
         await request.app[FLEET_EVENTS].notify()
-    return web.json_response(updated.model_dump(mode="json"))
+    return web.json_response(updated.shown(reveal_env=False))
 
 
 async def _end_long_polls(app: web.Application) -> None:
@@ -567,6 +651,7 @@ async def _end_long_polls(app: web.Application) -> None:
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
     app[FLEET_INDEX] = FleetIndexCache()
+    app[GPU_CLAIMS] = asyncio.Lock()
     app.on_shutdown.append(_end_long_polls)
     settings = services_of_app(app).settings
     inventory_file = settings.inventory_file

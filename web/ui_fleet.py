@@ -23,6 +23,7 @@ from placement.request import DeployRequest
 from scanner.models import ImageReport
 from web.app import SERVICES
 from web.fleet import fleet_index, image_report, live_servers
+from web.security import presented_token, token_matches
 from web.ui import human_bytes, image_url, page, time_ago
 
 # ------------------------------------------------------------------ servers
@@ -293,8 +294,11 @@ async def eligibility_page(request: web.Request) -> web.Response:
         deploy = form.deploy_request()
     except FormError as exc:
         return show(400, str(exc))
+    services = request.app[SERVICES]
+    # A browser sends the token as HTTP Basic; without it only stored results are shown.
+    may_scan = token_matches(services.settings.api_token, presented_token(request) or "")
     try:
-        report = await image_report(request.app[SERVICES], form.image)
+        report = await image_report(services, form.image, may_scan=may_scan)
     except web.HTTPException as exc:
         return show(page_status(exc), http_error_message(exc))
     index = fleet_index(request.app)
