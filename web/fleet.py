@@ -183,6 +183,11 @@ class FleetIndexCache:
         self.index(app)
         return self._owner
 
+    def is_live(self, app: web.Application, name: str) -> bool:
+        """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
+        self.index(app)
+        return name in self._base
+
     def heard_from(self, name: str) -> None:
         """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
         if name not in self._base:
@@ -336,6 +341,16 @@ def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> w
     )
 
 
+def returning_conflict(app: web.Application, name: str) -> web.Response | None:
+    """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
+    if app[FLEET_INDEX].is_live(app, name):
+        return None
+    stored = services_of_app(app).store.server_inventory(name)
+    if stored is None:
+        return None
+    return claimed_elsewhere(app, name, Server.model_validate_json(stored).gpus)
+
+
 async def list_servers(request: web.Request) -> web.Response:
     servers = live_servers(request.app)
     return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
@@ -372,7 +387,11 @@ async def server_heartbeat(request: web.Request) -> web.Response:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
     async with request.app[GPU_CLAIMS]:
         inventory = None
-        if beat.gpus is not None:
+        if beat.gpus is None:
+            conflict = returning_conflict(request.app, name)
+            if conflict is not None:
+                return conflict
+        else:
             conflict = claimed_elsewhere(request.app, name, beat.gpus)
             if conflict is not None:
                 return conflict
@@ -594,8 +613,12 @@ async def agent_poll(request: web.Request) -> web.Response:
     require_agent_token(request, name)
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
-    if services.store.heartbeat(name):
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        conflict = returning_conflict(request.app, name)
+        if conflict is not None:
+            return conflict
+        if services.store.heartbeat(name):
+            request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
         rows = services.store.actionable_deployments(name)

@@ -344,6 +344,7 @@ def openapi_document() -> dict[str, Any]:
                     "200": _json(agent_deployments, "deployments to run or stop (maybe none)"),
                     "400": _json(error, "wait is not a number"),
                     **agent_only,
+                    "409": _json(error, "back from silence, but its GPUs are now reported by another server"),
                 },
             }
         },

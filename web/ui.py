@@ -32,6 +32,7 @@ from web.api import find_report
 from web.app import SERVICES, Services
 from web.badge_svg import badge_for, render_badge
 from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.security import redact_secrets
 
 HERE = Path(__file__).parent
 TEMPLATE_DIR = HERE / "templates"
@@ -392,7 +393,7 @@ def job_view(job: Job) -> JobView:
         source=job.source or "",
         created_at=job.created_at,
         updated_at=job.updated_at,
-        error=job.error,
+        error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
     )
 
@@ -533,7 +534,9 @@ def detail_context(services: Services, reference: Reference, report: ImageReport
     tags = store.tags_for_digest(report.digest) if report.digest else []
     return {
         "reference": str(reference),
-        "report": report,
+        "report": report.model_copy(update={"error": redact_secrets(report.error)})
+        if report.error
+        else report,
         "platforms": [platform_view(p) for p in report.platforms],
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
         "history": tag_history_view(
