@@ -257,7 +257,7 @@ async def test_eligibility_of_an_unscanned_image_needs_the_token_to_scan(service
         assert reply.status == 404, reply.text
         assert "POST /api/scans" in reply.body["error"] and "API token" in reply.body["error"]
     page = await service.call("GET", f"/eligibility?image={service.image}")
-    assert "has not been scanned" in page.text
+    assert page.status == 404 and "has not been scanned yet" in page.text and "Scans page" in page.text
     assert await queued(service) == before
     assert (
         await service.call("GET", f"/api/images/by-ref?ref={service.image}")
@@ -320,6 +320,10 @@ async def test_private_reads_need_the_token(private_service: Service) -> None:
             assert (await service.call("GET", path, headers=basic(API_TOKEN))).status == 200, path
     anonymous = await service.call("POST", "/api/eligibility", {"image": service.image})
     assert anonymous.status == 401
+    # The UI's scan form answers with the job list: it needs the token as well.
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    posted = await service.call("POST", "/scans", b"ref=alpine&token=wrong", form)
+    assert posted.status == 401 and "alpine" not in posted.text
     # Always open: liveness, the API description, the stylesheet, and agents with their own token.
     for path in ("/healthz", "/api/openapi.json", "/static/ui.css"):
         assert (await service.call("GET", path)).status == 200, path

@@ -186,11 +186,18 @@ BEARER_CHALLENGE = 'Bearer realm="gpubadge"'
 
 
 def is_read(request: web.BaseRequest) -> bool:
-    if request.path in ALWAYS_OPEN or request.path.startswith(ALWAYS_OPEN_PREFIXES):
+    """Whether private reads guard this request: every GET, the POST reads, and every UI request.
+
+    The UI's own form POST (`/scans`) answers with the page, job list included, so it is a read
+    too; a browser signed in with HTTP Basic sends the token with it anyway. API writes are not
+    reads: they check the API (or agent) token themselves.
+    """
+    path = request.path
+    if path in ALWAYS_OPEN or path.startswith(ALWAYS_OPEN_PREFIXES):
         return False
-    if request.method in ("GET", "HEAD"):
+    if request.method in ("GET", "HEAD") or not path.startswith("/api/"):
         return True
-    return request.method == "POST" and request.path in POST_READS
+    return request.method == "POST" and path in POST_READS
 
 
 def private_reads(settings: ServiceSettings) -> Middleware:

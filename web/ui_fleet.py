@@ -300,6 +300,12 @@ async def eligibility_page(request: web.Request) -> web.Response:
     try:
         report = await image_report(services, form.image, may_scan=may_scan)
     except web.HTTPException as exc:
+        if exc.status == 404 and not may_scan:
+            return show(
+                404,
+                f"{form.image} has not been scanned yet. Request a scan on the Scans page"
+                " (it needs the API token); its eligibility shows here once the scan is done.",
+            )
         return show(page_status(exc), http_error_message(exc))
     index = fleet_index(request.app)
     decision = decide(ImageFacts.from_report(report), deploy, index)
