@@ -9,8 +9,10 @@ deployment bodies are refused with a reason.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -107,13 +109,11 @@ class Service:
 
     def age_heartbeat(self, name: str) -> None:
         """Make `name` silent for an hour, and move the fleet's clock past its timed check."""
-        store = self.app[SERVICES].store
         silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-        with store._lock:  # the store has no API to age a heartbeat; tests only
-            store.db.conn.execute(
-                "UPDATE servers SET last_heartbeat = ? WHERE name = ?", [silent_since, name]
-            )
-            store.db.conn.commit()
+        # The store has no API to age a heartbeat; the test writes the file as another process would.
+        with contextlib.closing(sqlite3.connect(self.app[SERVICES].settings.db)) as other:
+            other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = ?", [silent_since, name])
+            other.commit()
         self.clock.now += self.app[FLEET_INDEX].check_seconds
 
 
@@ -183,9 +183,12 @@ async def test_access_log_redacts_secrets_in_urls(
 
 async def test_error_messages_do_not_carry_secrets(service: Service, registry: LocalRegistry) -> None:
     store = service.app[SERVICES].store
-    (job_id,) = store.enqueue([(f"{registry.host}/sec/app:1", registry.host)], source="api", max_attempts=1)
+    reference = f"{registry.host}/sec/app:1"
+    (job_id,) = await store.enqueue([(reference, registry.host)], source="api", max_attempts=1)
+    (claimed,) = await store.claim_jobs(1, owner="test", lease_seconds=60)
+    assert claimed.id == job_id
     presigned = "https://bucket.s3.amazonaws.com/blob?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=0ddba11"
-    store.fail_job(job_id, f"blob download failed: 403 from {presigned}", retry_in=None)
+    await store.fail_job(job_id, f"blob download failed: 403 from {presigned}", retry_in=None, owner="test")
     for path in (f"/api/scans/{job_id}", "/api/scans"):
         reply = await service.call("GET", path)
         assert reply.status == 200

@@ -1,20 +1,31 @@
-"""The one JSON error shape (`{"error": ...}`) and reading JSON bodies into it.
+"""One error shape for the whole service: `{"error": "..."}` with a status that fits.
 
-Kept apart from web/app.py so that handler modules can use it without importing the app.
+Every failure inside a handler ends here, so the service stays up and the client learns
+what went wrong in words, never a stack trace.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 from web.security import redact_secrets
 
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 
 def json_error(status: int, message: str, **extra: object) -> web.Response:
+    """The error body; secrets in the message (a pre-signed URL, `?token=`) are redacted."""
     return web.json_response({"error": redact_secrets(message), **extra}, status=status)
 
 
@@ -54,3 +65,30 @@ async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = No
         raise json_http_error(
             web.HTTPBadRequest, f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes a JSON (or plain) error; the service stays up."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if (
+            exc.status >= 400
+            and exc.content_type != "application/json"
+            and request.path.startswith(("/api", "/hooks"))
+        ):
+            return json_error(
+                exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
+            )
+        raise
+    except StoreUnavailable as exc:  # the database is locked, full or gone: the client may retry
+        log.warning("%s %s: %s", request.method, request.path, exc)
+        return web.json_response(
+            {"error": f"the database is unavailable, retry later: {exc}"},
+            status=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal error; see the service log")

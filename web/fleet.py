@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,11 +37,11 @@ from placement.protocol import (
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
-from scanner.store import GpuTaken
-from web.api import find_report, require_api_token, services_of, wait_param
-from web.app import SERVICES, Services
+from store import GpuTaken, ServerRecord
+from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json
 from web.security import bearer_token, holds_api_token, mask_values, token_matches
+from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,13 @@ STATIC_FLEET = web.AppKey("static_fleet", list[Server])
 # ------------------------------------------------------------------ inventory
 
 
-def live_servers(app: web.Application) -> list[Server]:
+async def live_servers(app: web.Application) -> list[Server]:
     """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
     services = services_of_app(app)
     stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
-    reserved = services.store.reserved_gpus()
+    reserved = await services.store.reserved_gpus()
     servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
-    for inventory, _, last_heartbeat in services.store.servers():
+    for inventory, _, last_heartbeat in await services.store.servers():
         server = Server.model_validate_json(inventory)
         seen = datetime.fromisoformat(last_heartbeat)
         if seen < stale_before:
@@ -178,14 +178,14 @@ class FleetIndexCache:
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
 
-    def gpu_owners(self, app: web.Application) -> dict[str, str]:
+    async def gpu_owners(self, app: web.Application) -> dict[str, str]:
         """GPU UUID -> the live server that reports it (static or an agent not yet stale), current now."""
-        self.index(app)
+        await self.index(app)
         return self._owner
 
-    def is_live(self, app: web.Application, name: str) -> bool:
+    async def is_live(self, app: web.Application, name: str) -> bool:
         """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
-        self.index(app)
+        await self.index(app)
         return name in self._base
 
     def heard_from(self, name: str) -> None:
@@ -193,25 +193,30 @@ class FleetIndexCache:
         if name not in self._base:
             self._inventory_dirty = True
 
-    def index(self, app: web.Application) -> FleetIndex:
+    async def index(self, app: web.Application) -> FleetIndex:
         now = self._clock()
+        store = services_of_app(app).store
         if self._index is None or self._inventory_dirty or now >= self._check_at:
-            self._read_inventory(app, now)
+            self._inventory_dirty = False
+            servers, reserved = await store.servers(), await store.reserved_gpus()
+            self._read_inventory(app, now, servers, reserved)
         elif self._reservations_dirty:
-            self._apply_reservations(app, ())
+            self._reservations_dirty = False
+            self._apply_reservations(await store.reserved_gpus(), ())
         assert self._index is not None
         return self._index
 
-    def _read_inventory(self, app: web.Application, now: float) -> None:
+    def _read_inventory(
+        self, app: web.Application, now: float, rows: Sequence[ServerRecord], reserved: Mapping[str, str]
+    ) -> None:
         services = services_of_app(app)
-        self._inventory_dirty = False
         self.inventory_reads += 1
         stale_after = timedelta(seconds=services.settings.stale_after_seconds)
         wall = datetime.now(UTC)
         base: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
         parsed: dict[str, Server] = {}
         first_seen: datetime | None = None
-        for inventory, _, last_heartbeat in services.store.servers():
+        for inventory, _, last_heartbeat in rows:
             seen = datetime.fromisoformat(last_heartbeat)
             if seen < wall - stale_after:
                 continue
@@ -242,13 +247,12 @@ class FleetIndexCache:
         if self._index is None:
             self._index = FleetIndex()
         self._index.remove(gone)
-        self._apply_reservations(app, changed)
+        self._apply_reservations(reserved, changed)
 
-    def _apply_reservations(self, app: web.Application, changed: Sequence[str]) -> None:
-        """Re-read reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
-        self._reservations_dirty = False
+    def _apply_reservations(self, reserved_gpus: Mapping[str, str], changed: Sequence[str]) -> None:
+        """Apply reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
         reserved: dict[str, set[str]] = {}
-        for gpu_uuid in services_of_app(app).store.reserved_gpus():
+        for gpu_uuid in reserved_gpus:
             owner = self._owner.get(gpu_uuid)
             if owner is not None:
                 reserved.setdefault(owner, set()).add(gpu_uuid)
@@ -274,13 +278,9 @@ FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
 GPU_CLAIMS = web.AppKey("gpu_claims", asyncio.Lock)
 
 
-def fleet_index(app: web.Application) -> FleetIndex:
+async def fleet_index(app: web.Application) -> FleetIndex:
     """The live fleet, indexed for `decide`: what `live_servers` lists, kept between requests."""
-    return app[FLEET_INDEX].index(app)
-
-
-def services_of_app(app: web.Application) -> Services:
-    return app[SERVICES]
+    return await app[FLEET_INDEX].index(app)
 
 
 def require_agent_token(request: web.Request, server_name: str) -> None:
@@ -314,13 +314,13 @@ def require_agent_token(request: web.Request, server_name: str) -> None:
     )
 
 
-def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
+async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
     """A 409 when a live server other than `name` reports one of these GPU UUIDs, else None.
 
     The same UUID on two servers is a cloned inventory or an impostor; either way placement must
     not hand that GPU out twice. The claim lapses once its server goes stale.
     """
-    owners = app[FLEET_INDEX].gpu_owners(app)
+    owners = await app[FLEET_INDEX].gpu_owners(app)
     taken = {gpu.uuid: owners[gpu.uuid] for gpu in gpus if owners.get(gpu.uuid, name) != name}
     if not taken:
         return None
@@ -341,18 +341,18 @@ def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> w
     )
 
 
-def returning_conflict(app: web.Application, name: str) -> web.Response | None:
+async def returning_conflict(app: web.Application, name: str) -> web.Response | None:
     """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
-    if app[FLEET_INDEX].is_live(app, name):
+    if await app[FLEET_INDEX].is_live(app, name):
         return None
-    stored = services_of_app(app).store.server_inventory(name)
+    stored = await services_of_app(app).store.server_inventory(name)
     if stored is None:
         return None
-    return claimed_elsewhere(app, name, Server.model_validate_json(stored).gpus)
+    return await claimed_elsewhere(app, name, Server.model_validate_json(stored).gpus)
 
 
 async def list_servers(request: web.Request) -> web.Response:
-    servers = live_servers(request.app)
+    servers = await live_servers(request.app)
     return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
 
 
@@ -366,10 +366,10 @@ async def register_server(request: web.Request) -> web.Response:
     require_agent_token(request, server.name)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
     async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
-        conflict = claimed_elsewhere(request.app, server.name, server.gpus)
+        conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
         if conflict is not None:
             return conflict
-        services.store.upsert_server(server.name, stored.model_dump_json())
+        await services.store.upsert_server(server.name, stored.model_dump_json())
         request.app[FLEET_INDEX].inventory_changed()
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
@@ -388,21 +388,21 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     async with request.app[GPU_CLAIMS]:
         inventory = None
         if beat.gpus is None:
-            conflict = returning_conflict(request.app, name)
+            conflict = await returning_conflict(request.app, name)
             if conflict is not None:
                 return conflict
         else:
-            conflict = claimed_elsewhere(request.app, name, beat.gpus)
+            conflict = await claimed_elsewhere(request.app, name, beat.gpus)
             if conflict is not None:
                 return conflict
-            current = services.store.server_inventory(name)
+            current = await services.store.server_inventory(name)
             if current is not None:
                 inventory = (
                     Server.model_validate_json(current)
                     .model_copy(update={"gpus": beat.gpus})
                     .model_dump_json()
                 )
-        if not services.store.heartbeat(name, inventory):
+        if not await services.store.heartbeat(name, inventory):
             return json_error(404, f"unknown server {name}; register again")
         if inventory is not None:
             request.app[FLEET_INDEX].inventory_changed()
@@ -471,7 +471,7 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
         reference = parse_reference(text)
     except ReferenceError as exc:
         raise json_http_error(web.HTTPBadRequest, str(exc)) from None
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     if report is not None:
         return report
     if not may_scan:
@@ -497,7 +497,7 @@ async def eligibility(request: web.Request) -> web.Response:
     may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
     report = await image_report(services, image, may_scan=may_scan)
     started = time.perf_counter()
-    decision = decide(ImageFacts.from_report(report), deploy, fleet_index(request.app))
+    decision = decide(ImageFacts.from_report(report), deploy, await fleet_index(request.app))
     body = decision.model_dump(mode="json")
     body["image"] = {"reference": report.reference, "digest": report.digest}
     body["seconds"] = round(time.perf_counter() - started, 6)
@@ -507,9 +507,9 @@ async def eligibility(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- deployments
 
 
-def _load(services: Services, deployment_id: str) -> Deployment | None:
-    row = services.store.deployment(deployment_id)
-    return Deployment.model_validate_json(row[0]) if row else None
+async def _load(services: Services, deployment_id: str) -> Deployment | None:
+    row = await services.store.deployment(deployment_id)
+    return Deployment.model_validate_json(row.record_json) if row else None
 
 
 async def create_deployment(request: web.Request) -> web.Response:
@@ -520,7 +520,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     facts = ImageFacts.from_report(report)
     decision: Decision | None = None
     for _ in range(RESERVE_ATTEMPTS):
-        decision = decide(facts, deploy, fleet_index(request.app))
+        decision = decide(facts, deploy, await fleet_index(request.app))
         if not decision.eligible:
             break
         choice = decision.eligible[0]
@@ -538,7 +538,7 @@ async def create_deployment(request: web.Request) -> web.Response:
             env=run.env,
         )
         try:
-            services.store.create_deployment(
+            await services.store.create_deployment(
                 deployment.id, deployment.server, deployment.gpus, deployment.model_dump_json()
             )
         except GpuTaken:
@@ -560,7 +560,7 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 async def get_deployment(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
@@ -569,16 +569,16 @@ async def get_deployment(request: web.Request) -> web.Response:
 async def list_deployments(request: web.Request) -> web.Response:
     services = services_of(request)
     reveal = holds_api_token(request, services.settings.api_token)
-    rows = services.store.deployments(server=request.query.get("server") or None)
+    rows = await services.store.deployments(server=request.query.get("server") or None)
     return web.json_response(
-        {"deployments": [Deployment.model_validate_json(row[0]).shown(reveal) for row in rows]}
+        {"deployments": [Deployment.model_validate_json(row.record_json).shown(reveal) for row in rows]}
     )
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     reveal = holds_api_token(request, services.settings.api_token)
@@ -594,13 +594,13 @@ async def delete_deployment(request: web.Request) -> web.Response:
                 "updated_at": now,
             }
         )
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state="stopped", desired="stop", release=True
         )
         request.app[FLEET_INDEX].reservations_changed()
     else:
         deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
         )
     await request.app[FLEET_EVENTS].notify()
@@ -614,27 +614,27 @@ async def agent_poll(request: web.Request) -> web.Response:
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
     async with request.app[GPU_CLAIMS]:
-        conflict = returning_conflict(request.app, name)
+        conflict = await returning_conflict(request.app, name)
         if conflict is not None:
             return conflict
-        if services.store.heartbeat(name):
+        if await services.store.heartbeat(name):
             request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
-        rows = services.store.actionable_deployments(name)
+        rows = await services.store.actionable_deployments(name)
         remaining = deadline - time.monotonic()
         if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
             break
         await request.app[FLEET_EVENTS].wait(remaining)
     body = DeploymentsResponse(
-        deployments=[Deployment.model_validate_json(row[0]).for_agent() for row in rows]
+        deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
     )
     return web.json_response(body.model_dump(mode="json"))
 
 
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
@@ -656,7 +656,7 @@ async def deployment_status(request: web.Request) -> web.Response:
             "updated_at": datetime.now(UTC),
         }
     )
-    services.store.update_deployment(
+    await services.store.update_deployment(
         deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
     )
     if status.state in TERMINAL_STATES:
