@@ -31,6 +31,7 @@ from store import ImageRow, Job, TagEvent
 from web.api import find_report
 from web.badge_svg import badge_for, render_badge
 from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.security import redact_secrets
 from web.state import Services, services_of
 
 HERE = Path(__file__).parent
@@ -396,7 +397,7 @@ def job_view(job: Job) -> JobView:
         source=job.source or "",
         created_at=job.created_at,
         updated_at=job.updated_at,
-        error=job.error,
+        error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
     )
 
@@ -534,7 +535,9 @@ async def detail_context(services: Services, reference: Reference, report: Image
     history = await store.tag_history(reference.registry, reference.repository)
     return {
         "reference": str(reference),
-        "report": report,
+        "report": report.model_copy(update={"error": redact_secrets(report.error)})
+        if report.error
+        else report,
         "platforms": [platform_view(p) for p in report.platforms],
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
         "history": tag_history_view(history, reference.name, digests),
