@@ -489,7 +489,7 @@ class FleetService:
             return response.status, await response.json()
 
     async def eligibility(self, **request: Any) -> dict[str, Any]:
-        status, body = await self.post("/api/eligibility", {"image": self.image, **request})
+        status, body = await self.post("/api/eligibility", {"image": self.image, **request}, API_TOKEN)
         assert status == 200, body
         return dict(body)
 

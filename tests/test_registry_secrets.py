@@ -20,6 +20,7 @@ from fixtures.service import run_service_inprocess
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import RegistryConfig, ScannerSettings
+from store import open_store
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, TokenServer
 from tests.test_registry_client import bcrypt_hash
@@ -57,7 +58,7 @@ def assert_free_of(texts: dict[str, str], secrets: list[str]) -> None:
 
 
 async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
-    registry: LocalRegistry, basic_registry: LocalRegistry, caplog: pytest.LogCaptureFixture
+    registry: LocalRegistry, basic_registry: LocalRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, aiohttp's included
     tokens = TokenServer(users={"robot": BEARER_PASSWORD}, allow_anonymous=False)
@@ -69,11 +70,14 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         ]
         settings = ScannerSettings(registries=good, docker_config=None)
         async with RegistryClient(settings) as client:
-            scanner = Scanner(client, None, settings)
+            store = open_store(tmp_path / "good.db")
+            scanner = Scanner(client, store, settings)
             reports = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),
             ]
+            await scanner.close()
+            await store.close()
             client_repr = repr(client) + repr(client.totals)
         assert [report.error for report in reports] == [None, None]
         bad = [
@@ -82,11 +86,14 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         ]
         bad_settings = ScannerSettings(registries=bad, docker_config=None)
         async with RegistryClient(bad_settings) as client:
-            scanner = Scanner(client, None, bad_settings)
+            store = open_store(tmp_path / "bad.db")
+            scanner = Scanner(client, store, bad_settings)
             refused = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),
             ]
+            await scanner.close()
+            await store.close()
     assert all(report.error and "credentials from settings" in report.error for report in refused)
     assert tokens.issued and any(call["authorization"].startswith("Basic ") for call in tokens.calls)
     texts = {

@@ -29,7 +29,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
     chosen = {key: value for key, value in overrides.items() if value is not None}
-    return cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings = cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings.check_consistent()
+    return settings
 
 
 async def _freeze_startup_objects(_: object) -> None:
@@ -54,6 +56,7 @@ def run_serve(argv: list[str]) -> int:
 
     from store import StoreUnavailable
     from web.app import create_app
+    from web.security import RedactingAccessLogger
 
     try:
         app = create_app(settings)
@@ -62,6 +65,10 @@ def run_serve(argv: list[str]) -> int:
         return 1
     app.on_startup.append(_freeze_startup_objects)
     web.run_app(
-        app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=lambda message: logging.info("%s", message),
+        access_log_class=RedactingAccessLogger,
     )
     return 0
