@@ -32,9 +32,9 @@ from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:  # the registry client is only passed in; importing it costs TLS set-up at start
     from scanner.analysis import AnalysisPool, Session
+    from scanner.cache import ScanCache
     from scanner.reference import Reference
     from scanner.registry import Descriptor, RegistryClient
-    from scanner.store import Store
 
 CACHE_PREFIX = "cuda:"
 
@@ -56,7 +56,7 @@ class DeepReader:
     """
 
     def __init__(
-        self, client: RegistryClient, store: Store | None, limits: AnalysisLimits, pool: AnalysisPool
+        self, client: RegistryClient, store: ScanCache | None, limits: AnalysisLimits, pool: AnalysisPool
     ) -> None:
         self.client = client
         self.store = store
@@ -65,9 +65,9 @@ class DeepReader:
         self._memory_cache: dict[str, str] = {}
         self._inflight: dict[str, asyncio.Event] = {}
 
-    def _cached(self, digest: str) -> CudaLayerEvidence | None:
+    async def _cached(self, digest: str) -> CudaLayerEvidence | None:
         key = CACHE_PREFIX + digest
-        raw = self._memory_cache.get(key) if self.store is None else self.store.layer_evidence(key)
+        raw = self._memory_cache.get(key) if self.store is None else await self.store.layer_evidence(key)
         if raw is None:
             return None
         evidence = CudaLayerEvidence.model_validate_json(raw)
@@ -75,12 +75,12 @@ class DeepReader:
             return None
         return evidence
 
-    def _remember(self, digest: str, evidence_json: str) -> None:
+    async def _remember(self, digest: str, evidence_json: str) -> None:
         key = CACHE_PREFIX + digest
         if self.store is None:
             self._memory_cache[key] = evidence_json
         else:
-            self.store.save_layer_evidence(key, evidence_json)
+            await self.store.save_layer_evidence(key, evidence_json)
 
     async def scan(self, reference: Reference, layers: Sequence[Descriptor]) -> DeepResult:
         """Inferred CUDA and archs for one platform image (layers as the manifest lists them)."""
@@ -92,7 +92,7 @@ class DeepReader:
             for layer in reversed(layers):  # top layer first, as `combine` wants them
                 while layer.digest in self._inflight:
                     await self._inflight[layer.digest].wait()
-                cached = self._cached(layer.digest)
+                cached = await self._cached(layer.digest)
                 if cached is not None:
                     evidences.append(cached)
                     result.layers_from_cache += 1
@@ -107,7 +107,7 @@ class DeepReader:
                     result.bytes_read += outcome.compressed_bytes
                     evidence = CudaLayerEvidence.model_validate_json(outcome.evidence_json or "{}")
                     if outcome.complete and outcome.evidence_json is not None:
-                        self._remember(layer.digest, outcome.evidence_json)
+                        await self._remember(layer.digest, outcome.evidence_json)
                     evidences.append(evidence)
                 except (LayerError, LimitExceeded) as exc:
                     result.warnings.append(f"deep scan: layer {layer.digest[:19]}: {exc}")

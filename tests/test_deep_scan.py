@@ -14,7 +14,7 @@ from scanner.reference import parse_reference
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
-from scanner.store import Store
+from store import open_store
 from tests.conftest import Pusher
 from tests.nvidia_wheels import NVJPEG_CU12, wheel_members
 
@@ -60,10 +60,14 @@ def images(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
 async def scanner(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Scanner]:
     mode, processes = getattr(request, "param", ("auto", 0))
     settings = ScannerSettings(docker_config=None, deep_scan=mode, analysis_processes=processes)
-    async with RegistryClient(settings) as client:
-        scanner = Scanner(client, Store(tmp_path / "scan.db"), settings)
-        yield scanner
-        await scanner.close()
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store, settings)
+            yield scanner
+            await scanner.close()
+    finally:
+        await store.close()
 
 
 async def platform_of(scanner: Scanner, reference: str) -> PlatformReport:
