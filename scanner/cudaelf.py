@@ -246,7 +246,7 @@ class ElfCudaProbe:
                 names.start if names is not None else 0,
             )
         except ValueError as exc:
-            return FatbinFacts(error=str(exc)) if self._scan_met_containers else None
+            return FatbinFacts(error=str(exc)) if self._scan.met_containers else None
         named = [s for s in sections if s.name in FATBIN_SECTIONS and s.type != SHT_NOBITS and s.size]
         if not named and not any(s.name for s in sections):
             # Section names lie outside what was kept: match by contents (containers tile the section).
@@ -273,7 +273,3 @@ class ElfCudaProbe:
         if layout.elf_type == ET_REL:
             facts.sections = [f"{name} (relocatable object)" for name in facts.sections]
         return facts
-
-    @property
-    def _scan_met_containers(self) -> bool:
-        return bool(self._scan._candidates)

@@ -43,7 +43,7 @@ ENTRY_HEADER_MIN = 64  # the fields read end at 0x40
 MAX_ENTRY_HEADER = 4096
 MAX_ENTRIES_PER_CONTAINER = 4096
 MAX_CONTAINERS_PER_FILE = 65536
-MAX_SIGNATURES_PER_FILE = 256
+MAX_SIGNATURES_PER_FILE = 32  # distinct container contents kept per file (real libraries: 1-3)
 KIND_PTX, KIND_ELF = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_FAMILY_SPECIFIC = 0x200000
@@ -187,6 +187,11 @@ class FatbinScan:
     @property
     def position(self) -> int:
         return self._position
+
+    @property
+    def met_containers(self) -> bool:
+        """A container magic was seen somewhere in the bytes fed."""
+        return bool(self._candidates)
 
     def feed(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self._position:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -19,7 +21,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def service(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    env = {"GPUBADGE_REGISTRIES": registry.host, "GPUBADGE_API_TOKEN": TOKEN}
+    env = {
+        "GPUBADGE_REGISTRIES": registry.host,
+        "GPUBADGE_API_TOKEN": TOKEN,
+        "GPUBADGE_INVENTORY_FILE": str(Path(__file__).resolve().parent.parent / "fixtures" / "fleet.yaml"),
+    }
     with run_service_process(tmp_path_factory.mktemp("inferred") / "svc.db", env=env) as running:
         yield running
 
@@ -63,3 +69,23 @@ def test_image_page_badge_and_images_page(service: RunningService, scanned: dict
     assert svg.status == 200 and "cuda 12.1 inside (inferred)" in svg.text
     listing = call("GET", f"{service.url}/?gpu=inferred")
     assert listing.status == 200 and "inf/torch" in listing.text and "inf/plain" not in listing.text
+
+
+def test_eligibility_hint_without_gpus_and_driver_floor_with_gpus(
+    service: RunningService, scanned: dict[str, str]
+) -> None:
+    reference = scanned["inf/torch:1"]
+    cpu = call("POST", f"{service.url}/api/eligibility", {"image": reference}, AUTH)
+    assert cpu.status == 200, cpu.text
+    assert cpu.body["hints"] == [
+        "carries CUDA 12.1 (elf, nvidia-wheel, torch): ask for gpus to run it on a GPU"
+    ]
+    assert "cpu-1" in [entry["server"] for entry in cpu.body["eligible"]]
+    gpu = call("POST", f"{service.url}/api/eligibility", {"image": reference, "gpus": 1}, AUTH)
+    assert gpu.status == 200 and gpu.body["hints"] == []
+    eligible = [entry["server"] for entry in gpu.body["eligible"]]
+    assert "h100-a" in eligible and "cpu-1" not in eligible
+    legacy = next(entry["reasons"] for entry in gpu.body["ineligible"] if entry["server"] == "t4-legacy")
+    assert any("driver 470.57.02: CUDA 12.x needs driver >= 525.60.13" in line for line in legacy), legacy
+    page = call("GET", f"{service.url}/eligibility?image={quote(reference)}")
+    assert page.status == 200 and "carries CUDA 12.1" in page.text

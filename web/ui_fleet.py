@@ -233,6 +233,7 @@ class ResultView:
     gpu_required: bool
     eligible: list[EligibleView]
     rejected: list[RejectedView]
+    hints: list[str]
 
 
 def result_view(report: ImageReport, decision: Decision, servers: Sequence[Server]) -> ResultView:
@@ -259,6 +260,7 @@ def result_view(report: ImageReport, decision: Decision, servers: Sequence[Serve
             for rank, entry in enumerate(decision.eligible, start=1)
         ],
         rejected=[RejectedView(entry["server"], list(entry["reasons"])) for entry in decision.ineligible],
+        hints=list(decision.hints),
     )
 
 
