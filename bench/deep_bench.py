@@ -7,6 +7,7 @@ compressed with `gzip -6` (Docker's default level) to one blob on disk.
 
 Measured, one run, each side as a whole process (start-up included):
 * the floor: `sh -c 'gzip -dc BLOB | tar -t >/dev/null'` (two processes in a pipe);
+* each side runs twice, alternating, and keeps its best wall time (the machine is shared);
 * ours: `python -m bench.deep_bench --walk BLOB`, the deep scan's layer walk (decompress, parse
   every tar header, read the small files, stream every ELF through the probe) fed 1 MiB chunks
   from the file, as the registry stream feeds it. Peak RSS is the child's ru_maxrss.
@@ -132,6 +133,7 @@ async def shared_layer_reads() -> tuple[int, int, int]:
     """(bytes read for image A, bytes of the shared layer read again for image B, its size)."""
     from fixtures.oci import ImageSpec, LayerSpec, file, push_image
     from fixtures.registry import run_registry
+    from scanner.analysis import AnalysisPool
     from scanner.deep import DeepReader
     from scanner.reference import parse_reference
     from scanner.registry import RegistryClient
@@ -144,14 +146,18 @@ async def shared_layer_reads() -> tuple[int, int, int]:
         extra = LayerSpec([file("/app/main.py", "print(1)\n")])
         push_image(ImageSpec([shared, extra]), f"{registry.host}/bench/b:1", Path(work) / "b")
         settings = ScannerSettings(docker_config=None)
-        async with RegistryClient(settings) as client:
-            reader = DeepReader(client, None, settings.deep_scan_limits())
-            first_ref = parse_reference(f"{registry.host}/bench/a:1")
-            first = await reader.scan(first_ref, (await client.manifest(first_ref)).layers)
-            second_ref = parse_reference(f"{registry.host}/bench/b:1")
-            layers = (await client.manifest(second_ref)).layers
-            second = await reader.scan(second_ref, layers)
-            return first.bytes_read, second.bytes_read - layers[1].size, layers[0].size
+        pool = AnalysisPool(settings.analysis_processes)
+        try:
+            async with RegistryClient(settings) as client:
+                reader = DeepReader(client, None, settings.deep_scan_limits(), pool)
+                first_ref = parse_reference(f"{registry.host}/bench/a:1")
+                first = await reader.scan(first_ref, (await client.manifest(first_ref)).layers)
+                second_ref = parse_reference(f"{registry.host}/bench/b:1")
+                layers = (await client.manifest(second_ref)).layers
+                second = await reader.scan(second_ref, layers)
+                return first.bytes_read, second.bytes_read - layers[1].size, layers[0].size
+        finally:
+            await pool.close()
 
 
 def run_all(results: Results, quick: bool) -> None:
@@ -161,11 +167,24 @@ def run_all(results: Results, quick: bool) -> None:
         blob = build_blob(Path(work), target)
         size = blob.stat().st_size
         results.detail(f"deep-scan layer: {target // MiB} MiB decompressed, {size / MiB:.0f} MiB gzip")
-        timed(["sh", "-c", f"gzip -dc {blob} | tar -t >/dev/null"])  # warm the page cache
-        floor_wall, floor_cpu, _ = timed(["sh", "-c", f"gzip -dc {blob} | tar -t >/dev/null"])
+        floor_command = ["sh", "-c", f"gzip -dc {blob} | tar -t >/dev/null"]
+        ours_command = [sys.executable, "-m", "bench.deep_bench", "--walk", str(blob)]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-        ours_wall, ours_cpu, out = timed([sys.executable, "-m", "bench.deep_bench", "--walk", str(blob)], env)
+        timed(floor_command)  # warm the page cache
+        # Alternate the two, twice, and keep each side's best: the machine is shared, load comes and goes.
+        floors = [timed(floor_command) for _ in range(1)]
+        runs = [timed(ours_command, env)]
+        floors.append(timed(floor_command))
+        runs.append(timed(ours_command, env))
+        floor_wall, floor_cpu, _ = min(floors)
+        ours_wall, ours_cpu, out = min(runs)
         child = json.loads(out)
+        results.detail(
+            "deep-scan walls (s): floor "
+            + ", ".join(f"{f[0]:.2f}" for f in floors)
+            + "; ours "
+            + ", ".join(f"{r[0]:.2f}" for r in runs)
+        )
     speed = floor_wall / ours_wall
     rss_mb = int(child["maxrss_kib"]) / 1024
     results.add(
