@@ -171,6 +171,6 @@ def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:
             continue
         inferred = gpu.inferred
         version = f"CUDA {inferred.cuda}" if inferred.cuda else "CUDA"
-        sources = ", ".join(inferred.sources) if inferred.sources else "its layers"
-        return f"carries {version} ({sources}): ask for gpus to run it on a GPU"
+        source = inferred.sources[0] if inferred.sources else "its layers"  # the framework, when one is there
+        return f"carries {version} ({source}): ask for gpus to run it on a GPU"
     return None

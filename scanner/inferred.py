@@ -47,6 +47,17 @@ MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 
 Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf"]
+# Frameworks first: they name what a user installed; libraries and ELF files follow from them.
+SOURCE_ORDER: tuple[Source, ...] = (
+    "torch",
+    "tensorflow",
+    "jax",
+    "cupy",
+    "conda",
+    "nvidia-wheel",
+    "toolkit",
+    "elf",
+)
 
 _TORCH_VERSION = re.compile(r"/torch/version\.py$")
 _TF_BUILD_INFO = re.compile(r"/tensorflow/python/platform/build_info\.py$")
@@ -554,7 +565,7 @@ def combine(
     inferred = InferredCuda(
         cuda=cuda,
         evidence=[f"{path}: {finding.detail}" for path, finding in ordered],
-        sources=sorted({f.source for _, f in positive}),
+        sources=sorted({f.source for _, f in positive}, key=SOURCE_ORDER.index),
         conflict=conflict,
         complete=complete,
     )

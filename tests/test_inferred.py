@@ -60,7 +60,7 @@ def test_torch_version_forms() -> None:
     assert parse_torch_version(TORCH_ROCM) is None
     assert parse_torch_version("cuda = (") is False
     inferred, _ = combine([layer({f"{SITE}/torch/version.py": TORCH_NEW})])
-    assert inferred is not None and inferred.cuda == "12.1"
+    assert inferred is not None and inferred.cuda == "12.1" and inferred.sources == ["torch"]
     assert inferred.evidence == [f"{SITE}/torch/version.py: cuda = '12.1'"]
     assert combine([layer({f"{SITE}/torch/version.py": TORCH_CPU})]) == (None, None)
 
@@ -103,7 +103,7 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
     """The cu12 wheel: dist-info (major) + fatbin archs; the cu13 wheel: files under nvidia/cu13/."""
     cu12 = {f"{SITE}/{path}": data for path, data in wheel_members(NVJPEG_CU12).items()}
     inferred, archs = combine([layer(cu12)])  # type: ignore[arg-type]
-    assert inferred is not None and inferred.cuda == "12"
+    assert inferred is not None and inferred.cuda == "12" and inferred.sources == ["nvidia-wheel", "elf"]
     assert f"{SITE}/nvidia_nvjpeg_cu12-12.4.0.76.dist-info: nvidia-nvjpeg-cu12 12.4.0.76" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib: libnvjpeg.so.12" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12: GPU code in .nv_fatbin" in inferred.evidence
