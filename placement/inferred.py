@@ -120,6 +120,21 @@ def _cc_pair(cc: str) -> tuple[int, int] | None:
     return _pair(cc)
 
 
+def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
+    """The oldest compute capability a CUDA release still builds for (NVIDIA's release notes)."""
+    pair = _pair(cuda) if cuda else None
+    if pair is None:
+        return None
+    if pair[0] >= 13:
+        return (
+            7,
+            5,
+        ), f"CUDA {cuda} supports compute capability 7.5 and newer (13.0 dropped Maxwell, Pascal, Volta)"
+    if pair[0] == 12:
+        return (5, 0), f"CUDA {cuda} supports compute capability 5.0 and newer (12.0 dropped Kepler)"
+    return None
+
+
 def _describe(container: ContainerArchs) -> str:
     sass = ", ".join(f"sm_{a}" for a in container.sass) or "none"
     ptx = ", ".join(f"compute_{a}" for a in container.ptx) or "none"
@@ -137,7 +152,12 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
             reasons.append(f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source})")
     archs = gpu.archs
     cc = _cc_pair(compute_capability) if compute_capability else None
-    if archs is None or cc is None:
+    if cc is None:
+        return reasons
+    if archs is None:  # no fatbin was read: the toolkit's own support range is all we know
+        support = _toolkit_min_cc(inferred.cuda if inferred is not None else None)
+        if support is not None and cc < support[0]:
+            reasons.append(f"compute capability {compute_capability}: {support[1]}")
         return reasons
     for file in archs.files:
         if file.error is not None or any("relocatable" in section for section in file.sections):

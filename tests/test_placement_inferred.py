@@ -131,3 +131,12 @@ def test_ptx_only_needs_the_driver_of_the_toolkit_that_made_it() -> None:
     assert "PTX ISA 8.8 comes from CUDA 12.9, whose driver 575.51.03 is the first to JIT it" in line
     assert "this server has 550.54.15" in line and LIB in line
     assert ptx_driver_floor("9.9") is not None  # unknown ISA: the newest known driver, said so
+
+
+def test_without_fatbins_the_toolkit_support_range_applies() -> None:
+    fleet = [server("v100", "7.0", "580.65.06"), server("t4", "7.5", "580.65.06")]
+    decision = decide(image("13.0"), DeployRequest(gpus=1), fleet)
+    assert eligible(decision) == ["t4"]
+    assert any(
+        "CUDA 13.0 supports compute capability 7.5 and newer" in line for line in reasons(decision, "v100")
+    )
