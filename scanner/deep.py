@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,23 @@ if TYPE_CHECKING:  # the registry client is only passed in; importing it costs T
     from scanner.registry import Descriptor, RegistryClient
 
 CACHE_PREFIX = "cuda:"
+
+
+@dataclass
+class DeepProgress:
+    """How far one image's deep scan has come (for the UI); updated as bytes stream in."""
+
+    layers_total: int
+    layers_done: int = 0
+    bytes_total: int = 0
+    bytes_read: int = 0
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (
+            f"deep scan: {self.layers_done} of {self.layers_total} layers, "
+            f"{self.bytes_read / mib:.0f} of {self.bytes_total / mib:.0f} MiB"
+        )
 
 
 @dataclass
@@ -64,6 +81,7 @@ class DeepReader:
         self.pool = pool
         self._memory_cache: dict[str, str] = {}
         self._inflight: dict[str, asyncio.Event] = {}
+        self.progress: dict[str, DeepProgress] = {}  # by reference, while its deep scan runs
 
     async def _cached(self, digest: str) -> CudaLayerEvidence | None:
         key = CACHE_PREFIX + digest
@@ -88,8 +106,12 @@ class DeepReader:
         deadline = time.monotonic() + self.limits.max_scan_seconds
         evidences: list[CudaLayerEvidence] = []
         session: Session | None = None
+        progress = DeepProgress(layers_total=len(layers), bytes_total=sum(layer.size for layer in layers))
+        key = str(reference)
+        self.progress[key] = progress
         try:
             for layer in reversed(layers):  # top layer first, as `combine` wants them
+                progress.layers_done = len(evidences)
                 while layer.digest in self._inflight:
                     await self._inflight[layer.digest].wait()
                 cached = await self._cached(layer.digest)
@@ -103,7 +125,7 @@ class DeepReader:
                     if session is None:
                         session = await self.pool.open("any", 1, self.limits, deadline, kind="cuda")
                     async with self.client.stream_blob(reference, layer.digest) as chunks:
-                        outcome = await session.read_layer(chunks, layer.media_type)
+                        outcome = await session.read_layer(_counted(chunks, progress), layer.media_type)
                     result.bytes_read += outcome.compressed_bytes
                     evidence = CudaLayerEvidence.model_validate_json(outcome.evidence_json or "{}")
                     if outcome.complete and outcome.evidence_json is not None:
@@ -124,7 +146,15 @@ class DeepReader:
         finally:
             if session is not None:
                 session.close()
+            if self.progress.get(key) is progress:
+                del self.progress[key]
         result.inferred, result.archs = combine(evidences, layers_total=len(layers))
         if result.inferred is not None and not result.inferred.complete:
             result.warnings.append("deep scan: not every layer could be read; CUDA evidence may be missing")
         return result
+
+
+async def _counted(chunks: AsyncIterator[bytes], progress: DeepProgress) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        progress.bytes_read += len(chunk)
+        yield chunk

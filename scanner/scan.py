@@ -118,6 +118,12 @@ class Scanner:
             self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits(), self._pool)
         return self._deep
 
+    def deep_progress(self) -> dict[str, str]:
+        """Running deep scans, by reference: "deep scan: 2 of 5 layers, 812 of 4810 MiB"."""
+        if self._deep is None:
+            return {}
+        return {reference: progress.describe() for reference, progress in self._deep.progress.items()}
+
     def _wants_deep(self, gpu: GpuFacts) -> bool:
         """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
         mode = self.settings.deep_scan

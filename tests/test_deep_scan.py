@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule
 from tests.nvidia_wheels import NVJPEG_CU12, wheel_members
 
 SITE = "/usr/local/lib/python3.11/site-packages"
@@ -127,3 +129,24 @@ async def test_always_flags_a_mismatch(scanner: Scanner, images: dict[str, str])
 async def test_never(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/torch:1"])
     assert platform.gpu.inferred is None
+
+
+async def test_progress_while_a_deep_scan_runs(images: dict[str, str], registry: LocalRegistry) -> None:
+    """A layer blob held by the proxy: the scan shows where it is, and forgets it once done."""
+    settings = ScannerSettings(docker_config=None, deep_scan="always", analysis_processes=0)
+    async with FaultProxy(registry.url) as proxy, RegistryClient(settings) as client:
+        scanner = Scanner(client, None, settings)
+        reference = parse_reference(images["deep/torch-app:1"].replace(registry.host, proxy.host))
+        layers = (await client.manifest(reference)).layers
+        proxy.add(Rule("hang", method="GET", path=f"/blobs/{layers[1].digest}$"))
+        task = asyncio.create_task(scanner.deep.scan(reference, layers))
+        async with proxy.arrivals:
+            await asyncio.wait_for(
+                proxy.arrivals.wait_for(lambda: any(layers[1].digest in seen.path for seen in proxy.seen)), 30
+            )
+        total = sum(layer.size for layer in layers) / (1 << 20)
+        assert scanner.deep_progress() == {str(reference): f"deep scan: 0 of 2 layers, 0 of {total:.0f} MiB"}
+        proxy.release.set()
+        result = await asyncio.wait_for(task, 60)
+        assert result.inferred is not None and scanner.deep_progress() == {}
+        await scanner.close()

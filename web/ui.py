@@ -397,9 +397,10 @@ class JobView:
     updated_at: str
     error: str | None
     explanation: str | None
+    progress: str | None = None  # a running deep scan's layers and bytes
 
 
-def job_view(job: Job) -> JobView:
+def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
     return JobView(
         id=job.id,
         reference=job.reference,
@@ -411,7 +412,16 @@ def job_view(job: Job) -> JobView:
         updated_at=job.updated_at,
         error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
+        progress=_progress_of(job.reference, progress) if progress and job.state == "running" else None,
     )
+
+
+def _progress_of(text: str, progress: Mapping[str, str]) -> str | None:
+    """A running job's deep-scan progress; the scanner keys it by the normalised reference."""
+    try:
+        return progress.get(str(parse_reference(text)))
+    except ReferenceError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -568,13 +578,14 @@ async def scans_response(
 ) -> web.Response:
     services = services_of(request)
     store = services.store
+    deep = services.scanner.deep_progress() if services.scanner is not None else {}
     return page(
         request,
         "scans.html",
         status=status,
         title="Scans · gpubadge",
         active="scans",
-        pending=[job_view(job) for job in await store.jobs(states=["queued", "running"], limit=100)],
+        pending=[job_view(job, deep) for job in await store.jobs(states=["queued", "running"], limit=100)],
         recent=[job_view(job) for job in await store.jobs(limit=50)],
         depth=await store.queue_depth(),
         token_required=services.settings.api_token is not None,
