@@ -65,12 +65,12 @@ CUDA_LIBRARIES = (
     "nvjpeg",
     "cufile",
     "nvToolsExt",
-    "npp[a-z]*",
-    "cudnn_[a-z_]+",
+    "npp[a-z]{0,16}",
+    "cudnn_[a-z_]{1,64}",
     "cuda",
 )
-_NAME = re.compile(rb"lib(?:" + "|".join(CUDA_LIBRARIES).encode() + rb")\.so(?:\.[0-9]+)*\x00")
-_NAME_KEEP = 48  # longest name we look for, carried between chunks
+_NAME = re.compile(rb"lib(?:" + "|".join(CUDA_LIBRARIES).encode() + rb")\.so(?:\.[0-9]{1,8}){0,4}\x00")
+_NAME_KEEP = 128  # longer than any name the pattern matches, so a name split across chunks is found
 
 
 class FatbinFacts(BaseModel):
