@@ -59,6 +59,7 @@ def bench_shapes(quick: bool) -> list[BenchShape]:
         BenchShape("deep-path", hostile.deep_path, "failed: GPUBADGE_MAX_PATH_BYTES"),
         BenchShape("symlink-loop", hostile.symlink_loop, "glibc"),
         BenchShape("long-symlink-chain", hostile.long_symlink_chain, "musl"),
+        BenchShape("deep-link-chain", hostile.deep_link_chain, "failed: GPUBADGE_MAX_PATH_COMPONENTS"),
         BenchShape("many-whiteouts", lambda: hostile.many_whiteouts(100_000), "musl"),
         BenchShape("winding-link", hostile.winding_shell_link, "musl"),
         BenchShape(f"{layers}-tiny-layers", lambda: hostile.many_legal_layers(layers), "musl"),

@@ -492,7 +492,7 @@ class _Server:
 
 def main() -> None:
     """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr."""
-    incoming = os.fdopen(os.dup(0), "rb", buffering=1 << 20)
+    incoming = os.fdopen(os.dup(0), "rb", buffering=PIPE_BYTES)  # little read-ahead past an early stop
     outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
     os.dup2(2, 1)  # a stray print() must not corrupt the protocol
     sys.stdout = sys.stderr
