@@ -33,9 +33,20 @@ How the orchestrator drives it (per platform image):
         cache.put(layer.digest, evidence)                      # prefer complete over partial
     verdict = analysis.verdict(bytes_read=..., bytes_total=...)
 
-`analyse_layer` is the only async part: it streams the blob through `scanner.tarstream`
-and stops pulling bytes once `analysis.decided`. Errors from the stream (CorruptLayer,
-LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
+In the service this runs in an analysis process (`scanner.analysis`), which pushes the
+layer bytes through a `scanner.walk.LayerWalk`; `analyse_layer` is the same walk on the
+caller's event loop. It stops pulling bytes once `analysis.decided`.
+
+Cost (the content is hostile): the merged view is indexed as entries arrive, so a lookup
+is a few dictionary probes whatever the number of layers, and the verdict is re-derived
+only when an indexed change touches a path the last derivation looked at (a probe, a
+component of its link chain, an os-release path) and the walk asks (once per decompressed
+slice). Resolution follows Linux: more than `max_symlink_hops` links is ELOOP, a name past
+`max_path_bytes` is ENAMETOOLONG; every component resolved is charged to the image's
+`max_path_components`, and a layer keeps at most `max_layer_records` records. Past a
+bound `LimitExceeded` propagates and the scan fails naming it.
+
+Errors from the stream (CorruptLayer, LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
 `verdict()` stays truthful (`unknown` unless already decided). `combine()` is the pure
 one-shot form over cached evidences.
 """
