@@ -59,6 +59,7 @@ OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK = range(1, 10)
 ACK_BODY = struct.Struct("<Q")
 WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is read past an early stop
 PIPE_BYTES = 256 << 10
+ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
 
 
@@ -331,7 +332,7 @@ class AnalysisPool:
             self._starting = asyncio.Lock()
         async with self._starting:
             self._workers = [worker for worker in self._workers if worker.alive]
-            if len(self._workers) < self.processes:
+            while len(self._workers) < self.processes:  # all at once: they start in parallel
                 process = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -529,6 +530,8 @@ def main() -> None:
     outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
     os.dup2(2, 1)  # a stray print() must not corrupt the protocol
     sys.stdout = sys.stderr
+    with contextlib.suppress(OSError):
+        os.nice(ANALYSIS_NICENESS)  # background work: the service's own process gets the CPU first
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s analysis: %(message)s")
     with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
         _Server(incoming, outgoing).serve()
