@@ -29,6 +29,7 @@ from fixtures.registry import LocalRegistry, free_port
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import SERVICES, create_app
+from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet import FLEET_INDEX, FleetIndexCache
 from web.security import REDACTED, RedactingAccessLogger, redact_secrets
 from web.settings import ServiceSettings
@@ -265,6 +266,12 @@ async def test_eligibility_of_an_unscanned_image_needs_the_token_to_scan(service
     assert (
         await service.call("GET", f"/api/images/by-ref?ref={service.image}")
     ).status == 404  # nothing scanned
+    # Once a scan is queued (by the token holder), the answer says so instead.
+    queued_reference = service.image.replace(":1", ":queued")
+    job = await service.call("POST", "/api/scans", {"ref": queued_reference}, bearer(API_TOKEN))
+    assert job.status == 202, job.text
+    reply = await service.call("POST", "/api/eligibility", {"image": queued_reference})
+    assert reply.status == 404 and "its scan is queued" in reply.body["error"], reply.text
     scanned = await service.call("POST", "/api/eligibility", request, bearer(API_TOKEN))
     assert scanned.status == 200, scanned.text
     again = await service.call("POST", "/api/eligibility", request)  # stored results stay open
@@ -532,3 +539,21 @@ async def test_hostile_bodies_on_the_other_json_endpoints(service: Service) -> N
             "POST", path, b'{"name": "node-a", "n": 1' + b"0" * 5000 + b"}", bearer(token)
         )
         assert big.status == 400 and "out of range" in big.body["error"], (path, big.text)
+
+
+def test_json_limits_are_exact_at_their_edges() -> None:
+    limits = JsonLimits(max_depth=4, max_number=INTEROPERABLE_INTEGER, max_string=8)
+    assert loads_bounded(b"[[[{}]]]", limits) == [[[{}]]]  # four levels: allowed
+    with pytest.raises(JsonLimitExceeded, match="deeper than 4"):
+        loads_bounded(b"[[[[[]]]]]", limits)
+    assert loads_bounded(str(2**53).encode(), limits) == 2**53
+    assert loads_bounded(str(-(2**53)).encode(), limits) == -(2**53)
+    for text in (str(2**53 + 1), "9" * 5000, "1e16", "-1e400"):
+        with pytest.raises(JsonLimitExceeded, match="out of range"):
+            loads_bounded(text.encode(), limits)
+    assert loads_bounded(b'{"12345678": "abcdefgh"}', limits) == {"12345678": "abcdefgh"}
+    for text in (b'"abcdefghi"', b'{"123456789": 1}', b'[["x", "ninechars"]]'):
+        with pytest.raises(JsonLimitExceeded, match="longer than 8"):
+            loads_bounded(text, limits)
+    with pytest.raises(ValueError, match="Expecting"):  # not JSON: the caller's own message
+        loads_bounded(b"{", limits)

@@ -475,6 +475,11 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
     if report is not None:
         return report
     if not may_scan:
+        if await services.store.pending_job_for(str(reference)) is not None:
+            raise json_http_error(
+                web.HTTPNotFound,
+                f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
+            )
         raise json_http_error(
             web.HTTPNotFound,
             f"{reference} has not been scanned, and scanning it needs the API token: send"
