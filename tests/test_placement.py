@@ -129,6 +129,9 @@ def test_memory_tolerance(reported_mib: int, wanted: str, expected: bool) -> Non
         ("NVIDIA Virtual Compute Server", ("VCS", "Unknown")),
         ("NvidiaVApps", ("VApps", "Unknown")),
         ("14", ("Nvidia", "Unknown")),
+        ("19", ("Unknown",)),  # NVML's NPU brand: libnvidia-container has no name for it
+        ("NVML_BRAND_NVIDIA_VGAMEDEV", ("Unknown",)),
+        ("NvidiaDLA", ("Unknown",)),
         ("", ()),
     ],
 )

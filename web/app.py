@@ -112,6 +112,8 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         finally:
             if services.workers is not None:
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
+            if services.scanner is not None:
+                await services.scanner.close()  # stops its analysis processes
             await client.close()
             await services.store.close()
 

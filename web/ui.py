@@ -159,6 +159,10 @@ def origin_of(request: web.Request) -> str:
 
 _PLAIN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
+        re.compile(r"; the limit is .* \(GPUBADGE_[A-Z_]+\)$"),
+        "The image crosses one of the scanner's limits (named beside); it is not scanned again.",
+    ),
+    (
         re.compile(r"not on the allowlist", re.I),
         "This registry is not on the allowlist (GPUBADGE_REGISTRIES).",
     ),
@@ -605,11 +609,12 @@ async def badge(request: web.Request) -> web.Response:
     except ReferenceError as exc:
         return web.Response(status=400, text=str(exc), content_type="text/plain")
     report = await find_report(services, reference)
-    failed = False
+    failed, failure = False, None
     if report is None:
         latest = await services.store.latest_job_for(str(reference))
         failed = latest is not None and latest.state == "failed"
-    svg = render_badge(badge_for(report, last_scan_failed=failed))
+        failure = latest.error if latest is not None and failed else None
+    svg = render_badge(badge_for(report, last_scan_failed=failed, failure=failure))
     etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'
     headers = {
         "Cache-Control": BADGE_MAX_AGE if report is not None else BADGE_NO_CACHE,
