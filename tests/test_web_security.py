@@ -472,6 +472,31 @@ async def test_a_gpu_uuid_has_one_live_server(service: Service, caplog: pytest.L
     assert "node-a" not in servers and [g["uuid"] for g in servers["node-b"]["gpus"]] == ["GPU-shared-1"]
 
 
+async def test_a_registration_burst_does_not_reread_the_fleet_per_registration(service: Service) -> None:
+    """The claim check uses the claims made since the last read: N registrations, not N table reads."""
+    cache = service.app[FLEET_INDEX]
+    assert (await service.call("GET", "/api/servers")).status == 200
+    await cache.index(service.app)
+    reads = cache.inventory_reads
+    tokens = {"node-a": TOKEN_A, "node-b": TOKEN_B}
+    other = {"node-a": "node-b", "node-b": "node-a"}
+    for round_ in range(10):
+        for name, token in tokens.items():
+            body = agent(name, f"GPU-{name}-{round_}", f"GPU-{name}-{round_}-x")
+            assert (await service.call("POST", "/api/servers", body, bearer(token))).status == 200
+            # The claim just made holds at once for the other server.
+            rival = agent(other[name], f"GPU-{name}-{round_}")
+            taken = await service.call("POST", "/api/servers", rival, bearer(tokens[other[name]]))
+            assert taken.status == 409, taken.text
+            beat = await service.call("POST", f"/api/servers/{name}/heartbeat", {}, bearer(token))
+            assert beat.status == 200
+    assert cache.inventory_reads == reads  # no re-read of the server table on the way
+    servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert [g["uuid"] for g in servers["node-a"]["gpus"]] == ["GPU-node-a-9", "GPU-node-a-9-x"]
+    await cache.index(service.app)
+    assert cache.inventory_reads == reads + 1  # the next query reads once, with everything in it
+
+
 # ------------------------------------------------------------------ hostile deployment bodies
 
 
