@@ -197,6 +197,8 @@ async def test_error_messages_do_not_carry_secrets(service: Service, registry: L
         assert "bucket.s3.amazonaws.com/blob" in reply.text  # the rest stays readable
     page = await service.call("GET", "/scans")
     assert "0ddba11" not in page.text and "bucket.s3.amazonaws.com" in page.text
+    badge = await service.call("GET", f"/badge/{registry.host}/sec/app/1.svg")  # the reason is in its title
+    assert badge.status == 200 and "bucket.s3.amazonaws.com" in badge.text and "0ddba11" not in badge.text
     # A wrong webhook token is not echoed back.
     reply = await service.call(
         "POST", "/hooks/distribution?token=wrong-guess-1234", distribution_push(registry.host)
