@@ -31,7 +31,7 @@ from tests.test_placement import FakeClock
 from web.app import SERVICES, create_app
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet import FLEET_INDEX, FleetIndexCache
-from web.security import REDACTED, RedactingAccessLogger, redact_secrets
+from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
 from web.settings import ServiceSettings
 
 API_TOKEN = "api-token-7c1e5"
@@ -204,6 +204,22 @@ async def test_error_messages_do_not_carry_secrets(service: Service, registry: L
         "POST", "/hooks/distribution?token=wrong-guess-1234", distribution_push(registry.host)
     )
     assert reply.status == 401 and "wrong-guess-1234" not in reply.text
+
+
+def test_log_filter_redacts_formatted_messages() -> None:
+    record = logging.LogRecord(
+        "scanner",
+        logging.WARNING,
+        __file__,
+        1,
+        "scan of %s failed: %s",
+        ("app:1", "GET https://s3/x?sig=abc123"),
+        None,
+    )
+    assert RedactingLogFilter().filter(record)
+    assert record.getMessage() == f"scan of app:1 failed: GET https://s3/x?sig={REDACTED}"
+    plain = logging.LogRecord("web", logging.INFO, __file__, 1, "%d jobs", (3,), None)
+    assert RedactingLogFilter().filter(plain) and plain.args == (3,)  # untouched when nothing to redact
 
 
 def test_redaction_keeps_what_a_reader_needs() -> None:
