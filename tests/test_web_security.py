@@ -261,9 +261,17 @@ async def test_deployment_env_values_need_the_api_token(service: Service) -> Non
     poll = await service.call("GET", "/api/agents/node-b/deployments?wait=0", headers=bearer(TOKEN_B))
     assert poll.status == 200 and poll.body["deployments"][0]["env"]["DB_PASSWORD"] == "hunter2-secret"
     report = await service.call(
-        "POST", f"/api/deployments/{deployment_id}/status", {"state": "running"}, bearer(TOKEN_B)
+        "POST",
+        f"/api/deployments/{deployment_id}/status",
+        {"state": "running", "logs": "connecting with password hunter2-secret\n"},
+        bearer(TOKEN_B),
     )
     assert report.status == 200 and "hunter2-secret" not in report.text
+    # The container's output may print the same secrets: it is shown to token holders only.
+    anonymous = await service.call("GET", f"/api/deployments/{deployment_id}")
+    assert anonymous.body["logs"] == REDACTED and "hunter2-secret" not in anonymous.text
+    holder = await service.call("GET", f"/api/deployments/{deployment_id}", headers=bearer(API_TOKEN))
+    assert holder.body["logs"] == "connecting with password hunter2-secret\n"
     for page in ("/servers", "/"):
         assert "hunter2-secret" not in (await service.call("GET", page)).text
 

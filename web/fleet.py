@@ -40,7 +40,7 @@ from scanner.reference import ReferenceError, parse_reference
 from store import GpuTaken, ServerRecord
 from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json
-from web.security import bearer_token, holds_api_token, mask_values, token_matches
+from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
 from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,14 @@ class Deployment(BaseModel):
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
-    def shown(self, reveal_env: bool) -> dict[str, Any]:
-        """The API's JSON; `env` values only for API token holders (they may carry secrets)."""
+    def shown(self, token_holder: bool) -> dict[str, Any]:
+        """The API's JSON. `env` values and the container's output only for API token holders:
+        both may carry the workload's secrets (a program that prints its configuration)."""
         body = self.model_dump(mode="json")
-        if not reveal_env:
+        if not token_holder:
             body["env"] = mask_values(self.env)
+            if self.logs:
+                body["logs"] = REDACTED
         return body
 
     def for_agent(self) -> AgentDeployment:
@@ -696,7 +699,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
         await request.app[FLEET_EVENTS].notify()
-    return web.json_response(updated.shown(reveal_env=False))
+    return web.json_response(updated.shown(token_holder=False))
 
 
 async def _end_long_polls(app: web.Application) -> None:
