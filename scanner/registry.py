@@ -929,7 +929,9 @@ class RegistryClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = _transport_error(exc, self.settings.request_timeout, url=request.url)
             self._observe(realm.netloc, None, str(error))
-            raise TransportError(f"{what}: {error}", retryable=error.retryable, host=host) from None
+            raise TransportError(
+                f"{error} (fetching a token for {host})", retryable=error.retryable, host=host
+            ) from None
         try:
             return parse_token_response(body)
         except ValueError as exc:

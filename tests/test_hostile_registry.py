@@ -7,9 +7,13 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
@@ -388,3 +392,22 @@ async def test_refused_connection_names_host_and_port_and_is_retried() -> None:
             await client.resolve(ref)
     assert str(failed.value) == "cannot reach 127.0.0.1:1: connection refused"
     assert (stats.requests, stats.retries) == (3, 2)
+
+
+def test_cli_scan_of_an_unresolvable_registry_fails_in_words(tmp_path: Path) -> None:
+    """What a user without network sees: one line naming host, port and cause; exit status 1."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "DOCKER_CONFIG": str(tmp_path),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "scan", "registry.invalid/some/app:v1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "cannot reach registry.invalid:443: name resolution failed" in result.stderr
+    assert "Error" not in result.stderr + result.stdout  # no exception class names

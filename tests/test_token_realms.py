@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
+from fixtures.busybox import busybox_image
 from fixtures.registry import LocalRegistry
 from scanner.auth import RealmRefused, check_realm
 from scanner.reference import parse_reference
 from scanner.registry import NotFound, RegistryClient, TokenRealmRefused
 from scanner.settings import RegistryConfig, ScannerSettings
-from tests.faultproxy import FaultProxy, TokenServer
+from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule, TokenServer
 
 # (registry API host, realm URL, allowlist, sends credentials, allowed?)
 REALM_CASES: list[tuple[str, str, list[str], bool, bool]] = [
@@ -116,3 +118,31 @@ async def test_loopback_realm_of_a_loopback_registry_gets_credentials(registry: 
             with pytest.raises(NotFound):  # the repository does not exist: auth itself succeeded
                 await client.resolve(parse_reference(f"{proxy.host}/realm/absent:v1"))
     assert tokens.calls and tokens.calls[0]["authorization"].startswith("Basic ")
+
+
+async def test_blob_redirects_to_storage_stay_allowed_and_carry_no_credentials(
+    registry: LocalRegistry, push: Pusher
+) -> None:
+    """A configured registry token goes to the registry only, never to the storage host it redirects to."""
+    digest = push(busybox_image(), "realm/redirected:v1")
+    async with FaultProxy(registry.url) as proxy, FaultProxy(registry.url) as storage:
+        proxy.require_bearer("https://unused.example/token", {"configured-token-123"})
+        proxy.add(
+            Rule(
+                "redirect",
+                method="GET",
+                path="/blobs/",
+                location=f"http://localhost:{storage.port}",
+                times=None,
+            )
+        )
+        config = settings(
+            registries=[RegistryConfig(host=proxy.host, token=SecretStr("configured-token-123"))]
+        )
+        ref = parse_reference(f"{proxy.host}/realm/redirected:v1")
+        async with RegistryClient(config) as client:
+            manifest = await client.manifest(ref, digest)
+            assert await client.blob(ref, manifest.config.digest, 1 << 20)
+    assert storage.count("GET") == 1
+    assert all("Authorization" not in seen.headers for seen in storage.seen)
+    assert all(seen.headers.get("Authorization") == "Bearer configured-token-123" for seen in proxy.seen)

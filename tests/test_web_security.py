@@ -28,11 +28,12 @@ from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
-from web.app import SERVICES, create_app
+from web.app import create_app
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet import FLEET_INDEX, FleetIndexCache
 from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
 from web.settings import ServiceSettings
+from web.state import SERVICES
 
 API_TOKEN = "api-token-7c1e5"
 TOKEN_A = "agent-a-token-44d1"
