@@ -24,7 +24,7 @@ from scanner.registry import Descriptor, RegistryClient
 from scanner.tarstream import LayerTooLarge
 
 if TYPE_CHECKING:
-    from scanner.store import Store
+    from scanner.cache import ScanCache
 
 
 class LayerReader:
@@ -33,7 +33,7 @@ class LayerReader:
     def __init__(
         self,
         client: RegistryClient,
-        store: Store | None,
+        store: ScanCache | None,
         *,
         limits: AnalysisLimits | None = None,
         pool: AnalysisPool | None = None,
@@ -45,19 +45,19 @@ class LayerReader:
         self._memory_cache: dict[str, str] = {}  # evidence JSON by digest, when running without a store
         self._inflight: dict[str, asyncio.Event] = {}
 
-    def _cached(self, digest: str) -> str | None:
+    async def _cached(self, digest: str) -> str | None:
         if self.store is None:
             return self._memory_cache.get(digest)
-        return self.store.layer_evidence(digest)
+        return await self.store.layer_evidence(digest)
 
-    def _remember(self, digest: str, evidence_json: str, complete: bool) -> None:
-        previous = self._cached(digest)
+    async def _remember(self, digest: str, evidence_json: str, complete: bool) -> None:
+        previous = await self._cached(digest)
         if previous is not None and not complete and evidence_is_complete(previous):
             return  # never replace a full read with a partial one
         if self.store is None:
             self._memory_cache[digest] = evidence_json
         else:
-            self.store.save_layer_evidence(digest, evidence_json)
+            await self.store.save_layer_evidence(digest, evidence_json)
 
     async def libc_verdict(
         self, reference: Reference, layers: Sequence[Descriptor], arch: str, deadline: float | None = None
@@ -79,17 +79,18 @@ class LayerReader:
                     break
                 while layer.digest in self._inflight:  # someone else is reading it right now
                     await self._inflight[layer.digest].wait()
-                cached = self._cached(layer.digest)
-                if cached is not None and await session.use_cached(cached):
-                    continue
+                # Claim the digest before the first await, so a concurrent scan waits for this read.
                 done = asyncio.Event()
                 self._inflight[layer.digest] = done
                 try:
+                    cached = await self._cached(layer.digest)
+                    if cached is not None and await session.use_cached(cached):
+                        continue
                     async with self.client.stream_blob(reference, layer.digest) as chunks:
                         outcome = await session.read_layer(chunks, layer.media_type)
                     bytes_read += outcome.compressed_bytes
                     if outcome.evidence_json is not None:
-                        self._remember(layer.digest, outcome.evidence_json, outcome.complete)
+                        await self._remember(layer.digest, outcome.evidence_json, outcome.complete)
                 except LayerTooLarge as exc:
                     # A real layer can be this big (CUDA libraries): the verdict stays unknown, the
                     # GPU facts from the config still stand, and the warning names the setting.
