@@ -21,7 +21,7 @@ from pathlib import Path
 from bench import deep_bench, hostile_bench, push_burst_bench, scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "hostile", "burst", "deep", "placement", "ui")
+SECTIONS = ("scan", "service", "burst", "hostile", "deep", "placement", "ui")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -152,10 +152,10 @@ def main() -> int:
         scan_bench.run_all(results, args.quick)
     if "service" in wanted:
         service_bench.run_all(results, args.quick)
-    if "hostile" in wanted:
-        hostile_bench.run_all(results, args.quick)
     if "burst" in wanted:
         push_burst_bench.run_all(results, args.quick)
+    if "hostile" in wanted:
+        hostile_bench.run_all(results, args.quick)
     if "deep" in wanted:
         deep_bench.run_all(results, args.quick)
     if "placement" in wanted:

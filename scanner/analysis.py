@@ -25,8 +25,10 @@ dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryabl
 replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
 process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
 
-Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, or raw
-layer bytes for CHUNK).
+Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
+bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
+and the scanning process stays at most `WINDOW_BYTES` ahead: an early stop then reads
+little more than the verdict needed, even while a process is starting or busy.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ from scanner.walk import LayerWalk
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IBI")
-OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY = range(1, 9)
+OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK = range(1, 10)
+ACK_BODY = struct.Struct("<Q")
+WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is read past an early stop
 PIPE_BYTES = 256 << 10
+ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
 
 
@@ -217,6 +222,8 @@ class _Worker:
         self.stdout = process.stdout
         _widen_pipe(self.stdin.transport.get_extra_info("pipe"))
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.parsed: dict[int, int] = {}  # layer bytes the process has parsed, by session (ACK frames)
+        self.progress: dict[int, asyncio.Event] = {}  # set on every ACK or reply of a session
         self.sessions = 0
         self.alive = True
         self.reader = asyncio.create_task(self._read_replies())
@@ -244,19 +251,30 @@ class _Worker:
         try:
             while True:
                 header = await self.stdout.readexactly(HEADER.size)
-                length, _, session = HEADER.unpack(header)
+                length, kind, session = HEADER.unpack(header)
                 payload = await self.stdout.readexactly(length)
-                future = self.waiting.pop(session, None)
-                if future is not None and not future.done():
-                    future.set_result(json.loads(payload))
+                if kind == ACK:
+                    (self.parsed[session],) = ACK_BODY.unpack(payload)
+                else:
+                    future = self.waiting.pop(session, None)
+                    if future is not None and not future.done():
+                        future.set_result(json.loads(payload))
+                self._wake(session)
         except (asyncio.IncompleteReadError, ConnectionError):
             self._die("the analysis process exited")
         except Exception as exc:  # a garbled reply: the process cannot be trusted any more
             log.exception("analysis process sent a bad reply")
             self._die(f"the analysis process failed: {exc}")
 
+    def _wake(self, session: int) -> None:
+        event = self.progress.get(session)
+        if event is not None:
+            event.set()
+
     def _die(self, why: str) -> None:
         self.alive = False
+        for event in self.progress.values():
+            event.set()
         for future in self.waiting.values():
             if not future.done():
                 future.set_exception(AnalysisCrashed(why))
@@ -296,6 +314,8 @@ class RemoteSession:
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         worker = self._worker
         future = worker.expect(self._id)
+        progress = worker.progress.setdefault(self._id, asyncio.Event())
+        worker.parsed[self._id] = 0
         worker.send(LAYER, self._id, json.dumps({"media_type": media_type}).encode())
         sent = 0
         try:
@@ -303,6 +323,12 @@ class RemoteSession:
                 worker.send(CHUNK, self._id, chunk)
                 sent += len(chunk)
                 await worker.drain()
+                # Credit flow: stay at most WINDOW_BYTES ahead of the parser, so an early stop
+                # (the verdict is known) costs little more than the bytes the verdict needed.
+                while not future.done() and sent - worker.parsed.get(self._id, 0) > WINDOW_BYTES:
+                    progress.clear()
+                    if not future.done() and sent - worker.parsed.get(self._id, 0) > WINDOW_BYTES:
+                        await progress.wait()
                 if future.done():  # decided (or failed): stop pulling bytes from the registry
                     break
         finally:
@@ -328,6 +354,8 @@ class RemoteSession:
             return
         self._closed = True
         self._worker.sessions -= 1
+        self._worker.progress.pop(self._id, None)
+        self._worker.parsed.pop(self._id, None)
         if self._worker.alive:
             with contextlib.suppress(Exception):
                 self._worker.send(CLOSE, self._id)
@@ -347,7 +375,7 @@ class AnalysisPool:
             self._starting = asyncio.Lock()
         async with self._starting:
             self._workers = [worker for worker in self._workers if worker.alive]
-            if len(self._workers) < self.processes:
+            while len(self._workers) < self.processes:  # all at once: they start in parallel
                 process = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -417,6 +445,10 @@ class _Server:
         self._in = incoming
         self._out = outgoing
         self._sessions: dict[int, _ServerSession] = {}
+
+    def _ack(self, session: int, parsed: int) -> None:
+        self._out.write(HEADER.pack(ACK_BODY.size, ACK, session) + ACK_BODY.pack(parsed))
+        self._out.flush()
 
     def _reply(self, session: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
@@ -514,6 +546,8 @@ class _Server:
             return
         if not wanted:
             self._finish_layer(session, state)
+        else:
+            self._ack(session, state.walk.stats.compressed_bytes)
 
     def _end_layer(self, session: int, state: _ServerSession) -> None:
         if not state.answered and state.walk is not None:
@@ -548,10 +582,12 @@ class _Server:
 
 def main() -> None:
     """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr."""
-    incoming = os.fdopen(os.dup(0), "rb", buffering=1 << 20)
+    incoming = os.fdopen(os.dup(0), "rb", buffering=PIPE_BYTES)  # little read-ahead past an early stop
     outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
     os.dup2(2, 1)  # a stray print() must not corrupt the protocol
     sys.stdout = sys.stderr
+    with contextlib.suppress(OSError):
+        os.nice(ANALYSIS_NICENESS)  # background work: the service's own process gets the CPU first
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s analysis: %(message)s")
     with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
         _Server(incoming, outgoing).serve()

@@ -52,7 +52,9 @@ class Stack:
     agent_log: Path
 
     async def get(self, path: str) -> Any:
-        async with self.session.get(f"{self.service.url}{path}") as response:
+        """As the user who deployed: with the API token, which shows env values and logs."""
+        headers = {"Authorization": f"Bearer {API_TOKEN}"}
+        async with self.session.get(f"{self.service.url}{path}", headers=headers) as response:
             assert response.status == 200, await response.text()
             return await response.json()
 

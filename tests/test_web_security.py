@@ -29,8 +29,9 @@ from fixtures.registry import LocalRegistry, free_port
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import create_app
+from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet import FLEET_INDEX, FleetIndexCache
-from web.security import REDACTED, RedactingAccessLogger, redact_secrets
+from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
 from web.settings import ServiceSettings
 from web.state import SERVICES
 
@@ -197,11 +198,29 @@ async def test_error_messages_do_not_carry_secrets(service: Service, registry: L
         assert "bucket.s3.amazonaws.com/blob" in reply.text  # the rest stays readable
     page = await service.call("GET", "/scans")
     assert "0ddba11" not in page.text and "bucket.s3.amazonaws.com" in page.text
+    badge = await service.call("GET", f"/badge/{registry.host}/sec/app/1.svg")  # the reason is in its title
+    assert badge.status == 200 and "bucket.s3.amazonaws.com" in badge.text and "0ddba11" not in badge.text
     # A wrong webhook token is not echoed back.
     reply = await service.call(
         "POST", "/hooks/distribution?token=wrong-guess-1234", distribution_push(registry.host)
     )
     assert reply.status == 401 and "wrong-guess-1234" not in reply.text
+
+
+def test_log_filter_redacts_formatted_messages() -> None:
+    record = logging.LogRecord(
+        "scanner",
+        logging.WARNING,
+        __file__,
+        1,
+        "scan of %s failed: %s",
+        ("app:1", "GET https://s3/x?sig=abc123"),
+        None,
+    )
+    assert RedactingLogFilter().filter(record)
+    assert record.getMessage() == f"scan of app:1 failed: GET https://s3/x?sig={REDACTED}"
+    plain = logging.LogRecord("web", logging.INFO, __file__, 1, "%d jobs", (3,), None)
+    assert RedactingLogFilter().filter(plain) and plain.args == (3,)  # untouched when nothing to redact
 
 
 def test_redaction_keeps_what_a_reader_needs() -> None:
@@ -243,9 +262,17 @@ async def test_deployment_env_values_need_the_api_token(service: Service) -> Non
     poll = await service.call("GET", "/api/agents/node-b/deployments?wait=0", headers=bearer(TOKEN_B))
     assert poll.status == 200 and poll.body["deployments"][0]["env"]["DB_PASSWORD"] == "hunter2-secret"
     report = await service.call(
-        "POST", f"/api/deployments/{deployment_id}/status", {"state": "running"}, bearer(TOKEN_B)
+        "POST",
+        f"/api/deployments/{deployment_id}/status",
+        {"state": "running", "logs": "connecting with password hunter2-secret\n"},
+        bearer(TOKEN_B),
     )
     assert report.status == 200 and "hunter2-secret" not in report.text
+    # The container's output may print the same secrets: it is shown to token holders only.
+    anonymous = await service.call("GET", f"/api/deployments/{deployment_id}")
+    assert anonymous.body["logs"] == REDACTED and "hunter2-secret" not in anonymous.text
+    holder = await service.call("GET", f"/api/deployments/{deployment_id}", headers=bearer(API_TOKEN))
+    assert holder.body["logs"] == "connecting with password hunter2-secret\n"
     for page in ("/servers", "/"):
         assert "hunter2-secret" not in (await service.call("GET", page)).text
 
@@ -266,6 +293,12 @@ async def test_eligibility_of_an_unscanned_image_needs_the_token_to_scan(service
     assert (
         await service.call("GET", f"/api/images/by-ref?ref={service.image}")
     ).status == 404  # nothing scanned
+    # Once a scan is queued (by the token holder), the answer says so instead.
+    queued_reference = service.image.replace(":1", ":queued")
+    job = await service.call("POST", "/api/scans", {"ref": queued_reference}, bearer(API_TOKEN))
+    assert job.status == 202, job.text
+    reply = await service.call("POST", "/api/eligibility", {"image": queued_reference})
+    assert reply.status == 404 and "its scan is queued" in reply.body["error"], reply.text
     scanned = await service.call("POST", "/api/eligibility", request, bearer(API_TOKEN))
     assert scanned.status == 200, scanned.text
     again = await service.call("POST", "/api/eligibility", request)  # stored results stay open
@@ -466,6 +499,31 @@ async def test_a_gpu_uuid_has_one_live_server(service: Service, caplog: pytest.L
     assert "node-a" not in servers and [g["uuid"] for g in servers["node-b"]["gpus"]] == ["GPU-shared-1"]
 
 
+async def test_a_registration_burst_does_not_reread_the_fleet_per_registration(service: Service) -> None:
+    """The claim check uses the claims made since the last read: N registrations, not N table reads."""
+    cache = service.app[FLEET_INDEX]
+    assert (await service.call("GET", "/api/servers")).status == 200
+    await cache.index(service.app)
+    reads = cache.inventory_reads
+    tokens = {"node-a": TOKEN_A, "node-b": TOKEN_B}
+    other = {"node-a": "node-b", "node-b": "node-a"}
+    for round_ in range(10):
+        for name, token in tokens.items():
+            body = agent(name, f"GPU-{name}-{round_}", f"GPU-{name}-{round_}-x")
+            assert (await service.call("POST", "/api/servers", body, bearer(token))).status == 200
+            # The claim just made holds at once for the other server.
+            rival = agent(other[name], f"GPU-{name}-{round_}")
+            taken = await service.call("POST", "/api/servers", rival, bearer(tokens[other[name]]))
+            assert taken.status == 409, taken.text
+            beat = await service.call("POST", f"/api/servers/{name}/heartbeat", {}, bearer(token))
+            assert beat.status == 200
+    assert cache.inventory_reads == reads  # no re-read of the server table on the way
+    servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert [g["uuid"] for g in servers["node-a"]["gpus"]] == ["GPU-node-a-9", "GPU-node-a-9-x"]
+    await cache.index(service.app)
+    assert cache.inventory_reads == reads + 1  # the next query reads once, with everything in it
+
+
 # ------------------------------------------------------------------ hostile deployment bodies
 
 
@@ -533,3 +591,21 @@ async def test_hostile_bodies_on_the_other_json_endpoints(service: Service) -> N
             "POST", path, b'{"name": "node-a", "n": 1' + b"0" * 5000 + b"}", bearer(token)
         )
         assert big.status == 400 and "out of range" in big.body["error"], (path, big.text)
+
+
+def test_json_limits_are_exact_at_their_edges() -> None:
+    limits = JsonLimits(max_depth=4, max_number=INTEROPERABLE_INTEGER, max_string=8)
+    assert loads_bounded(b"[[[{}]]]", limits) == [[[{}]]]  # four levels: allowed
+    with pytest.raises(JsonLimitExceeded, match="deeper than 4"):
+        loads_bounded(b"[[[[[]]]]]", limits)
+    assert loads_bounded(str(2**53).encode(), limits) == 2**53
+    assert loads_bounded(str(-(2**53)).encode(), limits) == -(2**53)
+    for text in (str(2**53 + 1), "9" * 5000, "1e16", "-1e400"):
+        with pytest.raises(JsonLimitExceeded, match="out of range"):
+            loads_bounded(text.encode(), limits)
+    assert loads_bounded(b'{"12345678": "abcdefgh"}', limits) == {"12345678": "abcdefgh"}
+    for text in (b'"abcdefghi"', b'{"123456789": 1}', b'[["x", "ninechars"]]'):
+        with pytest.raises(JsonLimitExceeded, match="longer than 8"):
+            loads_bounded(text, limits)
+    with pytest.raises(ValueError, match="Expecting"):  # not JSON: the caller's own message
+        loads_bounded(b"{", limits)

@@ -47,6 +47,10 @@ def run_serve(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from web.security import RedactingLogFilter
+
+    for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
+        handler.addFilter(RedactingLogFilter())
     try:
         settings = load_settings(args.config, host=args.host, port=args.port, db=args.db)
     except (ValueError, OSError) as exc:

@@ -40,7 +40,7 @@ from scanner.reference import ReferenceError, parse_reference
 from store import GpuTaken, ServerRecord
 from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json
-from web.security import bearer_token, holds_api_token, mask_values, token_matches
+from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
 from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,14 @@ class Deployment(BaseModel):
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
-    def shown(self, reveal_env: bool) -> dict[str, Any]:
-        """The API's JSON; `env` values only for API token holders (they may carry secrets)."""
+    def shown(self, token_holder: bool) -> dict[str, Any]:
+        """The API's JSON. `env` values and the container's output only for API token holders:
+        both may carry the workload's secrets (a program that prints its configuration)."""
         body = self.model_dump(mode="json")
-        if not reveal_env:
+        if not token_holder:
             body["env"] = mask_values(self.env)
+            if self.logs:
+                body["logs"] = REDACTED
         return body
 
     def for_agent(self) -> AgentDeployment:
@@ -152,9 +155,10 @@ class FleetIndexCache:
     """The placement index kept between requests, so a query costs `decide`, not a fleet rebuild.
 
     Building the live server list and its index per request costs ~0.5 s at 10,000 servers;
-    the query itself a few ms. Handlers that change the fleet say so: `inventory_changed()`
-    (a server registered, reported new GPUs, or came back after going silent) makes the next
-    query re-read the servers (parsing only inventories whose JSON changed);
+    the query itself a few ms. Handlers that change the fleet say so: `claimed()` (a server
+    registered, reported new GPUs, or came back after going silent) makes the next query re-read
+    the servers (parsing only inventories whose JSON changed), and its GPU claims hold at once for
+    the next registration's check (`owners`), which never forces a re-read itself;
     `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
     re-derives only the servers whose reserved GPUs changed. Agents that go silent drop out on a
     timed check, every `check_seconds` and when the first agent is due to go stale; the same
@@ -173,33 +177,55 @@ class FleetIndexCache:
         self._base: dict[str, Server] = {}  # live servers by name, before reservations
         self._owner: dict[str, str] = {}  # GPU UUID -> server name
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
-
-    def inventory_changed(self) -> None:
-        self._inventory_dirty = True
+        # Claims made since the last read of the server table (registrations, GPU reports, servers
+        # back from silence): they hold at once, without a re-read per registration.
+        self._recent_owner: dict[str, str] = {}  # GPU UUID -> server name
+        self._recent_live: set[str] = set()  # server names
 
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
 
-    async def gpu_owners(self, app: web.Application) -> dict[str, str]:
-        """GPU UUID -> the live server that reports it (static or an agent not yet stale), current now."""
-        await self.index(app)
-        return self._owner
+    def claimed(self, name: str, gpus: Sequence[Gpu]) -> None:
+        """`name` is live and reports `gpus` (it registered, reported GPUs or came back): holds at once."""
+        self._inventory_dirty = True
+        self._recent_live.add(name)
+        self._recent_owner.update((gpu.uuid, name) for gpu in gpus)
+
+    async def owners(self, app: web.Application, uuids: Sequence[str]) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static, or an agent not yet stale)."""
+        await self._current(app)
+        found = {}
+        for gpu_uuid in uuids:
+            owner = self._recent_owner.get(gpu_uuid) or self._owner.get(gpu_uuid)
+            if owner is not None:
+                found[gpu_uuid] = owner
+        return found
 
     async def is_live(self, app: web.Application, name: str) -> bool:
         """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
-        await self.index(app)
-        return name in self._base
+        await self._current(app)
+        return name in self._base or name in self._recent_live
+
+    async def _current(self, app: web.Application) -> None:
+        """Re-read the servers when agents may have gone stale, but not for registrations alone:
+        those are in the recent claims, and a burst of N must not cost N reads of the whole table."""
+        if self._index is None or self._clock() >= self._check_at:
+            await self.index(app)
 
     def heard_from(self, name: str) -> None:
         """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
         if name not in self._base:
             self._inventory_dirty = True
+            self._recent_live.add(name)
 
     async def index(self, app: web.Application) -> FleetIndex:
         now = self._clock()
         store = services_of_app(app).store
         if self._index is None or self._inventory_dirty or now >= self._check_at:
             self._inventory_dirty = False
+            # Claims made before this read are committed, so the read has them; later ones stay.
+            self._recent_owner.clear()
+            self._recent_live.clear()
             servers, reserved = await store.servers(), await store.reserved_gpus()
             self._read_inventory(app, now, servers, reserved)
         elif self._reservations_dirty:
@@ -322,8 +348,8 @@ async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]
     The same UUID on two servers is a cloned inventory or an impostor; either way placement must
     not hand that GPU out twice. The claim lapses once its server goes stale.
     """
-    owners = await app[FLEET_INDEX].gpu_owners(app)
-    taken = {gpu.uuid: owners[gpu.uuid] for gpu in gpus if owners.get(gpu.uuid, name) != name}
+    owners = await app[FLEET_INDEX].owners(app, [gpu.uuid for gpu in gpus])
+    taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
     if not taken:
         return None
     holders = sorted(set(taken.values()))
@@ -350,7 +376,11 @@ async def returning_conflict(app: web.Application, name: str) -> web.Response | 
     stored = await services_of_app(app).store.server_inventory(name)
     if stored is None:
         return None
-    return await claimed_elsewhere(app, name, Server.model_validate_json(stored).gpus)
+    gpus = Server.model_validate_json(stored).gpus
+    conflict = await claimed_elsewhere(app, name, gpus)
+    if conflict is None:
+        app[FLEET_INDEX].claimed(name, gpus)
+    return conflict
 
 
 async def list_servers(request: web.Request) -> web.Response:
@@ -372,7 +402,7 @@ async def register_server(request: web.Request) -> web.Response:
         if conflict is not None:
             return conflict
         await services.store.upsert_server(server.name, stored.model_dump_json())
-        request.app[FLEET_INDEX].inventory_changed()
+        request.app[FLEET_INDEX].claimed(server.name, server.gpus)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
     return web.json_response(body.model_dump())
@@ -406,8 +436,8 @@ async def server_heartbeat(request: web.Request) -> web.Response:
                 )
         if not await services.store.heartbeat(name, inventory):
             return json_error(404, f"unknown server {name}; register again")
-        if inventory is not None:
-            request.app[FLEET_INDEX].inventory_changed()
+        if inventory is not None and beat.gpus is not None:
+            request.app[FLEET_INDEX].claimed(name, beat.gpus)
         else:
             request.app[FLEET_INDEX].heard_from(name)
     return web.json_response({"ok": True})
@@ -477,6 +507,11 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
     if report is not None:
         return report
     if not may_scan:
+        if await services.store.pending_job_for(str(reference)) is not None:
+            raise json_http_error(
+                web.HTTPNotFound,
+                f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
+            )
         raise json_http_error(
             web.HTTPNotFound,
             f"{reference} has not been scanned, and scanning it needs the API token: send"
@@ -669,7 +704,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
         await request.app[FLEET_EVENTS].notify()
-    return web.json_response(updated.shown(reveal_env=False))
+    return web.json_response(updated.shown(token_holder=False))
 
 
 async def _end_long_polls(app: web.Application) -> None:

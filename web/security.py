@@ -13,6 +13,7 @@ import base64
 import binascii
 import hmac
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import unquote_plus
@@ -121,6 +122,21 @@ class RedactingAccessLogger(AccessLogger):
 
 
 ACCESS_LOGGER: type[AbstractAccessLogger] = RedactingAccessLogger
+
+
+class RedactingLogFilter(logging.Filter):
+    """For the handlers of `gpubadge serve`: every log line loses the secrets `redact_secrets` finds.
+
+    Scan errors quote registry and storage URLs, which may be pre-signed. The application installs
+    this on its own handlers (library code never touches process-wide logging).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_secrets(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
 
 
 # ------------------------------------------------------------------ credentials on requests

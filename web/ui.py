@@ -637,7 +637,7 @@ async def badge(request: web.Request) -> web.Response:
     if report is None:
         latest = await services.store.latest_job_for(str(reference))
         failed = latest is not None and latest.state == "failed"
-        failure = latest.error if latest is not None and failed else None
+        failure = redact_secrets(latest.error) if latest is not None and failed and latest.error else None
     svg = render_badge(badge_for(report, last_scan_failed=failed, failure=failure))
     etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'
     headers = {
