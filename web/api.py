@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.store import Job
-from web import hooks
+from web import hooks, hooks_acr
 from web.app import SERVICES, Services, json_error, json_http_error
 from web.openapi import openapi_document
 from web.scan_requests import ScanRefused, request_scan, token_matches
@@ -26,6 +26,7 @@ from web.scan_requests import ScanRefused, request_scan, token_matches
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
+WEBHOOK_SOURCES = (*hooks.SOURCES, hooks_acr.SOURCE)
 MAX_WAIT = 60.0
 
 
@@ -92,29 +93,37 @@ async def receive_webhook(request: web.Request) -> web.Response:
         status = response.status
         return response
     finally:
-        label = source if source in hooks.SOURCES else "unknown"
+        label = source if source in WEBHOOK_SOURCES else "unknown"
         services.metrics.webhooks.inc(label, str(status))
         services.metrics.webhook_seconds.observe(time.perf_counter() - started, label)
 
 
 async def _receive_webhook(request: web.Request, services: Services, source: str) -> web.Response:
     settings = services.settings
-    if source not in hooks.SOURCES:
+    if source not in WEBHOOK_SOURCES:
         return json_error(
-            404, f"unknown webhook source {source!r}; expected one of {', '.join(hooks.SOURCES)}"
+            404, f"unknown webhook source {source!r}; expected one of {', '.join(WEBHOOK_SOURCES)}"
         )
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return json_error(413, f"body larger than {settings.max_body_bytes} bytes")
     try:
-        hooks.authenticate(source, body, request.headers, request.query, settings.webhook_secret_for(source))
+        if source == hooks_acr.SOURCE:
+            hooks_acr.authenticate(request.headers, settings.webhook_secret_for(source))
+        else:
+            hooks.authenticate(
+                source, body, request.headers, request.query, settings.webhook_secret_for(source)
+            )
     except hooks.WebhookAuthError as exc:
         log.warning("webhook from %s refused: %s", request.remote, exc)
         return json_error(401, str(exc))
     default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
-        events = hooks.normalise(source, body, request.headers, default_registry=default_registry)
+        if source == hooks_acr.SOURCE:
+            events = hooks_acr.normalise(body)
+        else:
+            events = hooks.normalise(source, body, request.headers, default_registry=default_registry)
     except hooks.WebhookError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
     refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
