@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | eligible | agent`.
+"""`gpubadge scan | serve | eligible | agent | referrers`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "run the service (webhooks, API, UI)"),
         ("eligible", "list the servers that can run an image"),
         ("agent", "run the node agent"),
+        ("referrers", "list the gpubadge reports attached to an image as OCI referrers"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if args_list and args_list[0] in ("serve", "eligible", "agent"):
+    if args_list and args_list[0] in ("serve", "eligible", "agent", "referrers"):
         return _delegate(args_list[0], args_list[1:])
     try:
         args = parser.parse_args(args_list)
@@ -97,6 +98,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.eligible import main as run_eligible
 
         return run_eligible(rest)
+    if command == "referrers":
+        from gpubadge.referrers import main as run_referrers
+
+        return run_referrers(rest)
     from agent.main import run_agent
 
     return run_agent(rest)
