@@ -148,8 +148,17 @@ class RegistryPusher:
             with lock:
                 try:
                     response = registry.upload_blob(str(path), container, layer)
-                except (requests.RequestException, ValueError) as exc:
-                    raise PushError(f"blob upload {self.host}/{repository}@{digest}: {exc}") from None
+                except (
+                    ValueError
+                ):  # no upload session URL: oras then fails parsing the body (requests' JSONDecodeError)
+                    raise PushError(
+                        f"blob upload {self.host}/{repository}@{digest}: the registry refused to open an "
+                        "upload session (read-only, or no push permission for gpubadge's push credentials)"
+                    ) from None
+                except requests.RequestException as exc:
+                    raise PushError(
+                        f"blob upload {self.host}/{repository}@{digest}: {type(exc).__name__}"
+                    ) from None
         if response.status_code not in (200, 201, 202):
             raise PushError(
                 f"blob upload {self.host}/{repository}@{digest}: status {response.status_code}",

@@ -133,6 +133,8 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
             f"registry not on the allowlist: {', '.join(refused)} (set GPUBADGE_REGISTRIES)",
             refused=refused,
         )
+    # Referrers tag-schema indexes and the report artifacts we pushed are never scanned.
+    events = [event for event in events if not _own_artifact(services, event)]
     pushes = [event for event in events if event.action == "push"]
     for event in events:
         if event.action == "delete":
@@ -149,6 +151,14 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
     return web.json_response(
         {"accepted": len(pushes), "deleted": deleted, "jobs": sorted(set(job_ids))}, status=202
     )
+
+
+def _own_artifact(services: Services, event: hooks.ScanRequest) -> bool:
+    if event.action != "push":
+        return False
+    if event.tag is not None and event.tag.startswith("sha256-"):
+        return True
+    return services.attacher is not None and services.attacher.is_own(event.digest, event.tag)
 
 
 # ----------------------------------------------------------------------- API

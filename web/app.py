@@ -18,6 +18,7 @@ from aiohttp import web
 
 from scanner.models import ImageReport
 from scanner.queue import JobOutcome, ScanWorkers, WorkerSettings
+from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from scanner.store import Store
@@ -38,6 +39,7 @@ class Services:
     client: RegistryClient | None = None
     scanner: Scanner | None = None
     workers: ScanWorkers | None = None
+    attacher: ReportAttacher | None = None  # GPUBADGE_ATTACH_REPORTS
     intake: JobIntake = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +124,11 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 metrics.rate_limit.set(float(remaining), host)
 
         services.scanner = Scanner(client, services.store, settings, on_result=on_result)
+        if settings.attach_reports:
+            services.attacher = ReportAttacher(
+                settings, client, on_result=lambda result: metrics.referrer_attach.inc(result)
+            )
+        attacher = services.attacher
         if start_workers:
             services.workers = ScanWorkers(
                 services.store,
@@ -131,7 +138,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                     per_registry=settings.per_registry_scans,
                     backoff_base=settings.retry_backoff,
                 ),
-                on_outcome=lambda outcome: _count_outcome(metrics, outcome),
+                on_outcome=lambda outcome: _on_outcome(metrics, attacher, outcome),
             )
             await services.workers.start()
         # Modules, schemas and settings live as long as the process: moving them out of the
@@ -142,10 +149,18 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         finally:
             if services.workers is not None:
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
+            if services.attacher is not None:
+                await services.attacher.stop()
             await client.close()
             services.store.close()
 
     return lifecycle
+
+
+def _on_outcome(metrics: ServiceMetrics, attacher: ReportAttacher | None, outcome: JobOutcome) -> None:
+    _count_outcome(metrics, outcome)
+    if attacher is not None:
+        attacher.submit(outcome.report)  # background, own retries; never fails the scan
 
 
 def _count_outcome(metrics: ServiceMetrics, outcome: JobOutcome) -> None:

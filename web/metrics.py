@@ -168,6 +168,13 @@ class ServiceMetrics:
         self.rate_limit = add(
             Gauge("gpubadge_registry_ratelimit_remaining", "Last ratelimit-remaining seen.", ["registry"])
         )
+        self.referrer_attach = add(
+            Counter(
+                "gpubadge_referrer_attach_total",
+                "Report attachments as OCI referrers, by result (attached, retry, failed, dropped).",
+                ["result"],
+            )
+        )
         self.queue = add(
             Gauge(
                 "gpubadge_queue_jobs",
