@@ -75,7 +75,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if (
             exc.status >= 400
             and exc.content_type != "application/json"
-            and request.path.startswith(("/api", "/hooks"))
+            and request.path.startswith(("/api", "/hooks", "/k8s"))
         ):
             return json_error(
                 exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
@@ -93,13 +93,15 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[SERVICES] = services
 
-    from web import api, fleet, ui, ui_fleet
+    from web import admission, api, fleet, ui, ui_fleet
 
     api.setup_routes(app)
+    app.add_routes(admission.routes(services))
     fleet.setup_routes(app)
     ui.setup_routes(app)
     ui_fleet.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
+    app.cleanup_ctx.append(admission.tls_listener(services))
     if settings.webhook_secret is None and not settings.webhook_secrets:
         log.warning("GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication")
     if settings.api_token is None:

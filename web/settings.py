@@ -54,6 +54,18 @@ class ServiceSettings(ScannerSettings):
     )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
+    admission: Literal["warn", "deny"] = Field(
+        default="deny",
+        description="POST /k8s/admit: deny, or only warn about, a GPU image in a pod that requests no nvidia.com/gpu",
+    )
+    admission_tls_port: int | None = Field(
+        default=None,
+        description="also serve POST /k8s/admit over HTTPS on this port (the API server calls webhooks over TLS only)",
+    )
+    admission_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate chain for admission_tls_port"
+    )
+    admission_tls_key: Path | None = Field(default=None, description="PEM private key for admission_tls_port")
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
