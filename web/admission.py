@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ADMISSION_API = "admission.k8s.io/v1"
+MUTATE_PATH = "/k8s/admit/mutate"  # the same as ?mutate=true, for webhook configs (no query in service paths)
 MAX_IMAGES = 64  # distinct images looked up per review; more are allowed with a warning
 
 
@@ -74,7 +75,7 @@ async def admit(services: Services, request: web.Request) -> web.Response:
         return _bad_request(f"not an AdmissionReview: {where}: {first['msg']}")
     if review.api_version != ADMISSION_API or review.kind != "AdmissionReview":
         return _bad_request(f"expected apiVersion {ADMISSION_API}, kind AdmissionReview")
-    mutate = request.query.get("mutate", "").lower() in ("1", "true", "yes")
+    mutate = request.path == MUTATE_PATH or request.query.get("mutate", "").lower() in ("1", "true", "yes")
     answer = await _answer(services, review.request, mutate=mutate)
     return web.json_response({"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": answer})
 
@@ -133,7 +134,8 @@ def _bad_request(message: str) -> web.Response:
 
 
 def routes(services: Services) -> list[web.RouteDef]:
-    return [web.post("/k8s/admit", functools.partial(admit, services))]
+    handler = functools.partial(admit, services)
+    return [web.post("/k8s/admit", handler), web.post(MUTATE_PATH, handler)]
 
 
 def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterator[None]]:
