@@ -31,9 +31,10 @@ from placement.admission import Pod, Review, containers_of, review_pod
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from web.api import find_report
+from web.state import services_of_app
 
 if TYPE_CHECKING:
-    from web.app import Services
+    from web.state import Services
 
 log = logging.getLogger(__name__)
 
@@ -106,27 +107,24 @@ async def _answer(services: Services, request: AdmissionRequest, *, mutate: bool
 
 
 async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, ImageReport | None], list[str]]:
-    """Stored reports only, read in a worker thread; unknown or unreadable images map to None."""
+    """Stored reports only (the store runs SQL in its own threads); unknown images map to None."""
     images = list(dict.fromkeys(ref.container.image for ref in containers_of(pod) if ref.container.image))
     warnings = []
     if len(images) > MAX_IMAGES:
         warnings.append(f"gpubadge checked the first {MAX_IMAGES} of {len(images)} images")
         images = images[:MAX_IMAGES]
 
-    def lookup() -> dict[str, ImageReport | None]:
-        found: dict[str, ImageReport | None] = {}
+    found: dict[str, ImageReport | None] = {}
+    try:
         for image in images:
             try:
-                found[image] = find_report(services, parse_reference(image))
+                found[image] = await find_report(services, parse_reference(image))
             except ReferenceError:
                 found[image] = None
-        return found
-
-    try:
-        return await asyncio.to_thread(lookup), warnings
     except Exception:  # the store failing must not turn into a denial or a 500 the API server retries
         log.exception("admission: store lookup failed")
         return {}, [*warnings, "gpubadge could not read its store; images not checked"]
+    return found, warnings
 
 
 def _bad_request(message: str) -> web.Response:
@@ -136,6 +134,10 @@ def _bad_request(message: str) -> web.Response:
 def routes(services: Services) -> list[web.RouteDef]:
     handler = functools.partial(admit, services)
     return [web.post("/k8s/admit", handler), web.post(MUTATE_PATH, handler)]
+
+
+def setup_routes(app: web.Application) -> None:
+    app.add_routes(routes(services_of_app(app)))
 
 
 def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterator[None]]:
