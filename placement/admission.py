@@ -160,11 +160,22 @@ def gpu_count(container: Container) -> int:
 
 
 def gpu_evidence(report: ImageReport) -> str | None:
-    """Why the image needs a GPU, in the scanner's words (declared signals); None if it does not."""
-    signals = sorted({signal for p in report.platforms if p.gpu.required for signal in p.gpu.signals})
-    if not report.gpu_required:
-        return None
-    return ", ".join(signals) if signals else "NVIDIA GPU variables in the image config"
+    """Why the image needs a GPU, in the scanner's words; None if nothing says it does.
+
+    Declared (the config's NVIDIA variables) first; else CUDA inferred from the layers, where the
+    scanner records it (`gpu.inferred`, read duck-typed so reports without it still work).
+    """
+    if report.gpu_required:
+        signals = sorted({signal for p in report.platforms if p.gpu.required for signal in p.gpu.signals})
+        return ", ".join(signals) if signals else "NVIDIA GPU variables in the image config"
+    for platform in report.platforms:
+        inferred = getattr(platform.gpu, "inferred", None)
+        cuda = getattr(inferred, "cuda", None)
+        if cuda:
+            evidence = [str(item) for item in getattr(inferred, "evidence", [])[:2]]
+            detail = f": {'; '.join(evidence)}" if evidence else ""
+            return f"CUDA {cuda} inferred from its layers{detail}"
+    return None
 
 
 def review_pod(

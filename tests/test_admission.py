@@ -167,11 +167,24 @@ def test_init_containers_are_checked_too(service: RunningService, images: dict[s
     assert "init container 'warmup'" in response["status"]["message"]
 
 
-def test_unknown_images_are_allowed_with_a_warning(service: RunningService, registry: LocalRegistry) -> None:
-    response = admit(service, pod(container("x", f"{registry.host}/never/pushed:1")))
+def test_unknown_images_are_allowed_with_a_warning_and_scanned_for_next_time(
+    service: RunningService, registry: LocalRegistry, push: Pusher
+) -> None:
+    push(catalog.alpine_gpu(), "adm/later:1")
+    image = f"{registry.host}/adm/later:1"
+    response = admit(service, pod(container("x", image)))
     assert response["allowed"] is True
     [warning] = response["warnings"]
-    assert "never/pushed:1" in warning and "not scanned" in warning
+    assert "adm/later:1" in warning and "not scanned" in warning
+    # The answer did not wait, but a scan was queued: once it is done, the next pod is checked.
+    assert call("GET", f"{service.url}/api/images/by-ref?ref={image}&wait=20").status == 200
+    again = admit(service, pod(container("x", image)))
+    assert again["allowed"] is False and "NVIDIA_GPU" in again["status"]["message"]
+    outside = admit(service, pod(container("x", "registry.invalid/never/pushed:1")))
+    assert outside["allowed"] is True and "not scanned" in outside["warnings"][0]
+    jobs = call("GET", f"{service.url}/api/scans?limit=200").body["jobs"]
+    assert [job["source"] for job in jobs if "adm/later" in job["reference"]] == ["admission"]
+    assert not [job for job in jobs if "registry.invalid" in job["reference"]]  # off the allowlist
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ class AdmissionReview(BaseModel):
     request: AdmissionRequest
 
 
-async def admit(services: Services, request: web.Request) -> web.Response:
+async def admit(services: Services, background: set[asyncio.Task[Any]], request: web.Request) -> web.Response:
     try:
         review = AdmissionReview.model_validate_json(await request.read())
     except ValidationError as exc:
@@ -77,11 +77,13 @@ async def admit(services: Services, request: web.Request) -> web.Response:
     if review.api_version != ADMISSION_API or review.kind != "AdmissionReview":
         return _bad_request(f"expected apiVersion {ADMISSION_API}, kind AdmissionReview")
     mutate = request.path == MUTATE_PATH or request.query.get("mutate", "").lower() in ("1", "true", "yes")
-    answer = await _answer(services, review.request, mutate=mutate)
+    answer = await _answer(services, background, review.request, mutate=mutate)
     return web.json_response({"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": answer})
 
 
-async def _answer(services: Services, request: AdmissionRequest, *, mutate: bool) -> dict[str, Any]:
+async def _answer(
+    services: Services, background: set[asyncio.Task[Any]], request: AdmissionRequest, *, mutate: bool
+) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request.uid, "allowed": True}
     if request.kind.kind != "Pod" or request.kind.group != "" or request.object is None:
         return response  # not ours to judge; the webhook rules should not send these
@@ -93,6 +95,7 @@ async def _answer(services: Services, request: AdmissionRequest, *, mutate: bool
         response["warnings"] = ["gpubadge could not read this Pod's spec; not checked"]
         return response
     reports, warnings = await _stored_reports(services, pod)
+    _scan_unknown(services, background, [image for image, report in reports.items() if report is None])
     outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate)
     outcome.warnings = warnings + outcome.warnings
     response["allowed"] = outcome.allowed
@@ -127,12 +130,41 @@ async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, Image
     return found, warnings
 
 
+def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images: list[str]) -> None:
+    """Queue scans of unknown images on allowed registries, so the next pod is checked; never awaited here."""
+    if not services.settings.admission_scan_unknown or services.workers is None:
+        return
+    wanted = []
+    for image in images:
+        try:
+            reference = parse_reference(image)
+        except ReferenceError:
+            continue
+        if services.settings.allows(reference.registry):
+            wanted.append((str(reference), reference.registry))
+    if not wanted:
+        return
+
+    async def enqueue() -> None:
+        try:
+            await services.intake.enqueue(
+                wanted, source="admission", max_attempts=services.settings.max_attempts
+            )
+            services.wake_workers()
+        except Exception:
+            log.exception("admission: queueing scans of unknown images failed")
+
+    task = asyncio.get_running_loop().create_task(enqueue())
+    background.add(task)
+    task.add_done_callback(background.discard)
+
+
 def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
 def routes(services: Services) -> list[web.RouteDef]:
-    handler = functools.partial(admit, services)
+    handler = functools.partial(admit, services, set())
     return [web.post("/k8s/admit", handler), web.post(MUTATE_PATH, handler)]
 
 

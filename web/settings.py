@@ -78,6 +78,10 @@ class ServiceSettings(ScannerSettings):
         default="deny",
         description="POST /k8s/admit: deny, or only warn about, a GPU image in a pod that requests no nvidia.com/gpu",
     )
+    admission_scan_unknown: bool = Field(
+        default=True,
+        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits)",
+    )
     admission_tls_port: int | None = Field(
         default=None,
         description="also serve POST /k8s/admit over HTTPS on this port (the API server calls webhooks over TLS only)",
