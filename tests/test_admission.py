@@ -32,7 +32,7 @@ from fixtures.service import RunningService, run_service_process
 from placement.admission import Pod, review_pod
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 from tests.conftest import Pusher
-from tests.test_service_e2e import call, wait_job
+from tests.test_service_e2e import call, metric_values, wait_job
 
 TOKEN = "admission-api-token-2b9a"
 K8S_VERSION = "1.33.0"
@@ -291,6 +291,14 @@ def test_mutation_leaves_pods_that_say_more_alone(service: RunningService, image
     operations = json.loads(base64.b64decode(admit(service, existing_limits, "?mutate=true")["patch"]))
     patched = validated(jsonpatch.apply_patch(copy.deepcopy(existing_limits), operations))
     assert patched["spec"]["containers"][0]["resources"]["limits"] == {"memory": "1Gi", "nvidia.com/gpu": "1"}
+
+
+def test_metrics_count_decisions(service: RunningService, images: dict[str, str]) -> None:
+    admit(service, pod(container("train", images["cuda"])))
+    admit(service, pod(container("train", images["cuda"])), "?mutate=true")
+    counted = metric_values(call("GET", f"{service.url}/metrics").text, "gpubadge_admission_reviews_total")
+    assert counted['{webhook="validate",decision="denied"}'] >= 1
+    assert counted['{webhook="mutate",decision="patched"}'] >= 1
 
 
 def test_non_pods_and_deletes_are_allowed_and_bad_reviews_refused(service: RunningService) -> None:

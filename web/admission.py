@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,11 @@ async def admit(services: Services, background: set[asyncio.Task[Any]], request:
     if review.api_version != ADMISSION_API or review.kind != "AdmissionReview":
         return _bad_request(f"expected apiVersion {ADMISSION_API}, kind AdmissionReview")
     mutate = request.path == MUTATE_PATH or request.query.get("mutate", "").lower() in ("1", "true", "yes")
+    started = time.perf_counter()
     answer = await _answer(services, background, review.request, mutate=mutate)
+    webhook = "mutate" if mutate else "validate"
+    services.metrics.admission.inc(webhook, _decision(answer))
+    services.metrics.admission_seconds.observe(time.perf_counter() - started, webhook)
     return web.json_response({"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": answer})
 
 
@@ -128,6 +133,14 @@ async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, Image
         log.exception("admission: store lookup failed")
         return {}, [*warnings, "gpubadge could not read its store; images not checked"]
     return found, warnings
+
+
+def _decision(answer: dict[str, Any]) -> str:
+    if not answer["allowed"]:
+        return "denied"
+    if "patch" in answer:
+        return "patched"
+    return "warned" if answer.get("warnings") else "allowed"
 
 
 def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images: list[str]) -> None:
