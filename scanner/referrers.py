@@ -212,7 +212,7 @@ def is_gpubadge_artifact(data: dict[str, Any]) -> bool:
 
 # --- attaching -------------------------------------------------------------------------------
 
-AttachState = Literal["pending", "attached", "retrying", "failed"]
+AttachState = Literal["pending", "attached", "retrying", "failed", "skipped"]
 
 
 @dataclass
@@ -235,6 +235,10 @@ class Attached:
 
 
 AttachResult = Literal["attached", "retry", "failed", "dropped", "skipped"]
+NO_PUSH_CREDENTIALS = (
+    "not attached: no push credentials for {host} (set registries[].push_username and push_password, "
+    "or push_anonymous for a registry open to anonymous pushes)"
+)
 
 
 class ReportAttacher:
@@ -271,6 +275,14 @@ class ReportAttacher:
         if not self.settings.attach_reports or report.error is not None or report.cached:
             return False
         if not report.digest or not report.registry or not report.repository:
+            return False
+        entry = self.settings.registry_config(report.registry)
+        if entry is None or not entry.may_push():
+            for subject_digest, _ in _per_manifest(report):
+                self._set_status(
+                    subject_digest, "skipped", error=NO_PUSH_CREDENTIALS.format(host=report.registry)
+                )
+            self._count("skipped")
             return False
         if len(self._tasks) >= self.settings.attach_queue_max:
             self._count("dropped")
@@ -323,6 +335,9 @@ class ReportAttacher:
     async def attach_one(
         self, registry: str, repository: str, subject_digest: str, report: ImageReport
     ) -> Attached:
+        entry = self.settings.registry_config(registry)
+        if entry is None or not entry.may_push():
+            raise PushError(NO_PUSH_CREDENTIALS.format(host=registry))
         reference = Reference(registry, repository, digest=subject_digest)
         stored = await self.client.manifest(reference, subject_digest)
         if is_gpubadge_artifact(stored.data):

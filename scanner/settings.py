@@ -42,6 +42,13 @@ class RegistryConfig(BaseModel):
         default=None, description="gpubadge's own account for attaching reports (GPUBADGE_ATTACH_REPORTS)"
     )
     push_password: SecretStr | None = Field(default=None, description="password or token for push_username")
+    push_anonymous: bool = Field(
+        default=False, description="attach reports without credentials (a registry open to anonymous pushes)"
+    )
+
+    def may_push(self) -> bool:
+        """Reports are attached only where gpubadge was given its own way in (or told none is needed)."""
+        return bool(self.push_username and self.push_password) or self.push_anonymous
 
 
 class ScannerSettings(BaseSettings):

@@ -53,7 +53,11 @@ def sha256(data: bytes) -> str:
 
 
 def settings_for(registry: LocalRegistry, **extra: Any) -> ScannerSettings:
-    values: dict[str, Any] = {"registries": [registry.host], "attach_reports": True, "docker_config": None}
+    values: dict[str, Any] = {
+        "registries": [{"host": registry.host, "push_anonymous": True}],  # the test registry has no accounts
+        "attach_reports": True,
+        "docker_config": None,
+    }
     return ScannerSettings(**{**values, **extra})
 
 
@@ -277,8 +281,33 @@ def test_submit_skips_cached_failed_and_disabled(registry: LocalRegistry) -> Non
                 await attacher.stop()
 
     assert not asyncio.run(run(settings_for(registry, attach_reports=False), base))
+    assert not asyncio.run(
+        run(settings_for(registry, registries=[registry.host]), base)
+    )  # no push credentials
     assert not asyncio.run(run(settings_for(registry), base.model_copy(update={"cached": True})))
     assert not asyncio.run(run(settings_for(registry), base.model_copy(update={"error": "boom"})))
+
+
+def test_no_push_credentials_means_no_write_and_says_so(registry: LocalRegistry, push: Pusher) -> None:
+    settings = settings_for(registry, registries=[registry.host])
+    digest = push(catalog.plain_glibc(), "refs/nocreds:1")
+    report = asyncio.run(scan(settings, f"{registry.host}/refs/nocreds:1"))
+    with pytest.raises(PushError, match="no push credentials"):
+        asyncio.run(attach(settings, report))
+
+    async def submitted() -> Any:
+        async with RegistryClient(settings) as client:
+            attacher = ReportAttacher(settings, client)
+            assert not attacher.submit(report)
+            return attacher.status(digest)
+
+    status = asyncio.run(submitted())
+    assert status.state == "skipped" and "push_username" in (status.error or "")
+    missing = subprocess.run(
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{registry.host}/refs/nocreds:{tag_schema_tag(digest)}"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode != 0  # nothing was written
 
 
 def test_own_events_are_recognised() -> None:

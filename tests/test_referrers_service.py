@@ -76,7 +76,12 @@ def stack(
     notify = {"endpoints": [notification_endpoint(f"http://127.0.0.1:{port}/hooks/distribution", SECRET)]}
     with run_registry(extra_config={"notifications": notify}) as notifying:
         env = {
-            "GPUBADGE_REGISTRIES": f"{notifying.host},{readonly[0].host}",
+            "GPUBADGE_REGISTRIES": json.dumps(
+                [
+                    {"host": notifying.host, "push_anonymous": True},
+                    {"host": readonly[0].host, "push_anonymous": True},
+                ]
+            ),
             "GPUBADGE_WEBHOOK_SECRET": SECRET,
             "GPUBADGE_API_TOKEN": TOKEN,
             "GPUBADGE_ATTACH_REPORTS": "true",
