@@ -14,8 +14,11 @@ Where the line with oras-py (0.2.x) falls:
   of `artifactType`, `subject`, `OCI-Subject` or the referrers API. We PUT the exact bytes we
   hashed, by digest, and read `Docker-Content-Digest` back to check.
 - oras' `do_request` is wrapped in a retry decorator that sleeps 3 s to 83 s between
-  attempts (and retries authentication failures). We call the undecorated function
-  (`__wrapped__`), give every request a timeout, and retry at the attach level instead.
+  attempts (and retries authentication failures). Each of our oras clients gets the
+  undecorated function (`__wrapped__`) as its own `do_request`, every request gets a
+  timeout, and retries happen at the attach level instead.
+- oras' `token` auth backend answers a Basic challenge by asking the realm for a token;
+  we probe `/v2/` once per registry and pick its `basic` backend for Basic registries.
 
 oras is synchronous (requests); callers run these methods in a worker thread.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ from scanner.reference import is_loopback
 from scanner.registry import compute_digest
 from scanner.settings import ScannerSettings
 
+_UNDECORATED_DO_REQUEST = oras.provider.Registry.do_request.__wrapped__
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 _ERROR_BODY_MAX = 2048
@@ -87,6 +92,7 @@ class RegistryPusher:
         self.host = host
         self._sessions: dict[str, tuple[oras.provider.Registry, threading.Lock]] = {}
         self._lock = threading.Lock()
+        self._backend: str | None = None
 
     @property
     def insecure(self) -> bool:
@@ -97,7 +103,11 @@ class RegistryPusher:
         with self._lock:
             found = self._sessions.get(repository)
             if found is None:
-                registry = oras.provider.Registry(hostname=self.host, insecure=self.insecure)
+                registry = oras.provider.Registry(
+                    hostname=self.host, insecure=self.insecure, auth_backend=self._auth_backend()
+                )
+                # This instance only: bypass oras' sleeping retry decorator (see the module docstring).
+                registry.do_request = types.MethodType(_UNDECORATED_DO_REQUEST, registry)
                 adapter = _TimeoutAdapter(self.settings.request_timeout)
                 registry.session.mount("http://", adapter)
                 registry.session.mount("https://", adapter)
@@ -107,6 +117,26 @@ class RegistryPusher:
                 found = (registry, threading.Lock())
                 self._sessions[repository] = found
             return found
+
+    def _auth_backend(self) -> str:
+        """oras' `token` backend cannot answer a Basic challenge (it asks the realm for a token): ask once."""
+        if self._backend is None:
+            backend = "token"
+            try:
+                with requests.Session() as probe:
+                    probe.mount("http://", _TimeoutAdapter(self.settings.request_timeout))
+                    probe.mount("https://", _TimeoutAdapter(self.settings.request_timeout))
+                    response = probe.get(self._url_root(), allow_redirects=False)
+                challenge = response.headers.get("WWW-Authenticate", "")
+                if response.status_code == 401 and challenge.lower().startswith("basic"):
+                    backend = "basic"
+            except requests.RequestException:
+                pass  # the real request will fail with a clear error
+            self._backend = backend
+        return self._backend
+
+    def _url_root(self) -> str:
+        return f"{'http' if self.insecure else 'https'}://{self.host}/v2/"
 
     def _url(self, repository: str, path: str) -> str:
         scheme = "http" if self.insecure else "https"
@@ -122,11 +152,10 @@ class RegistryPusher:
         headers: dict[str, str] | None = None,
     ) -> requests.Response:
         registry, lock = self._session(repository)
-        do_request = oras.provider.Registry.do_request.__wrapped__
         with lock:
             try:
-                response: requests.Response = do_request(
-                    registry, self._url(repository, path), method, data=data, headers=dict(headers or {})
+                response: requests.Response = registry.do_request(
+                    self._url(repository, path), method, data=data, headers=dict(headers or {})
                 )
             except requests.RequestException as exc:
                 raise PushError(

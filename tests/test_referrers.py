@@ -12,13 +12,15 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fixtures import catalog
-from fixtures.oci import ImageSpec
-from fixtures.registry import LocalRegistry
+from fixtures.oci import ImageSpec, LayoutWriter
+from fixtures.registry import LocalRegistry, run_registry
 from scanner.models import ImageReport
 from scanner.referrers import (
     ARTIFACT_TYPE,
@@ -316,3 +318,57 @@ def test_own_events_are_recognised() -> None:
     assert not attacher.is_own("sha256:" + "b" * 64, "latest")
     attacher._remember("sha256:" + "b" * 64)
     assert attacher.is_own("sha256:" + "b" * 64, None)
+
+
+@pytest.fixture(scope="module")
+def locked_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
+    """A registry with htpasswd accounts: `reader` (gpubadge's pull account) and `pusher` (its push account)."""
+    import crypt
+
+    root = tmp_path_factory.mktemp("locked-registry")
+    users = {
+        name: crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
+        for name, password in ACCOUNTS.items()
+    }
+    (root / "htpasswd").write_text("".join(f"{name}:{digest}\n" for name, digest in users.items()))
+    auth = {"htpasswd": {"realm": "gpubadge-test", "path": str(root / "htpasswd")}}
+    with run_registry(root=root, extra_config={"auth": auth}) as running:
+        yield running
+
+
+ACCOUNTS = {"reader": "reader-pw-51c3", "pusher": "pusher-pw-7a0e"}
+
+
+def test_pushes_use_gpubadge_push_account(locked_registry: LocalRegistry, tmp_path: Path) -> None:
+    """Pulls go with the pull account, pushes with the push account: a wrong push password fails the attach."""
+    layout = LayoutWriter(tmp_path / "layout")
+    descriptor = layout.image(catalog.alpine_gpu())
+    layout.tag(descriptor, "t")
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"pusher:{ACCOUNTS['pusher']}",
+         f"oci:{tmp_path / 'layout'}:t", f"docker://{locked_registry.host}/locked/gpu:1"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+
+    def settings(push_password: str) -> ScannerSettings:
+        entry = {
+            "host": locked_registry.host,
+            "username": "reader",
+            "password": ACCOUNTS["reader"],
+            "push_username": "pusher",
+            "push_password": push_password,
+        }
+        return settings_for(locked_registry, registries=[entry])
+
+    report = asyncio.run(scan(settings(ACCOUNTS["pusher"]), f"{locked_registry.host}/locked/gpu:1"))
+    with pytest.raises(PushError) as refused:
+        asyncio.run(attach(settings("wrong-password"), report))
+    assert "wrong-password" not in str(refused.value) and ACCOUNTS["reader"] not in str(refused.value)
+    [done] = asyncio.run(attach(settings(ACCOUNTS["pusher"]), report))
+    assert done.via == "tag-schema"
+    listed = subprocess.run(
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", "--creds", f"reader:{ACCOUNTS['reader']}",
+         f"docker://{locked_registry.host}/locked/gpu:{tag_schema_tag(descriptor['digest'])}"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert [entry["digest"] for entry in json.loads(listed.stdout)["manifests"]] == [done.artifact]
