@@ -237,3 +237,36 @@ def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) 
         blocker.close()
     assert len(store.enqueue([("r/app:1", "r")])) == 1
     store.check_writable(0.2)
+
+
+def test_intake_commits_go_before_queued_scan_writes() -> None:
+    from store.sqlite import _WriterLock
+
+    lock = _WriterLock()
+    order: list[str] = []
+    release = threading.Event()
+    holding = threading.Event()
+
+    def holder() -> None:
+        with lock.hold(urgent=False):
+            holding.set()
+            release.wait(timeout=10)
+
+    def writer(name: str, urgent: bool) -> None:
+        with lock.hold(urgent=urgent):
+            order.append(name)
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert holding.wait(timeout=10)
+    scan_write = threading.Thread(target=writer, args=("scan write", False))
+    scan_write.start()
+    intake = threading.Thread(target=writer, args=("intake", True))
+    intake.start()
+    # Both wait on the held lock; once it is free the intake commit goes first.
+    while lock._urgent_waiting == 0:
+        intake.join(timeout=0.01)
+    release.set()
+    for thread in (first, scan_write, intake):
+        thread.join(timeout=10)
+    assert order == ["intake", "scan write"]
