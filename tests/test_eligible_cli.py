@@ -44,7 +44,14 @@ async def test_eligible_exit_codes(registry: LocalRegistry, push: Pusher, tmp_pa
     code, out, _ = await _eligible(image, "--servers", str(servers), "--gpu-model", "a100", "--json")
     assert code == 3
     decision = json.loads(out)
-    assert decision["eligible"] == [] and all(entry["reasons"] for entry in decision["ineligible"])
+    assert decision["eligible"] == [] and decision["eligible_count"] == 0
+    assert decision["ineligible_count"] == len(FLEET["servers"])
+    assert sum(item["count"] for item in decision["ineligible_by_reason"]) >= len(FLEET["servers"])
+
+    code, out, _ = await _eligible(
+        image, "--servers", str(servers), "--gpu-model", "a100", "--explain", "all"
+    )
+    assert code == 3 and all(f"ineligible  {server['name']}: " in out for server in FLEET["servers"])
 
     code, _, err = await _eligible(f"{registry.host}/eligible/missing:1", "--servers", str(servers))
     assert code == 1 and "missing" in err

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from placement.answer import ANSWER_FIELDS, AnswerBody, AnswerOptions, answer, decode_cursor
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.inventory import Server, parse_inventory
 from placement.protocol import (
@@ -353,9 +354,12 @@ RUN_FIELDS = ("command", "env")
 
 
 async def _request_body(
-    request: web.Request, *, run_fields: bool = False
-) -> tuple[str, DeployRequest, RunSpec]:
-    """Split `{"image", ...request}` (plus `command`/`env` for deployments) into checked parts."""
+    request: web.Request, *, run_fields: bool = False, other_fields: Sequence[str] = ()
+) -> tuple[str, DeployRequest, RunSpec, dict[str, Any]]:
+    """Split `{"image", ...request}` (plus `command`/`env` for deployments) into checked parts.
+
+    `other_fields` (e.g. `limit`, `format`) are taken out of the body unchecked, for the caller.
+    """
     try:
         data: Any = await request.json()
     except ValueError:
@@ -364,8 +368,9 @@ async def _request_body(
         raise json_http_error(web.HTTPBadRequest, 'expected {"image": REF, ...request}')
     image = data.pop("image")
     run_data = {key: data.pop(key) for key in RUN_FIELDS if run_fields and key in data}
+    others = {key: data.pop(key) for key in other_fields if key in data}
     try:
-        return image, DeployRequest.parse_any(data), RunSpec.model_validate(run_data)
+        return image, DeployRequest.parse_any(data), RunSpec.model_validate(run_data), others
     except (ValidationError, ValueError) as exc:
         detail = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise json_http_error(web.HTTPBadRequest, f"invalid request: {detail}") from None
@@ -396,13 +401,42 @@ async def image_report(services: Services, text: str) -> ImageReport:
     return report
 
 
+def answer_options(request: web.Request, fields: dict[str, Any]) -> AnswerOptions:
+    """`limit`, `cursor`, `explain` from the body, else the query string; 400 when out of bounds."""
+    data: dict[str, Any] = {key: request.query[key] for key in ANSWER_FIELDS if key in request.query}
+    data.update(fields)
+    try:
+        options = AnswerOptions.model_validate(data)
+        if options.cursor is not None:
+            decode_cursor(options.cursor)
+    except ValidationError as exc:
+        raise json_http_error(web.HTTPBadRequest, f"invalid request: {_first_error(exc)}") from None
+    except ValueError as exc:
+        raise json_http_error(web.HTTPBadRequest, f"invalid request: cursor: {exc}") from None
+    most = services_of(request).settings.eligibility_max_limit
+    if options.limit > most:
+        raise json_http_error(web.HTTPBadRequest, f"invalid request: limit: at most {most}")
+    return options
+
+
+def eligibility_answer(
+    report: ImageReport, deploy: DeployRequest, index: FleetIndex, options: AnswerOptions
+) -> AnswerBody:
+    """decide + answer: pure and CPU-only, run in a worker thread by the handlers."""
+    return answer(decide(ImageFacts.from_report(report), deploy, index), options)
+
+
 async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
-    image, deploy, _ = await _request_body(request)
+    image, deploy, _, fields = await _request_body(request, other_fields=ANSWER_FIELDS)
+    options = answer_options(request, fields)
     report = await image_report(services, image)
     started = time.perf_counter()
-    decision = decide(ImageFacts.from_report(report), deploy, fleet_index(request.app))
-    body = decision.model_dump(mode="json")
+    index = fleet_index(request.app)
+    index.view()  # built here, so the worker thread only reads the index
+    # A thread, not a process: a query costs O(shapes + limit), well under a millisecond of CPU
+    # at 10,000 servers, so shipping the index to another process would cost more than the work.
+    body: dict[str, Any] = dict(await asyncio.to_thread(eligibility_answer, report, deploy, index, options))
     body["image"] = {"reference": report.reference, "digest": report.digest}
     body["seconds"] = round(time.perf_counter() - started, 6)
     return web.json_response(body)
@@ -419,15 +453,15 @@ def _load(services: Services, deployment_id: str) -> Deployment | None:
 async def create_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    image, deploy, run = await _request_body(request, run_fields=True)
+    image, deploy, run, _ = await _request_body(request, run_fields=True)
     report = await image_report(services, image)
     facts = ImageFacts.from_report(report)
     decision: Decision | None = None
     for _ in range(RESERVE_ATTEMPTS):
         decision = decide(facts, deploy, fleet_index(request.app))
-        if not decision.eligible:
+        choice = decision.best
+        if choice is None:
             break
-        choice = decision.eligible[0]
         platform = next(p for p in report.platforms if p.platform == choice["platform"])
         deployment = Deployment(
             id=uuid.uuid4().hex,
@@ -456,7 +490,8 @@ async def create_deployment(request: web.Request) -> web.Response:
     return json_error(
         409,
         "no server can run this image with this request",
-        ineligible=decision.ineligible,
+        ineligible_count=decision.ineligible_count,
+        ineligible_by_reason=decision.ineligible_summary(),
     )
 
 

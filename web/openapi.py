@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from placement.decide import Decision
+from placement.answer import AnswerOptions, EligibilityAnswer, ReasonCount
 from placement.inventory import Server
 from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
 from placement.request import DeployRequest
@@ -84,11 +84,12 @@ def openapi_document() -> dict[str, Any]:
     server = _schema(Server, components, mode="validation")
     registered = _schema(RegisterResponse, components)
     heartbeat = _schema(Heartbeat, components, mode="validation")
-    decision = _schema(Decision, components)
+    decision = _schema(EligibilityAnswer, components)
+    reason_counts = _schema(ReasonCount, components)
     deployment = _schema(Deployment, components)
     agent_deployments = _schema(DeploymentsResponse, components)
     deployment_status = _schema(DeploymentStatus, components, mode="validation")
-    eligibility_body = _image_body("EligibilityRequest", components, DeployRequest)
+    eligibility_body = _image_body("EligibilityRequest", components, DeployRequest, AnswerOptions)
     deployment_body = _image_body("DeploymentRequest", components, DeployRequest, RunSpec)
     error = {"$ref": "#/components/schemas/Error"}
     bearer: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -234,6 +235,15 @@ def openapi_document() -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": eligibility_body}},
                 },
+                "description": "Eligible servers come a page at a time (`limit`, default 50; pass "
+                "`next_cursor` back as `cursor`); ineligible servers are counted by reason with a few "
+                "examples. `explain: all` lists every server, with every reason. `limit`, `cursor` "
+                "and `explain` may also be given in the query string.",
+                "parameters": [
+                    query("limit", "eligible servers per page (default 50)", "integer"),
+                    query("cursor", "`next_cursor` of the previous page"),
+                    query("explain", "summary (default) or all"),
+                ],
                 "responses": {"200": _json(eligibility_answer, "the decision"), **not_placeable},
             }
         },
@@ -254,7 +264,21 @@ def openapi_document() -> dict[str, Any]:
                     "201": _json(deployment, "reserved; the server's agent will run it"),
                     **not_placeable,
                     "401": _json(error, "token required"),
-                    "409": _json(error, "no server can run it; `ineligible` says why"),
+                    "409": _json(
+                        {
+                            "allOf": [
+                                error,
+                                {
+                                    "type": "object",
+                                    "properties": {
+                                        "ineligible_count": {"type": "integer"},
+                                        "ineligible_by_reason": {"type": "array", "items": reason_counts},
+                                    },
+                                },
+                            ]
+                        },
+                        "no server can run it; `ineligible_by_reason` says why",
+                    ),
                 },
             },
         },
