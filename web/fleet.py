@@ -161,6 +161,8 @@ class FleetIndexCache:
         self._check_at = 0.0  # clock() time of the next timed check
         self._parsed: dict[str, Server] = {}  # stored inventory JSON -> parsed agent server
         self._base: dict[str, Server] = {}  # live servers by name, before reservations
+        self._static: dict[str, Server] | None = None  # the inventory file's servers, read once
+        self._agents: dict[str, Server] = {}  # live agents by name (they win over the file)
         self._owner: dict[str, str] = {}  # GPU UUID -> server name
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
 
@@ -185,13 +187,18 @@ class FleetIndexCache:
         return self._index
 
     def _read_inventory(self, app: web.Application, now: float) -> None:
+        """Re-read the agents; only servers that changed are re-derived (the file's are read once)."""
         services = services_of_app(app)
         self._inventory_dirty = False
         self.inventory_reads += 1
         stale_after = timedelta(seconds=services.settings.stale_after_seconds)
         wall = datetime.now(UTC)
-        base: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
+        changed: set[str] = set()
+        if self._static is None:
+            self._static = {server.name: server for server in app[STATIC_FLEET]}
+            changed.update(self._static)
         parsed: dict[str, Server] = {}
+        agents: dict[str, Server] = {}
         first_seen: datetime | None = None
         for inventory, _, last_heartbeat in services.store.servers():
             seen = datetime.fromisoformat(last_heartbeat)
@@ -202,29 +209,38 @@ class FleetIndexCache:
                 server = Server.model_validate_json(inventory).model_copy(
                     update={"last_heartbeat": seen, "source": "agent"}
                 )
-            parsed[inventory] = base[server.name] = server
+            parsed[inventory] = agents[server.name] = server
             first_seen = seen if first_seen is None else min(first_seen, seen)
         self._parsed = parsed
         self._check_at = now + self.check_seconds
         if first_seen is not None:
             due = (first_seen + stale_after - wall).total_seconds()
             self._check_at = min(self._check_at, now + max(due, 0.0))
-        previous, self._base = self._base, base
-        changed = [name for name, server in base.items() if previous.get(name) is not server]
-        gone = [name for name in previous if name not in base]
+        previous, self._agents = self._agents, agents
+        changed.update(name for name, server in agents.items() if previous.get(name) is not server)
+        gone = []
+        for name in previous.keys() - agents.keys():
+            if name in self._static:
+                changed.add(name)  # silent agent: the inventory file's entry is back
+            else:
+                gone.append(name)
         for name in (*changed, *gone):
-            if name in previous:
-                for gpu in previous[name].gpus:
+            old = self._base.get(name)
+            if old is not None:
+                for gpu in old.gpus:
                     if self._owner.get(gpu.uuid) == name:
                         del self._owner[gpu.uuid]
-        for name in changed:
-            self._owner.update((gpu.uuid, name) for gpu in base[name].gpus)
         for name in gone:
+            del self._base[name]
             self._reserved.pop(name, None)
+        for name in changed:
+            server = agents.get(name) or self._static[name]
+            self._base[name] = server
+            self._owner.update((gpu.uuid, name) for gpu in server.gpus)
         if self._index is None:
             self._index = FleetIndex()
         self._index.remove(gone)
-        self._apply_reservations(app, changed)
+        self._apply_reservations(app, sorted(changed))
 
     def _apply_reservations(self, app: web.Application, changed: Sequence[str]) -> None:
         """Re-read reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
