@@ -15,6 +15,7 @@ The fleet is built from realistic SKUs (GPU model, driver, utilisation), as real
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import os
@@ -141,6 +142,9 @@ def timed(action: Callable[[], Any], rounds: int) -> list[float]:
 def function_only(servers: list[Server], request: DeployRequest, rounds: int) -> tuple[list[float], int, int]:
     """What the handler's worker thread does, in-process: decide + one page. (ms, eligible, shapes)."""
     index = FleetIndex.build(servers)
+    # As the service does after start-up (web.app, with the inventory file's index built by then):
+    # the long-lived fleet leaves the cyclic collector's reach, so full passes do not land in queries.
+    gc.freeze()
     facts = ImageFacts.from_report(gpu_report())
     options = AnswerOptions()
     body = answer(decide(facts, request, index), options)
@@ -219,6 +223,7 @@ def main() -> None:
         servers = [Server.model_validate(item) for item in fleet]
         name, request = REQUESTS[0]
         samples, eligible, shapes = function_only(servers, request, rounds)
+        gc.unfreeze()
         function_p99[count] = percentile(samples, 0.99)
         print(
             f"function servers={count} request={name} shapes={shapes} eligible={eligible} {figures(samples)}"
@@ -230,6 +235,7 @@ def main() -> None:
         if count == 10_000:
             for other, other_request in REQUESTS[1:]:
                 more, eligible, _ = function_only(servers, other_request, rounds)
+                gc.unfreeze()
                 print(f"function servers={count} request={other} eligible={eligible} {figures(more)}")
     base = sizes[0]
     for count in sizes[1:]:
