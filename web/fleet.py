@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from placement.answer import ANSWER_FIELDS, AnswerBody, AnswerOptions, answer, decode_cursor
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
+from placement.exports import FORMATS, export_constraints, known_gpus
 from placement.inventory import Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,
@@ -471,6 +472,21 @@ async def eligibility(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+async def constraints(request: web.Request) -> web.Response:
+    """The eligibility body plus `format`: the same decision in another scheduler's language."""
+    services = services_of(request)
+    image, deploy, _, fields = await _request_body(request, other_fields=("format",))
+    chosen = fields.get("format")
+    if chosen not in FORMATS:
+        raise json_http_error(web.HTTPBadRequest, f"invalid request: format: one of {', '.join(FORMATS)}")
+    report = await image_report(services, image)
+    fleet = known_gpus(fleet_index(request.app).classes)
+    facts = ImageFacts.from_report(report)
+    body = await asyncio.to_thread(export_constraints, facts, deploy, fleet, chosen)
+    body["image"] = {"reference": report.reference, "digest": report.digest}
+    return web.json_response(body)
+
+
 # ---------------------------------------------------------------- deployments
 
 
@@ -640,6 +656,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/api/servers", register_server)
     app.router.add_post("/api/servers/{name}/heartbeat", server_heartbeat)
     app.router.add_post("/api/eligibility", eligibility)
+    app.router.add_post("/api/constraints", constraints)
     app.router.add_get("/api/deployments", list_deployments)
     app.router.add_post("/api/deployments", create_deployment)
     app.router.add_get("/api/deployments/{id}", get_deployment)

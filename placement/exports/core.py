@@ -305,6 +305,7 @@ class Constraints:
     request: DeployRequest
     notes: list[str] = field(default_factory=list)
     brand_products: dict[str, list[str]] = field(default_factory=dict)  # brand -> products it became
+    fleet: list[KnownGpu] = field(default_factory=list)  # the known GPU products
 
     @property
     def satisfiable(self) -> bool:
@@ -339,7 +340,7 @@ def _requirement_terms(requirements: ImageRequirements, brand: str | None) -> li
 
 def build_constraints(image: ImageFacts, request: DeployRequest, fleet: Sequence[KnownGpu]) -> Constraints:
     """The constraints for `image` and `request`; brand and model clauses use the known `fleet`."""
-    result = Constraints(image.reference, [], request)
+    result = Constraints(image.reference, [], request, fleet=list(fleet))
     seen: set[str] = set()
     for platform in image.platforms:
         if platform.architecture in seen:
