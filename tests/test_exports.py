@@ -32,7 +32,9 @@ CANONICAL = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)$")
 
 
 def _eligible(image_name: str, request_name: str) -> set[str]:
-    decision = decide(IMAGES[image_name], REQUESTS[request_name], [node.server() for node in NODES if node.gfd])
+    decision = decide(
+        IMAGES[image_name], REQUESTS[request_name], [node.server() for node in NODES if node.gfd]
+    )
     return {entry["server"] for entry in decision.eligible}
 
 
@@ -59,7 +61,7 @@ def _compare_to(left: Any, right: Any) -> celtypes.IntType:
 def _version(text: str) -> list[int]:
     """How the DRA driver publishes a version: three numeric parts (`550.107.02` -> 550.107.2)."""
     parts = [int(part) for part in text.split(".")]
-    return (parts + [0, 0, 0])[:3]
+    return [*parts, 0, 0, 0][:3]
 
 
 def dra_device(node: Node) -> Any:
@@ -167,7 +169,9 @@ def _holds(constraint: dict[str, Any], values: dict[str, str]) -> bool:
 
 @pytest.mark.parametrize("request_name", sorted(REQUESTS))
 @pytest.mark.parametrize("image_name", sorted(IMAGES))
-def test_nomad_fragment_parses_and_never_selects_an_ineligible_node(image_name: str, request_name: str) -> None:
+def test_nomad_fragment_parses_and_never_selects_an_ineligible_node(
+    image_name: str, request_name: str
+) -> None:
     body = export_constraints(IMAGES[image_name], REQUESTS[request_name], KNOWN, "nomad")
     parsed = unquote(hcl2.loads(body["hcl"]))
     constraints = parsed.get("constraint", [])
