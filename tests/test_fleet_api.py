@@ -210,3 +210,31 @@ async def test_agent_registration_needs_the_token(service: RunningService) -> No
         ) as response:
             assert response.status == 400
             assert (await response.json()) == {"error": "wait must be a number of seconds"}
+
+
+async def test_constraints_in_every_format(service: RunningService, registry: LocalRegistry) -> None:
+    image = f"{registry.host}/fleet/cuda:12.2"
+    async with aiohttp.ClientSession() as session:
+        answers = {}
+        for format in ("kubernetes", "dra", "nomad", "akash"):
+            status, body = await _post(
+                session, f"{service.url}/api/constraints", {"image": image, "gpus": 1, "format": format}
+            )
+            assert status == 200, body
+            assert body["format"] == format and body["satisfiable"] is True and body["image"]["digest"]
+            answers[format] = body
+        status, body = await _post(
+            session, f"{service.url}/api/constraints", {"image": image, "format": "swarm"}
+        )
+        assert status == 400 and "format" in body["error"]
+    terms = answers["kubernetes"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert terms["nodeSelectorTerms"] and answers["kubernetes"]["resources"]["limits"] == {
+        "nvidia.com/gpu": 1
+    }
+    assert answers["dra"]["resourceClaimTemplate"]["apiVersion"] == "resource.k8s.io/v1"
+    assert 'device "nvidia/gpu"' in answers["nomad"]["hcl"]
+    # The fleet's products decide which Akash models are offered.
+    models = answers["akash"]["sdl"]["profiles"]["compute"]["app"]["resources"]["gpu"]["attributes"]["vendor"]
+    assert {entry["model"] for entry in models["nvidia"]} <= {"h100", "t4"}

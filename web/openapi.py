@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
 from placement.answer import AnswerOptions, EligibilityAnswer, ReasonCount
+from placement.exports import FORMATS
 from placement.inventory import Server
 from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
 from placement.request import DeployRequest
@@ -115,6 +116,31 @@ def openapi_document() -> dict[str, Any]:
                 },
             },
         ]
+    }
+    constraints_body = {
+        "allOf": [
+            eligibility_body,
+            {
+                "type": "object",
+                "properties": {"format": {"enum": list(FORMATS)}},
+                "required": ["format"],
+            },
+        ]
+    }
+    constraints_answer = {
+        "type": "object",
+        "properties": {
+            "format": {"enum": list(FORMATS)},
+            "satisfiable": {"type": "boolean", "description": "false: no node can be eligible"},
+            "notes": {"type": "array", "items": {"type": "string"}},
+            "affinity": {"type": "object", "description": "core/v1 Affinity (kubernetes, dra)"},
+            "resources": {"type": "object", "description": "container resources (kubernetes)"},
+            "resourceClaimTemplate": {"type": ["object", "null"], "description": "resource.k8s.io/v1 (dra)"},
+            "hcl": {"type": "string", "description": "Nomad task fragment (nomad)"},
+            "sdl": {"type": ["object", "null"], "description": "Akash SDL profiles (akash)"},
+            "image": {"type": "object"},
+        },
+        "required": ["format", "satisfiable", "notes"],
     }
     not_placeable = {
         "400": _json(error, "invalid body or reference"),
@@ -245,6 +271,21 @@ def openapi_document() -> dict[str, Any]:
                     query("explain", "summary (default) or all"),
                 ],
                 "responses": {"200": _json(eligibility_answer, "the decision"), **not_placeable},
+            }
+        },
+        "/api/constraints": {
+            "post": {
+                "summary": "The eligibility of an image in a scheduler's language: kubernetes, dra, nomad or akash",
+                "description": "The eligibility body plus `format`. `kubernetes`: `affinity` (GPU Feature "
+                "Discovery labels, integer Gt/Lt terms) and `resources`; `dra`: `resourceClaimTemplate` "
+                "(resource.k8s.io/v1, CEL selectors) and an arch `affinity`; `nomad`: `hcl` (a task-level "
+                "constraint and a device block); `akash`: `sdl` (a compute profile, null when no known "
+                "model qualifies). `notes` says what the format cannot express or only approximates.",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": constraints_body}},
+                },
+                "responses": {"200": _json(constraints_answer, "the constraints"), **not_placeable},
             }
         },
         "/api/deployments": {
