@@ -89,6 +89,17 @@ async def ask_service(reference: str, url: str, fields: dict[str, Any], token: s
         return result
 
 
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people to paste: no anchors, long lines (CEL and HCL) kept whole."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _yaml(*documents: Any) -> str:
+    return yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=1 << 16)
+
+
 def render(body: dict[str, Any]) -> str:
     """The fragment in the scheduler's syntax, notes first as comments."""
     lines = [f"# {note}" for note in body.get("notes", [])]
@@ -96,12 +107,12 @@ def render(body: dict[str, Any]) -> str:
     if chosen == "nomad":
         text = body["hcl"]
     elif chosen == "kubernetes":
-        text = yaml.safe_dump({"affinity": body["affinity"], "resources": body["resources"]}, sort_keys=False)
+        text = _yaml({"affinity": body["affinity"], "resources": body["resources"]})
     elif chosen == "dra":
         documents = [body["resourceClaimTemplate"]] if body.get("resourceClaimTemplate") else []
-        text = yaml.safe_dump_all([*documents, {"affinity": body["affinity"]}], sort_keys=False)
+        text = _yaml(*documents, {"affinity": body["affinity"]})
     else:
-        text = yaml.safe_dump(body["sdl"], sort_keys=False) if body.get("sdl") else ""
+        text = _yaml(body["sdl"]) if body.get("sdl") else ""
     return "\n".join([*lines, text.rstrip("\n")]) + "\n"
 
 

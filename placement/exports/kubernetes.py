@@ -10,6 +10,7 @@ matches. Node names are never used.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from itertools import product
@@ -192,7 +193,9 @@ def export(constraints: Constraints) -> dict[str, Any]:
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [{"matchExpressions": term} for term in terms]
+                    # Fresh dicts per term: terms repeat requirements, and a shared object would
+                    # come out of a YAML dump as an anchor and aliases.
+                    "nodeSelectorTerms": [{"matchExpressions": copy.deepcopy(term)} for term in terms]
                 }
             }
         },
