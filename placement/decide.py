@@ -137,24 +137,18 @@ class _View:
 
 
 _gpu_position = attrgetter("index")
-_entry_name = attrgetter("name")
 
 
-def _gpu_shapes(shape_entries: list[ServerEntry]) -> list[int]:
-    """Dense GPU sub-shape number per shape: everything the GPU part of a verdict reads."""
-    ids: dict[tuple[object, ...], int] = {}
-    numbers = []
-    for entry in shape_entries:
-        key = (
-            entry.driver,
-            entry.cuda,
-            entry.musl,
-            entry.total_gpus,
-            entry.busy_gpus,
-            tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
-        )
-        numbers.append(ids.setdefault(key, len(ids)))
-    return numbers
+def _gpu_key(entry: ServerEntry) -> tuple[object, ...]:
+    """Everything the GPU part of a verdict reads: shapes with the same key share that part."""
+    return (
+        entry.driver,
+        entry.cuda,
+        entry.musl,
+        entry.total_gpus,
+        entry.busy_gpus,
+        tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
+    )
 
 
 @dataclass(slots=True)
@@ -166,7 +160,7 @@ class FleetIndex:
     whose inventory or GPUs in use changed, instead of rebuilding 10,000 entries per request.
     """
 
-    entries: list[ServerEntry] = field(default_factory=list)
+    entries: dict[str, ServerEntry] = field(default_factory=dict)  # by server name
     classes: list[GpuClass] = field(default_factory=list)
     shape_count: int = 0  # shapes ever seen; present ones are in the view
     label_sets: list[dict[str, str]] = field(default_factory=list)
@@ -174,45 +168,110 @@ class FleetIndex:
     _shape_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _label_ids: dict[tuple[tuple[str, str], ...], int] = field(default_factory=dict)
     _view: _View | None = None
+    # How the view numbers shapes, combinations and GPU sub-shapes; kept so updates extend it.
+    _dense: dict[int, int] = field(default_factory=dict)
+    _combo_ids: dict[tuple[int, int], int] = field(default_factory=dict)
+    _gpu_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
+    _empty_lists: int = 0  # shape/combination lists emptied by updates, compacted by a rebuild
 
     @classmethod
     def build(cls, servers: Iterable[Server]) -> FleetIndex:
-        """Derive every server and the query view (10,000 servers: well under 100 ms on one core)."""
+        """Derive every server and the query view (10,000 servers: about 100 ms on one core)."""
         index = cls()
-        index.entries = [index._entry(server) for server in servers]
-        index.entries.sort(key=_entry_name)  # stable output order, whatever the input order
+        index.entries = {server.name: index._entry(server) for server in servers}
         index.view()
         return index
 
     def update(self, servers: Iterable[Server]) -> None:
-        """Add servers, or replace the entries of servers with the same name (inventory or GPUs in use)."""
-        fresh = {server.name: self._entry(server) for server in servers}
-        if not fresh:
-            return
-        kept = [entry for entry in self.entries if entry.name not in fresh]
-        kept.extend(fresh.values())
-        kept.sort(key=_entry_name)
-        self.entries = kept
-        self._view = None
-        self.view()
+        """Add servers, or replace the entries of servers with the same name (inventory or GPUs in use).
+
+        The view is updated copy-on-write: only the lists of the shapes (and label sets) the
+        servers leave or join are copied, so a reservation costs O(shapes + servers of those
+        shapes), not a rebuild, and a query already running on the previous view is unaffected.
+        """
+        fresh = [self._entry(server) for server in servers]
+        if fresh:
+            self._change({entry.name for entry in fresh}, fresh)
 
     def remove(self, names: Iterable[str]) -> None:
         """Drop servers (e.g. agents that went silent)."""
-        gone = set(names)
+        gone = {name for name in names if name in self.entries}
         if gone:
-            self.entries = [entry for entry in self.entries if entry.name not in gone]
-            self._view = None
+            self._change(gone, [])
 
     @property
     def servers(self) -> list[Server]:
-        return [entry.server for entry in self.entries]
+        """Every server, in name order."""
+        return [self.entries[name].server for name in sorted(self.entries)]
 
     def server(self, name: str) -> Server | None:
-        """One server by name (the entries are in name order)."""
-        position = bisect_left(self.entries, name, key=_entry_name)
-        if position < len(self.entries) and self.entries[position].name == name:
-            return self.entries[position].server
-        return None
+        entry = self.entries.get(name)
+        return entry.server if entry is not None else None
+
+    def _change(self, names: set[str], fresh: list[ServerEntry]) -> None:
+        view = self._view
+        if view is None or len(names) > max(64, len(self.entries) // 8):
+            for name in names:
+                self.entries.pop(name, None)
+            self.entries.update((entry.name, entry) for entry in fresh)
+            self._view = None
+            self.view()
+            return
+        shape_entries = list(view.shape_entries)
+        shape_names, shape_groups = list(view.shape_names), list(view.shape_groups)
+        combos, combo_names, combo_groups = list(view.combos), list(view.combo_names), list(view.combo_groups)
+        shape_gpu = list(view.shape_gpu)
+        copied: set[tuple[str, int]] = set()
+
+        def own(kind: str, number: int) -> tuple[list[str], list[tuple[tuple[int, tuple[str, ...]], ...]]]:
+            """This update's private copy of one shape's (or combination's) lists."""
+            names_of, groups_of = (
+                (shape_names, shape_groups) if kind == "shape" else (combo_names, combo_groups)
+            )
+            if (kind, number) not in copied:
+                copied.add((kind, number))
+                names_of[number] = list(names_of[number])
+                groups_of[number] = list(groups_of[number])
+            return names_of[number], groups_of[number]
+
+        for name in names:
+            old = self.entries.pop(name, None)
+            if old is None:
+                continue
+            old_shape = self._dense[old.shape]
+            old_combo = self._combo_ids[(old_shape, old.label_set)]
+            for kind, number in (("shape", old_shape), ("combo", old_combo)):
+                member_names, member_groups = own(kind, number)
+                position = bisect_left(member_names, name)
+                del member_names[position], member_groups[position]
+                self._empty_lists += not member_names
+        for entry in fresh:
+            self.entries[entry.name] = entry
+            known = self._dense.get(entry.shape)
+            if known is None:
+                known = self._dense[entry.shape] = len(shape_entries)
+                shape_entries.append(entry)
+                shape_names.append([])
+                shape_groups.append([])
+                shape_gpu.append(self._gpu_ids.setdefault(_gpu_key(entry), len(self._gpu_ids)))
+            combo = self._combo_ids.get((known, entry.label_set))
+            if combo is None:
+                combo = self._combo_ids[(known, entry.label_set)] = len(combos)
+                combos.append((known, entry.label_set))
+                combo_names.append([])
+                combo_groups.append([])
+            for kind, number in (("shape", known), ("combo", combo)):
+                member_names, member_groups = own(kind, number)
+                self._empty_lists -= not member_names
+                position = bisect_left(member_names, entry.name)
+                member_names.insert(position, entry.name)
+                member_groups.insert(position, entry.groups)
+        self._view = _View(
+            shape_entries, shape_names, shape_groups, combos, combo_names, combo_groups, shape_gpu
+        )
+        if self._empty_lists > len(shape_entries) + len(combos):  # mostly dead lists: compact
+            self._view = None
+            self.view()
 
     def _entry(self, server: Server) -> ServerEntry:
         """Derive one server: free GPUs grouped by class, its shape and label-set ids."""
@@ -280,39 +339,40 @@ class FleetIndex:
         )
 
     def view(self) -> _View:
-        """The grouped lists a query reads, derived once per change of the index."""
+        """The grouped lists a query reads; derived in full only when built (or compacted)."""
         if self._view is not None:
             return self._view
-        dense: dict[int, int] = {}
-        combo_ids: dict[tuple[int, int], int] = {}
+        self._dense, self._combo_ids, self._gpu_ids, self._empty_lists = {}, {}, {}, 0
         shape_entries: list[ServerEntry] = []
         shape_names: list[list[str]] = []
         shape_groups: list[list[tuple[tuple[int, tuple[str, ...]], ...]]] = []
         combo_names: list[list[str]] = []
         combo_groups: list[list[tuple[tuple[int, tuple[str, ...]], ...]]] = []
-        for entry in self.entries:  # name order, so every list below is in name order too
-            shape = dense.get(entry.shape)
+        for name in sorted(self.entries):  # name order, so every list below is in name order too
+            entry = self.entries[name]
+            shape = self._dense.get(entry.shape)
             if shape is None:
-                shape = dense[entry.shape] = len(shape_entries)
+                shape = self._dense[entry.shape] = len(shape_entries)
                 shape_entries.append(entry)
                 shape_names.append([])
                 shape_groups.append([])
-            shape_names[shape].append(entry.name)
+            shape_names[shape].append(name)
             shape_groups[shape].append(entry.groups)
-            combo = combo_ids.setdefault((shape, entry.label_set), len(combo_ids))
+            combo = self._combo_ids.setdefault((shape, entry.label_set), len(self._combo_ids))
             if combo == len(combo_names):
                 combo_names.append([])
                 combo_groups.append([])
-            combo_names[combo].append(entry.name)
+            combo_names[combo].append(name)
             combo_groups[combo].append(entry.groups)
+        shape_gpu = [self._gpu_ids.setdefault(_gpu_key(entry), len(self._gpu_ids)) for entry in shape_entries]
         self._view = _View(
             shape_entries=shape_entries,
             shape_names=shape_names,
             shape_groups=shape_groups,
-            combos=list(combo_ids),
+            combos=list(self._combo_ids),
             combo_names=combo_names,
             combo_groups=combo_groups,
-            shape_gpu=_gpu_shapes(shape_entries),
+            shape_gpu=shape_gpu,
         )
         return self._view
 
@@ -593,12 +653,16 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     if labels:
         missing = [_label_reasons(have, labels) for have in index.label_sets]
         for combo, (shape, label_set) in enumerate(view.combos):
+            if not view.combo_names[combo]:
+                continue  # every server left this combination since the view was built
             result = results[shape]
             reasons = (*result[0], *missing[label_set])
             bucket = _Bucket(result, view.combo_names[combo], view.combo_groups[combo], reasons)
             (refused if reasons else eligible).append(bucket)
     else:
         for shape, result in enumerate(results):
+            if not view.shape_names[shape]:
+                continue
             bucket = _Bucket(result, view.shape_names[shape], view.shape_groups[shape], result[0])
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))

@@ -655,3 +655,36 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     status, _ = await service.post("/api/servers/agent-a/heartbeat", {}, AGENT_TOKEN)
     assert status == 200
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one", "agent-a"}  # back at once
+
+
+def test_many_small_updates_match_a_fresh_build() -> None:
+    """Copy-on-write updates (reservations, servers leaving and joining) give a rebuild's answers."""
+    fleet = {server.name: server for server in _many(400)}
+    index = FleetIndex.build(fleet.values())
+    before = index.view()
+    names = sorted(fleet)
+    for step in range(60):
+        name = names[(step * 37) % len(names)]
+        server = fleet[name]
+        if step % 7 == 3:
+            index.remove([name])
+            del fleet[name]
+            names.remove(name)
+            continue
+        if step % 11 == 5:  # a new server in a new label set and shape
+            extra = server.model_copy(update={"name": f"z-new-{step}", "labels": {"zone": "c"}, "cpus": 3})
+            index.update([extra])
+            fleet[extra.name] = extra
+            names.append(extra.name)
+            continue
+        busy = [gpu.uuid for gpu in server.gpus[: (step % 4)]]
+        fleet[name] = server.model_copy(update={"gpus_in_use": busy})
+        index.update([fleet[name]])
+    fresh = FleetIndex.build(fleet.values())
+    for request in (
+        DeployRequest(gpus=1),
+        DeployRequest(gpus=2, labels={"zone": "c"}),
+        DeployRequest(cpus=3),
+    ):
+        assert decide(cuda_image("12.2.2"), request, index) == decide(cuda_image("12.2.2"), request, fresh)
+    assert index.view() is not before and sum(map(len, before.shape_names)) == 400  # old view untouched
