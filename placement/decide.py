@@ -214,8 +214,7 @@ class FleetIndex:
             for name in names:
                 self.entries.pop(name, None)
             self.entries.update((entry.name, entry) for entry in fresh)
-            self._view = None
-            self.view()
+            self._view = self._build_view()  # replaced in one step: a reader never sees None
             return
         shape_entries = list(view.shape_entries)
         shape_names, shape_groups = list(view.shape_names), list(view.shape_groups)
@@ -270,8 +269,7 @@ class FleetIndex:
             shape_entries, shape_names, shape_groups, combos, combo_names, combo_groups, shape_gpu
         )
         if self._empty_lists > len(shape_entries) + len(combos):  # mostly dead lists: compact
-            self._view = None
-            self.view()
+            self._view = self._build_view()
 
     def _entry(self, server: Server) -> ServerEntry:
         """Derive one server: free GPUs grouped by class, its shape and label-set ids."""
@@ -339,9 +337,13 @@ class FleetIndex:
         )
 
     def view(self) -> _View:
-        """The grouped lists a query reads; derived in full only when built (or compacted)."""
-        if self._view is not None:
-            return self._view
+        """The grouped lists a query reads (a snapshot: updates replace it, never change it)."""
+        if self._view is None:
+            self._view = self._build_view()
+        return self._view
+
+    def _build_view(self) -> _View:
+        """Every list derived afresh (built, after large changes, or to drop emptied lists)."""
         self._dense, self._combo_ids, self._gpu_ids, self._empty_lists = {}, {}, {}, 0
         shape_entries: list[ServerEntry] = []
         shape_names: list[list[str]] = []
@@ -365,7 +367,7 @@ class FleetIndex:
             combo_names[combo].append(name)
             combo_groups[combo].append(entry.groups)
         shape_gpu = [self._gpu_ids.setdefault(_gpu_key(entry), len(self._gpu_ids)) for entry in shape_entries]
-        self._view = _View(
+        return _View(
             shape_entries=shape_entries,
             shape_names=shape_names,
             shape_groups=shape_groups,
@@ -374,7 +376,6 @@ class FleetIndex:
             combo_groups=combo_groups,
             shape_gpu=shape_gpu,
         )
-        return self._view
 
 
 # --- one query ---------------------------------------------------------------------------------
