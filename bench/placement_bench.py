@@ -37,7 +37,7 @@ from placement.decide import FleetIndex, ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
-from scanner.store import Store
+from store import SqliteStore
 
 # (GPU, brand, MiB, CC, GPUs per server, CPUs, memory GiB): a SKU fixes the box, as in real fleets.
 SKUS = [
@@ -159,7 +159,7 @@ def over_http(
     inventory = workdir / "fleet.json"
     inventory.write_text(json.dumps({"servers": fleet}))
     db = workdir / "bench.db"
-    store = Store(db)
+    store = SqliteStore(db)
     report = gpu_report()
     store.save_report(report)
     store.record_tag(REGISTRY, REPOSITORY, TAG, report.digest or "")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from scanner.badges import badges
 from scanner.gpu import gpu_facts
+from scanner.limits import LimitExceeded, scan_too_slow
 from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
@@ -25,8 +26,9 @@ from scanner.settings import ScannerSettings
 from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:
+    from scanner.analysis import AnalysisPool
+    from scanner.cache import ScanCache
     from scanner.layers import LayerReader
-    from scanner.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class Scanner:
     def __init__(
         self,
         client: RegistryClient,
-        store: Store | None = None,
+        store: ScanCache | None = None,
         settings: ScannerSettings | None = None,
         *,
         on_result: Callable[[ImageReport], None] | None = None,
@@ -87,16 +89,26 @@ class Scanner:
         self.store = store
         self.settings = settings or ScannerSettings()
         self._layers: LayerReader | None = None
+        self._pool: AnalysisPool | None = None
         self.on_result = on_result
 
     @property
     def layers(self) -> LayerReader:
         """The layer reader, built on first use: config-only scans never load the tar and libc code."""
         if self._layers is None:
+            from scanner.analysis import AnalysisPool
             from scanner.layers import LayerReader
 
-            self._layers = LayerReader(self.client, self.store, max_layer_bytes=self.settings.max_layer_bytes)
+            self._pool = AnalysisPool(self.settings.analysis_processes)
+            self._layers = LayerReader(
+                self.client, self.store, limits=self.settings.analysis_limits(), pool=self._pool
+            )
         return self._layers
+
+    async def close(self) -> None:
+        """Stop the analysis processes, if any were started."""
+        if self._pool is not None:
+            await self._pool.close()
 
     async def scan(self, text: str, options: ScanOptions | None = None) -> ImageReport:
         """Scan one reference. Never raises for bad input: the report carries the error."""
@@ -106,13 +118,25 @@ class Scanner:
         except ReferenceError as exc:
             return ImageReport(reference=text, error=str(exc))
         with self.client.track() as stats:
+            scan_timeout = asyncio.timeout(self.settings.max_scan_seconds)
             try:
-                report = await self._scan(reference, options)
+                async with scan_timeout:
+                    report = await self._scan(reference, options)
+            except TimeoutError as exc:
+                if not scan_timeout.expired():
+                    report = self._failed(reference, f"timed out: {exc}")
+                else:
+                    report = self._failed(reference, str(scan_too_slow(self.settings.max_scan_seconds)))
+                    report.retryable = False
+            except LimitExceeded as exc:
+                report = self._failed(reference, str(exc))
+                report.retryable = False  # the same bytes cross the same bound every time
             except RegistryError as exc:
                 report = self._failed(reference, str(exc))
             except NotAnImage as exc:
                 report = self._failed(reference, str(exc))
                 report.not_an_image = True
+                report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
             except LayerError as exc:
@@ -144,15 +168,15 @@ class Scanner:
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
-        stored = self.store.report(digest) if self.store else None
+        stored = await self.store.report(digest) if self.store else None
         if stored is not None and _reusable(stored, options):
-            self._remember_tag(reference, digest)
+            await self._remember_tag(reference, digest)
             reused = stored.model_copy(
                 update={"reference": str(reference), "tag": reference.tag, "cached": True}
             )
             return _filter_platforms(reused, options.platform)
 
-        child = self._stored_platform(digest, options)
+        child = await self._stored_platform(digest, options)
         if child is not None:
             # A platform of an index we already scanned (the child events of a multi-arch push).
             return ImageReport(
@@ -188,11 +212,11 @@ class Scanner:
         )
         if self.store is not None:
             if options.platform is None or not manifest.is_index:
-                self.store.save_report(report)
-            self._remember_tag(reference, manifest.digest)
+                await self.store.save_report(report)
+            await self._remember_tag(reference, manifest.digest)
         return report
 
-    def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
+    async def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
         """A platform image already scanned (e.g. as part of its index) that answers `options`.
 
         A stored libc flavour of `unknown` comes from a config-only scan or from layers that could
@@ -200,14 +224,14 @@ class Scanner:
         """
         if self.store is None or options.force:
             return None
-        stored = self.store.platform_report(digest)
+        stored = await self.store.platform_report(digest)
         if stored is None or not (options.config_only or stored.libc.flavour != "unknown"):
             return None
         return stored
 
-    def _remember_tag(self, reference: Reference, digest: str) -> None:
+    async def _remember_tag(self, reference: Reference, digest: str) -> None:
         if self.store is not None and reference.tag:
-            self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
+            await self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
 
     async def _scan_index(
         self, reference: Reference, index: Manifest, options: ScanOptions
@@ -222,7 +246,7 @@ class Scanner:
             raise ScanError("the index lists no runnable platform images")
 
         async def one(child: Descriptor) -> PlatformReport:
-            cached = self._stored_platform(child.digest, options)
+            cached = await self._stored_platform(child.digest, options)
             if cached is not None:
                 return cached
             manifest = await self.client.manifest(reference, child.digest)

@@ -92,13 +92,20 @@ async def _post(
 async def test_eligibility_scans_first_and_explains_every_rejection(
     service: RunningService, registry: LocalRegistry
 ) -> None:
+    request = {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1}
     async with aiohttp.ClientSession() as session:
-        status, body = await _post(
-            session,
-            f"{service.url}/api/eligibility",
-            {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1},
-        )
-    assert status == 200, body
+        # Without the API token a never-scanned image is not scanned: 404, saying how to ask.
+        status, body = await _post(session, f"{service.url}/api/eligibility", request)
+        assert status == 404, body
+        assert "has not been scanned" in body["error"] and "POST /api/scans" in body["error"]
+        async with session.get(f"{service.url}/api/scans") as response:
+            assert (await response.json())["jobs"] == []
+        status, body = await _post(session, f"{service.url}/api/eligibility", request, API_TOKEN)
+        assert status == 200, body
+        # Stored now: the same read without the token answers from the store.
+        status, again = await _post(session, f"{service.url}/api/eligibility", request)
+    assert status == 200, again
+    assert again["eligible"] == body["eligible"]
     assert [entry["server"] for entry in body["eligible"]] == ["h100-new"]
     assert body["eligible"][0]["gpus"] == ["GPU-h100-new-0"]
     assert (body["eligible_count"], body["ineligible_count"], body["next_cursor"]) == (1, 2, None)
@@ -121,7 +128,9 @@ async def test_eligibility_scans_first_and_explains_every_rejection(
 async def test_eligibility_pages_with_a_cursor(service: RunningService, registry: LocalRegistry) -> None:
     image = f"{registry.host}/fleet/static:1"
     async with aiohttp.ClientSession() as session:
-        status, first = await _post(session, f"{service.url}/api/eligibility", {"image": image, "limit": 1})
+        status, first = await _post(
+            session, f"{service.url}/api/eligibility", {"image": image, "limit": 1}, API_TOKEN
+        )
         assert status == 200, first
         status, second = await _post(
             session,
@@ -141,7 +150,7 @@ async def test_eligibility_pages_with_a_cursor(service: RunningService, registry
 async def test_cpu_image_fits_anywhere_matching(service: RunningService, registry: LocalRegistry) -> None:
     async with aiohttp.ClientSession() as session:
         status, body = await _post(
-            session, f"{service.url}/api/eligibility", {"image": f"{registry.host}/fleet/static:1"}
+            session, f"{service.url}/api/eligibility", {"image": f"{registry.host}/fleet/static:1"}, API_TOKEN
         )
     assert status == 200
     assert {entry["server"] for entry in body["eligible"]} == {"h100-new", "t4-old"}
@@ -218,7 +227,10 @@ async def test_constraints_in_every_format(service: RunningService, registry: Lo
         answers = {}
         for format in ("kubernetes", "dra", "nomad", "akash"):
             status, body = await _post(
-                session, f"{service.url}/api/constraints", {"image": image, "gpus": 1, "format": format}
+                session,
+                f"{service.url}/api/constraints",
+                {"image": image, "gpus": 1, "format": format},
+                API_TOKEN,
             )
             assert status == 200, body
             assert body["format"] == format and body["satisfiable"] is True and body["image"]["digest"]

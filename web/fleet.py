@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from placement.answer import ANSWER_FIELDS, AnswerBody, AnswerOptions, answer, decode_cursor
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.exports import FORMATS, export_constraints, known_gpus
-from placement.inventory import Server, parse_inventory
+from placement.inventory import Gpu, Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,
     AgentDeployment,
@@ -39,9 +39,11 @@ from placement.protocol import (
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
-from scanner.store import GpuTaken
-from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
-from web.app import SERVICES, Services, json_error, json_http_error
+from store import GpuTaken, ServerRecord
+from web.api import find_report, require_api_token, wait_param
+from web.errors import json_error, json_http_error, read_json
+from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
+from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,16 @@ class Deployment(BaseModel):
     container_id: str | None = None
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    def shown(self, token_holder: bool) -> dict[str, Any]:
+        """The API's JSON. `env` values and the container's output only for API token holders:
+        both may carry the workload's secrets (a program that prints its configuration)."""
+        body = self.model_dump(mode="json")
+        if not token_holder:
+            body["env"] = mask_values(self.env)
+            if self.logs:
+                body["logs"] = REDACTED
+        return body
 
     def for_agent(self) -> AgentDeployment:
         return AgentDeployment(
@@ -120,13 +132,13 @@ STATIC_FLEET = web.AppKey("static_fleet", list[Server])
 # ------------------------------------------------------------------ inventory
 
 
-def live_servers(app: web.Application) -> list[Server]:
+async def live_servers(app: web.Application) -> list[Server]:
     """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
     services = services_of_app(app)
     stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
-    reserved = services.store.reserved_gpus()
+    reserved = await services.store.reserved_gpus()
     servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
-    for inventory, _, last_heartbeat in services.store.servers():
+    for inventory, _, last_heartbeat in await services.store.servers():
         server = Server.model_validate_json(inventory)
         seen = datetime.fromisoformat(last_heartbeat)
         if seen < stale_before:
@@ -143,9 +155,10 @@ class FleetIndexCache:
     """The placement index kept between requests, so a query costs `decide`, not a fleet rebuild.
 
     Building the live server list and its index per request costs ~0.5 s at 10,000 servers;
-    the query itself a few ms. Handlers that change the fleet say so: `inventory_changed()`
-    (a server registered, reported new GPUs, or came back after going silent) makes the next
-    query re-read the servers (parsing only inventories whose JSON changed);
+    the query itself a few ms. Handlers that change the fleet say so: `claimed()` (a server
+    registered, reported new GPUs, or came back after going silent) makes the next query re-read
+    the servers (parsing only inventories whose JSON changed), and its GPU claims hold at once for
+    the next registration's check (`owners`), which never forces a re-read itself;
     `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
     re-derives only the servers whose reserved GPUs changed. Agents that go silent drop out on a
     timed check, every `check_seconds` and when the first agent is due to go stale; the same
@@ -162,13 +175,17 @@ class FleetIndexCache:
         self._check_at = 0.0  # clock() time of the next timed check
         self._parsed: dict[str, Server] = {}  # stored inventory JSON -> parsed agent server
         self._base: dict[str, Server] = {}  # live servers by name, before reservations
-        self._static: dict[str, Server] | None = None  # the inventory file's servers, read once
-        self._agents: dict[str, Server] = {}  # live agents by name (they win over the file)
         self._owner: dict[str, str] = {}  # GPU UUID -> server name
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
+        self._static: dict[str, Server] | None = None  # the inventory file's servers, read once
+        self._agents: set[str] = set()  # live agents' names at the last read
+        # Claims made since the last read of the server table (registrations, GPU reports, servers
+        # back from silence): they hold at once, without a re-read per registration.
+        self._recent_owner: dict[str, str] = {}  # GPU UUID -> server name
+        self._recent_live: set[str] = set()  # server names
 
     def prime(self, static: list[Server]) -> None:
-        """Index the inventory file's servers now, at start-up, before the first query needs them.
+        """Index the inventory file's servers at start-up, before the first query needs them.
 
         Built before the service freezes its start-up heap (web.app), the index of a large fleet
         stays out of the cyclic collector's full passes, which would otherwise land in queries.
@@ -180,41 +197,72 @@ class FleetIndexCache:
         self._index = FleetIndex.build(static)
         self._inventory_dirty = True  # agents and reservations are read by the first query
 
-    def inventory_changed(self) -> None:
-        self._inventory_dirty = True
-
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
+
+    def claimed(self, name: str, gpus: Sequence[Gpu]) -> None:
+        """`name` is live and reports `gpus` (it registered, reported GPUs or came back): holds at once."""
+        self._inventory_dirty = True
+        self._recent_live.add(name)
+        self._recent_owner.update((gpu.uuid, name) for gpu in gpus)
+
+    async def owners(self, app: web.Application, uuids: Sequence[str]) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static, or an agent not yet stale)."""
+        await self._current(app)
+        found = {}
+        for gpu_uuid in uuids:
+            owner = self._recent_owner.get(gpu_uuid) or self._owner.get(gpu_uuid)
+            if owner is not None:
+                found[gpu_uuid] = owner
+        return found
+
+    async def is_live(self, app: web.Application, name: str) -> bool:
+        """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
+        await self._current(app)
+        return name in self._base or name in self._recent_live
+
+    async def _current(self, app: web.Application) -> None:
+        """Re-read the servers when agents may have gone stale, but not for registrations alone:
+        those are in the recent claims, and a burst of N must not cost N reads of the whole table."""
+        if self._index is None or self._clock() >= self._check_at:
+            await self.index(app)
 
     def heard_from(self, name: str) -> None:
         """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
         if name not in self._base:
             self._inventory_dirty = True
+            self._recent_live.add(name)
 
-    def index(self, app: web.Application) -> FleetIndex:
+    async def index(self, app: web.Application) -> FleetIndex:
         now = self._clock()
+        store = services_of_app(app).store
         if self._index is None or self._inventory_dirty or now >= self._check_at:
-            self._read_inventory(app, now)
+            self._inventory_dirty = False
+            # Claims made before this read are committed, so the read has them; later ones stay.
+            self._recent_owner.clear()
+            self._recent_live.clear()
+            servers, reserved = await store.servers(), await store.reserved_gpus()
+            self._read_inventory(app, now, servers, reserved)
         elif self._reservations_dirty:
-            self._apply_reservations(app, ())
+            self._reservations_dirty = False
+            self._apply_reservations(await store.reserved_gpus(), ())
         assert self._index is not None
         return self._index
 
-    def _read_inventory(self, app: web.Application, now: float) -> None:
-        """Re-read the agents; only servers that changed are re-derived (the file's are read once)."""
+    def _read_inventory(
+        self, app: web.Application, now: float, rows: Sequence[ServerRecord], reserved: Mapping[str, str]
+    ) -> None:
         services = services_of_app(app)
-        self._inventory_dirty = False
         self.inventory_reads += 1
         stale_after = timedelta(seconds=services.settings.stale_after_seconds)
         wall = datetime.now(UTC)
-        changed: set[str] = set()
         if self._static is None:
             self._static = {server.name: server for server in app[STATIC_FLEET]}
-            changed.update(self._static)
+        base = dict(self._static)  # the file's servers are parsed once; agents win over them
+        agents: set[str] = set()
         parsed: dict[str, Server] = {}
-        agents: dict[str, Server] = {}
         first_seen: datetime | None = None
-        for inventory, _, last_heartbeat in services.store.servers():
+        for inventory, _, last_heartbeat in rows:
             seen = datetime.fromisoformat(last_heartbeat)
             if seen < wall - stale_after:
                 continue
@@ -223,44 +271,38 @@ class FleetIndexCache:
                 server = Server.model_validate_json(inventory).model_copy(
                     update={"last_heartbeat": seen, "source": "agent"}
                 )
-            parsed[inventory] = agents[server.name] = server
+            parsed[inventory] = base[server.name] = server
+            agents.add(server.name)
             first_seen = seen if first_seen is None else min(first_seen, seen)
         self._parsed = parsed
         self._check_at = now + self.check_seconds
         if first_seen is not None:
             due = (first_seen + stale_after - wall).total_seconds()
             self._check_at = min(self._check_at, now + max(due, 0.0))
-        previous, self._agents = self._agents, agents
-        changed.update(name for name, server in agents.items() if previous.get(name) is not server)
-        gone = []
-        for name in previous.keys() - agents.keys():
-            if name in self._static:
-                changed.add(name)  # silent agent: the inventory file's entry is back
-            else:
-                gone.append(name)
+        previous, self._base = self._base, base
+        # Only agents come and go or change: the file's servers are the same objects every time.
+        previous_agents, self._agents = self._agents, agents
+        candidates = base.keys() if not previous else agents | previous_agents
+        changed = [name for name in candidates if name in base and previous.get(name) is not base[name]]
+        gone = [name for name in previous_agents if name not in base]
         for name in (*changed, *gone):
-            old = self._base.get(name)
-            if old is not None:
-                for gpu in old.gpus:
+            if name in previous:
+                for gpu in previous[name].gpus:
                     if self._owner.get(gpu.uuid) == name:
                         del self._owner[gpu.uuid]
-        for name in gone:
-            del self._base[name]
-            self._reserved.pop(name, None)
         for name in changed:
-            server = agents.get(name) or self._static[name]
-            self._base[name] = server
-            self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+            self._owner.update((gpu.uuid, name) for gpu in base[name].gpus)
+        for name in gone:
+            self._reserved.pop(name, None)
         if self._index is None:
             self._index = FleetIndex()
         self._index.remove(gone)
-        self._apply_reservations(app, sorted(changed))
+        self._apply_reservations(reserved, changed)
 
-    def _apply_reservations(self, app: web.Application, changed: Sequence[str]) -> None:
-        """Re-read reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
-        self._reservations_dirty = False
+    def _apply_reservations(self, reserved_gpus: Mapping[str, str], changed: Sequence[str]) -> None:
+        """Apply reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
         reserved: dict[str, set[str]] = {}
-        for gpu_uuid in services_of_app(app).store.reserved_gpus():
+        for gpu_uuid in reserved_gpus:
             owner = self._owner.get(gpu_uuid)
             if owner is not None:
                 reserved.setdefault(owner, set()).add(gpu_uuid)
@@ -283,49 +325,106 @@ class FleetIndexCache:
 
 
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
+GPU_CLAIMS = web.AppKey("gpu_claims", asyncio.Lock)
 
 
-def fleet_index(app: web.Application) -> FleetIndex:
+async def fleet_index(app: web.Application) -> FleetIndex:
     """The live fleet, indexed for `decide`: what `live_servers` lists, kept between requests."""
-    return app[FLEET_INDEX].index(app)
+    return await app[FLEET_INDEX].index(app)
 
 
-def services_of_app(app: web.Application) -> Services:
-    return app[SERVICES]
+def require_agent_token(request: web.Request, server_name: str) -> None:
+    """Agents present GPUBADGE_AGENT_TOKEN (any server), or the per-agent token of `server_name`.
 
-
-def require_agent_token(request: web.Request, server_name: str | None = None) -> None:
-    """Agents present GPUBADGE_AGENT_TOKEN, or their own per-agent token."""
+    A per-agent token is bound to its server: presented for another server it gets 403, so one
+    compromised node cannot register, heartbeat, poll or report as its neighbours.
+    """
     settings = services_of(request).settings
-    candidates = []
-    if server_name and server_name in settings.agent_tokens:
-        candidates.append(settings.agent_tokens[server_name].get_secret_value())
-    if settings.agent_token is not None:
-        candidates.append(settings.agent_token.get_secret_value())
-    if not candidates and not settings.agent_tokens:
+    if settings.agent_token is None and not settings.agent_tokens:
         return  # no agent token configured: open (logged at startup)
     given = (bearer_token(request) or "").encode()
-    if not any(hmac.compare_digest(given, candidate.encode()) for candidate in candidates):
+    fleet_wide = settings.agent_token is not None and hmac.compare_digest(
+        given, settings.agent_token.get_secret_value().encode()
+    )
+    owner = None
+    for name, token in settings.agent_tokens.items():  # every comparison runs, whichever matches
+        if hmac.compare_digest(given, token.get_secret_value().encode()):
+            owner = name
+    if fleet_wide or owner == server_name:
+        return
+    if owner is not None:
+        log.warning("agent token of server %s used for server %s: refused", owner, server_name)
         raise json_http_error(
-            web.HTTPUnauthorized, "a valid agent token is required (Authorization: Bearer <token>)"
+            web.HTTPForbidden, f"this agent token belongs to server {owner}; it cannot act for {server_name}"
         )
+    raise json_http_error(
+        web.HTTPUnauthorized,
+        "a valid agent token is required (Authorization: Bearer <token>)",
+        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+    )
+
+
+async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
+    """A 409 when a live server other than `name` reports one of these GPU UUIDs, else None.
+
+    The same UUID on two servers is a cloned inventory or an impostor; either way placement must
+    not hand that GPU out twice. The claim lapses once its server goes stale.
+    """
+    owners = await app[FLEET_INDEX].owners(app, [gpu.uuid for gpu in gpus])
+    taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
+    if not taken:
+        return None
+    holders = sorted(set(taken.values()))
+    log.warning(
+        "server %s reports GPU(s) %s already reported by live server(s) %s: refused until %s goes stale",
+        name,
+        ", ".join(sorted(taken)),
+        ", ".join(holders),
+        " / ".join(holders),
+    )
+    stale_after = services_of_app(app).settings.stale_after_seconds
+    return json_error(
+        409,
+        f"GPU {', '.join(sorted(taken))} is already reported by live server {', '.join(holders)};"
+        f" it is released {stale_after:g} s after that server's last heartbeat",
+        claimed=taken,
+    )
+
+
+async def returning_conflict(app: web.Application, name: str) -> web.Response | None:
+    """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
+    if await app[FLEET_INDEX].is_live(app, name):
+        return None
+    stored = await services_of_app(app).store.server_inventory(name)
+    if stored is None:
+        return None
+    gpus = Server.model_validate_json(stored).gpus
+    conflict = await claimed_elsewhere(app, name, gpus)
+    if conflict is None:
+        app[FLEET_INDEX].claimed(name, gpus)
+    return conflict
 
 
 async def list_servers(request: web.Request) -> web.Response:
-    servers = live_servers(request.app)
+    servers = await live_servers(request.app)
     return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
 
 
 async def register_server(request: web.Request) -> web.Response:
+    services = services_of(request)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        server = Server.model_validate_json(await request.read())
+        server = Server.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid server: {_first_error(exc)}")
     require_agent_token(request, server.name)
-    services = services_of(request)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
-    services.store.upsert_server(server.name, stored.model_dump_json())
-    request.app[FLEET_INDEX].inventory_changed()
+    async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
+        conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
+        if conflict is not None:
+            return conflict
+        await services.store.upsert_server(server.name, stored.model_dump_json())
+        request.app[FLEET_INDEX].claimed(server.name, server.gpus)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
     return web.json_response(body.model_dump())
@@ -335,23 +434,34 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
+    data = await read_json(request, services.settings.json_limits(), empty={})
     try:
-        beat = Heartbeat.model_validate_json(await request.read() or b"{}")
+        beat = Heartbeat.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
-    inventory = None
-    if beat.gpus is not None:
-        current = services.store.server_inventory(name)
-        if current is not None:
-            inventory = (
-                Server.model_validate_json(current).model_copy(update={"gpus": beat.gpus}).model_dump_json()
-            )
-    if not services.store.heartbeat(name, inventory):
-        return json_error(404, f"unknown server {name}; register again")
-    if inventory is not None:
-        request.app[FLEET_INDEX].inventory_changed()
-    else:
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        inventory = None
+        if beat.gpus is None:
+            conflict = await returning_conflict(request.app, name)
+            if conflict is not None:
+                return conflict
+        else:
+            conflict = await claimed_elsewhere(request.app, name, beat.gpus)
+            if conflict is not None:
+                return conflict
+            current = await services.store.server_inventory(name)
+            if current is not None:
+                inventory = (
+                    Server.model_validate_json(current)
+                    .model_copy(update={"gpus": beat.gpus})
+                    .model_dump_json()
+                )
+        if not await services.store.heartbeat(name, inventory):
+            return json_error(404, f"unknown server {name}; register again")
+        if inventory is not None and beat.gpus is not None:
+            request.app[FLEET_INDEX].claimed(name, beat.gpus)
+        else:
+            request.app[FLEET_INDEX].heard_from(name)
     return web.json_response({"ok": True})
 
 
@@ -390,10 +500,7 @@ async def _request_body(
 
     `other_fields` (e.g. `limit`, `format`) are taken out of the body unchecked, for the caller.
     """
-    try:
-        data: Any = await request.json()
-    except ValueError:
-        raise json_http_error(web.HTTPBadRequest, "body is not JSON") from None
+    data: Any = await read_json(request, services_of(request).settings.json_limits())
     if not isinstance(data, dict) or not isinstance(data.get("image"), str):
         raise json_http_error(web.HTTPBadRequest, 'expected {"image": REF, ...request}')
     image = data.pop("image")
@@ -412,15 +519,31 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-async def image_report(services: Services, text: str) -> ImageReport:
-    """The stored report for `text`, scanning it now if it was never scanned."""
+async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
+    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
+
+    A scan costs registry traffic and a worker's time, so a caller without the API token
+    (`may_scan=False`) gets a 404 that says how to ask for the scan instead.
+    """
     try:
         reference = parse_reference(text)
     except ReferenceError as exc:
         raise json_http_error(web.HTTPBadRequest, str(exc)) from None
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     if report is not None:
         return report
+    if not may_scan:
+        if await services.store.pending_job_for(str(reference)) is not None:
+            raise json_http_error(
+                web.HTTPNotFound,
+                f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
+            )
+        raise json_http_error(
+            web.HTTPNotFound,
+            f"{reference} has not been scanned, and scanning it needs the API token: send"
+            " Authorization: Bearer <token> with this request, or request the scan with"
+            f' POST /api/scans {{"ref": "{reference}"}}',
+        )
     if not services.settings.allows(reference.registry):
         raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
     if services.scanner is None:
@@ -460,12 +583,13 @@ async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
     image, deploy, _, fields = await _request_body(request, other_fields=ANSWER_FIELDS)
     options = answer_options(request, fields)
-    report = await image_report(services, image)
+    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
+    report = await image_report(services, image, may_scan=may_scan)
     started = time.perf_counter()
-    index = fleet_index(request.app)
+    index = await fleet_index(request.app)
     index.view()  # built here, so the worker thread only reads the index
-    # A thread, not a process: a query costs O(shapes + limit), well under a millisecond of CPU
-    # at 10,000 servers, so shipping the index to another process would cost more than the work.
+    # A thread, not a process: a query costs O(shapes + limit), about a millisecond of CPU at
+    # 10,000 servers, so shipping the index to another process would cost more than the work.
     body: dict[str, Any] = dict(await asyncio.to_thread(eligibility_answer, report, deploy, index, options))
     body["image"] = {"reference": report.reference, "digest": report.digest}
     body["seconds"] = round(time.perf_counter() - started, 6)
@@ -479,8 +603,9 @@ async def constraints(request: web.Request) -> web.Response:
     chosen = fields.get("format")
     if chosen not in FORMATS:
         raise json_http_error(web.HTTPBadRequest, f"invalid request: format: one of {', '.join(FORMATS)}")
-    report = await image_report(services, image)
-    fleet = known_gpus(fleet_index(request.app).classes)
+    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
+    report = await image_report(services, image, may_scan=may_scan)
+    fleet = known_gpus((await fleet_index(request.app)).classes)
     facts = ImageFacts.from_report(report)
     body = await asyncio.to_thread(export_constraints, facts, deploy, fleet, chosen)
     body["image"] = {"reference": report.reference, "digest": report.digest}
@@ -490,9 +615,9 @@ async def constraints(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- deployments
 
 
-def _load(services: Services, deployment_id: str) -> Deployment | None:
-    row = services.store.deployment(deployment_id)
-    return Deployment.model_validate_json(row[0]) if row else None
+async def _load(services: Services, deployment_id: str) -> Deployment | None:
+    row = await services.store.deployment(deployment_id)
+    return Deployment.model_validate_json(row.record_json) if row else None
 
 
 async def create_deployment(request: web.Request) -> web.Response:
@@ -503,7 +628,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     facts = ImageFacts.from_report(report)
     decision: Decision | None = None
     for _ in range(RESERVE_ATTEMPTS):
-        decision = decide(facts, deploy, fleet_index(request.app))
+        decision = decide(facts, deploy, await fleet_index(request.app))
         choice = decision.best
         if choice is None:
             break
@@ -521,7 +646,7 @@ async def create_deployment(request: web.Request) -> web.Response:
             env=run.env,
         )
         try:
-            services.store.create_deployment(
+            await services.store.create_deployment(
                 deployment.id, deployment.server, deployment.gpus, deployment.model_dump_json()
             )
         except GpuTaken:
@@ -530,7 +655,9 @@ async def create_deployment(request: web.Request) -> web.Response:
             continue
         request.app[FLEET_INDEX].reservations_changed()
         await request.app[FLEET_EVENTS].notify()
-        return web.json_response(deployment.model_dump(mode="json"), status=201)
+        return web.json_response(
+            deployment.shown(holds_api_token(request, services.settings.api_token)), status=201
+        )
     assert decision is not None
     return json_error(
         409,
@@ -541,27 +668,31 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 
 async def get_deployment(request: web.Request) -> web.Response:
-    deployment = _load(services_of(request), request.match_info["id"])
+    services = services_of(request)
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
-    return web.json_response(deployment.model_dump(mode="json"))
+    return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    rows = services_of(request).store.deployments(server=request.query.get("server") or None)
+    services = services_of(request)
+    reveal = holds_api_token(request, services.settings.api_token)
+    rows = await services.store.deployments(server=request.query.get("server") or None)
     return web.json_response(
-        {"deployments": [Deployment.model_validate_json(row[0]).model_dump(mode="json") for row in rows]}
+        {"deployments": [Deployment.model_validate_json(row.record_json).shown(reveal) for row in rows]}
     )
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
+    reveal = holds_api_token(request, services.settings.api_token)
     if deployment.state in TERMINAL_STATES:
-        return web.json_response(deployment.model_dump(mode="json"))
+        return web.json_response(deployment.shown(reveal))
     now = datetime.now(UTC)
     if deployment.state == "pending":  # the agent never saw it: stop here and free the GPUs
         deployment = deployment.model_copy(
@@ -572,17 +703,17 @@ async def delete_deployment(request: web.Request) -> web.Response:
                 "updated_at": now,
             }
         )
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state="stopped", desired="stop", release=True
         )
         request.app[FLEET_INDEX].reservations_changed()
     else:
         deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
         )
     await request.app[FLEET_EVENTS].notify()
-    return web.json_response(deployment.model_dump(mode="json"), status=202)
+    return web.json_response(deployment.shown(reveal), status=202)
 
 
 async def agent_poll(request: web.Request) -> web.Response:
@@ -591,29 +722,34 @@ async def agent_poll(request: web.Request) -> web.Response:
     require_agent_token(request, name)
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
-    if services.store.heartbeat(name):
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        conflict = await returning_conflict(request.app, name)
+        if conflict is not None:
+            return conflict
+        if await services.store.heartbeat(name):
+            request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
-        rows = services.store.actionable_deployments(name)
+        rows = await services.store.actionable_deployments(name)
         remaining = deadline - time.monotonic()
         if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
             break
         await request.app[FLEET_EVENTS].wait(remaining)
     body = DeploymentsResponse(
-        deployments=[Deployment.model_validate_json(row[0]).for_agent() for row in rows]
+        deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
     )
     return web.json_response(body.model_dump(mode="json"))
 
 
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        status = DeploymentStatus.model_validate_json(await request.read())
+        status = DeploymentStatus.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid status: {_first_error(exc)}")
     # Stopped while still pending, but the agent had already picked it up: record what runs
@@ -629,7 +765,7 @@ async def deployment_status(request: web.Request) -> web.Response:
             "updated_at": datetime.now(UTC),
         }
     )
-    services.store.update_deployment(
+    await services.store.update_deployment(
         deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
     )
     if status.state in TERMINAL_STATES:
@@ -637,7 +773,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
         await request.app[FLEET_EVENTS].notify()
-    return web.json_response(updated.model_dump(mode="json"))
+    return web.json_response(updated.shown(token_holder=False))
 
 
 async def _end_long_polls(app: web.Application) -> None:
@@ -647,6 +783,7 @@ async def _end_long_polls(app: web.Application) -> None:
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
     app[FLEET_INDEX] = FleetIndexCache()
+    app[GPU_CLAIMS] = asyncio.Lock()
     app.on_shutdown.append(_end_long_polls)
     settings = services_of_app(app).settings
     inventory_file = settings.inventory_file

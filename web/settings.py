@@ -11,10 +11,12 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
+from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
+from web.hooks import SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,12 @@ class ServiceSettings(ScannerSettings):
         default="NORMAL",
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
     )
+    sqlite_busy_timeout: float = Field(
+        default=30.0, description="seconds a write waits for another process's lock before it fails"
+    )
+    store_threads: int = Field(
+        default=8, ge=1, description="threads that run database calls off the event loop"
+    )
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
     webhook_secret: SecretStr | None = Field(
@@ -37,7 +45,15 @@ class ServiceSettings(ScannerSettings):
     webhook_secrets: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-source webhook secrets, e.g. {ghcr: ..., jfrog: ...}"
     )
-    api_token: SecretStr | None = Field(default=None, description="token required by write endpoints")
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="token required by write endpoints, by scans that a read would start, and (public_reads=false) by reads",
+    )
+    public_reads: bool = Field(
+        default=True,
+        description="false: every /api read, UI page, badge and /metrics needs the API token"
+        " (/healthz, /api/openapi.json and /static stay open)",
+    )
     agent_token: SecretStr | None = Field(default=None, description="token node agents present")
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
@@ -52,7 +68,30 @@ class ServiceSettings(ScannerSettings):
     drain_seconds: float = Field(
         default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
     )
+    lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="a running job's lease; a worker renews it every third of this, and a job whose lease"
+        " lapses (crashed or cut-off worker) is claimed again",
+    )
+    health_timeout: float = Field(
+        default=1.5, gt=0, description="/healthz gives the database this long to take a write"
+    )
+    stall_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="/healthz fails when ready jobs wait this long while no worker makes progress",
+    )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
+    json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
+    json_max_number: int = Field(
+        default=INTEROPERABLE_INTEGER,
+        ge=1,
+        description="largest magnitude of a number in a JSON request body",
+    )
+    json_max_string: int = Field(
+        default=64 * 1024, ge=256, description="longest string or key in a JSON request body, in characters"
+    )
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
@@ -60,6 +99,44 @@ class ServiceSettings(ScannerSettings):
     eligibility_max_limit: int = Field(
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )
+
+    @field_validator("webhook_secret", "api_token", "agent_token", mode="after")
+    @classmethod
+    def _empty_secret_is_unset(cls, value: SecretStr | None) -> SecretStr | None:
+        """`GPUBADGE_API_TOKEN=` (set but empty) means unset, which start-up logs as open, never
+        "the empty token", which a request without credentials would match."""
+        return value if value is not None and value.get_secret_value() else None
+
+    @field_validator("webhook_secrets", mode="after")
+    @classmethod
+    def _known_sources(cls, secrets: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        unknown = sorted(set(secrets) - set(SOURCES))
+        if unknown:
+            raise ValueError(
+                f"webhook_secrets names unknown sources {', '.join(unknown)}; known: {', '.join(SOURCES)}"
+            )
+        empty = sorted(source for source, secret in secrets.items() if not secret.get_secret_value())
+        if empty:
+            raise ValueError(f"webhook_secrets: empty secret for {', '.join(empty)}")
+        return secrets
+
+    @field_validator("agent_tokens", mode="after")
+    @classmethod
+    def _no_empty_agent_tokens(cls, tokens: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        empty = sorted(name for name, token in tokens.items() if not token.get_secret_value())
+        if empty:
+            raise ValueError(f"agent_tokens: empty token for {', '.join(empty)}")
+        return tokens
+
+    def check_consistent(self) -> None:
+        """Combinations no single field can check (the environment and the file are merged first)."""
+        if not self.public_reads and self.api_token is None:
+            raise ValueError("public_reads=false needs an api_token: nobody could read anything")
+
+    def json_limits(self) -> JsonLimits:
+        return JsonLimits(
+            max_depth=self.json_max_depth, max_number=self.json_max_number, max_string=self.json_max_string
+        )
 
     def allowlist(self) -> set[str]:
         """Registries the service may contact. Mirrors of allowed registries are allowed too."""
@@ -78,6 +155,18 @@ class ServiceSettings(ScannerSettings):
     def webhook_secret_for(self, source: str) -> str | None:
         secret = self.webhook_secrets.get(source) or self.webhook_secret
         return secret.get_secret_value() if secret else None
+
+    def webhook_refused(self, source: str) -> bool:
+        """Per-source secrets only: a source without its own secret is refused, never left open."""
+        return (
+            self.webhook_secret is None and bool(self.webhook_secrets) and source not in self.webhook_secrets
+        )
+
+    def open_webhook_sources(self) -> list[str]:
+        """Sources whose webhooks are accepted without any secret."""
+        if self.webhook_secret is not None or self.webhook_secrets:
+            return []
+        return list(SOURCES)
 
     @classmethod
     def describe(cls) -> str:

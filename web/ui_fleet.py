@@ -23,8 +23,9 @@ from placement.answer import AnswerBody
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.app import SERVICES
 from web.fleet import answer_options, eligibility_answer, fleet_index, image_report, live_servers
+from web.security import presented_token, token_matches
+from web.state import services_of
 from web.ui import human_bytes, image_url, page, time_ago
 
 # ------------------------------------------------------------------ servers
@@ -318,7 +319,7 @@ def result_view(
 
 
 async def servers_page(request: web.Request) -> web.Response:
-    rows = server_rows(live_servers(request.app))
+    rows = server_rows(await live_servers(request.app))
     return page(request, "servers.html", title="Servers · gpubadge", active="servers", servers=rows)
 
 
@@ -346,15 +347,24 @@ async def eligibility_page(request: web.Request) -> web.Response:
         deploy = form.deploy_request()
     except FormError as exc:
         return show(400, str(exc))
+    services = services_of(request)
+    # A browser sends the token as HTTP Basic; without it only stored results are shown.
+    may_scan = token_matches(services.settings.api_token, presented_token(request) or "")
     try:
-        report = await image_report(request.app[SERVICES], form.image)
+        report = await image_report(services, form.image, may_scan=may_scan)
     except web.HTTPException as exc:
+        if exc.status == 404 and not may_scan:
+            return show(
+                404,
+                f"{form.image} has not been scanned yet. Request a scan on the Scans page"
+                " (it needs the API token); its eligibility shows here once the scan is done.",
+            )
         return show(page_status(exc), http_error_message(exc))
     try:
         options = answer_options(request, {})
     except web.HTTPException as exc:
         return show(400, http_error_message(exc))
-    index = fleet_index(request.app)
+    index = await fleet_index(request.app)
     index.view()  # built here, so the worker thread only reads the index
     body = await asyncio.to_thread(eligibility_answer, report, deploy, index, options)
     listed = [index.server(entry["server"]) for entry in body.get("eligible", [])]

@@ -1,0 +1,94 @@
+"""One error shape for the whole service: `{"error": "..."}` with a status that fits.
+
+Every failure inside a handler ends here, so the service stays up and the client learns
+what went wrong in words, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from store import StoreUnavailable
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.security import redact_secrets
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(status: int, message: str, **extra: object) -> web.Response:
+    """The error body; secrets in the message (a pre-signed URL, `?token=`) are redacted."""
+    return web.json_response({"error": redact_secrets(message), **extra}, status=status)
+
+
+def json_http_error(
+    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
+) -> web.HTTPException:
+    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
+    return kind(
+        text=json.dumps({"error": redact_secrets(message)}),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = None) -> Any:
+    """The request body as JSON within `limits`; 400 (or 413) with the reason otherwise.
+
+    `empty` is returned for an empty body when given (a heartbeat may have none).
+    """
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=request.app._client_max_size,
+            text=json.dumps({"error": "body larger than the limit (GPUBADGE_MAX_BODY_BYTES)"}),
+            content_type="application/json",
+        ) from None
+    if not body.strip() and empty is not None:
+        return empty
+    try:
+        return loads_bounded(body, limits)
+    except JsonLimitExceeded as exc:
+        raise json_http_error(web.HTTPBadRequest, f"body refused: {exc}") from None
+    except UnicodeDecodeError:
+        raise json_http_error(web.HTTPBadRequest, "body is not UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise json_http_error(
+            web.HTTPBadRequest, f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes a JSON (or plain) error; the service stays up."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if (
+            exc.status >= 400
+            and exc.content_type != "application/json"
+            and request.path.startswith(("/api", "/hooks"))
+        ):
+            return json_error(
+                exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
+            )
+        raise
+    except StoreUnavailable as exc:  # the database is locked, full or gone: the client may retry
+        log.warning("%s %s: %s", request.method, request.path, exc)
+        return web.json_response(
+            {"error": f"the database is unavailable, retry later: {exc}"},
+            status=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal error; see the service log")
