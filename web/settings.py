@@ -113,6 +113,9 @@ class ServiceSettings(ScannerSettings):
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
+    eligibility_max_limit: int = Field(
+        default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
+    )
 
     @field_validator("webhook_secret", "api_token", "agent_token", mode="after")
     @classmethod
