@@ -26,13 +26,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from placement.decide import ImageFacts
+from placement.exports import export_constraints
+from placement.exports.core import KnownGpu
+from placement.request import DeployRequest
 from placement.requirements import DeviceFacts, ImageRequirements, Verdict
 from scanner.models import ImageReport, Platform, PlatformReport
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ARCH_LABEL = "kubernetes.io/arch"
-CUDA_MAJOR = "nvidia.com/cuda.runtime-version.major"
-CUDA_MINOR = "nvidia.com/cuda.runtime-version.minor"
 AdmissionMode = Literal["warn", "deny"]
 
 # dimension -> label spellings for each version component, and the `.full` label(s)
@@ -184,8 +186,13 @@ def review_pod(
     *,
     mode: AdmissionMode = "deny",
     mutate: bool = False,
+    fleet: Sequence[KnownGpu] = (),
 ) -> Review:
-    """Check every container image gpubadge has a report for; `reports` maps image text -> report."""
+    """Check every container image gpubadge has a report for; `reports` maps image text -> report.
+
+    With `mutate`, also build the patch from the `kubernetes` export; `fleet` (the GPU products
+    gpubadge knows) turns brand clauses into product lists there.
+    """
     review = Review()
     terms = reachable_terms(pod.spec)
     claims = bool(pod.spec.resource_claims)
@@ -220,7 +227,8 @@ def review_pod(
             review.denials.append(f"{ref.label} runs {image}: {unreachable}")
     if mutate:
         review.denials.clear()  # the validating webhook decides; the mutating one only adds
-        review.patch = gpu_patch(pod, gpu_containers)
+        review.patch, notes = gpu_patch(pod, gpu_containers, fleet)
+        review.warnings.extend(notes)
     review.allowed = not review.denials
     review.warnings = [_short(w) for w in review.warnings[:_MAX_WARNINGS]]
     return review
@@ -436,100 +444,78 @@ def _candidates(dimension: str, term: Term, thresholds: list[tuple[int, ...]]) -
 
 # --- mutation ------------------------------------------------------------------------------------
 
+_MAX_AFFINITY_TERMS = 64
 
-def gpu_patch(pod: Pod, gpu_containers: Sequence[tuple[ContainerRef, ImageReport]]) -> list[dict[str, Any]]:
-    """JSONPatch: a GPU limit for GPU images that ask for none, and node affinity for the CUDA they need.
+
+def gpu_patch(
+    pod: Pod, gpu_containers: Sequence[tuple[ContainerRef, ImageReport]], fleet: Sequence[KnownGpu] = ()
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """JSONPatch from placement's `kubernetes` export: GPU limits, and node affinity for the images.
 
     Pods that already say more are left alone: a container with any nvidia.com/gpu keeps it,
     and a pod with required node affinity, or GPU labels in its nodeSelector, keeps its placement.
+    Returns the patch and warnings (when no node can run an image, no affinity is added).
     """
     patch: list[dict[str, Any]] = []
-    for ref, _ in gpu_containers:
+    warnings: list[str] = []
+    alternatives: list[list[dict[str, Any]]] | None = None
+    for ref, report in gpu_containers:
+        exported = export_constraints(ImageFacts.from_report(report), DeployRequest(), fleet, "kubernetes")
         container = ref.container
-        if gpu_count(container) > 0 or (container.resources and GPU_RESOURCE in container.resources.limits):
+        if (
+            not (container.resources and GPU_RESOURCE in container.resources.limits)
+            and gpu_count(container) == 0
+        ):
+            count = exported.get("resources", {}).get("limits", {}).get(GPU_RESOURCE) or 1
+            patch.append(_limit_operation(ref, str(count)))
+        if not exported["satisfiable"]:
+            warnings.append(f"gpubadge knows no node that can run {container.image}; no node affinity added")
+            alternatives = []
             continue
-        base = f"/spec/{ref.kind}/{ref.index}/resources"
-        if container.resources is None:
-            patch.append({"op": "add", "path": base, "value": {"limits": {GPU_RESOURCE: "1"}}})
-        elif not container.resources.limits:
-            patch.append({"op": "add", "path": f"{base}/limits", "value": {GPU_RESOURCE: "1"}})
-        else:
-            patch.append({"op": "add", "path": f"{base}/limits/nvidia.com~1gpu", "value": "1"})
-    affinity = node_affinity_for([report for _, report in gpu_containers])
+        terms = [
+            term["matchExpressions"]
+            for term in exported["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"]
+        ]
+        alternatives = terms if alternatives is None else _and(alternatives, terms)
     spec = pod.spec
     says_more = (
         spec.affinity and spec.affinity.node_affinity and spec.affinity.node_affinity.required
     ) or any(key.startswith("nvidia.com/") for key in spec.node_selector)
-    if affinity is not None and not says_more:
+    if alternatives and len(alternatives) > _MAX_AFFINITY_TERMS:
+        warnings.append("the images' combined node affinity is too large to add; none added")
+    elif alternatives and not says_more:
+        required = {"nodeSelectorTerms": [{"matchExpressions": term} for term in alternatives]}
         if spec.affinity is None:
-            patch.append({"op": "add", "path": "/spec/affinity", "value": {"nodeAffinity": affinity}})
+            value: dict[str, Any] = {
+                "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+            }
+            patch.append({"op": "add", "path": "/spec/affinity", "value": value})
         elif spec.affinity.node_affinity is None:
-            patch.append({"op": "add", "path": "/spec/affinity/nodeAffinity", "value": affinity})
+            value = {"requiredDuringSchedulingIgnoredDuringExecution": required}
+            patch.append({"op": "add", "path": "/spec/affinity/nodeAffinity", "value": value})
         else:
-            patch.append(
-                {
-                    "op": "add",
-                    "path": "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution",
-                    "value": affinity["requiredDuringSchedulingIgnoredDuringExecution"],
-                }
-            )
-    return patch
+            path = "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution"
+            patch.append({"op": "add", "path": path, "value": required})
+    return patch, warnings
 
 
-def node_affinity_for(reports: Sequence[ImageReport]) -> dict[str, Any] | None:
-    """Required node affinity: GFD's CUDA level >= the highest CUDA the images need, on their arch.
-
-    `>= X.Y` is `major > X` OR (`major = X` AND `minor > Y-1`); every term repeats the arch.
-    """
-    needed: tuple[int, int] | None = None
-    arches: set[str] | None = None
-    for report in reports:
-        platforms = [p for p in report.platforms if _runnable(p) and p.gpu.required]
-        image_arches = {Platform.parse(p.platform).architecture for p in platforms}
-        if image_arches:
-            arches = image_arches if arches is None else arches & image_arches
-        for platform in platforms:
-            version = _cuda_minimum(platform)
-            if version is not None and (needed is None or version > needed):
-                needed = version
-    arch_expression = [{"key": ARCH_LABEL, "operator": "In", "values": sorted(arches)}] if arches else []
-    if needed is None:
-        if not arch_expression:
-            return None
-        terms = [{"matchExpressions": arch_expression}]
-    else:
-        major, minor = needed
-        terms = [
-            {
-                "matchExpressions": [
-                    {"key": CUDA_MAJOR, "operator": "Gt", "values": [str(major)]},
-                    *arch_expression,
-                ]
-            },
-            {
-                "matchExpressions": [
-                    {"key": CUDA_MAJOR, "operator": "In", "values": [str(major)]},
-                    {"key": CUDA_MINOR, "operator": "Gt", "values": [str(minor - 1)]},
-                    *arch_expression,
-                ]
-            },
-        ]
-    return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+def _limit_operation(ref: ContainerRef, count: str) -> dict[str, Any]:
+    container = ref.container
+    base = f"/spec/{ref.kind}/{ref.index}/resources"
+    if container.resources is None:
+        return {"op": "add", "path": base, "value": {"limits": {GPU_RESOURCE: count}}}
+    if not container.resources.limits:
+        return {"op": "add", "path": f"{base}/limits", "value": {GPU_RESOURCE: count}}
+    return {"op": "add", "path": f"{base}/limits/nvidia.com~1gpu", "value": count}
 
 
-def _cuda_minimum(platform: PlatformReport) -> tuple[int, int] | None:
-    """The CUDA level the image's requirement needs in its first (main) term, else its CUDA version."""
-    requirements = ImageRequirements.from_gpu_facts(platform.gpu)
-    if requirements.disabled or requirements.error is not None:
-        return None
-    best: tuple[int, int] | None = None
-    for _, expression in requirements.expressions:
-        if not expression.alternatives:
-            continue
-        for condition in expression.alternatives[0].conditions:
-            if condition.key == "cuda" and condition.op in (">=", ">", "="):
-                parts = [int(p) for p in condition.value.split(".")[:2] if p.isdigit()]
-                if parts:
-                    version = (parts[0], parts[1] if len(parts) > 1 else 0)
-                    best = version if best is None or version > best else best
-    return best
+def _and(left: list[list[dict[str, Any]]], right: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Two ORs of ANDed expressions, ANDed: every pair of terms merged (duplicates dropped)."""
+    merged = []
+    for a, b in itertools.product(left, right):
+        term = [*a, *(expression for expression in b if expression not in a)]
+        if term not in merged:
+            merged.append(term)
+    return merged

@@ -30,6 +30,9 @@ from fixtures.oci import ImageSpec
 from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import RunningService, run_service_process
 from placement.admission import Pod, review_pod
+from placement.decide import ImageFacts
+from placement.exports import export_constraints
+from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 from tests.conftest import Pusher
 from tests.test_service_e2e import call, metric_values, wait_job
@@ -263,19 +266,20 @@ def test_mutation_adds_gpu_limit_and_affinity_and_the_result_is_valid_and_admitt
     train, side = patched["spec"]["containers"]
     assert train["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
     assert "resources" not in side
-    terms = patched["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"
-    ]
-    assert terms == [
-        {"matchExpressions": [expr("nvidia.com/cuda.runtime-version.major", "Gt", "12"), expr("kubernetes.io/arch", "In", "amd64")]},
-        {
-            "matchExpressions": [
-                expr("nvidia.com/cuda.runtime-version.major", "In", "12"),
-                expr("nvidia.com/cuda.runtime-version.minor", "Gt", "1"),
-                expr("kubernetes.io/arch", "In", "amd64"),
-            ]
-        },
-    ]  # fmt: skip
+    affinity = patched["spec"]["affinity"]
+    report = call("GET", f"{service.url}/api/images/by-ref?ref={images['cuda']}").body
+    exported = export_constraints(
+        ImageFacts.from_report(ImageReport.model_validate(report)), DeployRequest(), [], "kubernetes"
+    )
+    assert (
+        affinity == exported["affinity"]
+    )  # placement's kubernetes export, as is (no fleet: no GPU products)
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # Independently: the terms reach CUDA 12.2+ and 13+ nodes on amd64, and not CUDA 12.1.
+    assert any(
+        expr("nvidia.com/cuda.runtime-version.minor", "Gt", "1") in t["matchExpressions"] for t in terms
+    )
+    assert all(expr("kubernetes.io/arch", "In", "amd64") in t["matchExpressions"] for t in terms)
     assert admit(service, patched)["allowed"] is True  # the validating webhook agrees with the mutation
     assert admit(service, original, "/mutate")["patch"] == response["patch"]  # the path form, for configs
 
@@ -370,3 +374,25 @@ def test_https_listener_for_the_api_server(
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(probe, context=context, timeout=20)
         assert refused.value.code == 404
+
+
+def test_mutation_turns_brand_clauses_into_the_fleets_products() -> None:
+    """With the fleet's GPUs known, NVIDIA's brand escape terms become nvidia.com/gpu.product lists."""
+    from fixtures.catalog import cuda_images
+    from placement.exports.core import KnownGpu
+    from scanner.gpu import gpu_facts
+
+    require = cuda_images()[1]["NVIDIA_REQUIRE_CUDA"]
+    facts = gpu_facts({"config": {"Env": [f"NVIDIA_REQUIRE_CUDA={require}", "CUDA_VERSION=12.2.2"]}})
+    digest = "sha256:" + "b" * 64
+    report = ImageReport(reference="r/cuda:12", digest=digest, platforms=[PlatformReport(platform="linux/amd64", digest=digest, gpu=facts)])  # fmt: skip
+    obj = pod(container("c", "r/cuda:12"))
+    fleet = [KnownGpu("Tesla T4", "Tesla", 15360, "7.5")]
+    review = review_pod(Pod.model_validate(obj), {"r/cuda:12": report}, mutate=True, fleet=fleet)
+    patched = validated(jsonpatch.apply_patch(copy.deepcopy(obj), review.patch))
+    terms = patched["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    products = [e for t in terms for e in t["matchExpressions"] if e["key"] == "nvidia.com/gpu.product"]
+    assert products and all("Tesla-T4" in e["values"] for e in products)
+    assert len(terms) > 2  # the CUDA terms, plus the driver-branch escapes for the fleet's Tesla

@@ -29,9 +29,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from placement.admission import Pod, Review, containers_of, review_pod
+from placement.exports import known_gpus
+from placement.exports.core import KnownGpu
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from web.api import find_report
+from web.fleet import fleet_index
 from web.state import services_of_app
 
 if TYPE_CHECKING:
@@ -68,7 +71,9 @@ class AdmissionReview(BaseModel):
     request: AdmissionRequest
 
 
-async def admit(services: Services, background: set[asyncio.Task[Any]], request: web.Request) -> web.Response:
+async def admit(
+    services: Services, main: web.Application, background: set[asyncio.Task[Any]], request: web.Request
+) -> web.Response:
     try:
         review = AdmissionReview.model_validate_json(await request.read())
     except ValidationError as exc:
@@ -79,7 +84,7 @@ async def admit(services: Services, background: set[asyncio.Task[Any]], request:
         return _bad_request(f"expected apiVersion {ADMISSION_API}, kind AdmissionReview")
     mutate = request.path == MUTATE_PATH or request.query.get("mutate", "").lower() in ("1", "true", "yes")
     started = time.perf_counter()
-    answer = await _answer(services, background, review.request, mutate=mutate)
+    answer = await _answer(services, main, background, review.request, mutate=mutate)
     webhook = "mutate" if mutate else "validate"
     services.metrics.admission.inc(webhook, _decision(answer))
     services.metrics.admission_seconds.observe(time.perf_counter() - started, webhook)
@@ -87,7 +92,12 @@ async def admit(services: Services, background: set[asyncio.Task[Any]], request:
 
 
 async def _answer(
-    services: Services, background: set[asyncio.Task[Any]], request: AdmissionRequest, *, mutate: bool
+    services: Services,
+    main: web.Application,
+    background: set[asyncio.Task[Any]],
+    request: AdmissionRequest,
+    *,
+    mutate: bool,
 ) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request.uid, "allowed": True}
     if request.kind.kind != "Pod" or request.kind.group != "" or request.object is None:
@@ -101,7 +111,8 @@ async def _answer(
         return response
     reports, warnings = await _stored_reports(services, pod)
     _scan_unknown(services, background, [image for image, report in reports.items() if report is None])
-    outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate)
+    fleet = await _known_gpus(main) if mutate else []
+    outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate, fleet=fleet)
     outcome.warnings = warnings + outcome.warnings
     response["allowed"] = outcome.allowed
     if not outcome.allowed:
@@ -133,6 +144,15 @@ async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, Image
         log.exception("admission: store lookup failed")
         return {}, [*warnings, "gpubadge could not read its store; images not checked"]
     return found, warnings
+
+
+async def _known_gpus(main: web.Application) -> list[KnownGpu]:
+    """The GPU products of the live fleet (kept between requests by web.fleet); none if unreadable."""
+    try:
+        return known_gpus((await fleet_index(main)).classes)
+    except Exception:
+        log.exception("admission: reading the fleet failed; brand clauses get no product lists")
+        return []
 
 
 def _decision(answer: dict[str, Any]) -> str:
@@ -176,13 +196,14 @@ def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
-def routes(services: Services) -> list[web.RouteDef]:
-    handler = functools.partial(admit, services, set())
+def routes(services: Services, main: web.Application) -> list[web.RouteDef]:
+    """The admission routes; `main` is the service's application (its fleet), wherever they are served."""
+    handler = functools.partial(admit, services, main, set())
     return [web.post("/k8s/admit", handler), web.post(MUTATE_PATH, handler)]
 
 
 def setup_routes(app: web.Application) -> None:
-    app.add_routes(routes(services_of_app(app)))
+    app.add_routes(routes(services_of_app(app), app))
 
 
 def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -192,7 +213,7 @@ def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterato
     """
     settings = services.settings
 
-    async def listen(_: web.Application) -> AsyncIterator[None]:
+    async def listen(main: web.Application) -> AsyncIterator[None]:
         if settings.admission_tls_port is None:
             yield
             return
@@ -204,7 +225,7 @@ def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterato
             context.load_cert_chain, str(settings.admission_tls_cert), str(settings.admission_tls_key)
         )
         app = web.Application(client_max_size=settings.max_body_bytes)
-        app.add_routes(routes(services))
+        app.add_routes(routes(services, main))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.admission_tls_port, ssl_context=context)
