@@ -1,8 +1,9 @@
 """Kubernetes admission for GPU images: pure decisions over a Pod and the stored reports.
 
 `review_pod` answers, for one Pod, what a validating webhook says (allowed, a message
-naming the image and the evidence, warnings) and what a mutating webhook adds (a JSONPatch).
-It does no I/O: the web layer looks the images up in the store first.
+naming the image and the evidence, warnings) and what a mutating webhook adds (a JSONPatch
+built from placement's `kubernetes` export). It does no I/O: the web layer looks the images
+up in the store first.
 
 Node reachability is judged from the pod's `nodeSelector` and required node affinity
 against the labels NVIDIA GPU Feature Discovery (GFD) writes:
