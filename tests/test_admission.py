@@ -163,6 +163,13 @@ def test_gpu_image_with_a_gpu_is_allowed_quietly(service: RunningService, images
     assert "warnings" not in response and "patch" not in response
 
 
+def test_a_long_last_applied_annotation_is_read(service: RunningService, images: dict[str, str]) -> None:
+    obj = pod(container("train", images["cuda"]))
+    obj["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": "x" * 200_000}
+    response = admit(service, obj)
+    assert response["allowed"] is False and "nvidia.com/gpu" in response["status"]["message"]
+
+
 def test_init_containers_are_checked_too(service: RunningService, images: dict[str, str]) -> None:
     obj = pod(container("main", images["plain"]), init=[container("warmup", images["multi"])])
     response = admit(service, obj)
@@ -311,7 +318,18 @@ def test_non_pods_and_deletes_are_allowed_and_bad_reviews_refused(service: Runni
     sent["request"]["kind"] = {"group": "apps", "version": "v1", "kind": "Deployment"}
     reply = call("POST", f"{service.url}/k8s/admit", sent)
     assert reply.status == 200 and reply.body["response"]["allowed"] is True
-    for body in (b"{", {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}, {"kind": "x"}):
+    nested = (
+        b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":'
+        + b"[" * 200
+        + b"]" * 200
+        + b"}"
+    )
+    for body in (
+        b"{",
+        {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"},
+        {"kind": "x"},
+        nested,
+    ):
         bad = call("POST", f"{service.url}/k8s/admit", body)
         assert bad.status == 400 and "error" in bad.body, bad.text
 

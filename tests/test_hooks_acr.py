@@ -198,7 +198,10 @@ def test_host_outside_the_allowlist_is_refused_before_any_pull(service: RunningS
     assert all(ACR_HOST not in job["reference"] for job in jobs)
 
 
-@pytest.mark.parametrize("body", [b"{", b"[]", as_body({"action": "push", "target": {}})])
+@pytest.mark.parametrize(
+    "body",
+    [b"{", b"[]", as_body({"action": "push", "target": {}}), b'{"action":' + b"[" * 100 + b"]" * 100 + b"}"],
+)
 def test_malformed_body_over_http_is_a_400(service: RunningService, body: bytes) -> None:
     reply = deliver(service, body, AUTH)
     assert reply.status == 400, reply.text

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import json
 import logging
@@ -34,6 +35,7 @@ from placement.exports.core import KnownGpu
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from web.api import find_report
+from web.errors import read_json
 from web.fleet import fleet_index
 from web.state import services_of_app
 
@@ -74,8 +76,11 @@ class AdmissionReview(BaseModel):
 async def admit(
     services: Services, main: web.Application, background: set[asyncio.Task[Any]], request: web.Request
 ) -> web.Response:
+    settings = services.settings
+    # Strings are bounded by the body size: kubectl's last-applied-configuration annotation can be long.
+    limits = dataclasses.replace(settings.json_limits(), max_string=settings.max_body_bytes)
     try:
-        review = AdmissionReview.model_validate_json(await request.read())
+        review = AdmissionReview.model_validate(await read_json(request, limits))
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in first["loc"])

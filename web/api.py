@@ -119,7 +119,7 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
     default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
         if source == hooks_acr.SOURCE:
-            events = hooks_acr.normalise(body)
+            events = hooks_acr.normalise(body, settings.json_limits())
         else:
             events = hooks.normalise(
                 source,

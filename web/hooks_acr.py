@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 from web.hooks import (
     MANIFEST_MEDIA_TYPES,
     ScanRequest,
@@ -80,9 +81,12 @@ def authenticate(headers: Mapping[str, str], secret: str | None) -> None:
         raise WebhookAuthError("acr webhook: the Authorization header does not match the configured secret")
 
 
-def normalise(body: bytes) -> list[ScanRequest]:
-    """One ACR event -> at most one push request; ignored actions -> []; bad bodies -> WebhookError."""
-    payload = _parse_json(body)
+def normalise(body: bytes, limits: JsonLimits | None = None) -> list[ScanRequest]:
+    """One ACR event -> at most one push request; ignored actions -> []; bad bodies -> WebhookError.
+
+    `limits` bound the JSON's nesting, numbers and strings, as for every other sender.
+    """
+    payload = _parse_json(body, limits or JsonLimits())
     try:
         action = _AcrHeader.model_validate(payload).action
         if action != "push":
@@ -110,9 +114,11 @@ def normalise(body: bytes) -> list[ScanRequest]:
     return [request]
 
 
-def _parse_json(body: bytes) -> dict[str, Any]:
+def _parse_json(body: bytes, limits: JsonLimits) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
+        payload = loads_bounded(body, limits)
+    except JsonLimitExceeded as exc:
+        raise WebhookError(f"acr payload refused: {exc}") from None
     except UnicodeDecodeError:
         raise WebhookError("acr payload is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
