@@ -115,7 +115,8 @@ async def _answer(
         response["warnings"] = ["gpubadge could not read this Pod's spec; not checked"]
         return response
     reports, warnings = await _stored_reports(services, pod)
-    _scan_unknown(services, background, [image for image, report in reports.items() if report is None])
+    if not request.dry_run:  # queuing a scan is our one side effect: the manifests say NoneOnDryRun
+        _scan_unknown(services, background, [image for image, report in reports.items() if report is None])
     fleet = await _known_gpus(main) if mutate else []
     outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate, fleet=fleet)
     outcome.warnings = warnings + outcome.warnings
