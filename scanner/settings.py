@@ -117,7 +117,11 @@ class ScannerSettings(BaseSettings):
         default=False,
         description="push each new report to the registry as an OCI referrer of the scanned manifest",
     )
-    attach_attempts: int = Field(default=5, ge=1, description="tries per report attachment before giving up")
+    attach_attempts: int = Field(
+        default=8,
+        ge=1,
+        description="tries per report attachment before giving up (8 with the default backoff: ~4 min)",
+    )
     attach_backoff: float = Field(
         default=2.0, ge=0, description="seconds before the first attach retry; doubles"
     )
