@@ -79,7 +79,9 @@ def test_eligibility_hint_without_gpus_and_driver_floor_with_gpus(
     assert cpu.status == 200, cpu.text
     assert cpu.body["hints"] == ["carries CUDA 12.1 (torch): ask for gpus to run it on a GPU"]
     assert "cpu-1" in [entry["server"] for entry in cpu.body["eligible"]]
-    gpu = call("POST", f"{service.url}/api/eligibility", {"image": reference, "gpus": 1}, AUTH)
+    gpu = call(
+        "POST", f"{service.url}/api/eligibility", {"image": reference, "gpus": 1, "explain": "all"}, AUTH
+    )
     assert gpu.status == 200 and gpu.body["hints"] == []
     eligible = [entry["server"] for entry in gpu.body["eligible"]]
     assert "h100-a" in eligible and "cpu-1" not in eligible
