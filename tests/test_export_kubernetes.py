@@ -30,7 +30,7 @@ from scanner.models import GpuFacts, ImageReport, PlatformReport
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KNOWN_FLEET = parse_inventory((FIXTURES / "fleet.yaml").read_text()).servers
 REAL = json.loads((FIXTURES / "cuda_require_strings.json").read_text())["images"]
-KNOWN = known_gpus(FleetIndex.build(KNOWN_FLEET).classes)
+KNOWN = known_gpus(FleetIndex.build(KNOWN_FLEET))
 NUMERIC_PREFIXES = ("nvidia.com/cuda.", "nvidia.com/gpu.compute.", "nvidia.com/gpu.memory")
 INTEGER = re.compile(r"^[+-]?[0-9]+$")  # Go's strconv.ParseInt(s, 10, 64) accepts exactly these
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from placement.decide import ImageFacts, PlatformFacts
+from placement.decide import FleetIndex, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
 from placement.requirements import ImageRequirements, latent_error
@@ -265,21 +265,23 @@ class KnownGpu:
     brand: str
     memory_mib: int
     compute_capability: str
+    architectures: frozenset[str] = frozenset()  # CPU architectures of servers with it (empty: unknown)
 
 
-def known_gpus(classes: Iterable[object]) -> list[KnownGpu]:
-    """Distinct products from placement's GPU classes (or anything with the same attributes)."""
-    seen: dict[str, KnownGpu] = {}
-    for gpu in classes:
-        name = str(getattr(gpu, "name", ""))
-        if name and name not in seen:
-            seen[name] = KnownGpu(
-                name,
-                str(getattr(gpu, "brand", "")),
-                int(getattr(gpu, "memory_mib", 0)),
-                str(getattr(gpu, "compute_capability", "")),
+def known_gpus(index: FleetIndex) -> list[KnownGpu]:
+    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on."""
+    seen_on: dict[str, set[str]] = {}
+    for entry in index.view().shape_entries:  # one server per shape: O(shapes)
+        for gpu in entry.server.gpus:
+            seen_on.setdefault(gpu.name, set()).add(entry.arch)
+    found: dict[str, KnownGpu] = {}
+    for known in index.classes:
+        if known.name and known.name not in found:
+            archs = frozenset(seen_on.get(known.name, ()))
+            found[known.name] = KnownGpu(
+                known.name, known.brand, known.memory_mib, known.compute_capability, archs
             )
-    return sorted(seen.values(), key=lambda gpu: gpu.name)
+    return sorted(found.values(), key=lambda gpu: gpu.name)
 
 
 # --- image + request -> constraints ------------------------------------------------------------
