@@ -26,6 +26,7 @@ from placement.requirements import DeviceFacts, ImageRequirements, Verdict, comp
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
 
 _GIB = 1024**3
+QUERY_FORMS_KEPT = 64  # query forms (image facts + request) whose shape verdicts an index keeps
 SortKey = tuple[int, int, int, float, int]  # rank, spare GPUs, GPU MiB assigned, spare CPUs, memory
 _NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
 # (reasons, GPU picks as (group position, count), sort key, platform, score) for one server shape
@@ -173,6 +174,7 @@ class FleetIndex:
     _combo_ids: dict[tuple[int, int], int] = field(default_factory=dict)
     _gpu_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _empty_lists: int = 0  # shape/combination lists emptied by updates, compacted by a rebuild
+    _shape_results: dict[tuple[str, str], dict[int, _ShapeResult]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, servers: Iterable[Server]) -> FleetIndex:
@@ -198,6 +200,23 @@ class FleetIndex:
         gone = {name for name in names if name in self.entries}
         if gone:
             self._change(gone, [])
+
+    def shape_results(self, query: tuple[str, str]) -> dict[int, _ShapeResult]:
+        """Shape verdicts already computed for this query form, by shape id (the last few forms).
+
+        A verdict never goes stale: a server whose facts change gets another shape id. Safe from
+        several threads (dict operations are atomic); an eviction race only costs a recomputation.
+        """
+        found = self._shape_results.get(query)
+        if found is None:
+            while len(self._shape_results) >= QUERY_FORMS_KEPT:
+                try:
+                    oldest = next(iter(self._shape_results))
+                except (StopIteration, RuntimeError):  # emptied or changed by another thread
+                    break
+                self._shape_results.pop(oldest, None)
+            found = self._shape_results[query] = {}
+        return found
 
     @property
     def servers(self) -> list[Server]:
@@ -647,7 +666,15 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     index = inventory if isinstance(inventory, FleetIndex) else FleetIndex.build(inventory)
     query = _Query(image, request, index)
     view = index.view()
-    results = list(map(query.evaluate, view.shape_entries, view.shape_gpu))
+    # A shape's verdict depends on the shape and the query only, so it is kept per query form
+    # (image facts and request) and shape id: a repeated query evaluates only shapes new to it.
+    known = index.shape_results((image.model_dump_json(), request.model_dump_json()))
+    results = []
+    for entry, gpu_shape in zip(view.shape_entries, view.shape_gpu, strict=True):
+        result = known.get(entry.shape)
+        if result is None:
+            result = known[entry.shape] = query.evaluate(entry, gpu_shape)
+        results.append(result)
     labels = list(request.labels.items())
     eligible: list[_Bucket] = []
     refused: list[_Bucket] = []
