@@ -21,8 +21,8 @@ from itertools import product
 from placement.decide import FleetIndex, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
-from placement.requirements import ImageRequirements, latent_error
-from scanner.requirements import KEYS, OPERATORS, Condition, Expression
+from placement.requirements import ImageRequirements
+from scanner.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
 
 Version = tuple[int, ...]
 DIMENSIONS = ("driver", "cuda", "cc")  # driver version, driver's CUDA version, compute capability
