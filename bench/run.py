@@ -84,8 +84,8 @@ def run_placement(results: Results, quick: bool) -> None:
                     f"{label}: p50 {pair[0]:.2f} ms, p99 {pair[1]:.2f} ms"
                     for label, pair in (
                         ("function only", fn),
-                        ("new query form each time, HTTP", http_new.get(count)),
-                        ("function only", function_new.get(count)),
+                        ("a new query form each time, over HTTP", http_new.get(count)),
+                        ("a new query form each time, function only", function_new.get(count)),
                     )
                     if pair is not None
                 ),
