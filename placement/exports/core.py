@@ -200,11 +200,14 @@ class _Factor:
 
 
 def _factor(condition: Condition, brand: str | None) -> _Factor:
-    """`brand` None: no GPU is assigned, so the runtime's arch and brand rules hold without looking."""
+    """`brand` None: no GPU is assigned, so the runtime's arch and brand rules hold without looking;
+    `brand` "": a GPU whose brand NVML does not report (the brand rule holds)."""
     if condition.key not in KEYS or condition.op not in OPERATORS or not condition.value:
         return _Factor(FALSE, FALSE, True)  # rejected before any rule runs: an error wherever reached
     if brand is None and condition.key in ("arch", "brand"):
         return _Factor(TRUE, FALSE, False)
+    if brand == "" and condition.key == "brand":
+        return _Factor(TRUE, FALSE, False)  # NVML gave no brand: the rule holds without looking
     if condition.key == "brand":
         if condition.op not in ("=", "!="):
             return _Factor(FALSE, FALSE, True)
@@ -323,12 +326,13 @@ ALL_BRANDS: tuple[str, ...] = tuple(dict.fromkeys(RUNTIME_BRANDS))
 
 def _brand_key(requirements: ImageRequirements, brand: str) -> tuple[bool, ...]:
     """What the brand factors say for `brand`: brands with the same key get the same terms."""
-    return tuple(
+    factors = (
         (brand.lower() == c.value.lower()) == (c.op == "=")
         for _, expression in requirements.expressions
         for c in expression.conditions
         if c.key == "brand" and c.error is None
     )
+    return (brand == "", *factors)  # no brand at all makes every brand factor true
 
 
 def _requirement_terms(requirements: ImageRequirements, brand: str | None) -> list[Term]:
@@ -437,7 +441,7 @@ def _brand_terms(
         for names, products in groups.items():
             group_terms = TRUE
             for name in names:
-                group_terms = conjunction(group_terms, for_brand(name) if name else TRUE)
+                group_terms = conjunction(group_terms, for_brand(name))
             extra = [t for t in group_terms if not any(u.contains(t) for u in every_brand)]
             for term in extra:
                 extra_products.setdefault(term, set()).update(products)
