@@ -116,6 +116,7 @@ class ServerEntry:
     total_gpus: int
     busy_gpus: int
     groups: tuple[tuple[int, tuple[str, ...]], ...]  # (GPU class id, free UUIDs in index order)
+    runtime_modes: tuple[str, ...] = ()  # how Docker can hand it GPUs: nvidia runtime, --gpus, CDI
     shape: int = 0  # servers with the same shape get the same verdict; labels and names aside
     label_set: int = 0  # servers with the same labels get the same label verdict
 
@@ -166,6 +167,7 @@ def _gpu_key(entry: ServerEntry) -> tuple[object, ...]:
         entry.total_gpus,
         entry.busy_gpus,
         tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
+        entry.runtime_modes,
     )
 
 
@@ -338,6 +340,7 @@ class FleetIndex:
             else:
                 members.append(uuid)
         groups = tuple((class_id, tuple(uuids)) for class_id, uuids in grouped.items())
+        modes = tuple(sorted(server.runtime_modes))
         shape_key = (
             server.arch,
             server.cpus,
@@ -348,6 +351,7 @@ class FleetIndex:
             len(gpus),
             busy_gpus,
             tuple((class_id, len(uuids)) for class_id, uuids in groups),
+            modes,
         )
         shape = self._shape_ids.get(shape_key)
         if shape is None:
@@ -372,6 +376,7 @@ class FleetIndex:
             len(gpus),
             busy_gpus,
             groups,
+            modes,
             shape,
             label_set,
         )
@@ -531,7 +536,8 @@ class _Query:
         """Image rules beyond NVIDIA_REQUIRE_* that read a server's driver (e.g. a driver floor).
 
         Called once per GPU sub-shape and query for a GPU image, with a representative server:
-        read only what `_gpu_shapes` keys on (driver, driver CUDA, musl, GPU classes and counts).
+        read only what `_gpu_key` keys on (driver, driver CUDA, musl, GPU classes and counts,
+        runtime modes).
         """
         return []
 
