@@ -238,7 +238,7 @@ def openapi_document() -> dict[str, Any]:
         },
         "/hooks/{source}": {
             "post": {
-                "summary": "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog)",
+                "summary": "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog, acr)",
                 "parameters": [
                     _path("source"),
                     query("token", "shared secret, for senders that cannot set headers"),
