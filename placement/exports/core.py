@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from placement.decide import FleetIndex, ImageFacts, PlatformFacts
+from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
 from placement.requirements import ImageRequirements
@@ -271,14 +271,19 @@ class KnownGpu:
     architectures: frozenset[str] = frozenset()  # CPU architectures of servers with it (empty: unknown)
 
 
-def known_gpus(index: FleetIndex) -> list[KnownGpu]:
-    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on."""
+def known_gpus(fleet: FleetIndex | Iterable[GpuClass]) -> list[KnownGpu]:
+    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on.
+
+    Also takes bare GPU classes (`index.classes`); the architectures are then unknown.
+    """
     seen_on: dict[str, set[str]] = {}
-    for entry in index.view().shape_entries:  # one server per shape: O(shapes)
-        for gpu in entry.server.gpus:
-            seen_on.setdefault(gpu.name, set()).add(entry.arch)
+    classes: Iterable[GpuClass] = fleet.classes if isinstance(fleet, FleetIndex) else fleet
+    if isinstance(fleet, FleetIndex):
+        for entry in fleet.view().shape_entries:  # one server per shape: O(shapes)
+            for gpu in entry.server.gpus:
+                seen_on.setdefault(gpu.name, set()).add(entry.arch)
     found: dict[str, KnownGpu] = {}
-    for known in index.classes:
+    for known in classes:
         if known.name and known.name not in found:
             archs = frozenset(seen_on.get(known.name, ()))
             found[known.name] = KnownGpu(
