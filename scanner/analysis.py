@@ -25,6 +25,11 @@ dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryabl
 replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
 process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
 
+Adding an analysis (say, CUDA libraries found in the layers): write an
+`scanner.walk.EntryCollector`, create one per layer next to the libc collector in
+`_Server._begin_layer`, and put its summary in the layer reply beside `evidence`; the walk
+then feeds it the same entries at no extra decompression, and the same bounds apply.
+
 Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
 bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
 and the scanning process stays at most `WINDOW_BYTES` ahead: an early stop then reads
