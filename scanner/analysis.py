@@ -54,7 +54,7 @@ from typing import Any, BinaryIO, Protocol
 from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcVerdict
-from scanner.tarstream import CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
 from scanner.walk import LayerWalk
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,6 @@ WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is 
 PIPE_BYTES = 256 << 10
 ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
-
-
-class AnalysisCrashed(LayerError):
-    """The analysis process died mid-scan; scanning again may well succeed."""
 
 
 @dataclass
@@ -234,6 +230,10 @@ class _Worker:
             event.set()
 
     def _die(self, why: str) -> None:
+        if self.alive:
+            log.warning(
+                "analysis process %s: %s (exit status %s)", self.process.pid, why, self.process.returncode
+            )
         self.alive = False
         for event in self.progress.values():
             event.set()

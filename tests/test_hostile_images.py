@@ -22,7 +22,6 @@ from fixtures.hostile import SHAPES, HostileShape
 from fixtures.oci import LAYER_MEDIA_TYPES, fake_elf
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
-from scanner.analysis import AnalysisCrashed
 from scanner.layers import LayerReader
 from scanner.libc import LayerEvidence, LibcAnalysis, PathRecord
 from scanner.limits import AnalysisLimits, LimitExceeded
@@ -31,7 +30,7 @@ from scanner.reference import parse_reference
 from scanner.registry import Descriptor, RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
-from scanner.tarstream import TarEntry
+from scanner.tarstream import AnalysisCrashed, TarEntry
 from tests.conftest import Pusher
 from tests.test_service_e2e import call
 
