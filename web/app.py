@@ -15,10 +15,11 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from scanner.models import ImageReport
+from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from store import LeaseExpiry, open_store
-from web import api, fleet, health, openapi, ui, ui_fleet
+from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
 from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
@@ -44,9 +45,10 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
-    for routes in (api, health, openapi, fleet, ui, ui_fleet):
+    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission):
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
+    app.cleanup_ctx.append(admission.tls_listener(services))
     _log_webhook_doors(settings)
     if settings.api_token is None:
         log.warning(
@@ -90,6 +92,11 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 metrics.rate_limit.set(float(remaining), host)
 
         services.scanner = Scanner(client, services.store, settings, on_result=on_result)
+        if settings.attach_reports:
+            services.attacher = ReportAttacher(
+                settings, client, on_result=lambda result: metrics.referrer_attach.inc(result)
+            )
+        attacher = services.attacher
         if start_workers:
             services.workers = ScanWorkers(
                 services.store,
@@ -101,7 +108,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                     lease_seconds=settings.lease_seconds,
                 ),
                 WorkerEvents(
-                    on_outcome=lambda outcome: _count_outcome(metrics, outcome),
+                    on_outcome=lambda outcome: _on_outcome(metrics, attacher, outcome),
                     on_restart=lambda: metrics.worker_restarts.inc(),
                     on_lease_expiries=lambda expired: _count_expiries(metrics, expired),
                 ),
@@ -114,6 +121,8 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
             if services.scanner is not None:
                 await services.scanner.close()  # stops its analysis processes
+            if services.attacher is not None:
+                await services.attacher.stop()
             await client.close()
             await services.store.close()
 
@@ -123,6 +132,12 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
 def _count_expiries(metrics: ServiceMetrics, expired: list[LeaseExpiry]) -> None:
     for item in expired:
         metrics.lease_expiries.inc(item.state)
+
+
+def _on_outcome(metrics: ServiceMetrics, attacher: ReportAttacher | None, outcome: JobOutcome) -> None:
+    _count_outcome(metrics, outcome)
+    if attacher is not None:
+        attacher.submit(outcome.report)  # in the background, with its own retries; never fails the scan
 
 
 def _count_outcome(metrics: ServiceMetrics, outcome: JobOutcome) -> None:
