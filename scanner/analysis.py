@@ -368,6 +368,7 @@ class AnalysisPool:
         """Stop the analysis processes (closing stdin ends them; kill after a grace period)."""
         workers, self._workers = self._workers, []
         for worker in workers:
+            worker.alive = False  # an orderly exit, not a death worth a warning
             with contextlib.suppress(Exception):
                 worker.stdin.close()
         for worker in workers:
