@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class Poller:
     clients: int = 2
     latencies_ms: list[float] = field(default_factory=list)
     failures: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)  # "path status" -> count
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,16 +103,22 @@ class Poller:
             path = paths[turn % 2]
             turn += 1
             started = time.perf_counter()
+            status = "error"
             try:
                 with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as response:
                     response.read()
-                    ok = response.status == 200
-            except OSError:
-                ok = False
+                    status = str(response.status)
+            except urllib.error.HTTPError as exc:
+                status = f"{exc.code} {exc.read()[:120]!r}"
+            except OSError as exc:
+                status = type(exc).__name__
             elapsed = (time.perf_counter() - started) * 1000
             with self._lock:
                 self.latencies_ms.append(elapsed)
-                self.failures += 0 if ok else 1
+                if status != "200":
+                    self.failures += 1
+                    kind = f"{path.split('?')[0]} {status}"
+                    self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + 1
             time.sleep(0.01)  # a steady reader, not a flood: ~50 requests/s per client at most
 
     def __enter__(self) -> Poller:
@@ -141,6 +149,7 @@ class RunFigures:
     idle_ms: list[float]
     busy_ms: list[float]
     failures: int
+    failure_kinds: dict[str, int]
     scan_seconds: dict[str, float]
     outcomes: dict[str, str]
 
@@ -177,8 +186,11 @@ def run_configuration(
                         ended[name] = now - started
                         outcomes[name] = _outcome(service.url, references[name], job)
                 time.sleep(0.1)
+        kinds = {**idle.failure_kinds}
+        for kind, count in busy.failure_kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + count
         return RunFigures(
-            idle.latencies_ms, busy.latencies_ms, idle.failures + busy.failures, ended, outcomes
+            idle.latencies_ms, busy.latencies_ms, idle.failures + busy.failures, kinds, ended, outcomes
         )
 
 
@@ -213,6 +225,9 @@ def run_all(results: Results, quick: bool) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+    for label, figures in (("ours", ours), ("peer", peer)):
+        for kind, count in sorted(figures.failure_kinds.items()):
+            results.detail(f"{label}: {count} answers were not 200: {kind}")
     ours_ratio = percentile(ours.busy_ms, 0.99) / percentile(ours.idle_ms, 0.99)
     peer_ratio = percentile(peer.busy_ms, 0.99) / percentile(peer.idle_ms, 0.99)
     worst_ours, worst_peer = max(ours.busy_ms), max(peer.busy_ms)

@@ -25,6 +25,11 @@ dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryabl
 replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
 process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
 
+Adding an analysis (say, CUDA libraries found in the layers): write an
+`scanner.walk.EntryCollector`, create one per layer next to the libc collector in
+`_Server._begin_layer`, and put its summary in the layer reply beside `evidence`; the walk
+then feeds it the same entries at no extra decompression, and the same bounds apply.
+
 Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
 bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
 and the scanning process stays at most `WINDOW_BYTES` ahead: an early stop then reads
@@ -50,7 +55,7 @@ from scanner.inferred import CudaEntryCollector
 from scanner.libc import DISTRO_BUDGET, LayerCollector, LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcVerdict
-from scanner.tarstream import CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
 from scanner.walk import LayerWalk
 
 log = logging.getLogger(__name__)
@@ -62,10 +67,6 @@ WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is 
 PIPE_BYTES = 256 << 10
 ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
-
-
-class AnalysisCrashed(LayerError):
-    """The analysis process died mid-scan; scanning again may well succeed."""
 
 
 @dataclass
@@ -281,6 +282,10 @@ class _Worker:
             event.set()
 
     def _die(self, why: str) -> None:
+        if self.alive:
+            log.warning(
+                "analysis process %s: %s (exit status %s)", self.process.pid, why, self.process.returncode
+            )
         self.alive = False
         for event in self.progress.values():
             event.set()
@@ -423,6 +428,7 @@ class AnalysisPool:
         """Stop the analysis processes (closing stdin ends them; kill after a grace period)."""
         workers, self._workers = self._workers, []
         for worker in workers:
+            worker.alive = False  # an orderly exit, not a death worth a warning
             with contextlib.suppress(Exception):
                 worker.stdin.close()
         for worker in workers:

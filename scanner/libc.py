@@ -351,7 +351,7 @@ class LayerCollector:
         if not self._finished:
             self._finished = True
             self._layer.complete = complete
-            self._analysis._end_layer()
+            self._analysis._end_layer(complete)
         return self._layer.evidence()
 
 
@@ -373,6 +373,7 @@ class LibcAnalysis:
         self.limits = limits or AnalysisLimits()
         self.budget = ScanBudget(self.limits)
         self._layers: list[_Layer] = []
+        self._incomplete = 0  # layers not (yet) read to their end, so `all_read` is O(1)
         self._open: LayerCollector | None = None
         self._records: dict[str, tuple[int, PathRecord]] = {}
         self._gone: dict[str, int] = {}
@@ -392,6 +393,7 @@ class LibcAnalysis:
             raise RuntimeError("finish the current layer before starting another")
         layer = _Layer()
         self._layers.append(layer)
+        self._incomplete += 1  # until finished complete
         self._open = LayerCollector(self, layer, len(self._layers) - 1, distro_budget)
         return self._open
 
@@ -415,6 +417,7 @@ class LibcAnalysis:
     def _add_layer(self, layer: _Layer) -> None:
         index = len(self._layers)
         self._layers.append(layer)
+        self._incomplete += 0 if layer.complete else 1
         for path in layer.whiteouts:
             self._index_hide(self._gone, index, path)
         for path in layer.opaque:
@@ -427,6 +430,7 @@ class LibcAnalysis:
         """Undo `_add_layer` of the lowest layer: it only ever added keys of its own index."""
         index = len(self._layers) - 1
         layer = self._layers.pop()
+        self._incomplete -= 0 if layer.complete else 1
         for path in layer.entries:
             if path in self._records and self._records[path][0] == index:
                 del self._records[path]
@@ -483,8 +487,10 @@ class LibcAnalysis:
         if path in self._watched:
             self._dirty = True
 
-    def _end_layer(self) -> None:
+    def _end_layer(self, complete: bool) -> None:
         self._open = None
+        if complete:
+            self._incomplete -= 1
         self._dirty = True
 
     # -- state
@@ -496,11 +502,7 @@ class LibcAnalysis:
     @property
     def all_read(self) -> bool:
         """Every layer was seen to its end: nothing more can change the verdict."""
-        return (
-            self._open is None
-            and len(self._layers) >= self.layers_total
-            and all(layer.complete for layer in self._layers)
-        )
+        return self._open is None and len(self._layers) >= self.layers_total and self._incomplete == 0
 
     @property
     def decided(self) -> bool:

@@ -92,6 +92,8 @@ class ScanBudget:
 
     def spend_components(self, count: int) -> None:
         self.path_components += count
+        if self.path_components % 4096 < count:  # the clock now and then: resolution is a tight loop
+            self.check_time()
         if self.path_components > self.limits.max_path_components:
             raise LimitExceeded(
                 f"resolving paths took more than {self.limits.max_path_components:,} path components",

@@ -22,7 +22,6 @@ from fixtures.hostile import SHAPES, HostileShape
 from fixtures.oci import LAYER_MEDIA_TYPES, fake_elf
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
-from scanner.analysis import AnalysisCrashed
 from scanner.layers import LayerReader
 from scanner.libc import LayerEvidence, LibcAnalysis, PathRecord
 from scanner.limits import AnalysisLimits, LimitExceeded
@@ -31,7 +30,7 @@ from scanner.reference import parse_reference
 from scanner.registry import Descriptor, RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
-from scanner.tarstream import TarEntry
+from scanner.tarstream import AnalysisCrashed, TarEntry
 from tests.conftest import Pusher
 from tests.test_service_e2e import call
 
@@ -117,7 +116,7 @@ async def test_in_process_analysis_gives_the_same_answers(pushed: dict[str, str]
 
 
 async def test_a_killed_analysis_process_fails_the_scan_as_retryable(
-    push: Pusher, registry: LocalRegistry
+    push: Pusher, registry: LocalRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A process that dies mid-layer (OOM killer, kill -9) fails only that scan, retryably; the next works."""
     push(catalog.plain_glibc(), "hostile/victim:1")
@@ -135,10 +134,13 @@ async def test_a_killed_analysis_process_fails_the_scan_as_retryable(
             with pytest.raises(AnalysisCrashed):
                 await session.use_cached(LayerEvidence().model_dump_json())
             session.close()
+            assert any("the analysis process exited" in r.getMessage() for r in caplog.records)
             report = await scanner.scan(reference)  # a fresh process takes over
             assert report.error is None and report.platforms[0].libc.flavour == "glibc"
+            caplog.clear()
         finally:
             await scanner.close()
+    assert not [r for r in caplog.records if "analysis process" in r.getMessage()]  # an orderly close
 
 
 # ------------------------------------------------------------------ O(changes), not O(entries x layers)
