@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
 from scanner.inferred import CudaEntryCollector
-from scanner.libc import DISTRO_BUDGET, LayerCollector, LayerEvidence, LibcAnalysis, analyse_layer
+from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcVerdict
 from scanner.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
@@ -76,7 +76,6 @@ class LayerOutcome:
     evidence_json: str | None
     complete: bool
     compressed_bytes: int
-    libc_evidence_json: str | None = None  # a deep-scan ("cuda") read gives the libc evidence too
 
 
 def evidence_is_complete(evidence_json: str) -> bool:
@@ -163,12 +162,6 @@ class LocalSession:
         pass
 
 
-def _libc_side(arch: str, limits: AnalysisLimits) -> LayerCollector:
-    """A libc collector riding along a deep-scan walk, so the layer's libc evidence comes at no
-    extra read: the scanner caches it and its libc pass then needs no download for that layer."""
-    return LibcAnalysis(arch, 1, limits).begin_layer(DISTRO_BUDGET)
-
-
 class LocalCudaSession:
     """The deep scan's CUDA walk on this process's event loop (`analysis_processes = 0`).
 
@@ -188,11 +181,10 @@ class LocalCudaSession:
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         collector = CudaEntryCollector()
-        libc = _libc_side("any", self.limits)
         stats = StreamStats()
         walk = LayerWalk(
             media_type,
-            [collector, libc],
+            [collector],
             max_decompressed=self.limits.max_layer_bytes,
             budget=self.budget,
             stats=stats,
@@ -203,8 +195,7 @@ class LocalCudaSession:
         else:
             walk.close()
         evidence = collector.finish(complete=stats.reached_end)
-        libc_json = libc.finish(complete=stats.reached_end).model_dump_json()
-        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes, libc_json)
+        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes)
 
     async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
         raise RuntimeError("a CUDA session has no libc verdict")
@@ -353,9 +344,7 @@ class RemoteSession:
         self._decided = bool(reply.get("decided"))
         if reply.get("error"):
             _raise_reply_error(reply["error"])
-        return LayerOutcome(
-            reply.get("evidence"), bool(reply.get("complete")), sent, reply.get("libc_evidence")
-        )
+        return LayerOutcome(reply.get("evidence"), bool(reply.get("complete")), sent)
 
     async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
         reply = await self._ask(
@@ -450,7 +439,6 @@ class AnalysisPool:
 class _ServerSession:
     analysis: LibcAnalysis
     cuda_budget: ScanBudget | None = None  # set: a deep-scan session (CUDA collector, no libc)
-    libc_side: Any = None  # a deep-scan read's libc collector for the same layer (`_libc_side`)
     walk: LayerWalk | None = None
     collector: Any = None
     answered: bool = True  # the current layer's reply was sent (early stop or error)
@@ -540,19 +528,15 @@ class _Server:
     def _begin_layer(self, session: int, state: _ServerSession, payload: bytes) -> None:
         body = json.loads(payload)
         analysis = state.analysis
-        collectors: list[Any]
         if state.cuda_budget is not None:
             state.collector = CudaEntryCollector()
-            state.libc_side = _libc_side(analysis.arch, analysis.limits)
-            collectors = [state.collector, state.libc_side]
             budget = state.cuda_budget
         else:
             state.collector = analysis.begin_layer(DISTRO_BUDGET)
-            collectors = [state.collector]
             budget = analysis.budget
         state.walk = LayerWalk(
             body["media_type"],
-            collectors,
+            [state.collector],
             max_decompressed=analysis.limits.max_layer_bytes,
             budget=budget,
         )
@@ -591,17 +575,11 @@ class _Server:
             return
         state.answered = True
         reply = {"evidence": evidence.model_dump_json(), "complete": evidence.complete, "decided": decided}
-        if state.libc_side is not None:
-            reply["libc_evidence"] = state.libc_side.finish(
-                complete=state.walk.stats.reached_end
-            ).model_dump_json()
-            state.libc_side = None
         self._reply(session, reply)
 
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
         if state.collector is not None:
             state.collector.finish(complete=False)
-        state.libc_side = None
         state.answered = True
         if not isinstance(exc, LayerError | LimitExceeded):
             log.error("analysis failed", exc_info=exc)

@@ -11,8 +11,6 @@ layer walk (`scanner.walk`) as a streaming collector and does the I/O:
 * each layer's evidence is cached by digest (`cuda:<digest>` beside the libc evidence), and a
   layer being read by one scan is waited for by another, so a 5 GB torch layer shared by 100
   images is read once;
-* the same walk builds each layer's libc evidence too (a libc collector rides along), so the
-  scanner's libc pass, run after the deep scan, finds every layer in its cache: one read per layer;
 * parsing runs in the analysis processes (`scanner.analysis`, a "cuda" session: the layer walk
   with only the CUDA collector), like the libc analysis, so the event loop keeps answering while
   a big layer is read; this process only merges the per-layer evidence.
@@ -23,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,19 +73,12 @@ class DeepReader:
     """
 
     def __init__(
-        self,
-        client: RegistryClient,
-        store: ScanCache | None,
-        limits: AnalysisLimits,
-        pool: AnalysisPool,
-        libc_cache: Callable[[str, str, bool], Awaitable[None]] | None = None,
+        self, client: RegistryClient, store: ScanCache | None, limits: AnalysisLimits, pool: AnalysisPool
     ) -> None:
         self.client = client
         self.store = store
         self.limits = limits
         self.pool = pool
-        # Where the libc evidence a deep read gives for free goes (the libc pass's layer cache).
-        self.libc_cache = libc_cache
         self._memory_cache: dict[str, str] = {}
         self._inflight: dict[str, asyncio.Event] = {}
         self.progress: dict[str, DeepProgress] = {}  # by reference, while its deep scan runs
@@ -139,8 +130,6 @@ class DeepReader:
                     evidence = CudaLayerEvidence.model_validate_json(outcome.evidence_json or "{}")
                     if outcome.complete and outcome.evidence_json is not None:
                         await self._remember(layer.digest, outcome.evidence_json)
-                    if self.libc_cache is not None and outcome.libc_evidence_json is not None:
-                        await self.libc_cache(layer.digest, outcome.libc_evidence_json, outcome.complete)
                     evidences.append(evidence)
                 except (LayerError, LimitExceeded) as exc:
                     result.warnings.append(f"deep scan: layer {layer.digest[:19]}: {exc}")

@@ -50,10 +50,6 @@ class LayerReader:
             return self._memory_cache.get(digest)
         return await self.store.layer_evidence(digest)
 
-    async def remember(self, digest: str, evidence_json: str, complete: bool) -> None:
-        """Cache a layer's libc evidence built by another walk (the deep scan's), as if read here."""
-        await self._remember(digest, evidence_json, complete)
-
     async def _remember(self, digest: str, evidence_json: str, complete: bool) -> None:
         previous = await self._cached(digest)
         if previous is not None and not complete and evidence_is_complete(previous):

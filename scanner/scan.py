@@ -113,11 +113,9 @@ class Scanner:
         if self._deep is None:
             from scanner.deep import DeepReader
 
-            layers = self.layers  # builds the shared analysis pool
+            self.layers  # noqa: B018  (builds the shared analysis pool)
             assert self._pool is not None
-            self._deep = DeepReader(
-                self.client, self.store, self.settings.deep_scan_limits(), self._pool, layers.remember
-            )
+            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits(), self._pool)
         return self._deep
 
     def deep_progress(self) -> dict[str, str]:
@@ -310,17 +308,15 @@ class Scanner:
         if options.config_only:
             libc = LibcVerdict(layers_total=len(layers), bytes_total=sum(layer.size for layer in layers))
         else:
+            libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
+            warnings.extend(layer_warnings)
             if self._wants_deep(gpu):
-                # First: its walk also caches every layer's libc evidence, so the libc pass below
-                # reads nothing again.
                 deep = await self.deep.scan(reference, layers)
                 gpu = gpu.model_copy(update={"inferred": deep.inferred, "archs": deep.archs})
                 warnings.extend(deep.warnings)
                 mismatch = cuda_mismatch(gpu)
                 if mismatch:
                     warnings.append(mismatch)
-            libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
-            warnings.extend(layer_warnings)
         return PlatformReport(
             platform=str(platform),
             digest=manifest.digest,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import catalog
 from fixtures.oci import ImageSpec, LayerSpec, file, whiteout
 from fixtures.registry import LocalRegistry
 from scanner.models import PlatformReport
@@ -151,18 +150,3 @@ async def test_progress_while_a_deep_scan_runs(images: dict[str, str], registry:
         result = await asyncio.wait_for(task, 60)
         assert result.inferred is not None and scanner.deep_progress() == {}
         await scanner.close()
-
-
-@pytest.mark.parametrize(
-    "scanner", [("auto", 0), ("auto", 2)], indirect=True, ids=["in-process", "2-processes"]
-)
-async def test_one_read_per_layer_serves_libc_too(
-    scanner: Scanner, registry: LocalRegistry, push: Pusher
-) -> None:
-    """The deep walk caches each layer's libc evidence, so the libc pass downloads nothing."""
-    spec = catalog.plain_glibc()
-    spec.layers.append(wheel_layer())
-    push(spec, "deep/glibc-torch:1")
-    platform = await platform_of(scanner, f"{registry.host}/deep/glibc-torch:1")
-    assert platform.libc.flavour == "glibc" and platform.libc.bytes_read == 0
-    assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "12.1"
