@@ -180,7 +180,7 @@ class LocalCudaSession:
         return False
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
-        collector = CudaEntryCollector()
+        collector = CudaEntryCollector(self.limits.deep_scan_max_ratio)
         stats = StreamStats()
         walk = LayerWalk(
             media_type,
@@ -529,7 +529,7 @@ class _Server:
         body = json.loads(payload)
         analysis = state.analysis
         if state.cuda_budget is not None:
-            state.collector = CudaEntryCollector()
+            state.collector = CudaEntryCollector(analysis.limits.deep_scan_max_ratio)
             budget = state.cuda_budget
         else:
             state.collector = analysis.begin_layer(DISTRO_BUDGET)

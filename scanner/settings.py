@@ -121,6 +121,12 @@ class ScannerSettings(BaseSettings):
         default=64 * 1024 * MiB, description="decompressed bytes a deep scan reads per image"
     )
     deep_scan_seconds: float = Field(default=1800.0, description="wall time of one image's deep scan")
+    deep_scan_max_ratio: int = Field(
+        default=100,
+        ge=1,
+        description="a layer inflating more than this many times (past its first GiB) is a bomb: the deep scan"
+        " stops it (real layers inflate 2-5x)",
+    )
     concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
     request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
     retries: int = Field(default=4, description="attempts per request, including the first")

@@ -95,6 +95,8 @@ class LayerWalk:
         position = self.stats.compressed_bytes
         for collector in self.collectors:
             collector.position = position
+            if hasattr(collector, "inflated"):  # a collector that bounds the compression ratio
+                collector.inflated = self.stats.decompressed_bytes
         return all(collector.satisfied for collector in self.collectors)
 
     def feed(self, chunk: bytes) -> bool:

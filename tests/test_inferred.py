@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
+from fixtures.oci import file, tar_bytes
 from scanner.inferred import (
+    CudaEntryCollector,
     CudaLayerEvidence,
     choose_cuda,
     collect_layer,
@@ -16,7 +19,9 @@ from scanner.inferred import (
     parse_torch_version,
     tf_cuda_version,
 )
+from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.tarstream import TarEntry
+from scanner.walk import LayerWalk
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 
 SITE = "/usr/local/lib/python3.11/site-packages"
@@ -196,3 +201,29 @@ def test_choose_cuda() -> None:
     assert choose_cuda(["13", "12.1"]) == ("12.1", True)
     assert choose_cuda(["12", "11"]) == ("11", True)
     assert choose_cuda([]) == (None, False)
+
+
+def test_a_decompression_bomb_stops_the_deep_walk() -> None:
+    """A layer inflating past the ratio (after the floor) ends with the setting named."""
+    archive = gzip.compress(tar_bytes([file("/zeros", bytes(8 << 20))]))
+    collector = CudaEntryCollector(max_ratio=10, ratio_floor=1 << 20)
+    walk = LayerWalk(
+        "application/vnd.oci.image.layer.v1.tar+gzip",
+        [collector],
+        max_decompressed=1 << 30,
+        budget=ScanBudget(AnalysisLimits()),
+    )
+    with pytest.raises(LimitExceeded, match=r"\(GPUBADGE_DEEP_SCAN_MAX_RATIO\)$"):
+        for start in range(0, len(archive), 4096):
+            walk.feed(archive[start : start + 4096])
+        walk.close()
+    fine = CudaEntryCollector(max_ratio=10_000, ratio_floor=1 << 20)
+    walk = LayerWalk(
+        "application/vnd.oci.image.layer.v1.tar+gzip",
+        [fine],
+        max_decompressed=1 << 30,
+        budget=ScanBudget(AnalysisLimits()),
+    )
+    walk.feed(archive)
+    walk.close()
+    assert fine.finish(complete=True).complete
