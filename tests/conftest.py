@@ -12,6 +12,7 @@ import pytest
 from fixtures.busybox import busybox_unavailable_reason
 from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
 from fixtures.oci import ImageSpec, push_image
+from fixtures.postgres import LocalPostgres, postgres_unavailable_reason, run_postgres
 from fixtures.registry import LocalRegistry, run_registry
 
 Pusher = Callable[[ImageSpec | list[ImageSpec], str], str]
@@ -34,6 +35,30 @@ def push(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> P
         return push_image(spec, f"{registry.host}/{name}", workdir)
 
     return _push
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[LocalPostgres]:
+    """One real PostgreSQL (Debian's, initdb into a temp dir, as `postgres`) for the session."""
+    reason = postgres_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with run_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: LocalPostgres) -> Iterator[str]:
+    """A fresh, empty database on the session's server for one test; dropped afterwards."""
+    name = f"t{next(_DATABASE_NUMBERS)}"
+    url = postgres_server.create_database(name)
+    try:
+        yield url
+    finally:
+        postgres_server.drop_database(name)
+
+
+_DATABASE_NUMBERS = itertools.count()
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,61 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
     parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB, default ./gpubadge.db)")
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument(
+        "--workers",
+        type=_count,
+        help="scans run at once in this process (GPUBADGE_WORKERS, default 8); 0 serves the API only",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return parser
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge worker",
+        description="Run scan workers only: claim jobs from the shared store, scan, record the results."
+        " Any number may run against one PostgreSQL (GPUBADGE_DATABASE_URL).",
+        epilog="Settings are the same as `gpubadge serve --help` lists.",
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
+    )
+    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return parser
+
+
+def db_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge db", description="Manage the store's schema (GPUBADGE_DATABASE_URL, else --db)."
+    )
+    commands = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("upgrade", "apply every pending migration (they also run at start)"),
+        ("status", "print the applied and pending migrations"),
+    ):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+        sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    return parser
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
