@@ -11,7 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
@@ -24,7 +25,18 @@ DOCKER_HUB = "docker.io"
 class ServiceSettings(ScannerSettings):
     """Everything `gpubadge serve` reads. Field descriptions become `--help` text."""
 
+    # A rejected value is never echoed: the database URL and the tokens carry secrets.
+    model_config = SettingsConfigDict(**{**ScannerSettings.model_config, "hide_input_in_errors": True})
+
     db: Path = Field(default=Path("gpubadge.db"), description="SQLite database file")
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
+        " shared by any number of API and worker processes",
+    )
+    database_pool_size: int = Field(
+        default=16, ge=1, le=1000, description="PostgreSQL connections per process (one per store thread)"
+    )
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         default="NORMAL",
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
@@ -57,6 +69,14 @@ class ServiceSettings(ScannerSettings):
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
+        # The message never echoes the URL: it may hold a password.
+        if value is not None and not value.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("database_url must be a postgresql:// URL (unset means the SQLite file --db)")
+        return value
 
     def allowlist(self) -> set[str]:
         """Registries the service may contact. Mirrors of allowed registries are allowed too."""
