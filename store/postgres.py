@@ -537,54 +537,53 @@ class PostgresStore:
     ) -> list[Job]:
         """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
-        Candidate rows are locked with SKIP LOCKED, so concurrent claimers take different jobs
-        without waiting. With `per_registry`, the running count per registry (across every
-        worker) is read under a per-registry advisory lock, so the cap holds exactly.
+        Rows are locked with SKIP LOCKED, so concurrent claimers take different jobs without
+        waiting on each other's rows. With `per_registry`, each registry's running count (across
+        every worker) is read under that registry's advisory lock, held for the few milliseconds
+        of the claim, so the cap is exact; registries are visited oldest ready job first.
         """
         if limit <= 0:
             return []
-        window = limit if per_registry is None else limit * 4 + 64
+        lease = [owner, lease_seconds]
         with self._transaction() as conn:
-            candidates = conn.execute(
-                "SELECT id, registry FROM jobs WHERE state = 'queued' AND not_before <= now()"
-                " ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED",
-                [window],
-            ).fetchall()
-            if not candidates:
-                return []
-            ids: list[str] = []
             if per_registry is None:
-                ids = [row[0] for row in candidates[:limit]]
-            else:
-                registries = sorted({row[1] for row in candidates})
-                for name in registries:  # sorted: one lock order, no deadlock between claimers
-                    conn.execute(
-                        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [_CLAIM_LOCK_CLASS, name]
-                    )
-                busy: dict[str, int] = dict(
-                    conn.execute(  # type: ignore[arg-type]
-                        "SELECT registry, count(*) FROM jobs WHERE state = 'running' AND registry = ANY(%s)"
-                        " GROUP BY registry",
-                        [registries],
-                    ).fetchall()
-                )
-                for job_id, registry in candidates:
-                    if len(ids) >= limit:
-                        break
-                    if busy.get(registry, 0) >= per_registry:
-                        continue
-                    busy[registry] = busy.get(registry, 0) + 1
-                    ids.append(job_id)
-            if not ids:
-                return []
-            rows = conn.execute(
-                "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = %s,"
-                " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
-                f" WHERE id = ANY(%s) RETURNING {_JOB_COLUMNS}",
-                [owner, lease_seconds, ids],
+                rows = conn.execute(
+                    "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = %s,"
+                    " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
+                    " WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND not_before <= now()"
+                    "   ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED)"
+                    f" RETURNING {_JOB_COLUMNS}",
+                    [*lease, limit],
+                ).fetchall()
+                return sorted((_job(row) for row in rows), key=lambda job: (job.created_at, job.id))
+            ready = conn.execute(
+                "SELECT registry FROM jobs WHERE state = 'queued' AND not_before <= now()"
+                " GROUP BY registry ORDER BY min(not_before)"
             ).fetchall()
-        order = {job_id: index for index, job_id in enumerate(ids)}
-        return sorted((_job(row) for row in rows), key=lambda job: order[job.id])
+            # Locks in name order (claim order may differ between claimers): they queue, never deadlock.
+            for registry in sorted(row[0] for row in ready):
+                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [_CLAIM_LOCK_CLASS, registry])
+            claimed: list[Job] = []
+            for (registry,) in ready:
+                wanted = limit - len(claimed)
+                if wanted <= 0:
+                    break
+                running = conn.execute(
+                    "SELECT count(*) FROM jobs WHERE state = 'running' AND registry = %s", [registry]
+                ).fetchone()
+                room = min(wanted, per_registry - int(running[0] if running else 0))
+                if room <= 0:
+                    continue
+                rows = conn.execute(
+                    "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = %s,"
+                    " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
+                    " WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND registry = %s"
+                    "   AND not_before <= now() ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED)"
+                    f" RETURNING {_JOB_COLUMNS}",
+                    [*lease, registry, room],
+                ).fetchall()
+                claimed.extend(_job(row) for row in rows)
+        return claimed
 
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
         """Extend `owner`'s leases; returns the ids it still holds (a lost lease is not renewed)."""

@@ -1,0 +1,72 @@
+"""Queue events as the event loop sees them: jobs queued, jobs settled.
+
+Two sources feed them. Writes made through this process's `AsyncStore` fire them
+directly (that is all SQLite needs: one process owns the file's queue). On
+PostgreSQL a listener thread also relays every replica's `NOTIFY`, so an idle worker
+wakes when any API process queues a job, and a long-poll (`?wait=`) on any replica
+answers when any worker finishes the job. Nobody polls the database to find out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+Kind = str  # "queued" | "settled" | "resync"
+QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
+
+
+class QueueEvents:
+    """Fan-out of queue events to waiters and wake-up callbacks on one event loop."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._settled = asyncio.Event()
+        self._on_queued: list[Callable[[], None]] = []
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop that threads (the PostgreSQL listener) hand their events to."""
+        self._loop = loop
+
+    def on_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (on the loop) whenever jobs may have become claimable; returns an unsubscribe."""
+        self._on_queued.append(callback)
+        return lambda: self._on_queued.remove(callback) if callback in self._on_queued else None
+
+    def fire(self, kind: Kind) -> None:
+        """On the loop: something changed. A resync (a lost listener connection) counts as both kinds."""
+        if kind in (SETTLED, RESYNC):
+            waiters, self._settled = self._settled, asyncio.Event()
+            waiters.set()
+        if kind in (QUEUED, SETTLED, RESYNC):  # a settled job frees a worker slot and a registry slot
+            for callback in list(self._on_queued):
+                callback()
+
+    def fire_threadsafe(self, kind: Kind) -> None:
+        """From any thread; dropped when no loop is bound (or it is closed): nobody waits then."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+                loop.call_soon_threadsafe(self.fire, kind)
+
+    async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
+        """Re-check `condition` each time a job settles (here or, on PostgreSQL, on any replica).
+
+        Bounded by `timeout`; also re-checks every `SAFETY_RECHECK` seconds, which only matters if
+        a notification was lost (PostgreSQL drops none while the listener's connection is up).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            settled = self._settled  # taken before the check: a settle during the check is not missed
+            if await condition():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settled.wait(), min(remaining, SAFETY_RECHECK))
+
+
+SAFETY_RECHECK = 5.0
