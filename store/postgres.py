@@ -663,7 +663,13 @@ class PostgresStore:
                 "   error = %(error)s, not_before = now() + make_interval(secs => %(retry)s),"
                 "   lease_owner = NULL, lease_expires = NULL, updated_at = clock_timestamp()"
                 " WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s RETURNING state",
-                {"final": retry_in is None, "error": error, "retry": retry_in or 0.0, "id": job_id, "owner": owner},
+                {
+                    "final": retry_in is None,
+                    "error": error,
+                    "retry": retry_in or 0.0,
+                    "id": job_id,
+                    "owner": owner,
+                },
             ).fetchone()
             if row is None:
                 return None

@@ -51,14 +51,19 @@ def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize(("filename", "resource"), _resources(), ids=lambda value: str(value)[:40])
-def test_every_resource_validates_strictly_offline(version: str, filename: str, resource: dict[str, Any]) -> None:
+def test_every_resource_validates_strictly_offline(
+    version: str, filename: str, resource: dict[str, Any]
+) -> None:
     # strict: an unknown or misspelt field (say `readinessprobe`) fails instead of being ignored
     kubernetes_validate.validate(resource, version, strict=True)
 
 
 def test_kustomization_applies_every_manifest_but_the_secret_example() -> None:
     kustomization = _documents(MANIFESTS / "kustomization.yaml")[0]
-    on_disk = {path.name for path in MANIFESTS.glob("*.yaml")} - {"kustomization.yaml", "secrets.example.yaml"}
+    on_disk = {path.name for path in MANIFESTS.glob("*.yaml")} - {
+        "kustomization.yaml",
+        "secrets.example.yaml",
+    }
     assert set(kustomization["resources"]) == on_disk
     assert "secrets.example.yaml" not in kustomization["resources"]
 

@@ -92,7 +92,11 @@ def test_concurrent_claims_take_each_job_once_and_keep_the_registry_cap(
     cap = 5
     claims = race(
         [
-            (lambda replica=replica, n=n: replica.claim_jobs(8, owner=f"w{n}", lease_seconds=60, per_registry=cap))
+            (
+                lambda replica=replica, n=n: replica.claim_jobs(
+                    8, owner=f"w{n}", lease_seconds=60, per_registry=cap
+                )
+            )
             for n, replica in enumerate(replicas)
         ]
     )
@@ -126,7 +130,9 @@ def test_two_replicas_never_reserve_one_gpu_twice(replicas: list[PostgresStore])
     reserved = replicas[1].reserved_gpus()
     assert reserved == {gpu: f"d{n}" for n in won for gpu in wants[n]}
     # a losing deploy left nothing behind: no partial reservation, no deployment row
-    assert {record for record in replicas[0].deployments(limit=200)} and len(replicas[0].deployments(limit=200)) == len(won)
+    assert {record for record in replicas[0].deployments(limit=200)} and len(
+        replicas[0].deployments(limit=200)
+    ) == len(won)
 
 
 def test_notifications_cross_replicas(replicas: list[PostgresStore]) -> None:
