@@ -9,6 +9,7 @@ last p99_ms on the line, CPU, is the figure).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import random
@@ -16,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,11 @@ from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
-from scanner.store import Store
-from web.app import SERVICES, Services
+from store import AsyncStore, SqliteStore
 from web.fleet import FLEET_INDEX, STATIC_FLEET, FleetIndexCache, fleet_index, live_servers
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
+from web.state import SERVICES, Services
 
 # (GPU, brand, MiB, CC, GPUs per server, CPUs, memory GiB): a SKU fixes the box, as in real fleets.
 SKUS = [
@@ -165,6 +166,19 @@ def timed(action: Callable[[], Any], rounds: int) -> tuple[list[float], list[flo
     return wall, cpu
 
 
+async def timed_async(action: Callable[[], Awaitable[Any]], rounds: int) -> tuple[list[float], list[float]]:
+    """`timed` for an async action (the service's store calls are awaited)."""
+    wall, cpu = [], []
+    result: Any = await action()  # warm-up
+    for _ in range(rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        result = await action()
+        wall.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+    del result
+    return wall, cpu
+
+
 def bench_queries(fleet: list[Server], queries: int) -> None:
     count = len(fleet)
     builds = []
@@ -212,24 +226,25 @@ class _Clock:
         return self.now
 
 
-def bench_service(fleet: list[Server], queries: int, workdir: Path) -> None:
+async def bench_service(fleet: list[Server], queries: int, workdir: Path) -> None:
     """The service's way: web.fleet's cached index over a real store (static file + agents)."""
     agents = fleet[: len(fleet) // 10]  # a tenth register as agents, the rest come from the file
     settings = ServiceSettings(db=workdir / "bench.db", port=0, docker_config=None)
-    store = Store(settings.db)
+    backend = SqliteStore(settings.db)
     for server in agents:
         stored = server.model_copy(update={"source": "agent", "gpus_in_use": []})
-        store.upsert_server(server.name, stored.model_dump_json())
+        backend.upsert_server(server.name, stored.model_dump_json())
+    store = AsyncStore(backend)
     app = web.Application()
-    app[SERVICES] = Services(settings=settings, store=store, metrics=ServiceMetrics(store.queue_depth))
+    app[SERVICES] = Services(settings=settings, store=store, metrics=ServiceMetrics())
     app[STATIC_FLEET] = fleet[len(agents) :]
     clock = _Clock()
     cache = app[FLEET_INDEX] = FleetIndexCache(check_seconds=2.0, clock=clock)
     facts, request = image(), REQUESTS[0]
     t0 = time.perf_counter()
-    fleet_index(app)
+    index = await fleet_index(app)
     print(f"service: first query builds the cached index: ms={(time.perf_counter() - t0) * 1000:.1f}")
-    wall, cpu = timed(lambda: decide(facts, request, fleet_index(app)), queries)
+    wall, cpu = timed(lambda: decide(facts, request, index), queries)
     print(f"service: decide on the cached index {figures(wall, cpu)}")
     free = [
         (server.name, gpu.uuid)
@@ -239,31 +254,31 @@ def bench_service(fleet: list[Server], queries: int, workdir: Path) -> None:
     ]
     picks = iter(free)
 
-    def after_reservation() -> Decision:
+    async def after_reservation() -> Decision:
         name, gpu_uuid = next(picks)
-        store.create_deployment(os.urandom(8).hex(), name, [gpu_uuid], "{}")
+        await store.create_deployment(os.urandom(8).hex(), name, [gpu_uuid], "{}")
         cache.reservations_changed()
-        return decide(facts, request, fleet_index(app))
+        return decide(facts, request, await fleet_index(app))
 
     rounds = min(queries, len(free) - 1)
-    wall, cpu = timed(after_reservation, rounds)
+    wall, cpu = await timed_async(after_reservation, rounds)
     print(f"service: reserve 1 GPU, then decide (index follows the reservation) {figures(wall, cpu)}")
 
-    def after_timed_check() -> Decision:
+    async def after_timed_check() -> Decision:
         clock.now += cache.check_seconds
-        return decide(facts, request, fleet_index(app))
+        return decide(facts, request, await fleet_index(app))
 
-    wall, cpu = timed(after_timed_check, max(20, queries // 10))
+    wall, cpu = await timed_async(after_timed_check, max(20, queries // 10))
     print(
         f"service: timed re-check (re-read {len(agents)} agents, nothing changed), then decide {figures(wall, cpu)}"
     )
     samples = []
     for _ in range(max(5, queries // 40)):
         t0 = time.perf_counter()
-        decide(facts, request, live_servers(app))
+        decide(facts, request, await live_servers(app))
         samples.append((time.perf_counter() - t0) * 1000)
     print(f"service: uncached path (live_servers list per request) p50_ms={statistics.median(samples):.2f}")
-    store.close()
+    await store.close()
 
 
 def main() -> None:
@@ -276,7 +291,7 @@ def main() -> None:
     fleet = synthetic_fleet(count)
     bench_queries(fleet, queries)
     with tempfile.TemporaryDirectory() as workdir:
-        bench_service(fleet, queries, Path(workdir))
+        asyncio.run(bench_service(fleet, queries, Path(workdir)))
     print(f"load_average_1m_after={os.getloadavg()[0]:.2f}")
 
 

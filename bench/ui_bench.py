@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
-from scanner.store import Store
+from store import SqliteStore as Store
 from web.app import create_app
 from web.settings import ServiceSettings
 

@@ -14,9 +14,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from scanner.models import ImageReport, Platform
+
+if TYPE_CHECKING:
+    from store import AsyncStore
 
 DEFAULT_DB = (
     Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "gpubadge" / "gpubadge.db"
@@ -106,35 +109,41 @@ def run_scan(args: argparse.Namespace) -> int:
     from scanner.registry import RegistryClient
     from scanner.scan import Scanner, ScanOptions, scan_many
     from scanner.settings import ScannerSettings
-    from scanner.store import Store
 
     settings = ScannerSettings.load(args.config)
-    store: Store | None = None
+    store: AsyncStore | None = None
     if not args.no_store:
+        from store import StoreUnavailable, open_store
+
         db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
-        store = Store(db_path)
+        try:
+            store = open_store(db_path)
+        except StoreUnavailable as exc:
+            print(f"gpubadge scan: {exc} (or pass --no-store)", file=sys.stderr)
+            return 1
     options = ScanOptions(platform=args.platform, config_only=args.config_only)
     progress = Progress(len(args.references), sys.stderr) if not args.json else None
 
     async def run() -> list[ImageReport]:
-        async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store, settings)
+        try:
+            async with RegistryClient(settings) as client:
+                scanner = Scanner(client, store, settings)
 
-            def done(_: int, report: ImageReport) -> None:
-                if args.json:
-                    print(report.model_dump_json(), flush=True)
-                elif progress:
-                    progress.step()
+                def done(_: int, report: ImageReport) -> None:
+                    if args.json:
+                        print(report.model_dump_json(), flush=True)
+                    elif progress:
+                        progress.step()
 
-            return await scan_many(scanner, args.references, options, args.concurrency, done)
+                return await scan_many(scanner, args.references, options, args.concurrency, done)
+        finally:
+            if store is not None:
+                await store.close()
 
     try:
         reports = asyncio.run(run())
     except KeyboardInterrupt:
         return 130
-    finally:
-        if store is not None:
-            store.close()
     if progress:
         progress.finish()
     if not args.json:

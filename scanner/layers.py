@@ -20,33 +20,33 @@ from scanner.registry import Descriptor, RegistryClient
 from scanner.tarstream import LayerTooLarge, StreamStats
 
 if TYPE_CHECKING:
-    from scanner.store import Store
+    from scanner.cache import ScanCache
 
 
 class LayerReader:
     """Shared by all scans of one process (it holds the in-flight map)."""
 
-    def __init__(self, client: RegistryClient, store: Store | None, *, max_layer_bytes: int) -> None:
+    def __init__(self, client: RegistryClient, store: ScanCache | None, *, max_layer_bytes: int) -> None:
         self.client = client
         self.store = store
         self.max_layer_bytes = max_layer_bytes
         self._memory_cache: dict[str, LayerEvidence] = {}  # when running without a store
         self._inflight: dict[str, asyncio.Event] = {}
 
-    def _cached(self, digest: str) -> LayerEvidence | None:
+    async def _cached(self, digest: str) -> LayerEvidence | None:
         if self.store is None:
             return self._memory_cache.get(digest)
-        raw = self.store.layer_evidence(digest)
+        raw = await self.store.layer_evidence(digest)
         return LayerEvidence.model_validate_json(raw) if raw else None
 
-    def _remember(self, digest: str, evidence: LayerEvidence) -> None:
-        previous = self._cached(digest)
+    async def _remember(self, digest: str, evidence: LayerEvidence) -> None:
+        previous = await self._cached(digest)
         if previous is not None and previous.complete and not evidence.complete:
             return  # never replace a full read with a partial one
         if self.store is None:
             self._memory_cache[digest] = evidence
         else:
-            self.store.save_layer_evidence(digest, evidence.model_dump_json())
+            await self.store.save_layer_evidence(digest, evidence.model_dump_json())
 
     async def libc_verdict(
         self, reference: Reference, layers: Sequence[Descriptor], arch: str
@@ -60,13 +60,14 @@ class LayerReader:
                 break
             while layer.digest in self._inflight:  # someone else is reading it right now
                 await self._inflight[layer.digest].wait()
-            cached = self._cached(layer.digest)
-            if cached is not None and analysis.layer_from_cache(cached):
-                continue
+            # Claim the digest before the first await, so a concurrent scan waits for this read.
             done = asyncio.Event()
             self._inflight[layer.digest] = done
             stats = StreamStats()
             try:
+                cached = await self._cached(layer.digest)
+                if cached is not None and analysis.layer_from_cache(cached):
+                    continue
                 async with self.client.stream_blob(reference, layer.digest) as chunks:
                     evidence = await analyse_layer(
                         analysis,
@@ -75,7 +76,7 @@ class LayerReader:
                         max_decompressed=self.max_layer_bytes,
                         stats=stats,
                     )
-                self._remember(layer.digest, evidence)
+                await self._remember(layer.digest, evidence)
             except LayerTooLarge as exc:
                 warnings.append(f"layer {layer.digest[:19]}: {exc}")
                 break

@@ -25,8 +25,8 @@ from scanner.settings import ScannerSettings
 from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:
+    from scanner.cache import ScanCache
     from scanner.layers import LayerReader
-    from scanner.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Scanner:
     def __init__(
         self,
         client: RegistryClient,
-        store: Store | None = None,
+        store: ScanCache | None = None,
         settings: ScannerSettings | None = None,
         *,
         on_result: Callable[[ImageReport], None] | None = None,
@@ -144,15 +144,15 @@ class Scanner:
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
-        stored = self.store.report(digest) if self.store else None
+        stored = await self.store.report(digest) if self.store else None
         if stored is not None and _reusable(stored, options):
-            self._remember_tag(reference, digest)
+            await self._remember_tag(reference, digest)
             reused = stored.model_copy(
                 update={"reference": str(reference), "tag": reference.tag, "cached": True}
             )
             return _filter_platforms(reused, options.platform)
 
-        child = self._stored_platform(digest, options)
+        child = await self._stored_platform(digest, options)
         if child is not None:
             # A platform of an index we already scanned (the child events of a multi-arch push).
             return ImageReport(
@@ -188,11 +188,11 @@ class Scanner:
         )
         if self.store is not None:
             if options.platform is None or not manifest.is_index:
-                self.store.save_report(report)
-            self._remember_tag(reference, manifest.digest)
+                await self.store.save_report(report)
+            await self._remember_tag(reference, manifest.digest)
         return report
 
-    def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
+    async def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
         """A platform image already scanned (e.g. as part of its index) that answers `options`.
 
         A stored libc flavour of `unknown` comes from a config-only scan or from layers that could
@@ -200,14 +200,14 @@ class Scanner:
         """
         if self.store is None or options.force:
             return None
-        stored = self.store.platform_report(digest)
+        stored = await self.store.platform_report(digest)
         if stored is None or not (options.config_only or stored.libc.flavour != "unknown"):
             return None
         return stored
 
-    def _remember_tag(self, reference: Reference, digest: str) -> None:
+    async def _remember_tag(self, reference: Reference, digest: str) -> None:
         if self.store is not None and reference.tag:
-            self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
+            await self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
 
     async def _scan_index(
         self, reference: Reference, index: Manifest, options: ScanOptions
@@ -222,7 +222,7 @@ class Scanner:
             raise ScanError("the index lists no runnable platform images")
 
         async def one(child: Descriptor) -> PlatformReport:
-            cached = self._stored_platform(child.digest, options)
+            cached = await self._stored_platform(child.digest, options)
             if cached is not None:
                 return cached
             manifest = await self.client.manifest(reference, child.digest)

@@ -7,7 +7,8 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
-from scanner.store import EnqueueBatch, Store
+from store import AsyncStore, EnqueueBatch
+from store import SqliteStore as Store
 from web.intake import JobIntake
 
 
@@ -23,7 +24,7 @@ class CountingStore(Store):
 
 async def test_concurrent_deliveries_share_commits_and_all_persist(tmp_path: Path) -> None:
     store = CountingStore(tmp_path / "intake.db")
-    intake = JobIntake(store)
+    intake = JobIntake(AsyncStore(store))
     results = await asyncio.gather(
         *(intake.enqueue([(f"r/app:{n}", "r")], source="test", max_attempts=3) for n in range(50))
     )
@@ -36,7 +37,7 @@ async def test_concurrent_deliveries_share_commits_and_all_persist(tmp_path: Pat
 
 async def test_a_failed_commit_reaches_every_waiting_delivery(tmp_path: Path) -> None:
     store = Store(tmp_path / "intake.db")
-    intake = JobIntake(store)
+    intake = JobIntake(AsyncStore(store))
     store.close()  # the next commit fails
     outcomes = await asyncio.gather(
         *(intake.enqueue([(f"r/app:{n}", "r")], source="test", max_attempts=3) for n in range(3)),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -23,9 +25,10 @@ from placement.inventory import Server, parse_bytes, parse_inventory
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from tests.conftest import Pusher
-from web.app import SERVICES, create_app
+from web.app import create_app
 from web.fleet import FLEET_INDEX, FleetIndexCache
 from web.settings import ServiceSettings
+from web.state import SERVICES
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FLEET = parse_inventory((FIXTURES / "fleet.yaml").read_text()).servers
@@ -561,11 +564,11 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     assert status == 200
     assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
     # The agent goes silent: its last heartbeat is now older than stale_after_seconds.
-    store = service.app[SERVICES].store
     silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-    with store._lock:  # the store has no API to age a heartbeat; tests only
-        store.db.conn.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
-        store.db.conn.commit()
+    # The store has no API to age a heartbeat; the test writes the file as another process would.
+    with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
+        other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
+        other.commit()
     assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
     service.clock.now += service.cache.check_seconds
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}

@@ -17,7 +17,7 @@ from scanner.models import ImageReport, Platform
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner, ScanOptions
 from scanner.settings import ScannerSettings
-from scanner.store import Store
+from store import open_store
 from tests.conftest import Pusher
 
 
@@ -35,7 +35,11 @@ def samples(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
 async def scanner(tmp_path: Path) -> AsyncIterator[Scanner]:
     settings = ScannerSettings(docker_config=None)
     async with RegistryClient(settings) as client:
-        yield Scanner(client, Store(tmp_path / "scan.db"), settings)
+        store = open_store(tmp_path / "scan.db")
+        try:
+            yield Scanner(client, store, settings)
+        finally:
+            await store.close()
 
 
 def only(report: ImageReport) -> dict[str, object]:
@@ -185,7 +189,7 @@ async def test_corrupt_layer_is_an_error_and_stores_nothing(
     push_layout(tmp_path / "corrupt", "bad", f"{registry.host}/samples/corrupt:1")
     report = await scanner.scan(f"{registry.host}/samples/corrupt:1")
     assert report.error and "corrupt" in report.error
-    assert scanner.store is not None and scanner.store.report(descriptor["digest"]) is None
+    assert scanner.store is not None and await scanner.store.report(descriptor["digest"]) is None
 
 
 async def test_missing_image_and_bad_reference(scanner: Scanner, registry: LocalRegistry) -> None:

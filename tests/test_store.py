@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
-from scanner.store import Store
+from store import SqliteStore as Store
 
 
 def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: str = "glibc") -> ImageReport:
@@ -63,7 +63,7 @@ def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None
 
     def claim() -> None:
         other = Store(path)
-        jobs = other.claim_jobs(10)
+        jobs = other.claim_jobs(10, owner="w", lease_seconds=30)
         with lock:
             claimed.extend(job.id for job in jobs)
 
@@ -75,17 +75,18 @@ def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None
     assert sorted(claimed) == sorted({ids[0], ids[2]})  # every job claimed exactly once
     store.close()
     reopened = Store(path)
-    assert reopened.requeue_running() == 2
+    assert reopened.queue_depth()["running"] == 2  # a reopen alone steals no leased job
+    assert reopened.release_leases(["w"], refund_attempt=False) == 2
     assert reopened.queue_depth()["queued"] == 2
 
 
 def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path) -> None:
     store = Store(tmp_path / "q.db")
     (job_id,) = store.enqueue([("r/app:1", "r")], max_attempts=2)
-    store.claim_jobs(1)
-    assert store.fail_job(job_id, "boom", retry_in=0) == "queued"
-    store.claim_jobs(1)
-    assert store.fail_job(job_id, "boom again", retry_in=0) == "failed"
+    store.claim_jobs(1, owner="w", lease_seconds=30)
+    assert store.fail_job(job_id, "boom", retry_in=0, owner="w") == "queued"
+    store.claim_jobs(1, owner="w", lease_seconds=30)
+    assert store.fail_job(job_id, "boom again", retry_in=0, owner="w") == "failed"
     job = store.job(job_id)
     assert job is not None and job.state == "failed" and job.error == "boom again"
     retried = store.retry_job(job_id)
@@ -95,18 +96,25 @@ def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path
 def test_claims_respect_the_per_registry_limit(tmp_path: Path) -> None:
     store = Store(tmp_path / "q.db")
     store.enqueue([(f"busy/app:{n}", "busy") for n in range(5)] + [("calm/app:1", "calm")])
-    first = store.claim_jobs(10, per_registry=2, running={"busy": 1})
-    assert sorted(job.registry for job in first) == ["busy", "calm"]  # one more busy job fits, then calm
-    assert store.claim_jobs(10, per_registry=2, running={"busy": 2}) == []
-    assert len(store.claim_jobs(10, per_registry=2, running={})) == 2
+    first = store.claim_jobs(1, owner="a", lease_seconds=30, per_registry=2)
+    assert [job.registry for job in first] == ["busy"]
+    second = store.claim_jobs(10, owner="b", lease_seconds=30, per_registry=2)
+    # one more busy job fits (the limit counts every worker's running jobs), then calm
+    assert sorted(job.registry for job in second) == ["busy", "calm"]
+    assert store.claim_jobs(10, owner="c", lease_seconds=30, per_registry=2) == []
+    assert store.finish_job(first[0].id, digest=None, owner="a")
+    assert len(store.claim_jobs(10, owner="c", lease_seconds=30, per_registry=2)) == 1
 
 
-def test_the_service_opens_the_store_in_the_configured_sync_mode(tmp_path: Path) -> None:
-    from web.app import SERVICES, create_app
+async def test_the_service_opens_the_store_in_the_configured_sync_mode(tmp_path: Path) -> None:
+    from web.app import create_app
     from web.settings import ServiceSettings
+    from web.state import SERVICES
 
     for mode, pragma in (("NORMAL", 1), ("FULL", 2)):
         settings = ServiceSettings(db=tmp_path / f"{mode}.db", sqlite_synchronous=mode, docker_config=None)
         store = create_app(settings, start_workers=False)[SERVICES].store
-        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == pragma
-        store.close()
+        assert isinstance(store.backend, Store)
+        with store.backend._reading() as db:
+            assert db.execute("PRAGMA synchronous").fetchone()[0] == pragma
+        await store.close()

@@ -33,10 +33,13 @@ from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, free_port
 from scanner.badges import badges
 from scanner.models import GpuFacts, ImageReport, LibcFlavour, LibcVerdict, PlatformReport, RequirementIssue
-from scanner.store import Store
+from store import EnqueueBatch
+from store import SqliteStore as Store
+from store.backend import StoreBackend
 from tests.conftest import Pusher
-from web.app import SERVICES, Services, create_app
+from web.app import create_app
 from web.settings import ServiceSettings
+from web.state import SERVICES, Services
 from web.ui import (
     ImageFilters,
     badge_reference,
@@ -114,7 +117,7 @@ def make_report(
     )
 
 
-def save(store: Store, report: ImageReport) -> None:
+def save(store: StoreBackend, report: ImageReport) -> None:
     store.save_report(report)
     assert report.registry and report.repository and report.tag and report.digest
     store.record_tag(report.registry, report.repository, report.tag, report.digest)
@@ -232,10 +235,13 @@ async def test_images_page_shows_badges_and_filters(
 ) -> None:
     client, services = app_client
     for report in (GPU_IMAGE, MUSL_IMAGE, STATIC_IMAGE):
-        save(services.store, report)
-    services.store.enqueue([("127.0.0.1:5000/gone/app:1", "127.0.0.1:5000")], source="api")
-    (job,) = services.store.claim_jobs(1)
-    services.store.fail_job(job.id, "GET 127.0.0.1:5000/v2/gone/app/manifests/1: not found", retry_in=None)
+        save(services.store.backend, report)
+    backend = services.store.backend
+    backend.enqueue_many([EnqueueBatch([("127.0.0.1:5000/gone/app:1", "127.0.0.1:5000")], source="api")])
+    (job,) = backend.claim_jobs(1, owner="test", lease_seconds=30)
+    backend.fail_job(
+        job.id, "GET 127.0.0.1:5000/v2/gone/app/manifests/1: not found", retry_in=None, owner="test"
+    )
 
     body = await (await client.get("/")).text()
     for text in (
@@ -275,7 +281,7 @@ async def test_pagination_keeps_filters(app_client: tuple[TestClient[Any, Any], 
     start = datetime(2026, 1, 1, tzinfo=UTC)
     for number in range(60):
         save(
-            services.store,
+            services.store.backend,
             make_report(
                 "127.0.0.1:5000",
                 f"bulk/n{number:02d}",
@@ -295,8 +301,8 @@ async def test_detail_page_shows_evidence_and_escapes_image_values(
     app_client: tuple[TestClient[Any, Any], Services],
 ) -> None:
     client, services = app_client
-    save(services.store, GPU_IMAGE)
-    save(services.store, XSS_IMAGE)
+    save(services.store.backend, GPU_IMAGE)
+    save(services.store.backend, XSS_IMAGE)
 
     response = await client.get("/images/127.0.0.1:5000/ml/trainer:12.2")
     body = await response.text()
@@ -326,7 +332,9 @@ async def test_unscanned_image_is_a_404_with_the_scan_form(
     body = await response.text()
     assert response.status == 404
     assert "has not been scanned yet" in body and 'action="/scans"' in body and 'name="token"' in body
-    services.store.enqueue([("127.0.0.1:5000/not/yet:1", "127.0.0.1:5000")], source="api")
+    services.store.backend.enqueue_many(
+        [EnqueueBatch([("127.0.0.1:5000/not/yet:1", "127.0.0.1:5000")], source="api")]
+    )
     body = await (await client.get("/images/127.0.0.1:5000/not/yet:1")).text()
     assert "A scan is queued" in body
     bad = await client.get("/images/UPPER/Case:1")
@@ -340,7 +348,7 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
     ref = "127.0.0.1:5000/team/app:1.0"
     wrong = await client.post("/scans", data={"ref": ref, "token": "nope"}, allow_redirects=False)
     assert wrong.status == 401 and "not valid" in await wrong.text()
-    assert services.store.jobs() == []
+    assert services.store.backend.jobs() == []
     refused = await client.post(
         "/scans", data={"ref": "evil.example.com/x:1", "token": "s3cret"}, allow_redirects=False
     )
@@ -352,10 +360,10 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
     assert (await api_refused.json())["error"] in await refused.text()
     malformed = await client.post("/scans", data={"ref": "a b", "token": "s3cret"}, allow_redirects=False)
     assert malformed.status == 400
-    assert services.store.jobs() == []
+    assert services.store.backend.jobs() == []
     accepted = await client.post("/scans", data={"ref": ref, "token": "s3cret"}, allow_redirects=False)
     assert accepted.status == 303 and accepted.headers["Location"] == "/scans"
-    (job,) = services.store.jobs()
+    (job,) = services.store.backend.jobs()
     assert (job.reference, job.source, job.state) == (ref, "ui", "queued")
     page = await (await client.get("/scans")).text()
     assert ref in page and "1 queued" in page
@@ -363,7 +371,7 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
 
 async def test_badge_endpoint_serves_cacheable_svg(app_client: tuple[TestClient[Any, Any], Services]) -> None:
     client, services = app_client
-    save(services.store, GPU_IMAGE)
+    save(services.store.backend, GPU_IMAGE)
     response = await client.get("/badge/127.0.0.1:5000/ml/trainer/12.2.svg")
     assert response.status == 200
     assert response.headers["Content-Type"] == "image/svg+xml; charset=utf-8"

@@ -17,11 +17,11 @@ from pydantic import BaseModel, Field, ValidationError
 
 from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
-from scanner.store import Job
+from store import Job
 from web import hooks
-from web.app import SERVICES, Services, json_error, json_http_error
-from web.openapi import openapi_document
+from web.errors import json_error, json_http_error
 from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.state import Services, services_of
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ class JobView(BaseModel):
             created_at=job.created_at,
             updated_at=job.updated_at,
         )
-
-
-def services_of(request: web.Request) -> Services:
-    return request.app[SERVICES]
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -127,7 +123,9 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
     pushes = [event for event in events if event.action == "push"]
     for event in events:
         if event.action == "delete":
-            services.store.mark_gone(event.registry, event.repository, tag=event.tag, digest=event.digest)
+            await services.store.mark_gone(
+                event.registry, event.repository, tag=event.tag, digest=event.digest
+            )
     try:
         queued = [(str(parse_reference(event.reference)), event) for event in pushes]
     except ReferenceError as exc:
@@ -188,7 +186,7 @@ async def list_images(request: web.Request) -> web.Response:
     libc = query.get("libc") or None
     if libc == "no-libc":
         libc = "none"
-    rows, total = services.store.list_images(
+    rows, total = await services.store.list_images(
         gpu=_bool_param(query.get("gpu"), "gpu"),
         libc=libc,
         cuda=query.get("cuda") or None,
@@ -207,28 +205,28 @@ async def list_images(request: web.Request) -> web.Response:
     )
 
 
-def _stored_digest(services: Services, reference: Reference) -> str | None:
+async def _stored_digest(services: Services, reference: Reference) -> str | None:
     """The digest a tag or digest reference stands for, if the store knows it."""
     if reference.digest:
         return reference.digest
-    return services.store.resolve_tag(reference.registry, reference.repository, reference.tag or "")
+    return await services.store.resolve_tag(reference.registry, reference.repository, reference.tag or "")
 
 
-def report_exists(services: Services, reference: Reference) -> bool:
+async def report_exists(services: Services, reference: Reference) -> bool:
     """Cheap check for long polls: re-run on every finished scan, so it parses no report."""
-    digest = _stored_digest(services, reference)
-    return digest is not None and services.store.has_report(digest)
+    digest = await _stored_digest(services, reference)
+    return digest is not None and await services.store.has_report(digest)
 
 
-def find_report(services: Services, reference: Reference) -> ImageReport | None:
+async def find_report(services: Services, reference: Reference) -> ImageReport | None:
     """The latest stored report for a tag or digest reference."""
     store = services.store
-    digest = _stored_digest(services, reference)
+    digest = await _stored_digest(services, reference)
     if digest is None:
         return None
-    report = store.report(digest)
+    report = await store.report(digest)
     if report is None:
-        platform = store.platform_report(digest)
+        platform = await store.platform_report(digest)
         if platform is None:
             return None
         report = ImageReport(
@@ -251,13 +249,13 @@ async def image_by_ref(request: web.Request) -> web.Response:
     except ReferenceError as exc:
         return json_error(400, str(exc))
     wait = wait_param(request)
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     if report is None and wait and services.workers is not None:
         await services.workers.wait_until(lambda: report_exists(services, reference), wait)
-        report = find_report(services, reference)
+        report = await find_report(services, reference)
     if report is None:
-        pending = services.store.pending_job_for(str(reference))
-        latest = pending or services.store.latest_job_for(str(reference))
+        pending = await services.store.pending_job_for(str(reference))
+        latest = pending or await services.store.latest_job_for(str(reference))
         return json_error(
             404,
             f"{reference} has not been scanned",
@@ -277,7 +275,7 @@ async def create_scan(request: web.Request) -> web.Response:
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
         )
     try:
-        job = request_scan(services, body.ref, source="api")
+        job = await request_scan(services, body.ref, source="api")
     except ScanRefused as refused:
         return json_error(refused.status, refused.message)
     return web.json_response(JobView.of(job).model_dump(), status=202)
@@ -287,7 +285,7 @@ async def get_scan(request: web.Request) -> web.Response:
     services = services_of(request)
     job_id = request.match_info["job_id"]
     wait = wait_param(request)
-    job = services.store.job(job_id)
+    job = await services.store.job(job_id)
     if job is not None and wait and services.workers is not None:
         job = await services.workers.wait_for(job_id, wait)
     if job is None:
@@ -298,7 +296,7 @@ async def get_scan(request: web.Request) -> web.Response:
 async def retry_scan(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    job = services.store.retry_job(request.match_info["job_id"])
+    job = await services.store.retry_job(request.match_info["job_id"])
     if job is None:
         return json_error(404, f"no scan job {request.match_info['job_id']}")
     services.wake_workers()
@@ -308,22 +306,8 @@ async def retry_scan(request: web.Request) -> web.Response:
 async def list_scans(request: web.Request) -> web.Response:
     services = services_of(request)
     states = [s for s in request.query.get("state", "").split(",") if s]
-    jobs = services.store.jobs(states=states, limit=_int_param(request, "limit", 50, 1, MAX_PAGE))
+    jobs = await services.store.jobs(states=states, limit=_int_param(request, "limit", 50, 1, MAX_PAGE))
     return web.json_response({"jobs": [JobView.of(job).model_dump() for job in jobs]})
-
-
-async def healthz(request: web.Request) -> web.Response:
-    depth = services_of(request).store.queue_depth()
-    return web.json_response({"status": "ok", "queue": depth})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = services_of(request).metrics.render()
-    return web.Response(text=body, content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"})
-
-
-async def openapi(_: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
 
 
 def setup_routes(app: web.Application) -> None:
@@ -334,6 +318,3 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/api/scans", list_scans)
     app.router.add_get("/api/scans/{job_id}", get_scan)
     app.router.add_post("/api/scans/{job_id}/retry", retry_scan)
-    app.router.add_get("/api/openapi.json", openapi)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)

@@ -1,102 +1,44 @@
-"""The aiohttp application: one process that takes webhooks, scans, stores and answers.
+"""The aiohttp application: composition only, and nothing imports this module.
 
-`create_app` wires the store, the registry client, the scanner and the durable
-workers into an `aiohttp.web.Application`; routes live in web/api.py (JSON and
-webhooks) and web/ui.py (HTML). Startup resumes unfinished jobs; shutdown
-(SIGTERM) stops claiming and drains running scans.
+`create_app` wires the store, the registry client, the scanner and the leased scan
+workers into an `aiohttp.web.Application`, and lets each route module add its
+routes. Shutdown (SIGTERM) stops claiming and drains running scans; what cannot
+finish goes back to the queue.
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
 from scanner.models import ImageReport
-from scanner.queue import JobOutcome, ScanWorkers, WorkerSettings
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from scanner.store import Store
-from web.intake import JobIntake
+from store import LeaseExpiry, open_store
+from web import api, fleet, health, openapi, ui, ui_fleet
+from web.errors import error_middleware
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
+from web.state import SERVICES, Services
+from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Services:
-    """What request handlers need, built once per application."""
-
-    settings: ServiceSettings
-    store: Store
-    metrics: ServiceMetrics
-    client: RegistryClient | None = None
-    scanner: Scanner | None = None
-    workers: ScanWorkers | None = None
-    intake: JobIntake = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.intake = JobIntake(self.store)
-
-    def wake_workers(self) -> None:
-        if self.workers is not None:
-            self.workers.wake()
-
-
-SERVICES = web.AppKey("services", Services)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def json_error(status: int, message: str, **extra: object) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
-
-
-def json_http_error(
-    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
-) -> web.HTTPException:
-    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
-    return kind(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes a JSON (or plain) error; the service stays up."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if (
-            exc.status >= 400
-            and exc.content_type != "application/json"
-            and request.path.startswith(("/api", "/hooks"))
-        ):
-            return json_error(
-                exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
-            )
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_error(500, "internal error; see the service log")
-
-
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
-    store = Store(settings.db, synchronous=settings.sqlite_synchronous)
-    metrics = ServiceMetrics(store.queue_depth)
-    services = Services(settings=settings, store=store, metrics=metrics)
+    store = open_store(
+        settings.db,
+        synchronous=settings.sqlite_synchronous,
+        busy_timeout=settings.sqlite_busy_timeout,
+        threads=settings.store_threads,
+    )
+    services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[SERVICES] = services
-
-    from web import api, fleet, ui, ui_fleet
-
-    api.setup_routes(app)
-    fleet.setup_routes(app)
-    ui.setup_routes(app)
-    ui_fleet.setup_routes(app)
+    for routes in (api, health, openapi, fleet, ui, ui_fleet):
+        routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     if settings.webhook_secret is None and not settings.webhook_secrets:
         log.warning("GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication")
@@ -130,22 +72,29 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                     concurrency=settings.workers,
                     per_registry=settings.per_registry_scans,
                     backoff_base=settings.retry_backoff,
+                    lease_seconds=settings.lease_seconds,
                 ),
-                on_outcome=lambda outcome: _count_outcome(metrics, outcome),
+                WorkerEvents(
+                    on_outcome=lambda outcome: _count_outcome(metrics, outcome),
+                    on_restart=lambda: metrics.worker_restarts.inc(),
+                    on_lease_expiries=lambda expired: _count_expiries(metrics, expired),
+                ),
             )
             await services.workers.start()
-        # Modules, schemas and settings live as long as the process: moving them out of the
-        # collector's reach keeps full GC passes short, and with them the 202 tail latency.
-        gc.freeze()
         try:
             yield
         finally:
             if services.workers is not None:
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
             await client.close()
-            services.store.close()
+            await services.store.close()
 
     return lifecycle
+
+
+def _count_expiries(metrics: ServiceMetrics, expired: list[LeaseExpiry]) -> None:
+    for item in expired:
+        metrics.lease_expiries.inc(item.state)
 
 
 def _count_outcome(metrics: ServiceMetrics, outcome: JobOutcome) -> None:

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,9 +37,10 @@ from placement.protocol import (
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
-from scanner.store import GpuTaken
-from web.api import bearer_token, find_report, require_api_token, services_of, wait_param
-from web.app import SERVICES, Services, json_error, json_http_error
+from store import GpuTaken, ServerRecord
+from web.api import bearer_token, find_report, require_api_token, wait_param
+from web.errors import json_error, json_http_error
+from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,13 @@ STATIC_FLEET = web.AppKey("static_fleet", list[Server])
 # ------------------------------------------------------------------ inventory
 
 
-def live_servers(app: web.Application) -> list[Server]:
+async def live_servers(app: web.Application) -> list[Server]:
     """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
     services = services_of_app(app)
     stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
-    reserved = services.store.reserved_gpus()
+    reserved = await services.store.reserved_gpus()
     servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
-    for inventory, _, last_heartbeat in services.store.servers():
+    for inventory, _, last_heartbeat in await services.store.servers():
         server = Server.model_validate_json(inventory)
         seen = datetime.fromisoformat(last_heartbeat)
         if seen < stale_before:
@@ -174,25 +175,30 @@ class FleetIndexCache:
         if name not in self._base:
             self._inventory_dirty = True
 
-    def index(self, app: web.Application) -> FleetIndex:
+    async def index(self, app: web.Application) -> FleetIndex:
         now = self._clock()
+        store = services_of_app(app).store
         if self._index is None or self._inventory_dirty or now >= self._check_at:
-            self._read_inventory(app, now)
+            self._inventory_dirty = False
+            servers, reserved = await store.servers(), await store.reserved_gpus()
+            self._read_inventory(app, now, servers, reserved)
         elif self._reservations_dirty:
-            self._apply_reservations(app, ())
+            self._reservations_dirty = False
+            self._apply_reservations(await store.reserved_gpus(), ())
         assert self._index is not None
         return self._index
 
-    def _read_inventory(self, app: web.Application, now: float) -> None:
+    def _read_inventory(
+        self, app: web.Application, now: float, rows: Sequence[ServerRecord], reserved: Mapping[str, str]
+    ) -> None:
         services = services_of_app(app)
-        self._inventory_dirty = False
         self.inventory_reads += 1
         stale_after = timedelta(seconds=services.settings.stale_after_seconds)
         wall = datetime.now(UTC)
         base: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
         parsed: dict[str, Server] = {}
         first_seen: datetime | None = None
-        for inventory, _, last_heartbeat in services.store.servers():
+        for inventory, _, last_heartbeat in rows:
             seen = datetime.fromisoformat(last_heartbeat)
             if seen < wall - stale_after:
                 continue
@@ -223,13 +229,12 @@ class FleetIndexCache:
         if self._index is None:
             self._index = FleetIndex()
         self._index.remove(gone)
-        self._apply_reservations(app, changed)
+        self._apply_reservations(reserved, changed)
 
-    def _apply_reservations(self, app: web.Application, changed: Sequence[str]) -> None:
-        """Re-read reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
-        self._reservations_dirty = False
+    def _apply_reservations(self, reserved_gpus: Mapping[str, str], changed: Sequence[str]) -> None:
+        """Apply reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
         reserved: dict[str, set[str]] = {}
-        for gpu_uuid in services_of_app(app).store.reserved_gpus():
+        for gpu_uuid in reserved_gpus:
             owner = self._owner.get(gpu_uuid)
             if owner is not None:
                 reserved.setdefault(owner, set()).add(gpu_uuid)
@@ -254,13 +259,9 @@ class FleetIndexCache:
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
 
 
-def fleet_index(app: web.Application) -> FleetIndex:
+async def fleet_index(app: web.Application) -> FleetIndex:
     """The live fleet, indexed for `decide`: what `live_servers` lists, kept between requests."""
-    return app[FLEET_INDEX].index(app)
-
-
-def services_of_app(app: web.Application) -> Services:
-    return app[SERVICES]
+    return await app[FLEET_INDEX].index(app)
 
 
 def require_agent_token(request: web.Request, server_name: str | None = None) -> None:
@@ -281,7 +282,7 @@ def require_agent_token(request: web.Request, server_name: str | None = None) ->
 
 
 async def list_servers(request: web.Request) -> web.Response:
-    servers = live_servers(request.app)
+    servers = await live_servers(request.app)
     return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
 
 
@@ -293,7 +294,7 @@ async def register_server(request: web.Request) -> web.Response:
     require_agent_token(request, server.name)
     services = services_of(request)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
-    services.store.upsert_server(server.name, stored.model_dump_json())
+    await services.store.upsert_server(server.name, stored.model_dump_json())
     request.app[FLEET_INDEX].inventory_changed()
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
@@ -310,12 +311,12 @@ async def server_heartbeat(request: web.Request) -> web.Response:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
     inventory = None
     if beat.gpus is not None:
-        current = services.store.server_inventory(name)
+        current = await services.store.server_inventory(name)
         if current is not None:
             inventory = (
                 Server.model_validate_json(current).model_copy(update={"gpus": beat.gpus}).model_dump_json()
             )
-    if not services.store.heartbeat(name, inventory):
+    if not await services.store.heartbeat(name, inventory):
         return json_error(404, f"unknown server {name}; register again")
     if inventory is not None:
         request.app[FLEET_INDEX].inventory_changed()
@@ -383,7 +384,7 @@ async def image_report(services: Services, text: str) -> ImageReport:
         reference = parse_reference(text)
     except ReferenceError as exc:
         raise json_http_error(web.HTTPBadRequest, str(exc)) from None
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     if report is not None:
         return report
     if not services.settings.allows(reference.registry):
@@ -401,7 +402,7 @@ async def eligibility(request: web.Request) -> web.Response:
     image, deploy, _ = await _request_body(request)
     report = await image_report(services, image)
     started = time.perf_counter()
-    decision = decide(ImageFacts.from_report(report), deploy, fleet_index(request.app))
+    decision = decide(ImageFacts.from_report(report), deploy, await fleet_index(request.app))
     body = decision.model_dump(mode="json")
     body["image"] = {"reference": report.reference, "digest": report.digest}
     body["seconds"] = round(time.perf_counter() - started, 6)
@@ -411,9 +412,9 @@ async def eligibility(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- deployments
 
 
-def _load(services: Services, deployment_id: str) -> Deployment | None:
-    row = services.store.deployment(deployment_id)
-    return Deployment.model_validate_json(row[0]) if row else None
+async def _load(services: Services, deployment_id: str) -> Deployment | None:
+    row = await services.store.deployment(deployment_id)
+    return Deployment.model_validate_json(row.record_json) if row else None
 
 
 async def create_deployment(request: web.Request) -> web.Response:
@@ -424,7 +425,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     facts = ImageFacts.from_report(report)
     decision: Decision | None = None
     for _ in range(RESERVE_ATTEMPTS):
-        decision = decide(facts, deploy, fleet_index(request.app))
+        decision = decide(facts, deploy, await fleet_index(request.app))
         if not decision.eligible:
             break
         choice = decision.eligible[0]
@@ -442,7 +443,7 @@ async def create_deployment(request: web.Request) -> web.Response:
             env=run.env,
         )
         try:
-            services.store.create_deployment(
+            await services.store.create_deployment(
                 deployment.id, deployment.server, deployment.gpus, deployment.model_dump_json()
             )
         except GpuTaken:
@@ -461,23 +462,27 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 
 async def get_deployment(request: web.Request) -> web.Response:
-    deployment = _load(services_of(request), request.match_info["id"])
+    deployment = await _load(services_of(request), request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     return web.json_response(deployment.model_dump(mode="json"))
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    rows = services_of(request).store.deployments(server=request.query.get("server") or None)
+    rows = await services_of(request).store.deployments(server=request.query.get("server") or None)
     return web.json_response(
-        {"deployments": [Deployment.model_validate_json(row[0]).model_dump(mode="json") for row in rows]}
+        {
+            "deployments": [
+                Deployment.model_validate_json(row.record_json).model_dump(mode="json") for row in rows
+            ]
+        }
     )
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     if deployment.state in TERMINAL_STATES:
@@ -492,13 +497,13 @@ async def delete_deployment(request: web.Request) -> web.Response:
                 "updated_at": now,
             }
         )
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state="stopped", desired="stop", release=True
         )
         request.app[FLEET_INDEX].reservations_changed()
     else:
         deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
-        services.store.update_deployment(
+        await services.store.update_deployment(
             deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
         )
     await request.app[FLEET_EVENTS].notify()
@@ -511,24 +516,24 @@ async def agent_poll(request: web.Request) -> web.Response:
     require_agent_token(request, name)
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
-    if services.store.heartbeat(name):
+    if await services.store.heartbeat(name):
         request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
-        rows = services.store.actionable_deployments(name)
+        rows = await services.store.actionable_deployments(name)
         remaining = deadline - time.monotonic()
         if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
             break
         await request.app[FLEET_EVENTS].wait(remaining)
     body = DeploymentsResponse(
-        deployments=[Deployment.model_validate_json(row[0]).for_agent() for row in rows]
+        deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
     )
     return web.json_response(body.model_dump(mode="json"))
 
 
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = _load(services, request.match_info["id"])
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
@@ -549,7 +554,7 @@ async def deployment_status(request: web.Request) -> web.Response:
             "updated_at": datetime.now(UTC),
         }
     )
-    services.store.update_deployment(
+    await services.store.update_deployment(
         deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
     )
     if status.state in TERMINAL_STATES:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from scanner.store import EnqueueBatch, Store
+from store import AsyncStore, EnqueueBatch
 
 Pending = list[tuple[EnqueueBatch, asyncio.Future[list[str]]]]
 
 
 class JobIntake:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: AsyncStore) -> None:
         self.store = store
         self._pending: Pending = []
         self._committing = False
@@ -49,7 +49,7 @@ class JobIntake:
 
     async def _commit(self, group: Pending) -> None:
         try:
-            results = await asyncio.to_thread(self.store.enqueue_many, [batch for batch, _ in group])
+            results = await self.store.enqueue_many([batch for batch, _ in group])
         except Exception as exc:  # every delivery of the group learns its commit failed
             for _, future in group:
                 if not future.done():

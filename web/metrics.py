@@ -147,7 +147,7 @@ class Registry:
 class ServiceMetrics:
     """The service's metrics, named once here."""
 
-    def __init__(self, queue_depth: Callable[[], dict[str, int]]) -> None:
+    def __init__(self) -> None:
         self.registry = Registry()
         add = self.registry.add
         self.scans = add(Counter("gpubadge_scans_total", "Scans finished, by outcome.", ["outcome"]))
@@ -168,12 +168,26 @@ class ServiceMetrics:
         self.rate_limit = add(
             Gauge("gpubadge_registry_ratelimit_remaining", "Last ratelimit-remaining seen.", ["registry"])
         )
-        self.queue = add(
+        # Gauges read from the database are set by the /metrics handler just before it renders,
+        # so rendering itself never runs SQL.
+        self.queue = add(Gauge("gpubadge_queue_jobs", "Scan jobs by state.", ["state"]))
+        self.oldest_queued = add(
             Gauge(
-                "gpubadge_queue_jobs",
-                "Scan jobs by state.",
-                ["state"],
-                collect=lambda: {(state,): float(n) for state, n in queue_depth().items()},
+                "gpubadge_queue_oldest_ready_seconds",
+                "How long the oldest ready job has waited to be claimed (0 when none waits).",
+            )
+        )
+        self.worker_restarts = add(
+            Counter(
+                "gpubadge_worker_restarts_total",
+                "Faults the scan workers recovered from (store or scanner errors), after a backoff.",
+            )
+        )
+        self.lease_expiries = add(
+            Counter(
+                "gpubadge_lease_expiries_total",
+                "Running jobs whose worker stopped renewing the lease, by what happened next.",
+                ["outcome"],
             )
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
@@ -13,6 +14,8 @@ from placement.inventory import Server
 from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
 from placement.request import DeployRequest
 from scanner.models import ImageReport
+from web.api import JobView, ScanBody
+from web.fleet import Deployment, RunSpec
 
 
 def _schema(
@@ -74,8 +77,6 @@ ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "require
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    from web.api import JobView, ScanBody
-    from web.fleet import Deployment, RunSpec
 
     components: dict[str, Any] = {"Error": ERROR}
     report = _schema(ImageReport, components)
@@ -325,3 +326,11 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+async def serve_openapi(_: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/api/openapi.json", serve_openapi)

@@ -11,8 +11,8 @@ import hmac
 from pydantic import SecretStr
 
 from scanner.reference import ReferenceError, parse_reference
-from scanner.store import Job
-from web.app import Services
+from store import Job
+from web.state import Services
 
 
 class ScanRefused(Exception):
@@ -31,7 +31,7 @@ def token_matches(expected: SecretStr | None, given: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.get_secret_value().encode())
 
 
-def request_scan(services: Services, text: str, *, source: str) -> Job:
+async def request_scan(services: Services, text: str, *, source: str) -> Job:
     """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one).
 
     Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
@@ -45,13 +45,13 @@ def request_scan(services: Services, text: str, *, source: str) -> Job:
         raise ScanRefused(
             403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
         )
-    (job_id,) = services.store.enqueue(
+    (job_id,) = await services.store.enqueue(
         [(str(reference), reference.registry)],
         source=source,
         max_attempts=services.settings.max_attempts,
     )
     services.wake_workers()
-    job = services.store.job(job_id)
+    job = await services.store.job(job_id)
     if job is None:  # pragma: no cover - enqueue committed it in the same process
         raise ScanRefused(500, f"scan job {job_id} vanished after it was queued")
     return job

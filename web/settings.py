@@ -41,6 +41,12 @@ class ServiceSettings(ScannerSettings):
         default="NORMAL",
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
     )
+    sqlite_busy_timeout: float = Field(
+        default=30.0, description="seconds a write waits for another process's lock before it fails"
+    )
+    store_threads: int = Field(
+        default=8, ge=1, description="threads that run database calls off the event loop"
+    )
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
     webhook_secret: SecretStr | None = Field(
@@ -63,6 +69,20 @@ class ServiceSettings(ScannerSettings):
     )
     drain_seconds: float = Field(
         default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
+    )
+    lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="a running job's lease; a worker renews it every third of this, and a job whose lease"
+        " lapses (crashed or cut-off worker) is claimed again",
+    )
+    health_timeout: float = Field(
+        default=1.5, gt=0, description="/healthz gives the database this long to take a write"
+    )
+    stall_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="/healthz fails when ready jobs wait this long while no worker makes progress",
     )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")

@@ -27,11 +27,11 @@ from scanner.badges import LIBC_BADGES
 from scanner.models import ImageReport, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.requirements import describe_condition, parse_requirement_lenient
-from scanner.store import ImageRow, Job, TagEvent
+from store import ImageRow, Job, TagEvent
 from web.api import find_report
-from web.app import SERVICES, Services
 from web.badge_svg import badge_for, render_badge
 from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.state import Services, services_of
 
 HERE = Path(__file__).parent
 TEMPLATE_DIR = HERE / "templates"
@@ -462,19 +462,15 @@ class ImageFilters:
 # ----------------------------------------------------------------- handlers
 
 
-def services_of(request: web.Request) -> Services:
-    return request.app[SERVICES]
-
-
 async def images_page(request: web.Request) -> web.Response:
     services = services_of(request)
     store = services.store
     filters = ImageFilters.from_query(request.query)
-    rows, total = store.list_images(
+    rows, total = await store.list_images(
         **filters.store_arguments(), limit=PAGE_SIZE, offset=(filters.page - 1) * PAGE_SIZE
     )
     if filters.active or filters.page > 1:
-        newest, _ = store.list_images(limit=1)
+        newest, _ = await store.list_images(limit=1)
     else:
         newest = rows[:1]
     pages = max(1, math.ceil(total / PAGE_SIZE))
@@ -487,9 +483,9 @@ async def images_page(request: web.Request) -> web.Response:
         rows=[image_row_view(row) for row in rows],
         total=total,
         pages=pages,
-        registries=store.registries(),
+        registries=await store.registries(),
         last_scan=newest[0].scanned_at if newest else None,
-        failures=[job_view(job) for job in store.jobs(states=["failed"], limit=RECENT_FAILURES)],
+        failures=[job_view(job) for job in await store.jobs(states=["failed"], limit=RECENT_FAILURES)],
         legend=LEGEND,
         token_required=services.settings.api_token is not None,
     )
@@ -502,11 +498,11 @@ async def image_page(request: web.Request) -> web.Response:
         reference = parse_reference(text)
     except ReferenceError as exc:
         return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     if report is None:
         store = services.store
-        pending = store.pending_job_for(str(reference))
-        latest = pending or store.latest_job_for(str(reference))
+        pending = await store.pending_job_for(str(reference))
+        latest = pending or await store.latest_job_for(str(reference))
         return page(
             request,
             "not_scanned.html",
@@ -523,32 +519,31 @@ async def image_page(request: web.Request) -> web.Response:
         "image.html",
         title=f"{reference} · gpubadge",
         active="images",
-        **detail_context(services, reference, report),
+        **await detail_context(services, reference, report),
     )
 
 
-def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
-    tags = store.tags_for_digest(report.digest) if report.digest else []
+    tags = await store.tags_for_digest(report.digest) if report.digest else []
+    history = await store.tag_history(reference.registry, reference.repository)
     return {
         "reference": str(reference),
         "report": report,
         "platforms": [platform_view(p) for p in report.platforms],
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
-        "history": tag_history_view(
-            store.tag_history(reference.registry, reference.repository), reference.name, digests
-        ),
+        "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
     }
 
 
 async def scans_page(request: web.Request) -> web.Response:
-    return scans_response(request)
+    return await scans_response(request)
 
 
-def scans_response(
+async def scans_response(
     request: web.Request, *, status: int = 200, error: str | None = None, ref: str = ""
 ) -> web.Response:
     services = services_of(request)
@@ -559,9 +554,9 @@ def scans_response(
         status=status,
         title="Scans · gpubadge",
         active="scans",
-        pending=[job_view(job) for job in store.jobs(states=["queued", "running"], limit=100)],
-        recent=[job_view(job) for job in store.jobs(limit=50)],
-        depth=store.queue_depth(),
+        pending=[job_view(job) for job in await store.jobs(states=["queued", "running"], limit=100)],
+        recent=[job_view(job) for job in await store.jobs(limit=50)],
+        depth=await store.queue_depth(),
         token_required=services.settings.api_token is not None,
         form_error=error,
         ref=ref,
@@ -575,15 +570,15 @@ async def submit_scan(request: web.Request) -> web.Response:
     ref = str(form.get("ref", "")).strip()
     token = str(form.get("token", ""))
     if not token_matches(services.settings.api_token, token):
-        return scans_response(request, status=401, error="That API token is not valid.", ref=ref)
+        return await scans_response(request, status=401, error="That API token is not valid.", ref=ref)
     if not ref:
-        return scans_response(
+        return await scans_response(
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        request_scan(services, ref, source="ui")
+        await request_scan(services, ref, source="ui")
     except ScanRefused as refused:
-        return scans_response(request, status=refused.status, error=refused.message, ref=ref)
+        return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")
 
 
@@ -606,10 +601,10 @@ async def badge(request: web.Request) -> web.Response:
         reference = badge_reference(path)
     except ReferenceError as exc:
         return web.Response(status=400, text=str(exc), content_type="text/plain")
-    report = find_report(services, reference)
+    report = await find_report(services, reference)
     failed = False
     if report is None:
-        latest = services.store.latest_job_for(str(reference))
+        latest = await services.store.latest_job_for(str(reference))
         failed = latest is not None and latest.state == "failed"
     svg = render_badge(badge_for(report, last_scan_failed=failed))
     etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'

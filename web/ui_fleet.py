@@ -21,8 +21,8 @@ from placement.decide import Decision, ImageFacts, decide
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.app import SERVICES
 from web.fleet import fleet_index, image_report, live_servers
+from web.state import services_of
 from web.ui import human_bytes, image_url, page, time_ago
 
 # ------------------------------------------------------------------ servers
@@ -265,7 +265,7 @@ def result_view(report: ImageReport, decision: Decision, servers: Sequence[Serve
 
 
 async def servers_page(request: web.Request) -> web.Response:
-    rows = server_rows(live_servers(request.app))
+    rows = server_rows(await live_servers(request.app))
     return page(request, "servers.html", title="Servers · gpubadge", active="servers", servers=rows)
 
 
@@ -294,10 +294,10 @@ async def eligibility_page(request: web.Request) -> web.Response:
     except FormError as exc:
         return show(400, str(exc))
     try:
-        report = await image_report(request.app[SERVICES], form.image)
+        report = await image_report(services_of(request), form.image)
     except web.HTTPException as exc:
         return show(page_status(exc), http_error_message(exc))
-    index = fleet_index(request.app)
+    index = await fleet_index(request.app)
     decision = decide(ImageFacts.from_report(report), deploy, index)
     return show(result=result_view(report, decision, index.servers))
 

@@ -1,14 +1,15 @@
-"""The SQLite store: the only module that knows SQL.
+"""The SQLite backend: the embedded default store.
 
 It owns the schema for scan reports (keyed by manifest digest), the tag -> digest
-history, the per-layer libc evidence cache, the durable scan-job queue, and the
-fleet (servers, deployments, GPU reservations). Callers speak in pydantic models
-and plain values; nothing outside this module builds a query.
+history, the per-layer evidence cache, the durable scan-job queue with leases, and
+the fleet (servers, deployments, GPU reservations). It is synchronous on purpose:
+`store.facade.AsyncStore` runs every call in a thread pool, so no SQL ever runs on
+an event loop, and a locked database delays only the requests that need it.
 
-SQLite runs in WAL mode so the web service can read while a worker writes. Every
-write is a short transaction; the queue's claim and the GPU reservation are
-single `BEGIN IMMEDIATE` transactions so two workers or two deploys never take
-the same job or the same GPU.
+SQLite runs in WAL mode. Reads use one connection per thread and never wait for a
+writer, in this process or another; writes share one connection and are short
+`BEGIN IMMEDIATE` transactions, so two workers or two deploys never take the same
+job or the same GPU.
 """
 
 from __future__ import annotations
@@ -17,19 +18,27 @@ import json
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from scanner.models import ImageReport, PlatformReport
-
-if TYPE_CHECKING:
-    import sqlite_utils
-
-JobState = Literal["queued", "running", "done", "failed"]
+from store.models import (
+    JOB_STATES,
+    DeploymentRecord,
+    EnqueueBatch,
+    GpuTaken,
+    ImageRow,
+    Job,
+    JobState,
+    LeaseExpiry,
+    QueueHealth,
+    ServerRecord,
+    StoreUnavailable,
+    TagEvent,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS reports (
@@ -120,10 +129,6 @@ CREATE TABLE IF NOT EXISTS reservations (
 """
 
 
-class GpuTaken(Exception):
-    """A GPU chosen for a deployment was reserved by another deployment first."""
-
-
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -132,92 +137,153 @@ def _iso(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-@dataclass(frozen=True)
-class EnqueueBatch:
-    """The jobs of one delivery: (reference, registry[, delay seconds]) items and their source."""
-
-    references: Sequence[tuple[str, str] | tuple[str, str, float]]
-    source: str | None = None
-    max_attempts: int = 5
-    delay: float = 0.0
+def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
+    return None if stamp is None else max(0.0, (moment - datetime.fromisoformat(stamp)).total_seconds())
 
 
-@dataclass(frozen=True)
-class Job:
-    """A durable scan job."""
-
-    id: str
-    reference: str
-    registry: str
-    state: JobState
-    attempts: int
-    max_attempts: int
-    error: str | None
-    result_digest: str | None
-    source: str | None
-    created_at: str
-    updated_at: str
+def _statements(script: str) -> list[str]:
+    """Split a migration into statements (executescript would commit the migration's transaction)."""
+    lines = [line for line in script.splitlines() if not line.lstrip().startswith("--")]
+    return [statement.strip() for statement in "\n".join(lines).split(";") if statement.strip()]
 
 
-@dataclass(frozen=True)
-class TagEvent:
-    tag: str
-    digest: str
-    first_seen: str
-    last_seen: str
-    gone_at: str | None
+# Versioned schema: migration N brings a file at `PRAGMA user_version` N-1 to N. Files made before
+# versioning (user_version 0) already hold migration 1's tables, which it creates only if missing.
+MIGRATIONS: tuple[str, ...] = (
+    SCHEMA,
+    """
+    ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
+    ALTER TABLE jobs ADD COLUMN lease_expires TEXT;
+    CREATE INDEX IF NOT EXISTS jobs_lease ON jobs(state, lease_expires);
+    CREATE INDEX IF NOT EXISTS jobs_progress ON jobs(updated_at) WHERE attempts > 0;
+    CREATE TABLE IF NOT EXISTS health (id INTEGER PRIMARY KEY CHECK (id = 1), checked_at TEXT NOT NULL);
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
 
 
-@dataclass(frozen=True)
-class ImageRow:
-    """A summary row for listings (one per manifest digest)."""
+class SqliteStore:
+    """One SQLite file, safe to call from many threads (and many processes)."""
 
-    digest: str
-    registry: str
-    repository: str
-    reference: str
-    gpu_required: bool
-    cuda_versions: list[str]
-    libc_flavours: list[str]
-    platforms: list[str]
-    distro: str | None
-    scanned_at: str
-    tags: list[str]
-
-
-class Store:
-    """Thread-safe facade over one SQLite file."""
-
-    def __init__(self, path: Path | str, *, synchronous: Literal["NORMAL", "FULL"] = "NORMAL") -> None:
-        self.path = Path(path) if str(path) != ":memory:" else path
-        if isinstance(self.path, Path):
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        busy_timeout: float = 30.0,
+    ) -> None:
+        self.path = Path(path)
+        self.busy_timeout = busy_timeout
+        self._synchronous = synchronous
+        self._write_lock = threading.Lock()
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
-        self._lock = threading.RLock()
-        import sqlite_utils  # deferred: ~150 ms of imports that `scan --no-store` never needs
+            self._writer = self._connect(busy_timeout)
+            self._writer.execute("PRAGMA journal_mode=WAL")
+            self.upgrade()
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreUnavailable(f"cannot open the SQLite store {self.path}: {exc}") from exc
 
-        self.db: sqlite_utils.Database = sqlite_utils.Database(connection)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(f"PRAGMA synchronous={synchronous}")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
+    def _connect(self, timeout: float) -> sqlite3.Connection:
+        connection = sqlite3.connect(
+            str(self.path), check_same_thread=False, isolation_level=None, timeout=timeout
+        )
+        connection.execute(f"PRAGMA synchronous={self._synchronous}")
+        connection.execute("PRAGMA foreign_keys=ON")
+        with self._connections_lock:
+            self._connections.append(connection)
+        return connection
+
+    def upgrade(self) -> int:
+        """Apply the migrations this file lacks; returns the schema version. Safe across processes."""
+        with self._transaction() as conn:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            for number in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _statements(MIGRATIONS[number - 1]):
+                    conn.execute(statement)
+            if version < SCHEMA_VERSION:
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        return SCHEMA_VERSION
+
+    def schema_version(self) -> int:
+        with self._reading() as db:
+            return int(db.execute("PRAGMA user_version").fetchone()[0])
 
     def close(self) -> None:
-        with self._lock:
-            self.db.conn.close()
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """This thread's read connection: in WAL mode it never waits for a writer."""
+        connection: sqlite3.Connection | None = getattr(self._local, "reader", None)
+        if connection is None:
+            connection = self._connect(self.busy_timeout)
+            connection.execute("PRAGMA query_only=ON")
+            self._local.reader = connection
+        yield connection
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One immediate transaction: writers serialise here, readers never block."""
-        with self._lock:
-            conn = self.db.conn
+        """One immediate transaction on the shared writer: writers serialise here, readers never block."""
+        with self._write_lock:
+            conn = self._writer
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+
+    # ---------------------------------------------------------------- health
+
+    def check_writable(self, timeout: float) -> None:
+        """Prove the database can be reached and written within `timeout`, or raise StoreUnavailable.
+
+        Uses its own connection, so a writer stuck behind another process's lock cannot hold it up.
+        """
+        connection: sqlite3.Connection | None = getattr(self._local, "health", None)
+        try:
+            if connection is None:
+                connection = self._connect(timeout)
+                self._local.health = connection
+            connection.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                connection.execute(
+                    "INSERT OR REPLACE INTO health (id, checked_at) VALUES (1, ?)", [_iso(_now())]
+                )
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+
+    def queue_health(self) -> QueueHealth:
+        moment = _now()
+        now = _iso(moment)
+        with self._reading() as db:
+            ready, oldest = db.execute(
+                "SELECT count(*), min(not_before) FROM jobs WHERE state = 'queued' AND not_before <= ?", [now]
+            ).fetchone()
+            (running,) = db.execute("SELECT count(*) FROM jobs WHERE state = 'running'").fetchone()
+            progress = db.execute(
+                "SELECT updated_at FROM jobs WHERE attempts > 0 ORDER BY updated_at DESC LIMIT 1"
+            ).fetchone()
+        return QueueHealth(
+            ready=int(ready),
+            oldest_ready_seconds=_seconds_since(oldest, moment),
+            last_progress_seconds=_seconds_since(progress[0] if progress else None, moment),
+            running=int(running),
+        )
 
     # ---------------------------------------------------------------- reports
 
@@ -265,14 +331,14 @@ class Store:
                 )
 
     def report(self, digest: str) -> ImageReport | None:
-        with self._lock:
-            row = self.db.execute("SELECT report FROM reports WHERE digest = ?", [digest]).fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT report FROM reports WHERE digest = ?", [digest]).fetchone()
         return ImageReport.model_validate_json(row[0]) if row else None
 
     def has_report(self, digest: str) -> bool:
         """Whether `digest` was scanned, as an image or as one platform of an index."""
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 "SELECT EXISTS (SELECT 1 FROM reports WHERE digest = :d)"
                 " OR EXISTS (SELECT 1 FROM platform_reports WHERE digest = :d)",
                 {"d": digest},
@@ -280,8 +346,8 @@ class Store:
         return bool(row[0])
 
     def platform_report(self, digest: str) -> PlatformReport | None:
-        with self._lock:
-            row = self.db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()
         return PlatformReport.model_validate_json(row[0]) if row else None
 
     def list_images(
@@ -321,9 +387,9 @@ class Store:
             escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             params["q"] = f"%{escaped}%"
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        with self._lock:
-            total = self.db.execute(f"SELECT count(*) FROM reports r {clause}", params).fetchone()[0]
-            rows = self.db.execute(
+        with self._reading() as db:
+            total = db.execute(f"SELECT count(*) FROM reports r {clause}", params).fetchone()[0]
+            rows = db.execute(
                 "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
                 " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
                 " (SELECT json_group_array(t.tag) FROM tags t WHERE t.digest = r.digest AND t.gone_at IS NULL"
@@ -352,8 +418,8 @@ class Store:
         return images, int(total)
 
     def registries(self) -> list[str]:
-        with self._lock:
-            return [row[0] for row in self.db.execute("SELECT DISTINCT registry FROM reports ORDER BY 1")]
+        with self._reading() as db:
+            return [row[0] for row in db.execute("SELECT DISTINCT registry FROM reports ORDER BY 1")]
 
     # ------------------------------------------------------------------- tags
 
@@ -381,8 +447,8 @@ class Store:
 
     def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
         """The digest a tag pointed at when last seen, or None if unknown or deleted."""
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 "SELECT digest, gone_at FROM tags WHERE registry = ? AND repository = ? AND tag = ?"
                 " ORDER BY id DESC LIMIT 1",
                 [registry, repository, tag],
@@ -390,8 +456,8 @@ class Store:
         return row[0] if row and row[1] is None else None
 
     def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT tag, digest, first_seen, last_seen, gone_at FROM tags"
                 " WHERE registry = ? AND repository = ? ORDER BY id DESC",
                 [registry, repository],
@@ -400,14 +466,14 @@ class Store:
 
     def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
         """(registry, repository, tag) triples currently pointing at `digest`."""
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT t.registry, t.repository, t.tag FROM tags t WHERE t.digest = ? AND t.gone_at IS NULL"
                 " AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
                 " AND t2.repository = t.repository AND t2.tag = t.tag) ORDER BY t.tag",
                 [digest],
             ).fetchall()
-        return [(row[0], row[1], row[2]) for row in rows]
+        return [DeploymentRecord(*row) for row in rows]
 
     def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
         """A registry deleted a tag or a manifest: keep the history, flag it gone."""
@@ -432,8 +498,8 @@ class Store:
                 )
 
     def is_gone(self, registry: str, repository: str, digest: str) -> bool:
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 "SELECT 1 FROM gone_digests WHERE registry = ? AND repository = ? AND digest = ?",
                 [registry, repository, digest],
             ).fetchone()
@@ -443,8 +509,8 @@ class Store:
 
     def layer_evidence(self, digest: str) -> str | None:
         """The cached libc evidence JSON for a layer digest."""
-        with self._lock:
-            row = self.db.execute("SELECT evidence FROM layers WHERE digest = ?", [digest]).fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT evidence FROM layers WHERE digest = ?", [digest]).fetchone()
         return row[0] if row else None
 
     def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
@@ -515,17 +581,25 @@ class Store:
         return results
 
     def claim_jobs(
-        self, limit: int, *, per_registry: int | None = None, running: Mapping[str, int] | None = None
+        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
     ) -> list[Job]:
-        """Atomically move up to `limit` ready jobs to `running` and return them.
+        """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
-        With `per_registry`, no registry ends up with more than that many running jobs,
-        counting the `running` ones the caller already has; a busy registry's jobs wait
-        while other registries' jobs go ahead.
+        The lease must be renewed (`renew_leases`) before it expires, or the job is claimed
+        again (`expire_leases`): that is how a crashed or cut-off worker loses nothing. With
+        `per_registry`, no registry ends up with more than that many running jobs across every
+        worker sharing the store; a busy registry's jobs wait while others go ahead.
         """
-        now = _iso(_now())
-        busy = dict(running or {})
+        moment = _now()
+        now, expires = _iso(moment), _iso(moment + timedelta(seconds=lease_seconds))
         with self._transaction() as conn:
+            busy: dict[str, int] = {}
+            if per_registry is not None:
+                busy = dict(
+                    conn.execute(
+                        "SELECT registry, count(*) FROM jobs WHERE state = 'running' GROUP BY registry"
+                    ).fetchall()
+                )
             ids: list[str] = []
             candidates = conn.execute(
                 "SELECT id, registry FROM jobs WHERE state = 'queued' AND not_before <= ?"
@@ -542,8 +616,9 @@ class Store:
             if not ids:
                 return []
             conn.executemany(
-                "UPDATE jobs SET state = 'running', attempts = attempts + 1, updated_at = ? WHERE id = ?",
-                [(now, job_id) for job_id in ids],
+                "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = ?,"
+                " lease_expires = ?, updated_at = ? WHERE id = ?",
+                [(owner, expires, now, job_id) for job_id in ids],
             )
             placeholders = ",".join("?" * len(ids))
             claimed = conn.execute(
@@ -551,23 +626,105 @@ class Store:
             ).fetchall()
         return [Job(*row) for row in claimed]
 
-    def finish_job(self, job_id: str, *, digest: str | None) -> None:
+    def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
+        """Extend `owner`'s leases; returns the ids it still holds (a lost lease is not renewed)."""
+        if not job_ids:
+            return []
+        expires = _iso(_now() + timedelta(seconds=lease_seconds))
+        marks = ",".join("?" * len(job_ids))
         with self._transaction() as conn:
             conn.execute(
-                "UPDATE jobs SET state = 'done', error = NULL, result_digest = ?, updated_at = ? WHERE id = ?",
-                [digest, _iso(_now()), job_id],
+                f"UPDATE jobs SET lease_expires = ? WHERE id IN ({marks}) AND state = 'running'"
+                " AND lease_owner = ?",
+                [expires, *job_ids, owner],
             )
+            held = conn.execute(
+                f"SELECT id FROM jobs WHERE id IN ({marks}) AND state = 'running' AND lease_owner = ?",
+                [*job_ids, owner],
+            ).fetchall()
+        return [row[0] for row in held]
 
-    def fail_job(self, job_id: str, error: str, *, retry_in: float | None) -> JobState:
-        """Record a failure: back to `queued` after `retry_in` seconds, or `failed` for good."""
+    def expire_leases(self) -> list[LeaseExpiry]:
+        """Running jobs whose lease has passed go back to the queue, or fail once their attempts are spent."""
+        now = _iso(_now())
+        with self._transaction() as conn:
+            rows = conn.execute(
+                "SELECT id, reference, lease_owner, attempts, max_attempts FROM jobs"
+                " WHERE state = 'running' AND (lease_expires IS NULL OR lease_expires < ?)",
+                [now],
+            ).fetchall()
+            expired: list[LeaseExpiry] = []
+            for job_id, reference, owner, attempts, max_attempts in rows:
+                state: JobState = "failed" if attempts >= max_attempts else "queued"
+                error = (
+                    f"the worker {owner or '(unknown)'} stopped renewing its lease (crashed, cut off, "
+                    f"or unable to write) on attempt {attempts} of {max_attempts}"
+                )
+                conn.execute(
+                    "UPDATE jobs SET state = ?, error = ?, not_before = ?, lease_owner = NULL,"
+                    " lease_expires = NULL, updated_at = ? WHERE id = ?",
+                    [state, error, now, now, job_id],
+                )
+                expired.append(LeaseExpiry(job_id, reference, owner or "", state))
+        return expired
+
+    def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
+        """Requeue at once every job held by `owners` (workers known to be gone, or shutting down).
+
+        `refund_attempt` is for a clean shutdown, which is not the job's fault; a crashed worker's
+        attempt counts, since the image itself may be what brought it down.
+        """
+        if not owners:
+            return 0
+        now = _iso(_now())
+        marks = ",".join("?" * len(owners))
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "UPDATE jobs SET state = 'queued', not_before = ?, lease_owner = NULL, lease_expires = NULL,"
+                " attempts = max(0, attempts - ?), updated_at = ?"
+                f" WHERE state = 'running' AND lease_owner IN ({marks})",
+                [now, int(refund_attempt), now, *owners],
+            )
+            return cursor.rowcount
+
+    def lease_owners(self) -> list[str]:
+        """The workers holding running jobs now."""
+        with self._reading() as db:
+            rows = db.execute(
+                "SELECT DISTINCT lease_owner FROM jobs WHERE state = 'running' AND lease_owner IS NOT NULL"
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
+        """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "UPDATE jobs SET state = 'done', error = NULL, result_digest = ?, lease_owner = NULL,"
+                " lease_expires = NULL, updated_at = ? WHERE id = ? AND state = 'running' AND lease_owner = ?",
+                [digest, _iso(_now()), job_id, owner],
+            )
+            return cursor.rowcount > 0
+
+    def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
+        """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.
+
+        `retry_in=None` means the failure can never pass on retry. Returns None, writing nothing,
+        when `owner` no longer holds the job's lease.
+        """
         now = _now()
         with self._transaction() as conn:
-            row = conn.execute("SELECT attempts, max_attempts FROM jobs WHERE id = ?", [job_id]).fetchone()
-            final = row is None or retry_in is None or row[0] >= row[1]
+            row = conn.execute(
+                "SELECT attempts, max_attempts FROM jobs WHERE id = ? AND state = 'running' AND lease_owner = ?",
+                [job_id, owner],
+            ).fetchone()
+            if row is None:
+                return None
+            final = retry_in is None or row[0] >= row[1]
             state: JobState = "failed" if final else "queued"
             not_before = _iso(now + timedelta(seconds=retry_in or 0))
             conn.execute(
-                "UPDATE jobs SET state = ?, error = ?, not_before = ?, updated_at = ? WHERE id = ?",
+                "UPDATE jobs SET state = ?, error = ?, not_before = ?, lease_owner = NULL, lease_expires = NULL,"
+                " updated_at = ? WHERE id = ?",
                 [state, error, not_before, _iso(now), job_id],
             )
         return state
@@ -591,34 +748,24 @@ class Store:
                     )
         return self.job(job_id)
 
-    def requeue_running(self) -> int:
-        """On start: jobs left `running` by a crash go back to the queue."""
-        now = _iso(_now())
-        with self._transaction() as conn:
-            cursor = conn.execute(
-                "UPDATE jobs SET state = 'queued', not_before = ?, updated_at = ? WHERE state = 'running'",
-                [now, now],
-            )
-            return cursor.rowcount
-
     def job(self, job_id: str) -> Job | None:
-        with self._lock:
-            row = self.db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
+        with self._reading() as db:
+            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
         return Job(*row) if row else None
 
     def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
         placeholders = ",".join("?" * len(states))
         clause = f"WHERE state IN ({placeholders})" if states else ""
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs {clause} ORDER BY created_at DESC LIMIT ?", [*states, limit]
             ).fetchall()
         return [Job(*row) for row in rows]
 
     def pending_job_for(self, reference: str) -> Job | None:
         """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
                 " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
                 " ORDER BY created_at DESC LIMIT 1",
@@ -627,23 +774,23 @@ class Store:
         return Job(*row) if row else None
 
     def latest_job_for(self, reference: str) -> Job | None:
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = ? ORDER BY created_at DESC LIMIT 1",
                 [reference],
             ).fetchone()
         return Job(*row) if row else None
 
     def queue_depth(self) -> dict[str, int]:
-        with self._lock:
-            rows = self.db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
-        depth = {state: 0 for state in ("queued", "running", "done", "failed")}
+        with self._reading() as db:
+            rows = db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
+        depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
         depth.update({row[0]: row[1] for row in rows})
         return depth
 
     def next_job_due(self) -> datetime | None:
-        with self._lock:
-            row = self.db.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
         return datetime.fromisoformat(row[0]) if row and row[0] else None
 
     # ----------------------------------------------------------------- fleet
@@ -674,23 +821,23 @@ class Store:
                 )
             return cursor.rowcount > 0
 
-    def servers(self) -> list[tuple[str, str, str]]:
+    def servers(self) -> list[ServerRecord]:
         """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name"
             ).fetchall()
-        return [(row[0], row[1], row[2]) for row in rows]
+        return [ServerRecord(*row) for row in rows]
 
     def server_inventory(self, name: str) -> str | None:
-        with self._lock:
-            row = self.db.execute("SELECT inventory FROM servers WHERE name = ?", [name]).fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT inventory FROM servers WHERE name = ?", [name]).fetchone()
         return row[0] if row else None
 
     def reserved_gpus(self) -> dict[str, str]:
         """GPU UUID -> deployment id, for every GPU currently reserved."""
-        with self._lock:
-            rows = self.db.execute("SELECT gpu_uuid, deployment_id FROM reservations").fetchall()
+        with self._reading() as db:
+            rows = db.execute("SELECT gpu_uuid, deployment_id FROM reservations").fetchall()
         return {row[0]: row[1] for row in rows}
 
     def create_deployment(
@@ -716,22 +863,22 @@ class Store:
                 [deployment_id, server, record_json, now, now],
             )
 
-    def deployment(self, deployment_id: str) -> tuple[str, str, str] | None:
+    def deployment(self, deployment_id: str) -> DeploymentRecord | None:
         """(record JSON, state, desired)."""
-        with self._lock:
-            row = self.db.execute(
+        with self._reading() as db:
+            row = db.execute(
                 "SELECT record, state, desired FROM deployments WHERE id = ?", [deployment_id]
             ).fetchone()
-        return (row[0], row[1], row[2]) if row else None
+        return DeploymentRecord(*row) if row else None
 
-    def deployments(self, *, server: str | None = None, limit: int = 100) -> list[tuple[str, str, str]]:
+    def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
         clause, params = ("WHERE server = ?", [server]) if server else ("", [])
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 f"SELECT record, state, desired FROM deployments {clause} ORDER BY created_at DESC LIMIT ?",
                 [*params, limit],
             ).fetchall()
-        return [(row[0], row[1], row[2]) for row in rows]
+        return [DeploymentRecord(*row) for row in rows]
 
     def update_deployment(
         self,
@@ -752,17 +899,20 @@ class Store:
             if release:
                 conn.execute("DELETE FROM reservations WHERE deployment_id = ?", [deployment_id])
 
-    def actionable_deployments(self, server: str) -> list[tuple[str, str, str]]:
+    def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
         """Deployments the server's agent must act on: new ones to run, live ones to stop."""
-        with self._lock:
-            rows = self.db.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT record, state, desired FROM deployments WHERE server = ? AND ("
                 " (desired = 'run' AND state = 'pending') OR"
                 " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
                 " ORDER BY created_at",
                 [server],
             ).fetchall()
-        return [(row[0], row[1], row[2]) for row in rows]
+        return [DeploymentRecord(*row) for row in rows]
 
 
-_JOB_COLUMNS = "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at, updated_at"
+_JOB_COLUMNS = (
+    "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
+    " updated_at, lease_owner, lease_expires"
+)

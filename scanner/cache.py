@@ -1,0 +1,26 @@
+"""What a scan needs from storage, as an async protocol the store satisfies.
+
+The scanner reuses stored reports by digest, remembers tags, and shares each layer's
+evidence across images. It asks for those through this protocol, so scanner/ never
+imports the store (or any SQL), and every call is awaited off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scanner.models import ImageReport, PlatformReport
+
+
+class ScanCache(Protocol):
+    async def report(self, digest: str) -> ImageReport | None: ...
+
+    async def platform_report(self, digest: str) -> PlatformReport | None: ...
+
+    async def save_report(self, report: ImageReport) -> None: ...
+
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None: ...
+
+    async def layer_evidence(self, digest: str) -> str | None: ...
+
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None: ...

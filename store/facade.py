@@ -1,0 +1,259 @@
+"""The store as the event loop sees it: every call async, every query in a thread.
+
+A locked or slow database then delays only the requests that need it; the loop keeps
+serving everything else. The pool is bounded (`threads`), and the health check has a
+thread of its own, so a pool full of calls stuck behind a lock cannot hide that lock
+from /healthz.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import ParamSpec, TypeVar
+
+from scanner.models import ImageReport, PlatformReport
+from store.backend import StoreBackend
+from store.models import (
+    DeploymentRecord,
+    EnqueueBatch,
+    ImageRow,
+    Job,
+    JobState,
+    LeaseExpiry,
+    QueueHealth,
+    ServerRecord,
+    StoreUnavailable,
+    TagEvent,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class AsyncStore:
+    """Async facade over one synchronous backend."""
+
+    def __init__(self, backend: StoreBackend, *, threads: int = 8) -> None:
+        self._backend = backend
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store")
+        self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
+        self._health_check: tuple[float, Future[None]] | None = None
+
+    @property
+    def backend(self) -> StoreBackend:
+        return self._backend
+
+    async def _call(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(function, *args, **kwargs))
+
+    async def close(self) -> None:
+        """Wait for calls in flight, then close the backend's connections."""
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._health_pool.shutdown(wait=False, cancel_futures=True)
+        self._backend.close()
+
+    async def health(self, timeout: float) -> str | None:
+        """None when the database answers and takes a write within `timeout`; else why not, in words.
+
+        Never waits longer than `timeout`: a check still stuck from an earlier call is reported,
+        not queued behind.
+        """
+        if self._health_check is not None and not self._health_check[1].done():
+            stuck = time.monotonic() - self._health_check[0]
+            return f"the database has not answered a write check for {stuck:.1f} s"
+        check = self._health_pool.submit(self._backend.check_writable, timeout)
+        self._health_check = (time.monotonic(), check)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(check), timeout + 0.25)
+        except TimeoutError:
+            return f"the database did not take a write within {timeout:.1f} s"
+        except StoreUnavailable as exc:
+            return str(exc)
+        return None
+
+    async def enqueue(
+        self,
+        references: Sequence[tuple[str, str] | tuple[str, str, float]],
+        *,
+        source: str | None = None,
+        max_attempts: int = 5,
+        delay: float = 0.0,
+    ) -> list[str]:
+        """One delivery's jobs (see `enqueue_many`)."""
+        batch = EnqueueBatch(references, source, max_attempts, delay)
+        return (await self.enqueue_many([batch]))[0]
+
+    async def queue_health(self) -> QueueHealth:
+        return await self._call(self._backend.queue_health)
+
+    async def save_report(self, report: ImageReport) -> None:
+        return await self._call(self._backend.save_report, report)
+
+    async def report(self, digest: str) -> ImageReport | None:
+        return await self._call(self._backend.report, digest)
+
+    async def has_report(self, digest: str) -> bool:
+        return await self._call(self._backend.has_report, digest)
+
+    async def platform_report(self, digest: str) -> PlatformReport | None:
+        return await self._call(self._backend.platform_report, digest)
+
+    async def list_images(
+        self,
+        *,
+        gpu: bool | None = None,
+        libc: str | None = None,
+        cuda: str | None = None,
+        registry: str | None = None,
+        query: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> tuple[list[ImageRow], int]:
+        return await self._call(
+            self._backend.list_images,
+            gpu=gpu,
+            libc=libc,
+            cuda=cuda,
+            registry=registry,
+            query=query,
+            limit=limit,
+            offset=offset,
+        )
+
+    async def registries(self) -> list[str]:
+        return await self._call(self._backend.registries)
+
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        return await self._call(self._backend.record_tag, registry, repository, tag, digest)
+
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        return await self._call(self._backend.resolve_tag, registry, repository, tag)
+
+    async def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
+        return await self._call(self._backend.tag_history, registry, repository)
+
+    async def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
+        return await self._call(self._backend.tags_for_digest, digest)
+
+    async def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
+        return await self._call(self._backend.mark_gone, registry, repository, tag=tag, digest=digest)
+
+    async def is_gone(self, registry: str, repository: str, digest: str) -> bool:
+        return await self._call(self._backend.is_gone, registry, repository, digest)
+
+    async def layer_evidence(self, digest: str) -> str | None:
+        return await self._call(self._backend.layer_evidence, digest)
+
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        return await self._call(self._backend.save_layer_evidence, digest, evidence_json)
+
+    async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        return await self._call(self._backend.enqueue_many, batches)
+
+    async def claim_jobs(
+        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
+    ) -> list[Job]:
+        return await self._call(
+            self._backend.claim_jobs,
+            limit,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            per_registry=per_registry,
+        )
+
+    async def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
+        return await self._call(self._backend.renew_leases, owner, job_ids, lease_seconds)
+
+    async def expire_leases(self) -> list[LeaseExpiry]:
+        return await self._call(self._backend.expire_leases)
+
+    async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
+        return await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+
+    async def lease_owners(self) -> list[str]:
+        return await self._call(self._backend.lease_owners)
+
+    async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
+        return await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+
+    async def fail_job(
+        self, job_id: str, error: str, *, retry_in: float | None, owner: str
+    ) -> JobState | None:
+        return await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+
+    async def retry_job(self, job_id: str) -> Job | None:
+        return await self._call(self._backend.retry_job, job_id)
+
+    async def job(self, job_id: str) -> Job | None:
+        return await self._call(self._backend.job, job_id)
+
+    async def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
+        return await self._call(self._backend.jobs, states=states, limit=limit)
+
+    async def pending_job_for(self, reference: str) -> Job | None:
+        return await self._call(self._backend.pending_job_for, reference)
+
+    async def latest_job_for(self, reference: str) -> Job | None:
+        return await self._call(self._backend.latest_job_for, reference)
+
+    async def queue_depth(self) -> dict[str, int]:
+        return await self._call(self._backend.queue_depth)
+
+    async def next_job_due(self) -> datetime | None:
+        return await self._call(self._backend.next_job_due)
+
+    async def upsert_server(self, name: str, inventory_json: str) -> None:
+        return await self._call(self._backend.upsert_server, name, inventory_json)
+
+    async def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
+        return await self._call(self._backend.heartbeat, name, inventory_json)
+
+    async def servers(self) -> list[ServerRecord]:
+        return await self._call(self._backend.servers)
+
+    async def server_inventory(self, name: str) -> str | None:
+        return await self._call(self._backend.server_inventory, name)
+
+    async def reserved_gpus(self) -> dict[str, str]:
+        return await self._call(self._backend.reserved_gpus)
+
+    async def create_deployment(
+        self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
+    ) -> None:
+        return await self._call(self._backend.create_deployment, deployment_id, server, gpus, record_json)
+
+    async def deployment(self, deployment_id: str) -> DeploymentRecord | None:
+        return await self._call(self._backend.deployment, deployment_id)
+
+    async def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
+        return await self._call(self._backend.deployments, server=server, limit=limit)
+
+    async def update_deployment(
+        self,
+        deployment_id: str,
+        record_json: str,
+        *,
+        state: str,
+        desired: str | None = None,
+        release: bool = False,
+    ) -> None:
+        return await self._call(
+            self._backend.update_deployment,
+            deployment_id,
+            record_json,
+            state=state,
+            desired=desired,
+            release=release,
+        )
+
+    async def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
+        return await self._call(self._backend.actionable_deployments, server)

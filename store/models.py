@@ -1,0 +1,113 @@
+"""What the store hands out: plain frozen records, never database rows.
+
+Every backend (SQLite today, PostgreSQL for scale-out) returns these same types, so
+callers never learn which engine is behind the facade.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+JobState = Literal["queued", "running", "done", "failed"]
+JOB_STATES: tuple[JobState, ...] = ("queued", "running", "done", "failed")
+
+
+class GpuTaken(Exception):
+    """A GPU chosen for a deployment was reserved by another deployment first."""
+
+
+class StoreUnavailable(Exception):
+    """The database could not be reached or written; the message says why, in words."""
+
+
+@dataclass(frozen=True)
+class EnqueueBatch:
+    """The jobs of one delivery: (reference, registry[, delay seconds]) items and their source."""
+
+    references: Sequence[tuple[str, str] | tuple[str, str, float]]
+    source: str | None = None
+    max_attempts: int = 5
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """A durable scan job. `lease_owner` is the worker holding it while it runs."""
+
+    id: str
+    reference: str
+    registry: str
+    state: JobState
+    attempts: int
+    max_attempts: int
+    error: str | None
+    result_digest: str | None
+    source: str | None
+    created_at: str
+    updated_at: str
+    lease_owner: str | None = None
+    lease_expires: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueHealth:
+    """What /healthz and /metrics need to tell a stalled queue from a busy one."""
+
+    ready: int  # queued jobs whose not_before has passed
+    oldest_ready_seconds: float | None  # how long the oldest ready job has waited
+    last_progress_seconds: float | None  # since a worker last claimed, finished or failed a job
+    running: int
+
+
+@dataclass(frozen=True)
+class LeaseExpiry:
+    """A running job whose worker stopped renewing its lease (crashed, lost, or unable to write)."""
+
+    job_id: str
+    reference: str
+    owner: str
+    state: JobState  # queued again, or failed for good once its attempts are spent
+
+
+@dataclass(frozen=True)
+class TagEvent:
+    tag: str
+    digest: str
+    first_seen: str
+    last_seen: str
+    gone_at: str | None
+
+
+@dataclass(frozen=True)
+class ImageRow:
+    """A summary row for listings (one per manifest digest)."""
+
+    digest: str
+    registry: str
+    repository: str
+    reference: str
+    gpu_required: bool
+    cuda_versions: list[str]
+    libc_flavours: list[str]
+    platforms: list[str]
+    distro: str | None
+    scanned_at: str
+    tags: list[str]
+
+
+class ServerRecord(NamedTuple):
+    """A registered server: its inventory document (placement's shape) and liveness."""
+
+    inventory_json: str
+    registered_at: str
+    last_heartbeat: str
+
+
+class DeploymentRecord(NamedTuple):
+    """A deployment document (placement's shape) with its state and the desired state."""
+
+    record_json: str
+    state: str
+    desired: str

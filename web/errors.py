@@ -1,0 +1,48 @@
+"""One error shape for the whole service: `{"error": "..."}` with a status that fits.
+
+Every failure inside a handler ends here, so the service stays up and the client learns
+what went wrong in words, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(status: int, message: str, **extra: object) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def json_http_error(
+    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
+) -> web.HTTPException:
+    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
+    return kind(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes a JSON (or plain) error; the service stays up."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if (
+            exc.status >= 400
+            and exc.content_type != "application/json"
+            and request.path.startswith(("/api", "/hooks"))
+        ):
+            return json_error(
+                exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
+            )
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal error; see the service log")

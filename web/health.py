@@ -1,0 +1,84 @@
+"""Honest health and metrics: /healthz says 503 with the reason when the service cannot do its job.
+
+It answers within the health timeout whatever the database does: the write check runs on
+its own thread with a deadline, and the queue reads get a deadline of their own. A queue
+whose ready jobs have waited longer than `stall_seconds` while no worker anywhere made
+progress is a failure too, since webhooks would still get their 202 and nothing would scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from aiohttp import web
+
+from store import QueueHealth
+from web.state import Services, services_of
+
+
+async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
+    depth, queue = await asyncio.gather(services.store.queue_depth(), services.store.queue_health())
+    return depth, queue
+
+
+def stall_reason(queue: QueueHealth, stall_seconds: float) -> str | None:
+    """Why the queue looks stuck, or None: ready jobs wait too long and nobody makes progress."""
+    if not queue.ready or queue.oldest_ready_seconds is None or queue.oldest_ready_seconds <= stall_seconds:
+        return None
+    if queue.last_progress_seconds is not None and queue.last_progress_seconds <= stall_seconds:
+        return None  # a backlog, but workers are getting through it
+    since = "ever" if queue.last_progress_seconds is None else f"{queue.last_progress_seconds:.0f} s"
+    return (
+        f"no worker has made progress for {since} while {queue.ready} ready job(s) wait, the oldest for "
+        f"{queue.oldest_ready_seconds:.0f} s (limit {stall_seconds:.0f} s, GPUBADGE_STALL_SECONDS)"
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    services = services_of(request)
+    settings = services.settings
+    reasons: list[str] = []
+    body: dict[str, Any] = {}
+    write_check = asyncio.ensure_future(services.store.health(settings.health_timeout))
+    try:
+        depth, queue = await asyncio.wait_for(_queue_state(services), settings.health_timeout)
+    except TimeoutError:
+        reasons.append(f"the database did not answer queue reads within {settings.health_timeout:.1f} s")
+    except Exception as exc:
+        reasons.append(f"the database cannot be read: {exc}")
+    else:
+        body["queue"] = depth
+        body["ready"] = queue.ready
+        body["oldest_ready_seconds"] = queue.oldest_ready_seconds
+        body["last_progress_seconds"] = queue.last_progress_seconds
+        stalled = stall_reason(queue, settings.stall_seconds)
+        if stalled:
+            reasons.append(stalled)
+    written = await write_check
+    if written:
+        reasons.insert(0, written)
+    workers = services.workers
+    body["workers"] = "none in this process" if workers is None else workers.owner
+    if reasons:
+        return web.json_response({"status": "unavailable", "reasons": reasons, **body}, status=503)
+    return web.json_response({"status": "ok", **body})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    services = services_of(request)
+    registry = services.metrics
+    with contextlib.suppress(Exception):  # a slow or failing database leaves the last values shown
+        depth, queue = await asyncio.wait_for(_queue_state(services), services.settings.health_timeout)
+        for state, count in depth.items():
+            registry.queue.set(float(count), state)
+        registry.oldest_queued.set(queue.oldest_ready_seconds or 0.0)
+    return web.Response(
+        text=registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}
+    )
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,53 @@
+"""What every handler shares: the settings, the store, metrics, and the scan machinery.
+
+It lives apart from web/app.py so that route modules depend on this small module,
+and app.py only composes them: nothing imports app.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from store import AsyncStore
+from web.intake import JobIntake
+from web.metrics import ServiceMetrics
+from web.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from scanner.registry import RegistryClient
+    from scanner.scan import Scanner
+    from web.workers import ScanWorkers
+
+
+@dataclass
+class Services:
+    """What request handlers need, built once per application."""
+
+    settings: ServiceSettings
+    store: AsyncStore
+    metrics: ServiceMetrics
+    client: RegistryClient | None = None
+    scanner: Scanner | None = None
+    workers: ScanWorkers | None = None
+    intake: JobIntake = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.intake = JobIntake(self.store)
+
+    def wake_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.wake()
+
+
+SERVICES = web.AppKey("services", Services)
+
+
+def services_of(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def services_of_app(app: web.Application) -> Services:
+    return app[SERVICES]

@@ -1,0 +1,340 @@
+"""Scan workers: claim leased jobs from the store, scan, record the outcome, and never die.
+
+Jobs live in the database, and a claimed job carries a lease that its worker renews.
+A worker that crashes, is killed, or can no longer write lets its leases lapse, and
+any worker sharing the store claims those jobs again, so nothing stays `running` for
+ever and a `kill -9` loses nothing. Scanning is idempotent per digest (the report is
+keyed by digest), so a job run twice ends in the same single report.
+
+The claim loop is supervised: an exception from the store or the scanner is logged,
+counted, and followed by a backoff, then the loop goes on. A database that refuses
+writes for a while delays the work; it does not end it.
+
+Bursts coalesce twice: the store refuses a second active job for the same reference,
+and digest-only child events wait briefly, so the index job covers them first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from scanner.models import ImageReport
+from scanner.scan import Scanner, ScanOptions
+from store import AsyncStore, Job, JobState, LeaseExpiry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class WorkerSettings:
+    concurrency: int = 4
+    per_registry: int = 4
+    backoff_base: float = 1.0  # first retry of a failed scan
+    backoff_max: float = 300.0
+    idle_poll: float = 5.0  # re-check the queue this often with nothing to wake us
+    lease_seconds: float = 30.0
+    fault_backoff_max: float = 10.0  # longest pause after a store or worker fault
+
+
+@dataclass
+class JobOutcome:
+    job: Job
+    report: ImageReport
+    seconds: float
+
+
+@dataclass
+class WorkerEvents:
+    """Hooks for metrics: what the workers did that operators should see."""
+
+    on_outcome: Callable[[JobOutcome], None] | None = None
+    on_restart: Callable[[], None] | None = None
+    on_lease_expiries: Callable[[list[LeaseExpiry]], None] | None = None
+
+
+def _settled(job: Job | None) -> bool:
+    return job is None or job.state in ("done", "failed")
+
+
+def worker_identity() -> str:
+    """host/pid/nonce: unique per process start, and tells a local dead process from a live one."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+def _local_owner_is_dead(owner: str) -> bool:
+    """True for a lease holder that ran on this host in a process that no longer exists."""
+    host, _, rest = owner.partition("/")
+    pid_text = rest.partition("/")[0]
+    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False
+    return False
+
+
+@dataclass
+class ScanWorkers:
+    """A supervised pool of asyncio workers over the store's leased job queue."""
+
+    store: AsyncStore
+    scanner: Scanner
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+    events: WorkerEvents = field(default_factory=WorkerEvents)
+
+    def __post_init__(self) -> None:
+        self.owner = worker_identity()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
+        self._finished = asyncio.Condition()
+        self._next_expiry_check = 0.0
+
+    def wake(self) -> None:
+        """New jobs are committed: look now instead of at the next idle poll."""
+        self._wake.set()
+
+    async def start(self) -> None:
+        try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
+            dead = [owner for owner in await self.store.lease_owners() if _local_owner_is_dead(owner)]
+            if dead:
+                resumed = await self.store.release_leases(dead, refund_attempt=False)
+                log.info("resuming %d scan job(s) left running by %s", resumed, ", ".join(dead))
+        except Exception as exc:
+            log.warning("could not look for jobs of dead workers (%s); their leases lapse on their own", exc)
+        self._tasks = [
+            asyncio.create_task(
+                self._supervised(self._claim_once, "claim loop", self._wake), name="scan-claims"
+            ),
+            asyncio.create_task(
+                self._supervised(self._renew_once, "lease renewal", None), name="scan-leases"
+            ),
+        ]
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop claiming, let running scans finish (bounded), then hand back what is left."""
+        self._stopping = True
+        self._wake.set()
+        running = list(self._running.values())
+        if running:
+            _, pending = await asyncio.wait(running, timeout=drain_timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+                log.warning("%d scan(s) cancelled at shutdown; they go back to the queue", len(pending))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:  # what we still hold goes back at once rather than when its lease lapses
+            await self.store.release_leases([self.owner], refund_attempt=True)
+        except Exception as exc:
+            log.warning("could not hand back leases at shutdown (%s); they lapse on their own", exc)
+
+    # ----------------------------------------------------------------- waiting
+
+    async def wait_for(self, job_id: str, timeout: float) -> Job | None:
+        """Wait (bounded) until a job is done or failed; returns its latest state."""
+
+        async def settled() -> bool:
+            return _settled(await self.store.job(job_id))
+
+        await self.wait_until(settled, timeout)
+        return await self.store.job(job_id)
+
+    async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
+        """Re-check `condition` when a job finishes here, and at least every second (another
+        process may finish it), for at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not await condition():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            async with self._finished:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._finished.wait(), min(remaining, 1.0))
+        return True
+
+    # ------------------------------------------------------------- supervision
+
+    async def _supervised(
+        self, step: Callable[[], Awaitable[float]], what: str, wake: asyncio.Event | None
+    ) -> None:
+        """Run `step` until stopped, pausing as long as it asks (or until `wake`).
+
+        A fault is logged and counted, then retried after a growing backoff: the loop never dies.
+        """
+        faults = 0
+        while not self._stopping:
+            if wake is not None:
+                wake.clear()  # before the step, so a wake that comes during it is not lost
+            try:
+                pause = await step()
+                faults = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                faults += 1
+                pause = min(self.settings.fault_backoff_max, 0.25 * 2 ** min(faults, 8))
+                pause *= random.uniform(0.75, 1.0)
+                log.error("scan workers: %s failed (%s); retrying in %.1f s", what, _describe(exc), pause)
+                if self.events.on_restart:
+                    self.events.on_restart()
+            if self._stopping:
+                return
+            if wake is None:
+                await asyncio.sleep(pause)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), pause)
+
+    async def _claim_once(self) -> float:
+        """One pass: requeue lapsed leases (now and then), claim what fits; returns the idle pause."""
+        if time.monotonic() >= self._next_expiry_check:
+            expired = await self.store.expire_leases()
+            self._next_expiry_check = time.monotonic() + self.settings.lease_seconds / 3
+            if expired:
+                for item in expired:
+                    log.warning(
+                        "lease of %s on job %s (%s) lapsed; job %s",
+                        item.owner,
+                        item.job_id,
+                        item.reference,
+                        "queued again" if item.state == "queued" else "failed for good",
+                    )
+                if self.events.on_lease_expiries:
+                    self.events.on_lease_expiries(expired)
+        free = self.settings.concurrency - len(self._running)
+        if free > 0 and not self._stopping:
+            claimed = await self.store.claim_jobs(
+                free,
+                owner=self.owner,
+                lease_seconds=self.settings.lease_seconds,
+                per_registry=self.settings.per_registry,
+            )
+            for job in claimed:
+                task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
+                self._running[job.id] = task
+                task.add_done_callback(functools.partial(self._forget, job.id))
+        return await self._idle_delay()
+
+    def _forget(self, job_id: str, _: asyncio.Task[None]) -> None:
+        self._running.pop(job_id, None)
+
+    async def _idle_delay(self) -> float:
+        due = await self.store.next_job_due()
+        pause = self.settings.idle_poll
+        if due is not None:
+            pause = max(0.0, min(pause, (due - datetime.now(UTC)).total_seconds()))
+        return min(pause, self.settings.lease_seconds / 3)
+
+    async def _renew_once(self) -> float:
+        """Renew the leases of every running scan; stop scans whose lease was taken away."""
+        interval = self.settings.lease_seconds / 3
+        ids = list(self._running)
+        if ids:
+            held = set(await self.store.renew_leases(self.owner, ids, self.settings.lease_seconds))
+            for job_id in ids:
+                task = self._running.get(job_id)
+                if job_id not in held and task is not None and not task.done():
+                    log.warning("lost the lease on job %s; another worker runs it now", job_id)
+                    task.cancel()
+        return interval
+
+    # --------------------------------------------------------------- one job
+
+    async def _run(self, job: Job) -> None:
+        started = time.monotonic()
+        try:
+            report = await self.scanner.scan(job.reference, ScanOptions())
+            await self._record(job, report)
+            if self.events.on_outcome:
+                self.events.on_outcome(JobOutcome(job, report, time.monotonic() - started))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not kill the pool; the lease brings the job back
+            log.exception("worker crashed on job %s", job.id)
+            error = f"internal error: {_describe(exc)}"
+
+            async def fail() -> JobState | None:
+                return await self.store.fail_job(
+                    job.id, error, retry_in=self._backoff(job.attempts), owner=self.owner
+                )
+
+            await self._write(fail, job)
+        finally:
+            self._wake.set()
+            async with self._finished:
+                self._finished.notify_all()
+
+    async def _record(self, job: Job, report: ImageReport) -> None:
+        if report.error is None or report.not_an_image:
+            if report.error is not None:  # e.g. the attestation child of a multi-arch push
+                log.info("scan %s: %s; nothing to badge", job.id, report.error)
+            digest = report.digest if report.error is None else None
+            held = await self._write(
+                lambda: self.store.finish_job(job.id, digest=digest, owner=self.owner), job
+            )
+            if held is False:
+                log.warning("job %s finished after its lease lapsed; the rerun records it", job.id)
+            return
+        # Failures are retried up to max_attempts: besides transient errors, a manifest "not found"
+        # right after a push notification is often replication lag. A bound that the image exceeds
+        # can never pass, so it fails for good at once.
+        retry_in = self._backoff(job.attempts) if bool(getattr(report, "retryable", True)) else None
+        error = report.error or "scan failed"
+
+        async def fail() -> JobState | None:
+            return await self.store.fail_job(job.id, error, retry_in=retry_in, owner=self.owner)
+
+        state = await self._write(fail, job)
+        log.warning("scan %s of %s failed (%s): %s", job.id, job.reference, state, report.error)
+
+    async def _write(self, write: Callable[[], Awaitable[T]], job: Job) -> T | None:
+        """Retry an outcome write through a database fault for as long as the lease would last.
+
+        Past that, the job's lease lapses and another claim runs it again, so giving up loses nothing.
+        """
+        deadline = time.monotonic() + self.settings.lease_seconds
+        delay = 0.2
+        while True:
+            try:
+                return await write()
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    log.error(
+                        "cannot record job %s (%s); its lease will bring it back", job.id, _describe(exc)
+                    )
+                    return None
+                log.warning(
+                    "cannot record job %s yet (%s); retrying in %.1f s", job.id, _describe(exc), delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _backoff(self, attempts: int) -> float:
+        delay = min(self.settings.backoff_max, self.settings.backoff_base * 2 ** max(0, attempts - 1))
+        return float(delay * random.uniform(0.5, 1.0))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text or type(exc).__name__
