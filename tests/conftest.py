@@ -60,6 +60,38 @@ def postgres_url(postgres_server: LocalPostgres) -> Iterator[str]:
 
 _DATABASE_NUMBERS = itertools.count()
 
+OpenBackend = Callable[[], Any]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenBackend]:
+    """open_backend() -> a store backend on this test's database; each call opens it again, as
+    another process would. Parametrised: every test using it runs on SQLite and on PostgreSQL."""
+    opened: list[Any] = []
+    if request.param == "sqlite":
+        from store.sqlite import SqliteStore
+
+        def open_sqlite() -> Any:
+            opened.append(SqliteStore(tmp_path / "store.db"))
+            return opened[-1]
+
+        opener: OpenBackend = open_sqlite
+    else:
+        from store.postgres import PostgresStore
+
+        url = request.getfixturevalue("postgres_url")
+
+        def open_postgres() -> Any:
+            opened.append(PostgresStore(url, pool_size=4))
+            return opened[-1]
+
+        opener = open_postgres
+    try:
+        yield opener
+    finally:
+        for backend in opened:
+            backend.close()
+
 
 @pytest.fixture(scope="session")
 def dockerd() -> Iterator[LocalDockerd]:

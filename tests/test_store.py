@@ -1,4 +1,7 @@
-"""The store: reports by digest, tag history, layer cache, and the durable job queue."""
+"""The store: reports by digest, tag history, layer cache, and the durable job queue.
+
+The conformance tests take `open_backend`, so each runs on SQLite and on PostgreSQL.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from pathlib import Path
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
+from tests.conftest import OpenBackend
 
 
 def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: str = "glibc") -> ImageReport:
@@ -25,8 +29,8 @@ def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: st
     )
 
 
-def test_reports_round_trip_and_filter(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+def test_reports_round_trip_and_filter(open_backend: OpenBackend) -> None:
+    store = open_backend()
     store.save_report(_report("sha256:" + "a" * 64, gpu=True, cuda="12.2", libc="glibc"))
     store.save_report(_report("sha256:" + "c" * 64, libc="musl"))
     assert store.report("sha256:" + "a" * 64) is not None
@@ -39,8 +43,8 @@ def test_reports_round_trip_and_filter(tmp_path: Path) -> None:
     assert store.list_images(query="100%")[1] == 0  # LIKE wildcards are escaped
 
 
-def test_tag_history_and_gone(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+def test_tag_history_and_gone(open_backend: OpenBackend) -> None:
+    store = open_backend()
     first, second = "sha256:" + "1" * 64, "sha256:" + "2" * 64
     store.record_tag("r", "app", "v1", first)
     store.record_tag("r", "app", "v1", first)
@@ -53,16 +57,15 @@ def test_tag_history_and_gone(tmp_path: Path) -> None:
     assert store.is_gone("r", "app", first)
 
 
-def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "q.db"
-    store = Store(path)
+def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBackend) -> None:
+    store = open_backend()
     ids = store.enqueue([("r/app:1", "r"), ("r/app:1", "r"), ("r/app:2", "r")])
     assert ids[0] == ids[1] and ids[0] != ids[2]
     claimed: list[str] = []
     lock = threading.Lock()
 
     def claim() -> None:
-        other = Store(path)
+        other = open_backend()
         jobs = other.claim_jobs(10, owner="w", lease_seconds=30)
         with lock:
             claimed.extend(job.id for job in jobs)
@@ -74,14 +77,14 @@ def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None
         thread.join(timeout=10)
     assert sorted(claimed) == sorted({ids[0], ids[2]})  # every job claimed exactly once
     store.close()
-    reopened = Store(path)
+    reopened = open_backend()
     assert reopened.queue_depth()["running"] == 2  # a reopen alone steals no leased job
     assert reopened.release_leases(["w"], refund_attempt=False) == 2
     assert reopened.queue_depth()["queued"] == 2
 
 
-def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path) -> None:
-    store = Store(tmp_path / "q.db")
+def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(open_backend: OpenBackend) -> None:
+    store = open_backend()
     (job_id,) = store.enqueue([("r/app:1", "r")], max_attempts=2)
     store.claim_jobs(1, owner="w", lease_seconds=30)
     assert store.fail_job(job_id, "boom", retry_in=0, owner="w") == "queued"
@@ -93,8 +96,8 @@ def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path
     assert retried is not None and retried.state == "queued" and retried.attempts == 0
 
 
-def test_claims_respect_the_per_registry_limit(tmp_path: Path) -> None:
-    store = Store(tmp_path / "q.db")
+def test_claims_respect_the_per_registry_limit(open_backend: OpenBackend) -> None:
+    store = open_backend()
     store.enqueue([(f"busy/app:{n}", "busy") for n in range(5)] + [("calm/app:1", "calm")])
     first = store.claim_jobs(1, owner="a", lease_seconds=30, per_registry=2)
     assert [job.registry for job in first] == ["busy"]
@@ -118,3 +121,100 @@ async def test_the_service_opens_the_store_in_the_configured_sync_mode(tmp_path:
         with store.backend._reading() as db:
             assert db.execute("PRAGMA synchronous").fetchone()[0] == pragma
         await store.close()
+
+
+def test_leases_renew_expire_and_guard_outcomes(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    ids = store.enqueue([("r/app:1", "r"), ("r/app:2", "r")])
+    jobs = store.claim_jobs(10, owner="alive", lease_seconds=60)
+    assert sorted(job.id for job in jobs) == sorted(ids)
+    assert all(job.lease_owner == "alive" and job.lease_expires for job in jobs)
+    assert sorted(store.renew_leases("alive", ids, 60)) == sorted(ids)
+    assert store.renew_leases("thief", ids, 60) == []  # only the holder renews
+    assert store.lease_owners() == ["alive"]
+    assert store.expire_leases() == []  # nothing lapsed yet
+    # a lease of (almost) zero lapses at once: the job is queued again, and the late outcome refused
+    assert store.renew_leases("alive", [ids[0]], 0.000001) == [ids[0]]
+    deadline_passed = threading.Event()
+    deadline_passed.wait(0.01)  # the lease is 1 µs; 10 ms later it has certainly passed
+    (expired,) = store.expire_leases()
+    assert (expired.job_id, expired.owner, expired.state) == (ids[0], "alive", "queued")
+    assert store.finish_job(ids[0], digest=None, owner="alive") is False
+    assert store.fail_job(ids[0], "late", retry_in=1, owner="alive") is None
+    assert store.finish_job(ids[1], digest="sha256:" + "9" * 64, owner="alive") is True
+    done = store.job(ids[1])
+    assert done is not None and done.state == "done" and done.result_digest == "sha256:" + "9" * 64
+    assert done.lease_owner is None
+    assert store.latest_job_for("r/app:2") == done
+    assert store.pending_job_for("r/app:1") is not None
+    assert store.pending_job_for("r/app") is None
+    assert store.queue_depth() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
+    health = store.queue_health()
+    assert health.ready == 1 and health.running == 0 and health.last_progress_seconds is not None
+    assert [job.id for job in store.jobs(states=["done"])] == [ids[1]]
+    assert store.next_job_due() is not None
+    store.check_writable(5.0)
+
+
+def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
+    from store import GpuTaken
+
+    store = open_backend()
+    store.upsert_server("node-a", '{"name": "node-a"}')
+    assert store.heartbeat("node-a") and not store.heartbeat("node-b")
+    assert store.server_inventory("node-a") == '{"name": "node-a"}'
+    assert [record.inventory_json for record in store.servers()] == ['{"name": "node-a"}']
+    store.create_deployment("d1", "node-a", ["GPU-1", "GPU-2"], '{"id": "d1"}')
+    try:
+        store.create_deployment("d2", "node-a", ["GPU-2", "GPU-3"], '{"id": "d2"}')
+    except GpuTaken as exc:
+        assert "GPU-2" in str(exc)
+    else:
+        raise AssertionError("GPU-2 was reserved twice")
+    assert store.reserved_gpus() == {"GPU-1": "d1", "GPU-2": "d1"}  # d2 left no partial reservation
+    assert store.deployment("d2") is None
+    assert [record.record_json for record in store.actionable_deployments("node-a")] == ['{"id": "d1"}']
+    store.update_deployment("d1", '{"id": "d1", "v": 2}', state="exited", release=True)
+    assert store.reserved_gpus() == {}
+    assert store.deployment("d1") == ('{"id": "d1", "v": 2}', "exited", "run")
+    assert len(store.deployments(server="node-a")) == 1
+
+
+def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "musl"}')
+    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "glibc"}')
+    assert store.layer_evidence("sha256:" + "e" * 64) == '{"flavour": "glibc"}'
+    digest = "sha256:" + "a" * 64
+    store.save_report(_report(digest))
+    store.record_tag("127.0.0.1:5000", "app", "v1", digest)
+    store.record_tag("127.0.0.1:5000", "app", "v2", digest)
+    assert store.registries() == ["127.0.0.1:5000"]
+    assert store.tags_for_digest(digest) == [("127.0.0.1:5000", "app", "v1"), ("127.0.0.1:5000", "app", "v2")]
+    (row,), total = store.list_images()
+    assert total == 1 and row.tags == ["v1", "v2"] and row.digest == digest
+    assert store.has_report(digest) and store.has_report("sha256:" + "b" * 64)
+    assert store.schema_version() == store.upgrade()  # upgrading a current database changes nothing
+
+
+def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_path: Path) -> None:
+    """Files written before `schema_migrations` existed record their steps instead of re-applying
+    them (re-running 0002's ALTER TABLE would fail on the existing column)."""
+    import sqlite3
+
+    from store.migrations import latest_version, migrations
+
+    path = tmp_path / "legacy.db"
+    with sqlite3.connect(path) as legacy:
+        for migration in migrations("sqlite"):
+            for statement in migration.statements():
+                legacy.execute(statement)
+        legacy.execute(f"PRAGMA user_version = {latest_version('sqlite')}")
+    store = Store(path)
+    try:
+        assert store.schema_version() == latest_version("sqlite")
+        with store._reading() as db:
+            recorded = [row[0] for row in db.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+        assert recorded == list(range(1, latest_version("sqlite") + 1))
+    finally:
+        store.close()

@@ -34,9 +34,6 @@ class ServiceSettings(ScannerSettings):
         description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
         " shared by any number of API and worker processes",
     )
-    database_pool_size: int = Field(
-        default=16, ge=1, le=1000, description="PostgreSQL connections per process (one per store thread)"
-    )
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         default="NORMAL",
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
