@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | eligible | agent`.
+"""`gpubadge scan | serve | worker | db | eligible | agent`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_text in (
         ("serve", "run the service (webhooks, API, UI)"),
+        ("worker", "run scan workers only (scale them apart from the API)"),
+        ("db", "manage the store's schema (db upgrade, db status)"),
         ("eligible", "list the servers that can run an image"),
         ("agent", "run the node agent"),
     ):
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if args_list and args_list[0] in ("serve", "eligible", "agent"):
+    if args_list and args_list[0] in ("serve", "worker", "db", "eligible", "agent"):
         return _delegate(args_list[0], args_list[1:])
     try:
         args = parser.parse_args(args_list)
@@ -96,6 +98,14 @@ def _delegate(command: str, rest: list[str]) -> int:
         from web.cli import run_serve
 
         return run_serve(rest)
+    if command == "worker":
+        from web.cli import run_worker
+
+        return run_worker(rest)
+    if command == "db":
+        from web.cli import run_db
+
+        return run_db(rest)
     if command == "eligible":
         from gpubadge.eligible import main as run_eligible
 

@@ -15,6 +15,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 Kind = str  # "queued" | "settled" | "resync"
+# The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
+JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
+JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
 
 
@@ -25,6 +28,9 @@ class QueueEvents:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._settled = asyncio.Event()
         self._on_queued: list[Callable[[], None]] = []
+        # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
+        # re-checks every second, since another process sharing a SQLite file sends no events.
+        self.cross_process = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop that threads (the PostgreSQL listener) hand their events to."""
@@ -54,8 +60,8 @@ class QueueEvents:
     async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
         """Re-check `condition` each time a job settles (here or, on PostgreSQL, on any replica).
 
-        Bounded by `timeout`; also re-checks every `SAFETY_RECHECK` seconds, which only matters if
-        a notification was lost (PostgreSQL drops none while the listener's connection is up).
+        Bounded by `timeout`. Also re-checks every `SAFETY_RECHECK` seconds with a listener (only a
+        lost notification would need it) and every `LOCAL_RECHECK` second without one.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -66,7 +72,9 @@ class QueueEvents:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(settled.wait(), min(remaining, SAFETY_RECHECK))
+                recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
+                await asyncio.wait_for(settled.wait(), min(remaining, recheck))
 
 
-SAFETY_RECHECK = 5.0
+SAFETY_RECHECK = 5.0  # with LISTEN: only a lost notification would need it
+LOCAL_RECHECK = 1.0  # without: another process on the same SQLite file may finish the job

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import ParamSpec, TypeVar
 
 from scanner.models import ImageReport, PlatformReport
 from store.backend import StoreBackend
+from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, QUEUED, RESYNC, SETTLED, QueueEvents
 from store.models import (
     DeploymentRecord,
     EnqueueBatch,
@@ -43,6 +44,8 @@ class AsyncStore:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store")
         self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
         self._health_check: tuple[float, Future[None]] | None = None
+        self.events = QueueEvents()
+        self._stop_listening: Callable[[], None] | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -57,6 +60,8 @@ class AsyncStore:
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
+        if self._stop_listening is not None:
+            self._stop_listening()
         self._pool.shutdown(wait=True)
         self._health_pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
@@ -157,7 +162,9 @@ class AsyncStore:
         return await self._call(self._backend.save_layer_evidence, digest, evidence_json)
 
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        return await self._call(self._backend.enqueue_many, batches)
+        ids = await self._call(self._backend.enqueue_many, batches)
+        self.events.fire(QUEUED)
+        return ids
 
     async def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -174,24 +181,70 @@ class AsyncStore:
         return await self._call(self._backend.renew_leases, owner, job_ids, lease_seconds)
 
     async def expire_leases(self) -> list[LeaseExpiry]:
-        return await self._call(self._backend.expire_leases)
+        expired = await self._call(self._backend.expire_leases)
+        if expired:
+            self.events.fire(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
+        return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
-        return await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        released = await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        if released:
+            self.events.fire(QUEUED)
+        return released
 
     async def lease_owners(self) -> list[str]:
         return await self._call(self._backend.lease_owners)
 
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        return await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        finished = await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        self.events.fire(SETTLED)
+        return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
-        return await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        state = await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        self.events.fire(QUEUED if state == "queued" else SETTLED)
+        return state
 
     async def retry_job(self, job_id: str) -> Job | None:
-        return await self._call(self._backend.retry_job, job_id)
+        job = await self._call(self._backend.retry_job, job_id)
+        if job is not None and job.state == "queued":
+            self.events.fire(QUEUED)
+        return job
+
+    # ------------------------------------------------------------------ events
+
+    async def start_events(self) -> None:
+        """Deliver queue events on this loop; on PostgreSQL also every replica's (LISTEN).
+
+        Idempotent. Without it, events fired by this process's own writes still reach waiters.
+        """
+        self.events.bind(asyncio.get_running_loop())
+        listen = getattr(self._backend, "listen", None)
+        if listen is not None and self._stop_listening is None:
+            relay = self.events.fire_threadsafe
+            kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
+
+            def on_notify(notification: tuple[str, str]) -> None:
+                relay(kinds.get(notification[0], RESYNC))
+
+            self._stop_listening = await asyncio.get_running_loop().run_in_executor(None, listen, on_notify)
+            self.events.cross_process = True
+
+    async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
+        """Re-check `condition` whenever a job settles (on any replica, on PostgreSQL); bounded."""
+        return await self.events.wait_until(condition, timeout)
+
+    async def wait_for_job(self, job_id: str, timeout: float) -> Job | None:
+        """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
+
+        async def settled() -> bool:
+            job = await self.job(job_id)
+            return job is None or job.state in ("done", "failed")
+
+        await self.wait_until(settled, timeout)
+        return await self.job(job_id)
 
     async def job(self, job_id: str) -> Job | None:
         return await self._call(self._backend.job, job_id)

@@ -38,6 +38,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from scanner.models import ImageReport, PlatformReport
+from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
@@ -58,8 +59,8 @@ log = logging.getLogger(__name__)
 
 # NOTIFY channels. Payloads are job ids only: never a reference (it may carry a user's tag names
 # into other tenants' listeners) and never more than PostgreSQL's 8000-byte payload limit.
-JOBS_QUEUED = "gpubadge_jobs_queued"
-JOB_SETTLED = "gpubadge_job_settled"
+JOBS_QUEUED = JOBS_QUEUED_CHANNEL
+JOB_SETTLED = JOB_SETTLED_CHANNEL
 CHANNELS = (JOBS_QUEUED, JOB_SETTLED)
 
 # Arbitrary constants naming gpubadge's advisory locks (one 64-bit key space per database).
@@ -734,7 +735,7 @@ class PostgresStore:
     def queue_depth(self) -> dict[str, int]:
         with self._reading() as conn:
             rows = conn.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
-        depth = dict.fromkeys(JOB_STATES, 0)
+        depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
         depth.update({row[0]: int(row[1]) for row in rows})
         return depth
 

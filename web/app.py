@@ -22,7 +22,8 @@ from web.errors import error_middleware
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services
-from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
+from web.worker_process import worker_settings
+from web.workers import JobOutcome, ScanWorkers, WorkerEvents
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         synchronous=settings.sqlite_synchronous,
         busy_timeout=settings.sqlite_busy_timeout,
         threads=settings.store_threads,
+        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
     )
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
@@ -64,16 +66,12 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 metrics.rate_limit.set(float(remaining), host)
 
         services.scanner = Scanner(client, services.store, settings, on_result=on_result)
-        if start_workers:
+        await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
+        if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
             services.workers = ScanWorkers(
                 services.store,
                 services.scanner,
-                WorkerSettings(
-                    concurrency=settings.workers,
-                    per_registry=settings.per_registry_scans,
-                    backoff_base=settings.retry_backoff,
-                    lease_seconds=settings.lease_seconds,
-                ),
+                worker_settings(settings),
                 WorkerEvents(
                     on_outcome=lambda outcome: _count_outcome(metrics, outcome),
                     on_restart=lambda: metrics.worker_restarts.inc(),

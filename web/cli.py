@@ -1,4 +1,4 @@
-"""`gpubadge serve` and `gpubadge eligible`: argument parsing around the service and placement."""
+"""`gpubadge serve`, `gpubadge worker` and `gpubadge db`: argument parsing around the service's roles."""
 
 from __future__ import annotations
 
@@ -99,7 +99,9 @@ def run_serve(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        settings = load_settings(args.config, host=args.host, port=args.port, db=args.db)
+        settings = load_settings(
+            args.config, host=args.host, port=args.port, db=args.db, workers=args.workers
+        )
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
@@ -117,4 +119,63 @@ def run_serve(argv: list[str]) -> int:
     web.run_app(
         app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
     )
+    return 0
+
+
+def run_worker(argv: list[str]) -> int:
+    args = worker_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = load_settings(args.config, db=args.db, workers=args.concurrency)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from store import StoreUnavailable
+    from web.worker_process import serve_workers
+
+    try:
+        serve_workers(settings)
+    except StoreUnavailable as exc:
+        print(f"gpubadge worker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_db(argv: list[str]) -> int:
+    """`gpubadge db upgrade | status`: the schema of whichever store the settings select."""
+    args = db_parser().parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    try:
+        settings = load_settings(args.config, db=args.db)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge db: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from store import StoreUnavailable, open_backend
+    from store.migrations import migrations
+
+    engine = "postgres" if settings.database_url else "sqlite"
+    where = "PostgreSQL" if settings.database_url else str(settings.db)
+    try:
+        backend = open_backend(
+            settings.db,
+            busy_timeout=settings.sqlite_busy_timeout,
+            threads=1,
+            database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+            upgrade=args.action == "upgrade",
+        )
+    except StoreUnavailable as exc:
+        print(f"gpubadge db: {exc}", file=sys.stderr)
+        return 1
+    try:
+        current = backend.schema_version()
+    finally:
+        backend.close()
+    if args.action == "upgrade":
+        print(f"{where}: schema at version {current}")
+        return 0
+    for migration in migrations(engine):
+        mark = "applied" if migration.version <= current else "pending"
+        print(f"{migration.version:04d} {migration.name:<24} {mark}")
     return 0

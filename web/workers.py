@@ -66,10 +66,6 @@ class WorkerEvents:
     on_lease_expiries: Callable[[list[LeaseExpiry]], None] | None = None
 
 
-def _settled(job: Job | None) -> bool:
-    return job is None or job.state in ("done", "failed")
-
-
 def worker_identity() -> str:
     """host/pid/nonce: unique per process start, and tells a local dead process from a live one."""
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -105,14 +101,17 @@ class ScanWorkers:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
-        self._finished = asyncio.Condition()
         self._next_expiry_check = 0.0
+        self._unsubscribe: Callable[[], None] | None = None
 
     def wake(self) -> None:
         """New jobs are committed: look now instead of at the next idle poll."""
         self._wake.set()
 
     async def start(self) -> None:
+        # Jobs queued by any process (and slots freed by any worker) wake the claim loop at once.
+        self._unsubscribe = self.store.events.on_queued(self.wake)
+        await self.store.start_events()
         try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
             dead = [owner for owner in await self.store.lease_owners() if _local_owner_is_dead(owner)]
             if dead:
@@ -133,6 +132,8 @@ class ScanWorkers:
         """Stop claiming, let running scans finish (bounded), then hand back what is left."""
         self._stopping = True
         self._wake.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         running = list(self._running.values())
         if running:
             _, pending = await asyncio.wait(running, timeout=drain_timeout)
@@ -153,25 +154,11 @@ class ScanWorkers:
 
     async def wait_for(self, job_id: str, timeout: float) -> Job | None:
         """Wait (bounded) until a job is done or failed; returns its latest state."""
-
-        async def settled() -> bool:
-            return _settled(await self.store.job(job_id))
-
-        await self.wait_until(settled, timeout)
-        return await self.store.job(job_id)
+        return await self.store.wait_for_job(job_id, timeout)
 
     async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
-        """Re-check `condition` when a job finishes here, and at least every second (another
-        process may finish it), for at most `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while not await condition():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            async with self._finished:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._finished.wait(), min(remaining, 1.0))
-        return True
+        """Re-check `condition` whenever a job settles, in this process or (PostgreSQL) any other."""
+        return await self.store.wait_until(condition, timeout)
 
     # ------------------------------------------------------------- supervision
 
@@ -282,8 +269,6 @@ class ScanWorkers:
             await self._write(fail, job)
         finally:
             self._wake.set()
-            async with self._finished:
-                self._finished.notify_all()
 
     async def _record(self, job: Job, report: ImageReport) -> None:
         if report.error is None or report.not_an_image:
