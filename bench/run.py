@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import scan_bench, service_bench
+from bench import push_burst_bench, scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "placement", "ui")
+SECTIONS = ("scan", "service", "burst", "placement", "ui")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -152,6 +152,8 @@ def main() -> int:
         scan_bench.run_all(results, args.quick)
     if "service" in wanted:
         service_bench.run_all(results, args.quick)
+    if "burst" in wanted:
+        push_burst_bench.run_all(results, args.quick)
     if "placement" in wanted:
         run_placement(results, args.quick)
     if "ui" in wanted:

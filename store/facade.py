@@ -1,9 +1,9 @@
 """The store as the event loop sees it: every call async, every query in a thread.
 
 A locked or slow database then delays only the requests that need it; the loop keeps
-serving everything else. The pool is bounded (`threads`), and the health check has a
-thread of its own, so a pool full of calls stuck behind a lock cannot hide that lock
-from /healthz.
+serving everything else. The pool is bounded (`threads`). The health check and webhook
+intake each have a thread of their own: a pool full of calls stuck behind a lock cannot
+hide that lock from /healthz, and a webhook's 202 never waits for a pool thread.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class AsyncStore:
         self._backend = backend
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store")
         self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
+        self._intake_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-intake")
         self._health_check: tuple[float, Future[None]] | None = None
         self.events = QueueEvents()
         self._stop_listening: Callable[[], None] | None = None
@@ -62,6 +63,7 @@ class AsyncStore:
     def _shutdown(self) -> None:
         if self._stop_listening is not None:
             self._stop_listening()
+        self._intake_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._health_pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
@@ -162,7 +164,9 @@ class AsyncStore:
         return await self._call(self._backend.save_layer_evidence, digest, evidence_json)
 
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        ids = await self._call(self._backend.enqueue_many, batches)
+        """Webhook intake: its own thread, so it never queues behind scan writes for a pool thread."""
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._intake_pool, self._backend.enqueue_many, batches)
         self.events.fire(QUEUED)
         return ids
 

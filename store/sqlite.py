@@ -14,6 +14,7 @@ job or the same GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -40,6 +41,39 @@ from store.models import (
     StoreUnavailable,
     TagEvent,
 )
+
+
+class _WriterLock:
+    """The in-process writer lock, with a fast lane: webhook intake commits go before queued scan writes.
+
+    A registry waits for each webhook answer before it sends the next, so an intake commit that
+    queued behind a burst of report writes (and their fsyncs, with synchronous=FULL) would hold
+    back every push behind it. Urgent waiters are served first; the others keep FIFO-ish order.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition(threading.Lock())
+        self._held = False
+        self._urgent_waiting = 0
+
+    @contextmanager
+    def hold(self, *, urgent: bool) -> Iterator[None]:
+        with self._condition:
+            if urgent:
+                self._urgent_waiting += 1
+                try:
+                    self._condition.wait_for(lambda: not self._held)
+                finally:
+                    self._urgent_waiting -= 1
+            else:
+                self._condition.wait_for(lambda: not self._held and not self._urgent_waiting)
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._held = False
+                self._condition.notify_all()
 
 
 def _now() -> datetime:
@@ -74,7 +108,7 @@ class SqliteStore:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
         self._synchronous = synchronous
-        self._write_lock = threading.Lock()
+        self._write_lock = _WriterLock()
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
@@ -132,26 +166,37 @@ class SqliteStore:
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
         """This thread's read connection: in WAL mode it never waits for a writer."""
-        connection: sqlite3.Connection | None = getattr(self._local, "reader", None)
-        if connection is None:
-            connection = self._connect(self.busy_timeout)
-            connection.execute("PRAGMA query_only=ON")
-            self._local.reader = connection
-        yield connection
+        try:
+            connection: sqlite3.Connection | None = getattr(self._local, "reader", None)
+            if connection is None:
+                connection = self._connect(self.busy_timeout)
+                connection.execute("PRAGMA query_only=ON")
+                self._local.reader = connection
+            yield connection
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"the SQLite store {self.path} cannot be read: {exc}") from exc
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One immediate transaction on the shared writer: writers serialise here, readers never block."""
-        with self._write_lock:
+    def _transaction(self, *, urgent: bool = False) -> Iterator[sqlite3.Connection]:
+        """One immediate transaction on the shared writer: writers serialise here, readers never block.
+
+        A lock held too long elsewhere, a full disk or a read-only file becomes StoreUnavailable,
+        with SQLite's own words for the cause.
+        """
+        with self._write_lock.hold(urgent=urgent):
             conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield conn
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
 
     # ---------------------------------------------------------------- health
 
@@ -457,7 +502,7 @@ class SqliteStore:
         moment = _now()
         now = _iso(moment)
         results: list[list[str]] = []
-        with self._transaction() as conn:
+        with self._transaction(urgent=True) as conn:
             for batch in batches:
                 ids: list[str] = []
                 for item in batch.references:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
@@ -218,3 +221,159 @@ def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_pa
         assert recorded == list(range(1, latest_version("sqlite") + 1))
     finally:
         store.close()
+
+
+def _age_leases(store: Any, seconds: float) -> None:
+    """Move every lease's expiry into the past, as time passing would (another connection, as a peer)."""
+    from datetime import UTC, datetime, timedelta
+
+    past = datetime.now(UTC) - timedelta(seconds=seconds)
+    if isinstance(store, Store):
+        import sqlite3
+
+        with sqlite3.connect(store.path) as other:
+            other.execute("UPDATE jobs SET lease_expires = ? WHERE state = 'running'", [past.isoformat()])
+        return
+    import psycopg
+
+    with psycopg.connect(store._url) as other:
+        other.execute("UPDATE jobs SET lease_expires = %s WHERE state = 'running'", [past])
+
+
+def test_a_lapsed_lease_is_claimed_again_and_the_old_owner_cannot_record(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    (job_id,) = store.enqueue([("r/app:1", "r")], max_attempts=3)
+    (first,) = store.claim_jobs(1, owner="crashed", lease_seconds=30)
+    assert first.lease_owner == "crashed" and first.lease_expires is not None
+    assert store.expire_leases() == []  # not lapsed yet
+    assert store.renew_leases("crashed", [job_id], 30) == [job_id]
+    _age_leases(store, 1)
+    (expiry,) = store.expire_leases()
+    assert (expiry.job_id, expiry.owner, expiry.state) == (job_id, "crashed", "queued")
+    (again,) = store.claim_jobs(1, owner="rescuer", lease_seconds=30)
+    assert again.id == job_id and again.attempts == 2
+    # The first worker comes back: its lease is gone, so it can neither renew nor record.
+    assert store.renew_leases("crashed", [job_id], 30) == []
+    assert store.finish_job(job_id, digest="sha256:" + "0" * 64, owner="crashed") is False
+    assert store.fail_job(job_id, "late", retry_in=0, owner="crashed") is None
+    assert store.finish_job(job_id, digest="sha256:" + "1" * 64, owner="rescuer") is True
+    job = store.job(job_id)
+    assert job is not None and job.state == "done" and job.result_digest == "sha256:" + "1" * 64
+
+
+def test_a_job_that_keeps_killing_its_worker_fails_for_good(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    (job_id,) = store.enqueue([("r/bomb:1", "r")], max_attempts=2)
+    for attempt in (1, 2):
+        (job,) = store.claim_jobs(1, owner=f"w{attempt}", lease_seconds=30)
+        assert job.attempts == attempt
+        _age_leases(store, 1)
+        (expiry,) = store.expire_leases()
+    assert expiry.state == "failed"
+    job_after = store.job(job_id)
+    assert job_after is not None and job_after.state == "failed"
+    assert job_after.error is not None and "stopped renewing its lease" in job_after.error
+
+
+def test_shutdown_hands_leases_back_without_spending_an_attempt(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    (job_id,) = store.enqueue([("r/app:1", "r")])
+    store.claim_jobs(1, owner="leaving", lease_seconds=30)
+    assert store.lease_owners() == ["leaving"]
+    assert store.release_leases(["leaving"], refund_attempt=True) == 1
+    job = store.job(job_id)
+    assert job is not None and job.state == "queued" and job.attempts == 0 and job.lease_owner is None
+
+
+def test_queue_health_tells_a_stall_from_a_backlog(open_backend: OpenBackend) -> None:
+    from web.health import stall_reason
+
+    store = open_backend()
+    fresh = store.queue_health()
+    assert (fresh.ready, fresh.oldest_ready_seconds, fresh.last_progress_seconds) == (0, None, None)
+    store.enqueue([("r/app:1", "r"), ("r/app:2", "r")])
+    waiting = store.queue_health()
+    assert waiting.ready == 2 and waiting.oldest_ready_seconds is not None
+    assert stall_reason(waiting, stall_seconds=3600) is None
+    stalled = stall_reason(waiting, stall_seconds=0)
+    assert stalled is not None and "2 ready job(s)" in stalled and "GPUBADGE_STALL_SECONDS" in stalled
+    store.claim_jobs(1, owner="w", lease_seconds=30)
+    busy = store.queue_health()
+    assert busy.running == 1 and busy.last_progress_seconds is not None
+    assert stall_reason(busy, stall_seconds=0.0 + 3600) is None
+
+
+def test_schema_migrates_a_file_from_before_versioning(tmp_path: Path) -> None:
+    import sqlite3
+
+    from store.migrations import migrations
+    from store.sqlite import SCHEMA_VERSION
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:  # the schema as it was shipped before migrations
+        for statement in migrations("sqlite")[0].statements():
+            old.execute(statement)
+        old.execute(
+            "INSERT INTO jobs (id, reference, registry, dedupe_key, state, not_before, created_at, updated_at)"
+            " VALUES ('old', 'r/app:1', 'r', 'r/app:1', 'queued', '2026-01-01', '2026-01-01', '2026-01-01')"
+        )
+    store = Store(path)
+    assert store.schema_version() == SCHEMA_VERSION
+    job = store.job("old")
+    assert job is not None and job.lease_owner is None  # old rows keep their data, gain the columns
+    assert Store(path).upgrade() == SCHEMA_VERSION  # a second start changes nothing
+
+
+def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) -> None:
+    import sqlite3
+
+    from store import StoreUnavailable
+
+    path = tmp_path / "q.db"
+    store = Store(path, busy_timeout=0.2)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # a backup tool or a migration holding the write lock
+    try:
+        with pytest.raises(StoreUnavailable, match="database is locked"):
+            store.enqueue([("r/app:1", "r")])
+        with pytest.raises(StoreUnavailable, match="cannot be written"):
+            store.check_writable(0.2)
+        assert store.queue_depth()["queued"] == 0  # reads go on beside the lock (WAL)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert len(store.enqueue([("r/app:1", "r")])) == 1
+    store.check_writable(0.2)
+
+
+def test_intake_commits_go_before_queued_scan_writes() -> None:
+    from store.sqlite import _WriterLock
+
+    lock = _WriterLock()
+    order: list[str] = []
+    release = threading.Event()
+    holding = threading.Event()
+
+    def holder() -> None:
+        with lock.hold(urgent=False):
+            holding.set()
+            release.wait(timeout=10)
+
+    def writer(name: str, urgent: bool) -> None:
+        with lock.hold(urgent=urgent):
+            order.append(name)
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert holding.wait(timeout=10)
+    scan_write = threading.Thread(target=writer, args=("scan write", False))
+    scan_write.start()
+    intake = threading.Thread(target=writer, args=("intake", True))
+    intake.start()
+    # Both wait on the held lock; once it is free the intake commit goes first.
+    while lock._urgent_waiting == 0:
+        intake.join(timeout=0.01)
+    release.set()
+    for thread in (first, scan_write, intake):
+        thread.join(timeout=10)
+    assert order == ["intake", "scan write"]

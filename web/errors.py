@@ -12,7 +12,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from store import StoreUnavailable
+
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -43,6 +47,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                 exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")
             )
         raise
+    except StoreUnavailable as exc:  # the database is locked, full or gone: the client may retry
+        log.warning("%s %s: %s", request.method, request.path, exc)
+        return web.json_response(
+            {"error": f"the database is unavailable, retry later: {exc}"},
+            status=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_error(500, "internal error; see the service log")
