@@ -273,13 +273,13 @@ def bench_push_to_badge(
 _BULK_REPORTS = """
 INSERT INTO reports (digest, registry, repository, reference, media_type, gpu_required, cuda_versions,
                      libc_flavours, platforms, distro, scanned_at, report)
-SELECT 'sha256:' || lpad(to_hex(n), 64, '0'), 'bench.example', 'team/app' || (n % 5000),
-       'bench.example/team/app' || (n % 5000) || ':v' || n,
-       'application/vnd.oci.image.manifest.v1+json', n % 3 = 0,
-       CASE WHEN n % 3 = 0 THEN ARRAY['12.' || (n % 5)] ELSE ARRAY[]::text[] END,
-       CASE WHEN n % 7 = 0 THEN ARRAY['musl'] ELSE ARRAY['glibc'] END, ARRAY['linux/amd64'],
+SELECT 'sha256:' || lpad(to_hex(n), 64, '0'), 'bench.example', 'team/app' || (n %% 5000),
+       'bench.example/team/app' || (n %% 5000) || ':v' || n,
+       'application/vnd.oci.image.manifest.v1+json', n %% 3 = 0,
+       CASE WHEN n %% 3 = 0 THEN ARRAY['12.' || (n %% 5)] ELSE ARRAY[]::text[] END,
+       CASE WHEN n %% 7 = 0 THEN ARRAY['musl'] ELSE ARRAY['glibc'] END, ARRAY['linux/amd64'],
        'Debian GNU/Linux 12', now() - make_interval(secs => n), %(report)s
-FROM generate_series(%(start)s, %(stop)s) AS n
+FROM generate_series(%(start)s::int, %(stop)s::int) AS n
 """
 
 

@@ -184,3 +184,24 @@ def test_unreachable_database_is_reported_without_the_password(postgres_server: 
     with pytest.raises(StoreUnavailable) as caught:
         PostgresStore(url, connect_timeout=2)
     assert "s3cret-pw" not in str(caught.value)
+
+
+def test_listing_totals_are_exact_up_to_the_limit_then_estimated(
+    replicas: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from store import postgres
+    from tests.test_store import _report
+
+    store = replicas[0]
+    monkeypatch.setattr(postgres, "EXACT_COUNT_LIMIT", 5)
+    for n in range(8):
+        report = _report("sha256:" + f"{n:x}" * 64, gpu=n < 3)
+        store.save_report(report.model_copy(update={"registry": f"r{n % 3}.example"}))
+    rows, total = store.list_images(limit=2)
+    assert len(rows) == 2 and total >= 5  # past the limit: an estimate, never below what is proven
+    assert store.list_images(gpu=True)[1] == 3  # under the limit: exact
+    rows, total = store.list_images(limit=4, offset=4)
+    assert len(rows) == 4 and total == 8  # counting past the page's end is exact again: the last page knows
+    assert store.registries() == ["r0.example", "r1.example", "r2.example"]  # the index skip-scan
+    assert store.list_images(query="R1.EXAMPLE")[1] == 0  # the registry is not part of the search text
+    assert store.list_images(query="APP:")[1] == 8  # case-insensitive, over the reference

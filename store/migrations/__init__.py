@@ -27,9 +27,22 @@ class Migration:
     sql: str
 
     def statements(self) -> list[str]:
-        """The script split into statements (SQLite's executescript would commit mid-transaction)."""
+        """The script split into statements (SQLite's executescript would commit mid-transaction).
+
+        A dollar-quoted block (PostgreSQL's `DO $$ ... $$`) is one statement, semicolons and all.
+        """
         lines = [line for line in self.sql.splitlines() if not line.lstrip().startswith("--")]
-        return [statement.strip() for statement in "\n".join(lines).split(";") if statement.strip()]
+        text = "\n".join(lines)
+        statements: list[str] = []
+        for number, part in enumerate(text.split("$$")):
+            if number % 2:  # inside $$ ... $$: glue to the statement being built
+                statements[-1] += f"$${part}$$"
+                continue
+            pieces = part.split(";")
+            if statements and not statements[-1].rstrip().endswith(";") and number:
+                statements[-1] += pieces.pop(0)
+            statements.extend(pieces)
+        return [statement.strip() for statement in statements if statement.strip()]
 
 
 @cache
