@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -41,6 +42,7 @@ from fixtures.service import run_role_process, run_service_process, wait_healthy
 from store.postgres import PostgresStore
 
 WORKER_CONCURRENCY = 4
+FLEET_FILE = Path(__file__).resolve().parent.parent / "fixtures" / "fleet.yaml"
 
 
 @dataclass
@@ -291,6 +293,12 @@ def bulk_load(url: str, count: int, template: str) -> None:
                 _BULK_REPORTS.encode(),
                 {"report": template, "start": start, "stop": min(count, start + step - 1)},
             )
+        # the images that eligibility queries name: tags resolve them as pushes would have
+        conn.execute(
+            "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
+            " SELECT 'bench.example', 'team/app' || (n % 5000), 'v' || n, 'sha256:' || lpad(to_hex(n), 64, '0'),"
+            " now(), now() FROM generate_series(1, 300) AS n"
+        )
         conn.execute("ANALYZE reports")
 
 
@@ -319,8 +327,9 @@ def bench_listing_at_scale(
     for count in (figures.small_reports, figures.big_reports):
         database = f"list{count}"
         url = postgres.create_database(database)
+        env = pg_env(url, GPUBADGE_INVENTORY_FILE=str(FLEET_FILE), GPUBADGE_REGISTRIES="bench.example")
         with run_service_process(
-            workdir / f"{database}.db", env=pg_env(url), args=("serve", "--workers", "0")
+            workdir / f"{database}.db", env=env, args=("serve", "--workers", "0")
         ) as api:
             loading = time.perf_counter()
             bulk_load(url, count, template)
@@ -336,6 +345,12 @@ def bench_listing_at_scale(
             for name, path in queries.items():
                 http_latencies(api.url + path, 5)  # warm the caches as a live service has them
                 measured[count][name] = http_latencies(api.url + path, figures.requests)
+            # n = 42 is a CUDA 12.2 glibc image (n % 3 == 0): placement over the sample fleet
+            eligibility = json.dumps({"image": "bench.example/team/app42:v42", "gpus": 1}).encode()
+            http_latencies(api.url + "/api/eligibility", 5, eligibility)
+            measured[count]["POST /api/eligibility"] = http_latencies(
+                api.url + "/api/eligibility", figures.requests, eligibility
+            )
         postgres.drop_database(database)
     small, big = measured[figures.small_reports], measured[figures.big_reports]
     for name in small:
@@ -343,7 +358,7 @@ def bench_listing_at_scale(
         results.add(
             Figure(
                 "scale",
-                f"GET /api/images ({name}) p99 at {figures.big_reports:,} vs {figures.small_reports:,} reports",
+                f"{name if name.startswith('POST') else f'GET /api/images ({name})'} p99 at {figures.big_reports:,} vs {figures.small_reports:,} reports",
                 f"p50 {ms(percentile(big[name], 0.5))}, p99 {ms(big_p99)}",
                 peer=f"p50 {ms(percentile(small[name], 0.5))}, p99 {ms(small_p99)}",
                 ratio=small_p99 / big_p99 if big_p99 else None,
