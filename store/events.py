@@ -18,6 +18,8 @@ Kind = str  # "queued" | "settled" | "resync"
 # The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
 JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
 JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
+FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations" or "inventory"
+FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
 
 
@@ -28,6 +30,7 @@ class QueueEvents:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._settled = asyncio.Event()
         self._on_queued: list[Callable[[], None]] = []
+        self._on_fleet: list[Callable[[str], None]] = []
         # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
         # re-checks every second, since another process sharing a SQLite file sends no events.
         self.cross_process = False
@@ -41,8 +44,17 @@ class QueueEvents:
         self._on_queued.append(callback)
         return lambda: self._on_queued.remove(callback) if callback in self._on_queued else None
 
+    def on_fleet(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(kind)` (on the loop) when another process changed reservations or servers."""
+        self._on_fleet.append(callback)
+
     def fire(self, kind: Kind) -> None:
-        """On the loop: something changed. A resync (a lost listener connection) counts as both kinds."""
+        """On the loop: something changed. A resync (a lost listener connection) counts as every kind."""
+        if kind in (FLEET_RESERVATIONS, FLEET_INVENTORY, RESYNC):
+            for fleet_callback in list(self._on_fleet):
+                fleet_callback(FLEET_INVENTORY if kind == RESYNC else kind)
+            if kind != RESYNC:
+                return
         if kind in (SETTLED, RESYNC):
             waiters, self._settled = self._settled, asyncio.Event()
             waiters.set()

@@ -18,7 +18,17 @@ from typing import ParamSpec, TypeVar
 
 from scanner.models import ImageReport, PlatformReport
 from store.backend import StoreBackend
-from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, QUEUED, RESYNC, SETTLED, QueueEvents
+from store.events import (
+    FLEET_CHANNEL,
+    FLEET_INVENTORY,
+    FLEET_RESERVATIONS,
+    JOB_SETTLED_CHANNEL,
+    JOBS_QUEUED_CHANNEL,
+    QUEUED,
+    RESYNC,
+    SETTLED,
+    QueueEvents,
+)
 from store.models import (
     DeploymentRecord,
     EnqueueBatch,
@@ -231,7 +241,11 @@ class AsyncStore:
             kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
 
             def on_notify(notification: tuple[str, str]) -> None:
-                relay(kinds.get(notification[0], RESYNC))
+                channel, payload = notification
+                if channel == FLEET_CHANNEL:
+                    relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
+                else:
+                    relay(kinds.get(channel, RESYNC))
 
             self._stop_listening = await asyncio.get_running_loop().run_in_executor(None, listen, on_notify)
             self.events.cross_process = True

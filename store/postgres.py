@@ -38,7 +38,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from scanner.models import ImageReport, PlatformReport
-from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 # into other tenants' listeners) and never more than PostgreSQL's 8000-byte payload limit.
 JOBS_QUEUED = JOBS_QUEUED_CHANNEL
 JOB_SETTLED = JOB_SETTLED_CHANNEL
-CHANNELS = (JOBS_QUEUED, JOB_SETTLED)
+CHANNELS = (JOBS_QUEUED, JOB_SETTLED, FLEET_CHANNEL)
 
 # Arbitrary constants naming gpubadge's advisory locks (one 64-bit key space per database).
 _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
@@ -802,6 +802,7 @@ class PostgresStore:
                 " last_heartbeat = excluded.last_heartbeat",
                 [name, inventory_json],
             )
+            conn.execute("SELECT pg_notify(%s, 'inventory')", [FLEET_CHANNEL])
 
     def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
         """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
@@ -857,6 +858,8 @@ class PostgresStore:
                 " VALUES (%s, %s, %s, 'pending', 'run', clock_timestamp(), clock_timestamp())",
                 [deployment_id, server, record_json],
             )
+            # other replicas: refresh the placement index, wake the agent's long-poll
+            conn.execute("SELECT pg_notify(%s, 'reservations')", [FLEET_CHANNEL])
 
     def deployment(self, deployment_id: str) -> DeploymentRecord | None:
         """(record JSON, state, desired)."""
@@ -894,6 +897,7 @@ class PostgresStore:
             )
             if release:
                 conn.execute("DELETE FROM reservations WHERE deployment_id = %s", [deployment_id])
+            conn.execute("SELECT pg_notify(%s, 'reservations')", [FLEET_CHANNEL])
 
     def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
         """Deployments the server's agent must act on: new ones to run, live ones to stop."""

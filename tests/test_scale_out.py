@@ -311,3 +311,64 @@ async def test_two_apis_taking_50_deploys_each_never_reserve_one_gpu_twice(
     reserved = sql(postgres_url, "SELECT gpu_uuid, deployment_id FROM reservations")
     assert sorted(row[0] for row in reserved) == sorted(granted)
     assert {body["id"] for status, body in results if status == 201} == {row[1] for row in reserved}
+
+
+async def test_an_agent_polling_one_api_hears_of_a_deploy_taken_by_the_other(
+    pushed: Pushed, postgres_url: str, tmp_path: Path
+) -> None:
+    agent_token = "scale-agent-token"
+    env = role_env(postgres_url, pushed.registry, GPUBADGE_AGENT_TOKEN=agent_token)
+    image = f"{pushed.registry.host}/scale/img000:latest"  # a CUDA 12.4 image
+    server = {
+        "name": "solo",
+        "arch": "amd64",
+        "cpus": 32,
+        "memory": "256Gi",
+        "driver_version": "550.54.15",
+        "cuda_driver_version": "12.4",
+        "gpus": [gpu(0, "solo")],
+    }
+    with ExitStack() as stack:
+        first, second = (
+            stack.enter_context(
+                run_service_process(
+                    tmp_path / f"a{n}.db",
+                    env=env,
+                    args=("serve", "--workers", "0"),
+                    log_path=tmp_path / f"a{n}.log",
+                )
+            )
+            for n in range(2)
+        )
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+            agent = {"Authorization": f"Bearer {agent_token}"}
+            async with session.post(f"{second.url}/api/servers", json=server, headers=agent) as response:
+                assert response.status in (200, 201), await response.text()
+
+            def last_heartbeat() -> Any:
+                return sql(postgres_url, "SELECT last_heartbeat FROM servers WHERE name = 'solo'")[0][0]
+
+            before = last_heartbeat()
+
+            async def poll() -> Any:
+                async with session.get(
+                    f"{second.url}/api/agents/solo/deployments?wait=60", headers=agent
+                ) as reply:
+                    assert reply.status == 200
+                    return await reply.json()
+
+            polling = asyncio.create_task(poll())
+            # the poll has reached the second API (it heartbeats first), and nothing is there for it yet
+            await asyncio.to_thread(
+                wait_until, lambda: last_heartbeat() != before, 30, "the agent's poll arrived"
+            )
+            async with session.post(
+                f"{first.url}/api/deployments",
+                json={"image": image, "gpus": 1},
+                headers={"Authorization": f"Bearer {API_TOKEN}"},
+            ) as response:
+                created = await response.json()
+                assert response.status == 201, created
+            # without the other replica's NOTIFY this poll would sit out its 60 s and answer empty
+            answer = await asyncio.wait_for(polling, timeout=90)
+    assert [deployment["id"] for deployment in answer["deployments"]] == [created["id"]]

@@ -205,3 +205,39 @@ def test_listing_totals_are_exact_up_to_the_limit_then_estimated(
     assert store.registries() == ["r0.example", "r1.example", "r2.example"]  # the index skip-scan
     assert store.list_images(query="R1.EXAMPLE")[1] == 0  # the registry is not part of the search text
     assert store.list_images(query="APP:")[1] == 8  # case-insensitive, over the reference
+
+
+async def test_a_wait_on_one_replica_wakes_when_another_process_finishes_the_job(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`?wait=` is event-driven across processes: with the safety re-check pushed out of reach,
+    only the NOTIFY from the other replica's commit can end the wait before its timeout."""
+    import asyncio
+
+    from store import events, open_store
+
+    monkeypatch.setattr(events, "SAFETY_RECHECK", 600.0)
+    api = open_store("unused.db", database_url=postgres_url, threads=2)
+    worker = PostgresStore(postgres_url, pool_size=2)
+    try:
+        await api.start_events()
+        assert api.events.cross_process
+        (job_id,) = await api.enqueue([("r.example/app:1", "r.example")])
+        checks = 0
+
+        async def finished() -> bool:
+            nonlocal checks
+            checks += 1
+            job = await api.job(job_id)
+            if checks == 1:  # the other process claims and finishes it while we wait
+                (claimed,) = await asyncio.to_thread(
+                    worker.claim_jobs, 1, owner="elsewhere", lease_seconds=60
+                )
+                await asyncio.to_thread(worker.finish_job, claimed.id, digest=None, owner="elsewhere")
+            return job is not None and job.state == "done"
+
+        assert await api.wait_until(finished, timeout=60)
+        assert checks == 2  # one look, then one more when the other process's NOTIFY arrived
+    finally:
+        worker.close()
+        await api.close()

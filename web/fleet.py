@@ -38,6 +38,7 @@ from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from store import GpuTaken, ServerRecord
+from store.events import FLEET_INVENTORY
 from web.api import bearer_token, find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error
 from web.state import Services, services_of, services_of_app
@@ -569,10 +570,28 @@ async def _end_long_polls(app: web.Application) -> None:
     await app[FLEET_EVENTS].close()
 
 
+def _follow_other_replicas(app: web.Application) -> None:
+    """On PostgreSQL, deploys, stops and registrations made through other API replicas reach this
+    one: its placement index re-reads what changed, and its long-polling agents wake."""
+    index, events = app[FLEET_INDEX], app[FLEET_EVENTS]
+    waking: set[asyncio.Task[None]] = set()
+
+    def changed(kind: str) -> None:
+        if kind == FLEET_INVENTORY:
+            index.inventory_changed()
+        index.reservations_changed()
+        task = asyncio.get_running_loop().create_task(events.notify())
+        waking.add(task)
+        task.add_done_callback(waking.discard)
+
+    services_of_app(app).store.events.on_fleet(changed)
+
+
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
     app[FLEET_INDEX] = FleetIndexCache()
     app.on_shutdown.append(_end_long_polls)
+    _follow_other_replicas(app)
     settings = services_of_app(app).settings
     inventory_file = settings.inventory_file
     app[STATIC_FLEET] = parse_inventory(inventory_file.read_text()).servers if inventory_file else []
