@@ -335,6 +335,8 @@ class PostgresStore:
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         with self._reading() as conn:
             total = self._count(conn, clause, params, at_least=offset + limit)
+            # The page is cut first, and only its rows look up their tags: PostgreSQL computes the
+            # select list for the rows OFFSET skips too, so a deep page would pay for every skipped row.
             rows = conn.execute(
                 "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
                 " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
@@ -342,8 +344,8 @@ class PostgresStore:
                 "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
                 "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
                 "   AND t2.repository = t.repository AND t2.tag = t.tag))"
-                f" FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
-                " LIMIT %(limit)s OFFSET %(offset)s",
+                f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
+                " LIMIT %(limit)s OFFSET %(offset)s) AS r ORDER BY r.scanned_at DESC, r.digest",
                 {**params, "limit": limit, "offset": offset},
             ).fetchall()
         images = [
