@@ -71,6 +71,18 @@ def detect_runtime_modes(
     return modes
 
 
+def merge_runtime_modes(engine: list[RuntimeMode] | None, declared: list[RuntimeMode]) -> list[RuntimeMode]:
+    """What an inventory file declares, added to what the Docker engine offers (engine's order first).
+
+    The file supplies what NVML cannot see; it never hides the engine: a file without
+    `runtime_modes` still gets the engine's `nvidia` runtime. `engine` is None when the engine
+    could not be asked, and then the file's modes are all there is.
+    """
+    modes = list(engine or [])
+    modes.extend(mode for mode in declared if mode not in modes)
+    return modes
+
+
 def host_memory_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

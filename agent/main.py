@@ -15,11 +15,11 @@ import aiohttp
 import docker.errors
 
 from agent.client import ServiceClient
-from agent.host import build_server, detect_runtime_modes, load_server_file
+from agent.host import build_server, detect_runtime_modes, load_server_file, merge_runtime_modes
 from agent.loop import Agent, AgentSettings, Discovery
 from agent.nvml import read_nvml
 from agent.runner import DockerRunner
-from placement.inventory import Server
+from placement.inventory import RuntimeMode, Server
 
 log = logging.getLogger("gpubadge.agent")
 TOKEN_ENV = "GPUBADGE_AGENT_TOKEN"
@@ -48,21 +48,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def engine_runtime_modes(runner: DockerRunner) -> list[RuntimeMode] | None:
+    """The NVIDIA modes the Docker engine offers, or None (logged) when it cannot be asked."""
+    try:
+        return detect_runtime_modes(runner.info())
+    except (docker.errors.DockerException, OSError) as exc:  # requests' errors are OSErrors
+        log.warning("cannot read docker info: %s", exc)
+        return None
+
+
 def make_discovery(name: str, runner: DockerRunner, inventory_file: Path | None) -> Discovery:
-    """Build the inventory callable: the file when given, else NVML + host + `docker info`."""
+    """Build the inventory callable: NVML + host + `docker info`, or the file + `docker info`.
+
+    The file stands in for NVML (GPUs, driver), not for the engine: its runtime modes are added
+    to those `docker info` shows.
+    """
 
     def from_file() -> tuple[Server, str | None]:
         assert inventory_file is not None
         server = load_server_file(inventory_file, name)
-        return server, None if server.gpus else f"{inventory_file} lists no GPUs"
+        if not server.gpus:
+            return server, f"{inventory_file} lists no GPUs"
+        engine = engine_runtime_modes(runner)
+        modes = merge_runtime_modes(engine, server.runtime_modes)
+        if engine is not None and (extra := [mode for mode in server.runtime_modes if mode not in engine]):
+            log.info("%s declares runtime modes the engine does not show: %s", inventory_file, extra)
+        return server.model_copy(update={"runtime_modes": modes}), None
 
     def from_host() -> tuple[Server, str | None]:
         facts = read_nvml()
-        try:
-            modes = detect_runtime_modes(runner.info())
-        except docker.errors.DockerException as exc:
-            log.warning("cannot read docker info: %s", exc)
-            modes = []
+        modes = engine_runtime_modes(runner) or []
         return build_server(name, facts, modes), facts.reason
 
     return from_file if inventory_file is not None else from_host

@@ -42,8 +42,22 @@ _MIB = 1024 * 1024
 
 
 def brand_name(brand: int) -> str:
-    """NVML brand enum -> the runtime's brand name; anything unlisted is `Unknown`, as in the runtime."""
+    """NVML brand enum -> the runtime's brand name; anything unlisted is `Unknown`, as in the runtime.
+
+    Recent drivers report 14 (NVML_BRAND_NVIDIA, "Nvidia") for data-center GPUs (H100, A100, L4,
+    ...) that older ones called Tesla, and newer NVML adds 17-19 (DLA, vGameDev, NPU), which
+    libnvidia-container does not name: they are `Unknown` to it, so they are `Unknown` here.
+    """
     return _BRANDS.get(int(brand), "Unknown")
+
+
+def _brand(nvml: Any, handle: Any) -> str:
+    """The runtime's brand name, or "" (not known: the runtime's NULL brand) when NVML cannot tell."""
+    try:
+        return brand_name(nvml.nvmlDeviceGetBrand(handle))
+    except nvml.NVMLError as exc:
+        log.warning("NVML could not report a GPU's brand (%s); brand= requirements will not be checked", exc)
+        return ""
 
 
 def format_cuda_version(version: int) -> str:
@@ -93,7 +107,7 @@ def _read_gpu(nvml: Any, index: int) -> Gpu:
         index=index,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
         name=_text(nvml.nvmlDeviceGetName(handle)),
-        brand=brand_name(nvml.nvmlDeviceGetBrand(handle)),
+        brand=_brand(nvml, handle),
         memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
         compute_capability=f"{major}.{minor}",
         mig=_mig_enabled(nvml, handle),

@@ -24,6 +24,9 @@ DEPLOYMENT_LABEL = "io.gpubadge.deployment"
 SERVER_LABEL = "io.gpubadge.server"
 GPUS_LABEL = "io.gpubadge.gpus"
 LOG_LINES = 50
+# The service refuses JSON strings past GPUBADGE_JSON_MAX_STRING (64 Ki characters by default):
+# fifty lines of progress bars must not make a status report bounce.
+LOG_CHARS = 16 * 1024
 
 GpuMode = Literal["auto", "runtime", "device-requests", "cdi"]
 # What Docker's built-in `nvidia` device driver accepts as capabilities (moby daemon/nvidia_linux.go).
@@ -227,7 +230,8 @@ class DockerRunner:
             data: bytes = self.client.api.logs(container_id, stdout=True, stderr=True, tail=lines)
         except docker.errors.APIError:
             return ""
-        return data.decode(errors="replace")
+        text = data.decode(errors="replace")
+        return text if len(text) <= LOG_CHARS else "…" + text[-(LOG_CHARS - 1) :]
 
     def stop(self, container_id: str, timeout: int = 10) -> ContainerView:
         self.client.api.stop(container_id, timeout=timeout)

@@ -145,7 +145,10 @@ def run_scan(args: argparse.Namespace) -> int:
                     elif progress:
                         progress.step()
 
-                return await scan_many(scanner, args.references, options, args.concurrency, done)
+                try:
+                    return await scan_many(scanner, args.references, options, args.concurrency, done)
+                finally:
+                    await scanner.close()
         finally:
             if store is not None:
                 await store.close()

@@ -176,6 +176,13 @@ _BRAND_SPELLINGS.update(
 )
 
 
+# NVML enums after TitanRTX (17 DLA, 18 vGameDev, 19 NPU in nvidia-ml-py 12.x/13.x):
+# libnvidia-container's switch has no case for them, so the runtime's `brand=` sees `Unknown`.
+_RUNTIME_UNKNOWN_SPELLINGS = frozenset(
+    {"17", "18", "19", "nvidiadla", "nvidiavgamedev", "nvidiartxvirtualgamedev", "nvidianpu"}
+)
+
+
 def brand_enum(brand: str | int) -> int | None:
     """An NVML brand in any common spelling (or its enum number) -> the NVML enum, None if unknown."""
     if isinstance(brand, int):
@@ -199,6 +206,8 @@ def runtime_brands(brand: str) -> tuple[str, ...]:
     """
     if not brand:
         return ()
+    if squash(brand).removeprefix("nvmlbrand").replace("_", "") in _RUNTIME_UNKNOWN_SPELLINGS:
+        return ("Unknown",)
     value = brand_enum(brand)
     if value is None:
         return (brand,)

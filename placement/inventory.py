@@ -7,6 +7,7 @@ defaults and unknown fields are ignored rather than rejected.
 from __future__ import annotations
 
 import json
+import math
 import re
 from datetime import datetime
 from typing import Any, Literal
@@ -44,7 +45,13 @@ def parse_bytes(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ValueError(f"invalid quantity {value!r}")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"invalid quantity {value!r}")
         return int(value)
+    if not isinstance(value, str):  # a TypeError here would escape pydantic as a 500
+        raise ValueError(
+            f"invalid quantity: expected a number or a string such as 40Gi, not {type(value).__name__}"
+        )
     match = _QUANTITY.match(value)
     if not match:
         raise ValueError(f"invalid quantity {value!r}: expected a number with an optional unit such as 40Gi")
@@ -52,7 +59,10 @@ def parse_bytes(value: str | int | float) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"invalid quantity {value!r}: unknown unit {unit!r}")
-    return int(float(number) * factor)
+    size = float(number) * factor
+    if not math.isfinite(size):
+        raise ValueError(f"invalid quantity {value[:40]!r}: too large")
+    return int(size)
 
 
 class Gpu(BaseModel):

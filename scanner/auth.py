@@ -11,16 +11,32 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from scanner.credentials import Credentials
+from scanner.reference import is_loopback, split_host
 
 DEFAULT_TOKEN_LIFETIME = 60.0
 TOKEN_EXPIRY_MARGIN = 5.0
 TOKEN_RESPONSE_MAX = 64 * 1024
 CLIENT_ID = "gpubadge"
+REALM_SETTING = "GPUBADGE_REGISTRIES"
+
+# Registries whose token service lives on another, well-known host: (registry host or suffix, realm host).
+# A suffix starts with a dot and matches subdomains. Every other public registry we know (ghcr.io,
+# quay.io, nvcr.io, *.pkg.dev, *.azurecr.io, public.ecr.aws, registry.redhat.io) names a realm on its
+# own host; private ECR answers Basic, so it names no realm at all.
+WELL_KNOWN_REALM_HOSTS: tuple[tuple[str, str], ...] = (
+    ("docker.io", "auth.docker.io"),
+    ("registry-1.docker.io", "auth.docker.io"),
+    ("index.docker.io", "auth.docker.io"),
+    ("registry.gitlab.com", "gitlab.com"),
+    ("gcr.io", "gcr.io"),
+    (".gcr.io", "gcr.io"),
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,80 @@ def parse_challenges(headers: Iterable[str]) -> list[Challenge]:
     return challenges
 
 
+class RealmRefused(ValueError):
+    """A token realm we will not contact; the message names the host and the setting that allows it."""
+
+
+def _hostname(netloc: str) -> str:
+    return split_host(netloc).lower().rstrip(".")
+
+
+def _well_known_pair(registry: str, realm: str) -> bool:
+    for known, realm_host in WELL_KNOWN_REALM_HOSTS:
+        matches = registry.endswith(known) if known.startswith(".") else registry == known
+        if matches and realm == realm_host:
+            return True
+    return False
+
+
+def check_realm(
+    registry_host: str,
+    realm_url: str,
+    *,
+    allowlist: Collection[str],
+    sends_credentials: bool,
+    insecure_hosts: Collection[str] = (),
+) -> None:
+    """Refuse a `WWW-Authenticate` realm that would make us an SSRF or leak credentials.
+
+    The realm is chosen by the registry, so it is an outbound request like any other. It may go to
+    the registry's own host, to a well-known auth host of that registry (docker.io -> auth.docker.io),
+    to a host on the allowlist (GPUBADGE_REGISTRIES), or to loopback for a loopback registry.
+    Credentials travel only over https, or to loopback for a loopback registry; anonymous token
+    requests may use plain http to loopback or to hosts configured `insecure`.
+    """
+    realm = urlsplit(realm_url)
+    shown = f"{realm.scheme}://{realm.netloc}{realm.path}" if realm.netloc else repr(realm_url[:200])
+    if realm.scheme not in ("http", "https") or not realm.netloc:
+        raise RealmRefused(f"{registry_host}: the token realm {shown} is not an http(s) URL")
+    if realm.username is not None or realm.password is not None:
+        raise RealmRefused(f"{registry_host}: the token realm carries user info; refusing it")
+    realm_name = _hostname(realm.netloc)
+    registry_name = _hostname(registry_host)
+    listed = {entry.lower() for entry in allowlist}
+    both_loopback = is_loopback(registry_host) and is_loopback(realm.netloc)
+    allowed = (
+        realm_name == registry_name
+        or _well_known_pair(registry_name, realm_name)
+        or realm.netloc.lower() in listed
+        or realm_name in listed
+        or both_loopback
+    )
+    if not allowed:
+        raise RealmRefused(
+            f"{registry_host} names token realm {shown}, but {realm.netloc} is neither the registry's "
+            f"own host nor a known auth host for it; refusing to contact it. Add {realm.netloc} to "
+            f"{REALM_SETTING} to allow it"
+        )
+    if realm.scheme == "https":
+        return
+    if sends_credentials:
+        if both_loopback:
+            return
+        raise RealmRefused(
+            f"{registry_host}: refusing to send credentials over plain HTTP to token realm {shown}; "
+            "credentials go only over https, or to loopback for a loopback registry"
+        )
+    insecure = {entry.lower() for entry in insecure_hosts}
+    if not (
+        is_loopback(realm.netloc) or realm.netloc.lower() in insecure or registry_host.lower() in insecure
+    ):
+        raise RealmRefused(
+            f"{registry_host}: refusing to fetch a token over plain HTTP from {realm.netloc}; "
+            "plain HTTP is allowed only to loopback or to registries configured 'insecure'"
+        )
+
+
 def pull_scope(repository: str) -> str:
     return f"repository:{repository}:pull"
 
@@ -116,6 +206,10 @@ class TokenRequest:
     params: list[tuple[str, str]]
     form: dict[str, str] | None
     authorization: str | None = field(repr=False)
+
+    @property
+    def sends_credentials(self) -> bool:
+        return self.authorization is not None or self.form is not None
 
 
 def build_token_request(

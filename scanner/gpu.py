@@ -38,11 +38,9 @@ _PARSEBOOL_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 # NVIDIA_GPU is not NVIDIA's; we read an explicit "no" as no.
 _FALSEY = frozenset({"0", "false", "no", "off", "n", "f"})
 _UINT32_MAX = 0xFFFFFFFF
-# Masterminds/semver NewVersion as the toolkit uses it for CUDA_VERSION: optional v, 1-3 parts.
-_CUDA_VERSION = re.compile(
-    r"^v?(?P<major>\d+)(?:\.(?P<minor>\d+))?(?:\.(?P<patch>\d+))?"
-    r"(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
-)
+# Masterminds/semver's identifier alphabet for pre-release and build parts (ASCII only).
+_SEMVER_IDENTIFIER = re.compile(r"[0-9A-Za-z-]+", re.ASCII)
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
 _DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
 
 
@@ -77,18 +75,48 @@ def _parse_labels(raw: Any) -> dict[str, str]:
     return {str(k): v if isinstance(v, str) else str(v) for k, v in raw.items() if v is not None}
 
 
+def _valid_identifiers(text: str) -> bool:
+    """Dot-separated, non-empty identifiers of [0-9A-Za-z-]."""
+    return all(_SEMVER_IDENTIFIER.fullmatch(part) for part in text.split("."))
+
+
+def parse_cuda_version(cuda_version: str) -> tuple[int, int, int] | None:
+    """CUDA_VERSION as the toolkit's Masterminds/semver `NewVersion` (coercing) reads it, else None.
+
+    An optional lowercase `v`; build metadata after the first `+` and a pre-release after the first
+    `-`, each dot-separated non-empty [0-9A-Za-z-] identifiers, numeric pre-release identifiers
+    without leading zeros; then one to three dot-separated runs of ASCII digits (leading zeros are
+    coerced). No whitespace is trimmed: `' 11.6'` fails in the toolkit, so it fails here. Segments
+    beyond uint32 are refused, as in the toolkit's own test table (`9.4294967296`).
+    """
+    text = cuda_version.removeprefix("v")
+    text, plus, metadata = text.partition("+")
+    if plus and not _valid_identifiers(metadata):
+        return None
+    text, dash, prerelease = text.partition("-")
+    if dash:
+        if not _valid_identifiers(prerelease):
+            return None
+        if any(
+            _DIGITS.fullmatch(part) and len(part) > 1 and part[0] == "0" for part in prerelease.split(".")
+        ):
+            return None
+    segments = text.split(".")
+    if len(segments) > 3 or not all(_DIGITS.fullmatch(segment) for segment in segments):
+        return None
+    numbers = [int(segment) for segment in segments] + [0] * (3 - len(segments))
+    if any(number > _UINT32_MAX for number in numbers):
+        return None
+    return numbers[0], numbers[1], numbers[2]
+
+
 def cuda_major_minor(cuda_version: str) -> str | None:
     """CUDA_VERSION -> "MAJOR.MINOR" the way the toolkit derives it ("9.0.116" -> "9.0", "8" -> "8.0").
 
-    None when the toolkit would reject the value (e.g. "9.", "7.foo", "9.0.116.50").
+    None when the toolkit would reject the value (e.g. "9.", "7.foo", "9.0.116.50", " 11.6").
     """
-    match = _CUDA_VERSION.match(cuda_version.strip())
-    if not match:
-        return None
-    parts = [match.group(name) for name in ("major", "minor", "patch")]
-    if any(p is not None and int(p) > _UINT32_MAX for p in parts):
-        return None
-    return f"{int(parts[0] or 0)}.{int(parts[1] or 0)}"
+    parsed = parse_cuda_version(cuda_version)
+    return None if parsed is None else f"{parsed[0]}.{parsed[1]}"
 
 
 def _cuda_from_requirement(value: str) -> str | None:
@@ -155,7 +183,7 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
             issues.append(RequirementIssue(variable=name, value=nvidia_env[name], error=str(exc)))
 
     cuda_version = cuda_major_minor(cuda_version_raw) if cuda_version_raw else None
-    if cuda_version_raw and cuda_version is None and legacy:
+    if cuda_version_raw and cuda_version is None and legacy and not disable_require:
         issues.append(
             RequirementIssue(
                 variable="CUDA_VERSION",

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,13 +52,14 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from scanner.elf import ElfInfo, parse_elf
+from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcFlavour, LibcVerdict
-from scanner.tarstream import EntryKind, StreamStats, TarEntry, iter_layer
+from scanner.tarstream import EntryKind, StreamStats, TarEntry
+from scanner.walk import EntryCollector, LayerWalk
 
 EVIDENCE_SCHEMA = 1
 HEAD_BYTES = 4096
 OS_RELEASE_BYTES = 16384
-MAX_SYMLINK_HOPS = 40
 DISTRO_BUDGET = 256 << 10  # compressed bytes read past the decision while looking for os-release
 
 BIN_DIRS = frozenset({"/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"})
@@ -209,18 +210,6 @@ class _Layer:
             opaque_dirs=sorted(self.opaque),
         )
 
-    def hides_lower(self, path: str) -> bool:
-        """True when this layer hides `path` of the layers below it."""
-        if path in self.whiteouts:
-            return True
-        for ancestor in _ancestors(path):
-            if ancestor in self.whiteouts or ancestor in self.opaque:
-                return True
-            record = self.entries.get(ancestor)
-            if record is not None and record.kind != "dir":
-                return True
-        return False
-
 
 @dataclass(frozen=True)
 class _Decision:
@@ -228,15 +217,43 @@ class _Decision:
     evidence: str
 
 
-class LayerCollector:
-    """Builds one layer's evidence from its tar entries. Get one from `LibcAnalysis.begin_layer`."""
+def _components(path: str) -> list[str]:
+    """A path's components, dropping empty and `.` ones (they never change what a path names)."""
+    return [part for part in path.split("/") if part and part != "."]
 
-    def __init__(self, analysis: LibcAnalysis, layer: _Layer) -> None:
+
+_NOWHERE = 1 << 62  # "hidden by no layer"
+
+
+class LayerCollector:
+    """Builds one layer's evidence from its tar entries. Get one from `LibcAnalysis.begin_layer`.
+
+    It is an `EntryCollector` (see `scanner.walk`): `wants` says how much of an entry's
+    content to read, `add` takes the entry, `satisfied` says the layer walk may stop.
+    """
+
+    def __init__(self, analysis: LibcAnalysis, layer: _Layer, index: int, distro_budget: int) -> None:
         self._analysis = analysis
         self._layer = layer
-        self._bin_elves: dict[str, ElfInfo | None] = {}  # every probed file of this layer, transient
+        self._index = index
+        self._bin_elves: dict[str, ElfInfo] = {}  # probed ELF files of this layer, for later hardlinks
         self._wanted: set[str] = set()  # symlink targets of probes not seen yet
         self._finished = False
+        self._distro_budget = distro_budget
+        self._decided_at: int | None = None
+        self.position = 0  # compressed bytes read so far, kept up to date by the walk
+        self._kept = 0  # records, whiteouts and ELF heads kept, against max_layer_records
+
+    def _keep(self) -> None:
+        """Count one more thing this layer keeps in memory (and in its evidence)."""
+        self._kept += 1
+        limit = self._analysis.limits.max_layer_records
+        if self._kept > limit:
+            raise LimitExceeded(
+                f"a layer holds more than {limit:,} entries the libc analysis must keep",
+                limit,
+                "max_layer_records",
+            )
 
     def wants(self, entry: TarEntry) -> int:
         """How many leading content bytes of `entry` to read (0: none)."""
@@ -247,6 +264,15 @@ class LayerCollector:
         if posixpath.dirname(entry.path) in BIN_DIRS or entry.path in self._wanted:
             return HEAD_BYTES
         return 0
+
+    @property
+    def satisfied(self) -> bool:
+        """The verdict is decided and os-release found, or looked for long enough past the decision."""
+        if not self._analysis.decided:
+            return False
+        if self._decided_at is None:
+            self._decided_at = self.position
+        return self._analysis.distro_known or self.position - self._decided_at > self._distro_budget
 
     def add(self, entry: TarEntry, head: bytes) -> None:
         if self._finished:
@@ -260,7 +286,9 @@ class LayerCollector:
         probed = bool(head) or (entry.kind == "file" and self.wants(entry) > 0)
         if entry.kind == "file" and probed:
             elf = parse_elf(head)
-            self._bin_elves[path] = elf
+            if elf is not None:
+                self._keep()
+                self._bin_elves[path] = elf
         wanted = path in self._wanted
         if not (_relevant(path) or wanted):
             return
@@ -275,19 +303,22 @@ class LayerCollector:
         if path in OS_RELEASE_PATHS and entry.kind == "file":
             record.os_release = parse_os_release(head.decode("utf-8", "replace"))
         self._wanted.discard(path)
+        self._keep()
         self._layer.entries[path] = record
-        self._analysis._changed()
+        self._analysis._index_record(self._index, path, record)
 
     def _add_whiteout(self, directory: str, name: str) -> None:
         if name == ".wh..wh..opq":
             if directory in _ANCESTORS or _TRIPLET_DIR.match(directory):
+                self._keep()
                 self._layer.opaque.add(directory)
-                self._analysis._changed()
+                self._analysis._index_hide(self._analysis._covered, self._index, directory)
             return
         hidden = posixpath.join(directory, name[len(".wh.") :])
         if _relevant(hidden):
+            self._keep()
             self._layer.whiteouts.add(hidden)
-            self._analysis._changed()
+            self._analysis._index_hide(self._analysis._gone, self._index, hidden)
 
     def _want_target(self, path: str, target: str) -> None:
         """Remember where a probe's symlink points, so that file's head is read too."""
@@ -297,9 +328,9 @@ class LayerCollector:
         if absolute in self._layer.entries:
             return
         if absolute in self._bin_elves:  # the target came first: record it now
-            self._layer.entries[absolute] = PathRecord(
-                kind="file", probed=True, elf=self._bin_elves[absolute]
-            )
+            record = PathRecord(kind="file", probed=True, elf=self._bin_elves[absolute])
+            self._layer.entries[absolute] = record
+            self._analysis._index_record(self._index, absolute, record)
         else:
             self._wanted.add(absolute)
 
@@ -313,27 +344,42 @@ class LayerCollector:
 
 
 class LibcAnalysis:
-    """Pure, incremental libc analysis over layers fed top-down. See the module docstring."""
+    """Pure, incremental libc analysis over layers fed top-down. See the module docstring.
 
-    def __init__(self, arch: str, layers_total: int) -> None:
+    The merged view is indexed as layers arrive: `_records` keeps the topmost visible
+    record of each relevant path, `_gone` the paths a whiteout deleted (with everything
+    under them) and `_covered` the directories whose lower content is hidden (opaque dirs
+    and non-directories), each with the index of the layer that did it. A lookup is then
+    a few dictionary probes, whatever the number of layers. The verdict is re-decided only
+    when an indexed change touches a path the last decision looked at (`_watched`), so the
+    work is O(entries + changes), not O(entries x layers).
+    """
+
+    def __init__(self, arch: str, layers_total: int, limits: AnalysisLimits | None = None) -> None:
         self.arch = arch
         self.layers_total = layers_total
+        self.limits = limits or AnalysisLimits()
+        self.budget = ScanBudget(self.limits)
         self._layers: list[_Layer] = []
         self._open: LayerCollector | None = None
+        self._records: dict[str, tuple[int, PathRecord]] = {}
+        self._gone: dict[str, int] = {}
+        self._covered: dict[str, int] = {}
+        self._watched: set[str] = set()
         self._dirty = True
         self._decision: _Decision | None = None
         self._distro_found: str | None = None
+        self.decisions = 0  # how often the verdict was re-derived (tests assert it stays O(changes))
 
     # -- feeding
 
-    def begin_layer(self) -> LayerCollector:
+    def begin_layer(self, distro_budget: int = DISTRO_BUDGET) -> LayerCollector:
         """Start streaming the next lower layer."""
         if self._open is not None:
             raise RuntimeError("finish the current layer before starting another")
         layer = _Layer()
         self._layers.append(layer)
-        self._open = LayerCollector(self, layer)
-        self._changed()
+        self._open = LayerCollector(self, layer, len(self._layers) - 1, distro_budget)
         return self._open
 
     def layer_from_cache(self, evidence: LayerEvidence) -> bool:
@@ -347,20 +393,70 @@ class LibcAnalysis:
             raise RuntimeError("finish the current layer before adding another")
         if evidence.schema_version != EVIDENCE_SCHEMA:
             return False
-        self._layers.append(_Layer.from_evidence(evidence))
-        self._changed()
+        self._add_layer(_Layer.from_evidence(evidence))
         if evidence.complete or self.decided:
             return True
-        self._layers.pop()
-        self._changed()
+        self._drop_last_layer()
         return False
 
-    def _changed(self) -> None:
+    def _add_layer(self, layer: _Layer) -> None:
+        index = len(self._layers)
+        self._layers.append(layer)
+        for path in layer.whiteouts:
+            self._index_hide(self._gone, index, path)
+        for path in layer.opaque:
+            self._index_hide(self._covered, index, path)
+        for path, record in layer.entries.items():
+            self._index_record(index, path, record)
         self._dirty = True
+
+    def _drop_last_layer(self) -> None:
+        """Undo `_add_layer` of the lowest layer: it only ever added keys of its own index."""
+        index = len(self._layers) - 1
+        layer = self._layers.pop()
+        for path in layer.entries:
+            if path in self._records and self._records[path][0] == index:
+                del self._records[path]
+            if self._covered.get(path) == index:
+                del self._covered[path]
+        for table, paths in ((self._gone, layer.whiteouts), (self._covered, layer.opaque)):
+            for path in paths:
+                if table.get(path) == index:
+                    del table[path]
+        self._dirty = True
+
+    def _hidden_above(self, path: str, index: int) -> bool:
+        """True when a layer above layer `index` deleted `path` or hides what lies under an ancestor."""
+        if self._gone.get(path, _NOWHERE) < index:
+            return True
+        for ancestor in _ancestors(path):
+            if self._gone.get(ancestor, _NOWHERE) < index or self._covered.get(ancestor, _NOWHERE) < index:
+                return True
+        return False
+
+    def _index_record(self, index: int, path: str, record: PathRecord) -> None:
+        current = self._records.get(path)
+        if current is not None and current[0] < index:
+            return  # shadowed by an upper layer
+        if current is None and self._hidden_above(path, index):
+            return
+        self._records[path] = (index, record)
+        if record.kind != "dir":
+            self._covered.setdefault(path, index)
+        self._touch(path)
+
+    def _index_hide(self, table: dict[str, int], index: int, path: str) -> None:
+        if path not in table:
+            table[path] = index
+            self._touch(path)
+
+    def _touch(self, path: str) -> None:
+        if path in self._watched:
+            self._dirty = True
 
     def _end_layer(self) -> None:
         self._open = None
-        self._changed()
+        self._dirty = True
 
     # -- state
 
@@ -390,6 +486,8 @@ class LibcAnalysis:
 
     def _current_decision(self) -> _Decision | None:
         if self._dirty:
+            self.decisions += 1
+            self._watched = set()
             self._decision = self._decide()
             self._distro_found = self._distro()
             self._dirty = False
@@ -397,51 +495,61 @@ class LibcAnalysis:
 
     # -- the merged view
 
-    def _lookup(self, path: str) -> tuple[Lookup, PathRecord | None]:
-        for layer in self._layers:
-            record = layer.entries.get(path)
-            if record is not None:
-                return "found", record
-            if layer.hides_lower(path):
-                return "absent", None
-            if not layer.complete:
-                return "unknown", None
-        return ("absent" if len(self._layers) >= self.layers_total else "unknown"), None
+    def _lookup(self, path: str, parent_hidden: bool) -> tuple[Lookup, PathRecord | None]:
+        """`path` in the merged view; `parent_hidden`: a layer hides everything under its parent."""
+        self._watched.add(path)
+        hit = self._records.get(path)
+        if hit is not None:
+            return "found", hit[1]
+        if parent_hidden or path in self._gone:
+            return "absent", None
+        return ("absent" if self.all_read else "unknown"), None
 
     def _resolve(self, path: str) -> tuple[Lookup, str, PathRecord | None]:
-        """Follow symlinks component by component through the merged view."""
-        current = "/"
-        remaining = [part for part in path.split("/") if part]
+        """Follow symlinks component by component through the merged view.
+
+        Linux semantics: more than `max_symlink_hops` links is a loop (ELOOP) and a name
+        longer than `max_path_bytes` does not exist (ENAMETOOLONG); both count as absent.
+        Every component resolved is charged to the scan's `max_path_components`.
+        """
+        limits = self.limits
+        stack: list[tuple[str, bool]] = [("/", False)]  # directories walked, and "all below hidden"
+        pending = _components(path)[::-1]
         hops = 0
-        while remaining:
-            part = remaining.pop(0)
-            if part == ".":
-                continue
+        while pending:
+            part = pending.pop()
+            self.budget.spend_components(1)
             if part == "..":
-                current = posixpath.dirname(current)
+                if len(stack) > 1:
+                    stack.pop()
                 continue
-            candidate = posixpath.join(current, part)
-            status, record = self._lookup(candidate)
+            current, below_hidden = stack[-1]
+            candidate = f"{current}/{part}" if current != "/" else f"/{part}"
+            if len(candidate) > limits.max_path_bytes:
+                return "absent", candidate, None
+            status, record = self._lookup(candidate, below_hidden)
             if record is not None and record.kind == "symlink" and record.target:
                 hops += 1
-                if hops > MAX_SYMLINK_HOPS:
+                if hops > limits.max_symlink_hops:
                     return "absent", candidate, None
                 if record.target.startswith("/"):
-                    current = "/"
-                remaining = [p for p in record.target.split("/") if p] + remaining
+                    stack = [("/", False)]
+                pending.extend(reversed(_components(record.target)))
                 continue
-            if not remaining:
+            if not pending:
                 if record is not None and record.kind == "hardlink" and not record.probed and record.target:
                     hops += 1
-                    if hops > MAX_SYMLINK_HOPS:
+                    if hops > limits.max_symlink_hops:
                         return "absent", candidate, None
-                    current, remaining = "/", [p for p in record.target.split("/") if p]
+                    stack = [("/", False)]
+                    pending = _components(record.target)[::-1]
                     continue
                 return status, candidate, record
             if record is not None and record.kind != "dir":
                 return "absent", candidate, None  # a file where a directory should be
-            current = candidate  # a directory, explicit or implied by its children
-        return "found", current, None
+            hidden = below_hidden or candidate in self._gone or candidate in self._covered
+            stack.append((candidate, hidden))  # a directory, explicit or implied by its children
+        return "found", stack[-1][0], None
 
     def _decide(self) -> _Decision | None:
         for probe in PROBES:
@@ -458,14 +566,10 @@ class LibcAnalysis:
 
     def _visible_loaders(self) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {"glibc": [], "musl": []}
-        for layer in self._layers:
-            for path, record in layer.entries.items():
-                flavour = loader_flavour(path)
-                if flavour is None or record.kind in ("dir", "other"):
-                    continue
-                status, visible = self._lookup(path)
-                if status == "found" and visible is record:
-                    found[flavour].append(path)
+        for path, (_, record) in self._records.items():
+            flavour = loader_flavour(path)
+            if flavour is not None and record.kind not in ("dir", "other"):
+                found[flavour].append(path)
         hints = _ARCH_HINTS.get(self.arch, ())
         for paths in found.values():
             paths.sort(key=lambda p: (not any(h in posixpath.basename(p) for h in hints), p))
@@ -530,8 +634,7 @@ def combine(
     for evidence in evidences:
         if analysis.decided:
             break
-        analysis._layers.append(_Layer.from_evidence(evidence))
-        analysis._changed()
+        analysis._add_layer(_Layer.from_evidence(evidence))
     return analysis.verdict()
 
 
@@ -543,40 +646,38 @@ async def analyse_layer(
     max_decompressed: int,
     distro_budget: int = DISTRO_BUDGET,
     stats: StreamStats | None = None,
+    collectors: Sequence[EntryCollector] = (),
 ) -> LayerEvidence:
-    """Stream one layer into `analysis`, stopping as soon as the verdict is decided.
+    """Stream one layer into `analysis` in this process, stopping as soon as the verdict is decided.
 
     Once decided, it reads on for os-release only while the distro is unknown and at most
     `distro_budget` more compressed bytes (cheap in a base layer, never a whole big layer).
     Returns the layer's evidence (`complete=False` when it stopped early). Stream errors
-    propagate after the partial evidence is recorded as incomplete.
+    propagate after the partial evidence is recorded as incomplete. The scanner runs the
+    same walk in an analysis process (`scanner.analysis`); this form is for tests and for
+    `analysis_processes = 0`.
     """
-    stats = stats if stats is not None else StreamStats()
-    collector = analysis.begin_layer()
-    decided_at: int | None = None
-
-    def over_budget() -> bool:
-        return decided_at is not None and stats.compressed_bytes - decided_at > distro_budget
-
+    collector = analysis.begin_layer(distro_budget)
+    walk = LayerWalk(
+        media_type,
+        [collector, *collectors],
+        max_decompressed=max_decompressed,
+        budget=analysis.budget,
+        stats=stats,
+    )
     try:
-        entries = iter_layer(
-            chunks,
-            media_type,
-            max_decompressed=max_decompressed,
-            want=collector.wants,
-            stats=stats,
-            stop=over_budget,
-        )
-        async with aclosing(entries):
-            async for entry, head in entries:
-                collector.add(entry, head)
-                if not analysis.decided:
-                    continue
-                if decided_at is None:
-                    decided_at = stats.compressed_bytes
-                if analysis.distro_known or over_budget():
+        async with aclosing(_aiter(chunks)) as iterator:
+            async for chunk in iterator:
+                if not walk.feed(chunk):
                     break
+            else:
+                walk.close()
     except BaseException:
         collector.finish(complete=False)
         raise
-    return collector.finish(complete=stats.reached_end)
+    return collector.finish(complete=walk.stats.reached_end)
+
+
+async def _aiter(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    async for chunk in chunks:
+        yield chunk

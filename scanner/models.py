@@ -144,6 +144,10 @@ class ImageReport(BaseModel):
     requests: int = Field(default=0, description="HTTP requests this scan made (cached tokens excluded)")
     cached: bool = Field(default=False, description="the digest was already scanned; no new requests")
     config_only: bool = False
+    retryable: bool = Field(
+        default=True,
+        description="false when scanning again cannot succeed (the image crosses a configured bound)",
+    )
     not_an_image: bool = Field(
         default=False, exclude=True, description="an artifact (attestation, signature), not a container image"
     )

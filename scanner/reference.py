@@ -18,15 +18,26 @@ DOCKER_HUB_API = "registry-1.docker.io"
 LEGACY_DOCKER_HUB = "index.docker.io"
 OFFICIAL_PREFIX = "library/"
 DEFAULT_TAG = "latest"
-NAME_TOTAL_LENGTH_MAX = 255
+# distribution/reference's RepositoryNameTotalLengthMax: counts the repository path, not the domain.
+REPOSITORY_PATH_LENGTH_MAX = 255
+EXPECTED_FORM = "[registry[:port]/]repository[:tag][@sha256:<64 hex>], e.g. ghcr.io/org/app:1.0"
 
+# The grammar of distribution/reference (regexp.go), ASCII only and matched with `fullmatch`, so a
+# trailing newline (which `$` accepts) or a non-ASCII letter (which `\w` accepts) never passes.
 _DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
-_DOMAIN_RE = re.compile(rf"^(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?$")
-_PATH_COMPONENT_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
-_TAG_RE = re.compile(r"^[\w][\w.-]{0,127}$")
-_HEX_RE = re.compile(r"^[a-f0-9]+$")
-_BARE_ID_RE = re.compile(r"^[a-f0-9]{64}$")
+_DOMAIN_RE = re.compile(
+    rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?", re.ASCII
+)
+_PATH_COMPONENT_RE = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*", re.ASCII)
+_TAG_RE = re.compile(r"[\w][\w.-]{0,127}", re.ASCII)
+_HEX_RE = re.compile(r"[a-f0-9]+", re.ASCII)
+_BARE_ID_RE = re.compile(r"[a-f0-9]{64}", re.ASCII)
 DIGEST_HEX_LENGTHS = {"sha256": 64, "sha512": 128}
+
+
+def _shown(text: str) -> str:
+    """The user's input in an error message, bounded so a hostile reference cannot flood a log."""
+    return repr(text if len(text) <= 300 else text[:300] + "...")
 
 
 class ReferenceError(ValueError):
@@ -79,27 +90,32 @@ class Reference:
 def validate_digest(digest: str) -> str:
     """Check `algorithm:hex` (sha256 or sha512, lowercase hex of the right length); return it."""
     algorithm, sep, hex_part = digest.partition(":")
+    shown = _shown(digest)
     if not sep or not algorithm:
-        raise ReferenceError(f"invalid digest {digest!r}: expected 'sha256:<64 hex characters>'")
+        raise ReferenceError(f"invalid digest {shown}: expected 'sha256:<64 hex characters>'")
     expected = DIGEST_HEX_LENGTHS.get(algorithm)
     if expected is None:
         raise ReferenceError(
-            f"invalid digest {digest!r}: unsupported algorithm {algorithm!r} (use sha256 or sha512)"
+            f"invalid digest {shown}: unsupported algorithm {algorithm[:40]!r}; expected "
+            "'sha256:<64 hex characters>' or 'sha512:<128 hex characters>'"
         )
-    if not _HEX_RE.match(hex_part):
-        raise ReferenceError(f"invalid digest {digest!r}: the hex part must be lowercase hexadecimal")
+    if not _HEX_RE.fullmatch(hex_part):
+        raise ReferenceError(
+            f"invalid digest {shown}: the part after '{algorithm}:' must be lowercase hexadecimal "
+            f"(0-9, a-f), {expected} characters"
+        )
     if len(hex_part) != expected:
         raise ReferenceError(
-            f"invalid digest {digest!r}: {algorithm} needs {expected} hex characters, got {len(hex_part)}"
+            f"invalid digest {shown}: {algorithm} needs {expected} hex characters, got {len(hex_part)}"
         )
     return digest
 
 
 def _validate_tag(tag: str) -> None:
-    if not _TAG_RE.match(tag):
+    if not _TAG_RE.fullmatch(tag):
         raise ReferenceError(
-            f"invalid tag {tag!r}: a tag is 1-128 characters of letters, digits, '_', '.', '-' "
-            "and may not start with '.' or '-'"
+            f"invalid tag {_shown(tag)}: a tag is 1-128 ASCII letters, digits, '_', '.' or '-', "
+            "not starting with '.' or '-' (e.g. 'v1.2.0-cuda12')"
         )
 
 
@@ -118,32 +134,62 @@ def _split_domain(name: str) -> tuple[str, str]:
 
 
 def _validate_repository(repository: str, original: str) -> None:
+    shown = _shown(original)
     if not repository:
-        raise ReferenceError(f"invalid reference {original!r}: the repository name is empty")
+        raise ReferenceError(
+            f"invalid reference {shown}: the repository name is empty; expected {EXPECTED_FORM}"
+        )
     if repository != repository.lower():
-        raise ReferenceError(f"invalid reference {original!r}: repository {repository!r} must be lowercase")
+        raise ReferenceError(
+            f"invalid reference {shown}: repository {_shown(repository)} must be lowercase "
+            f"(e.g. {_shown(repository.lower())})"
+        )
     for component in repository.split("/"):
-        if not _PATH_COMPONENT_RE.match(component):
-            raise ReferenceError(
-                f"invalid reference {original!r}: repository component {component!r} may only hold "
-                "lowercase letters and digits separated by '.', '_', '__' or '-'"
+        if not _PATH_COMPONENT_RE.fullmatch(component):
+            what = (
+                "is empty (two '/' in a row, or a trailing '/')"
+                if not component
+                else (
+                    f"{_shown(component)} may only hold lowercase ASCII letters and digits, separated by "
+                    "'.', '_', '__' or '-' (e.g. 'my-org/my_app.v2')"
+                )
             )
+            raise ReferenceError(f"invalid reference {shown}: repository component {what}")
+    if len(repository) > REPOSITORY_PATH_LENGTH_MAX:
+        raise ReferenceError(
+            f"invalid reference {shown}: the repository path is {len(repository)} characters, over "
+            f"the {REPOSITORY_PATH_LENGTH_MAX}-character limit (the registry name does not count)"
+        )
 
 
 def parse_reference(text: str) -> Reference:
-    """Parse `[registry/]repo[:tag][@digest]`; `latest` when neither tag nor digest is given."""
+    """Parse `[registry/]repo[:tag][@digest]`; `latest` when neither tag nor digest is given.
+
+    As strict as distribution/reference's ParseNormalizedNamed: no surrounding whitespace, ASCII
+    only. Docker Hub names are normalised (`alpine` -> `docker.io/library/alpine`).
+    """
     original = text
-    text = text.strip()
+    shown = _shown(original)
     if not text:
-        raise ReferenceError("invalid reference '': it is empty")
+        raise ReferenceError(f"invalid reference '': it is empty; expected {EXPECTED_FORM}")
     if "://" in text:
-        raise ReferenceError(f"invalid reference {original!r}: drop the URL scheme (no 'https://')")
+        raise ReferenceError(
+            f"invalid reference {shown}: drop the URL scheme (no 'https://'); expected {EXPECTED_FORM}"
+        )
+    if text != text.strip():
+        raise ReferenceError(f"invalid reference {shown}: remove the surrounding whitespace")
+    if not text.isascii():
+        raise ReferenceError(
+            f"invalid reference {shown}: only ASCII characters are allowed; expected {EXPECTED_FORM}"
+        )
 
     name, at, digest = text.partition("@")
     digest_value: str | None = None
     if at:
         if not digest:
-            raise ReferenceError(f"invalid reference {original!r}: empty digest after '@'")
+            raise ReferenceError(
+                f"invalid reference {shown}: empty digest after '@'; expected '@sha256:<64 hex>'"
+            )
         digest_value = validate_digest(digest)
 
     tag: str | None = None
@@ -154,19 +200,21 @@ def parse_reference(text: str) -> Reference:
         _validate_tag(tag)
 
     if not name:
-        raise ReferenceError(f"invalid reference {original!r}: the repository name is empty")
-    if _BARE_ID_RE.match(name):
         raise ReferenceError(
-            f"invalid reference {original!r}: a 64-character hex string is an image ID, not a repository"
+            f"invalid reference {shown}: the repository name is empty; expected {EXPECTED_FORM}"
+        )
+    if _BARE_ID_RE.fullmatch(name):
+        raise ReferenceError(
+            f"invalid reference {shown}: a 64-character hex string is an image ID, not a repository "
+            "(name the registry to mean a repository: docker.io/<hex>)"
         )
     domain, repository = _split_domain(name)
-    if not _DOMAIN_RE.match(domain):
-        raise ReferenceError(f"invalid reference {original!r}: registry host {domain!r} is not valid")
-    _validate_repository(repository, original)
-    if len(domain) + 1 + len(repository) > NAME_TOTAL_LENGTH_MAX:
+    if not _DOMAIN_RE.fullmatch(domain):
         raise ReferenceError(
-            f"invalid reference {original!r}: the name is longer than {NAME_TOTAL_LENGTH_MAX} characters"
+            f"invalid reference {shown}: registry host {_shown(domain)} is not valid; expected a host "
+            "name or IP, optionally with a numeric port (e.g. 'registry.example.com:5000', '[::1]:5000')"
         )
+    _validate_repository(repository, original)
     if tag is None and digest_value is None:
         tag = DEFAULT_TAG
     return Reference(registry=domain, repository=repository, tag=tag, digest=digest_value)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import errno
 import hashlib
 import json
 import logging
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar
@@ -32,9 +34,11 @@ from multidict import CIMultiDictProxy
 
 from scanner.auth import (
     Challenge,
+    RealmRefused,
     TokenCache,
     basic_authorization,
     build_token_request,
+    check_realm,
     parse_challenges,
     parse_token_response,
     pull_scope,
@@ -119,6 +123,10 @@ class RateLimited(RegistryError):
 
 class InsecureTransport(RegistryError):
     pass
+
+
+class TokenRealmRefused(RegistryError):
+    """The registry named a token realm we will not contact (SSRF or credential-leak guard)."""
 
 
 class TransportError(RegistryError):
@@ -277,11 +285,77 @@ def manifest_media_type(data: dict[str, Any], content_type: str) -> str:
     return OCI_MANIFEST
 
 
-def _describe(exc: BaseException, timeout: float) -> str:
-    """A transport failure in words, without URLs (signed redirect URLs carry credentials)."""
+_OS_ERROR_WORDS = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.ECONNRESET: "connection reset",
+    errno.ENETUNREACH: "network unreachable",
+    errno.EHOSTUNREACH: "host unreachable",
+    errno.ETIMEDOUT: "connection timed out",
+    errno.EPIPE: "connection closed while sending",
+}
+# Failures that say "not from here, not now": retrying only makes a user wait for the same answer.
+_PERMANENT_OS_ERRORS = frozenset({errno.ENETUNREACH})
+
+
+def _where(url: str | None, host: str | None) -> str:
+    """`host:port` for messages; the port is the scheme's default when the URL names none."""
+    if url:
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        name = parts.hostname or parts.netloc
+        if ":" in name:
+            name = f"[{name}]"
+        return f"{name}:{port or (443 if parts.scheme == 'https' else 80)}"
+    return host or "the registry"
+
+
+def describe_transport_error(
+    exc: BaseException, timeout: float, *, url: str | None = None, host: str | None = None
+) -> tuple[str, bool]:
+    """A transport failure in words, and whether trying again may help.
+
+    Never a class name and never a URL (signed redirect URLs carry credentials): the message names
+    `host:port` and the cause. Name resolution failures are final: a host that does not resolve now
+    will not resolve in the next seconds either, and an offline machine should fail at once.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        where = f"{exc.host}:{exc.port}" if ":" not in exc.host else f"[{exc.host}]:{exc.port}"
+    else:
+        where = _where(url, host)
     if isinstance(exc, TimeoutError):
-        return f"timed out after {timeout:g}s"
-    return type(exc).__name__
+        return f"{where} timed out after {timeout:g}s", True
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"cannot reach {where}: its TLS certificate is not trusted ({exc.certificate_error})", False
+    if isinstance(exc, aiohttp.ClientConnectorSSLError | aiohttp.ClientSSLError):
+        return f"cannot reach {where}: the TLS handshake failed", False
+    if isinstance(exc, aiohttp.ClientConnectorDNSError) or isinstance(
+        getattr(exc, "os_error", None), socket.gaierror
+    ):
+        return f"cannot reach {where}: name resolution failed", False
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        code = exc.os_error.errno
+        words = _OS_ERROR_WORDS.get(code or 0) or (exc.os_error.strerror or "connection failed").lower()
+        return f"cannot reach {where}: {words}", code not in _PERMANENT_OS_ERRORS
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return f"{where} closed the connection before answering", True
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return f"the answer from {where} was cut off", True
+    if isinstance(exc, aiohttp.ClientOSError):
+        words = _OS_ERROR_WORDS.get(exc.errno or 0) or (exc.strerror or "connection failed").lower()
+        return f"connection to {where} failed: {words}", True
+    if isinstance(exc, aiohttp.InvalidURL):
+        return f"invalid URL for {where}", False
+    return f"request to {where} failed", True
+
+
+def _transport_error(
+    exc: BaseException, timeout: float, *, url: str | None = None, host: str | None = None
+) -> TransportError:
+    message, retryable = describe_transport_error(exc, timeout, url=url, host=host)
+    return TransportError(message, retryable=retryable, host=host or (urlsplit(url).netloc if url else None))
 
 
 def _error_codes(body: bytes) -> str:
@@ -334,7 +408,8 @@ class BlobStream:
             self.verified = True
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise TransportError(f"{self._what}: {_describe(exc, self._timeout)}") from None
+            message, retryable = describe_transport_error(exc, self._timeout, url=str(self._response.url))
+            raise TransportError(f"{self._what}: {message}", retryable=retryable) from None
         self._hasher.update(chunk)
         self.bytes_read += len(chunk)
         _count(self._totals, bytes_received=len(chunk))
@@ -540,7 +615,7 @@ class RegistryClient:
         hosts = self._endpoints(ref)
         for index, host in enumerate(hosts):
             try:
-                return await self._retrying(lambda host=host: operation(host))  # type: ignore[misc]
+                return await self._retrying(lambda host=host: operation(host), host=host)  # type: ignore[misc]
             except RegistryError as exc:
                 if index == len(hosts) - 1 or not self._fall_back(exc):
                     raise
@@ -564,14 +639,15 @@ class RegistryClient:
         delay = min(self.settings.backoff_max, self.settings.backoff_base * (2.0**attempt))
         return delay * random.uniform(0.5, 1.0)
 
-    async def _retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(self, operation: Callable[[], Awaitable[T]], host: str | None = None) -> T:
+        """Run `operation`, retrying what may pass (5xx, resets, timeouts, 429) with backoff."""
         attempts = max(1, self.settings.retries)
         for attempt in range(attempts):
             try:
                 return await operation()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                error: RegistryError = TransportError(_describe(exc, self.settings.request_timeout))
-                if attempt == attempts - 1:
+                error = _transport_error(exc, self.settings.request_timeout, host=host)
+                if not error.retryable or attempt == attempts - 1:
                     raise error from None
                 delay = self._backoff(attempt)
             except RegistryError as exc:
@@ -621,8 +697,9 @@ class RegistryClient:
                 method, url, headers=dict(headers), allow_redirects=False, timeout=timeout
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self._observe(host, None, type(exc).__name__)
-            raise
+            error = _transport_error(exc, timeout.total or self.settings.request_timeout, url=url)
+            self._observe(host, None, str(error))
+            raise error from None
         self._observe(host, response.status, None)
         remaining = parse_rate_limit(response.headers.get("ratelimit-remaining"))
         if remaining is not None:
@@ -794,10 +871,18 @@ class RegistryClient:
             if scope and scope not in scopes:
                 scopes.insert(0, scope)
             token, lifetime = await self._retrying(
-                lambda: self._fetch_token(host, challenge, scopes, credentials)
+                lambda: self._fetch_token(host, challenge, scopes, credentials), host=host
             )
             self._tokens.put(key, token, lifetime)
             return token
+
+    def _realm_allowlist(self) -> set[str]:
+        """Configured registries and their mirrors: hosts a token realm may name."""
+        hosts = {entry.host for entry in self.settings.registries}
+        hosts |= {
+            entry.mirror.split("://", 1)[-1].rstrip("/") for entry in self.settings.registries if entry.mirror
+        }
+        return hosts
 
     async def _fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
@@ -806,15 +891,17 @@ class RegistryClient:
             request = build_token_request(challenge, scopes, credentials)
         except ValueError as exc:
             raise Unauthorized(f"{host}: {exc}", host=host) from None
+        try:
+            check_realm(
+                host,
+                request.url,
+                allowlist=self._realm_allowlist(),
+                sends_credentials=request.sends_credentials,
+                insecure_hosts=[entry.host for entry in self.settings.registries if entry.insecure],
+            )
+        except RealmRefused as exc:
+            raise TokenRealmRefused(str(exc), host=host) from None
         realm = urlsplit(request.url)
-        if realm.scheme not in ("http", "https") or not realm.netloc:
-            raise Unauthorized(f"{host}: the token realm is not an http(s) URL", host=host)
-        if realm.scheme == "http" and not (
-            is_loopback(realm.netloc)
-            or self.settings.is_insecure(realm.netloc)
-            or self.settings.is_insecure(host)
-        ):
-            raise InsecureTransport(f"{host}: refusing to fetch a token over plain HTTP from {realm.netloc}")
         _count(self.totals, token_requests=1)
         what = f"token from {realm.netloc}{realm.path} for {host}"
         headers = {"Authorization": request.authorization} if request.authorization else {}
@@ -840,8 +927,11 @@ class RegistryClient:
                     raise RegistryError(f"{what}: unexpected status {response.status}", host=host)
                 body = await response.content.read(65 * 1024)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self._observe(realm.netloc, None, type(exc).__name__)
-            raise
+            error = _transport_error(exc, self.settings.request_timeout, url=request.url)
+            self._observe(realm.netloc, None, str(error))
+            raise TransportError(
+                f"{error} (fetching a token for {host})", retryable=error.retryable, host=host
+            ) from None
         try:
             return parse_token_response(body)
         except ValueError as exc:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from scanner.badges import badges
 from scanner.gpu import gpu_facts
+from scanner.limits import LimitExceeded, scan_too_slow
 from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
@@ -25,6 +26,7 @@ from scanner.settings import ScannerSettings
 from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:
+    from scanner.analysis import AnalysisPool
     from scanner.cache import ScanCache
     from scanner.layers import LayerReader
 
@@ -87,16 +89,26 @@ class Scanner:
         self.store = store
         self.settings = settings or ScannerSettings()
         self._layers: LayerReader | None = None
+        self._pool: AnalysisPool | None = None
         self.on_result = on_result
 
     @property
     def layers(self) -> LayerReader:
         """The layer reader, built on first use: config-only scans never load the tar and libc code."""
         if self._layers is None:
+            from scanner.analysis import AnalysisPool
             from scanner.layers import LayerReader
 
-            self._layers = LayerReader(self.client, self.store, max_layer_bytes=self.settings.max_layer_bytes)
+            self._pool = AnalysisPool(self.settings.analysis_processes)
+            self._layers = LayerReader(
+                self.client, self.store, limits=self.settings.analysis_limits(), pool=self._pool
+            )
         return self._layers
+
+    async def close(self) -> None:
+        """Stop the analysis processes, if any were started."""
+        if self._pool is not None:
+            await self._pool.close()
 
     async def scan(self, text: str, options: ScanOptions | None = None) -> ImageReport:
         """Scan one reference. Never raises for bad input: the report carries the error."""
@@ -106,13 +118,25 @@ class Scanner:
         except ReferenceError as exc:
             return ImageReport(reference=text, error=str(exc))
         with self.client.track() as stats:
+            scan_timeout = asyncio.timeout(self.settings.max_scan_seconds)
             try:
-                report = await self._scan(reference, options)
+                async with scan_timeout:
+                    report = await self._scan(reference, options)
+            except TimeoutError as exc:
+                if not scan_timeout.expired():
+                    report = self._failed(reference, f"timed out: {exc}")
+                else:
+                    report = self._failed(reference, str(scan_too_slow(self.settings.max_scan_seconds)))
+                    report.retryable = False
+            except LimitExceeded as exc:
+                report = self._failed(reference, str(exc))
+                report.retryable = False  # the same bytes cross the same bound every time
             except RegistryError as exc:
                 report = self._failed(reference, str(exc))
             except NotAnImage as exc:
                 report = self._failed(reference, str(exc))
                 report.not_an_image = True
+                report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
             except LayerError as exc:

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from scanner import limits
+
 MiB = 1024 * 1024
 CONFIG_ENV = "GPUBADGE_CONFIG"
 
@@ -53,7 +55,40 @@ class ScannerSettings(BaseSettings):
     )
     max_manifest_bytes: int = Field(default=4 * MiB, description="largest manifest or index read")
     max_config_bytes: int = Field(default=8 * MiB, description="largest image config read")
-    max_layer_bytes: int = Field(default=512 * MiB, description="decompressed bytes read per layer")
+    max_layer_bytes: int = Field(
+        default=512 * MiB,
+        description="decompressed bytes read per layer; past it the libc verdict is unknown (the scan goes on)",
+    )
+    max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, description="layers per image")
+    max_path_bytes: int = Field(
+        default=limits.DEFAULT_MAX_PATH_BYTES, description="bytes in a layer entry's path or link target"
+    )
+    max_symlink_hops: int = Field(
+        default=limits.DEFAULT_MAX_SYMLINK_HOPS,
+        description="symlinks followed per path; more is a loop, as in Linux (ELOOP)",
+    )
+    max_path_components: int = Field(
+        default=limits.DEFAULT_MAX_PATH_COMPONENTS, description="path components resolved per image"
+    )
+    max_layer_entries: int = Field(
+        default=limits.DEFAULT_MAX_LAYER_ENTRIES, description="tar entries per layer"
+    )
+    max_tar_header_bytes: int = Field(
+        default=limits.DEFAULT_MAX_TAR_HEADER_BYTES, description="bytes in one PAX or GNU extended header"
+    )
+    max_layer_records: int = Field(
+        default=limits.DEFAULT_MAX_LAYER_RECORDS,
+        description="entries of one layer the libc analysis keeps (shells, loaders, library dirs, ELF heads)",
+    )
+    max_image_bytes: int = Field(
+        default=limits.DEFAULT_MAX_IMAGE_BYTES, description="decompressed bytes read per image"
+    )
+    max_scan_seconds: float = Field(default=limits.DEFAULT_MAX_SCAN_SECONDS, description="wall time per scan")
+    analysis_processes: int = Field(
+        default=2,
+        ge=0,
+        description="processes that parse layer content off the event loop; 0 parses in the scanning process",
+    )
     concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
     request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
     retries: int = Field(default=4, description="attempts per request, including the first")
@@ -86,6 +121,12 @@ class ScannerSettings(BaseSettings):
         if isinstance(value, list):
             return [{"host": item} if isinstance(item, str) else item for item in value]
         return value
+
+    def analysis_limits(self) -> limits.AnalysisLimits:
+        """The content bounds, as the analysis (possibly in another process) needs them."""
+        return limits.AnalysisLimits(
+            **{name: getattr(self, name) for name in limits.AnalysisLimits.model_fields}
+        )
 
     def registry_config(self, host: str) -> RegistryConfig | None:
         """The configured entry for a registry name or API host, if any."""

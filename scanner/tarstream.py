@@ -7,7 +7,7 @@ Two parts:
   content bytes the consumer needs (0 for none), buffers only that head, and skips the
   rest by counting. It understands ustar, PAX extended headers (`path`, `linkpath`,
   `size`) and GNU long names/links (`L`/`K`); it verifies every header checksum.
-  Memory is bounded by one header, one PAX/GNU record (<= 1 MiB) and the requested head.
+  Memory is bounded by one header, one PAX/GNU record (<= `max_tar_header_bytes`) and the requested head.
 
 - `iter_layer`, the async driver. It pulls compressed chunks from an async iterator,
   picks gzip, zstd or plain tar by magic bytes (falling back to the media type, since
@@ -16,6 +16,15 @@ Two parts:
   consumer stops iterating (use `contextlib.aclosing`), and raises `LayerTooLarge` once
   more than `max_decompressed` bytes come out (decompression-bomb guard). Corrupt input
   (bad gzip/zstd, a bad tar checksum, a truncated archive) raises `CorruptLayer`.
+
+- `LayerFeeder`, the synchronous core of `iter_layer`: push compressed chunks, entries go
+  to a callback, and a `stop()` predicate is asked after every decompressed slice. An
+  analysis process runs it on chunks shipped from the scanning process.
+
+Bounds (`scanner.limits.AnalysisLimits`): a path or link target longer than
+`max_path_bytes`, more than `max_layer_entries` entries, or an extended header larger
+than `max_tar_header_bytes` raise `LimitExceeded`; so does an image past
+`max_image_bytes` or its deadline when a `ScanBudget` is given.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from typing import IO, Literal, Protocol, cast
 
 import zstandard
 
+from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
+
 BLOCK = 512
-MAX_EXTENDED_HEADER = 1 << 20
 DECOMPRESS_SLICE = 256 * 1024
 
 EntryKind = Literal["file", "dir", "symlink", "hardlink", "other"]
@@ -60,6 +70,10 @@ class CorruptLayer(LayerError):
 
 class LayerTooLarge(LayerError):
     """The layer decompressed past the configured limit (decompression-bomb guard)."""
+
+
+class _Stopped(Exception):
+    """The consumer asked to stop mid-chunk; unwinds out of the decompressor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +156,9 @@ def _parse_pax(data: bytes) -> dict[str, str]:
 class TarParser:
     """Pure push parser for tar streams. See the module docstring."""
 
-    def __init__(self, want: WantHead) -> None:
+    def __init__(self, want: WantHead, limits: AnalysisLimits | None = None) -> None:
         self._want = want
+        self._limits = limits or AnalysisLimits()
         self._buffer = bytearray()
         self._need = BLOCK
         self._state: Literal["header", "extended", "head", "skip", "done"] = "header"
@@ -222,8 +237,12 @@ class TarParser:
         size = _number(block[124:136], "size")
         padded = -(-size // BLOCK) * BLOCK
         if typeflag in (ord("x"), ord("g"), ord("L"), ord("K")):
-            if size > MAX_EXTENDED_HEADER:
-                raise CorruptLayer(f"tar extended header of {size} bytes is implausibly large")
+            if size > self._limits.max_tar_header_bytes:
+                raise LimitExceeded(
+                    f"a tar extended header holds {size:,} bytes",
+                    self._limits.max_tar_header_bytes,
+                    "max_tar_header_bytes",
+                )
             self._extended_type = typeflag
             self._extended_size = size
             if padded == 0:
@@ -257,6 +276,19 @@ class TarParser:
             has_data = False
         else:
             kind = "other"
+        longest = max(len(name), len(linkname))
+        if longest > self._limits.max_path_bytes:
+            raise LimitExceeded(
+                f"a layer entry has a path or link target of {longest:,} bytes",
+                self._limits.max_path_bytes,
+                "max_path_bytes",
+            )
+        if self.entries_seen >= self._limits.max_layer_entries:
+            raise LimitExceeded(
+                f"a layer has more than {self._limits.max_layer_entries:,} entries",
+                self._limits.max_layer_entries,
+                "max_layer_entries",
+            )
         if kind == "hardlink":
             linkname = normalise_path(linkname)
         entry = TarEntry(
@@ -403,6 +435,96 @@ class StreamStats:
     reached_end: bool = False
 
 
+class LayerFeeder:
+    """Push compressed layer bytes in; entries come out through `on_entry`. See the module docstring.
+
+    `feed` returns False once no more input is wanted: the archive ended, or `stop()` said
+    so (asked after every decompressed slice, so a consumer can give up inside one huge
+    member or one highly compressed chunk). Call `close` at the end of input.
+    """
+
+    def __init__(
+        self,
+        media_type: str,
+        *,
+        max_decompressed: int,
+        want: WantHead,
+        on_entry: Callable[[TarEntry, bytes], None],
+        stats: StreamStats | None = None,
+        stop: Callable[[], bool] | None = None,
+        limits: AnalysisLimits | None = None,
+        budget: ScanBudget | None = None,
+    ) -> None:
+        self.stats = stats if stats is not None else StreamStats()
+        self._media_type = media_type
+        self._max = max_decompressed
+        self._on_entry = on_entry
+        self._stop = stop
+        self._budget = budget
+        self._parser = TarParser(want, limits or (budget.limits if budget else None))
+        self._decoder: _Decoder | None = None
+        self._sniff = b""
+        self._finished = False
+
+    def _sink(self, data: bytes) -> None:
+        if self._parser.done:
+            return
+        self.stats.decompressed_bytes += len(data)
+        if self.stats.decompressed_bytes > self._max:
+            raise LayerTooLarge(
+                f"layer decompresses to more than {self._max} bytes; stopped reading"
+                " (GPUBADGE_MAX_LAYER_BYTES)"
+            )
+        if self._budget is not None:
+            self._budget.spend_bytes(len(data))
+            self._budget.check_time()
+        for entry, head in self._parser.feed(data):
+            self.stats.entries += 1
+            self._on_entry(entry, head)
+        if self._parser.done or (self._stop is not None and self._stop()):
+            raise _Stopped
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take the next compressed chunk; False when no more input is wanted."""
+        if self._finished:
+            return False
+        if not chunk:
+            return True
+        self.stats.compressed_bytes += len(chunk)
+        if self._decoder is None:
+            self._sniff += chunk
+            if len(self._sniff) < 262:
+                return True
+            self.stats.compression = detect_compression(self._sniff, self._media_type)
+            self._decoder, chunk, self._sniff = _decoder(self.stats.compression), self._sniff, b""
+        try:
+            self._decoder.feed(chunk, self._sink)
+        except _Stopped:
+            self._finished = True
+            self.stats.reached_end = self._parser.done
+            return False
+        return True
+
+    def close(self) -> None:
+        """End of input: raises CorruptLayer when the archive stopped mid-way."""
+        if self._finished:
+            return
+        if self._decoder is None:
+            if not self._sniff:
+                raise CorruptLayer("layer is empty: no data")
+            self.stats.compression = detect_compression(self._sniff, self._media_type)
+            self._decoder = _decoder(self.stats.compression)
+            try:
+                self._decoder.feed(self._sniff, self._sink)
+            except _Stopped:
+                self._finished = True
+                self.stats.reached_end = self._parser.done
+                return
+        self._finished = True
+        self._parser.close()
+        self.stats.reached_end = True
+
+
 async def iter_layer(
     chunks: AsyncIterator[bytes],
     media_type: str,
@@ -411,55 +533,29 @@ async def iter_layer(
     want: WantHead,
     stats: StreamStats | None = None,
     stop: Callable[[], bool] | None = None,
+    limits: AnalysisLimits | None = None,
 ) -> AsyncGenerator[tuple[TarEntry, bytes], None]:
     """Yield `(entry, head)` for each member of a layer blob; see the module docstring.
 
     `stop()` is asked after every chunk, so a consumer can give up even in the middle of
     one huge member. `stats.reached_end` is True only when the whole archive was parsed.
     """
-    stats = stats if stats is not None else StreamStats()
-    parser = TarParser(want)
-    decoder: _Decoder | None = None
-    sniff = b""
     ready: list[tuple[TarEntry, bytes]] = []
-
-    def sink(data: bytes) -> None:
-        if parser.done:
-            return
-        stats.decompressed_bytes += len(data)
-        if stats.decompressed_bytes > max_decompressed:
-            raise LayerTooLarge(f"layer decompresses to more than {max_decompressed} bytes; stopped reading")
-        ready.extend(parser.feed(data))
-
+    feeder = LayerFeeder(
+        media_type,
+        max_decompressed=max_decompressed,
+        want=want,
+        on_entry=lambda entry, head: ready.append((entry, head)),
+        stats=stats,
+        limits=limits,
+    )
     async for chunk in chunks:
-        if not chunk:
-            continue
-        stats.compressed_bytes += len(chunk)
-        if decoder is None:
-            sniff += chunk
-            if len(sniff) < 262:
-                continue
-            stats.compression = detect_compression(sniff, media_type)
-            decoder, chunk, sniff = _decoder(stats.compression), sniff, b""
-        decoder.feed(chunk, sink)
+        wanted = feeder.feed(chunk)
         for item in ready:
-            stats.entries += 1
             yield item
         ready.clear()
-        if parser.done:
-            stats.reached_end = True
+        if not wanted or (stop is not None and stop()):
             return
-        if stop is not None and stop():
-            return
-    if decoder is None:
-        if not sniff:
-            raise CorruptLayer("layer is empty: no data")
-        stats.compression = detect_compression(sniff, media_type)
-        decoder = _decoder(stats.compression)
-        decoder.feed(sniff, sink)
-        for item in ready:
-            stats.entries += 1
-            yield item
-        ready.clear()
-    parser.close()
-    stats.reached_end = True
+    feeder.close()
+    for item in ready:
+        yield item

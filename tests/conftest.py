@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,13 @@ from fixtures.postgres import LocalPostgres, postgres_unavailable_reason, run_po
 from fixtures.registry import LocalRegistry, run_registry
 
 Pusher = Callable[[ImageSpec | list[ImageSpec], str], str]
+# Set by `make test`, which installs Docker first: a Docker engine that cannot start is then a
+# failure, not a skip, so a broken CI host cannot pass by skipping every agent test.
+REQUIRE_DOCKER_ENV = "GPUBADGE_REQUIRE_DOCKER"
+
+
+def docker_required() -> bool:
+    return os.environ.get(REQUIRE_DOCKER_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +105,8 @@ def open_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ope
 def dockerd() -> Iterator[LocalDockerd]:
     """One private dockerd (stand-in `nvidia` runtime) for every Docker test: vfs makes starts slow."""
     reason = dockerd_unavailable_reason() or busybox_unavailable_reason()
+    if reason and docker_required():
+        pytest.fail(f"{REQUIRE_DOCKER_ENV} is set (make test installs Docker), but {reason}", pytrace=False)
     if reason:
         pytest.skip(reason)
     with run_dockerd() as daemon:

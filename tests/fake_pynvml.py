@@ -15,6 +15,13 @@ NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_GPU_IS_LOST = 15
 
+# nvmlBrandType_t values (nvml.h); what the GPUs below report on a current (R535+) driver.
+NVML_BRAND_TESLA = 2
+NVML_BRAND_GEFORCE = 5
+NVML_BRAND_NVIDIA_RTX = 13
+NVML_BRAND_NVIDIA = 14
+NVML_BRAND_NVIDIA_NPU = 19  # newer than libnvidia-container's table
+
 
 class NVMLError(Exception):
     def __init__(self, value: int) -> None:
@@ -33,7 +40,7 @@ class NVMLError(Exception):
 class FakeGpu:
     uuid: str
     name: str
-    brand: int
+    brand: int | None  # None: nvmlDeviceGetBrand answers NOT_SUPPORTED
     memory_bytes: int
     compute_capability: tuple[int, int]
     mig_mode: tuple[int, int] | None = None  # None: MIG not supported
@@ -79,6 +86,8 @@ class FakeNvml:
         return handle.name.encode()  # older nvidia-ml-py returned bytes
 
     def nvmlDeviceGetBrand(self, handle: FakeGpu) -> int:
+        if handle.brand is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return handle.brand
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu) -> Any:
@@ -94,8 +103,28 @@ class FakeNvml:
 
 
 def h100(uuid: str = "GPU-11111111-2222-3333-4444-555555555555") -> FakeGpu:
-    return FakeGpu(uuid, "NVIDIA H100 80GB HBM3", 2, 81559 * 1024 * 1024, (9, 0), mig_mode=(0, 0))
+    """Data-center GPUs report NVML_BRAND_NVIDIA ("Product Brand: NVIDIA") on current drivers."""
+    return FakeGpu(
+        uuid, "NVIDIA H100 80GB HBM3", NVML_BRAND_NVIDIA, 81559 * 1024 * 1024, (9, 0), mig_mode=(0, 0)
+    )
 
 
 def a100_mig(uuid: str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee") -> FakeGpu:
-    return FakeGpu(uuid, "NVIDIA A100-SXM4-40GB", 2, 40960 * 1024 * 1024, (8, 0), mig_mode=(1, 1))
+    return FakeGpu(
+        uuid, "NVIDIA A100-SXM4-40GB", NVML_BRAND_NVIDIA, 40960 * 1024 * 1024, (8, 0), mig_mode=(1, 1)
+    )
+
+
+def t4_old_driver(uuid: str = "GPU-44444444-4444-4444-4444-444444444444") -> FakeGpu:
+    """A Tesla T4 as a pre-R510 driver reports it: NVML_BRAND_TESLA."""
+    return FakeGpu(uuid, "Tesla T4", NVML_BRAND_TESLA, 15360 * 1024 * 1024, (7, 5))
+
+
+def rtx_4090(uuid: str = "GPU-40904090-4090-4090-4090-409040904090") -> FakeGpu:
+    """GeForce cards report NVML_BRAND_GEFORCE; nvml.h marks GEFORCE_RTX (15) as unused."""
+    return FakeGpu(uuid, "NVIDIA GeForce RTX 4090", NVML_BRAND_GEFORCE, 24564 * 1024 * 1024, (8, 9))
+
+
+def rtx_a6000(uuid: str = "GPU-a6000a60-00a6-000a-6000-a6000a6000a6") -> FakeGpu:
+    """Professional RTX cards report NVML_BRAND_NVIDIA_RTX ("NVIDIA RTX") on current drivers."""
+    return FakeGpu(uuid, "NVIDIA RTX A6000", NVML_BRAND_NVIDIA_RTX, 49140 * 1024 * 1024, (8, 6))

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from agent.client import ServiceClient
 from agent.loop import Agent, AgentSettings
+from agent.main import make_discovery
 from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner, pull_reference
 from fixtures.busybox import busybox_image, gpu_busybox_image
 from fixtures.dockerd import LocalDockerd
@@ -65,7 +66,7 @@ async def peer() -> AsyncIterator[tuple[ProtocolPeer, str]]:
 
 def gpu_server(name: str, modes: list[RuntimeMode]) -> Server:
     gpus = [
-        Gpu(index=i, uuid=u, name="NVIDIA H100", brand="Tesla", compute_capability="9.0")
+        Gpu(index=i, uuid=u, name="NVIDIA H100", brand="Nvidia", compute_capability="9.0")
         for i, u in enumerate(UUIDS)
     ]
     return Server(
@@ -336,3 +337,45 @@ async def test_containers_left_by_a_previous_agent_are_reported(
     assert (final.exit_code, final.logs, final.container_id) == (7, "bye\n", exited.id)
     assert resumed.container_id == created.id
     assert own_containers(dockerd, "left-a") == []
+
+
+def test_inventory_file_does_not_hide_the_engines_runtimes(dockerd: LocalDockerd, tmp_path: Path) -> None:
+    """The file replaces NVML, not `docker info`: the engine's `nvidia` runtime is still offered."""
+    inventory = tmp_path / "server.json"
+    inventory.write_text(
+        json.dumps(gpu_server("file-b", []).model_dump(mode="json", exclude={"runtime_modes"}))
+    )
+    client = docker.DockerClient(base_url=dockerd.host)
+    try:
+        server, reason = make_discovery("file-b", DockerRunner(client, "file-b"), inventory)()
+        assert reason is None and server.runtime_modes[0] == "runtime"
+        inventory.write_text(json.dumps(gpu_server("file-b", ["cdi"]).model_dump(mode="json")))
+        declared, _ = make_discovery("file-b", DockerRunner(client, "file-b"), inventory)()
+        assert declared.runtime_modes[0] == "runtime" and declared.runtime_modes[-1] == "cdi"
+    finally:
+        client.close()
+    unreachable = DockerRunner(
+        docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.41"), "file-b"
+    )
+    offline, _ = make_discovery("file-b", unreachable, inventory)()
+    assert offline.runtime_modes == ["cdi"]  # the engine cannot be asked: the file is all there is
+
+
+async def test_agent_with_an_inventory_file_without_modes_runs_gpu_deployments(
+    dockerd: LocalDockerd, images: dict[str, tuple[str, str]], peer: tuple[ProtocolPeer, str], tmp_path: Path
+) -> None:
+    service, url = peer
+    inventory = tmp_path / "server.json"
+    inventory.write_text(
+        json.dumps(gpu_server("file-a", []).model_dump(mode="json", exclude={"runtime_modes"}))
+    )
+    agent = await _agent_process(url, dockerd, inventory)
+    try:
+        await service.add(deployment("file-gpu-1", images["gpu"], [UUIDS[0]], ["sh", "-c", "exit 0"]))
+        final = await service.wait_state("file-gpu-1", "exited")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(agent.wait(), 10)
+    assert final.exit_code == 0, final.reason
+    assert "runtime" in service.registrations[0].runtime_modes
+    assert dockerd.runtime_spec(final.container_id or "") is not None  # through the nvidia runtime

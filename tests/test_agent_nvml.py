@@ -8,10 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from agent.host import build_server, detect_runtime_modes, load_server_file
+from agent.host import build_server, detect_runtime_modes, load_server_file, merge_runtime_modes
 from agent.main import make_discovery
 from agent.nvml import brand_name, format_cuda_version, read_nvml
-from tests.fake_pynvml import NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, a100_mig, h100
+from placement.decide import ImageFacts, decide
+from placement.request import DeployRequest
+from scanner.models import GpuFacts, ImageReport, PlatformReport
+from tests.fake_pynvml import (
+    NVML_BRAND_NVIDIA_NPU,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    FakeGpu,
+    FakeNvml,
+    a100_mig,
+    h100,
+    rtx_4090,
+    rtx_a6000,
+    t4_old_driver,
+)
 
 
 def test_h100_and_a100_mig() -> None:
@@ -23,7 +36,7 @@ def test_h100_and_a100_mig() -> None:
     first, second = facts.gpus
     assert (first.index, first.uuid, first.name) == (0, h100().uuid, "NVIDIA H100 80GB HBM3")
     assert (first.brand, first.memory_mib, first.compute_capability, first.mig) == (
-        "Tesla",
+        "Nvidia",  # NVML_BRAND_NVIDIA: what an H100 reports on a current driver
         81559,
         "9.0",
         False,
@@ -33,10 +46,10 @@ def test_h100_and_a100_mig() -> None:
 
 
 def test_gpu_without_mig_support_and_a_lost_gpu() -> None:
-    geforce = FakeGpu("GPU-g", "NVIDIA GeForce RTX 4090", 15, 24564 * 1024 * 1024, (8, 9), mig_mode=None)
+    geforce = rtx_4090("GPU-g")
     lost = FakeGpu("GPU-lost", "gone", 2, 0, (8, 0), lost=True)
     facts = read_nvml(FakeNvml(gpus=[geforce, lost]))
-    assert [(g.uuid, g.brand, g.mig) for g in facts.gpus] == [("GPU-g", "GeForceRTX", False)]
+    assert [(g.uuid, g.brand, g.mig) for g in facts.gpus] == [("GPU-g", "GeForce", False)]
 
 
 def test_no_gpus_is_a_cpu_server_with_a_reason() -> None:
@@ -65,9 +78,13 @@ def test_pynvml_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, "Tesla"),
         (5, "GeForce"),
         (11, "CloudGaming"),
+        (13, "NvidiaRTX"),
+        (14, "Nvidia"),
         (16, "TitanRTX"),
         (0, "Unknown"),
-        (17, "Unknown"),
+        (17, "Unknown"),  # DLA
+        (18, "Unknown"),  # vGameDev
+        (19, "Unknown"),  # NPU: NVML knows it, libnvidia-container does not
     ],
 )
 def test_brand_names_follow_the_runtime(brand: int, name: str) -> None:
@@ -129,3 +146,51 @@ def test_host_discovery_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     server, reason = discover()
     assert server.gpus == [] and server.name == "box" and server.cpus > 0 and server.memory > 0
     assert reason is not None and "pynvml" in reason
+
+
+def test_inventory_modes_add_to_the_engines() -> None:
+    assert merge_runtime_modes(["runtime", "device-requests"], []) == ["runtime", "device-requests"]
+    assert merge_runtime_modes(["runtime"], ["cdi", "runtime"]) == ["runtime", "cdi"]
+    assert merge_runtime_modes([], ["cdi"]) == ["cdi"]
+    assert merge_runtime_modes(None, ["runtime"]) == ["runtime"]
+
+
+def test_a_gpu_whose_brand_nvml_cannot_tell_is_kept_with_an_unknown_brand() -> None:
+    silent = FakeGpu("GPU-s", "NVIDIA L4", None, 23034 * 1024 * 1024, (8, 9))
+    facts = read_nvml(FakeNvml(gpus=[silent]))
+    assert [(gpu.uuid, gpu.brand) for gpu in facts.gpus] == [("GPU-s", "")]
+
+
+def _brand_image(requirement: str) -> ImageFacts:
+    env = {"NVIDIA_REQUIRE_BRAND": requirement, "NVIDIA_VISIBLE_DEVICES": "all"}
+    platform = PlatformReport(
+        platform="linux/amd64", digest="sha256:" + "4" * 64, gpu=GpuFacts(required=True, env=env)
+    )
+    return ImageFacts.from_report(ImageReport(reference="brand-test", platforms=[platform]))
+
+
+@pytest.mark.parametrize(
+    ("gpu", "requirement", "eligible"),
+    [
+        # NVIDIA's own images list both names: current libnvidia-container says Nvidia, pre-2022 Unknown.
+        (h100(), "brand=nvidia brand=unknown", True),
+        (h100(), "brand=NVIDIA brand=UNKNOWN", True),  # the runtime compares brands case-insensitively
+        (h100(), "brand=tesla", False),  # a current driver no longer calls an H100 Tesla
+        (h100(), "brand=tesla brand=nvidia brand=unknown", True),
+        # Placement is conservative: brand=nvidia alone fails under a pre-2022 libnvidia-container.
+        (h100(), "brand=nvidia", False),
+        (a100_mig(), "brand=nvidia brand=unknown", True),
+        (t4_old_driver(), "brand=tesla", True),
+        (rtx_4090(), "brand=geforce", True),
+        (rtx_4090(), "brand=geforcertx", False),
+        (rtx_a6000(), "brand=nvidiartx brand=unknown", True),
+        (FakeGpu("GPU-n", "NVIDIA NPU", NVML_BRAND_NVIDIA_NPU, 1 << 34, (9, 0)), "brand=unknown", True),
+        (FakeGpu("GPU-q", "NVIDIA L4", None, 1 << 34, (8, 9)), "brand=tesla", True),  # NULL brand: true
+    ],
+)
+def test_brand_clauses_match_what_the_runtime_sees(gpu: FakeGpu, requirement: str, eligible: bool) -> None:
+    """From NVML (as real hardware reports today) through the agent's server to a placement verdict."""
+    facts = read_nvml(FakeNvml(gpus=[gpu], driver_version="550.54.15", cuda_version=12040))
+    server = build_server("node", facts, ["runtime"], arch="x86_64", cpus=8, memory=1 << 36)
+    decision = decide(_brand_image(requirement), DeployRequest(), [server])
+    assert [entry["server"] for entry in decision.eligible] == (["node"] if eligible else [])

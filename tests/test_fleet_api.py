@@ -92,13 +92,20 @@ async def _post(
 async def test_eligibility_scans_first_and_explains_every_rejection(
     service: RunningService, registry: LocalRegistry
 ) -> None:
+    request = {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1}
     async with aiohttp.ClientSession() as session:
-        status, body = await _post(
-            session,
-            f"{service.url}/api/eligibility",
-            {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1},
-        )
-    assert status == 200, body
+        # Without the API token a never-scanned image is not scanned: 404, saying how to ask.
+        status, body = await _post(session, f"{service.url}/api/eligibility", request)
+        assert status == 404, body
+        assert "has not been scanned" in body["error"] and "POST /api/scans" in body["error"]
+        async with session.get(f"{service.url}/api/scans") as response:
+            assert (await response.json())["jobs"] == []
+        status, body = await _post(session, f"{service.url}/api/eligibility", request, API_TOKEN)
+        assert status == 200, body
+        # Stored now: the same read without the token answers from the store.
+        status, again = await _post(session, f"{service.url}/api/eligibility", request)
+    assert status == 200, again
+    assert again["eligible"] == body["eligible"]
     assert [entry["server"] for entry in body["eligible"]] == ["h100-new"]
     assert body["eligible"][0]["gpus"] == ["GPU-h100-new-0"]
     reasons = {entry["server"]: entry["reasons"] for entry in body["ineligible"]}
@@ -109,7 +116,7 @@ async def test_eligibility_scans_first_and_explains_every_rejection(
 async def test_cpu_image_fits_anywhere_matching(service: RunningService, registry: LocalRegistry) -> None:
     async with aiohttp.ClientSession() as session:
         status, body = await _post(
-            session, f"{service.url}/api/eligibility", {"image": f"{registry.host}/fleet/static:1"}
+            session, f"{service.url}/api/eligibility", {"image": f"{registry.host}/fleet/static:1"}, API_TOKEN
         )
     assert status == 200
     assert {entry["server"] for entry in body["eligible"]} == {"h100-new", "t4-old"}

@@ -241,3 +241,31 @@ def test_badges_for_typical_images() -> None:
         "requirement-error",
         "musl",
     ]
+
+
+def _cuda_version_cases() -> list[dict[str, str]]:
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "cuda_version_cases.json"
+    cases: list[dict[str, str]] = json.loads(path.read_text())["cases"]
+    return cases
+
+
+@pytest.mark.parametrize("case", _cuda_version_cases(), ids=lambda case: repr(case["cuda_version"]))
+def test_cuda_version_parses_as_masterminds_semver_does(case: dict[str, str]) -> None:
+    expected = None if case["expect"] == "error" else case["expect"]
+    assert cuda_major_minor(case["cuda_version"]) == expected, case["why"]
+    legacy = gpu_facts({"config": {"Env": [f"CUDA_VERSION={case['cuda_version']}"]}})
+    if case["cuda_version"] and expected is None:
+        assert [issue.variable for issue in legacy.requirement_errors] == ["CUDA_VERSION"]
+        assert legacy.effective_requirements == []
+    elif expected is not None:
+        assert legacy.requirement_errors == [] and legacy.effective_requirements == [f"cuda>={expected}"]
+
+
+def test_no_cuda_version_warning_when_requirements_are_disabled() -> None:
+    """With NVIDIA_DISABLE_REQUIRE the hook checks nothing, so a bad CUDA_VERSION cannot stop the start."""
+    env = ["CUDA_VERSION=8-.", "NVIDIA_DISABLE_REQUIRE=true"]
+    facts = gpu_facts({"config": {"Env": env}})
+    assert facts.requirement_errors == [] and facts.effective_requirements == []
+    assert facts.required and facts.legacy  # still a GPU image, still legacy
+    warned = gpu_facts({"config": {"Env": ["CUDA_VERSION=8-.", "NVIDIA_DISABLE_REQUIRE=yes"]}})
+    assert [issue.variable for issue in warned.requirement_errors] == ["CUDA_VERSION"]  # ParseBool: not true

@@ -293,7 +293,8 @@ async def test_a_corrupt_layer_before_any_evidence_leaves_the_verdict_unknown() 
 
 async def test_layer_evidence_round_trips_through_the_cache() -> None:
     run = await analyse([CUDA_LAYER, UBUNTU])
-    assert run.evidences[0].complete and not run.evidences[1].complete  # the base stopped at bash
+    # Both small layers end inside one decompressed slice, so both are read to the end.
+    assert run.evidences[0].complete and run.evidences[1].complete
     cached = [LayerEvidence.model_validate_json(e.model_dump_json()) for e in run.evidences]
     assert combine(cached).model_dump(exclude={"bytes_read"}) == run.verdict.model_dump(
         exclude={"bytes_read"}

@@ -129,6 +129,9 @@ def test_memory_tolerance(reported_mib: int, wanted: str, expected: bool) -> Non
         ("NVIDIA Virtual Compute Server", ("VCS", "Unknown")),
         ("NvidiaVApps", ("VApps", "Unknown")),
         ("14", ("Nvidia", "Unknown")),
+        ("19", ("Unknown",)),  # NVML's NPU brand: libnvidia-container has no name for it
+        ("NVML_BRAND_NVIDIA_VGAMEDEV", ("Unknown",)),
+        ("NvidiaDLA", ("Unknown",)),
         ("", ()),
     ],
 )
@@ -486,7 +489,7 @@ class FleetService:
             return response.status, await response.json()
 
     async def eligibility(self, **request: Any) -> dict[str, Any]:
-        status, body = await self.post("/api/eligibility", {"image": self.image, **request})
+        status, body = await self.post("/api/eligibility", {"image": self.image, **request}, API_TOKEN)
         assert status == 200, body
         return dict(body)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from scanner.reference import Reference, ReferenceError, parse_reference
@@ -67,13 +71,15 @@ def test_parse_and_normalise(
         ("alpine@md5:" + "a" * 32, "unsupported algorithm 'md5'"),
         ("alpine@", "empty digest"),
         ("https://ghcr.io/a/b", "URL scheme"),
-        ("ghcr.io/a//b", "repository component ''"),
+        ("ghcr.io/a//b", "repository component is empty"),
         ("ghcr.io/a/-b", "repository component '-b'"),
         ("a" * 64, "image ID"),
         ("bad_host.io:/x", "registry host 'bad_host.io:'"),
         ("ex_ample.com/app", "registry host 'ex_ample.com'"),
         ("my-registry-.io:5000/app", "registry host 'my-registry-.io:5000'"),
-        ("ghcr.io/" + "a" * 260, "longer than 255"),
+        ("ghcr.io/" + "a" * 260, "over the 255-character limit"),
+        ("alpine\n", "surrounding whitespace"),
+        ("alpine:lätest", "only ASCII"),
     ],
 )
 def test_errors_name_the_bad_part(text: str, names: str) -> None:
@@ -81,6 +87,56 @@ def test_errors_name_the_bad_part(text: str, names: str) -> None:
         parse_reference(text)
     assert names in str(caught.value)
     assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("text", "shows"),
+    [
+        ("", "[registry[:port]/]repository[:tag]"),
+        ("https://ghcr.io/a/b", "[registry[:port]/]repository[:tag]"),
+        ("ghcr.io/Owner/app", "(e.g. 'owner/app')"),
+        ("alpine:bad+tag", "(e.g. 'v1.2.0-cuda12')"),
+        ("alpine@md5:" + "a" * 32, "'sha256:<64 hex characters>'"),
+        ("ghcr.io/a/b_-c", "(e.g. 'my-org/my_app.v2')"),
+        ("ex_ample.com/app", "(e.g. 'registry.example.com:5000'"),
+    ],
+)
+def test_errors_show_the_expected_form(text: str, shows: str) -> None:
+    with pytest.raises(ReferenceError) as caught:
+        parse_reference(text)
+    assert shows in str(caught.value)
+
+
+def test_errors_stay_short_for_huge_input() -> None:
+    with pytest.raises(ReferenceError) as caught:
+        parse_reference("ghcr.io/" + "A" * 100_000)
+    assert len(str(caught.value)) < 1000
+
+
+def _reference_cases() -> list[dict[str, Any]]:
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "reference_cases.json"
+    cases: list[dict[str, Any]] = json.loads(path.read_text())["cases"]
+    return cases
+
+
+@pytest.mark.parametrize(
+    "case", _reference_cases(), ids=lambda case: f"{case['source'].split()[1]}:{case['input'][:60]!r}"
+)
+def test_reference_implementations_tables(case: dict[str, Any]) -> None:
+    """distribution/reference's and go-containerregistry's own cases; differences are noted in the data."""
+    if not case["valid"]:
+        with pytest.raises(ReferenceError):
+            parse_reference(case["input"])
+        return
+    ref = parse_reference(case["input"])
+    got = {"registry": ref.registry, "repository": ref.repository, "tag": ref.tag, "digest": ref.digest}
+    assert got == {key: case[key] for key in got}, case.get("note", case["source"])
+
+
+def test_reference_tables_cover_both_implementations() -> None:
+    sources = {case["source"].split("@")[0] for case in _reference_cases()}
+    assert {"distribution/reference", "google/go-containerregistry"} <= sources
+    assert sum(not case["valid"] for case in _reference_cases()) > 50
 
 
 def test_identifier_api_host_and_replacements() -> None:

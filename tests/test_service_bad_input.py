@@ -5,6 +5,8 @@ echoed, and the service still answers /healthz afterwards.
 
 from __future__ import annotations
 
+import base64
+import copy
 import hashlib
 import hmac
 import json
@@ -23,6 +25,7 @@ from tests.test_service_e2e import WEBHOOKS, by_ref, call
 SECRET = "bad-input-hook-secret-91d2"
 TOKEN = "bad-input-api-token-5e77"
 MAX_BODY = 64 * 1024
+JSON_MAX_STRING = 4096
 
 
 @dataclass
@@ -70,6 +73,8 @@ def service(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -
         "GPUBADGE_API_TOKEN": TOKEN,
         "GPUBADGE_MAX_BODY_BYTES": str(MAX_BODY),
         "GPUBADGE_COALESCE_SECONDS": "60",  # digest-only pushes stay queued: a stable "pending"
+        "GPUBADGE_JSON_MAX_STRING": str(JSON_MAX_STRING),  # below MAX_BODY, so a long string fits a body
+        "GPUBADGE_JFROG_REGISTRY": registry.host,
     }
     with run_service_process(tmp_path_factory.mktemp("bad") / "bad.db", env=env) as running:
         yield running
@@ -218,6 +223,104 @@ def test_oversized_bodies_are_413(service: RunningService, registry: LocalRegist
     assert queue_total(service) == before
 
 
+# ------------------------------------------------------------------ hostile and malformed payloads, per sender
+
+
+def nested(depth: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(depth):
+        value = {"deeper": [value]}
+    return value
+
+
+def _set(payload: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(payload)
+    *parents, last = path.split(".")
+    target = changed
+    for key in parents:
+        target = target[key][0] if isinstance(target[key], list) else target[key]
+    target[last] = value
+    return changed
+
+
+def _gar_with(event: Any) -> dict[str, Any]:
+    payload = json.loads((WEBHOOKS / "gar_pubsub.json").read_text())
+    payload["message"]["data"] = base64.b64encode(json.dumps(event).encode()).decode()
+    return payload
+
+
+# (source, fixture) -> one field of the real payload set to a value of the wrong type or shape.
+WRONG_FIELDS: dict[str, tuple[str, str, Any]] = {
+    "dockerhub": ("dockerhub_push.json", "push_data.tag", 42),
+    "harbor": ("harbor_push_default.json", "event_data.resources", "all of them"),
+    "ecr": ("ecr_push.json", "detail.repository-name", ["x"]),
+    "jfrog": ("jfrog_pushed.json", "data", "manifest.json"),
+    "gar": ("gar_pubsub.json", "message.data", "%%% not base64 %%%"),
+}
+HOSTILE_SOURCES = sorted(WRONG_FIELDS)
+
+
+def hostile_bodies(source: str) -> dict[str, bytes]:
+    """Each way to break one sender's real payload, keyed by what is wrong with it."""
+    fixture, path, wrong = WRONG_FIELDS[source]
+    raw = (WEBHOOKS / fixture).read_bytes()
+    payload = json.loads(raw)
+    bodies = {
+        "truncated": raw[: len(raw) // 2],
+        "array": b"[" + raw + b"]",
+        "wrong-field": json.dumps(_set(payload, path, wrong)).encode(),
+        "too-deep": json.dumps({**payload, "extra": nested(40)}).encode(),
+        "huge-number": json.dumps(payload).encode()[:-1] + b', "n": 1' + b"0" * 40 + b"}",
+        "infinite-number": json.dumps(payload).encode()[:-1] + b', "n": 1e999}',
+        "nan": json.dumps(payload).encode()[:-1] + b', "n": NaN}',
+        "long-string": json.dumps({**payload, "note": "x" * (JSON_MAX_STRING + 1)}).encode(),
+        "long-key": json.dumps({**payload, "k" * (JSON_MAX_STRING + 1): 1}).encode(),
+        "deep-recursion": b'{"x": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+    }
+    if source == "gar":  # the wrapped event is JSON too, and bounded the same way
+        event = json.loads(base64.b64decode(payload["message"]["data"]))
+        bodies["inner-too-deep"] = json.dumps(_gar_with({**event, "extra": nested(40)})).encode()
+        bodies["inner-not-object"] = json.dumps(_gar_with([event])).encode()
+        bodies["inner-wrong-field"] = json.dumps(_gar_with({**event, "action": 7})).encode()
+    return bodies
+
+
+EXPECTED_REASON = {
+    "too-deep": "nested deeper than",
+    "inner-too-deep": "nested deeper than",
+    "deep-recursion": "nested deeper than",
+    "huge-number": "out of range",
+    "infinite-number": "out of range",
+    "nan": "not a JSON number",
+    "long-string": "longer than",
+    "long-key": "longer than",
+}
+
+
+@pytest.mark.parametrize("source", HOSTILE_SOURCES)
+def test_hostile_and_malformed_payloads_are_400_and_queue_nothing(
+    service: RunningService, source: str
+) -> None:
+    before = queue_total(service)
+    for what, body in hostile_bodies(source).items():
+        reply = hook(service, source, body, BEARER)
+        assert reply.status == 400, (source, what, reply.text)
+        error = reply.body["error"]
+        assert error.startswith(f"malformed {source} webhook"), (what, error)
+        assert EXPECTED_REASON.get(what, "") in error, (what, error)
+        assert "x" * 100 not in error  # the offending value is not echoed back whole
+    assert queue_total(service) == before
+
+
+def test_the_unbroken_payloads_are_accepted(service: RunningService, registry: LocalRegistry) -> None:
+    """The control for the test above: the same real payloads, unmodified, are not refused as malformed."""
+    for source in HOSTILE_SOURCES:
+        fixture = WRONG_FIELDS[source][0]
+        reply = hook(service, source, (WEBHOOKS / fixture).read_bytes(), BEARER)
+        # 202, or 403 for a payload that names a registry outside this service's allowlist.
+        assert reply.status in (202, 403), (source, reply.text)
+
+
 # ------------------------------------------------------------------ the scan API
 
 
@@ -231,7 +334,11 @@ def test_oversized_bodies_are_413(service: RunningService, registry: LocalRegist
         {"ref": "a b"},
         {"reference": "alpine"},
         {"ref": 42},
+        {"ref": "x" * 5000},
+        {"ref": {"deeper": nested(40)}},
+        {"ref": "alpine", "n": 10**40},
     ],
+    ids=["empty", "upper", "short-digest", "long-tag", "space", "wrong-key", "number", "long", "deep", "big"],
 )
 def test_invalid_refs_are_400(service: RunningService, body: dict[str, Any]) -> None:
     before = queue_total(service)

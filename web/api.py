@@ -19,8 +19,9 @@ from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from store import Job
 from web import hooks
-from web.errors import json_error, json_http_error
-from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.errors import json_error, json_http_error, read_json
+from web.scan_requests import ScanRefused, request_scan
+from web.security import bearer_token, redact_secrets, token_matches
 from web.state import Services, services_of
 
 log = logging.getLogger(__name__)
@@ -51,18 +52,12 @@ class JobView(BaseModel):
             reference=job.reference,
             state=job.state,
             attempts=job.attempts,
-            error=job.error,
+            error=redact_secrets(job.error) if job.error else job.error,
             digest=job.result_digest,
             source=job.source,
             created_at=job.created_at,
             updated_at=job.updated_at,
         )
-
-
-def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def require_api_token(request: web.Request) -> None:
@@ -103,6 +98,13 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return json_error(413, f"body larger than {settings.max_body_bytes} bytes")
+    if settings.webhook_refused(source):
+        log.warning("webhook from %s refused: no secret is configured for source %s", request.remote, source)
+        return json_error(
+            401,
+            f"{source} webhooks are not accepted here: no secret is configured for {source}"
+            " (webhook_secrets lists the accepted sources)",
+        )
     try:
         hooks.authenticate(source, body, request.headers, request.query, settings.webhook_secret_for(source))
     except hooks.WebhookAuthError as exc:
@@ -110,7 +112,9 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         return json_error(401, str(exc))
     default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
-        events = hooks.normalise(source, body, request.headers, default_registry=default_registry)
+        events = hooks.normalise(
+            source, body, request.headers, default_registry=default_registry, limits=settings.json_limits()
+        )
     except hooks.WebhookError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
     refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
@@ -144,7 +148,10 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
 
 
 def _report_json(report: ImageReport) -> dict[str, Any]:
-    return report.model_dump(mode="json")
+    body = report.model_dump(mode="json")
+    if body.get("error"):
+        body["error"] = redact_secrets(body["error"])
+    return body
 
 
 def _bool_param(value: str | None, name: str) -> bool | None:
@@ -268,8 +275,9 @@ async def image_by_ref(request: web.Request) -> web.Response:
 async def create_scan(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        body = ScanBody.model_validate_json(await request.read())
+        body = ScanBody.model_validate(data)
     except ValidationError as exc:
         return json_error(
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}

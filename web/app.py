@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from scanner.models import ImageReport
 from scanner.registry import RegistryClient
@@ -19,7 +20,9 @@ from scanner.scan import Scanner
 from store import LeaseExpiry, open_store
 from web import api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
+from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
+from web.security import private_reads
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services
 from web.worker_process import worker_settings
@@ -29,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
+    settings.check_consistent()
     store = open_store(
         settings.db,
         synchronous=settings.sqlite_synchronous,
@@ -37,13 +41,15 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         database_url=settings.database_url.get_secret_value() if settings.database_url else None,
     )
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    middlewares: list[Middleware] = [error_middleware]
+    if not settings.public_reads:
+        middlewares.append(private_reads(settings))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
     for routes in (api, health, openapi, fleet, ui, ui_fleet):
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
-    if settings.webhook_secret is None and not settings.webhook_secrets:
-        log.warning("GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication")
+    _log_webhook_doors(settings)
     if settings.api_token is None:
         log.warning(
             "GPUBADGE_API_TOKEN is unset: anyone who reaches the service may request scans and deploys"
@@ -53,6 +59,26 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     if not settings.registries:
         log.warning("GPUBADGE_REGISTRIES is unset: only Docker Hub and loopback registries will be contacted")
     return app
+
+
+def _log_webhook_doors(settings: ServiceSettings) -> None:
+    """Say at start-up which webhook sources are open, which need a secret, which are refused."""
+    if settings.open_webhook_sources():
+        log.warning(
+            "GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication"
+            " (open sources: %s)",
+            ", ".join(settings.open_webhook_sources()),
+        )
+    elif settings.webhook_secret is None:
+        refused = [source for source in SOURCES if settings.webhook_refused(source)]
+        log.info(
+            "webhook sources open: none; accepted with their own secret: %s; refused (no secret"
+            " configured, set GPUBADGE_WEBHOOK_SECRET or webhook_secrets): %s",
+            ", ".join(sorted(settings.webhook_secrets)),
+            ", ".join(refused) or "none",
+        )
+    else:
+        log.info("webhook sources open: none; every source needs its secret")
 
 
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -84,6 +110,8 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         finally:
             if services.workers is not None:
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
+            if services.scanner is not None:
+                await services.scanner.close()  # stops its analysis processes
             await client.close()
             await services.store.close()
 

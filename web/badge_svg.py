@@ -57,17 +57,25 @@ class BadgeContent:
     label: str
     message: str
     colour: str
+    reason: str | None = None  # why the badge cannot say more (a failed scan's error)
 
     @property
     def title(self) -> str:
-        return f"{self.label}: {self.message}"
+        text = f"{self.label}: {self.message}"
+        return f"{text} ({self.reason})" if self.reason else text
 
 
-def badge_for(report: ImageReport | None, *, last_scan_failed: bool = False) -> BadgeContent:
-    """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`."""
+def badge_for(
+    report: ImageReport | None, *, last_scan_failed: bool = False, failure: str | None = None
+) -> BadgeContent:
+    """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`.
+
+    A failed scan gives `gpu | unknown` with the error as the reason (in the title and
+    aria-label): it never guesses a verdict, e.g. for an image past a scan limit.
+    """
     if report is None:
         if last_scan_failed:
-            return BadgeContent("gpu", "scan failed", ERROR_COLOUR)
+            return BadgeContent("gpu", "unknown", ERROR_COLOUR, reason=failure or "the last scan failed")
         return BadgeContent("gpu", "not scanned", UNKNOWN_COLOUR)
     if report.gpu_required:
         versions = sorted(

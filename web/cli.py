@@ -82,7 +82,9 @@ def _positive(text: str) -> int:
 
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
     chosen = {key: value for key, value in overrides.items() if value is not None}
-    return cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings = cast(ServiceSettings, ServiceSettings.load(config, **chosen))
+    settings.check_consistent()
+    return settings
 
 
 async def _freeze_startup_objects(_: object) -> None:
@@ -98,6 +100,10 @@ def run_serve(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from web.security import RedactingLogFilter
+
+    for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
+        handler.addFilter(RedactingLogFilter())
     try:
         settings = load_settings(
             args.config, host=args.host, port=args.port, db=args.db, workers=args.workers
@@ -109,6 +115,7 @@ def run_serve(argv: list[str]) -> int:
 
     from store import StoreUnavailable
     from web.app import create_app
+    from web.security import RedactingAccessLogger
 
     try:
         app = create_app(settings)
@@ -117,7 +124,11 @@ def run_serve(argv: list[str]) -> int:
         return 1
     app.on_startup.append(_freeze_startup_objects)
     web.run_app(
-        app, host=settings.host, port=settings.port, print=lambda message: logging.info("%s", message)
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=lambda message: logging.info("%s", message),
+        access_log_class=RedactingAccessLogger,
     )
     return 0
 

@@ -24,7 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
-from placement.inventory import Server, parse_inventory
+from placement.inventory import Gpu, Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,
     AgentDeployment,
@@ -38,9 +38,9 @@ from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.reference import ReferenceError, parse_reference
 from store import GpuTaken, ServerRecord
-from store.events import FLEET_INVENTORY
-from web.api import bearer_token, find_report, require_api_token, wait_param
-from web.errors import json_error, json_http_error
+from web.api import find_report, require_api_token, wait_param
+from web.errors import json_error, json_http_error, read_json
+from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
 from web.state import Services, services_of, services_of_app
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,16 @@ class Deployment(BaseModel):
     container_id: str | None = None
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    def shown(self, token_holder: bool) -> dict[str, Any]:
+        """The API's JSON. `env` values and the container's output only for API token holders:
+        both may carry the workload's secrets (a program that prints its configuration)."""
+        body = self.model_dump(mode="json")
+        if not token_holder:
+            body["env"] = mask_values(self.env)
+            if self.logs:
+                body["logs"] = REDACTED
+        return body
 
     def for_agent(self) -> AgentDeployment:
         return AgentDeployment(
@@ -143,9 +153,10 @@ class FleetIndexCache:
     """The placement index kept between requests, so a query costs `decide`, not a fleet rebuild.
 
     Building the live server list and its index per request costs ~0.5 s at 10,000 servers;
-    the query itself a few ms. Handlers that change the fleet say so: `inventory_changed()`
-    (a server registered, reported new GPUs, or came back after going silent) makes the next
-    query re-read the servers (parsing only inventories whose JSON changed);
+    the query itself a few ms. Handlers that change the fleet say so: `claimed()` (a server
+    registered, reported new GPUs, or came back after going silent) makes the next query re-read
+    the servers (parsing only inventories whose JSON changed), and its GPU claims hold at once for
+    the next registration's check (`owners`), which never forces a re-read itself;
     `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
     re-derives only the servers whose reserved GPUs changed. Agents that go silent drop out on a
     timed check, every `check_seconds` and when the first agent is due to go stale; the same
@@ -164,23 +175,55 @@ class FleetIndexCache:
         self._base: dict[str, Server] = {}  # live servers by name, before reservations
         self._owner: dict[str, str] = {}  # GPU UUID -> server name
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
-
-    def inventory_changed(self) -> None:
-        self._inventory_dirty = True
+        # Claims made since the last read of the server table (registrations, GPU reports, servers
+        # back from silence): they hold at once, without a re-read per registration.
+        self._recent_owner: dict[str, str] = {}  # GPU UUID -> server name
+        self._recent_live: set[str] = set()  # server names
 
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
+
+    def claimed(self, name: str, gpus: Sequence[Gpu]) -> None:
+        """`name` is live and reports `gpus` (it registered, reported GPUs or came back): holds at once."""
+        self._inventory_dirty = True
+        self._recent_live.add(name)
+        self._recent_owner.update((gpu.uuid, name) for gpu in gpus)
+
+    async def owners(self, app: web.Application, uuids: Sequence[str]) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static, or an agent not yet stale)."""
+        await self._current(app)
+        found = {}
+        for gpu_uuid in uuids:
+            owner = self._recent_owner.get(gpu_uuid) or self._owner.get(gpu_uuid)
+            if owner is not None:
+                found[gpu_uuid] = owner
+        return found
+
+    async def is_live(self, app: web.Application, name: str) -> bool:
+        """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
+        await self._current(app)
+        return name in self._base or name in self._recent_live
+
+    async def _current(self, app: web.Application) -> None:
+        """Re-read the servers when agents may have gone stale, but not for registrations alone:
+        those are in the recent claims, and a burst of N must not cost N reads of the whole table."""
+        if self._index is None or self._clock() >= self._check_at:
+            await self.index(app)
 
     def heard_from(self, name: str) -> None:
         """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
         if name not in self._base:
             self._inventory_dirty = True
+            self._recent_live.add(name)
 
     async def index(self, app: web.Application) -> FleetIndex:
         now = self._clock()
         store = services_of_app(app).store
         if self._index is None or self._inventory_dirty or now >= self._check_at:
             self._inventory_dirty = False
+            # Claims made before this read are committed, so the read has them; later ones stay.
+            self._recent_owner.clear()
+            self._recent_live.clear()
             servers, reserved = await store.servers(), await store.reserved_gpus()
             self._read_inventory(app, now, servers, reserved)
         elif self._reservations_dirty:
@@ -258,6 +301,7 @@ class FleetIndexCache:
 
 
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
+GPU_CLAIMS = web.AppKey("gpu_claims", asyncio.Lock)
 
 
 async def fleet_index(app: web.Application) -> FleetIndex:
@@ -265,21 +309,76 @@ async def fleet_index(app: web.Application) -> FleetIndex:
     return await app[FLEET_INDEX].index(app)
 
 
-def require_agent_token(request: web.Request, server_name: str | None = None) -> None:
-    """Agents present GPUBADGE_AGENT_TOKEN, or their own per-agent token."""
+def require_agent_token(request: web.Request, server_name: str) -> None:
+    """Agents present GPUBADGE_AGENT_TOKEN (any server), or the per-agent token of `server_name`.
+
+    A per-agent token is bound to its server: presented for another server it gets 403, so one
+    compromised node cannot register, heartbeat, poll or report as its neighbours.
+    """
     settings = services_of(request).settings
-    candidates = []
-    if server_name and server_name in settings.agent_tokens:
-        candidates.append(settings.agent_tokens[server_name].get_secret_value())
-    if settings.agent_token is not None:
-        candidates.append(settings.agent_token.get_secret_value())
-    if not candidates and not settings.agent_tokens:
+    if settings.agent_token is None and not settings.agent_tokens:
         return  # no agent token configured: open (logged at startup)
     given = (bearer_token(request) or "").encode()
-    if not any(hmac.compare_digest(given, candidate.encode()) for candidate in candidates):
+    fleet_wide = settings.agent_token is not None and hmac.compare_digest(
+        given, settings.agent_token.get_secret_value().encode()
+    )
+    owner = None
+    for name, token in settings.agent_tokens.items():  # every comparison runs, whichever matches
+        if hmac.compare_digest(given, token.get_secret_value().encode()):
+            owner = name
+    if fleet_wide or owner == server_name:
+        return
+    if owner is not None:
+        log.warning("agent token of server %s used for server %s: refused", owner, server_name)
         raise json_http_error(
-            web.HTTPUnauthorized, "a valid agent token is required (Authorization: Bearer <token>)"
+            web.HTTPForbidden, f"this agent token belongs to server {owner}; it cannot act for {server_name}"
         )
+    raise json_http_error(
+        web.HTTPUnauthorized,
+        "a valid agent token is required (Authorization: Bearer <token>)",
+        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+    )
+
+
+async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
+    """A 409 when a live server other than `name` reports one of these GPU UUIDs, else None.
+
+    The same UUID on two servers is a cloned inventory or an impostor; either way placement must
+    not hand that GPU out twice. The claim lapses once its server goes stale.
+    """
+    owners = await app[FLEET_INDEX].owners(app, [gpu.uuid for gpu in gpus])
+    taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
+    if not taken:
+        return None
+    holders = sorted(set(taken.values()))
+    log.warning(
+        "server %s reports GPU(s) %s already reported by live server(s) %s: refused until %s goes stale",
+        name,
+        ", ".join(sorted(taken)),
+        ", ".join(holders),
+        " / ".join(holders),
+    )
+    stale_after = services_of_app(app).settings.stale_after_seconds
+    return json_error(
+        409,
+        f"GPU {', '.join(sorted(taken))} is already reported by live server {', '.join(holders)};"
+        f" it is released {stale_after:g} s after that server's last heartbeat",
+        claimed=taken,
+    )
+
+
+async def returning_conflict(app: web.Application, name: str) -> web.Response | None:
+    """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
+    if await app[FLEET_INDEX].is_live(app, name):
+        return None
+    stored = await services_of_app(app).store.server_inventory(name)
+    if stored is None:
+        return None
+    gpus = Server.model_validate_json(stored).gpus
+    conflict = await claimed_elsewhere(app, name, gpus)
+    if conflict is None:
+        app[FLEET_INDEX].claimed(name, gpus)
+    return conflict
 
 
 async def list_servers(request: web.Request) -> web.Response:
@@ -288,15 +387,20 @@ async def list_servers(request: web.Request) -> web.Response:
 
 
 async def register_server(request: web.Request) -> web.Response:
+    services = services_of(request)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        server = Server.model_validate_json(await request.read())
+        server = Server.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid server: {_first_error(exc)}")
     require_agent_token(request, server.name)
-    services = services_of(request)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
-    await services.store.upsert_server(server.name, stored.model_dump_json())
-    request.app[FLEET_INDEX].inventory_changed()
+    async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
+        conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
+        if conflict is not None:
+            return conflict
+        await services.store.upsert_server(server.name, stored.model_dump_json())
+        request.app[FLEET_INDEX].claimed(server.name, server.gpus)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
     return web.json_response(body.model_dump())
@@ -306,23 +410,34 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
+    data = await read_json(request, services.settings.json_limits(), empty={})
     try:
-        beat = Heartbeat.model_validate_json(await request.read() or b"{}")
+        beat = Heartbeat.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
-    inventory = None
-    if beat.gpus is not None:
-        current = await services.store.server_inventory(name)
-        if current is not None:
-            inventory = (
-                Server.model_validate_json(current).model_copy(update={"gpus": beat.gpus}).model_dump_json()
-            )
-    if not await services.store.heartbeat(name, inventory):
-        return json_error(404, f"unknown server {name}; register again")
-    if inventory is not None:
-        request.app[FLEET_INDEX].inventory_changed()
-    else:
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        inventory = None
+        if beat.gpus is None:
+            conflict = await returning_conflict(request.app, name)
+            if conflict is not None:
+                return conflict
+        else:
+            conflict = await claimed_elsewhere(request.app, name, beat.gpus)
+            if conflict is not None:
+                return conflict
+            current = await services.store.server_inventory(name)
+            if current is not None:
+                inventory = (
+                    Server.model_validate_json(current)
+                    .model_copy(update={"gpus": beat.gpus})
+                    .model_dump_json()
+                )
+        if not await services.store.heartbeat(name, inventory):
+            return json_error(404, f"unknown server {name}; register again")
+        if inventory is not None and beat.gpus is not None:
+            request.app[FLEET_INDEX].claimed(name, beat.gpus)
+        else:
+            request.app[FLEET_INDEX].heard_from(name)
     return web.json_response({"ok": True})
 
 
@@ -358,10 +473,7 @@ async def _request_body(
     request: web.Request, *, run_fields: bool = False
 ) -> tuple[str, DeployRequest, RunSpec]:
     """Split `{"image", ...request}` (plus `command`/`env` for deployments) into checked parts."""
-    try:
-        data: Any = await request.json()
-    except ValueError:
-        raise json_http_error(web.HTTPBadRequest, "body is not JSON") from None
+    data: Any = await read_json(request, services_of(request).settings.json_limits())
     if not isinstance(data, dict) or not isinstance(data.get("image"), str):
         raise json_http_error(web.HTTPBadRequest, 'expected {"image": REF, ...request}')
     image = data.pop("image")
@@ -379,8 +491,12 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-async def image_report(services: Services, text: str) -> ImageReport:
-    """The stored report for `text`, scanning it now if it was never scanned."""
+async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
+    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
+
+    A scan costs registry traffic and a worker's time, so a caller without the API token
+    (`may_scan=False`) gets a 404 that says how to ask for the scan instead.
+    """
     try:
         reference = parse_reference(text)
     except ReferenceError as exc:
@@ -388,6 +504,18 @@ async def image_report(services: Services, text: str) -> ImageReport:
     report = await find_report(services, reference)
     if report is not None:
         return report
+    if not may_scan:
+        if await services.store.pending_job_for(str(reference)) is not None:
+            raise json_http_error(
+                web.HTTPNotFound,
+                f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
+            )
+        raise json_http_error(
+            web.HTTPNotFound,
+            f"{reference} has not been scanned, and scanning it needs the API token: send"
+            " Authorization: Bearer <token> with this request, or request the scan with"
+            f' POST /api/scans {{"ref": "{reference}"}}',
+        )
     if not services.settings.allows(reference.registry):
         raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
     if services.scanner is None:
@@ -401,7 +529,8 @@ async def image_report(services: Services, text: str) -> ImageReport:
 async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
     image, deploy, _ = await _request_body(request)
-    report = await image_report(services, image)
+    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
+    report = await image_report(services, image, may_scan=may_scan)
     started = time.perf_counter()
     decision = decide(ImageFacts.from_report(report), deploy, await fleet_index(request.app))
     body = decision.model_dump(mode="json")
@@ -453,7 +582,9 @@ async def create_deployment(request: web.Request) -> web.Response:
             continue
         request.app[FLEET_INDEX].reservations_changed()
         await request.app[FLEET_EVENTS].notify()
-        return web.json_response(deployment.model_dump(mode="json"), status=201)
+        return web.json_response(
+            deployment.shown(holds_api_token(request, services.settings.api_token)), status=201
+        )
     assert decision is not None
     return json_error(
         409,
@@ -463,20 +594,19 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 
 async def get_deployment(request: web.Request) -> web.Response:
-    deployment = await _load(services_of(request), request.match_info["id"])
+    services = services_of(request)
+    deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
-    return web.json_response(deployment.model_dump(mode="json"))
+    return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    rows = await services_of(request).store.deployments(server=request.query.get("server") or None)
+    services = services_of(request)
+    reveal = holds_api_token(request, services.settings.api_token)
+    rows = await services.store.deployments(server=request.query.get("server") or None)
     return web.json_response(
-        {
-            "deployments": [
-                Deployment.model_validate_json(row.record_json).model_dump(mode="json") for row in rows
-            ]
-        }
+        {"deployments": [Deployment.model_validate_json(row.record_json).shown(reveal) for row in rows]}
     )
 
 
@@ -486,8 +616,9 @@ async def delete_deployment(request: web.Request) -> web.Response:
     deployment = await _load(services, request.match_info["id"])
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
+    reveal = holds_api_token(request, services.settings.api_token)
     if deployment.state in TERMINAL_STATES:
-        return web.json_response(deployment.model_dump(mode="json"))
+        return web.json_response(deployment.shown(reveal))
     now = datetime.now(UTC)
     if deployment.state == "pending":  # the agent never saw it: stop here and free the GPUs
         deployment = deployment.model_copy(
@@ -508,7 +639,7 @@ async def delete_deployment(request: web.Request) -> web.Response:
             deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
         )
     await request.app[FLEET_EVENTS].notify()
-    return web.json_response(deployment.model_dump(mode="json"), status=202)
+    return web.json_response(deployment.shown(reveal), status=202)
 
 
 async def agent_poll(request: web.Request) -> web.Response:
@@ -517,8 +648,12 @@ async def agent_poll(request: web.Request) -> web.Response:
     require_agent_token(request, name)
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
-    if await services.store.heartbeat(name):
-        request.app[FLEET_INDEX].heard_from(name)
+    async with request.app[GPU_CLAIMS]:
+        conflict = await returning_conflict(request.app, name)
+        if conflict is not None:
+            return conflict
+        if await services.store.heartbeat(name):
+            request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
         rows = await services.store.actionable_deployments(name)
@@ -538,8 +673,9 @@ async def deployment_status(request: web.Request) -> web.Response:
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
+    data = await read_json(request, services.settings.json_limits())
     try:
-        status = DeploymentStatus.model_validate_json(await request.read())
+        status = DeploymentStatus.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid status: {_first_error(exc)}")
     # Stopped while still pending, but the agent had already picked it up: record what runs
@@ -563,7 +699,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
         await request.app[FLEET_EVENTS].notify()
-    return web.json_response(updated.model_dump(mode="json"))
+    return web.json_response(updated.shown(token_holder=False))
 
 
 async def _end_long_polls(app: web.Application) -> None:
@@ -571,14 +707,15 @@ async def _end_long_polls(app: web.Application) -> None:
 
 
 def _follow_other_replicas(app: web.Application) -> None:
-    """On PostgreSQL, deploys, stops and registrations made through other API replicas reach this
-    one: its placement index re-reads what changed, and its long-polling agents wake."""
+    """On PostgreSQL, deploys and stops made through other API replicas reach this one: its
+    placement index re-reads the reservations, and its long-polling agents wake."""
     index, events = app[FLEET_INDEX], app[FLEET_EVENTS]
     waking: set[asyncio.Task[None]] = set()
 
     def changed(kind: str) -> None:
-        if kind == FLEET_INVENTORY:
-            index.inventory_changed()
+        # Another replica's registrations reach the index on its timed check (every few seconds,
+        # as the index is built to); its reservations are re-read now, and waiting agents wake.
+        del kind
         index.reservations_changed()
         task = asyncio.get_running_loop().create_task(events.notify())
         waking.add(task)
@@ -590,6 +727,7 @@ def _follow_other_replicas(app: web.Application) -> None:
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
     app[FLEET_INDEX] = FleetIndexCache()
+    app[GPU_CLAIMS] = asyncio.Lock()
     app.on_shutdown.append(_end_long_polls)
     _follow_other_replicas(app)
     settings = services_of_app(app).settings

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scanner.reference import DOCKER_HUB, ReferenceError, parse_reference
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 
 SOURCES: tuple[str, ...] = ("distribution", "dockerhub", "harbor", "ghcr", "quay", "gar", "ecr", "jfrog")
 
@@ -429,15 +430,8 @@ _GAR_ACTIONS: dict[str, Literal["push", "delete"]] = {"INSERT": "push", "DELETE"
 
 
 def _gar(payload: dict[str, Any], headers: Headers, default_registry: str | None) -> Iterable[ScanRequest]:
-    """Artifact Registry via a Pub/Sub push subscription (wrapped, or unwrapped raw JSON)."""
-    message: Any = payload
-    if "message" in payload:
-        encoded = _PubSubEnvelope.model_validate(payload).message.data
-        try:
-            message = json.loads(base64.b64decode(encoded, validate=True))
-        except (binascii.Error, ValueError) as exc:
-            raise WebhookError(f"gar payload: message.data is not base64-encoded JSON ({exc})") from None
-    event = _GarEvent.model_validate(message)
+    """Artifact Registry via a Pub/Sub push subscription (unwrapped by `_unwrap_pubsub` first)."""
+    event = _GarEvent.model_validate(payload)
     action = _GAR_ACTIONS.get(event.action)
     if action is None:
         return
@@ -459,6 +453,25 @@ def _gar(payload: dict[str, Any], headers: Headers, default_registry: str | None
         by_digest[1] if by_digest else None,
         action,
     )
+
+
+def _unwrap_pubsub(payload: dict[str, Any], limits: JsonLimits) -> dict[str, Any]:
+    """A Pub/Sub push wraps the event as base64 JSON in `message.data`; unwrapped pushes are the event."""
+    if "message" not in payload:
+        return payload
+    try:
+        encoded = _PubSubEnvelope.model_validate(payload).message.data
+    except ValidationError as exc:
+        raise WebhookError(f"gar payload: {_describe(exc)}") from None
+    try:
+        message = loads_bounded(base64.b64decode(encoded, validate=True), limits)
+    except JsonLimitExceeded as exc:
+        raise WebhookError(f"gar payload refused: message.data: {exc}") from None
+    except (binascii.Error, ValueError) as exc:
+        raise WebhookError(f"gar payload: message.data is not base64-encoded JSON ({exc})") from None
+    if not isinstance(message, dict):
+        raise WebhookError(f"gar payload: message.data must hold a JSON object, got {type(message).__name__}")
+    return message
 
 
 def _split_reference(text: str | None, separator: str, field: str) -> tuple[str, str]:
@@ -538,17 +551,26 @@ assert tuple(_NORMALISERS) == SOURCES
 
 
 def normalise(
-    source: str, body: bytes, headers: Mapping[str, str], *, default_registry: str | None = None
+    source: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    default_registry: str | None = None,
+    limits: JsonLimits | None = None,
 ) -> list[ScanRequest]:
     """Parse one webhook delivery into scan requests, in payload order, without duplicates.
 
     `default_registry` (host[:port]) is used where the payload names no host; JFrog needs it.
+    `limits` bound the JSON's nesting, numbers and strings (GAR's wrapped message too).
     Raises UnknownSource, or WebhookError with the reason the payload was refused.
     """
     normaliser = _NORMALISERS.get(source)
     if normaliser is None:
         raise UnknownSource(source)
-    payload = _parse_json(source, body)
+    limits = limits or JsonLimits()
+    payload = _parse_json(source, body, limits)
+    if source == "gar":
+        payload = _unwrap_pubsub(payload, limits)
     try:
         requests = list(normaliser(payload, _lower_keys(headers), default_registry))
     except ValidationError as exc:
@@ -556,9 +578,11 @@ def normalise(
     return list(dict.fromkeys(requests))  # frozen models hash by value; keeps first-seen order
 
 
-def _parse_json(source: str, body: bytes) -> dict[str, Any]:
+def _parse_json(source: str, body: bytes, limits: JsonLimits) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
+        payload = loads_bounded(body, limits)
+    except JsonLimitExceeded as exc:
+        raise WebhookError(f"{source} payload refused: {exc}") from None
     except UnicodeDecodeError:
         raise WebhookError(f"{source} payload is not UTF-8 text") from None
     except json.JSONDecodeError as exc:

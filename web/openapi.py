@@ -116,8 +116,18 @@ def openapi_document() -> dict[str, Any]:
             },
         ]
     }
+    # With GPUBADGE_PUBLIC_READS=false every read needs the API token too.
+    private = {"401": _json(error, "API token required (writes, scans, and reads when reads are private)")}
+    agent_only = {
+        "401": _json(error, "agent token required"),
+        "403": _json(error, "a per-agent token presented for another server"),
+    }
+    too_large = {"413": _json(error, "body larger than GPUBADGE_MAX_BODY_BYTES")}
+    bad_query = {"400": _json(error, "a query parameter is not of its type")}
     not_placeable = {
-        "400": _json(error, "invalid body or reference"),
+        **private,
+        **too_large,
+        "400": _json(error, "invalid body or reference, or JSON beyond the GPUBADGE_JSON_* limits"),
         "403": _json(error, "registry not on the allowlist"),
         "422": _json(error, "the image could not be scanned"),
         "503": _json(error, "scanner not ready"),
@@ -135,7 +145,7 @@ def openapi_document() -> dict[str, Any]:
                     query("page", "page number, from 1", "integer"),
                     query("limit", "rows per page (max 200)", "integer"),
                 ],
-                "responses": {"200": _json({"type": "object"}, "a page of images")},
+                "responses": {"200": _json({"type": "object"}, "a page of images"), **bad_query, **private},
             }
         },
         "/api/images/by-ref": {
@@ -146,20 +156,29 @@ def openapi_document() -> dict[str, Any]:
                     "200": _json(report, "the report"),
                     "400": _json(error, "invalid reference"),
                     "404": _json(error, "not scanned; `pending` says whether a scan is queued"),
+                    **private,
                 },
             }
         },
         "/api/scans": {
-            "get": {"summary": "Recent scan jobs", "responses": {"200": _json({"type": "object"}, "jobs")}},
+            "get": {
+                "summary": "Recent scan jobs",
+                "parameters": [
+                    query("state", "comma-separated job states: queued, running, done, failed"),
+                    query("limit", "rows (max 200)", "integer"),
+                ],
+                "responses": {"200": _json({"type": "object"}, "jobs"), **bad_query, **private},
+            },
             "post": {
                 "summary": "Request a scan",
                 "security": bearer,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": scan_body}}},
                 "responses": {
                     "202": _json(job, "queued"),
-                    "400": _json(error, "invalid reference"),
+                    "400": _json(error, "invalid reference or body"),
                     "401": _json(error, "token required"),
                     "403": _json(error, "registry not allowed"),
+                    **too_large,
                 },
             },
         },
@@ -170,7 +189,12 @@ def openapi_document() -> dict[str, Any]:
                     _path("job_id"),
                     query("wait", "seconds to wait for the job to finish (max 60)", "number"),
                 ],
-                "responses": {"200": _json(job, "the job"), "404": _json(error, "unknown job")},
+                "responses": {
+                    "200": _json(job, "the job"),
+                    "404": _json(error, "unknown job"),
+                    **bad_query,
+                    **private,
+                },
             }
         },
         "/api/scans/{job_id}/retry": {
@@ -178,7 +202,11 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "Retry a failed scan job",
                 "security": bearer,
                 "parameters": [_path("job_id")],
-                "responses": {"202": _json(job, "queued again"), "404": _json(error, "unknown job")},
+                "responses": {
+                    "202": _json(job, "queued again"),
+                    "401": _json(error, "token required"),
+                    "404": _json(error, "unknown job"),
+                },
             }
         },
         "/hooks/{source}": {
@@ -190,8 +218,8 @@ def openapi_document() -> dict[str, Any]:
                 ],
                 "responses": {
                     "202": _json({"type": "object"}, "jobs committed"),
-                    "400": _json(error, "malformed payload"),
-                    "401": _json(error, "bad or missing secret or signature"),
+                    "400": _json(error, "malformed payload, or JSON beyond the GPUBADGE_JSON_* limits"),
+                    "401": _json(error, "bad or missing secret or signature, or no secret for this source"),
                     "403": _json(error, "registry not on the allowlist"),
                     "404": _json(error, "unknown source"),
                     "413": _json(error, "body too large"),
@@ -201,7 +229,7 @@ def openapi_document() -> dict[str, Any]:
         "/api/servers": {
             "get": {
                 "summary": "Live servers: the inventory file plus agents heard from recently, with GPUs in use",
-                "responses": {"200": _json(servers_list, "the fleet")},
+                "responses": {"200": _json(servers_list, "the fleet"), **private},
             },
             "post": {
                 "summary": "Register a server (node agents); registering again replaces its inventory",
@@ -210,7 +238,9 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json(registered, "registered; heartbeat this often"),
                     "400": _json(error, "invalid server"),
-                    "401": _json(error, "agent token required"),
+                    **agent_only,
+                    "409": _json(error, "a GPU UUID is reported by another live server; `claimed` names it"),
+                    **too_large,
                 },
             },
         },
@@ -223,8 +253,10 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json({"type": "object"}, "ok"),
                     "400": _json(error, "invalid heartbeat"),
-                    "401": _json(error, "agent token required"),
+                    **agent_only,
                     "404": _json(error, "unknown server: register again"),
+                    "409": _json(error, "a GPU UUID is reported by another live server; `claimed` names it"),
+                    **too_large,
                 },
             }
         },
@@ -235,14 +267,18 @@ def openapi_document() -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": eligibility_body}},
                 },
-                "responses": {"200": _json(eligibility_answer, "the decision"), **not_placeable},
+                "responses": {
+                    "200": _json(eligibility_answer, "the decision"),
+                    **not_placeable,
+                    "404": _json(error, "never scanned, and no API token to scan it: says how to request it"),
+                },
             }
         },
         "/api/deployments": {
             "get": {
                 "summary": "Deployments, newest first",
                 "parameters": [query("server", "only this server's deployments")],
-                "responses": {"200": _json(deployments_list, "deployments")},
+                "responses": {"200": _json(deployments_list, "deployments"), **private},
             },
             "post": {
                 "summary": "Deploy an image: reserve GPUs on the best eligible server for its agent to run",
@@ -255,6 +291,7 @@ def openapi_document() -> dict[str, Any]:
                     "201": _json(deployment, "reserved; the server's agent will run it"),
                     **not_placeable,
                     "401": _json(error, "token required"),
+                    "404": _json(error, "no stored report for the image"),
                     "409": _json(error, "no server can run it; `ineligible` says why"),
                 },
             },
@@ -263,7 +300,11 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "A deployment's state, exit code and last log lines",
                 "parameters": [_path("id")],
-                "responses": {"200": _json(deployment, "the deployment"), "404": _json(error, "unknown")},
+                "responses": {
+                    "200": _json(deployment, "the deployment"),
+                    "404": _json(error, "unknown"),
+                    **private,
+                },
             },
             "delete": {
                 "summary": "Stop a deployment (at once when its agent has not picked it up yet)",
@@ -289,8 +330,9 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json(deployment, "recorded"),
                     "400": _json(error, "invalid status"),
-                    "401": _json(error, "agent token required"),
+                    **agent_only,
                     "404": _json(error, "unknown deployment"),
+                    **too_large,
                 },
             }
         },
@@ -302,7 +344,8 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json(agent_deployments, "deployments to run or stop (maybe none)"),
                     "400": _json(error, "wait is not a number"),
-                    "401": _json(error, "agent token required"),
+                    **agent_only,
+                    "409": _json(error, "back from silence, but its GPUs are now reported by another server"),
                 },
             }
         },
@@ -314,7 +357,16 @@ def openapi_document() -> dict[str, Any]:
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
         "/metrics": {
-            "get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "text format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    "401": {"description": "API token required (reads are private)"},
+                },
+            }
         },
     }
     return {

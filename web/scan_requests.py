@@ -6,13 +6,12 @@ and coalesce into an existing job the same way, so the rule lives here once.
 
 from __future__ import annotations
 
-import hmac
-
-from pydantic import SecretStr
-
 from scanner.reference import ReferenceError, parse_reference
 from store import Job
+from web.security import token_matches
 from web.state import Services
+
+__all__ = ["ScanRefused", "request_scan", "token_matches"]
 
 
 class ScanRefused(Exception):
@@ -22,13 +21,6 @@ class ScanRefused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def token_matches(expected: SecretStr | None, given: str) -> bool:
-    """True when no token is configured, or `given` equals it (compared in constant time)."""
-    if expected is None:
-        return True
-    return hmac.compare_digest(given.encode(), expected.get_secret_value().encode())
 
 
 async def request_scan(services: Services, text: str, *, source: str) -> Job:

@@ -16,6 +16,8 @@ from pydantic_settings import SettingsConfigDict
 
 from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
+from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
+from web.hooks import SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,15 @@ class ServiceSettings(ScannerSettings):
     webhook_secrets: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-source webhook secrets, e.g. {ghcr: ..., jfrog: ...}"
     )
-    api_token: SecretStr | None = Field(default=None, description="token required by write endpoints")
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="token required by write endpoints, by scans that a read would start, and (public_reads=false) by reads",
+    )
+    public_reads: bool = Field(
+        default=True,
+        description="false: every /api read, UI page, badge and /metrics needs the API token"
+        " (/healthz, /api/openapi.json and /static stay open)",
+    )
     agent_token: SecretStr | None = Field(default=None, description="token node agents present")
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
@@ -82,6 +92,15 @@ class ServiceSettings(ScannerSettings):
         description="/healthz fails when ready jobs wait this long while no worker makes progress",
     )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
+    json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
+    json_max_number: int = Field(
+        default=INTEROPERABLE_INTEGER,
+        ge=1,
+        description="largest magnitude of a number in a JSON request body",
+    )
+    json_max_string: int = Field(
+        default=64 * 1024, ge=256, description="longest string or key in a JSON request body, in characters"
+    )
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
@@ -94,6 +113,44 @@ class ServiceSettings(ScannerSettings):
         if value is not None and not value.get_secret_value().startswith(("postgresql://", "postgres://")):
             raise ValueError("database_url must be a postgresql:// URL (unset means the SQLite file --db)")
         return value
+
+    @field_validator("webhook_secret", "api_token", "agent_token", mode="after")
+    @classmethod
+    def _empty_secret_is_unset(cls, value: SecretStr | None) -> SecretStr | None:
+        """`GPUBADGE_API_TOKEN=` (set but empty) means unset, which start-up logs as open, never
+        "the empty token", which a request without credentials would match."""
+        return value if value is not None and value.get_secret_value() else None
+
+    @field_validator("webhook_secrets", mode="after")
+    @classmethod
+    def _known_sources(cls, secrets: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        unknown = sorted(set(secrets) - set(SOURCES))
+        if unknown:
+            raise ValueError(
+                f"webhook_secrets names unknown sources {', '.join(unknown)}; known: {', '.join(SOURCES)}"
+            )
+        empty = sorted(source for source, secret in secrets.items() if not secret.get_secret_value())
+        if empty:
+            raise ValueError(f"webhook_secrets: empty secret for {', '.join(empty)}")
+        return secrets
+
+    @field_validator("agent_tokens", mode="after")
+    @classmethod
+    def _no_empty_agent_tokens(cls, tokens: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        empty = sorted(name for name, token in tokens.items() if not token.get_secret_value())
+        if empty:
+            raise ValueError(f"agent_tokens: empty token for {', '.join(empty)}")
+        return tokens
+
+    def check_consistent(self) -> None:
+        """Combinations no single field can check (the environment and the file are merged first)."""
+        if not self.public_reads and self.api_token is None:
+            raise ValueError("public_reads=false needs an api_token: nobody could read anything")
+
+    def json_limits(self) -> JsonLimits:
+        return JsonLimits(
+            max_depth=self.json_max_depth, max_number=self.json_max_number, max_string=self.json_max_string
+        )
 
     def allowlist(self) -> set[str]:
         """Registries the service may contact. Mirrors of allowed registries are allowed too."""
@@ -112,6 +169,18 @@ class ServiceSettings(ScannerSettings):
     def webhook_secret_for(self, source: str) -> str | None:
         secret = self.webhook_secrets.get(source) or self.webhook_secret
         return secret.get_secret_value() if secret else None
+
+    def webhook_refused(self, source: str) -> bool:
+        """Per-source secrets only: a source without its own secret is refused, never left open."""
+        return (
+            self.webhook_secret is None and bool(self.webhook_secrets) and source not in self.webhook_secrets
+        )
+
+    def open_webhook_sources(self) -> list[str]:
+        """Sources whose webhooks are accepted without any secret."""
+        if self.webhook_secret is not None or self.webhook_secrets:
+            return []
+        return list(SOURCES)
 
     @classmethod
     def describe(cls) -> str:

@@ -31,6 +31,7 @@ from store import ImageRow, Job, TagEvent
 from web.api import find_report
 from web.badge_svg import badge_for, render_badge
 from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.security import redact_secrets
 from web.state import Services, services_of
 
 HERE = Path(__file__).parent
@@ -157,6 +158,10 @@ def origin_of(request: web.Request) -> str:
 
 
 _PLAIN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"; the limit is .* \(GPUBADGE_[A-Z_]+\)$"),
+        "The image crosses one of the scanner's limits (named beside); it is not scanned again.",
+    ),
     (
         re.compile(r"not on the allowlist", re.I),
         "This registry is not on the allowlist (GPUBADGE_REGISTRIES).",
@@ -392,7 +397,7 @@ def job_view(job: Job) -> JobView:
         source=job.source or "",
         created_at=job.created_at,
         updated_at=job.updated_at,
-        error=job.error,
+        error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
     )
 
@@ -530,7 +535,9 @@ async def detail_context(services: Services, reference: Reference, report: Image
     history = await store.tag_history(reference.registry, reference.repository)
     return {
         "reference": str(reference),
-        "report": report,
+        "report": report.model_copy(update={"error": redact_secrets(report.error)})
+        if report.error
+        else report,
         "platforms": [platform_view(p) for p in report.platforms],
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
         "history": tag_history_view(history, reference.name, digests),
@@ -602,11 +609,12 @@ async def badge(request: web.Request) -> web.Response:
     except ReferenceError as exc:
         return web.Response(status=400, text=str(exc), content_type="text/plain")
     report = await find_report(services, reference)
-    failed = False
+    failed, failure = False, None
     if report is None:
         latest = await services.store.latest_job_for(str(reference))
         failed = latest is not None and latest.state == "failed"
-    svg = render_badge(badge_for(report, last_scan_failed=failed))
+        failure = redact_secrets(latest.error) if latest is not None and failed and latest.error else None
+    svg = render_badge(badge_for(report, last_scan_failed=failed, failure=failure))
     etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'
     headers = {
         "Cache-Control": BADGE_MAX_AGE if report is not None else BADGE_NO_CACHE,

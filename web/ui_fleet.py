@@ -22,6 +22,7 @@ from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from web.fleet import fleet_index, image_report, live_servers
+from web.security import presented_token, token_matches
 from web.state import services_of
 from web.ui import human_bytes, image_url, page, time_ago
 
@@ -293,9 +294,18 @@ async def eligibility_page(request: web.Request) -> web.Response:
         deploy = form.deploy_request()
     except FormError as exc:
         return show(400, str(exc))
+    services = services_of(request)
+    # A browser sends the token as HTTP Basic; without it only stored results are shown.
+    may_scan = token_matches(services.settings.api_token, presented_token(request) or "")
     try:
-        report = await image_report(services_of(request), form.image)
+        report = await image_report(services, form.image, may_scan=may_scan)
     except web.HTTPException as exc:
+        if exc.status == 404 and not may_scan:
+            return show(
+                404,
+                f"{form.image} has not been scanned yet. Request a scan on the Scans page"
+                " (it needs the API token); its eligibility shows here once the scan is done.",
+            )
         return show(page_status(exc), http_error_message(exc))
     index = await fleet_index(request.app)
     decision = decide(ImageFacts.from_report(report), deploy, index)

@@ -284,7 +284,7 @@ class ScanWorkers:
         # Failures are retried up to max_attempts: besides transient errors, a manifest "not found"
         # right after a push notification is often replication lag. A bound that the image exceeds
         # can never pass, so it fails for good at once.
-        retry_in = self._backoff(job.attempts) if bool(getattr(report, "retryable", True)) else None
+        retry_in = self._backoff(job.attempts) if report.retryable else None
         error = report.error or "scan failed"
 
         async def fail() -> JobState | None:

@@ -1,0 +1,494 @@
+"""Where layer content is parsed: in analysis processes, off the scanning process's event loop.
+
+Decompressing a layer, parsing its tar entries and the libc analysis are CPU work on
+untrusted bytes. In the service they must not run on the event loop that answers
+/healthz and the API, so they run in a small pool of analysis processes
+(`analysis_processes`, default 2). The scanning process keeps the I/O: it streams each
+layer's compressed bytes from the registry (async, with its connection pool, auth and
+retries) and ships them to an analysis process as they arrive, like `curl | gzip -dc | tar -t`
+in a pipe. Nothing big crosses back: a "stop" as soon as the verdict is known (the early
+stop), a layer's evidence as JSON for the cache (never parsed in the scanning process),
+and the final `LibcVerdict`.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: a layer is a stream, and the analysis is
+stateful across the layers of an image (an upper layer's whiteouts decide what a lower
+one may show). An executor runs one call per task with all its input up front, so either
+a whole layer would be buffered in memory (1 GiB layers) or the merged view re-sent with
+every layer (quadratic in layers). Here each analysis process is a long-lived child
+speaking a small framed protocol over its stdin/stdout pipes (`asyncio` subprocess pipes:
+no threads, no blocking writes, backpressure by `drain()`), and holds one `LibcAnalysis`
+per open session, so any number of scans multiplex over a bounded number of processes.
+
+Bounds: a session carries the scan's `AnalysisLimits` and deadline; the analysis process
+checks them as it goes and answers `LimitExceeded` like any other error. A process that
+dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryable) and is
+replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
+process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
+
+Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, or raw
+layer bytes for CHUNK).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import struct
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Protocol
+
+from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
+from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.models import LibcVerdict
+from scanner.tarstream import CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.walk import LayerWalk
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<IBI")
+OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY = range(1, 9)
+MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
+
+
+class AnalysisCrashed(LayerError):
+    """The analysis process died mid-scan; scanning again may well succeed."""
+
+
+@dataclass
+class LayerOutcome:
+    """What reading one layer gave: evidence JSON for the cache (None if nothing usable) and stats."""
+
+    evidence_json: str | None
+    complete: bool
+    compressed_bytes: int
+
+
+def evidence_is_complete(evidence_json: str) -> bool:
+    """`complete` of a cached evidence without parsing it all (it is the second field written)."""
+    head = evidence_json[:80].replace(" ", "")
+    if '"complete":true' in head:
+        return True
+    if '"complete":false' in head:
+        return False
+    return LayerEvidence.model_validate_json(evidence_json).complete
+
+
+class Session(Protocol):
+    """The libc analysis of one platform image, wherever it runs."""
+
+    @property
+    def decided(self) -> bool: ...
+
+    async def use_cached(self, evidence_json: str) -> bool: ...
+
+    async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome: ...
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict: ...
+
+    def close(self) -> None: ...
+
+
+def _raise_reply_error(error: dict[str, Any]) -> None:
+    kind, message = error.get("kind"), str(error.get("message"))
+    if kind == "limit":
+        exc = LimitExceeded.__new__(LimitExceeded)
+        Exception.__init__(exc, message)
+        exc.limit, exc.setting = error.get("limit", 0), str(error.get("setting"))
+        raise exc
+    if kind == "too_large":
+        raise LayerTooLarge(message)
+    if kind == "corrupt":
+        raise CorruptLayer(message)
+    raise AnalysisCrashed(message)
+
+
+def _error_of(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, LimitExceeded):
+        return {"kind": "limit", "message": str(exc), "limit": exc.limit, "setting": exc.setting}
+    if isinstance(exc, LayerTooLarge):
+        return {"kind": "too_large", "message": str(exc)}
+    if isinstance(exc, LayerError):
+        return {"kind": "corrupt", "message": str(exc)}
+    return {"kind": "internal", "message": f"analysis failed: {type(exc).__name__}: {exc}"}
+
+
+# -- in the scanning process
+
+
+class LocalSession:
+    """The analysis on this process's event loop (`analysis_processes = 0`)."""
+
+    def __init__(self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float) -> None:
+        self.analysis = LibcAnalysis(arch, layers_total, limits)
+        self.analysis.budget = ScanBudget(limits, deadline)
+
+    @property
+    def decided(self) -> bool:
+        return self.analysis.decided
+
+    async def use_cached(self, evidence_json: str) -> bool:
+        return self.analysis.layer_from_cache(LayerEvidence.model_validate_json(evidence_json))
+
+    async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
+        stats = StreamStats()
+        evidence = await analyse_layer(
+            self.analysis,
+            chunks,
+            media_type,
+            max_decompressed=self.analysis.limits.max_layer_bytes,
+            stats=stats,
+        )
+        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes)
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
+        return self.analysis.verdict(bytes_read=bytes_read, bytes_total=bytes_total)
+
+    def close(self) -> None:
+        pass
+
+
+class _Worker:
+    """One analysis process and the replies it owes, by session."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        assert process.stdin is not None and process.stdout is not None
+        self.stdin = process.stdin
+        self.stdout = process.stdout
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.sessions = 0
+        self.alive = True
+        self.reader = asyncio.create_task(self._read_replies())
+
+    def send(self, kind: int, session: int, payload: bytes = b"") -> None:
+        if not self.alive:
+            raise AnalysisCrashed("the analysis process exited")
+        self.stdin.write(HEADER.pack(len(payload), kind, session) + payload)
+
+    async def drain(self) -> None:
+        try:
+            await self.stdin.drain()
+        except (ConnectionError, BrokenPipeError) as exc:
+            self._die(f"the analysis process exited ({exc})")
+            raise AnalysisCrashed("the analysis process exited") from None
+
+    def expect(self, session: int) -> asyncio.Future[dict[str, Any]]:
+        if not self.alive:
+            raise AnalysisCrashed("the analysis process exited")
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[session] = future
+        return future
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                header = await self.stdout.readexactly(HEADER.size)
+                length, _, session = HEADER.unpack(header)
+                payload = await self.stdout.readexactly(length)
+                future = self.waiting.pop(session, None)
+                if future is not None and not future.done():
+                    future.set_result(json.loads(payload))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._die("the analysis process exited")
+        except Exception as exc:  # a garbled reply: the process cannot be trusted any more
+            log.exception("analysis process sent a bad reply")
+            self._die(f"the analysis process failed: {exc}")
+
+    def _die(self, why: str) -> None:
+        self.alive = False
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(AnalysisCrashed(why))
+        self.waiting.clear()
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+
+class RemoteSession:
+    """A session held by an analysis process."""
+
+    def __init__(self, worker: _Worker, session: int) -> None:
+        self._worker = worker
+        self._id = session
+        self._decided = False
+        self._closed = False
+
+    @property
+    def decided(self) -> bool:
+        return self._decided
+
+    async def _ask(self, kind: int, payload: bytes) -> dict[str, Any]:
+        future = self._worker.expect(self._id)
+        self._worker.send(kind, self._id, payload)
+        await self._worker.drain()
+        reply = await future
+        self._decided = bool(reply.get("decided", self._decided))
+        return reply
+
+    async def use_cached(self, evidence_json: str) -> bool:
+        reply = await self._ask(CACHED, evidence_json.encode())
+        if reply.get("error"):
+            _raise_reply_error(reply["error"])
+        return bool(reply["used"])
+
+    async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
+        worker = self._worker
+        future = worker.expect(self._id)
+        worker.send(LAYER, self._id, json.dumps({"media_type": media_type}).encode())
+        sent = 0
+        try:
+            async for chunk in chunks:
+                worker.send(CHUNK, self._id, chunk)
+                sent += len(chunk)
+                await worker.drain()
+                if future.done():  # decided (or failed): stop pulling bytes from the registry
+                    break
+        finally:
+            if worker.alive:
+                worker.send(END, self._id)
+        await worker.drain()
+        reply = await future
+        self._decided = bool(reply.get("decided"))
+        if reply.get("error"):
+            _raise_reply_error(reply["error"])
+        return LayerOutcome(reply.get("evidence"), bool(reply.get("complete")), sent)
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
+        reply = await self._ask(
+            VERDICT, json.dumps({"bytes_read": bytes_read, "bytes_total": bytes_total}).encode()
+        )
+        if reply.get("error"):
+            _raise_reply_error(reply["error"])
+        return LibcVerdict.model_validate(reply["verdict"])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.sessions -= 1
+        if self._worker.alive:
+            with contextlib.suppress(Exception):
+                self._worker.send(CLOSE, self._id)
+
+
+@dataclass
+class AnalysisPool:
+    """Hands out sessions: in `processes` analysis processes, or in this process when 0."""
+
+    processes: int
+    _workers: list[_Worker] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _starting: asyncio.Lock | None = None
+
+    async def _worker(self) -> _Worker:
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            self._workers = [worker for worker in self._workers if worker.alive]
+            if len(self._workers) < self.processes:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "scanner.analysis",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    start_new_session=True,  # a terminal's Ctrl-C is for the service, which stops us
+                )
+                self._workers.append(_Worker(process))
+            return min(self._workers, key=lambda worker: worker.sessions)
+
+    async def open(self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float) -> Session:
+        if self.processes <= 0:
+            return LocalSession(arch, layers_total, limits, deadline)
+        worker = await self._worker()
+        session = next(self._ids)
+        payload = {
+            "arch": arch,
+            "layers_total": layers_total,
+            "limits": limits.model_dump(),
+            "deadline": deadline,
+        }
+        worker.send(OPEN, session, json.dumps(payload).encode())
+        worker.sessions += 1
+        return RemoteSession(worker, session)
+
+    async def close(self) -> None:
+        """Stop the analysis processes (closing stdin ends them; kill after a grace period)."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stdin.close()
+        for worker in workers:
+            try:
+                await asyncio.wait_for(worker.process.wait(), timeout=5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+                await worker.process.wait()
+            worker.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker.reader
+
+
+# -- in the analysis process
+
+
+@dataclass
+class _ServerSession:
+    analysis: LibcAnalysis
+    walk: LayerWalk | None = None
+    collector: Any = None
+    answered: bool = True  # the current layer's reply was sent (early stop or error)
+
+
+class _Server:
+    """The analysis process: reads frames from stdin, answers on stdout, one session per scan."""
+
+    def __init__(self, incoming: BinaryIO, outgoing: BinaryIO) -> None:
+        self._in = incoming
+        self._out = outgoing
+        self._sessions: dict[int, _ServerSession] = {}
+
+    def _reply(self, session: int, body: dict[str, Any]) -> None:
+        payload = json.dumps(body).encode()
+        self._out.write(HEADER.pack(len(payload), REPLY, session) + payload)
+        self._out.flush()
+
+    def _read(self, count: int) -> bytes | None:
+        data = self._in.read(count)
+        if len(data) < count:
+            return None
+        return data
+
+    def serve(self) -> None:
+        while True:
+            header = self._read(HEADER.size)
+            if header is None:
+                return  # the scanning process closed the pipe: time to go
+            length, kind, session = HEADER.unpack(header)
+            if kind != CHUNK and length > MAX_CONTROL_FRAME:
+                raise SystemExit(f"analysis: control frame of {length} bytes")
+            payload = self._read(length) if length else b""
+            if payload is None:
+                return
+            self._handle(kind, session, payload)
+
+    def _handle(self, kind: int, session: int, payload: bytes) -> None:
+        if kind == OPEN:
+            body = json.loads(payload)
+            limits = AnalysisLimits.model_validate(body["limits"])
+            analysis = LibcAnalysis(body["arch"], int(body["layers_total"]), limits)
+            analysis.budget = ScanBudget(limits, float(body["deadline"]))
+            self._sessions[session] = _ServerSession(analysis)
+            return
+        if kind == CLOSE:
+            self._sessions.pop(session, None)
+            return
+        state = self._sessions.get(session)
+        if state is None:
+            if kind in (CACHED, LAYER, VERDICT):
+                self._reply(session, {"error": {"kind": "internal", "message": "no such analysis session"}})
+            return
+        if kind == CACHED:
+            self._cached(session, state, payload)
+        elif kind == LAYER:
+            self._begin_layer(session, state, payload)
+        elif kind == CHUNK:
+            self._chunk(session, state, payload)
+        elif kind == END:
+            self._end_layer(session, state)
+        elif kind == VERDICT:
+            body = json.loads(payload)
+            try:
+                verdict = state.analysis.verdict(
+                    bytes_read=body["bytes_read"], bytes_total=body["bytes_total"]
+                )
+            except Exception as exc:
+                self._reply(session, {"error": _error_of(exc)})
+            else:
+                self._reply(session, {"verdict": verdict.model_dump(mode="json")})
+
+    def _cached(self, session: int, state: _ServerSession, payload: bytes) -> None:
+        try:
+            used = state.analysis.layer_from_cache(LayerEvidence.model_validate_json(payload))
+            decided = state.analysis.decided
+        except Exception as exc:
+            self._reply(session, {"error": _error_of(exc)})
+        else:
+            self._reply(session, {"used": used, "decided": decided})
+
+    def _begin_layer(self, session: int, state: _ServerSession, payload: bytes) -> None:
+        body = json.loads(payload)
+        analysis = state.analysis
+        state.collector = analysis.begin_layer(DISTRO_BUDGET)
+        state.walk = LayerWalk(
+            body["media_type"],
+            [state.collector],
+            max_decompressed=analysis.limits.max_layer_bytes,
+            budget=analysis.budget,
+        )
+        state.answered = False
+
+    def _chunk(self, session: int, state: _ServerSession, payload: bytes) -> None:
+        if state.answered or state.walk is None:
+            return  # the layer was already answered (early stop); the rest is in flight
+        try:
+            wanted = state.walk.feed(payload)
+        except Exception as exc:
+            self._fail_layer(session, state, exc)
+            return
+        if not wanted:
+            self._finish_layer(session, state)
+
+    def _end_layer(self, session: int, state: _ServerSession) -> None:
+        if not state.answered and state.walk is not None:
+            try:
+                state.walk.close()
+            except Exception as exc:
+                self._fail_layer(session, state, exc)
+            else:
+                self._finish_layer(session, state)
+        state.walk, state.collector = None, None
+
+    def _finish_layer(self, session: int, state: _ServerSession) -> None:
+        assert state.walk is not None
+        evidence = state.collector.finish(complete=state.walk.stats.reached_end)
+        state.answered = True
+        self._reply(
+            session,
+            {
+                "evidence": evidence.model_dump_json(),
+                "complete": evidence.complete,
+                "decided": state.analysis.decided,
+            },
+        )
+
+    def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
+        if state.collector is not None:
+            state.collector.finish(complete=False)
+        state.answered = True
+        if not isinstance(exc, LayerError | LimitExceeded):
+            log.exception("analysis failed")
+        self._reply(session, {"error": _error_of(exc), "decided": state.analysis.decided})
+
+
+def main() -> None:
+    """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr."""
+    incoming = os.fdopen(os.dup(0), "rb", buffering=1 << 20)
+    outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
+    os.dup2(2, 1)  # a stray print() must not corrupt the protocol
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s analysis: %(message)s")
+    with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
+        _Server(incoming, outgoing).serve()
+
+
+if __name__ == "__main__":
+    main()

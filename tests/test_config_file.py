@@ -1,0 +1,127 @@
+"""The settings file, TOML or YAML, read by the real loader and by `gpubadge serve` itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fixtures.service import run_service_process
+from tests.test_service_e2e import call
+from web.cli import load_settings
+
+TOKEN = "file-api-token-61b0"
+GHCR_SECRET = "file-ghcr-secret-0c3d"
+
+TOML = f"""
+api_token = "{TOKEN}"
+public_reads = false
+json_max_depth = 12
+stale_after_seconds = 90.5
+
+[webhook_secrets]
+ghcr = "{GHCR_SECRET}"
+
+[agent_tokens]
+node-a = "agent-a-from-file"
+
+[[registries]]
+host = "registry.example.com"
+username = "scanner"
+password = "registry-password"
+
+[[registries]]
+host = "docker.io"
+mirror = "mirror.example.com"
+"""
+
+SETTINGS = {
+    "api_token": TOKEN,
+    "public_reads": False,
+    "json_max_depth": 12,
+    "stale_after_seconds": 90.5,
+    "webhook_secrets": {"ghcr": GHCR_SECRET},
+    "agent_tokens": {"node-a": "agent-a-from-file"},
+    "registries": [
+        {"host": "registry.example.com", "username": "scanner", "password": "registry-password"},
+        {"host": "docker.io", "mirror": "mirror.example.com"},
+    ],
+}
+
+
+def write_config(directory: Path, kind: str) -> Path:
+    path = directory / f"gpubadge.{kind}"
+    path.write_text(TOML if kind == "toml" else yaml.safe_dump(SETTINGS))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["toml", "yaml"])
+def test_the_loader_reads_every_kind_of_value(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUBADGE_CONFIG", raising=False)
+    monkeypatch.setenv("GPUBADGE_STALE_AFTER_SECONDS", "30")  # the environment wins over the file
+    settings = load_settings(write_config(tmp_path, kind), port=9999)
+    assert settings.api_token is not None and settings.api_token.get_secret_value() == TOKEN
+    assert settings.public_reads is False and settings.json_max_depth == 12
+    assert settings.json_limits().max_depth == 12
+    assert settings.stale_after_seconds == 30.0
+    assert settings.port == 9999  # and command-line options win over both
+    assert {source: secret.get_secret_value() for source, secret in settings.webhook_secrets.items()} == {
+        "ghcr": GHCR_SECRET
+    }
+    assert settings.webhook_refused("quay") and not settings.webhook_refused("ghcr")
+    assert settings.agent_tokens["node-a"].get_secret_value() == "agent-a-from-file"
+    assert [entry.host for entry in settings.registries] == ["registry.example.com", "docker.io"]
+    assert settings.allows("mirror.example.com") and not settings.allows("elsewhere.example.com")
+    assert "registry-password" not in repr(settings) and TOKEN not in repr(settings)
+
+
+@pytest.mark.parametrize("kind", ["toml", "yaml"])
+def test_serve_runs_with_the_file(tmp_path: Path, kind: str) -> None:
+    """`gpubadge serve` with GPUBADGE_CONFIG: the file's private reads and per-source secret hold."""
+    env = {"GPUBADGE_CONFIG": str(write_config(tmp_path, kind))}
+    with run_service_process(tmp_path / "serve.db", env=env) as service:
+        assert call("GET", f"{service.url}/api/images").status == 401
+        assert (
+            call("GET", f"{service.url}/api/images", headers={"Authorization": f"Bearer {TOKEN}"}).status
+            == 200
+        )
+        refused = call("POST", f"{service.url}/hooks/quay", {"repository": "x"})
+        assert refused.status == 401 and "no secret is configured for quay" in refused.body["error"]
+        assert call("GET", f"{service.url}/healthz").status == 200
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("public_reads: false\n", "public_reads=false needs an api_token"),
+        ("webhook_secrets: {gitlab: x}\n", "unknown sources gitlab"),
+        ("json_max_depth: 1\n", "json_max_depth"),
+        ("- just\n- a list\n", "expected a mapping"),
+    ],
+    ids=["private-without-token", "unknown-source", "depth-too-small", "not-a-mapping"],
+)
+def test_serve_refuses_a_bad_file_with_a_reason(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpubadge.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--db",
+            str(tmp_path / "x.db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "invalid settings" in result.stderr and message in result.stderr

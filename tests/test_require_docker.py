@@ -1,0 +1,50 @@
+"""Docker tests skip where Docker cannot run, but fail when `make test` has promised Docker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REQUIRE_DOCKER_ENV
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+USES_DOCKERD = """
+from fixtures.dockerd import LocalDockerd
+
+
+def test_needs_docker(dockerd: LocalDockerd) -> None:
+    assert dockerd.host
+"""
+
+
+def run_without_runc(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess[str]:
+    """pytest in a child whose PATH has no runc, so the dockerd fixture cannot start an engine."""
+    (tmp_path / "test_uses_dockerd.py").write_text(USES_DOCKERD)
+    env = {key: value for key, value in os.environ.items() if key != REQUIRE_DOCKER_ENV}
+    env.update({"PATH": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)})
+    if require is not None:
+        env[REQUIRE_DOCKER_ENV] = require
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider"]
+    return subprocess.run(
+        [*command, "--rootdir", str(tmp_path), str(tmp_path / "test_uses_dockerd.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(("require", "fails"), [(None, False), ("1", True)])
+def test_missing_docker_fails_only_when_required(tmp_path: Path, require: str | None, fails: bool) -> None:
+    result = run_without_runc(tmp_path, require)
+    output = result.stdout + result.stderr
+    if fails:
+        assert result.returncode != 0, output
+        assert "1 error" in output and f"{REQUIRE_DOCKER_ENV} is set" in output, output
+    else:
+        assert result.returncode == 0 and "1 skipped" in output, output

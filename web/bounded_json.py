@@ -1,0 +1,103 @@
+"""JSON from untrusted bodies, with its shape bounded before any model sees it.
+
+`client_max_size` caps a body's bytes, but a megabyte of `[[[[…` still makes the parser
+recurse until it fails (a 500 before this module existed), a 4,000-digit integer costs
+quadratic time to convert, and `1e999` becomes infinity. `loads_bounded` refuses those
+with a message that names the limit and the setting that raises it. It costs one parse and
+one walk of the parsed value, stopped at the depth limit: no second parse, no pre-scan of
+the raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+INTEROPERABLE_INTEGER = 2**53  # the largest integer every JSON reader holds exactly (RFC 7493)
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """What one request body may hold; `ServiceSettings.json_limits()` builds it from settings."""
+
+    max_depth: int = 32
+    max_number: int = INTEROPERABLE_INTEGER
+    max_string: int = 64 * 1024
+
+
+class JsonLimitExceeded(ValueError):
+    """The body is JSON, but beyond a limit; the message names it (for a 400)."""
+
+
+def loads_bounded(body: bytes | str, limits: JsonLimits) -> Any:
+    """Parse `body`; raise JsonLimitExceeded past a limit, or ValueError when it is not JSON.
+
+    `json.JSONDecodeError` and `UnicodeDecodeError` (both ValueErrors) pass through unchanged,
+    so callers keep their own "not JSON" messages.
+    """
+    digits = len(str(limits.max_number))
+
+    def integer(text: str) -> int:
+        if len(text.lstrip("-")) > digits:
+            raise _number_error(text, limits)
+        value = int(text)
+        if abs(value) > limits.max_number:
+            raise _number_error(text, limits)
+        return value
+
+    def real(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or abs(value) > limits.max_number:
+            raise _number_error(text, limits)
+        return value
+
+    def constant(text: str) -> Any:
+        raise JsonLimitExceeded(f"{text} is not a JSON number; send a finite number")
+
+    try:
+        data = json.loads(body, parse_int=integer, parse_float=real, parse_constant=constant)
+    except RecursionError:
+        raise _depth_error(limits) from None
+    check_shape(data, limits)
+    return data
+
+
+def check_shape(data: Any, limits: JsonLimits) -> None:
+    """Refuse values nested deeper than the limit, and over-long strings or object keys."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if len(value) > limits.max_string:
+                raise _string_error(len(value), limits)
+        elif isinstance(value, dict):
+            if depth > limits.max_depth:
+                raise _depth_error(limits)
+            for key, item in value.items():
+                if len(key) > limits.max_string:
+                    raise _string_error(len(key), limits)
+                if isinstance(item, (dict, list, str)):
+                    stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            if depth > limits.max_depth:
+                raise _depth_error(limits)
+            stack.extend((item, depth + 1) for item in value if isinstance(item, (dict, list, str)))
+
+
+def _depth_error(limits: JsonLimits) -> JsonLimitExceeded:
+    return JsonLimitExceeded(f"JSON nested deeper than {limits.max_depth} levels (GPUBADGE_JSON_MAX_DEPTH)")
+
+
+def _string_error(length: int, limits: JsonLimits) -> JsonLimitExceeded:
+    return JsonLimitExceeded(
+        f"a JSON string of {length} characters is longer than {limits.max_string} (GPUBADGE_JSON_MAX_STRING)"
+    )
+
+
+def _number_error(text: str, limits: JsonLimits) -> JsonLimitExceeded:
+    shown = text if len(text) <= 24 else f"{text[:12]}…({len(text)} characters)"
+    return JsonLimitExceeded(
+        f"JSON number {shown} is out of range: at most ±{limits.max_number} (GPUBADGE_JSON_MAX_NUMBER)"
+    )
