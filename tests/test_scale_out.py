@@ -279,9 +279,9 @@ async def test_two_apis_taking_50_deploys_each_never_reserve_one_gpu_twice(
         ]
         headers = {"Authorization": f"Bearer {API_TOKEN}"}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            for api in apis:  # each API scans the image once before the burst (outside the race)
+            for api in apis:  # the image is scanned before the burst (outside the race)
                 async with session.post(
-                    f"{api.url}/api/eligibility", json={"image": image, "gpus": 1}
+                    f"{api.url}/api/eligibility", json={"image": image, "gpus": 1}, headers=headers
                 ) as response:
                     assert response.status == 200, await response.text()
 
