@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_positive, default=8, help="references scanned at once (default 8)"
     )
     scan.add_argument(
-        "--db", type=Path, default=None, help=f"SQLite store (default $GPUBADGE_DB or {DEFAULT_DB})"
+        "--db",
+        type=Path,
+        default=None,
+        help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {DEFAULT_DB})",
     )
     scan.add_argument("--no-store", action="store_true", help="do not read or write the store")
     scan.add_argument("--config", type=Path, default=None, help="settings file (TOML or YAML)")
@@ -126,8 +129,11 @@ def run_scan(args: argparse.Namespace) -> int:
         from store import StoreUnavailable, open_store
 
         db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
+        # The service's PostgreSQL, when configured and no --db is named: reports land where the
+        # service reads them, and no SQLite file is written.
+        database_url = None if args.db else os.environ.get("GPUBADGE_DATABASE_URL") or None
         try:
-            store = open_store(db_path)
+            store = open_store(db_path, database_url=database_url)
         except StoreUnavailable as exc:
             print(f"gpubadge scan: {exc} (or pass --no-store)", file=sys.stderr)
             return 1

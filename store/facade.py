@@ -177,7 +177,7 @@ class AsyncStore:
         """Webhook intake: its own thread, so it never queues behind scan writes for a pool thread."""
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._intake_pool, self._backend.enqueue_many, batches)
-        self.events.fire(QUEUED)
+        self._fire_local(QUEUED)
         return ids
 
     async def claim_jobs(
@@ -197,13 +197,13 @@ class AsyncStore:
     async def expire_leases(self) -> list[LeaseExpiry]:
         expired = await self._call(self._backend.expire_leases)
         if expired:
-            self.events.fire(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
+            self._fire_local(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
         return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
         released = await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
         if released:
-            self.events.fire(QUEUED)
+            self._fire_local(QUEUED)
         return released
 
     async def lease_owners(self) -> list[str]:
@@ -211,23 +211,30 @@ class AsyncStore:
 
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         finished = await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
-        self.events.fire(SETTLED)
+        self._fire_local(SETTLED)
         return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
         state = await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
-        self.events.fire(QUEUED if state == "queued" else SETTLED)
+        self._fire_local(QUEUED if state == "queued" else SETTLED)
         return state
 
     async def retry_job(self, job_id: str) -> Job | None:
         job = await self._call(self._backend.retry_job, job_id)
         if job is not None and job.state == "queued":
-            self.events.fire(QUEUED)
+            self._fire_local(QUEUED)
         return job
 
     # ------------------------------------------------------------------ events
+
+    def _fire_local(self, kind: str) -> None:
+        """This process's own write, for its own waiters and workers. With a PostgreSQL listener the
+        NOTIFY of the same commit comes back to every process (this one too), keyed by job and
+        reference, so firing here as well would only wake everyone a second time."""
+        if not self.events.cross_process:
+            self.events.fire(kind)
 
     async def start_events(self) -> None:
         """Deliver queue events on this loop; on PostgreSQL also every replica's (LISTEN).
@@ -245,14 +252,17 @@ class AsyncStore:
                 if channel == FLEET_CHANNEL:
                     relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
                 else:
-                    relay(kinds.get(channel, RESYNC))
+                    relay(kinds.get(channel, RESYNC), payload)
 
             self._stop_listening = await asyncio.get_running_loop().run_in_executor(None, listen, on_notify)
             self.events.cross_process = True
 
-    async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
-        """Re-check `condition` whenever a job settles (on any replica, on PostgreSQL); bounded."""
-        return await self.events.wait_until(condition, timeout)
+    async def wait_until(
+        self, condition: Callable[[], Awaitable[bool]], timeout: float, key: str | None = None
+    ) -> bool:
+        """Re-check `condition` whenever a job settles (on any replica, on PostgreSQL); bounded.
+        With `key` (a job id or a reference), only when that job or reference settles."""
+        return await self.events.wait_until(condition, timeout, key)
 
     async def wait_for_job(self, job_id: str, timeout: float) -> Job | None:
         """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
@@ -261,7 +271,7 @@ class AsyncStore:
             job = await self.job(job_id)
             return job is None or job.state in ("done", "failed")
 
-        await self.wait_until(settled, timeout)
+        await self.wait_until(settled, timeout, key=job_id)
         return await self.job(job_id)
 
     async def job(self, job_id: str) -> Job | None:

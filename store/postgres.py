@@ -679,15 +679,15 @@ class PostgresStore:
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
         with self._transaction() as conn:
-            cursor = conn.execute(
+            row = conn.execute(
                 "UPDATE jobs SET state = 'done', error = NULL, result_digest = %s, lease_owner = NULL,"
                 " lease_expires = NULL, updated_at = clock_timestamp()"
-                " WHERE id = %s AND state = 'running' AND lease_owner = %s",
+                " WHERE id = %s AND state = 'running' AND lease_owner = %s RETURNING dedupe_key",
                 [digest, job_id, owner],
-            )
-            if cursor.rowcount:
-                self._notify_settled(conn, job_id)
-            return cursor.rowcount > 0
+            ).fetchone()
+            if row is not None:
+                self._notify_settled(conn, job_id, row[0])
+            return row is not None
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.
@@ -700,7 +700,8 @@ class PostgresStore:
                 "   state = CASE WHEN %(final)s OR attempts >= max_attempts THEN 'failed' ELSE 'queued' END,"
                 "   error = %(error)s, not_before = now() + make_interval(secs => %(retry)s),"
                 "   lease_owner = NULL, lease_expires = NULL, updated_at = clock_timestamp()"
-                " WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s RETURNING state",
+                " WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s"
+                " RETURNING state, dedupe_key",
                 {
                     "final": retry_in is None,
                     "error": error,
@@ -713,7 +714,7 @@ class PostgresStore:
                 return None
             state: JobState = row[0]
             if state == "failed":
-                self._notify_settled(conn, job_id)
+                self._notify_settled(conn, job_id, row[1])
             else:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
         return state
@@ -782,14 +783,15 @@ class PostgresStore:
         return row[0] if row and row[0] else None
 
     @staticmethod
-    def _notify_settled(conn: psycopg.Connection[TupleRow], job_id: str) -> None:
-        """Sent at commit: every replica's waiters on this job (and the slot it frees) learn of it."""
-        conn.execute("SELECT pg_notify(%s, %s)", [JOB_SETTLED, job_id])
+    def _notify_settled(conn: psycopg.Connection[TupleRow], job_id: str, reference: str) -> None:
+        """Sent at commit: every replica's waiters on this job or reference (and the slot it frees)
+        learn of it. Payload "<job id> <reference>"; references are bounded far below NOTIFY's 8000 bytes."""
+        conn.execute("SELECT pg_notify(%s, %s)", [JOB_SETTLED, f"{job_id} {reference}"[:7900]])
 
     def _notify_changes(self, conn: psycopg.Connection[TupleRow], expired: Sequence[LeaseExpiry]) -> None:
         for entry in expired:
             if entry.state == "failed":
-                self._notify_settled(conn, entry.job_id)
+                self._notify_settled(conn, entry.job_id, entry.reference)
         if any(entry.state == "queued" for entry in expired):
             conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
 

@@ -372,3 +372,34 @@ async def test_an_agent_polling_one_api_hears_of_a_deploy_taken_by_the_other(
             # without the other replica's NOTIFY this poll would sit out its 60 s and answer empty
             answer = await asyncio.wait_for(polling, timeout=90)
     assert [deployment["id"] for deployment in answer["deployments"]] == [created["id"]]
+
+
+def test_gpubadge_scan_writes_to_the_configured_postgresql_and_no_sqlite_file(
+    pushed: Pushed, postgres_url: str, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    reference = f"{pushed.registry.host}/scale/img003:latest"
+    env = {
+        **os.environ,
+        "GPUBADGE_DATABASE_URL": postgres_url,
+        "GPUBADGE_REGISTRIES": pushed.registry.host,
+        "XDG_DATA_HOME": str(tmp_path / "data"),  # where the default SQLite file would go
+        "HOME": str(tmp_path / "home"),
+    }
+    env.pop("GPUBADGE_DB", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "scan", "--json", reference],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["digest"] == pushed.digests["scale/img003"]
+    stored = sql(postgres_url, "SELECT digest FROM reports WHERE repository = 'scale/img003'")
+    assert stored == [(pushed.digests["scale/img003"],)]
+    assert not list(tmp_path.rglob("*.db")), "a SQLite file was written"

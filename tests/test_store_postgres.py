@@ -155,7 +155,7 @@ def test_notifications_cross_replicas(replicas: list[PostgresStore]) -> None:
         wait_for((JOBS_QUEUED, ""))
         (job,) = worker.claim_jobs(1, owner="w", lease_seconds=60)
         assert worker.finish_job(job.id, digest="sha256:" + "1" * 64, owner="w")
-        wait_for((JOB_SETTLED, job_id))  # ?wait= on this replica learns it at once
+        wait_for((JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= on this replica learns it at once
     finally:
         stop_api()
 

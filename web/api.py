@@ -258,7 +258,7 @@ async def image_by_ref(request: web.Request) -> web.Response:
     wait = wait_param(request)
     report = await find_report(services, reference)
     if report is None and wait:  # the scan may run in any worker process, here or elsewhere
-        await services.store.wait_until(lambda: report_exists(services, reference), wait)
+        await services.store.wait_until(lambda: report_exists(services, reference), wait, key=str(reference))
         report = await find_report(services, reference)
     if report is None:
         pending = await services.store.pending_job_for(str(reference))
