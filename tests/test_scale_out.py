@@ -403,3 +403,27 @@ def test_gpubadge_scan_writes_to_the_configured_postgresql_and_no_sqlite_file(
     stored = sql(postgres_url, "SELECT digest FROM reports WHERE repository = 'scale/img003'")
     assert stored == [(pushed.digests["scale/img003"],)]
     assert not list(tmp_path.rglob("*.db")), "a SQLite file was written"
+
+
+def test_an_api_only_replica_stays_ready_while_no_worker_runs(
+    pushed: Pushed, postgres_url: str, tmp_path: Path
+) -> None:
+    """Readiness on /healthz must not pull every API replica out of the load balancer because the
+    workers (another Deployment) are down: the stall is reported, the replica stays ready."""
+    env = role_env(postgres_url, pushed.registry, GPUBADGE_STALL_SECONDS="0.2")
+    with run_service_process(tmp_path / "api.db", env=env, args=("serve", "--workers", "0")) as api:
+        queued = call(
+            "POST",
+            f"{api.url}/api/scans",
+            {"ref": f"{pushed.registry.host}/scale/img001:latest"},
+            headers={"Authorization": f"Bearer {API_TOKEN}"},
+        )
+        assert queued.status == 202, queued.text
+
+        def stalled() -> bool:
+            return "stalled" in call("GET", f"{api.url}/healthz").body
+
+        wait_until(stalled, 30, "the stall reported")
+        health = call("GET", f"{api.url}/healthz")
+        assert health.status == 200 and health.body["workers"] == "none in this process"
+        assert "no worker has made progress" in health.body["stalled"]
