@@ -1,6 +1,6 @@
 """Run every benchmark, print one table of figures and ratios, and write bench/RESULTS.md.
 
-    python3 -m bench.run            # full workloads (about 10 minutes on 2 cores)
+    python3 -m bench.run            # full workloads (about 16 minutes on 2 cores, 6 of them `scale`)
     python3 -m bench.run --quick    # smaller workloads, prints only (unless --output)
     python3 -m bench.run --only scan,placement
 
