@@ -114,7 +114,11 @@ def test_workers_and_agent_run_their_roles() -> None:
     workers = _by_kind("Deployment", "gpubadge-workers")
     (container,) = workers["spec"]["template"]["spec"]["containers"]
     assert container["args"][0] == "worker"
-    assert worker_parser().parse_args(container["args"][1:]).concurrency >= 1
+    worker_args = worker_parser().parse_args(container["args"][1:])
+    assert worker_args.concurrency >= 1
+    probe_port = container["livenessProbe"]["httpGet"]["port"]
+    (metrics_port,) = [port for port in container["ports"] if port["name"] == probe_port]
+    assert metrics_port["containerPort"] == worker_args.metrics_port  # the probe reaches the worker
     agent = _by_kind("DaemonSet", "gpubadge-agent")
     pod = agent["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}

@@ -17,7 +17,7 @@ from aiohttp.typedefs import Middleware
 from scanner.models import ImageReport
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from store import LeaseExpiry, open_store
+from store import open_store
 from web import api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
 from web.hooks import SOURCES
@@ -25,8 +25,8 @@ from web.metrics import ServiceMetrics
 from web.security import private_reads
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services
-from web.worker_process import worker_settings
-from web.workers import JobOutcome, ScanWorkers, WorkerEvents
+from web.worker_process import worker_events, worker_settings
+from web.workers import ScanWorkers
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 services.store,
                 services.scanner,
                 worker_settings(settings),
-                WorkerEvents(
-                    on_outcome=lambda outcome: _count_outcome(metrics, outcome),
-                    on_restart=lambda: metrics.worker_restarts.inc(),
-                    on_lease_expiries=lambda expired: _count_expiries(metrics, expired),
-                ),
+                worker_events(metrics),
             )
             await services.workers.start()
         try:
@@ -116,17 +112,3 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
             await services.store.close()
 
     return lifecycle
-
-
-def _count_expiries(metrics: ServiceMetrics, expired: list[LeaseExpiry]) -> None:
-    for item in expired:
-        metrics.lease_expiries.inc(item.state)
-
-
-def _count_outcome(metrics: ServiceMetrics, outcome: JobOutcome) -> None:
-    report = outcome.report
-    result = "cached" if report.cached else ("ok" if report.error is None else "error")
-    metrics.scans.inc(result)
-    metrics.scan_seconds.observe(outcome.seconds)
-    if report.error and report.registry:
-        metrics.registry_errors.inc(report.registry)

@@ -44,6 +44,11 @@ def worker_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument(
+        "--metrics-port",
+        type=_positive,
+        help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return parser
 
@@ -147,7 +152,7 @@ def run_worker(argv: list[str]) -> int:
     from web.worker_process import serve_workers
 
     try:
-        serve_workers(settings)
+        serve_workers(settings, args.metrics_port)
     except StoreUnavailable as exc:
         print(f"gpubadge worker: {exc}", file=sys.stderr)
         return 1

@@ -13,10 +13,15 @@ import asyncio
 import logging
 import signal
 
+from aiohttp import web
+
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from store import open_store
+from store import LeaseExpiry, open_store
+from web import health
+from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
+from web.state import SERVICES, Services
 from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -32,14 +37,33 @@ def worker_settings(settings: ServiceSettings) -> WorkerSettings:
     )
 
 
-def _log_outcome(outcome: JobOutcome) -> None:
-    report = outcome.report
-    if report.error is None:
-        log.info("scanned %s (%s) in %.2f s", outcome.job.reference, report.digest, outcome.seconds)
+def worker_events(metrics: ServiceMetrics) -> WorkerEvents:
+    """What workers report to /metrics, in `serve` and in `worker` alike."""
+
+    def on_outcome(outcome: JobOutcome) -> None:
+        report = outcome.report
+        result = "cached" if report.cached else ("ok" if report.error is None else "error")
+        metrics.scans.inc(result)
+        metrics.scan_seconds.observe(outcome.seconds)
+        if report.error and report.registry:
+            metrics.registry_errors.inc(report.registry)
+
+    def on_lease_expiries(expired: list[LeaseExpiry]) -> None:
+        for item in expired:
+            metrics.lease_expiries.inc(item.state)
+
+    return WorkerEvents(
+        on_outcome=on_outcome,
+        on_restart=lambda: metrics.worker_restarts.inc(),
+        on_lease_expiries=on_lease_expiries,
+    )
 
 
-async def run_workers(settings: ServiceSettings, stop: asyncio.Event) -> None:
-    """Run until `stop` is set, then drain."""
+async def run_workers(
+    settings: ServiceSettings, stop: asyncio.Event, metrics_port: int | None = None
+) -> None:
+    """Run until `stop` is set, then drain. With `metrics_port`, serve /metrics and /healthz there
+    (the scan counters live in this process, not in the API replicas)."""
     store = open_store(
         settings.db,
         synchronous=settings.sqlite_synchronous,
@@ -47,23 +71,40 @@ async def run_workers(settings: ServiceSettings, stop: asyncio.Event) -> None:
         threads=settings.store_threads,
         database_url=settings.database_url.get_secret_value() if settings.database_url else None,
     )
+    metrics = ServiceMetrics()
     try:
         async with RegistryClient(settings) as client:
             scanner = Scanner(client, store, settings)
-            workers = ScanWorkers(
-                store, scanner, worker_settings(settings), WorkerEvents(on_outcome=_log_outcome)
+            workers = ScanWorkers(store, scanner, worker_settings(settings), worker_events(metrics))
+            services = Services(
+                settings=settings, store=store, metrics=metrics, client=client, scanner=scanner
             )
+            services.workers = workers
+            runner = await _serve_health(services, metrics_port) if metrics_port else None
             await workers.start()
             log.info("scan worker %s: %d at once", workers.owner, settings.workers)
             try:
                 await stop.wait()
             finally:
                 await workers.stop(drain_timeout=settings.drain_seconds)
+                await scanner.close()
+                if runner is not None:
+                    await runner.cleanup()
     finally:
         await store.close()
 
 
-def serve_workers(settings: ServiceSettings) -> None:
+async def _serve_health(services: Services, port: int) -> web.AppRunner:
+    app = web.Application()
+    app[SERVICES] = services
+    health.setup_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, services.settings.host, port).start()
+    return runner
+
+
+def serve_workers(settings: ServiceSettings, metrics_port: int | None = None) -> None:
     """The process's main: run the workers, stop cleanly on SIGTERM or SIGINT."""
 
     async def main() -> None:
@@ -71,6 +112,6 @@ def serve_workers(settings: ServiceSettings) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await run_workers(settings, stop)
+        await run_workers(settings, stop, metrics_port)
 
     asyncio.run(main())
