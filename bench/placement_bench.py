@@ -1,37 +1,45 @@
-"""Placement latency over 10,000 synthetic servers: p50/p99 of `decide()` per query, index build,
-and the service path (the cached fleet index after a reservation, a registration, a timed check).
+"""Placement at fleet scale: `POST /api/eligibility` wall time through HTTP next to the function alone.
 
-Run: python3 -m bench.placement_bench [servers] [queries]. Prints numbers only; no thresholds.
+For each fleet size (100, 1,000, 10,000, 100,000 synthetic servers) one run:
+- starts `gpubadge serve` as its own process with the fleet as its inventory file and the image's
+  report in its store, warms it up, then times sequential POSTs over one keep-alive connection
+  (what a deploy pipeline sees: request, decision, JSON answer of one page, response read);
+- times the same work as a function in this process: `answer(decide(...))` on a built index;
+- does both twice: the same question repeated (as a deploy pipeline asks it; the index keeps shape
+  verdicts per query form), and a new query form every time (`-new-form` lines: nothing kept applies);
+- prints p50/p99 of both, and each size's p99 as a multiple of the 100-server p99 (the growth).
+
+Run: python3 -m bench.placement_bench [--quick] [--sizes 100,1000,10000,100000] [--queries N].
+Prints numbers only; bench/run.py turns the `http ` and `function ` lines into figures.
 The fleet is built from realistic SKUs (GPU model, driver, utilisation), as real fleets are.
-`request=` lines are read by bench/run.py (the text before ` eligible=` names the figure; the
-last p99_ms on the line, CPU, is the figure).
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import gc
+import http.client
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
-from placement.decide import Decision, FleetIndex, ImageFacts, decide
+from fixtures.process import stop_process
+from fixtures.registry import free_port
+from fixtures.service import wait_healthy
+from placement.answer import AnswerOptions, answer
+from placement.decide import FleetIndex, ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
-from store import AsyncStore, SqliteStore
-from web.fleet import FLEET_INDEX, STATIC_FLEET, FleetIndexCache, fleet_index, live_servers
-from web.metrics import ServiceMetrics
-from web.settings import ServiceSettings
-from web.state import SERVICES, Services
+from store import SqliteStore
 
 # (GPU, brand, MiB, CC, GPUs per server, CPUs, memory GiB): a SKU fixes the box, as in real fleets.
 SKUS = [
@@ -50,93 +58,70 @@ DRIVERS = [
     ("550.54.15", "12.4"),
     ("570.124.06", "12.8"),
 ]
+BRANDS_12_2 = ("tesla", "unknown", "nvidia", "nvidiartx", "geforce", "geforcertx", "quadro", "quadrortx")
 REQUIRE_12_2 = " ".join(
     ["cuda>=12.2"]
     + [
         f"brand={b},driver>={n},driver<{n + 1}"
         for n in (470, 525)
-        for b in (
-            "tesla",
-            "unknown",
-            "nvidia",
-            "nvidiartx",
-            "geforce",
-            "geforcertx",
-            "quadro",
-            "quadrortx",
-            "titan",
-            "titanrtx",
-        )
+        for b in (*BRANDS_12_2, "titan", "titanrtx")
     ]
 )
+REGISTRY, REPOSITORY, TAG = "127.0.0.1:5999", "bench/cuda", "12.2.2"
+REFERENCE = f"{REGISTRY}/{REPOSITORY}:{TAG}"
 
 
-def synthetic_fleet(count: int, seed: int = 7) -> list[Server]:
+def synthetic_fleet(count: int, seed: int = 7) -> list[dict[str, Any]]:
+    """Servers as inventory-file dicts; GPUs in use vary per server, so shapes repeat but not trivially."""
     rng = random.Random(seed)
     servers = []
     for n in range(count):
         name, brand, mib, cc, per, cpus, memory_gib = rng.choice(SKUS)
         driver, cuda = rng.choice(DRIVERS)
-        uuids = [f"GPU-{n:05d}-{i}" for i in range(per)]
+        uuids = [f"GPU-{n:06d}-{i}" for i in range(per)]
         gpus = [
             {"index": i, "uuid": u, "name": name, "brand": brand, "memory_mib": mib, "compute_capability": cc}
             for i, u in enumerate(uuids)
         ]
         servers.append(
-            Server.model_validate(
-                {
-                    "name": f"srv-{n:05d}",
-                    "arch": "arm64" if rng.random() < 0.1 else "amd64",
-                    "cpus": cpus,
-                    "memory": memory_gib * 1024**3,
-                    "labels": {"zone": rng.choice(["a", "b", "c"])},
-                    "driver_version": driver,
-                    "cuda_driver_version": cuda,
-                    "gpus": gpus,
-                    "gpus_in_use": uuids[: rng.randint(0, per)],
-                }
-            )
+            {
+                "name": f"srv-{n:06d}",
+                "arch": "arm64" if rng.random() < 0.1 else "amd64",
+                "cpus": cpus,
+                "memory": memory_gib * 1024**3,
+                "labels": {"zone": rng.choice(["a", "b", "c"])},
+                "driver_version": driver,
+                "cuda_driver_version": cuda,
+                "gpus": gpus,
+                "gpus_in_use": uuids[: rng.randint(0, per)],
+            }
         )
     return servers
 
 
-def gpu_image(require: str = REQUIRE_12_2, reference: str = "nvidia/cuda:12.2.2") -> ImageFacts:
-    env = {"NVIDIA_REQUIRE_CUDA": require, "CUDA_VERSION": "12.2.2", "NVIDIA_VISIBLE_DEVICES": "all"}
-    gpu = GpuFacts(required=True, cuda_version="12.2", requirements=[require], env=env)
-    report = ImageReport(
-        reference=reference,
-        platforms=[PlatformReport(platform="linux/amd64", digest="sha256:0", gpu=gpu)],
+def gpu_report() -> ImageReport:
+    env = {"NVIDIA_REQUIRE_CUDA": REQUIRE_12_2, "CUDA_VERSION": TAG, "NVIDIA_VISIBLE_DEVICES": "all"}
+    gpu = GpuFacts(required=True, cuda_version="12.2", requirements=[REQUIRE_12_2], env=env)
+    digest = "sha256:" + "b" * 64
+    return ImageReport(
+        reference=REFERENCE,
+        digest=digest,
+        registry=REGISTRY,
+        repository=REPOSITORY,
+        platforms=[PlatformReport(platform="linux/amd64", digest=digest, gpu=gpu)],
     )
-    return ImageFacts.from_report(report)
 
 
-def image() -> ImageFacts:
-    return gpu_image()
-
-
-def cpu_image() -> ImageFacts:
-    report = ImageReport(
-        reference="alpine:3",
-        platforms=[
-            PlatformReport(platform="linux/amd64", digest="sha256:1"),
-            PlatformReport(platform="linux/arm64", digest="sha256:2"),
-        ],
-    )
-    return ImageFacts.from_report(report)
-
-
-REQUESTS = [
-    DeployRequest(gpus=1),
-    DeployRequest(gpus=2, gpu_models=["h100", "a100"], gpu_model_order="ordered", min_gpu_memory="40Gi"),
-    DeployRequest(gpus=4, cpus=64, memory="512Gi", labels={"zone": "a"}, min_compute_capability="8.0"),
-]
-# (kind, image, request): the request forms the figures are named after.
-QUERIES: list[tuple[str, Callable[[], ImageFacts], DeployRequest]] = [
-    ("gpu-image", image, REQUESTS[0]),
-    ("gpu-models", image, REQUESTS[1]),
-    ("labels-and-sizes", image, REQUESTS[2]),
-    ("cpu-image", cpu_image, DeployRequest(cpus=8)),
-    ("fails-everywhere", lambda: gpu_image("cuda>=13.0", "needs/cuda:13"), DeployRequest(gpus=1)),
+REQUESTS: list[tuple[str, DeployRequest]] = [
+    ("gpu-image", DeployRequest(gpus=1)),
+    (
+        "gpu-models",
+        DeployRequest(gpus=2, gpu_models=["h100", "a100"], gpu_model_order="ordered", min_gpu_memory="40Gi"),
+    ),
+    (
+        "labels-and-sizes",
+        DeployRequest(gpus=4, cpus=64, memory="512Gi", labels={"zone": "a"}, min_compute_capability="8.0"),
+    ),
 ]
 
 
@@ -145,153 +130,144 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def figures(wall: list[float], cpu: list[float]) -> str:
-    return (
-        f"wall p50_ms={statistics.median(wall):.2f} p99_ms={percentile(wall, 0.99):.2f} "
-        f"cpu p50_ms={statistics.median(cpu):.2f} p99_ms={percentile(cpu, 0.99):.2f}"
-    )
-
-
-def timed(action: Callable[[], Any], rounds: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU ms per call. The previous result is dropped inside the timed region, as a
-    service drops it after answering: freeing 10,000 result dicts is part of a query's cost."""
-    wall, cpu = [], []
-    result: Any = action()  # warm-up
+def timed(action: Callable[[], Any], rounds: int) -> list[float]:
+    """Wall ms per call, after one warm-up call."""
+    action()
+    samples = []
     for _ in range(rounds):
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = action()
-        wall.append((time.perf_counter() - t0) * 1000)
-        cpu.append((time.process_time() - c0) * 1000)
-    del result
-    return wall, cpu
-
-
-async def timed_async(action: Callable[[], Awaitable[Any]], rounds: int) -> tuple[list[float], list[float]]:
-    """`timed` for an async action (the service's store calls are awaited)."""
-    wall, cpu = [], []
-    result: Any = await action()  # warm-up
-    for _ in range(rounds):
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = await action()
-        wall.append((time.perf_counter() - t0) * 1000)
-        cpu.append((time.process_time() - c0) * 1000)
-    del result
-    return wall, cpu
-
-
-def bench_queries(fleet: list[Server], queries: int) -> None:
-    count = len(fleet)
-    builds = []
-    for _ in range(5):
         t0 = time.perf_counter()
-        index = FleetIndex.build(fleet)
-        builds.append((time.perf_counter() - t0) * 1000)
-    print(
-        f"servers={count} gpu_classes={len(index.classes)} shapes={index.shape_count} "
-        f"index_build_ms={statistics.median(builds):.1f} (median of 5, includes the query view)"
-    )
-    # The fleet is long-lived, as in a service: gc.freeze() keeps full cyclic-GC passes (~150 ms here)
-    # from re-walking a million inventory objects inside a sample. web.fleet does not freeze (a
-    # process-wide choice for the service's startup); without it, such a pass lands in ~1% of queries.
+        action()
+        samples.append((time.perf_counter() - t0) * 1000)
+    return samples
+
+
+def cold(request: DeployRequest, number: int) -> DeployRequest:
+    """The same request as a new query form (a CPU count below every server's), so no shape
+    verdict kept from earlier queries applies: the cost of a question the service never saw."""
+    return request.model_copy(update={"cpus": 1 + number / 1000})
+
+
+def function_only(
+    servers: list[Server], request: DeployRequest, rounds: int, fresh: bool = False
+) -> tuple[list[float], int, int]:
+    """What the handler's worker thread does, in-process: decide + one page. (ms, eligible, shapes)."""
+    index = FleetIndex.build(servers)
+    # As the service does after start-up (web.app, with the inventory file's index built by then):
+    # the long-lived fleet leaves the cyclic collector's reach, so full passes do not land in queries.
     gc.freeze()
-    calibration = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        _ = [{"server": n, "gpus": [n], "score": 1.0} for n in range(count)]
-        calibration.append((time.perf_counter() - t0) * 1000)
-    print(
-        f"calibration: building {count} bare result dicts takes p50_ms={statistics.median(calibration):.2f}"
+    facts = ImageFacts.from_report(gpu_report())
+    options = AnswerOptions()
+    body = answer(decide(facts, request, index), options)
+    forms = iter(range(1, 10**9))
+    samples = timed(
+        lambda: answer(decide(facts, cold(request, next(forms)) if fresh else request, index), options),
+        rounds,
     )
-    for kind, make_image, request in QUERIES:
-        facts = make_image()
-        decision: Decision = decide(facts, request, index)
-        wall, cpu = timed(lambda: decide(facts, request, index), queries)  # noqa: B023 - called at once
-        print(
-            f"request={kind} {request.model_dump(exclude_defaults=True)} eligible={len(decision.eligible)} "
-            f"{figures(wall, cpu)}"
+    return samples, body["eligible_count"], len(index.view().shape_entries)
+
+
+def over_http(
+    fleet: list[dict[str, Any]], request: DeployRequest, rounds: int, workdir: Path
+) -> tuple[list[float], list[float], int]:
+    """`gpubadge serve` in its own process; sequential POSTs on one keep-alive connection. (ms, bytes)."""
+    inventory = workdir / "fleet.json"
+    inventory.write_text(json.dumps({"servers": fleet}))
+    db = workdir / "bench.db"
+    store = SqliteStore(db)
+    report = gpu_report()
+    store.save_report(report)
+    store.record_tag(REGISTRY, REPOSITORY, TAG, report.digest or "")
+    store.close()
+    port = free_port()
+    env = {
+        **os.environ,
+        "GPUBADGE_DB": str(db),
+        "GPUBADGE_PORT": str(port),
+        "GPUBADGE_INVENTORY_FILE": str(inventory),
+    }
+    with (workdir / "service.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpubadge.cli", "serve", "--log-level", "WARNING"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-    samples = []
-    for _ in range(max(5, queries // 40)):
-        t0 = time.perf_counter()
-        decide(image(), REQUESTS[0], fleet)
-        samples.append((time.perf_counter() - t0) * 1000)
-    print(f"unindexed (list[Server], index built per query): p50_ms={statistics.median(samples):.2f}")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, timeout=300)
+        forms = iter(range(1, 10**9))
+
+        def body_of(form: DeployRequest) -> str:
+            return json.dumps({"image": REFERENCE, **form.model_dump(mode="json", exclude_defaults=True)})
+
+        body = body_of(request)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        size = 0
+
+        def post(fresh: bool = False) -> None:
+            nonlocal size
+            sent = body_of(cold(request, next(forms))) if fresh else body
+            connection.request("POST", "/api/eligibility", sent, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            data = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{response.status}: {data[:300]!r}")
+            size = len(data)
+
+        for _ in range(5):  # the first query builds the service's index; later ones use it
+            post()
+        samples = timed(post, rounds)
+        fresh_samples = timed(lambda: post(fresh=True), rounds)
+        connection.close()
+        return samples, fresh_samples, size
+    finally:
+        stop_process(process, grace=20)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def bench_service(fleet: list[Server], queries: int, workdir: Path) -> None:
-    """The service's way: web.fleet's cached index over a real store (static file + agents)."""
-    agents = fleet[: len(fleet) // 10]  # a tenth register as agents, the rest come from the file
-    settings = ServiceSettings(db=workdir / "bench.db", port=0, docker_config=None)
-    backend = SqliteStore(settings.db)
-    for server in agents:
-        stored = server.model_copy(update={"source": "agent", "gpus_in_use": []})
-        backend.upsert_server(server.name, stored.model_dump_json())
-    store = AsyncStore(backend)
-    app = web.Application()
-    app[SERVICES] = Services(settings=settings, store=store, metrics=ServiceMetrics())
-    app[STATIC_FLEET] = fleet[len(agents) :]
-    clock = _Clock()
-    cache = app[FLEET_INDEX] = FleetIndexCache(check_seconds=2.0, clock=clock)
-    facts, request = image(), REQUESTS[0]
-    t0 = time.perf_counter()
-    index = await fleet_index(app)
-    print(f"service: first query builds the cached index: ms={(time.perf_counter() - t0) * 1000:.1f}")
-    wall, cpu = timed(lambda: decide(facts, request, index), queries)
-    print(f"service: decide on the cached index {figures(wall, cpu)}")
-    free = [
-        (server.name, gpu.uuid)
-        for server in fleet
-        for gpu in server.gpus
-        if gpu.uuid not in set(server.gpus_in_use)
-    ]
-    picks = iter(free)
-
-    async def after_reservation() -> Decision:
-        name, gpu_uuid = next(picks)
-        await store.create_deployment(os.urandom(8).hex(), name, [gpu_uuid], "{}")
-        cache.reservations_changed()
-        return decide(facts, request, await fleet_index(app))
-
-    rounds = min(queries, len(free) - 1)
-    wall, cpu = await timed_async(after_reservation, rounds)
-    print(f"service: reserve 1 GPU, then decide (index follows the reservation) {figures(wall, cpu)}")
-
-    async def after_timed_check() -> Decision:
-        clock.now += cache.check_seconds
-        return decide(facts, request, await fleet_index(app))
-
-    wall, cpu = await timed_async(after_timed_check, max(20, queries // 10))
-    print(
-        f"service: timed re-check (re-read {len(agents)} agents, nothing changed), then decide {figures(wall, cpu)}"
-    )
-    samples = []
-    for _ in range(max(5, queries // 40)):
-        t0 = time.perf_counter()
-        decide(facts, request, await live_servers(app))
-        samples.append((time.perf_counter() - t0) * 1000)
-    print(f"service: uncached path (live_servers list per request) p50_ms={statistics.median(samples):.2f}")
-    await store.close()
+def figures(samples: list[float]) -> str:
+    return f"p50_ms={statistics.median(samples):.2f} p99_ms={percentile(samples, 0.99):.2f}"
 
 
 def main() -> None:
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
-    queries = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer queries per size")
+    parser.add_argument("--sizes", default="100,1000,10000,100000", help="fleet sizes, comma-separated")
+    parser.add_argument("--queries", type=int, help="queries per size (default 300, --quick 100)")
+    args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    rounds = args.queries or (100 if args.quick else 300)
     load = os.getloadavg()
-    print(
-        f"load_average_1m={load[0]:.2f} cpus={os.cpu_count()} python_gc={'on' if gc.isenabled() else 'off'}"
-    )
-    fleet = synthetic_fleet(count)
-    bench_queries(fleet, queries)
-    with tempfile.TemporaryDirectory() as workdir:
-        asyncio.run(bench_service(fleet, queries, Path(workdir)))
+    print(f"load_average_1m={load[0]:.2f} cpus={os.cpu_count()} queries_per_size={rounds}")
+    http_p99: dict[int, float] = {}
+    function_p99: dict[int, float] = {}
+    for count in sizes:
+        fleet = synthetic_fleet(count)
+        servers = [Server.model_validate(item) for item in fleet]
+        name, request = REQUESTS[0]
+        samples, eligible, shapes = function_only(servers, request, rounds)
+        gc.unfreeze()
+        function_p99[count] = percentile(samples, 0.99)
+        print(
+            f"function servers={count} request={name} shapes={shapes} eligible={eligible} {figures(samples)}"
+        )
+        cold_samples, _, _ = function_only(servers, request, rounds, fresh=True)
+        gc.unfreeze()
+        print(f"function-new-form servers={count} request={name} {figures(cold_samples)}")
+        with tempfile.TemporaryDirectory() as workdir:
+            web_samples, web_cold, size = over_http(fleet, request, rounds, Path(workdir))
+        http_p99[count] = percentile(web_samples, 0.99)
+        print(f"http servers={count} request={name} answer_bytes={size} {figures(web_samples)}")
+        print(f"http-new-form servers={count} request={name} {figures(web_cold)}")
+        if count == 10_000:
+            for other, other_request in REQUESTS[1:]:
+                more, eligible, _ = function_only(servers, other_request, rounds)
+                gc.unfreeze()
+                print(f"function servers={count} request={other} eligible={eligible} {figures(more)}")
+    base = sizes[0]
+    for count in sizes[1:]:
+        print(
+            f"growth servers={count} vs={base} http_p99_ratio={http_p99[count] / http_p99[base]:.2f} "
+            f"function_p99_ratio={function_p99[count] / function_p99[base]:.2f}"
+        )
     print(f"load_average_1m_after={os.getloadavg()[0]:.2f}")
 
 

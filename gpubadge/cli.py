@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | worker | db | eligible | agent`.
+"""`gpubadge scan | serve | worker | db | eligible | constraints | agent | referrers`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("worker", "run scan workers only (scale them apart from the API)"),
         ("db", "manage the store's schema (db upgrade, db status)"),
         ("eligible", "list the servers that can run an image"),
+        ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
         ("agent", "run the node agent"),
+        ("referrers", "list the gpubadge reports attached to an image as OCI referrers"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -85,7 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if args_list and args_list[0] in ("serve", "worker", "db", "eligible", "agent"):
+    if args_list and args_list[0] in (
+        "serve",
+        "worker",
+        "db",
+        "eligible",
+        "constraints",
+        "agent",
+        "referrers",
+    ):
         return _delegate(args_list[0], args_list[1:])
     try:
         args = parser.parse_args(args_list)
@@ -113,6 +123,14 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.eligible import main as run_eligible
 
         return run_eligible(rest)
+    if command == "referrers":
+        from gpubadge.referrers import main as run_referrers
+
+        return run_referrers(rest)
+    if command == "constraints":
+        from gpubadge.constraints import main as run_constraints
+
+        return run_constraints(rest)
     from agent.main import run_agent
 
     return run_agent(rest)

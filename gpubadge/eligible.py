@@ -38,8 +38,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="memory, e.g. 64Gi")
     p.add_argument("--label", action="append", default=[], help="required server label key=value (repeat)")
     p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
-    p.add_argument("--json", action="store_true", help="print the decision as JSON")
+    p.add_argument("--limit", type=int, default=50, help="eligible servers to list (default 50)")
+    p.add_argument("--cursor", help="`next_cursor` of a previous --json answer: the next page")
+    p.add_argument(
+        "--explain",
+        choices=("summary", "all"),
+        default="summary",
+        help="summary: ineligible servers by reason (default); all: every server with every reason",
+    )
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
     return p
+
+
+def answer_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The answer's shape, as /api/eligibility takes it."""
+    fields: dict[str, Any] = {"limit": args.limit, "explain": args.explain}
+    if args.cursor:
+        fields["cursor"] = args.cursor
+    return fields
 
 
 def request_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,7 +78,10 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-async def decide_locally(reference: str, servers: Path, fields: dict[str, Any]) -> dict[str, Any]:
+async def decide_locally(
+    reference: str, servers: Path, fields: dict[str, Any], shape: dict[str, Any]
+) -> dict[str, Any]:
+    from placement.answer import AnswerOptions, answer
     from placement.decide import ImageFacts, decide
     from placement.inventory import parse_inventory
     from placement.request import DeployRequest
@@ -71,6 +90,7 @@ async def decide_locally(reference: str, servers: Path, fields: dict[str, Any]) 
     from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
+    options = AnswerOptions.model_validate(shape)
     inventory = parse_inventory(servers.read_text())
     settings = ScannerSettings.load()
     async with RegistryClient(settings) as client:
@@ -78,7 +98,8 @@ async def decide_locally(reference: str, servers: Path, fields: dict[str, Any]) 
     if report.error:
         raise RuntimeError(f"{reference}: {report.error}")
     decision = decide(ImageFacts.from_report(report), request, inventory.servers)
-    result: dict[str, Any] = decision.model_dump(mode="json")
+    result: dict[str, Any] = dict(answer(decision, options))
+    result["image"] = {"reference": report.reference, "digest": report.digest}
     return result
 
 
@@ -102,9 +123,26 @@ def print_decision(decision: dict[str, Any]) -> None:
     for entry in decision.get("eligible", []):
         gpus = ", ".join(entry.get("gpus", [])) or "no GPUs"
         print(f"eligible    {entry['server']}  ({gpus}; score {entry.get('score')})")
-    for entry in decision.get("ineligible", []):
-        print(f"ineligible  {entry['server']}: {'; '.join(entry['reasons'])}")
-    if not decision.get("eligible"):
+    shown = len(decision.get("eligible", []))
+    if decision.get("eligible_count", shown) > shown:
+        print(
+            f"eligible    ... {decision['eligible_count'] - shown} more (--limit, or --cursor NEXT with --json)"
+        )
+    if decision.get("ineligible") is not None:
+        for entry in decision["ineligible"]:
+            print(f"ineligible  {entry['server']}: {'; '.join(entry['reasons'])}")
+    else:
+        for item in decision.get("ineligible_by_reason", []):
+            examples = ", ".join(item["examples"])
+            more = (
+                f" and {item['count'] - len(item['examples'])} more"
+                if item["count"] > len(item["examples"])
+                else ""
+            )
+            print(f"ineligible  {examples}{more}: {item['reason']}")
+    for warning in decision.get("warnings", []):
+        print(f"warning     {warning}")
+    if not decision.get("eligible_count", len(decision.get("eligible", []))):
         print("no server can run this image with this request")
 
 
@@ -117,11 +155,12 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         fields = request_fields(args)
+        shape = answer_fields(args)
         if args.servers:
-            decision = asyncio.run(decide_locally(args.reference, args.servers, fields))
+            decision = asyncio.run(decide_locally(args.reference, args.servers, fields, shape))
         else:
             token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
-            decision = asyncio.run(ask_service(args.reference, args.service, fields, token))
+            decision = asyncio.run(ask_service(args.reference, args.service, {**fields, **shape}, token))
     except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as exc:
         print(f"gpubadge eligible: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -129,4 +168,4 @@ def main(argv: list[str]) -> int:
         print(json.dumps(decision))
     else:
         print_decision(decision)
-    return EXIT_ELIGIBLE if decision.get("eligible") else EXIT_NONE
+    return EXIT_ELIGIBLE if decision.get("eligible_count", len(decision.get("eligible", []))) else EXIT_NONE

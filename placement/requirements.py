@@ -27,20 +27,20 @@ from typing import Literal
 
 from scanner.models import GpuFacts
 from scanner.requirements import (
+    EXPR_MAX,
     KEYS,
     OPERATORS,
     AllOf,
     Condition,
     Expression,
-    RequirementSyntaxError,
-    parse_requirement,
+    formatted_length,
+    latent_error,
     parse_requirement_lenient,
 )
 
 Outcome = Literal["satisfied", "unsatisfied", "error"]
 
 MAX_REQUIREMENTS = 32  # nvidia-container-cli keeps `char *reqs[32]`; a 33rd is "too many requirements"
-_EXPR_MAX = 128  # dsl.c formats a failed factor into a 128-byte buffer; longer is "invalid expression"
 _UINTMAX = 2**64 - 1
 _VERSION_TEXT = re.compile(r"^[0-9.]*$")
 _DIGITS = re.compile(r"[0-9]+")
@@ -152,12 +152,6 @@ def evaluate_condition(condition: Condition, facts: DeviceFacts) -> bool | None:
     return compare_version(host, condition.op, condition.value)
 
 
-def _formatted_length(condition: Condition) -> int:
-    """Length of dsl.c's `"%s %s %s"` rendering of the factor (raw key, operator, value)."""
-    raw_op_length = len(condition.text) - len(condition.key) - len(condition.value)
-    return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
-
-
 def _error_detail(condition: Condition, facts: DeviceFacts) -> str:
     if condition.error is not None:
         return condition.error
@@ -175,7 +169,7 @@ def evaluate(expression: Expression, facts: DeviceFacts) -> Verdict:
         result = True
         for condition in term.conditions:
             outcome = evaluate_condition(condition, facts)
-            if outcome is False and _formatted_length(condition) >= _EXPR_MAX:
+            if outcome is False and formatted_length(condition) >= EXPR_MAX:
                 detail = f"requirement term {condition.text!r} is too long for nvidia-container-cli"
                 return Verdict("error", "invalid expression", (detail,), text)
             if outcome is None:
@@ -245,10 +239,14 @@ def explain_failures(expression: Expression, facts: DeviceFacts) -> tuple[str, .
             if str(branch[0]) not in values:
                 values.append(str(branch[0]))
             note("branch", host)
+        term_failed = False  # a malformed factor after a false one is never read by the runtime
         for condition in term.conditions:
+            outcome = evaluate_condition(condition, facts)
+            if outcome is None and term_failed:
+                continue
+            term_failed = term_failed or outcome is False
             if condition in branch_conditions:
                 continue
-            outcome = evaluate_condition(condition, facts)
             if outcome:
                 brand_hit = brand_hit or (condition.key == "brand" and condition.op == "=")
                 continue
@@ -326,7 +324,11 @@ def requirement_texts(env: Mapping[str, str]) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class ImageRequirements:
-    """An image's requirements, parsed once per query. `error` makes the image run nowhere."""
+    """An image's requirements, parsed once per query. `error` makes the image run nowhere.
+
+    A malformed clause is not an `error`: like nvidia-container-cli, `check` fails only when
+    evaluation reaches it (`warnings` lists such clauses).
+    """
 
     expressions: tuple[tuple[str, Expression], ...] = ()
     error: str | None = None
@@ -354,6 +356,20 @@ class ImageRequirements:
             return cls(error=str(exc))
 
     @property
+    def warnings(self) -> tuple[str, ...]:
+        """Every clause that fails when reached, named: the runtime refuses the container there."""
+        found = []
+        for variable, expression in self.expressions:
+            for condition in expression.conditions:
+                problem = condition.error or latent_error(condition)
+                if problem is not None:
+                    found.append(
+                        f"{variable}: {problem}; a host whose evaluation reaches it refuses the "
+                        "container (invalid expression)"
+                    )
+        return tuple(found)
+
+    @property
     def has_device_conditions(self) -> bool:
         """True when some factor reads arch or brand, so verdicts differ per GPU."""
         return any(c.key in ("arch", "brand") for _, e in self.expressions for c in e.conditions)
@@ -376,18 +392,16 @@ class ImageRequirements:
 
 @lru_cache(maxsize=256)
 def _parsed_requirements(pairs: tuple[tuple[str, str], ...]) -> ImageRequirements:
-    """Parsing is pure and its result frozen, so a query for an image already seen skips it."""
+    """Parsing is pure and its result frozen, so a query for an image already seen skips it.
+
+    Parsing is lenient: a malformed clause stays in the tree and fails only on hosts where the
+    runtime's short-circuit evaluation reaches it (`warnings` names it for people).
+    """
     if len(pairs) > MAX_REQUIREMENTS:
         return ImageRequirements(
             error=f"too many requirements: {len(pairs)} (nvidia-container-cli accepts 32)"
         )
-    parsed: list[tuple[str, Expression]] = []
-    for variable, value in pairs:
-        try:
-            parsed.append((variable, parse_requirement(value)))
-        except RequirementSyntaxError as exc:
-            return ImageRequirements(error=f"{variable}: {exc}")
-    return ImageRequirements(tuple(parsed))
+    return ImageRequirements(tuple((variable, parse_requirement_lenient(value)) for variable, value in pairs))
 
 
 def check_devices(requirements: ImageRequirements, devices: Sequence[DeviceFacts]) -> Verdict:

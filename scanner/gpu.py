@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scanner.models import GpuFacts, RequirementIssue
-from scanner.requirements import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
+from scanner.requirements import latent_error, parse_requirement_lenient
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"
@@ -177,10 +177,14 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
 
     issues: list[RequirementIssue] = []
     for name in require_vars:
-        try:
-            parse_requirement(nvidia_env[name])
-        except RequirementSyntaxError as exc:
-            issues.append(RequirementIssue(variable=name, value=nvidia_env[name], error=str(exc)))
+        # One issue per malformed clause: the runtime fails on whichever one its evaluation reaches.
+        # (Also well-formed clauses the runtime still rejects: too long, numbers too large.)
+        conditions = parse_requirement_lenient(nvidia_env[name]).conditions
+        issues.extend(
+            RequirementIssue(variable=name, value=nvidia_env[name], error=error)
+            for condition in conditions
+            if (error := condition.error or latent_error(condition)) is not None
+        )
 
     cuda_version = cuda_major_minor(cuda_version_raw) if cuda_version_raw else None
     if cuda_version_raw and cuda_version is None and legacy and not disable_require:

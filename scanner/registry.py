@@ -534,6 +534,38 @@ class RegistryClient:
         self._refuse_schema1(media_type, ref)
         return Manifest(media_type, actual, body, data)
 
+    async def referrers(self, ref: Reference, digest: str) -> Manifest | None:
+        """The referrers API's index for `digest`; None where the registry has no such API (a 404)."""
+        path = f"/v2/{ref.repository}/referrers/{validate_digest(digest)}"
+        limit = self.settings.max_manifest_bytes
+
+        async def get(host: str) -> tuple[bytes, str]:
+            async with self._slot(host):
+                response = await self._open(
+                    host, ref.repository, "GET", path, {"Accept": OCI_INDEX}, self._timeout()
+                )
+                try:
+                    body = await self._read_capped(response, limit, f"referrers of {ref.name}@{digest}")
+                finally:
+                    response.release()
+            return body, bare_media_type(response.headers.get("Content-Type"))
+
+        try:
+            body, media_type = await self._on_endpoints(ref, get)
+        except NotFound:
+            return None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if (
+            media_type != OCI_INDEX
+            or not isinstance(data, dict)
+            or not isinstance(data.get("manifests"), list)
+        ):
+            return None  # a registry answering something else there has no referrers API
+        return Manifest(OCI_INDEX, compute_digest(body), body, data)
+
     async def blob(self, ref: Reference, digest: str, max_bytes: int) -> bytes:
         """A small blob (an image config), read whole, capped and verified."""
         validate_digest(digest)

@@ -40,6 +40,17 @@ class RegistryConfig(BaseModel):
     )
     insecure: bool = Field(default=False, description="allow plain HTTP to this host")
     mirror: str | None = Field(default=None, description="host[:port] tried first for this registry")
+    push_username: str | None = Field(
+        default=None, description="gpubadge's own account for attaching reports (GPUBADGE_ATTACH_REPORTS)"
+    )
+    push_password: SecretStr | None = Field(default=None, description="password or token for push_username")
+    push_anonymous: bool = Field(
+        default=False, description="attach reports without credentials (a registry open to anonymous pushes)"
+    )
+
+    def may_push(self) -> bool:
+        """Reports are attached only where gpubadge was given its own way in (or told none is needed)."""
+        return bool(self.push_username and self.push_password) or self.push_anonymous
 
 
 class ScannerSettings(BaseSettings):
@@ -102,6 +113,21 @@ class ScannerSettings(BaseSettings):
         default=10.0, description="seconds a docker-credential-* helper may take"
     )
     docker_mirror: str | None = Field(default=None, description="host[:port] of a Docker Hub mirror")
+    attach_reports: bool = Field(
+        default=False,
+        description="push each new report to the registry as an OCI referrer of the scanned manifest",
+    )
+    attach_attempts: int = Field(
+        default=8,
+        ge=1,
+        description="tries per report attachment before giving up (8 with the default backoff: ~4 min)",
+    )
+    attach_backoff: float = Field(
+        default=2.0, ge=0, description="seconds before the first attach retry; doubles"
+    )
+    attach_queue_max: int = Field(
+        default=1000, ge=1, description="report attachments waiting at once; more are dropped and counted"
+    )
 
     @field_validator("registries", mode="before")
     @classmethod

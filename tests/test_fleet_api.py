@@ -108,9 +108,43 @@ async def test_eligibility_scans_first_and_explains_every_rejection(
     assert again["eligible"] == body["eligible"]
     assert [entry["server"] for entry in body["eligible"]] == ["h100-new"]
     assert body["eligible"][0]["gpus"] == ["GPU-h100-new-0"]
-    reasons = {entry["server"]: entry["reasons"] for entry in body["ineligible"]}
+    assert (body["eligible_count"], body["ineligible_count"], body["next_cursor"]) == (1, 2, None)
+    assert "ineligible" not in body  # summarised unless explain=all
+    by_reason = {item["reason"]: item for item in body["ineligible_by_reason"]}
+    assert any("12.2" in reason and item["examples"] == ["t4-old"] for reason, item in by_reason.items())
+    async with aiohttp.ClientSession() as session:
+        status, every = await _post(
+            session,
+            f"{service.url}/api/eligibility?explain=all",
+            {"image": f"{registry.host}/fleet/cuda:12.2", "gpus": 1},
+        )
+    assert status == 200, every
+    reasons = {entry["server"]: entry["reasons"] for entry in every["ineligible"]}
     assert any("12.2" in reason for reason in reasons["t4-old"])
     assert any("arch" in reason or "arm64" in reason for reason in reasons["arm-cpu"])
+    assert sorted({r for rs in reasons.values() for r in rs}) == sorted(by_reason)
+
+
+async def test_eligibility_pages_with_a_cursor(service: RunningService, registry: LocalRegistry) -> None:
+    image = f"{registry.host}/fleet/static:1"
+    async with aiohttp.ClientSession() as session:
+        status, first = await _post(
+            session, f"{service.url}/api/eligibility", {"image": image, "limit": 1}, API_TOKEN
+        )
+        assert status == 200, first
+        status, second = await _post(
+            session,
+            f"{service.url}/api/eligibility",
+            {"image": image, "limit": 1, "cursor": first["next_cursor"]},
+        )
+        assert status == 200, second
+        for bad in ({"limit": 0}, {"limit": 100_000}, {"cursor": "nope"}, {"explain": "everything"}):
+            status, body = await _post(session, f"{service.url}/api/eligibility", {"image": image, **bad})
+            assert status == 400, (bad, body)
+    assert first["eligible_count"] == 2 and first["next_cursor"]
+    # t4-old first: best fit leaves fewer spare GPUs (1 of 1 vs 1 of 1 + more memory on h100-new).
+    assert sorted(e["server"] for e in first["eligible"] + second["eligible"]) == ["h100-new", "t4-old"]
+    assert second["next_cursor"] is None
 
 
 async def test_cpu_image_fits_anywhere_matching(service: RunningService, registry: LocalRegistry) -> None:
@@ -185,3 +219,34 @@ async def test_agent_registration_needs_the_token(service: RunningService) -> No
         ) as response:
             assert response.status == 400
             assert (await response.json()) == {"error": "wait must be a number of seconds"}
+
+
+async def test_constraints_in_every_format(service: RunningService, registry: LocalRegistry) -> None:
+    image = f"{registry.host}/fleet/cuda:12.2"
+    async with aiohttp.ClientSession() as session:
+        answers = {}
+        for format in ("kubernetes", "dra", "nomad", "akash"):
+            status, body = await _post(
+                session,
+                f"{service.url}/api/constraints",
+                {"image": image, "gpus": 1, "format": format},
+                API_TOKEN,
+            )
+            assert status == 200, body
+            assert body["format"] == format and body["satisfiable"] is True and body["image"]["digest"]
+            answers[format] = body
+        status, body = await _post(
+            session, f"{service.url}/api/constraints", {"image": image, "format": "swarm"}
+        )
+        assert status == 400 and "format" in body["error"]
+    terms = answers["kubernetes"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert terms["nodeSelectorTerms"] and answers["kubernetes"]["resources"]["limits"] == {
+        "nvidia.com/gpu": 1
+    }
+    assert answers["dra"]["resourceClaimTemplate"]["apiVersion"] == "resource.k8s.io/v1"
+    assert 'device "nvidia/gpu"' in answers["nomad"]["hcl"]
+    # The fleet's products decide which Akash models are offered.
+    models = answers["akash"]["sdl"]["profiles"]["compute"]["app"]["resources"]["gpu"]["attributes"]["vendor"]
+    assert {entry["model"] for entry in models["nvidia"]} <= {"h100", "t4"}

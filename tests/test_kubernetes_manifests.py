@@ -29,10 +29,16 @@ def _documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+# The opt-in admission add-on (needs cert-manager; tests/test_admission.py validates its webhooks):
+# not part of the base that kustomization.yaml applies.
+ADD_ON = ("admission-",)
+
+
 def _resources() -> list[tuple[str, dict[str, Any]]]:
+    """Every resource of the base (and of the Secret example), with its file name."""
     found = []
     for path in sorted(MANIFESTS.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
+        if path.name == "kustomization.yaml" or path.name.startswith(ADD_ON):
             continue
         found.extend((path.name, doc) for doc in _documents(path))
     return found
@@ -60,10 +66,8 @@ def test_every_resource_validates_strictly_offline(
 
 def test_kustomization_applies_every_manifest_but_the_secret_example() -> None:
     kustomization = _documents(MANIFESTS / "kustomization.yaml")[0]
-    on_disk = {path.name for path in MANIFESTS.glob("*.yaml")} - {
-        "kustomization.yaml",
-        "secrets.example.yaml",
-    }
+    on_disk = {path.name for path in MANIFESTS.glob("*.yaml") if not path.name.startswith(ADD_ON)}
+    on_disk -= {"kustomization.yaml", "secrets.example.yaml"}
     assert set(kustomization["resources"]) == on_disk
     assert "secrets.example.yaml" not in kustomization["resources"]
 
@@ -129,3 +133,37 @@ def test_workers_and_agent_run_their_roles() -> None:
         for each in _containers(workload):
             assert each["image"] == "gpubadge"  # one image, every role (kustomize pins the tag)
             assert each["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def _merge_by_name(base: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Strategic merge for lists keyed by `name` (containers, volumes, ports, env, mounts)."""
+    merged = {item["name"]: dict(item) for item in base}
+    for item in patch:
+        merged[item["name"]] = _merge(merged.get(item["name"], {}), item)
+    return list(merged.values())
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = _merge(base[key], value) if key in base else value
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in item for item in base + patch):
+        return _merge_by_name(base, patch)
+    return patch
+
+
+def test_the_admission_add_on_patch_fits_the_api_deployment() -> None:
+    """The add-on's patch targets this Deployment and its `api` container: merged, it still validates."""
+    (patch,) = _documents(MANIFESTS / "admission-api-patch.yaml")
+    api = _by_kind("Deployment", "gpubadge-api")
+    assert (patch["kind"], patch["metadata"]["name"]) == ("Deployment", api["metadata"]["name"])
+    patched = {container["name"] for container in patch["spec"]["template"]["spec"]["containers"]}
+    assert patched <= {container["name"] for container in api["spec"]["template"]["spec"]["containers"]}
+    merged = _merge(api, patch)
+    (container,) = merged["spec"]["template"]["spec"]["containers"]
+    assert {"http", "https-admission"} <= {port["name"] for port in container["ports"]}
+    assert "GPUBADGE_DATABASE_URL" in {env["name"] for env in container["env"]}  # nothing of ours lost
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(merged, version, strict=True)

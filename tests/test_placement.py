@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
+from placement.answer import AnswerOptions, EligibilityAnswer, answer
 from placement.decide import Decision, FleetIndex, ImageFacts, decide
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.inventory import Server, parse_bytes, parse_inventory
@@ -305,8 +306,9 @@ def test_cpu_image_goes_anywhere_matching_arch() -> None:
     assert "cpu-1" not in eligible_names(with_gpu) and "l4-edge" in eligible_names(with_gpu)
 
 
-def test_unparsable_requirement_is_ineligible_everywhere() -> None:
-    env = {"NVIDIA_REQUIRE_CUDA": "cuda>=12.0 gpu=h100", "NVIDIA_VISIBLE_DEVICES": "all"}
+def test_malformed_clause_fails_only_where_the_runtime_reaches_it() -> None:
+    """`cuda>=12.2 gpu=h100`: hosts whose CUDA satisfies the first term never read `gpu=h100`."""
+    env = {"NVIDIA_REQUIRE_CUDA": "cuda>=12.2 gpu=h100", "NVIDIA_VISIBLE_DEVICES": "all"}
     report = ImageReport(
         reference="bad",
         platforms=[
@@ -316,8 +318,17 @@ def test_unparsable_requirement_is_ineligible_everywhere() -> None:
         ],
     )
     decision = decide(ImageFacts.from_report(report), DeployRequest(), FLEET)
-    assert decision.eligible == []
-    assert any("unknown key 'gpu'" in r for r in reasons_of(decision, "h100-a"))
+    assert "h100-a" in eligible_names(decision)  # driver CUDA 12.8
+    assert "a100-40-a" in eligible_names(decision)  # driver CUDA 12.2
+    assert any("unknown key 'gpu'" in r for r in reasons_of(decision, "a100-80-a"))  # 12.0 reaches it
+    assert any("unknown key 'gpu'" in r for r in reasons_of(decision, "t4-legacy"))
+    (warning,) = decision.warnings
+    assert "NVIDIA_REQUIRE_CUDA" in warning and "'gpu=h100'" in warning
+    unreached = env | {"NVIDIA_REQUIRE_CUDA": "cuda>=99,gpu=h100"}  # the AND-term stops at cuda>=99
+    report.platforms[0].gpu = GpuFacts(required=True, env=unreached)
+    failing = decide(ImageFacts.from_report(report), DeployRequest(), FLEET)
+    assert failing.eligible == [] and failing.warnings
+    assert not any("unknown key" in r for item in failing.ineligible for r in item["reasons"])
 
 
 def test_legacy_brand_naming_is_considered() -> None:
@@ -353,12 +364,81 @@ def test_legacy_brand_naming_is_considered() -> None:
 def test_decision_json_shape_and_prepared_index() -> None:
     index = FleetIndex.build(FLEET)
     decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=2), index)
-    data = json.loads(decision.model_dump_json())
-    assert set(data) == {"eligible", "ineligible"}
+    data = json.loads(json.dumps(answer(decision, AnswerOptions(explain="all"))))
+    EligibilityAnswer.model_validate(data)
     assert {"server", "gpus", "score"} <= set(data["eligible"][0])
     assert set(data["ineligible"][0]) == {"server", "reasons"}
     assert len(data["eligible"]) + len(data["ineligible"]) == len(FLEET)
+    assert data["eligible_count"] + data["ineligible_count"] == len(FLEET)
     assert decision == decide(cuda_image("12.2.2"), DeployRequest(gpus=2), FLEET)
+    summary = answer(decision, AnswerOptions())
+    assert "ineligible" not in summary and summary["next_cursor"] is None
+    EligibilityAnswer.model_validate(summary)
+    for item in summary["ineligible_by_reason"]:
+        having = [entry["server"] for entry in data["ineligible"] if item["reason"] in entry["reasons"]]
+        assert item["count"] == len(having) and item["examples"] == having[:3]
+
+
+def _many(count: int) -> list[Server]:
+    """`count` servers in a few shapes and label sets, names not in shape order."""
+    base = {server.name: server for server in FLEET}
+    kinds = ["h100-a", "a100-40-a", "a100-80-a", "t4-legacy"]
+    servers = []
+    for n in range(count):
+        template = base[kinds[(n * 7) % len(kinds)]]
+        gpus = [gpu.model_copy(update={"uuid": f"GPU-{n}-{gpu.index}"}) for gpu in template.gpus]
+        busy = [gpu.uuid for gpu in gpus[: n % 3]]
+        servers.append(
+            template.model_copy(
+                update={
+                    "name": f"s{n:04d}",
+                    "gpus": gpus,
+                    "gpus_in_use": busy,
+                    "labels": {"zone": "ab"[n % 2]},
+                }
+            )
+        )
+    return servers
+
+
+@pytest.mark.parametrize("labels", [{}, {"zone": "a"}])
+def test_pages_follow_the_ranking_and_survive_fleet_changes(labels: dict[str, str]) -> None:
+    fleet = _many(300)
+    index = FleetIndex.build(fleet)
+    request = DeployRequest(gpus=1, labels=labels)
+    decision = decide(cuda_image("12.2.2"), request, index)
+    everyone = decision.eligible
+    assert len(everyone) == decision.eligible_count > 50
+    paged: list[str] = []
+    cursor = None
+    while True:
+        body = answer(decision, AnswerOptions(limit=17, cursor=cursor))
+        assert len(body["eligible"]) <= 17
+        paged += [entry["server"] for entry in body["eligible"]]
+        assert body["eligible"] == everyone[len(paged) - len(body["eligible"]) : len(paged)]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert paged == [entry["server"] for entry in everyone]
+    # The fleet changes between two pages: the next page still starts after the last one listed.
+    first = answer(decision, AnswerOptions(limit=20))
+    last = first["eligible"][-1]["server"]
+    index.remove([entry["server"] for entry in everyone[:5]])
+    later = decide(cuda_image("12.2.2"), request, index)
+    rest = answer(later, AnswerOptions(limit=1000, cursor=first["next_cursor"]))
+    remaining = [entry["server"] for entry in later.eligible]
+    assert (
+        [entry["server"] for entry in rest["eligible"]] == remaining[remaining.index(last) + 1 :]
+        if (last in remaining)
+        else [entry["server"] for entry in rest["eligible"]] == remaining[15:]
+    )
+
+
+@pytest.mark.parametrize("cursor", ["", "!!", "W10", "WzEsMl0", "x" * 600])
+def test_bad_cursors_are_refused(cursor: str) -> None:
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=1), FLEET)
+    with pytest.raises((ValueError, ValidationError)):
+        answer(decision, AnswerOptions(cursor=cursor or "=="))
 
 
 # --- a prepared index kept current -------------------------------------------------------------
@@ -489,7 +569,8 @@ class FleetService:
             return response.status, await response.json()
 
     async def eligibility(self, **request: Any) -> dict[str, Any]:
-        status, body = await self.post("/api/eligibility", {"image": self.image, **request}, API_TOKEN)
+        body = {"image": self.image, "explain": "all", **request}
+        status, body = await self.post("/api/eligibility", body, API_TOKEN)
         assert status == 200, body
         return dict(body)
 
@@ -537,7 +618,10 @@ async def test_cached_index_follows_reservations(fleet_service: FleetService) ->
     assert status == 201 and first["gpus"] == ["GPU-one-0"]
     status, second = await service.post("/api/deployments", deploy, API_TOKEN)
     assert status == 409, second  # the cached index saw the reservation
-    assert "needs 1 free GPU(s), has 0 free of 1, 1 in use" in second["ineligible"][0]["reasons"]
+    assert second["ineligible_count"] == 1
+    (summary,) = [item for item in second["ineligible_by_reason"] if "in use" in item["reason"]]
+    assert summary["reason"] == "needs 1 free GPU(s), has 0 free of 1, 1 in use"
+    assert summary["examples"] == ["h100-one"]
     body = await service.eligibility(gpus=1)
     assert body["eligible"] == [] and "h100-one" in _ineligible(body)
     async with (
@@ -578,3 +662,39 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     status, _ = await service.post("/api/servers/agent-a/heartbeat", {}, AGENT_TOKEN)
     assert status == 200
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one", "agent-a"}  # back at once
+
+
+def test_many_small_updates_match_a_fresh_build() -> None:
+    """Copy-on-write updates (reservations, servers leaving and joining) give a rebuild's answers."""
+    fleet = {server.name: server for server in _many(400)}
+    index = FleetIndex.build(fleet.values())
+    before = index.view()
+    requests = (DeployRequest(gpus=1), DeployRequest(gpus=2, labels={"zone": "c"}), DeployRequest(cpus=3))
+    for request in requests:  # verdicts kept per shape from here on must stay right after updates
+        decide(cuda_image("12.2.2"), request, index)
+    names = sorted(fleet)
+    for step in range(60):
+        name = names[(step * 37) % len(names)]
+        server = fleet[name]
+        if step % 7 == 3:
+            index.remove([name])
+            del fleet[name]
+            names.remove(name)
+            continue
+        if step % 11 == 5:  # a new server in a new label set and shape
+            extra = server.model_copy(update={"name": f"z-new-{step}", "labels": {"zone": "c"}, "cpus": 3})
+            index.update([extra])
+            fleet[extra.name] = extra
+            names.append(extra.name)
+            continue
+        busy = [gpu.uuid for gpu in server.gpus[: (step % 4)]]
+        fleet[name] = server.model_copy(update={"gpus_in_use": busy})
+        index.update([fleet[name]])
+    fresh = FleetIndex.build(fleet.values())
+    for request in (
+        DeployRequest(gpus=1),
+        DeployRequest(gpus=2, labels={"zone": "c"}),
+        DeployRequest(cpus=3),
+    ):
+        assert decide(cuda_image("12.2.2"), request, index) == decide(cuda_image("12.2.2"), request, fresh)
+    assert index.view() is not before and sum(map(len, before.shape_names)) == 400  # old view untouched

@@ -228,12 +228,19 @@ def test_eligibility_form_scans_and_explains(
     eligible = page.locator("table.eligible tbody tr")
     assert eligible.locator(".server-name").all_inner_texts() == ["h100-new"]
     assert "GPU-h100-new-0" in eligible.first.inner_text()
+    summary = page.locator("table.rejected-summary tbody tr")
+    t4_rows = [row for row in summary.all() if "t4-old" in row.locator(".examples").inner_text()]
+    assert any("12.2" in row.locator(".reason").inner_text() for row in t4_rows)
+    assert page.locator("table.rejected").count() == 0  # the summary only, until asked
+    assert page.locator("input[name=gpus]").input_value() == "1"  # the form keeps what was typed
+    page.screenshot(path=str(screenshot_path("eligibility.png", tmp_path)), full_page=True)
+    page.locator("a.explain-all").click()
+    page.wait_for_url("**explain=all**")
     rejected = page.locator("table.rejected tr[data-server='t4-old'] .reasons li").all_inner_texts()
     assert any("12.2" in reason for reason in rejected), rejected
     arm = page.locator("table.rejected tr[data-server='arm-cpu'] .reasons li").all_inner_texts()
     assert arm, "every rejected server carries its reasons"
-    assert page.locator("input[name=gpus]").input_value() == "1"  # the form keeps what was typed
-    page.screenshot(path=str(screenshot_path("eligibility.png", tmp_path)), full_page=True)
+    assert page.locator("input[name=gpus]").input_value() == "1"
 
 
 @pytest.mark.browser

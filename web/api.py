@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from store import Job
-from web import hooks
+from web import hooks, hooks_acr
 from web.errors import json_error, json_http_error, read_json
 from web.scan_requests import ScanRefused, request_scan
 from web.security import bearer_token, redact_secrets, token_matches
@@ -27,6 +27,7 @@ from web.state import Services, services_of
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
+WEBHOOK_SOURCES = (*hooks.SOURCES, hooks_acr.SOURCE)
 MAX_WAIT = 60.0
 
 
@@ -83,16 +84,16 @@ async def receive_webhook(request: web.Request) -> web.Response:
         status = response.status
         return response
     finally:
-        label = source if source in hooks.SOURCES else "unknown"
+        label = source if source in WEBHOOK_SOURCES else "unknown"
         services.metrics.webhooks.inc(label, str(status))
         services.metrics.webhook_seconds.observe(time.perf_counter() - started, label)
 
 
 async def _receive_webhook(request: web.Request, services: Services, source: str) -> web.Response:
     settings = services.settings
-    if source not in hooks.SOURCES:
+    if source not in WEBHOOK_SOURCES:
         return json_error(
-            404, f"unknown webhook source {source!r}; expected one of {', '.join(hooks.SOURCES)}"
+            404, f"unknown webhook source {source!r}; expected one of {', '.join(WEBHOOK_SOURCES)}"
         )
     try:
         body = await request.read()
@@ -106,15 +107,27 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
             " (webhook_secrets lists the accepted sources)",
         )
     try:
-        hooks.authenticate(source, body, request.headers, request.query, settings.webhook_secret_for(source))
+        if source == hooks_acr.SOURCE:
+            hooks_acr.authenticate(request.headers, settings.webhook_secret_for(source))
+        else:
+            hooks.authenticate(
+                source, body, request.headers, request.query, settings.webhook_secret_for(source)
+            )
     except hooks.WebhookAuthError as exc:
         log.warning("webhook from %s refused: %s", request.remote, exc)
         return json_error(401, str(exc))
     default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
-        events = hooks.normalise(
-            source, body, request.headers, default_registry=default_registry, limits=settings.json_limits()
-        )
+        if source == hooks_acr.SOURCE:
+            events = hooks_acr.normalise(body, settings.json_limits())
+        else:
+            events = hooks.normalise(
+                source,
+                body,
+                request.headers,
+                default_registry=default_registry,
+                limits=settings.json_limits(),
+            )
     except hooks.WebhookError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
     refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
@@ -124,6 +137,8 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
             f"registry not on the allowlist: {', '.join(refused)} (set GPUBADGE_REGISTRIES)",
             refused=refused,
         )
+    # Referrers tag-schema indexes and the report artifacts we pushed are never scanned.
+    events = [event for event in events if not _own_artifact(services, event)]
     pushes = [event for event in events if event.action == "push"]
     for event in events:
         if event.action == "delete":
@@ -142,6 +157,14 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
     return web.json_response(
         {"accepted": len(pushes), "deleted": deleted, "jobs": sorted(set(job_ids))}, status=202
     )
+
+
+def _own_artifact(services: Services, event: hooks.ScanRequest) -> bool:
+    if event.action != "push":
+        return False
+    if event.tag is not None and event.tag.startswith("sha256-"):
+        return True
+    return services.attacher is not None and services.attacher.is_own(event.digest, event.tag)
 
 
 # ----------------------------------------------------------------------- API

@@ -15,10 +15,11 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from scanner.models import ImageReport
+from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from store import open_store
-from web import api, fleet, health, openapi, ui, ui_fleet
+from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
 from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
@@ -46,9 +47,10 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
-    for routes in (api, health, openapi, fleet, ui, ui_fleet):
+    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission):
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
+    app.cleanup_ctx.append(admission.tls_listener(services))
     _log_webhook_doors(settings)
     if settings.api_token is None:
         log.warning(
@@ -93,12 +95,16 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
 
         services.scanner = Scanner(client, services.store, settings, on_result=on_result)
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
+        if settings.attach_reports:
+            services.attacher = ReportAttacher(
+                settings, client, on_result=lambda result: metrics.referrer_attach.inc(result)
+            )
         if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
             services.workers = ScanWorkers(
                 services.store,
                 services.scanner,
                 worker_settings(settings),
-                worker_events(metrics),
+                worker_events(metrics, services.attacher),
             )
             await services.workers.start()
         try:
@@ -108,6 +114,8 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 await services.workers.stop(drain_timeout=settings.drain_seconds)
             if services.scanner is not None:
                 await services.scanner.close()  # stops its analysis processes
+            if services.attacher is not None:
+                await services.attacher.stop()
             await client.close()
             await services.store.close()
 

@@ -76,7 +76,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if (
             exc.status >= 400
             and exc.content_type != "application/json"
-            and request.path.startswith(("/api", "/hooks"))
+            and request.path.startswith(("/api", "/hooks", "/k8s"))
         ):
             return json_error(
                 exc.status, exc.reason if exc.text is None else exc.text.removeprefix(f"{exc.status}: ")

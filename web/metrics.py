@@ -168,6 +168,23 @@ class ServiceMetrics:
         self.rate_limit = add(
             Gauge("gpubadge_registry_ratelimit_remaining", "Last ratelimit-remaining seen.", ["registry"])
         )
+        self.referrer_attach = add(
+            Counter(
+                "gpubadge_referrer_attach_total",
+                "Report attachments as OCI referrers, by result (attached, retry, failed, dropped).",
+                ["result"],
+            )
+        )
+        self.admission = add(
+            Counter(
+                "gpubadge_admission_reviews_total",
+                "POST /k8s/admit answers, by webhook (validate, mutate) and decision (allowed, warned, denied, patched).",
+                ["webhook", "decision"],
+            )
+        )
+        self.admission_seconds = add(
+            Histogram("gpubadge_admission_duration_seconds", "Admission review handling time.", ["webhook"])
+        )
         # Gauges read from the database are set by the /metrics handler just before it renders,
         # so rendering itself never runs SQL.
         self.queue = add(Gauge("gpubadge_queue_jobs", "Scan jobs by state.", ["state"]))

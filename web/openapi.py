@@ -9,7 +9,8 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from placement.decide import Decision
+from placement.answer import AnswerOptions, EligibilityAnswer, ReasonCount
+from placement.exports import FORMATS
 from placement.inventory import Server
 from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
 from placement.request import DeployRequest
@@ -85,11 +86,12 @@ def openapi_document() -> dict[str, Any]:
     server = _schema(Server, components, mode="validation")
     registered = _schema(RegisterResponse, components)
     heartbeat = _schema(Heartbeat, components, mode="validation")
-    decision = _schema(Decision, components)
+    decision = _schema(EligibilityAnswer, components)
+    reason_counts = _schema(ReasonCount, components)
     deployment = _schema(Deployment, components)
     agent_deployments = _schema(DeploymentsResponse, components)
     deployment_status = _schema(DeploymentStatus, components, mode="validation")
-    eligibility_body = _image_body("EligibilityRequest", components, DeployRequest)
+    eligibility_body = _image_body("EligibilityRequest", components, DeployRequest, AnswerOptions)
     deployment_body = _image_body("DeploymentRequest", components, DeployRequest, RunSpec)
     error = {"$ref": "#/components/schemas/Error"}
     bearer: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -115,6 +117,31 @@ def openapi_document() -> dict[str, Any]:
                 },
             },
         ]
+    }
+    constraints_body = {
+        "allOf": [
+            eligibility_body,
+            {
+                "type": "object",
+                "properties": {"format": {"enum": list(FORMATS)}},
+                "required": ["format"],
+            },
+        ]
+    }
+    constraints_answer = {
+        "type": "object",
+        "properties": {
+            "format": {"enum": list(FORMATS)},
+            "satisfiable": {"type": "boolean", "description": "false: no node can be eligible"},
+            "notes": {"type": "array", "items": {"type": "string"}},
+            "affinity": {"type": "object", "description": "core/v1 Affinity (kubernetes, dra)"},
+            "resources": {"type": "object", "description": "container resources (kubernetes)"},
+            "resourceClaimTemplate": {"type": ["object", "null"], "description": "resource.k8s.io/v1 (dra)"},
+            "hcl": {"type": "string", "description": "Nomad task fragment (nomad)"},
+            "sdl": {"type": ["object", "null"], "description": "Akash SDL profiles (akash)"},
+            "image": {"type": "object"},
+        },
+        "required": ["format", "satisfiable", "notes"],
     }
     # With GPUBADGE_PUBLIC_READS=false every read needs the API token too.
     private = {"401": _json(error, "API token required (writes, scans, and reads when reads are private)")}
@@ -211,7 +238,7 @@ def openapi_document() -> dict[str, Any]:
         },
         "/hooks/{source}": {
             "post": {
-                "summary": "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog)",
+                "summary": "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog, acr)",
                 "parameters": [
                     _path("source"),
                     query("token", "shared secret, for senders that cannot set headers"),
@@ -267,8 +294,36 @@ def openapi_document() -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": eligibility_body}},
                 },
+                "description": "Eligible servers come a page at a time (`limit`, default 50; pass "
+                "`next_cursor` back as `cursor`); ineligible servers are counted by reason with a few "
+                "examples. `explain: all` lists every server, with every reason. `limit`, `cursor` "
+                "and `explain` may also be given in the query string.",
+                "parameters": [
+                    query("limit", "eligible servers per page (default 50)", "integer"),
+                    query("cursor", "`next_cursor` of the previous page"),
+                    query("explain", "summary (default) or all"),
+                ],
                 "responses": {
                     "200": _json(eligibility_answer, "the decision"),
+                    **not_placeable,
+                    "404": _json(error, "never scanned, and no API token to scan it: says how to request it"),
+                },
+            }
+        },
+        "/api/constraints": {
+            "post": {
+                "summary": "The eligibility of an image in a scheduler's language: kubernetes, dra, nomad or akash",
+                "description": "The eligibility body plus `format`. `kubernetes`: `affinity` (GPU Feature "
+                "Discovery labels, integer Gt/Lt terms) and `resources`; `dra`: `resourceClaimTemplate` "
+                "(resource.k8s.io/v1, CEL selectors) and an arch `affinity`; `nomad`: `hcl` (a task-level "
+                "constraint and a device block); `akash`: `sdl` (a compute profile, null when no known "
+                "model qualifies). `notes` says what the format cannot express or only approximates.",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": constraints_body}},
+                },
+                "responses": {
+                    "200": _json(constraints_answer, "the constraints"),
                     **not_placeable,
                     "404": _json(error, "never scanned, and no API token to scan it: says how to request it"),
                 },
@@ -292,7 +347,21 @@ def openapi_document() -> dict[str, Any]:
                     **not_placeable,
                     "401": _json(error, "token required"),
                     "404": _json(error, "no stored report for the image"),
-                    "409": _json(error, "no server can run it; `ineligible` says why"),
+                    "409": _json(
+                        {
+                            "allOf": [
+                                error,
+                                {
+                                    "type": "object",
+                                    "properties": {
+                                        "ineligible_count": {"type": "integer"},
+                                        "ineligible_by_reason": {"type": "array", "items": reason_counts},
+                                    },
+                                },
+                            ]
+                        },
+                        "no server can run it; `ineligible_by_reason` says why",
+                    ),
                 },
             },
         },

@@ -18,6 +18,7 @@ from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 from web.hooks import SOURCES
+from web.hooks_acr import SOURCE as ACR_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,28 @@ class ServiceSettings(ScannerSettings):
         default=64 * 1024, ge=256, description="longest string or key in a JSON request body, in characters"
     )
     jfrog_registry: str | None = Field(default=None, description="registry host that JFrog webhooks refer to")
+    admission: Literal["warn", "deny"] = Field(
+        default="deny",
+        description="POST /k8s/admit: deny, or only warn about, a GPU image in a pod that requests no nvidia.com/gpu",
+    )
+    admission_scan_unknown: bool = Field(
+        default=True,
+        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits)",
+    )
+    admission_tls_port: int | None = Field(
+        default=None,
+        description="also serve POST /k8s/admit over HTTPS on this port (the API server calls webhooks over TLS only)",
+    )
+    admission_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate chain for admission_tls_port"
+    )
+    admission_tls_key: Path | None = Field(default=None, description="PEM private key for admission_tls_port")
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
+    eligibility_max_limit: int = Field(
+        default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -124,10 +144,11 @@ class ServiceSettings(ScannerSettings):
     @field_validator("webhook_secrets", mode="after")
     @classmethod
     def _known_sources(cls, secrets: dict[str, SecretStr]) -> dict[str, SecretStr]:
-        unknown = sorted(set(secrets) - set(SOURCES))
+        known = (*SOURCES, ACR_SOURCE)
+        unknown = sorted(set(secrets) - set(known))
         if unknown:
             raise ValueError(
-                f"webhook_secrets names unknown sources {', '.join(unknown)}; known: {', '.join(SOURCES)}"
+                f"webhook_secrets names unknown sources {', '.join(unknown)}; known: {', '.join(known)}"
             )
         empty = sorted(source for source, secret in secrets.items() if not secret.get_secret_value())
         if empty:

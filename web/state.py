@@ -17,6 +17,7 @@ from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 
 if TYPE_CHECKING:
+    from scanner.referrers import ReportAttacher
     from scanner.registry import RegistryClient
     from scanner.scan import Scanner
     from web.workers import ScanWorkers
@@ -32,6 +33,7 @@ class Services:
     client: RegistryClient | None = None
     scanner: Scanner | None = None
     workers: ScanWorkers | None = None
+    attacher: ReportAttacher | None = None  # GPUBADGE_ATTACH_REPORTS
     intake: JobIntake = field(init=False)
 
     def __post_init__(self) -> None:

@@ -543,6 +543,11 @@ async def detail_context(services: Services, reference: Reference, report: Image
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
+        "referrers": [
+            status
+            for digest in [report.digest or "", *(p.digest for p in report.platforms)]
+            if services.attacher is not None and (status := services.attacher.status(digest)) is not None
+        ],
     }
 
 

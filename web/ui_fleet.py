@@ -8,20 +8,22 @@ JavaScript and a result can be bookmarked or shared as a link.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from placement.decide import Decision, ImageFacts, decide
+from placement.answer import AnswerBody
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.fleet import fleet_index, image_report, live_servers
+from web.fleet import answer_options, eligibility_answer, fleet_index, image_report, live_servers
 from web.security import presented_token, token_matches
 from web.state import services_of
 from web.ui import human_bytes, image_url, page, time_ago
@@ -135,13 +137,31 @@ class EligibilityForm:
 
     image: str = ""
     values: Mapping[str, str] = field(default_factory=dict)
+    answer: Mapping[str, str] = field(default_factory=dict)  # limit, cursor, explain: the page's shape
 
     @classmethod
     def from_query(cls, query: Mapping[str, str]) -> EligibilityForm:
         return cls(
             image=query.get("image", "").strip(),
             values={name: query.get(name, "").strip() for name, _ in FORM_FIELDS},
+            answer={name: query[name] for name in ("limit", "cursor", "explain", "rank") if query.get(name)},
         )
+
+    def link(self, **changes: str | None) -> str:
+        """This form's URL with some answer fields changed (None drops one)."""
+        fields = {"image": self.image, **{k: v for k, v in self.values.items() if v}, **self.answer}
+        for name, value in changes.items():
+            if value is None:
+                fields.pop(name, None)
+            else:
+                fields[name] = value
+        return "/eligibility?" + urlencode(fields)
+
+    @property
+    def first_rank(self) -> int:
+        """The rank of the page's first server (carried in the link: a cursor has no position)."""
+        text = self.answer.get("rank", "1")
+        return int(text) if text.isdigit() and 0 < len(text) < 10 else 1
 
     def value(self, name: str) -> str:
         return self.values.get(name, "")
@@ -226,16 +246,32 @@ class RejectedView:
 
 
 @dataclass(frozen=True)
+class ReasonView:
+    reason: str
+    count: int
+    examples: list[str]
+
+
+@dataclass(frozen=True)
 class ResultView:
     reference: str
     digest: str | None
     image_url: str
     gpu_required: bool
     eligible: list[EligibleView]
-    rejected: list[RejectedView]
+    eligible_count: int
+    ineligible_count: int
+    by_reason: list[ReasonView]
+    rejected: list[RejectedView] | None  # every server, with explain=all only
+    warnings: list[str]
+    next_url: str | None
+    all_url: str | None
 
 
-def result_view(report: ImageReport, decision: Decision, servers: Sequence[Server]) -> ResultView:
+def result_view(
+    report: ImageReport, body: AnswerBody, servers: Sequence[Server], form: EligibilityForm
+) -> ResultView:
+    """The page for one answer (/api/eligibility's shape): a page of servers, the rest by reason."""
     gpus_by_uuid = {gpu.uuid: gpu for server in servers for gpu in server.gpus}
 
     def assigned(uuid: str) -> AssignedGpuView:
@@ -243,6 +279,10 @@ def result_view(report: ImageReport, decision: Decision, servers: Sequence[Serve
         text = f"GPU {gpu.index} · {gpu.name}" if gpu else ""
         return AssignedGpuView(uuid=uuid, description=text)
 
+    first = form.first_rank if form.answer.get("cursor") else 1
+    listed = body.get("eligible", [])
+    next_cursor = body.get("next_cursor")
+    rejected = body.get("ineligible")
     return ResultView(
         reference=report.reference,
         digest=report.digest,
@@ -256,9 +296,22 @@ def result_view(report: ImageReport, decision: Decision, servers: Sequence[Serve
                 score=f"{entry['score']:.3g}",
                 gpus=[assigned(uuid) for uuid in entry["gpus"]],
             )
-            for rank, entry in enumerate(decision.eligible, start=1)
+            for rank, entry in enumerate(listed, start=first)
         ],
-        rejected=[RejectedView(entry["server"], list(entry["reasons"])) for entry in decision.ineligible],
+        eligible_count=body.get("eligible_count", 0),
+        ineligible_count=body.get("ineligible_count", 0),
+        by_reason=[
+            ReasonView(item["reason"], item["count"], list(item["examples"]))
+            for item in body.get("ineligible_by_reason", [])
+        ],
+        rejected=None
+        if rejected is None
+        else [RejectedView(entry["server"], list(entry["reasons"])) for entry in rejected],
+        warnings=list(body.get("warnings", [])),
+        next_url=form.link(cursor=next_cursor, rank=str(first + len(listed)), explain=None)
+        if next_cursor
+        else None,
+        all_url=None if rejected is not None else form.link(explain="all", cursor=None, rank=None),
     )
 
 
@@ -307,9 +360,15 @@ async def eligibility_page(request: web.Request) -> web.Response:
                 " (it needs the API token); its eligibility shows here once the scan is done.",
             )
         return show(page_status(exc), http_error_message(exc))
+    try:
+        options = answer_options(request, {})
+    except web.HTTPException as exc:
+        return show(400, http_error_message(exc))
     index = await fleet_index(request.app)
-    decision = decide(ImageFacts.from_report(report), deploy, index)
-    return show(result=result_view(report, decision, index.servers))
+    index.view()  # built here, so the worker thread only reads the index
+    body = await asyncio.to_thread(eligibility_answer, report, deploy, index, options)
+    listed = [index.server(entry["server"]) for entry in body.get("eligible", [])]
+    return show(result=result_view(report, body, [server for server in listed if server], form))
 
 
 def setup_routes(app: web.Application) -> None:

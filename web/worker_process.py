@@ -15,6 +15,7 @@ import signal
 
 from aiohttp import web
 
+from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
 from store import LeaseExpiry, open_store
@@ -37,8 +38,9 @@ def worker_settings(settings: ServiceSettings) -> WorkerSettings:
     )
 
 
-def worker_events(metrics: ServiceMetrics) -> WorkerEvents:
-    """What workers report to /metrics, in `serve` and in `worker` alike."""
+def worker_events(metrics: ServiceMetrics, attacher: ReportAttacher | None = None) -> WorkerEvents:
+    """What workers do with an outcome, in `serve` and in `worker` alike: count it for /metrics,
+    and hand the report to the attacher (GPUBADGE_ATTACH_REPORTS) to push as a referrer."""
 
     def on_outcome(outcome: JobOutcome) -> None:
         report = outcome.report
@@ -47,6 +49,8 @@ def worker_events(metrics: ServiceMetrics) -> WorkerEvents:
         metrics.scan_seconds.observe(outcome.seconds)
         if report.error and report.registry:
             metrics.registry_errors.inc(report.registry)
+        if attacher is not None:
+            attacher.submit(report)  # in the background, with its own retries; never fails the scan
 
     def on_lease_expiries(expired: list[LeaseExpiry]) -> None:
         for item in expired:
@@ -75,11 +79,17 @@ async def run_workers(
     try:
         async with RegistryClient(settings) as client:
             scanner = Scanner(client, store, settings)
-            workers = ScanWorkers(store, scanner, worker_settings(settings), worker_events(metrics))
+            attacher = (
+                ReportAttacher(settings, client, on_result=lambda result: metrics.referrer_attach.inc(result))
+                if settings.attach_reports
+                else None
+            )
+            workers = ScanWorkers(store, scanner, worker_settings(settings), worker_events(metrics, attacher))
             services = Services(
                 settings=settings, store=store, metrics=metrics, client=client, scanner=scanner
             )
             services.workers = workers
+            services.attacher = attacher
             runner = await _serve_health(services, metrics_port) if metrics_port else None
             await workers.start()
             log.info("scan worker %s: %d at once", workers.owner, settings.workers)
@@ -88,6 +98,8 @@ async def run_workers(
             finally:
                 await workers.stop(drain_timeout=settings.drain_seconds)
                 await scanner.close()
+                if attacher is not None:
+                    await attacher.stop()
                 if runner is not None:
                     await runner.cleanup()
     finally:

@@ -1,0 +1,137 @@
+"""`gpubadge constraints REF --format F`: the eligibility of an image in another scheduler's language.
+
+Like `gpubadge eligible`: with `--servers FILE` it scans the image itself and exports locally
+(brand and model clauses use that inventory's GPU products); with `--service URL` it asks a
+running service (`POST /api/constraints`). Prints the fragment in the scheduler's own syntax
+(YAML for kubernetes, dra and akash; HCL for nomad) with the notes as comments, or the whole
+answer with --json. Exit status: 0, 3 when nothing can be eligible, 1 on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gpubadge.eligible import EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE, request_fields
+
+FORMATS = ("kubernetes", "dra", "nomad", "akash")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpubadge constraints", description="Export an image's eligibility as scheduler constraints."
+    )
+    p.add_argument("reference", metavar="REF", help="image reference (tag or digest)")
+    p.add_argument("--format", required=True, choices=FORMATS, help="the scheduler's language")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
+    where.add_argument("--service", help="URL of a running gpubadge service")
+    p.add_argument("--gpus", type=int, help="GPUs needed (a GPU image defaults to 1)")
+    p.add_argument(
+        "--gpu-model", action="append", default=[], dest="gpu_models", help="acceptable model (repeat)"
+    )
+    p.add_argument("--min-gpu-memory", help="per-GPU memory, e.g. 40Gi")
+    p.add_argument("--min-compute-capability", help="e.g. 8.0")
+    p.add_argument("--min-driver", help="e.g. 535.104.05")
+    p.add_argument("--cpus", type=float, help="CPU cores")
+    p.add_argument("--memory", help="memory, e.g. 64Gi")
+    p.add_argument("--label", action="append", default=[], help="required node label key=value (repeat)")
+    p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    return p
+
+
+async def export_locally(
+    reference: str, servers: Path, fields: dict[str, Any], chosen: str
+) -> dict[str, Any]:
+    from placement.decide import FleetIndex, ImageFacts
+    from placement.exports import export_constraints, known_gpus
+    from placement.inventory import parse_inventory
+    from placement.request import DeployRequest
+    from scanner.registry import RegistryClient
+    from scanner.scan import Scanner
+    from scanner.settings import ScannerSettings
+
+    request = DeployRequest.parse_any(fields)
+    inventory = parse_inventory(servers.read_text())
+    settings = ScannerSettings.load()
+    async with RegistryClient(settings) as client:
+        report = await Scanner(client, None, settings).scan(reference)
+    if report.error:
+        raise RuntimeError(f"{reference}: {report.error}")
+    fleet = known_gpus(FleetIndex.build(inventory.servers))
+    body = export_constraints(ImageFacts.from_report(report), request, fleet, chosen)  # type: ignore[arg-type]
+    body["image"] = {"reference": report.reference, "digest": report.digest}
+    return body
+
+
+async def ask_service(reference: str, url: str, fields: dict[str, Any], token: str | None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(
+            f"{url.rstrip('/')}/api/constraints", json={"image": reference, **fields}, headers=headers
+        ) as response,
+    ):
+        body = await response.json(content_type=None)
+        if response.status != 200:
+            raise RuntimeError(f"service answered {response.status}: {body.get('error', body)}")
+        result: dict[str, Any] = body
+        return result
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people to paste: no anchors, long lines (CEL and HCL) kept whole."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _yaml(*documents: Any) -> str:
+    return yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=1 << 16)
+
+
+def render(body: dict[str, Any]) -> str:
+    """The fragment in the scheduler's syntax, notes first as comments."""
+    lines = [f"# {note}" for note in body.get("notes", [])]
+    chosen = body["format"]
+    if chosen == "nomad":
+        text = body["hcl"]
+    elif chosen == "kubernetes":
+        text = _yaml({"affinity": body["affinity"], "resources": body["resources"]})
+    elif chosen == "dra":
+        documents = [body["resourceClaimTemplate"]] if body.get("resourceClaimTemplate") else []
+        text = _yaml(*documents, {"affinity": body["affinity"]})
+    else:
+        text = _yaml(body["sdl"]) if body.get("sdl") else ""
+    return "\n".join([*lines, text.rstrip("\n")]) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        fields = request_fields(args)
+        if args.servers:
+            body = asyncio.run(export_locally(args.reference, args.servers, fields, args.format))
+        else:
+            token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
+            body = asyncio.run(
+                ask_service(args.reference, args.service, {**fields, "format": args.format}, token)
+            )
+    except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as exc:
+        print(f"gpubadge constraints: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(json.dumps(body) if args.json else render(body), end="" if not args.json else "\n")
+    return EXIT_ELIGIBLE if body.get("satisfiable") else EXIT_NONE

@@ -1,0 +1,258 @@
+"""The write side of the registry client: blobs, manifests and indexes pushed with oras-py.
+
+scanner/registry.py reads (pulls with the scanner's credentials); this module is the only
+code that writes to a registry, and only with gpubadge's own push credentials for it
+(`registries[].push_username` / `push_password`), never the pull credentials, the Docker
+config or anything a webhook carried.
+
+Where the line with oras-py (0.2.x) falls:
+- oras does the authentication (Basic, or the Bearer token dance with those credentials,
+  via its `TokenAuth` backend) and blob uploads (`upload_blob`: HEAD, then POST + PUT).
+- Everything else goes through its authenticated request layer (`do_request`), because oras
+  cannot: its `upload_manifest` re-serialises the dict (so the digest the registry computes
+  is not one we computed) and PUTs by tag only, it cannot PUT an index, and it knows nothing
+  of `artifactType`, `subject`, `OCI-Subject` or the referrers API. We PUT the exact bytes we
+  hashed, by digest, and read `Docker-Content-Digest` back to check.
+- oras' `do_request` is wrapped in a retry decorator that sleeps 3 s to 83 s between
+  attempts (and retries authentication failures). Each of our oras clients gets the
+  undecorated function (`__wrapped__`) as its own `do_request`, every request gets a
+  timeout, and retries happen at the attach level instead.
+- oras' `token` auth backend answers a Basic challenge by asking the realm for a token;
+  we probe `/v2/` once per registry and pick its `basic` backend for Basic registries.
+
+oras is synchronous (requests); callers run these methods in a worker thread.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import oras.container
+import oras.provider
+import requests
+import requests.adapters
+
+from scanner.reference import is_loopback
+from scanner.registry import compute_digest
+from scanner.settings import ScannerSettings
+
+_UNDECORATED_DO_REQUEST = oras.provider.Registry.do_request.__wrapped__
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+_ERROR_BODY_MAX = 2048
+
+
+class PushError(Exception):
+    """A write to the registry failed; the message names the step and status, never a credential."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A manifest or index read by the pusher: exact bytes, their digest and the ETag, if any."""
+
+    raw: bytes
+    digest: str
+    media_type: str
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class PushedManifest:
+    digest: str
+    oci_subject: str | None  # the OCI-Subject response header: the registry indexed the subject
+
+
+class _TimeoutAdapter(requests.adapters.HTTPAdapter):
+    """requests has no default timeout; oras passes none. A hung registry must not hang a thread."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self._timeout = timeout
+
+    def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:  # type: ignore[override]
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = self._timeout
+        return super().send(request, **kwargs)
+
+
+class RegistryPusher:
+    """Pushes to one registry host. Thread-safe: one oras session per repository, used under a lock."""
+
+    def __init__(self, settings: ScannerSettings, host: str) -> None:
+        self.settings = settings
+        self.host = host
+        self._sessions: dict[str, tuple[oras.provider.Registry, threading.Lock]] = {}
+        self._lock = threading.Lock()
+        self._backend: str | None = None
+
+    @property
+    def insecure(self) -> bool:
+        return is_loopback(self.host) or self.settings.is_insecure(self.host)
+
+    def _session(self, repository: str) -> tuple[oras.provider.Registry, threading.Lock]:
+        """oras keeps one token per client, so one client per repository keeps scopes apart."""
+        with self._lock:
+            found = self._sessions.get(repository)
+            if found is None:
+                registry = oras.provider.Registry(
+                    hostname=self.host, insecure=self.insecure, auth_backend=self._auth_backend()
+                )
+                # This instance only: bypass oras' sleeping retry decorator (see the module docstring).
+                registry.do_request = types.MethodType(_UNDECORATED_DO_REQUEST, registry)
+                adapter = _TimeoutAdapter(self.settings.request_timeout)
+                registry.session.mount("http://", adapter)
+                registry.session.mount("https://", adapter)
+                entry = self.settings.registry_config(self.host)
+                if entry is not None and entry.push_username and entry.push_password:
+                    registry.auth.set_basic_auth(entry.push_username, entry.push_password.get_secret_value())
+                found = (registry, threading.Lock())
+                self._sessions[repository] = found
+            return found
+
+    def _auth_backend(self) -> str:
+        """oras' `token` backend cannot answer a Basic challenge (it asks the realm for a token): ask once."""
+        if self._backend is None:
+            backend = "token"
+            try:
+                with requests.Session() as probe:
+                    probe.mount("http://", _TimeoutAdapter(self.settings.request_timeout))
+                    probe.mount("https://", _TimeoutAdapter(self.settings.request_timeout))
+                    response = probe.get(self._url_root(), allow_redirects=False)
+                challenge = response.headers.get("WWW-Authenticate", "")
+                if response.status_code == 401 and challenge.lower().startswith("basic"):
+                    backend = "basic"
+            except requests.RequestException:
+                pass  # the real request will fail with a clear error
+            self._backend = backend
+        return self._backend
+
+    def _url_root(self) -> str:
+        return f"{'http' if self.insecure else 'https'}://{self.host}/v2/"
+
+    def _url(self, repository: str, path: str) -> str:
+        scheme = "http" if self.insecure else "https"
+        return f"{scheme}://{self.host}/v2/{repository}/{path}"
+
+    def _request(
+        self,
+        repository: str,
+        method: str,
+        path: str,
+        *,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> requests.Response:
+        registry, lock = self._session(repository)
+        with lock:
+            try:
+                response: requests.Response = registry.do_request(
+                    self._url(repository, path), method, data=data, headers=dict(headers or {})
+                )
+            except requests.RequestException as exc:
+                raise PushError(
+                    f"{method} {self.host}/v2/{repository}/{path}: {type(exc).__name__}"
+                ) from None
+            except ValueError as exc:  # oras: "Cannot respond to request for authentication."
+                raise PushError(f"{method} {self.host}/v2/{repository}/{path}: {exc}", status=401) from None
+        return response
+
+    def upload_blob(self, repository: str, data: bytes, media_type: str) -> str:
+        """Upload one small blob (skipped by oras when the registry already has it); returns its digest."""
+        digest = compute_digest(data)
+        layer = {"mediaType": media_type, "digest": digest, "size": len(data)}
+        registry, lock = self._session(repository)
+        container = oras.container.Container(f"{self.host}/{repository}")
+        with tempfile.TemporaryDirectory(prefix="gpubadge-blob-") as directory:
+            path = Path(directory) / "blob"
+            path.write_bytes(data)
+            with lock:
+                try:
+                    response = registry.upload_blob(str(path), container, layer)
+                except (
+                    ValueError
+                ):  # no upload session URL: oras then fails parsing the body (requests' JSONDecodeError)
+                    raise PushError(
+                        f"blob upload {self.host}/{repository}@{digest}: the registry refused to open an "
+                        "upload session (read-only, or no push permission for gpubadge's push credentials)"
+                    ) from None
+                except requests.RequestException as exc:
+                    raise PushError(
+                        f"blob upload {self.host}/{repository}@{digest}: {type(exc).__name__}"
+                    ) from None
+        if response.status_code not in (200, 201, 202):
+            raise PushError(
+                f"blob upload {self.host}/{repository}@{digest}: status {response.status_code}",
+                status=response.status_code,
+            )
+        return digest
+
+    def put_manifest(
+        self, repository: str, reference: str, raw: bytes, media_type: str, *, if_match: str | None = None
+    ) -> PushedManifest:
+        """PUT these exact bytes under a digest or tag; checks the digest the registry reports.
+
+        `if_match` (an ETag we read) makes the PUT conditional where the registry honours it;
+        a 412 comes back as PushError(status=412).
+        """
+        digest = compute_digest(raw)
+        headers = {"Content-Type": media_type}
+        if if_match:
+            headers["If-Match"] = if_match
+        response = self._request(repository, "PUT", f"manifests/{reference}", data=raw, headers=headers)
+        if response.status_code != 201:
+            raise PushError(
+                f"PUT manifest {self.host}/{repository}:{reference}: status {response.status_code}"
+                f"{_error_text(response)}",
+                status=response.status_code,
+            )
+        claimed = response.headers.get("Docker-Content-Digest")
+        if claimed and claimed != digest:
+            raise PushError(
+                f"PUT manifest {self.host}/{repository}: registry stored {claimed}, we sent {digest}"
+            )
+        return PushedManifest(digest, response.headers.get("OCI-Subject"))
+
+    def get_manifest(self, repository: str, reference: str, accept: str) -> Fetched | None:
+        """GET a manifest or index; None on 404. The digest is computed from the bytes received."""
+        response = self._request(repository, "GET", f"manifests/{reference}", headers={"Accept": accept})
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise PushError(
+                f"GET manifest {self.host}/{repository}:{reference}: status {response.status_code}"
+                f"{_error_text(response)}",
+                status=response.status_code,
+            )
+        raw = response.content
+        if len(raw) > self.settings.max_manifest_bytes:
+            raise PushError(f"GET manifest {self.host}/{repository}:{reference}: over the size limit")
+        media_type = response.headers.get("Content-Type", "").split(";", 1)[0].strip()
+        return Fetched(raw, compute_digest(raw), media_type, response.headers.get("ETag"))
+
+    def get_referrers(self, repository: str, digest: str) -> bytes | None:
+        """The referrers API's index for `digest`, or None where the registry lacks the API."""
+        response = self._request(repository, "GET", f"referrers/{digest}", headers={"Accept": OCI_INDEX})
+        media_type = response.headers.get("Content-Type", "").split(";", 1)[0].strip()
+        if response.status_code == 200 and media_type == OCI_INDEX:
+            return response.content[: self.settings.max_manifest_bytes + 1]
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            for registry, _ in self._sessions.values():
+                registry.session.close()
+            self._sessions.clear()
+
+
+def _error_text(response: requests.Response) -> str:
+    text = response.text[:_ERROR_BODY_MAX].strip()
+    return f": {text}" if text else ""

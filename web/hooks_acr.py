@@ -1,0 +1,141 @@
+"""Azure Container Registry webhooks: one JSON event per delivery, authenticated by a header only.
+
+ACR signs nothing: it sends `Content-Type: application/json` plus whatever custom
+headers the webhook was configured with. So the shared secret must arrive in a
+header (`Authorization: Bearer <secret>`, or the bare secret in `Authorization` as
+ACR sends a configured header verbatim); a `?token=` query is refused here, because
+ACR shows the service URI in the portal and in activity logs. ACR deliveries are
+refused outright when no secret is configured: an unsigned, unauthenticated hook
+reachable from Azure would let anyone on the internet queue pulls.
+
+Only `push` is acted on, keyed on `target.digest` (the tag is absent for pushes by
+digest). `delete`, `quarantine`, `chart_push`, `chart_delete` and the portal's
+`ping` are answered 2xx and ignored: ACR retries non-2xx deliveries. The handler in
+web/api.py checks `request.host` against the allowlist before anything is queued,
+so no pull ever goes to a registry outside it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.hooks import (
+    MANIFEST_MEDIA_TYPES,
+    ScanRequest,
+    WebhookAuthError,
+    WebhookError,
+)
+
+SOURCE = "acr"
+IGNORED_ACTIONS = frozenset({"delete", "quarantine", "chart_push", "chart_delete", "ping"})
+_MAX_ERRORS_SHOWN = 3
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True, populate_by_name=True)
+
+
+class _AcrHeader(_Payload):
+    action: str
+
+
+class _AcrTarget(_Payload):
+    media_type: str | None = Field(default=None, alias="mediaType")
+    digest: str
+    repository: str = Field(min_length=1)
+    tag: str | None = None
+
+
+class _AcrRequest(_Payload):
+    host: str = Field(min_length=1)
+
+
+class _AcrPush(_Payload):
+    action: str
+    target: _AcrTarget
+    request: _AcrRequest
+
+
+def authenticate(headers: Mapping[str, str], secret: str | None) -> None:
+    """Accept only a delivery whose `Authorization` header carries `secret` (constant time)."""
+    if not secret:
+        raise WebhookAuthError(
+            "acr webhook: refused because no secret is configured (ACR deliveries are unsigned); "
+            "set GPUBADGE_WEBHOOK_SECRET or webhook_secrets.acr and add the header "
+            "'Authorization: Bearer <secret>' to the ACR webhook"
+        )
+    authorization = next((value for key, value in headers.items() if key.lower() == "authorization"), None)
+    if authorization is None:
+        raise WebhookAuthError(
+            "acr webhook: no credentials; configure the custom header 'Authorization: Bearer <secret>'"
+        )
+    scheme, _, credential = authorization.strip().partition(" ")
+    given = credential.strip() if scheme.lower() == "bearer" and credential.strip() else authorization.strip()
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), secret.encode()):
+        raise WebhookAuthError("acr webhook: the Authorization header does not match the configured secret")
+
+
+def normalise(body: bytes, limits: JsonLimits | None = None) -> list[ScanRequest]:
+    """One ACR event -> at most one push request; ignored actions -> []; bad bodies -> WebhookError.
+
+    `limits` bound the JSON's nesting, numbers and strings, as for every other sender.
+    """
+    payload = _parse_json(body, limits or JsonLimits())
+    try:
+        action = _AcrHeader.model_validate(payload).action
+        if action != "push":
+            return []  # IGNORED_ACTIONS, and any action ACR adds later: acknowledged, never retried
+        event = _AcrPush.model_validate(payload)
+    except ValidationError as exc:
+        raise WebhookError(f"acr payload: {_describe(exc)}") from None
+    target = event.target
+    if target.media_type is not None and target.media_type not in MANIFEST_MEDIA_TYPES:
+        return []  # Helm charts and other artifacts pushed as OCI, schema1
+    tag = target.tag or None
+    if tag is not None and tag.startswith("sha256-"):
+        return []  # a referrers tag-schema index (ours or anyone's), never an image
+    try:
+        request = ScanRequest(
+            registry=event.request.host,
+            repository=target.repository,
+            tag=tag,
+            digest=target.digest,
+            action="push",
+            source=SOURCE,
+        )
+    except ValidationError as exc:
+        raise WebhookError(f"acr payload names an invalid image: {_describe(exc)}") from None
+    return [request]
+
+
+def _parse_json(body: bytes, limits: JsonLimits) -> dict[str, Any]:
+    try:
+        payload = loads_bounded(body, limits)
+    except JsonLimitExceeded as exc:
+        raise WebhookError(f"acr payload refused: {exc}") from None
+    except UnicodeDecodeError:
+        raise WebhookError("acr payload is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise WebhookError(f"acr payload is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(payload, dict):
+        raise WebhookError(f"acr payload must be a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def _describe(exc: ValidationError) -> str:
+    """Pydantic's errors as `field.path: reason`, without echoing the offending values."""
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for error in errors[:_MAX_ERRORS_SHOWN]:
+        location = ".".join(str(part) for part in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"{location}: {message}" if location else message)
+    if len(errors) > _MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - _MAX_ERRORS_SHOWN} more")
+    return "; ".join(parts)
