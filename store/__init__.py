@@ -85,4 +85,4 @@ def open_backend(
         return PostgresStore(
             database_url, pool_size=threads + 1, connect_timeout=busy_timeout, upgrade=upgrade
         )
-    return SqliteStore(path, synchronous=synchronous, busy_timeout=busy_timeout)
+    return SqliteStore(path, synchronous=synchronous, busy_timeout=busy_timeout, upgrade=upgrade)

@@ -104,6 +104,7 @@ class SqliteStore:
         *,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
+        upgrade: bool = True,
     ) -> None:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
@@ -116,7 +117,8 @@ class SqliteStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._writer = self._connect(busy_timeout)
             self._writer.execute("PRAGMA journal_mode=WAL")
-            self.upgrade()
+            if upgrade:  # `gpubadge db status` looks without changing anything
+                self.upgrade()
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"cannot open the SQLite store {self.path}: {exc}") from exc
 
@@ -154,6 +156,8 @@ class SqliteStore:
 
     def schema_version(self) -> int:
         with self._reading() as db:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
+                return int(db.execute("PRAGMA user_version").fetchone()[0])  # before the table existed
             row = db.execute("SELECT max(version) FROM schema_migrations").fetchone()
         return int(row[0] or 0)
 

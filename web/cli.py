@@ -173,6 +173,11 @@ def run_db(argv: list[str]) -> int:
 
     engine = "postgres" if settings.database_url else "sqlite"
     where = "PostgreSQL" if settings.database_url else str(settings.db)
+    if args.action == "status" and engine == "sqlite" and not settings.db.exists():
+        print(f"{where}: no database yet; every migration is pending", file=sys.stderr)
+        for migration in migrations(engine):
+            print(f"{migration.version:04d} {migration.name:<24} pending")
+        return 0
     try:
         backend = open_backend(
             settings.db,
