@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+SATURATED_RECHECK = 1.0  # seconds; only a lost wake-up would need it
+
+
 @dataclass
 class WorkerSettings:
     concurrency: int = 4
@@ -231,6 +234,11 @@ class ScanWorkers:
         pause = self.settings.idle_poll
         if due is not None:
             pause = max(0.0, min(pause, (due - datetime.now(UTC)).total_seconds()))
+            if pause == 0.0:
+                # A job is ready but this pass did not take it: every slot is busy, its registry is at
+                # its cap, or another worker holds it. Looking again at once would spin (a query per
+                # turn); a settle or a new job wakes the loop anyway, so wait for that.
+                pause = min(self.settings.idle_poll, SATURATED_RECHECK)
         return min(pause, self.settings.lease_seconds / 3)
 
     async def _renew_once(self) -> float:
