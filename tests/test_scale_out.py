@@ -438,3 +438,30 @@ def test_an_api_only_replica_stays_ready_while_no_worker_runs(
         health = call("GET", f"{api.url}/healthz")
         assert health.status == 200 and health.body["workers"] == "none in this process"
         assert "no worker has made progress" in health.body["stalled"]
+
+
+def test_a_worker_exits_cleanly_on_sigterm_and_hands_back_its_jobs(
+    pushed: Pushed, postgres_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM (a rollout): no new claims, running scans get the drain time, the rest go back at once."""
+    from store.postgres import PostgresStore
+
+    env = role_env(postgres_url, pushed.registry, GPUBADGE_DRAIN_SECONDS="0.1")
+    store = PostgresStore(postgres_url, pool_size=1)
+    try:
+        store.enqueue(
+            [(f"{pushed.registry.host}/scale/img{n:03d}:latest", pushed.registry.host) for n in range(60)]
+        )
+        with run_role_process(
+            ("worker", "--concurrency", "4"), tmp_path / "w.db", env, tmp_path / "w.log"
+        ) as worker:
+            wait_until(lambda: store.queue_depth()["running"] > 0, 60, "the worker claimed jobs")
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(timeout=30) == 0, (tmp_path / "w.log").read_text()[-2000:]
+        depth = store.queue_depth()
+        assert depth["running"] == 0 and depth["failed"] == 0, depth  # nothing left leased to a dead process
+        assert depth["queued"] + depth["done"] == 60, depth
+        assert not store.lease_owners()
+    finally:
+        store.close()
+    assert not (tmp_path / "w.db").exists()
