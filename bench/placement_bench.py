@@ -5,6 +5,8 @@ For each fleet size (100, 1,000, 10,000, 100,000 synthetic servers) one run:
   report in its store, warms it up, then times sequential POSTs over one keep-alive connection
   (what a deploy pipeline sees: request, decision, JSON answer of one page, response read);
 - times the same work as a function in this process: `answer(decide(...))` on a built index;
+- does both twice: the same question repeated (as a deploy pipeline asks it; the index keeps shape
+  verdicts per query form), and a new query form every time (`-new-form` lines: nothing kept applies);
 - prints p50/p99 of both, and each size's p99 as a multiple of the 100-server p99 (the growth).
 
 Run: python3 -m bench.placement_bench [--quick] [--sizes 100,1000,10000,100000] [--queries N].
@@ -139,7 +141,15 @@ def timed(action: Callable[[], Any], rounds: int) -> list[float]:
     return samples
 
 
-def function_only(servers: list[Server], request: DeployRequest, rounds: int) -> tuple[list[float], int, int]:
+def cold(request: DeployRequest, number: int) -> DeployRequest:
+    """The same request as a new query form (a CPU count below every server's), so no shape
+    verdict kept from earlier queries applies: the cost of a question the service never saw."""
+    return request.model_copy(update={"cpus": 1 + number / 1000})
+
+
+def function_only(
+    servers: list[Server], request: DeployRequest, rounds: int, fresh: bool = False
+) -> tuple[list[float], int, int]:
     """What the handler's worker thread does, in-process: decide + one page. (ms, eligible, shapes)."""
     index = FleetIndex.build(servers)
     # As the service does after start-up (web.app, with the inventory file's index built by then):
@@ -148,13 +158,17 @@ def function_only(servers: list[Server], request: DeployRequest, rounds: int) ->
     facts = ImageFacts.from_report(gpu_report())
     options = AnswerOptions()
     body = answer(decide(facts, request, index), options)
-    samples = timed(lambda: answer(decide(facts, request, index), options), rounds)
+    forms = iter(range(1, 10**9))
+    samples = timed(
+        lambda: answer(decide(facts, cold(request, next(forms)) if fresh else request, index), options),
+        rounds,
+    )
     return samples, body["eligible_count"], len(index.view().shape_entries)
 
 
 def over_http(
     fleet: list[dict[str, Any]], request: DeployRequest, rounds: int, workdir: Path
-) -> tuple[list[float], int]:
+) -> tuple[list[float], list[float], int]:
     """`gpubadge serve` in its own process; sequential POSTs on one keep-alive connection. (ms, bytes)."""
     inventory = workdir / "fleet.json"
     inventory.write_text(json.dumps({"servers": fleet}))
@@ -180,13 +194,19 @@ def over_http(
         )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process, timeout=300)
-        body = json.dumps({"image": REFERENCE, **request.model_dump(mode="json", exclude_defaults=True)})
+        forms = iter(range(1, 10**9))
+
+        def body_of(form: DeployRequest) -> str:
+            return json.dumps({"image": REFERENCE, **form.model_dump(mode="json", exclude_defaults=True)})
+
+        body = body_of(request)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         size = 0
 
-        def post() -> None:
+        def post(fresh: bool = False) -> None:
             nonlocal size
-            connection.request("POST", "/api/eligibility", body, {"Content-Type": "application/json"})
+            sent = body_of(cold(request, next(forms))) if fresh else body
+            connection.request("POST", "/api/eligibility", sent, {"Content-Type": "application/json"})
             response = connection.getresponse()
             data = response.read()
             if response.status != 200:
@@ -196,8 +216,9 @@ def over_http(
         for _ in range(5):  # the first query builds the service's index; later ones use it
             post()
         samples = timed(post, rounds)
+        fresh_samples = timed(lambda: post(fresh=True), rounds)
         connection.close()
-        return samples, size
+        return samples, fresh_samples, size
     finally:
         stop_process(process, grace=20)
 
@@ -228,10 +249,14 @@ def main() -> None:
         print(
             f"function servers={count} request={name} shapes={shapes} eligible={eligible} {figures(samples)}"
         )
+        cold_samples, _, _ = function_only(servers, request, rounds, fresh=True)
+        gc.unfreeze()
+        print(f"function-new-form servers={count} request={name} {figures(cold_samples)}")
         with tempfile.TemporaryDirectory() as workdir:
-            web_samples, size = over_http(fleet, request, rounds, Path(workdir))
+            web_samples, web_cold, size = over_http(fleet, request, rounds, Path(workdir))
         http_p99[count] = percentile(web_samples, 0.99)
         print(f"http servers={count} request={name} answer_bytes={size} {figures(web_samples)}")
+        print(f"http-new-form servers={count} request={name} {figures(web_cold)}")
         if count == 10_000:
             for other, other_request in REQUESTS[1:]:
                 more, eligible, _ = function_only(servers, other_request, rounds)

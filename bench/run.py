@@ -52,15 +52,16 @@ def run_placement(results: Results, quick: bool) -> None:
     args = ["--quick"] if quick else []
     print(f"placement: bench.placement_bench {' '.join(args)}", flush=True)
     output = run_child(results, "placement", "bench.placement_bench", *args)
-    http: dict[int, tuple[float, float]] = {}
-    function: dict[int, tuple[float, float]] = {}
+    figures: dict[str, dict[int, tuple[float, float]]] = {}
     for line in output:
         fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
         kind = line.split(" ", 1)[0]
-        if kind in ("http", "function") and fields.get("request") == "gpu-image":
-            count = int(fields["servers"])
-            (http if kind == "http" else function)[count] = (float(fields["p50_ms"]), float(fields["p99_ms"]))
+        if kind.startswith(("http", "function")) and fields.get("request") == "gpu-image":
+            pair = (float(fields["p50_ms"]), float(fields["p99_ms"]))
+            figures.setdefault(kind, {})[int(fields["servers"])] = pair
         results.detail(f"placement: {line}")
+    http, function = figures.get("http", {}), figures.get("function", {})
+    http_new, function_new = figures.get("http-new-form", {}), figures.get("function-new-form", {})
     base = http.get(100)
     for count in sorted(http):
         p50, p99 = http[count]
@@ -79,7 +80,15 @@ def run_placement(results: Results, quick: bool) -> None:
                 + (f" ({growth:.2f}x the 100-server p99)" if growth is not None and count != 100 else ""),
                 target=target,
                 met=met,
-                note=f"function only: p50 {fn[0]:.2f} ms, p99 {fn[1]:.2f} ms" if fn else "",
+                note="; ".join(
+                    f"{label}: p50 {pair[0]:.2f} ms, p99 {pair[1]:.2f} ms"
+                    for label, pair in (
+                        ("function only", fn),
+                        ("a new query form each time, over HTTP", http_new.get(count)),
+                        ("a new query form each time, function only", function_new.get(count)),
+                    )
+                    if pair is not None
+                ),
             )
         )
 

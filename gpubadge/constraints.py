@@ -67,7 +67,7 @@ async def export_locally(
         report = await Scanner(client, None, settings).scan(reference)
     if report.error:
         raise RuntimeError(f"{reference}: {report.error}")
-    fleet = known_gpus(FleetIndex.build(inventory.servers).classes)
+    fleet = known_gpus(FleetIndex.build(inventory.servers))
     body = export_constraints(ImageFacts.from_report(report), request, fleet, chosen)  # type: ignore[arg-type]
     body["image"] = {"reference": report.reference, "digest": report.digest}
     return body

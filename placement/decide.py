@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter, itemgetter
+from typing import TypeVar
 
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
@@ -26,6 +27,9 @@ from placement.requirements import DeviceFacts, ImageRequirements, Verdict, comp
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
 
 _GIB = 1024**3
+QUERY_FORMS_KEPT = 64  # query forms (image facts + request) whose verdicts an index keeps
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 SortKey = tuple[int, int, int, float, int]  # rank, spare GPUs, GPU MiB assigned, spare CPUs, memory
 _NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
 # (reasons, GPU picks as (group position, count), sort key, platform, score) for one server shape
@@ -112,6 +116,7 @@ class ServerEntry:
     total_gpus: int
     busy_gpus: int
     groups: tuple[tuple[int, tuple[str, ...]], ...]  # (GPU class id, free UUIDs in index order)
+    runtime_modes: tuple[str, ...] = ()  # how Docker can hand it GPUs: nvidia runtime, --gpus, CDI
     shape: int = 0  # servers with the same shape get the same verdict; labels and names aside
     label_set: int = 0  # servers with the same labels get the same label verdict
 
@@ -139,6 +144,20 @@ class _View:
 _gpu_position = attrgetter("index")
 
 
+def _bounded_put(kept: dict[_K, _V], key: _K, value: _V) -> None:
+    """`kept[key] = value`, dropping the oldest entries beyond QUERY_FORMS_KEPT.
+
+    Safe from several threads (dict operations are atomic); a race only costs a recomputation.
+    """
+    while len(kept) >= QUERY_FORMS_KEPT:
+        try:
+            oldest = next(iter(kept))
+        except (StopIteration, RuntimeError):  # emptied or changed by another thread
+            break
+        kept.pop(oldest, None)
+    kept[key] = value
+
+
 def _gpu_key(entry: ServerEntry) -> tuple[object, ...]:
     """Everything the GPU part of a verdict reads: shapes with the same key share that part."""
     return (
@@ -148,6 +167,7 @@ def _gpu_key(entry: ServerEntry) -> tuple[object, ...]:
         entry.total_gpus,
         entry.busy_gpus,
         tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
+        entry.runtime_modes,
     )
 
 
@@ -173,6 +193,8 @@ class FleetIndex:
     _combo_ids: dict[tuple[int, int], int] = field(default_factory=dict)
     _gpu_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _empty_lists: int = 0  # shape/combination lists emptied by updates, compacted by a rebuild
+    _shape_results: dict[tuple[str, str], dict[int, _ShapeResult]] = field(default_factory=dict)
+    _decisions: dict[tuple[str, str], tuple[_View, Decision]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, servers: Iterable[Server]) -> FleetIndex:
@@ -198,6 +220,26 @@ class FleetIndex:
         gone = {name for name in names if name in self.entries}
         if gone:
             self._change(gone, [])
+
+    def kept_decision(self, query: tuple[str, str], view: _View) -> Decision | None:
+        """The Decision for this query form if it was made on `view` (the index unchanged since)."""
+        kept = self._decisions.get(query)
+        return kept[1] if kept is not None and kept[0] is view else None
+
+    def keep_decision(self, query: tuple[str, str], view: _View, decision: Decision) -> None:
+        _bounded_put(self._decisions, query, (view, decision))
+
+    def shape_results(self, query: tuple[str, str]) -> dict[int, _ShapeResult]:
+        """Shape verdicts already computed for this query form, by shape id (the last few forms).
+
+        A verdict never goes stale: a server whose facts change gets another shape id. Safe from
+        several threads (dict operations are atomic); an eviction race only costs a recomputation.
+        """
+        found = self._shape_results.get(query)
+        if found is None:
+            found = {}
+            _bounded_put(self._shape_results, query, found)
+        return found
 
     @property
     def servers(self) -> list[Server]:
@@ -298,6 +340,7 @@ class FleetIndex:
             else:
                 members.append(uuid)
         groups = tuple((class_id, tuple(uuids)) for class_id, uuids in grouped.items())
+        modes = tuple(sorted(server.runtime_modes))
         shape_key = (
             server.arch,
             server.cpus,
@@ -308,6 +351,7 @@ class FleetIndex:
             len(gpus),
             busy_gpus,
             tuple((class_id, len(uuids)) for class_id, uuids in groups),
+            modes,
         )
         shape = self._shape_ids.get(shape_key)
         if shape is None:
@@ -332,6 +376,7 @@ class FleetIndex:
             len(gpus),
             busy_gpus,
             groups,
+            modes,
             shape,
             label_set,
         )
@@ -491,7 +536,8 @@ class _Query:
         """Image rules beyond NVIDIA_REQUIRE_* that read a server's driver (e.g. a driver floor).
 
         Called once per GPU sub-shape and query for a GPU image, with a representative server:
-        read only what `_gpu_shapes` keys on (driver, driver CUDA, musl, GPU classes and counts).
+        read only what `_gpu_key` keys on (driver, driver CUDA, musl, GPU classes and counts,
+        runtime modes).
         """
         return []
 
@@ -645,9 +691,22 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     concurrently as long as its `view()` was built before).
     """
     index = inventory if isinstance(inventory, FleetIndex) else FleetIndex.build(inventory)
-    query = _Query(image, request, index)
     view = index.view()
-    results = list(map(query.evaluate, view.shape_entries, view.shape_gpu))
+    form = (image.model_dump_json(), request.model_dump_json())
+    # The same question on the same view has the same (immutable) answer.
+    kept = index.kept_decision(form, view)
+    if kept is not None:
+        return kept
+    query = _Query(image, request, index)
+    # A shape's verdict depends on the shape and the query only, so it is kept per query form
+    # (image facts and request) and shape id: after a fleet change, only shapes new to it are judged.
+    known = index.shape_results(form)
+    results = []
+    for entry, gpu_shape in zip(view.shape_entries, view.shape_gpu, strict=True):
+        result = known.get(entry.shape)
+        if result is None:
+            result = known[entry.shape] = query.evaluate(entry, gpu_shape)
+        results.append(result)
     labels = list(request.labels.items())
     eligible: list[_Bucket] = []
     refused: list[_Bucket] = []
@@ -667,7 +726,9 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             bucket = _Bucket(result, view.shape_names[shape], view.shape_groups[shape], result[0])
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
-    return Decision(eligible, refused, warnings)
+    decision = Decision(eligible, refused, warnings)
+    index.keep_decision(form, view, decision)
+    return decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -696,6 +757,10 @@ def _named(names: Sequence[str], number: int, start: int) -> Iterator[tuple[str,
         yield names[position], number, position
 
 
+def _first_name(bucket: _Bucket) -> str:
+    return bucket.names[0]
+
+
 class ReasonSummary(TypedDict):
     reason: str
     count: int
@@ -714,7 +779,7 @@ class Decision:
     fleet changes between pages: the next page starts after the last server listed.
     """
 
-    __slots__ = ("_refused", "_tiers", "eligible_count", "ineligible_count", "warnings")
+    __slots__ = ("_refused", "_summaries", "_tiers", "eligible_count", "ineligible_count", "warnings")
 
     def __init__(self, eligible: list[_Bucket], refused: list[_Bucket], warnings: list[str]) -> None:
         tiers: dict[SortKey, list[_Bucket]] = {}
@@ -722,6 +787,7 @@ class Decision:
             tiers.setdefault(bucket.key, []).append(bucket)
         self._tiers = sorted(tiers.items(), key=lambda tier: tier[0])
         self._refused = refused
+        self._summaries: dict[int, list[ReasonSummary]] = {}
         self.warnings = warnings
         self.eligible_count = sum(len(bucket.names) for bucket in eligible)
         self.ineligible_count = sum(len(bucket.names) for bucket in refused)
@@ -776,18 +842,34 @@ class Decision:
         return [{"server": name, "reasons": reasons} for name, reasons in listed]
 
     def ineligible_summary(self, examples: int = 3) -> list[ReasonSummary]:
-        """Each reason once, with how many servers it rules out and the first few by name; most first."""
-        counts: dict[str, int] = {}
-        samples: dict[str, list[str]] = {}
-        for bucket in self._refused:
-            first = list(bucket.names[:examples])
-            for reason in bucket.reasons:
-                counts[reason] = counts.get(reason, 0) + len(bucket.names)
-                samples.setdefault(reason, []).extend(first)
-        summary: list[ReasonSummary] = [
-            {"reason": reason, "count": count, "examples": sorted(samples[reason])[:examples]}
-            for reason, count in counts.items()
+        """Each reason once, with how many servers it rules out and the first few by name; most first.
+
+        Computed once per Decision and examples count (a Decision is immutable); callers get copies.
+        """
+        summary = self._summaries.get(examples)
+        if summary is None:
+            summary = self._summaries[examples] = self._summarise(examples)
+        return [
+            {"reason": i["reason"], "count": i["count"], "examples": list(i["examples"])} for i in summary
         ]
+
+    def _summarise(self, examples: int) -> list[ReasonSummary]:
+        by_reasons: dict[tuple[str, ...], list[_Bucket]] = {}
+        for bucket in self._refused:  # many buckets share their reasons: group them first
+            by_reasons.setdefault(bucket.reasons, []).append(bucket)
+        counts: dict[str, int] = {}
+        holders: dict[str, list[_Bucket]] = {}
+        for reasons, buckets in by_reasons.items():
+            size = sum(len(bucket.names) for bucket in buckets)
+            for reason in reasons:
+                counts[reason] = counts.get(reason, 0) + size
+                holders.setdefault(reason, []).extend(buckets)
+        summary: list[ReasonSummary] = []
+        for reason, count in counts.items():
+            # The first names overall lie in the buckets whose first names are the first.
+            first = heapq.nsmallest(examples, holders[reason], key=_first_name)
+            names = list(islice(heapq.merge(*(bucket.names for bucket in first)), examples))
+            summary.append({"reason": reason, "count": count, "examples": names})
         summary.sort(key=lambda item: (-item["count"], item["reason"]))
         return summary
 

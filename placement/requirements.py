@@ -27,18 +27,20 @@ from typing import Literal
 
 from scanner.models import GpuFacts
 from scanner.requirements import (
+    EXPR_MAX,
     KEYS,
     OPERATORS,
     AllOf,
     Condition,
     Expression,
+    formatted_length,
+    latent_error,
     parse_requirement_lenient,
 )
 
 Outcome = Literal["satisfied", "unsatisfied", "error"]
 
 MAX_REQUIREMENTS = 32  # nvidia-container-cli keeps `char *reqs[32]`; a 33rd is "too many requirements"
-_EXPR_MAX = 128  # dsl.c formats a failed factor into a 128-byte buffer; longer is "invalid expression"
 _UINTMAX = 2**64 - 1
 _VERSION_TEXT = re.compile(r"^[0-9.]*$")
 _DIGITS = re.compile(r"[0-9]+")
@@ -150,28 +152,6 @@ def evaluate_condition(condition: Condition, facts: DeviceFacts) -> bool | None:
     return compare_version(host, condition.op, condition.value)
 
 
-def _formatted_length(condition: Condition) -> int:
-    """Length of dsl.c's `"%s %s %s"` rendering of the factor (raw key, operator, value)."""
-    raw_op_length = len(condition.text) - len(condition.key) - len(condition.value)
-    return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
-
-
-def latent_error(condition: Condition) -> str | None:
-    """Why a well-formed factor is still an error for nvidia-container-cli (when compared), if it is."""
-    if condition.error is not None or condition.key == "brand":
-        return None
-    if condition.value.startswith("."):
-        return f"invalid requirement term {condition.text!r}: a version cannot start with '.'"
-    if any(int(part) >= _UINTMAX for part in _DIGITS.findall(condition.value)):
-        return f"invalid requirement term {condition.text!r}: a number too large for nvidia-container-cli"
-    if _formatted_length(condition) >= _EXPR_MAX:
-        return (
-            f"invalid requirement term {condition.text!r}: longer than nvidia-container-cli reports "
-            "(an error wherever it is false)"
-        )
-    return None
-
-
 def _error_detail(condition: Condition, facts: DeviceFacts) -> str:
     if condition.error is not None:
         return condition.error
@@ -189,7 +169,7 @@ def evaluate(expression: Expression, facts: DeviceFacts) -> Verdict:
         result = True
         for condition in term.conditions:
             outcome = evaluate_condition(condition, facts)
-            if outcome is False and _formatted_length(condition) >= _EXPR_MAX:
+            if outcome is False and formatted_length(condition) >= EXPR_MAX:
                 detail = f"requirement term {condition.text!r} is too long for nvidia-container-cli"
                 return Verdict("error", "invalid expression", (detail,), text)
             if outcome is None:

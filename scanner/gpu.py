@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scanner.models import GpuFacts, RequirementIssue
-from scanner.requirements import parse_requirement_lenient
+from scanner.requirements import latent_error, parse_requirement_lenient
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"
@@ -178,9 +178,12 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
     issues: list[RequirementIssue] = []
     for name in require_vars:
         # One issue per malformed clause: the runtime fails on whichever one its evaluation reaches.
+        # (Also well-formed clauses the runtime still rejects: too long, numbers too large.)
+        conditions = parse_requirement_lenient(nvidia_env[name]).conditions
         issues.extend(
             RequirementIssue(variable=name, value=nvidia_env[name], error=error)
-            for error in parse_requirement_lenient(nvidia_env[name]).errors
+            for condition in conditions
+            if (error := condition.error or latent_error(condition)) is not None
         )
 
     cuda_version = cuda_major_minor(cuda_version_raw) if cuda_version_raw else None

@@ -34,6 +34,9 @@ VERSION_KEYS: frozenset[str] = frozenset({"cuda", "driver", "arch"})
 _OPERATOR_CHARS = "<>=!"
 _VERSION_TEXT = re.compile(r"^[0-9.]*$")
 _OPERATOR_RUN = re.compile(r"[<>=!]+")
+_DIGITS = re.compile(r"[0-9]+")
+EXPR_MAX = 128  # dsl.c formats a failed factor into a 128-byte buffer; longer is "invalid expression"
+_UINTMAX = 2**64 - 1  # strtoumax saturates here, which dsl.c treats as an error
 # strcasecmp folds ASCII only; str.lower() would also fold other letters and change lengths.
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -191,6 +194,28 @@ def _parse_factor(text: str) -> Condition:
             key, op, value, text, f"invalid requirement term {text!r}: brand supports only = and !="
         )
     return Condition(key, op, value, text)
+
+
+def formatted_length(condition: Condition) -> int:
+    """Length of dsl.c's `"%s %s %s"` rendering of the factor (raw key, operator, value)."""
+    raw_op_length = len(condition.text) - len(condition.key) - len(condition.value)
+    return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
+
+
+def latent_error(condition: Condition) -> str | None:
+    """Why a well-formed factor is still an error for nvidia-container-cli (when compared), if it is."""
+    if condition.error is not None or condition.key == "brand":
+        return None
+    if condition.value.startswith("."):
+        return f"invalid requirement term {condition.text!r}: a version cannot start with '.'"
+    if any(int(part) >= _UINTMAX for part in _DIGITS.findall(condition.value)):
+        return f"invalid requirement term {condition.text!r}: a number too large for nvidia-container-cli"
+    if formatted_length(condition) >= EXPR_MAX:
+        return (
+            f"invalid requirement term {condition.text!r}: longer than nvidia-container-cli reports "
+            "(an error wherever it is false)"
+        )
+    return None
 
 
 def parse_requirement_lenient(text: str) -> Expression:

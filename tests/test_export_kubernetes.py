@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 
 from placement.decide import FleetIndex, ImageFacts, decide
-from placement.exports.core import build_constraints, known_gpus
+from placement.exports.core import KnownGpu, build_constraints, known_gpus
 from placement.exports.kubernetes import export
 from placement.inventory import Server, parse_inventory
 from placement.request import DeployRequest
@@ -30,7 +30,7 @@ from scanner.models import GpuFacts, ImageReport, PlatformReport
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KNOWN_FLEET = parse_inventory((FIXTURES / "fleet.yaml").read_text()).servers
 REAL = json.loads((FIXTURES / "cuda_require_strings.json").read_text())["images"]
-KNOWN = known_gpus(FleetIndex.build(KNOWN_FLEET).classes)
+KNOWN = known_gpus(FleetIndex.build(KNOWN_FLEET))
 NUMERIC_PREFIXES = ("nvidia.com/cuda.", "nvidia.com/gpu.compute.", "nvidia.com/gpu.memory")
 INTEGER = re.compile(r"^[+-]?[0-9]+$")  # Go's strconv.ParseInt(s, 10, 64) accepts exactly these
 
@@ -380,3 +380,14 @@ def test_schema_gap_checks_can_fail() -> None:
         check_schema_gaps(bad)
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_pod({"affinity": {"nodeAffinity": {"bogus": 1}}, "resources": {}})
+
+
+def test_a_known_product_without_a_brand_passes_brand_clauses_like_the_runtime() -> None:
+    """NVML reports no brand: the runtime's brand rule holds without looking, and so does the export."""
+    mystery = Node("mystery", "Mystery GPU 24GB", "", 24576, "8.6", "525.60.13")
+    fleet = [*KNOWN, KnownGpu("Mystery GPU 24GB", "", 24576, "8.6", frozenset({"amd64"}))]
+    for name in ("cuda-12.2", "brand-not-geforce", "arch-and-brand"):
+        facts = IMAGES[name]
+        exported = export(build_constraints(facts, REQUESTS["one"], fleet))
+        eligible = {e["server"] for e in decide(facts, REQUESTS["one"], [mystery.server()]).eligible}
+        assert node_matches(exported["affinity"], mystery.labels()) == ("mystery" in eligible), name

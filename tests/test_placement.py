@@ -669,6 +669,9 @@ def test_many_small_updates_match_a_fresh_build() -> None:
     fleet = {server.name: server for server in _many(400)}
     index = FleetIndex.build(fleet.values())
     before = index.view()
+    requests = (DeployRequest(gpus=1), DeployRequest(gpus=2, labels={"zone": "c"}), DeployRequest(cpus=3))
+    for request in requests:  # verdicts kept per shape from here on must stay right after updates
+        decide(cuda_image("12.2.2"), request, index)
     names = sorted(fleet)
     for step in range(60):
         name = names[(step * 37) % len(names)]

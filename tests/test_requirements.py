@@ -382,3 +382,22 @@ def test_requirement_values_without_env_are_used() -> None:
     image = ImageRequirements.from_gpu_facts(GpuFacts(requirements=["cuda>=12.2", "brand=tesla"]))
     assert len(image.expressions) == 2
     assert not image.check(DeviceFacts("12.4", arch="8.0", brand="Nvidia")).ok
+
+
+def test_every_clause_that_fails_when_reached_is_named() -> None:
+    """Malformed clauses, and well-formed ones the runtime still rejects (too long, too large)."""
+    from scanner.gpu import gpu_facts
+
+    long_clause = "driver>=" + "0" * 125 + "535"
+    value = f"cuda>=12.2 gpu=h100 brand>=tesla {long_clause} arch>=99999999999999999999999"
+    config = {"config": {"Env": [f"NVIDIA_REQUIRE_CUDA={value}", "NVIDIA_VISIBLE_DEVICES=all"]}}
+    facts = gpu_facts(config)
+    errors = [issue.error for issue in facts.requirement_errors]
+    assert len(errors) == 4 and all(
+        issue.variable == "NVIDIA_REQUIRE_CUDA" for issue in facts.requirement_errors
+    )
+    assert "'gpu=h100'" in errors[0] and "brand supports only" in errors[1]
+    assert "longer than" in errors[2] and "too large" in errors[3]
+    image = ImageRequirements.from_gpu_facts(facts)
+    assert len(image.warnings) == 4
+    assert image.check(DeviceFacts("12.4")).ok  # none of them is reached on this host

@@ -155,7 +155,7 @@ async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, Image
 async def _known_gpus(main: web.Application) -> list[KnownGpu]:
     """The GPU products of the live fleet (kept between requests by web.fleet); none if unreadable."""
     try:
-        return known_gpus((await fleet_index(main)).classes)
+        return known_gpus(await fleet_index(main))
     except Exception:
         log.exception("admission: reading the fleet failed; brand clauses get no product lists")
         return []

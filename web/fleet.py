@@ -605,7 +605,7 @@ async def constraints(request: web.Request) -> web.Response:
         raise json_http_error(web.HTTPBadRequest, f"invalid request: format: one of {', '.join(FORMATS)}")
     may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
     report = await image_report(services, image, may_scan=may_scan)
-    fleet = known_gpus((await fleet_index(request.app)).classes)
+    fleet = known_gpus(await fleet_index(request.app))
     facts = ImageFacts.from_report(report)
     body = await asyncio.to_thread(export_constraints, facts, deploy, fleet, chosen)
     body["image"] = {"reference": report.reference, "digest": report.digest}

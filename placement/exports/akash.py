@@ -59,6 +59,8 @@ def _allowed(gpu: KnownGpu, constraints: Constraints) -> bool:
     for platform in constraints.platforms:
         if platform.gpus == 0:
             continue
+        if gpu.architectures and platform.architecture not in gpu.architectures:
+            continue  # only seen on servers of another CPU architecture
         if platform.min_memory_mib is not None and gpu.memory_mib < platform.min_memory_mib:
             continue
         cc = tuple(int(part) for part in gpu.compute_capability.split(".") if part.isdigit())

@@ -18,11 +18,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from placement.decide import ImageFacts, PlatformFacts
+from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
-from placement.requirements import ImageRequirements, latent_error
-from scanner.requirements import KEYS, OPERATORS, Condition, Expression
+from placement.requirements import ImageRequirements
+from scanner.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
 
 Version = tuple[int, ...]
 DIMENSIONS = ("driver", "cuda", "cc")  # driver version, driver's CUDA version, compute capability
@@ -200,11 +200,14 @@ class _Factor:
 
 
 def _factor(condition: Condition, brand: str | None) -> _Factor:
-    """`brand` None: no GPU is assigned, so the runtime's arch and brand rules hold without looking."""
+    """`brand` None: no GPU is assigned, so the runtime's arch and brand rules hold without looking;
+    `brand` "": a GPU whose brand NVML does not report (the brand rule holds)."""
     if condition.key not in KEYS or condition.op not in OPERATORS or not condition.value:
         return _Factor(FALSE, FALSE, True)  # rejected before any rule runs: an error wherever reached
     if brand is None and condition.key in ("arch", "brand"):
         return _Factor(TRUE, FALSE, False)
+    if brand == "" and condition.key == "brand":
+        return _Factor(TRUE, FALSE, False)  # NVML gave no brand: the rule holds without looking
     if condition.key == "brand":
         if condition.op not in ("=", "!="):
             return _Factor(FALSE, FALSE, True)
@@ -265,21 +268,28 @@ class KnownGpu:
     brand: str
     memory_mib: int
     compute_capability: str
+    architectures: frozenset[str] = frozenset()  # CPU architectures of servers with it (empty: unknown)
 
 
-def known_gpus(classes: Iterable[object]) -> list[KnownGpu]:
-    """Distinct products from placement's GPU classes (or anything with the same attributes)."""
-    seen: dict[str, KnownGpu] = {}
-    for gpu in classes:
-        name = str(getattr(gpu, "name", ""))
-        if name and name not in seen:
-            seen[name] = KnownGpu(
-                name,
-                str(getattr(gpu, "brand", "")),
-                int(getattr(gpu, "memory_mib", 0)),
-                str(getattr(gpu, "compute_capability", "")),
+def known_gpus(fleet: FleetIndex | Iterable[GpuClass]) -> list[KnownGpu]:
+    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on.
+
+    Also takes bare GPU classes (`index.classes`); the architectures are then unknown.
+    """
+    seen_on: dict[str, set[str]] = {}
+    classes: Iterable[GpuClass] = fleet.classes if isinstance(fleet, FleetIndex) else fleet
+    if isinstance(fleet, FleetIndex):
+        for entry in fleet.view().shape_entries:  # one server per shape: O(shapes)
+            for gpu in entry.server.gpus:
+                seen_on.setdefault(gpu.name, set()).add(entry.arch)
+    found: dict[str, KnownGpu] = {}
+    for known in classes:
+        if known.name and known.name not in found:
+            archs = frozenset(seen_on.get(known.name, ()))
+            found[known.name] = KnownGpu(
+                known.name, known.brand, known.memory_mib, known.compute_capability, archs
             )
-    return sorted(seen.values(), key=lambda gpu: gpu.name)
+    return sorted(found.values(), key=lambda gpu: gpu.name)
 
 
 # --- image + request -> constraints ------------------------------------------------------------
@@ -321,12 +331,13 @@ ALL_BRANDS: tuple[str, ...] = tuple(dict.fromkeys(RUNTIME_BRANDS))
 
 def _brand_key(requirements: ImageRequirements, brand: str) -> tuple[bool, ...]:
     """What the brand factors say for `brand`: brands with the same key get the same terms."""
-    return tuple(
+    factors = (
         (brand.lower() == c.value.lower()) == (c.op == "=")
         for _, expression in requirements.expressions
         for c in expression.conditions
         if c.key == "brand" and c.error is None
     )
+    return (brand == "", *factors)  # no brand at all makes every brand factor true
 
 
 def _requirement_terms(requirements: ImageRequirements, brand: str | None) -> list[Term]:
@@ -435,7 +446,7 @@ def _brand_terms(
         for names, products in groups.items():
             group_terms = TRUE
             for name in names:
-                group_terms = conjunction(group_terms, for_brand(name) if name else TRUE)
+                group_terms = conjunction(group_terms, for_brand(name))
             extra = [t for t in group_terms if not any(u.contains(t) for u in every_brand)]
             for term in extra:
                 extra_products.setdefault(term, set()).update(products)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from itertools import product
 from typing import Any
 
-from placement.exports.core import Bound, Constraints, Interval, PlatformConstraints, Term, Version
+from placement.exports.core import Bound, Constraints, Interval, PlatformConstraints, Term
 
 DRIVER_LABELS = (
     "nvidia.com/cuda.driver-version.major",
@@ -213,7 +213,3 @@ def _quantity(value: int) -> str:
         if value % size == 0:
             return f"{value // size}{unit}"
     return str(value)
-
-
-def version_text(parts: Version) -> str:
-    return ".".join(str(part) for part in parts)
