@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import push_burst_bench, scale_bench, scan_bench, service_bench
+from bench import hostile_bench, push_burst_bench, scale_bench, scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "burst", "placement", "ui", "scale")
+SECTIONS = ("scan", "service", "burst", "hostile", "placement", "ui", "scale")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -178,6 +178,8 @@ def main() -> int:
         service_bench.run_all(results, args.quick)
     if "burst" in wanted:
         push_burst_bench.run_all(results, args.quick)
+    if "hostile" in wanted:
+        hostile_bench.run_all(results, args.quick)
     if "placement" in wanted:
         run_placement(results, args.quick)
     if "ui" in wanted:

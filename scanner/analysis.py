@@ -25,14 +25,22 @@ dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryabl
 replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
 process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
 
-Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, or raw
-layer bytes for CHUNK).
+Adding an analysis (say, CUDA libraries found in the layers): write an
+`scanner.walk.EntryCollector`, create one per layer next to the libc collector in
+`_Server._begin_layer`, and put its summary in the layer reply beside `evidence`; the walk
+then feeds it the same entries at no extra decompression, and the same bounds apply.
+
+Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
+bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
+and the scanning process stays at most `WINDOW_BYTES` ahead: an early stop then reads
+little more than the verdict needed, even while a process is starting or busy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -46,18 +54,18 @@ from typing import Any, BinaryIO, Protocol
 from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcVerdict
-from scanner.tarstream import CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
 from scanner.walk import LayerWalk
 
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IBI")
-OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY = range(1, 9)
+OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK = range(1, 10)
+ACK_BODY = struct.Struct("<Q")
+WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is read past an early stop
+PIPE_BYTES = 256 << 10
+ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
-
-
-class AnalysisCrashed(LayerError):
-    """The analysis process died mid-scan; scanning again may well succeed."""
 
 
 @dataclass
@@ -153,6 +161,15 @@ class LocalSession:
         pass
 
 
+def _widen_pipe(pipe: Any) -> None:
+    """A 256 KiB pipe: 4x fewer wake-ups than 64 KiB, and still little read past an early stop."""
+    setter = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if pipe is None or setter is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(pipe.fileno(), setter, PIPE_BYTES)
+
+
 class _Worker:
     """One analysis process and the replies it owes, by session."""
 
@@ -161,7 +178,11 @@ class _Worker:
         assert process.stdin is not None and process.stdout is not None
         self.stdin = process.stdin
         self.stdout = process.stdout
+        _widen_pipe(self.stdin.transport.get_extra_info("pipe"))
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.parsed: dict[int, int] = {}  # layer bytes the process has parsed, by session (ACK frames)
+        self.progress: dict[int, asyncio.Event] = {}  # set on every ACK or reply of a session
+        self.watchdogs: set[asyncio.Task[None]] = set()
         self.sessions = 0
         self.alive = True
         self.reader = asyncio.create_task(self._read_replies())
@@ -189,46 +210,77 @@ class _Worker:
         try:
             while True:
                 header = await self.stdout.readexactly(HEADER.size)
-                length, _, session = HEADER.unpack(header)
+                length, kind, session = HEADER.unpack(header)
                 payload = await self.stdout.readexactly(length)
-                future = self.waiting.pop(session, None)
-                if future is not None and not future.done():
-                    future.set_result(json.loads(payload))
+                if kind == ACK:
+                    (self.parsed[session],) = ACK_BODY.unpack(payload)
+                else:
+                    future = self.waiting.pop(session, None)
+                    if future is not None and not future.done():
+                        future.set_result(json.loads(payload))
+                self._wake(session)
         except (asyncio.IncompleteReadError, ConnectionError):
             self._die("the analysis process exited")
         except Exception as exc:  # a garbled reply: the process cannot be trusted any more
             log.exception("analysis process sent a bad reply")
             self._die(f"the analysis process failed: {exc}")
 
+    def _wake(self, session: int) -> None:
+        event = self.progress.get(session)
+        if event is not None:
+            event.set()
+
     def _die(self, why: str) -> None:
+        if self.alive:
+            log.warning(
+                "analysis process %s: %s (exit status %s)", self.process.pid, why, self.process.returncode
+            )
         self.alive = False
+        for event in self.progress.values():
+            event.set()
         for future in self.waiting.values():
             if not future.done():
                 future.set_exception(AnalysisCrashed(why))
+                future.add_done_callback(_retrieved)  # an abandoned request's reply is nobody's error
         self.waiting.clear()
         if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _kill_if_silent(worker: _Worker, owed: asyncio.Future[dict[str, Any]], grace: float) -> None:
+    """Kill `worker` when the reply `owed` has not come within `grace` seconds."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(owed), grace)
+    if not owed.done() and worker.alive:
+        worker._die(f"no answer within {grace:g} s of an abandoned request; killed")
+
+
 class RemoteSession:
     """A session held by an analysis process."""
 
-    def __init__(self, worker: _Worker, session: int) -> None:
+    def __init__(self, worker: _Worker, session: int, kill_grace: float) -> None:
         self._worker = worker
         self._id = session
         self._decided = False
         self._closed = False
+        self._kill_grace = kill_grace
+        self._awaiting: asyncio.Future[dict[str, Any]] | None = None  # a reply owed by the process
 
     @property
     def decided(self) -> bool:
         return self._decided
 
     async def _ask(self, kind: int, payload: bytes) -> dict[str, Any]:
-        future = self._worker.expect(self._id)
+        future = self._awaiting = self._worker.expect(self._id)
         self._worker.send(kind, self._id, payload)
         await self._worker.drain()
-        reply = await future
+        reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
         self._decided = bool(reply.get("decided", self._decided))
         return reply
 
@@ -240,7 +292,9 @@ class RemoteSession:
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         worker = self._worker
-        future = worker.expect(self._id)
+        future = self._awaiting = worker.expect(self._id)
+        progress = worker.progress.setdefault(self._id, asyncio.Event())
+        worker.parsed[self._id] = 0
         worker.send(LAYER, self._id, json.dumps({"media_type": media_type}).encode())
         sent = 0
         try:
@@ -248,13 +302,19 @@ class RemoteSession:
                 worker.send(CHUNK, self._id, chunk)
                 sent += len(chunk)
                 await worker.drain()
+                # Credit flow: stay at most WINDOW_BYTES ahead of the parser, so an early stop
+                # (the verdict is known) costs little more than the bytes the verdict needed.
+                while not future.done() and sent - worker.parsed.get(self._id, 0) > WINDOW_BYTES:
+                    progress.clear()
+                    if not future.done() and sent - worker.parsed.get(self._id, 0) > WINDOW_BYTES:
+                        await progress.wait()
                 if future.done():  # decided (or failed): stop pulling bytes from the registry
                     break
         finally:
             if worker.alive:
                 worker.send(END, self._id)
         await worker.drain()
-        reply = await future
+        reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
         self._decided = bool(reply.get("decided"))
         if reply.get("error"):
             _raise_reply_error(reply["error"])
@@ -272,7 +332,17 @@ class RemoteSession:
         if self._closed:
             return
         self._closed = True
+        if self._awaiting is not None and not self._awaiting.done() and self._worker.alive:
+            # Abandoned mid-request (the scan's deadline, a cancelled scan): the process should
+            # answer within moments; one that does not is stuck, and is killed and replaced.
+            task = asyncio.get_running_loop().create_task(
+                _kill_if_silent(self._worker, self._awaiting, self._kill_grace)
+            )
+            self._worker.watchdogs.add(task)
+            task.add_done_callback(self._worker.watchdogs.discard)
         self._worker.sessions -= 1
+        self._worker.progress.pop(self._id, None)
+        self._worker.parsed.pop(self._id, None)
         if self._worker.alive:
             with contextlib.suppress(Exception):
                 self._worker.send(CLOSE, self._id)
@@ -283,6 +353,7 @@ class AnalysisPool:
     """Hands out sessions: in `processes` analysis processes, or in this process when 0."""
 
     processes: int
+    kill_grace: float = 10.0  # seconds an abandoned request may stay unanswered before the process is killed
     _workers: list[_Worker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _starting: asyncio.Lock | None = None
@@ -292,7 +363,7 @@ class AnalysisPool:
             self._starting = asyncio.Lock()
         async with self._starting:
             self._workers = [worker for worker in self._workers if worker.alive]
-            if len(self._workers) < self.processes:
+            while len(self._workers) < self.processes:  # all at once: they start in parallel
                 process = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -317,12 +388,15 @@ class AnalysisPool:
         }
         worker.send(OPEN, session, json.dumps(payload).encode())
         worker.sessions += 1
-        return RemoteSession(worker, session)
+        return RemoteSession(worker, session, self.kill_grace)
 
     async def close(self) -> None:
         """Stop the analysis processes (closing stdin ends them; kill after a grace period)."""
         workers, self._workers = self._workers, []
         for worker in workers:
+            for watchdog in list(worker.watchdogs):
+                watchdog.cancel()
+            worker.alive = False  # an orderly exit, not a death worth a warning
             with contextlib.suppress(Exception):
                 worker.stdin.close()
         for worker in workers:
@@ -355,6 +429,10 @@ class _Server:
         self._in = incoming
         self._out = outgoing
         self._sessions: dict[int, _ServerSession] = {}
+
+    def _ack(self, session: int, parsed: int) -> None:
+        self._out.write(HEADER.pack(ACK_BODY.size, ACK, session) + ACK_BODY.pack(parsed))
+        self._out.flush()
 
     def _reply(self, session: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
@@ -446,6 +524,8 @@ class _Server:
             return
         if not wanted:
             self._finish_layer(session, state)
+        else:
+            self._ack(session, state.walk.stats.compressed_bytes)
 
     def _end_layer(self, session: int, state: _ServerSession) -> None:
         if not state.answered and state.walk is not None:
@@ -460,31 +540,32 @@ class _Server:
     def _finish_layer(self, session: int, state: _ServerSession) -> None:
         assert state.walk is not None
         evidence = state.collector.finish(complete=state.walk.stats.reached_end)
+        try:
+            decided = state.analysis.decided  # may cross a bound (path components)
+        except Exception as exc:
+            self._fail_layer(session, state, exc)
+            return
         state.answered = True
-        self._reply(
-            session,
-            {
-                "evidence": evidence.model_dump_json(),
-                "complete": evidence.complete,
-                "decided": state.analysis.decided,
-            },
-        )
+        reply = {"evidence": evidence.model_dump_json(), "complete": evidence.complete, "decided": decided}
+        self._reply(session, reply)
 
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
         if state.collector is not None:
             state.collector.finish(complete=False)
         state.answered = True
         if not isinstance(exc, LayerError | LimitExceeded):
-            log.exception("analysis failed")
-        self._reply(session, {"error": _error_of(exc), "decided": state.analysis.decided})
+            log.error("analysis failed", exc_info=exc)
+        self._reply(session, {"error": _error_of(exc)})
 
 
 def main() -> None:
     """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr."""
-    incoming = os.fdopen(os.dup(0), "rb", buffering=1 << 20)
+    incoming = os.fdopen(os.dup(0), "rb", buffering=PIPE_BYTES)  # little read-ahead past an early stop
     outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
     os.dup2(2, 1)  # a stray print() must not corrupt the protocol
     sys.stdout = sys.stderr
+    with contextlib.suppress(OSError):
+        os.nice(ANALYSIS_NICENESS)  # background work: the service's own process gets the CPU first
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s analysis: %(message)s")
     with contextlib.suppress(BrokenPipeError, KeyboardInterrupt):
         _Server(incoming, outgoing).serve()

@@ -33,9 +33,20 @@ How the orchestrator drives it (per platform image):
         cache.put(layer.digest, evidence)                      # prefer complete over partial
     verdict = analysis.verdict(bytes_read=..., bytes_total=...)
 
-`analyse_layer` is the only async part: it streams the blob through `scanner.tarstream`
-and stops pulling bytes once `analysis.decided`. Errors from the stream (CorruptLayer,
-LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
+In the service this runs in an analysis process (`scanner.analysis`), which pushes the
+layer bytes through a `scanner.walk.LayerWalk`; `analyse_layer` is the same walk on the
+caller's event loop. It stops pulling bytes once `analysis.decided`.
+
+Cost (the content is hostile): the merged view is indexed as entries arrive, so a lookup
+is a few dictionary probes whatever the number of layers, and the verdict is re-derived
+only when an indexed change touches a path the last derivation looked at (a probe, a
+component of its link chain, an os-release path) and the walk asks (once per decompressed
+slice). Resolution follows Linux: more than `max_symlink_hops` links is ELOOP, a name past
+`max_path_bytes` is ENAMETOOLONG; every component resolved is charged to the image's
+`max_path_components`, and a layer keeps at most `max_layer_records` records. Past a
+bound `LimitExceeded` propagates and the scan fails naming it.
+
+Errors from the stream (CorruptLayer, LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
 `verdict()` stays truthful (`unknown` unless already decided). `combine()` is the pure
 one-shot form over cached evidences.
 """
@@ -143,11 +154,12 @@ def parse_os_release(text: str) -> str | None:
     return values.get("NAME") or None
 
 
-def _ancestors(path: str) -> Iterable[str]:
-    """Strict ancestors of an absolute path, nearest first, ending with `/`."""
-    while path != "/":
-        path = posixpath.dirname(path)
-        yield path
+def _slash_positions(path: str) -> Iterable[int]:
+    """Indexes of the `/` separators after the root one: the lengths of the path's ancestors."""
+    position = path.find("/", 1)
+    while position != -1:
+        yield position
+        position = path.find("/", position + 1)
 
 
 def _is_probe(path: str) -> bool:
@@ -339,7 +351,7 @@ class LayerCollector:
         if not self._finished:
             self._finished = True
             self._layer.complete = complete
-            self._analysis._end_layer()
+            self._analysis._end_layer(complete)
         return self._layer.evidence()
 
 
@@ -361,10 +373,12 @@ class LibcAnalysis:
         self.limits = limits or AnalysisLimits()
         self.budget = ScanBudget(self.limits)
         self._layers: list[_Layer] = []
+        self._incomplete = 0  # layers not (yet) read to their end, so `all_read` is O(1)
         self._open: LayerCollector | None = None
         self._records: dict[str, tuple[int, PathRecord]] = {}
         self._gone: dict[str, int] = {}
         self._covered: dict[str, int] = {}
+        self._hide_lengths: set[int] = set()  # lengths of the keys above (a superset after a rollback)
         self._watched: set[str] = set()
         self._dirty = True
         self._decision: _Decision | None = None
@@ -379,6 +393,7 @@ class LibcAnalysis:
             raise RuntimeError("finish the current layer before starting another")
         layer = _Layer()
         self._layers.append(layer)
+        self._incomplete += 1  # until finished complete
         self._open = LayerCollector(self, layer, len(self._layers) - 1, distro_budget)
         return self._open
 
@@ -402,6 +417,7 @@ class LibcAnalysis:
     def _add_layer(self, layer: _Layer) -> None:
         index = len(self._layers)
         self._layers.append(layer)
+        self._incomplete += 0 if layer.complete else 1
         for path in layer.whiteouts:
             self._index_hide(self._gone, index, path)
         for path in layer.opaque:
@@ -414,6 +430,7 @@ class LibcAnalysis:
         """Undo `_add_layer` of the lowest layer: it only ever added keys of its own index."""
         index = len(self._layers) - 1
         layer = self._layers.pop()
+        self._incomplete -= 0 if layer.complete else 1
         for path in layer.entries:
             if path in self._records and self._records[path][0] == index:
                 del self._records[path]
@@ -426,11 +443,25 @@ class LibcAnalysis:
         self._dirty = True
 
     def _hidden_above(self, path: str, index: int) -> bool:
-        """True when a layer above layer `index` deleted `path` or hides what lies under an ancestor."""
+        """True when a layer above layer `index` deleted `path` or hides what lies under an ancestor.
+
+        O(len(path)): ancestors are only sliced out at lengths some hide key has, so a deep
+        path (thousands of components) costs one scan for slashes, not one slice per level.
+        """
         if self._gone.get(path, _NOWHERE) < index:
             return True
-        for ancestor in _ancestors(path):
-            if self._gone.get(ancestor, _NOWHERE) < index or self._covered.get(ancestor, _NOWHERE) < index:
+        lengths = self._hide_lengths
+        if not lengths:
+            return False
+        if 1 in lengths and min(self._gone.get("/", _NOWHERE), self._covered.get("/", _NOWHERE)) < index:
+            return True
+        if len(lengths) < 32:  # the usual case: few distinct hide lengths, test each directly
+            candidates: Iterable[int] = (n for n in lengths if 1 < n < len(path) and path[n] == "/")
+        else:
+            candidates = (n for n in _slash_positions(path) if n in lengths)
+        for position in candidates:
+            ancestor = path[:position]
+            if min(self._gone.get(ancestor, _NOWHERE), self._covered.get(ancestor, _NOWHERE)) < index:
                 return True
         return False
 
@@ -441,21 +472,25 @@ class LibcAnalysis:
         if current is None and self._hidden_above(path, index):
             return
         self._records[path] = (index, record)
-        if record.kind != "dir":
-            self._covered.setdefault(path, index)
+        if record.kind != "dir" and path not in self._covered:
+            self._covered[path] = index
+            self._hide_lengths.add(len(path))
         self._touch(path)
 
     def _index_hide(self, table: dict[str, int], index: int, path: str) -> None:
         if path not in table:
             table[path] = index
+            self._hide_lengths.add(len(path))
             self._touch(path)
 
     def _touch(self, path: str) -> None:
         if path in self._watched:
             self._dirty = True
 
-    def _end_layer(self) -> None:
+    def _end_layer(self, complete: bool) -> None:
         self._open = None
+        if complete:
+            self._incomplete -= 1
         self._dirty = True
 
     # -- state
@@ -467,11 +502,7 @@ class LibcAnalysis:
     @property
     def all_read(self) -> bool:
         """Every layer was seen to its end: nothing more can change the verdict."""
-        return (
-            self._open is None
-            and len(self._layers) >= self.layers_total
-            and all(layer.complete for layer in self._layers)
-        )
+        return self._open is None and len(self._layers) >= self.layers_total and self._incomplete == 0
 
     @property
     def decided(self) -> bool:

@@ -29,7 +29,7 @@ DEFAULT_MAX_SYMLINK_HOPS = 40  # Linux MAXSYMLINKS
 DEFAULT_MAX_PATH_COMPONENTS = 200_000
 DEFAULT_MAX_LAYER_ENTRIES = 2_000_000
 DEFAULT_MAX_TAR_HEADER_BYTES = 1 * MiB
-DEFAULT_MAX_LAYER_RECORDS = 100_000
+DEFAULT_MAX_LAYER_RECORDS = 20_000
 DEFAULT_MAX_IMAGE_BYTES = 16 * GiB
 DEFAULT_MAX_SCAN_SECONDS = 300.0
 
@@ -92,6 +92,8 @@ class ScanBudget:
 
     def spend_components(self, count: int) -> None:
         self.path_components += count
+        if self.path_components % 4096 < count:  # the clock now and then: resolution is a tight loop
+            self.check_time()
         if self.path_components > self.limits.max_path_components:
             raise LimitExceeded(
                 f"resolving paths took more than {self.limits.max_path_components:,} path components",

@@ -23,7 +23,7 @@ from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, Platfo
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
 from scanner.settings import ScannerSettings
-from scanner.tarstream import LayerError
+from scanner.tarstream import AnalysisCrashed, LayerError
 
 if TYPE_CHECKING:
     from scanner.analysis import AnalysisPool
@@ -139,6 +139,8 @@ class Scanner:
                 report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
+            except AnalysisCrashed as exc:  # retryable: a fresh analysis process takes over
+                report = self._failed(reference, f"layer analysis: {exc}")
             except LayerError as exc:
                 report = self._failed(reference, f"corrupt layer: {exc}")
             except Exception as exc:  # keep the service up whatever a registry sends

@@ -70,31 +70,39 @@ class ScannerSettings(BaseSettings):
         default=512 * MiB,
         description="decompressed bytes read per layer; past it the libc verdict is unknown (the scan goes on)",
     )
-    max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, description="layers per image")
+    max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, ge=1, description="layers per image")
     max_path_bytes: int = Field(
-        default=limits.DEFAULT_MAX_PATH_BYTES, description="bytes in a layer entry's path or link target"
+        default=limits.DEFAULT_MAX_PATH_BYTES,
+        ge=1,
+        description="bytes in a layer entry's path or link target",
     )
     max_symlink_hops: int = Field(
         default=limits.DEFAULT_MAX_SYMLINK_HOPS,
+        ge=1,
         description="symlinks followed per path; more is a loop, as in Linux (ELOOP)",
     )
     max_path_components: int = Field(
-        default=limits.DEFAULT_MAX_PATH_COMPONENTS, description="path components resolved per image"
+        default=limits.DEFAULT_MAX_PATH_COMPONENTS, ge=1, description="path components resolved per image"
     )
     max_layer_entries: int = Field(
-        default=limits.DEFAULT_MAX_LAYER_ENTRIES, description="tar entries per layer"
+        default=limits.DEFAULT_MAX_LAYER_ENTRIES, ge=1, description="tar entries per layer"
     )
     max_tar_header_bytes: int = Field(
-        default=limits.DEFAULT_MAX_TAR_HEADER_BYTES, description="bytes in one PAX or GNU extended header"
+        default=limits.DEFAULT_MAX_TAR_HEADER_BYTES,
+        ge=1,
+        description="bytes in one PAX or GNU extended header",
     )
     max_layer_records: int = Field(
         default=limits.DEFAULT_MAX_LAYER_RECORDS,
+        ge=1,
         description="entries of one layer the libc analysis keeps (shells, loaders, library dirs, ELF heads)",
     )
     max_image_bytes: int = Field(
-        default=limits.DEFAULT_MAX_IMAGE_BYTES, description="decompressed bytes read per image"
+        default=limits.DEFAULT_MAX_IMAGE_BYTES, ge=1, description="decompressed bytes read per image"
     )
-    max_scan_seconds: float = Field(default=limits.DEFAULT_MAX_SCAN_SECONDS, description="wall time per scan")
+    max_scan_seconds: float = Field(
+        default=limits.DEFAULT_MAX_SCAN_SECONDS, gt=0, description="wall time per scan"
+    )
     analysis_processes: int = Field(
         default=2,
         ge=0,

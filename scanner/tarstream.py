@@ -72,6 +72,10 @@ class LayerTooLarge(LayerError):
     """The layer decompressed past the configured limit (decompression-bomb guard)."""
 
 
+class AnalysisCrashed(LayerError):
+    """The analysis process reading the layer died mid-scan; scanning again may well succeed."""
+
+
 class _Stopped(Exception):
     """The consumer asked to stop mid-chunk; unwinds out of the decompressor."""
 

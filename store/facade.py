@@ -81,16 +81,20 @@ class AsyncStore:
     async def health(self, timeout: float) -> str | None:
         """None when the database answers and takes a write within `timeout`; else why not, in words.
 
-        Never waits longer than `timeout`: a check still stuck from an earlier call is reported,
-        not queued behind.
+        Never waits longer than `timeout`. Overlapping callers share one check in flight; a check
+        stuck past its own deadline is reported as stuck, never queued behind.
         """
+        now = time.monotonic()
         if self._health_check is not None and not self._health_check[1].done():
-            stuck = time.monotonic() - self._health_check[0]
-            return f"the database has not answered a write check for {stuck:.1f} s"
-        check = self._health_pool.submit(self._backend.check_writable, timeout)
-        self._health_check = (time.monotonic(), check)
+            started, check = self._health_check
+            if now - started > timeout:
+                return f"the database has not answered a write check for {now - started:.1f} s"
+        else:
+            started, check = now, self._health_pool.submit(self._backend.check_writable, timeout)
+            self._health_check = (started, check)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(check), timeout + 0.25)
+            # shield: one caller giving up must not cancel the check the others share
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(check)), started + timeout + 0.25 - now)
         except TimeoutError:
             return f"the database did not take a write within {timeout:.1f} s"
         except StoreUnavailable as exc:

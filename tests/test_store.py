@@ -5,6 +5,7 @@ The conformance tests take `open_backend`, so each runs on SQLite and on Postgre
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -377,3 +378,23 @@ def test_intake_commits_go_before_queued_scan_writes() -> None:
     for thread in (first, scan_write, intake):
         thread.join(timeout=10)
     assert order == ["intake", "scan write"]
+
+
+async def test_overlapping_health_checks_share_one_write(tmp_path: Path) -> None:
+    from store import AsyncStore
+
+    class SlowCheck(Store):
+        checks = 0
+
+        def check_writable(self, timeout: float) -> None:
+            SlowCheck.checks += 1
+            threading.Event().wait(0.2)  # a check still in flight when the next caller arrives
+            super().check_writable(timeout)
+
+    store = AsyncStore(SlowCheck(tmp_path / "h.db"))
+    try:
+        answers = await asyncio.gather(*(store.health(2.0) for _ in range(5)))
+    finally:
+        await store.close()
+    assert answers == [None] * 5  # none reported the shared check as stuck
+    assert SlowCheck.checks == 1
