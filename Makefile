@@ -1,7 +1,7 @@
 # gpubadge: `make run` starts the main job, `make test` runs every check.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static
+DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test deps-system deps-python lint typecheck pytest bench

@@ -1,6 +1,6 @@
 """Run every benchmark, print one table of figures and ratios, and write bench/RESULTS.md.
 
-    python3 -m bench.run            # full workloads (about 10 minutes on 2 cores)
+    python3 -m bench.run            # full workloads (about 16 minutes on 2 cores, 6 of them `scale`)
     python3 -m bench.run --quick    # smaller workloads, prints only (unless --output)
     python3 -m bench.run --only scan,placement
 
@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import deep_bench, hostile_bench, push_burst_bench, scan_bench, service_bench
+from bench import deep_bench, hostile_bench, push_burst_bench, scale_bench, scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "burst", "hostile", "deep", "placement", "ui")
+SECTIONS = ("scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -186,6 +186,8 @@ def main() -> int:
         run_placement(results, args.quick)
     if "ui" in wanted:
         run_ui(results, args.quick)
+    if "scale" in wanted:
+        scale_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

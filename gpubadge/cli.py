@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | eligible | constraints | agent | referrers`.
+"""`gpubadge scan | serve | worker | db | eligible | constraints | agent | referrers`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -62,13 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_positive, default=8, help="references scanned at once (default 8)"
     )
     scan.add_argument(
-        "--db", type=Path, default=None, help=f"SQLite store (default $GPUBADGE_DB or {DEFAULT_DB})"
+        "--db",
+        type=Path,
+        default=None,
+        help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {DEFAULT_DB})",
     )
     scan.add_argument("--no-store", action="store_true", help="do not read or write the store")
     scan.add_argument("--config", type=Path, default=None, help="settings file (TOML or YAML)")
 
     for name, help_text in (
         ("serve", "run the service (webhooks, API, UI)"),
+        ("worker", "run scan workers only (scale them apart from the API)"),
+        ("db", "manage the store's schema (db upgrade, db status)"),
         ("eligible", "list the servers that can run an image"),
         ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
         ("agent", "run the node agent"),
@@ -82,7 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if args_list and args_list[0] in ("serve", "eligible", "constraints", "agent", "referrers"):
+    if args_list and args_list[0] in (
+        "serve",
+        "worker",
+        "db",
+        "eligible",
+        "constraints",
+        "agent",
+        "referrers",
+    ):
         return _delegate(args_list[0], args_list[1:])
     try:
         args = parser.parse_args(args_list)
@@ -98,6 +111,14 @@ def _delegate(command: str, rest: list[str]) -> int:
         from web.cli import run_serve
 
         return run_serve(rest)
+    if command == "worker":
+        from web.cli import run_worker
+
+        return run_worker(rest)
+    if command == "db":
+        from web.cli import run_db
+
+        return run_db(rest)
     if command == "eligible":
         from gpubadge.eligible import main as run_eligible
 
@@ -126,8 +147,11 @@ def run_scan(args: argparse.Namespace) -> int:
         from store import StoreUnavailable, open_store
 
         db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
+        # The service's PostgreSQL, when configured and no --db is named: reports land where the
+        # service reads them, and no SQLite file is written.
+        database_url = None if args.db else os.environ.get("GPUBADGE_DATABASE_URL") or None
         try:
-            store = open_store(db_path)
+            store = open_store(db_path, database_url=database_url)
         except StoreUnavailable as exc:
             print(f"gpubadge scan: {exc} (or pass --no-store)", file=sys.stderr)
             return 1

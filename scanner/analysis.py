@@ -225,6 +225,7 @@ class _Worker:
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.parsed: dict[int, int] = {}  # layer bytes the process has parsed, by session (ACK frames)
         self.progress: dict[int, asyncio.Event] = {}  # set on every ACK or reply of a session
+        self.watchdogs: set[asyncio.Task[None]] = set()
         self.sessions = 0
         self.alive = True
         self.reader = asyncio.create_task(self._read_replies())
@@ -283,30 +284,46 @@ class _Worker:
         for future in self.waiting.values():
             if not future.done():
                 future.set_exception(AnalysisCrashed(why))
+                future.add_done_callback(_retrieved)  # an abandoned request's reply is nobody's error
         self.waiting.clear()
         if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _kill_if_silent(worker: _Worker, owed: asyncio.Future[dict[str, Any]], grace: float) -> None:
+    """Kill `worker` when the reply `owed` has not come within `grace` seconds."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(owed), grace)
+    if not owed.done() and worker.alive:
+        worker._die(f"no answer within {grace:g} s of an abandoned request; killed")
+
+
 class RemoteSession:
     """A session held by an analysis process."""
 
-    def __init__(self, worker: _Worker, session: int) -> None:
+    def __init__(self, worker: _Worker, session: int, kill_grace: float) -> None:
         self._worker = worker
         self._id = session
         self._decided = False
         self._closed = False
+        self._kill_grace = kill_grace
+        self._awaiting: asyncio.Future[dict[str, Any]] | None = None  # a reply owed by the process
 
     @property
     def decided(self) -> bool:
         return self._decided
 
     async def _ask(self, kind: int, payload: bytes) -> dict[str, Any]:
-        future = self._worker.expect(self._id)
+        future = self._awaiting = self._worker.expect(self._id)
         self._worker.send(kind, self._id, payload)
         await self._worker.drain()
-        reply = await future
+        reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
         self._decided = bool(reply.get("decided", self._decided))
         return reply
 
@@ -318,7 +335,7 @@ class RemoteSession:
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         worker = self._worker
-        future = worker.expect(self._id)
+        future = self._awaiting = worker.expect(self._id)
         progress = worker.progress.setdefault(self._id, asyncio.Event())
         worker.parsed[self._id] = 0
         worker.send(LAYER, self._id, json.dumps({"media_type": media_type}).encode())
@@ -340,7 +357,7 @@ class RemoteSession:
             if worker.alive:
                 worker.send(END, self._id)
         await worker.drain()
-        reply = await future
+        reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
         self._decided = bool(reply.get("decided"))
         if reply.get("error"):
             _raise_reply_error(reply["error"])
@@ -358,6 +375,14 @@ class RemoteSession:
         if self._closed:
             return
         self._closed = True
+        if self._awaiting is not None and not self._awaiting.done() and self._worker.alive:
+            # Abandoned mid-request (the scan's deadline, a cancelled scan): the process should
+            # answer within moments; one that does not is stuck, and is killed and replaced.
+            task = asyncio.get_running_loop().create_task(
+                _kill_if_silent(self._worker, self._awaiting, self._kill_grace)
+            )
+            self._worker.watchdogs.add(task)
+            task.add_done_callback(self._worker.watchdogs.discard)
         self._worker.sessions -= 1
         self._worker.progress.pop(self._id, None)
         self._worker.parsed.pop(self._id, None)
@@ -371,6 +396,7 @@ class AnalysisPool:
     """Hands out sessions: in `processes` analysis processes, or in this process when 0."""
 
     processes: int
+    kill_grace: float = 10.0  # seconds an abandoned request may stay unanswered before the process is killed
     _workers: list[_Worker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _starting: asyncio.Lock | None = None
@@ -411,12 +437,14 @@ class AnalysisPool:
         }
         worker.send(OPEN, session, json.dumps(payload).encode())
         worker.sessions += 1
-        return RemoteSession(worker, session)
+        return RemoteSession(worker, session, self.kill_grace)
 
     async def close(self) -> None:
         """Stop the analysis processes (closing stdin ends them; kill after a grace period)."""
         workers, self._workers = self._workers, []
         for worker in workers:
+            for watchdog in list(worker.watchdogs):
+                watchdog.cancel()
             worker.alive = False  # an orderly exit, not a death worth a warning
             with contextlib.suppress(Exception):
                 worker.stdin.close()

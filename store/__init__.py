@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from store.backend import StoreBackend
 from store.facade import AsyncStore
 from store.models import (
     DeploymentRecord,
@@ -37,8 +38,10 @@ __all__ = [
     "QueueHealth",
     "ServerRecord",
     "SqliteStore",
+    "StoreBackend",
     "StoreUnavailable",
     "TagEvent",
+    "open_backend",
     "open_store",
 ]
 
@@ -49,6 +52,37 @@ def open_store(
     synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
     busy_timeout: float = 30.0,
     threads: int = 8,
+    database_url: str | None = None,
 ) -> AsyncStore:
-    """The async store over the SQLite file at `path` (migrated to the current schema)."""
-    return AsyncStore(SqliteStore(path, synchronous=synchronous, busy_timeout=busy_timeout), threads=threads)
+    """The async store, migrated to the current schema: PostgreSQL when `database_url` is given
+    (then no SQLite file is touched), else the SQLite file at `path`."""
+    return AsyncStore(
+        open_backend(
+            path,
+            synchronous=synchronous,
+            busy_timeout=busy_timeout,
+            threads=threads,
+            database_url=database_url,
+        ),
+        threads=threads,
+    )
+
+
+def open_backend(
+    path: Path | str,
+    *,
+    synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+    busy_timeout: float = 30.0,
+    threads: int = 8,
+    database_url: str | None = None,
+    upgrade: bool = True,
+) -> StoreBackend:
+    """The synchronous backend (for `gpubadge db` and tools that need no event loop)."""
+    if database_url:
+        from store.postgres import PostgresStore  # deferred: SQLite users never load psycopg
+
+        # one connection per store thread, plus the health check's own
+        return PostgresStore(
+            database_url, pool_size=threads + 1, connect_timeout=busy_timeout, upgrade=upgrade
+        )
+    return SqliteStore(path, synchronous=synchronous, busy_timeout=busy_timeout, upgrade=upgrade)

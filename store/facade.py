@@ -11,13 +11,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import ParamSpec, TypeVar
 
 from scanner.models import ImageReport, PlatformReport
 from store.backend import StoreBackend
+from store.events import (
+    FLEET_CHANNEL,
+    FLEET_INVENTORY,
+    FLEET_RESERVATIONS,
+    JOB_SETTLED_CHANNEL,
+    JOBS_QUEUED_CHANNEL,
+    QUEUED,
+    RESYNC,
+    SETTLED,
+    QueueEvents,
+)
 from store.models import (
     DeploymentRecord,
     EnqueueBatch,
@@ -44,6 +55,8 @@ class AsyncStore:
         self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
         self._intake_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-intake")
         self._health_check: tuple[float, Future[None]] | None = None
+        self.events = QueueEvents()
+        self._stop_listening: Callable[[], None] | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -58,6 +71,8 @@ class AsyncStore:
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
+        if self._stop_listening is not None:
+            self._stop_listening()
         self._intake_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._health_pool.shutdown(wait=False, cancel_futures=True)
@@ -66,16 +81,20 @@ class AsyncStore:
     async def health(self, timeout: float) -> str | None:
         """None when the database answers and takes a write within `timeout`; else why not, in words.
 
-        Never waits longer than `timeout`: a check still stuck from an earlier call is reported,
-        not queued behind.
+        Never waits longer than `timeout`. Overlapping callers share one check in flight; a check
+        stuck past its own deadline is reported as stuck, never queued behind.
         """
+        now = time.monotonic()
         if self._health_check is not None and not self._health_check[1].done():
-            stuck = time.monotonic() - self._health_check[0]
-            return f"the database has not answered a write check for {stuck:.1f} s"
-        check = self._health_pool.submit(self._backend.check_writable, timeout)
-        self._health_check = (time.monotonic(), check)
+            started, check = self._health_check
+            if now - started > timeout:
+                return f"the database has not answered a write check for {now - started:.1f} s"
+        else:
+            started, check = now, self._health_pool.submit(self._backend.check_writable, timeout)
+            self._health_check = (started, check)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(check), timeout + 0.25)
+            # shield: one caller giving up must not cancel the check the others share
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(check)), started + timeout + 0.25 - now)
         except TimeoutError:
             return f"the database did not take a write within {timeout:.1f} s"
         except StoreUnavailable as exc:
@@ -163,7 +182,9 @@ class AsyncStore:
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Webhook intake: its own thread, so it never queues behind scan writes for a pool thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._intake_pool, self._backend.enqueue_many, batches)
+        ids = await loop.run_in_executor(self._intake_pool, self._backend.enqueue_many, batches)
+        self._fire_local(QUEUED)
+        return ids
 
     async def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -180,24 +201,84 @@ class AsyncStore:
         return await self._call(self._backend.renew_leases, owner, job_ids, lease_seconds)
 
     async def expire_leases(self) -> list[LeaseExpiry]:
-        return await self._call(self._backend.expire_leases)
+        expired = await self._call(self._backend.expire_leases)
+        if expired:
+            self._fire_local(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
+        return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
-        return await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        released = await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        if released:
+            self._fire_local(QUEUED)
+        return released
 
     async def lease_owners(self) -> list[str]:
         return await self._call(self._backend.lease_owners)
 
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        return await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        finished = await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        self._fire_local(SETTLED)
+        return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
-        return await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        state = await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        self._fire_local(QUEUED if state == "queued" else SETTLED)
+        return state
 
     async def retry_job(self, job_id: str) -> Job | None:
-        return await self._call(self._backend.retry_job, job_id)
+        job = await self._call(self._backend.retry_job, job_id)
+        if job is not None and job.state == "queued":
+            self._fire_local(QUEUED)
+        return job
+
+    # ------------------------------------------------------------------ events
+
+    def _fire_local(self, kind: str) -> None:
+        """This process's own write, for its own waiters and workers. With a PostgreSQL listener the
+        NOTIFY of the same commit comes back to every process (this one too), keyed by job and
+        reference, so firing here as well would only wake everyone a second time."""
+        if not self.events.cross_process:
+            self.events.fire(kind)
+
+    async def start_events(self) -> None:
+        """Deliver queue events on this loop; on PostgreSQL also every replica's (LISTEN).
+
+        Idempotent. Without it, events fired by this process's own writes still reach waiters.
+        """
+        self.events.bind(asyncio.get_running_loop())
+        listen = getattr(self._backend, "listen", None)
+        if listen is not None and self._stop_listening is None:
+            relay = self.events.fire_threadsafe
+            kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
+
+            def on_notify(notification: tuple[str, str]) -> None:
+                channel, payload = notification
+                if channel == FLEET_CHANNEL:
+                    relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
+                else:
+                    relay(kinds.get(channel, RESYNC), payload)
+
+            self._stop_listening = await asyncio.get_running_loop().run_in_executor(None, listen, on_notify)
+            self.events.cross_process = True
+
+    async def wait_until(
+        self, condition: Callable[[], Awaitable[bool]], timeout: float, key: str | None = None
+    ) -> bool:
+        """Re-check `condition` whenever a job settles (on any replica, on PostgreSQL); bounded.
+        With `key` (a job id or a reference), only when that job or reference settles."""
+        return await self.events.wait_until(condition, timeout, key)
+
+    async def wait_for_job(self, job_id: str, timeout: float) -> Job | None:
+        """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
+
+        async def settled() -> bool:
+            job = await self.job(job_id)
+            return job is None or job.state in ("done", "failed")
+
+        await self.wait_until(settled, timeout, key=job_id)
+        return await self.job(job_id)
 
     async def job(self, job_id: str) -> Job | None:
         return await self._call(self._backend.job, job_id)

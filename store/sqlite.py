@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scanner.models import ImageReport, PlatformReport
+from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
     DeploymentRecord,
@@ -40,94 +41,6 @@ from store.models import (
     StoreUnavailable,
     TagEvent,
 )
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS reports (
-    digest TEXT PRIMARY KEY,
-    registry TEXT NOT NULL,
-    repository TEXT NOT NULL,
-    reference TEXT NOT NULL,
-    media_type TEXT,
-    gpu_required INTEGER NOT NULL,
-    cuda_versions TEXT NOT NULL,
-    libc_flavours TEXT NOT NULL,
-    platforms TEXT NOT NULL,
-    distro TEXT,
-    scanned_at TEXT NOT NULL,
-    report TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS reports_repo ON reports(registry, repository);
-CREATE INDEX IF NOT EXISTS reports_scanned ON reports(scanned_at);
--- matches list_images' ORDER BY exactly, so deep pages skip rows in the index without a sort
-CREATE INDEX IF NOT EXISTS reports_order ON reports(scanned_at DESC, digest);
-CREATE TABLE IF NOT EXISTS platform_reports (
-    digest TEXT PRIMARY KEY,
-    report TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tags (
-    id INTEGER PRIMARY KEY,
-    registry TEXT NOT NULL,
-    repository TEXT NOT NULL,
-    tag TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    first_seen TEXT NOT NULL,
-    last_seen TEXT NOT NULL,
-    gone_at TEXT
-);
-CREATE INDEX IF NOT EXISTS tags_lookup ON tags(registry, repository, tag, id);
-CREATE INDEX IF NOT EXISTS tags_digest ON tags(digest);
-CREATE TABLE IF NOT EXISTS gone_digests (
-    registry TEXT NOT NULL,
-    repository TEXT NOT NULL,
-    digest TEXT NOT NULL,
-    gone_at TEXT NOT NULL,
-    PRIMARY KEY (registry, repository, digest)
-);
-CREATE TABLE IF NOT EXISTS layers (
-    digest TEXT PRIMARY KEY,
-    evidence TEXT NOT NULL,
-    stored_at TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    reference TEXT NOT NULL,
-    registry TEXT NOT NULL,
-    dedupe_key TEXT NOT NULL,
-    state TEXT NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    max_attempts INTEGER NOT NULL DEFAULT 5,
-    not_before TEXT NOT NULL,
-    error TEXT,
-    result_digest TEXT,
-    source TEXT,
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, not_before);
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_key ON jobs(dedupe_key) WHERE state IN ('queued', 'running');
-CREATE INDEX IF NOT EXISTS jobs_reference ON jobs(reference, created_at);
-CREATE TABLE IF NOT EXISTS servers (
-    name TEXT PRIMARY KEY,
-    inventory TEXT NOT NULL,
-    registered_at TEXT NOT NULL,
-    last_heartbeat TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS deployments (
-    id TEXT PRIMARY KEY,
-    server TEXT NOT NULL,
-    record TEXT NOT NULL,
-    state TEXT NOT NULL,
-    desired TEXT NOT NULL,
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS deployments_server ON deployments(server, state);
-CREATE TABLE IF NOT EXISTS reservations (
-    gpu_uuid TEXT PRIMARY KEY,
-    server TEXT NOT NULL,
-    deployment_id TEXT NOT NULL
-);
-"""
 
 
 class _WriterLock:
@@ -175,25 +88,11 @@ def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
     return None if stamp is None else max(0.0, (moment - datetime.fromisoformat(stamp)).total_seconds())
 
 
-def _statements(script: str) -> list[str]:
-    """Split a migration into statements (executescript would commit the migration's transaction)."""
-    lines = [line for line in script.splitlines() if not line.lstrip().startswith("--")]
-    return [statement.strip() for statement in "\n".join(lines).split(";") if statement.strip()]
-
-
-# Versioned schema: migration N brings a file at `PRAGMA user_version` N-1 to N. Files made before
-# versioning (user_version 0) already hold migration 1's tables, which it creates only if missing.
-MIGRATIONS: tuple[str, ...] = (
-    SCHEMA,
-    """
-    ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
-    ALTER TABLE jobs ADD COLUMN lease_expires TEXT;
-    CREATE INDEX IF NOT EXISTS jobs_lease ON jobs(state, lease_expires);
-    CREATE INDEX IF NOT EXISTS jobs_progress ON jobs(updated_at) WHERE attempts > 0;
-    CREATE TABLE IF NOT EXISTS health (id INTEGER PRIMARY KEY CHECK (id = 1), checked_at TEXT NOT NULL);
-    """,
-)
-SCHEMA_VERSION = len(MIGRATIONS)
+# Versioned schema: store/migrations/sqlite/NNNN_*.sql, applied in order and recorded in
+# `schema_migrations`. Files versioned by `PRAGMA user_version` (before that table existed) count
+# their first user_version migrations as applied; files made before any versioning hold migration
+# 1's tables, which it creates only if missing.
+SCHEMA_VERSION = latest_version("sqlite")
 
 
 class SqliteStore:
@@ -205,6 +104,7 @@ class SqliteStore:
         *,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
+        upgrade: bool = True,
     ) -> None:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
@@ -217,7 +117,8 @@ class SqliteStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._writer = self._connect(busy_timeout)
             self._writer.execute("PRAGMA journal_mode=WAL")
-            self.upgrade()
+            if upgrade:  # `gpubadge db status` looks without changing anything
+                self.upgrade()
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"cannot open the SQLite store {self.path}: {exc}") from exc
 
@@ -234,17 +135,31 @@ class SqliteStore:
     def upgrade(self) -> int:
         """Apply the migrations this file lacks; returns the schema version. Safe across processes."""
         with self._transaction() as conn:
-            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
-            for number in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in _statements(MIGRATIONS[number - 1]):
-                    conn.execute(statement)
-            if version < SCHEMA_VERSION:
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+                " name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+            )
+            applied = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
+            if not applied:
+                legacy = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                applied = set(range(1, legacy + 1))
+            for migration in migrations("sqlite"):
+                if migration.version not in applied:
+                    for statement in migration.statements():
+                        conn.execute(statement)
+                conn.execute(
+                    "INSERT OR IGNORE INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                    [migration.version, migration.name, _iso(_now())],
+                )
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # older gpubadge builds read this
         return SCHEMA_VERSION
 
     def schema_version(self) -> int:
         with self._reading() as db:
-            return int(db.execute("PRAGMA user_version").fetchone()[0])
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone() is None:
+                return int(db.execute("PRAGMA user_version").fetchone()[0])  # before the table existed
+            row = db.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        return int(row[0] or 0)
 
     def close(self) -> None:
         with self._connections_lock:

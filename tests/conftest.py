@@ -13,6 +13,7 @@ import pytest
 from fixtures.busybox import busybox_unavailable_reason
 from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
 from fixtures.oci import ImageSpec, push_image
+from fixtures.postgres import LocalPostgres, postgres_unavailable_reason, run_postgres
 from fixtures.registry import LocalRegistry, run_registry
 
 Pusher = Callable[[ImageSpec | list[ImageSpec], str], str]
@@ -42,6 +43,62 @@ def push(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> P
         return push_image(spec, f"{registry.host}/{name}", workdir)
 
     return _push
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[LocalPostgres]:
+    """One real PostgreSQL (Debian's, initdb into a temp dir, as `postgres`) for the session."""
+    reason = postgres_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with run_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: LocalPostgres) -> Iterator[str]:
+    """A fresh, empty database on the session's server for one test; dropped afterwards."""
+    name = f"t{next(_DATABASE_NUMBERS)}"
+    url = postgres_server.create_database(name)
+    try:
+        yield url
+    finally:
+        postgres_server.drop_database(name)
+
+
+_DATABASE_NUMBERS = itertools.count()
+
+OpenBackend = Callable[[], Any]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenBackend]:
+    """open_backend() -> a store backend on this test's database; each call opens it again, as
+    another process would. Parametrised: every test using it runs on SQLite and on PostgreSQL."""
+    opened: list[Any] = []
+    if request.param == "sqlite":
+        from store.sqlite import SqliteStore
+
+        def open_sqlite() -> Any:
+            opened.append(SqliteStore(tmp_path / "store.db"))
+            return opened[-1]
+
+        opener: OpenBackend = open_sqlite
+    else:
+        from store.postgres import PostgresStore
+
+        url = request.getfixturevalue("postgres_url")
+
+        def open_postgres() -> Any:
+            opened.append(PostgresStore(url, pool_size=4))
+            return opened[-1]
+
+        opener = open_postgres
+    try:
+        yield opener
+    finally:
+        for backend in opened:
+            backend.close()
 
 
 @pytest.fixture(scope="session")

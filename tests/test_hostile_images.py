@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,6 +143,33 @@ async def test_a_killed_analysis_process_fails_the_scan_as_retryable(
         finally:
             await scanner.close()
     assert not [r for r in caplog.records if "analysis process" in r.getMessage()]  # an orderly close
+
+
+async def test_a_stuck_analysis_process_is_killed_after_the_scan_deadline(
+    push: Pusher, registry: LocalRegistry
+) -> None:
+    """A process that stops answering (SIGSTOP stands in for a runaway loop) fails the scan at its
+    wall-time bound, is killed once the grace after it passes, and a fresh one serves the next scan."""
+    push(catalog.plain_glibc(), "hostile/stuck:1")
+    reference = f"{registry.host}/hostile/stuck:1"
+    settings = scanner_settings(analysis_processes=1, max_scan_seconds=2.0)
+    async with RegistryClient(settings) as client:
+        scanner = Scanner(client, None, settings)
+        try:
+            pool = scanner.layers.pool
+            pool.kill_grace = 0.5
+            (await pool.open("amd64", 1, AnalysisLimits(), time.monotonic() + 30)).close()
+            (stuck,) = pool._workers
+            os.kill(stuck.process.pid, signal.SIGSTOP)
+            report = await scanner.scan(reference)
+            assert report.error is not None and report.error.endswith("(GPUBADGE_MAX_SCAN_SECONDS)")
+            assert report.retryable is False
+            await asyncio.wait_for(stuck.process.wait(), 30)  # killed by the watchdog (even while stopped)
+            assert not stuck.alive and stuck.process.returncode is not None
+            again = await scanner.scan(reference)
+            assert again.error is None and again.platforms[0].libc.flavour == "glibc"
+        finally:
+            await scanner.close()
 
 
 # ------------------------------------------------------------------ O(changes), not O(entries x layers)

@@ -1,14 +1,20 @@
-"""The store: reports by digest, tag history, layer cache, and the durable job queue."""
+"""The store: reports by digest, tag history, layer cache, and the durable job queue.
+
+The conformance tests take `open_backend`, so each runs on SQLite and on PostgreSQL.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
+from tests.conftest import OpenBackend
 
 
 def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: str = "glibc") -> ImageReport:
@@ -27,8 +33,8 @@ def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: st
     )
 
 
-def test_reports_round_trip_and_filter(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+def test_reports_round_trip_and_filter(open_backend: OpenBackend) -> None:
+    store = open_backend()
     store.save_report(_report("sha256:" + "a" * 64, gpu=True, cuda="12.2", libc="glibc"))
     store.save_report(_report("sha256:" + "c" * 64, libc="musl"))
     assert store.report("sha256:" + "a" * 64) is not None
@@ -41,8 +47,8 @@ def test_reports_round_trip_and_filter(tmp_path: Path) -> None:
     assert store.list_images(query="100%")[1] == 0  # LIKE wildcards are escaped
 
 
-def test_tag_history_and_gone(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
+def test_tag_history_and_gone(open_backend: OpenBackend) -> None:
+    store = open_backend()
     first, second = "sha256:" + "1" * 64, "sha256:" + "2" * 64
     store.record_tag("r", "app", "v1", first)
     store.record_tag("r", "app", "v1", first)
@@ -55,16 +61,15 @@ def test_tag_history_and_gone(tmp_path: Path) -> None:
     assert store.is_gone("r", "app", first)
 
 
-def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "q.db"
-    store = Store(path)
+def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBackend) -> None:
+    store = open_backend()
     ids = store.enqueue([("r/app:1", "r"), ("r/app:1", "r"), ("r/app:2", "r")])
     assert ids[0] == ids[1] and ids[0] != ids[2]
     claimed: list[str] = []
     lock = threading.Lock()
 
     def claim() -> None:
-        other = Store(path)
+        other = open_backend()
         jobs = other.claim_jobs(10, owner="w", lease_seconds=30)
         with lock:
             claimed.extend(job.id for job in jobs)
@@ -76,14 +81,14 @@ def test_queue_coalesces_claims_once_and_survives_reopen(tmp_path: Path) -> None
         thread.join(timeout=10)
     assert sorted(claimed) == sorted({ids[0], ids[2]})  # every job claimed exactly once
     store.close()
-    reopened = Store(path)
+    reopened = open_backend()
     assert reopened.queue_depth()["running"] == 2  # a reopen alone steals no leased job
     assert reopened.release_leases(["w"], refund_attempt=False) == 2
     assert reopened.queue_depth()["queued"] == 2
 
 
-def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path) -> None:
-    store = Store(tmp_path / "q.db")
+def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(open_backend: OpenBackend) -> None:
+    store = open_backend()
     (job_id,) = store.enqueue([("r/app:1", "r")], max_attempts=2)
     store.claim_jobs(1, owner="w", lease_seconds=30)
     assert store.fail_job(job_id, "boom", retry_in=0, owner="w") == "queued"
@@ -95,8 +100,8 @@ def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(tmp_path: Path
     assert retried is not None and retried.state == "queued" and retried.attempts == 0
 
 
-def test_claims_respect_the_per_registry_limit(tmp_path: Path) -> None:
-    store = Store(tmp_path / "q.db")
+def test_claims_respect_the_per_registry_limit(open_backend: OpenBackend) -> None:
+    store = open_backend()
     store.enqueue([(f"busy/app:{n}", "busy") for n in range(5)] + [("calm/app:1", "calm")])
     first = store.claim_jobs(1, owner="a", lease_seconds=30, per_registry=2)
     assert [job.registry for job in first] == ["busy"]
@@ -122,25 +127,128 @@ async def test_the_service_opens_the_store_in_the_configured_sync_mode(tmp_path:
         await store.close()
 
 
-def _age_leases(path: Path, seconds: float) -> None:
-    """Move every lease's expiry into the past, as time passing would (another connection, as a peer)."""
+def test_leases_renew_expire_and_guard_outcomes(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    ids = store.enqueue([("r/app:1", "r"), ("r/app:2", "r")])
+    jobs = store.claim_jobs(10, owner="alive", lease_seconds=60)
+    assert sorted(job.id for job in jobs) == sorted(ids)
+    assert all(job.lease_owner == "alive" and job.lease_expires for job in jobs)
+    assert sorted(store.renew_leases("alive", ids, 60)) == sorted(ids)
+    assert store.renew_leases("thief", ids, 60) == []  # only the holder renews
+    assert store.lease_owners() == ["alive"]
+    assert store.expire_leases() == []  # nothing lapsed yet
+    # a lease of (almost) zero lapses at once: the job is queued again, and the late outcome refused
+    assert store.renew_leases("alive", [ids[0]], 0.000001) == [ids[0]]
+    deadline_passed = threading.Event()
+    deadline_passed.wait(0.01)  # the lease is 1 µs; 10 ms later it has certainly passed
+    (expired,) = store.expire_leases()
+    assert (expired.job_id, expired.owner, expired.state) == (ids[0], "alive", "queued")
+    assert store.finish_job(ids[0], digest=None, owner="alive") is False
+    assert store.fail_job(ids[0], "late", retry_in=1, owner="alive") is None
+    assert store.finish_job(ids[1], digest="sha256:" + "9" * 64, owner="alive") is True
+    done = store.job(ids[1])
+    assert done is not None and done.state == "done" and done.result_digest == "sha256:" + "9" * 64
+    assert done.lease_owner is None
+    assert store.latest_job_for("r/app:2") == done
+    assert store.pending_job_for("r/app:1") is not None
+    assert store.pending_job_for("r/app") is None
+    assert store.queue_depth() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
+    health = store.queue_health()
+    assert health.ready == 1 and health.running == 0 and health.last_progress_seconds is not None
+    assert [job.id for job in store.jobs(states=["done"])] == [ids[1]]
+    assert store.next_job_due() is not None
+    store.check_writable(5.0)
+
+
+def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
+    from store import GpuTaken
+
+    store = open_backend()
+    store.upsert_server("node-a", '{"name": "node-a"}')
+    assert store.heartbeat("node-a") and not store.heartbeat("node-b")
+    assert store.server_inventory("node-a") == '{"name": "node-a"}'
+    assert [record.inventory_json for record in store.servers()] == ['{"name": "node-a"}']
+    store.create_deployment("d1", "node-a", ["GPU-1", "GPU-2"], '{"id": "d1"}')
+    try:
+        store.create_deployment("d2", "node-a", ["GPU-2", "GPU-3"], '{"id": "d2"}')
+    except GpuTaken as exc:
+        assert "GPU-2" in str(exc)
+    else:
+        raise AssertionError("GPU-2 was reserved twice")
+    assert store.reserved_gpus() == {"GPU-1": "d1", "GPU-2": "d1"}  # d2 left no partial reservation
+    assert store.deployment("d2") is None
+    assert [record.record_json for record in store.actionable_deployments("node-a")] == ['{"id": "d1"}']
+    store.update_deployment("d1", '{"id": "d1", "v": 2}', state="exited", release=True)
+    assert store.reserved_gpus() == {}
+    assert store.deployment("d1") == ('{"id": "d1", "v": 2}', "exited", "run")
+    assert len(store.deployments(server="node-a")) == 1
+
+
+def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "musl"}')
+    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "glibc"}')
+    assert store.layer_evidence("sha256:" + "e" * 64) == '{"flavour": "glibc"}'
+    digest = "sha256:" + "a" * 64
+    store.save_report(_report(digest))
+    store.record_tag("127.0.0.1:5000", "app", "v1", digest)
+    store.record_tag("127.0.0.1:5000", "app", "v2", digest)
+    assert store.registries() == ["127.0.0.1:5000"]
+    assert store.tags_for_digest(digest) == [("127.0.0.1:5000", "app", "v1"), ("127.0.0.1:5000", "app", "v2")]
+    (row,), total = store.list_images()
+    assert total == 1 and row.tags == ["v1", "v2"] and row.digest == digest
+    assert store.has_report(digest) and store.has_report("sha256:" + "b" * 64)
+    assert store.schema_version() == store.upgrade()  # upgrading a current database changes nothing
+
+
+def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_path: Path) -> None:
+    """Files written before `schema_migrations` existed record their steps instead of re-applying
+    them (re-running 0002's ALTER TABLE would fail on the existing column)."""
     import sqlite3
+
+    from store.migrations import latest_version, migrations
+
+    path = tmp_path / "legacy.db"
+    with sqlite3.connect(path) as legacy:
+        for migration in migrations("sqlite"):
+            for statement in migration.statements():
+                legacy.execute(statement)
+        legacy.execute(f"PRAGMA user_version = {latest_version('sqlite')}")
+    store = Store(path)
+    try:
+        assert store.schema_version() == latest_version("sqlite")
+        with store._reading() as db:
+            recorded = [row[0] for row in db.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+        assert recorded == list(range(1, latest_version("sqlite") + 1))
+    finally:
+        store.close()
+
+
+def _age_leases(store: Any, seconds: float) -> None:
+    """Move every lease's expiry into the past, as time passing would (another connection, as a peer)."""
     from datetime import UTC, datetime, timedelta
 
-    past = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat()
-    with sqlite3.connect(path) as other:
-        other.execute("UPDATE jobs SET lease_expires = ? WHERE state = 'running'", [past])
+    past = datetime.now(UTC) - timedelta(seconds=seconds)
+    if isinstance(store, Store):
+        import sqlite3
+
+        with sqlite3.connect(store.path) as other:
+            other.execute("UPDATE jobs SET lease_expires = ? WHERE state = 'running'", [past.isoformat()])
+        return
+    import psycopg
+
+    with psycopg.connect(store._url) as other:
+        other.execute("UPDATE jobs SET lease_expires = %s WHERE state = 'running'", [past])
 
 
-def test_a_lapsed_lease_is_claimed_again_and_the_old_owner_cannot_record(tmp_path: Path) -> None:
-    path = tmp_path / "q.db"
-    store = Store(path)
+def test_a_lapsed_lease_is_claimed_again_and_the_old_owner_cannot_record(open_backend: OpenBackend) -> None:
+    store = open_backend()
     (job_id,) = store.enqueue([("r/app:1", "r")], max_attempts=3)
     (first,) = store.claim_jobs(1, owner="crashed", lease_seconds=30)
     assert first.lease_owner == "crashed" and first.lease_expires is not None
     assert store.expire_leases() == []  # not lapsed yet
     assert store.renew_leases("crashed", [job_id], 30) == [job_id]
-    _age_leases(path, 1)
+    _age_leases(store, 1)
     (expiry,) = store.expire_leases()
     assert (expiry.job_id, expiry.owner, expiry.state) == (job_id, "crashed", "queued")
     (again,) = store.claim_jobs(1, owner="rescuer", lease_seconds=30)
@@ -154,14 +262,13 @@ def test_a_lapsed_lease_is_claimed_again_and_the_old_owner_cannot_record(tmp_pat
     assert job is not None and job.state == "done" and job.result_digest == "sha256:" + "1" * 64
 
 
-def test_a_job_that_keeps_killing_its_worker_fails_for_good(tmp_path: Path) -> None:
-    path = tmp_path / "q.db"
-    store = Store(path)
+def test_a_job_that_keeps_killing_its_worker_fails_for_good(open_backend: OpenBackend) -> None:
+    store = open_backend()
     (job_id,) = store.enqueue([("r/bomb:1", "r")], max_attempts=2)
     for attempt in (1, 2):
         (job,) = store.claim_jobs(1, owner=f"w{attempt}", lease_seconds=30)
         assert job.attempts == attempt
-        _age_leases(path, 1)
+        _age_leases(store, 1)
         (expiry,) = store.expire_leases()
     assert expiry.state == "failed"
     job_after = store.job(job_id)
@@ -169,8 +276,8 @@ def test_a_job_that_keeps_killing_its_worker_fails_for_good(tmp_path: Path) -> N
     assert job_after.error is not None and "stopped renewing its lease" in job_after.error
 
 
-def test_shutdown_hands_leases_back_without_spending_an_attempt(tmp_path: Path) -> None:
-    store = Store(tmp_path / "q.db")
+def test_shutdown_hands_leases_back_without_spending_an_attempt(open_backend: OpenBackend) -> None:
+    store = open_backend()
     (job_id,) = store.enqueue([("r/app:1", "r")])
     store.claim_jobs(1, owner="leaving", lease_seconds=30)
     assert store.lease_owners() == ["leaving"]
@@ -179,10 +286,10 @@ def test_shutdown_hands_leases_back_without_spending_an_attempt(tmp_path: Path) 
     assert job is not None and job.state == "queued" and job.attempts == 0 and job.lease_owner is None
 
 
-def test_queue_health_tells_a_stall_from_a_backlog(tmp_path: Path) -> None:
+def test_queue_health_tells_a_stall_from_a_backlog(open_backend: OpenBackend) -> None:
     from web.health import stall_reason
 
-    store = Store(tmp_path / "q.db")
+    store = open_backend()
     fresh = store.queue_health()
     assert (fresh.ready, fresh.oldest_ready_seconds, fresh.last_progress_seconds) == (0, None, None)
     store.enqueue([("r/app:1", "r"), ("r/app:2", "r")])
@@ -200,11 +307,12 @@ def test_queue_health_tells_a_stall_from_a_backlog(tmp_path: Path) -> None:
 def test_schema_migrates_a_file_from_before_versioning(tmp_path: Path) -> None:
     import sqlite3
 
-    from store.sqlite import MIGRATIONS, SCHEMA_VERSION, _statements
+    from store.migrations import migrations
+    from store.sqlite import SCHEMA_VERSION
 
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as old:  # the schema as it was shipped before migrations
-        for statement in _statements(MIGRATIONS[0]):
+        for statement in migrations("sqlite")[0].statements():
             old.execute(statement)
         old.execute(
             "INSERT INTO jobs (id, reference, registry, dedupe_key, state, not_before, created_at, updated_at)"
@@ -270,3 +378,23 @@ def test_intake_commits_go_before_queued_scan_writes() -> None:
     for thread in (first, scan_write, intake):
         thread.join(timeout=10)
     assert order == ["intake", "scan write"]
+
+
+async def test_overlapping_health_checks_share_one_write(tmp_path: Path) -> None:
+    from store import AsyncStore
+
+    class SlowCheck(Store):
+        checks = 0
+
+        def check_writable(self, timeout: float) -> None:
+            SlowCheck.checks += 1
+            threading.Event().wait(0.2)  # a check still in flight when the next caller arrives
+            super().check_writable(timeout)
+
+    store = AsyncStore(SlowCheck(tmp_path / "h.db"))
+    try:
+        answers = await asyncio.gather(*(store.health(2.0) for _ in range(5)))
+    finally:
+        await store.close()
+    assert answers == [None] * 5  # none reported the shared check as stuck
+    assert SlowCheck.checks == 1

@@ -281,8 +281,8 @@ async def image_by_ref(request: web.Request) -> web.Response:
         return json_error(400, str(exc))
     wait = wait_param(request)
     report = await find_report(services, reference)
-    if report is None and wait and services.workers is not None:
-        await services.workers.wait_until(lambda: report_exists(services, reference), wait)
+    if report is None and wait:  # the scan may run in any worker process, here or elsewhere
+        await services.store.wait_until(lambda: report_exists(services, reference), wait, key=str(reference))
         report = await find_report(services, reference)
     if report is None:
         pending = await services.store.pending_job_for(str(reference))
@@ -318,8 +318,8 @@ async def get_scan(request: web.Request) -> web.Response:
     job_id = request.match_info["job_id"]
     wait = wait_param(request)
     job = await services.store.job(job_id)
-    if job is not None and wait and services.workers is not None:
-        job = await services.workers.wait_for(job_id, wait)
+    if job is not None and wait:  # the job may run in any worker process, here or elsewhere
+        job = await services.store.wait_for_job(job_id, wait)
     if job is None:
         return json_error(404, f"no scan job {job_id}")
     return web.json_response(JobView.of(job).model_dump())

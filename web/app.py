@@ -18,7 +18,7 @@ from scanner.models import ImageReport
 from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from store import LeaseExpiry, open_store
+from store import open_store
 from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
 from web.hooks import SOURCES
@@ -26,7 +26,8 @@ from web.metrics import ServiceMetrics
 from web.security import private_reads
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services
-from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
+from web.worker_process import worker_events, worker_settings
+from web.workers import ScanWorkers
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         synchronous=settings.sqlite_synchronous,
         busy_timeout=settings.sqlite_busy_timeout,
         threads=settings.store_threads,
+        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
     )
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     middlewares: list[Middleware] = [error_middleware]
@@ -92,26 +94,17 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 metrics.rate_limit.set(float(remaining), host)
 
         services.scanner = Scanner(client, services.store, settings, on_result=on_result)
+        await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
         if settings.attach_reports:
             services.attacher = ReportAttacher(
                 settings, client, on_result=lambda result: metrics.referrer_attach.inc(result)
             )
-        attacher = services.attacher
-        if start_workers:
+        if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
             services.workers = ScanWorkers(
                 services.store,
                 services.scanner,
-                WorkerSettings(
-                    concurrency=settings.workers,
-                    per_registry=settings.per_registry_scans,
-                    backoff_base=settings.retry_backoff,
-                    lease_seconds=settings.lease_seconds,
-                ),
-                WorkerEvents(
-                    on_outcome=lambda outcome: _on_outcome(metrics, attacher, outcome),
-                    on_restart=lambda: metrics.worker_restarts.inc(),
-                    on_lease_expiries=lambda expired: _count_expiries(metrics, expired),
-                ),
+                worker_settings(settings),
+                worker_events(metrics, services.attacher),
             )
             await services.workers.start()
         try:
@@ -127,23 +120,3 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
             await services.store.close()
 
     return lifecycle
-
-
-def _count_expiries(metrics: ServiceMetrics, expired: list[LeaseExpiry]) -> None:
-    for item in expired:
-        metrics.lease_expiries.inc(item.state)
-
-
-def _on_outcome(metrics: ServiceMetrics, attacher: ReportAttacher | None, outcome: JobOutcome) -> None:
-    _count_outcome(metrics, outcome)
-    if attacher is not None:
-        attacher.submit(outcome.report)  # in the background, with its own retries; never fails the scan
-
-
-def _count_outcome(metrics: ServiceMetrics, outcome: JobOutcome) -> None:
-    report = outcome.report
-    result = "cached" if report.cached else ("ok" if report.error is None else "error")
-    metrics.scans.inc(result)
-    metrics.scan_seconds.observe(outcome.seconds)
-    if report.error and report.registry:
-        metrics.registry_errors.inc(report.registry)

@@ -1,4 +1,4 @@
-"""`gpubadge serve` and `gpubadge eligible`: argument parsing around the service and placement."""
+"""`gpubadge serve`, `gpubadge worker` and `gpubadge db`: argument parsing around the service's roles."""
 
 from __future__ import annotations
 
@@ -23,8 +23,66 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
     parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB, default ./gpubadge.db)")
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument(
+        "--workers",
+        type=_count,
+        help="scans run at once in this process (GPUBADGE_WORKERS, default 8); 0 serves the API only",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return parser
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge worker",
+        description="Run scan workers only: claim jobs from the shared store, scan, record the results."
+        " Any number may run against one PostgreSQL (GPUBADGE_DATABASE_URL).",
+        epilog="Settings are the same as `gpubadge serve --help` lists.",
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
+    )
+    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument(
+        "--metrics-port",
+        type=_positive,
+        help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return parser
+
+
+def db_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge db", description="Manage the store's schema (GPUBADGE_DATABASE_URL, else --db)."
+    )
+    commands = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("upgrade", "apply every pending migration (they also run at start)"),
+        ("status", "print the applied and pending migrations"),
+    ):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+        sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    return parser
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
@@ -52,7 +110,9 @@ def run_serve(argv: list[str]) -> int:
     for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
         handler.addFilter(RedactingLogFilter())
     try:
-        settings = load_settings(args.config, host=args.host, port=args.port, db=args.db)
+        settings = load_settings(
+            args.config, host=args.host, port=args.port, db=args.db, workers=args.workers
+        )
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
@@ -75,4 +135,68 @@ def run_serve(argv: list[str]) -> int:
         print=lambda message: logging.info("%s", message),
         access_log_class=RedactingAccessLogger,
     )
+    return 0
+
+
+def run_worker(argv: list[str]) -> int:
+    args = worker_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = load_settings(args.config, db=args.db, workers=args.concurrency)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from store import StoreUnavailable
+    from web.worker_process import serve_workers
+
+    try:
+        serve_workers(settings, args.metrics_port)
+    except StoreUnavailable as exc:
+        print(f"gpubadge worker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_db(argv: list[str]) -> int:
+    """`gpubadge db upgrade | status`: the schema of whichever store the settings select."""
+    args = db_parser().parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    try:
+        settings = load_settings(args.config, db=args.db)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge db: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from store import StoreUnavailable, open_backend
+    from store.migrations import migrations
+
+    engine = "postgres" if settings.database_url else "sqlite"
+    where = "PostgreSQL" if settings.database_url else str(settings.db)
+    if args.action == "status" and engine == "sqlite" and not settings.db.exists():
+        print(f"{where}: no database yet; every migration is pending", file=sys.stderr)
+        for migration in migrations(engine):
+            print(f"{migration.version:04d} {migration.name:<24} pending")
+        return 0
+    try:
+        backend = open_backend(
+            settings.db,
+            busy_timeout=settings.sqlite_busy_timeout,
+            threads=1,
+            database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+            upgrade=args.action == "upgrade",
+        )
+    except StoreUnavailable as exc:
+        print(f"gpubadge db: {exc}", file=sys.stderr)
+        return 1
+    try:
+        current = backend.schema_version()
+    finally:
+        backend.close()
+    if args.action == "upgrade":
+        print(f"{where}: schema at version {current}")
+        return 0
+    for migration in migrations(engine):
+        mark = "applied" if migration.version <= current else "pending"
+        print(f"{migration.version:04d} {migration.name:<24} {mark}")
     return 0

@@ -785,11 +785,30 @@ async def _end_long_polls(app: web.Application) -> None:
     await app[FLEET_EVENTS].close()
 
 
+def _follow_other_replicas(app: web.Application) -> None:
+    """On PostgreSQL, deploys and stops made through other API replicas reach this one: its
+    placement index re-reads the reservations, and its long-polling agents wake."""
+    index, events = app[FLEET_INDEX], app[FLEET_EVENTS]
+    waking: set[asyncio.Task[None]] = set()
+
+    def changed(kind: str) -> None:
+        # Another replica's registrations reach the index on its timed check (every few seconds,
+        # as the index is built to); its reservations are re-read now, and waiting agents wake.
+        del kind
+        index.reservations_changed()
+        task = asyncio.get_running_loop().create_task(events.notify())
+        waking.add(task)
+        task.add_done_callback(waking.discard)
+
+    services_of_app(app).store.events.on_fleet(changed)
+
+
 def setup_routes(app: web.Application) -> None:
     app[FLEET_EVENTS] = FleetEvents()
     app[FLEET_INDEX] = FleetIndexCache()
     app[GPU_CLAIMS] = asyncio.Lock()
     app.on_shutdown.append(_end_long_polls)
+    _follow_other_replicas(app)
     settings = services_of_app(app).settings
     inventory_file = settings.inventory_file
     app[STATIC_FLEET] = parse_inventory(inventory_file.read_text()).servers if inventory_file else []

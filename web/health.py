@@ -3,7 +3,8 @@
 It answers within the health timeout whatever the database does: the write check runs on
 its own thread with a deadline, and the queue reads get a deadline of their own. A queue
 whose ready jobs have waited longer than `stall_seconds` while no worker anywhere made
-progress is a failure too, since webhooks would still get their 202 and nothing would scan.
+progress is a failure too, since webhooks would still get their 202 and nothing would scan;
+on an API-only replica it is reported without failing, since that replica still does its job.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ async def healthz(request: web.Request) -> web.Response:
         body["oldest_ready_seconds"] = queue.oldest_ready_seconds
         body["last_progress_seconds"] = queue.last_progress_seconds
         stalled = stall_reason(queue, settings.stall_seconds)
-        if stalled:
+        if stalled and services.workers is None:
+            # An API-only replica (`serve --workers 0`) can still take webhooks and answer: the
+            # stall is the workers' failure, reported here (and in /metrics) but not failing the
+            # readiness that keeps this replica behind the load balancer.
+            body["stalled"] = stalled
+        elif stalled:
             reasons.append(stalled)
     written = await write_check
     if written:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
@@ -27,7 +28,15 @@ DOCKER_HUB = "docker.io"
 class ServiceSettings(ScannerSettings):
     """Everything `gpubadge serve` reads. Field descriptions become `--help` text."""
 
+    # A rejected value is never echoed: the database URL and the tokens carry secrets.
+    model_config = SettingsConfigDict(**{**ScannerSettings.model_config, "hide_input_in_errors": True})
+
     db: Path = Field(default=Path("gpubadge.db"), description="SQLite database file")
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
+        " shared by any number of API and worker processes",
+    )
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         default="NORMAL",
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
@@ -116,6 +125,14 @@ class ServiceSettings(ScannerSettings):
     eligibility_max_limit: int = Field(
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
+        # The message never echoes the URL: it may hold a password.
+        if value is not None and not value.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("database_url must be a postgresql:// URL (unset means the SQLite file --db)")
+        return value
 
     @field_validator("webhook_secret", "api_token", "agent_token", mode="after")
     @classmethod

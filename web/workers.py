@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+SATURATED_RECHECK = 1.0  # seconds; only a lost wake-up would need it
+
+
 @dataclass
 class WorkerSettings:
     concurrency: int = 4
@@ -64,10 +67,6 @@ class WorkerEvents:
     on_outcome: Callable[[JobOutcome], None] | None = None
     on_restart: Callable[[], None] | None = None
     on_lease_expiries: Callable[[list[LeaseExpiry]], None] | None = None
-
-
-def _settled(job: Job | None) -> bool:
-    return job is None or job.state in ("done", "failed")
 
 
 def worker_identity() -> str:
@@ -105,14 +104,17 @@ class ScanWorkers:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
-        self._finished = asyncio.Condition()
         self._next_expiry_check = 0.0
+        self._unsubscribe: Callable[[], None] | None = None
 
     def wake(self) -> None:
         """New jobs are committed: look now instead of at the next idle poll."""
         self._wake.set()
 
     async def start(self) -> None:
+        # Jobs queued by any process (and slots freed by any worker) wake the claim loop at once.
+        self._unsubscribe = self.store.events.on_queued(self.wake)
+        await self.store.start_events()
         try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
             dead = [owner for owner in await self.store.lease_owners() if _local_owner_is_dead(owner)]
             if dead:
@@ -133,6 +135,8 @@ class ScanWorkers:
         """Stop claiming, let running scans finish (bounded), then hand back what is left."""
         self._stopping = True
         self._wake.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         running = list(self._running.values())
         if running:
             _, pending = await asyncio.wait(running, timeout=drain_timeout)
@@ -153,25 +157,11 @@ class ScanWorkers:
 
     async def wait_for(self, job_id: str, timeout: float) -> Job | None:
         """Wait (bounded) until a job is done or failed; returns its latest state."""
-
-        async def settled() -> bool:
-            return _settled(await self.store.job(job_id))
-
-        await self.wait_until(settled, timeout)
-        return await self.store.job(job_id)
+        return await self.store.wait_for_job(job_id, timeout)
 
     async def wait_until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
-        """Re-check `condition` when a job finishes here, and at least every second (another
-        process may finish it), for at most `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while not await condition():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            async with self._finished:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._finished.wait(), min(remaining, 1.0))
-        return True
+        """Re-check `condition` whenever a job settles, in this process or (PostgreSQL) any other."""
+        return await self.store.wait_until(condition, timeout)
 
     # ------------------------------------------------------------- supervision
 
@@ -244,6 +234,11 @@ class ScanWorkers:
         pause = self.settings.idle_poll
         if due is not None:
             pause = max(0.0, min(pause, (due - datetime.now(UTC)).total_seconds()))
+            if pause == 0.0:
+                # A job is ready but this pass did not take it: every slot is busy, its registry is at
+                # its cap, or another worker holds it. Looking again at once would spin (a query per
+                # turn); a settle or a new job wakes the loop anyway, so wait for that.
+                pause = min(self.settings.idle_poll, SATURATED_RECHECK)
         return min(pause, self.settings.lease_seconds / 3)
 
     async def _renew_once(self) -> float:
@@ -282,8 +277,6 @@ class ScanWorkers:
             await self._write(fail, job)
         finally:
             self._wake.set()
-            async with self._finished:
-                self._finished.notify_all()
 
     async def _record(self, job: Job, report: ImageReport) -> None:
         if report.error is None or report.not_an_image:

@@ -1,0 +1,122 @@
+"""Queue events as the event loop sees them: jobs queued, jobs settled.
+
+Two sources feed them. Writes made through this process's `AsyncStore` fire them
+directly (that is all SQLite needs: one process owns the file's queue). On
+PostgreSQL a listener thread also relays every replica's `NOTIFY`, so an idle worker
+wakes when any API process queues a job, and a long-poll (`?wait=`) on any replica
+answers when any worker finishes the job. Nobody polls the database to find out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+Kind = str  # "queued" | "settled" | "resync"
+# The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
+JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
+JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
+FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations" or "inventory"
+FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
+QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
+
+
+class QueueEvents:
+    """Fan-out of queue events to waiters and wake-up callbacks on one event loop."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._settled = asyncio.Event()  # any settle, for waiters without a key
+        self._keyed: dict[str, list[asyncio.Event]] = {}  # job id or reference -> its waiters
+        self._on_queued: list[Callable[[], None]] = []
+        self._on_fleet: list[Callable[[str], None]] = []
+        # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
+        # re-checks every second, since another process sharing a SQLite file sends no events.
+        self.cross_process = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop that threads (the PostgreSQL listener) hand their events to."""
+        self._loop = loop
+
+    def on_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (on the loop) whenever jobs may have become claimable; returns an unsubscribe."""
+        self._on_queued.append(callback)
+        return lambda: self._on_queued.remove(callback) if callback in self._on_queued else None
+
+    def on_fleet(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(kind)` (on the loop) when another process changed reservations or servers."""
+        self._on_fleet.append(callback)
+
+    def fire(self, kind: Kind, payload: str = "") -> None:
+        """On the loop: something changed. A resync (a lost listener connection) counts as every kind.
+
+        A settle's payload, "<job id> <reference>", wakes only the waiters on that job or that
+        reference (besides the un-keyed ones); a settle without one wakes every waiter.
+        """
+        if kind in (FLEET_RESERVATIONS, FLEET_INVENTORY, RESYNC):
+            for fleet_callback in list(self._on_fleet):
+                fleet_callback(FLEET_INVENTORY if kind == RESYNC else kind)
+            if kind != RESYNC:
+                return
+        if kind in (SETTLED, RESYNC):
+            waiters, self._settled = self._settled, asyncio.Event()
+            waiters.set()
+            job_id, _, reference = payload.partition(" ")
+            if kind == SETTLED and job_id:
+                keys = {job_id, reference, reference.partition("@")[0]} - {""}
+            else:
+                keys = set(self._keyed)
+            for key in keys:
+                for event in self._keyed.pop(key, []):
+                    event.set()
+        if kind in (QUEUED, SETTLED, RESYNC):  # a settled job frees a worker slot and a registry slot
+            for callback in list(self._on_queued):
+                callback()
+
+    def fire_threadsafe(self, kind: Kind, payload: str = "") -> None:
+        """From any thread; dropped when no loop is bound (or it is closed): nobody waits then."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+                loop.call_soon_threadsafe(self.fire, kind, payload)
+
+    async def wait_until(
+        self, condition: Callable[[], Awaitable[bool]], timeout: float, key: str | None = None
+    ) -> bool:
+        """Re-check `condition` each time a job settles (here or, on PostgreSQL, on any replica).
+
+        With `key` (a job id, or a reference), only settles of that job or reference wake it: with
+        many waiters, each settle then costs one re-check, not one per waiter. Bounded by
+        `timeout`; also re-checks every `SAFETY_RECHECK` seconds with a listener (only a lost or
+        differently-keyed notification would need it) and every `LOCAL_RECHECK` second without one.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            # taken before the check, so a settle during the check is not missed
+            if key is None:
+                settled = self._settled
+            else:
+                settled = asyncio.Event()
+                self._keyed.setdefault(key, []).append(settled)
+            try:
+                if await condition():
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
+                    await asyncio.wait_for(settled.wait(), min(remaining, recheck))
+            finally:
+                if key is not None and not settled.is_set():
+                    waiting = self._keyed.get(key, [])
+                    if settled in waiting:
+                        waiting.remove(settled)
+                    if not waiting:
+                        self._keyed.pop(key, None)
+
+
+SAFETY_RECHECK = 5.0  # with LISTEN: only a lost notification would need it
+LOCAL_RECHECK = 1.0  # without: another process on the same SQLite file may finish the job

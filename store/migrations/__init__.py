@@ -1,0 +1,64 @@
+"""Versioned schema migrations, one numbered SQL file per step and engine.
+
+`store/migrations/<engine>/NNNN_name.sql` brings a database from version NNNN-1 to
+NNNN. Both engines share the numbering, so version N means the same logical schema
+on SQLite and on PostgreSQL. Each database records what it has applied in a small
+`schema_migrations` table; the backends apply the rest at start (and `gpubadge db
+upgrade` does it on demand), each in one transaction, so a failed step leaves the
+database at the version before it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+Engine = Literal["sqlite", "postgres"]
+_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    def statements(self) -> list[str]:
+        """The script split into statements (SQLite's executescript would commit mid-transaction).
+
+        A dollar-quoted block (PostgreSQL's `DO $$ ... $$`) is one statement, semicolons and all.
+        """
+        lines = [line for line in self.sql.splitlines() if not line.lstrip().startswith("--")]
+        text = "\n".join(lines)
+        statements: list[str] = []
+        for number, part in enumerate(text.split("$$")):
+            if number % 2:  # inside $$ ... $$: glue to the statement being built
+                statements[-1] += f"$${part}$$"
+                continue
+            pieces = part.split(";")
+            if statements and not statements[-1].rstrip().endswith(";") and number:
+                statements[-1] += pieces.pop(0)
+            statements.extend(pieces)
+        return [statement.strip() for statement in statements if statement.strip()]
+
+
+@cache
+def migrations(engine: Engine) -> tuple[Migration, ...]:
+    """Every migration for `engine`, in order; the numbering must run 1, 2, 3… without gaps."""
+    found: list[Migration] = []
+    for entry in resources.files(__package__).joinpath(engine).iterdir():
+        match = _FILE_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda migration: migration.version)
+    numbers = [migration.version for migration in found]
+    if numbers != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"{engine} migrations are not numbered 1..N: {numbers}")
+    return tuple(found)
+
+
+def latest_version(engine: Engine) -> int:
+    return len(migrations(engine))

@@ -1,0 +1,51 @@
+"""`gpubadge db status | upgrade` on both engines, as an operator runs them before a rollout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from store.migrations import latest_version
+
+
+def gpubadge_db(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "db", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
+def test_status_changes_nothing_and_upgrade_applies_every_migration(
+    engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    db = tmp_path / "gpubadge.db"
+    env = {"GPUBADGE_DB": str(db)}
+    if engine == "postgres":
+        env["GPUBADGE_DATABASE_URL"] = request.getfixturevalue("postgres_url")
+    status = gpubadge_db("status", env=env)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("pending") == latest_version(engine) and "applied" not in status.stdout
+    upgrade = gpubadge_db("upgrade", env=env)
+    assert upgrade.returncode == 0, upgrade.stderr
+    assert f"schema at version {latest_version(engine)}" in upgrade.stdout
+    again = gpubadge_db("status", env=env)
+    assert again.stdout.count("applied") == latest_version(engine) and "pending" not in again.stdout
+    assert db.exists() == (engine == "sqlite")  # with a database URL, no SQLite file is written
+
+
+def test_an_unreachable_database_is_a_clear_error_without_its_password(tmp_path: Path) -> None:
+    from fixtures.registry import free_port
+
+    url = f"postgresql://gpubadge:hunter2-secret@127.0.0.1:{free_port()}/gpubadge"
+    done = gpubadge_db("upgrade", env={"GPUBADGE_DATABASE_URL": url, "GPUBADGE_SQLITE_BUSY_TIMEOUT": "2"})
+    assert done.returncode == 1
+    assert "cannot open the PostgreSQL store" in done.stderr and "hunter2-secret" not in done.stderr

@@ -1,0 +1,169 @@
+"""deploy/kubernetes/: valid against the Kubernetes OpenAPI schemas (offline, strict), and wired right.
+
+Schema validity alone would pass a manifest that inlines a token or whose Service
+selects no pod, so the wiring the README promises is asserted too: secrets only
+through secretKeyRef, readiness on /healthz, the roles' arguments accepted by our
+own command-line parsers, the agent only on GPU nodes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent.main import parse_args as parse_agent_args
+from web.cli import db_parser, serve_parser, worker_parser
+
+MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+# Oldest still-supported minor and the newest the validator knows: the manifests must hold for both.
+KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|DATABASE_URL|CREDENTIAL", re.IGNORECASE)
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+# The opt-in admission add-on (needs cert-manager; tests/test_admission.py validates its webhooks):
+# not part of the base that kustomization.yaml applies.
+ADD_ON = ("admission-",)
+
+
+def _resources() -> list[tuple[str, dict[str, Any]]]:
+    """Every resource of the base (and of the Secret example), with its file name."""
+    found = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        if path.name == "kustomization.yaml" or path.name.startswith(ADD_ON):
+            continue
+        found.extend((path.name, doc) for doc in _documents(path))
+    return found
+
+
+def _by_kind(kind: str, name: str) -> dict[str, Any]:
+    matches = [doc for _, doc in _resources() if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = workload["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(("filename", "resource"), _resources(), ids=lambda value: str(value)[:40])
+def test_every_resource_validates_strictly_offline(
+    version: str, filename: str, resource: dict[str, Any]
+) -> None:
+    # strict: an unknown or misspelt field (say `readinessprobe`) fails instead of being ignored
+    kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_kustomization_applies_every_manifest_but_the_secret_example() -> None:
+    kustomization = _documents(MANIFESTS / "kustomization.yaml")[0]
+    on_disk = {path.name for path in MANIFESTS.glob("*.yaml") if not path.name.startswith(ADD_ON)}
+    on_disk -= {"kustomization.yaml", "secrets.example.yaml"}
+    assert set(kustomization["resources"]) == on_disk
+    assert "secrets.example.yaml" not in kustomization["resources"]
+
+
+def test_secrets_are_referenced_never_inlined() -> None:
+    secret_keys = {
+        (doc["metadata"]["name"], key)
+        for _, doc in _resources()
+        if doc["kind"] == "Secret"
+        for key in doc.get("stringData", {})
+    }
+    references = 0
+    for _, doc in _resources():
+        if doc["kind"] == "ConfigMap":
+            assert not [key for key in doc["data"] if SECRET_LIKE.search(key)], "a secret in a ConfigMap"
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        for container in _containers(doc):
+            for env in container.get("env", []):
+                if not SECRET_LIKE.search(env["name"]):
+                    continue
+                assert "value" not in env, f"{doc['metadata']['name']}: {env['name']} is inlined"
+                ref = env["valueFrom"]["secretKeyRef"]
+                assert (ref["name"], ref["key"]) in secret_keys, f"{ref} is not a documented Secret key"
+                references += 1
+            assert not [arg for arg in container.get("args", []) if arg.startswith("--token")]
+    assert references >= 6  # database URL twice, webhook/api/agent tokens, the agent's token
+
+
+def test_api_is_replicated_ready_on_healthz_and_behind_the_service() -> None:
+    api = _by_kind("Deployment", "gpubadge-api")
+    assert api["spec"]["replicas"] >= 2
+    (container,) = api["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    serve_args = serve_parser().parse_args(container["args"][1:])
+    assert container["args"][0] == "serve" and serve_args.workers == 0
+    service = _by_kind("Service", "gpubadge")
+    pod_labels = api["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    port_names = {port["name"] for port in container["ports"]}
+    assert {port["targetPort"] for port in service["spec"]["ports"]} <= port_names
+    (upgrade,) = api["spec"]["template"]["spec"]["initContainers"]
+    assert upgrade["args"][0] == "db"
+    db_parser().parse_args(upgrade["args"][1:])
+
+
+def test_workers_and_agent_run_their_roles() -> None:
+    workers = _by_kind("Deployment", "gpubadge-workers")
+    (container,) = workers["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "worker"
+    worker_args = worker_parser().parse_args(container["args"][1:])
+    assert worker_args.concurrency >= 1
+    probe_port = container["livenessProbe"]["httpGet"]["port"]
+    (metrics_port,) = [port for port in container["ports"] if port["name"] == probe_port]
+    assert metrics_port["containerPort"] == worker_args.metrics_port  # the probe reaches the worker
+    agent = _by_kind("DaemonSet", "gpubadge-agent")
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (agent_container,) = pod["containers"]
+    assert agent_container["args"][0] == "agent"
+    parse_agent_args(agent_container["args"][1:])
+    for workload in (workers, agent, _by_kind("Deployment", "gpubadge-api")):
+        for each in _containers(workload):
+            assert each["image"] == "gpubadge"  # one image, every role (kustomize pins the tag)
+            assert each["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def _merge_by_name(base: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Strategic merge for lists keyed by `name` (containers, volumes, ports, env, mounts)."""
+    merged = {item["name"]: dict(item) for item in base}
+    for item in patch:
+        merged[item["name"]] = _merge(merged.get(item["name"], {}), item)
+    return list(merged.values())
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = _merge(base[key], value) if key in base else value
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in item for item in base + patch):
+        return _merge_by_name(base, patch)
+    return patch
+
+
+def test_the_admission_add_on_patch_fits_the_api_deployment() -> None:
+    """The add-on's patch targets this Deployment and its `api` container: merged, it still validates."""
+    (patch,) = _documents(MANIFESTS / "admission-api-patch.yaml")
+    api = _by_kind("Deployment", "gpubadge-api")
+    assert (patch["kind"], patch["metadata"]["name"]) == ("Deployment", api["metadata"]["name"])
+    patched = {container["name"] for container in patch["spec"]["template"]["spec"]["containers"]}
+    assert patched <= {container["name"] for container in api["spec"]["template"]["spec"]["containers"]}
+    merged = _merge(api, patch)
+    (container,) = merged["spec"]["template"]["spec"]["containers"]
+    assert {"http", "https-admission"} <= {port["name"] for port in container["ports"]}
+    assert "GPUBADGE_DATABASE_URL" in {env["name"] for env in container["env"]}  # nothing of ours lost
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(merged, version, strict=True)

@@ -1,0 +1,43 @@
+"""Queue events: a settle wakes the waiters on its job or reference, not every waiter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from store import events
+from store.events import SETTLED, QueueEvents
+
+
+async def test_keyed_waiters_wake_on_their_job_or_reference_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    queue = QueueEvents()
+    queue.cross_process = True  # as with a PostgreSQL listener: no periodic re-check in reach
+    monkeypatch.setattr(events, "SAFETY_RECHECK", 600.0)
+    checks: dict[str, int] = {"job": 0, "ref": 0, "other": 0}
+    done: dict[str, bool] = {"job": False, "ref": False, "other": False}
+
+    def waiter(name: str, key: str) -> asyncio.Task[bool]:
+        async def condition() -> bool:
+            checks[name] += 1
+            return done[name]
+
+        return asyncio.create_task(queue.wait_until(condition, timeout=30, key=key))
+
+    tasks = {
+        "job": waiter("job", "j1"),
+        "ref": waiter("ref", "r.example/app:1"),
+        "other": waiter("other", "r.example/other:1"),
+    }
+    await asyncio.sleep(0)  # every waiter has looked once
+    assert checks == {"job": 1, "ref": 1, "other": 1}
+    done["job"] = done["ref"] = True
+    # a webhook job's key carries the digest; a tag waiter still matches it
+    queue.fire(SETTLED, "j1 r.example/app:1@sha256:" + "0" * 64)
+    assert await asyncio.wait_for(tasks["job"], 5) and await asyncio.wait_for(tasks["ref"], 5)
+    assert checks["other"] == 1  # not woken by a settle of something else
+    done["other"] = True
+    queue.fire(SETTLED)  # a settle without a payload (a local write on SQLite) wakes everyone
+    assert await asyncio.wait_for(tasks["other"], 5)
+    assert checks == {"job": 2, "ref": 2, "other": 2}
+    assert not queue._keyed  # nothing left behind

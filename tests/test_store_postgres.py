@@ -1,0 +1,243 @@
+"""PostgreSQL only: what must hold between processes that share one database.
+
+Each `PostgresStore` here has its own connection pool, as each API or worker
+replica does; threads start together behind a barrier so the statements really
+race. (The behaviour both engines share is in tests/test_store.py, run on both.)
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import psycopg
+import pytest
+
+from store.migrations import latest_version
+from store.models import GpuTaken, StoreUnavailable
+from store.postgres import JOB_SETTLED, JOBS_QUEUED, Notification, PostgresStore
+
+T = TypeVar("T")
+REPLICAS = 4
+
+
+@pytest.fixture
+def replicas(postgres_url: str) -> Iterator[list[PostgresStore]]:
+    stores = [PostgresStore(postgres_url, pool_size=8) for _ in range(REPLICAS)]
+    try:
+        yield stores
+    finally:
+        for store in stores:
+            store.close()
+
+
+def race(calls: list[Callable[[], T]]) -> list[T | BaseException]:
+    """Run every call at once (a barrier releases them together); results or exceptions, in order."""
+    barrier = threading.Barrier(len(calls), timeout=30)
+
+    def run(call: Callable[[], T]) -> T | BaseException:
+        barrier.wait()
+        try:
+            return call()
+        except Exception as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def test_migrations_apply_once_when_replicas_start_together(postgres_url: str) -> None:
+    stores = race([lambda: PostgresStore(postgres_url, pool_size=1) for _ in range(6)])
+    try:
+        assert all(isinstance(store, PostgresStore) for store in stores), stores
+        first = stores[0]
+        assert isinstance(first, PostgresStore)
+        assert first.schema_version() == latest_version("postgres")
+        with psycopg.connect(postgres_url) as conn:
+            versions = [row[0] for row in conn.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+        assert versions == list(range(1, latest_version("postgres") + 1))
+    finally:
+        for store in stores:
+            if isinstance(store, PostgresStore):
+                store.close()
+
+
+def test_the_same_push_on_every_replica_makes_one_job(replicas: list[PostgresStore]) -> None:
+    references = [(f"r.example/app{n}:v1", "r.example") for n in range(40)]
+    # every replica enqueues every reference at the same instant, in a different order
+    calls = [
+        (lambda store=store, shift=shift: store.enqueue(references[shift:] + references[:shift]))
+        for shift, store in zip((0, 10, 20, 30), replicas, strict=True)
+    ]
+    outcomes = race(calls)
+    ids_by_reference: dict[str, set[str]] = collections.defaultdict(set)
+    for shift, ids in zip((0, 10, 20, 30), outcomes, strict=True):
+        assert isinstance(ids, list), ids
+        rotated = references[shift:] + references[:shift]
+        for (reference, _), job_id in zip(rotated, ids, strict=True):
+            ids_by_reference[reference].add(job_id)
+    assert all(len(ids) == 1 for ids in ids_by_reference.values()), ids_by_reference
+    assert replicas[0].queue_depth()["queued"] == len(references)
+
+
+def test_concurrent_claims_take_each_job_once_and_keep_the_registry_cap(
+    replicas: list[PostgresStore],
+) -> None:
+    store = replicas[0]
+    store.enqueue([(f"busy.example/app{n}:1", "busy.example") for n in range(30)])
+    store.enqueue([(f"quiet.example/app{n}:1", "quiet.example") for n in range(30)])
+    cap = 5
+    claims = race(
+        [
+            (
+                lambda replica=replica, n=n: replica.claim_jobs(
+                    8, owner=f"w{n}", lease_seconds=60, per_registry=cap
+                )
+            )
+            for n, replica in enumerate(replicas)
+        ]
+    )
+    claimed = [job for jobs in claims if isinstance(jobs, list) for job in jobs]
+    assert len(claims) == len([c for c in claims if isinstance(c, list)]), claims
+    assert len({job.id for job in claimed}) == len(claimed)  # nobody took a job twice
+    per_registry = collections.Counter(job.registry for job in claimed)
+    assert per_registry == {"busy.example": cap, "quiet.example": cap}  # exact across 4 claimers
+    assert all(job.state == "running" and job.lease_owner for job in claimed)
+    # a second round finds the cap reached everywhere until a job settles
+    assert store.claim_jobs(8, owner="late", lease_seconds=60, per_registry=cap) == []
+    first = claimed[0]
+    assert store.finish_job(first.id, digest="sha256:" + "0" * 64, owner=first.lease_owner or "")
+    (next_job,) = store.claim_jobs(8, owner="late", lease_seconds=60, per_registry=cap)
+    assert next_job.registry == first.registry
+
+
+def test_two_replicas_never_reserve_one_gpu_twice(replicas: list[PostgresStore]) -> None:
+    gpus = [f"GPU-{n:02d}" for n in range(8)]
+    # 100 deploys over two replicas, each wanting two GPUs from an overlapping pool of 8
+    wants = [sorted({gpus[n % 8], gpus[(n * 3 + 1) % 8]}) for n in range(100)]
+    calls = [
+        (lambda n=n, want=want: replicas[n % 2].create_deployment(f"d{n}", "node-a", want, "{}"))
+        for n, want in enumerate(wants)
+    ]
+    outcomes = race(calls)
+    assert all(outcome is None or isinstance(outcome, GpuTaken) for outcome in outcomes), outcomes
+    won = [n for n, outcome in enumerate(outcomes) if outcome is None]
+    taken = [gpu for n in won for gpu in wants[n]]
+    assert len(taken) == len(set(taken)), "a GPU was reserved twice"
+    reserved = replicas[1].reserved_gpus()
+    assert reserved == {gpu: f"d{n}" for n in won for gpu in wants[n]}
+    # a losing deploy left nothing behind: no partial reservation, no deployment row
+    assert {record for record in replicas[0].deployments(limit=200)} and len(
+        replicas[0].deployments(limit=200)
+    ) == len(won)
+
+
+def test_notifications_cross_replicas(replicas: list[PostgresStore]) -> None:
+    api, worker = replicas[0], replicas[1]
+    heard: list[Notification] = []
+    arrived = threading.Condition()
+
+    def on_notify(notification: Notification) -> None:
+        with arrived:
+            heard.append(notification)
+            arrived.notify_all()
+
+    def wait_for(wanted: Notification) -> None:
+        with arrived:
+            assert arrived.wait_for(lambda: wanted in heard, timeout=10), heard
+
+    stop_api = api.listen(on_notify)
+    try:
+        (job_id,) = worker.enqueue([("r.example/app:1", "r.example")])  # a job queued elsewhere wakes us
+        wait_for((JOBS_QUEUED, ""))
+        (job,) = worker.claim_jobs(1, owner="w", lease_seconds=60)
+        assert worker.finish_job(job.id, digest="sha256:" + "1" * 64, owner="w")
+        wait_for((JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= on this replica learns it at once
+    finally:
+        stop_api()
+
+
+def test_expired_leases_return_to_the_queue_once(replicas: list[PostgresStore]) -> None:
+    store = replicas[0]
+    store.enqueue([(f"r.example/app{n}:1", "r.example") for n in range(10)])
+    jobs = store.claim_jobs(10, owner="dead-worker", lease_seconds=0.001)
+    assert len(jobs) == 10
+    with psycopg.connect(store._url) as conn:  # the lease has passed by the database's clock
+        conn.execute("SELECT pg_sleep(0.01)")
+    expiries = race([replica.expire_leases for replica in replicas])
+    returned = [entry for result in expiries if isinstance(result, list) for entry in result]
+    assert sorted(entry.job_id for entry in returned) == sorted(job.id for job in jobs)
+    assert {entry.owner for entry in returned} == {"dead-worker"}
+    assert store.queue_depth()["queued"] == 10
+    # the dead worker's late outcome is refused: the lease is gone
+    assert store.finish_job(jobs[0].id, digest=None, owner="dead-worker") is False
+    assert store.fail_job(jobs[0].id, "late", retry_in=1.0, owner="dead-worker") is None
+
+
+def test_unreachable_database_is_reported_without_the_password(postgres_server: object) -> None:
+    from fixtures.registry import free_port
+
+    url = f"postgresql://gpubadge:s3cret-pw@127.0.0.1:{free_port()}/gpubadge"
+    with pytest.raises(StoreUnavailable) as caught:
+        PostgresStore(url, connect_timeout=2)
+    assert "s3cret-pw" not in str(caught.value)
+
+
+def test_listing_totals_are_exact_up_to_the_limit_then_estimated(
+    replicas: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from store import postgres
+    from tests.test_store import _report
+
+    store = replicas[0]
+    monkeypatch.setattr(postgres, "EXACT_COUNT_LIMIT", 5)
+    for n in range(8):
+        report = _report("sha256:" + f"{n:x}" * 64, gpu=n < 3)
+        store.save_report(report.model_copy(update={"registry": f"r{n % 3}.example"}))
+    rows, total = store.list_images(limit=2)
+    assert len(rows) == 2 and total >= 5  # past the limit: an estimate, never below what is proven
+    assert store.list_images(gpu=True)[1] == 3  # under the limit: exact
+    rows, total = store.list_images(limit=4, offset=4)
+    assert len(rows) == 4 and total == 8  # counting past the page's end is exact again: the last page knows
+    assert store.registries() == ["r0.example", "r1.example", "r2.example"]  # the index skip-scan
+    assert store.list_images(query="R1.EXAMPLE")[1] == 0  # the registry is not part of the search text
+    assert store.list_images(query="APP:")[1] == 8  # case-insensitive, over the reference
+
+
+async def test_a_wait_on_one_replica_wakes_when_another_process_finishes_the_job(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`?wait=` is event-driven across processes: with the safety re-check pushed out of reach,
+    only the NOTIFY from the other replica's commit can end the wait before its timeout."""
+    import asyncio
+
+    from store import events, open_store
+
+    monkeypatch.setattr(events, "SAFETY_RECHECK", 600.0)
+    api = open_store("unused.db", database_url=postgres_url, threads=2)
+    worker = PostgresStore(postgres_url, pool_size=2)
+    try:
+        await api.start_events()
+        assert api.events.cross_process
+        (job_id,) = await api.enqueue([("r.example/app:1", "r.example")])
+        checks = 0
+
+        async def finished() -> bool:
+            nonlocal checks
+            checks += 1
+            job = await api.job(job_id)
+            if checks == 1:  # the other process claims and finishes it while we wait
+                (claimed,) = await asyncio.to_thread(
+                    worker.claim_jobs, 1, owner="elsewhere", lease_seconds=60
+                )
+                await asyncio.to_thread(worker.finish_job, claimed.id, digest=None, owner="elsewhere")
+            return job is not None and job.state == "done"
+
+        assert await api.wait_until(finished, timeout=60)
+        assert checks == 2  # one look, then one more when the other process's NOTIFY arrived
+    finally:
+        worker.close()
+        await api.close()
