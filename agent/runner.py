@@ -109,8 +109,22 @@ def container_options(
         raise DeploymentError("GPU deployment without reserved GPUs")
     if gpu_mode is None:
         raise DeploymentError("GPU deployment on a server without an NVIDIA container runtime")
-    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(deployment.gpus)
     options["labels"][GPUS_LABEL] = ",".join(deployment.gpus)
+    if deployment.inferred_cuda and gpu_mode != "cdi":
+        # The image sets no NVIDIA_VISIBLE_DEVICES or capabilities (its CUDA was found in its layers):
+        # the runtime's env path would give it no compute capability, so ask Docker for the GPUs.
+        options["device_requests"] = [
+            DeviceRequest(
+                driver="nvidia",
+                device_ids=list(deployment.gpus),
+                capabilities=[driver_capabilities(deployment.driver_capabilities)],
+            )
+        ]
+        if default_runtime == "nvidia":
+            options["runtime"] = "runc"  # the device request alone injects the GPUs, once
+        options["environment"] = env
+        return options
+    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(deployment.gpus)
     if gpu_mode == "runtime":
         options["runtime"] = "nvidia"
         if deployment.driver_capabilities is not None:

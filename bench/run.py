@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import hostile_bench, push_burst_bench, scale_bench, scan_bench, service_bench
+from bench import deep_bench, hostile_bench, push_burst_bench, scale_bench, scan_bench, service_bench
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "burst", "hostile", "placement", "ui", "scale")
+SECTIONS = ("scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -180,6 +180,8 @@ def main() -> int:
         push_burst_bench.run_all(results, args.quick)
     if "hostile" in wanted:
         hostile_bench.run_all(results, args.quick)
+    if "deep" in wanted:
+        deep_bench.run_all(results, args.quick)
     if "placement" in wanted:
         run_placement(results, args.quick)
     if "ui" in wanted:

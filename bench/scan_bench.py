@@ -254,7 +254,8 @@ def run_gpubadge_scan(
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **(env or {})},
+        # The libc pass's figures; the deep scan (every layer read whole) has bench/deep_bench.py.
+        env={**os.environ, "GPUBADGE_DEEP_SCAN": "never", **(env or {})},
     )
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     if len(reports) != len(refs):
@@ -607,7 +608,7 @@ def scan_rss(ref: str, env: dict[str, str]) -> tuple[int, dict[str, Any], float]
             gpubadge_command("scan", "--json", "--no-store", ref),
             stdout=out,
             stderr=err,
-            env={**os.environ, **env},
+            env={**os.environ, "GPUBADGE_DEEP_SCAN": "never", **env},  # the libc pass (see above)
         )
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)

@@ -76,6 +76,10 @@ class EligibilityAnswer(BaseModel):
         default_factory=list,
         description="malformed NVIDIA_REQUIRE_* clauses: hosts whose evaluation reaches one refuse the image",
     )
+    hints: list[str] = Field(
+        default_factory=list,
+        description="e.g. CUDA found in the layers of an image placed without gpus: ask for gpus to use it",
+    )
 
 
 class AnswerBody(TypedDict, total=False):
@@ -86,6 +90,7 @@ class AnswerBody(TypedDict, total=False):
     ineligible_by_reason: list[ReasonSummary]
     ineligible: list[IneligibleServer]
     warnings: list[str]
+    hints: list[str]
 
 
 def encode_cursor(cursor: Cursor) -> str:
@@ -131,6 +136,7 @@ def answer(decision: Decision, options: AnswerOptions) -> AnswerBody:
         "ineligible_count": decision.ineligible_count,
         "ineligible_by_reason": decision.ineligible_summary(EXAMPLES),
         "warnings": list(decision.warnings),
+        "hints": list(decision.hints),
     }
     if options.explain == "all":
         body["ineligible"] = decision.ineligible

@@ -20,6 +20,7 @@ from typing import TypeVar
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
+from placement import inferred
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.inventory import Server
 from placement.request import DeployRequest
@@ -437,6 +438,7 @@ class _Plan:
     cuda_major: int | None
     needed: int
     verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
+    inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
@@ -474,6 +476,7 @@ class _Query:
                 musl=platform.libc.flavour == "musl",
                 cuda_major=_cuda_major(platform.gpu),
                 needed=needed,
+                inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
@@ -529,6 +532,8 @@ class _Query:
                 f"CUDA {plan.cuda_major} image needs compute capability 7.5 or newer "
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
+        if plan.inferred is not None:  # CUDA found in the layers (placement.inferred)
+            return inferred.gpu_reasons(plan.inferred, cc, gpu.driver)
         return []
 
     @staticmethod
@@ -726,7 +731,8 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             bucket = _Bucket(result, view.shape_names[shape], view.shape_groups[shape], result[0])
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
-    decision = Decision(eligible, refused, warnings)
+    hint = inferred.hint([platform.gpu for platform in image.platforms], request.gpus)
+    decision = Decision(eligible, refused, warnings, [hint] if hint else [])
     index.keep_decision(form, view, decision)
     return decision
 
@@ -779,9 +785,23 @@ class Decision:
     fleet changes between pages: the next page starts after the last server listed.
     """
 
-    __slots__ = ("_refused", "_summaries", "_tiers", "eligible_count", "ineligible_count", "warnings")
+    __slots__ = (
+        "_refused",
+        "_summaries",
+        "_tiers",
+        "eligible_count",
+        "hints",
+        "ineligible_count",
+        "warnings",
+    )
 
-    def __init__(self, eligible: list[_Bucket], refused: list[_Bucket], warnings: list[str]) -> None:
+    def __init__(
+        self,
+        eligible: list[_Bucket],
+        refused: list[_Bucket],
+        warnings: list[str],
+        hints: list[str] | None = None,
+    ) -> None:
         tiers: dict[SortKey, list[_Bucket]] = {}
         for bucket in eligible:
             tiers.setdefault(bucket.key, []).append(bucket)
@@ -789,6 +809,7 @@ class Decision:
         self._refused = refused
         self._summaries: dict[int, list[ReasonSummary]] = {}
         self.warnings = warnings
+        self.hints = hints or []  # e.g. CUDA found in the layers of a CPU request (placement.inferred)
         self.eligible_count = sum(len(bucket.names) for bucket in eligible)
         self.ineligible_count = sum(len(bucket.names) for bucket in refused)
 

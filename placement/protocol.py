@@ -57,6 +57,10 @@ class AgentDeployment(BaseModel):
     gpu_required: bool
     gpus: list[str] = Field(default_factory=list, description="reserved GPU UUIDs")
     driver_capabilities: str | None = None
+    inferred_cuda: bool = Field(
+        default=False,
+        description="the image declares no GPU (CUDA found in its layers): request the GPUs explicitly",
+    )
     desired: DesiredState = "run"
     env: dict[str, str] = Field(default_factory=dict)
     command: list[str] | None = None

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
+from scanner.inferred import CudaEntryCollector
 from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
 from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.models import LibcVerdict
@@ -156,6 +157,48 @@ class LocalSession:
 
     async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
         return self.analysis.verdict(bytes_read=bytes_read, bytes_total=bytes_total)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalCudaSession:
+    """The deep scan's CUDA walk on this process's event loop (`analysis_processes = 0`).
+
+    Each layer is walked with only the CUDA collector (`scanner.inferred.CudaEntryCollector`),
+    to its end; the reply is that layer's evidence JSON. There is no verdict: the scanning
+    process merges the layers' evidence (`scanner.inferred.combine`).
+    """
+
+    decided = False
+
+    def __init__(self, limits: AnalysisLimits, deadline: float) -> None:
+        self.limits = limits
+        self.budget = ScanBudget(limits, deadline)
+
+    async def use_cached(self, evidence_json: str) -> bool:
+        return False
+
+    async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
+        collector = CudaEntryCollector(self.limits.deep_scan_max_ratio)
+        stats = StreamStats()
+        walk = LayerWalk(
+            media_type,
+            [collector],
+            max_decompressed=self.limits.max_layer_bytes,
+            budget=self.budget,
+            stats=stats,
+        )
+        async for chunk in chunks:
+            if not walk.feed(chunk):
+                break
+        else:
+            walk.close()
+        evidence = collector.finish(complete=stats.reached_end)
+        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes)
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
+        raise RuntimeError("a CUDA session has no libc verdict")
 
     def close(self) -> None:
         pass
@@ -375,8 +418,13 @@ class AnalysisPool:
                 self._workers.append(_Worker(process))
             return min(self._workers, key=lambda worker: worker.sessions)
 
-    async def open(self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float) -> Session:
+    async def open(
+        self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float, kind: str = "libc"
+    ) -> Session:
+        """A session for one image: the libc analysis, or (`kind="cuda"`) the deep scan's CUDA walk."""
         if self.processes <= 0:
+            if kind == "cuda":
+                return LocalCudaSession(limits, deadline)
             return LocalSession(arch, layers_total, limits, deadline)
         worker = await self._worker()
         session = next(self._ids)
@@ -385,6 +433,7 @@ class AnalysisPool:
             "layers_total": layers_total,
             "limits": limits.model_dump(),
             "deadline": deadline,
+            "kind": kind,
         }
         worker.send(OPEN, session, json.dumps(payload).encode())
         worker.sessions += 1
@@ -417,6 +466,7 @@ class AnalysisPool:
 @dataclass
 class _ServerSession:
     analysis: LibcAnalysis
+    cuda_budget: ScanBudget | None = None  # set: a deep-scan session (CUDA collector, no libc)
     walk: LayerWalk | None = None
     collector: Any = None
     answered: bool = True  # the current layer's reply was sent (early stop or error)
@@ -464,7 +514,8 @@ class _Server:
             limits = AnalysisLimits.model_validate(body["limits"])
             analysis = LibcAnalysis(body["arch"], int(body["layers_total"]), limits)
             analysis.budget = ScanBudget(limits, float(body["deadline"]))
-            self._sessions[session] = _ServerSession(analysis)
+            cuda_budget = analysis.budget if body.get("kind") == "cuda" else None
+            self._sessions[session] = _ServerSession(analysis, cuda_budget)
             return
         if kind == CLOSE:
             self._sessions.pop(session, None)
@@ -505,12 +556,17 @@ class _Server:
     def _begin_layer(self, session: int, state: _ServerSession, payload: bytes) -> None:
         body = json.loads(payload)
         analysis = state.analysis
-        state.collector = analysis.begin_layer(DISTRO_BUDGET)
+        if state.cuda_budget is not None:
+            state.collector = CudaEntryCollector(analysis.limits.deep_scan_max_ratio)
+            budget = state.cuda_budget
+        else:
+            state.collector = analysis.begin_layer(DISTRO_BUDGET)
+            budget = analysis.budget
         state.walk = LayerWalk(
             body["media_type"],
             [state.collector],
             max_decompressed=analysis.limits.max_layer_bytes,
-            budget=analysis.budget,
+            budget=budget,
         )
         state.answered = False
 

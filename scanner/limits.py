@@ -64,6 +64,9 @@ class AnalysisLimits(BaseModel):
     max_layer_bytes: int = 512 * MiB
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_scan_seconds: float = DEFAULT_MAX_SCAN_SECONDS
+    deep_scan_max_ratio: int = (
+        100  # decompressed/compressed past 1 GiB of a layer (the deep scan's bomb guard)
+    )
 
 
 class ScanBudget:

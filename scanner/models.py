@@ -64,6 +64,57 @@ class RequirementIssue(BaseModel):
     error: str
 
 
+class ContainerArchs(BaseModel):
+    """What one fatbin container (or `count` containers with the same content) holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sass: tuple[str, ...] = ()
+    ptx: tuple[str, ...] = ()
+    ptx_isa: str | None = Field(default=None, description="the newest PTX ISA version among its PTX entries")
+    count: int = 1
+
+    @property
+    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
+        return self.sass, self.ptx, self.ptx_isa
+
+
+class FileArchs(BaseModel):
+    """The fatbin of one file: per-file intersections, and its distinct containers for placement."""
+
+    path: str
+    sections: list[str] = Field(default_factory=list)
+    sass: list[str] = Field(default_factory=list)
+    ptx: list[str] = Field(default_factory=list)
+    containers: list[ContainerArchs] = Field(default_factory=list)
+    error: str | None = None
+
+
+class GpuArchs(BaseModel):
+    """GPU architectures found in the image's fatbins.
+
+    `sass`: the archs at whose compute capability every container of every runnable file runs from
+    SASS; `ptx`: the PTX archs from which on every container can be JIT-compiled. Intersections,
+    because a union overstates; `files` has the detail per file.
+    """
+
+    sass: list[str] = Field(default_factory=list)
+    ptx: list[str] = Field(default_factory=list)
+    files: list[FileArchs] = Field(default_factory=list)
+
+
+class InferredCuda(BaseModel):
+    """CUDA found in the layers (not declared by the config). See scanner.inferred."""
+
+    cuda: str | None = Field(default=None, description="the most precise CUDA version the evidence supports")
+    evidence: list[str] = Field(default_factory=list, description='"<path>: <what it says>"')
+    sources: list[str] = Field(default_factory=list, description="kinds of evidence: torch, conda, elf, ...")
+    conflict: bool = Field(
+        default=False, description="sources name different CUDA versions; the lowest is kept"
+    )
+    complete: bool = Field(default=True, description="every layer was read")
+
+
 class GpuFacts(BaseModel):
     """What an image config says about NVIDIA GPUs. Derived from the config alone."""
 
@@ -94,6 +145,11 @@ class GpuFacts(BaseModel):
     runtime_gpu_request: bool = Field(
         default=False, description="the NVIDIA runtime would inject GPUs from this env alone (not void/none)"
     )
+    inferred: InferredCuda | None = Field(
+        default=None,
+        description="CUDA found in the layers by a deep scan; null when none was found or looked for",
+    )
+    archs: GpuArchs | None = Field(default=None, description="GPU architectures in the image's fatbins")
 
 
 class LibcVerdict(BaseModel):

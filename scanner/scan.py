@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scanner.badges import badges
+from scanner.badges import badges, cuda_mismatch
 from scanner.gpu import gpu_facts
 from scanner.limits import LimitExceeded, scan_too_slow
-from scanner.models import ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
+from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
 from scanner.settings import ScannerSettings
@@ -28,6 +28,7 @@ from scanner.tarstream import AnalysisCrashed, LayerError
 if TYPE_CHECKING:
     from scanner.analysis import AnalysisPool
     from scanner.cache import ScanCache
+    from scanner.deep import DeepReader
     from scanner.layers import LayerReader
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Scanner:
         self.store = store
         self.settings = settings or ScannerSettings()
         self._layers: LayerReader | None = None
+        self._deep: DeepReader | None = None
         self._pool: AnalysisPool | None = None
         self.on_result = on_result
 
@@ -104,6 +106,28 @@ class Scanner:
                 self.client, self.store, limits=self.settings.analysis_limits(), pool=self._pool
             )
         return self._layers
+
+    @property
+    def deep(self) -> DeepReader:
+        """The deep-scan reader (CUDA found in layers), built on first use."""
+        if self._deep is None:
+            from scanner.deep import DeepReader
+
+            self.layers  # noqa: B018  (builds the shared analysis pool)
+            assert self._pool is not None
+            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits(), self._pool)
+        return self._deep
+
+    def deep_progress(self) -> dict[str, str]:
+        """Running deep scans, by reference: "deep scan: 2 of 5 layers, 812 of 4810 MiB"."""
+        if self._deep is None:
+            return {}
+        return {reference: progress.describe() for reference, progress in self._deep.progress.items()}
+
+    def _wants_deep(self, gpu: GpuFacts) -> bool:
+        """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
+        mode = self.settings.deep_scan
+        return mode == "always" or (mode == "auto" and not gpu.required)
 
     async def close(self) -> None:
         """Stop the analysis processes, if any were started."""
@@ -286,6 +310,13 @@ class Scanner:
         else:
             libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
             warnings.extend(layer_warnings)
+            if self._wants_deep(gpu):
+                deep = await self.deep.scan(reference, layers)
+                gpu = gpu.model_copy(update={"inferred": deep.inferred, "archs": deep.archs})
+                warnings.extend(deep.warnings)
+                mismatch = cuda_mismatch(gpu)
+                if mismatch:
+                    warnings.append(mismatch)
         return PlatformReport(
             platform=str(platform),
             digest=manifest.digest,

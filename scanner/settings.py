@@ -10,7 +10,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -108,6 +108,25 @@ class ScannerSettings(BaseSettings):
         ge=0,
         description="processes that parse layer content off the event loop; 0 parses in the scanning process",
     )
+    deep_scan: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="read every layer for CUDA the config does not declare (torch, NVIDIA wheels, conda, fatbins):"
+        " auto = images without declared NVIDIA signals",
+    )
+    deep_scan_max_layer_bytes: int = Field(
+        default=32 * 1024 * MiB,
+        description="decompressed bytes a deep scan reads per layer (CUDA layers are big)",
+    )
+    deep_scan_max_image_bytes: int = Field(
+        default=64 * 1024 * MiB, description="decompressed bytes a deep scan reads per image"
+    )
+    deep_scan_seconds: float = Field(default=1800.0, description="wall time of one image's deep scan")
+    deep_scan_max_ratio: int = Field(
+        default=100,
+        ge=1,
+        description="a layer inflating more than this many times (past its first GiB) is a bomb: the deep scan"
+        " stops it (real layers inflate 2-5x)",
+    )
     concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
     request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
     retries: int = Field(default=4, description="attempts per request, including the first")
@@ -160,6 +179,16 @@ class ScannerSettings(BaseSettings):
         """The content bounds, as the analysis (possibly in another process) needs them."""
         return limits.AnalysisLimits(
             **{name: getattr(self, name) for name in limits.AnalysisLimits.model_fields}
+        )
+
+    def deep_scan_limits(self) -> limits.AnalysisLimits:
+        """The content bounds of a deep scan: every layer read whole, so bigger byte and time bounds."""
+        return self.analysis_limits().model_copy(
+            update={
+                "max_layer_bytes": self.deep_scan_max_layer_bytes,
+                "max_image_bytes": self.deep_scan_max_image_bytes,
+                "max_scan_seconds": self.deep_scan_seconds,
+            }
         )
 
     def registry_config(self, host: str) -> RegistryConfig | None:

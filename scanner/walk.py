@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from scanner.limits import ScanBudget
-from scanner.tarstream import LayerFeeder, StreamStats, TarEntry
+from scanner.tarstream import ContentSink, LayerFeeder, StreamStats, TarEntry
 
 
 class EntryCollector(Protocol):
@@ -40,6 +40,14 @@ class EntryCollector(Protocol):
     @property
     def satisfied(self) -> bool:
         """True when no further entry of this layer can change what this collector finds."""
+        ...
+
+
+class StreamingCollector(EntryCollector, Protocol):
+    """A collector that also reads whole members as they stream past (never buffered by the walk)."""
+
+    def stream(self, entry: TarEntry) -> ContentSink | None:
+        """A sink for `entry`'s content, or None. The walk feeds the head too."""
         ...
 
 
@@ -65,7 +73,16 @@ class LayerWalk:
             stats=self.stats,
             stop=self._satisfied,
             budget=budget,
+            stream=self._stream if any(hasattr(c, "stream") for c in self.collectors) else None,
         )
+
+    def _stream(self, entry: TarEntry) -> ContentSink | None:
+        for collector in self.collectors:
+            stream = getattr(collector, "stream", None)
+            sink: ContentSink | None = stream(entry) if stream is not None else None
+            if sink is not None:
+                return sink  # one streaming collector per walk (the CUDA probe)
+        return None
 
     def _want(self, entry: TarEntry) -> int:
         return max((collector.wants(entry) for collector in self.collectors), default=0)
@@ -78,6 +95,8 @@ class LayerWalk:
         position = self.stats.compressed_bytes
         for collector in self.collectors:
             collector.position = position
+            if hasattr(collector, "inflated"):  # a collector that bounds the compression ratio
+                collector.inflated = self.stats.decompressed_bytes
         return all(collector.satisfied for collector in self.collectors)
 
     def feed(self, chunk: bytes) -> bool:

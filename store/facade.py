@@ -138,6 +138,7 @@ class AsyncStore:
         query: str | None = None,
         limit: int = 50,
         offset: int = 0,
+        inferred: bool | None = None,
     ) -> tuple[list[ImageRow], int]:
         return await self._call(
             self._backend.list_images,
@@ -148,6 +149,7 @@ class AsyncStore:
             query=query,
             limit=limit,
             offset=offset,
+            inferred=inferred,
         )
 
     async def registries(self) -> list[str]:

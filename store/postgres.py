@@ -303,10 +303,17 @@ class PostgresStore:
         query: str | None = None,
         limit: int = 50,
         offset: int = 0,
+        inferred: bool | None = None,
     ) -> tuple[list[ImageRow], int]:
         """Filtered, newest-first listing plus the total count for pagination."""
         where: list[str] = []
         params: dict[str, Any] = {}
+        if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
+            where.append(
+                ("" if inferred else "NOT ")
+                + "EXISTS (SELECT 1 FROM jsonb_array_elements(r.report::jsonb -> 'platforms') p"
+                " WHERE jsonb_typeof(p -> 'gpu' -> 'inferred') = 'object')"
+            )
         if gpu is not None:
             where.append("r.gpu_required = %(gpu)s")
             params["gpu"] = gpu

@@ -320,10 +320,16 @@ class SqliteStore:
         query: str | None = None,
         limit: int = 50,
         offset: int = 0,
+        inferred: bool | None = None,
     ) -> tuple[list[ImageRow], int]:
         """Filtered, newest-first listing plus the total count for pagination."""
         where: list[str] = []
         params: dict[str, Any] = {}
+        if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
+            where.append(
+                ("" if inferred else "NOT ") + "EXISTS (SELECT 1 FROM json_each(r.report, '$.platforms') p"
+                " WHERE json_extract(p.value, '$.gpu.inferred') IS NOT NULL)"
+            )
         if gpu is not None:
             where.append("r.gpu_required = :gpu")
             params["gpu"] = int(gpu)

@@ -25,7 +25,15 @@ from placement.exports.core import KnownGpu, build_constraints, known_gpus
 from placement.exports.kubernetes import export
 from placement.inventory import Server, parse_inventory
 from placement.request import DeployRequest
-from scanner.models import GpuFacts, ImageReport, PlatformReport
+from scanner.models import (
+    ContainerArchs,
+    FileArchs,
+    GpuArchs,
+    GpuFacts,
+    ImageReport,
+    InferredCuda,
+    PlatformReport,
+)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KNOWN_FLEET = parse_inventory((FIXTURES / "fleet.yaml").read_text()).servers
@@ -206,6 +214,24 @@ def image(
     )
 
 
+def inferred_image(cuda: str, *containers: ContainerArchs) -> ImageFacts:
+    """An image that declares nothing, with CUDA found in its layers (and fatbins, when given)."""
+    archs = None
+    if containers:
+        files = [FileArchs(path="/usr/lib/libapp.so", sections=[".nv_fatbin"], containers=list(containers))]
+        archs = GpuArchs(files=files)
+    gpu = GpuFacts(
+        required=False,
+        inferred=InferredCuda(cuda=cuda, evidence=["/usr/lib/python3/torch/version.py: cuda = '12.1'"]),
+        archs=archs,
+    )
+    report = ImageReport(
+        reference="example/torch:1",
+        platforms=[PlatformReport(platform="linux/amd64", digest="sha256:" + "1" * 64, gpu=gpu)],
+    )
+    return ImageFacts.from_report(report)
+
+
 def real(version: str) -> str:
     return next(
         i["NVIDIA_REQUIRE_CUDA"]
@@ -230,6 +256,13 @@ IMAGES = {
     "two-platforms": image(real("12.6"), "12.6", ("linux/amd64", "linux/arm64")),
     "legacy": image(None, "12.4"),
     "nothing": image("cuda>=99"),
+    # CUDA found in the layers: the driver floor, and where every fatbin container runs
+    "inferred-12.1-sass": inferred_image("12.1", ContainerArchs(sass=("80", "90"))),
+    "inferred-12.4-ptx-jit": inferred_image(
+        "12.4", ContainerArchs(sass=("90",), ptx=("80",), ptx_isa="8.8"), ContainerArchs(sass=("75", "80"))
+    ),
+    "inferred-13.0-no-fatbin": inferred_image("13.0"),
+    "inferred-12.1-90a": inferred_image("12.1", ContainerArchs(sass=("90a",))),
 }
 REQUESTS = {
     "one": DeployRequest(gpus=1),

@@ -33,7 +33,8 @@ def samples(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
 
 @pytest.fixture
 async def scanner(tmp_path: Path) -> AsyncIterator[Scanner]:
-    settings = ScannerSettings(docker_config=None)
+    # The libc pass alone: a deep scan reads every layer whole (tests/test_deep_scan.py covers it).
+    settings = ScannerSettings(docker_config=None, deep_scan="never")
     async with RegistryClient(settings) as client:
         store = open_store(tmp_path / "scan.db")
         try:

@@ -224,6 +224,7 @@ async def list_images(request: web.Request) -> web.Response:
         query=query.get("q") or None,
         limit=limit,
         offset=(page - 1) * limit,
+        inferred=_bool_param(query.get("inferred"), "inferred"),
     )
     return web.json_response(
         {

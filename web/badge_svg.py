@@ -65,10 +65,14 @@ class BadgeContent:
         return f"{text} ({self.reason})" if self.reason else text
 
 
+INFERRED_COLOUR = "#dfb317"  # shields' yellow: CUDA inside, but no GPU declared
+
+
 def badge_for(
     report: ImageReport | None, *, last_scan_failed: bool = False, failure: str | None = None
 ) -> BadgeContent:
-    """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`.
+    """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`,
+    or `gpu | cuda 12.1 inside (inferred)` for CUDA found in the layers of an image that declares none.
 
     A failed scan gives `gpu | unknown` with the error as the reason (in the title and
     aria-label): it never guesses a verdict, e.g. for an image past a scan limit.
@@ -84,6 +88,11 @@ def badge_for(
         )
         message = f"cuda {versions[-1]}" if versions else "required"
         return BadgeContent("nvidia gpu", message, GPU_COLOUR)
+    inferred = [p.gpu.inferred for p in report.platforms if p.gpu.inferred is not None]
+    if inferred:
+        found = sorted({i.cuda for i in inferred if i.cuda}, key=_version_key)
+        message = f"cuda {found[0]} inside (inferred)" if found else "cuda inside (inferred)"
+        return BadgeContent("gpu", message, INFERRED_COLOUR)
     return BadgeContent("gpu", "cpu only", CPU_COLOUR)
 
 

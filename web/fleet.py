@@ -62,6 +62,7 @@ class Deployment(BaseModel):
     gpus: list[str] = Field(default_factory=list)
     gpu_required: bool = False
     driver_capabilities: str | None = None
+    inferred_cuda: bool = False
     command: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)
     state: DeploymentState = "pending"
@@ -91,6 +92,7 @@ class Deployment(BaseModel):
             gpu_required=self.gpu_required,
             gpus=self.gpus,
             driver_capabilities=self.driver_capabilities,
+            inferred_cuda=self.inferred_cuda,
             command=self.command,
             env=self.env,
             desired="stop" if self.desired == "stop" else "run",
@@ -642,6 +644,9 @@ async def create_deployment(request: web.Request) -> web.Response:
             gpus=list(choice["gpus"]),
             gpu_required=bool(choice["gpus"]),
             driver_capabilities=platform.gpu.driver_capabilities,
+            inferred_cuda=bool(choice["gpus"])
+            and not platform.gpu.required
+            and platform.gpu.inferred is not None,
             command=run.command,
             env=run.env,
         )

@@ -167,6 +167,9 @@ def openapi_document() -> dict[str, Any]:
                     query("gpu", "true: needs an NVIDIA GPU; false: CPU only", "boolean"),
                     query("libc", "glibc, musl, none or unknown"),
                     query("cuda", "CUDA version, e.g. 12 or 12.2"),
+                    query(
+                        "inferred", "true: CUDA found in the layers (deep scan); false: none found", "boolean"
+                    ),
                     query("registry", "registry host"),
                     query("q", "free text over repository, reference, digest and distro"),
                     query("page", "page number, from 1", "integer"),

@@ -214,6 +214,10 @@ class BadgeView:
 LEGEND = (
     (BadgeView("NVIDIA GPU", "gpu"), "the image asks for an NVIDIA GPU (NVIDIA_* env or labels)"),
     (BadgeView("CUDA 12.2", "cuda"), "the CUDA version it was built for"),
+    (
+        BadgeView("CUDA 12.1 inside (inferred)", "inferred"),
+        "CUDA found in the layers; no NVIDIA variable declares it",
+    ),
     (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
     (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
@@ -231,11 +235,19 @@ _NAMED_BADGES = {
     "no-libc": BadgeView("no libc", "nolibc"),
     "libc-unknown": BadgeView("libc unknown", "unknown"),
     "musl-also": BadgeView("musl also", "musl"),
+    "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
+    "cuda-mismatch": BadgeView("declared and inferred CUDA differ", "warn"),
 }
 
 
 def badge_view(name: str) -> BadgeView:
     """A badge name from scanner/badges.py (`cuda-12.2`) as the UI shows it (`CUDA 12.2`)."""
+    if name in _NAMED_BADGES:
+        return _NAMED_BADGES[name]
+    if name.startswith("cuda-") and name.endswith("-inferred"):
+        return BadgeView(
+            f"CUDA {name.removeprefix('cuda-').removesuffix('-inferred')} inside (inferred)", "inferred"
+        )
     if name.startswith("cuda-"):
         return BadgeView(f"CUDA {name.removeprefix('cuda-')}", "cuda")
     return _NAMED_BADGES.get(name, BadgeView(name, "info"))
@@ -385,9 +397,10 @@ class JobView:
     updated_at: str
     error: str | None
     explanation: str | None
+    progress: str | None = None  # a running deep scan's layers and bytes
 
 
-def job_view(job: Job) -> JobView:
+def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
     return JobView(
         id=job.id,
         reference=job.reference,
@@ -399,7 +412,16 @@ def job_view(job: Job) -> JobView:
         updated_at=job.updated_at,
         error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
+        progress=_progress_of(job.reference, progress) if progress and job.state == "running" else None,
     )
+
+
+def _progress_of(text: str, progress: Mapping[str, str]) -> str | None:
+    """A running job's deep-scan progress; the scanner keys it by the normalised reference."""
+    try:
+        return progress.get(str(parse_reference(text)))
+    except ReferenceError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -413,7 +435,7 @@ class ImageFilters:
     q: str = ""
     page: int = 1
 
-    GPU_CHOICES = ("", "gpu", "cpu")
+    GPU_CHOICES = ("", "gpu", "cpu", "inferred")
     LIBC_CHOICES = ("", "glibc", "musl", "none", "unknown")
 
     @classmethod
@@ -441,6 +463,7 @@ class ImageFilters:
     def store_arguments(self) -> dict[str, Any]:
         return {
             "gpu": {"gpu": True, "cpu": False}.get(self.gpu),
+            "inferred": True if self.gpu == "inferred" else None,
             "libc": self.libc or None,
             "cuda": self.cuda or None,
             "registry": self.registry or None,
@@ -560,13 +583,14 @@ async def scans_response(
 ) -> web.Response:
     services = services_of(request)
     store = services.store
+    deep = services.scanner.deep_progress() if services.scanner is not None else {}
     return page(
         request,
         "scans.html",
         status=status,
         title="Scans · gpubadge",
         active="scans",
-        pending=[job_view(job) for job in await store.jobs(states=["queued", "running"], limit=100)],
+        pending=[job_view(job, deep) for job in await store.jobs(states=["queued", "running"], limit=100)],
         recent=[job_view(job) for job in await store.jobs(limit=50)],
         depth=await store.queue_depth(),
         token_required=services.settings.api_token is not None,

@@ -264,6 +264,7 @@ class ResultView:
     by_reason: list[ReasonView]
     rejected: list[RejectedView] | None  # every server, with explain=all only
     warnings: list[str]
+    hints: list[str]
     next_url: str | None
     all_url: str | None
 
@@ -308,6 +309,7 @@ def result_view(
         if rejected is None
         else [RejectedView(entry["server"], list(entry["reasons"])) for entry in rejected],
         warnings=list(body.get("warnings", [])),
+        hints=list(body.get("hints", [])),
         next_url=form.link(cursor=next_cursor, rank=str(first + len(listed)), explain=None)
         if next_cursor
         else None,

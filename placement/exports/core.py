@@ -18,10 +18,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from placement import inferred
 from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
 from placement.requirements import ImageRequirements
+from scanner.models import GpuFacts
 from scanner.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
 
 Version = tuple[int, ...]
@@ -406,6 +408,8 @@ def _platform(
     major = cuda.split(".", 1)[0]
     if needed > 0 and major.isdigit() and int(major) >= 13:
         terms = conjunction(terms, [Term((("cc", Interval(low=Bound((7, 5), True))),))])
+    if needed > 0 and (platform.gpu.inferred is not None or platform.gpu.archs is not None):
+        terms = conjunction(terms, _inferred_terms(platform.gpu, platform.platform, result))
     if needed > 0:
         terms = conjunction(terms, _request_terms(request, fleet, result))
         if request.min_gpu_memory is not None:
@@ -413,6 +417,35 @@ def _platform(
             constraints.min_memory_mib = math.ceil(request.min_gpu_memory * (1 - MEMORY_TOLERANCE) / _MIB)
     constraints.terms = terms
     return constraints
+
+
+def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[Term]:
+    """placement.inferred's rules for CUDA found in the layers: the driver floor of the CUDA it
+    carries, and the compute capabilities every fatbin container runs on (PTX JIT adds a floor)."""
+    common: list[Term] = TRUE
+    cuda = gpu.inferred.cuda if gpu.inferred is not None else None
+    floor = inferred.driver_floor(cuda) if cuda else None
+    if floor is not None:
+        version = parse_version(floor[0])
+        assert version is not None
+        common = [Term((("driver", Interval(low=Bound(version, True))),))]
+        result.note(f"{platform}: {floor[1]} (CUDA {cuda} found in the layers)")
+    ranges = inferred.compute_capability_ranges(gpu)
+    if ranges is None:
+        return common
+    alternatives = []
+    for low, high, ptx_floor in ranges:
+        facts: list[tuple[str, Interval]] = [
+            ("cc", Interval(low=Bound(low, True), high=None if high is None else Bound(high, True)))
+        ]
+        if ptx_floor is not None:
+            version = parse_version(ptx_floor)
+            assert version is not None
+            facts.append(("driver", Interval(low=Bound(version, True))))
+        alternatives.append(Term(tuple(facts)))
+    if not alternatives:
+        result.note(f"{platform}: no known compute capability runs every fatbin container of the image")
+    return conjunction(common, alternatives)
 
 
 def _brand_terms(

@@ -1,0 +1,255 @@
+"""Placement rules for CUDA an image carries without declaring it (found by a deep scan). Pure.
+
+A CUDA build is not a GPU requirement (PyPI's torch and TensorFlow are CUDA builds that also run on
+a CPU), so a request without `gpus` places such an image as before, with a hint. When the request
+asks for GPUs, two NVIDIA rules decide, and every rejection names the file and the rule:
+
+* **Driver floor** (minor-version compatibility, Linux): a CUDA 13.x runtime needs driver >= 580,
+  12.x >= 525.60.13, 11.x >= 450.80.02 (11.0: 450.51.05); 10.2 and older have no minor-version
+  compatibility and need their own release's driver. `CUDA_DRIVER_FLOORS` is the one table.
+* **Compute capability**, in every fatbin container of every runnable file: SASS of the same major
+  and a lower or equal minor; an `a` build only at exactly its CC; PTX at or below the CC. When only
+  PTX covers the GPU, the driver must be at least the one of the toolkit that produced the PTX
+  (`PTX_TOOLKIT_DRIVERS`), because a driver cannot JIT a newer PTX ISA than it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from placement.requirements import compare_version
+from scanner.fatbin import container_runs_on
+from scanner.models import ContainerArchs, GpuFacts
+
+# Minor-version compatibility floors, by CUDA major (NVIDIA's CUDA compatibility guide).
+CUDA_DRIVER_FLOORS: dict[int, str] = {13: "580", 12: "525.60.13", 11: "450.80.02"}
+CUDA_11_0_FLOOR = "450.51.05"
+# The Linux driver each toolkit release shipped with (its release notes, "CUDA Toolkit and Corresponding
+# Driver Versions"). Used for 10.2 and older (no minor-version compatibility) and for PTX JIT.
+TOOLKIT_DRIVERS: dict[tuple[int, int], str] = {
+    (7, 0): "346.46",
+    (7, 5): "352.31",
+    (8, 0): "375.26",
+    (9, 0): "384.81",
+    (9, 1): "390.46",
+    (9, 2): "396.26",
+    (10, 0): "410.48",
+    (10, 1): "418.39",
+    (10, 2): "440.33",
+    (11, 0): "450.51.05",
+    (11, 1): "455.23",
+    (11, 2): "460.27.03",
+    (11, 3): "465.19.01",
+    (11, 4): "470.42.01",
+    (11, 5): "495.29.05",
+    (11, 6): "510.39.01",
+    (11, 7): "515.43.04",
+    (11, 8): "520.61.05",
+    (12, 0): "525.60.13",
+    (12, 1): "530.30.02",
+    (12, 2): "535.54.03",
+    (12, 3): "545.23.06",
+    (12, 4): "550.54.14",
+    (12, 5): "555.42.02",
+    (12, 6): "560.28.03",
+    (12, 8): "570.26",
+    (12, 9): "575.51.03",
+    (13, 0): "580.65.06",
+    (13, 1): "590.44.01",
+}
+# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
+PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    **{(7, minor): (11, minor) for minor in range(9)},
+    **{(8, minor): (12, minor) for minor in range(6)},
+    (8, 6): (12, 7),
+    (8, 7): (12, 8),
+    (8, 8): (12, 9),
+    (9, 0): (13, 0),
+    (9, 1): (13, 1),
+}
+
+
+def _pair(version: str) -> tuple[int, int] | None:
+    major, _, minor = version.partition(".")
+    if not major.isdigit():
+        return None
+    return int(major), int(minor) if minor.isdigit() else 0
+
+
+def driver_floor(cuda: str) -> tuple[str, str] | None:
+    """(minimum driver, the rule in words) for a CUDA runtime version ("12.1" or "12"), or None."""
+    pair = _pair(cuda)
+    if pair is None:
+        return None
+    major, minor = pair
+    if major in CUDA_DRIVER_FLOORS:
+        if (major, minor) == (11, 0) and "." in cuda:
+            return CUDA_11_0_FLOOR, "CUDA 11.0 needs driver >= 450.51.05"
+        floor = CUDA_DRIVER_FLOORS[major]
+        return floor, f"CUDA {major}.x needs driver >= {floor} (minor-version compatibility)"
+    if major > max(CUDA_DRIVER_FLOORS):
+        floor = CUDA_DRIVER_FLOORS[max(CUDA_DRIVER_FLOORS)]
+        return floor, f"CUDA {cuda} is newer than this table; it needs at least driver {floor}"
+    own = TOOLKIT_DRIVERS.get((major, minor))
+    if own is None:
+        return None
+    return own, f"CUDA {major}.{minor} has no minor-version compatibility and needs its own driver >= {own}"
+
+
+def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
+    """(minimum driver, rule) to JIT PTX of an ISA version, from the toolkit that produced it."""
+    pair = _pair(isa) if isa else None
+    if pair is None:
+        return None
+    toolkit = PTX_ISA_TOOLKITS.get(pair)
+    if toolkit is None:
+        newest = max(TOOLKIT_DRIVERS)
+        floor = TOOLKIT_DRIVERS[newest]
+        return floor, f"PTX ISA {isa} is newer than this table; JIT needs at least driver {floor}"
+    own = TOOLKIT_DRIVERS.get(toolkit)
+    if own is None:
+        return None
+    floor = own
+    return (
+        floor,
+        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {floor} is the first to JIT it",
+    )
+
+
+def _cc_pair(cc: str) -> tuple[int, int] | None:
+    return _pair(cc)
+
+
+def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
+    """The oldest compute capability a CUDA release still builds for (NVIDIA's release notes)."""
+    pair = _pair(cuda) if cuda else None
+    if pair is None:
+        return None
+    if pair[0] >= 13:
+        return (
+            7,
+            5,
+        ), f"CUDA {cuda} supports compute capability 7.5 and newer (13.0 dropped Maxwell, Pascal, Volta)"
+    if pair[0] == 12:
+        return (5, 0), f"CUDA {cuda} supports compute capability 5.0 and newer (12.0 dropped Kepler)"
+    return None
+
+
+# Every compute capability NVIDIA has shipped (its CUDA GPUs list). A scheduler can only compare a
+# node's CC with numbers, so exports walk these to turn "every container runs here" into ranges.
+KNOWN_COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = (
+    (3, 0), (3, 2), (3, 5), (3, 7), (5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2),
+    (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1),
+)  # fmt: skip
+
+CcRange = tuple[tuple[int, int], tuple[int, int] | None, str | None]  # low, high (None: open), PTX driver
+
+
+def _floor_at(gpu: GpuFacts, cc: tuple[int, int]) -> tuple[bool, str | None]:
+    """(runs, the driver PTX JIT needs there or None) for the image's fatbins on a GPU of CC `cc`."""
+    assert gpu.archs is not None
+    floor: str | None = None
+    for file in gpu.archs.files:
+        if file.error is not None or any("relocatable" in section for section in file.sections):
+            continue
+        for container in file.containers:
+            how = container_runs_on(container, cc)
+            if how is None:
+                return False, None
+            if how == "ptx":
+                needed = ptx_driver_floor(container.ptx_isa)
+                if needed is not None and (floor is None or compare_version(needed[0], ">", floor)):
+                    floor = needed[0]
+    return True, floor
+
+
+def compute_capability_ranges(gpu: GpuFacts) -> list[CcRange] | None:
+    """Where an image's inferred CUDA can run, as CC ranges with the driver PTX JIT needs in each.
+
+    The same rules as `gpu_reasons`, for schedulers that place by labels: known CCs that behave
+    alike (same major, same driver need) merge into one range, and CCs newer than every known one
+    are included when PTX covers them. None when there is nothing to check.
+    """
+    if gpu.archs is None:
+        support = _toolkit_min_cc(gpu.inferred.cuda if gpu.inferred is not None else None)
+        return None if support is None else [(support[0], None, None)]
+    ranges: list[CcRange] = []
+    for cc in KNOWN_COMPUTE_CAPABILITIES:
+        runs, floor = _floor_at(gpu, cc)
+        if not runs:
+            continue
+        if ranges:
+            low, high, last_floor = ranges[-1]
+            adjacent = high is not None and KNOWN_COMPUTE_CAPABILITIES.index(high) + 1 == (
+                KNOWN_COMPUTE_CAPABILITIES.index(cc)
+            )
+            if adjacent and low[0] == cc[0] and last_floor == floor:
+                ranges[-1] = (low, cc, floor)
+                continue
+        ranges.append((cc, cc, floor))
+    newer = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)
+    runs, floor = _floor_at(gpu, newer)
+    if runs:  # GPUs newer than this table: only PTX can reach them
+        ranges.append((newer, None, floor))
+    return ranges
+
+
+def _describe(container: ContainerArchs) -> str:
+    sass = ", ".join(f"sm_{a}" for a in container.sass) or "none"
+    ptx = ", ".join(f"compute_{a}" for a in container.ptx) or "none"
+    return f"SASS {sass}; PTX {ptx}"
+
+
+def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | None) -> list[str]:
+    """Why a GPU (its CC and host driver) cannot run an image's inferred CUDA; [] when it can."""
+    reasons: list[str] = []
+    inferred = gpu.inferred
+    if inferred is not None and inferred.cuda and driver:
+        floor = driver_floor(inferred.cuda)
+        if floor is not None and not compare_version(driver, ">=", floor[0]):
+            source = inferred.evidence[0] if inferred.evidence else "the layers"
+            reasons.append(f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source})")
+    archs = gpu.archs
+    cc = _cc_pair(compute_capability) if compute_capability else None
+    if cc is None:
+        return reasons
+    if archs is None:  # no fatbin was read: the toolkit's own support range is all we know
+        support = _toolkit_min_cc(inferred.cuda if inferred is not None else None)
+        if support is not None and cc < support[0]:
+            reasons.append(f"compute capability {compute_capability}: {support[1]}")
+        return reasons
+    for file in archs.files:
+        if file.error is not None or any("relocatable" in section for section in file.sections):
+            continue
+        for container in file.containers:
+            how = container_runs_on(container, cc)
+            if how is None:
+                reasons.append(
+                    f"compute capability {compute_capability}: {file.path} has GPU code it cannot run "
+                    f"({_describe(container)}): SASS runs only on its own major at or above its minor, "
+                    f"an `a` build only at its exact CC, PTX at or above its arch"
+                )
+                break
+            if how == "ptx" and driver:
+                floor = ptx_driver_floor(container.ptx_isa)
+                if floor is not None and not compare_version(driver, ">=", floor[0]):
+                    reasons.append(
+                        f"compute capability {compute_capability}: {file.path} runs here only through PTX "
+                        f"({_describe(container)}); {floor[1]}, this server has {driver}"
+                    )
+                    break
+    return reasons
+
+
+def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:
+    """The hint for a request without `gpus` for an image that carries CUDA but declares no GPU."""
+    if gpus_requested:
+        return None
+    for gpu in gpus:
+        if gpu.required or gpu.inferred is None:
+            continue
+        inferred = gpu.inferred
+        version = f"CUDA {inferred.cuda}" if inferred.cuda else "CUDA"
+        source = inferred.sources[0] if inferred.sources else "its layers"  # the framework, when one is there
+        return f"carries {version} ({source}): ask for gpus to run it on a GPU"
+    return None

@@ -1,0 +1,275 @@
+"""One ELF file's bytes, fed in order -> the CUDA libraries it links and the archs its fatbins hold.
+
+Pure and streaming: a layer is read once, front to back, so the probe never seeks. It keeps
+the first `HEAD_BYTES` (ELF and program headers), the PT_DYNAMIC segment, the section header
+table and a window before it (where linkers put `.shstrtab`), and it notes, as bytes pass:
+* every fatbin container (see `scanner.fatbin.FatbinScan`);
+* every place a CUDA library name (`libcudart.so.12\\0`, ...) occurs, so that DT_NEEDED entries
+  (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
+  exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`.
+Every region kept is bounded by a named limit; a file that exceeds one gets an `error`, never
+an unbounded buffer.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, Field
+
+from scanner.elf import (
+    ET_REL,
+    MAX_DYNAMIC_BYTES,
+    MAX_SECTION_HEADER_SIZE,
+    MAX_SECTION_HEADERS,
+    SHT_NOBITS,
+    ElfLayout,
+    parse_dynamic,
+    parse_layout,
+    parse_sections,
+)
+from scanner.fatbin import (
+    MAX_CONTAINERS_PER_FILE,
+    MAX_SIGNATURES_PER_FILE,
+    ArchSummary,
+    FatbinError,
+    FatbinScan,
+    merge_signatures,
+    summarise,
+)
+from scanner.models import ContainerArchs
+
+HEAD_BYTES = 4096
+ELF_MAGIC_BYTES = 64  # smaller files cannot be ELF (the ELF64 header alone is 64 bytes)
+SECTION_NAMES_WINDOW = 64 << 10
+MAX_NAME_SITES = 4096
+FATBIN_SECTIONS = (".nv_fatbin", "__nv_relfatbin")
+
+# The CUDA libraries whose SONAME names a CUDA major (cuDNN, NCCL and friends: the CUDA stack).
+CUDA_LIBRARIES = (
+    "cudart",
+    "cublas",
+    "cublasLt",
+    "cufft",
+    "cufftw",
+    "curand",
+    "cusparse",
+    "cusparseLt",
+    "cusolver",
+    "cusolverMg",
+    "cudnn",
+    "nccl",
+    "nvrtc",
+    "nvJitLink",
+    "cupti",
+    "nvjpeg",
+    "cufile",
+    "nvToolsExt",
+    "npp[a-z]{0,16}",
+    "cudnn_[a-z_]{1,64}",
+    "cuda",
+)
+_NAME = re.compile(rb"lib(?:" + "|".join(CUDA_LIBRARIES).encode() + rb")\.so(?:\.[0-9]{1,8}){0,4}\x00")
+_NAME_KEEP = 128  # longer than any name the pattern matches, so a name split across chunks is found
+
+
+class FatbinFacts(BaseModel):
+    """The fatbin sections of one file and the distinct container contents in them."""
+
+    sections: list[str] = Field(default_factory=list)
+    containers: list[ContainerArchs] = Field(default_factory=list)
+    archs: ArchSummary = Field(default_factory=ArchSummary)
+    error: str | None = None
+
+
+class ElfCudaFacts(BaseModel):
+    """What one ELF file says about CUDA. `needed`: exact CUDA SONAMEs in DT_NEEDED."""
+
+    elf_type: int = 0
+    needed: list[str] = Field(default_factory=list)
+    fatbin: FatbinFacts | None = None
+    error: str | None = None
+
+    @property
+    def relevant(self) -> bool:
+        return bool(self.needed or self.fatbin)
+
+
+class _Capture:
+    """Keeps the bytes of one file region [start, start+size) as they stream past."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self.start, self.size = start, size
+        self.data = bytearray()
+
+    @property
+    def full(self) -> bool:
+        return len(self.data) >= self.size
+
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
+        if self.full:
+            return
+        low = max(self.start + len(self.data), offset)
+        high = min(self.start + self.size, offset + len(data))
+        if low < high and low == self.start + len(self.data):
+            self.data += data[low - offset : high - offset]
+
+
+class ElfCudaProbe:
+    """Feed `feed(data)` with consecutive bytes of one file, then call `finish()`.
+
+    `feed` returns False once the probe wants no more bytes (the file is not ELF), so the
+    caller can skip the rest without reading it.
+    """
+
+    def __init__(self, size: int, *, max_containers: int = MAX_CONTAINERS_PER_FILE) -> None:
+        self.size = size
+        self._head = bytearray()
+        self._position = 0
+        self._layout: ElfLayout | None = None
+        self._not_elf = False
+        self._scan = FatbinScan(max_containers)
+        self._names: dict[int, str] = {}
+        self._names_carry = b""
+        self._names_overflow = False
+        self._dynamic: _Capture | None = None
+        self._table: _Capture | None = None
+        self._section_names: _Capture | None = None
+        self._error: str | None = None
+
+    @property
+    def is_elf(self) -> bool | None:
+        """None until enough bytes were seen to tell."""
+        if self._layout is not None:
+            return True
+        return False if self._not_elf else None
+
+    def feed(self, data: bytes | memoryview) -> bool:
+        if self._not_elf:
+            return False
+        offset = self._position
+        self._position += len(data)
+        if self._layout is None:
+            self._head += data[: HEAD_BYTES - len(self._head)]
+            if len(self._head) >= 4 and self._head[:4] != b"\x7fELF":
+                self._not_elf = True
+                return False
+            if len(self._head) < min(HEAD_BYTES, self.size) and self._position < self.size:
+                self._scan.feed(offset, data)
+                self._find_names(offset, data)
+                return True
+            layout = parse_layout(bytes(self._head))
+            if layout is None:
+                self._not_elf = True
+                return False
+            self._start(layout)
+        self._scan.feed(offset, data)
+        self._find_names(offset, data)
+        for capture in (self._dynamic, self._table, self._section_names):
+            if capture is not None:
+                capture.feed(offset, data)
+        return True
+
+    def _start(self, layout: ElfLayout) -> None:
+        self._layout = layout
+        head = bytes(self._head)
+        dynamic = layout.dynamic
+        if dynamic is not None:
+            if dynamic.filesz > MAX_DYNAMIC_BYTES:
+                self._error = f"PT_DYNAMIC of {dynamic.filesz} bytes exceeds {MAX_DYNAMIC_BYTES}"
+            else:
+                self._dynamic = _Capture(dynamic.offset, dynamic.filesz)
+        table = layout.section_table
+        if table is not None and table[1] <= MAX_SECTION_HEADERS * MAX_SECTION_HEADER_SIZE:
+            self._table = _Capture(*table)
+            window_start = max(table[0] - SECTION_NAMES_WINDOW, 0)
+            self._section_names = _Capture(window_start, table[0] - window_start)
+        for capture in (self._dynamic, self._table, self._section_names):
+            if capture is not None:
+                capture.feed(0, head)
+
+    def _find_names(self, offset: int, data: bytes | memoryview) -> None:
+        if self._names_overflow:
+            return
+        window = self._names_carry + data
+        base = offset - len(self._names_carry)
+        for match in _NAME.finditer(window):
+            at = base + match.start()
+            if at in self._names:
+                continue
+            if len(self._names) >= MAX_NAME_SITES:
+                self._names_overflow = True
+                return
+            self._names[at] = match.group()[:-1].decode("ascii")
+        self._names_carry = window[-_NAME_KEEP:]
+
+    def finish(self) -> ElfCudaFacts | None:
+        """None when the file is not ELF; else what it says about CUDA."""
+        if self._layout is None:
+            if self._not_elf or self._position == 0:
+                return None
+            layout = parse_layout(bytes(self._head))
+            if layout is None:
+                return None
+            self._start(layout)
+        assert self._layout is not None
+        facts = ElfCudaFacts(elf_type=self._layout.elf_type, error=self._error)
+        if self._position < self.size:
+            facts.error = f"only {self._position} of {self.size} bytes were read"
+        facts.needed = self._needed()
+        facts.fatbin = self._fatbin()
+        return facts
+
+    def _needed(self) -> list[str]:
+        layout = self._layout
+        if layout is None or self._dynamic is None or not self._dynamic.full:
+            return []
+        info = parse_dynamic(layout, bytes(self._dynamic.data))
+        if info.strtab_vaddr is None:
+            return []
+        strtab = layout.file_offset(info.strtab_vaddr)
+        if strtab is None:
+            return []
+        names = (self._names.get(strtab + offset) for offset in info.needed)
+        return sorted({name for name in names if name is not None})
+
+    def _fatbin(self) -> FatbinFacts | None:
+        layout = self._layout
+        if layout is None or self._table is None or not self._table.full:
+            return None
+        names = self._section_names
+        try:
+            sections = parse_sections(
+                layout,
+                bytes(self._table.data),
+                bytes(names.data) if names is not None else None,
+                names.start if names is not None else 0,
+            )
+        except ValueError as exc:
+            return FatbinFacts(error=str(exc)) if self._scan.met_containers else None
+        named = [s for s in sections if s.name in FATBIN_SECTIONS and s.type != SHT_NOBITS and s.size]
+        if not named and not any(s.name for s in sections):
+            # Section names lie outside what was kept: match by contents (containers tile the section).
+            named = [
+                s for s in sections if s.type != SHT_NOBITS and s.size and self._scan.tiles(s.offset, s.size)
+            ]
+        if not named:
+            return None
+        facts = FatbinFacts(sections=[s.name or f"section at {s.offset:#x}" for s in named])
+        containers: list[ContainerArchs] = []
+        for section in named:
+            try:
+                containers.extend(self._scan.chain(section.offset, section.size))
+            except FatbinError as exc:
+                facts.error = f"{section.name or 'fatbin section'}: {exc}"
+                break
+        signatures = merge_signatures(containers)
+        if len(signatures) > MAX_SIGNATURES_PER_FILE:
+            facts.error = f"more than {MAX_SIGNATURES_PER_FILE} distinct container contents"
+            signatures = signatures[:MAX_SIGNATURES_PER_FILE]
+        facts.containers = signatures
+        if facts.error is None:
+            facts.archs = summarise(signatures)
+        if layout.elf_type == ET_REL:
+            facts.sections = [f"{name} (relocatable object)" for name in facts.sections]
+        return facts

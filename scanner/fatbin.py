@@ -1,0 +1,318 @@
+"""CUDA fatbin containers -> the GPU architectures a binary can run on. Pure, bounded, streaming.
+
+Layout (little-endian, checked against `cuobjdump --list-elf --list-ptx` on NVIDIA's wheels):
+
+* a `.nv_fatbin` (shared objects, executables) or `__nv_relfatbin` (`-rdc` objects) section holds
+  containers back to back; each starts with a 16-byte header: u32 magic 0xBA55ED50, u16 version 1,
+  u16 header size 16, u64 bytes that follow;
+* entries follow it; an entry header's size varies (64, 80, 96, 120), so it is read from the header:
+  0x00 u16 kind (1 PTX, 2 ELF/SASS), 0x04 u32 header size, 0x08 u64 payload size,
+  0x18 u16 minor, 0x1A u16 major (the PTX ISA for PTX), 0x1C u32 arch (90 = sm_90), 0x28 u64 flags
+  (0x100000: an arch-specific `a` build, 0x200000: a family-specific `f` build).
+
+Why a stream scanner: a layer is read once, front to back, and an ELF file's section headers
+sit at its end, after the fatbin. `FatbinScan` therefore notes every container it meets (its
+magic at an 8-byte aligned offset) and walks each one's entry headers as the bytes pass, keeping
+only a few small numbers per container. Once the section headers are known, `chain()` walks the
+section from its first byte, container after container, so containers outside the section (libcupti
+keeps valid ones in `.rodata`) are ignored and containers no wrapper references are not.
+
+Matching a GPU of compute capability X.Y (NVIDIA's rules): SASS `sm_XZ` runs on the same major with
+Z <= Y; `sm_XYa` only on exactly X.Y; `sm_XYf` on the same major with Y <= the GPU's minor. PTX
+`compute_XZ` is JIT-compiled on any CC >= X.Z (an `a` PTX only on X.Z, an `f` PTX within its major).
+An image runs on a GPU only if *every* container does, so summaries intersect, never unite.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from scanner.models import ContainerArchs
+
+CONTAINER_MAGIC = 0xBA55ED50
+CONTAINER_PREFIX = struct.pack("<IHH", CONTAINER_MAGIC, 1, 16)
+CONTAINER_HEADER = 16
+ENTRY_HEADER_MIN = 64  # the fields read end at 0x40
+MAX_ENTRY_HEADER = 4096
+MAX_ENTRIES_PER_CONTAINER = 4096
+MAX_CONTAINERS_PER_FILE = 65536
+MAX_SIGNATURES_PER_FILE = 32  # distinct container contents kept per file (real libraries: 1-3)
+KIND_PTX, KIND_ELF = 1, 2
+FLAG_ARCH_SPECIFIC = 0x100000
+FLAG_FAMILY_SPECIFIC = 0x200000
+_KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
+
+_ARCH = re.compile(r"^(\d{2,4})([af]?)$")
+Variant = Literal["", "a", "f"]
+CC = tuple[int, int]
+
+
+class FatbinError(ValueError):
+    """A fatbin section or container does not hold what its headers say."""
+
+
+def parse_arch(arch: str) -> tuple[int, int, Variant]:
+    """`"90a"` -> (9, 0, "a"); `"121"` -> (12, 1, ""). Raises ValueError on anything else."""
+    match = _ARCH.match(arch)
+    if match is None:
+        raise ValueError(f"not a CUDA arch: {arch!r}")
+    number = int(match.group(1))
+    variant: Variant = match.group(2)  # type: ignore[assignment]
+    return number // 10, number % 10, variant
+
+
+def arch_name(number: int, variant: Variant = "") -> str:
+    return f"{number}{variant}"
+
+
+def arch_sort_key(arch: str) -> tuple[int, int, str]:
+    major, minor, variant = parse_arch(arch)
+    return major, minor, variant
+
+
+def sass_runs_on(arch: str, cc: CC) -> bool:
+    """SASS: same major and a lower or equal minor; an `a` build only at exactly its CC."""
+    major, minor, variant = parse_arch(arch)
+    if variant == "a":
+        return (major, minor) == cc
+    return major == cc[0] and minor <= cc[1]
+
+
+def ptx_runs_on(arch: str, cc: CC) -> bool:
+    """PTX JIT: any CC at or above it; `a` PTX only at its CC, `f` PTX only within its major."""
+    major, minor, variant = parse_arch(arch)
+    if variant == "a":
+        return (major, minor) == cc
+    if variant == "f":
+        return major == cc[0] and minor <= cc[1]
+    return (major, minor) <= cc
+
+
+def container_runs_on(container: ContainerArchs, cc: CC) -> Literal["sass", "ptx"] | None:
+    """How a container runs on a GPU of compute capability `cc`, if it does."""
+    if any(sass_runs_on(arch, cc) for arch in container.sass):
+        return "sass"
+    if any(ptx_runs_on(arch, cc) for arch in container.ptx):
+        return "ptx"
+    return None
+
+
+class ArchSummary(BaseModel):
+    """`sass`: the archs at whose CC every container runs from SASS. `ptx`: the PTX archs from
+    which on every container can be JIT-compiled. Both are intersections: a union overstates."""
+
+    sass: list[str] = Field(default_factory=list)
+    ptx: list[str] = Field(default_factory=list)
+
+
+def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
+    """Intersect: an arch is listed only when every container can run there."""
+    if not containers:
+        return ArchSummary()
+    sass_names = {arch for c in containers for arch in c.sass}
+    ptx_names = {arch for c in containers for arch in c.ptx if parse_arch(arch)[2] != "a"}
+    sass = [
+        arch
+        for arch in sass_names
+        if all(any(sass_runs_on(own, parse_arch(arch)[:2]) for own in c.sass) for c in containers)
+    ]
+    ptx = [
+        arch
+        for arch in ptx_names
+        if all(any(ptx_runs_on(own, parse_arch(arch)[:2]) for own in c.ptx) for c in containers)
+    ]
+    return ArchSummary(sass=sorted(sass, key=arch_sort_key), ptx=sorted(ptx, key=arch_sort_key))
+
+
+def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArchs]:
+    """Collapse containers with identical contents into one with a count (order of first sight)."""
+    counts: dict[tuple[tuple[str, ...], tuple[str, ...], str | None], int] = {}
+    for container in containers:
+        counts[container.signature] = counts.get(container.signature, 0) + container.count
+    return [
+        ContainerArchs(sass=sass, ptx=ptx, ptx_isa=isa, count=count)
+        for (sass, ptx, isa), count in counts.items()
+    ]
+
+
+# -- the stream scanner
+
+
+@dataclass
+class _Candidate:
+    """A container met in the stream; filled in as its entry headers pass by."""
+
+    start: int
+    end: int = -1  # -1 until the container header was read
+    sass: set[str] = field(default_factory=set)
+    ptx: set[str] = field(default_factory=set)
+    ptx_isa: tuple[int, int] | None = None
+    entries: int = 0
+    done: bool = False
+    error: str | None = None
+
+    def archs(self) -> ContainerArchs:
+        return ContainerArchs(
+            sass=tuple(sorted(self.sass, key=arch_sort_key)),
+            ptx=tuple(sorted(self.ptx, key=arch_sort_key)),
+            ptx_isa=f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
+        )
+
+
+_CONTAINER, _ENTRY = 0, 1
+
+
+class FatbinScan:
+    """Feed a file's bytes in order (`feed(offset, data)`); then ask `chain(start, size)`.
+
+    Memory: a few numbers per container met (at most `max_containers`) and `_KEEP` carried bytes.
+    """
+
+    def __init__(self, max_containers: int = MAX_CONTAINERS_PER_FILE) -> None:
+        self.max_containers = max_containers
+        self._candidates: dict[int, _Candidate] = {}
+        self._requests: list[tuple[int, int, int]] = []  # (file offset, kind, container start)
+        self._carry = b""
+        self._scanned = 0  # magic searched at every offset below this
+        self._position = 0  # file offset just past the last byte fed
+        self.overflow = False
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @property
+    def met_containers(self) -> bool:
+        """A container magic was seen somewhere in the bytes fed."""
+        return bool(self._candidates)
+
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
+        if offset != self._position:
+            raise ValueError(f"fatbin scan fed at {offset}, expected {self._position}")
+        if not data:
+            return
+        window = self._carry + data
+        base = offset - len(self._carry)
+        self._position = offset + len(data)
+        self._find_magic(window, base)
+        self._serve(window, base)
+        self._carry = window[-_KEEP:]
+
+    def _find_magic(self, window: bytes, base: int) -> None:
+        if self.overflow:
+            return
+        at = window.find(CONTAINER_PREFIX, max(self._scanned - base, 0))
+        while at >= 0:
+            start = base + at
+            if start % 8 == 0 and start not in self._candidates:
+                if len(self._candidates) >= self.max_containers:
+                    self.overflow = True
+                    break
+                self._candidates[start] = _Candidate(start)
+                heapq.heappush(self._requests, (start, _CONTAINER, start))
+            at = window.find(CONTAINER_PREFIX, at + 1)
+        self._scanned = base + len(window) - len(CONTAINER_PREFIX) + 1
+
+    def _serve(self, window: bytes, base: int) -> None:
+        end = base + len(window)
+        while self._requests:
+            offset, kind, start = self._requests[0]
+            need = CONTAINER_HEADER if kind == _CONTAINER else ENTRY_HEADER_MIN
+            if offset + need > end:
+                return
+            heapq.heappop(self._requests)
+            candidate = self._candidates[start]
+            at = offset - base
+            if kind == _CONTAINER:
+                (size,) = struct.unpack_from("<Q", window, at + 8)
+                candidate.end = start + CONTAINER_HEADER + size
+                if size == 0:
+                    candidate.done = True
+                else:
+                    heapq.heappush(self._requests, (start + CONTAINER_HEADER, _ENTRY, start))
+            else:
+                self._entry(candidate, offset, window, at)
+
+    def _entry(self, candidate: _Candidate, offset: int, window: bytes, at: int) -> None:
+        entry_kind, _, header_size, payload = struct.unpack_from("<HHIQ", window, at)
+        minor, major, arch = struct.unpack_from("<HHI", window, at + 0x18)
+        (flags,) = struct.unpack_from("<Q", window, at + 0x28)
+        if not ENTRY_HEADER_MIN <= header_size <= MAX_ENTRY_HEADER:
+            candidate.error = f"entry at {offset:#x} has an implausible header size {header_size}"
+            return
+        next_entry = offset + header_size + payload
+        if next_entry > candidate.end:
+            candidate.error = f"entry at {offset:#x} runs past the end of its container"
+            return
+        candidate.entries += 1
+        if candidate.entries > MAX_ENTRIES_PER_CONTAINER:
+            candidate.error = f"more than {MAX_ENTRIES_PER_CONTAINER} entries in one container"
+            return
+        variant: Variant = "a" if flags & FLAG_ARCH_SPECIFIC else "f" if flags & FLAG_FAMILY_SPECIFIC else ""
+        if not 10 <= arch <= 9999:
+            candidate.error = f"entry at {offset:#x} names an implausible arch {arch}"
+            return
+        if entry_kind == KIND_ELF:
+            candidate.sass.add(arch_name(arch, variant))
+        elif entry_kind == KIND_PTX:
+            candidate.ptx.add(arch_name(arch, variant))
+            if candidate.ptx_isa is None or (major, minor) > candidate.ptx_isa:
+                candidate.ptx_isa = (major, minor)
+        # other kinds (e.g. LTO IR) neither run nor JIT on their own
+        if next_entry == candidate.end:
+            candidate.done = True
+        else:
+            heapq.heappush(self._requests, (next_entry, _ENTRY, candidate.start))
+
+    def chain(self, start: int, size: int, *, trailing_padding: int = 15) -> list[ContainerArchs]:
+        """The containers that tile the section [start, start+size), walked from its first byte.
+
+        Raises FatbinError naming the offset where the walk fails. Up to `trailing_padding`
+        bytes after the last container are taken as alignment padding.
+        """
+        if self.overflow:
+            raise FatbinError(f"more than {self.max_containers} fatbin containers in one file")
+        end = start + size
+        if end > self._position:
+            raise FatbinError(f"section ends at {end:#x}, past the {self._position} bytes read")
+        position = start
+        found: list[ContainerArchs] = []
+        while position < end:
+            candidate = self._candidates.get(position)
+            if candidate is None:
+                if found and end - position <= trailing_padding:
+                    break
+                raise FatbinError(f"no fatbin container at offset {position:#x}")
+            if candidate.error:
+                raise FatbinError(f"container at {position:#x}: {candidate.error}")
+            if candidate.end > end:
+                raise FatbinError(f"container at {position:#x} runs past the end of its section")
+            if not candidate.done:
+                raise FatbinError(f"container at {position:#x} is truncated")
+            found.append(candidate.archs())
+            position = candidate.end
+        if not found:
+            raise FatbinError("empty fatbin section")
+        return found
+
+    def tiles(self, start: int, size: int) -> bool:
+        """True when containers tile [start, start+size) exactly (used when section names are lost)."""
+        try:
+            self.chain(start, size, trailing_padding=0)
+        except FatbinError:
+            return False
+        return True
+
+
+def walk_section(data: bytes) -> list[ContainerArchs]:
+    """Every container of one whole fatbin section held in memory (tests, small objects)."""
+    scan = FatbinScan()
+    scan.feed(0, data)
+    return scan.chain(0, len(data))

@@ -1,0 +1,624 @@
+"""CUDA an image carries without declaring it: evidence from layer files, merged top-down. Pure.
+
+Most GPU images set no NVIDIA variable: `pip install torch` brings CUDA through `nvidia-*-cu12`
+wheels, conda through `cudatoolkit`, others copy a toolkit tree. Each layer gives a small,
+cacheable `CudaLayerEvidence` (by layer digest); `combine()` merges them with overlay rules:
+an upper layer's file wins over a lower one at the same path, and whiteouts / opaque dirs hide
+lower evidence as they hide files.
+
+Sources (see the shared cuda_inference note for the facts behind each):
+* `torch/version.py` (`cuda: Optional[str] = '12.1'`, or the old `cuda = '11.1'`; None = no CUDA);
+* NVIDIA wheels: `nvidia_<comp>_cu11/12-<ver>.dist-info`, `nvidia/<comp>/lib/lib*.so.N`, and CUDA 13's
+  unsuffixed wheels (files under `nvidia/cu13/`); 0.0.1 placeholders are skipped; only the runtime,
+  nvrtc, cupti and nvcc wheels give major.minor, the others their CUDA major;
+* `jax_cudaNN_plugin` / `jax_cudaNN_pjrt` (and old `jaxlib-*+cudaNN`), TensorFlow's `build_info.py`,
+  `cupy_cudaNNx` (old `cupy_cuda102`: 10.2);
+* conda: `conda-meta/*.json` `name`/`version` of cudatoolkit, cuda-cudart, cuda-version;
+* toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
+* ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.cudaelf`), which also give archs.
+
+`cuda` is the most precise version the evidence supports ("12.1", else "12"); where sources
+disagree the lowest is kept and every source is listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import posixpath
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from scanner.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
+from scanner.fatbin import ArchSummary, summarise
+from scanner.limits import LimitExceeded
+from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
+from scanner.tarstream import TarEntry
+
+CUDA_EVIDENCE_SCHEMA = 1
+SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
+CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
+ELF_MIN_BYTES = 64
+MAX_FINDINGS_PER_LAYER = 4096
+MAX_SHADOWS_PER_LAYER = 100_000
+MAX_ARCH_FILES = 512
+RATIO_FLOOR = 1 << 30  # a layer's first GiB is never judged by its compression ratio
+
+Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf"]
+# Frameworks first: they name what a user installed; libraries and ELF files follow from them.
+SOURCE_ORDER: tuple[Source, ...] = (
+    "torch",
+    "tensorflow",
+    "jax",
+    "cupy",
+    "conda",
+    "nvidia-wheel",
+    "toolkit",
+    "elf",
+)
+
+_TORCH_VERSION = re.compile(r"/torch/version\.py$")
+_TF_BUILD_INFO = re.compile(r"/tensorflow/python/platform/build_info\.py$")
+_NVIDIA_DIST = re.compile(r"^nvidia_([a-z0-9_]+?)(?:_cu(\d{2,3}))?-([0-9][^/-]*)\.dist-info$")
+_NVIDIA_LIB = re.compile(r"/nvidia/([a-z0-9_]+)/lib/lib([A-Za-z_]+)\.so\.(\d+)")
+_JAX_DIR = re.compile(r"^(?:jax_cuda(\d+)_(?:plugin|pjrt)|xla_cuda(\d+))$")
+_JAX_DIST = re.compile(r"^jax_cuda(\d+)_(?:plugin|pjrt)-([0-9][^/-]*)\.dist-info$")
+_JAXLIB_DIST = re.compile(r"^jaxlib-[0-9][^/-]*\+cuda(\d+)[^/-]*\.dist-info$")
+_CUPY_DIST = re.compile(r"^cupy_cuda(\d+)(x?)-([0-9][^/-]*)\.dist-info$")
+_CONDA_META = re.compile(r"/conda-meta/([^/]+)-([^-/]+)-([^-/]+)\.json$")
+_TOOLKIT_DIR = re.compile(r"^/usr/local/cuda-(\d+)\.(\d+)(?:/|$)")
+_TOOLKIT_VERSION_FILE = re.compile(r"^/usr/local/cuda(?:-\d+\.\d+)?/version\.(json|txt)$")
+_DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
+_PYTORCH_BUILD = re.compile(r"cuda(\d+)\.(\d+)")
+
+# Wheels whose version is the CUDA toolkit's own (12.1.105 -> 12.1); the others version separately.
+TOOLKIT_VERSIONED_WHEELS = frozenset({"cuda_runtime", "cuda_nvrtc", "cuda_cupti", "cuda_nvcc"})
+CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytorch"})
+# SONAMEs whose number is the CUDA major (cuFFT, cuRAND, cuSOLVER, cuDNN, NCCL number their own).
+SONAME_IS_CUDA_MAJOR = frozenset(
+    {"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg", "cusparse"}
+)
+_NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d+))?")
+
+
+class Finding(BaseModel):
+    """One piece of evidence. `cuda` None: it proves CUDA is there (or, with `no_cuda`, is not)
+    without saying which version."""
+
+    source: Source
+    cuda: str | None = None
+    detail: str
+    no_cuda: bool = Field(default=False, description="says this is a CPU/ROCm/XPU build")
+
+
+class CudaLayerEvidence(BaseModel):
+    """What one layer says about CUDA; cacheable by layer digest."""
+
+    schema_version: int = CUDA_EVIDENCE_SCHEMA
+    complete: bool = False
+    findings: dict[str, Finding] = Field(default_factory=dict)
+    elves: dict[str, ElfCudaFacts] = Field(default_factory=dict)
+    shadows: list[str] = Field(
+        default_factory=list, description="relevant files with nothing to say: they hide lower evidence"
+    )
+    whiteouts: list[str] = Field(default_factory=list)
+    opaque_dirs: list[str] = Field(default_factory=list)
+    truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
+
+
+# -- parsers of small files (pure, never raise)
+
+
+def _major_minor(version: str) -> str | None:
+    match = _DOTTED.match(version.strip())
+    if not match:
+        return None
+    return f"{int(match.group(1))}.{int(match.group(2))}" if match.group(2) else str(int(match.group(1)))
+
+
+def parse_torch_version(text: str) -> str | Literal[False] | None:
+    """`cuda` of torch/version.py: "12.1", None (a CPU/ROCm/XPU build), or False when unreadable."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        target: ast.expr | None = None
+        value: ast.expr | None = None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(value, ast.Constant):
+            if value.value is None:
+                return None
+            if isinstance(value.value, str):
+                return _major_minor(value.value) or False
+    return False
+
+
+def parse_tf_build_info(text: str) -> dict[str, object] | None:
+    """The `build_info` mapping of TensorFlow's build_info.py (a dict or an OrderedDict of pairs)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target = node.targets[0]
+        if not (isinstance(target, ast.Name) and target.id == "build_info"):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and len(value.args) == 1:
+            value = value.args[0]  # collections.OrderedDict([(k, v), ...])
+        try:
+            literal = ast.literal_eval(value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+        if isinstance(literal, dict):
+            return {str(k): v for k, v in literal.items()}
+        if isinstance(literal, list) and all(isinstance(p, tuple) and len(p) == 2 for p in literal):
+            return {str(k): v for k, v in literal}
+    return None
+
+
+def tf_cuda_version(raw: str) -> str | None:
+    """'12.1' -> 12.1; Windows '64_112' -> 11.2; '11' -> 11."""
+    if "_" in raw:
+        digits = raw.rsplit("_", 1)[1]
+        return f"{digits[:-1]}.{digits[-1]}" if len(digits) >= 2 and digits.isdigit() else None
+    return _major_minor(raw)
+
+
+def parse_conda_meta(text: str) -> tuple[str, str] | None:
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    version = data.get("version")
+    return (data["name"], version) if isinstance(version, str) else None
+
+
+def parse_toolkit_version(kind: str, text: str) -> str | None:
+    if kind == "json":
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        cuda = data.get("cuda") if isinstance(data, dict) else None
+        version = cuda.get("version") if isinstance(cuda, dict) else None
+        return _major_minor(version) if isinstance(version, str) else None
+    match = re.search(r"CUDA Version (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+def _dist_info_component(path: str) -> tuple[str, str] | None:
+    """(dist-info dir path, its name) when `path` lies in or is a `*.dist-info` directory."""
+    parts = path.split("/")
+    for index, part in enumerate(parts):
+        if part.endswith(".dist-info"):
+            return "/".join(parts[: index + 1]), part
+    return None
+
+
+def dist_info_finding(name: str) -> Finding | None:
+    """Evidence from a `*.dist-info` directory name, or None."""
+    match = _NVIDIA_DIST.match(name)
+    if match:
+        component, suffix, version = match.groups()
+        if version.startswith("0.0."):
+            return None  # placeholder packages (nvidia-*-cu13 0.0.1, nvidia-*-cu110..116 0.0.1.dev5)
+        if suffix is None:
+            major = version.split(".", 1)[0]
+            if component not in TOOLKIT_VERSIONED_WHEELS or not major.isdigit() or int(major) < 13:
+                return None  # unsuffixed: CUDA 13+ toolkit wheels only (nvidia-ml-py is not CUDA)
+            return Finding(
+                source="nvidia-wheel", cuda=_major_minor(version), detail=f"nvidia-{component} {version}"
+            )
+        major = suffix if len(suffix) == 2 else suffix[:2]
+        pip_name = f"nvidia-{component.replace('_', '-')}-cu{suffix}"
+        cuda = _major_minor(version) if component in TOOLKIT_VERSIONED_WHEELS else major
+        if cuda is not None and component in TOOLKIT_VERSIONED_WHEELS and cuda.split(".")[0] != major:
+            cuda = major
+        return Finding(source="nvidia-wheel", cuda=cuda, detail=f"{pip_name} {version}")
+    match = _JAX_DIST.match(name)
+    if match:
+        return Finding(source="jax", cuda=match.group(1), detail=f"{name.removesuffix('.dist-info')}")
+    match = _JAXLIB_DIST.match(name)
+    if match:
+        return Finding(source="jax", cuda=match.group(1), detail=f"{name.removesuffix('.dist-info')}")
+    match = _CUPY_DIST.match(name)
+    if match:
+        digits, family, version = match.groups()
+        if family:
+            cuda = digits
+        elif len(digits) == 3:
+            cuda = f"{digits[:2]}.{digits[2]}"
+        elif len(digits) == 2:
+            cuda = f"{digits[0]}.{digits[1]}"
+        else:
+            return None
+        return Finding(source="cupy", cuda=cuda, detail=f"cupy-cuda{digits}{family} {version}")
+    return None
+
+
+def needed_finding(needed: Sequence[str]) -> Finding:
+    majors = []
+    for soname in needed:
+        match = _NEEDED.match(soname)
+        if match and match.group(1) in SONAME_IS_CUDA_MAJOR and match.group(2):
+            majors.append(int(match.group(2)))
+    cuda = str(min(majors)) if majors else None
+    return Finding(source="elf", cuda=cuda, detail=f"links {', '.join(needed)}")
+
+
+# -- one layer
+
+
+@dataclass
+class CudaLayerCollector:
+    """Builds one layer's CUDA evidence from its tar entries.
+
+    For each entry: `wants(entry)` says how many leading bytes to hand to `add(entry, head)`;
+    `probe(entry)` returns an `ElfCudaProbe` to feed the whole file to (then `add_elf`).
+    """
+
+    evidence: CudaLayerEvidence = field(default_factory=CudaLayerEvidence)
+    _dirs_seen: set[str] = field(default_factory=set)
+
+    def wants(self, entry: TarEntry) -> int:
+        if entry.kind != "file":
+            return 0
+        path = entry.path
+        if _TORCH_VERSION.search(path) or _TF_BUILD_INFO.search(path) or _TOOLKIT_VERSION_FILE.match(path):
+            return SMALL_FILE_BYTES
+        conda = _CONDA_META.search(path)
+        if conda and conda.group(1) in CONDA_PACKAGES:
+            return CONDA_META_BYTES
+        return 0
+
+    def probe(self, entry: TarEntry) -> ElfCudaProbe | None:
+        """A probe for any regular file that may be ELF (the probe gives up after its first bytes)."""
+        if entry.kind != "file" or entry.size < ELF_MIN_BYTES or self.wants(entry):
+            return None
+        return ElfCudaProbe(entry.size)
+
+    def _finding(self, path: str, finding: Finding) -> None:
+        if len(self.evidence.findings) >= MAX_FINDINGS_PER_LAYER:
+            self.evidence.truncated = True
+            return
+        self.evidence.findings[path] = finding
+
+    def _shadow(self, path: str) -> None:
+        if len(self.evidence.shadows) >= MAX_SHADOWS_PER_LAYER:
+            self.evidence.truncated = True
+            return
+        self.evidence.shadows.append(path)
+
+    def add(self, entry: TarEntry, head: bytes = b"") -> None:
+        path = entry.path
+        directory, name = posixpath.split(path)
+        if name.startswith(".wh."):
+            if name == ".wh..wh..opq":
+                self.evidence.opaque_dirs.append(directory)
+            else:
+                self.evidence.whiteouts.append(posixpath.join(directory, name[len(".wh.") :]))
+            return
+        self._add_path_evidence(path, entry)
+        if entry.kind != "file" or not head:
+            return
+        text = head.decode("utf-8", "replace")
+        if _TORCH_VERSION.search(path):
+            cuda = parse_torch_version(text)
+            if cuda is False:
+                self._shadow(path)
+            elif cuda is None:
+                self._finding(
+                    path,
+                    Finding(source="torch", detail="cuda = None (a CPU, ROCm or XPU build)", no_cuda=True),
+                )
+            else:
+                self._finding(path, Finding(source="torch", cuda=cuda, detail=f"cuda = '{cuda}'"))
+        elif _TF_BUILD_INFO.search(path):
+            self._add_tf(path, text)
+        elif (match := _TOOLKIT_VERSION_FILE.match(path)) is not None:
+            version = parse_toolkit_version(match.group(1), text)
+            if version:
+                self._finding(path, Finding(source="toolkit", cuda=version, detail=f"CUDA toolkit {version}"))
+            else:
+                self._shadow(path)
+        elif (conda := _CONDA_META.search(path)) is not None:
+            self._add_conda(path, text, conda)
+
+    def _add_tf(self, path: str, text: str) -> None:
+        info = parse_tf_build_info(text)
+        if info is None:
+            self._shadow(path)
+            return
+        if info.get("is_cuda_build") is False or "cuda_version" not in info:
+            self._finding(path, Finding(source="tensorflow", detail="is_cuda_build False", no_cuda=True))
+            return
+        cuda = tf_cuda_version(str(info["cuda_version"]))
+        capabilities = info.get("cuda_compute_capabilities")
+        detail = f"cuda_version '{info['cuda_version']}'"
+        if isinstance(capabilities, list) and capabilities:
+            detail += f", compute capabilities {', '.join(str(c) for c in capabilities[:16])}"
+        self._finding(path, Finding(source="tensorflow", cuda=cuda, detail=detail))
+
+    def _add_conda(self, path: str, text: str, match: re.Match[str]) -> None:
+        parsed = parse_conda_meta(text)
+        if parsed is None:  # the JSON was longer than what was read: its file name says the same
+            parsed = (match.group(1), match.group(2))
+        name, version = parsed
+        if name not in CONDA_PACKAGES:
+            self._shadow(path)
+            return
+        if name == "pytorch":
+            build = match.group(3)
+            found = _PYTORCH_BUILD.search(build)
+            if found is None:
+                self._finding(
+                    path, Finding(source="conda", detail=f"pytorch {version} {build}", no_cuda=True)
+                )
+            else:
+                cuda = f"{found.group(1)}.{found.group(2)}"
+                self._finding(path, Finding(source="conda", cuda=cuda, detail=f"pytorch {version} {build}"))
+            return
+        self._finding(path, Finding(source="conda", cuda=_major_minor(version), detail=f"{name} {version}"))
+
+    def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
+        """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees."""
+        dist = _dist_info_component(path)
+        if dist is not None and dist[0] not in self._dirs_seen:
+            self._dirs_seen.add(dist[0])
+            finding = dist_info_finding(dist[1])
+            if finding is not None:
+                self._finding(dist[0], finding)
+        toolkit = _TOOLKIT_DIR.match(path)
+        if toolkit is not None:
+            root = f"/usr/local/cuda-{toolkit.group(1)}.{toolkit.group(2)}"
+            if root not in self._dirs_seen:
+                self._dirs_seen.add(root)
+                version = f"{int(toolkit.group(1))}.{int(toolkit.group(2))}"
+                self._finding(
+                    root, Finding(source="toolkit", cuda=version, detail=f"CUDA toolkit tree {version}")
+                )
+        parts = path.split("/")
+        for index, part in enumerate(parts[:-1] if entry.kind != "dir" else parts):
+            jax = _JAX_DIR.match(part)
+            if jax is not None:
+                root = "/".join(parts[: index + 1])
+                if root not in self._dirs_seen:
+                    self._dirs_seen.add(root)
+                    self._finding(
+                        root, Finding(source="jax", cuda=jax.group(1) or jax.group(2), detail=f"{part}")
+                    )
+                break
+            if part == "nvidia" and index + 2 < len(parts) and parts[index + 1] == "cu13":
+                root = "/".join(parts[: index + 2])
+                if root not in self._dirs_seen:
+                    self._dirs_seen.add(root)
+                    self._finding(
+                        root, Finding(source="nvidia-wheel", cuda="13", detail="CUDA 13 wheel files")
+                    )
+                break
+        lib = _NVIDIA_LIB.search(path)
+        if lib is not None and lib.group(2) in SONAME_IS_CUDA_MAJOR and entry.kind in ("file", "symlink"):
+            root = path[: lib.start()] + f"/nvidia/{lib.group(1)}/lib"
+            if root not in self._dirs_seen:
+                self._dirs_seen.add(root)
+                detail = f"lib{lib.group(2)}.so.{lib.group(3)}"
+                self._finding(root, Finding(source="nvidia-wheel", cuda=lib.group(3), detail=detail))
+
+    def add_elf(self, entry: TarEntry, facts: ElfCudaFacts | None) -> None:
+        """Record what the probe of one file found (None: not ELF)."""
+        if facts is None:
+            return
+        if not facts.relevant:
+            self._shadow(entry.path)
+            return
+        if len(self.evidence.elves) >= MAX_FINDINGS_PER_LAYER:
+            self.evidence.truncated = True
+            return
+        self.evidence.elves[entry.path] = facts
+
+    def finish(self, complete: bool) -> CudaLayerEvidence:
+        self.evidence.complete = complete
+        return self.evidence
+
+
+class _ElfSink:
+    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector."""
+
+    __slots__ = ("_collector", "_entry", "_probe")
+
+    def __init__(self, collector: CudaLayerCollector, entry: TarEntry) -> None:
+        self._collector = collector
+        self._entry = entry
+        self._probe = ElfCudaProbe(entry.size)
+
+    def feed(self, data: memoryview) -> bool:
+        return self._probe.feed(data)
+
+    def close(self, complete: bool) -> None:
+        if self._probe.is_elf:
+            self._collector.add_elf(self._entry, self._probe.finish())
+
+
+class CudaEntryCollector:
+    """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early.
+
+    A deep scan reads whole layers, so its byte bounds are large; a layer that inflates more than
+    `max_ratio` times (past `RATIO_FLOOR` bytes) is a decompression bomb and stops with LimitExceeded.
+    """
+
+    def __init__(self, max_ratio: int | None = None, ratio_floor: int = RATIO_FLOOR) -> None:
+        self.layer = CudaLayerCollector()
+        self.position = 0  # compressed bytes read so far, kept current by the walk
+        self.max_ratio = max_ratio
+        self.ratio_floor = ratio_floor
+        self.inflated = 0  # decompressed bytes so far, kept current by the walk
+
+    def wants(self, entry: TarEntry) -> int:
+        return self.layer.wants(entry)
+
+    def add(self, entry: TarEntry, head: bytes) -> None:
+        want = self.layer.wants(entry)
+        self.layer.add(entry, head[:want] if want else b"")
+
+    @property
+    def satisfied(self) -> bool:
+        """Never (evidence can sit in any entry of any layer); asked after every decompressed slice,
+        so it is where a bomb is stopped mid-member."""
+        if (
+            self.max_ratio is not None
+            and self.inflated > self.ratio_floor
+            and self.inflated > self.max_ratio * max(self.position, 1)
+        ):
+            raise LimitExceeded(
+                f"a layer inflates more than {self.max_ratio}x ({self.inflated:,} bytes from"
+                f" {self.position:,}): a decompression bomb",
+                self.max_ratio,
+                "deep_scan_max_ratio",
+            )
+        return False
+
+    def finish(self, complete: bool) -> CudaLayerEvidence:
+        return self.layer.finish(complete)
+
+    def stream(self, entry: TarEntry) -> _ElfSink | None:
+        if entry.kind != "file" or entry.size < ELF_MAGIC_BYTES or self.layer.wants(entry):
+            return None
+        return _ElfSink(self.layer, entry)
+
+
+def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidence:
+    """One layer's evidence from whole entries in memory (tests, small layers)."""
+    collector = CudaLayerCollector()
+    for entry, content in entries:
+        want = collector.wants(entry)
+        collector.add(entry, content[:want] if want else b"")
+        probe = collector.probe(entry)
+        if probe is not None:
+            for start in range(0, len(content), 1 << 20):
+                if not probe.feed(content[start : start + (1 << 20)]):
+                    break
+            collector.add_elf(entry, probe.finish())
+    return collector.finish(complete=True)
+
+
+# -- the merged view
+
+
+def _ancestors(path: str) -> Iterable[str]:
+    while path not in ("/", ""):
+        path = posixpath.dirname(path)
+        yield path
+
+
+@dataclass(frozen=True)
+class _Hides:
+    """One layer's paths that hide lower evidence, as sets."""
+
+    paths: frozenset[str]
+    dirs: frozenset[str]
+
+    @classmethod
+    def of(cls, layer: CudaLayerEvidence) -> _Hides:
+        paths = (
+            frozenset(layer.whiteouts) | layer.findings.keys() | layer.elves.keys() | frozenset(layer.shadows)
+        )
+        return cls(paths=paths, dirs=frozenset(layer.whiteouts) | frozenset(layer.opaque_dirs))
+
+    def hides(self, path: str) -> bool:
+        return path in self.paths or any(a in self.dirs for a in _ancestors(path))
+
+
+def _version_key(version: str) -> tuple[int, int]:
+    major, _, minor = version.partition(".")
+    return int(major), int(minor) if minor else -1
+
+
+def choose_cuda(versions: Iterable[str]) -> tuple[str | None, bool]:
+    """The most precise version of the lowest major; `conflict` when sources disagree."""
+    found = sorted({v for v in versions}, key=_version_key)
+    if not found:
+        return None, False
+    lowest_major = found[0].split(".")[0]
+    same_major = [v for v in found if v.split(".")[0] == lowest_major]
+    precise = [v for v in same_major if "." in v]
+    conflict = len({v.split(".")[0] for v in found}) > 1 or len(set(precise)) > 1
+    return (precise[0] if precise else lowest_major), conflict
+
+
+def combine(
+    layers_top_down: Sequence[CudaLayerEvidence], layers_total: int | None = None
+) -> tuple[InferredCuda | None, GpuArchs | None]:
+    """Merge per-layer evidence (top layer first) into the image's inferred CUDA and archs."""
+    findings: list[tuple[str, Finding]] = []
+    elves: list[tuple[str, ElfCudaFacts]] = []
+    uppers: list[_Hides] = []
+    for layer in layers_top_down:
+        findings += [(p, f) for p, f in layer.findings.items() if not any(u.hides(p) for u in uppers)]
+        elves += [(p, e) for p, e in layer.elves.items() if not any(u.hides(p) for u in uppers)]
+        uppers.append(_Hides.of(layer))
+    for path, facts in elves:
+        if facts.needed:
+            findings.append((path, needed_finding(facts.needed)))
+        elif facts.fatbin is not None:
+            findings.append(
+                (path, Finding(source="elf", detail=f"GPU code in {', '.join(facts.fatbin.sections)}"))
+            )
+    positive = [(p, f) for p, f in findings if not f.no_cuda]
+    complete = all(layer.complete for layer in layers_top_down) and (
+        layers_total is None or len(layers_top_down) >= layers_total
+    )
+    if not positive:
+        return None, None
+    cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
+    ordered = sorted(findings, key=lambda item: (item[1].no_cuda, item[1].source != "torch", item[0]))
+    inferred = InferredCuda(
+        cuda=cuda,
+        evidence=[f"{path}: {finding.detail}" for path, finding in ordered],
+        sources=sorted({f.source for _, f in positive}, key=SOURCE_ORDER.index),
+        conflict=conflict,
+        complete=complete,
+    )
+    return inferred, image_archs(elves)
+
+
+def image_archs(elves: Sequence[tuple[str, ElfCudaFacts]]) -> GpuArchs | None:
+    """Per-file archs, and for the image what every container of every runnable file can run.
+
+    Relocatable objects (`.o`, `-rdc`) are listed but do not run, so they are left out of the image's
+    answer.
+    """
+    files: list[FileArchs] = []
+    runnable: list[ContainerArchs] = []
+    for path, facts in sorted(elves):
+        fatbin = facts.fatbin
+        if fatbin is None:
+            continue
+        files.append(
+            FileArchs(
+                path=path,
+                sections=fatbin.sections,
+                sass=fatbin.archs.sass,
+                ptx=fatbin.archs.ptx,
+                containers=fatbin.containers,
+                error=fatbin.error or facts.error,
+            )
+        )
+        if facts.elf_type != 1 and fatbin.error is None:
+            runnable += fatbin.containers
+    if not files:
+        return None
+    summary: ArchSummary = summarise(runnable)
+    return GpuArchs(sass=summary.sass, ptx=summary.ptx, files=files[:MAX_ARCH_FILES])

@@ -1,0 +1,280 @@
+"""Fatbin parsing and arch semantics against NVIDIA's real libraries (downloaded at set-up).
+
+Error cases alter copies of those real bytes; nothing here writes a fatbin of its own.
+The expected lists are what `cuobjdump --list-elf --list-ptx` prints for the same files.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scanner.cudaelf import ElfCudaProbe
+from scanner.fatbin import (
+    FatbinError,
+    FatbinScan,
+    container_runs_on,
+    ptx_runs_on,
+    sass_runs_on,
+    summarise,
+    walk_section,
+)
+from scanner.inferred import needed_finding
+from scanner.models import ContainerArchs
+from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
+
+# cuobjdump on nvidia-nvjpeg-cu12 12.4.0.76's libnvjpeg.so.12 (see the shared cuda_inference note).
+CU12_LIB = "nvidia/nvjpeg/lib/libnvjpeg.so.12"
+CU12_FATBIN_OFFSET, CU12_FATBIN_SIZE = 2_740_688, 6_140_960
+CU12_SASS = ["50", "52", "60", "61", "70", "75", "80", "86", "89", "90", "100", "101", "103", "120", "121"]
+CU13_LIB = "nvidia/cu13/lib/libnvjpeg.so.13"
+CU13_SASS = ["75", "80", "86", "89", "90", "100", "103", "107", "110", "120", "121"]
+
+
+@pytest.fixture(scope="module")
+def cu12() -> bytes:
+    return wheel_members(NVJPEG_CU12)[CU12_LIB]
+
+
+@pytest.fixture(scope="module")
+def cu13() -> bytes:
+    return wheel_members(NVJPEG_CU13)[CU13_LIB]
+
+
+def probe(data: bytes, chunk: int = 1 << 18, size: int | None = None):  # type: ignore[no-untyped-def]
+    elf = ElfCudaProbe(size if size is not None else len(data))
+    for start in range(0, len(data), chunk):
+        if not elf.feed(data[start : start + chunk]):
+            break
+    return elf.finish()
+
+
+def container_offsets(data: bytes) -> list[int]:
+    """Container starts in the real section, walked with the sizes the real headers give."""
+    offsets, position = [], CU12_FATBIN_OFFSET
+    while position < CU12_FATBIN_OFFSET + CU12_FATBIN_SIZE:
+        offsets.append(position)
+        (size,) = struct.unpack_from("<Q", data, position + 8)
+        position += 16 + size
+    return offsets
+
+
+@pytest.mark.parametrize("chunk", [4093, 1 << 16, 1 << 20])
+def test_cu12_every_container_any_chunking(cu12: bytes, chunk: int) -> None:
+    facts = probe(cu12, chunk)
+    assert facts is not None and facts.error is None
+    assert facts.fatbin is not None and facts.fatbin.error is None
+    assert facts.fatbin.sections == [".nv_fatbin"]
+    containers = facts.fatbin.containers
+    assert sum(c.count for c in containers) == 11
+    assert all(list(c.sass) == CU12_SASS for c in containers)
+    with_ptx = [c for c in containers if c.ptx]
+    assert sum(c.count for c in with_ptx) == 10
+    assert all(c.ptx == ("121",) and c.ptx_isa == "8.8" for c in with_ptx)
+    # container 0 carries no PTX, so no PTX arch covers every container
+    assert facts.fatbin.archs.sass == CU12_SASS
+    assert facts.fatbin.archs.ptx == []
+
+
+def test_cu12_first_container_is_found_though_no_wrapper_names_it(cu12: bytes) -> None:
+    section = cu12[CU12_FATBIN_OFFSET : CU12_FATBIN_OFFSET + CU12_FATBIN_SIZE]
+    containers = walk_section(section)
+    assert len(containers) == 11
+    assert containers[0].ptx == ()  # the 18,656-byte uncompressed container 0
+    assert len(container_offsets(cu12)) == 11
+
+
+def test_cu13_zstd_wheel(cu13: bytes) -> None:
+    facts = probe(cu13)
+    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is None
+    assert facts.fatbin.archs.sass == CU13_SASS
+    isas = {c.ptx_isa for c in facts.fatbin.containers if c.ptx}
+    assert isas == {"9.4"}
+
+
+def test_not_elf_stops_after_the_head(cu12: bytes) -> None:
+    header = wheel_members(NVJPEG_CU12)["nvidia/nvjpeg/include/nvjpeg.h"]
+    elf = ElfCudaProbe(len(header))
+    assert elf.feed(header[:8192]) is False
+    assert elf.finish() is None
+
+
+def test_containers_outside_the_fatbin_section_are_ignored(cu12: bytes) -> None:
+    """A valid container copied into .rodata (as libcupti has) is not device code."""
+    altered = bytearray(cu12)
+    first = container_offsets(cu12)[0]
+    (size,) = struct.unpack_from("<Q", cu12, first + 8)
+    rodata = 0x27A2C0  # .rodata of this file, 8-aligned
+    altered[rodata : rodata + 16 + size] = cu12[first : first + 16 + size]
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None
+    assert sum(c.count for c in facts.fatbin.containers) == 11
+
+
+def test_bad_container_magic_names_the_offset(cu12: bytes) -> None:
+    altered = bytearray(cu12)
+    second = container_offsets(cu12)[1]
+    altered[second : second + 4] = b"\0\0\0\0"
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None
+    assert facts.fatbin.error == f".nv_fatbin: no fatbin container at offset {second:#x}"
+    assert facts.fatbin.archs.sass == []
+
+
+def test_implausible_entry_header_size(cu12: bytes) -> None:
+    altered = bytearray(cu12)
+    first = container_offsets(cu12)[0]
+    struct.pack_into("<I", altered, first + 16 + 4, 8)  # first entry's header size
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is not None
+    assert "implausible header size 8" in facts.fatbin.error
+
+
+def test_container_size_past_its_section(cu12: bytes) -> None:
+    altered = bytearray(cu12)
+    last = container_offsets(cu12)[-1]
+    (size,) = struct.unpack_from("<Q", cu12, last + 8)
+    struct.pack_into("<Q", altered, last + 8, size + 4096)
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is not None
+    assert facts.fatbin.error.startswith(".nv_fatbin: container at")
+
+
+def test_entry_payload_past_its_container(cu12: bytes) -> None:
+    altered = bytearray(cu12)
+    first = container_offsets(cu12)[0]
+    struct.pack_into("<Q", altered, first + 16 + 8, 1 << 40)
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is not None
+    assert "runs past the end of its container" in facts.fatbin.error
+
+
+def test_truncated_file_is_an_error_not_a_guess(cu12: bytes) -> None:
+    facts = probe(cu12[: CU12_FATBIN_OFFSET + 100_000], size=len(cu12))
+    assert facts is not None
+    assert facts.error == f"only {CU12_FATBIN_OFFSET + 100_000} of {len(cu12)} bytes were read"
+    assert facts.fatbin is None  # the section headers were never seen
+
+
+def test_lost_section_names_fall_back_to_containers_that_tile_a_section(cu12: bytes) -> None:
+    altered = bytearray(cu12)
+    names = cu12.rfind(b".nv_fatbin\0")
+    altered[names : names + 10] = b"XXXXXXXXXX"
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is None  # names are read and none matches: no claim
+    struct.pack_into("<H", altered, 0x3E, 0)  # e_shstrndx = 0: no names at all
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is None
+    assert facts.fatbin.sections == [f"section at {CU12_FATBIN_OFFSET:#x}"]
+    assert facts.fatbin.archs.sass == CU12_SASS
+
+
+def test_arch_specific_flag_runs_only_at_its_cc(cu12: bytes) -> None:
+    """Set the `a` flag on every sm_90 entry of a real copy: 90a, which only a CC 9.0 GPU runs."""
+    altered = bytearray(cu12)
+    for start in container_offsets(cu12):
+        (size,) = struct.unpack_from("<Q", cu12, start + 8)
+        position = start + 16
+        while position < start + 16 + size:
+            kind, _, header, payload = struct.unpack_from("<HHIQ", cu12, position)
+            (arch,) = struct.unpack_from("<I", cu12, position + 0x1C)
+            if kind == 2 and arch == 90:
+                (flags,) = struct.unpack_from("<Q", cu12, position + 0x28)
+                struct.pack_into("<Q", altered, position + 0x28, flags | 0x100000)
+            position += header + payload
+    facts = probe(bytes(altered))
+    assert facts is not None and facts.fatbin is not None
+    archs = facts.fatbin.archs.sass
+    assert "90a" in archs and "90" not in archs
+    container = facts.fatbin.containers[0]
+    assert container_runs_on(container, (9, 0)) == "sass"
+    assert container_runs_on(container, (8, 9)) == "sass"  # sm_89 still covers 8.9
+
+
+def test_too_many_containers_is_bounded(cu12: bytes) -> None:
+    scan = FatbinScan(max_containers=3)
+    scan.feed(0, cu12)
+    with pytest.raises(FatbinError, match="more than 3 fatbin containers"):
+        scan.chain(CU12_FATBIN_OFFSET, CU12_FATBIN_SIZE)
+
+
+# -- semantics (no bytes involved)
+
+
+def test_sass_and_ptx_rules() -> None:
+    assert sass_runs_on("80", (8, 6)) and not sass_runs_on("86", (8, 0))
+    assert not sass_runs_on("80", (9, 0))  # SASS never crosses a major
+    assert sass_runs_on("90a", (9, 0)) and not sass_runs_on("90a", (9, 1))
+    assert ptx_runs_on("80", (9, 0)) and ptx_runs_on("80", (12, 0)) and not ptx_runs_on("90", (8, 9))
+    assert ptx_runs_on("90a", (9, 0)) and not ptx_runs_on("90a", (10, 0))
+    assert ptx_runs_on("100f", (10, 3)) and not ptx_runs_on("100f", (12, 0))
+
+
+def test_summary_intersects_never_unites() -> None:
+    one = ContainerArchs(sass=("80", "90"), ptx=("90",))
+    two = ContainerArchs(sass=("80",), ptx=("80",))
+    summary = summarise([one, two])
+    assert summary.sass == ["80"]  # sm_90 SASS is missing in the second container
+    assert summary.ptx == ["90"]  # from 9.0 on, both containers JIT
+    assert container_runs_on(two, (9, 0)) == "ptx" and container_runs_on(one, (9, 0)) == "sass"
+    assert summarise([ContainerArchs(sass=("90a",)), ContainerArchs(sass=("90",))]).sass == ["90", "90a"]
+
+
+# -- DT_NEEDED, on binaries built by the real toolchain
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    work: Path = tmp_path_factory.mktemp("linked")
+    (work / "stub.c").write_text("int stub(void) { return 0; }\n")
+    (work / "main.c").write_text("int stub(void);\nint main(void) { return stub(); }\n")
+    for soname in ("libcudart.so.12", "libcuda.so.1", "libcudart_wrapper.so.1"):
+        subprocess.run(
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                f"-Wl,-soname,{soname}",
+                "-o",
+                str(work / soname),
+                str(work / "stub.c"),
+            ],
+            check=True,
+        )
+    built: dict[str, bytes] = {}
+    for name, libs in {
+        "runtime": ["libcudart.so.12", "libcuda.so.1"],
+        "driver-only": ["libcuda.so.1"],
+        "lookalike": ["libcudart_wrapper.so.1"],
+    }.items():
+        output = work / name
+        subprocess.run(
+            [
+                "gcc",
+                "-Wl,--no-as-needed",
+                "-o",
+                str(output),
+                str(work / "main.c"),
+                *[str(work / lib) for lib in libs],
+            ],
+            check=True,
+        )
+        built[name] = output.read_bytes()
+    return built
+
+
+def test_needed_names_are_exact(linked: dict[str, bytes]) -> None:
+    runtime = probe(linked["runtime"], chunk=97)
+    assert runtime is not None and runtime.needed == ["libcuda.so.1", "libcudart.so.12"]
+    assert needed_finding(runtime.needed).cuda == "12"
+    driver = probe(linked["driver-only"])
+    assert driver is not None and driver.needed == ["libcuda.so.1"]
+    assert needed_finding(driver.needed).cuda is None  # the driver library has no CUDA version
+    lookalike = probe(linked["lookalike"])
+    assert lookalike is not None and lookalike.needed == [] and not lookalike.relevant

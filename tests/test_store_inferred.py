@@ -1,0 +1,34 @@
+"""The inferred-CUDA filter of the image listing, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+from scanner.models import GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
+from tests.conftest import OpenBackend
+
+
+def report(name: str, digit: str, inferred: InferredCuda | None) -> ImageReport:
+    platform = PlatformReport(
+        platform="linux/amd64",
+        digest="sha256:" + digit * 64,
+        gpu=GpuFacts(inferred=inferred),
+        libc=LibcVerdict(flavour="glibc"),
+    )
+    return ImageReport(
+        reference=f"registry.example/{name}:1",
+        digest="sha256:" + digit * 64,
+        registry="registry.example",
+        repository=name,
+        tag="1",
+        platforms=[platform],
+    )
+
+
+def test_inferred_filter(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    store.save_report(report("torch", "a", InferredCuda(cuda="12.1", evidence=["x: cuda = '12.1'"])))
+    store.save_report(report("plain", "b", None))
+    found, total = store.list_images(inferred=True)
+    assert [row.repository for row in found] == ["torch"] and total == 1
+    found, _ = store.list_images(inferred=False)
+    assert [row.repository for row in found] == ["plain"]
+    assert store.list_images()[1] == 2
