@@ -115,8 +115,18 @@ def walk_blob(blob: Path) -> dict[str, object]:
         "entries": stats.entries,
         "cuda": inferred.cuda if inferred else None,
         "fatbin_files": len(archs.files) if archs else 0,
-        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "maxrss_kib": peak_rss_kib(),
     }
+
+
+def peak_rss_kib() -> int:
+    """This process's peak RSS since its exec (VmHWM). ru_maxrss would not do: Linux carries it
+    across execve, so a child forked from a big parent (bench.run after other sections) reports
+    the parent's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
