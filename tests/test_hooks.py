@@ -1,4 +1,4 @@
-"""Webhook normalisers and authentication (web/hooks.py).
+"""Webhook normalisers and authentication (the web/hooks package).
 
 Payload fixtures in fixtures/webhooks/ follow each sender's documented format
 (shared/reference/webhooks.md); where a format names a host, it points at a loopback

@@ -1,4 +1,4 @@
-"""Azure Container Registry webhooks (web/hooks_acr.py), as a unit and over HTTP.
+"""Azure Container Registry webhooks (web/hooks/acr.py), as a unit and over HTTP.
 
 Payloads in fixtures/webhooks/acr/ follow MicrosoftDocs' webhook reference (the documented
 digests are elided with `xxxx`, so the fixtures use sha256 of a readable name). The HTTP
@@ -22,7 +22,7 @@ from fixtures.service import RunningService, run_service_process
 from tests.conftest import Pusher
 from tests.test_service_e2e import call, metric_values, wait_job
 from web.hooks import WebhookAuthError, WebhookError
-from web.hooks_acr import authenticate, normalise
+from web.hooks.acr import authenticate, normalise
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "webhooks" / "acr"
 SECRET = "acr-hook-secret-0b7d"

@@ -18,8 +18,9 @@ from pydantic import BaseModel, Field, ValidationError
 from scanner.models import ImageReport
 from scanner.reference import Reference, ReferenceError, parse_reference
 from store import Job
-from web import hooks, hooks_acr
+from web import hooks
 from web.errors import json_error, json_http_error, read_json
+from web.hooks import acr as acr_hook
 from web.scan_requests import ScanRefused, request_scan
 from web.security import bearer_token, redact_secrets, token_matches
 from web.state import Services, services_of
@@ -27,7 +28,7 @@ from web.state import Services, services_of
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
-WEBHOOK_SOURCES = (*hooks.SOURCES, hooks_acr.SOURCE)
+WEBHOOK_SOURCES = (*hooks.SOURCES, acr_hook.SOURCE)
 MAX_WAIT = 60.0
 
 
@@ -107,8 +108,8 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
             " (webhook_secrets lists the accepted sources)",
         )
     try:
-        if source == hooks_acr.SOURCE:
-            hooks_acr.authenticate(request.headers, settings.webhook_secret_for(source))
+        if source == acr_hook.SOURCE:
+            acr_hook.authenticate(request.headers, settings.webhook_secret_for(source))
         else:
             hooks.authenticate(
                 source, body, request.headers, request.query, settings.webhook_secret_for(source)
@@ -118,8 +119,8 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         return json_error(401, str(exc))
     default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
-        if source == hooks_acr.SOURCE:
-            events = hooks_acr.normalise(body, settings.json_limits())
+        if source == acr_hook.SOURCE:
+            events = acr_hook.normalise(body, settings.json_limits())
         else:
             events = hooks.normalise(
                 source,

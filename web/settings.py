@@ -18,7 +18,7 @@ from scanner.reference import is_loopback
 from scanner.settings import ScannerSettings
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 from web.hooks import SOURCES
-from web.hooks_acr import SOURCE as ACR_SOURCE
+from web.hooks.acr import SOURCE as ACR_SOURCE
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-from web.hooks import (
+from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,
     ScanRequest,
     WebhookAuthError,

@@ -1,0 +1,30 @@
+"""Docker Hub repository webhooks (tag pushes; no digest, so the tag is resolved)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from scanner.reference import DOCKER_HUB
+from web.hooks.common import Headers, ScanRequest, _Payload, _request
+
+
+class _DockerHubPushData(_Payload):
+    tag: str
+
+
+class _DockerHubRepository(_Payload):
+    repo_name: str
+
+
+class _DockerHubPayload(_Payload):
+    push_data: _DockerHubPushData
+    repository: _DockerHubRepository
+
+
+def normalise(
+    payload: dict[str, Any], headers: Headers, default_registry: str | None
+) -> Iterable[ScanRequest]:
+    """Docker Hub: pushes only, by tag, never a digest."""
+    hub = _DockerHubPayload.model_validate(payload)
+    yield _request("dockerhub", DOCKER_HUB, hub.repository.repo_name, hub.push_data.tag, None, "push")
