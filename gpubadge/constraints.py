@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gpubadge.eligible import EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE, request_fields
+from gpubadge.eligible import EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE, ask_service, request_fields, scan_locally
 
 FORMATS = ("kubernetes", "dra", "nomad", "akash")
 
@@ -56,37 +56,14 @@ async def export_locally(
     from placement.exports import export_constraints, known_gpus
     from placement.inventory import parse_inventory
     from placement.request import DeployRequest
-    from scanner.registry import RegistryClient
-    from scanner.scan import Scanner
-    from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
     inventory = parse_inventory(servers.read_text())
-    settings = ScannerSettings.load()
-    async with RegistryClient(settings) as client:
-        report = await Scanner(client, None, settings).scan(reference)
-    if report.error:
-        raise RuntimeError(f"{reference}: {report.error}")
+    report = await scan_locally(reference)
     fleet = known_gpus(FleetIndex.build(inventory.servers))
     body = export_constraints(ImageFacts.from_report(report), request, fleet, chosen)  # type: ignore[arg-type]
     body["image"] = {"reference": report.reference, "digest": report.digest}
     return body
-
-
-async def ask_service(reference: str, url: str, fields: dict[str, Any], token: str | None) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(
-            f"{url.rstrip('/')}/api/constraints", json={"image": reference, **fields}, headers=headers
-        ) as response,
-    ):
-        body = await response.json(content_type=None)
-        if response.status != 200:
-            raise RuntimeError(f"service answered {response.status}: {body.get('error', body)}")
-        result: dict[str, Any] = body
-        return result
 
 
 class _Dumper(yaml.SafeDumper):
@@ -128,7 +105,13 @@ def main(argv: list[str]) -> int:
         else:
             token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
             body = asyncio.run(
-                ask_service(args.reference, args.service, {**fields, "format": args.format}, token)
+                ask_service(
+                    args.reference,
+                    args.service,
+                    {**fields, "format": args.format},
+                    token,
+                    path="/api/constraints",
+                )
             )
     except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as exc:
         print(f"gpubadge constraints: {exc}", file=sys.stderr)

@@ -12,9 +12,12 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from scanner.models import ImageReport
 
 EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE = 0, 1, 3
 
@@ -85,31 +88,41 @@ async def decide_locally(
     from placement.decide import ImageFacts, decide
     from placement.inventory import parse_inventory
     from placement.request import DeployRequest
-    from scanner.registry import RegistryClient
-    from scanner.scan import Scanner
-    from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
     options = AnswerOptions.model_validate(shape)
     inventory = parse_inventory(servers.read_text())
-    settings = ScannerSettings.load()
-    async with RegistryClient(settings) as client:
-        report = await Scanner(client, None, settings).scan(reference)
-    if report.error:
-        raise RuntimeError(f"{reference}: {report.error}")
+    report = await scan_locally(reference)
     decision = decide(ImageFacts.from_report(report), request, inventory.servers)
     result: dict[str, Any] = dict(answer(decision, options))
     result["image"] = {"reference": report.reference, "digest": report.digest}
     return result
 
 
-async def ask_service(reference: str, url: str, fields: dict[str, Any], token: str | None) -> dict[str, Any]:
+async def scan_locally(reference: str) -> ImageReport:
+    """Scan without a store or a service (`--servers`): the report, or RuntimeError with its error."""
+    from scanner.registry import RegistryClient
+    from scanner.scan import Scanner
+    from scanner.settings import ScannerSettings
+
+    settings = ScannerSettings.load()
+    async with RegistryClient(settings) as client:
+        report = await Scanner(client, None, settings).scan(reference)
+    if report.error:
+        raise RuntimeError(f"{reference}: {report.error}")
+    return report
+
+
+async def ask_service(
+    reference: str, url: str, fields: dict[str, Any], token: str | None, *, path: str = "/api/eligibility"
+) -> dict[str, Any]:
+    """POST `{"image": reference, **fields}` to the service (`--service`); its JSON answer."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = aiohttp.ClientTimeout(total=120)
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
         session.post(
-            f"{url.rstrip('/')}/api/eligibility", json={"image": reference, **fields}, headers=headers
+            f"{url.rstrip('/')}{path}", json={"image": reference, **fields}, headers=headers
         ) as response,
     ):
         body = await response.json(content_type=None)
