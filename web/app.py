@@ -18,14 +18,13 @@ from scanner.models import ImageReport
 from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from store import open_store
 from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware
 from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
 from web.security import private_reads
 from web.settings import ServiceSettings
-from web.state import SERVICES, Services
+from web.state import SERVICES, Services, open_service_store
 from web.worker_process import worker_events, worker_settings
 from web.workers import ScanWorkers
 
@@ -34,13 +33,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
     settings.check_consistent()
-    store = open_store(
-        settings.db,
-        synchronous=settings.sqlite_synchronous,
-        busy_timeout=settings.sqlite_busy_timeout,
-        threads=settings.store_threads,
-        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
-    )
+    store = open_service_store(settings)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     middlewares: list[Middleware] = [error_middleware]
     if not settings.public_reads:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from store import AsyncStore
+from store import AsyncStore, open_store
 from web.intake import JobIntake
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
@@ -53,3 +53,14 @@ def services_of(request: web.Request) -> Services:
 
 def services_of_app(app: web.Application) -> Services:
     return app[SERVICES]
+
+
+def open_service_store(settings: ServiceSettings) -> AsyncStore:
+    """The store the settings name: PostgreSQL when a database URL is set, else the SQLite file."""
+    return open_store(
+        settings.db,
+        synchronous=settings.sqlite_synchronous,
+        busy_timeout=settings.sqlite_busy_timeout,
+        threads=settings.store_threads,
+        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+    )

@@ -18,11 +18,11 @@ from aiohttp import web
 from scanner.referrers import ReportAttacher
 from scanner.registry import RegistryClient
 from scanner.scan import Scanner
-from store import LeaseExpiry, open_store
+from store import LeaseExpiry
 from web import health
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
-from web.state import SERVICES, Services
+from web.state import SERVICES, Services, open_service_store
 from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,7 @@ async def run_workers(
 ) -> None:
     """Run until `stop` is set, then drain. With `metrics_port`, serve /metrics and /healthz there
     (the scan counters live in this process, not in the API replicas)."""
-    store = open_store(
-        settings.db,
-        synchronous=settings.sqlite_synchronous,
-        busy_timeout=settings.sqlite_busy_timeout,
-        threads=settings.store_threads,
-        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
-    )
+    store = open_service_store(settings)
     metrics = ServiceMetrics()
     try:
         async with RegistryClient(settings) as client:

@@ -18,23 +18,23 @@ so no pull ever goes to a registry outside it.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Mapping
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.bounded_json import JsonLimits
 from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,
     ScanRequest,
     WebhookAuthError,
     WebhookError,
+    _describe,
+    _parse_json,
+    _request,
 )
 
 SOURCE = "acr"
 IGNORED_ACTIONS = frozenset({"delete", "quarantine", "chart_push", "chart_delete", "ping"})
-_MAX_ERRORS_SHOWN = 3
 
 
 class _Payload(BaseModel):
@@ -86,7 +86,7 @@ def normalise(body: bytes, limits: JsonLimits | None = None) -> list[ScanRequest
 
     `limits` bound the JSON's nesting, numbers and strings, as for every other sender.
     """
-    payload = _parse_json(body, limits or JsonLimits())
+    payload = _parse_json(SOURCE, body, limits or JsonLimits())
     try:
         action = _AcrHeader.model_validate(payload).action
         if action != "push":
@@ -100,42 +100,4 @@ def normalise(body: bytes, limits: JsonLimits | None = None) -> list[ScanRequest
     tag = target.tag or None
     if tag is not None and tag.startswith("sha256-"):
         return []  # a referrers tag-schema index (ours or anyone's), never an image
-    try:
-        request = ScanRequest(
-            registry=event.request.host,
-            repository=target.repository,
-            tag=tag,
-            digest=target.digest,
-            action="push",
-            source=SOURCE,
-        )
-    except ValidationError as exc:
-        raise WebhookError(f"acr payload names an invalid image: {_describe(exc)}") from None
-    return [request]
-
-
-def _parse_json(body: bytes, limits: JsonLimits) -> dict[str, Any]:
-    try:
-        payload = loads_bounded(body, limits)
-    except JsonLimitExceeded as exc:
-        raise WebhookError(f"acr payload refused: {exc}") from None
-    except UnicodeDecodeError:
-        raise WebhookError("acr payload is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise WebhookError(f"acr payload is not JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(payload, dict):
-        raise WebhookError(f"acr payload must be a JSON object, got {type(payload).__name__}")
-    return payload
-
-
-def _describe(exc: ValidationError) -> str:
-    """Pydantic's errors as `field.path: reason`, without echoing the offending values."""
-    errors = exc.errors(include_url=False, include_input=False)
-    parts = []
-    for error in errors[:_MAX_ERRORS_SHOWN]:
-        location = ".".join(str(part) for part in error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        parts.append(f"{location}: {message}" if location else message)
-    if len(errors) > _MAX_ERRORS_SHOWN:
-        parts.append(f"and {len(errors) - _MAX_ERRORS_SHOWN} more")
-    return "; ".join(parts)
+    return [_request(SOURCE, event.request.host, target.repository, tag, target.digest, "push")]
