@@ -20,7 +20,15 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gpubadge.eligible import EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE, ask_service, request_fields, scan_locally
+from gpubadge.eligible import (
+    EXIT_ELIGIBLE,
+    EXIT_ERROR,
+    EXIT_NONE,
+    add_request_arguments,
+    ask_service,
+    request_fields,
+    scan_locally,
+)
 
 FORMATS = ("kubernetes", "dra", "nomad", "akash")
 
@@ -31,20 +39,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("reference", metavar="REF", help="image reference (tag or digest)")
     p.add_argument("--format", required=True, choices=FORMATS, help="the scheduler's language")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
-    where.add_argument("--service", help="URL of a running gpubadge service")
-    p.add_argument("--gpus", type=int, help="GPUs needed (a GPU image defaults to 1)")
-    p.add_argument(
-        "--gpu-model", action="append", default=[], dest="gpu_models", help="acceptable model (repeat)"
-    )
-    p.add_argument("--min-gpu-memory", help="per-GPU memory, e.g. 40Gi")
-    p.add_argument("--min-compute-capability", help="e.g. 8.0")
-    p.add_argument("--min-driver", help="e.g. 535.104.05")
-    p.add_argument("--cpus", type=float, help="CPU cores")
-    p.add_argument("--memory", help="memory, e.g. 64Gi")
-    p.add_argument("--label", action="append", default=[], help="required node label key=value (repeat)")
-    p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
+    add_request_arguments(p)
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     return p
 

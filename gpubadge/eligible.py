@@ -22,11 +22,8 @@ if TYPE_CHECKING:
 EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE = 0, 1, 3
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gpubadge eligible", description="List the servers that can run an image."
-    )
-    p.add_argument("reference", metavar="REF", help="image reference (tag or digest)")
+def add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the fleet comes from and what the deploy asks for: shared by `eligible` and `constraints`."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
     where.add_argument("--service", help="URL of a running gpubadge service")
@@ -41,6 +38,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="memory, e.g. 64Gi")
     p.add_argument("--label", action="append", default=[], help="required server label key=value (repeat)")
     p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpubadge eligible", description="List the servers that can run an image."
+    )
+    p.add_argument("reference", metavar="REF", help="image reference (tag or digest)")
+    add_request_arguments(p)
     p.add_argument("--limit", type=int, default=50, help="eligible servers to list (default 50)")
     p.add_argument("--cursor", help="`next_cursor` of a previous --json answer: the next page")
     p.add_argument(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sqlite3
@@ -28,6 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import RunningService, run_service_process
@@ -36,19 +36,13 @@ from tests.faultproxy import FaultProxy, Rule
 from tests.test_service_e2e import metric_values
 
 SECRET = "faults-secret"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 LEASE_SECONDS = 2.0
 TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 def payload(host: str, repository: str, digest: str) -> bytes:
     """A Distribution push notification for `repository:1` as seen through `host`."""
-    event = {
-        "action": "push",
-        "target": {"mediaType": OCI_MANIFEST, "digest": digest, "repository": repository, "tag": "1"},
-        "request": {"host": host, "method": "PUT"},
-    }
-    return json.dumps({"events": [event]}).encode()
+    return distribution_push(host, repository, digest, "1")
 
 
 def fault_env(proxy: FaultProxy, **extra: str) -> dict[str, str]:

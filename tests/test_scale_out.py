@@ -26,6 +26,7 @@ import psycopg
 import pytest
 import yaml
 
+from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import LocalRegistry, free_port, run_registry
 from fixtures.service import RunningService, run_role_process, run_service_process
@@ -35,7 +36,6 @@ SECRET = "scale-secret"
 API_TOKEN = "scale-api-token"
 IMAGES = 300
 LEASE_SECONDS = 3  # a killed worker's jobs return within a lease, plus a third of one
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 @dataclass
@@ -45,20 +45,7 @@ class Pushed:
 
     def payload(self, repository: str) -> bytes:
         """A Distribution v1 notification envelope for one manifest push, as the registry sends it."""
-        digest = self.digests[repository]
-        host = self.registry.host
-        event = {
-            "action": "push",
-            "target": {
-                "mediaType": OCI_MANIFEST,
-                "digest": digest,
-                "repository": repository,
-                "url": f"http://{host}/v2/{repository}/manifests/{digest}",
-                "tag": "latest",
-            },
-            "request": {"host": host, "method": "PUT"},
-        }
-        return json.dumps({"events": [event]}).encode()
+        return distribution_push(self.registry.host, repository, self.digests[repository], "latest")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import re
 import signal
 import sqlite3
@@ -23,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import LocalRegistry, free_port, run_registry
 from fixtures.service import run_service_process
@@ -31,7 +31,6 @@ from tests.test_service_e2e import by_ref, call, wait_job
 
 SECRET = "durability-secret"
 BURST = 200
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 @dataclass
@@ -44,20 +43,7 @@ class Burst:
 
     def payload(self, repository: str, host: str | None = None) -> bytes:
         """What `docker-registry` itself sends for a manifest push (v1 envelope, one event)."""
-        host = host or self.registry.host
-        digest = self.digests[repository]
-        event = {
-            "action": "push",
-            "target": {
-                "mediaType": OCI_MANIFEST,
-                "digest": digest,
-                "repository": repository,
-                "url": f"http://{host}/v2/{repository}/manifests/{digest}",
-                "tag": "latest",
-            },
-            "request": {"host": host, "method": "PUT"},
-        }
-        return json.dumps({"events": [event]}).encode()
+        return distribution_push(host or self.registry.host, repository, self.digests[repository], "latest")
 
 
 @pytest.fixture(scope="module")
