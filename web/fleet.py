@@ -244,7 +244,11 @@ class FleetIndexCache:
             self._recent_owner.clear()
             self._recent_live.clear()
             servers, reserved = await store.servers(), await store.reserved_gpus()
-            self._read_inventory(app, now, servers, reserved)
+            # Parsing inventories is the costly part (10,000 agents at start-up): a thread does it;
+            # the index itself changes here, on the loop, in one step.
+            unseen = [row.inventory_json for row in servers if row.inventory_json not in self._parsed]
+            fresh = await asyncio.to_thread(_parse_inventories, unseen) if unseen else {}
+            self._read_inventory(app, now, servers, reserved, fresh)
         elif self._reservations_dirty:
             self._reservations_dirty = False
             self._apply_reservations(await store.reserved_gpus(), ())
@@ -252,7 +256,12 @@ class FleetIndexCache:
         return self._index
 
     def _read_inventory(
-        self, app: web.Application, now: float, rows: Sequence[ServerRecord], reserved: Mapping[str, str]
+        self,
+        app: web.Application,
+        now: float,
+        rows: Sequence[ServerRecord],
+        reserved: Mapping[str, str],
+        fresh: Mapping[str, Server],
     ) -> None:
         services = services_of_app(app)
         self.inventory_reads += 1
@@ -270,9 +279,8 @@ class FleetIndexCache:
                 continue
             server = self._parsed.get(inventory)
             if server is None:  # heartbeat times are not kept current here: placement ignores them
-                server = Server.model_validate_json(inventory).model_copy(
-                    update={"last_heartbeat": seen, "source": "agent"}
-                )
+                parsed_now = fresh.get(inventory) or Server.model_validate_json(inventory)
+                server = parsed_now.model_copy(update={"last_heartbeat": seen, "source": "agent"})
             parsed[inventory] = base[server.name] = server
             agents.add(server.name)
             first_seen = seen if first_seen is None else min(first_seen, seen)
@@ -324,6 +332,11 @@ class FleetIndexCache:
             placed.append(server)
         assert self._index is not None
         self._index.update(placed)
+
+
+def _parse_inventories(documents: Sequence[str]) -> dict[str, Server]:
+    """Stored inventory documents parsed, keyed by their text (run in a thread)."""
+    return {document: Server.model_validate_json(document) for document in documents}
 
 
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
