@@ -13,6 +13,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 LibcFlavour = Literal["glibc", "musl", "none", "unknown"]
+# Where a platform's layer verdicts (libc, inferred CUDA, archs) stand:
+# `analysed`: the layers were read (the flavour says what was found, `unknown` included);
+# `pending`: the config facts are published and the layers are being read now;
+# `not_analysed`: no layer is read for this platform (not linux, outside GPUBADGE_PLATFORMS,
+# a config-only scan); `reason` says which.
+LayerState = Literal["analysed", "pending", "not_analysed"]
 
 
 def utc_now() -> datetime:
@@ -156,12 +162,19 @@ class LibcVerdict(BaseModel):
     """Which C library the image's root filesystem carries, and how we know."""
 
     flavour: LibcFlavour = "unknown"
+    state: LayerState = Field(
+        default="analysed", description="analysed, pending (layers being read) or not_analysed (see reason)"
+    )
+    reason: str | None = Field(default=None, description="why the layers are not analysed, when they are not")
     evidence: str | None = Field(default=None, description="the file or ELF interpreter that decided")
     distro: str | None = Field(default=None, description="PRETTY_NAME or ID+VERSION_ID from os-release")
     musl_also: bool = Field(default=False, description="a musl loader is present beside glibc")
     layers_read: int = 0
     layers_total: int = 0
-    bytes_read: int = Field(default=0, description="compressed bytes fetched from the registry")
+    bytes_read: int = Field(
+        default=0,
+        description="compressed layer bytes the registry sent for this verdict, partial reads included",
+    )
     bytes_total: int = Field(default=0, description="compressed size of all layers")
 
 
@@ -169,6 +182,15 @@ class LayerInfo(BaseModel):
     digest: str
     size: int
     media_type: str
+
+
+class SkippedLayer(BaseModel):
+    """A layer that was never fetched, and why (foreign or non-distributable content)."""
+
+    digest: str
+    size: int
+    media_type: str
+    reason: str
 
 
 class PlatformReport(BaseModel):
@@ -183,6 +205,13 @@ class PlatformReport(BaseModel):
     layers: list[LayerInfo] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     created: str | None = None
+    skipped_layers: list[SkippedLayer] = Field(
+        default_factory=list, description="layers never fetched (foreign or non-distributable)"
+    )
+    bytes_fetched: int = Field(
+        default=0,
+        description="compressed bytes the registry sent for this platform in this scan (config and layers)",
+    )
 
 
 class ImageReport(BaseModel):
@@ -200,6 +229,13 @@ class ImageReport(BaseModel):
     requests: int = Field(default=0, description="HTTP requests this scan made (cached tokens excluded)")
     cached: bool = Field(default=False, description="the digest was already scanned; no new requests")
     config_only: bool = False
+    pending: bool = Field(
+        default=False,
+        description="config facts are published; layer verdicts (libc, inferred CUDA) are still being read",
+    )
+    bytes_fetched: int = Field(
+        default=0, description="bytes the registry sent for this scan: manifests, configs and layers"
+    )
     retryable: bool = Field(
         default=True,
         description="false when scanning again cannot succeed (the image crosses a configured bound)",
