@@ -87,10 +87,10 @@ class _Reader:
 
 def walk_blob(blob: Path) -> dict[str, object]:
     """The child: the deep scan's layer walk over a blob read in 1 MiB chunks."""
-    from scanner.inferred import CudaEntryCollector, combine
-    from scanner.limits import AnalysisLimits, ScanBudget
-    from scanner.tarstream import StreamStats
-    from scanner.walk import LayerWalk
+    from scanner.layers.inferred import CudaEntryCollector, combine
+    from scanner.layers.limits import AnalysisLimits, ScanBudget
+    from scanner.layers.tarstream import StreamStats
+    from scanner.layers.walk import LayerWalk
 
     limits = AnalysisLimits(max_layer_bytes=64 << 30, max_image_bytes=64 << 30, max_scan_seconds=3600)
     collector = CudaEntryCollector()
@@ -249,10 +249,10 @@ async def shared_layer_reads() -> tuple[int, int, int]:
     """(bytes read for image A, bytes of the shared layer read again for image B, its size)."""
     from fixtures.oci import ImageSpec, LayerSpec, file, push_image
     from fixtures.registry import run_registry
-    from scanner.analysis import AnalysisPool
-    from scanner.deep import DeepReader
-    from scanner.reference import parse_reference
-    from scanner.registry import RegistryClient
+    from scanner.layers.analysis import AnalysisPool
+    from scanner.layers.deep import DeepReader
+    from scanner.registry.client import RegistryClient
+    from scanner.registry.reference import parse_reference
     from scanner.settings import ScannerSettings
     from tests.test_deep_scan import wheel_layer
 

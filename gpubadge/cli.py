@@ -137,7 +137,7 @@ def _delegate(command: str, rest: list[str]) -> int:
 
 
 def run_scan(args: argparse.Namespace) -> int:
-    from scanner.registry import RegistryClient
+    from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner, ScanOptions, scan_many
     from scanner.settings import ScannerSettings
 

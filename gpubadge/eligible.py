@@ -106,7 +106,7 @@ async def decide_locally(
 
 async def scan_locally(reference: str) -> ImageReport:
     """Scan without a store or a service (`--servers`): the report, or RuntimeError with its error."""
-    from scanner.registry import RegistryClient
+    from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner
     from scanner.settings import ScannerSettings
 

@@ -32,9 +32,10 @@ def main(argv: Sequence[str]) -> int:
         args = build_parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    from scanner.reference import ReferenceError, parse_reference
-    from scanner.referrers import Referrer, list_referrers, read_report
-    from scanner.registry import RegistryClient, RegistryError
+    from scanner.registry.client import RegistryClient
+    from scanner.registry.errors import RegistryError
+    from scanner.registry.reference import ReferenceError, parse_reference
+    from scanner.registry.referrers import Referrer, list_referrers, read_report
     from scanner.settings import ScannerSettings
 
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement.requirements import compare_version
-from scanner.fatbin import container_runs_on
+from scanner.layers.fatbin import container_runs_on
 from scanner.models import ContainerArchs, GpuFacts
 
 # Minor-version compatibility floors, by CUDA major (NVIDIA's CUDA compatibility guide).

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scanner.models import GpuFacts
-from scanner.requirements import (
+from scanner.facts.requirements import (
     EXPR_MAX,
     KEYS,
     OPERATORS,
@@ -37,6 +36,7 @@ from scanner.requirements import (
     latent_error,
     parse_requirement_lenient,
 )
+from scanner.models import GpuFacts
 
 Outcome = Literal["satisfied", "unsatisfied", "error"]
 

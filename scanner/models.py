@@ -110,7 +110,7 @@ class GpuArchs(BaseModel):
 
 
 class InferredCuda(BaseModel):
-    """CUDA found in the layers (not declared by the config). See scanner.inferred."""
+    """CUDA found in the layers (not declared by the config). See scanner.layers.inferred."""
 
     cuda: str | None = Field(default=None, description="the most precise CUDA version the evidence supports")
     evidence: list[str] = Field(default_factory=list, description='"<path>: <what it says>"')

@@ -16,20 +16,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scanner.badges import badges, cuda_mismatch
-from scanner.gpu import gpu_facts
-from scanner.limits import LimitExceeded, scan_too_slow
+from scanner.facts.badges import badges, cuda_mismatch
+from scanner.facts.gpu import gpu_facts
+from scanner.layers.limits import LimitExceeded, scan_too_slow
+from scanner.layers.tarstream import AnalysisCrashed, LayerError
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
-from scanner.reference import Reference, ReferenceError, parse_reference
-from scanner.registry import Descriptor, Manifest, RegistryClient, RegistryError
+from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import Descriptor, Manifest
+from scanner.registry.errors import RegistryError
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from scanner.settings import ScannerSettings
-from scanner.tarstream import AnalysisCrashed, LayerError
 
 if TYPE_CHECKING:
-    from scanner.analysis import AnalysisPool
     from scanner.cache import ScanCache
-    from scanner.deep import DeepReader
-    from scanner.layers import LayerReader
+    from scanner.layers.analysis import AnalysisPool
+    from scanner.layers.deep import DeepReader
+    from scanner.layers.reader import LayerReader
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +100,8 @@ class Scanner:
     def layers(self) -> LayerReader:
         """The layer reader, built on first use: config-only scans never load the tar and libc code."""
         if self._layers is None:
-            from scanner.analysis import AnalysisPool
-            from scanner.layers import LayerReader
+            from scanner.layers.analysis import AnalysisPool
+            from scanner.layers.reader import LayerReader
 
             self._pool = AnalysisPool(self.settings.analysis_processes)
             self._layers = LayerReader(
@@ -111,7 +113,7 @@ class Scanner:
     def deep(self) -> DeepReader:
         """The deep-scan reader (CUDA found in layers), built on first use."""
         if self._deep is None:
-            from scanner.deep import DeepReader
+            from scanner.layers.deep import DeepReader
 
             self.layers  # noqa: B018  (builds the shared analysis pool)
             assert self._pool is not None

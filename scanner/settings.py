@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from scanner import limits
+from scanner.layers import limits
 
 MiB = 1024 * 1024
 CONFIG_ENV = "GPUBADGE_CONFIG"

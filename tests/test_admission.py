@@ -409,7 +409,7 @@ def test_mutation_turns_brand_clauses_into_the_fleets_products() -> None:
     """With the fleet's GPUs known, NVIDIA's brand escape terms become nvidia.com/gpu.product lists."""
     from fixtures.catalog import cuda_images
     from placement.exports.core import KnownGpu
-    from scanner.gpu import gpu_facts
+    from scanner.facts.gpu import gpu_facts
 
     require = cuda_images()[1]["NVIDIA_REQUIRE_CUDA"]
     facts = gpu_facts({"config": {"Env": [f"NVIDIA_REQUIRE_CUDA={require}", "CUDA_VERSION=12.2.2"]}})

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from scanner.credentials import CredentialStore, docker_auth_key
+from scanner.registry.credentials import CredentialStore, docker_auth_key
 from scanner.settings import RegistryConfig, ScannerSettings
 
 HELPER = """#!{python}

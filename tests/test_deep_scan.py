@@ -11,8 +11,8 @@ import pytest
 from fixtures.oci import ImageSpec, LayerSpec, file, whiteout
 from fixtures.registry import LocalRegistry
 from scanner.models import PlatformReport
-from scanner.reference import parse_reference
-from scanner.registry import RegistryClient
+from scanner.registry.client import RegistryClient
+from scanner.registry.reference import parse_reference
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from store import open_store

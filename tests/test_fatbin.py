@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scanner.cudaelf import ElfCudaProbe
-from scanner.fatbin import (
+from scanner.layers.cudaelf import ElfCudaProbe
+from scanner.layers.fatbin import (
     FatbinError,
     FatbinScan,
     container_runs_on,
@@ -23,7 +23,7 @@ from scanner.fatbin import (
     summarise,
     walk_section,
 )
-from scanner.inferred import needed_finding
+from scanner.layers.inferred import needed_finding
 from scanner.models import ContainerArchs
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 

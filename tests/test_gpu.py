@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from scanner.badges import badges
-from scanner.gpu import cuda_major_minor, gpu_facts
+from scanner.facts.badges import badges
+from scanner.facts.gpu import cuda_major_minor, gpu_facts
 from scanner.models import GpuFacts, LibcVerdict
 
 CASES_FILE = Path(__file__).parent.parent / "fixtures" / "nvidia_toolkit_test_cases.json"

@@ -24,7 +24,7 @@ import pytest
 
 from fixtures.oci import OCI_INDEX, OCI_MANIFEST, ImageSpec, LayerSpec, file, push_image
 from fixtures.registry import LocalRegistry, run_registry
-from scanner.reference import parse_reference
+from scanner.registry.reference import parse_reference
 from web.hooks import (
     SOURCES,
     ScanRequest,

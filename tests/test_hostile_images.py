@@ -24,15 +24,16 @@ from fixtures.hostile import SHAPES, HostileShape
 from fixtures.oci import LAYER_MEDIA_TYPES, fake_elf
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
-from scanner.layers import LayerReader
-from scanner.libc import LayerEvidence, LibcAnalysis, PathRecord
-from scanner.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.libc import LayerEvidence, LibcAnalysis, PathRecord
+from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.reader import LayerReader
+from scanner.layers.tarstream import AnalysisCrashed, TarEntry
 from scanner.models import ImageReport
-from scanner.reference import parse_reference
-from scanner.registry import Descriptor, RegistryClient
+from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import Descriptor
+from scanner.registry.reference import parse_reference
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
-from scanner.tarstream import AnalysisCrashed, TarEntry
 from tests.conftest import Pusher
 from tests.test_service_e2e import call
 

@@ -20,22 +20,21 @@ from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry
-from scanner.auth import Challenge
-from scanner.reference import is_loopback, parse_reference
-from scanner.registry import (
+from scanner.registry.auth import Challenge
+from scanner.registry.client import RegistryClient
+from scanner.registry.errors import (
     DigestMismatch,
     InsecureTransport,
     RateLimited,
-    RegistryClient,
     ServerError,
     TokenRealmRefused,
     TooLarge,
     TransportError,
     Unauthorized,
     UnsupportedManifest,
-    parse_rate_limit,
-    parse_retry_after,
 )
+from scanner.registry.reference import is_loopback, parse_reference
+from scanner.registry.retry import parse_rate_limit, parse_retry_after
 from scanner.settings import RegistryConfig, ScannerSettings
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule, TokenServer

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fixtures.oci import file, tar_bytes
-from scanner.inferred import (
+from scanner.layers.inferred import (
     CudaEntryCollector,
     CudaLayerEvidence,
     choose_cuda,
@@ -19,9 +19,9 @@ from scanner.inferred import (
     parse_torch_version,
     tf_cuda_version,
 )
-from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
-from scanner.tarstream import TarEntry
-from scanner.walk import LayerWalk
+from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.tarstream import TarEntry
+from scanner.layers.walk import LayerWalk
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 
 SITE = "/usr/local/lib/python3.11/site-packages"

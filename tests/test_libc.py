@@ -22,9 +22,9 @@ from fixtures.oci import (
     tar_bytes,
     whiteout,
 )
-from scanner.libc import LayerEvidence, LibcAnalysis, analyse_layer, combine, parse_os_release
+from scanner.layers.libc import LayerEvidence, LibcAnalysis, analyse_layer, combine, parse_os_release
+from scanner.layers.tarstream import CorruptLayer
 from scanner.models import LibcVerdict
-from scanner.tarstream import CorruptLayer
 
 GiB = 1 << 30
 GLIBC_X86 = "/lib64/ld-linux-x86-64.so.2"

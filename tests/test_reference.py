@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scanner.reference import Reference, ReferenceError, parse_reference
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
 
 DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64

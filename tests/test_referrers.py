@@ -1,4 +1,4 @@
-"""Reports as OCI referrers (scanner/referrers.py) against the real Debian docker-registry 2.8.
+"""Reports as OCI referrers (scanner/registry/referrers.py) against the real Debian docker-registry 2.8.
 
 That registry has no referrers API, so every attach goes through the referrers tag schema.
 Images and the foreign tag-schema index are pushed with skopeo; what we pushed is checked
@@ -22,7 +22,9 @@ from fixtures import catalog
 from fixtures.oci import ImageSpec, LayoutWriter
 from fixtures.registry import LocalRegistry, run_registry
 from scanner.models import ImageReport
-from scanner.referrers import (
+from scanner.registry.client import RegistryClient
+from scanner.registry.push import PushError
+from scanner.registry.referrers import (
     ARTIFACT_TYPE,
     EMPTY_DIGEST,
     EMPTY_MEDIA_TYPE,
@@ -32,8 +34,6 @@ from scanner.referrers import (
     tag_schema_tag,
     with_entry,
 )
-from scanner.registry import RegistryClient
-from scanner.registry_push import PushError
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher

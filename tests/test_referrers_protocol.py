@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from scanner.models import ImageReport
-from scanner.referrers import ReportAttacher, tag_schema_tag
-from scanner.registry import Manifest, compute_digest
-from scanner.registry_push import Fetched, PushedManifest, PushError
+from scanner.registry.descriptors import Manifest, compute_digest
+from scanner.registry.push import Fetched, PushedManifest, PushError
+from scanner.registry.referrers import ReportAttacher, tag_schema_tag
 from scanner.settings import ScannerSettings
 
 HOST = "registry.test:5000"

@@ -22,7 +22,7 @@ from fixtures import catalog
 from fixtures.oci import push_image
 from fixtures.registry import LocalRegistry, free_port, notification_endpoint, run_registry
 from fixtures.service import RunningService, run_service_process
-from scanner.referrers import ARTIFACT_TYPE, tag_schema_tag
+from scanner.registry.referrers import ARTIFACT_TYPE, tag_schema_tag
 from tests.test_service_e2e import by_ref, call, metric_values, wait_job
 
 SECRET = "referrers-hook-secret-4c1e"

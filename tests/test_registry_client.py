@@ -16,16 +16,11 @@ from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, run_registry
-from scanner.auth import Challenge, TokenCache, parse_challenges, parse_token_response
-from scanner.reference import parse_reference
-from scanner.registry import (
-    OCI_INDEX,
-    OCI_MANIFEST,
-    NotFound,
-    RegistryClient,
-    TooLarge,
-    Unauthorized,
-)
+from scanner.registry.auth import Challenge, TokenCache, parse_challenges, parse_token_response
+from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import OCI_INDEX, OCI_MANIFEST
+from scanner.registry.errors import NotFound, TooLarge, Unauthorized
+from scanner.registry.reference import parse_reference
 from scanner.settings import RegistryConfig, ScannerSettings
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, TokenServer

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from fixtures.busybox import busybox_image
 from fixtures.registry import LocalRegistry, free_port, run_registry
 from fixtures.service import run_service_inprocess
-from scanner.registry import RegistryClient
+from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import RegistryConfig, ScannerSettings
 from store import open_store

@@ -20,8 +20,9 @@ from pydantic import SecretStr
 from fixtures.busybox import busybox_image
 from fixtures.registry import LocalRegistry, run_registry
 from fixtures.token_issuer import SERVICE, SigningKey, TokenIssuer
-from scanner.reference import parse_reference
-from scanner.registry import RegistryClient, Unauthorized
+from scanner.registry.client import RegistryClient
+from scanner.registry.errors import Unauthorized
+from scanner.registry.reference import parse_reference
 from scanner.settings import RegistryConfig, ScannerSettings
 from tests.conftest import Pusher
 

@@ -17,8 +17,8 @@ from placement.requirements import (
     legacy_cuda_requirement,
     requirement_texts,
 )
+from scanner.facts.requirements import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
 from scanner.models import GpuFacts
-from scanner.requirements import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CASES: list[dict[str, Any]] = json.loads((FIXTURES / "nvidia_toolkit_test_cases.json").read_text())
@@ -386,7 +386,7 @@ def test_requirement_values_without_env_are_used() -> None:
 
 def test_every_clause_that_fails_when_reached_is_named() -> None:
     """Malformed clauses, and well-formed ones the runtime still rejects (too long, too large)."""
-    from scanner.gpu import gpu_facts
+    from scanner.facts.gpu import gpu_facts
 
     long_clause = "driver>=" + "0" * 125 + "535"
     value = f"cuda>=12.2 gpu=h100 brand>=tesla {long_clause} arch>=99999999999999999999999"

@@ -26,8 +26,8 @@ from placement.decide import ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from placement.requirements import DeviceFacts, ImageRequirements, evaluate, evaluate_text
+from scanner.facts.requirements import parse_requirement_lenient
 from scanner.models import GpuFacts, ImageReport, PlatformReport
-from scanner.requirements import parse_requirement_lenient
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 REAL = sorted(

@@ -14,7 +14,7 @@ from fixtures import catalog
 from fixtures.oci import ImageSpec, LayerSpec, LayoutWriter, file, push_layout
 from fixtures.registry import LocalRegistry
 from scanner.models import ImageReport, Platform
-from scanner.registry import RegistryClient
+from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner, ScanOptions
 from scanner.settings import ScannerSettings
 from store import open_store

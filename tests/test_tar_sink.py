@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.oci import file, tar_bytes
-from scanner.tarstream import TarEntry, TarParser
+from scanner.layers.tarstream import TarEntry, TarParser
 
 BIG = bytes(range(256)) * 4099  # not a multiple of 512: padding follows the content
 

@@ -14,8 +14,8 @@ import pytest
 import zstandard
 
 from fixtures.oci import LAYER_MEDIA_TYPES, Compression, Entry, compress, fake_elf, file, symlink, tar_bytes
-from scanner.elf import parse_elf
-from scanner.tarstream import (
+from scanner.layers.elf import parse_elf
+from scanner.layers.tarstream import (
     CorruptLayer,
     LayerTooLarge,
     StreamStats,

@@ -7,9 +7,10 @@ from pydantic import SecretStr
 
 from fixtures.busybox import busybox_image
 from fixtures.registry import LocalRegistry
-from scanner.auth import RealmRefused, check_realm
-from scanner.reference import parse_reference
-from scanner.registry import NotFound, RegistryClient, TokenRealmRefused
+from scanner.registry.auth import RealmRefused, check_realm
+from scanner.registry.client import RegistryClient
+from scanner.registry.errors import NotFound, TokenRealmRefused
+from scanner.registry.reference import parse_reference
 from scanner.settings import RegistryConfig, ScannerSettings
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule, TokenServer

@@ -31,7 +31,7 @@ from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, free_port
-from scanner.badges import badges
+from scanner.facts.badges import badges
 from scanner.models import GpuFacts, ImageReport, LibcFlavour, LibcVerdict, PlatformReport, RequirementIssue
 from store import EnqueueBatch
 from store import SqliteStore as Store

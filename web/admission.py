@@ -33,7 +33,7 @@ from placement.admission import Pod, Review, containers_of, review_pod
 from placement.exports import known_gpus
 from placement.exports.core import KnownGpu
 from scanner.models import ImageReport
-from scanner.reference import ReferenceError, parse_reference
+from scanner.registry.reference import ReferenceError, parse_reference
 from web.api import find_report
 from web.errors import read_json
 from web.fleet import fleet_index

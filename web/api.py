@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
 from scanner.models import ImageReport
-from scanner.reference import Reference, ReferenceError, parse_reference
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import Job
 from web import hooks
 from web.errors import json_error, json_http_error, read_json

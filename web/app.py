@@ -15,8 +15,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from scanner.models import ImageReport
-from scanner.referrers import ReportAttacher
-from scanner.registry import RegistryClient
+from scanner.registry.client import RegistryClient
+from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.errors import error_middleware

@@ -38,7 +38,7 @@ from placement.protocol import (
 )
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from scanner.reference import ReferenceError, parse_reference
+from scanner.registry.reference import ReferenceError, parse_reference
 from store import GpuTaken, ServerRecord
 from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json

@@ -6,7 +6,7 @@ and coalesce into an existing job the same way, so the rule lives here once.
 
 from __future__ import annotations
 
-from scanner.reference import ReferenceError, parse_reference
+from scanner.registry.reference import ReferenceError, parse_reference
 from store import Job
 from web.security import token_matches
 from web.state import Services

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from scanner.reference import is_loopback
+from scanner.registry.reference import is_loopback
 from scanner.settings import ScannerSettings
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 from web.hooks import SOURCES

@@ -23,10 +23,10 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from scanner.badges import LIBC_BADGES
+from scanner.facts.badges import LIBC_BADGES
+from scanner.facts.requirements import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport
-from scanner.reference import Reference, ReferenceError, parse_reference
-from scanner.requirements import describe_condition, parse_requirement_lenient
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
 from web.api import find_report
 from web.badge_svg import badge_for, render_badge

@@ -15,8 +15,8 @@ import signal
 
 from aiohttp import web
 
-from scanner.referrers import ReportAttacher
-from scanner.registry import RegistryClient
+from scanner.registry.client import RegistryClient
+from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health

@@ -23,8 +23,8 @@ from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
 from placement.requirements import ImageRequirements
+from scanner.facts.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
 from scanner.models import GpuFacts
-from scanner.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
 
 Version = tuple[int, ...]
 DIMENSIONS = ("driver", "cuda", "cc")  # driver version, driver's CUDA version, compute capability

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from scanner.reference import DOCKER_HUB, ReferenceError, parse_reference
+from scanner.registry.reference import DOCKER_HUB, ReferenceError, parse_reference
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 
 SOURCES: tuple[str, ...] = ("distribution", "dockerhub", "harbor", "ghcr", "quay", "gar", "ecr", "jfrog")
@@ -94,7 +94,7 @@ class ScanRequest(BaseModel):
 
     @property
     def reference(self) -> str:
-        """`registry/repository[:tag][@digest]`, accepted by `scanner.reference.parse_reference`."""
+        """`registry/repository[:tag][@digest]`, accepted by `scanner.registry.reference.parse_reference`."""
         return _reference_text(self.registry, self.repository, self.tag, self.digest)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from scanner.reference import DOCKER_HUB
+from scanner.registry.reference import DOCKER_HUB
 from web.hooks.common import Headers, ScanRequest, _Payload, _request
 
 

@@ -21,7 +21,7 @@ Two parts:
   to a callback, and a `stop()` predicate is asked after every decompressed slice. An
   analysis process runs it on chunks shipped from the scanning process.
 
-Bounds (`scanner.limits.AnalysisLimits`): a path or link target longer than
+Bounds (`scanner.layers.limits.AnalysisLimits`): a path or link target longer than
 `max_path_bytes`, more than `max_layer_entries` entries, or an extended header larger
 than `max_tar_header_bytes` raise `LimitExceeded`; so does an image past
 `max_image_bytes` or its deadline when a `ScanBudget` is given.
@@ -38,7 +38,7 @@ from typing import IO, Literal, Protocol, cast
 
 import zstandard
 
-from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
 
 _inflate: ModuleType = zlib
 try:  # ISA-L's inflate: the same gzip streams, 2-3x faster than zlib (the deep scan reads whole layers)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from scanner.credentials import Credentials
-from scanner.reference import is_loopback, split_host
+from scanner.registry.credentials import Credentials
+from scanner.registry.reference import is_loopback, split_host
 
 DEFAULT_TOKEN_LIFETIME = 60.0
 TOKEN_EXPIRY_MARGIN = 5.0

@@ -16,12 +16,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from scanner.analysis import AnalysisPool, evidence_is_complete
-from scanner.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.analysis import AnalysisPool, evidence_is_complete
+from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.tarstream import LayerTooLarge
 from scanner.models import LibcVerdict
-from scanner.reference import Reference
-from scanner.registry import Descriptor, RegistryClient
-from scanner.tarstream import LayerTooLarge
+from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import Descriptor
+from scanner.registry.reference import Reference
 
 if TYPE_CHECKING:
     from scanner.cache import ScanCache

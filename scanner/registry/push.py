@@ -1,6 +1,6 @@
 """The write side of the registry client: blobs, manifests and indexes pushed with oras-py.
 
-scanner/registry.py reads (pulls with the scanner's credentials); this module is the only
+scanner/registry/client.py reads (pulls with the scanner's credentials); this module is the only
 code that writes to a registry, and only with gpubadge's own push credentials for it
 (`registries[].push_username` / `push_password`), never the pull credentials, the Docker
 config or anything a webhook carried.
@@ -37,8 +37,8 @@ import oras.provider
 import requests
 import requests.adapters
 
-from scanner.reference import is_loopback
-from scanner.registry import compute_digest
+from scanner.registry.descriptors import compute_digest
+from scanner.registry.reference import is_loopback
 from scanner.settings import ScannerSettings
 
 _UNDECORATED_DO_REQUEST = oras.provider.Registry.do_request.__wrapped__

@@ -45,16 +45,11 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from scanner.models import ImageReport
-from scanner.reference import Reference
-from scanner.registry import (
-    INDEX_MEDIA_TYPES,
-    Manifest,
-    NotFound,
-    RegistryClient,
-    RegistryError,
-    compute_digest,
-)
-from scanner.registry_push import OCI_INDEX, OCI_MANIFEST, PushError, RegistryPusher
+from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import INDEX_MEDIA_TYPES, Manifest, compute_digest
+from scanner.registry.errors import NotFound, RegistryError
+from scanner.registry.push import OCI_INDEX, OCI_MANIFEST, PushError, RegistryPusher
+from scanner.registry.reference import Reference
 from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)

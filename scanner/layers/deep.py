@@ -25,16 +25,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scanner.inferred import CUDA_EVIDENCE_SCHEMA, CudaLayerEvidence, combine
-from scanner.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.inferred import CUDA_EVIDENCE_SCHEMA, CudaLayerEvidence, combine
+from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.tarstream import LayerError
 from scanner.models import GpuArchs, InferredCuda
-from scanner.tarstream import LayerError
 
 if TYPE_CHECKING:  # the registry client is only passed in; importing it costs TLS set-up at start
-    from scanner.analysis import AnalysisPool, Session
     from scanner.cache import ScanCache
-    from scanner.reference import Reference
-    from scanner.registry import Descriptor, RegistryClient
+    from scanner.layers.analysis import AnalysisPool, Session
+    from scanner.registry.client import RegistryClient
+    from scanner.registry.descriptors import Descriptor
+    from scanner.registry.reference import Reference
 
 CACHE_PREFIX = "cuda:"
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from scanner.limits import ScanBudget
-from scanner.tarstream import ContentSink, LayerFeeder, StreamStats, TarEntry
+from scanner.layers.limits import ScanBudget
+from scanner.layers.tarstream import ContentSink, LayerFeeder, StreamStats, TarEntry
 
 
 class EntryCollector(Protocol):

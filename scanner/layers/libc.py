@@ -62,11 +62,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from scanner.elf import ElfInfo, parse_elf
-from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.elf import ElfInfo, parse_elf
+from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.tarstream import EntryKind, StreamStats, TarEntry
+from scanner.layers.walk import EntryCollector, LayerWalk
 from scanner.models import LibcFlavour, LibcVerdict
-from scanner.tarstream import EntryKind, StreamStats, TarEntry
-from scanner.walk import EntryCollector, LayerWalk
 
 EVIDENCE_SCHEMA = 1
 HEAD_BYTES = 4096

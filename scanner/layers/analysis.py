@@ -51,12 +51,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
-from scanner.inferred import CudaEntryCollector
-from scanner.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
-from scanner.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.inferred import CudaEntryCollector
+from scanner.layers.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
+from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
+from scanner.layers.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.layers.walk import LayerWalk
 from scanner.models import LibcVerdict
-from scanner.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
-from scanner.walk import LayerWalk
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class AnalysisPool:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "scanner.analysis",
+                    "scanner.layers.analysis",
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     start_new_session=True,  # a terminal's Ctrl-C is for the service, which stops us

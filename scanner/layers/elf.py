@@ -111,7 +111,7 @@ def parse_elf(head: bytes) -> ElfInfo | None:
     return partial
 
 
-# -- layout, section headers and the dynamic section (for the CUDA probe in scanner.cudaelf)
+# -- layout, section headers and the dynamic section (for the CUDA probe in scanner.layers.cudaelf)
 #
 # Every size and count below comes from an untrusted file, so each is checked against a
 # named limit before anything is allocated or sliced.

@@ -15,7 +15,7 @@ Sources (see the shared cuda_inference note for the facts behind each):
   `cupy_cudaNNx` (old `cupy_cuda102`: 10.2);
 * conda: `conda-meta/*.json` `name`/`version` of cudatoolkit, cuda-cudart, cuda-version;
 * toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
-* ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.cudaelf`), which also give archs.
+* ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.layers.cudaelf`), which also give archs.
 
 `cuda` is the most precise version the evidence supports ("12.1", else "12"); where sources
 disagree the lowest is kept and every source is listed.
@@ -33,11 +33,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from scanner.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
-from scanner.fatbin import ArchSummary, summarise
-from scanner.limits import LimitExceeded
+from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
+from scanner.layers.fatbin import ArchSummary, summarise
+from scanner.layers.limits import LimitExceeded
+from scanner.layers.tarstream import TarEntry
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
-from scanner.tarstream import TarEntry
 
 CUDA_EVIDENCE_SCHEMA = 1
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json

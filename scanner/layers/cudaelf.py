@@ -3,7 +3,7 @@
 Pure and streaming: a layer is read once, front to back, so the probe never seeks. It keeps
 the first `HEAD_BYTES` (ELF and program headers), the PT_DYNAMIC segment, the section header
 table and a window before it (where linkers put `.shstrtab`), and it notes, as bytes pass:
-* every fatbin container (see `scanner.fatbin.FatbinScan`);
+* every fatbin container (see `scanner.layers.fatbin.FatbinScan`);
 * every place a CUDA library name (`libcudart.so.12\\0`, ...) occurs, so that DT_NEEDED entries
   (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
   exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`.
@@ -17,7 +17,7 @@ import re
 
 from pydantic import BaseModel, Field
 
-from scanner.elf import (
+from scanner.layers.elf import (
     ET_REL,
     MAX_DYNAMIC_BYTES,
     MAX_SECTION_HEADER_SIZE,
@@ -28,7 +28,7 @@ from scanner.elf import (
     parse_layout,
     parse_sections,
 )
-from scanner.fatbin import (
+from scanner.layers.fatbin import (
     MAX_CONTAINERS_PER_FILE,
     MAX_SIGNATURES_PER_FILE,
     ArchSummary,

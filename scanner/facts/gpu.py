@@ -25,8 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from scanner.facts.requirements import latent_error, parse_requirement_lenient
 from scanner.models import GpuFacts, RequirementIssue
-from scanner.requirements import latent_error, parse_requirement_lenient
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"
