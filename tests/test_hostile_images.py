@@ -222,7 +222,7 @@ def test_cached_partial_evidence_is_rolled_back_cleanly() -> None:
         entries={"/bin/sh": PathRecord(kind="symlink", target="busybox"), "/usr": PathRecord(kind="file")},
     )
     assert analysis.layer_from_cache(partial) is False
-    assert analysis._records == {} and analysis._covered == {} and analysis.layers_read == 1
+    assert analysis._records == {} and analysis._hides.covered == {} and analysis.layers_read == 1
 
 
 def _musl_elf() -> bytes:

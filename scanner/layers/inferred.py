@@ -37,6 +37,7 @@ from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import ArchSummary, summarise
 from scanner.layers.limits import LimitExceeded
 from scanner.layers.tarstream import TarEntry
+from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
 
 CUDA_EVIDENCE_SCHEMA = 1
@@ -305,11 +306,10 @@ class CudaLayerCollector:
     def add(self, entry: TarEntry, head: bytes = b"") -> None:
         path = entry.path
         directory, name = posixpath.split(path)
-        if name.startswith(".wh."):
-            if name == ".wh..wh..opq":
-                self.evidence.opaque_dirs.append(directory)
-            else:
-                self.evidence.whiteouts.append(posixpath.join(directory, name[len(".wh.") :]))
+        hidden = whiteout_target(directory, name)
+        if hidden is not None:
+            kind, target = hidden
+            (self.evidence.opaque_dirs if kind == "opaque" else self.evidence.whiteouts).append(target)
             return
         self._add_path_evidence(path, entry)
         if entry.kind != "file" or not head:
@@ -517,30 +517,6 @@ def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidenc
 # -- the merged view
 
 
-def _ancestors(path: str) -> Iterable[str]:
-    while path not in ("/", ""):
-        path = posixpath.dirname(path)
-        yield path
-
-
-@dataclass(frozen=True)
-class _Hides:
-    """One layer's paths that hide lower evidence, as sets."""
-
-    paths: frozenset[str]
-    dirs: frozenset[str]
-
-    @classmethod
-    def of(cls, layer: CudaLayerEvidence) -> _Hides:
-        paths = (
-            frozenset(layer.whiteouts) | layer.findings.keys() | layer.elves.keys() | frozenset(layer.shadows)
-        )
-        return cls(paths=paths, dirs=frozenset(layer.whiteouts) | frozenset(layer.opaque_dirs))
-
-    def hides(self, path: str) -> bool:
-        return path in self.paths or any(a in self.dirs for a in _ancestors(path))
-
-
 def _version_key(version: str) -> tuple[int, int]:
     major, _, minor = version.partition(".")
     return int(major), int(minor) if minor else -1
@@ -564,11 +540,20 @@ def combine(
     """Merge per-layer evidence (top layer first) into the image's inferred CUDA and archs."""
     findings: list[tuple[str, Finding]] = []
     elves: list[tuple[str, ElfCudaFacts]] = []
-    uppers: list[_Hides] = []
-    for layer in layers_top_down:
-        findings += [(p, f) for p, f in layer.findings.items() if not any(u.hides(p) for u in uppers)]
-        elves += [(p, e) for p, e in layer.elves.items() if not any(u.hides(p) for u in uppers)]
-        uppers.append(_Hides.of(layer))
+    hides = WhiteoutIndex()  # whiteouts and opaque dirs of the layers above
+    occupied: set[str] = set()  # paths an upper layer has evidence at: the upper one wins
+    for index, layer in enumerate(layers_top_down):
+
+        def visible(path: str, index: int = index) -> bool:
+            return path not in occupied and not hides.hidden_above(path, index)
+
+        findings += [(p, f) for p, f in layer.findings.items() if visible(p)]
+        elves += [(p, e) for p, e in layer.elves.items() if visible(p)]
+        occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows)
+        for path in layer.whiteouts:
+            hides.delete(index, path)
+        for path in layer.opaque_dirs:
+            hides.cover(index, path)
     for path, facts in elves:
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))

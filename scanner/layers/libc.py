@@ -66,6 +66,7 @@ from scanner.layers.elf import ElfInfo, parse_elf
 from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.layers.tarstream import EntryKind, StreamStats, TarEntry
 from scanner.layers.walk import EntryCollector, LayerWalk
+from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import LibcFlavour, LibcVerdict
 
 EVIDENCE_SCHEMA = 1
@@ -154,14 +155,6 @@ def parse_os_release(text: str) -> str | None:
     return values.get("NAME") or None
 
 
-def _slash_positions(path: str) -> Iterable[int]:
-    """Indexes of the `/` separators after the root one: the lengths of the path's ancestors."""
-    position = path.find("/", 1)
-    while position != -1:
-        yield position
-        position = path.find("/", position + 1)
-
-
 def _is_probe(path: str) -> bool:
     directory, name = posixpath.split(path)
     return directory in BIN_DIRS and bool(_PROBE_NAME.match(name))
@@ -234,8 +227,6 @@ def _components(path: str) -> list[str]:
     return [part for part in path.split("/") if part and part != "."]
 
 
-_NOWHERE = 1 << 62  # "hidden by no layer"
-
 
 class LayerCollector:
     """Builds one layer's evidence from its tar entries. Get one from `LibcAnalysis.begin_layer`.
@@ -291,8 +282,9 @@ class LayerCollector:
             raise RuntimeError("layer already finished")
         path = entry.path
         directory, name = posixpath.split(path)
-        if name.startswith(".wh."):
-            self._add_whiteout(directory, name)
+        hidden = whiteout_target(directory, name)
+        if hidden is not None:
+            self._add_whiteout(*hidden)
             return
         elf: ElfInfo | None = None
         probed = bool(head) or (entry.kind == "file" and self.wants(entry) > 0)
@@ -319,18 +311,17 @@ class LayerCollector:
         self._layer.entries[path] = record
         self._analysis._index_record(self._index, path, record)
 
-    def _add_whiteout(self, directory: str, name: str) -> None:
-        if name == ".wh..wh..opq":
-            if directory in _ANCESTORS or _TRIPLET_DIR.match(directory):
+    def _add_whiteout(self, kind: str, path: str) -> None:
+        """Keep the whiteouts and opaque dirs that can hide something the verdict looks at."""
+        if kind == "opaque":
+            if path in _ANCESTORS or _TRIPLET_DIR.match(path):
                 self._keep()
-                self._layer.opaque.add(directory)
-                self._analysis._index_hide(self._analysis._covered, self._index, directory)
-            return
-        hidden = posixpath.join(directory, name[len(".wh.") :])
-        if _relevant(hidden):
+                self._layer.opaque.add(path)
+                self._analysis._index_hide(self._index, path, opaque=True)
+        elif _relevant(path):
             self._keep()
-            self._layer.whiteouts.add(hidden)
-            self._analysis._index_hide(self._analysis._gone, self._index, hidden)
+            self._layer.whiteouts.add(path)
+            self._analysis._index_hide(self._index, path, opaque=False)
 
     def _want_target(self, path: str, target: str) -> None:
         """Remember where a probe's symlink points, so that file's head is read too."""
@@ -359,9 +350,8 @@ class LibcAnalysis:
     """Pure, incremental libc analysis over layers fed top-down. See the module docstring.
 
     The merged view is indexed as layers arrive: `_records` keeps the topmost visible
-    record of each relevant path, `_gone` the paths a whiteout deleted (with everything
-    under them) and `_covered` the directories whose lower content is hidden (opaque dirs
-    and non-directories), each with the index of the layer that did it. A lookup is then
+    record of each relevant path, and `_hides` (`scanner.layers.whiteouts.WhiteoutIndex`)
+    what whiteouts, opaque dirs and non-directories hide from lower layers. A lookup is then
     a few dictionary probes, whatever the number of layers. The verdict is re-decided only
     when an indexed change touches a path the last decision looked at (`_watched`), so the
     work is O(entries + changes), not O(entries x layers).
@@ -376,9 +366,7 @@ class LibcAnalysis:
         self._incomplete = 0  # layers not (yet) read to their end, so `all_read` is O(1)
         self._open: LayerCollector | None = None
         self._records: dict[str, tuple[int, PathRecord]] = {}
-        self._gone: dict[str, int] = {}
-        self._covered: dict[str, int] = {}
-        self._hide_lengths: set[int] = set()  # lengths of the keys above (a superset after a rollback)
+        self._hides = WhiteoutIndex()
         self._watched: set[str] = set()
         self._dirty = True
         self._decision: _Decision | None = None
@@ -419,9 +407,9 @@ class LibcAnalysis:
         self._layers.append(layer)
         self._incomplete += 0 if layer.complete else 1
         for path in layer.whiteouts:
-            self._index_hide(self._gone, index, path)
+            self._index_hide(index, path, opaque=False)
         for path in layer.opaque:
-            self._index_hide(self._covered, index, path)
+            self._index_hide(index, path, opaque=True)
         for path, record in layer.entries.items():
             self._index_record(index, path, record)
         self._dirty = True
@@ -434,53 +422,24 @@ class LibcAnalysis:
         for path in layer.entries:
             if path in self._records and self._records[path][0] == index:
                 del self._records[path]
-            if self._covered.get(path) == index:
-                del self._covered[path]
-        for table, paths in ((self._gone, layer.whiteouts), (self._covered, layer.opaque)):
-            for path in paths:
-                if table.get(path) == index:
-                    del table[path]
+        self._hides.forget(index, [*layer.entries, *layer.whiteouts, *layer.opaque])
         self._dirty = True
-
-    def _hidden_above(self, path: str, index: int) -> bool:
-        """True when a layer above layer `index` deleted `path` or hides what lies under an ancestor.
-
-        O(len(path)): ancestors are only sliced out at lengths some hide key has, so a deep
-        path (thousands of components) costs one scan for slashes, not one slice per level.
-        """
-        if self._gone.get(path, _NOWHERE) < index:
-            return True
-        lengths = self._hide_lengths
-        if not lengths:
-            return False
-        if 1 in lengths and min(self._gone.get("/", _NOWHERE), self._covered.get("/", _NOWHERE)) < index:
-            return True
-        if len(lengths) < 32:  # the usual case: few distinct hide lengths, test each directly
-            candidates: Iterable[int] = (n for n in lengths if 1 < n < len(path) and path[n] == "/")
-        else:
-            candidates = (n for n in _slash_positions(path) if n in lengths)
-        for position in candidates:
-            ancestor = path[:position]
-            if min(self._gone.get(ancestor, _NOWHERE), self._covered.get(ancestor, _NOWHERE)) < index:
-                return True
-        return False
 
     def _index_record(self, index: int, path: str, record: PathRecord) -> None:
         current = self._records.get(path)
         if current is not None and current[0] < index:
             return  # shadowed by an upper layer
-        if current is None and self._hidden_above(path, index):
+        if current is None and self._hides.hidden_above(path, index):
             return
         self._records[path] = (index, record)
-        if record.kind != "dir" and path not in self._covered:
-            self._covered[path] = index
-            self._hide_lengths.add(len(path))
+        if record.kind != "dir":
+            self._hides.cover(index, path)  # a non-directory hides what lower layers have under it
         self._touch(path)
 
-    def _index_hide(self, table: dict[str, int], index: int, path: str) -> None:
-        if path not in table:
-            table[path] = index
-            self._hide_lengths.add(len(path))
+    def _index_hide(self, index: int, path: str, *, opaque: bool) -> None:
+        """A whiteout (`path` and all under it) or an opaque dir (all under it) of layer `index`."""
+        changed = self._hides.cover(index, path) if opaque else self._hides.delete(index, path)
+        if changed:
             self._touch(path)
 
     def _touch(self, path: str) -> None:
@@ -532,7 +491,7 @@ class LibcAnalysis:
         hit = self._records.get(path)
         if hit is not None:
             return "found", hit[1]
-        if parent_hidden or path in self._gone:
+        if parent_hidden or self._hides.is_deleted(path):
             return "absent", None
         return ("absent" if self.all_read else "unknown"), None
 
@@ -578,7 +537,7 @@ class LibcAnalysis:
                 return status, candidate, record
             if record is not None and record.kind != "dir":
                 return "absent", candidate, None  # a file where a directory should be
-            hidden = below_hidden or candidate in self._gone or candidate in self._covered
+            hidden = below_hidden or self._hides.hides_below(candidate)
             stack.append((candidate, hidden))  # a directory, explicit or implied by its children
         return "found", stack[-1][0], None
 
