@@ -206,6 +206,10 @@ def review_pod(
                 f"gpubadge has not scanned {image or '(no image)'} ({ref.label}); not checked"
             )
             continue
+        if report.pending:
+            review.warnings.append(
+                f"{image} ({ref.label}): its layers are still being read; checked on its config facts only"
+            )
         evidence = gpu_evidence(report)
         if evidence is None:
             continue

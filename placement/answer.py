@@ -80,6 +80,11 @@ class EligibilityAnswer(BaseModel):
         default_factory=list,
         description="e.g. CUDA found in the layers of an image placed without gpus: ask for gpus to use it",
     )
+    pending: list[str] = Field(
+        default_factory=list,
+        description="facts not judged yet because the image's layers are still being read, and what they"
+        " could change; empty when the answer is final",
+    )
 
 
 class AnswerBody(TypedDict, total=False):
@@ -91,6 +96,7 @@ class AnswerBody(TypedDict, total=False):
     ineligible: list[IneligibleServer]
     warnings: list[str]
     hints: list[str]
+    pending: list[str]
 
 
 def encode_cursor(cursor: Cursor) -> str:
@@ -137,6 +143,7 @@ def answer(decision: Decision, options: AnswerOptions) -> AnswerBody:
         "ineligible_by_reason": decision.ineligible_summary(EXAMPLES),
         "warnings": list(decision.warnings),
         "hints": list(decision.hints),
+        "pending": list(decision.pending),
     }
     if options.explain == "all":
         body["ineligible"] = decision.ineligible

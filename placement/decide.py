@@ -75,6 +75,24 @@ class ImageFacts(BaseModel):
     def gpu_required(self) -> bool:
         return any(p.gpu.required for p in self.platforms)
 
+    @property
+    def pending(self) -> list[str]:
+        """What is not judged yet because the image's layers are still being read, per platform.
+
+        Placement answers from the config facts meanwhile, and says what could still change: a musl
+        libc (then a GPU image also needs a server with musl GPU support) and, for an image that
+        declares no GPU, CUDA found inside (then it needs a GPU and a driver for that CUDA).
+        """
+        found = []
+        for platform in self.platforms:
+            if platform.libc.state != "pending":
+                continue
+            could = ["the libc (a musl image would also need musl GPU support)"]
+            if not platform.gpu.required:
+                could.append("CUDA inside (found CUDA would need a GPU and a driver for it)")
+            found.append(f"{platform.platform}: layers still being read: {'; '.join(could)}")
+        return found
+
 
 class EligibleServer(TypedDict):
     server: str
@@ -732,7 +750,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
     hint = inferred.hint([platform.gpu for platform in image.platforms], request.gpus)
-    decision = Decision(eligible, refused, warnings, [hint] if hint else [])
+    decision = Decision(eligible, refused, warnings, [hint] if hint else [], image.pending)
     index.keep_decision(form, view, decision)
     return decision
 
@@ -792,6 +810,7 @@ class Decision:
         "eligible_count",
         "hints",
         "ineligible_count",
+        "pending",
         "warnings",
     )
 
@@ -801,7 +820,9 @@ class Decision:
         refused: list[_Bucket],
         warnings: list[str],
         hints: list[str] | None = None,
+        pending: list[str] | None = None,
     ) -> None:
+        self.pending = pending or []
         tiers: dict[SortKey, list[_Bucket]] = {}
         for bucket in eligible:
             tiers.setdefault(bucket.key, []).append(bucket)

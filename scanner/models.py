@@ -205,6 +205,11 @@ class PlatformReport(BaseModel):
     layers: list[LayerInfo] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     created: str | None = None
+    error: str | None = Field(
+        default=None,
+        description="why this platform has no full answer (its manifest, config or layers could not be"
+        " read); the other platforms' answers stand",
+    )
     skipped_layers: list[SkippedLayer] = Field(
         default_factory=list, description="layers never fetched (foreign or non-distributable)"
     )

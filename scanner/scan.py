@@ -1,10 +1,20 @@
-"""One scan, end to end: reference -> registry -> GPU and libc analysis -> report -> store.
+"""One scan, end to end: reference -> registry -> config facts, published -> layer verdicts -> report.
 
-This is the only place that combines I/O with the pure cores. It spends as few
-requests as the budget allows (HEAD, manifest, config per platform), reuses a
-stored report when the digest is already known, and reads layers top-down only
-until the libc verdict is decided, sharing each layer's evidence through the
-store so a common base layer is read once across all images.
+This is the only place that combines I/O with the pure cores, in two phases:
+
+1. **Config facts.** HEAD (a stored digest costs nothing more), the manifest, and for every
+   platform its manifest and config: GPU signals, requirements, environment, platform. With
+   `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
+   multi-GB image shows within moments of its push, while its layers are still being read.
+2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
+   linux platforms a GPU fleet runs, by default), `scanner.layers.reader` streams each layer not
+   already known once, into one walk for every consumer (libc; inferred CUDA and archs for a
+   deep scan), under one set of bounds. Other platforms get `state: not_analysed` with the
+   reason; foreign and non-distributable layers are never fetched and are named.
+
+A platform's failure stays on that platform (`PlatformReport.error`): one Windows entry, one
+hostile layer or one unreachable blob never takes the other platforms' answers with it. Only
+when no platform could be read at all does the report itself fail.
 """
 
 from __future__ import annotations
@@ -12,17 +22,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
+from scanner.facts.platforms import PlatformPolicy, with_fleet
 from scanner.layers.limits import LimitExceeded, scan_too_slow
 from scanner.layers.tarstream import AnalysisCrashed, LayerError
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
-from scanner.registry.client import RegistryClient
-from scanner.registry.descriptors import Descriptor, Manifest
+from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
 from scanner.registry.errors import RegistryError
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from scanner.settings import ScannerSettings
@@ -30,12 +41,12 @@ from scanner.settings import ScannerSettings
 if TYPE_CHECKING:
     from scanner.cache import ScanCache
     from scanner.layers.analysis import AnalysisPool
-    from scanner.layers.deep import DeepReader
-    from scanner.layers.reader import LayerReader
+    from scanner.layers.reader import LayerProgress, LayerReader
+    from scanner.registry.client import RegistryClient
 
 log = logging.getLogger(__name__)
 
-ATTESTATION_PLATFORM = Platform(os="unknown", architecture="unknown")
+FleetArchitectures = Callable[[], Awaitable[Collection[str]]]
 
 
 class ScanError(Exception):
@@ -46,10 +57,6 @@ class NotAnImage(ScanError):
     """The manifest is an artifact (an attestation, a signature, a Helm chart), not a runnable image."""
 
 
-def _is_layer(media_type: str) -> bool:
-    return "tar" in media_type or media_type.endswith("rootfs.diff.tar.gzip")
-
-
 @dataclass(frozen=True)
 class ScanOptions:
     platform: Platform | None = None
@@ -57,16 +64,21 @@ class ScanOptions:
     force: bool = False  # ignore a stored report for the same digest
 
 
-def _is_attestation(descriptor: Descriptor) -> bool:
-    """Buildkit attestations and other non-runnable entries of an index."""
-    if descriptor.platform is not None and descriptor.platform == ATTESTATION_PLATFORM:
-        return True
-    return descriptor.annotations.get("vnd.docker.reference.type") == "attestation-manifest"
+@dataclass
+class _Facts:
+    """Phase 1's answer for one platform image, and what phase 2 needs to read its layers."""
+
+    report: PlatformReport
+    layers: list[Descriptor]
+    read_layers: bool
+    retryable: bool = False  # the platform's error (if any) may pass on another try
 
 
 def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
-    if stored is None or options.force:
+    if stored is None or options.force or stored.pending:
         return False
+    if any(platform.error for platform in stored.platforms):
+        return False  # an unreachable blob or a crashed analysis: try those platforms again
     return not (stored.config_only and not options.config_only)
 
 
@@ -77,8 +89,27 @@ def _filter_platforms(report: ImageReport, wanted: Platform | None) -> ImageRepo
     return report.model_copy(update={"platforms": kept})
 
 
+def _layer_error(exc: BaseException) -> tuple[str, bool]:
+    """A layer-phase failure in words, and whether trying again may give another answer."""
+    if isinstance(exc, LimitExceeded):
+        return str(exc), False  # the same bytes cross the same bound every time
+    if isinstance(exc, RegistryError):
+        return str(exc), exc.retryable
+    if isinstance(exc, AnalysisCrashed):  # a fresh analysis process takes over
+        return f"layer analysis: {exc}", True
+    if isinstance(exc, LayerError):
+        return f"corrupt layer: {exc}", False
+    return f"internal error: {type(exc).__name__}: {exc}", True
+
+
 class Scanner:
-    """Scans references with one registry client and (optionally) one store."""
+    """Scans references with one registry client and (optionally) one store.
+
+    `publish_facts`: store each report as soon as its config facts are known (`pending=True`),
+    before its layers are read; the service does, a one-shot CLI run need not.
+    `fleet_architectures`: the architectures of the known servers, added to the platforms whose
+    layers are read by default.
+    """
 
     def __init__(
         self,
@@ -87,44 +118,39 @@ class Scanner:
         settings: ScannerSettings | None = None,
         *,
         on_result: Callable[[ImageReport], None] | None = None,
+        publish_facts: bool = False,
+        fleet_architectures: FleetArchitectures | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.settings = settings or ScannerSettings()
-        self._layers: LayerReader | None = None
-        self._deep: DeepReader | None = None
+        self.policy = self.settings.platform_policy()
+        self.publish_facts = publish_facts
+        self.fleet_architectures = fleet_architectures
+        self._reader: LayerReader | None = None
         self._pool: AnalysisPool | None = None
         self.on_result = on_result
+        self.progress: dict[
+            tuple[str, str], LayerProgress
+        ] = {}  # (reference, platform) -> its read, while it runs
 
     @property
     def layers(self) -> LayerReader:
-        """The layer reader, built on first use: config-only scans never load the tar and libc code."""
-        if self._layers is None:
+        """The layer reader, built on first use: config-only scans never load the tar and analysis code."""
+        if self._reader is None:
             from scanner.layers.analysis import AnalysisPool
             from scanner.layers.reader import LayerReader
 
             self._pool = AnalysisPool(self.settings.analysis_processes)
-            self._layers = LayerReader(
-                self.client, self.store, limits=self.settings.analysis_limits(), pool=self._pool
-            )
-        return self._layers
+            self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
+        return self._reader
 
-    @property
-    def deep(self) -> DeepReader:
-        """The deep-scan reader (CUDA found in layers), built on first use."""
-        if self._deep is None:
-            from scanner.layers.deep import DeepReader
-
-            self.layers  # noqa: B018  (builds the shared analysis pool)
-            assert self._pool is not None
-            self._deep = DeepReader(self.client, self.store, self.settings.deep_scan_limits(), self._pool)
-        return self._deep
-
-    def deep_progress(self) -> dict[str, str]:
-        """Running deep scans, by reference: "deep scan: 2 of 5 layers, 812 of 4810 MiB"."""
-        if self._deep is None:
-            return {}
-        return {reference: progress.describe() for reference, progress in self._deep.progress.items()}
+    def layer_progress(self) -> dict[str, str]:
+        """Layer reads running now, by reference: "linux/amd64: reading layers: 2 of 5, 812 of 4810 MiB"."""
+        found: dict[str, list[str]] = {}
+        for (reference, platform), progress in self.progress.items():
+            found.setdefault(reference, []).append(f"{platform}: {progress.describe()}")
+        return {reference: "; ".join(parts) for reference, parts in found.items()}
 
     def _wants_deep(self, gpu: GpuFacts) -> bool:
         """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
@@ -136,6 +162,15 @@ class Scanner:
         if self._pool is not None:
             await self._pool.close()
 
+    async def _policy(self) -> PlatformPolicy:
+        if self.fleet_architectures is None:
+            return self.policy
+        try:
+            return with_fleet(self.policy, await self.fleet_architectures())
+        except Exception:  # the fleet's store being down must not stop scans: the default still holds
+            log.warning("cannot read the fleet's architectures; using the default platforms", exc_info=True)
+            return self.policy
+
     async def scan(self, text: str, options: ScanOptions | None = None) -> ImageReport:
         """Scan one reference. Never raises for bad input: the report carries the error."""
         options = options or ScanOptions()
@@ -144,16 +179,13 @@ class Scanner:
         except ReferenceError as exc:
             return ImageReport(reference=text, error=str(exc))
         with self.client.track() as stats:
-            scan_timeout = asyncio.timeout(self.settings.max_scan_seconds)
+            deadline = time.monotonic() + self.settings.max_scan_seconds
             try:
-                async with scan_timeout:
-                    report = await self._scan(reference, options)
-            except TimeoutError as exc:
-                if not scan_timeout.expired():
-                    report = self._failed(reference, f"timed out: {exc}")
-                else:
-                    report = self._failed(reference, str(scan_too_slow(self.settings.max_scan_seconds)))
-                    report.retryable = False
+                async with asyncio.timeout_at(deadline):
+                    report = await self._scan(reference, options, deadline)
+            except TimeoutError:
+                report = self._failed(reference, str(scan_too_slow(self.settings.max_scan_seconds)))
+                report.retryable = False
             except LimitExceeded as exc:
                 report = self._failed(reference, str(exc))
                 report.retryable = False  # the same bytes cross the same bound every time
@@ -165,14 +197,11 @@ class Scanner:
                 report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
-            except AnalysisCrashed as exc:  # retryable: a fresh analysis process takes over
-                report = self._failed(reference, f"layer analysis: {exc}")
-            except LayerError as exc:
-                report = self._failed(reference, f"corrupt layer: {exc}")
             except Exception as exc:  # keep the service up whatever a registry sends
                 log.exception("unexpected error scanning %s", reference)
                 report = self._failed(reference, f"internal error: {type(exc).__name__}: {exc}")
         report.requests = stats.requests
+        report.bytes_fetched = stats.bytes_received
         if self.on_result:
             self.on_result(report)
         return report
@@ -187,12 +216,13 @@ class Scanner:
             digest=reference.digest,
         )
 
-    async def _scan(self, reference: Reference, options: ScanOptions) -> ImageReport:
+    async def _scan(self, reference: Reference, options: ScanOptions, deadline: float) -> ImageReport:
         digest = reference.digest
         media_type: str | None = None
         if digest is None and self.store is None:
             # Nothing stored to reuse, so a HEAD would be one request for nothing: GET by tag.
-            return await self._scan_manifest(reference, await self.client.manifest(reference), None, options)
+            manifest = await self.client.manifest(reference)
+            return await self._scan_manifest(reference, manifest, None, options, deadline)
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
@@ -204,9 +234,11 @@ class Scanner:
             )
             return _filter_platforms(reused, options.platform)
 
-        child = await self._stored_platform(digest, options)
+        policy = await self._policy()
+        child = await self._stored_platform(digest, options, policy, None, accept_pending=True)
         if child is not None:
-            # A platform of an index we already scanned (the child events of a multi-arch push).
+            # A platform of an index already scanned, or being scanned now (the child events of a
+            # multi-arch push): its index's scan gives the answer; reading it again would only repeat it.
             return ImageReport(
                 reference=str(reference),
                 digest=digest,
@@ -215,45 +247,97 @@ class Scanner:
                 repository=reference.repository,
                 tag=reference.tag,
                 cached=True,
+                pending=child.libc.state == "pending",
             )
-
-        return await self._scan_manifest(
-            reference, await self.client.manifest(reference, digest), media_type, options
-        )
+        manifest = await self.client.manifest(reference, digest)
+        return await self._scan_manifest(reference, manifest, media_type, options, deadline, policy)
 
     async def _scan_manifest(
-        self, reference: Reference, manifest: Manifest, media_type: str | None, options: ScanOptions
+        self,
+        reference: Reference,
+        manifest: Manifest,
+        media_type: str | None,
+        options: ScanOptions,
+        deadline: float,
+        policy: PlatformPolicy | None = None,
     ) -> ImageReport:
+        policy = policy or await self._policy()
         if manifest.is_index:
-            platforms = await self._scan_index(reference, manifest, options)
+            entries = await self._index_facts(reference, manifest, options, policy)
         else:
-            platforms = [await self._scan_image(reference, manifest, options, None)]
+            entries = [await self._image_facts(reference, manifest, options, policy, None)]
         report = ImageReport(
             reference=str(reference),
             digest=manifest.digest,
-            platforms=platforms,
+            platforms=[entry.report if isinstance(entry, _Facts) else entry for entry in entries],
             registry=reference.registry,
             repository=reference.repository,
             tag=reference.tag,
             media_type=media_type or manifest.media_type,
             config_only=options.config_only,
         )
-        if self.store is not None:
-            if options.platform is None or not manifest.is_index:
-                await self.store.save_report(report)
+        to_read = [(position, entry) for position, entry in enumerate(entries) if isinstance(entry, _Facts)]
+        to_read = [(position, entry) for position, entry in to_read if entry.read_layers]
+        storable = self.store is not None and (options.platform is None or not manifest.is_index)
+        if to_read:
+            report.pending = True
+            if storable and self.publish_facts:
+                await self._save(reference, report)
+            results = await asyncio.gather(
+                *(self._layer_verdicts(reference, entry, deadline) for _, entry in to_read)
+            )
+            for (position, _), verdicts in zip(to_read, results, strict=True):
+                entries[position] = verdicts
+                report.platforms[position] = verdicts.report
+            report.pending = False
+        unread = [p for p in report.platforms if p.config_digest is None and p.error]
+        if unread and len(unread) == len(report.platforms):  # not one platform's config could be read
+            first = unread[0]
+            raise ScanError(first.error if len(unread) == 1 else f"{first.platform}: {first.error}")
+        failed = [entry for entry in entries if isinstance(entry, _Facts) and entry.report.error]
+        report.retryable = any(entry.retryable for entry in failed) if failed else True
+        if storable:
+            await self._save(reference, report)
+        elif self.store is not None:
             await self._remember_tag(reference, manifest.digest)
         return report
 
-    async def _stored_platform(self, digest: str, options: ScanOptions) -> PlatformReport | None:
+    async def _save(self, reference: Reference, report: ImageReport) -> None:
+        assert self.store is not None and report.digest is not None
+        await self.store.save_report(report)
+        await self._remember_tag(reference, report.digest)
+
+    async def _stored_platform(
+        self,
+        digest: str,
+        options: ScanOptions,
+        policy: PlatformPolicy,
+        platform: Platform | None,
+        *,
+        accept_pending: bool = False,
+    ) -> PlatformReport | None:
         """A platform image already scanned (e.g. as part of its index) that answers `options`.
 
-        A stored libc flavour of `unknown` comes from a config-only scan or from layers that could
-        not be read, so a full scan reads the layers again rather than reuse it.
+        Reused when nothing failed on it, and its layers were read if they are to be read now; one
+        whose layers are being read right now by its index's scan only with `accept_pending`. A libc
+        flavour of `unknown` comes from layers that could not be read (or a report stored before
+        layer states existed), so a scan that reads layers reads them again.
         """
         if self.store is None or options.force:
             return None
         stored = await self.store.platform_report(digest)
-        if stored is None or not (options.config_only or stored.libc.flavour != "unknown"):
+        if stored is None or stored.error:
+            return None
+        if stored.libc.state == "pending":
+            return stored if accept_pending else None
+        if options.config_only:
+            return stored
+        try:
+            platform = platform or Platform.parse(stored.platform)
+        except ValueError:
+            return None
+        wants_layers = policy.not_analysed_because(platform, options.platform) is None
+        if wants_layers and (stored.libc.state != "analysed" or stored.libc.flavour == "unknown"):
             return None
         return stored
 
@@ -261,10 +345,10 @@ class Scanner:
         if self.store is not None and reference.tag:
             await self.store.record_tag(reference.registry, reference.repository, reference.tag, digest)
 
-    async def _scan_index(
-        self, reference: Reference, index: Manifest, options: ScanOptions
-    ) -> list[PlatformReport]:
-        children = [child for child in index.manifests if not _is_attestation(child)]
+    async def _index_facts(
+        self, reference: Reference, index: Manifest, options: ScanOptions, policy: PlatformPolicy
+    ) -> list[_Facts | PlatformReport]:
+        children = [child for child in index.manifests if not is_attestation(child)]
         if options.platform is not None:
             children = [c for c in children if c.platform and options.platform.matches(c.platform)]
             if not children:
@@ -273,26 +357,38 @@ class Scanner:
         if not children:
             raise ScanError("the index lists no runnable platform images")
 
-        async def one(child: Descriptor) -> PlatformReport:
-            cached = await self._stored_platform(child.digest, options)
-            if cached is not None:
-                return cached
-            manifest = await self.client.manifest(reference, child.digest)
-            if manifest.is_index:
-                raise ScanError(f"nested index {child.digest} is not supported")
-            return await self._scan_image(reference, manifest, options, child.platform)
+        async def one(child: Descriptor) -> _Facts | PlatformReport:
+            try:
+                cached = await self._stored_platform(child.digest, options, policy, child.platform)
+                if cached is not None:
+                    return cached
+                manifest = await self.client.manifest(reference, child.digest)
+                if manifest.is_index:
+                    raise ScanError(f"nested index {child.digest} is not supported")
+                return await self._image_facts(reference, manifest, options, policy, child.platform)
+            except (RegistryError, ScanError, LimitExceeded) as exc:
+                # This platform's answer only: the others stand (a multi-OS index never fails for one).
+                failed = PlatformReport(
+                    platform=str(child.platform or "unknown/unknown"),
+                    digest=child.digest,
+                    error=str(exc),
+                    libc=LibcVerdict(state="not_analysed", reason="the platform image could not be read"),
+                )
+                return _Facts(failed, [], read_layers=False, retryable=getattr(exc, "retryable", False))
 
         return list(await asyncio.gather(*(one(child) for child in children)))
 
-    async def _scan_image(
+    async def _image_facts(
         self,
         reference: Reference,
         manifest: Manifest,
         options: ScanOptions,
+        policy: PlatformPolicy,
         platform: Platform | None,
-    ) -> PlatformReport:
+    ) -> _Facts:
         config_descriptor = manifest.config
-        artifacts = sorted({d.media_type for d in manifest.layers if not _is_layer(d.media_type)})
+        layers = manifest.layers
+        artifacts = sorted({d.media_type for d in layers if not is_layer(d.media_type)})
         if artifacts:
             raise NotAnImage(
                 f"{manifest.digest} is not a container image (layers of type {', '.join(artifacts)})"
@@ -305,21 +401,24 @@ class Scanner:
             variant=config.get("variant") or None,
         )
         gpu = gpu_facts(config)
-        layers = manifest.layers
         warnings = [f"{issue.variable} does not parse: {issue.error}" for issue in gpu.requirement_errors]
-        if options.config_only:
-            libc = LibcVerdict(layers_total=len(layers), bytes_total=sum(layer.size for layer in layers))
-        else:
-            libc, layer_warnings = await self.layers.libc_verdict(reference, layers, platform.architecture)
-            warnings.extend(layer_warnings)
-            if self._wants_deep(gpu):
-                deep = await self.deep.scan(reference, layers)
-                gpu = gpu.model_copy(update={"inferred": deep.inferred, "archs": deep.archs})
-                warnings.extend(deep.warnings)
-                mismatch = cuda_mismatch(gpu)
-                if mismatch:
-                    warnings.append(mismatch)
-        return PlatformReport(
+        reason = (
+            "config-only scan"
+            if options.config_only
+            else policy.not_analysed_because(platform, options.platform)
+        )
+        error: str | None = None
+        if reason is None and len(layers) > self.settings.max_layers:  # refused before any read
+            error = str(
+                LimitExceeded(f"image has {len(layers):,} layers", self.settings.max_layers, "max_layers")
+            )
+        libc = LibcVerdict(
+            state="not_analysed" if reason is not None else "analysed" if error else "pending",
+            reason=reason,
+            layers_total=len(layers),
+            bytes_total=sum(layer.size for layer in layers),
+        )
+        report = PlatformReport(
             platform=str(platform),
             digest=manifest.digest,
             config_digest=config_descriptor.digest,
@@ -329,7 +428,76 @@ class Scanner:
             layers=[LayerInfo(digest=d.digest, size=d.size, media_type=d.media_type) for d in layers],
             warnings=warnings,
             created=config.get("created") if isinstance(config.get("created"), str) else None,
+            bytes_fetched=len(manifest.raw) + len(raw),
+            error=error,
         )
+        return _Facts(report, layers, read_layers=reason is None and error is None)
+
+    async def _layer_verdicts(self, reference: Reference, facts: _Facts, deadline: float) -> _Facts:
+        """Phase 2 for one platform image: its layer verdicts, or its error, never an exception."""
+        from scanner.layers.reader import LayerProgress
+
+        base = facts.report
+        platform = Platform.parse(base.platform)
+        gpu = base.gpu
+        deep = self._wants_deep(gpu)
+        progress = LayerProgress(layers_total=len(facts.layers), bytes_total=base.libc.bytes_total)
+        key = (str(reference), base.platform)
+        self.progress[key] = progress
+        error: str | None = None
+        retryable = False
+        warnings = list(base.warnings)
+        try:
+            async with asyncio.timeout_at(deadline):
+                verdict = await self.layers.analyse(
+                    reference,
+                    facts.layers,
+                    platform.architecture,
+                    cuda=deep,
+                    deadline=deadline,
+                    progress=progress,
+                )
+        except TimeoutError:
+            error, verdict = str(scan_too_slow(self.settings.max_scan_seconds)), None
+        except Exception as exc:
+            (error, retryable), verdict = _layer_error(exc), None
+            if not isinstance(exc, LimitExceeded | RegistryError | LayerError):
+                log.exception("unexpected error reading the layers of %s (%s)", reference, base.platform)
+        finally:
+            if self.progress.get(key) is progress:
+                del self.progress[key]
+        if verdict is None:
+            libc = LibcVerdict(
+                flavour="unknown",
+                evidence=None,
+                layers_read=progress.layers_done,
+                layers_total=len(facts.layers),
+                bytes_read=progress.bytes_fetched,
+                bytes_total=base.libc.bytes_total,
+            )
+        else:
+            libc = verdict.libc
+            warnings += [f"deep scan: {warning}" for warning in verdict.warnings]
+            if deep:
+                gpu = gpu.model_copy(update={"inferred": verdict.inferred, "archs": verdict.archs})
+                mismatch = cuda_mismatch(gpu)
+                if mismatch:
+                    warnings.append(mismatch)
+        warnings += [
+            f"layer {skipped.digest[:19]} not fetched: {skipped.reason}" for skipped in progress.skipped
+        ]
+        report = base.model_copy(
+            update={
+                "gpu": gpu,
+                "libc": libc,
+                "badges": badges(gpu, libc),
+                "warnings": warnings,
+                "error": error,
+                "skipped_layers": progress.skipped,
+                "bytes_fetched": base.bytes_fetched + progress.bytes_fetched,
+            }
+        )
+        return _Facts(report, facts.layers, read_layers=False, retryable=retryable)
 
 
 def _parse_config(raw: bytes) -> dict[str, Any]:

@@ -12,13 +12,22 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from scanner.facts.platforms import PlatformPolicy, parse_platforms
 from scanner.layers import limits
 
 MiB = 1024 * 1024
 CONFIG_ENV = "GPUBADGE_CONFIG"
+# One walk reads each layer for every analysis under one set of bounds, so the deep scan's own
+# bounds are gone; an operator who still sets one learns what to set instead.
+RETIRED_SETTINGS = {
+    "deep_scan_max_layer_bytes": "every layer read has the same bounds; set max_layer_bytes",
+    "deep_scan_max_image_bytes": "every layer read has the same bounds; set max_image_bytes",
+    "deep_scan_seconds": "every layer read has the same bounds; set max_scan_seconds",
+    "deep_scan_max_ratio": "every layer read is bounded by max_inflation_ratio",
+}
 
 
 def default_docker_config() -> Path:
@@ -67,8 +76,9 @@ class ScannerSettings(BaseSettings):
     max_manifest_bytes: int = Field(default=4 * MiB, description="largest manifest or index read")
     max_config_bytes: int = Field(default=8 * MiB, description="largest image config read")
     max_layer_bytes: int = Field(
-        default=512 * MiB,
-        description="decompressed bytes read per layer; past it the libc verdict is unknown (the scan goes on)",
+        default=limits.DEFAULT_MAX_LAYER_BYTES,
+        ge=1,
+        description="decompressed bytes of one layer (CUDA layers inflate to several GB)",
     )
     max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, ge=1, description="layers per image")
     max_path_bytes: int = Field(
@@ -100,6 +110,17 @@ class ScannerSettings(BaseSettings):
     max_image_bytes: int = Field(
         default=limits.DEFAULT_MAX_IMAGE_BYTES, ge=1, description="decompressed bytes read per image"
     )
+    max_inflation_ratio: int = Field(
+        default=limits.DEFAULT_MAX_INFLATION_RATIO,
+        ge=1,
+        description="a layer inflating more than this many times its compressed size (past"
+        " inflation_ratio_floor) is a decompression bomb; real layers inflate 2-5x",
+    )
+    inflation_ratio_floor: int = Field(
+        default=limits.INFLATION_RATIO_FLOOR,
+        ge=0,
+        description="decompressed bytes of a layer never judged by its inflation ratio",
+    )
     max_scan_seconds: float = Field(
         default=limits.DEFAULT_MAX_SCAN_SECONDS, gt=0, description="wall time per scan"
     )
@@ -113,19 +134,10 @@ class ScannerSettings(BaseSettings):
         description="read every layer for CUDA the config does not declare (torch, NVIDIA wheels, conda, fatbins):"
         " auto = images without declared NVIDIA signals",
     )
-    deep_scan_max_layer_bytes: int = Field(
-        default=32 * 1024 * MiB,
-        description="decompressed bytes a deep scan reads per layer (CUDA layers are big)",
-    )
-    deep_scan_max_image_bytes: int = Field(
-        default=64 * 1024 * MiB, description="decompressed bytes a deep scan reads per image"
-    )
-    deep_scan_seconds: float = Field(default=1800.0, description="wall time of one image's deep scan")
-    deep_scan_max_ratio: int = Field(
-        default=100,
-        ge=1,
-        description="a layer inflating more than this many times (past its first GiB) is a bomb: the deep scan"
-        " stops it (real layers inflate 2-5x)",
+    platforms: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="platforms whose layers are read: os/arch[/variant],... or `all` (linux only);"
+        " default linux/amd64, linux/arm64 and every architecture a known server reports",
     )
     concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
     request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
@@ -156,6 +168,27 @@ class ScannerSettings(BaseSettings):
         default=1000, ge=1, description="report attachments waiting at once; more are dropped and counted"
     )
 
+    @field_validator("platforms", mode="before")
+    @classmethod
+    def _platforms_from_text(cls, value: Any) -> Any:
+        """`GPUBADGE_PLATFORMS=linux/amd64,linux/arm64`, `all`, or a list; each entry checked."""
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            parse_platforms([str(item) for item in value])  # raises ValueError naming the bad entry
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired(cls, values: Any) -> Any:
+        """Settings that no longer exist fail loudly, naming what replaced them, never silently."""
+        named = set(values) if isinstance(values, dict) else set()
+        named |= {key[len("GPUBADGE_") :].lower() for key in os.environ if key.startswith("GPUBADGE_")}
+        for old, new in RETIRED_SETTINGS.items():
+            if old in named:
+                raise ValueError(f"setting {old} (GPUBADGE_{old.upper()}) was removed: {new}")
+        return values
+
     @field_validator("registries", mode="before")
     @classmethod
     def _registries_from_text(cls, value: Any) -> Any:
@@ -181,15 +214,9 @@ class ScannerSettings(BaseSettings):
             **{name: getattr(self, name) for name in limits.AnalysisLimits.model_fields}
         )
 
-    def deep_scan_limits(self) -> limits.AnalysisLimits:
-        """The content bounds of a deep scan: every layer read whole, so bigger byte and time bounds."""
-        return self.analysis_limits().model_copy(
-            update={
-                "max_layer_bytes": self.deep_scan_max_layer_bytes,
-                "max_image_bytes": self.deep_scan_max_image_bytes,
-                "max_scan_seconds": self.deep_scan_seconds,
-            }
-        )
+    def platform_policy(self) -> PlatformPolicy:
+        """Which platforms get layer analysis, before the fleet's architectures are added."""
+        return PlatformPolicy(tuple(self.platforms))
 
     def registry_config(self, host: str) -> RegistryConfig | None:
         """The configured entry for a registry name or API host, if any."""

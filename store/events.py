@@ -21,6 +21,7 @@ JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
 FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations" or "inventory"
 FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
+REPORTED_JOB = "-"  # the job id of a settle that only says "a report of this reference was stored"
 
 
 class QueueEvents:
@@ -53,7 +54,9 @@ class QueueEvents:
         """On the loop: something changed. A resync (a lost listener connection) counts as every kind.
 
         A settle's payload, "<job id> <reference>", wakes only the waiters on that job or that
-        reference (besides the un-keyed ones); a settle without one wakes every waiter.
+        reference (besides the un-keyed ones); a settle without one wakes every waiter. A report
+        stored mid-scan (its config facts, before its layers are read) comes as a settle of job
+        `-`: it wakes the waiters on its reference, and frees no worker.
         """
         if kind in (FLEET_RESERVATIONS, FLEET_INVENTORY, RESYNC):
             for fleet_callback in list(self._on_fleet):
@@ -71,7 +74,8 @@ class QueueEvents:
             for key in keys:
                 for event in self._keyed.pop(key, []):
                     event.set()
-        if kind in (QUEUED, SETTLED, RESYNC):  # a settled job frees a worker slot and a registry slot
+        if kind in (QUEUED, SETTLED, RESYNC) and not payload.startswith(REPORTED_JOB + " "):
+            # a settled job frees a worker slot and a registry slot
             for callback in list(self._on_queued):
                 callback()
 

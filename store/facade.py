@@ -25,6 +25,7 @@ from store.events import (
     JOB_SETTLED_CHANNEL,
     JOBS_QUEUED_CHANNEL,
     QUEUED,
+    REPORTED_JOB,
     RESYNC,
     SETTLED,
     QueueEvents,
@@ -117,7 +118,9 @@ class AsyncStore:
         return await self._call(self._backend.queue_health)
 
     async def save_report(self, report: ImageReport) -> None:
-        return await self._call(self._backend.save_report, report)
+        """Store a report (also a pending one) and wake the long polls on its reference."""
+        await self._call(self._backend.save_report, report)
+        self._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
 
     async def report(self, digest: str) -> ImageReport | None:
         return await self._call(self._backend.report, digest)
@@ -235,12 +238,12 @@ class AsyncStore:
 
     # ------------------------------------------------------------------ events
 
-    def _fire_local(self, kind: str) -> None:
+    def _fire_local(self, kind: str, payload: str = "") -> None:
         """This process's own write, for its own waiters and workers. With a PostgreSQL listener the
         NOTIFY of the same commit comes back to every process (this one too), keyed by job and
         reference, so firing here as well would only wake everyone a second time."""
         if not self.events.cross_process:
-            self.events.fire(kind)
+            self.events.fire(kind, payload)
 
     async def start_events(self) -> None:
         """Deliver queue events on this loop; on PostgreSQL also every replica's (LISTEN).

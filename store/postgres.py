@@ -38,7 +38,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from scanner.models import ImageReport, PlatformReport
-from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, REPORTED_JOB
 from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
@@ -272,6 +272,7 @@ class PostgresStore:
                     " AND NOT EXISTS (SELECT 1 FROM tags WHERE tags.digest = reports.digest)",
                     [children],
                 )
+            self._notify_settled(conn, REPORTED_JOB, report.reference)  # long polls on any replica
 
     def report(self, digest: str) -> ImageReport | None:
         with self._reading() as conn:

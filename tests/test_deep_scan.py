@@ -98,12 +98,10 @@ async def test_undeclared_cuda_is_inferred_with_archs(scanner: Scanner, images: 
 )
 async def test_a_shared_layer_is_read_once(scanner: Scanner, images: dict[str, str]) -> None:
     await platform_of(scanner, images["deep/torch:1"])
-    reference = parse_reference(images["deep/torch-app:1"])
-    manifest = await scanner.client.manifest(reference)
-    result = await scanner.deep.scan(reference, manifest.layers)
-    assert result.layers_from_cache == 1
-    assert result.bytes_read == manifest.layers[1].size  # only the app layer; 0 bytes of the shared one
-    assert result.inferred is not None and result.inferred.cuda == "12.1"
+    platform = await platform_of(scanner, images["deep/torch-app:1"])
+    app_layer = platform.layers[1]
+    assert platform.libc.bytes_read == app_layer.size  # only the app layer; 0 bytes of the shared one
+    assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "12.1"
 
 
 async def test_whiteouts_hide_evidence(scanner: Scanner, images: dict[str, str]) -> None:
@@ -139,14 +137,16 @@ async def test_progress_while_a_deep_scan_runs(images: dict[str, str], registry:
         reference = parse_reference(images["deep/torch-app:1"].replace(registry.host, proxy.host))
         layers = (await client.manifest(reference)).layers
         proxy.add(Rule("hang", method="GET", path=f"/blobs/{layers[1].digest}$"))
-        task = asyncio.create_task(scanner.deep.scan(reference, layers))
+        task = asyncio.create_task(scanner.scan(str(reference)))
         async with proxy.arrivals:
             await asyncio.wait_for(
                 proxy.arrivals.wait_for(lambda: any(layers[1].digest in seen.path for seen in proxy.seen)), 30
             )
         total = sum(layer.size for layer in layers) / (1 << 20)
-        assert scanner.deep_progress() == {str(reference): f"deep scan: 0 of 2 layers, 0 of {total:.0f} MiB"}
+        assert scanner.layer_progress() == {
+            str(reference): f"linux/amd64: reading layers: 0 of 2, 0 of {total:.0f} MiB fetched"
+        }
         proxy.release.set()
-        result = await asyncio.wait_for(task, 60)
-        assert result.inferred is not None and scanner.deep_progress() == {}
+        report = await asyncio.wait_for(task, 60)
+        assert report.platforms[0].gpu.inferred is not None and scanner.layer_progress() == {}
         await scanner.close()

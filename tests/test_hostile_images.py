@@ -24,9 +24,10 @@ from fixtures.hostile import SHAPES, HostileShape
 from fixtures.oci import LAYER_MEDIA_TYPES, fake_elf
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
+from scanner.layers.analysis import AnalysisPool
 from scanner.layers.libc import LayerEvidence, LibcAnalysis, PathRecord
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
-from scanner.layers.reader import LayerReader
+from scanner.layers.reader import LayerProgress, LayerReader
 from scanner.layers.tarstream import AnalysisCrashed, TarEntry
 from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
@@ -56,6 +57,14 @@ def pushed(push: Pusher, registry: LocalRegistry) -> dict[str, str]:
     return references
 
 
+def failure(report: ImageReport) -> str | None:
+    """The error a scan ended with: the report's own, or its one platform's (whose config facts stand)."""
+    if report.error is not None:
+        return report.error
+    (platform,) = report.platforms
+    return platform.error
+
+
 async def scan(reference: str, **overrides: object) -> tuple[ImageReport, ScannerSettings]:
     settings = scanner_settings(**overrides)
     async with RegistryClient(settings) as client:
@@ -71,11 +80,17 @@ async def scan(reference: str, **overrides: object) -> tuple[ImageReport, Scanne
 async def test_each_hostile_shape_ends_as_bounded(shape: HostileShape, pushed: dict[str, str]) -> None:
     report, _ = await scan(pushed[shape.name], **shape.settings)
     if shape.fails:
-        assert report.error is not None, report.model_dump_json()
-        assert report.error.endswith(f"({shape.expect})"), report.error
-        assert "; the limit is " in report.error
+        error = failure(report)
+        assert error is not None, report.model_dump_json()
+        assert error.endswith(f"({shape.expect})"), error
+        assert "; the limit is " in error
         assert report.retryable is False
-        assert report.platforms == []  # no verdict guessed
+        assert report.error is None  # the config facts stand ...
+        (platform,) = report.platforms
+        assert platform.config_digest is not None
+        assert (
+            platform.libc.flavour == "unknown" and platform.badges[-1] == "libc-unknown"
+        )  # ... no verdict guessed
     else:
         assert report.error is None, report.error
         (platform,) = report.platforms
@@ -84,7 +99,7 @@ async def test_each_hostile_shape_ends_as_bounded(shape: HostileShape, pushed: d
 
 async def test_the_layer_bound_names_the_count(pushed: dict[str, str]) -> None:
     report, _ = await scan(pushed["many-layers"], max_layers=32)
-    assert report.error == "image has 40 layers; the limit is 32 (GPUBADGE_MAX_LAYERS)"
+    assert failure(report) == "image has 40 layers; the limit is 32 (GPUBADGE_MAX_LAYERS)"
 
 
 async def test_a_raised_bound_lets_the_same_image_through(pushed: dict[str, str]) -> None:
@@ -92,13 +107,26 @@ async def test_a_raised_bound_lets_the_same_image_through(pushed: dict[str, str]
     assert report.error is None and report.platforms[0].libc.flavour == "none"
 
 
-async def test_a_gzip_bomb_layer_stops_at_the_layer_bound_with_a_warning(pushed: dict[str, str]) -> None:
-    """The per-layer bound is soft: real CUDA layers are that big; the GPU facts still stand."""
+async def test_a_layer_past_the_layer_bound_ends_its_platform_with_the_bound_named(
+    pushed: dict[str, str],
+) -> None:
+    """The layer bound holds in every read; the platform's config facts still stand."""
     report, _ = await scan(pushed["gzip-bomb"], max_layer_bytes=16 << 20)
-    assert report.error is None
+    assert report.error is None and report.retryable is False
     (platform,) = report.platforms
-    assert platform.libc.flavour == "unknown"
-    assert any("GPUBADGE_MAX_LAYER_BYTES" in warning for warning in platform.warnings), platform.warnings
+    assert platform.libc.flavour == "unknown" and platform.config_digest is not None
+    assert platform.error is not None and platform.error.endswith("(GPUBADGE_MAX_LAYER_BYTES)"), (
+        platform.error
+    )
+
+
+async def test_big_zero_layers_under_the_ratio_floor_are_read_through_with_the_defaults(
+    pushed: dict[str, str],
+) -> None:
+    """96 MiB of zeros is a legal layer (sparse files): with the default bounds it is streamed to glibc."""
+    report, _ = await scan(pushed["gzip-bomb"])
+    (platform,) = report.platforms
+    assert platform.error is None and platform.libc.flavour == "glibc", platform
 
 
 async def test_the_wall_time_bound_fails_the_scan_for_good(pushed: dict[str, str]) -> None:
@@ -109,11 +137,12 @@ async def test_the_wall_time_bound_fails_the_scan_for_good(pushed: dict[str, str
 
 async def test_in_process_analysis_gives_the_same_answers(pushed: dict[str, str]) -> None:
     """`analysis_processes = 0` (the walk on the caller's loop) bounds the same shapes the same way."""
-    for name in ("long-pax-link", "symlink-loop", "huge-pax-record"):
+    for name in ("long-pax-link", "symlink-loop", "huge-pax-record", "gzip-ratio-bomb", "zstd-ratio-bomb"):
         shape = BY_NAME[name]
         report, _ = await scan(pushed[name], analysis_processes=0, **shape.settings)
         if shape.fails:
-            assert report.error is not None and report.error.endswith(f"({shape.expect})")
+            error = failure(report)
+            assert error is not None and error.endswith(f"({shape.expect})")
         else:
             assert report.platforms[0].libc.flavour == shape.expect
 
@@ -129,7 +158,7 @@ async def test_a_killed_analysis_process_fails_the_scan_as_retryable(
         scanner = Scanner(client, None, settings)
         try:
             pool = scanner.layers.pool
-            session = await pool.open("amd64", 1, AnalysisLimits(), time.monotonic() + 30)
+            session = await pool.open("amd64", 1, AnalysisLimits(), time.monotonic() + 30, cuda=False)
             workers = list(pool._workers)
             assert len(workers) == 1
             workers[0].process.kill()
@@ -159,11 +188,12 @@ async def test_a_stuck_analysis_process_is_killed_after_the_scan_deadline(
         try:
             pool = scanner.layers.pool
             pool.kill_grace = 0.5
-            (await pool.open("amd64", 1, AnalysisLimits(), time.monotonic() + 30)).close()
+            (await pool.open("amd64", 1, AnalysisLimits(), time.monotonic() + 30, cuda=False)).close()
             (stuck,) = pool._workers
             os.kill(stuck.process.pid, signal.SIGSTOP)
             report = await scanner.scan(reference)
-            assert report.error is not None and report.error.endswith("(GPUBADGE_MAX_SCAN_SECONDS)")
+            error = failure(report)
+            assert error is not None and error.endswith("(GPUBADGE_MAX_SCAN_SECONDS)"), error
             assert report.retryable is False
             await asyncio.wait_for(stuck.process.wait(), 30)  # killed by the watchdog (even while stopped)
             assert not stuck.alive and stuck.process.returncode is not None
@@ -311,8 +341,18 @@ async def test_1500_layers_are_refused_before_any_read() -> None:
     layers = [Descriptor(LAYER_MEDIA_TYPES["gzip"], f"sha256:{n:064x}", 100) for n in range(1_500)]
     settings = scanner_settings()
     async with RegistryClient(settings) as client:
-        reader = LayerReader(client, None, limits=settings.analysis_limits())
+        pool = AnalysisPool(1)
+        reader = LayerReader(client, None, settings.analysis_limits(), pool)
+        progress = LayerProgress(layers_total=len(layers), bytes_total=0)
         with pytest.raises(LimitExceeded) as raised:
-            await reader.libc_verdict(parse_reference("127.0.0.1:9/none/such:1"), layers, "amd64")
+            await reader.analyse(
+                parse_reference("127.0.0.1:9/none/such:1"),
+                layers,
+                "amd64",
+                cuda=True,
+                deadline=time.monotonic() + 30,
+                progress=progress,
+            )
+        assert pool._workers == []  # no analysis process was started
     assert str(raised.value) == "image has 1,500 layers; the limit is 256 (GPUBADGE_MAX_LAYERS)"
     assert client.totals.requests == 0

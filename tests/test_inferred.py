@@ -203,27 +203,20 @@ def test_choose_cuda() -> None:
     assert choose_cuda([]) == (None, False)
 
 
-def test_a_decompression_bomb_stops_the_deep_walk() -> None:
-    """A layer inflating past the ratio (after the floor) ends with the setting named."""
+def test_a_decompression_bomb_stops_the_walk_with_the_cuda_collector() -> None:
+    """The ratio guard is the walk's: a walk feeding the CUDA collector stops there too."""
     archive = gzip.compress(tar_bytes([file("/zeros", bytes(8 << 20))]))
-    collector = CudaEntryCollector(max_ratio=10, ratio_floor=1 << 20)
+    strict = AnalysisLimits(max_inflation_ratio=10, inflation_ratio_floor=1 << 20)
     walk = LayerWalk(
-        "application/vnd.oci.image.layer.v1.tar+gzip",
-        [collector],
-        max_decompressed=1 << 30,
-        budget=ScanBudget(AnalysisLimits()),
+        "application/vnd.oci.image.layer.v1.tar+gzip", [CudaEntryCollector()], budget=ScanBudget(strict)
     )
-    with pytest.raises(LimitExceeded, match=r"\(GPUBADGE_DEEP_SCAN_MAX_RATIO\)$"):
+    with pytest.raises(LimitExceeded, match=r"\(GPUBADGE_MAX_INFLATION_RATIO\)$"):
         for start in range(0, len(archive), 4096):
             walk.feed(archive[start : start + 4096])
         walk.close()
-    fine = CudaEntryCollector(max_ratio=10_000, ratio_floor=1 << 20)
-    walk = LayerWalk(
-        "application/vnd.oci.image.layer.v1.tar+gzip",
-        [fine],
-        max_decompressed=1 << 30,
-        budget=ScanBudget(AnalysisLimits()),
-    )
+    fine = CudaEntryCollector()
+    lenient = AnalysisLimits(max_inflation_ratio=10_000, inflation_ratio_floor=1 << 20)
+    walk = LayerWalk("application/vnd.oci.image.layer.v1.tar+gzip", [fine], budget=ScanBudget(lenient))
     walk.feed(archive)
     walk.close()
     assert fine.finish(complete=True).complete

@@ -92,9 +92,7 @@ async def analyse(
         if analysis.decided:
             break
         blob = compress(tar_bytes(entries), compression)
-        evidence = await analyse_layer(
-            analysis, chunked(blob, pulled, index), LAYER_MEDIA_TYPES[compression], max_decompressed=GiB
-        )
+        evidence = await analyse_layer(analysis, chunked(blob, pulled, index), LAYER_MEDIA_TYPES[compression])
         evidences.append(evidence)
     return Run(analysis.verdict(), evidences, pulled)
 
@@ -258,9 +256,7 @@ async def test_a_large_layer_is_not_read_past_the_evidence() -> None:
     blob = compress(tar_bytes(big), "gzip")
     analysis = LibcAnalysis("amd64", layers_total=2)
     pulled = [0, 0]
-    evidence = await analyse_layer(
-        analysis, chunked(blob, pulled, 0), LAYER_MEDIA_TYPES["gzip"], max_decompressed=GiB
-    )
+    evidence = await analyse_layer(analysis, chunked(blob, pulled, 0), LAYER_MEDIA_TYPES["gzip"])
     assert analysis.decided and not evidence.complete
     assert pulled[0] <= 2 * 65536 < len(blob) // 50
     assert analysis.verdict().flavour == "musl" and analysis.verdict().distro == "alpine 3.20.3"
@@ -273,9 +269,7 @@ async def test_looking_for_the_distro_after_the_verdict_is_bounded() -> None:
     analysis = LibcAnalysis("amd64", layers_total=1)
     pulled = [0]
     budget = 4 << 20
-    evidence = await analyse_layer(
-        analysis, chunked(blob, pulled, 0), "", max_decompressed=GiB, distro_budget=budget
-    )
+    evidence = await analyse_layer(analysis, chunked(blob, pulled, 0), "", distro_budget=budget)
     assert not evidence.complete
     assert budget < pulled[0] <= budget + 3 * 65536 < len(blob) // 10
     verdict = analysis.verdict()
@@ -286,7 +280,7 @@ async def test_a_corrupt_layer_before_any_evidence_leaves_the_verdict_unknown() 
     analysis = LibcAnalysis("amd64", layers_total=2)
     blob = compress(tar_bytes(CUDA_LAYER), "gzip")[:-40]
     with pytest.raises(CorruptLayer):
-        await analyse_layer(analysis, chunked(blob, [0], 0), LAYER_MEDIA_TYPES["gzip"], max_decompressed=GiB)
+        await analyse_layer(analysis, chunked(blob, [0], 0), LAYER_MEDIA_TYPES["gzip"])
     assert not analysis.decided
     assert analysis.verdict().flavour == "unknown"
 
@@ -304,7 +298,7 @@ async def test_layer_evidence_round_trips_through_the_cache() -> None:
     analysis = LibcAnalysis("amd64", layers_total=2)
     pulled = [0, 0]
     blob = compress(tar_bytes([file("/srv/app.py", "print(1)\n")]), "gzip")
-    await analyse_layer(analysis, chunked(blob, pulled, 0), LAYER_MEDIA_TYPES["gzip"], max_decompressed=GiB)
+    await analyse_layer(analysis, chunked(blob, pulled, 0), LAYER_MEDIA_TYPES["gzip"])
     assert not analysis.decided
     assert analysis.layer_from_cache(cached[1])
     assert analysis.decided and analysis.verdict().flavour == "glibc"
@@ -319,7 +313,7 @@ async def test_partial_evidence_is_reused_only_when_it_decides() -> None:
     # Same base under an image whose top layer deleted the shell: partial evidence is not enough.
     analysis = LibcAnalysis("amd64", layers_total=2)
     blob = compress(tar_bytes([whiteout("/bin/sh"), whiteout("/bin/busybox")]), "gzip")
-    await analyse_layer(analysis, chunked(blob, [0], 0), LAYER_MEDIA_TYPES["gzip"], max_decompressed=GiB)
+    await analyse_layer(analysis, chunked(blob, [0], 0), LAYER_MEDIA_TYPES["gzip"])
     assert analysis.layer_from_cache(partial) is False
     assert analysis.layers_read == 1
 

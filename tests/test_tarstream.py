@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import random
 import struct
 import tarfile
 import zlib
@@ -15,9 +16,9 @@ import zstandard
 
 from fixtures.oci import LAYER_MEDIA_TYPES, Compression, Entry, compress, fake_elf, file, symlink, tar_bytes
 from scanner.layers.elf import parse_elf
+from scanner.layers.limits import AnalysisLimits, LimitExceeded
 from scanner.layers.tarstream import (
     CorruptLayer,
-    LayerTooLarge,
     StreamStats,
     TarEntry,
     TarParser,
@@ -43,7 +44,11 @@ async def read_all(
     items = [
         item
         async for item in iter_layer(
-            chunked(blob, 1000), media_type, max_decompressed=limit, want=lambda _e: head, stats=stats
+            chunked(blob, 1000),
+            media_type,
+            limits=AnalysisLimits(max_layer_bytes=limit),
+            want=lambda _e: head,
+            stats=stats,
         )
     ]
     return items, stats
@@ -164,30 +169,58 @@ def _bomb_tar_parts(size: int) -> tuple[bytes, int]:
     return info.tobuf(format=tarfile.PAX_FORMAT), size
 
 
-@pytest.mark.parametrize("compression", ["gzip", "zstd"])
-async def test_decompression_bomb_stops_at_the_limit(compression: str) -> None:
-    header, size = _bomb_tar_parts(128 << 20)
+def _bomb(compression: str, size: int) -> bytes:
+    """A tar of one file of `size` zero bytes, compressed: a few KiB per MiB on the wire."""
+    header, size = _bomb_tar_parts(size)
     zeros = b"\0" * (1 << 20)
     if compression == "gzip":
         deflater = zlib.compressobj(9, zlib.DEFLATED, 31)
         blob = deflater.compress(header) + b"".join(deflater.compress(zeros) for _ in range(size >> 20))
-        blob += deflater.flush()
-    else:
-        writer = zstandard.ZstdCompressor(level=3).compressobj()
-        blob = writer.compress(header) + b"".join(writer.compress(zeros) for _ in range(size >> 20))
-        blob += writer.flush()
+        return blob + deflater.flush()
+    writer = zstandard.ZstdCompressor(level=3).compressobj()
+    blob = writer.compress(header) + b"".join(writer.compress(zeros) for _ in range(size >> 20))
+    return blob + writer.flush()
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+async def test_a_layer_past_max_layer_bytes_stops_with_the_setting_named(compression: str) -> None:
+    blob = _bomb(compression, 128 << 20)
     assert len(blob) < 4 << 20  # small on the wire, 128 MiB inside
     stats = StreamStats()
-    with pytest.raises(LayerTooLarge, match="more than 16777216 bytes"):
+    limits = AnalysisLimits(max_layer_bytes=16 << 20, max_inflation_ratio=1 << 30)
+    with pytest.raises(LimitExceeded, match=r"more than 16,777,216 bytes.*\(GPUBADGE_MAX_LAYER_BYTES\)$"):
         async for _ in iter_layer(
-            chunked(blob),
-            LAYER_MEDIA_TYPES[compression],
-            max_decompressed=16 << 20,
-            want=lambda _e: 0,
-            stats=stats,
+            chunked(blob), LAYER_MEDIA_TYPES[compression], limits=limits, want=lambda _e: 0, stats=stats
         ):
             pass
     assert stats.decompressed_bytes <= (16 << 20) + (256 << 10)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+async def test_a_decompression_bomb_stops_at_the_inflation_ratio(compression: str) -> None:
+    """Past the floor, a layer inflating more than the ratio stops within one slice of crossing it."""
+    blob = _bomb(compression, 64 << 20)
+    stats = StreamStats()
+    limits = AnalysisLimits(max_inflation_ratio=100, inflation_ratio_floor=4 << 20)
+    with pytest.raises(LimitExceeded, match=r"inflates more than 100x.*\(GPUBADGE_MAX_INFLATION_RATIO\)$"):
+        async for _ in iter_layer(
+            chunked(blob), LAYER_MEDIA_TYPES[compression], limits=limits, want=lambda _e: 0, stats=stats
+        ):
+            pass
+    assert stats.decompressed_bytes <= max(4 << 20, 100 * stats.compressed_bytes) + (256 << 10)
+
+
+async def test_a_real_layer_inflating_a_few_times_reads_to_its_end() -> None:
+    """Text-like content (about 3x) under a ratio of 2 passes while below the floor, fails past it."""
+    rng = random.Random(7)
+    text = bytes(rng.choice(b"abcdefgh \n") for _ in range(1 << 20)) * 3
+    blob = compress(tar_bytes([file("/usr/lib/libtext.so", text)]), "gzip")
+    items, stats = await read_all(blob, limit=GiB)
+    assert stats.reached_end and items[0][0].path == "/usr/lib/libtext.so"
+    strict = AnalysisLimits(max_inflation_ratio=2, inflation_ratio_floor=1 << 20)
+    with pytest.raises(LimitExceeded, match="GPUBADGE_MAX_INFLATION_RATIO"):
+        async for _ in iter_layer(chunked(blob), LAYER_MEDIA_TYPES["gzip"], limits=strict, want=lambda _e: 0):
+            pass
 
 
 async def test_corrupt_gzip_is_a_clear_error() -> None:
@@ -219,7 +252,7 @@ async def test_stops_pulling_when_the_consumer_stops() -> None:
     raw = tar_bytes([file("/first", b"1"), file("/noise", os.urandom(5 << 20)), file("/last", b"2")])
     blob = compress(raw, "gzip")
     pulled: list[int] = []
-    entries = iter_layer(chunked(blob, pulled=pulled), "", max_decompressed=GiB, want=lambda _e: 0)
+    entries = iter_layer(chunked(blob, pulled=pulled), "", want=lambda _e: 0)
     async for entry, _ in entries:
         assert entry.path == "/first"
         break
@@ -231,9 +264,7 @@ async def test_stops_pulling_after_the_end_of_archive_marker() -> None:
     blob = tar_bytes(SAMPLE) + os.urandom(1 << 20)  # junk after the end blocks is never read
     pulled: list[int] = []
     stats = StreamStats()
-    async for _ in iter_layer(
-        chunked(blob, pulled=pulled), "", max_decompressed=GiB, want=lambda _e: 0, stats=stats
-    ):
+    async for _ in iter_layer(chunked(blob, pulled=pulled), "", want=lambda _e: 0, stats=stats):
         pass
     assert stats.reached_end and sum(pulled) <= 2 * 65536
 

@@ -244,10 +244,9 @@ async def _stored_digest(services: Services, reference: Reference) -> str | None
     return await services.store.resolve_tag(reference.registry, reference.repository, reference.tag or "")
 
 
-async def report_exists(services: Services, reference: Reference) -> bool:
-    """Cheap check for long polls: re-run on every finished scan, so it parses no report."""
-    digest = await _stored_digest(services, reference)
-    return digest is not None and await services.store.has_report(digest)
+def _ready(report: ImageReport | None, until: str) -> bool:
+    """`?until=facts`: a report exists; `done` (the default): its layer verdicts are in too."""
+    return report is not None and (until == "facts" or not report.pending)
 
 
 async def find_report(services: Services, reference: Reference) -> ImageReport | None:
@@ -281,9 +280,16 @@ async def image_by_ref(request: web.Request) -> web.Response:
     except ReferenceError as exc:
         return json_error(400, str(exc))
     wait = wait_param(request)
+    until = request.query.get("until", "done")
+    if until not in ("done", "facts"):
+        return json_error(400, "until must be done (the full report) or facts (the config facts)")
     report = await find_report(services, reference)
-    if report is None and wait:  # the scan may run in any worker process, here or elsewhere
-        await services.store.wait_until(lambda: report_exists(services, reference), wait, key=str(reference))
+    if wait and not _ready(report, until):  # the scan may run in any worker process, here or elsewhere
+
+        async def ready() -> bool:
+            return _ready(await find_report(services, reference), until)
+
+        await services.store.wait_until(ready, wait, key=str(reference))
         report = await find_report(services, reference)
     if report is None:
         pending = await services.store.pending_job_for(str(reference))

@@ -14,12 +14,15 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from placement.inventory import Server
 from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from web import admission, api, fleet, health, openapi, ui, ui_fleet
+from web.architectures import FleetArchitectures
 from web.errors import error_middleware
+from web.fleet import STATIC_FLEET
 from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
 from web.security import private_reads
@@ -77,7 +80,7 @@ def _log_webhook_doors(settings: ServiceSettings) -> None:
 
 
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def lifecycle(_: web.Application) -> AsyncIterator[None]:
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, metrics = services.settings, services.metrics
         client = RegistryClient(settings)
         services.client = client
@@ -86,7 +89,15 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
             for host, remaining in client.rate_limits.items():
                 metrics.rate_limit.set(float(remaining), host)
 
-        services.scanner = Scanner(client, services.store, settings, on_result=on_result)
+        static_fleet: list[Server] = app[STATIC_FLEET]
+        services.scanner = Scanner(
+            client,
+            services.store,
+            settings,
+            on_result=on_result,
+            publish_facts=True,
+            fleet_architectures=FleetArchitectures(services.store, static_fleet),
+        )
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
         if settings.attach_reports:
             services.attacher = ReportAttacher(

@@ -75,24 +75,32 @@ def badge_for(
     or `gpu | cuda 12.1 inside (inferred)` for CUDA found in the layers of an image that declares none.
 
     A failed scan gives `gpu | unknown` with the error as the reason (in the title and
-    aria-label): it never guesses a verdict, e.g. for an image past a scan limit.
+    aria-label): it never guesses a verdict, e.g. for an image past a scan limit. While the layers
+    are read, a GPU image keeps its badge (the config decided it) with the pending read as the
+    reason, and an image that declares no GPU says `gpu | checking layers`.
     """
     if report is None:
         if last_scan_failed:
             return BadgeContent("gpu", "unknown", ERROR_COLOUR, reason=failure or "the last scan failed")
         return BadgeContent("gpu", "not scanned", UNKNOWN_COLOUR)
-    if report.gpu_required:
+    pending = "layers are still being read (libc, CUDA inside)" if report.pending else None
+    if report.gpu_required:  # the config says so: no layer can change it
         versions = sorted(
             {p.gpu.cuda_version for p in report.platforms if p.gpu.cuda_version},
             key=_version_key,
         )
         message = f"cuda {versions[-1]}" if versions else "required"
-        return BadgeContent("nvidia gpu", message, GPU_COLOUR)
+        return BadgeContent("nvidia gpu", message, GPU_COLOUR, reason=pending)
     inferred = [p.gpu.inferred for p in report.platforms if p.gpu.inferred is not None]
     if inferred:
         found = sorted({i.cuda for i in inferred if i.cuda}, key=_version_key)
         message = f"cuda {found[0]} inside (inferred)" if found else "cuda inside (inferred)"
-        return BadgeContent("gpu", message, INFERRED_COLOUR)
+        return BadgeContent("gpu", message, INFERRED_COLOUR, reason=pending)
+    if pending:  # CUDA may yet be found inside: "cpu only" would be a guess
+        return BadgeContent("gpu", "checking layers", UNKNOWN_COLOUR, reason=pending)
+    broken = next((p.error for p in report.platforms if p.error and p.libc.state == "analysed"), None)
+    if broken:  # the layers that would show CUDA inside could not be read
+        return BadgeContent("gpu", "unknown", ERROR_COLOUR, reason=broken)
     return BadgeContent("gpu", "cpu only", CPU_COLOUR)
 
 

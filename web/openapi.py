@@ -181,10 +181,20 @@ def openapi_document() -> dict[str, Any]:
         "/api/images/by-ref": {
             "get": {
                 "summary": "Latest report for a tag or digest reference (the `gpubadge scan --json` shape)",
-                "parameters": [{**query("ref", "image reference"), "required": True}],
+                "parameters": [
+                    {**query("ref", "image reference"), "required": True},
+                    query("wait", "seconds to wait for the report (max 60)", "number"),
+                    {
+                        "name": "until",
+                        "in": "query",
+                        "description": "what `wait` waits for: done (the full report, the default) or facts"
+                        " (the config facts, published before the layers are read; `pending` is true then)",
+                        "schema": {"type": "string", "enum": ["done", "facts"]},
+                    },
+                ],
                 "responses": {
-                    "200": _json(report, "the report"),
-                    "400": _json(error, "invalid reference"),
+                    "200": _json(report, "the report; `pending` true while its layers are still being read"),
+                    "400": _json(error, "invalid reference, wait or until"),
                     "404": _json(error, "not scanned; `pending` says whether a scan is queued"),
                     **private,
                 },

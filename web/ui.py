@@ -417,7 +417,7 @@ def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
 
 
 def _progress_of(text: str, progress: Mapping[str, str]) -> str | None:
-    """A running job's deep-scan progress; the scanner keys it by the normalised reference."""
+    """A running job's layer-read progress; the scanner keys it by the normalised reference."""
     try:
         return progress.get(str(parse_reference(text)))
     except ReferenceError:
@@ -583,7 +583,7 @@ async def scans_response(
 ) -> web.Response:
     services = services_of(request)
     store = services.store
-    deep = services.scanner.deep_progress() if services.scanner is not None else {}
+    deep = services.scanner.layer_progress() if services.scanner is not None else {}
     return page(
         request,
         "scans.html",

@@ -15,11 +15,13 @@ import signal
 
 from aiohttp import web
 
+from placement.inventory import parse_inventory
 from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health
+from web.architectures import FleetArchitectures
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
@@ -72,7 +74,18 @@ async def run_workers(
     metrics = ServiceMetrics()
     try:
         async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store, settings)
+            static = (
+                parse_inventory(settings.inventory_file.read_text()).servers
+                if settings.inventory_file
+                else []
+            )
+            scanner = Scanner(
+                client,
+                store,
+                settings,
+                publish_facts=True,
+                fleet_architectures=FleetArchitectures(store, static),
+            )
             attacher = (
                 ReportAttacher(settings, client, on_result=lambda result: metrics.referrer_attach.inc(result))
                 if settings.attach_reports

@@ -279,6 +279,17 @@ class ScanWorkers:
             self._wake.set()
 
     async def _record(self, job: Job, report: ImageReport) -> None:
+        if report.error is None and (broken := _platform_failure(report)) is not None:
+            # The report is stored (its config facts stand), but a platform's layers could not be
+            # read: the job fails with that error, and is retried when another try may pass.
+            retry_in = self._backoff(job.attempts) if report.retryable else None
+
+            async def fail_platform() -> JobState | None:
+                return await self.store.fail_job(job.id, broken, retry_in=retry_in, owner=self.owner)
+
+            state = await self._write(fail_platform, job)
+            log.warning("scan %s of %s (%s): %s", job.id, job.reference, state, broken)
+            return
         if report.error is None or report.not_an_image:
             if report.error is not None:  # e.g. the attestation child of a multi-arch push
                 log.info("scan %s: %s; nothing to badge", job.id, report.error)
@@ -326,6 +337,14 @@ class ScanWorkers:
     def _backoff(self, attempts: int) -> float:
         delay = min(self.settings.backoff_max, self.settings.backoff_base * 2 ** max(0, attempts - 1))
         return float(delay * random.uniform(0.5, 1.0))
+
+
+def _platform_failure(report: ImageReport) -> str | None:
+    """The first platform error of a stored report, as `platform: error`, or None."""
+    for platform in report.platforms:
+        if platform.error:
+            return platform.error if len(report.platforms) == 1 else f"{platform.platform}: {platform.error}"
+    return None
 
 
 def _describe(exc: BaseException) -> str:

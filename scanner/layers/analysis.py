@@ -1,34 +1,32 @@
 """Where layer content is parsed: in analysis processes, off the scanning process's event loop.
 
-Decompressing a layer, parsing its tar entries and the libc analysis are CPU work on
-untrusted bytes. In the service they must not run on the event loop that answers
-/healthz and the API, so they run in a small pool of analysis processes
-(`analysis_processes`, default 2). The scanning process keeps the I/O: it streams each
-layer's compressed bytes from the registry (async, with its connection pool, auth and
-retries) and ships them to an analysis process as they arrive, like `curl | gzip -dc | tar -t`
-in a pipe. Nothing big crosses back: a "stop" as soon as the verdict is known (the early
-stop), a layer's evidence as JSON for the cache (never parsed in the scanning process),
-and the final `LibcVerdict`.
+Decompressing a layer, parsing its tar entries and analysing them are CPU work on untrusted
+bytes. In the service they must not run on the event loop that answers /healthz and the API,
+so they run in a small pool of analysis processes (`analysis_processes`, default 2). The
+scanning process keeps the I/O: it streams each layer's compressed bytes from the registry
+(async, with its connection pool, auth and retries) and ships them to an analysis process as
+they arrive, like `curl | gzip -dc | tar -t` in a pipe. Nothing big crosses back: a reply as
+soon as the layer's walk wants no more (the early stop), the layer's cache entry as JSON
+(never parsed in the scanning process), and the image's verdicts.
 
-Why not `concurrent.futures.ProcessPoolExecutor`: a layer is a stream, and the analysis is
-stateful across the layers of an image (an upper layer's whiteouts decide what a lower
-one may show). An executor runs one call per task with all its input up front, so either
-a whole layer would be buffered in memory (1 GiB layers) or the merged view re-sent with
-every layer (quadratic in layers). Here each analysis process is a long-lived child
-speaking a small framed protocol over its stdin/stdout pipes (`asyncio` subprocess pipes:
-no threads, no blocking writes, backpressure by `drain()`), and holds one `LibcAnalysis`
-per open session, so any number of scans multiplex over a bounded number of processes.
+A session is one platform image's `scanner.layers.image.ImageAnalysis`: the libc analysis
+and, for a deep scan, the inferred-CUDA collector, fed by one walk of each layer. Why not
+`concurrent.futures.ProcessPoolExecutor`: a layer is a stream, and the analysis is stateful
+across the layers of an image (an upper layer's whiteouts decide what a lower one may show).
+An executor runs one call per task with all its input up front, so either a whole layer would
+be buffered in memory (multi-GB CUDA layers) or the merged view re-sent with every layer.
+Here each analysis process is a long-lived child speaking a small framed protocol over its
+stdin/stdout pipes (`asyncio` subprocess pipes: no threads, no blocking writes, backpressure
+by `drain()`), and holds one `ImageAnalysis` per open session, so any number of scans
+multiplex over a bounded number of processes.
 
-Bounds: a session carries the scan's `AnalysisLimits` and deadline; the analysis process
-checks them as it goes and answers `LimitExceeded` like any other error. A process that
-dies (killed, out of memory) fails its sessions with `AnalysisCrashed` (retryable) and is
-replaced on the next session. `analysis_processes = 0` runs the same walk in the scanning
-process (`LocalSession`): for tests, and for one-shot CLI runs where no one else waits.
-
-Adding an analysis (say, CUDA libraries found in the layers): write an
-`scanner.walk.EntryCollector`, create one per layer next to the libc collector in
-`_Server._begin_layer`, and put its summary in the layer reply beside `evidence`; the walk
-then feeds it the same entries at no extra decompression, and the same bounds apply.
+Bounds: a session carries the scan's `AnalysisLimits` and deadline; the walk checks them as
+it goes and the process answers `LimitExceeded` like any other error. A process that dies
+(killed, out of memory) fails its sessions with `AnalysisCrashed` (retryable) and is
+replaced on the next session; one that does not answer an abandoned request within
+`kill_grace` is killed. `analysis_processes = 0` runs the same `ImageAnalysis` in the
+scanning process (`LocalSession`): for tests, and for one-shot CLI runs where no one else
+waits.
 
 Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
 bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
@@ -51,54 +49,45 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
-from scanner.layers.inferred import CudaEntryCollector
-from scanner.layers.libc import DISTRO_BUDGET, LayerEvidence, LibcAnalysis, analyse_layer
-from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
-from scanner.layers.tarstream import AnalysisCrashed, CorruptLayer, LayerError, LayerTooLarge, StreamStats
+from scanner.layers.image import ImageAnalysis, ImageVerdict
+from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.tarstream import AnalysisCrashed, CorruptLayer, LayerError
 from scanner.layers.walk import LayerWalk
-from scanner.models import LibcVerdict
 
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IBI")
-OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK = range(1, 10)
+OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK, SKIP = range(1, 11)
 ACK_BODY = struct.Struct("<Q")
 WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is read past an early stop
 PIPE_BYTES = 256 << 10
 ANALYSIS_NICENESS = 10
-MAX_CONTROL_FRAME = 64 << 20  # evidence JSON is bounded by max_layer_records; this is a sanity cap
+MAX_CONTROL_FRAME = 64 << 20  # cache entries are bounded by max_layer_records; this is a sanity cap
 
 
 @dataclass
 class LayerOutcome:
-    """What reading one layer gave: evidence JSON for the cache (None if nothing usable) and stats."""
+    """What reading one layer gave: its new cache entry (JSON), whether it was read to its end,
+    and the compressed bytes handed to the walk."""
 
     evidence_json: str | None
     complete: bool
     compressed_bytes: int
 
 
-def evidence_is_complete(evidence_json: str) -> bool:
-    """`complete` of a cached evidence without parsing it all (it is the second field written)."""
-    head = evidence_json[:80].replace(" ", "")
-    if '"complete":true' in head:
-        return True
-    if '"complete":false' in head:
-        return False
-    return LayerEvidence.model_validate_json(evidence_json).complete
-
-
 class Session(Protocol):
-    """The libc analysis of one platform image, wherever it runs."""
+    """The layer analysis of one platform image, wherever it runs (see `ImageAnalysis`)."""
 
     @property
-    def decided(self) -> bool: ...
+    def done(self) -> bool: ...
 
     async def use_cached(self, evidence_json: str) -> bool: ...
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome: ...
 
-    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict: ...
+    async def skip_layer(self) -> None: ...
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> ImageVerdict: ...
 
     def close(self) -> None: ...
 
@@ -110,8 +99,6 @@ def _raise_reply_error(error: dict[str, Any]) -> None:
         Exception.__init__(exc, message)
         exc.limit, exc.setting = error.get("limit", 0), str(error.get("setting"))
         raise exc
-    if kind == "too_large":
-        raise LayerTooLarge(message)
     if kind == "corrupt":
         raise CorruptLayer(message)
     raise AnalysisCrashed(message)
@@ -120,8 +107,6 @@ def _raise_reply_error(error: dict[str, Any]) -> None:
 def _error_of(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, LimitExceeded):
         return {"kind": "limit", "message": str(exc), "limit": exc.limit, "setting": exc.setting}
-    if isinstance(exc, LayerTooLarge):
-        return {"kind": "too_large", "message": str(exc)}
     if isinstance(exc, LayerError):
         return {"kind": "corrupt", "message": str(exc)}
     return {"kind": "internal", "message": f"analysis failed: {type(exc).__name__}: {exc}"}
@@ -133,72 +118,35 @@ def _error_of(exc: BaseException) -> dict[str, Any]:
 class LocalSession:
     """The analysis on this process's event loop (`analysis_processes = 0`)."""
 
-    def __init__(self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float) -> None:
-        self.analysis = LibcAnalysis(arch, layers_total, limits)
-        self.analysis.budget = ScanBudget(limits, deadline)
+    def __init__(self, analysis: ImageAnalysis) -> None:
+        self.analysis = analysis
 
     @property
-    def decided(self) -> bool:
-        return self.analysis.decided
+    def done(self) -> bool:
+        return self.analysis.done
 
     async def use_cached(self, evidence_json: str) -> bool:
-        return self.analysis.layer_from_cache(LayerEvidence.model_validate_json(evidence_json))
+        return self.analysis.use_cached(evidence_json)
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
-        stats = StreamStats()
-        evidence = await analyse_layer(
-            self.analysis,
-            chunks,
-            media_type,
-            max_decompressed=self.analysis.limits.max_layer_bytes,
-            stats=stats,
-        )
-        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes)
+        walk = self.analysis.begin_layer(media_type)
+        try:
+            async for chunk in chunks:
+                if not walk.feed(chunk):
+                    break
+            else:
+                walk.close()
+        except BaseException:
+            self.analysis.fail_layer()
+            raise
+        reply = self.analysis.finish_layer()
+        return LayerOutcome(reply.evidence_json, reply.complete, walk.stats.compressed_bytes)
 
-    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
+    async def skip_layer(self) -> None:
+        self.analysis.skip_layer()
+
+    async def verdict(self, bytes_read: int, bytes_total: int) -> ImageVerdict:
         return self.analysis.verdict(bytes_read=bytes_read, bytes_total=bytes_total)
-
-    def close(self) -> None:
-        pass
-
-
-class LocalCudaSession:
-    """The deep scan's CUDA walk on this process's event loop (`analysis_processes = 0`).
-
-    Each layer is walked with only the CUDA collector (`scanner.inferred.CudaEntryCollector`),
-    to its end; the reply is that layer's evidence JSON. There is no verdict: the scanning
-    process merges the layers' evidence (`scanner.inferred.combine`).
-    """
-
-    decided = False
-
-    def __init__(self, limits: AnalysisLimits, deadline: float) -> None:
-        self.limits = limits
-        self.budget = ScanBudget(limits, deadline)
-
-    async def use_cached(self, evidence_json: str) -> bool:
-        return False
-
-    async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
-        collector = CudaEntryCollector(self.limits.deep_scan_max_ratio)
-        stats = StreamStats()
-        walk = LayerWalk(
-            media_type,
-            [collector],
-            max_decompressed=self.limits.max_layer_bytes,
-            budget=self.budget,
-            stats=stats,
-        )
-        async for chunk in chunks:
-            if not walk.feed(chunk):
-                break
-        else:
-            walk.close()
-        evidence = collector.finish(complete=stats.reached_end)
-        return LayerOutcome(evidence.model_dump_json(), evidence.complete, stats.compressed_bytes)
-
-    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
-        raise RuntimeError("a CUDA session has no libc verdict")
 
     def close(self) -> None:
         pass
@@ -310,28 +258,30 @@ class RemoteSession:
     def __init__(self, worker: _Worker, session: int, kill_grace: float) -> None:
         self._worker = worker
         self._id = session
-        self._decided = False
+        self._done = False
         self._closed = False
         self._kill_grace = kill_grace
         self._awaiting: asyncio.Future[dict[str, Any]] | None = None  # a reply owed by the process
 
     @property
-    def decided(self) -> bool:
-        return self._decided
+    def done(self) -> bool:
+        return self._done
 
     async def _ask(self, kind: int, payload: bytes) -> dict[str, Any]:
         future = self._awaiting = self._worker.expect(self._id)
         self._worker.send(kind, self._id, payload)
         await self._worker.drain()
         reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
-        self._decided = bool(reply.get("decided", self._decided))
+        self._done = bool(reply.get("done", self._done))
+        if reply.get("error"):
+            _raise_reply_error(reply["error"])
         return reply
 
     async def use_cached(self, evidence_json: str) -> bool:
-        reply = await self._ask(CACHED, evidence_json.encode())
-        if reply.get("error"):
-            _raise_reply_error(reply["error"])
-        return bool(reply["used"])
+        return bool((await self._ask(CACHED, evidence_json.encode()))["covered"])
+
+    async def skip_layer(self) -> None:
+        await self._ask(SKIP, b"")
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         worker = self._worker
@@ -358,18 +308,16 @@ class RemoteSession:
                 worker.send(END, self._id)
         await worker.drain()
         reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
-        self._decided = bool(reply.get("decided"))
+        self._done = bool(reply.get("done", self._done))
         if reply.get("error"):
             _raise_reply_error(reply["error"])
         return LayerOutcome(reply.get("evidence"), bool(reply.get("complete")), sent)
 
-    async def verdict(self, bytes_read: int, bytes_total: int) -> LibcVerdict:
+    async def verdict(self, bytes_read: int, bytes_total: int) -> ImageVerdict:
         reply = await self._ask(
             VERDICT, json.dumps({"bytes_read": bytes_read, "bytes_total": bytes_total}).encode()
         )
-        if reply.get("error"):
-            _raise_reply_error(reply["error"])
-        return LibcVerdict.model_validate(reply["verdict"])
+        return ImageVerdict.model_validate_json(reply["verdict"])
 
     def close(self) -> None:
         if self._closed:
@@ -419,13 +367,11 @@ class AnalysisPool:
             return min(self._workers, key=lambda worker: worker.sessions)
 
     async def open(
-        self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float, kind: str = "libc"
+        self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float, *, cuda: bool
     ) -> Session:
-        """A session for one image: the libc analysis, or (`kind="cuda"`) the deep scan's CUDA walk."""
+        """A session for one platform image; `cuda`: look for inferred CUDA too (reads layers whole)."""
         if self.processes <= 0:
-            if kind == "cuda":
-                return LocalCudaSession(limits, deadline)
-            return LocalSession(arch, layers_total, limits, deadline)
+            return LocalSession(ImageAnalysis(arch, layers_total, limits, deadline, cuda=cuda))
         worker = await self._worker()
         session = next(self._ids)
         payload = {
@@ -433,7 +379,7 @@ class AnalysisPool:
             "layers_total": layers_total,
             "limits": limits.model_dump(),
             "deadline": deadline,
-            "kind": kind,
+            "cuda": cuda,
         }
         worker.send(OPEN, session, json.dumps(payload).encode())
         worker.sessions += 1
@@ -465,15 +411,13 @@ class AnalysisPool:
 
 @dataclass
 class _ServerSession:
-    analysis: LibcAnalysis
-    cuda_budget: ScanBudget | None = None  # set: a deep-scan session (CUDA collector, no libc)
+    analysis: ImageAnalysis
     walk: LayerWalk | None = None
-    collector: Any = None
     answered: bool = True  # the current layer's reply was sent (early stop or error)
 
 
 class _Server:
-    """The analysis process: reads frames from stdin, answers on stdout, one session per scan."""
+    """The analysis process: reads frames from stdin, answers on stdout, one session per image."""
 
     def __init__(self, incoming: BinaryIO, outgoing: BinaryIO) -> None:
         self._in = incoming
@@ -511,64 +455,56 @@ class _Server:
     def _handle(self, kind: int, session: int, payload: bytes) -> None:
         if kind == OPEN:
             body = json.loads(payload)
-            limits = AnalysisLimits.model_validate(body["limits"])
-            analysis = LibcAnalysis(body["arch"], int(body["layers_total"]), limits)
-            analysis.budget = ScanBudget(limits, float(body["deadline"]))
-            cuda_budget = analysis.budget if body.get("kind") == "cuda" else None
-            self._sessions[session] = _ServerSession(analysis, cuda_budget)
+            analysis = ImageAnalysis(
+                str(body["arch"]),
+                int(body["layers_total"]),
+                AnalysisLimits.model_validate(body["limits"]),
+                float(body["deadline"]),
+                cuda=bool(body.get("cuda")),
+            )
+            self._sessions[session] = _ServerSession(analysis)
             return
         if kind == CLOSE:
             self._sessions.pop(session, None)
             return
         state = self._sessions.get(session)
         if state is None:
-            if kind in (CACHED, LAYER, VERDICT):
+            if kind in (CACHED, LAYER, VERDICT, SKIP):
                 self._reply(session, {"error": {"kind": "internal", "message": "no such analysis session"}})
             return
-        if kind == CACHED:
-            self._cached(session, state, payload)
-        elif kind == LAYER:
-            self._begin_layer(session, state, payload)
-        elif kind == CHUNK:
+        if kind == CHUNK:
             self._chunk(session, state, payload)
+        elif kind == LAYER:
+            try:
+                state.walk, state.answered = (
+                    state.analysis.begin_layer(json.loads(payload)["media_type"]),
+                    False,
+                )
+            except Exception as exc:  # a bound crossed deciding what to attach: the layer's answer
+                state.walk = None
+                self._fail_layer(session, state, exc)
         elif kind == END:
             self._end_layer(session, state)
-        elif kind == VERDICT:
-            body = json.loads(payload)
-            try:
-                verdict = state.analysis.verdict(
-                    bytes_read=body["bytes_read"], bytes_total=body["bytes_total"]
-                )
-            except Exception as exc:
-                self._reply(session, {"error": _error_of(exc)})
-            else:
-                self._reply(session, {"verdict": verdict.model_dump(mode="json")})
-
-    def _cached(self, session: int, state: _ServerSession, payload: bytes) -> None:
-        try:
-            used = state.analysis.layer_from_cache(LayerEvidence.model_validate_json(payload))
-            decided = state.analysis.decided
-        except Exception as exc:
-            self._reply(session, {"error": _error_of(exc)})
         else:
-            self._reply(session, {"used": used, "decided": decided})
+            self._answer(session, state, kind, payload)
 
-    def _begin_layer(self, session: int, state: _ServerSession, payload: bytes) -> None:
-        body = json.loads(payload)
+    def _answer(self, session: int, state: _ServerSession, kind: int, payload: bytes) -> None:
+        """CACHED, SKIP and VERDICT: one request, one reply (an error reply names the bound)."""
         analysis = state.analysis
-        if state.cuda_budget is not None:
-            state.collector = CudaEntryCollector(analysis.limits.deep_scan_max_ratio)
-            budget = state.cuda_budget
-        else:
-            state.collector = analysis.begin_layer(DISTRO_BUDGET)
-            budget = analysis.budget
-        state.walk = LayerWalk(
-            body["media_type"],
-            [state.collector],
-            max_decompressed=analysis.limits.max_layer_bytes,
-            budget=budget,
-        )
-        state.answered = False
+        try:
+            if kind == CACHED:
+                body: dict[str, Any] = {"covered": analysis.use_cached(payload.decode())}
+            elif kind == SKIP:
+                analysis.skip_layer()
+                body = {}
+            else:
+                counts = json.loads(payload)
+                verdict = analysis.verdict(bytes_read=counts["bytes_read"], bytes_total=counts["bytes_total"])
+                body = {"verdict": verdict.model_dump_json()}
+            body["done"] = analysis.done  # may cross a bound (path components)
+        except Exception as exc:
+            body = {"error": _error_of(exc)}
+        self._reply(session, body)
 
     def _chunk(self, session: int, state: _ServerSession, payload: bytes) -> None:
         if state.answered or state.walk is None:
@@ -591,23 +527,21 @@ class _Server:
                 self._fail_layer(session, state, exc)
             else:
                 self._finish_layer(session, state)
-        state.walk, state.collector = None, None
+        state.walk = None
 
     def _finish_layer(self, session: int, state: _ServerSession) -> None:
-        assert state.walk is not None
-        evidence = state.collector.finish(complete=state.walk.stats.reached_end)
         try:
-            decided = state.analysis.decided  # may cross a bound (path components)
+            reply = state.analysis.finish_layer()
         except Exception as exc:
             self._fail_layer(session, state, exc)
             return
         state.answered = True
-        reply = {"evidence": evidence.model_dump_json(), "complete": evidence.complete, "decided": decided}
-        self._reply(session, reply)
+        self._reply(
+            session, {"evidence": reply.evidence_json, "complete": reply.complete, "done": reply.done}
+        )
 
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
-        if state.collector is not None:
-            state.collector.finish(complete=False)
+        state.analysis.fail_layer()
         state.answered = True
         if not isinstance(exc, LayerError | LimitExceeded):
             log.error("analysis failed", exc_info=exc)

@@ -35,7 +35,6 @@ from pydantic import BaseModel, Field
 
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import ArchSummary, summarise
-from scanner.layers.limits import LimitExceeded
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
@@ -47,7 +46,6 @@ ELF_MIN_BYTES = 64
 MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
-RATIO_FLOOR = 1 << 30  # a layer's first GiB is never judged by its compression ratio
 
 Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf"]
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
@@ -453,18 +451,12 @@ class _ElfSink:
 
 
 class CudaEntryCollector:
-    """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early.
+    """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early:
+    evidence can sit in any entry of any layer, so a walk with it attached reads the layer whole."""
 
-    A deep scan reads whole layers, so its byte bounds are large; a layer that inflates more than
-    `max_ratio` times (past `RATIO_FLOOR` bytes) is a decompression bomb and stops with LimitExceeded.
-    """
-
-    def __init__(self, max_ratio: int | None = None, ratio_floor: int = RATIO_FLOOR) -> None:
+    def __init__(self) -> None:
         self.layer = CudaLayerCollector()
         self.position = 0  # compressed bytes read so far, kept current by the walk
-        self.max_ratio = max_ratio
-        self.ratio_floor = ratio_floor
-        self.inflated = 0  # decompressed bytes so far, kept current by the walk
 
     def wants(self, entry: TarEntry) -> int:
         return self.layer.wants(entry)
@@ -475,19 +467,6 @@ class CudaEntryCollector:
 
     @property
     def satisfied(self) -> bool:
-        """Never (evidence can sit in any entry of any layer); asked after every decompressed slice,
-        so it is where a bomb is stopped mid-member."""
-        if (
-            self.max_ratio is not None
-            and self.inflated > self.ratio_floor
-            and self.inflated > self.max_ratio * max(self.position, 1)
-        ):
-            raise LimitExceeded(
-                f"a layer inflates more than {self.max_ratio}x ({self.inflated:,} bytes from"
-                f" {self.position:,}): a decompression bomb",
-                self.max_ratio,
-                "deep_scan_max_ratio",
-            )
         return False
 
     def finish(self, complete: bool) -> CudaLayerEvidence:

@@ -33,9 +33,10 @@ How the orchestrator drives it (per platform image):
         cache.put(layer.digest, evidence)                      # prefer complete over partial
     verdict = analysis.verdict(bytes_read=..., bytes_total=...)
 
-In the service this runs in an analysis process (`scanner.analysis`), which pushes the
-layer bytes through a `scanner.walk.LayerWalk`; `analyse_layer` is the same walk on the
-caller's event loop. It stops pulling bytes once `analysis.decided`.
+In the scanner this runs inside `scanner.layers.image.ImageAnalysis`, which attaches a
+`LayerCollector` to the one walk of each layer (in an analysis process, `scanner.layers.analysis`)
+beside the other consumers; `analyse_layer` is the libc walk alone on the caller's event loop.
+A walk with only this collector stops pulling bytes once `analysis.decided`.
 
 Cost (the content is hostile): the merged view is indexed as entries arrive, so a lookup
 is a few dictionary probes whatever the number of layers, and the verdict is re-derived
@@ -46,7 +47,7 @@ slice). Resolution follows Linux: more than `max_symlink_hops` links is ELOOP, a
 `max_path_components`, and a layer keeps at most `max_layer_records` records. Past a
 bound `LimitExceeded` propagates and the scan fails naming it.
 
-Errors from the stream (CorruptLayer, LayerTooLarge) propagate after the partial evidence has been recorded as incomplete, so
+Errors from the stream (CorruptLayer, LimitExceeded) propagate after the partial evidence has been recorded as incomplete, so
 `verdict()` stays truthful (`unknown` unless already decided). `combine()` is the pure
 one-shot form over cached evidences.
 """
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -65,7 +66,7 @@ from pydantic import BaseModel, Field
 from scanner.layers.elf import ElfInfo, parse_elf
 from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
 from scanner.layers.tarstream import EntryKind, StreamStats, TarEntry
-from scanner.layers.walk import EntryCollector, LayerWalk
+from scanner.layers.walk import LayerWalk
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import LibcFlavour, LibcVerdict
 
@@ -227,11 +228,10 @@ def _components(path: str) -> list[str]:
     return [part for part in path.split("/") if part and part != "."]
 
 
-
 class LayerCollector:
     """Builds one layer's evidence from its tar entries. Get one from `LibcAnalysis.begin_layer`.
 
-    It is an `EntryCollector` (see `scanner.walk`): `wants` says how much of an entry's
+    It is an `EntryCollector` (see `scanner.layers.walk`): `wants` says how much of an entry's
     content to read, `add` takes the entry, `satisfied` says the layer walk may stop.
     """
 
@@ -413,6 +413,12 @@ class LibcAnalysis:
         for path, record in layer.entries.items():
             self._index_record(index, path, record)
         self._dirty = True
+
+    def forget_last_layer(self) -> None:
+        """Undo the last `layer_from_cache`, so the same layer can be streamed instead."""
+        if self._open is not None or not self._layers:
+            raise RuntimeError("no cached layer to forget")
+        self._drop_last_layer()
 
     def _drop_last_layer(self) -> None:
         """Undo `_add_layer` of the lowest layer: it only ever added keys of its own index."""
@@ -633,28 +639,19 @@ async def analyse_layer(
     chunks: AsyncIterator[bytes],
     media_type: str,
     *,
-    max_decompressed: int,
     distro_budget: int = DISTRO_BUDGET,
     stats: StreamStats | None = None,
-    collectors: Sequence[EntryCollector] = (),
 ) -> LayerEvidence:
     """Stream one layer into `analysis` in this process, stopping as soon as the verdict is decided.
 
     Once decided, it reads on for os-release only while the distro is unknown and at most
     `distro_budget` more compressed bytes (cheap in a base layer, never a whole big layer).
     Returns the layer's evidence (`complete=False` when it stopped early). Stream errors
-    propagate after the partial evidence is recorded as incomplete. The scanner runs the
-    same walk in an analysis process (`scanner.analysis`); this form is for tests and for
-    `analysis_processes = 0`.
+    propagate after the partial evidence is recorded as incomplete. This is the libc analysis
+    alone, for tests and tools; the scanner drives it through `scanner.layers.image`.
     """
     collector = analysis.begin_layer(distro_budget)
-    walk = LayerWalk(
-        media_type,
-        [collector, *collectors],
-        max_decompressed=max_decompressed,
-        budget=analysis.budget,
-        stats=stats,
-    )
+    walk = LayerWalk(media_type, [collector], budget=analysis.budget, stats=stats)
     try:
         async with aclosing(_aiter(chunks)) as iterator:
             async for chunk in iterator:

@@ -3,9 +3,12 @@
 Every cost of a scan that an image's author controls is bounded here: how many layers,
 how long a path or link target, how many symlink hops and path components the libc
 analysis resolves, how many tar entries and extended-header bytes a layer may hold, how
-many bytes an image may decompress to, and how long a scan may run. The defaults are
-generous for real images (the largest CUDA and PyTorch images stay far below them) and
-small enough that a crafted image costs a bounded, small amount of CPU and memory.
+many times a layer may inflate and how many bytes a layer and an image may decompress to,
+and how long a scan may run. Every read of a layer, whatever consumes it, is under the same
+bounds. The defaults are set where real images never reach them: NVIDIA's CUDA runtime
+layer inflates to about 2.5 GB and the largest NGC framework images to about 25 GB in all,
+real layers inflate 2 to 5 times (a few sparse files do more, within their first GiB),
+while a crafted layer costs a bounded, small amount of CPU and memory.
 
 Each bound is a `ScannerSettings` field of the same name (env `GPUBADGE_<NAME>`), so an
 error can name the setting an operator would raise. Crossing one raises `LimitExceeded`:
@@ -30,8 +33,11 @@ DEFAULT_MAX_PATH_COMPONENTS = 200_000
 DEFAULT_MAX_LAYER_ENTRIES = 2_000_000
 DEFAULT_MAX_TAR_HEADER_BYTES = 1 * MiB
 DEFAULT_MAX_LAYER_RECORDS = 20_000
-DEFAULT_MAX_IMAGE_BYTES = 16 * GiB
-DEFAULT_MAX_SCAN_SECONDS = 300.0
+DEFAULT_MAX_LAYER_BYTES = 32 * GiB
+DEFAULT_MAX_IMAGE_BYTES = 128 * GiB
+DEFAULT_MAX_INFLATION_RATIO = 100
+INFLATION_RATIO_FLOOR = 1 * GiB  # a layer's first GiB is never judged by its ratio
+DEFAULT_MAX_SCAN_SECONDS = 1800.0  # a 25 GB image over a slow link; slow drips are cut sooner
 
 
 def setting_env(name: str) -> str:
@@ -61,12 +67,11 @@ class AnalysisLimits(BaseModel):
     max_layer_entries: int = DEFAULT_MAX_LAYER_ENTRIES
     max_tar_header_bytes: int = DEFAULT_MAX_TAR_HEADER_BYTES
     max_layer_records: int = DEFAULT_MAX_LAYER_RECORDS
-    max_layer_bytes: int = 512 * MiB
+    max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_inflation_ratio: int = DEFAULT_MAX_INFLATION_RATIO  # decompressed/compressed, past the floor
+    inflation_ratio_floor: int = INFLATION_RATIO_FLOOR
     max_scan_seconds: float = DEFAULT_MAX_SCAN_SECONDS
-    deep_scan_max_ratio: int = (
-        100  # decompressed/compressed past 1 GiB of a layer (the deep scan's bomb guard)
-    )
 
 
 class ScanBudget:

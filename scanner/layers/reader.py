@@ -1,49 +1,75 @@
-"""Read layers for the libc verdict: top-down, cached by layer digest, stopping early.
+"""Read the layers of platform images: each layer fetched once, only when its answer is used.
 
-This is the I/O glue around the pure `scanner.libc` analysis, which runs in an analysis
-process (`scanner.analysis`) so that parsing untrusted layers never holds up the event
-loop. Each layer's evidence is cached in the store by digest (as the JSON the analysis
-produced; this process never parses it), so a base layer shared by many images is read
-once; while one scan is reading a layer, another scan that needs the same layer waits
-for it instead of downloading it a second time.
+The I/O around `scanner.layers.image.ImageAnalysis`, which runs in an analysis process
+(`scanner.layers.analysis`). For one platform image, layers go top layer first:
+
+- a layer that must never be fetched (foreign or non-distributable: `not_distributable`) is
+  skipped and named; the analysis counts it unread;
+- a layer another scan of this process is reading right now is waited for, not fetched twice;
+- the layer's cache entry (every consumer's evidence, by layer digest, in the store so it is
+  shared by every image and process) is offered first; only when it does not cover every
+  consumer that still needs the layer is the blob streamed, once, into one walk;
+- the loop ends as soon as no lower layer can change a verdict (`done`).
+
+Bytes are counted where they arrive (`BlobStream.bytes_received`, partial reads included),
+per platform image in its `LayerProgress`, which the UI shows while the read runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scanner.layers.analysis import AnalysisPool, evidence_is_complete
+from scanner.layers.analysis import AnalysisPool, Session
+from scanner.layers.image import ImageVerdict
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
-from scanner.layers.tarstream import LayerTooLarge
-from scanner.models import LibcVerdict
-from scanner.registry.client import RegistryClient
-from scanner.registry.descriptors import Descriptor
-from scanner.registry.reference import Reference
+from scanner.models import SkippedLayer
+from scanner.registry.descriptors import Descriptor, not_distributable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the registry client is only passed in; importing it costs TLS set-up at start
     from scanner.cache import ScanCache
+    from scanner.registry.blobs import BlobStream
+    from scanner.registry.client import RegistryClient
+    from scanner.registry.reference import Reference
+
+MiB = 1 << 20
+
+
+@dataclass
+class LayerProgress:
+    """How far one platform image's layer read has come; kept current as bytes stream in."""
+
+    layers_total: int
+    bytes_total: int
+    layers_done: int = 0
+    bytes_fetched: int = 0  # compressed bytes that reached this host, partial reads included
+    skipped: list[SkippedLayer] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return (
+            f"reading layers: {self.layers_done} of {self.layers_total},"
+            f" {self.bytes_fetched / MiB:.0f} of {self.bytes_total / MiB:.0f} MiB fetched"
+        )
 
 
 class LayerReader:
-    """Shared by all scans of one process (it holds the in-flight map and the analysis pool)."""
+    """Shared by all scans of one process: the in-flight map, the memory cache, the analysis pool."""
 
     def __init__(
         self,
         client: RegistryClient,
         store: ScanCache | None,
-        *,
-        limits: AnalysisLimits | None = None,
-        pool: AnalysisPool | None = None,
+        limits: AnalysisLimits,
+        pool: AnalysisPool,
     ) -> None:
         self.client = client
         self.store = store
-        self.limits = limits or AnalysisLimits()
-        self.pool = pool or AnalysisPool(0)
-        self._memory_cache: dict[str, str] = {}  # evidence JSON by digest, when running without a store
+        self.limits = limits
+        self.pool = pool
+        self._memory_cache: dict[str, str] = {}  # cache entries by digest, when running without a store
         self._inflight: dict[str, asyncio.Event] = {}
 
     async def _cached(self, digest: str) -> str | None:
@@ -51,57 +77,82 @@ class LayerReader:
             return self._memory_cache.get(digest)
         return await self.store.layer_evidence(digest)
 
-    async def _remember(self, digest: str, evidence_json: str, complete: bool) -> None:
-        previous = await self._cached(digest)
-        if previous is not None and not complete and evidence_is_complete(previous):
-            return  # never replace a full read with a partial one
+    async def _remember(self, digest: str, entry_json: str) -> None:
         if self.store is None:
-            self._memory_cache[digest] = evidence_json
+            self._memory_cache[digest] = entry_json
         else:
-            await self.store.save_layer_evidence(digest, evidence_json)
+            await self.store.save_layer_evidence(digest, entry_json)
 
-    async def libc_verdict(
-        self, reference: Reference, layers: Sequence[Descriptor], arch: str, deadline: float | None = None
-    ) -> tuple[LibcVerdict, list[str]]:
-        """The libc verdict for one platform image, plus warnings worth showing.
-
-        Raises `LimitExceeded` past a content bound (too many layers, a path too long, ...).
-        """
-        limits = self.limits
-        if len(layers) > limits.max_layers:
-            raise LimitExceeded(f"image has {len(layers):,} layers", limits.max_layers, "max_layers")
-        deadline = deadline if deadline is not None else time.monotonic() + limits.max_scan_seconds
-        session = await self.pool.open(arch, len(layers), limits, deadline)
+    @contextlib.asynccontextmanager
+    async def _reading(self, digest: str) -> AsyncIterator[None]:
+        """Hold `digest` for this scan; a concurrent scan that needs it waits for the read to end."""
+        while digest in self._inflight:
+            await self._inflight[digest].wait()
+        done = asyncio.Event()
+        self._inflight[digest] = done  # claimed before the next await
         try:
-            warnings: list[str] = []
-            bytes_read = 0
+            yield
+        finally:
+            with contextlib.suppress(KeyError):
+                del self._inflight[digest]
+            done.set()
+
+    async def analyse(
+        self,
+        reference: Reference,
+        layers: Sequence[Descriptor],
+        arch: str,
+        *,
+        cuda: bool,
+        deadline: float,
+        progress: LayerProgress,
+    ) -> ImageVerdict:
+        """Every layer verdict of one platform image (layers as the manifest lists them).
+
+        Raises `LimitExceeded` past a content bound, `LayerError` for a layer that is not a valid
+        archive, `RegistryError` when a blob cannot be fetched; `progress` still says what was
+        fetched and skipped.
+        """
+        if len(layers) > self.limits.max_layers:
+            raise LimitExceeded(f"image has {len(layers):,} layers", self.limits.max_layers, "max_layers")
+        session = await self.pool.open(arch, len(layers), self.limits, deadline, cuda=cuda)
+        try:
             for layer in reversed(layers):  # manifests list layers bottom-up
-                if session.decided:
+                if session.done:
                     break
-                while layer.digest in self._inflight:  # someone else is reading it right now
-                    await self._inflight[layer.digest].wait()
-                # Claim the digest before the first await, so a concurrent scan waits for this read.
-                done = asyncio.Event()
-                self._inflight[layer.digest] = done
-                try:
-                    cached = await self._cached(layer.digest)
-                    if cached is not None and await session.use_cached(cached):
-                        continue
-                    async with self.client.stream_blob(reference, layer.digest) as chunks:
-                        outcome = await session.read_layer(chunks, layer.media_type)
-                    bytes_read += outcome.compressed_bytes
-                    if outcome.evidence_json is not None:
-                        await self._remember(layer.digest, outcome.evidence_json, outcome.complete)
-                except LayerTooLarge as exc:
-                    # A real layer can be this big (CUDA libraries): the verdict stays unknown, the
-                    # GPU facts from the config still stand, and the warning names the setting.
-                    warnings.append(f"layer {layer.digest[:19]}: {exc}")
-                    break
-                finally:
-                    with contextlib.suppress(KeyError):
-                        del self._inflight[layer.digest]
-                    done.set()
-            verdict = await session.verdict(bytes_read, sum(layer.size for layer in layers))
-            return verdict, warnings
+                skip = not_distributable(layer)
+                if skip is not None:
+                    await session.skip_layer()
+                    progress.skipped.append(
+                        SkippedLayer(
+                            digest=layer.digest, size=layer.size, media_type=layer.media_type, reason=skip
+                        )
+                    )
+                else:
+                    async with self._reading(layer.digest):
+                        cached = await self._cached(layer.digest)
+                        if cached is None or not await session.use_cached(cached):
+                            await self._read(reference, layer, session, progress)
+                progress.layers_done += 1
+            return await session.verdict(progress.bytes_fetched, progress.bytes_total)
         finally:
             session.close()
+
+    async def _read(
+        self, reference: Reference, layer: Descriptor, session: Session, progress: LayerProgress
+    ) -> None:
+        stream: BlobStream | None = None
+        try:
+            async with self.client.stream_blob(reference, layer.digest) as stream:
+                outcome = await session.read_layer(_counted(stream, progress), layer.media_type)
+        finally:
+            if stream is not None:  # what arrived unread at the early close counts too
+                progress.bytes_fetched += stream.bytes_received - stream.bytes_read
+        if outcome.evidence_json is not None:
+            await self._remember(layer.digest, outcome.evidence_json)
+
+
+async def _counted(stream: BlobStream, progress: LayerProgress) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        progress.bytes_fetched += len(chunk)
+        yield chunk

@@ -13,18 +13,19 @@ Two parts:
   picks gzip, zstd or plain tar by magic bytes (falling back to the media type, since
   registries mislabel layers), decompresses in bounded slices into the parser, and
   yields entries. It stops pulling as soon as the tar's end marker is seen or the
-  consumer stops iterating (use `contextlib.aclosing`), and raises `LayerTooLarge` once
-  more than `max_decompressed` bytes come out (decompression-bomb guard). Corrupt input
-  (bad gzip/zstd, a bad tar checksum, a truncated archive) raises `CorruptLayer`.
+  consumer stops iterating (use `contextlib.aclosing`). Corrupt input (bad gzip/zstd, a bad
+  tar checksum, a truncated archive) raises `CorruptLayer`.
 
 - `LayerFeeder`, the synchronous core of `iter_layer`: push compressed chunks, entries go
   to a callback, and a `stop()` predicate is asked after every decompressed slice. An
   analysis process runs it on chunks shipped from the scanning process.
 
-Bounds (`scanner.layers.limits.AnalysisLimits`): a path or link target longer than
-`max_path_bytes`, more than `max_layer_entries` entries, or an extended header larger
-than `max_tar_header_bytes` raise `LimitExceeded`; so does an image past
-`max_image_bytes` or its deadline when a `ScanBudget` is given.
+Bounds (`scanner.layers.limits.AnalysisLimits`), checked after every decompressed slice of
+every read, whoever consumes it: a layer inflating more than `max_inflation_ratio` times its
+compressed bytes (past `inflation_ratio_floor`), or past `max_layer_bytes`; a path or link
+target longer than `max_path_bytes`, more than `max_layer_entries` entries, or an extended
+header larger than `max_tar_header_bytes`; and, with a `ScanBudget`, an image past
+`max_image_bytes` or its deadline. Each raises `LimitExceeded` naming its setting.
 """
 
 from __future__ import annotations
@@ -77,10 +78,6 @@ class LayerError(Exception):
 
 class CorruptLayer(LayerError):
     """The layer is not a valid (compressed) tar archive."""
-
-
-class LayerTooLarge(LayerError):
-    """The layer decompressed past the configured limit (decompression-bomb guard)."""
 
 
 class AnalysisCrashed(LayerError):
@@ -531,7 +528,6 @@ class LayerFeeder:
         self,
         media_type: str,
         *,
-        max_decompressed: int,
         want: WantHead,
         on_entry: Callable[[TarEntry, bytes], None],
         stats: StreamStats | None = None,
@@ -542,11 +538,11 @@ class LayerFeeder:
     ) -> None:
         self.stats = stats if stats is not None else StreamStats()
         self._media_type = media_type
-        self._max = max_decompressed
+        self._limits = limits or (budget.limits if budget else AnalysisLimits())
         self._on_entry = on_entry
         self._stop = stop
         self._budget = budget
-        self._parser = TarParser(want, limits or (budget.limits if budget else None), stream)
+        self._parser = TarParser(want, self._limits, stream)
         self._decoder: _Decoder | None = None
         self._sniff = b""
         self._finished = False
@@ -554,11 +550,23 @@ class LayerFeeder:
     def _sink(self, data: bytes) -> None:
         if self._parser.done:
             return
-        self.stats.decompressed_bytes += len(data)
-        if self.stats.decompressed_bytes > self._max:
-            raise LayerTooLarge(
-                f"layer decompresses to more than {self._max} bytes; stopped reading"
-                " (GPUBADGE_MAX_LAYER_BYTES)"
+        stats = self.stats
+        stats.decompressed_bytes += len(data)
+        limits = self._limits
+        if stats.decompressed_bytes > limits.inflation_ratio_floor and (
+            stats.decompressed_bytes > limits.max_inflation_ratio * max(stats.compressed_bytes, 1)
+        ):
+            raise LimitExceeded(
+                f"a layer inflates more than {limits.max_inflation_ratio}x ({stats.decompressed_bytes:,}"
+                f" bytes from {stats.compressed_bytes:,}): a decompression bomb",
+                limits.max_inflation_ratio,
+                "max_inflation_ratio",
+            )
+        if stats.decompressed_bytes > limits.max_layer_bytes:
+            raise LimitExceeded(
+                f"a layer decompresses to more than {limits.max_layer_bytes:,} bytes",
+                limits.max_layer_bytes,
+                "max_layer_bytes",
             )
         if self._budget is not None:
             self._budget.spend_bytes(len(data))
@@ -614,7 +622,6 @@ async def iter_layer(
     chunks: AsyncIterator[bytes],
     media_type: str,
     *,
-    max_decompressed: int,
     want: WantHead,
     stats: StreamStats | None = None,
     stop: Callable[[], bool] | None = None,
@@ -628,7 +635,6 @@ async def iter_layer(
     ready: list[tuple[TarEntry, bytes]] = []
     feeder = LayerFeeder(
         media_type,
-        max_decompressed=max_decompressed,
         want=want,
         on_entry=lambda entry, head: ready.append((entry, head)),
         stats=stats,

@@ -1,18 +1,20 @@
-"""One walk over a layer's tar entries, shared by every analysis that wants them.
+"""One walk over a layer's tar entries, feeding every consumer attached to it.
 
-A layer is decompressed and parsed once, whatever reads it. Each analysis plugs in as an
+A layer is decompressed and parsed once, whatever reads it. Each consumer plugs in as an
 `EntryCollector`: for every entry the walk asks each collector how many leading content
 bytes it `wants` (the walk reads the largest request once), hands the entry and that head
-to every collector's `add`, and stops pulling bytes as soon as every collector is
+to every collector's `add`, lets one streaming collector read whole members as they pass
+(the CUDA probe reads ELF files), and stops pulling bytes as soon as every collector is
 `satisfied` (the early stop: a libc verdict is usually known after a few KiB of the top
-layer). The libc analysis (`scanner.libc.LayerCollector`) is the first collector; a second
-one (say, CUDA libraries found in the layers) adds itself to the list that
-`scanner.analysis` builds per layer and gets the same entries at no extra decompression.
+layer; the CUDA collector is never satisfied, so with it attached the layer is read whole).
 
-Collectors run wherever the walk runs: in an analysis process (`scanner.analysis`), or
-in the scanning process for tests and `analysis_processes = 0`. They must therefore be
-pure and bounded per entry; what they build must be a small, picklable/JSON-able summary.
-The walk is synchronous: it is pushed compressed chunks, so the caller owns the I/O.
+`scanner.layers.image.ImageAnalysis` decides per layer which collectors to attach (libc,
+inferred CUDA) and builds the walk; the bounds of `AnalysisLimits` apply to the walk itself
+(`LayerFeeder`), so every consumer reads under the same ones. Collectors run wherever the
+walk runs: in an analysis process (`scanner.layers.analysis`), or in the scanning process
+for tests and `analysis_processes = 0`. They must be pure and bounded per entry, and what
+they build must be a small JSON-able summary. The walk is synchronous: it is pushed
+compressed chunks, so the caller owns the I/O.
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ class LayerWalk:
         media_type: str,
         collectors: Sequence[EntryCollector],
         *,
-        max_decompressed: int,
         budget: ScanBudget,
         stats: StreamStats | None = None,
     ) -> None:
@@ -67,7 +68,6 @@ class LayerWalk:
         self.stats = stats if stats is not None else StreamStats()
         self._feeder = LayerFeeder(
             media_type,
-            max_decompressed=max_decompressed,
             want=self._want,
             on_entry=self._add,
             stats=self.stats,
@@ -95,8 +95,6 @@ class LayerWalk:
         position = self.stats.compressed_bytes
         for collector in self.collectors:
             collector.position = position
-            if hasattr(collector, "inflated"):  # a collector that bounds the compression ratio
-                collector.inflated = self.stats.decompressed_bytes
         return all(collector.satisfied for collector in self.collectors)
 
     def feed(self, chunk: bytes) -> bool:

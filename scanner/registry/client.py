@@ -95,6 +95,7 @@ class RegistryClient:
         self.rate_limits: dict[str, int] = {}
         self.rate_limit_limits: dict[str, int] = {}
         self.totals = RequestStats()
+        self.received_by_registry: dict[str, int] = {}  # bytes received, by registry, since start
         self._retry = RetryPolicy(self.settings, self.totals)
         self._credentials = credentials or CredentialStore(self.settings)
         self._session: aiohttp.ClientSession | None = None
@@ -117,6 +118,10 @@ class RegistryClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _received(self, registry: str, amount: int) -> None:
+        count(self.totals, bytes_received=amount)
+        self.received_by_registry[registry] = self.received_by_registry.get(registry, 0) + amount
 
     def track(self) -> contextlib.AbstractContextManager[RequestStats]:
         """Count requests made in this context (and tasks started from it); nests and is task-safe."""
@@ -166,7 +171,7 @@ class RegistryClient:
                     host, ref.repository, "GET", path, {"Accept": MANIFEST_ACCEPT}, self._timeout()
                 )
                 try:
-                    body = await self._read_capped(response, limit, f"manifest {ref.name}@{identifier}")
+                    body = await self._read_capped(host, response, limit, f"manifest {ref.name}@{identifier}")
                 finally:
                     response.release()
             return body, response.headers
@@ -204,7 +209,7 @@ class RegistryClient:
                     host, ref.repository, "GET", path, {"Accept": OCI_INDEX}, self._timeout()
                 )
                 try:
-                    body = await self._read_capped(response, limit, f"referrers of {ref.name}@{digest}")
+                    body = await self._read_capped(host, response, limit, f"referrers of {ref.name}@{digest}")
                 finally:
                     response.release()
             return body, bare_media_type(response.headers.get("Content-Type"))
@@ -237,7 +242,7 @@ class RegistryClient:
                     host, ref.repository, "GET", path, {"Accept-Encoding": "identity"}, self._timeout()
                 )
                 try:
-                    return await self._read_capped(response, max_bytes, what)
+                    return await self._read_capped(host, response, max_bytes, what)
                 finally:
                     response.release()
 
@@ -262,7 +267,7 @@ class RegistryClient:
             total=None, sock_connect=self.settings.request_timeout, sock_read=self.settings.request_timeout
         )
 
-        async def open_holding_slot(host: str) -> tuple[aiohttp.ClientResponse, asyncio.Semaphore]:
+        async def open_holding_slot(host: str) -> tuple[aiohttp.ClientResponse, asyncio.Semaphore, str]:
             # The slot stays taken while the caller reads, so it is acquired here rather than with
             # `_slot`; any way out before the response is handed over (errors, cancellation) gives it back.
             slot = self._semaphore(host)
@@ -274,16 +279,24 @@ class RegistryClient:
             except BaseException:
                 slot.release()
                 raise
-            return response, slot
+            return response, slot, host
 
-        response, slot = await self._on_endpoints(ref, open_holding_slot)
-        stream = BlobStream(response, digest, chunk_size, what, self.settings.request_timeout, self.totals)
+        response, slot, host = await self._on_endpoints(ref, open_holding_slot)
+        stream = BlobStream(
+            response,
+            digest,
+            chunk_size,
+            what,
+            self.settings.request_timeout,
+            lambda amount: self._received(host, amount),
+        )
         try:
             yield stream
         finally:
             if stream.verified:
                 response.release()  # fully read: the connection can be reused
             else:
+                stream.discard()  # what already reached us counts, though nobody reads it
                 response.close()  # stopped early: drop the connection rather than drain the blob
             slot.release()
 
@@ -418,7 +431,7 @@ class RegistryClient:
             raise ServerError(f"{what}: server error {status}{codes}", host=host, status=status)
         raise RegistryError(f"{what}: unexpected status {status}{codes}", host=host, status=status)
 
-    async def _read_capped(self, response: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    async def _read_capped(self, host: str, response: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
         """The body, refusing more than `limit` bytes by Content-Length and while reading."""
         declared = response.content_length
         if declared is not None and declared > limit:
@@ -426,7 +439,7 @@ class RegistryClient:
         buffer = bytearray()
         async for chunk in response.content.iter_chunked(65536):
             buffer += chunk
-            count(self.totals, bytes_received=len(chunk))
+            self._received(host, len(chunk))
             if len(buffer) > limit:
                 raise TooLarge(f"{what} exceeds the {limit}-byte limit")
         return bytes(buffer)
