@@ -313,9 +313,11 @@ class Scanner:
         return report
 
     async def _save(self, reference: Reference, report: ImageReport) -> None:
+        """Remember the tag, then store the report: storing it wakes the long polls on the tag,
+        which must then find the tag pointing at the report."""
         assert self.store is not None and report.digest is not None
-        await self.store.save_report(report)
         await self._remember_tag(reference, report.digest)
+        await self.store.save_report(report)
 
     async def _stored_platform(
         self,
