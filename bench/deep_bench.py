@@ -247,10 +247,11 @@ def end_to_end(results: Results, section: str, blob: Path, work: Path) -> None:
 
 async def shared_layer_reads() -> tuple[int, int, int]:
     """(bytes read for image A, bytes of the shared layer read again for image B, its size)."""
+    from scanner.layers.deep import DeepReader
+
     from fixtures.oci import ImageSpec, LayerSpec, file, push_image
     from fixtures.registry import run_registry
     from scanner.layers.analysis import AnalysisPool
-    from scanner.layers.deep import DeepReader
     from scanner.registry.client import RegistryClient
     from scanner.registry.reference import parse_reference
     from scanner.settings import ScannerSettings

@@ -70,7 +70,9 @@ class _Checks:
 
     rules: tuple[GroupRule, ...] = ()
     checked: tuple[str, ...] = ()
-    unchecked: tuple[str, ...] = ()
+    alternatives: tuple[str, ...] = ()  # OR-alternatives left out: a failing node may still run it
+    unchecked: tuple[str, ...] = ()  # requirements not checked at all: a passing node must still meet them
+    notes: tuple[str, ...] = ()  # facts about the requirements (disabled, refused everywhere)
 
 
 @dataclass
@@ -127,21 +129,25 @@ def _terms(expressions: Sequence[tuple[str, MatchExpression]]) -> list[FeatureMa
             target = {}
             terms.append(target)
         target[label] = expression
-    return [FeatureMatcherTerm(feature=LABEL_FEATURE, matchExpressions=t) for t in terms]
+    return [FeatureMatcherTerm(feature=LABEL_FEATURE, match_expressions=t) for t in terms]
 
 
 def _describe(expressions: Sequence[tuple[str, MatchExpression]]) -> str:
     return " and ".join(f"{label} {e.text()}" for label, e in expressions)
 
 
-def _requirement_rule(variable: str, alternatives: Sequence[AllOf]) -> tuple[GroupRule | None, list[str], list[str]]:
+def _requirement_rule(
+    variable: str, alternatives: Sequence[AllOf]
+) -> tuple[GroupRule | None, list[str], list[str]]:
     """One NVIDIA_REQUIRE_* as a rule (sufficient for the runtime), with what it checks and leaves out."""
     expressed: list[tuple[AllOf, list[tuple[str, MatchExpression]]]] = []
     left_out = _Unexpressed()
     malformed = False
     for alternative in alternatives:
         if malformed:
-            left_out.add("after a malformed factor, where the runtime may stop with an error", alternative.text)
+            left_out.add(
+                "after a malformed factor, where the runtime may stop with an error", alternative.text
+            )
             continue
         problems = [c for c in alternative.conditions if c.error is not None or latent_error(c) is not None]
         if problems:
@@ -159,9 +165,11 @@ def _requirement_rule(variable: str, alternatives: Sequence[AllOf]) -> tuple[Gro
         return None, [], unchecked
     checked = [f"{variable} {alt.text} as {_describe(exprs)}" for alt, exprs in expressed]
     if len(expressed) == 1:
-        rule = GroupRule(name=variable, matchFeatures=_terms(expressed[0][1]))
+        rule = GroupRule(name=variable, match_features=_terms(expressed[0][1]))
     else:
-        rule = GroupRule(name=variable, matchAny=[MatchAnyElem(matchFeatures=_terms(e)) for _, e in expressed])
+        rule = GroupRule(
+            name=variable, match_any=[MatchAnyElem(match_features=_terms(e)) for _, e in expressed]
+        )
     return rule, checked, unchecked
 
 
@@ -169,19 +177,23 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
     requirements = ImageRequirements.from_gpu_facts(platform.gpu)
     rules: list[GroupRule] = []
     checked: list[str] = []
+    alternatives: list[str] = []
     unchecked: list[str] = []
+    notes: list[str] = []
     if requirements.disabled:
-        unchecked.append("NVIDIA_DISABLE_REQUIRE is set, so the runtime checks no NVIDIA_REQUIRE_*")
+        notes.append("NVIDIA_DISABLE_REQUIRE is set, so the runtime checks no NVIDIA_REQUIRE_*")
     elif requirements.error is not None:
-        unchecked.append(f"NVIDIA's runtime refuses this image on every host: {requirements.error}")
+        notes.append(f"NVIDIA's runtime refuses this image on every host: {requirements.error}")
     for variable, expression in requirements.expressions:
         if expression.always_true:
             continue
         rule, done, left = _requirement_rule(variable, expression.alternatives)
         if rule is not None:
             rules.append(rule)
+            alternatives.extend(left)
+        else:
+            unchecked.extend(left)
         checked.extend(done)
-        unchecked.extend(left)
     inferred = platform.gpu.inferred
     if inferred is not None and inferred.cuda:
         floor = driver_floor(inferred.cuda)
@@ -192,10 +204,12 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
             if version is None:
                 unchecked.append(f"CUDA {inferred.cuda} found in its layers: {floor[1]}")
             else:
-                expression = MatchExpression(op="Ge", value=[version], type="version")
-                rules.append(GroupRule(name="inferred-cuda", matchFeatures=_terms([(DRIVER_LABEL, expression)])))
+                at_least = MatchExpression(op="Ge", value=[version], type="version")
+                rules.append(
+                    GroupRule(name="inferred-cuda", match_features=_terms([(DRIVER_LABEL, at_least)]))
+                )
                 checked.append(
-                    f"CUDA {inferred.cuda} found in its layers: {floor[1]}, as {DRIVER_LABEL} {expression.text()}"
+                    f"CUDA {inferred.cuda} found in its layers: {floor[1]}, as {DRIVER_LABEL} {at_least.text()}"
                 )
     archs = platform.gpu.archs
     if archs is not None and (archs.sass or archs.ptx):
@@ -204,7 +218,7 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
             f"the GPU architectures its CUDA code runs on ({built}): GFD publishes the compute capability as "
             "separate major and minor labels"
         )
-    return _Checks(tuple(rules), tuple(checked), tuple(unchecked))
+    return _Checks(tuple(rules), tuple(checked), tuple(alternatives), tuple(unchecked), tuple(notes))
 
 
 def _sentence(items: Sequence[str]) -> str:
@@ -221,14 +235,23 @@ def _gfd_description(checks: _Checks, platforms: Sequence[str] | None) -> str:
         "its rules fail on every node there."
     )
     parts.append("Checks: " + _sentence(checks.checked))
+    if checks.alternatives:
+        parts.append(
+            "Alternatives not expressed, so a node that fails this set may still run the image through them: "
+            + _sentence(checks.alternatives)
+        )
     if checks.unchecked:
         parts.append(
-            "Not expressed, so a node that fails this set may still run the image: " + _sentence(checks.unchecked)
+            "Not checked, so a node that passes this set must still meet: " + _sentence(checks.unchecked)
         )
+    if checks.notes:
+        parts.append(_sentence(checks.notes))
     return " ".join(parts)
 
 
-def _gpu_set(gpu_platforms: Sequence[PlatformReport], all_platforms: int, notes: Sequence[str]) -> Compatibility:
+def _gpu_set(
+    gpu_platforms: Sequence[PlatformReport], all_platforms: int, notes: Sequence[str]
+) -> Compatibility:
     signals = sorted({signal for p in gpu_platforms for signal in p.gpu.signals})
     inferred = sorted({p.gpu.inferred.cuda for p in gpu_platforms if p.gpu.inferred and p.gpu.inferred.cuda})
     why = f"its config sets {', '.join(signals)}" if signals else "its config asks for one"
@@ -242,14 +265,14 @@ def _gpu_set(gpu_platforms: Sequence[PlatformReport], all_platforms: int, notes:
     if all_platforms > 1:
         parts.append(f"Platforms that need one: {', '.join(p.platform for p in gpu_platforms)}.")
     if notes:
-        parts.append("Not expressed in any rule: " + _sentence(notes))
+        parts.append("No rule checks the image's own requirements: " + _sentence(notes))
     rules = [
         GroupRule(
             name="nvidia-gpu",
-            matchFeatures=[
+            match_features=[
                 FeatureMatcherTerm(
                     feature="pci.device",
-                    matchExpressions={
+                    match_expressions={
                         "vendor": MatchExpression(op="In", value=[NVIDIA_PCI_VENDOR]),
                         "class": MatchExpression(op="In", value=list(GPU_PCI_CLASSES)),
                     },
@@ -258,9 +281,9 @@ def _gpu_set(gpu_platforms: Sequence[PlatformReport], all_platforms: int, notes:
         ),
         GroupRule(
             name="nvidia-driver",
-            matchFeatures=[
+            match_features=[
                 FeatureMatcherTerm(
-                    feature="kernel.loadedmodule", matchExpressions={"nvidia": MatchExpression(op="Exists")}
+                    feature="kernel.loadedmodule", match_expressions={"nvidia": MatchExpression(op="Exists")}
                 )
             ],
         ),
@@ -276,17 +299,21 @@ def compatibility_spec(report: ImageReport) -> Spec | None:
     groups: dict[str, tuple[_Checks, list[str]]] = {}
     for platform in gpu_platforms:
         checks = _platform_checks(platform)
-        key = repr(([r.model_dump_json() for r in checks.rules], checks.checked, checks.unchecked))
+        key = repr(([r.model_dump_json() for r in checks.rules], checks))
         groups.setdefault(key, (checks, []))[1].append(platform.platform)
     gfd_sets = []
     orphan_notes: list[str] = []
     for checks, platforms in groups.values():
         named = platforms if len(groups) > 1 else None
         if checks.rules:
-            gfd_sets.append(Compatibility(rules=list(checks.rules), tag=GFD_TAG, description=_gfd_description(checks, named)))
+            gfd_sets.append(
+                Compatibility(
+                    rules=list(checks.rules), tag=GFD_TAG, description=_gfd_description(checks, named)
+                )
+            )
         else:
             prefix = f"for {', '.join(platforms)}: " if named else ""
-            orphan_notes.extend(prefix + note for note in checks.unchecked)
+            orphan_notes.extend(prefix + note for note in (*checks.unchecked, *checks.notes))
     gpu_set = _gpu_set(gpu_platforms, len(report.platforms), orphan_notes)
     return Spec(version=VERSION, compatibilities=[gpu_set, *gfd_sets])
 

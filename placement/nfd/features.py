@@ -23,7 +23,9 @@ NVIDIA_PCI_VENDOR = "10de"
 PCI_CLASS_VGA = "0300"
 PCI_CLASS_3D = "0302"
 # Brands whose boards are 3D controllers (no display engine exposed): data-center and compute GPUs.
-_COMPUTE_BRANDS = frozenset({"tesla", "nvidia", "grid", "nvidia vapps", "nvidia vpc", "nvidia vcs", "nvidia vws"})
+_COMPUTE_BRANDS = frozenset(
+    {"tesla", "nvidia", "grid", "nvidia vapps", "nvidia vpc", "nvidia vcs", "nvidia vws"}
+)
 MAX_FEATURES_BYTES = 8 * 1024 * 1024  # a NodeFeature object is tens of KiB on a big node
 
 
@@ -100,11 +102,17 @@ def parse_node_features(text: str, name: str = "node") -> NodeFeatures:
             features = Features()
             for item in objects:
                 features = features.merged(_node_feature(item))
-            return NodeFeatures(name=_node_name(objects[0]) or name, source="NodeFeature list", features=features)
+            return NodeFeatures(
+                name=_node_name(objects[0]) or name, source="NodeFeature list", features=features
+            )
         if data.get("kind") == "NodeFeature" or "spec" in data:
-            return NodeFeatures(name=_node_name(data) or name, source="NodeFeature", features=_node_feature(data))
+            return NodeFeatures(
+                name=_node_name(data) or name, source="NodeFeature", features=_node_feature(data)
+            )
         if {"flags", "attributes", "instances"} & data.keys():
-            return NodeFeatures(name=name, source="nfd export features", features=Features.model_validate(data))
+            return NodeFeatures(
+                name=name, source="nfd export features", features=Features.model_validate(data)
+            )
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
@@ -123,8 +131,8 @@ def _node_feature(data: dict[str, Any]) -> Features:
 
 
 def _node_name(data: dict[str, Any]) -> str | None:
-    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-    labels = metadata.get("labels") if isinstance(metadata.get("labels"), dict) else {}
+    metadata: dict[str, Any] = data["metadata"] if isinstance(data.get("metadata"), dict) else {}
+    labels: dict[str, Any] = metadata["labels"] if isinstance(metadata.get("labels"), dict) else {}
     name = labels.get("nfd.node.kubernetes.io/node-name") or metadata.get("name")
     return str(name) if name else None
 
@@ -177,9 +185,13 @@ def from_server(server: Server) -> NodeFeatures:
         for gpu in server.gpus
     ]
     features = Features(
-        flags={"kernel.loadedmodule": FlagFeatureSet(elements={"nvidia": {}} if server.driver_version else {})},
+        flags={
+            "kernel.loadedmodule": FlagFeatureSet(elements={"nvidia": {}} if server.driver_version else {})
+        },
         attributes={"local.label": AttributeFeatureSet(elements=gfd_labels(server))},
         instances={"pci.device": InstanceFeatureSet(elements=instances)},
     )
     notes = ["derived from gpubadge's inventory: PCI class from the GPU brand, GFD labels from NVML's facts"]
-    return NodeFeatures(name=server.name, source=f"gpubadge {server.source} inventory", features=features, notes=notes)
+    return NodeFeatures(
+        name=server.name, source=f"gpubadge {server.source} inventory", features=features, notes=notes
+    )

@@ -191,7 +191,7 @@ def evaluate_expression(expression: MatchExpression, valid: bool, value: str | N
                 f"invalid expression, 'value' field must contain exactly one element for Op {op!r} (have {values})"
             )
         left, right = _operands(expression, value, values[0])
-        return {"Gt": left > right, "Ge": left >= right, "Lt": left < right, "Le": left <= right}[op]
+        return bool({"Gt": left > right, "Ge": left >= right, "Lt": left < right, "Le": left <= right}[op])
     if op in ("GtLt", "GeLe"):
         if len(values) != 2:
             raise MatchError(
@@ -200,8 +200,10 @@ def evaluate_expression(expression: MatchExpression, valid: bool, value: str | N
         here, low = _operands(expression, value, values[0])
         _, high = _operands(expression, value, values[1])
         if expression.type == "" and low >= high:
-            raise MatchError(f"invalid expression, value[0] must be less than Value[1] for Op {op!r} (have {values})")
-        return low < here < high if op == "GtLt" else low <= here <= high
+            raise MatchError(
+                f"invalid expression, value[0] must be less than Value[1] for Op {op!r} (have {values})"
+            )
+        return bool(low < here < high) if op == "GtLt" else bool(low <= here <= high)
     if op in ("IsTrue", "IsFalse"):
         if values:
             raise MatchError(f"invalid expression, 'value' field must be empty for Op {op!r} (have {values})")
@@ -238,7 +240,9 @@ def _match_term(term: FeatureMatcherTerm, features: Features) -> TermResult:
     attribute = features.attributes.get(feature)
     instance = features.instances.get(feature)
     if flag is None and attribute is None and instance is None:
-        return TermResult(feature=feature, matched=False, reason=f"{feature}: feature not available on this node")
+        return TermResult(
+            feature=feature, matched=False, reason=f"{feature}: feature not available on this node"
+        )
     keys: Mapping[str, Any] | None = flag.elements if flag is not None else None
     values: Mapping[str, str] | None = attribute.elements if attribute is not None else None
     instances: list[dict[str, str]] = [i.attributes for i in instance.elements or []] if instance else []
@@ -303,13 +307,20 @@ def _match_multi(
         if instances and not union:
             hits = sum(1 for outcome in outcomes if outcome[name])
             ok = instance_match or hits > 0
-            reason = "" if ok else f"{feature}: none of {len(instances)} elements has {name} {expression.text()}"
+            reason = (
+                "" if ok else f"{feature}: none of {len(instances)} elements has {name} {expression.text()}"
+            )
         else:
             ok = per_expression.get(name, False) or instance_match
             reason = "" if ok else _failure(feature, name, expression, keys, values)
         results.append(
             ExpressionResult(
-                feature=feature, name=name, expression=expression.text(), matcher="matchExpression", matched=ok, reason=reason
+                feature=feature,
+                name=name,
+                expression=expression.text(),
+                matcher="matchExpression",
+                matched=ok,
+                reason=reason,
             )
         )
     if not matched and results and all(r.matched for r in results):

@@ -58,7 +58,7 @@ class MatchExpression(_Go):
 
     def text(self) -> str:
         """`Ge 525.60.13 (version)`, for people."""
-        parts = [self.op or "(any)"]
+        parts: list[str] = [self.op or "(any)"]
         if self.value:
             parts.append(", ".join(self.value))
         if self.type:
@@ -257,9 +257,7 @@ def spec_document(spec: Spec) -> dict[str, Any]:
 
 def dump_spec(spec: Spec) -> bytes:
     """The YAML bytes of `spec`, checked against the schema (strictly) before they are returned."""
-    text = yaml.dump(
-        spec_document(spec), Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True
-    )
+    text = yaml.dump(spec_document(spec), Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     raw = text.encode()
     reread, _ = load_spec(raw, strict=True)
     if reread != spec:  # a representer bug must never reach a registry
