@@ -17,6 +17,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -371,3 +372,48 @@ def attach_by_hand(registry: LocalRegistry, repository: str, subject: str, docum
         index["mediaType"],
     )
     return digest
+
+
+def test_cli_lists_the_artifact_beside_the_report_and_checks_nodes_against_it(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    from tests.test_nfd_match import GPU_NODE, OLD_DRIVER_NODE
+    from tests.test_referrers import _cli
+
+    settings = nfd_settings(registry)
+    push(catalog.multi_arch(), "nfd/cli:1")
+    report = asyncio.run(scan(settings, f"{registry.host}/nfd/cli:1"))
+    attached = asyncio.run(attach_all(settings, report))
+    env = {"GPUBADGE_REGISTRIES": registry.host, "GPUBADGE_DOCKER_CONFIG": str(tmp_path / "none.json")}
+
+    listed = _cli(["referrers", f"{registry.host}/nfd/cli:1", "--json"], env)
+    assert listed.returncode == 0, listed.stderr
+    lines = [json.loads(text) for text in listed.stdout.splitlines()]
+    assert [line["kind"] for line in lines] == ["report", "nfd"]
+    nfd = lines[1]
+    assert nfd["digest"] == attached[0].artifact and nfd["current"] is True and nfd["warnings"] == []
+    check_against_nfd_schema(nfd["spec"])
+    arm = _cli(["referrers", f"{registry.host}/nfd/cli:1", "--platform", "linux/arm64"], env)
+    assert arm.returncode == 0 and attached[2].artifact in arm.stdout and "(the one NFD reads)" in arm.stdout
+
+    (tmp_path / "gpu-node.yaml").write_text(GPU_NODE)
+    (tmp_path / "old-node.yaml").write_text(OLD_DRIVER_NODE)
+    both = ["--node", str(tmp_path / "gpu-node.yaml"), "--node", str(tmp_path / "old-node.yaml")]
+    checked = _cli(["compat", f"{registry.host}/nfd/cli:1", *both], env)
+    assert checked.returncode == 3, checked.stderr
+    assert "worker-1: compatible" in checked.stdout and "worker-1: not compatible" in checked.stdout
+    assert "nvidia.com/cuda.runtime-version.full is '11.4'; needs Ge 12.4 (version)" in checked.stdout
+    today = _cli(["compat", f"{registry.host}/nfd/cli:1", *both, "--tags", "nvidia-gpu", "--json"], env)
+    assert today.returncode == 0, today.stdout + today.stderr
+    assert {json.loads(line)["verdict"] for line in today.stdout.splitlines()} == {"match"}
+
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(nfd["spec"]))
+    fleet = _cli(
+        ["compat", "--spec", str(tmp_path / "spec.yaml"), "--servers", "fixtures/fleet.yaml", "--json"], env
+    )
+    verdicts = {json.loads(line)["node"]: json.loads(line)["verdict"] for line in fleet.stdout.splitlines()}
+    assert verdicts["h100-a"] == "match" and "no-match" in verdicts.values() and fleet.returncode == 3
+
+    push(catalog.plain_glibc(), "nfd/cli:cpu")
+    missing = _cli(["compat", f"{registry.host}/nfd/cli:cpu", *both], env)
+    assert missing.returncode == 1 and "compatibility artifact not found" in missing.stderr

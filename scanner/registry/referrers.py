@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Literal
 
-from scanner.models import ImageReport
+from scanner.models import ImageReport, Platform
 from scanner.registry.client import RegistryClient
 from scanner.registry.descriptors import INDEX_MEDIA_TYPES, Manifest, compute_digest
 from scanner.registry.errors import NotFound, RegistryError
@@ -887,6 +887,36 @@ async def read_layer(client: RegistryClient, reference: Reference, referrer: Ref
     if not manifest.layers:
         raise RegistryError(f"referrer {referrer.digest} has no layer")
     return await client.blob(reference, manifest.layers[0].digest, client.settings.max_manifest_bytes)
+
+
+async def resolve_subject(
+    client: RegistryClient, reference: Reference, platform: Platform | None = None
+) -> str:
+    """The digest a tool like NFD's client attaches to and reads: the tag's (an index stays the index),
+    or with `platform` the matching image of an index (oras.Resolve with a target platform)."""
+    digest = reference.digest or (await client.resolve(reference)).digest
+    if platform is None:
+        return digest
+    manifest = await client.manifest(reference, digest)
+    if not manifest.is_index:
+        return digest
+    for entry in manifest.manifests:
+        if entry.platform is not None and platform.matches(entry.platform):
+            return entry.digest
+    raise RegistryError(f"{reference}: no {platform} image in its index")
+
+
+async def newest_of_type(
+    client: RegistryClient, reference: Reference, artifact_type: str, platform: Platform | None = None
+) -> tuple[str, Referrer | None, bytes | None]:
+    """(subject digest, the newest referrer of `artifact_type`, its `layers[0]`): NFD's FetchCompatibilitySpec."""
+    subject = await resolve_subject(client, reference, platform)
+    pinned = Reference(reference.registry, reference.repository, digest=subject)
+    _, found = await list_referrers(client, pinned, artifact_type=artifact_type)
+    pick = newest(found)
+    if pick is None:
+        return subject, None, None
+    return subject, pick, await read_layer(client, pinned, pick)
 
 
 async def read_report(client: RegistryClient, reference: Reference, referrer: Referrer) -> dict[str, Any]:
