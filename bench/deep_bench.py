@@ -86,35 +86,29 @@ class _Reader:
 
 
 def walk_blob(blob: Path) -> dict[str, object]:
-    """The child: the deep scan's layer walk over a blob read in 1 MiB chunks."""
-    from scanner.layers.inferred import CudaEntryCollector, combine
-    from scanner.layers.limits import AnalysisLimits, ScanBudget
-    from scanner.layers.tarstream import StreamStats
-    from scanner.layers.walk import LayerWalk
+    """The child: one walk of a blob read in 1 MiB chunks, feeding both consumers (libc and inferred
+    CUDA) as a deep scan does, under the default bounds (`scanner.layers.image.ImageAnalysis`)."""
+    import time
 
-    limits = AnalysisLimits(max_layer_bytes=64 << 30, max_image_bytes=64 << 30, max_scan_seconds=3600)
-    collector = CudaEntryCollector()
-    stats = StreamStats()
-    walk = LayerWalk(
-        "application/vnd.oci.image.layer.v1.tar+gzip",
-        [collector],
-        max_decompressed=limits.max_layer_bytes,
-        budget=ScanBudget(limits),
-        stats=stats,
-    )
+    from scanner.layers.image import ImageAnalysis
+    from scanner.layers.limits import AnalysisLimits
+
+    analysis = ImageAnalysis("amd64", 1, AnalysisLimits(), time.monotonic() + 3600, cuda=True)
+    walk = analysis.begin_layer("application/vnd.oci.image.layer.v1.tar+gzip")
     with blob.open("rb") as handle:
         while chunk := handle.read(MiB):
             if not walk.feed(chunk):
                 break
         else:
             walk.close()
-    evidence = collector.layer.finish(complete=stats.reached_end)
-    inferred, archs = combine([evidence])
+    analysis.finish_layer()
+    verdict = analysis.verdict(bytes_read=0, bytes_total=0)
     return {
-        "decompressed": stats.decompressed_bytes,
-        "entries": stats.entries,
-        "cuda": inferred.cuda if inferred else None,
-        "fatbin_files": len(archs.files) if archs else 0,
+        "decompressed": walk.stats.decompressed_bytes,
+        "entries": walk.stats.entries,
+        "cuda": verdict.inferred.cuda if verdict.inferred else None,
+        "fatbin_files": len(verdict.archs.files) if verdict.archs else 0,
+        "libc": verdict.libc.flavour,
         "maxrss_kib": peak_rss_kib(),
     }
 
@@ -247,13 +241,10 @@ def end_to_end(results: Results, section: str, blob: Path, work: Path) -> None:
 
 async def shared_layer_reads() -> tuple[int, int, int]:
     """(bytes read for image A, bytes of the shared layer read again for image B, its size)."""
-    from scanner.layers.deep import DeepReader
-
     from fixtures.oci import ImageSpec, LayerSpec, file, push_image
     from fixtures.registry import run_registry
-    from scanner.layers.analysis import AnalysisPool
     from scanner.registry.client import RegistryClient
-    from scanner.registry.reference import parse_reference
+    from scanner.scan import Scanner
     from scanner.settings import ScannerSettings
     from tests.test_deep_scan import wheel_layer
 
@@ -262,19 +253,15 @@ async def shared_layer_reads() -> tuple[int, int, int]:
         push_image(ImageSpec([shared]), f"{registry.host}/bench/a:1", Path(work) / "a")
         extra = LayerSpec([file("/app/main.py", "print(1)\n")])
         push_image(ImageSpec([shared, extra]), f"{registry.host}/bench/b:1", Path(work) / "b")
-        settings = ScannerSettings(docker_config=None)
-        pool = AnalysisPool(settings.analysis_processes)
-        try:
-            async with RegistryClient(settings) as client:
-                reader = DeepReader(client, None, settings.deep_scan_limits(), pool)
-                first_ref = parse_reference(f"{registry.host}/bench/a:1")
-                first = await reader.scan(first_ref, (await client.manifest(first_ref)).layers)
-                second_ref = parse_reference(f"{registry.host}/bench/b:1")
-                layers = (await client.manifest(second_ref)).layers
-                second = await reader.scan(second_ref, layers)
-                return first.bytes_read, second.bytes_read - layers[1].size, layers[0].size
-        finally:
-            await pool.close()
+        settings = ScannerSettings(docker_config=None, deep_scan="always")
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, None, settings)  # one process: its memory cache is shared
+            try:
+                first = (await scanner.scan(f"{registry.host}/bench/a:1")).platforms[0]
+                second = (await scanner.scan(f"{registry.host}/bench/b:1")).platforms[0]
+            finally:
+                await scanner.close()
+        return first.libc.bytes_read, second.libc.bytes_read - second.layers[1].size, second.layers[0].size
 
 
 def run_all(results: Results, quick: bool) -> None:

@@ -18,10 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-from bench import deep_bench, hostile_bench, push_burst_bench, scale_bench, scan_bench, service_bench
+from bench import (
+    deep_bench,
+    hostile_bench,
+    push_burst_bench,
+    real_images_bench,
+    scale_bench,
+    scan_bench,
+    service_bench,
+)
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
+SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -172,6 +180,8 @@ def main() -> int:
     results = Results()
     started = time.perf_counter()
     load_before = load_average()
+    if "real" in wanted:
+        real_images_bench.run_all(results, args.quick)
     if "scan" in wanted:
         scan_bench.run_all(results, args.quick)
     if "service" in wanted:

@@ -16,16 +16,14 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import tarfile
 import tempfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,13 +49,10 @@ from fixtures.oci import (
     file,
     push_layout,
 )
-from fixtures.registry import LocalRegistry, run_registry
+from fixtures.registry import ACCESS_LOG, Access, logged, run_registry
 
 GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
 MiB = 1024 * 1024
-ACCESS_LOG: dict[str, Any] = {"log": {"level": "warn", "accesslog": {"disabled": False}}}
-# Combined log format: "METHOD PATH HTTP/1.1" STATUS BYTES
-ACCESS_LINE = re.compile(r'"(GET|HEAD|PUT|POST|PATCH|DELETE) (\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
 
 
 @dataclass
@@ -267,60 +262,6 @@ def run_gpubadge_scan(
 
 def errors_of(reports: Sequence[dict[str, Any]]) -> list[str]:
     return [f"{r['reference']}: {r['error']}" for r in reports if r.get("error")]
-
-
-@dataclass
-class Access:
-    method: str
-    path: str
-    status: int
-    size: int
-
-
-def access_lines(registry: LocalRegistry, start: int = 0) -> tuple[list[Access], int]:
-    """Parsed access-log lines from byte offset `start`; returns them and the new offset."""
-    data = registry.log_path.read_bytes()
-    lines = []
-    for match in ACCESS_LINE.finditer(data[start:].decode(errors="replace")):
-        method, path, status, size = match.groups()
-        lines.append(Access(method, path, int(status), 0 if size == "-" else int(size)))
-    return lines, len(data)
-
-
-def wait_for_log_sentinel(registry: LocalRegistry, label: str, timeout: float = 5.0) -> None:
-    """Make one marked request and wait (bounded) until the registry has logged it.
-
-    Requests are logged in the order they finish, so once the sentinel is in the log,
-    every request a finished client process made is in it too.
-    """
-    import time
-    import urllib.request
-
-    marker = f"bench-sentinel={label}"
-    with urllib.request.urlopen(f"{registry.url}/v2/?{marker}", timeout=timeout):
-        pass
-    deadline = time.monotonic() + timeout
-    while marker not in registry.log():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"registry never logged {marker}")
-        time.sleep(0.01)
-
-
-def client_requests(lines: Sequence[Access]) -> list[Access]:
-    """Access-log lines that are not our own sentinels."""
-    return [line for line in lines if "bench-sentinel=" not in line.path]
-
-
-@contextmanager
-def logged(registry: LocalRegistry, label: str) -> Iterator[list[Access]]:
-    """Collect the access-log lines of the requests made inside the block."""
-    wait_for_log_sentinel(registry, f"{label}-start")
-    _, start = access_lines(registry)
-    collected: list[Access] = []
-    yield collected
-    wait_for_log_sentinel(registry, f"{label}-end")
-    lines, _ = access_lines(registry, start)
-    collected.extend(client_requests(lines))
 
 
 def describe_requests(lines: Sequence[Access]) -> str:
@@ -575,7 +516,7 @@ def bench_peak_rss(results: Results, figures: ScanFigures, workdir: Path) -> Non
     assemble_image(layout, [tiny], "tiny")
     huge = write_streamed_layer(layout, [], size, base_entries())
     assemble_image(layout, [huge], "huge")
-    env = {"GPUBADGE_MAX_LAYER_BYTES": str(size + 64 * MiB)}
+    env: dict[str, str] = {}  # the default bounds read it through
     with run_registry() as registry:
         push_tags(layout.root, ["tiny"], f"{registry.host}/bench/huge")
         push_layout(layout.root, "huge", f"{registry.host}/bench/huge:huge", timeout=600)

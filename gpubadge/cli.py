@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, Platform
 
 if TYPE_CHECKING:
@@ -191,9 +192,17 @@ def run_scan(args: argparse.Namespace) -> int:
         progress.finish()
     if not args.json:
         print_table(reports, sys.stdout)
-    failures = [r for r in reports if r.error]
-    for report in failures:
-        print(f"gpubadge: {report.reference}: {report.error}", file=sys.stderr)
+    failures = 0
+    for report in reports:
+        # A platform's error (its layers could not be read) is a failure too; its facts still print.
+        problems = (
+            [report.error]
+            if report.error
+            else [f"{p.platform}: {p.error}" for p in report.platforms if p.error]
+        )
+        for problem in problems:
+            print(f"gpubadge: {report.reference}: {problem}", file=sys.stderr)
+        failures += bool(problems)
     return 1 if failures else 0
 
 
@@ -232,7 +241,7 @@ def print_table(reports: Sequence[ImageReport], out: TextIO) -> None:
                     platform.platform,
                     "yes" if platform.gpu.required else "no",
                     platform.gpu.cuda_version or "-",
-                    platform.libc.flavour,
+                    libc_label(platform.libc).replace("_", " "),
                     platform.libc.distro or "-",
                     " ".join(platform.badges),
                 )

@@ -36,6 +36,7 @@ from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platfo
 from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
 from scanner.registry.errors import RegistryError
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
+from scanner.registry.stats import RequestStats
 from scanner.settings import ScannerSettings
 
 if TYPE_CHECKING:
@@ -72,6 +73,14 @@ class _Facts:
     layers: list[Descriptor]
     read_layers: bool
     retryable: bool = False  # the platform's error (if any) may pass on another try
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One scan's deadline (a `time.monotonic()` value) and its request counts so far."""
+
+    deadline: float
+    stats: RequestStats
 
 
 def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
@@ -182,7 +191,7 @@ class Scanner:
             deadline = time.monotonic() + self.settings.max_scan_seconds
             try:
                 async with asyncio.timeout_at(deadline):
-                    report = await self._scan(reference, options, deadline)
+                    report = await self._scan(reference, options, _Run(deadline, stats))
             except TimeoutError:
                 report = self._failed(reference, str(scan_too_slow(self.settings.max_scan_seconds)))
                 report.retryable = False
@@ -216,13 +225,13 @@ class Scanner:
             digest=reference.digest,
         )
 
-    async def _scan(self, reference: Reference, options: ScanOptions, deadline: float) -> ImageReport:
+    async def _scan(self, reference: Reference, options: ScanOptions, run: _Run) -> ImageReport:
         digest = reference.digest
         media_type: str | None = None
         if digest is None and self.store is None:
             # Nothing stored to reuse, so a HEAD would be one request for nothing: GET by tag.
             manifest = await self.client.manifest(reference)
-            return await self._scan_manifest(reference, manifest, None, options, deadline)
+            return await self._scan_manifest(reference, manifest, None, options, run)
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
@@ -250,7 +259,7 @@ class Scanner:
                 pending=child.libc.state == "pending",
             )
         manifest = await self.client.manifest(reference, digest)
-        return await self._scan_manifest(reference, manifest, media_type, options, deadline, policy)
+        return await self._scan_manifest(reference, manifest, media_type, options, run, policy)
 
     async def _scan_manifest(
         self,
@@ -258,7 +267,7 @@ class Scanner:
         manifest: Manifest,
         media_type: str | None,
         options: ScanOptions,
-        deadline: float,
+        run: _Run,
         policy: PlatformPolicy | None = None,
     ) -> ImageReport:
         policy = policy or await self._policy()
@@ -284,7 +293,7 @@ class Scanner:
             if storable and self.publish_facts:
                 await self._save(reference, report)
             results = await asyncio.gather(
-                *(self._layer_verdicts(reference, entry, deadline) for _, entry in to_read)
+                *(self._layer_verdicts(reference, entry, run.deadline) for _, entry in to_read)
             )
             for (position, _), verdicts in zip(to_read, results, strict=True):
                 entries[position] = verdicts
@@ -296,6 +305,7 @@ class Scanner:
             raise ScanError(first.error if len(unread) == 1 else f"{first.platform}: {first.error}")
         failed = [entry for entry in entries if isinstance(entry, _Facts) and entry.report.error]
         report.retryable = any(entry.retryable for entry in failed) if failed else True
+        report.requests, report.bytes_fetched = run.stats.requests, run.stats.bytes_received
         if storable:
             await self._save(reference, report)
         elif self.store is not None:
@@ -303,9 +313,11 @@ class Scanner:
         return report
 
     async def _save(self, reference: Reference, report: ImageReport) -> None:
+        """Remember the tag, then store the report: storing it wakes the long polls on the tag,
+        which must then find the tag pointing at the report."""
         assert self.store is not None and report.digest is not None
-        await self.store.save_report(report)
         await self._remember_tag(reference, report.digest)
+        await self.store.save_report(report)
 
     async def _stored_platform(
         self,

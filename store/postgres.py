@@ -37,6 +37,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, REPORTED_JOB
 from store.migrations import latest_version, migrations
@@ -236,7 +237,7 @@ class PostgresStore:
             "media_type": report.media_type,
             "gpu_required": any(p.gpu.required for p in platforms),
             "cuda_versions": sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version}),
-            "libc_flavours": sorted({p.libc.flavour for p in platforms}),
+            "libc_flavours": sorted({libc_label(p.libc) for p in platforms}),
             "platforms": [p.platform for p in platforms],
             "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
             "scanned_at": report.scanned_at,

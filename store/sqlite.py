@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.migrations import latest_version, migrations
 from store.models import (
@@ -262,7 +263,7 @@ class SqliteStore:
             "cuda_versions": json.dumps(
                 sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})
             ),
-            "libc_flavours": json.dumps(sorted({p.libc.flavour for p in platforms})),
+            "libc_flavours": json.dumps(sorted({libc_label(p.libc) for p in platforms})),
             "platforms": json.dumps([p.platform for p in platforms]),
             "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
             "scanned_at": _iso(report.scanned_at),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import warnings
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
@@ -300,3 +302,64 @@ def test_token_responses_and_cache_expiry() -> None:
     assert "secret-token-value" not in repr(cache)
     now[0] += 2  # within the 5 s safety margin: treated as expired
     assert cache.get(("h", "s", "repository:a:pull")) is None
+
+
+async def _blob_server(data: bytes, honour_ranges: bool) -> tuple[web.AppRunner, str, list[str]]:
+    """A stand-in registry for one blob (loopback, anonymous): honours Range, or ignores it."""
+    ranges: list[str] = []
+
+    async def blob(request: web.Request) -> web.StreamResponse:
+        asked = request.headers.get("Range", "")
+        ranges.append(asked)
+        if honour_ranges and asked.startswith("bytes="):
+            first, _, last = asked.removeprefix("bytes=").partition("-")
+            start, end = int(first), min(int(last) if last else len(data) - 1, len(data) - 1)
+            return web.Response(
+                status=206,
+                body=data[start : end + 1],
+                headers={"Content-Range": f"bytes {start}-{end}/{len(data)}"},
+            )
+        return web.Response(body=data)
+
+    app = web.Application()
+    app.router.add_get("/v2/r/blobs/{digest}", blob)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"127.0.0.1:{port}", ranges
+
+
+@pytest.mark.parametrize("honour_ranges", [True, False], ids=["ranges", "no-ranges"])
+async def test_a_ranged_read_grows_its_ranges_and_counts_what_an_early_stop_was_sent(
+    honour_ranges: bool,
+) -> None:
+    data = os.urandom(24 << 20)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    runner, host, ranges = await _blob_server(data, honour_ranges)
+    try:
+        ref = parse_reference(f"{host}/r:1")
+        async with RegistryClient(settings()) as client:
+            async with client.stream_blob(ref, digest, size=len(data), ranged=True) as whole:
+                assert b"".join([chunk async for chunk in whole]) == data
+            assert whole.verified and whole.bytes_received == len(data)
+            if honour_ranges:  # 1, 4, 16 MiB, then the last 3: each byte sent once
+                assert ranges == [
+                    "bytes=0-1048575",
+                    "bytes=1048576-5242879",
+                    "bytes=5242880-22020095",
+                    "bytes=22020096-25165823",
+                ]
+            else:
+                assert len(ranges) == 1
+            ranges.clear()
+            async with client.stream_blob(ref, digest, size=len(data), ranged=True) as early:
+                await early.__anext__()
+            assert not early.verified and early.bytes_read <= 65536
+            if honour_ranges:  # the registry sent at most the first range: counted, all of it
+                assert ranges == ["bytes=0-1048575"] and early.bytes_received == 1 << 20
+            else:  # what reached this host before the close counts
+                assert early.bytes_read <= early.bytes_received <= len(data)
+    finally:
+        await runner.cleanup()

@@ -131,15 +131,15 @@ async def test_without_a_store_a_tag_costs_two_requests(samples: dict[str, str])
 
 
 async def test_large_layer_stops_early(scanner: Scanner, registry: LocalRegistry, push: Pusher) -> None:
-    """Evidence at the front of a 40 MiB layer: the read stops there. `bytes_read` counts what reached
-    this host, the socket's receive queue at the early close included (a few MiB on loopback)."""
+    """Evidence at the front of a 40 MiB layer: the read stops there. The layer is asked for in growing
+    ranges, so the registry sends one small range, and `bytes_read` counts all of it."""
     push(catalog.large_layer_early_evidence(megabytes=40), "samples/large:1")
     report = await scanner.scan(f"{registry.host}/samples/large:1")
     platform = report.platforms[0]
     libc = platform.libc
     assert libc.flavour == "glibc"
     assert libc.bytes_total > 40 * 1024 * 1024
-    assert 0 < libc.bytes_read < 0.25 * libc.bytes_total, (libc.bytes_read, libc.bytes_total)
+    assert 0 < libc.bytes_read <= 0.05 * libc.bytes_total, (libc.bytes_read, libc.bytes_total)
     assert platform.bytes_fetched >= libc.bytes_read and report.bytes_fetched >= platform.bytes_fetched
 
 

@@ -85,6 +85,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         settings, metrics = services.settings, services.metrics
         client = RegistryClient(settings)
         services.client = client
+        metrics.count_registry_bytes(client.received_by_registry)
 
         def on_result(report: ImageReport) -> None:
             for host, remaining in client.rate_limits.items():

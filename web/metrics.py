@@ -50,11 +50,17 @@ class Metric:
 
 
 class Counter(Metric):
+    """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
+
     kind = "counter"
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labels)
         self._values: dict[LabelValues, float] = {}
+        self._collect: Callable[[], dict[LabelValues, float]] | None = None
+
+    def collect_from(self, collect: Callable[[], dict[LabelValues, float]]) -> None:
+        self._collect = collect
 
     def inc(self, *labels: str, amount: float = 1.0) -> None:
         with self._lock:
@@ -64,7 +70,8 @@ class Counter(Metric):
         return self._values.get(labels, 0.0)
 
     def samples(self) -> Iterable[str]:
-        for key, value in sorted(self._values.items()):
+        values = self._collect() if self._collect else dict(self._values)
+        for key, value in sorted(values.items()):
             yield f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
 
 
@@ -165,6 +172,14 @@ class ServiceMetrics:
         self.registry_errors = add(
             Counter("gpubadge_registry_errors_total", "Registry requests that failed, by host.", ["registry"])
         )
+        self.registry_bytes = add(
+            Counter(
+                "gpubadge_registry_received_bytes_total",
+                "Bytes registries sent to the scanner (manifests, configs, layers; partial reads"
+                " included), by registry or mirror host.",
+                ["registry"],
+            )
+        )
         self.rate_limit = add(
             Gauge("gpubadge_registry_ratelimit_remaining", "Last ratelimit-remaining seen.", ["registry"])
         )
@@ -214,6 +229,12 @@ class ServiceMetrics:
                 "Running jobs whose worker stopped renewing the lease, by what happened next.",
                 ["outcome"],
             )
+        )
+
+    def count_registry_bytes(self, received_by_registry: dict[str, int]) -> None:
+        """Serve the registry client's running byte counts (read at scrape time, never copied)."""
+        self.registry_bytes.collect_from(
+            lambda: {(host,): float(count) for host, count in list(received_by_registry.items())}
         )
 
     def render(self) -> str:

@@ -23,7 +23,7 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from scanner.facts.badges import LIBC_BADGES
+from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.requirements import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
@@ -234,6 +234,8 @@ _NAMED_BADGES = {
     "musl": BadgeView("musl", "musl"),
     "no-libc": BadgeView("no libc", "nolibc"),
     "libc-unknown": BadgeView("libc unknown", "unknown"),
+    "libc-pending": BadgeView("reading layers", "unknown"),
+    "libc-not-analysed": BadgeView("layers not analysed", "info"),
     "musl-also": BadgeView("musl also", "musl"),
     "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
     "cuda-mismatch": BadgeView("declared and inferred CUDA differ", "warn"),
@@ -256,7 +258,9 @@ def badge_view(name: str) -> BadgeView:
 def row_badges(row: ImageRow) -> list[BadgeView]:
     names = ["nvidia-gpu"] if row.gpu_required else []
     names += [f"cuda-{version}" for version in row.cuda_versions]
-    names += [LIBC_BADGES.get(flavour, "libc-unknown") for flavour in row.libc_flavours]
+    names += [
+        LIBC_BADGES.get(label) or LAYER_STATE_BADGES.get(label, "libc-unknown") for label in row.libc_flavours
+    ]
     views = [badge_view(name) for name in names]
     if not row.gpu_required:
         views.insert(0, BadgeView("CPU only", "cpu"))
@@ -348,6 +352,8 @@ def platform_view(report: PlatformReport) -> PlatformView:
         ]
     warnings = [f"{issue.variable}={issue.value!s}: {issue.error}" for issue in gpu.requirement_errors]
     warnings += report.warnings
+    if report.error:
+        report = report.model_copy(update={"error": redact_secrets(report.error)})
     return PlatformView(
         report=report,
         badges=[badge_view(name) for name in report.badges],
@@ -566,6 +572,9 @@ async def detail_context(services: Services, reference: Reference, report: Image
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
+        "progress": _progress_of(str(reference), services.scanner.layer_progress())
+        if report.pending and services.scanner is not None
+        else None,
         "referrers": [
             status
             for digest in [report.digest or "", *(p.digest for p in report.platforms)]

@@ -75,6 +75,7 @@ async def run_workers(
     metrics = ServiceMetrics()
     try:
         async with RegistryClient(settings) as client:
+            metrics.count_registry_bytes(client.received_by_registry)
             static = (
                 parse_inventory(settings.inventory_file.read_text()).servers
                 if settings.inventory_file

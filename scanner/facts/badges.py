@@ -9,7 +9,8 @@ The vocabulary (in this order; each appears at most once):
 - `require-disabled`   NVIDIA_DISABLE_REQUIRE turns the runtime's requirement check off
 - `requirement-error`  a warning: an NVIDIA_REQUIRE_* value (or a legacy CUDA_VERSION) that
                        NVIDIA's runtime would reject, so the container may fail to start
-- libc, exactly one:   `glibc`, `musl`, `no-libc` (static/scratch), `libc-unknown`
+- libc, exactly one:   `glibc`, `musl`, `no-libc` (static/scratch), `libc-unknown`, or, before or
+                       without a layer read, `libc-pending` / `libc-not-analysed`
 - `musl-also`          a musl loader sits beside glibc (e.g. Ubuntu with the musl package)
 """
 
@@ -18,6 +19,12 @@ from __future__ import annotations
 from scanner.models import GpuFacts, LibcVerdict
 
 LIBC_BADGES = {"glibc": "glibc", "musl": "musl", "none": "no-libc", "unknown": "libc-unknown"}
+LAYER_STATE_BADGES = {"pending": "libc-pending", "not_analysed": "libc-not-analysed"}
+
+
+def libc_label(libc: LibcVerdict) -> str:
+    """The flavour once the layers were read, else the layer state (`pending`, `not_analysed`)."""
+    return libc.flavour if libc.state == "analysed" else libc.state
 
 
 def badges(gpu: GpuFacts, libc: LibcVerdict) -> list[str]:
@@ -35,7 +42,10 @@ def badges(gpu: GpuFacts, libc: LibcVerdict) -> list[str]:
         names.append("require-disabled")
     if gpu.requirement_errors:
         names.append("requirement-error")
-    names.append(LIBC_BADGES[libc.flavour])
+    if libc.state == "analysed":
+        names.append(LIBC_BADGES[libc.flavour])
+    else:
+        names.append(LAYER_STATE_BADGES[libc.state])
     if libc.flavour == "glibc" and libc.musl_also:
         names.append("musl-also")
     return names

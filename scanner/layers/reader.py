@@ -11,8 +11,9 @@ The I/O around `scanner.layers.image.ImageAnalysis`, which runs in an analysis p
   consumer that still needs the layer is the blob streamed, once, into one walk;
 - the loop ends as soon as no lower layer can change a verdict (`done`).
 
-Bytes are counted where they arrive (`BlobStream.bytes_received`, partial reads included),
-per platform image in its `LayerProgress`, which the UI shows while the read runs.
+Bytes are counted as the registry sends them (`BlobStream.bytes_received`: partial reads
+included, and the rest of a range asked for when a read stops), per platform image in its
+`LayerProgress`, which the UI shows while the read runs.
 """
 
 from __future__ import annotations
@@ -132,18 +133,28 @@ class LayerReader:
                     async with self._reading(layer.digest):
                         cached = await self._cached(layer.digest)
                         if cached is None or not await session.use_cached(cached):
-                            await self._read(reference, layer, session, progress)
+                            await self._read(reference, layer, session, progress, whole=cuda)
                 progress.layers_done += 1
             return await session.verdict(progress.bytes_fetched, progress.bytes_total)
         finally:
             session.close()
 
     async def _read(
-        self, reference: Reference, layer: Descriptor, session: Session, progress: LayerProgress
+        self,
+        reference: Reference,
+        layer: Descriptor,
+        session: Session,
+        progress: LayerProgress,
+        *,
+        whole: bool,
     ) -> None:
+        """Stream one layer into the session: in one request when it will be read whole (a deep
+        scan), else in growing ranges, so that an early stop costs at most the rest of one range."""
         stream: BlobStream | None = None
         try:
-            async with self.client.stream_blob(reference, layer.digest) as stream:
+            async with self.client.stream_blob(
+                reference, layer.digest, size=layer.size, ranged=not whole
+            ) as stream:
                 outcome = await session.read_layer(_counted(stream, progress), layer.media_type)
         finally:
             if stream is not None:  # what arrived unread at the early close counts too

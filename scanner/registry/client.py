@@ -254,11 +254,19 @@ class RegistryClient:
 
     @contextlib.asynccontextmanager
     async def stream_blob(
-        self, ref: Reference, digest: str, chunk_size: int = 65536
+        self,
+        ref: Reference,
+        digest: str,
+        chunk_size: int = 65536,
+        *,
+        size: int | None = None,
+        ranged: bool = False,
     ) -> AsyncIterator[BlobStream]:
         """Stream a blob's (compressed) bytes; the digest is checked if the consumer reads to the end.
 
-        Leaving the block early closes the connection, so an early verdict costs only what was read.
+        `ranged` (with the blob's `size`): read it in growing ranges (`scanner.registry.blobs`), for
+        a consumer that may stop early. Leaving the block early closes the connection, so an early
+        verdict costs only what was read, and the stream's `bytes_received` says what was sent.
         """
         validate_digest(digest)
         path = f"/v2/{ref.repository}/blobs/{digest}"
@@ -266,39 +274,50 @@ class RegistryClient:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.settings.request_timeout, sock_read=self.settings.request_timeout
         )
+        held: list[asyncio.Semaphore] = []  # the host's slot stays taken while the caller reads
+        chosen: list[str] = []  # the host that answered the first range (a mirror, or the registry)
 
-        async def open_holding_slot(host: str) -> tuple[aiohttp.ClientResponse, asyncio.Semaphore, str]:
-            # The slot stays taken while the caller reads, so it is acquired here rather than with
-            # `_slot`; any way out before the response is handed over (errors, cancellation) gives it back.
-            slot = self._semaphore(host)
-            await slot.acquire()
-            try:
-                response = await self._open(
-                    host, ref.repository, "GET", path, {"Accept-Encoding": "identity"}, timeout
+        async def open_range(start: int, end: int | None) -> aiohttp.ClientResponse:
+            headers = {"Accept-Encoding": "identity"}
+            if start or end is not None:
+                headers["Range"] = f"bytes={start}-{'' if end is None else end}"
+            if chosen:
+                host = chosen[0]
+                return await self._retry.run(
+                    lambda: self._open(host, ref.repository, "GET", path, headers, timeout), host=host
                 )
-            except BaseException:
-                slot.release()
-                raise
-            return response, slot, host
 
-        response, slot, host = await self._on_endpoints(ref, open_holding_slot)
+            async def first(host: str) -> aiohttp.ClientResponse:
+                slot = self._semaphore(host)
+                await slot.acquire()
+                try:
+                    response = await self._open(host, ref.repository, "GET", path, headers, timeout)
+                except BaseException:
+                    slot.release()
+                    raise
+                held.append(slot)
+                chosen.append(host)
+                return response
+
+            return await self._on_endpoints(ref, first)
+
         stream = BlobStream(
-            response,
+            open_range,
             digest,
-            chunk_size,
-            what,
-            self.settings.request_timeout,
-            lambda amount: self._received(host, amount),
+            size=size,
+            ranged=ranged,
+            chunk_size=chunk_size,
+            what=what,
+            timeout=self.settings.request_timeout,
+            received=lambda amount: self._received(chosen[0] if chosen else ref.api_host, amount),
         )
         try:
+            await stream.start()
             yield stream
         finally:
-            if stream.verified:
-                response.release()  # fully read: the connection can be reused
-            else:
-                stream.discard()  # what already reached us counts, though nobody reads it
-                response.close()  # stopped early: drop the connection rather than drain the blob
-            slot.release()
+            stream.close()
+            for slot in held:
+                slot.release()
 
     # --- endpoints, slots, retries -------------------------------------------------------------
 
