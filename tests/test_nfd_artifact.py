@@ -417,3 +417,35 @@ def test_cli_lists_the_artifact_beside_the_report_and_checks_nodes_against_it(
     push(catalog.plain_glibc(), "nfd/cli:cpu")
     missing = _cli(["compat", f"{registry.host}/nfd/cli:cpu", *both], env)
     assert missing.returncode == 1 and "compatibility artifact not found" in missing.stderr
+
+
+def test_image_page_reads_back_what_another_process_attached(registry: LocalRegistry, push: Pusher) -> None:
+    """An API replica (or a restarted service) did not attach it: the page reads it as NFD does."""
+    from web.nfd_view import nfd_views
+
+    settings = nfd_settings(registry)
+    push(catalog.multi_arch(), "nfd/page:1")
+    report = asyncio.run(scan(settings, f"{registry.host}/nfd/page:1"))
+    push(catalog.alpine_gpu(), "nfd/page:none")
+    unattached = asyncio.run(scan(settings, f"{registry.host}/nfd/page:none"))
+    attached = asyncio.run(attach_all(settings, report))
+
+    async def views(target: ImageReport) -> list[Any]:
+        async with RegistryClient(settings) as client:
+            fresh = ReportAttacher(settings, client, companions=companions(settings))
+            try:
+                return await nfd_views(fresh, target)
+            finally:
+                await fresh.stop()
+
+    found = asyncio.run(views(report))
+    assert [(v.label, v.state, v.artifact) for v in found] == [
+        ("index", "found", attached[0].artifact),
+        ("linux/amd64", "found", attached[1].artifact),
+        ("linux/arm64/v8", "found", attached[2].artifact),
+    ]
+    assert [s["tag"] for s in found[0].sets] == ["nvidia-gpu", "nvidia-gfd"] and found[0].warnings == []
+    [absent] = asyncio.run(views(unattached))
+    assert (absent.state, absent.sets) == ("absent", [])
+    off = settings.model_copy(update={"attach_nfd": False})
+    assert companions(off) == []
