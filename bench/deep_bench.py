@@ -8,7 +8,7 @@ compressed with `gzip -6` (Docker's default level) to one blob on disk.
 Measured, one run, each side as a whole process (start-up included):
 * the floor: `sh -c 'gzip -dc BLOB | tar -t >/dev/null'` (two processes in a pipe);
 * each side runs twice, alternating, and keeps its best wall time (the machine is shared);
-* ours: `python -m bench.deep_bench --walk BLOB`, the deep scan's layer walk (decompress, parse
+* ours: `python -m bench.deep_bench --walk BLOB`, the one layer walk with both consumers (decompress, parse
   every tar header, read the small files, stream every ELF through the probe) fed 1 MiB chunks
   from the file, as the registry stream feeds it. Peak RSS is the child's ru_maxrss.
 * a second image sharing the layer, through a real registry (pushed by skopeo): bytes of the

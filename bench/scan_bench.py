@@ -49,6 +49,7 @@ from fixtures.oci import (
     file,
     push_layout,
 )
+from fixtures.real_shapes import GzipSink
 from fixtures.registry import ACCESS_LOG, Access, logged, run_registry
 
 GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"
@@ -101,35 +102,6 @@ def config_only_layout(root: Path, count: int) -> list[str]:
     return tags
 
 
-class _HashingSink(io.RawIOBase):
-    """Receives the tar stream: hashes it (diff_id) and writes it gzip-compressed, hashed again."""
-
-    def __init__(self, out: io.BufferedWriter, level: int) -> None:
-        self.out = out
-        self.raw_hash = hashlib.sha256()
-        self.blob_hash = hashlib.sha256()
-        self.blob_size = 0
-        self.compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        chunk = bytes(data)
-        self.raw_hash.update(chunk)
-        self._emit(self.compressor.compress(chunk))
-        return len(chunk)
-
-    def _emit(self, blob: bytes) -> None:
-        if blob:
-            self.blob_hash.update(blob)
-            self.blob_size += len(blob)
-            self.out.write(blob)
-
-    def finish(self) -> None:
-        self._emit(self.compressor.flush())
-
-
 class _RandomFile(io.RawIOBase):
     """`size` bytes of incompressible data, produced on demand (never held in memory)."""
 
@@ -164,7 +136,7 @@ def write_streamed_layer(
     blobs = layout.root / "blobs" / "sha256"
     partial = blobs / f"partial-{os.getpid()}-{len(os.listdir(blobs))}"
     with partial.open("wb") as out:
-        sink = _HashingSink(out, level)
+        sink = GzipSink(out, level)
         with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as archive:
             for entry in before:
                 _add(archive, entry)
@@ -176,7 +148,7 @@ def write_streamed_layer(
         sink.finish()
     digest = "sha256:" + sink.blob_hash.hexdigest()
     partial.rename(blobs / digest.removeprefix("sha256:"))
-    return StreamedLayer(digest, "sha256:" + sink.raw_hash.hexdigest(), sink.blob_size)
+    return StreamedLayer(digest, "sha256:" + sink.raw_hash.hexdigest(), sink.size)
 
 
 def _add(archive: tarfile.TarFile, entry: Entry) -> None:

@@ -135,9 +135,23 @@ async def test_the_wall_time_bound_fails_the_scan_for_good(pushed: dict[str, str
     assert report.retryable is False
 
 
+@pytest.mark.parametrize("deep_scan", ["auto", "never"])
+@pytest.mark.parametrize("processes", [0, 1])
+async def test_the_ratio_guard_stops_gzip_and_zstd_bombs_in_every_read_path(
+    pushed: dict[str, str], deep_scan: str, processes: int
+) -> None:
+    """In the scanning process or an analysis process, with the CUDA consumer on the walk or not."""
+    for name in ("gzip-ratio-bomb", "zstd-ratio-bomb"):
+        report, _ = await scan(
+            pushed[name], analysis_processes=processes, deep_scan=deep_scan, **BY_NAME[name].settings
+        )
+        error = failure(report)
+        assert error is not None and error.endswith("(GPUBADGE_MAX_INFLATION_RATIO)"), (name, error)
+
+
 async def test_in_process_analysis_gives_the_same_answers(pushed: dict[str, str]) -> None:
     """`analysis_processes = 0` (the walk on the caller's loop) bounds the same shapes the same way."""
-    for name in ("long-pax-link", "symlink-loop", "huge-pax-record", "gzip-ratio-bomb", "zstd-ratio-bomb"):
+    for name in ("long-pax-link", "symlink-loop", "huge-pax-record"):
         shape = BY_NAME[name]
         report, _ = await scan(pushed[name], analysis_processes=0, **shape.settings)
         if shape.fails:

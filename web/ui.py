@@ -404,7 +404,7 @@ class JobView:
     updated_at: str
     error: str | None
     explanation: str | None
-    progress: str | None = None  # a running deep scan's layers and bytes
+    progress: str | None = None  # a running scan's layer read: layers and bytes so far
 
 
 def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:

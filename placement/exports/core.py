@@ -382,6 +382,11 @@ def _platform(
         return constraints
     for warning in requirements.warnings:
         result.note(f"{platform.platform}: {warning}")
+    if platform.libc.state == "pending":
+        result.note(
+            f"{platform.platform}: the image's layers are still being read; these constraints come from its"
+            " config facts only (its libc, and CUDA inside, may add to them)"
+        )
     if platform.libc.flavour == "musl" and gpu_image:
         result.note(
             f"{platform.platform}: the image uses musl libc with GPUs; no scheduler label says whether a "

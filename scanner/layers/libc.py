@@ -29,7 +29,7 @@ How the orchestrator drives it (per platform image):
         cached = cache.get(layer.digest)                      # LayerEvidence JSON, by digest
         if cached is not None and analysis.layer_from_cache(cached):
             continue                                           # False: partial and not enough
-        evidence = await analyse_layer(analysis, chunks, media_type, max_decompressed=...)
+        evidence = await analyse_layer(analysis, chunks, media_type)
         cache.put(layer.digest, evidence)                      # prefer complete over partial
     verdict = analysis.verdict(bytes_read=..., bytes_total=...)
 
