@@ -137,6 +137,24 @@ def test_pushed_image_gets_its_report_attached_and_our_pushes_are_not_scanned(
         and "nvidia.com/cuda.runtime-version.full Ge 12.2 (version)" in page.text
     )
 
+    # `gpubadge compat --service`: the fleet comes from the service; an agent's server is checked.
+    from tests.test_referrers import _cli
+
+    h100 = {
+        "name": "gpu-node-1", "driver_version": "550.107.02", "cuda_driver_version": "12.4",
+        "gpus": [{"index": 0, "uuid": "GPU-nfd-0", "name": "NVIDIA H100 80GB HBM3", "brand": "NVIDIA", "memory_mib": 81559}],
+    }  # fmt: skip
+    assert call("POST", f"{service.url}/api/servers", h100).status == 200
+    env = {"GPUBADGE_REGISTRIES": registry.host, "GPUBADGE_DOCKER_CONFIG": str(tmp_path / "none.json")}
+    checked = _cli(["compat", f"{registry.host}/svc/cuda:12", "--service", service.url, "--json"], env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    [line] = [json.loads(text) for text in checked.stdout.splitlines()]
+    assert (line["node"], line["verdict"], line["artifact"].rsplit("@", 1)[1]) == (
+        "gpu-node-1",
+        "match",
+        nfd_entry["digest"],
+    )
+
 
 def test_failed_attach_never_fails_the_scan(
     stack: tuple[RunningService, LocalRegistry], readonly: tuple[LocalRegistry, str]
