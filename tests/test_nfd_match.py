@@ -359,6 +359,20 @@ def test_flags_and_attributes_are_one_union_and_does_not_exist_needs_both_absent
         }
     )
     assert not evaluate_rule(absent, both).matched
+    flagged = GroupRule.model_validate(
+        {
+            "name": "f",
+            "matchFeatures": [{"feature": "x.y", "matchExpressions": {"a": {"op": "DoesNotExist"}}}],
+        }
+    )
+    assert not evaluate_rule(flagged, both).matched  # a flag counts, though the attributes lack it
+    nowhere = GroupRule.model_validate(
+        {
+            "name": "n",
+            "matchFeatures": [{"feature": "x.y", "matchExpressions": {"c": {"op": "DoesNotExist"}}}],
+        }
+    )
+    assert evaluate_rule(nowhere, both).matched
 
 
 def test_node_feature_documents() -> None:
