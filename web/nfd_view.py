@@ -79,12 +79,11 @@ async def nfd_views(attacher: ReportAttacher | None, report: ImageReport) -> lis
     ]
     registry, repository = report.registry, report.repository
 
-    async def one(digest: str, label: str) -> NfdView:
+    async def one(digest: str, label: str) -> tuple[AttachStatus | None, str | None]:
         try:
-            status = await attacher.lookup_companion(registry, repository, digest, NFD_KIND)
+            return await attacher.lookup_companion(registry, repository, digest, NFD_KIND), None
         except (RegistryError, OSError) as exc:
-            return _view(digest, label, None, f"could not read the registry: {exc}")
-        return _view(digest, label, status)
+            return None, f"could not read the registry: {exc}"
 
     wanted = [(d, label) for d, label, needs in subjects if needs or attacher.companion_status(d, NFD_KIND)]
     tasks = [asyncio.ensure_future(one(digest, label)) for digest, label in wanted]
@@ -93,12 +92,15 @@ async def nfd_views(attacher: ReportAttacher | None, report: ImageReport) -> lis
     done, late = await asyncio.wait(tasks, timeout=LOOKUP_SECONDS)
     for task in late:
         task.cancel()
-    views = []
+    found: list[tuple[str, str, AttachStatus | None, str | None]] = []
     for (digest, label), task in zip(wanted, tasks, strict=True):
-        if task in done and task.exception() is None:
-            views.append(task.result())
+        if task not in done:
+            found.append((digest, label, None, f"the registry did not answer within {LOOKUP_SECONDS:g} s"))
+        elif (problem := task.exception()) is not None:
+            log.warning("reading the NFD artifact of %s failed: %r", digest, problem)
+            found.append((digest, label, None, f"could not read it: {type(problem).__name__}"))
         else:
-            views.append(
-                _view(digest, label, None, f"the registry did not answer within {LOOKUP_SECONDS:g} s")
-            )
-    return views
+            status, error = task.result()
+            found.append((digest, label, status, error))
+    # Decoding and checking the documents is CPU work: off the event loop.
+    return await asyncio.to_thread(lambda: [_view(*item) for item in found])
