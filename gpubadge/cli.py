@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | worker | db | eligible | constraints | agent | referrers`.
+"""`gpubadge scan | serve | worker | db | eligible | constraints | agent | referrers | compat`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("eligible", "list the servers that can run an image"),
         ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
         ("agent", "run the node agent"),
-        ("referrers", "list the gpubadge reports attached to an image as OCI referrers"),
+        ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
+        ("compat", "check nodes against an image's NFD image-compatibility artifact"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -96,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "constraints",
         "agent",
         "referrers",
+        "compat",
     ):
         return _delegate(args_list[0], args_list[1:])
     try:
@@ -128,6 +130,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.referrers import main as run_referrers
 
         return run_referrers(rest)
+    if command == "compat":
+        from gpubadge.compat import main as run_compat
+
+        return run_compat(rest)
     if command == "constraints":
         from gpubadge.constraints import main as run_constraints
 

@@ -167,6 +167,11 @@ class ScannerSettings(BaseSettings):
     attach_queue_max: int = Field(
         default=1000, ge=1, description="report attachments waiting at once; more are dropped and counted"
     )
+    attach_nfd: bool = Field(
+        default=True,
+        description="with attach_reports, also attach Node Feature Discovery's image-compatibility artifact to"
+        " GPU images (false: reports only)",
+    )
 
     @field_validator("platforms", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from fixtures import catalog
 from fixtures.oci import push_image
 from fixtures.registry import LocalRegistry, free_port, notification_endpoint, run_registry
 from fixtures.service import RunningService, run_service_process
+from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
 from scanner.registry.referrers import ARTIFACT_TYPE, tag_schema_tag
 from tests.test_service_e2e import by_ref, call, metric_values, wait_job
 
@@ -102,11 +103,15 @@ def test_pushed_image_gets_its_report_attached_and_our_pushes_are_not_scanned(
     attached = wait_metric(service.url, "gpubadge_referrer_attach_total", '{result="attached"}', 1)
     assert attached == 1, service.log()[-3000:]
 
+    nfd = wait_metric(service.url, "gpubadge_nfd_attach_total", '{result="attached"}', 1)
+    assert nfd == 1, service.log()[-3000:]
+
     index = skopeo_raw(registry.host, f"svc/cuda:{tag_schema_tag(digest)}")
-    [entry] = index["manifests"]
-    assert entry["artifactType"] == ARTIFACT_TYPE
+    [entry, nfd_entry] = index["manifests"]  # the report, then NFD's artifact beside it
+    assert entry["artifactType"] == ARTIFACT_TYPE and nfd_entry["artifactType"] == NFD_TYPE
     artifact = skopeo_raw(registry.host, f"svc/cuda@{entry['digest']}")
     assert artifact["subject"]["digest"] == digest
+    assert skopeo_raw(registry.host, f"svc/cuda@{nfd_entry['digest']}")["subject"]["digest"] == digest
 
     # Notifications are delivered in order: once a later push is scanned, the registry has
     # already told us about our artifact and the sha256-… index, and they queued nothing.
@@ -118,11 +123,37 @@ def test_pushed_image_gets_its_report_attached_and_our_pushes_are_not_scanned(
         [f"{registry.host}/svc/cuda:12@{digest}", f"{registry.host}/svc/sentinel:1@{sentinel}"]
     ), references
     webhooks = metric_values(call("GET", f"{service.url}/metrics").text, "gpubadge_webhooks_total")
-    assert webhooks.get('{source="distribution",status="202"}', 0) >= 3  # ours were delivered, and ignored
+    assert webhooks.get('{source="distribution",status="202"}', 0) >= 4  # ours were delivered, and ignored
 
     page = call("GET", f"{service.url}/images/{registry.host}/svc/cuda:12")
-    assert "Report in the registry" in page.text and "attached" in page.text
+    assert "Report in the registry" in page.text and "attached" in page.text, service.log()[-2500:]
     assert entry["digest"][:19] in page.text
+    # NFD's artifact: attached, and its rules as NFD reads them.
+    assert "Node Feature Discovery image-compatibility artifact" in page.text
+    assert "attached by gpubadge" in page.text and nfd_entry["digest"][:19] in page.text
+    assert "nvidia-gpu" in page.text and "nvidia-gfd" in page.text
+    assert (
+        "vendor In 10de" in page.text
+        and "nvidia.com/cuda.runtime-version.full Ge 12.2 (version)" in page.text
+    )
+
+    # `gpubadge compat --service`: the fleet comes from the service; an agent's server is checked.
+    from tests.test_referrers import _cli
+
+    h100 = {
+        "name": "gpu-node-1", "driver_version": "550.107.02", "cuda_driver_version": "12.4",
+        "gpus": [{"index": 0, "uuid": "GPU-nfd-0", "name": "NVIDIA H100 80GB HBM3", "brand": "NVIDIA", "memory_mib": 81559}],
+    }  # fmt: skip
+    assert call("POST", f"{service.url}/api/servers", h100).status == 200
+    env = {"GPUBADGE_REGISTRIES": registry.host, "GPUBADGE_DOCKER_CONFIG": str(tmp_path / "none.json")}
+    checked = _cli(["compat", f"{registry.host}/svc/cuda:12", "--service", service.url, "--json"], env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    [line] = [json.loads(text) for text in checked.stdout.splitlines()]
+    assert (line["node"], line["verdict"], line["artifact"].rsplit("@", 1)[1]) == (
+        "gpu-node-1",
+        "match",
+        nfd_entry["digest"],
+    )
 
 
 def test_failed_attach_never_fails_the_scan(

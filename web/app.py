@@ -21,6 +21,7 @@ from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from web import admission, api, fleet, health, openapi, ui, ui_fleet
 from web.architectures import FleetArchitectures
+from web.companions import companions
 from web.errors import error_middleware
 from web.fleet import STATIC_FLEET
 from web.hooks import SOURCES
@@ -102,7 +103,11 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
         if settings.attach_reports:
             services.attacher = ReportAttacher(
-                settings, client, on_result=lambda result: metrics.referrer_attach.inc(result)
+                settings,
+                client,
+                on_result=lambda result: metrics.referrer_attach.inc(result),
+                companions=companions(settings),
+                on_companion=lambda _, result: metrics.nfd_attach.inc(result),
             )
         if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
             services.workers = ScanWorkers(

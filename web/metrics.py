@@ -190,6 +190,14 @@ class ServiceMetrics:
                 ["result"],
             )
         )
+        self.nfd_attach = add(
+            Counter(
+                "gpubadge_nfd_attach_total",
+                "NFD image-compatibility artifacts, by result (attached, reused, deferred to another tool's, retry,"
+                " failed).",
+                ["result"],
+            )
+        )
         self.admission = add(
             Counter(
                 "gpubadge_admission_reviews_total",

@@ -30,6 +30,7 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import ImageRow, Job, TagEvent
 from web.api import find_report
 from web.badge_svg import badge_for, render_badge
+from web.nfd_view import nfd_views
 from web.scan_requests import ScanRefused, request_scan, token_matches
 from web.security import redact_secrets
 from web.state import Services, services_of
@@ -580,6 +581,7 @@ async def detail_context(services: Services, reference: Reference, report: Image
             for digest in [report.digest or "", *(p.digest for p in report.platforms)]
             if services.attacher is not None and (status := services.attacher.status(digest)) is not None
         ],
+        "nfd": await nfd_views(services.attacher, report),
     }
 
 

@@ -22,6 +22,7 @@ from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health
 from web.architectures import FleetArchitectures
+from web.companions import companions
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
@@ -88,7 +89,13 @@ async def run_workers(
                 fleet_architectures=FleetArchitectures(store, static),
             )
             attacher = (
-                ReportAttacher(settings, client, on_result=lambda result: metrics.referrer_attach.inc(result))
+                ReportAttacher(
+                    settings,
+                    client,
+                    on_result=lambda result: metrics.referrer_attach.inc(result),
+                    companions=companions(settings),
+                    on_companion=lambda _, result: metrics.nfd_attach.inc(result),
+                )
                 if settings.attach_reports
                 else None
             )

@@ -1,0 +1,168 @@
+"""`gpubadge compat`: check nodes against an image's NFD image-compatibility artifact.
+
+What `nfd compat validate-node --image REF` does, for any node and any artifact (written by
+gpubadge or anyone): the artifact is found as NFD's client finds it (REF resolved to its index,
+or with `--platform` to that image; its referrers of type
+`application/vnd.nfd.image-compatibility.v1alpha1`; the newest by
+`org.opencontainers.image.created`; `layers[0]`), or read from a file with `--spec`. Nodes come
+from NFD (`--node FILE`: a NodeFeature object, a list of them, or `nfd export features` output;
+repeatable) or from gpubadge's fleet (`--servers FILE` or `--service URL`: features derived from
+each server's inventory). Every compatibility set is evaluated with NFD's rule semantics
+(`--tags` picks sets, as NFD's flag does), and each failing rule says why.
+
+Exit status: 0 when every node meets every selected set, 3 when some node does not, 1 on error
+(no artifact, a registry or file error, a rule NFD would reject), 2 on usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from placement.nfd.features import NodeFeatures
+    from placement.nfd.match import SpecResult
+    from placement.nfd.schema import Spec
+
+EXIT_COMPATIBLE, EXIT_ERROR, EXIT_USAGE, EXIT_INCOMPATIBLE = 0, 1, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge compat",
+        description="Check nodes against an image's NFD image-compatibility artifact (like nfd compat validate-node).",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("reference", metavar="REF", nargs="?", help="image reference: a tag or a digest")
+    source.add_argument("--spec", type=Path, help="an image-compatibility YAML file instead of a registry")
+    nodes = parser.add_mutually_exclusive_group(required=True)
+    nodes.add_argument(
+        "--node",
+        type=Path,
+        action="append",
+        help="NodeFeature YAML/JSON or `nfd export features` output (repeat)",
+    )
+    nodes.add_argument("--servers", type=Path, help="gpubadge inventory file ({servers: [...]})")
+    nodes.add_argument("--service", help="URL of a running gpubadge service: its fleet")
+    parser.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
+    parser.add_argument("--platform", help="the image of this platform in an index (os/arch[/variant])")
+    parser.add_argument("--tags", default="", help="comma-separated tags: only the sets with these tags")
+    parser.add_argument("--json", action="store_true", help="one JSON object per node")
+    parser.add_argument("--config", type=Path, default=None, help="settings file (TOML or YAML)")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    from placement.nfd.features import FeaturesError
+    from placement.nfd.match import evaluate_spec
+    from placement.nfd.schema import SpecError
+
+    tags = [tag.strip() for tag in args.tags.split(",") if tag.strip()]
+    try:
+        spec, origin = asyncio.run(_artifact(args))
+        nodes = asyncio.run(_nodes(args))
+    except _Usage as exc:
+        print(f"gpubadge compat: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (SpecError, FeaturesError, OSError, RuntimeError, ValueError) as exc:
+        print(f"gpubadge compat: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if not nodes:
+        print("gpubadge compat: no node to check", file=sys.stderr)
+        return EXIT_ERROR
+    results = [evaluate_spec(spec, node.features, node.name, tags) for node in nodes]
+    for node, result in zip(nodes, results, strict=True):
+        if args.json:
+            body: dict[str, Any] = {"artifact": origin, "node": node.name, "source": node.source}
+            body.update({"notes": node.notes, "verdict": result.verdict})
+            body["sets"] = [item.model_dump() for item in result.sets]
+            print(json.dumps(body, sort_keys=True))
+        else:
+            _print(result, origin)
+    if any(r.verdict == "error" for r in results):
+        return EXIT_ERROR
+    return EXIT_COMPATIBLE if all(r.compatible for r in results) else EXIT_INCOMPATIBLE
+
+
+class _Usage(ValueError):
+    pass
+
+
+async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
+    from placement.nfd.schema import ARTIFACT_TYPE, load_spec
+
+    if args.spec is not None:
+        spec, warnings = load_spec(args.spec.read_bytes())
+        _warn(warnings)
+        return spec, str(args.spec)
+    from scanner.models import Platform
+    from scanner.registry.client import RegistryClient
+    from scanner.registry.errors import RegistryError
+    from scanner.registry.reference import ReferenceError, parse_reference
+    from scanner.registry.referrers import newest_of_type
+    from scanner.settings import ScannerSettings
+
+    try:
+        reference = parse_reference(args.reference)
+        platform = Platform.parse(args.platform) if args.platform else None
+    except (ReferenceError, ValueError) as exc:
+        raise _Usage(str(exc)) from None
+    settings = ScannerSettings.load(args.config)
+    try:
+        async with RegistryClient(settings) as client:
+            subject, referrer, layer = await newest_of_type(client, reference, ARTIFACT_TYPE, platform)
+    except RegistryError as exc:
+        raise RuntimeError(f"{reference}: {exc}") from None
+    if referrer is None or layer is None:
+        raise RuntimeError(f"{reference} ({subject}): compatibility artifact not found")
+    spec, warnings = load_spec(layer)
+    _warn(warnings)
+    return spec, f"{reference}@{referrer.digest}"
+
+
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"gpubadge compat: warning: {warning}", file=sys.stderr)
+
+
+async def _nodes(args: argparse.Namespace) -> list[NodeFeatures]:
+    from placement.inventory import Server, parse_inventory
+    from placement.nfd.features import from_server, parse_node_features
+
+    if args.node:
+        return [parse_node_features(path.read_text(), name=path.stem) for path in args.node]
+    if args.servers is not None:
+        return [from_server(server) for server in parse_inventory(args.servers.read_text()).servers]
+    import aiohttp
+
+    token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+        session.get(f"{args.service.rstrip('/')}/api/servers", headers=headers) as response,
+    ):
+        body: Any = await response.json(content_type=None)
+        if response.status != 200:
+            raise RuntimeError(f"service answered {response.status}: {body}")
+    return [from_server(Server.model_validate(item)) for item in body.get("servers", [])]
+
+
+def _print(result: SpecResult, origin: str) -> None:
+    word = {"match": "compatible", "no-match": "not compatible", "error": "error"}[result.verdict]
+    print(f"{result.node}: {word} ({origin})")
+    for item in result.sets:
+        label = f"set #{item.index}" + (f" {item.tag}" if item.tag else "")
+        print(f"  {label}: {'OK' if item.verdict == 'match' else item.verdict.upper()}")
+        for line in item.reasons():
+            print(f"    {line}")
