@@ -238,6 +238,11 @@ class AsyncStore:
 
     # ------------------------------------------------------------------ events
 
+    def jobs_queued(self) -> None:
+        """On the loop: jobs were committed from a caller's own thread (the webhook intake calls
+        `backend.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
+        self._fire_local(QUEUED)
+
     def _fire_local(self, kind: str, payload: str = "") -> None:
         """This process's own write, for its own waiters and workers. With a PostgreSQL listener the
         NOTIFY of the same commit comes back to every process (this one too), keyed by job and

@@ -224,6 +224,13 @@ CASES: list[tuple[str, str, dict[str, str], str | None, list[Row]]] = [
         [(JFROG_HOST, "test-repo/foo/bar/busybox", "latest", BUSYBOX, "delete")],
     ),
     ("jfrog_promoted", "jfrog", {}, JFROG_HOST, []),
+    (
+        "acr_push_index",
+        "acr",
+        {"Content-Type": "application/json"},
+        None,
+        [("contoso.azurecr.io", "team-a/cuda-app", "12.4", digest_of("acr-cuda-index"), "push")],
+    ),
 ]
 
 

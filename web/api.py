@@ -20,7 +20,6 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import Job
 from web import hooks
 from web.errors import json_error, json_http_error, read_json
-from web.hooks import acr as acr_hook
 from web.scan_requests import ScanRefused, request_scan
 from web.security import bearer_token, redact_secrets, token_matches
 from web.state import Services, services_of
@@ -28,7 +27,7 @@ from web.state import Services, services_of
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
-WEBHOOK_SOURCES = (*hooks.SOURCES, acr_hook.SOURCE)
+WEBHOOK_SOURCES = hooks.SOURCES
 MAX_WAIT = 60.0
 
 
@@ -85,16 +84,24 @@ async def receive_webhook(request: web.Request) -> web.Response:
         status = response.status
         return response
     finally:
-        label = source if source in WEBHOOK_SOURCES else "unknown"
+        label = source if source in hooks.SENDERS else "unknown"
         services.metrics.webhooks.inc(label, str(status))
         services.metrics.webhook_seconds.observe(time.perf_counter() - started, label)
 
 
 async def _receive_webhook(request: web.Request, services: Services, source: str) -> web.Response:
+    """Receive, authenticate, parse, check the allowlist, enqueue, commit, answer: one delivery.
+
+    Everything the route knows of the sender comes from its record in `hooks.SENDERS`. The
+    registry waits for this answer before it sends its next delivery, so the path is kept lean:
+    headers are lower-cased once, the body is parsed once, each image reference is parsed once
+    (by `ScanRequest`), and the 202 is sent only once the intake has committed the jobs.
+    """
     settings = services.settings
-    if source not in WEBHOOK_SOURCES:
+    sender = hooks.SENDERS.get(source)
+    if sender is None:
         return json_error(
-            404, f"unknown webhook source {source!r}; expected one of {', '.join(WEBHOOK_SOURCES)}"
+            404, f"unknown webhook source {source!r}; expected one of {', '.join(hooks.SOURCES)}"
         )
     try:
         body = await request.read()
@@ -102,33 +109,24 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         return json_error(413, f"body larger than {settings.max_body_bytes} bytes")
     if settings.webhook_refused(source):
         log.warning("webhook from %s refused: no secret is configured for source %s", request.remote, source)
-        return json_error(
-            401,
-            f"{source} webhooks are not accepted here: no secret is configured for {source}"
-            " (webhook_secrets lists the accepted sources)",
+        hint = (
+            "webhook_secrets lists the accepted sources"
+            if settings.webhook_secrets
+            else f"its deliveries are unsigned: set GPUBADGE_WEBHOOK_SECRET or webhook_secrets.{source}"
         )
+        return json_error(
+            401, f"{source} webhooks are not accepted here: no secret is configured for {source} ({hint})"
+        )
+    headers = hooks.lower_keys(request.headers)
     try:
-        if source == acr_hook.SOURCE:
-            acr_hook.authenticate(request.headers, settings.webhook_secret_for(source))
-        else:
-            hooks.authenticate(
-                source, body, request.headers, request.query, settings.webhook_secret_for(source)
-            )
+        sender.check(body, headers, request.query, settings.webhook_secret_for(source))
     except hooks.WebhookAuthError as exc:
         log.warning("webhook from %s refused: %s", request.remote, exc)
         return json_error(401, str(exc))
-    default_registry = settings.jfrog_registry if source == "jfrog" else None
     try:
-        if source == acr_hook.SOURCE:
-            events = acr_hook.normalise(body, settings.json_limits())
-        else:
-            events = hooks.normalise(
-                source,
-                body,
-                request.headers,
-                default_registry=default_registry,
-                limits=settings.json_limits(),
-            )
+        events = sender.parse(
+            body, headers, settings.webhook_default_registry(sender), settings.json_limits()
+        )
     except hooks.WebhookError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
     refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
@@ -139,22 +137,19 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
             refused=refused,
         )
     # Referrers tag-schema indexes and the report artifacts we pushed are never scanned.
-    events = [event for event in events if not _own_artifact(services, event)]
-    pushes = [event for event in events if event.action == "push"]
+    pushes: list[tuple[str, str, float]] = []
+    deleted = 0
     for event in events:
         if event.action == "delete":
+            deleted += 1
             await services.store.mark_gone(
                 event.registry, event.repository, tag=event.tag, digest=event.digest
             )
-    try:
-        queued = [(str(parse_reference(event.reference)), event) for event in pushes]
-    except ReferenceError as exc:
-        return json_error(400, f"malformed {source} webhook: {exc}")
-    # Digest-only events (the children of a multi-arch push) wait briefly for their index job.
-    items = [(ref, event.registry, 0.0 if event.tag else settings.coalesce_seconds) for ref, event in queued]
-    job_ids = await services.intake.enqueue(items, source=source, max_attempts=settings.max_attempts)
+        elif not _own_artifact(services, event):
+            # Digest-only events (the children of a multi-arch push) wait briefly for their index job.
+            pushes.append((event.reference, event.registry, 0.0 if event.tag else settings.coalesce_seconds))
+    job_ids = await services.intake.enqueue(pushes, source=source, max_attempts=settings.max_attempts)
     services.wake_workers()
-    deleted = len(events) - len(pushes)
     return web.json_response(
         {"accepted": len(pushes), "deleted": deleted, "jobs": sorted(set(job_ids))}, status=202
     )

@@ -24,7 +24,6 @@ from web.architectures import FleetArchitectures
 from web.companions import companions
 from web.errors import error_middleware
 from web.fleet import STATIC_FLEET
-from web.hooks import SOURCES
 from web.metrics import ServiceMetrics
 from web.security import private_reads
 from web.settings import ServiceSettings
@@ -61,20 +60,22 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
 
 
 def _log_webhook_doors(settings: ServiceSettings) -> None:
-    """Say at start-up which webhook sources are open, which need a secret, which are refused."""
+    """Say at start-up which webhook sources are open, which need a secret, and which are refused
+    (every sender of `hooks.SENDERS`, ACR included: it is refused whenever it has no secret)."""
+    refused = ", ".join(settings.refused_webhook_sources()) or "none"
     if settings.open_webhook_sources():
         log.warning(
             "GPUBADGE_WEBHOOK_SECRET is unset: webhooks are accepted without authentication"
-            " (open sources: %s)",
+            " (open sources: %s; refused, as they are never open without a secret: %s)",
             ", ".join(settings.open_webhook_sources()),
+            refused,
         )
     elif settings.webhook_secret is None:
-        refused = [source for source in SOURCES if settings.webhook_refused(source)]
         log.info(
             "webhook sources open: none; accepted with their own secret: %s; refused (no secret"
             " configured, set GPUBADGE_WEBHOOK_SECRET or webhook_secrets): %s",
             ", ".join(sorted(settings.webhook_secrets)),
-            ", ".join(refused) or "none",
+            refused,
         )
     else:
         log.info("webhook sources open: none; every source needs its secret")
@@ -127,6 +128,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
             if services.attacher is not None:
                 await services.attacher.stop()
             await client.close()
+            await services.intake.close()
             await services.store.close()
 
     return lifecycle

@@ -16,9 +16,8 @@ from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import is_loopback
 from scanner.settings import ScannerSettings
+from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
-from web.hooks import SOURCES
-from web.hooks.acr import SOURCE as ACR_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ class ServiceSettings(ScannerSettings):
     @field_validator("webhook_secrets", mode="after")
     @classmethod
     def _known_sources(cls, secrets: dict[str, SecretStr]) -> dict[str, SecretStr]:
-        known = (*SOURCES, ACR_SOURCE)
+        known = hooks.SOURCES
         unknown = sorted(set(secrets) - set(known))
         if unknown:
             raise ValueError(
@@ -192,16 +191,30 @@ class ServiceSettings(ScannerSettings):
         return secret.get_secret_value() if secret else None
 
     def webhook_refused(self, source: str) -> bool:
-        """Per-source secrets only: a source without its own secret is refused, never left open."""
-        return (
-            self.webhook_secret is None and bool(self.webhook_secrets) and source not in self.webhook_secrets
+        """Refused for want of a secret: per-source secrets only and none for this source, or a
+        sender that is never open (ACR) with no secret at all (`hooks.refused`)."""
+        return hooks.refused(
+            hooks.sender(source),
+            shared_secret=self.webhook_secret is not None,
+            own_secrets=self.webhook_secrets.keys(),
         )
 
     def open_webhook_sources(self) -> list[str]:
         """Sources whose webhooks are accepted without any secret."""
         if self.webhook_secret is not None or self.webhook_secrets:
             return []
-        return list(SOURCES)
+        return [source for source in hooks.SOURCES if not self.webhook_refused(source)]
+
+    def refused_webhook_sources(self) -> list[str]:
+        """Sources whose webhooks are refused before they are read, for want of a secret."""
+        return [source for source in hooks.SOURCES if self.webhook_refused(source)]
+
+    def webhook_default_registry(self, sender: hooks.Sender) -> str | None:
+        """The registry host a sender's payloads leave out, from the setting its record names."""
+        if sender.default_registry_setting is None:
+            return None
+        host: str | None = getattr(self, sender.default_registry_setting)
+        return host
 
     @classmethod
     def describe(cls) -> str:

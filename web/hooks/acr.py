@@ -6,11 +6,11 @@ header (`Authorization: Bearer <secret>`, or the bare secret in `Authorization` 
 ACR sends a configured header verbatim); a `?token=` query is refused here, because
 ACR shows the service URI in the portal and in activity logs. ACR deliveries are
 refused outright when no secret is configured: an unsigned, unauthenticated hook
-reachable from Azure would let anyone on the internet queue pulls.
+reachable from Azure would let anyone on the internet queue pulls (its record `needs_secret`).
 
 Only `push` is acted on, keyed on `target.digest` (the tag is absent for pushes by
 digest). `delete`, `quarantine`, `chart_push`, `chart_delete` and the portal's
-`ping` are answered 2xx and ignored: ACR retries non-2xx deliveries. The handler in
+`ping` are answered 2xx and ignored: ACR retries non-2xx deliveries. The route in
 web/api.py checks `request.host` against the allowlist before anything is queued,
 so no pull ever goes to a registry outside it.
 """
@@ -25,7 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from web.bounded_json import JsonLimits
 from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,
+    Headers,
+    Query,
     ScanRequest,
+    Sender,
     WebhookAuthError,
     WebhookError,
     _describe,
@@ -101,3 +104,16 @@ def normalise(body: bytes, limits: JsonLimits | None = None) -> list[ScanRequest
     if tag is not None and tag.startswith("sha256-"):
         return []  # a referrers tag-schema index (ours or anyone's), never an image
     return [_request(SOURCE, event.request.host, target.repository, tag, target.digest, "push")]
+
+
+def _parse(
+    body: bytes, headers: Headers, default_registry: str | None, limits: JsonLimits
+) -> list[ScanRequest]:
+    return normalise(body, limits)
+
+
+def _authenticate(body: bytes, headers: Headers, query: Query, secret: str | None) -> None:
+    authenticate(headers, secret)  # the header only: a ?token= would show in the portal and activity logs
+
+
+SENDER = Sender(SOURCE, parse=_parse, authenticate=_authenticate, needs_secret=True)

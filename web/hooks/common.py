@@ -1,10 +1,12 @@
-"""What every sender module shares: the scan request, the errors, the payload base and small helpers."""
+"""What every sender module shares: the sender record, the scan request, the errors, the payload base
+and small helpers."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -12,8 +14,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from scanner.registry.reference import DOCKER_HUB, ReferenceError, parse_reference
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-
-SOURCES: tuple[str, ...] = ("distribution", "dockerhub", "harbor", "ghcr", "quay", "gar", "ecr", "jfrog")
 
 # Manifest media types worth scanning. Blobs (layers, configs) and schema1 are left out:
 # registry:3 dropped schema1 and the scanner cannot read it.
@@ -42,10 +42,10 @@ class WebhookError(ValueError):
 
 
 class UnknownSource(WebhookError):
-    """No normaliser for this source name (for a 404)."""
+    """No sender of this name (for a 404); the message lists the known ones."""
 
-    def __init__(self, source: str) -> None:
-        super().__init__(f"unknown webhook source {_short(source)}; known sources: {', '.join(SOURCES)}")
+    def __init__(self, source: str, known: Iterable[str]) -> None:
+        super().__init__(f"unknown webhook source {_short(source)}; known sources: {', '.join(known)}")
 
 
 class WebhookAuthError(Exception):
@@ -87,9 +87,12 @@ class ScanRequest(BaseModel):
                 f"registry host {_short(host)} would read as a Docker Hub namespace in an image "
                 "reference; use a dotted name, 'localhost' or host:port"
             )
-        # Frozen model: set the canonical spelling (docker.io/library/x, lowercase host) directly.
+        # Frozen model: set the canonical spelling (docker.io/library/x, lowercase host) directly, and
+        # the parsed tag (an empty tag is no tag), so `reference` is exactly what the parser prints and
+        # the intake queues it without parsing it a second time.
         object.__setattr__(self, "registry", parsed.registry)
         object.__setattr__(self, "repository", parsed.repository)
+        object.__setattr__(self, "tag", parsed.tag)
         return self
 
     @property
@@ -112,8 +115,63 @@ class _Payload(BaseModel):
 
 
 Headers = Mapping[str, str]
+"""A delivery's headers, keys lower-cased (`lower_keys`): what every sender's functions are given."""
+
+Query = Mapping[str, str]
 
 Normaliser = Callable[[dict[str, Any], Headers, str | None], Iterable[ScanRequest]]
+"""A parsed JSON payload -> scan requests; may raise WebhookError or pydantic's ValidationError."""
+
+Parser = Callable[[bytes, Headers, str | None, JsonLimits], list[ScanRequest]]
+"""A raw body -> scan requests in payload order, without duplicates; raises WebhookError only."""
+
+Authenticator = Callable[[bytes, Headers, Query, str | None], None]
+"""Accept a delivery (body, headers, query) as proof of the configured secret, or raise WebhookAuthError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Everything the service knows about one webhook sender, in one record.
+
+    `web/hooks/__init__.py` holds the table of them (`SENDERS`); the route, the settings and the
+    start-up log read it, and no other code names a sender. `authenticate` is called only when a
+    secret is configured, unless `needs_secret`: such a sender (ACR, which signs nothing) is refused
+    outright without one, never left open. `default_registry_setting` names the `ServiceSettings`
+    field that holds the registry host the sender's payloads leave out (JFrog's), or None.
+    """
+
+    name: str
+    parse: Parser
+    authenticate: Authenticator
+    needs_secret: bool = False
+    default_registry_setting: str | None = None
+
+    def check(self, body: bytes, headers: Headers, query: Query, secret: str | None) -> None:
+        """Authenticate one delivery against the configured `secret` (None: none configured)."""
+        if secret or self.needs_secret:
+            self.authenticate(body, headers, query, secret)
+
+
+def json_parser(source: str, normaliser: Normaliser, unwrap: Unwrap | None = None) -> Parser:
+    """The parser of a sender whose body is one JSON object: bounded parse, optional unwrap (GAR's
+    Pub/Sub envelope), the normaliser, pydantic's errors as WebhookError, duplicates dropped."""
+
+    def parse(
+        body: bytes, headers: Headers, default_registry: str | None, limits: JsonLimits
+    ) -> list[ScanRequest]:
+        payload = _parse_json(source, body, limits)
+        if unwrap is not None:
+            payload = unwrap(payload, limits)
+        try:
+            requests = list(normaliser(payload, headers, default_registry))
+        except ValidationError as exc:
+            raise WebhookError(f"{source} payload: {_describe(exc)}") from None
+        return list(dict.fromkeys(requests))  # frozen models hash by value; keeps first-seen order
+
+    return parse
+
+
+Unwrap = Callable[[dict[str, Any], JsonLimits], dict[str, Any]]
 
 
 def _parse_json(source: str, body: bytes, limits: JsonLimits) -> dict[str, Any]:
@@ -164,9 +222,17 @@ def _blank(value: str | None) -> str | None:
 
 
 def _url_host(url: str | None) -> str | None:
-    """host[:port] of an absolute URL, without credentials."""
+    """host[:port] of an absolute URL, without credentials.
+
+    Plain `http(s)://host/...` (what registries send) is cut with string operations; anything
+    else (brackets, whitespace or control characters, other schemes) goes through `urlsplit`.
+    """
     if not url:
         return None
+    if url.startswith(("http://", "https://")) and url.isascii() and url.isprintable() and " " not in url:
+        netloc = url.partition("//")[2].partition("/")[0].partition("?")[0].partition("#")[0]
+        if "[" not in netloc and "]" not in netloc:
+            return netloc.rpartition("@")[2] or None
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -184,7 +250,8 @@ def _media_type(headers: Headers) -> str:
     return headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-def _lower_keys(headers: Mapping[str, str]) -> dict[str, str]:
+def lower_keys(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header names lower-cased once per delivery, so each sender looks them up with plain `get`."""
     return {key.lower(): value for key, value in headers.items()}
 
 

@@ -11,13 +11,16 @@ from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,
     Headers,
     ScanRequest,
+    Sender,
     WebhookError,
     _blank,
     _Payload,
     _request,
     _require_default,
     _url_host,
+    json_parser,
 )
+from web.hooks.signatures import shared_secret
 
 DISTRIBUTION_MEDIA_TYPES = (
     "application/vnd.docker.distribution.events.v1+json",  # registry:2 (and GitLab's fork)
@@ -79,3 +82,8 @@ def normalise(
             digest,
             action,
         )
+
+
+SENDER = Sender(
+    "distribution", parse=json_parser("distribution", normalise), authenticate=shared_secret("distribution")
+)

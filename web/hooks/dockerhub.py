@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from scanner.registry.reference import DOCKER_HUB
-from web.hooks.common import Headers, ScanRequest, _Payload, _request
+from web.hooks.common import Headers, ScanRequest, Sender, _Payload, _request, json_parser
+from web.hooks.signatures import shared_secret
 
 
 class _DockerHubPushData(_Payload):
@@ -28,3 +29,8 @@ def normalise(
     """Docker Hub: pushes only, by tag, never a digest."""
     hub = _DockerHubPayload.model_validate(payload)
     yield _request("dockerhub", DOCKER_HUB, hub.repository.repo_name, hub.push_data.tag, None, "push")
+
+
+SENDER = Sender(
+    "dockerhub", parse=json_parser("dockerhub", normalise), authenticate=shared_secret("dockerhub")
+)

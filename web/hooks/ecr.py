@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from web.hooks.common import Headers, ScanRequest, _blank, _Payload, _request
+from web.hooks.common import Headers, ScanRequest, Sender, _blank, _Payload, _request, json_parser
+from web.hooks.signatures import shared_secret
 
 
 class _EcrHeader(_Payload):
@@ -49,3 +50,6 @@ def normalise(
     yield _request(
         "ecr", host, detail.repository_name, _blank(detail.image_tag), _blank(detail.image_digest), action
     )
+
+
+SENDER = Sender("ecr", parse=json_parser("ecr", normalise), authenticate=shared_secret("ecr"))

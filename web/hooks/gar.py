@@ -10,7 +10,19 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-from web.hooks.common import Headers, ScanRequest, WebhookError, _blank, _describe, _Payload, _request, _short
+from web.hooks.common import (
+    Headers,
+    ScanRequest,
+    Sender,
+    WebhookError,
+    _blank,
+    _describe,
+    _Payload,
+    _request,
+    _short,
+    json_parser,
+)
+from web.hooks.signatures import shared_secret
 
 
 class _PubSubMessage(_Payload):
@@ -83,3 +95,6 @@ def _split_reference(text: str | None, separator: str, field: str) -> tuple[str,
     if not sep or "/" not in name or not value or (separator == ":" and "/" in value):
         raise WebhookError(f"gar payload: {field} {_short(text)} is not a full image reference")
     return name, value
+
+
+SENDER = Sender("gar", parse=json_parser("gar", normalise, unwrap_pubsub), authenticate=shared_secret("gar"))

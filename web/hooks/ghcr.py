@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from web.hooks.common import _HOST_RE, Headers, ScanRequest, WebhookError, _blank, _Payload, _request
+from web.hooks.common import (
+    _HOST_RE,
+    Headers,
+    ScanRequest,
+    Sender,
+    WebhookError,
+    _blank,
+    _Payload,
+    _request,
+    json_parser,
+)
+from web.hooks.signatures import GITHUB_SIGNATURE, shared_secret
 
 GHCR_HOST = "ghcr.io"
 
@@ -87,3 +98,8 @@ def _ghcr_host(package_url: str | None) -> str | None:
     """`ghcr.io/Owner/name:tag` -> `ghcr.io` (GitHub Enterprise uses its own containers host)."""
     first = (package_url or "").split("/", 1)[0].lower()
     return first if "." in first and _HOST_RE.match(first) else None
+
+
+SENDER = Sender(
+    "ghcr", parse=json_parser("ghcr", normalise), authenticate=shared_secret("ghcr", GITHUB_SIGNATURE)
+)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from web.hooks.common import (
     Headers,
     ScanRequest,
+    Sender,
     WebhookError,
     _blank,
     _media_type,
@@ -15,7 +16,9 @@ from web.hooks.common import (
     _request,
     _require_default,
     _url_host,
+    json_parser,
 )
+from web.hooks.signatures import shared_secret
 
 CLOUDEVENTS_MEDIA_TYPE = "application/cloudevents+json"
 
@@ -82,3 +85,6 @@ def _harbor_host(resource_url: str | None) -> str | None:
     if "://" in url:
         return _url_host(url)
     return url.split("/", 1)[0] or None
+
+
+SENDER = Sender("harbor", parse=json_parser("harbor", normalise), authenticate=shared_secret("harbor"))

@@ -7,7 +7,17 @@ from typing import Any, Literal
 
 from pydantic import field_validator
 
-from web.hooks.common import Headers, ScanRequest, WebhookError, _Payload, _request, _short
+from web.hooks.common import (
+    Headers,
+    ScanRequest,
+    Sender,
+    WebhookError,
+    _Payload,
+    _request,
+    _short,
+    json_parser,
+)
+from web.hooks.signatures import JFROG_SIGNATURE, shared_secret
 
 
 class _JfrogHeader(_Payload):
@@ -71,3 +81,11 @@ def _jfrog_image_path(data: _JfrogData) -> str:
     if data.image_name:
         return data.image_name
     raise WebhookError("jfrog payload: neither data.path nor data.image_name names the image")
+
+
+SENDER = Sender(
+    "jfrog",
+    parse=json_parser("jfrog", normalise),
+    authenticate=shared_secret("jfrog", JFROG_SIGNATURE),
+    default_registry_setting="jfrog_registry",
+)

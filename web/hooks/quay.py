@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from web.hooks.common import Headers, ScanRequest, _blank, _Payload, _request, _require_default
+from web.hooks.common import (
+    Headers,
+    ScanRequest,
+    Sender,
+    _blank,
+    _Payload,
+    _request,
+    _require_default,
+    json_parser,
+)
+from web.hooks.signatures import shared_secret
 
 
 class _QuayPush(_Payload):
@@ -25,3 +35,6 @@ def normalise(
     host = host or _require_default(default_registry, "quay payload carries no docker_url")
     for tag in push.updated_tags:
         yield _request("quay", host, push.repository, tag, None, "push")
+
+
+SENDER = Sender("quay", parse=json_parser("quay", normalise), authenticate=shared_secret("quay"))

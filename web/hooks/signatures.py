@@ -1,62 +1,66 @@
-"""Who sent a delivery: shared-secret tokens and the senders' own signatures, compared in constant time."""
+"""Who sent a delivery: shared-secret tokens and the senders' own signatures, compared in constant time.
+
+`shared_secret` builds a sender's authenticator: `Authorization: Bearer <secret>` (or the bare
+secret, as Harbor and GitLab send their configured header verbatim), `?token=<secret>`, and,
+for the senders that sign, their signature header (GitHub's `X-Hub-Signature-256`, JFrog's
+`X-JFrog-Event-Auth`). A signature header that is present must verify; it is not silently
+skipped in favour of a token. Headers arrive with lower-cased names (`common.lower_keys`).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from web.hooks.common import SOURCES, UnknownSource, WebhookAuthError, _lower_keys
+from web.hooks.common import Authenticator, Headers, Query, WebhookAuthError
 
 GITHUB_SIGNATURE_HEADER = "x-hub-signature-256"
 
 JFROG_AUTH_HEADER = "x-jfrog-event-auth"
 
 
-def authenticate(
-    source: str,
-    body: bytes,
-    headers: Mapping[str, str],
-    query: Mapping[str, str],
-    secret: str | None,
-) -> None:
-    """Accept the delivery if it proves knowledge of `secret`; raise WebhookAuthError if not.
+@dataclass(frozen=True, slots=True)
+class SignatureHeader:
+    """A header in which a sender proves the secret itself; `verify(key, body, value)` raises if not."""
 
-    Proofs: `Authorization: Bearer <secret>` (or the bare secret, as Harbor and GitLab send
-    their configured header verbatim), `?token=<secret>`, GitHub's `X-Hub-Signature-256`,
-    and JFrog's `X-JFrog-Event-Auth`. A signature header that is present must verify;
-    it is not silently skipped in favour of a token. No secret configured: accept.
+    name: str  # lower-case, as headers are looked up
+    shown: str  # as the sender's documentation spells it, for messages
+    verify: Callable[[bytes, bytes, str], None]
+
+
+def shared_secret(source: str, signature: SignatureHeader | None = None) -> Authenticator:
+    """The authenticator of a sender that proves the secret by token, or by `signature` when it signs.
+
+    No secret configured: accept (the route refuses senders whose record `needs_secret` first).
     """
-    if source not in SOURCES:
-        raise UnknownSource(source)
-    if not secret:
-        return
-    key = secret.encode()
-    lowered = _lower_keys(headers)
-    if source == "ghcr" and GITHUB_SIGNATURE_HEADER in lowered:
-        _check_github_signature(key, body, lowered[GITHUB_SIGNATURE_HEADER])
-        return
-    if source == "jfrog" and JFROG_AUTH_HEADER in lowered:
-        _check_jfrog_auth(key, body, lowered[JFROG_AUTH_HEADER])
-        return
-    authorization = lowered.get("authorization")
-    token = query.get("token")
-    if authorization is None and token is None:
-        raise WebhookAuthError(_missing_credentials(source))
-    if authorization is not None and _equal(_bearer_credential(authorization), key):
-        return
-    if token is not None and _equal(token.encode(), key):
-        return
-    raise WebhookAuthError(f"{source} webhook: the token does not match the configured secret")
-
-
-def _missing_credentials(source: str) -> str:
     accepted = ["Authorization: Bearer <secret>", "?token=<secret>"]
-    if source == "ghcr":
-        accepted.append("X-Hub-Signature-256")
-    if source == "jfrog":
-        accepted.append("X-JFrog-Event-Auth")
-    return f"{source} webhook: no credentials; send one of {', '.join(accepted)}"
+    if signature is not None:
+        accepted.append(signature.shown)
+    missing = f"{source} webhook: no credentials; send one of {', '.join(accepted)}"
+    mismatch = f"{source} webhook: the token does not match the configured secret"
+
+    def authenticate(body: bytes, headers: Headers, query: Query, secret: str | None) -> None:
+        if not secret:
+            return
+        key = secret.encode()
+        if signature is not None:
+            value = headers.get(signature.name)
+            if value is not None:
+                signature.verify(key, body, value)
+                return
+        authorization = headers.get("authorization")
+        if authorization is not None and _equal(_bearer_credential(authorization), key):
+            return
+        token = query.get("token")
+        if authorization is None and token is None:
+            raise WebhookAuthError(missing)
+        if token is not None and _equal(token.encode(), key):
+            return
+        raise WebhookAuthError(mismatch)
+
+    return authenticate
 
 
 def _bearer_credential(authorization: str) -> bytes:
@@ -95,6 +99,11 @@ def _check_jfrog_auth(key: bytes, body: bytes, header: str) -> None:
         if _equal(value.lower().encode(), hmac.new(key, body, hashlib.sha256).hexdigest().encode()):
             return
     raise WebhookAuthError("jfrog webhook: X-JFrog-Event-Auth is neither the secret nor a valid signature")
+
+
+GITHUB_SIGNATURE = SignatureHeader(GITHUB_SIGNATURE_HEADER, "X-Hub-Signature-256", _check_github_signature)
+
+JFROG_SIGNATURE = SignatureHeader(JFROG_AUTH_HEADER, "X-JFrog-Event-Auth", _check_jfrog_auth)
 
 
 def _equal(given: bytes, expected: bytes) -> bool:
