@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -134,8 +135,24 @@ def run_serve(argv: list[str]) -> int:
         port=settings.port,
         print=lambda message: logging.info("%s", message),
         access_log_class=RedactingAccessLogger,
+        loop=new_event_loop(),
     )
     return 0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a dependency on Linux), else asyncio's.
+
+    A registry waits for each webhook answer before it sends the next delivery, so the loop's
+    own cost per request (scheduling, polling, socket writes) is paid once per push along the
+    queue; uvloop's is about a fifth of the delivery's CPU lower (bench/webhook_cpu_bench.py).
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
 
 
 def run_worker(argv: list[str]) -> int:
