@@ -26,10 +26,11 @@ from bench import (
     scale_bench,
     scan_bench,
     service_bench,
+    webhook_cpu_bench,
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
+SECTIONS = ("real", "scan", "service", "webhook", "burst", "hostile", "deep", "placement", "ui", "scale")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -186,6 +187,8 @@ def main() -> int:
         scan_bench.run_all(results, args.quick)
     if "service" in wanted:
         service_bench.run_all(results, args.quick)
+    if "webhook" in wanted:
+        webhook_cpu_bench.run_all(results, args.quick)
     if "burst" in wanted:
         push_burst_bench.run_all(results, args.quick)
     if "hostile" in wanted:

@@ -11,6 +11,12 @@ sends them (it waits for each answer before the next). The service's CPU is read
 An idle window of the same length is measured too and reported beside it, so a reader can
 see how little of the figure is background work (the worker-less service has none to speak of).
 
+The peer, in the same run, is a null receiver: a separate aiohttp process (on the same event
+loop as `serve`) that reads each body and answers 202 with a fixed JSON body, and does nothing
+else. Its CPU per delivery is the floor any aiohttp receiver pays for the HTTP exchange alone;
+the ratio says how much of gpubadge's figure is above that floor (authentication, parsing,
+the allowlist, the commit and its hop to the intake thread).
+
 Run alone: python3 -m bench.webhook_cpu_bench [--quick] [--deliveries N] [--senders N]
 """
 
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Figure, Results, measure, ms, percentile, process_cpu_seconds
+from bench.common import REPO_ROOT, Figure, Results, measure, ms, percentile, process_cpu_seconds
 from bench.service_bench import count_jobs, distribution_event
+from fixtures.process import stop_process
+from fixtures.registry import free_port
 from fixtures.service import run_service_process
 
 SECRET = "bench-webhook-secret"
@@ -129,6 +139,45 @@ def post_all(url: str, bodies: list[bytes], senders: int) -> list[float]:
     return latencies
 
 
+NULL_RECEIVER = """
+import sys
+from aiohttp import web
+from web.cli import new_event_loop
+
+async def receive(request):
+    await request.read()
+    return web.json_response({"accepted": 1, "deleted": 0, "jobs": ["0" * 32]}, status=202)
+
+app = web.Application()
+app.router.add_post("/hooks/{source}", receive)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None, loop=new_event_loop())
+"""
+
+
+def measure_null_receiver(figures: CpuFigures) -> float:
+    """CPU seconds per delivery of the null receiver (see the module docstring), same deliveries."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", NULL_RECEIVER, str(port)], cwd=REPO_ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}/hooks/distribution"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                post_all(url, [distribution_event(REGISTRY_HOST, 0)], 1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        post_all(url, [distribution_event(REGISTRY_HOST, 50_000_000 + i) for i in range(figures.warmup)], 1)
+        bodies = [distribution_event(REGISTRY_HOST, i) for i in range(figures.deliveries)]
+        with measure(process.pid) as window:
+            post_all(url, bodies, figures.senders)
+        return window.watched_cpu_s / figures.deliveries
+    finally:
+        stop_process(process, grace=5)
+
+
 def measure_cpu(figures: CpuFigures, workdir: Path) -> CpuRun:
     db = workdir / "webhook-cpu.db"
     env = {"GPUBADGE_WORKERS": "0", "GPUBADGE_WEBHOOK_SECRET": SECRET}
@@ -166,6 +215,7 @@ def run_all(results: Results, quick: bool, figures: CpuFigures | None = None) ->
         run = measure_cpu(figures, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    null_ms = measure_null_receiver(figures) * 1000
     per = run.per_delivery_ms
     results.add(
         Figure(
@@ -173,11 +223,14 @@ def run_all(results: Results, quick: bool, figures: CpuFigures | None = None) ->
             f"service CPU per Distribution delivery (authenticated, SQLite, {run.senders} at a time),"
             f" {run.deliveries:,} deliveries",
             f"{per:.3f} ms",
+            peer=f"null aiohttp receiver: {null_ms:.3f} ms",
+            ratio=null_ms / per if per > 0 else None,
             target=f"<= {TARGET_MS} ms",
             met=per <= TARGET_MS and run.stored == run.deliveries,
             note=f"service CPU {run.cpu_s:.2f} s over {run.wall_s:.1f} s wall; the idle service spends"
             f" {run.idle_cpu_s:.2f} s in as long (not subtracted); {run.stored} jobs committed;"
-            f" 202 p50 {ms(percentile(run.latencies, 0.5))}, p99 {ms(percentile(run.latencies, 0.99))}",
+            f" 202 p50 {ms(percentile(run.latencies, 0.5))}, p99 {ms(percentile(run.latencies, 0.99))};"
+            f" load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}",
         )
     )
 
@@ -195,7 +248,7 @@ def main() -> None:
     results = Results()
     run_all(results, args.quick, figures)
     for figure in results.figures:
-        print(f"  {figure.note}")
+        print(f"  peer: {figure.peer}; {figure.note}")
 
 
 if __name__ == "__main__":
