@@ -356,3 +356,26 @@ def test_a_host_added_by_the_environment_keeps_the_files_push_account(
     warnings = [line for line in log.splitlines() if " WARNING " in line and "no push credentials" in line]
     assert len(warnings) == 1, log[-3000:]
     assert other_registry.host in warnings[0] and registry.host not in warnings[0]
+
+
+def test_one_host_twice_in_one_source_merges_or_is_refused(
+    config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within one source the same rule holds: the environment naming a host twice must agree with itself."""
+    monkeypatch.setenv(
+        "GPUBADGE_REGISTRIES",
+        json.dumps([{"host": "twice.example.com", "mirror": "m.example.com"}, {"host": "twice.example.com"}]),
+    )
+    entry = load_settings(config).registry_config("twice.example.com")
+    assert entry is not None and entry.mirror == "m.example.com"
+    monkeypatch.setenv(
+        "GPUBADGE_REGISTRIES",
+        json.dumps(
+            [
+                {"host": "twice.example.com", "insecure": True},
+                {"host": "twice.example.com", "insecure": False},
+            ]
+        ),
+    )
+    with pytest.raises(SettingsConflict, match=r"twice in the environment \(GPUBADGE_REGISTRIES\)"):
+        load_settings(config)
