@@ -51,12 +51,12 @@ def main(argv: list[str]) -> int:
 
 
 def print_table(rows: list[EffectiveSetting], config_file: Path | None, out: TextIO) -> None:
-    """One line per setting (variable, source, value); a list or map's entries below it."""
+    """One line per setting (variable, source, value); a merged list or map's entries below it."""
     out.write(f"# config file: {config_file or 'none'}\n")
     width = max(len(row.variable) for row in rows)
     for row in rows:
         source = row.source + (" (over the file)" if row.shadows_file else "")
         value = "-" if row.value is None else json.dumps(row.value)
         out.write(f"{row.variable:<{width}}  {source:<12}  {value}\n")
-        for key, entry_source in row.entries.items():
+        for key, entry_source in row.entries.items() if row.source == "merged" else ():
             out.write(f"  {key:<{width - 2}}  {entry_source}\n")
