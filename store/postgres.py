@@ -591,7 +591,8 @@ class PostgresStore:
         ready jobs and the fewest running across every worker, the least recently claimed first
         among equals (`registry_gates.last_claimed`, shared by every process), so claims rotate
         and a slow registry cannot take every worker. A registry cooling down after a Retry-After
-        gets none; with `per_registry`, none gets more than that many running. Claimers take
+        gets none (its queued jobs move to the end of the cool-down); with `per_registry`, none
+        gets more than that many running. Claimers take
         turns on one advisory lock for the few milliseconds of the choice, so counts and turns are
         exact across processes; rows are still locked with SKIP LOCKED against other writers.
         """
@@ -599,6 +600,13 @@ class PostgresStore:
             return []
         with self._transaction() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
+            # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
+            # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
+            conn.execute(
+                "UPDATE jobs j SET not_before = g.cool_until FROM registry_gates g"
+                " WHERE g.registry = j.registry AND g.cool_until > now()"
+                " AND j.state = 'queued' AND j.not_before < g.cool_until"
+            )
             turns = [
                 RegistryTurn(registry, int(ready), int(running), _iso(last))
                 for registry, ready, running, last in conn.execute(
@@ -945,6 +953,10 @@ class PostgresStore:
             ).fetchone()
             if row is None:
                 return False
+            conn.execute(  # its other queued jobs wait for the gate too
+                "UPDATE jobs SET not_before = %s WHERE state = 'queued' AND registry = %s AND not_before < %s",
+                [row[1], row[0], row[1]],
+            )
             conn.execute(
                 "INSERT INTO registry_gates (registry, cool_until, cool_reason) VALUES (%s, %s, %s)"
                 " ON CONFLICT (registry) DO UPDATE SET cool_until = greatest(registry_gates.cool_until,"

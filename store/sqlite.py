@@ -561,7 +561,8 @@ class SqliteStore:
         ready jobs and the fewest running, the least recently claimed first among equals, so
         claims rotate and a slow registry cannot take every worker. With `per_registry`, no
         registry ends up with more than that many running jobs across every worker sharing the
-        store; a registry cooling down after a Retry-After (`cool_down`) gets none until then.
+        store; a registry cooling down after a Retry-After (`defer_job`) gets none until then, and
+        its queued jobs are moved to the end of the cool-down.
         The whole choice is one `BEGIN IMMEDIATE` transaction, so it is exact across processes.
         """
         if limit <= 0:
@@ -569,6 +570,15 @@ class SqliteStore:
         moment = _now()
         now, expires = _iso(moment), _iso(moment + timedelta(seconds=lease_seconds))
         with self._transaction() as conn:
+            # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
+            # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
+            conn.execute(
+                "UPDATE jobs SET not_before = (SELECT g.cool_until FROM registry_gates g"
+                "   WHERE g.registry = jobs.registry)"
+                " WHERE state = 'queued' AND not_before <= :now"
+                " AND registry IN (SELECT registry FROM registry_gates WHERE cool_until > :now)",
+                {"now": now},
+            )
             turns = [
                 RegistryTurn(*row)
                 for row in conn.execute(
@@ -920,6 +930,10 @@ class SqliteStore:
                 "UPDATE jobs SET state = 'queued', error = ?, not_before = ?, attempts = max(0, attempts - 1),"
                 " lease_owner = NULL, lease_expires = NULL, updated_at = ? WHERE id = ?",
                 [error, until, _iso(moment), job_id],
+            )
+            conn.execute(  # its other queued jobs wait for the gate too
+                "UPDATE jobs SET not_before = ? WHERE state = 'queued' AND registry = ? AND not_before < ?",
+                [until, row[0], until],
             )
             conn.execute(
                 "INSERT INTO registry_gates (registry, cool_until, cool_reason) VALUES (?, ?, ?)"

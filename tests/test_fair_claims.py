@@ -7,8 +7,11 @@ two worker processes sharing the store.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from datetime import UTC, datetime
 
+from store import Job
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from tests.conftest import OpenBackend
 
@@ -100,10 +103,18 @@ def test_a_deferred_job_closes_its_registrys_gate_for_every_worker(open_backend:
     assert other_process.claim_jobs(8, owner="w2", lease_seconds=30, per_registry=4) == []
     load = {entry.registry: entry for entry in other_process.registry_load()}
     assert 55 < load["limited"].cool_down_seconds <= 60
-    assert load["limited"].ready == 3 and load["limited"].running == 0
+    # its other jobs wait for the gate: not ready, so the idle loop and /healthz's stall check wait too
+    assert load["limited"].ready == 0 and load["limited"].running == 0
+    due = other_process.next_job_due()
+    assert due is not None and (due - datetime.now(UTC)).total_seconds() > 55
     assert load["calm"].running == 2 and load["calm"].cool_down_seconds == 0
     (again,) = store.enqueue([("calm/app:late", "calm")])
     assert not store.defer_job(again, "not running", retry_in=1, owner="w1")  # not leased: refused
+    # a job queued while the gate is closed waits for it too, once a claim has looked
+    (late,) = store.enqueue([("limited/app:late", "limited")])
+    assert [j.id for j in store.claim_jobs(8, owner="w1", lease_seconds=30, per_registry=4)] == [again]
+    assert {entry.registry: entry.ready for entry in store.registry_load()}["limited"] == 0
+    assert store.job(late).state == "queued"
 
 
 def test_a_lapsed_cool_down_opens_the_gate_again(open_backend: OpenBackend) -> None:
@@ -113,3 +124,26 @@ def test_a_lapsed_cool_down_opens_the_gate_again(open_backend: OpenBackend) -> N
     assert store.defer_job(job.id, "503, retry after 0 s", retry_in=0, owner="w1")
     again = store.claim_jobs(8, owner="w1", lease_seconds=30, per_registry=4)
     assert [j.id for j in again] == [job.id]
+
+
+def test_concurrent_claimers_keep_the_cap_and_the_share_exact(open_backend: OpenBackend) -> None:
+    stores = [open_backend() for _ in range(3)]  # three worker processes
+    for registry in ("r1", "r2", "r3"):
+        _queue(stores[0], registry, 10)
+    start = threading.Barrier(6)
+    claimed: list[Job] = []
+    lock = threading.Lock()
+
+    def claim(number: int) -> None:
+        start.wait(timeout=10)
+        jobs = stores[number % 3].claim_jobs(3, owner=f"w{number}", lease_seconds=30, per_registry=2)
+        with lock:
+            claimed.extend(jobs)
+
+    threads = [threading.Thread(target=claim, args=(number,)) for number in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len({job.id for job in claimed}) == len(claimed)  # no job twice
+    assert Counter(job.registry for job in claimed) == {"r1": 2, "r2": 2, "r3": 2}
