@@ -638,6 +638,13 @@ class RegistryClient:
                     raise Unauthorized(
                         f"{what}: refused ({response.status}); credentials from {source}", host=host
                     )
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
+                if response.status in (429, 503) and retry_after is not None:
+                    raise RateLimited(
+                        f"{what}: status {response.status}, retry after {retry_after:.0f} s",
+                        retry_after=retry_after,
+                        host=host,
+                    )
                 if response.status == 429 or response.status >= 500:
                     raise ServerError(f"{what}: status {response.status}", host=host)
                 if response.status != 200:
