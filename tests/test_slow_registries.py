@@ -112,6 +112,21 @@ async def test_a_dripped_manifest_is_cut_off_once_not_retried_in_the_scan(
     assert "GPUBADGE_MIN_TRANSFER_RATE" in str(raised.value) and proxy.host in str(raised.value)
 
 
+async def test_a_drip_that_outlasts_the_request_timeout_is_named_as_too_slow(
+    proxy: FaultProxy, push: Pusher
+) -> None:
+    """By default the window and the request timeout are both 30 s: the timeout fires first, and
+    the error still names the rate floor (the transfer was too slow), not a bare timeout."""
+    push(catalog.plain_glibc(), "slow/timeout:1")
+    proxy.add(Rule("drip", method="GET", path="/manifests/", times=None, rate=1))
+    settings = ScannerSettings(request_timeout=2.5, min_transfer_window=30.0)
+    async with RegistryClient(settings, defer_retry_after=True) as client:
+        with pytest.raises(SlowTransfer) as raised:
+            await client.manifest(parse_reference(f"{proxy.host}/slow/timeout:1"))
+    assert "GPUBADGE_MIN_TRANSFER_RATE" in str(raised.value)
+    assert proxy.count("GET", "/manifests/") == 1
+
+
 async def test_a_dripped_blob_stream_is_cut_off(proxy: FaultProxy, push: Pusher) -> None:
     digest = push(catalog.plain_glibc(), "slow/blob:1")
     settings = ScannerSettings(min_transfer_rate=1024, min_transfer_window=2.0)
