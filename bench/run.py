@@ -26,11 +26,24 @@ from bench import (
     scale_bench,
     scan_bench,
     service_bench,
+    starvation_bench,
     webhook_cpu_bench,
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "webhook", "burst", "hostile", "deep", "placement", "ui", "scale")
+SECTIONS = (
+    "real",
+    "scan",
+    "service",
+    "webhook",
+    "burst",
+    "hostile",
+    "deep",
+    "placement",
+    "ui",
+    "scale",
+    "starvation",
+)
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -201,6 +214,8 @@ def main() -> int:
         run_ui(results, args.quick)
     if "scale" in wanted:
         scale_bench.run_all(results, args.quick)
+    if "starvation" in wanted:
+        starvation_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

@@ -27,7 +27,6 @@ from web.state import Services, services_of
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
-WEBHOOK_SOURCES = hooks.SOURCES
 MAX_WAIT = 60.0
 
 
