@@ -12,6 +12,7 @@ delivery (a few hundred bytes, a handful of brackets) is therefore parsed and ne
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -37,8 +38,26 @@ def loads_bounded(body: bytes | str, limits: JsonLimits) -> Any:
     """Parse `body`; raise JsonLimitExceeded past a limit, or ValueError when it is not JSON.
 
     `json.JSONDecodeError` and `UnicodeDecodeError` (both ValueErrors) pass through unchanged,
-    so callers keep their own "not JSON" messages.
+    so callers keep their own "not JSON" messages. Bytes are decoded as `json.loads` decodes them.
     """
+    if isinstance(body, bytes):
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+    else:
+        if body.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", body, 0)
+        text = body
+    try:
+        data = _decoder(limits).decode(text)
+    except RecursionError:
+        raise _depth_error(limits) from None
+    if not _within_shape(body, limits):
+        check_shape(data, limits)
+    return data
+
+
+@functools.lru_cache(maxsize=16)
+def _decoder(limits: JsonLimits) -> json.JSONDecoder:
+    """One decoder per set of limits, built once: `json.loads` with hooks would build one per call."""
     digits = len(str(limits.max_number))
 
     def integer(text: str) -> int:
@@ -58,13 +77,7 @@ def loads_bounded(body: bytes | str, limits: JsonLimits) -> Any:
     def constant(text: str) -> Any:
         raise JsonLimitExceeded(f"{text} is not a JSON number; send a finite number")
 
-    try:
-        data = json.loads(body, parse_int=integer, parse_float=real, parse_constant=constant)
-    except RecursionError:
-        raise _depth_error(limits) from None
-    if not _within_shape(body, limits):
-        check_shape(data, limits)
-    return data
+    return json.JSONDecoder(parse_int=integer, parse_float=real, parse_constant=constant)
 
 
 def _within_shape(body: bytes | str, limits: JsonLimits) -> bool:
