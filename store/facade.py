@@ -1,9 +1,12 @@
-"""The store as the event loop sees it: every call async, every query in a thread.
+"""The store as the event loop sees it: one typed hop off the loop, plus what adds behaviour.
 
-A locked or slow database then delays only the requests that need it; the loop keeps
-serving everything else. The pool is bounded (`threads`). The health check and webhook
-intake each have a thread of their own: a pool full of calls stuck behind a lock cannot
-hide that lock from /healthz, and a webhook's 202 never waits for a pool thread.
+`run(query, ...)` runs any of `store.queries` (or a backend's own engine-specific method) in a
+thread, as datasette's `execute_fn` does: a locked or slow database then delays only the requests
+that need it; the loop keeps serving everything else. The pool is bounded (`threads`). The
+health check and webhook intake each have a thread of their own: a pool full of calls stuck
+behind a lock cannot hide that lock from /healthz, and a webhook's 202 never waits for a pool
+thread. The methods kept here add something to the hop: events fired after a commit, the
+health check's sharing and deadline, and the group commit of scan results (`scan_cache`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, overload
 
 from scanner.models import ImageReport, PlatformReport
+from store import queries
 from store.backend import StoreBackend
+from store.dialect import Query
 from store.events import (
     FLEET_CHANNEL,
     FLEET_INVENTORY,
@@ -31,17 +35,13 @@ from store.events import (
     QueueEvents,
 )
 from store.models import (
-    DeploymentRecord,
     EnqueueBatch,
-    ImageRow,
     Job,
     JobState,
     LeaseExpiry,
-    QueueHealth,
-    ServerRecord,
     StoreUnavailable,
-    TagEvent,
 )
+from store.queries.reports import TagSeen
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -58,14 +58,29 @@ class AsyncStore:
         self._health_check: tuple[float, Future[None]] | None = None
         self.events = QueueEvents()
         self._stop_listening: Callable[[], None] | None = None
+        self.scan_cache = StoreScanCache(self)
 
     @property
     def backend(self) -> StoreBackend:
         return self._backend
 
-    async def _call(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(function, *args, **kwargs))
+    @overload
+    async def run(self, function: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    @overload
+    async def run(self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    async def run(self, function: object, /, *args: object, **kwargs: object) -> object:
+        """Run a query of `store.queries` (through the backend's `run`: a read, or a write in one
+        transaction), or one of the backend's own engine-specific methods
+        (`store.run(store.backend.jobs, limit=5)`), in the store's thread pool: the event loop
+        only waits. The one way off the loop for a call that adds nothing else."""
+        if isinstance(function, Query):
+            call = functools.partial(self._backend.run, function, *args, **kwargs)
+        else:
+            assert callable(function)
+            call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def close(self) -> None:
         """Wait for calls in flight, then close the backend's connections."""
@@ -102,6 +117,13 @@ class AsyncStore:
             return str(exc)
         return None
 
+    # ------------------------------------------------------------ writes that wake others
+
+    async def save_report(self, report: ImageReport) -> None:
+        """Store a report (also a pending one) and wake the long polls on its reference."""
+        await self.run(queries.save_report, report)
+        self._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
+
     async def enqueue(
         self,
         references: Sequence[tuple[str, str] | tuple[str, str, float]],
@@ -114,74 +136,6 @@ class AsyncStore:
         batch = EnqueueBatch(references, source, max_attempts, delay)
         return (await self.enqueue_many([batch]))[0]
 
-    async def queue_health(self) -> QueueHealth:
-        return await self._call(self._backend.queue_health)
-
-    async def save_report(self, report: ImageReport) -> None:
-        """Store a report (also a pending one) and wake the long polls on its reference."""
-        await self._call(self._backend.save_report, report)
-        self._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
-
-    async def report(self, digest: str) -> ImageReport | None:
-        return await self._call(self._backend.report, digest)
-
-    async def has_report(self, digest: str) -> bool:
-        return await self._call(self._backend.has_report, digest)
-
-    async def platform_report(self, digest: str) -> PlatformReport | None:
-        return await self._call(self._backend.platform_report, digest)
-
-    async def list_images(
-        self,
-        *,
-        gpu: bool | None = None,
-        libc: str | None = None,
-        cuda: str | None = None,
-        registry: str | None = None,
-        query: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-        inferred: bool | None = None,
-    ) -> tuple[list[ImageRow], int]:
-        return await self._call(
-            self._backend.list_images,
-            gpu=gpu,
-            libc=libc,
-            cuda=cuda,
-            registry=registry,
-            query=query,
-            limit=limit,
-            offset=offset,
-            inferred=inferred,
-        )
-
-    async def registries(self) -> list[str]:
-        return await self._call(self._backend.registries)
-
-    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
-        return await self._call(self._backend.record_tag, registry, repository, tag, digest)
-
-    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
-        return await self._call(self._backend.resolve_tag, registry, repository, tag)
-
-    async def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
-        return await self._call(self._backend.tag_history, registry, repository)
-
-    async def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
-        return await self._call(self._backend.tags_for_digest, digest)
-
-    async def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
-        return await self._call(self._backend.mark_gone, registry, repository, tag=tag, digest=digest)
-
-    async def is_gone(self, registry: str, repository: str, digest: str) -> bool:
-        return await self._call(self._backend.is_gone, registry, repository, digest)
-
-    async def layer_evidence(self, digest: str) -> str | None:
-        return await self._call(self._backend.layer_evidence, digest)
-
-    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        return await self._call(self._backend.save_layer_evidence, digest, evidence_json)
-
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Webhook intake: its own thread, so it never queues behind scan writes for a pool thread."""
         loop = asyncio.get_running_loop()
@@ -189,49 +143,32 @@ class AsyncStore:
         self._fire_local(QUEUED)
         return ids
 
-    async def claim_jobs(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
-    ) -> list[Job]:
-        return await self._call(
-            self._backend.claim_jobs,
-            limit,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            per_registry=per_registry,
-        )
-
-    async def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
-        return await self._call(self._backend.renew_leases, owner, job_ids, lease_seconds)
-
     async def expire_leases(self) -> list[LeaseExpiry]:
-        expired = await self._call(self._backend.expire_leases)
+        expired = await self.run(self._backend.expire_leases)
         if expired:
             self._fire_local(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
         return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
-        released = await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        released = await self.run(self._backend.release_leases, owners, refund_attempt=refund_attempt)
         if released:
             self._fire_local(QUEUED)
         return released
 
-    async def lease_owners(self) -> list[str]:
-        return await self._call(self._backend.lease_owners)
-
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        finished = await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        finished = await self.run(self._backend.finish_job, job_id, digest=digest, owner=owner)
         self._fire_local(SETTLED)
         return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
-        state = await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        state = await self.run(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
         self._fire_local(QUEUED if state == "queued" else SETTLED)
         return state
 
     async def retry_job(self, job_id: str) -> Job | None:
-        job = await self._call(self._backend.retry_job, job_id)
+        job = await self.run(self._backend.retry_job, job_id)
         if job is not None and job.state == "queued":
             self._fire_local(QUEUED)
         return job
@@ -277,73 +214,69 @@ class AsyncStore:
         """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
 
         async def settled() -> bool:
-            job = await self.job(job_id)
+            job = await self.run(self._backend.job, job_id)
             return job is None or job.state in ("done", "failed")
 
         await self.wait_until(settled, timeout, key=job_id)
-        return await self.job(job_id)
+        return await self.run(self._backend.job, job_id)
 
-    async def job(self, job_id: str) -> Job | None:
-        return await self._call(self._backend.job, job_id)
 
-    async def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
-        return await self._call(self._backend.jobs, states=states, limit=limit)
+class StoreScanCache:
+    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes group-committed.
 
-    async def pending_job_for(self, reference: str) -> Job | None:
-        return await self._call(self._backend.pending_job_for, reference)
+    Concurrent scans each await their own tag and report writes, and each write returns only
+    after its commit (the same durability as one transaction per write). While one batch
+    commits, the writes that arrive meanwhile gather, and the next batch takes them all in one
+    transaction (`queries.save_scan_results`): one thread hop, one commit and one prepared
+    statement per kind for the batch, however many scans wrote. A batch that fails fails every
+    write in it, each caller with the store's own error.
+    """
 
-    async def latest_job_for(self, reference: str) -> Job | None:
-        return await self._call(self._backend.latest_job_for, reference)
+    def __init__(self, store: AsyncStore) -> None:
+        self._store = store
+        self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
+        self._draining: asyncio.Task[None] | None = None
 
-    async def queue_depth(self) -> dict[str, int]:
-        return await self._call(self._backend.queue_depth)
+    async def report(self, digest: str) -> ImageReport | None:
+        return await self._store.run(queries.report, digest)
 
-    async def next_job_due(self) -> datetime | None:
-        return await self._call(self._backend.next_job_due)
+    async def platform_report(self, digest: str) -> PlatformReport | None:
+        return await self._store.run(queries.platform_report, digest)
 
-    async def upsert_server(self, name: str, inventory_json: str) -> None:
-        return await self._call(self._backend.upsert_server, name, inventory_json)
+    async def layer_evidence(self, digest: str) -> str | None:
+        return await self._store.run(queries.layer_evidence, digest)
 
-    async def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
-        return await self._call(self._backend.heartbeat, name, inventory_json)
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
 
-    async def servers(self) -> list[ServerRecord]:
-        return await self._call(self._backend.servers)
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        await self._write(TagSeen(registry, repository, tag, digest))
 
-    async def server_inventory(self, name: str) -> str | None:
-        return await self._call(self._backend.server_inventory, name)
+    async def save_report(self, report: ImageReport) -> None:
+        """Store a report (also a pending one) and wake the long polls on its reference."""
+        if report.error is not None or report.digest is None:
+            raise ValueError("only successful reports are stored")  # before it can fail a batch
+        await self._write(report)
+        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
 
-    async def reserved_gpus(self) -> dict[str, str]:
-        return await self._call(self._backend.reserved_gpus)
+    async def _write(self, write: TagSeen | ImageReport) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((write, done))
+        if self._draining is None or self._draining.done():
+            self._draining = asyncio.get_running_loop().create_task(self._drain())
+        await done
 
-    async def create_deployment(
-        self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
-    ) -> None:
-        return await self._call(self._backend.create_deployment, deployment_id, server, gpus, record_json)
-
-    async def deployment(self, deployment_id: str) -> DeploymentRecord | None:
-        return await self._call(self._backend.deployment, deployment_id)
-
-    async def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
-        return await self._call(self._backend.deployments, server=server, limit=limit)
-
-    async def update_deployment(
-        self,
-        deployment_id: str,
-        record_json: str,
-        *,
-        state: str,
-        desired: str | None = None,
-        release: bool = False,
-    ) -> None:
-        return await self._call(
-            self._backend.update_deployment,
-            deployment_id,
-            record_json,
-            state=state,
-            desired=desired,
-            release=release,
-        )
-
-    async def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
-        return await self._call(self._backend.actionable_deployments, server)
+    async def _drain(self) -> None:
+        """Commit what has gathered, batch after batch, until nothing waits."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await self._store.run(queries.save_scan_results, [write for write, _ in batch])
+            except Exception as exc:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+            else:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)

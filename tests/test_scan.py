@@ -38,7 +38,7 @@ async def scanner(tmp_path: Path) -> AsyncIterator[Scanner]:
     async with RegistryClient(settings) as client:
         store = open_store(tmp_path / "scan.db")
         try:
-            yield Scanner(client, store, settings)
+            yield Scanner(client, store.scan_cache, settings)
         finally:
             await store.close()
 

@@ -15,12 +15,14 @@ from typing import Any
 
 from aiohttp import web
 
-from store import QueueHealth
+from store import QueueHealth, queries
 from web.state import Services, services_of
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
-    depth, queue = await asyncio.gather(services.store.queue_depth(), services.store.queue_health())
+    depth, queue = await asyncio.gather(
+        services.store.run(queries.queue_depth), services.store.run(services.store.backend.queue_health)
+    )
     return depth, queue
 
 
