@@ -407,3 +407,81 @@ async def test_overlapping_health_checks_share_one_write(tmp_path: Path) -> None
         await store.close()
     assert answers == [None] * 5  # none reported the shared check as stuck
     assert SlowCheck.checks == 1
+
+
+def test_a_batch_of_scan_results_is_stored_in_one_transaction(open_backend: OpenBackend) -> None:
+    from store.queries import TagSeen
+
+    store = open_backend()
+    index, other, child = ("sha256:" + letter * 64 for letter in "acb")
+    store.run(queries.save_report, _report(child))  # a platform scanned alone before its index
+    assert store.run(queries.list_images)[1] == 1
+    store.run(
+        queries.save_scan_results,
+        [
+            TagSeen("127.0.0.1:5000", "app", "v1", index),
+            _report(index),  # its platform is `child`: the index report covers it now
+            _report(other, libc="musl"),
+            TagSeen("127.0.0.1:5000", "app", "v2", other),
+        ],
+    )
+    rows, total = store.run(queries.list_images)
+    assert total == 2 and {row.digest for row in rows} == {index, other}
+    assert store.run(queries.has_report, child)  # still known, as one platform of the index
+    assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v1") == index
+    assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v2") == other
+    assert store.run(queries.list_images, libc="musl")[1] == 1
+
+
+async def test_concurrent_scan_writes_share_commits_and_return_only_once_committed(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from store import AsyncStore, StoreUnavailable
+
+    backend = open_backend()
+    batches: list[int] = []
+    failing = threading.Event()
+    run = backend.run
+
+    def counting(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query is queries.save_scan_results:
+            if failing.is_set():
+                raise StoreUnavailable("the disk is full")
+            batches.append(len(args[0]))
+        return run(query, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "run", counting)
+    store = AsyncStore(backend)
+    cache = store.scan_cache
+    reader = open_backend()  # another process's view: it sees only what was committed
+
+    async def scan(n: int) -> None:
+        digest = "sha256:" + f"{n:064x}"
+        await cache.record_tag("127.0.0.1:5000", "app", f"v{n}", digest)
+        assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", f"v{n}") == digest
+        await cache.save_report(_report(digest))
+        assert reader.run(queries.report, digest) is not None  # durable before the await returns
+
+    try:
+        await asyncio.gather(*(scan(n) for n in range(1, 41)))
+        assert sum(batches) == 80  # every tag and every report written, once
+        assert len(batches) <= 10  # in a few shared transactions, not one each
+        failing.set()
+        outcomes = await asyncio.gather(*(scan(n) for n in range(41, 45)), return_exceptions=True)
+        assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
+        failing.clear()
+        await scan(45)  # a failed batch leaves the writer ready for the next
+    finally:
+        await store.close()
+        reader.close()
+
+
+def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
+    from store.dialect import POSTGRES, SQLITE
+
+    neutral = "SELECT :a::text[], '100%', coalesce(:b, 1) FROM t WHERE x < :now"
+    assert (
+        POSTGRES.translate(neutral)
+        == "SELECT %(a)s::text[], '100%%', coalesce(%(b)s, 1) FROM t WHERE x < now()"
+    )
+    assert SQLITE.translate(neutral) == neutral  # SQLite binds :now to the process's clock
