@@ -252,19 +252,32 @@ class StoreScanCache:
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
         await self._write(TagSeen(registry, repository, tag, digest))
 
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        return await self._store.run(queries.resolve_tag, registry, repository, tag)
+
     async def save_report(self, report: ImageReport) -> None:
-        """Store a report (also a pending one) and wake the long polls on its reference."""
+        """Store a report (also a pending one) and the tag it was scanned by, in one transaction;
+        then wake the long polls on its reference (they find the tag pointing at the report)."""
         if report.error is not None or report.digest is None:
             raise ValueError("only successful reports are stored")  # before it can fail a batch
-        await self._write(report)
+        if report.registry and report.repository and report.tag:
+            await self._write(TagSeen(report.registry, report.repository, report.tag, report.digest), report)
+        else:
+            await self._write(report)
         self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
 
-    async def _write(self, write: TagSeen | ImageReport) -> None:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((write, done))
+    async def _write(self, *writes: TagSeen | ImageReport) -> None:
+        """Queue `writes` (they go in the same batch) and wait for their commit."""
+        loop = asyncio.get_running_loop()
+        done: list[asyncio.Future[None]] = []
+        for write in writes:
+            done.append(loop.create_future())
+            self._pending.append((write, done[-1]))
         if self._draining is None or self._draining.done():
-            self._draining = asyncio.get_running_loop().create_task(self._drain())
-        await done
+            self._draining = loop.create_task(self._drain())
+        for outcome in await asyncio.gather(*done, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome  # the same error for each write of a failed batch
 
     async def _drain(self) -> None:
         """Commit what has gathered, batch after batch, until nothing waits."""
