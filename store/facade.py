@@ -285,10 +285,12 @@ class StoreScanCache:
             batch, self._pending = self._pending, []
             try:
                 await self._store.run(queries.save_scan_results, [write for write, _ in batch])
-            except Exception as exc:
+            except BaseException as exc:  # cancelled too: no writer is left waiting forever
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
             else:
                 for _, done in batch:
                     if not done.done():

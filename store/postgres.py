@@ -1,6 +1,7 @@
 """The PostgreSQL backend: the store shared by many API and worker processes.
 
-Same methods, same records as `store.sqlite.SqliteStore`; what changes is how
+Same contract, same records as `store.sqlite.SqliteStore`; the queries both share are
+written once in `store.queries` and run here through `run`. What stays here is how
 concurrency is made safe when the writers are separate processes on separate
 machines:
 

@@ -10,6 +10,11 @@ SQLite runs in WAL mode. Reads use one connection per thread and never wait for 
 writer, in this process or another; writes share one connection and are short
 `BEGIN IMMEDIATE` transactions, so two workers or two deploys never take the same
 job or the same GPU.
+
+The queries both engines share (reports, tags, the layer cache, job reads, the fleet) are
+written once in `store.queries` and run here through `run`; this module keeps what SQLite does
+its own way: the writer lock, claims, leases, enqueueing, outcomes, health, upgrades and GPU
+reservations.
 """
 
 from __future__ import annotations
