@@ -18,6 +18,10 @@ class ScanCache(Protocol):
 
     async def platform_report(self, digest: str) -> PlatformReport | None: ...
 
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        """`report(digest)` and `platform_report(digest)` in one read."""
+        ...
+
     async def save_report(self, report: ImageReport) -> None:
         """Store the report and, when it names a tag, remember that the tag points at its digest:
         one write, committed before this returns."""

@@ -247,7 +247,8 @@ class Scanner:
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
-        stored = await self.store.report(digest) if self.store else None
+        # one read: the digest stored as an image, and as one platform of an index
+        stored, as_platform = await self.store.stored(digest) if self.store else (None, None)
         if stored is not None and _reusable(stored, options):
             await self._remember_tag(reference, digest)
             reused = stored.model_copy(
@@ -256,7 +257,7 @@ class Scanner:
             return _filter_platforms(reused, options.platform)
 
         policy = await self._policy()
-        child = await self._stored_platform(digest, options, policy, None, accept_pending=True)
+        child = self._usable_platform(as_platform, options, policy, None, accept_pending=True)
         if child is not None:
             # A platform of an index already scanned, or being scanned now (the child events of a
             # multi-arch push): its index's scan gives the answer; reading it again would only repeat it.
@@ -349,7 +350,19 @@ class Scanner:
         if self.store is None or options.force:
             return None
         stored = await self.store.platform_report(digest)
-        if stored is None or stored.error:
+        return self._usable_platform(stored, options, policy, platform, accept_pending=accept_pending)
+
+    @staticmethod
+    def _usable_platform(
+        stored: PlatformReport | None,
+        options: ScanOptions,
+        policy: PlatformPolicy,
+        platform: Platform | None,
+        *,
+        accept_pending: bool = False,
+    ) -> PlatformReport | None:
+        """`stored` when it answers `options` (see `_stored_platform`), else None."""
+        if stored is None or stored.error or options.force:
             return None
         if stored.libc.state == "pending":
             return stored if accept_pending else None

@@ -243,6 +243,9 @@ class StoreScanCache:
     async def platform_report(self, digest: str) -> PlatformReport | None:
         return await self._store.run(queries.platform_report, digest)
 
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        return await self._store.run(queries.stored, digest)
+
     async def layer_evidence(self, digest: str) -> str | None:
         return await self._store.run(queries.layer_evidence, digest)
 
@@ -285,12 +288,15 @@ class StoreScanCache:
             batch, self._pending = self._pending, []
             try:
                 await self._store.run(queries.save_scan_results, [write for write, _ in batch])
-            except BaseException as exc:  # cancelled too: no writer is left waiting forever
+            except Exception as exc:
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
+            except BaseException:  # cancelled (the loop is closing): no writer waits forever
+                for _, done in [*batch, *self._pending]:
+                    done.cancel()
+                self._pending = []
+                raise
             else:
                 for _, done in batch:
                     if not done.done():

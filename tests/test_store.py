@@ -428,6 +428,8 @@ def test_a_batch_of_scan_results_is_stored_in_one_transaction(open_backend: Open
     rows, total = store.run(queries.list_images)
     assert total == 2 and {row.digest for row in rows} == {index, other}
     assert store.run(queries.has_report, child)  # still known, as one platform of the index
+    as_image, as_platform = store.run(queries.stored, child)
+    assert as_image is None and as_platform is not None and as_platform.digest == child
     assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v1") == index
     assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v2") == other
     assert store.run(queries.list_images, libc="musl")[1] == 1

@@ -34,6 +34,7 @@ from store.queries.reports import (
     save_report,
     save_reports,
     save_scan_results,
+    stored,
 )
 from store.queries.tags import (
     is_gone,
@@ -74,6 +75,7 @@ __all__ = [
     "save_scan_results",
     "server_inventory",
     "servers",
+    "stored",
     "tag_history",
     "tags_for_digest",
     "update_deployment",

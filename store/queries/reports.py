@@ -137,6 +137,21 @@ def platform_report(db: Db, digest: str) -> PlatformReport | None:
 
 
 @reads
+def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+    """The digest's report as an image and as one platform of an index, in one statement."""
+    row = db.one(
+        "SELECT (SELECT report FROM reports WHERE digest = :d),"
+        " (SELECT report FROM platform_reports WHERE digest = :d)",
+        {"d": digest},
+    )
+    image, platform = row if row else (None, None)
+    return (
+        ImageReport.model_validate_json(image) if image else None,
+        PlatformReport.model_validate_json(platform) if platform else None,
+    )
+
+
+@reads
 def list_images(
     db: Db,
     *,
