@@ -416,15 +416,17 @@ def test_a_batch_of_scan_results_is_stored_in_one_transaction(open_backend: Open
     index, other, child = ("sha256:" + letter * 64 for letter in "acb")
     store.run(queries.save_report, _report(child))  # a platform scanned alone before its index
     assert store.run(queries.list_images)[1] == 1
+    index_report = _report(index)  # its platform is `child`: the index report covers it now
     store.run(
         queries.save_scan_results,
         [
             TagSeen("127.0.0.1:5000", "app", "v1", index),
-            _report(index),  # its platform is `child`: the index report covers it now
+            index_report,
             _report(other, libc="musl"),
             TagSeen("127.0.0.1:5000", "app", "v2", other),
         ],
     )
+    assert store.run(queries.report, index) == index_report  # the JSON, assembled once, reads back whole
     rows, total = store.run(queries.list_images)
     assert total == 2 and {row.digest for row in rows} == {index, other}
     assert store.run(queries.has_report, child)  # still known, as one platform of the index

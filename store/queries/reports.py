@@ -57,6 +57,13 @@ def report_row(db: Db, report: ImageReport, document: str) -> dict[str, Any]:
     }
 
 
+def report_document(report: ImageReport, platforms: Sequence[str]) -> str:
+    """The report's JSON around its platforms' JSON, each serialised once: the platforms' text is
+    both the `platform_reports` rows and a slice of the report's."""
+    head = report.model_dump_json(exclude={"platforms"})
+    return f'{head[:-1]},"platforms":[{",".join(platforms)}]}}'
+
+
 @writes
 def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
     """Store successful reports under their manifest digests, and each platform under its own, in
@@ -66,9 +73,10 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
     platform_rows: list[dict[str, str]] = []
     children: list[str] = []
     for report in reports:
-        rows.append(report_row(db, report, report.model_dump_json()))
-        for platform in report.platforms:
-            platform_rows.append({"digest": platform.digest, "report": platform.model_dump_json()})
+        documents = [platform.model_dump_json() for platform in report.platforms]
+        rows.append(report_row(db, report, report_document(report, documents)))
+        for platform, document in zip(report.platforms, documents, strict=True):
+            platform_rows.append({"digest": platform.digest, "report": document})
             if platform.digest != report.digest:
                 children.append(platform.digest)
     db.many(_SAVE_REPORT, rows)
