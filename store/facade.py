@@ -119,11 +119,6 @@ class AsyncStore:
 
     # ------------------------------------------------------------ writes that wake others
 
-    async def save_report(self, report: ImageReport) -> None:
-        """Store a report (also a pending one) and wake the long polls on its reference."""
-        await self.run(queries.save_report, report)
-        self._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
-
     async def enqueue(
         self,
         references: Sequence[tuple[str, str] | tuple[str, str, float]],
