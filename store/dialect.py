@@ -62,7 +62,10 @@ class Dialect:
     clock_is_parameter: bool
 
     def translate(self, sql: str) -> str:
-        """Neutral SQL (`:name` parameters) in this engine's parameter style; cached per text."""
+        """Neutral SQL (`:name` parameters) in this engine's parameter style; cached per text.
+
+        Bounded by the statements' shapes: input only ever travels as parameters, never in the text.
+        """
         raise NotImplementedError
 
     def array(self, values: Iterable[str]) -> Any:

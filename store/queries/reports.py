@@ -244,7 +244,10 @@ def _count(db: Db, clause: str, params: dict[str, Any], at_least: int) -> int:
     proves) keeps the listing's latency flat. An engine without an estimate counts exactly.
     """
     cap = max(EXACT_COUNT_LIMIT, at_least + 1)
-    row = db.one(f"SELECT count(*) FROM (SELECT 1 FROM reports r {clause} LIMIT {cap}) AS m", params)
+    # the cap is a parameter: statement texts (and their cached translations) never vary with input
+    row = db.one(
+        f"SELECT count(*) FROM (SELECT 1 FROM reports r {clause} LIMIT :cap) AS m", {**params, "cap": cap}
+    )
     exact = int(row[0]) if row else 0
     if exact < cap:
         return exact
