@@ -232,6 +232,10 @@ class StoreScanCache:
         self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
         self._draining: asyncio.Task[None] | None = None
 
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
     async def report(self, digest: str) -> ImageReport | None:
         return await self._store.run(queries.report, digest)
 
