@@ -47,6 +47,92 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+class StoreScanCache:
+    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes group-committed.
+
+    Concurrent scans each await their own tag and report writes, and each write returns only
+    after its commit (the same durability as one transaction per write). While one batch
+    commits, the writes that arrive meanwhile gather, and the next batch takes them all in one
+    transaction (`queries.save_scan_results`): one thread hop, one commit and one prepared
+    statement per kind for the batch, however many scans wrote. A batch that fails fails every
+    write in it, each caller with the store's own error.
+    """
+
+    def __init__(self, store: AsyncStore) -> None:
+        self._store = store
+        self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
+        self._draining: asyncio.Task[None] | None = None
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    async def report(self, digest: str) -> ImageReport | None:
+        return await self._store.run(queries.report, digest)
+
+    async def platform_report(self, digest: str) -> PlatformReport | None:
+        return await self._store.run(queries.platform_report, digest)
+
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        return await self._store.run(queries.stored, digest)
+
+    async def layer_evidence(self, digest: str) -> str | None:
+        return await self._store.run(queries.layer_evidence, digest)
+
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
+
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        await self._write(TagSeen(registry, repository, tag, digest))
+
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        return await self._store.run(queries.resolve_tag, registry, repository, tag)
+
+    async def save_report(self, report: ImageReport) -> None:
+        """Store a report (also a pending one) and the tag it was scanned by, in one transaction;
+        then wake the long polls on its reference (they find the tag pointing at the report)."""
+        if report.error is not None or report.digest is None:
+            raise ValueError("only successful reports are stored")  # before it can fail a batch
+        if report.registry and report.repository and report.tag:
+            await self._write(TagSeen(report.registry, report.repository, report.tag, report.digest), report)
+        else:
+            await self._write(report)
+        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
+
+    async def _write(self, *writes: TagSeen | ImageReport) -> None:
+        """Queue `writes` (they go in the same batch) and wait for their commit."""
+        loop = asyncio.get_running_loop()
+        done: list[asyncio.Future[None]] = []
+        for write in writes:
+            done.append(loop.create_future())
+            self._pending.append((write, done[-1]))
+        if self._draining is None or self._draining.done():
+            self._draining = loop.create_task(self._drain())
+        for outcome in await asyncio.gather(*done, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome  # the same error for each write of a failed batch
+
+    async def _drain(self) -> None:
+        """Commit what has gathered, batch after batch, until nothing waits."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await self._store.run(queries.save_scan_results, [write for write, _ in batch])
+            except Exception as exc:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+            except BaseException:  # cancelled (the loop is closing): no writer waits forever
+                for _, done in [*batch, *self._pending]:
+                    done.cancel()
+                self._pending = []
+                raise
+            else:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+
+
 class AsyncStore:
     """Async facade over one synchronous backend."""
 
@@ -214,89 +300,3 @@ class AsyncStore:
 
         await self.wait_until(settled, timeout, key=job_id)
         return await self.run(self._backend.job, job_id)
-
-
-class StoreScanCache:
-    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes group-committed.
-
-    Concurrent scans each await their own tag and report writes, and each write returns only
-    after its commit (the same durability as one transaction per write). While one batch
-    commits, the writes that arrive meanwhile gather, and the next batch takes them all in one
-    transaction (`queries.save_scan_results`): one thread hop, one commit and one prepared
-    statement per kind for the batch, however many scans wrote. A batch that fails fails every
-    write in it, each caller with the store's own error.
-    """
-
-    def __init__(self, store: AsyncStore) -> None:
-        self._store = store
-        self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
-        self._draining: asyncio.Task[None] | None = None
-
-    @property
-    def store(self) -> AsyncStore:
-        return self._store
-
-    async def report(self, digest: str) -> ImageReport | None:
-        return await self._store.run(queries.report, digest)
-
-    async def platform_report(self, digest: str) -> PlatformReport | None:
-        return await self._store.run(queries.platform_report, digest)
-
-    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
-        return await self._store.run(queries.stored, digest)
-
-    async def layer_evidence(self, digest: str) -> str | None:
-        return await self._store.run(queries.layer_evidence, digest)
-
-    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
-
-    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
-        await self._write(TagSeen(registry, repository, tag, digest))
-
-    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
-        return await self._store.run(queries.resolve_tag, registry, repository, tag)
-
-    async def save_report(self, report: ImageReport) -> None:
-        """Store a report (also a pending one) and the tag it was scanned by, in one transaction;
-        then wake the long polls on its reference (they find the tag pointing at the report)."""
-        if report.error is not None or report.digest is None:
-            raise ValueError("only successful reports are stored")  # before it can fail a batch
-        if report.registry and report.repository and report.tag:
-            await self._write(TagSeen(report.registry, report.repository, report.tag, report.digest), report)
-        else:
-            await self._write(report)
-        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
-
-    async def _write(self, *writes: TagSeen | ImageReport) -> None:
-        """Queue `writes` (they go in the same batch) and wait for their commit."""
-        loop = asyncio.get_running_loop()
-        done: list[asyncio.Future[None]] = []
-        for write in writes:
-            done.append(loop.create_future())
-            self._pending.append((write, done[-1]))
-        if self._draining is None or self._draining.done():
-            self._draining = loop.create_task(self._drain())
-        for outcome in await asyncio.gather(*done, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                raise outcome  # the same error for each write of a failed batch
-
-    async def _drain(self) -> None:
-        """Commit what has gathered, batch after batch, until nothing waits."""
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                await self._store.run(queries.save_scan_results, [write for write, _ in batch])
-            except Exception as exc:
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(exc)
-            except BaseException:  # cancelled (the loop is closing): no writer waits forever
-                for _, done in [*batch, *self._pending]:
-                    done.cancel()
-                self._pending = []
-                raise
-            else:
-                for _, done in batch:
-                    if not done.done():
-                        done.set_result(None)
