@@ -20,6 +20,7 @@ from store.models import (
     JobState,
     LeaseExpiry,
     QueueHealth,
+    RegistryLoad,
 )
 
 
@@ -58,3 +59,5 @@ class StoreBackend(Protocol):
     def create_deployment(
         self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
     ) -> None: ...
+    def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool: ...
+    def registry_load(self) -> list[RegistryLoad]: ...

@@ -300,3 +300,9 @@ class AsyncStore:
 
         await self.wait_until(settled, timeout, key=job_id)
         return await self.run(self._backend.job, job_id)
+
+    async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
+        """Put a job back after its registry's Retry-After and close that registry's gate until then."""
+        deferred = await self.run(self._backend.defer_job, job_id, error, retry_in=retry_in, owner=owner)
+        self._fire_local(QUEUED)
+        return deferred
