@@ -115,6 +115,10 @@ class Dialect:
         """The planner's row estimate for `sql`, where the engine has one."""
         return None
 
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        """One translated statement over many parameter sets, as the driver batches them."""
+        raise NotImplementedError
+
     def lock(self, db: Db, key: str) -> None:
         """Serialise this transaction with every other one taking the same `key` until it ends
         (PostgreSQL's advisory lock); SQLite's one writer serialises every write already."""
@@ -166,6 +170,9 @@ class SqliteDialect(Dialect):
     def stamp_param(self, moment: datetime) -> Any:
         return iso(moment)
 
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        conn.executemany(sql, rows)
+
 
 class PostgresDialect(Dialect):
     name = "postgres"
@@ -211,6 +218,10 @@ class PostgresDialect(Dialect):
 
     def stamp_param(self, moment: datetime) -> Any:
         return moment
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        with conn.cursor() as cursor:  # psycopg sends the batch in one pipeline
+            cursor.executemany(sql, rows)
 
     def estimate(self, db: Db, sql: str, params: Params) -> int | None:
         plan = db.one(f"EXPLAIN (FORMAT JSON) {sql}", params)
@@ -260,14 +271,9 @@ class Db:
         """One statement for many parameter sets: prepared once, sent as one batch."""
         if not rows:
             return
-        text = self.dialect.translate(sql)
-        bound = [self._params(row) for row in rows]
-        executemany = getattr(self._conn, "executemany", None)
-        if executemany is not None:  # sqlite3
-            executemany(text, bound)
-            return
-        with self._conn.cursor() as cursor:  # type: ignore[attr-defined]  # psycopg: pipelined
-            cursor.executemany(text, bound)
+        self.dialect.execute_many(
+            self._conn, self.dialect.translate(sql), [self._params(row) for row in rows]
+        )
 
     def notify(self, channel: str, payload: str) -> None:
         self.dialect.notify(self, channel, payload)
