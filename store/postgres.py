@@ -55,6 +55,7 @@ from store.models import (
     StoreUnavailable,
     TagEvent,
 )
+from store.report_pages import report_page
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,11 @@ class PostgresStore:
         with self._reading() as conn:
             row = conn.execute("SELECT report FROM platform_reports WHERE digest = %s", [digest]).fetchone()
         return PlatformReport.model_validate_json(row[0]) if row else None
+
+    def report_page(self, *, after: str, since: datetime | None, limit: int) -> list[ImageReport]:
+        """A page of every stored report in digest order (the export's read; see store.report_pages)."""
+        with self._transaction() as conn:
+            return report_page(conn, "%s", after=after, since=since, limit=limit)
 
     def list_images(
         self,

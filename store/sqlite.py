@@ -42,6 +42,7 @@ from store.models import (
     StoreUnavailable,
     TagEvent,
 )
+from store.report_pages import report_page
 
 
 class _WriterLock:
@@ -310,6 +311,11 @@ class SqliteStore:
         with self._reading() as db:
             row = db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()
         return PlatformReport.model_validate_json(row[0]) if row else None
+
+    def report_page(self, *, after: str, since: datetime | None, limit: int) -> list[ImageReport]:
+        """A page of every stored report in digest order (the export's read; see store.report_pages)."""
+        with self._reading() as db:
+            return report_page(db, "?", after=after, since=_iso(since) if since else None, limit=limit)
 
     def list_images(
         self,
