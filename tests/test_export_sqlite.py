@@ -172,7 +172,7 @@ def test_export_opens_in_datasette_with_gpu_rows_search_and_facets(three: Path, 
     with contextlib.closing(sqlite3.connect(out)) as conn:
         assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
         keys = {row[2] for row in conn.execute("PRAGMA foreign_key_list(platform_layers)")}
-        assert keys == {"platforms", "layers", "images"}
+        assert keys == {"platforms", "layers"}
 
 
 def test_sqlite_and_postgres_stores_export_the_same_rows(

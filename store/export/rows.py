@@ -4,7 +4,8 @@ The export is for people who query with SQL and explore in Datasette, so each ro
 (no JSON to unpack for the common questions) and each table has one job:
 
 - `images`: one row per manifest digest (an index or a single-platform manifest);
-- `platforms`: one row per platform image of an image, keyed `"<digest> <platform>"`;
+- `platforms`: one row per platform image of an image (unique on digest and platform), keyed
+  by an integer `id` so the link tables stay small;
 - `env`: the NVIDIA_* and CUDA_* variables of each platform's config, one row per variable;
 - `layers`: one row per layer digest, shared by every image that carries it, and
   `platform_layers`, which links layers to platforms in manifest order;
@@ -17,6 +18,7 @@ table definitions and of the Datasette metadata's column descriptions, so the tw
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from scanner.facts.badges import libc_label
@@ -43,7 +45,7 @@ COLUMNS: dict[str, dict[str, tuple[type, str]]] = {
         "bytes_fetched": (int, "bytes the registry sent for this scan"),
     },
     "platforms": {
-        "id": (str, "'<image digest> <platform>'"),
+        "id": (int, "row id (env and platform_layers link here); unique per (digest, platform)"),
         "digest": (str, "the image's manifest digest (images.digest)"),
         "platform": (str, "os/architecture[/variant]"),
         "platform_digest": (str, "digest of this platform's own manifest"),
@@ -72,7 +74,7 @@ COLUMNS: dict[str, dict[str, tuple[type, str]]] = {
         "error": (str, "why this platform has no full answer, if it has none"),
     },
     "env": {
-        "platform_id": (str, "platforms.id"),
+        "platform_id": (int, "platforms.id"),
         "digest": (str, "images.digest"),
         "name": (str, "variable name (NVIDIA_* and CUDA_*)"),
         "value": (str, "its value in the config"),
@@ -84,10 +86,9 @@ COLUMNS: dict[str, dict[str, tuple[type, str]]] = {
         "skipped": (str, "why the layer is never fetched (foreign or non-distributable), else null"),
     },
     "platform_layers": {
-        "platform_id": (str, "platforms.id"),
+        "platform_id": (int, "platforms.id"),
         "position": (int, "0 is the base layer"),
         "layer_digest": (str, "layers.digest"),
-        "digest": (str, "images.digest"),
     },
     "servers": {
         "id": (str, "the GPU's UUID, or the server name for a server without GPUs"),
@@ -118,38 +119,32 @@ PRIMARY_KEYS: dict[str, str | tuple[str, ...]] = {
 FOREIGN_KEYS: dict[str, list[tuple[str, str, str]]] = {
     "platforms": [("digest", "images", "digest")],
     "env": [("platform_id", "platforms", "id"), ("digest", "images", "digest")],
-    "platform_layers": [
-        ("platform_id", "platforms", "id"),
-        ("layer_digest", "layers", "digest"),
-        ("digest", "images", "digest"),
-    ],
+    "platform_layers": [("platform_id", "platforms", "id"), ("layer_digest", "layers", "digest")],
 }
 
-# What people filter and join by (a foreign key column is indexed too, for the per-digest replace).
+# What people filter and join by (a foreign key column is indexed too, for the per-digest replace);
+# platforms' natural key (digest, platform) is a unique index.
 INDEXES: dict[str, list[list[str]]] = {
     "images": [["registry", "repository"], ["scanned_at"], ["gpu_required"]],
-    "platforms": [["digest"], ["gpu_required", "libc"], ["cuda_version"], ["libc"]],
+    "platforms": [["gpu_required", "libc"], ["cuda_version"], ["libc"]],
     "env": [["digest"], ["name", "value"]],
-    "platform_layers": [["digest"], ["layer_digest"]],
+    "platform_layers": [["layer_digest"]],
     "servers": [["server"]],
 }
 
 FULL_TEXT = {"images": ["reference", "repository"]}
 
-# Tables whose rows belong to one image digest: replaced together when the image is exported again.
-PER_IMAGE = ("env", "platform_layers", "platforms", "images")
+UNIQUE_INDEXES: dict[str, list[list[str]]] = {"platforms": [["digest", "platform"]]}
 
 
 def _space(values: list[str] | tuple[str, ...] | None) -> str | None:
     return " ".join(values) if values else None
 
 
-def platform_id(digest: str, platform: str) -> str:
-    return f"{digest} {platform}"
+def image_rows(report: ImageReport, ids: Iterator[int]) -> dict[str, list[Row]]:
+    """The rows of one stored report, by table; platform ids are drawn from `ids`.
 
-
-def image_rows(report: ImageReport) -> dict[str, list[Row]]:
-    """The rows of one stored report, by table (`layers` rows may repeat across images)."""
+    `layers` rows may repeat across images (the writer keeps one per digest)."""
     digest = report.digest or ""
     tables: dict[str, list[Row]] = {name: [] for name in ("images", "platforms", "env", "layers")}
     tables["platform_layers"] = []
@@ -173,7 +168,7 @@ def image_rows(report: ImageReport) -> dict[str, list[Row]]:
         if platform.platform in seen:  # one row per platform; a repeated one adds nothing new
             continue
         seen.add(platform.platform)
-        key = platform_id(digest, platform.platform)
+        key = next(ids)
         tables["platforms"].append(_platform_row(digest, key, platform))
         tables["env"].extend(
             {"platform_id": key, "digest": digest, "name": name, "value": value}
@@ -190,12 +185,12 @@ def image_rows(report: ImageReport) -> dict[str, list[Row]]:
                 }
             )
             tables["platform_layers"].append(
-                {"platform_id": key, "position": position, "layer_digest": layer.digest, "digest": digest}
+                {"platform_id": key, "position": position, "layer_digest": layer.digest}
             )
     return tables
 
 
-def _platform_row(digest: str, key: str, platform: PlatformReport) -> Row:
+def _platform_row(digest: str, key: int, platform: PlatformReport) -> Row:
     gpu, libc = platform.gpu, platform.libc
     inferred, archs = gpu.inferred, gpu.archs
     return {
@@ -274,7 +269,7 @@ FACETS = {
 QUERIES = {
     "layers_shared_by_gpu_images": {
         "title": "Layers shared by the most GPU images",
-        "sql": "SELECT pl.layer_digest, l.size, count(DISTINCT pl.digest) AS gpu_images\n"
+        "sql": "SELECT pl.layer_digest, l.size, count(DISTINCT p.digest) AS gpu_images\n"
         "FROM platform_layers pl\n"
         "JOIN platforms p ON p.id = pl.platform_id\n"
         "JOIN layers l ON l.digest = pl.layer_digest\n"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -46,8 +47,8 @@ from store.export.rows import (
     FORMAT_VERSION,
     FULL_TEXT,
     INDEXES,
-    PER_IMAGE,
     PRIMARY_KEYS,
+    UNIQUE_INDEXES,
     Row,
     datasette_metadata,
     image_rows,
@@ -184,6 +185,7 @@ def _write(
         db.execute("PRAGMA journal_mode=MEMORY")
         db.execute("PRAGMA synchronous=OFF")
         _create_schema(db)
+        ids = itertools.count(int(db.execute("SELECT coalesce(max(id), 0) + 1 FROM platforms").fetchone()[0]))
         after = ""
         while True:
             page = backend.report_page(after=after, since=since, limit=batch_size)
@@ -191,7 +193,7 @@ def _write(
                 break
             batch: dict[str, list[Row]] = {name: [] for name in COLUMNS if name != "servers"}
             for report in page:
-                for table, rows in image_rows(report).items():
+                for table, rows in image_rows(report, ids).items():
                     batch[table].extend(rows)
             with db.conn:
                 _replace_images(db, batch)
@@ -243,6 +245,8 @@ def _create_schema(db: sqlite_utils.Database) -> None:
         )
         for index in INDEXES.get(name, []):
             db.table(name).create_index(index, if_not_exists=True)
+        for index in UNIQUE_INDEXES.get(name, []):
+            db.table(name).create_index(index, unique=True, if_not_exists=True)
     for name, fts_columns in FULL_TEXT.items():
         if db.table(name).detect_fts() is None:
             # triggers keep the index true through the per-digest replace of later exports
@@ -251,15 +255,26 @@ def _create_schema(db: sqlite_utils.Database) -> None:
 
 
 def _replace_images(db: sqlite_utils.Database, batch: dict[str, list[Row]]) -> None:
-    """Delete every row of the batch's digests, then write them anew (one transaction, the caller's)."""
-    digests = [row["digest"] for row in batch["images"]]
-    marks = ",".join("?" * len(digests))
-    for table in PER_IMAGE:
-        db.table(table).delete_where(f"digest IN ({marks})", digests)
+    """Delete every row of the batch's digests, then write them anew (one transaction, the caller's).
+
+    Lists travel as one JSON parameter (`json_each`), so no batch size meets SQLite's limit on
+    bound variables. A layer already in the file is kept: its digest names its content.
+    """
+    digests = json.dumps([row["digest"] for row in batch["images"]])
+    of_batch = "digest IN (SELECT value FROM json_each(?))"
+    db.table("platform_layers").delete_where(
+        f"platform_id IN (SELECT id FROM platforms WHERE {of_batch})", [digests]
+    )
+    for table in ("env", "platforms", "images"):
+        db.table(table).delete_where(of_batch, [digests])
     db.table("images").insert_all(batch["images"], batch_size=200)
     db.table("platforms").insert_all(batch["platforms"], batch_size=200)
     db.table("env").insert_all(batch["env"], batch_size=500)
-    db.table("layers").insert_all(batch["layers"], batch_size=500, replace=True)
+    layers = {row["digest"]: row for row in batch["layers"]}
+    known = db.execute(f"SELECT digest FROM layers WHERE {of_batch}", [json.dumps(list(layers))]).fetchall()
+    for (digest,) in known:
+        del layers[digest]
+    db.table("layers").insert_all(layers.values(), batch_size=500)
     db.table("platform_layers").insert_all(batch["platform_layers"], batch_size=500)
 
 
