@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench import (
     deep_bench,
+    export_bench,
     hostile_bench,
     push_burst_bench,
     real_images_bench,
@@ -29,7 +30,7 @@ from bench import (
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
+SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "export")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -198,6 +199,8 @@ def main() -> int:
         run_ui(results, args.quick)
     if "scale" in wanted:
         scale_bench.run_all(results, args.quick)
+    if "export" in wanted:
+        export_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()
