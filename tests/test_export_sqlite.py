@@ -7,6 +7,7 @@ on a free loopback port) and by sqlite3. PostgreSQL is the real one of tests/con
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -204,6 +205,17 @@ def test_sqlite_and_postgres_stores_export_the_same_rows(
         assert rows(from_sqlite, table) == rows(from_postgres, table), table
         assert rows(from_sqlite, table), table
     assert [row[:2] for row in rows(from_postgres, "servers")] == [("GPU-1", "gpu-1")]
+    later = export(
+        tmp_path / "none-yet.db",
+        "--since",
+        "2999-01-01T00:00:00Z",
+        env={"GPUBADGE_DATABASE_URL": postgres_url},
+    )
+    assert "wrote 0 images" in later
+    earlier = export(
+        tmp_path / "all.db", "--since", "2000-01-01T00:00:00Z", env={"GPUBADGE_DATABASE_URL": postgres_url}
+    )
+    assert "wrote 3 images" in earlier
 
 
 def test_export_again_upserts_by_digest_and_since_takes_only_the_new(
@@ -423,6 +435,20 @@ def test_the_service_streams_the_export_to_a_token_holder_only(three: Path, tmp_
     assert len([row for row in rows(downloaded, "platforms") if row[5] == 1]) == 2
     assert token not in service.log()
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("gpubadge-export-*/gpubadge.db"))
+
+
+async def test_without_a_configured_token_nobody_may_export(tmp_path: Path) -> None:
+    from fixtures.service import run_service_inprocess
+    from web.settings import ServiceSettings
+
+    async with run_service_inprocess(ServiceSettings(db=tmp_path / "open.db", workers=0)) as service:
+        request = urllib.request.Request(
+            f"{service.url}/api/export.sqlite", headers={"Authorization": "Bearer x"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(urllib.request.urlopen, request, timeout=30)
+    assert refused.value.code == 403
+    assert "GPUBADGE_API_TOKEN" in json.load(refused.value)["error"]
 
 
 def test_since_reads_ages_and_times() -> None:
