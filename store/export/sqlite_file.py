@@ -123,11 +123,11 @@ def export_sqlite(
         written = _write(
             backend, temporary, since=since, batch_size=batch_size, progress=progress, source=source
         )
+        metadata = metadata_path(out)
+        _write_metadata(metadata, out)  # first: a disk that fills now fails before `out` is replaced
         _sync(temporary)
         os.replace(temporary, out)
         _sync_directory(out.parent)
-        metadata = metadata_path(out)
-        _write_metadata(metadata, out)
     except sqlite3.Error as exc:
         raise ExportError(f"cannot write {out}: {_why(exc)}") from exc
     except OSError as exc:
