@@ -268,6 +268,29 @@ def test_export_again_upserts_by_digest_and_since_takes_only_the_new(
         assert conn.execute(search, ['"alpine-gpu-renamed"']).fetchone()[0] == 1
         assert conn.execute(search, ["renamed"]).fetchone()[0] == 1
 
+    # an image the store no longer holds (here: deleted by hand) leaves with the next full export,
+    # not with a --since one
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("DELETE FROM reports WHERE repository = 'exports/plain-glibc'")
+    assert "removed" not in export(out, "--since", "1m", db=db)
+    assert len(rows(out, "images")) == 4
+    said = export(out, db=db)
+    assert "removed 1 images no longer stored" in said and "it holds 3 images, 3 platforms" in said
+    with contextlib.closing(sqlite3.connect(out)) as conn:
+        assert conn.execute("SELECT count(*) FROM images_fts").fetchone()[0] == 3
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM platform_layers WHERE platform_id NOT IN (SELECT id FROM platforms)"
+            ).fetchone()[0]
+            == 0
+        )
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM env WHERE digest NOT IN (SELECT digest FROM images)"
+            ).fetchone()[0]
+            == 0
+        )
+
     only_new = tmp_path / "since.db"
     said = export(only_new, "--since", between.isoformat(), db=db)
     assert "wrote 1 images" in said

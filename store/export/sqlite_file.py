@@ -8,8 +8,9 @@ service in a thread) and keeps these promises:
   pages in digest order) and each page is written in one transaction before the next is read.
 - **Incremental.** Written again to the same file, each exported digest's rows are deleted
   and written anew in the same transaction: changed reports are replaced, new ones added, none
-  duplicated. `since` exports only reports scanned after it. Layers no image links any more
-  are dropped at the end; the fleet (`servers`) is small and rewritten whole.
+  duplicated. `since` exports only reports scanned after it; a full export (no `since`) also
+  removes the images the store no longer holds. Layers no image links any more are dropped at
+  the end; the fleet (`servers`) is small and rewritten whole.
 - **Never half-written.** The export goes to a temporary file beside `out` (a copy of `out`
   when it exists) and is renamed over it only when complete and synced, so a killed or failed
   export leaves the previous file as it was. A file that is not a gpubadge export, or is
@@ -73,6 +74,7 @@ class ExportSummary:
     platforms: int
     layer_links: int
     gpus: int
+    removed: int
     total_images: int
     total_platforms: int
     total_layers: int
@@ -81,7 +83,9 @@ class ExportSummary:
     def describe(self) -> str:
         return (
             f"wrote {self.images:,} images ({self.platforms:,} platforms, {self.layer_links:,} layer links)"
-            f" and {self.gpus:,} server GPU rows to {self.path} in {self.seconds:.1f} s; it holds"
+            f" and {self.gpus:,} server GPU rows to {self.path} in {self.seconds:.1f} s"
+            + (f", removed {self.removed:,} images no longer stored" if self.removed else "")
+            + "; it holds"
             f" {self.total_images:,} images, {self.total_platforms:,} platforms, {self.total_layers:,}"
             f" layers.\nDatasette metadata: {self.metadata}"
         )
@@ -120,8 +124,16 @@ def export_sqlite(
         if existing:
             shutil.copyfile(out, temporary)
         os.chmod(temporary, stat.S_IMODE(out.stat().st_mode) if existing else 0o644)
+        # A full export into an existing file also drops the images the store no longer holds.
+        sweep = existing and since is None
         written = _write(
-            backend, temporary, since=since, batch_size=batch_size, progress=progress, source=source
+            backend,
+            temporary,
+            since=since,
+            sweep=sweep,
+            batch_size=batch_size,
+            progress=progress,
+            source=source,
         )
         metadata = metadata_path(out)
         _write_metadata(metadata, out)  # first: a disk that fills now fails before `out` is replaced
@@ -173,11 +185,12 @@ def _write(
     path: Path,
     *,
     since: datetime | None,
+    sweep: bool,
     batch_size: int,
     progress: Callable[[int], None] | None,
     source: str,
 ) -> dict[str, int]:
-    counts = {"images": 0, "platforms": 0, "layer_links": 0, "gpus": 0}
+    counts = {"images": 0, "platforms": 0, "layer_links": 0, "gpus": 0, "removed": 0}
     db = sqlite_utils.Database(path)
     try:
         # The file is private until the rename, so no rollback journal on disk and no fsync per
@@ -186,6 +199,8 @@ def _write(
         db.execute("PRAGMA synchronous=OFF")
         _create_schema(db)
         ids = itertools.count(int(db.execute("SELECT coalesce(max(id), 0) + 1 FROM platforms").fetchone()[0]))
+        if sweep:  # the digests this export wrote, on disk (SQLite's temp store), not in memory
+            db.execute("CREATE TEMP TABLE exported (digest TEXT PRIMARY KEY)")
         after = ""
         while True:
             page = backend.report_page(after=after, since=since, limit=batch_size)
@@ -197,6 +212,11 @@ def _write(
                     batch[table].extend(rows)
             with db.conn:
                 _replace_images(db, batch)
+                if sweep:
+                    db.conn.executemany(
+                        "INSERT OR IGNORE INTO temp.exported VALUES (?)",
+                        [(row["digest"],) for row in batch["images"]],
+                    )
             counts["images"] += len(batch["images"])
             counts["platforms"] += len(batch["platforms"])
             counts["layer_links"] += len(batch["platform_layers"])
@@ -208,6 +228,8 @@ def _write(
         servers = [row for record in backend.servers() for row in server_rows(*record)]
         counts["gpus"] = sum(1 for row in servers if row.get("gpu_uuid"))
         with db.conn:
+            if sweep:
+                counts["removed"] = _remove_unexported(db)
             db.table("servers").delete_where()
             db.table("servers").insert_all(servers, batch_size=500)
             db.execute(
@@ -276,6 +298,16 @@ def _replace_images(db: sqlite_utils.Database, batch: dict[str, list[Row]]) -> N
         del layers[digest]
     db.table("layers").insert_all(layers.values(), batch_size=500)
     db.table("platform_layers").insert_all(batch["platform_layers"], batch_size=500)
+
+
+def _remove_unexported(db: sqlite_utils.Database) -> int:
+    """Delete the images (and their rows) that this full export did not write: gone from the store."""
+    stale = "digest NOT IN (SELECT digest FROM temp.exported)"
+    db.table("platform_layers").delete_where(f"platform_id IN (SELECT id FROM platforms WHERE {stale})")
+    removed = int(db.execute(f"SELECT count(*) FROM images WHERE {stale}").fetchone()[0])
+    for table in ("env", "platforms", "images"):
+        db.table(table).delete_where(stale)
+    return removed
 
 
 def _write_metadata(path: Path, database: Path) -> None:
