@@ -58,15 +58,20 @@ async def export_file(request: web.Request) -> web.StreamResponse:
             "an export is being built; try again shortly",
             headers={"Retry-After": "30"},
         )
-    async with building:
-        try:
-            handle = await asyncio.to_thread(_build, services.store.backend)
-        except ExportError as exc:
-            raise json_http_error(
-                web.HTTPServiceUnavailable, f"the export could not be built: {exc}"
-            ) from exc
-        except StoreUnavailable as exc:
-            raise json_http_error(web.HTTPServiceUnavailable, str(exc)) from exc
+    # The build runs to its end even if the client goes away: the semaphore is released, and a
+    # file nobody will read is closed, only when the thread is done.
+    await building.acquire()
+    build = asyncio.ensure_future(asyncio.to_thread(_build, services.store.backend))
+    build.add_done_callback(lambda _: building.release())
+    try:
+        handle = await asyncio.shield(build)
+    except asyncio.CancelledError:
+        build.add_done_callback(_close_unread)
+        raise
+    except ExportError as exc:
+        raise json_http_error(web.HTTPServiceUnavailable, f"the export could not be built: {exc}") from exc
+    except StoreUnavailable as exc:
+        raise json_http_error(web.HTTPServiceUnavailable, str(exc)) from exc
     try:
         response = web.StreamResponse(
             headers={
@@ -82,6 +87,11 @@ async def export_file(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         handle.close()
+
+
+def _close_unread(build: asyncio.Future[BinaryIO]) -> None:
+    if not build.cancelled() and build.exception() is None:
+        build.result().close()
 
 
 def _build(backend: StoreBackend) -> BinaryIO:
