@@ -27,10 +27,11 @@ from bench import (
     scale_bench,
     scan_bench,
     service_bench,
+    starvation_bench,
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "export")
+SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "starvation", "export")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -199,6 +200,8 @@ def main() -> int:
         run_ui(results, args.quick)
     if "scale" in wanted:
         scale_bench.run_all(results, args.quick)
+    if "starvation" in wanted:
+        starvation_bench.run_all(results, args.quick)
     if "export" in wanted:
         export_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
