@@ -31,7 +31,19 @@ from bench import (
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "starvation", "export")
+SECTIONS = (
+    "real",
+    "scan",
+    "service",
+    "burst",
+    "hostile",
+    "deep",
+    "placement",
+    "ui",
+    "scale",
+    "starvation",
+    "export",
+)
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
