@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench import (
     deep_bench,
+    export_bench,
     hostile_bench,
     push_burst_bench,
     real_images_bench,
@@ -43,6 +44,7 @@ SECTIONS = (
     "ui",
     "scale",
     "starvation",
+    "export",
 )
 
 
@@ -216,6 +218,8 @@ def main() -> int:
         scale_bench.run_all(results, args.quick)
     if "starvation" in wanted:
         starvation_bench.run_all(results, args.quick)
+    if "export" in wanted:
+        export_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("agent", "run the node agent"),
         ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
         ("compat", "check nodes against an image's NFD image-compatibility artifact"),
+        ("export", "export every stored report as a SQLite file for SQL and Datasette"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -100,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agent",
         "referrers",
         "compat",
+        "export",
     ):
         return _delegate(args_list[0], args_list[1:])
     try:
@@ -140,6 +142,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.compat import main as run_compat
 
         return run_compat(rest)
+    if command == "export":
+        from gpubadge.export import main as run_export
+
+        return run_export(rest)
     if command == "constraints":
         from gpubadge.constraints import main as run_constraints
 
