@@ -128,6 +128,9 @@ Parser = Callable[[bytes, Headers, str | None, JsonLimits], list[ScanRequest]]
 Authenticator = Callable[[bytes, Headers, Query, str | None], None]
 """Accept a delivery (body, headers, query) as proof of the configured secret, or raise WebhookAuthError."""
 
+Unwrap = Callable[[dict[str, Any], JsonLimits], dict[str, Any]]
+"""A payload that wraps the event (GAR's Pub/Sub push) -> the event, bounded by the same limits."""
+
 
 @dataclass(frozen=True, slots=True)
 class Sender:
@@ -169,9 +172,6 @@ def json_parser(source: str, normaliser: Normaliser, unwrap: Unwrap | None = Non
         return list(dict.fromkeys(requests))  # frozen models hash by value; keeps first-seen order
 
     return parse
-
-
-Unwrap = Callable[[dict[str, Any], JsonLimits], dict[str, Any]]
 
 
 def _parse_json(source: str, body: bytes, limits: JsonLimits) -> dict[str, Any]:
