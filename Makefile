@@ -46,7 +46,7 @@ image:  ## online: FROM python:3.11-slim, dependencies from PyPI
 # $$GPUBADGE_CACHE, default ~/.cache/gpubadge), the wheels come from the pip index configured on this
 # host, and the build itself runs with no network at all.
 image-airgapped:
-	rm -rf $(WHEELHOUSE)
+	rm -rf $(WHEELHOUSE) build/lib build/bdist.*  # setuptools would reuse stale files in build/lib
 	$(PIP) wheel --quiet --wheel-dir $(WHEELHOUSE) .
 	set -e; bases=$$(DOCKER="$(DOCKER)" deploy/airgapped/base.sh gpubadge); set -- $$bases; \
 	$(DOCKER) build --network none --build-arg BASE=$$1 --build-arg BUILD_BASE=$$2 \
