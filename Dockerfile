@@ -11,22 +11,24 @@
 #     --group-add "$(stat -c %g /var/run/docker.sock)" gpubadge agent --service URL  # GPUBADGE_AGENT_TOKEN
 # Every role runs with `--read-only --tmpfs /tmp` (plus a writable /data for SQLite).
 ARG BASE=python:3.11-slim
-ARG BUILD_BASE=${BASE}
 
-FROM ${BUILD_BASE} AS build
+FROM ${BASE} AS build
 # Empty: pip installs the sources from the index it can reach. A directory (make image-airgapped):
-# pip installs the gpubadge wheel and its dependencies from it, with no index at all.
+# pip, run from its own wheel there, installs gpubadge's wheel and its dependencies from it, with
+# no index at all (the base needs no python3-venv or python3-pip: the venv is made --without-pip).
 ARG WHEELHOUSE=
 WORKDIR /src
 # .dockerignore admits only the package sources, pyproject.toml, README.md and build/wheelhouse.
 COPY . .
-RUN python3 -m venv /opt/gpubadge \
-    && if [ -n "$WHEELHOUSE" ]; then \
-         /opt/gpubadge/bin/pip install --no-cache-dir --no-index --find-links "$WHEELHOUSE" gpubadge; \
+RUN if [ -n "$WHEELHOUSE" ]; then \
+         python3 -m venv --without-pip /opt/gpubadge \
+         && /opt/gpubadge/bin/python3 "$(echo "$WHEELHOUSE"/pip-*.whl)/pip" install \
+              --no-cache-dir --no-index --find-links "$WHEELHOUSE" gpubadge; \
        else \
-         /opt/gpubadge/bin/pip install --no-cache-dir .; \
+         python3 -m venv /opt/gpubadge \
+         && /opt/gpubadge/bin/pip install --no-cache-dir . \
+         && /opt/gpubadge/bin/python3 -m pip uninstall --yes --quiet pip setuptools; \
        fi \
-    && /opt/gpubadge/bin/python3 -m pip uninstall --yes --quiet setuptools pip \
     && /opt/gpubadge/bin/gpubadge --help >/dev/null
 
 FROM ${BASE}

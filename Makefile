@@ -9,7 +9,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # The container image (README "Container image"). Both targets use the daemon DOCKER_HOST names.
 IMAGE ?= gpubadge:latest
 DOCKER ?= docker
-WHEELHOUSE := build/wheelhouse
 
 deps-system:  ## Debian packages the tests drive for real (registry, pusher, engine, browser)
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -42,12 +41,8 @@ bench: deps-system deps-python
 image:  ## online: FROM python:3.11-slim, dependencies from PyPI
 	$(DOCKER) build -t $(IMAGE) .
 
-# No container registry: the base is debootstrapped from Debian packages (cached in
-# $$GPUBADGE_CACHE, default ~/.cache/gpubadge), the wheels come from the pip index configured on this
-# host, and the build itself runs with no network at all.
+# No container registry (deploy/airgapped/build.sh): the base is debootstrapped from Debian packages,
+# the wheels come from the pip index configured on this host (both cached in $$GPUBADGE_CACHE,
+# default ~/.cache/gpubadge), and the build itself runs with no network at all.
 image-airgapped:
-	rm -rf $(WHEELHOUSE) build/lib build/bdist.*  # setuptools would reuse stale files in build/lib
-	$(PIP) wheel --quiet --wheel-dir $(WHEELHOUSE) .
-	set -e; bases=$$(DOCKER="$(DOCKER)" deploy/airgapped/base.sh gpubadge); set -- $$bases; \
-	$(DOCKER) build --network none --build-arg BASE=$$1 --build-arg BUILD_BASE=$$2 \
-	  --build-arg WHEELHOUSE=$(WHEELHOUSE) -t $(IMAGE) .
+	PYTHON=$(PYTHON) DOCKER="$(DOCKER)" deploy/airgapped/build.sh $(IMAGE)
