@@ -63,4 +63,3 @@ def test_upgrade_needs_a_database_named_by_the_user_not_a_default(tmp_path: Path
         assert done.returncode == 2
         assert "GPUBADGE_DATABASE_URL" in done.stderr and "--db" in done.stderr
     assert not db.exists()
-
