@@ -18,12 +18,16 @@ python=${PYTHON:-python3}
 docker=${DOCKER:-docker}
 cache=${GPUBADGE_CACHE:-$HOME/.cache/gpubadge}
 
-base=$(DOCKER="$docker" GPUBADGE_CACHE="$cache" "$here/base.sh" gpubadge-base)
+# The base (debootstrap: mostly downloads and dpkg) and the wheels (pip) are made side by side.
+mkdir -p "$cache"
+base_log=$(mktemp)
+trap 'rm -f "$base_log"' EXIT
+DOCKER="$docker" GPUBADGE_CACHE="$cache" "$here/base.sh" gpubadge-base >"$base_log" 2>&1 &
+base_pid=$!
 
 tag=$($python -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 deps="$cache/wheels-$tag-$(sha256sum <"$repo/pyproject.toml" | cut -c1-16)"
 if [ ! -d "$deps" ]; then
-    mkdir -p "$cache"
     fresh=$(mktemp -d "$cache/wheels.XXXXXX")
     $python -m pip wheel --quiet --wheel-dir "$fresh" "$repo" pip
     rm -f "$fresh"/gpubadge-*.whl
@@ -35,6 +39,8 @@ rm -rf "$wheelhouse" "$repo/build/lib" "$repo"/build/bdist.*
 mkdir -p "$wheelhouse"
 cp "$deps"/*.whl "$wheelhouse"/
 $python -m pip wheel --quiet --no-deps --wheel-dir "$wheelhouse" "$repo"
+wait "$base_pid" || { cat "$base_log" >&2; exit 1; }
+base=$(tail -n 1 "$base_log")
 
 $docker build --network none --build-arg BASE="$base" --build-arg WHEELHOUSE=build/wheelhouse \
     -t "$image" "$repo"
