@@ -1,4 +1,4 @@
-"""`gpubadge scan | serve | worker | db | eligible | constraints | agent | referrers | compat | healthcheck`.
+"""`gpubadge scan | serve | worker | config | db | eligible | constraints | agent | referrers | compat | healthcheck`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("serve", "run the service (webhooks, API, UI)"),
         ("worker", "run scan workers only (scale them apart from the API)"),
+        ("config", "print the effective settings and where each comes from (secrets redacted)"),
         ("db", "manage the store's schema (db upgrade, db status)"),
         ("eligible", "list the servers that can run an image"),
         ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] in (
         "serve",
         "worker",
+        "config",
         "db",
         "eligible",
         "constraints",
@@ -120,6 +122,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from web.cli import run_worker
 
         return run_worker(rest)
+    if command == "config":
+        from gpubadge.config import main as run_config
+
+        return run_config(rest)
     if command == "db":
         from web.cli import run_db
 
@@ -154,7 +160,11 @@ def run_scan(args: argparse.Namespace) -> int:
     from scanner.scan import Scanner, ScanOptions, scan_many
     from scanner.settings import ScannerSettings
 
-    settings = ScannerSettings.load(args.config)
+    try:
+        settings = ScannerSettings.load(args.config)
+    except (ValueError, OSError) as exc:  # as serve and worker: an ambiguous merge is refused
+        print(f"gpubadge scan: invalid settings: {exc}", file=sys.stderr)
+        return 2
     store: AsyncStore | None = None
     if not args.no_store:
         from store import StoreUnavailable, open_store

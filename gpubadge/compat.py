@@ -116,9 +116,9 @@ async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
     try:
         reference = parse_reference(args.reference)
         platform = Platform.parse(args.platform) if args.platform else None
+        settings = ScannerSettings.load(args.config)  # an ambiguous merge is a usage error too
     except (ReferenceError, ValueError) as exc:
         raise _Usage(str(exc)) from None
-    settings = ScannerSettings.load(args.config)
     try:
         async with RegistryClient(settings) as client:
             subject, referrer, layer = await newest_of_type(client, reference, ARTIFACT_TYPE, platform)

@@ -60,10 +60,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         reference = parse_reference(args.reference)
         platform = Platform.parse(args.platform) if args.platform else None
+        settings = ScannerSettings.load(args.config)  # an ambiguous merge is a usage error too
     except (ReferenceError, ValueError) as exc:
         print(f"gpubadge referrers: {exc}", file=sys.stderr)
         return 2
-    settings = ScannerSettings.load(args.config)
 
     async def run() -> tuple[str, list[dict[str, Any]]]:
         async with RegistryClient(settings) as client:

@@ -1,7 +1,9 @@
 """Scanner settings: environment (prefix GPUBADGE_), an optional TOML/YAML file, and defaults.
 
 Secrets are `SecretStr` so they never show up in a repr, a log line or an error.
-Precedence: explicit keyword arguments, then environment, then the config file, then defaults.
+Precedence for a single value: explicit keyword arguments, then environment, then the config file,
+then defaults. List and map settings merge instead (see `scanner.settings_merge`): the environment
+adds entries, the file's stay, and an ambiguous merge is refused.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_origin
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, SettingsConfigDict
 
 from scanner.facts.platforms import PlatformPolicy, parse_platforms
 from scanner.layers import limits
+from scanner.settings_merge import Keyed, Layer, MergeKind, Origin, Source, merge_layers, shown
 
 MiB = 1024 * 1024
 CONFIG_ENV = "GPUBADGE_CONFIG"
@@ -62,8 +65,27 @@ class RegistryConfig(BaseModel):
         return bool(self.push_username and self.push_password) or self.push_anonymous
 
 
+class EffectiveSetting(BaseModel):
+    """One line of `gpubadge config`: a setting's effective value (secrets `[redacted]`) and its source."""
+
+    name: str
+    variable: str
+    value: Any
+    source: Source
+    entries: dict[str, Source] = Field(
+        default_factory=dict, description="for a list or map: each host, key or item's own source"
+    )
+    shadows_file: bool = Field(
+        default=False, description="the environment replaced a different value from the file"
+    )
+
+
 class ScannerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUBADGE_", env_nested_delimiter="__", extra="ignore")
+    # Lists of entries that merge across sources by a key field rather than by position.
+    MERGE_KEYS: ClassVar[dict[str, str]] = {"registries": "host"}
+    _origins: dict[str, Origin] = PrivateAttr(default_factory=dict)
+    _config_file: Path | None = PrivateAttr(default=None)
 
     registries: Annotated[list[RegistryConfig], NoDecode] = Field(
         default_factory=list,
@@ -243,14 +265,80 @@ class ScannerSettings(BaseSettings):
         return None
 
     @classmethod
+    def merge_kinds(cls) -> dict[str, MergeKind]:
+        """How each list or map setting merges across sources (every other setting is one value)."""
+        kinds: dict[str, MergeKind] = {}
+        for name, info in cls.model_fields.items():
+            origin = get_origin(info.annotation)
+            if origin is dict:
+                kinds[name] = "map"
+            elif origin is list:
+                kinds[name] = Keyed(cls.MERGE_KEYS[name]) if name in cls.MERGE_KEYS else "set"
+        return kinds
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> ScannerSettings:
+        """Settings validated from `values` alone: the environment is not read."""
+        return cls(_build_sources=((InitSettingsSource(cls, init_kwargs=values),), values))
+
+    @classmethod
     def load(cls, path: Path | None = None, **overrides: Any) -> ScannerSettings:
-        """Settings from `path` (or $GPUBADGE_CONFIG), with the environment taking precedence."""
+        """Settings from `path` (or $GPUBADGE_CONFIG) and the environment, merged by the rule of
+        `scanner.settings_merge`; keyword overrides (command-line options) win over both.
+
+        Raises ValueError (`SettingsConflict` for an ambiguous merge) naming the sources, never a value.
+        """
         if path is None and os.environ.get(CONFIG_ENV):
             path = Path(os.environ[CONFIG_ENV])
         file_values = read_config_file(path) if path else {}
+        from_file = cls.from_values(file_values)
         from_env = cls()
-        env_values = {name: getattr(from_env, name) for name in from_env.model_fields_set}
-        return cls(**{**file_values, **env_values, **overrides})
+        file_label = f"the file {path}"
+        values, origins = merge_layers(
+            cls.merge_kinds(),
+            Layer(
+                "file", {n: getattr(from_file, n) for n in from_file.model_fields_set}, lambda _: file_label
+            ),
+            Layer("environment", {n: getattr(from_env, n) for n in from_env.model_fields_set}, _env_label),
+        )
+        for name, value in overrides.items():
+            values[name] = value
+            origins[name] = Origin("command line")
+        settings = cls.from_values(values)
+        settings._origins, settings._config_file = origins, path
+        return settings
+
+    def config_file(self) -> Path | None:
+        """The settings file `load` read, if any."""
+        return self._config_file
+
+    def origin(self, name: str) -> Origin:
+        """Where setting `name` came from (`default` when no source set it, or not loaded by `load`)."""
+        return self._origins.get(name, Origin("default"))
+
+    def effective(self) -> list[EffectiveSetting]:
+        """Every setting's value, secrets `[redacted]`, with its source: what `gpubadge config` prints."""
+        rows = []
+        for name in type(self).model_fields:
+            origin = self.origin(name)
+            rows.append(
+                EffectiveSetting(
+                    name=name,
+                    variable=f"GPUBADGE_{name.upper()}",
+                    value=shown(getattr(self, name)),
+                    source=origin.source,
+                    entries=dict(origin.entries),
+                    shadows_file=origin.shadows,
+                )
+            )
+        return rows
+
+
+def _env_label(name: str) -> str:
+    """The environment variables that set `name` (`GPUBADGE_X`, or `GPUBADGE_X__KEY` for one entry)."""
+    exact = f"GPUBADGE_{name.upper()}"
+    found = sorted(key for key in os.environ if key.upper() == exact or key.upper().startswith(exact + "__"))
+    return f"the environment ({', '.join(found) or exact})"
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

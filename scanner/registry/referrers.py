@@ -398,6 +398,9 @@ class ReportAttacher:
         self._companion_status: OrderedDict[tuple[str, str], AttachStatus] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(concurrency)
+        # Registries already warned about lacking push credentials: one WARNING each, not one per
+        # scan. Bounded by the registries a scan may reach (the allowlist).
+        self._warned_no_push: set[str] = set()
 
     # -- the worker-facing API
 
@@ -413,6 +416,12 @@ class ReportAttacher:
             return False
         entry = self.settings.registry_config(report.registry)
         if entry is None or not entry.may_push():
+            if report.registry not in self._warned_no_push:
+                self._warned_no_push.add(report.registry)
+                log.warning(
+                    "reports are %s; logged once per registry",
+                    NO_PUSH_CREDENTIALS.format(host=report.registry),
+                )
             for subject_digest, _ in _per_manifest(report):
                 self._set_status(
                     subject_digest, "skipped", error=NO_PUSH_CREDENTIALS.format(host=report.registry)
