@@ -327,7 +327,7 @@ def test_an_unwritable_data_directory_names_the_path_the_user_and_the_remedy(
         assert "mount a volume at /data" in done.stderr and "GPUBADGE_DATABASE_URL" in done.stderr
 
 
-def test_postgres_roles_db_upgrade_worker_api_and_scan(
+def test_postgres_roles_db_upgrade_worker_api_scan_and_config(
     docker_cli: Docker, built: Built, registry: LocalRegistry, push: Pusher, postgres_url: str
 ) -> None:
     nothing = run_once(docker_cli, built.image, "db", "upgrade")
@@ -385,6 +385,13 @@ def test_postgres_roles_db_upgrade_worker_api_and_scan(
         assert finished(api, hook.body["jobs"][0], 60)["state"] == "done"
         report = by_ref(api, f"{registry.host}/image-test/busybox:1").body
         assert report["digest"] == digest and report["platforms"][0]["badges"] == ["no-libc"]
+
+    shown = run_once(docker_cli, *env, built.image, "config", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert postgres_url not in shown.stdout and WEBHOOK_SECRET not in shown.stdout  # secrets redacted
+    settings = {row["variable"]: row for row in json.loads(shown.stdout)["settings"]}
+    assert settings["GPUBADGE_DATABASE_URL"]["value"] == "[redacted]"
+    assert (settings["GPUBADGE_PORT"]["value"], settings["GPUBADGE_PORT"]["source"]) == (8080, "environment")
 
     scanned = run_once(
         docker_cli, *env, built.image, "scan", "--json", f"{registry.host}/image-test/busybox:1"
