@@ -32,6 +32,7 @@ from fixtures.notifications import distribution_push
 from fixtures.registry import LocalRegistry, free_port
 from store.migrations import latest_version
 from tests.conftest import REQUIRE_DOCKER_ENV, Pusher, docker_required
+from tests.test_referrers_service import wait_metric
 from tests.test_service_e2e import by_ref, call, wait_job
 
 pytestmark = pytest.mark.docker
@@ -217,7 +218,9 @@ def test_serve_read_only_on_a_volume_turns_healthy_answers_and_scans_its_own_ima
     url = f"http://127.0.0.1:{port}"
     env = [
         *("-e", f"GPUBADGE_PORT={port}"),  # not the image's 8080: the health check must follow it
-        *("-e", f"GPUBADGE_REGISTRIES={registry.host}"),
+        # reports attached as referrers: the push path writes its blob under the tmpfs /tmp
+        *("-e", f'GPUBADGE_REGISTRIES=[{{"host": "{registry.host}", "push_anonymous": true}}]'),
+        *("-e", "GPUBADGE_ATTACH_REPORTS=true"),
         *("-e", f"GPUBADGE_API_TOKEN={API_TOKEN}"),
         *("-e", f"GPUBADGE_AGENT_TOKEN={AGENT_TOKEN}"),
     ]
@@ -241,6 +244,10 @@ def test_serve_read_only_on_a_volume_turns_healthy_answers_and_scans_its_own_ima
             assert report["digest"] == digest
             (gpu,) = report["platforms"]
             assert gpu["badges"] == ["nvidia-gpu", "cuda-12.2", "no-libc"]
+            attached = wait_metric(
+                url, "gpubadge_referrer_attach_total", '{result="attached"}', 1, timeout=60
+            )
+            assert attached >= 1, docker_cli.run("logs", f"serve{port}").stderr[-3000:]
 
             # gpubadge's own image: pushed by Docker itself, scanned by gpubadge.
             target = f"{registry.host}/gpubadge/gpubadge:airgapped"
