@@ -10,9 +10,12 @@
 #   docker run -v /var/run/docker.sock:/var/run/docker.sock \
 #     --group-add "$(stat -c %g /var/run/docker.sock)" gpubadge agent --service URL  # GPUBADGE_AGENT_TOKEN
 # Every role runs with `--read-only --tmpfs /tmp` (plus a writable /data for SQLite).
+# BASE runs the image; BUILD_BASE (default: the same) makes the venv, and must have its python3 at the
+# same path as BASE's, since the venv is copied across (say, BASE plus compilers for a source-only wheel).
 ARG BASE=python:3.11-slim
+ARG BUILD_BASE=${BASE}
 
-FROM ${BASE} AS build
+FROM ${BUILD_BASE} AS build
 # Empty: pip installs the sources from the index it can reach. A directory (make image-airgapped):
 # pip, run from its own wheel there, installs gpubadge's wheel and its dependencies from it, with
 # no index at all (the base needs no python3-venv or python3-pip: the venv is made --without-pip).
