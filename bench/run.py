@@ -26,10 +26,11 @@ from bench import (
     scale_bench,
     scan_bench,
     service_bench,
+    starvation_bench,
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale")
+SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "starvation")
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -198,6 +199,8 @@ def main() -> int:
         run_ui(results, args.quick)
     if "scale" in wanted:
         scale_bench.run_all(results, args.quick)
+    if "starvation" in wanted:
+        starvation_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

@@ -248,6 +248,11 @@ class ImageReport(BaseModel):
     not_an_image: bool = Field(
         default=False, exclude=True, description="an artifact (attestation, signature), not a container image"
     )
+    retry_after: float | None = Field(
+        default=None,
+        exclude=True,
+        description="seconds until the registry, which answered a Retry-After, may be asked again",
+    )
 
     @property
     def ok(self) -> bool:

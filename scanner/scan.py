@@ -211,6 +211,10 @@ class Scanner:
                 report = self._failed(reference, f"internal error: {type(exc).__name__}: {exc}")
         report.requests = stats.requests
         report.bytes_fetched = stats.bytes_received
+        if report.error is not None or any(platform.error for platform in report.platforms):
+            # the registry asked to be left alone for a while: the caller may put the work back
+            left = self.client.cool_down_left(reference.api_host)
+            report.retry_after = left if left > 0 else None
         if self.on_result:
             self.on_result(report)
         return report

@@ -169,6 +169,17 @@ class ScannerSettings(BaseSettings):
     retry_after_max: float = Field(
         default=60.0, description="longest Retry-After we wait; longer ones fail as RateLimited"
     )
+    min_transfer_rate: int = Field(
+        default=16 * 1024,
+        ge=0,
+        description="bytes per second a manifest or blob read must average over min_transfer_window; a slower"
+        " one is cut off and its scan retried later (0: never cut off)",
+    )
+    min_transfer_window: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds of waiting on a registry over which min_transfer_rate is judged",
+    )
     max_redirects: int = Field(default=5, description="redirects followed per request (blob CDNs)")
     credential_helper_timeout: float = Field(
         default=10.0, description="seconds a docker-credential-* helper may take"

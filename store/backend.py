@@ -19,6 +19,7 @@ from store.models import (
     JobState,
     LeaseExpiry,
     QueueHealth,
+    RegistryLoad,
     ServerRecord,
     TagEvent,
 )
@@ -100,3 +101,5 @@ class StoreBackend(Protocol):
         release: bool = False,
     ) -> None: ...
     def actionable_deployments(self, server: str) -> list[DeploymentRecord]: ...
+    def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool: ...
+    def registry_load(self) -> list[RegistryLoad]: ...

@@ -38,6 +38,7 @@ from store.models import (
     JobState,
     LeaseExpiry,
     QueueHealth,
+    RegistryLoad,
     ServerRecord,
     StoreUnavailable,
     TagEvent,
@@ -347,3 +348,12 @@ class AsyncStore:
 
     async def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
         return await self._call(self._backend.actionable_deployments, server)
+
+    async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
+        """Put a job back after its registry's Retry-After and close that registry's gate until then."""
+        deferred = await self._call(self._backend.defer_job, job_id, error, retry_in=retry_in, owner=owner)
+        self._fire_local(QUEUED)
+        return deferred
+
+    async def registry_load(self) -> list[RegistryLoad]:
+        return await self._call(self._backend.registry_load)

@@ -111,3 +111,13 @@ class DeploymentRecord(NamedTuple):
     record_json: str
     state: str
     desired: str
+
+
+@dataclass(frozen=True)
+class RegistryLoad:
+    """One registry's share of the queue, for /metrics: what runs, what waits, and its gate."""
+
+    registry: str
+    running: int  # scans in flight against it, every worker counted
+    ready: int  # queued jobs whose time has come (they still wait while it cools down)
+    cool_down_seconds: float  # until its gate opens again after a Retry-After; 0 when open

@@ -5,8 +5,9 @@ concurrency is made safe when the writers are separate processes on separate
 machines:
 
 - Claims lock candidate rows with `FOR UPDATE SKIP LOCKED`, so two workers never
-  wait on each other's rows; the per-registry cap is exact across workers (a
-  short per-registry advisory lock around the count).
+  wait on each other's rows; the fair share across registries and the
+  per-registry cap are exact across workers (claimers take turns on a short
+  advisory lock while they choose).
 - Enqueue dedup is the partial unique index `jobs_active_key` plus
   `ON CONFLICT DO NOTHING`: the same reference pushed to two API replicas at the
   same moment yields one job, and both callers get its id.
@@ -40,6 +41,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, REPORTED_JOB
+from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
@@ -51,6 +53,7 @@ from store.models import (
     JobState,
     LeaseExpiry,
     QueueHealth,
+    RegistryLoad,
     ServerRecord,
     StoreUnavailable,
     TagEvent,
@@ -66,7 +69,7 @@ CHANNELS = (JOBS_QUEUED, JOB_SETTLED, FLEET_CHANNEL)
 
 # Arbitrary constants naming gpubadge's advisory locks (one 64-bit key space per database).
 _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
-_CLAIM_LOCK_CLASS = 0x6770_6263  # per-registry claim locks: (class, hashtext(registry))
+_CLAIM_LOCK_CLASS = 0x6770_6263  # the claim lock: (class, 0), held while a claim picks its jobs
 
 Notification = tuple[str, str]  # (channel, payload)
 
@@ -584,53 +587,58 @@ class PostgresStore:
     ) -> list[Job]:
         """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
-        Rows are locked with SKIP LOCKED, so concurrent claimers take different jobs without
-        waiting on each other's rows. With `per_registry`, each registry's running count (across
-        every worker) is read under that registry's advisory lock, held for the few milliseconds
-        of the claim, so the cap is exact; registries are visited oldest ready job first.
+        Claims are fair across registries (`store.fairness`): each slot goes to the registry with
+        ready jobs and the fewest running across every worker, the least recently claimed first
+        among equals (`registry_gates.last_claimed`, shared by every process), so claims rotate
+        and a slow registry cannot take every worker. A registry cooling down after a Retry-After
+        gets none (its queued jobs move to the end of the cool-down); with `per_registry`, none
+        gets more than that many running. Claimers take
+        turns on one advisory lock for the few milliseconds of the choice, so counts and turns are
+        exact across processes; rows are still locked with SKIP LOCKED against other writers.
         """
         if limit <= 0:
             return []
-        lease = [owner, lease_seconds]
         with self._transaction() as conn:
-            if per_registry is None:
-                rows = conn.execute(
-                    "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = %s,"
-                    " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
-                    " WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND not_before <= now()"
-                    "   ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED)"
-                    f" RETURNING {_JOB_COLUMNS}",
-                    [*lease, limit],
+            conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
+            # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
+            # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
+            conn.execute(
+                "UPDATE jobs j SET not_before = g.cool_until FROM registry_gates g"
+                " WHERE g.registry = j.registry AND g.cool_until > now()"
+                " AND j.state = 'queued' AND j.not_before < g.cool_until"
+            )
+            turns = [
+                RegistryTurn(registry, int(ready), int(running), _iso(last))
+                for registry, ready, running, last in conn.execute(
+                    "SELECT q.registry, q.ready,"
+                    " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
+                    " g.last_claimed"
+                    " FROM (SELECT registry, count(*) AS ready FROM jobs"
+                    "   WHERE state = 'queued' AND not_before <= now() GROUP BY registry) q"
+                    " LEFT JOIN registry_gates g ON g.registry = q.registry"
+                    " WHERE g.cool_until IS NULL OR g.cool_until <= now()"
                 ).fetchall()
-                return sorted((_job(row) for row in rows), key=lambda job: (job.created_at, job.id))
-            ready = conn.execute(
-                "SELECT registry FROM jobs WHERE state = 'queued' AND not_before <= now()"
-                " GROUP BY registry ORDER BY min(not_before)"
-            ).fetchall()
-            # Locks in name order (claim order may differ between claimers): they queue, never deadlock.
-            for registry in sorted(row[0] for row in ready):
-                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [_CLAIM_LOCK_CLASS, registry])
+            ]
+            plan = plan_claims(turns, limit, per_registry)
             claimed: list[Job] = []
-            for (registry,) in ready:
-                wanted = limit - len(claimed)
-                if wanted <= 0:
-                    break
-                running = conn.execute(
-                    "SELECT count(*) FROM jobs WHERE state = 'running' AND registry = %s", [registry]
-                ).fetchone()
-                room = min(wanted, per_registry - int(running[0] if running else 0))
-                if room <= 0:
-                    continue
+            for registry in dict.fromkeys(plan):
                 rows = conn.execute(
                     "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = %s,"
                     " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
                     " WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND registry = %s"
                     "   AND not_before <= now() ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED)"
                     f" RETURNING {_JOB_COLUMNS}",
-                    [*lease, registry, room],
+                    [owner, lease_seconds, registry, plan.count(registry)],
                 ).fetchall()
                 claimed.extend(_job(row) for row in rows)
-        return claimed
+            if claimed:
+                conn.cursor().executemany(
+                    "INSERT INTO registry_gates (registry, last_claimed)"
+                    " VALUES (%s, now() + make_interval(secs => %s))"
+                    " ON CONFLICT (registry) DO UPDATE SET last_claimed = excluded.last_claimed",
+                    [(registry, position * 1e-6) for position, registry in enumerate(claim_order(plan))],
+                )
+        return sorted(claimed, key=lambda job: (job.created_at, job.id))
 
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
         """Extend `owner`'s leases; returns the ids it still holds (a lost lease is not renewed)."""
@@ -923,6 +931,56 @@ class PostgresStore:
                 [server],
             ).fetchall()
         return [DeploymentRecord(*row) for row in rows]
+
+    # ------------------------------------------------------ registry gates
+
+    def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
+        """The registry said come back later (429/503 with Retry-After): put the job back.
+
+        In one transaction the job is queued again for `retry_in` seconds, without spending
+        an attempt (the registry's state, not the image's), and its registry's gate closes
+        until then, so no worker in any process claims another of its jobs before that while
+        the other registries go on. False (nothing written) when `owner` lost the lease.
+        """
+        with self._transaction() as conn:
+            row = conn.execute(
+                "UPDATE jobs SET state = 'queued', error = %(error)s,"
+                "   not_before = now() + make_interval(secs => %(retry)s), attempts = greatest(0, attempts - 1),"
+                "   lease_owner = NULL, lease_expires = NULL, updated_at = clock_timestamp()"
+                " WHERE id = %(id)s AND state = 'running' AND lease_owner = %(owner)s"
+                " RETURNING registry, not_before",
+                {"error": error, "retry": max(0.0, retry_in), "id": job_id, "owner": owner},
+            ).fetchone()
+            if row is None:
+                return False
+            conn.execute(  # its other queued jobs wait for the gate too
+                "UPDATE jobs SET not_before = %s WHERE state = 'queued' AND registry = %s AND not_before < %s",
+                [row[1], row[0], row[1]],
+            )
+            conn.execute(
+                "INSERT INTO registry_gates (registry, cool_until, cool_reason) VALUES (%s, %s, %s)"
+                " ON CONFLICT (registry) DO UPDATE SET cool_until = greatest(registry_gates.cool_until,"
+                " excluded.cool_until), cool_reason = excluded.cool_reason",
+                [row[0], row[1], error],
+            )
+            conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
+        return True
+
+    def registry_load(self) -> list[RegistryLoad]:
+        """Every registry with running or queued jobs, or a closed gate, by name."""
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT coalesce(j.registry, g.registry), coalesce(j.running, 0), coalesce(j.ready, 0),"
+                " coalesce(extract(epoch FROM g.cool_until - now()), 0)"
+                " FROM (SELECT registry, count(*) FILTER (WHERE state = 'running') AS running,"
+                "   count(*) FILTER (WHERE state = 'queued' AND not_before <= now()) AS ready"
+                "   FROM jobs WHERE state IN ('queued', 'running') GROUP BY registry) j"
+                " FULL JOIN (SELECT registry, cool_until FROM registry_gates WHERE cool_until > now()) g"
+                " ON g.registry = j.registry ORDER BY 1"
+            ).fetchall()
+        return [
+            RegistryLoad(name, int(running), int(ready), float(cool)) for name, running, ready, cool in rows
+        ]
 
 
 def _describe(exc: BaseException) -> str:

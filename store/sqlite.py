@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
+from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import latest_version, migrations
 from store.models import (
     JOB_STATES,
@@ -39,6 +40,7 @@ from store.models import (
     JobState,
     LeaseExpiry,
     QueueHealth,
+    RegistryLoad,
     ServerRecord,
     StoreUnavailable,
     TagEvent,
@@ -579,33 +581,52 @@ class SqliteStore:
         """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
         The lease must be renewed (`renew_leases`) before it expires, or the job is claimed
-        again (`expire_leases`): that is how a crashed or cut-off worker loses nothing. With
-        `per_registry`, no registry ends up with more than that many running jobs across every
-        worker sharing the store; a busy registry's jobs wait while others go ahead.
+        again (`expire_leases`): that is how a crashed or cut-off worker loses nothing.
+
+        Claims are fair across registries (`store.fairness`): each slot goes to the registry with
+        ready jobs and the fewest running, the least recently claimed first among equals, so
+        claims rotate and a slow registry cannot take every worker. With `per_registry`, no
+        registry ends up with more than that many running jobs across every worker sharing the
+        store; a registry cooling down after a Retry-After (`defer_job`) gets none until then, and
+        its queued jobs are moved to the end of the cool-down.
+        The whole choice is one `BEGIN IMMEDIATE` transaction, so it is exact across processes.
         """
+        if limit <= 0:
+            return []
         moment = _now()
         now, expires = _iso(moment), _iso(moment + timedelta(seconds=lease_seconds))
         with self._transaction() as conn:
-            busy: dict[str, int] = {}
-            if per_registry is not None:
-                busy = dict(
-                    conn.execute(
-                        "SELECT registry, count(*) FROM jobs WHERE state = 'running' GROUP BY registry"
-                    ).fetchall()
-                )
-            ids: list[str] = []
-            candidates = conn.execute(
-                "SELECT id, registry FROM jobs WHERE state = 'queued' AND not_before <= ?"
-                " ORDER BY not_before, created_at",
-                [now],
+            # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
+            # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
+            conn.execute(
+                "UPDATE jobs SET not_before = (SELECT g.cool_until FROM registry_gates g"
+                "   WHERE g.registry = jobs.registry)"
+                " WHERE state = 'queued' AND not_before <= :now"
+                " AND registry IN (SELECT registry FROM registry_gates WHERE cool_until > :now)",
+                {"now": now},
             )
-            for job_id, registry in candidates:
-                if len(ids) >= limit:
-                    break
-                if per_registry is not None and busy.get(registry, 0) >= per_registry:
-                    continue
-                busy[registry] = busy.get(registry, 0) + 1
-                ids.append(job_id)
+            turns = [
+                RegistryTurn(*row)
+                for row in conn.execute(
+                    "SELECT q.registry, q.ready,"
+                    " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
+                    " g.last_claimed"
+                    " FROM (SELECT registry, count(*) AS ready FROM jobs"
+                    "   WHERE state = 'queued' AND not_before <= :now GROUP BY registry) q"
+                    " LEFT JOIN registry_gates g ON g.registry = q.registry"
+                    " WHERE g.cool_until IS NULL OR g.cool_until <= :now",
+                    {"now": now},
+                )
+            ]
+            plan = plan_claims(turns, limit, per_registry)
+            ids: list[str] = []
+            for registry in dict.fromkeys(plan):
+                rows = conn.execute(
+                    "SELECT id FROM jobs WHERE state = 'queued' AND registry = ? AND not_before <= ?"
+                    " ORDER BY not_before, created_at LIMIT ?",
+                    [registry, now, plan.count(registry)],
+                ).fetchall()
+                ids.extend(row[0] for row in rows)
             if not ids:
                 return []
             conn.executemany(
@@ -613,9 +634,17 @@ class SqliteStore:
                 " lease_expires = ?, updated_at = ? WHERE id = ?",
                 [(owner, expires, now, job_id) for job_id in ids],
             )
+            conn.executemany(
+                "INSERT INTO registry_gates (registry, last_claimed) VALUES (?, ?)"
+                " ON CONFLICT(registry) DO UPDATE SET last_claimed = excluded.last_claimed",
+                [
+                    (registry, _iso(moment + timedelta(microseconds=position)))
+                    for position, registry in enumerate(claim_order(plan))
+                ],
+            )
             placeholders = ",".join("?" * len(ids))
             claimed = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders})", ids
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
         return [Job(*row) for row in claimed]
 
@@ -903,6 +932,66 @@ class SqliteStore:
                 [server],
             ).fetchall()
         return [DeploymentRecord(*row) for row in rows]
+
+    # ------------------------------------------------------ registry gates
+
+    def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
+        """The registry said come back later (429/503 with Retry-After): put the job back.
+
+        In one transaction the job is queued again for `retry_in` seconds, without spending
+        an attempt (the registry's state, not the image's), and its registry's gate closes
+        until then, so no worker in any process claims another of its jobs before that while
+        the other registries go on. False (nothing written) when `owner` lost the lease.
+        """
+        moment = _now()
+        until = _iso(moment + timedelta(seconds=max(0.0, retry_in)))
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT registry FROM jobs WHERE id = ? AND state = 'running' AND lease_owner = ?",
+                [job_id, owner],
+            ).fetchone()
+            if row is None:
+                return False
+            conn.execute(
+                "UPDATE jobs SET state = 'queued', error = ?, not_before = ?, attempts = max(0, attempts - 1),"
+                " lease_owner = NULL, lease_expires = NULL, updated_at = ? WHERE id = ?",
+                [error, until, _iso(moment), job_id],
+            )
+            conn.execute(  # its other queued jobs wait for the gate too
+                "UPDATE jobs SET not_before = ? WHERE state = 'queued' AND registry = ? AND not_before < ?",
+                [until, row[0], until],
+            )
+            conn.execute(
+                "INSERT INTO registry_gates (registry, cool_until, cool_reason) VALUES (?, ?, ?)"
+                " ON CONFLICT(registry) DO UPDATE SET cool_until = max(coalesce(cool_until, ''),"
+                " excluded.cool_until), cool_reason = excluded.cool_reason",
+                [row[0], until, error],
+            )
+        return True
+
+    def registry_load(self) -> list[RegistryLoad]:
+        """Every registry with running or queued jobs, or a closed gate, by name."""
+        moment = _now()
+        now = _iso(moment)
+        with self._reading() as db:
+            counts = db.execute(
+                "SELECT registry, sum(state = 'running'), sum(state = 'queued' AND not_before <= ?)"
+                " FROM jobs WHERE state IN ('queued', 'running') GROUP BY registry",
+                [now],
+            ).fetchall()
+            gates = db.execute(
+                "SELECT registry, cool_until FROM registry_gates WHERE cool_until > ?", [now]
+            ).fetchall()
+        cooling = {
+            registry: (datetime.fromisoformat(until) - moment).total_seconds() for registry, until in gates
+        }
+        loads = {
+            registry: RegistryLoad(registry, int(running), int(ready), cooling.get(registry, 0.0))
+            for registry, running, ready in counts
+        }
+        for registry, seconds in cooling.items():
+            loads.setdefault(registry, RegistryLoad(registry, 0, 0, seconds))
+        return [loads[name] for name in sorted(loads)]
 
 
 _JOB_COLUMNS = (

@@ -2,7 +2,7 @@
 
 A test adds `Rule`s (first match wins, each fires `times` times) to make the proxy answer
 500/429, reset the connection mid-body, flip a byte, hang until released, strip or add
-headers, or redirect to another host. With `require_bearer`, the proxy plays a registry
+headers, redirect to another host, or drip the body `rate` bytes a second (a throttled proxy). With `require_bearer`, the proxy plays a registry
 that wants tokens from a `TokenServer`. Everything it sees is recorded for assertions.
 """
 
@@ -18,7 +18,9 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-Action = Literal["status", "reset", "tamper", "hang", "redirect", "strip_headers", "add_headers", "chunked"]
+Action = Literal[
+    "status", "reset", "tamper", "hang", "redirect", "strip_headers", "add_headers", "chunked", "drip"
+]
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 
 
@@ -33,6 +35,7 @@ class Rule:
     body: bytes = b""
     location: str = ""  # redirect: base URL; the request's path is appended
     remove: tuple[str, ...] = ()
+    rate: float = 1.0  # drip: body bytes per second
 
     def matches(self, request: web.Request) -> bool:
         if self.times is not None and self.times <= 0:
@@ -59,6 +62,7 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.seen: list[Seen] = []
         self.release = asyncio.Event()
+        self.closing = asyncio.Event()  # set at close: drips stop, so shutdown never waits on them
         self.in_flight = 0
         self.max_in_flight = 0
         self.arrivals = asyncio.Condition()
@@ -95,6 +99,7 @@ class FaultProxy:
 
     async def close(self) -> None:
         self.release.set()
+        self.closing.set()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -161,6 +166,8 @@ class FaultProxy:
             return web.Response(status=rule.status, headers=rule.headers, body=rule.body)
         if rule.action == "chunked":
             return await self._forward(request, chunked=True)
+        if rule.action == "drip":
+            return await self._forward(request, drip=rule.rate)
         if rule.action == "redirect":
             return web.Response(status=307, headers={"Location": rule.location.rstrip("/") + request.path_qs})
         if rule.action == "hang":
@@ -183,6 +190,7 @@ class FaultProxy:
         chunked: bool = False,
         remove: tuple[str, ...] = (),
         extra: dict[str, str] | None = None,
+        drip: float | None = None,
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -217,6 +225,24 @@ class FaultProxy:
                 await response.prepare(request)
                 for start in range(0, len(body), 1024):
                     await response.write(body[start : start + 1024])
+                await response.write_eof()
+                return response
+            if drip is not None and request.method != "HEAD" and body:
+                # Headers at once, then the body a byte at a time at `drip` bytes a second, until the
+                # client gives up (or the proxy closes): no read timeout ever fires on the client.
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                response.content_length = len(body)
+                await response.prepare(request)
+                for index in range(len(body)):
+                    try:
+                        await response.write(body[index : index + 1])
+                    except (ConnectionError, RuntimeError):
+                        return response
+                    try:
+                        await asyncio.wait_for(self.closing.wait(), 1 / drip)
+                    except TimeoutError:
+                        continue
+                    return response
                 await response.write_eof()
                 return response
             if request.method == "HEAD":

@@ -50,6 +50,7 @@ def fault_env(proxy: FaultProxy, **extra: str) -> dict[str, str]:
         "GPUBADGE_REGISTRIES": proxy.host,
         "GPUBADGE_WEBHOOK_SECRET": SECRET,
         "GPUBADGE_WORKERS": "4",
+        "GPUBADGE_PER_REGISTRY_SCANS": "4",  # one registry here: every image's scan in flight at once
         "GPUBADGE_LEASE_SECONDS": str(LEASE_SECONDS),
         "GPUBADGE_SQLITE_BUSY_TIMEOUT": "0.3",
         "GPUBADGE_HEALTH_TIMEOUT": "0.5",

@@ -83,9 +83,10 @@ def _log_webhook_doors(settings: ServiceSettings) -> None:
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, metrics = services.settings, services.metrics
-        client = RegistryClient(settings)
+        client = RegistryClient(settings, defer_retry_after=True)
         services.client = client
         metrics.count_registry_bytes(client.received_by_registry)
+        metrics.count_transfer_cutoffs(client.cutoffs_by_registry)
 
         def on_result(report: ImageReport) -> None:
             for host, remaining in client.rate_limits.items():

@@ -80,6 +80,9 @@ async def metrics(request: web.Request) -> web.Response:
         for state, count in depth.items():
             registry.queue.set(float(count), state)
         registry.oldest_queued.set(queue.oldest_ready_seconds or 0.0)
+    with contextlib.suppress(Exception):
+        loads = await asyncio.wait_for(services.store.registry_load(), services.settings.health_timeout)
+        registry.set_registry_load(loads)
     return web.Response(
         text=registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}
     )

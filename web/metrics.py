@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from store.models import RegistryLoad
+
 LabelValues = tuple[str, ...]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -230,12 +232,56 @@ class ServiceMetrics:
                 ["outcome"],
             )
         )
+        # Per-registry load, read from the store by the /metrics handler (every worker process's
+        # scans, not only this one's); a registry with nothing queued, running or gated drops out.
+        self._registry_load: list[RegistryLoad] = []
+        self.registry_in_flight = add(
+            Gauge(
+                "gpubadge_registry_scans_in_flight",
+                "Scans running against each registry now, every worker process counted.",
+                ["registry"],
+                collect=lambda: {(load.registry,): float(load.running) for load in self._registry_load},
+            )
+        )
+        self.registry_ready = add(
+            Gauge(
+                "gpubadge_registry_ready_jobs",
+                "Scan jobs ready to run, by registry (a registry at its cap or cooling down keeps them waiting).",
+                ["registry"],
+                collect=lambda: {(load.registry,): float(load.ready) for load in self._registry_load},
+            )
+        )
+        self.registry_cool_down = add(
+            Gauge(
+                "gpubadge_registry_cooldown_seconds",
+                "Seconds until a registry that answered 429/503 with Retry-After is asked again (0: open).",
+                ["registry"],
+                collect=lambda: {(load.registry,): load.cool_down_seconds for load in self._registry_load},
+            )
+        )
+        self.transfer_cutoffs = add(
+            Counter(
+                "gpubadge_registry_transfer_cutoffs_total",
+                "Manifest and blob reads cut off for falling below GPUBADGE_MIN_TRANSFER_RATE, by registry host.",
+                ["registry"],
+            )
+        )
 
     def count_registry_bytes(self, received_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running byte counts (read at scrape time, never copied)."""
         self.registry_bytes.collect_from(
             lambda: {(host,): float(count) for host, count in list(received_by_registry.items())}
         )
+
+    def count_transfer_cutoffs(self, cutoffs_by_registry: dict[str, int]) -> None:
+        """Serve the registry client's running counts of slow transfers cut off (read at scrape time)."""
+        self.transfer_cutoffs.collect_from(
+            lambda: {(host,): float(count) for host, count in list(cutoffs_by_registry.items())}
+        )
+
+    def set_registry_load(self, loads: list[RegistryLoad]) -> None:
+        """The store's per-registry picture, as the /metrics handler read it just now."""
+        self._registry_load = loads
 
     def render(self) -> str:
         return self.registry.render()

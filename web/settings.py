@@ -69,7 +69,12 @@ class ServiceSettings(ScannerSettings):
         default_factory=dict, description="per-agent tokens by server name"
     )
     workers: int = Field(default=8, description="scans run at once")
-    per_registry_scans: int = Field(default=8, description="scans run at once against one registry")
+    per_registry_scans: int | None = Field(
+        default=None,
+        ge=1,
+        description="scans run at once against one registry, across every worker; default half of workers"
+        " (at least 1), so one slow registry never holds every worker",
+    )
     max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
     retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
     coalesce_seconds: float = Field(

@@ -35,7 +35,7 @@ def worker_settings(settings: ServiceSettings) -> WorkerSettings:
     """The one mapping from service settings to worker settings (serve and worker share it)."""
     return WorkerSettings(
         concurrency=settings.workers,
-        per_registry=settings.per_registry_scans,
+        per_registry=settings.per_registry_scans or max(1, settings.workers // 2),
         backoff_base=settings.retry_backoff,
         lease_seconds=settings.lease_seconds,
     )
@@ -74,8 +74,9 @@ async def run_workers(
     store = open_service_store(settings)
     metrics = ServiceMetrics()
     try:
-        async with RegistryClient(settings) as client:
+        async with RegistryClient(settings, defer_retry_after=True) as client:
             metrics.count_registry_bytes(client.received_by_registry)
+            metrics.count_transfer_cutoffs(client.cutoffs_by_registry)
             static = (
                 parse_inventory(settings.inventory_file.read_text()).servers
                 if settings.inventory_file

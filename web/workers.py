@@ -12,6 +12,13 @@ writes for a while delays the work; it does not end it.
 
 Bursts coalesce twice: the store refuses a second active job for the same reference,
 and digest-only child events wait briefly, so the index job covers them first.
+
+One team's slow registry is that team's problem alone: claims are fair across registries
+(the store picks the registry with the fewest scans in flight, least recently claimed
+first), a registry never gets more than `per_registry` workers (by default half of them),
+a transfer slower than GPUBADGE_MIN_TRANSFER_RATE is cut off and retried with backoff, and
+a registry's Retry-After puts the job back with `not_before` and closes that registry's gate
+(`store.defer_job`) instead of a worker sleeping on it.
 """
 
 from __future__ import annotations
@@ -40,12 +47,13 @@ T = TypeVar("T")
 
 
 SATURATED_RECHECK = 1.0  # seconds; only a lost wake-up would need it
+MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After (even "0")
 
 
 @dataclass
 class WorkerSettings:
     concurrency: int = 4
-    per_registry: int = 4
+    per_registry: int = 2  # below `concurrency`, so one registry never holds every worker
     backoff_base: float = 1.0  # first retry of a failed scan
     backoff_max: float = 300.0
     idle_poll: float = 5.0  # re-check the queue this often with nothing to wake us
@@ -279,6 +287,24 @@ class ScanWorkers:
             self._wake.set()
 
     async def _record(self, job: Job, report: ImageReport) -> None:
+        failure = report.error or _platform_failure(report)
+        if failure is not None and report.retry_after is not None and report.retryable:
+            # The registry asked us to come back later: no attempt spent, no worker asleep on it,
+            # and none of its other jobs claimed before then; other registries go on meanwhile.
+            wait = max(MIN_DEFER, report.retry_after)
+
+            async def defer() -> bool:
+                return await self.store.defer_job(job.id, failure, retry_in=wait, owner=self.owner)
+
+            await self._write(defer, job)
+            log.warning(
+                "scan %s of %s: %s asked to wait; back in the queue for %.0f s, with its registry's other jobs",
+                job.id,
+                job.reference,
+                job.registry,
+                wait,
+            )
+            return
         if report.error is None and (broken := _platform_failure(report)) is not None:
             # The report is stored (its config facts stand), but a platform's layers could not be
             # read: the job fails with that error, and is retried when another try may pass.

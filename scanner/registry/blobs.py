@@ -7,7 +7,9 @@ most the rest of one range, not the socket buffers of a whole blob (several MiB 
 link), and the count of what was fetched is exact or an upper bound, never an under-count. A
 consumer that reads whole blobs (the deep scan) asks for the blob in one request.
 
-Bytes are counted as they are consumed (`bytes_read`) and as they are known to have been sent
+Every read is held to GPUBADGE_MIN_TRANSFER_RATE (`scanner.registry.transfer`): a registry
+that drips a blob is cut off with `SlowTransfer` instead of holding the scan for its whole
+budget. Bytes are counted as they are consumed (`bytes_read`) and as they are known to have been sent
 (`bytes_received`): when a read stops, the rest of the current range (or, without ranges,
 what already sat in aiohttp's buffer and the socket's receive queue) counts as received. The
 digest is checked when the last byte is read.
@@ -26,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from scanner.registry.errors import DigestMismatch, RegistryError, TransportError, describe_transport_error
+from scanner.registry.transfer import TransferGuard
 
 FIRST_RANGE = 1 << 20
 RANGE_GROWTH = 4
@@ -60,8 +63,11 @@ class BlobStream:
         what: str,
         timeout: float,
         received: Callable[[int], None],
+        guard: Callable[[], TransferGuard] | None = None,
     ) -> None:
         self._open_range = open_range
+        self._make_guard = guard  # built once the first range has chosen its host
+        self._guard: TransferGuard | None = None
         self._received = received
         self._expected = digest
         self._hasher = hashlib.new(digest.split(":", 1)[0])
@@ -117,6 +123,9 @@ class BlobStream:
             if self._response is None:
                 await self._next_response()
             assert self._response is not None
+            if self._guard is None and self._make_guard is not None:
+                self._guard = self._make_guard()
+            since = self._guard.clock() if self._guard is not None else 0.0
             try:
                 chunk: bytes = await self._iterator.__anext__()  # type: ignore[attr-defined]
             except StopAsyncIteration:
@@ -131,11 +140,16 @@ class BlobStream:
                 self.verified = True
                 raise
             except (aiohttp.ClientError, TimeoutError) as exc:
+                slow = self._guard.timed_out() if self._guard and isinstance(exc, TimeoutError) else None
+                if slow is not None:
+                    raise slow from None
                 message, retryable = describe_transport_error(exc, self._timeout, url=str(self._response.url))
                 raise TransportError(f"{self._what}: {message}", retryable=retryable) from None
             self.bytes_received += len(chunk)
             self._response_received += len(chunk)
             self._received(len(chunk))
+            if self._guard is not None:
+                self._guard.received(since, len(chunk))  # raises SlowTransfer below the rate floor
             if self._skip:
                 dropped = min(self._skip, len(chunk))
                 self._skip -= dropped

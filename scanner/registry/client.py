@@ -6,6 +6,8 @@ What it guarantees, so callers need not think about it:
 - tokens come lazily from the 401 challenge (no `/v2/` ping) and are cached per scope;
 - redirects are followed here, and Authorization never crosses to another host;
 - 5xx, resets and timeouts are retried with backoff and jitter, 429 honours Retry-After;
+- a read slower than `min_transfer_rate` over `min_transfer_window` is cut off (`transfer`),
+  and with `defer_retry_after` a Retry-After is raised at once and remembered per host;
 - plain HTTP only to loopback or to registries configured `insecure`;
 - every request is counted per logical scan (`with client.track() as stats`).
 Errors are `RegistryError`s whose text names the host and object, never a secret.
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -67,6 +70,7 @@ from scanner.registry.errors import (
 from scanner.registry.reference import DOCKER_HUB_API, Reference, ReferenceError, is_loopback, validate_digest
 from scanner.registry.retry import RETRYABLE_STATUSES, RetryPolicy, parse_rate_limit, parse_retry_after
 from scanner.registry.stats import RequestStats, count, track
+from scanner.registry.transfer import TransferGuard
 from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)
@@ -81,7 +85,12 @@ RequestHook = Callable[[str, int | None, str | None], None]
 
 
 class RegistryClient:
-    """Async client for OCI registries. Use as `async with RegistryClient(settings) as client:`."""
+    """Async client for OCI registries. Use as `async with RegistryClient(settings) as client:`.
+
+    `defer_retry_after` (the service's workers): a Retry-After is never slept on; it is raised
+    at once, and the host stays cooling down in this client until then (`cool_down_left`), so
+    the job goes back to the queue and the worker takes another registry's job.
+    """
 
     def __init__(
         self,
@@ -89,6 +98,7 @@ class RegistryClient:
         *,
         on_request: RequestHook | None = None,
         credentials: CredentialStore | None = None,
+        defer_retry_after: bool = False,
     ) -> None:
         self.settings = settings or ScannerSettings()
         self.on_request = on_request
@@ -96,7 +106,12 @@ class RegistryClient:
         self.rate_limit_limits: dict[str, int] = {}
         self.totals = RequestStats()
         self.received_by_registry: dict[str, int] = {}  # bytes received, by registry, since start
-        self._retry = RetryPolicy(self.settings, self.totals)
+        self.cutoffs_by_registry: dict[str, int] = {}  # transfers cut off as too slow, by host
+        self.defer_retry_after = defer_retry_after
+        self._cool_until: dict[str, float] = {}  # host -> time.monotonic() its Retry-After ends
+        self._retry = RetryPolicy(
+            self.settings, self.totals, defer_retry_after=defer_retry_after, on_retry_after=self._cool_down
+        )
         self._credentials = credentials or CredentialStore(self.settings)
         self._session: aiohttp.ClientSession | None = None
         self._semaphores: dict[str, asyncio.Semaphore] = {}
@@ -122,6 +137,29 @@ class RegistryClient:
     def _received(self, registry: str, amount: int) -> None:
         count(self.totals, bytes_received=amount)
         self.received_by_registry[registry] = self.received_by_registry.get(registry, 0) + amount
+
+    def _cool_down(self, host: str, seconds: float) -> None:
+        """`host` answered with a Retry-After: remember when it ends (the later end wins)."""
+        until = time.monotonic() + seconds
+        self._cool_until[host] = max(until, self._cool_until.get(host, 0.0))
+
+    def cool_down_left(self, host: str) -> float:
+        """Seconds until `host`'s last Retry-After ends; 0 when it asked for none or it passed."""
+        return max(0.0, self._cool_until.get(host, 0.0) - time.monotonic())
+
+    def _guard(self, host: str, what: str) -> TransferGuard:
+        """The rate floor for one transfer from `host` (GPUBADGE_MIN_TRANSFER_RATE)."""
+
+        def cut_off() -> None:
+            self.cutoffs_by_registry[host] = self.cutoffs_by_registry.get(host, 0) + 1
+
+        return TransferGuard(
+            self.settings.min_transfer_rate,
+            self.settings.min_transfer_window,
+            what=what,
+            host=host,
+            on_cutoff=cut_off,
+        )
 
     def track(self) -> contextlib.AbstractContextManager[RequestStats]:
         """Count requests made in this context (and tasks started from it); nests and is task-safe."""
@@ -310,6 +348,7 @@ class RegistryClient:
             what=what,
             timeout=self.settings.request_timeout,
             received=lambda amount: self._received(chosen[0] if chosen else ref.api_host, amount),
+            guard=lambda: self._guard(chosen[0] if chosen else ref.api_host, what),
         )
         try:
             await stream.start()
@@ -403,6 +442,13 @@ class RegistryClient:
     ) -> aiohttp.ClientResponse:
         """A successful (2xx) response, after at most one challenge round; errors are mapped."""
         url = f"{self._scheme(host)}://{host}{path}"
+        left = self.cool_down_left(host) if self.defer_retry_after else 0.0
+        if left > 0:  # asking again before its Retry-After ends would only earn another 429
+            raise RateLimited(
+                f"{method} {host}{path}: {host} asked to wait (Retry-After), {left:.0f} s left",
+                retry_after=left,
+                host=host,
+            )
         answered_challenge = False
         while True:
             authorization = await self._authorization(host, repository)
@@ -441,10 +487,13 @@ class RegistryClient:
             credentials = await self._credentials.get(host)
             hint = f" with credentials from {credentials.source}" if credentials else " anonymously"
             raise Unauthorized(f"{what}: access denied ({status}){hint}{codes}", host=host, status=status)
-        if status == 429:
-            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        if status == 429 or (status == 503 and retry_after is not None):
+            # A 503 with Retry-After says the same as a 429: come back then, not sooner.
+            words = "rate limited" if status == 429 else "unavailable"
+            after = "" if retry_after is None else f", retry after {retry_after:.0f} s"
             raise RateLimited(
-                f"{what}: rate limited (429){codes}", retry_after=retry_after, host=host, status=status
+                f"{what}: {words} ({status}{after}){codes}", retry_after=retry_after, host=host, status=status
             )
         if status in RETRYABLE_STATUSES or status >= 500:
             raise ServerError(f"{what}: server error {status}{codes}", host=host, status=status)
@@ -456,12 +505,23 @@ class RegistryClient:
         if declared is not None and declared > limit:
             raise TooLarge(f"{what} is {declared} bytes, over the {limit}-byte limit")
         buffer = bytearray()
-        async for chunk in response.content.iter_chunked(65536):
-            buffer += chunk
-            self._received(host, len(chunk))
-            if len(buffer) > limit:
-                raise TooLarge(f"{what} exceeds the {limit}-byte limit")
-        return bytes(buffer)
+        guard = self._guard(host, what)
+        try:
+            while True:
+                since = guard.clock()
+                chunk = await response.content.read(65536)
+                if not chunk:
+                    return bytes(buffer)
+                buffer += chunk
+                self._received(host, len(chunk))
+                guard.received(since, len(chunk))
+                if len(buffer) > limit:
+                    raise TooLarge(f"{what} exceeds the {limit}-byte limit")
+        except TimeoutError:
+            slow = guard.timed_out()  # the request's own timeout, on a body that came too slowly
+            if slow is None:
+                raise
+            raise slow from None
 
     # --- auth ----------------------------------------------------------------------------------
 
@@ -577,6 +637,13 @@ class RegistryClient:
                     source = credentials.source if credentials else "none (anonymous)"
                     raise Unauthorized(
                         f"{what}: refused ({response.status}); credentials from {source}", host=host
+                    )
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
+                if response.status in (429, 503) and retry_after is not None:
+                    raise RateLimited(
+                        f"{what}: status {response.status}, retry after {retry_after:.0f} s",
+                        retry_after=retry_after,
+                        host=host,
                     )
                 if response.status == 429 or response.status >= 500:
                     raise ServerError(f"{what}: status {response.status}", host=host)

@@ -76,6 +76,14 @@ class TransportError(RegistryError):
     default_retryable = True
 
 
+class SlowTransfer(TransportError):
+    """A transfer fell below GPUBADGE_MIN_TRANSFER_RATE and was cut off.
+
+    Retryable, but by the job queue with its backoff, never at once inside the same scan: a
+    registry that drips bytes would otherwise hold a worker through every retry.
+    """
+
+
 class ServerError(RegistryError):
     """The registry answered 5xx (or 408)."""
 

@@ -1,9 +1,12 @@
 """When and how long to wait before asking a registry again. Pure but for the sleep.
 
 What may pass on a second try is retried with exponential backoff and jitter: 5xx and 408,
-connection resets, timeouts, and 429. A 429's Retry-After is honoured up to
+connection resets, timeouts, and 429. A 429's (or 503's) Retry-After is honoured up to
 `retry_after_max`; a longer one is raised at once, so the caller can put the work back
-instead of holding a worker asleep.
+instead of holding a worker asleep. With `defer_retry_after` (the service's workers) every
+Retry-After is raised at once: the job goes back to the queue with `not_before` and the
+registry's gate closes, instead of a worker sleeping on it. A transfer cut off for being too
+slow (`SlowTransfer`) is never retried here either: the job queue retries it with its backoff.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TypeVar
 
 import aiohttp
 
-from scanner.registry.errors import RateLimited, RegistryError, transport_error
+from scanner.registry.errors import RateLimited, RegistryError, SlowTransfer, transport_error
 from scanner.registry.stats import RequestStats, count
 from scanner.settings import ScannerSettings
 
@@ -52,9 +55,18 @@ def parse_rate_limit(value: str | None) -> int | None:
 class RetryPolicy:
     """Runs one registry operation with the retries `settings` allow; counts each retry in `totals`."""
 
-    def __init__(self, settings: ScannerSettings, totals: RequestStats) -> None:
+    def __init__(
+        self,
+        settings: ScannerSettings,
+        totals: RequestStats,
+        *,
+        defer_retry_after: bool = False,
+        on_retry_after: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.totals = totals
+        self.defer_retry_after = defer_retry_after
+        self.on_retry_after = on_retry_after  # (host, seconds): a registry asked us to wait
 
     def backoff(self, attempt: int) -> float:
         delay = min(self.settings.backoff_max, self.settings.backoff_base * (2.0**attempt))
@@ -72,11 +84,14 @@ class RetryPolicy:
                     raise error from None
                 delay = self.backoff(attempt)
             except RegistryError as exc:
-                if not exc.retryable or attempt == attempts - 1:
+                waited = exc.retry_after if isinstance(exc, RateLimited) else None
+                if waited is not None and host is not None and self.on_retry_after is not None:
+                    self.on_retry_after(host, waited)
+                if not exc.retryable or attempt == attempts - 1 or isinstance(exc, SlowTransfer):
                     raise
                 delay = self.backoff(attempt)
                 if isinstance(exc, RateLimited) and exc.retry_after is not None:
-                    if exc.retry_after > self.settings.retry_after_max:
+                    if self.defer_retry_after or exc.retry_after > self.settings.retry_after_max:
                         raise
                     delay = exc.retry_after
             count(self.totals, retries=1)
