@@ -35,7 +35,8 @@ RUN if [ -n "$WHEELHOUSE" ]; then \
     && /opt/gpubadge/bin/gpubadge --help >/dev/null
 
 FROM ${BASE}
-RUN useradd --system --uid 999 --user-group --home-dir /data --no-create-home --shell /usr/sbin/nologin gpubadge \
+RUN groupadd --system --gid 999 gpubadge \
+    && useradd --system --uid 999 --gid 999 --home-dir /data --no-create-home --shell /usr/sbin/nologin gpubadge \
     && mkdir -p /data && chown 999:999 /data && chmod 0750 /data
 # The venv alone: no wheels, no pip, no pip cache, no compiler (its python3 is the base's).
 COPY --from=build /opt/gpubadge /opt/gpubadge
