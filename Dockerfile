@@ -32,7 +32,10 @@ RUN if [ -n "$WHEELHOUSE" ]; then \
          && /opt/gpubadge/bin/pip install --no-cache-dir . \
          && /opt/gpubadge/bin/python3 -m pip uninstall --yes --quiet pip setuptools; \
        fi \
-    && /opt/gpubadge/bin/gpubadge --help >/dev/null
+    && /opt/gpubadge/bin/gpubadge --help >/dev/null \
+    # zstandard ships two backends; CPython imports the C one, the CFFI one (12 MB) is PyPy's fallback
+    && rm -f /opt/gpubadge/lib/python3*/site-packages/zstandard/_cffi.*.so \
+    && /opt/gpubadge/bin/python3 -c "import zstandard; assert zstandard.backend == 'cext', zstandard.backend"
 
 FROM ${BASE}
 RUN groupadd --system --gid 999 gpubadge \
