@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -122,7 +123,7 @@ def built(docker_cli: Docker) -> Built:
     """`make image-airgapped` exactly as documented, against the private daemon (DOCKER_HOST)."""
     started = time.monotonic()
     done = subprocess.run(
-        ["make", "--no-print-directory", "image-airgapped", f"IMAGE={IMAGE}"],
+        ["make", "--no-print-directory", "image-airgapped", f"IMAGE={IMAGE}", f"PYTHON={sys.executable}"],
         cwd=REPO_ROOT,
         env={**os.environ, "DOCKER_HOST": docker_cli.daemon.host},
         capture_output=True,
