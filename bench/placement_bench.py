@@ -39,7 +39,7 @@ from placement.decide import FleetIndex, ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
-from store import SqliteStore
+from store import SqliteStore, queries
 
 # (GPU, brand, MiB, CC, GPUs per server, CPUs, memory GiB): a SKU fixes the box, as in real fleets.
 SKUS = [
@@ -175,8 +175,8 @@ def over_http(
     db = workdir / "bench.db"
     store = SqliteStore(db)
     report = gpu_report()
-    store.save_report(report)
-    store.record_tag(REGISTRY, REPOSITORY, TAG, report.digest or "")
+    store.run(queries.save_report, report)
+    store.run(queries.record_tag, REGISTRY, REPOSITORY, TAG, report.digest or "")
     store.close()
     port = free_port()
     env = {

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
+from store import queries
 from web.app import create_app
 from web.settings import ServiceSettings
 
@@ -55,7 +56,8 @@ def fill(path: Path, count: int) -> None:
             badges=["nvidia-gpu"] if gpu else [],
         )
         repository = f"team{number % 50}/app{number}"
-        store.save_report(
+        store.run(
+            queries.save_report,
             ImageReport(
                 reference=f"{registry}/{repository}:latest",
                 digest=digest,
@@ -64,9 +66,9 @@ def fill(path: Path, count: int) -> None:
                 tag="latest",
                 platforms=[platform],
                 scanned_at=start + timedelta(seconds=number),
-            )
+            ),
         )
-        store.record_tag(registry, repository, "latest", digest)
+        store.run(queries.record_tag, registry, repository, "latest", digest)
     store.close()
 
 

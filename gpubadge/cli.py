@@ -184,7 +184,7 @@ def run_scan(args: argparse.Namespace) -> int:
     async def run() -> list[ImageReport]:
         try:
             async with RegistryClient(settings) as client:
-                scanner = Scanner(client, store, settings)
+                scanner = Scanner(client, store.scan_cache if store else None, settings)
 
                 def done(_: int, report: ImageReport) -> None:
                     if args.json:

@@ -1,8 +1,9 @@
 """What a scan needs from storage, as an async protocol the store satisfies.
 
-The scanner reuses stored reports by digest, remembers tags, and shares each layer's
-evidence across images. It asks for those through this protocol, so scanner/ never
-imports the store (or any SQL), and every call is awaited off the event loop.
+The scanner reuses stored reports by digest, remembers tags (and skips the HEAD for a tag
+never seen), and shares each layer's evidence across images. It asks for those through this
+protocol, so scanner/ never imports the store (or any SQL), and every call is awaited off the
+event loop.
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ class ScanCache(Protocol):
 
     async def platform_report(self, digest: str) -> PlatformReport | None: ...
 
-    async def save_report(self, report: ImageReport) -> None: ...
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        """`report(digest)` and `platform_report(digest)` in one read."""
+        ...
+
+    async def save_report(self, report: ImageReport) -> None:
+        """Store the report and, when it names a tag, remember that the tag points at its digest:
+        one write, committed before this returns."""
+        ...
 
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None: ...
+
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None: ...
 
     async def layer_evidence(self, digest: str) -> str | None: ...
 

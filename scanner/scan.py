@@ -2,7 +2,8 @@
 
 This is the only place that combines I/O with the pure cores, in two phases:
 
-1. **Config facts.** HEAD (a stored digest costs nothing more), the manifest, and for every
+1. **Config facts.** HEAD for a tag the store has seen (a stored digest then costs nothing
+   more; a tag never seen is fetched at once), the manifest, and for every
    platform its manifest and config: GPU signals, requirements, environment, platform. With
    `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
    multi-GB image shows within moments of its push, while its layers are still being read.
@@ -236,10 +237,22 @@ class Scanner:
             # Nothing stored to reuse, so a HEAD would be one request for nothing: GET by tag.
             manifest = await self.client.manifest(reference)
             return await self._scan_manifest(reference, manifest, None, options, run)
+        fetched: Manifest | None = None
+        if (
+            digest is None
+            and self.store is not None
+            and reference.tag
+            and await self.store.resolve_tag(reference.registry, reference.repository, reference.tag) is None
+        ):
+            # A tag the store has not seen: it is scanned whatever its digest turns out to be (or
+            # its stored report reused), so a HEAD would only precede the GET: GET by tag.
+            fetched = await self.client.manifest(reference)
+            digest = fetched.digest
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
-        stored = await self.store.report(digest) if self.store else None
+        # one read: the digest stored as an image, and as one platform of an index
+        stored, as_platform = await self.store.stored(digest) if self.store else (None, None)
         if stored is not None and _reusable(stored, options):
             await self._remember_tag(reference, digest)
             reused = stored.model_copy(
@@ -248,7 +261,7 @@ class Scanner:
             return _filter_platforms(reused, options.platform)
 
         policy = await self._policy()
-        child = await self._stored_platform(digest, options, policy, None, accept_pending=True)
+        child = self._usable_platform(as_platform, options, policy, None, accept_pending=True)
         if child is not None:
             # A platform of an index already scanned, or being scanned now (the child events of a
             # multi-arch push): its index's scan gives the answer; reading it again would only repeat it.
@@ -262,7 +275,7 @@ class Scanner:
                 cached=True,
                 pending=child.libc.state == "pending",
             )
-        manifest = await self.client.manifest(reference, digest)
+        manifest = fetched or await self.client.manifest(reference, digest)
         return await self._scan_manifest(reference, manifest, media_type, options, run, policy)
 
     async def _scan_manifest(
@@ -317,10 +330,9 @@ class Scanner:
         return report
 
     async def _save(self, reference: Reference, report: ImageReport) -> None:
-        """Remember the tag, then store the report: storing it wakes the long polls on the tag,
-        which must then find the tag pointing at the report."""
-        assert self.store is not None and report.digest is not None
-        await self._remember_tag(reference, report.digest)
+        """Store the report; the store remembers its tag in the same write, so the long polls that
+        storing it wakes find the tag pointing at it."""
+        assert self.store is not None and report.digest is not None and report.tag == reference.tag
         await self.store.save_report(report)
 
     async def _stored_platform(
@@ -342,7 +354,19 @@ class Scanner:
         if self.store is None or options.force:
             return None
         stored = await self.store.platform_report(digest)
-        if stored is None or stored.error:
+        return self._usable_platform(stored, options, policy, platform, accept_pending=accept_pending)
+
+    @staticmethod
+    def _usable_platform(
+        stored: PlatformReport | None,
+        options: ScanOptions,
+        policy: PlatformPolicy,
+        platform: Platform | None,
+        *,
+        accept_pending: bool = False,
+    ) -> PlatformReport | None:
+        """`stored` when it answers `options` (see `_stored_platform`), else None."""
+        if stored is None or stored.error or options.force:
             return None
         if stored.libc.state == "pending":
             return stored if accept_pending else None

@@ -1,9 +1,12 @@
-"""The store as the event loop sees it: every call async, every query in a thread.
+"""The store as the event loop sees it: one typed hop off the loop, plus what adds behaviour.
 
-A locked or slow database then delays only the requests that need it; the loop keeps
-serving everything else. The pool is bounded (`threads`). The health check and webhook
-intake each have a thread of their own: a pool full of calls stuck behind a lock cannot
-hide that lock from /healthz, and a webhook's 202 never waits for a pool thread.
+`run(query, ...)` runs any of `store.queries` (or a backend's own engine-specific method) in a
+thread, as datasette's `execute_fn` does: a locked or slow database then delays only the requests
+that need it; the loop keeps serving everything else. The pool is bounded (`threads`). The
+health check and webhook intake each have a thread of their own: a pool full of calls stuck
+behind a lock cannot hide that lock from /healthz, and a webhook's 202 never waits for a pool
+thread. The methods kept here add something to the hop: events fired after a commit, the
+health check's sharing and deadline, and the group commit of scan results (`scan_cache`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, overload
 
 from scanner.models import ImageReport, PlatformReport
+from store import queries
 from store.backend import StoreBackend
+from store.dialect import Query
 from store.events import (
     FLEET_CHANNEL,
     FLEET_INVENTORY,
@@ -31,21 +35,102 @@ from store.events import (
     QueueEvents,
 )
 from store.models import (
-    DeploymentRecord,
     EnqueueBatch,
-    ImageRow,
     Job,
     JobState,
     LeaseExpiry,
-    QueueHealth,
-    RegistryLoad,
-    ServerRecord,
     StoreUnavailable,
-    TagEvent,
 )
+from store.queries.reports import TagSeen
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class StoreScanCache:
+    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes group-committed.
+
+    Concurrent scans each await their own tag and report writes, and each write returns only
+    after its commit (the same durability as one transaction per write). While one batch
+    commits, the writes that arrive meanwhile gather, and the next batch takes them all in one
+    transaction (`queries.save_scan_results`): one thread hop, one commit and one prepared
+    statement per kind for the batch, however many scans wrote. A batch that fails fails every
+    write in it, each caller with the store's own error.
+    """
+
+    def __init__(self, store: AsyncStore) -> None:
+        self._store = store
+        self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
+        self._draining: asyncio.Task[None] | None = None
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    async def report(self, digest: str) -> ImageReport | None:
+        return await self._store.run(queries.report, digest)
+
+    async def platform_report(self, digest: str) -> PlatformReport | None:
+        return await self._store.run(queries.platform_report, digest)
+
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        return await self._store.run(queries.stored, digest)
+
+    async def layer_evidence(self, digest: str) -> str | None:
+        return await self._store.run(queries.layer_evidence, digest)
+
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
+
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        await self._write(TagSeen(registry, repository, tag, digest))
+
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        return await self._store.run(queries.resolve_tag, registry, repository, tag)
+
+    async def save_report(self, report: ImageReport) -> None:
+        """Store a report (also a pending one) and the tag it was scanned by, in one transaction;
+        then wake the long polls on its reference (they find the tag pointing at the report)."""
+        if report.error is not None or report.digest is None:
+            raise ValueError("only successful reports are stored")  # before it can fail a batch
+        if report.registry and report.repository and report.tag:
+            await self._write(TagSeen(report.registry, report.repository, report.tag, report.digest), report)
+        else:
+            await self._write(report)
+        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
+
+    async def _write(self, *writes: TagSeen | ImageReport) -> None:
+        """Queue `writes` (they go in the same batch) and wait for their commit."""
+        loop = asyncio.get_running_loop()
+        done: list[asyncio.Future[None]] = []
+        for write in writes:
+            done.append(loop.create_future())
+            self._pending.append((write, done[-1]))
+        if self._draining is None or self._draining.done():
+            self._draining = loop.create_task(self._drain())
+        for outcome in await asyncio.gather(*done, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome  # the same error for each write of a failed batch
+
+    async def _drain(self) -> None:
+        """Commit what has gathered, batch after batch, until nothing waits."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await self._store.run(queries.save_scan_results, [write for write, _ in batch])
+            except Exception as exc:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+            except BaseException:  # cancelled (the loop is closing): no writer waits forever
+                for _, done in [*batch, *self._pending]:
+                    done.cancel()
+                self._pending = []
+                raise
+            else:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
 
 
 class AsyncStore:
@@ -59,14 +144,29 @@ class AsyncStore:
         self._health_check: tuple[float, Future[None]] | None = None
         self.events = QueueEvents()
         self._stop_listening: Callable[[], None] | None = None
+        self.scan_cache = StoreScanCache(self)
 
     @property
     def backend(self) -> StoreBackend:
         return self._backend
 
-    async def _call(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(function, *args, **kwargs))
+    @overload
+    async def run(self, function: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    @overload
+    async def run(self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    async def run(self, function: object, /, *args: object, **kwargs: object) -> object:
+        """Run a query of `store.queries` (through the backend's `run`: a read, or a write in one
+        transaction), or one of the backend's own engine-specific methods
+        (`store.run(store.backend.jobs, limit=5)`), in the store's thread pool: the event loop
+        only waits. The one way off the loop for a call that adds nothing else."""
+        if isinstance(function, Query):
+            call = functools.partial(self._backend.run, function, *args, **kwargs)
+        else:
+            assert callable(function)
+            call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def close(self) -> None:
         """Wait for calls in flight, then close the backend's connections."""
@@ -103,6 +203,8 @@ class AsyncStore:
             return str(exc)
         return None
 
+    # ------------------------------------------------------------ writes that wake others
+
     async def enqueue(
         self,
         references: Sequence[tuple[str, str] | tuple[str, str, float]],
@@ -115,74 +217,6 @@ class AsyncStore:
         batch = EnqueueBatch(references, source, max_attempts, delay)
         return (await self.enqueue_many([batch]))[0]
 
-    async def queue_health(self) -> QueueHealth:
-        return await self._call(self._backend.queue_health)
-
-    async def save_report(self, report: ImageReport) -> None:
-        """Store a report (also a pending one) and wake the long polls on its reference."""
-        await self._call(self._backend.save_report, report)
-        self._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
-
-    async def report(self, digest: str) -> ImageReport | None:
-        return await self._call(self._backend.report, digest)
-
-    async def has_report(self, digest: str) -> bool:
-        return await self._call(self._backend.has_report, digest)
-
-    async def platform_report(self, digest: str) -> PlatformReport | None:
-        return await self._call(self._backend.platform_report, digest)
-
-    async def list_images(
-        self,
-        *,
-        gpu: bool | None = None,
-        libc: str | None = None,
-        cuda: str | None = None,
-        registry: str | None = None,
-        query: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-        inferred: bool | None = None,
-    ) -> tuple[list[ImageRow], int]:
-        return await self._call(
-            self._backend.list_images,
-            gpu=gpu,
-            libc=libc,
-            cuda=cuda,
-            registry=registry,
-            query=query,
-            limit=limit,
-            offset=offset,
-            inferred=inferred,
-        )
-
-    async def registries(self) -> list[str]:
-        return await self._call(self._backend.registries)
-
-    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
-        return await self._call(self._backend.record_tag, registry, repository, tag, digest)
-
-    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
-        return await self._call(self._backend.resolve_tag, registry, repository, tag)
-
-    async def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
-        return await self._call(self._backend.tag_history, registry, repository)
-
-    async def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
-        return await self._call(self._backend.tags_for_digest, digest)
-
-    async def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
-        return await self._call(self._backend.mark_gone, registry, repository, tag=tag, digest=digest)
-
-    async def is_gone(self, registry: str, repository: str, digest: str) -> bool:
-        return await self._call(self._backend.is_gone, registry, repository, digest)
-
-    async def layer_evidence(self, digest: str) -> str | None:
-        return await self._call(self._backend.layer_evidence, digest)
-
-    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        return await self._call(self._backend.save_layer_evidence, digest, evidence_json)
-
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Webhook intake: its own thread, so it never queues behind scan writes for a pool thread."""
         loop = asyncio.get_running_loop()
@@ -190,49 +224,32 @@ class AsyncStore:
         self._fire_local(QUEUED)
         return ids
 
-    async def claim_jobs(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
-    ) -> list[Job]:
-        return await self._call(
-            self._backend.claim_jobs,
-            limit,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            per_registry=per_registry,
-        )
-
-    async def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
-        return await self._call(self._backend.renew_leases, owner, job_ids, lease_seconds)
-
     async def expire_leases(self) -> list[LeaseExpiry]:
-        expired = await self._call(self._backend.expire_leases)
+        expired = await self.run(self._backend.expire_leases)
         if expired:
             self._fire_local(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
         return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
-        released = await self._call(self._backend.release_leases, owners, refund_attempt=refund_attempt)
+        released = await self.run(self._backend.release_leases, owners, refund_attempt=refund_attempt)
         if released:
             self._fire_local(QUEUED)
         return released
 
-    async def lease_owners(self) -> list[str]:
-        return await self._call(self._backend.lease_owners)
-
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        finished = await self._call(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        finished = await self.run(self._backend.finish_job, job_id, digest=digest, owner=owner)
         self._fire_local(SETTLED)
         return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
-        state = await self._call(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
+        state = await self.run(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
         self._fire_local(QUEUED if state == "queued" else SETTLED)
         return state
 
     async def retry_job(self, job_id: str) -> Job | None:
-        job = await self._call(self._backend.retry_job, job_id)
+        job = await self.run(self._backend.retry_job, job_id)
         if job is not None and job.state == "queued":
             self._fire_local(QUEUED)
         return job
@@ -278,82 +295,14 @@ class AsyncStore:
         """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
 
         async def settled() -> bool:
-            job = await self.job(job_id)
+            job = await self.run(self._backend.job, job_id)
             return job is None or job.state in ("done", "failed")
 
         await self.wait_until(settled, timeout, key=job_id)
-        return await self.job(job_id)
-
-    async def job(self, job_id: str) -> Job | None:
-        return await self._call(self._backend.job, job_id)
-
-    async def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
-        return await self._call(self._backend.jobs, states=states, limit=limit)
-
-    async def pending_job_for(self, reference: str) -> Job | None:
-        return await self._call(self._backend.pending_job_for, reference)
-
-    async def latest_job_for(self, reference: str) -> Job | None:
-        return await self._call(self._backend.latest_job_for, reference)
-
-    async def queue_depth(self) -> dict[str, int]:
-        return await self._call(self._backend.queue_depth)
-
-    async def next_job_due(self) -> datetime | None:
-        return await self._call(self._backend.next_job_due)
-
-    async def upsert_server(self, name: str, inventory_json: str) -> None:
-        return await self._call(self._backend.upsert_server, name, inventory_json)
-
-    async def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
-        return await self._call(self._backend.heartbeat, name, inventory_json)
-
-    async def servers(self) -> list[ServerRecord]:
-        return await self._call(self._backend.servers)
-
-    async def server_inventory(self, name: str) -> str | None:
-        return await self._call(self._backend.server_inventory, name)
-
-    async def reserved_gpus(self) -> dict[str, str]:
-        return await self._call(self._backend.reserved_gpus)
-
-    async def create_deployment(
-        self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
-    ) -> None:
-        return await self._call(self._backend.create_deployment, deployment_id, server, gpus, record_json)
-
-    async def deployment(self, deployment_id: str) -> DeploymentRecord | None:
-        return await self._call(self._backend.deployment, deployment_id)
-
-    async def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
-        return await self._call(self._backend.deployments, server=server, limit=limit)
-
-    async def update_deployment(
-        self,
-        deployment_id: str,
-        record_json: str,
-        *,
-        state: str,
-        desired: str | None = None,
-        release: bool = False,
-    ) -> None:
-        return await self._call(
-            self._backend.update_deployment,
-            deployment_id,
-            record_json,
-            state=state,
-            desired=desired,
-            release=release,
-        )
-
-    async def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
-        return await self._call(self._backend.actionable_deployments, server)
+        return await self.run(self._backend.job, job_id)
 
     async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
         """Put a job back after its registry's Retry-After and close that registry's gate until then."""
-        deferred = await self._call(self._backend.defer_job, job_id, error, retry_in=retry_in, owner=owner)
+        deferred = await self.run(self._backend.defer_job, job_id, error, retry_in=retry_in, owner=owner)
         self._fire_local(QUEUED)
         return deferred
-
-    async def registry_load(self) -> list[RegistryLoad]:
-        return await self._call(self._backend.registry_load)

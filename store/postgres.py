@@ -1,6 +1,7 @@
 """The PostgreSQL backend: the store shared by many API and worker processes.
 
-Same methods, same records as `store.sqlite.SqliteStore`; what changes is how
+Same contract, same records as `store.sqlite.SqliteStore`; the queries both share are
+written once in `store.queries` and run here through `run`. What stays here is how
 concurrency is made safe when the writers are separate processes on separate
 machines:
 
@@ -38,25 +39,19 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from scanner.facts.badges import libc_label
-from scanner.models import ImageReport, PlatformReport
-from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL, REPORTED_JOB
+from store.dialect import POSTGRES, Db, P, Query, T
+from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import latest_version, migrations
 from store.models import (
-    JOB_STATES,
-    DeploymentRecord,
     EnqueueBatch,
     GpuTaken,
-    ImageRow,
     Job,
     JobState,
     LeaseExpiry,
     QueueHealth,
     RegistryLoad,
-    ServerRecord,
     StoreUnavailable,
-    TagEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -85,13 +80,6 @@ def _job(row: Sequence[Any]) -> Job:
         values[index] = _iso(values[index])
     return Job(*values)
 
-
-# Exact totals up to this many matching images; beyond, the planner's estimate (see `_count`).
-EXACT_COUNT_LIMIT = 10_000
-# The text `q` searches: one expression, so one trigram index serves it (migration 0003).
-_SEARCH_TEXT = (
-    "(r.repository || chr(31) || r.reference || chr(31) || r.digest || chr(31) || coalesce(r.distro, ''))"
-)
 
 _JOB_COLUMNS = (
     "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
@@ -225,297 +213,13 @@ class PostgresStore:
             running=int(row[3]),
         )
 
-    # ---------------------------------------------------------------- reports
+    # ---------------------------------------------------------------- queries
 
-    def save_report(self, report: ImageReport) -> None:
-        """Store a successful report under its manifest digest, and each platform under its own."""
-        if report.error is not None or report.digest is None:
-            raise ValueError("only successful reports are stored")
-        platforms = report.platforms
-        row = {
-            "digest": report.digest,
-            "registry": report.registry or "",
-            "repository": report.repository or "",
-            "reference": report.reference,
-            "media_type": report.media_type,
-            "gpu_required": any(p.gpu.required for p in platforms),
-            "cuda_versions": sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version}),
-            "libc_flavours": sorted({libc_label(p.libc) for p in platforms}),
-            "platforms": [p.platform for p in platforms],
-            "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
-            "scanned_at": report.scanned_at,
-            "report": report.model_dump_json(),
-        }
+    def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run one of `store.queries` (or any `Query`) on one pooled connection, in one transaction
+        (READ COMMITTED: a read never waits for writers)."""
         with self._transaction() as conn:
-            conn.execute(
-                "INSERT INTO reports (digest, registry, repository, reference, media_type, gpu_required,"
-                " cuda_versions, libc_flavours, platforms, distro, scanned_at, report)"
-                " VALUES (%(digest)s, %(registry)s, %(repository)s, %(reference)s, %(media_type)s,"
-                " %(gpu_required)s, %(cuda_versions)s, %(libc_flavours)s, %(platforms)s, %(distro)s,"
-                " %(scanned_at)s, %(report)s)"
-                " ON CONFLICT (digest) DO UPDATE SET registry = excluded.registry,"
-                " repository = excluded.repository, reference = excluded.reference,"
-                " media_type = excluded.media_type, gpu_required = excluded.gpu_required,"
-                " cuda_versions = excluded.cuda_versions, libc_flavours = excluded.libc_flavours,"
-                " platforms = excluded.platforms, distro = excluded.distro, scanned_at = excluded.scanned_at,"
-                " report = excluded.report",
-                row,
-            )
-            with conn.cursor() as cursor:
-                cursor.executemany(
-                    "INSERT INTO platform_reports (digest, report) VALUES (%s, %s)"
-                    " ON CONFLICT (digest) DO UPDATE SET report = excluded.report",
-                    [(p.digest, p.model_dump_json()) for p in platforms],
-                )
-            children = [p.digest for p in platforms if p.digest != report.digest]
-            if children:
-                # Platform manifests scanned on their own before their index arrived are not
-                # images of their own: the index report covers them.
-                conn.execute(
-                    "DELETE FROM reports WHERE digest = ANY(%s)"
-                    " AND NOT EXISTS (SELECT 1 FROM tags WHERE tags.digest = reports.digest)",
-                    [children],
-                )
-            self._notify_settled(conn, REPORTED_JOB, report.reference)  # long polls on any replica
-
-    def report(self, digest: str) -> ImageReport | None:
-        with self._reading() as conn:
-            row = conn.execute("SELECT report FROM reports WHERE digest = %s", [digest]).fetchone()
-        return ImageReport.model_validate_json(row[0]) if row else None
-
-    def has_report(self, digest: str) -> bool:
-        """Whether `digest` was scanned, as an image or as one platform of an index."""
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM reports WHERE digest = %(d)s)"
-                " OR EXISTS (SELECT 1 FROM platform_reports WHERE digest = %(d)s)",
-                {"d": digest},
-            ).fetchone()
-        return bool(row and row[0])
-
-    def platform_report(self, digest: str) -> PlatformReport | None:
-        with self._reading() as conn:
-            row = conn.execute("SELECT report FROM platform_reports WHERE digest = %s", [digest]).fetchone()
-        return PlatformReport.model_validate_json(row[0]) if row else None
-
-    def list_images(
-        self,
-        *,
-        gpu: bool | None = None,
-        libc: str | None = None,
-        cuda: str | None = None,
-        registry: str | None = None,
-        query: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-        inferred: bool | None = None,
-    ) -> tuple[list[ImageRow], int]:
-        """Filtered, newest-first listing plus the total count for pagination."""
-        where: list[str] = []
-        params: dict[str, Any] = {}
-        if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
-            where.append(
-                ("" if inferred else "NOT ")
-                + "EXISTS (SELECT 1 FROM jsonb_array_elements(r.report::jsonb -> 'platforms') p"
-                " WHERE jsonb_typeof(p -> 'gpu' -> 'inferred') = 'object')"
-            )
-        if gpu is not None:
-            where.append("r.gpu_required = %(gpu)s")
-            params["gpu"] = gpu
-        if libc:
-            where.append("r.libc_flavours @> ARRAY[%(libc)s]::text[]")
-            params["libc"] = libc
-        if cuda:
-            if "." in cuda:
-                where.append("r.cuda_versions @> ARRAY[%(cuda)s]::text[]")
-            else:
-                where.append(
-                    "EXISTS (SELECT 1 FROM unnest(r.cuda_versions) AS v WHERE v = %(cuda)s"
-                    " OR v LIKE %(cuda_major)s)"
-                )
-                params["cuda_major"] = f"{cuda}.%"
-            params["cuda"] = cuda
-        if registry:
-            where.append("r.registry = %(registry)s")
-            params["registry"] = registry
-        if query:
-            # ILIKE (SQLite's LIKE is case-insensitive for ASCII) over the one expression that the
-            # trigram index `reports_search` covers; chr(31) keeps a match from spanning two fields.
-            where.append(f"{_SEARCH_TEXT} ILIKE %(q)s")
-            escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params["q"] = f"%{escaped}%"
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        with self._reading() as conn:
-            total = self._count(conn, clause, params, at_least=offset + limit)
-            # The page is cut first, and only its rows look up their tags: PostgreSQL computes the
-            # select list for the rows OFFSET skips too, so a deep page would pay for every skipped row.
-            rows = conn.execute(
-                "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
-                " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
-                " (SELECT array_agg(t.tag ORDER BY t.tag) FROM tags t WHERE t.digest = r.digest"
-                "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
-                "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-                "   AND t2.repository = t.repository AND t2.tag = t.tag))"
-                f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
-                " LIMIT %(limit)s OFFSET %(offset)s) AS r ORDER BY r.scanned_at DESC, r.digest",
-                {**params, "limit": limit, "offset": offset},
-            ).fetchall()
-        images = [
-            ImageRow(
-                digest=row[0],
-                registry=row[1],
-                repository=row[2],
-                reference=row[3],
-                gpu_required=bool(row[4]),
-                cuda_versions=list(row[5]),
-                libc_flavours=list(row[6]),
-                platforms=list(row[7]),
-                distro=row[8],
-                scanned_at=_iso(row[9]) or "",
-                tags=sorted(row[10] or []),
-            )
-            for row in rows
-        ]
-        return images, total
-
-    @staticmethod
-    def _count(conn: psycopg.Connection[TupleRow], clause: str, params: dict[str, Any], at_least: int) -> int:
-        """The exact number of matches up to EXACT_COUNT_LIMIT; beyond it, the planner's estimate.
-
-        An exact count(*) reads every matching row, so its cost grows with the table (about 100 ms
-        at 1M reports) while a page costs the same at any size. Past the limit nobody pages by
-        the last digit: the estimate (never below the limit, or below what this page proves) keeps
-        the listing's latency flat.
-        """
-        cap = max(EXACT_COUNT_LIMIT, at_least + 1)
-        row = conn.execute(
-            f"SELECT count(*) FROM (SELECT 1 FROM reports r {clause} LIMIT {cap}) AS m", params
-        ).fetchone()
-        exact = int(row[0]) if row else 0
-        if exact < cap:
-            return exact
-        plan = conn.execute(f"EXPLAIN (FORMAT JSON) SELECT 1 FROM reports r {clause}", params).fetchone()
-        estimate = int(plan[0][0]["Plan"]["Plan Rows"]) if plan else 0
-        return max(estimate, cap)
-
-    def registries(self) -> list[str]:
-        """Distinct registries by skipping through the (registry, repository) index: one probe per
-        registry, not a pass over every report."""
-        with self._reading() as conn:
-            rows = conn.execute(
-                "WITH RECURSIVE found(registry) AS ("
-                " (SELECT registry FROM reports ORDER BY registry LIMIT 1)"
-                " UNION ALL"
-                " SELECT (SELECT r.registry FROM reports r WHERE r.registry > found.registry"
-                "   ORDER BY r.registry LIMIT 1) FROM found WHERE found.registry IS NOT NULL)"
-                " SELECT registry FROM found WHERE registry IS NOT NULL"
-            ).fetchall()
-        return [row[0] for row in rows]
-
-    # ------------------------------------------------------------------- tags
-
-    def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
-        """Remember that `tag` points at `digest` now; a change starts a new history row."""
-        with self._transaction() as conn:
-            # Serialise writers of one tag (two replicas seeing the same push) without a table lock.
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                [f"tag {registry} {repository} {tag}"],
-            )
-            current = conn.execute(
-                "SELECT id, digest, gone_at FROM tags WHERE registry = %s AND repository = %s AND tag = %s"
-                " ORDER BY id DESC LIMIT 1",
-                [registry, repository, tag],
-            ).fetchone()
-            if current and current[1] == digest and current[2] is None:
-                conn.execute("UPDATE tags SET last_seen = now() WHERE id = %s", [current[0]])
-            else:
-                conn.execute(
-                    "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
-                    " VALUES (%s, %s, %s, %s, now(), now())",
-                    [registry, repository, tag, digest],
-                )
-            conn.execute(
-                "DELETE FROM gone_digests WHERE registry = %s AND repository = %s AND digest = %s",
-                [registry, repository, digest],
-            )
-
-    def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
-        """The digest a tag pointed at when last seen, or None if unknown or deleted."""
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT digest, gone_at FROM tags WHERE registry = %s AND repository = %s AND tag = %s"
-                " ORDER BY id DESC LIMIT 1",
-                [registry, repository, tag],
-            ).fetchone()
-        return row[0] if row and row[1] is None else None
-
-    def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT tag, digest, first_seen, last_seen, gone_at FROM tags"
-                " WHERE registry = %s AND repository = %s ORDER BY id DESC",
-                [registry, repository],
-            ).fetchall()
-        return [
-            TagEvent(row[0], row[1], _iso(row[2]) or "", _iso(row[3]) or "", _iso(row[4])) for row in rows
-        ]
-
-    def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
-        """(registry, repository, tag) triples currently pointing at `digest`."""
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT t.registry, t.repository, t.tag FROM tags t WHERE t.digest = %s AND t.gone_at IS NULL"
-                " AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-                " AND t2.repository = t.repository AND t2.tag = t.tag) ORDER BY t.tag",
-                [digest],
-            ).fetchall()
-        return [(row[0], row[1], row[2]) for row in rows]
-
-    def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
-        """A registry deleted a tag or a manifest: keep the history, flag it gone."""
-        with self._transaction() as conn:
-            if tag:
-                conn.execute(
-                    "UPDATE tags SET gone_at = now() WHERE id = (SELECT max(id) FROM tags WHERE registry = %s"
-                    " AND repository = %s AND tag = %s) AND gone_at IS NULL",
-                    [registry, repository, tag],
-                )
-            if digest:
-                conn.execute(
-                    "UPDATE tags SET gone_at = now() WHERE registry = %s AND repository = %s AND digest = %s"
-                    " AND gone_at IS NULL",
-                    [registry, repository, digest],
-                )
-                conn.execute(
-                    "INSERT INTO gone_digests (registry, repository, digest, gone_at) VALUES (%s, %s, %s, now())"
-                    " ON CONFLICT (registry, repository, digest) DO UPDATE SET gone_at = excluded.gone_at",
-                    [registry, repository, digest],
-                )
-
-    def is_gone(self, registry: str, repository: str, digest: str) -> bool:
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT 1 FROM gone_digests WHERE registry = %s AND repository = %s AND digest = %s",
-                [registry, repository, digest],
-            ).fetchone()
-        return row is not None
-
-    # ----------------------------------------------------------- layer cache
-
-    def layer_evidence(self, digest: str) -> str | None:
-        """The cached libc evidence JSON for a layer digest."""
-        with self._reading() as conn:
-            row = conn.execute("SELECT evidence FROM layers WHERE digest = %s", [digest]).fetchone()
-        return row[0] if row else None
-
-    def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT INTO layers (digest, evidence, stored_at) VALUES (%s, %s, now())"
-                " ON CONFLICT (digest) DO UPDATE SET evidence = excluded.evidence, stored_at = now()",
-                [digest, evidence_json],
-            )
+            return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
 
@@ -759,46 +463,6 @@ class PostgresStore:
             row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s", [job_id]).fetchone()
         return _job(row) if row else None
 
-    def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
-        clause = "WHERE state = ANY(%(states)s)" if states else ""
-        with self._reading() as conn:
-            rows = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs {clause} ORDER BY created_at DESC LIMIT %(limit)s",
-                {"states": list(states), "limit": limit},
-            ).fetchall()
-        return [_job(row) for row in rows]
-
-    def pending_job_for(self, reference: str) -> Job | None:
-        """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
-        with self._reading() as conn:
-            row = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
-                " AND (dedupe_key = %(ref)s OR left(dedupe_key, length(%(ref)s) + 1) = %(ref)s || '@')"
-                " ORDER BY created_at DESC LIMIT 1",
-                {"ref": reference},
-            ).fetchone()
-        return _job(row) if row else None
-
-    def latest_job_for(self, reference: str) -> Job | None:
-        with self._reading() as conn:
-            row = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = %s ORDER BY created_at DESC LIMIT 1",
-                [reference],
-            ).fetchone()
-        return _job(row) if row else None
-
-    def queue_depth(self) -> dict[str, int]:
-        with self._reading() as conn:
-            rows = conn.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
-        depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
-        depth.update({row[0]: int(row[1]) for row in rows})
-        return depth
-
-    def next_job_due(self) -> datetime | None:
-        with self._reading() as conn:
-            row = conn.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
-        return row[0] if row and row[0] else None
-
     @staticmethod
     def _notify_settled(conn: psycopg.Connection[TupleRow], job_id: str, reference: str) -> None:
         """Sent at commit: every replica's waiters on this job or reference (and the slot it frees)
@@ -813,46 +477,6 @@ class PostgresStore:
             conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
 
     # ----------------------------------------------------------------- fleet
-
-    def upsert_server(self, name: str, inventory_json: str) -> None:
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT INTO servers (name, inventory, registered_at, last_heartbeat)"
-                " VALUES (%s, %s, now(), now())"
-                " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory,"
-                " last_heartbeat = excluded.last_heartbeat",
-                [name, inventory_json],
-            )
-            conn.execute("SELECT pg_notify(%s, 'inventory')", [FLEET_CHANNEL])
-
-    def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
-        """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
-        with self._transaction() as conn:
-            cursor = conn.execute(
-                "UPDATE servers SET last_heartbeat = now(), inventory = coalesce(%s, inventory)"
-                " WHERE name = %s",
-                [inventory_json, name],
-            )
-            return cursor.rowcount > 0
-
-    def servers(self) -> list[ServerRecord]:
-        """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name"
-            ).fetchall()
-        return [ServerRecord(row[0], _iso(row[1]) or "", _iso(row[2]) or "") for row in rows]
-
-    def server_inventory(self, name: str) -> str | None:
-        with self._reading() as conn:
-            row = conn.execute("SELECT inventory FROM servers WHERE name = %s", [name]).fetchone()
-        return row[0] if row else None
-
-    def reserved_gpus(self) -> dict[str, str]:
-        """GPU UUID -> deployment id, for every GPU currently reserved."""
-        with self._reading() as conn:
-            rows = conn.execute("SELECT gpu_uuid, deployment_id FROM reservations").fetchall()
-        return {row[0]: row[1] for row in rows}
 
     def create_deployment(
         self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
@@ -881,56 +505,6 @@ class PostgresStore:
             )
             # other replicas: refresh the placement index, wake the agent's long-poll
             conn.execute("SELECT pg_notify(%s, 'reservations')", [FLEET_CHANNEL])
-
-    def deployment(self, deployment_id: str) -> DeploymentRecord | None:
-        """(record JSON, state, desired)."""
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT record, state, desired FROM deployments WHERE id = %s", [deployment_id]
-            ).fetchone()
-        return DeploymentRecord(*row) if row else None
-
-    def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
-        clause = "WHERE server = %(server)s" if server else ""
-        with self._reading() as conn:
-            rows = conn.execute(
-                f"SELECT record, state, desired FROM deployments {clause} ORDER BY created_at DESC"
-                " LIMIT %(limit)s",
-                {"server": server, "limit": limit},
-            ).fetchall()
-        return [DeploymentRecord(*row) for row in rows]
-
-    def update_deployment(
-        self,
-        deployment_id: str,
-        record_json: str,
-        *,
-        state: str,
-        desired: str | None = None,
-        release: bool = False,
-    ) -> None:
-        """Store a new state (and record); `release` frees the deployment's GPUs in the same step."""
-        with self._transaction() as conn:
-            conn.execute(
-                "UPDATE deployments SET record = %s, state = %s, desired = coalesce(%s, desired),"
-                " updated_at = clock_timestamp() WHERE id = %s",
-                [record_json, state, desired, deployment_id],
-            )
-            if release:
-                conn.execute("DELETE FROM reservations WHERE deployment_id = %s", [deployment_id])
-            conn.execute("SELECT pg_notify(%s, 'reservations')", [FLEET_CHANNEL])
-
-    def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
-        """Deployments the server's agent must act on: new ones to run, live ones to stop."""
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT record, state, desired FROM deployments WHERE server = %s AND ("
-                " (desired = 'run' AND state = 'pending') OR"
-                " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
-                " ORDER BY created_at",
-                [server],
-            ).fetchall()
-        return [DeploymentRecord(*row) for row in rows]
 
     # ------------------------------------------------------ registry gates
 

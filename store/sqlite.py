@@ -10,12 +10,16 @@ SQLite runs in WAL mode. Reads use one connection per thread and never wait for 
 writer, in this process or another; writes share one connection and are short
 `BEGIN IMMEDIATE` transactions, so two workers or two deploys never take the same
 job or the same GPU.
+
+The queries both engines share (reports, tags, the layer cache, job reads, the fleet) are
+written once in `store.queries` and run here through `run`; this module keeps what SQLite does
+its own way: the writer lock, claims, leases, enqueueing, outcomes, health, upgrades and GPU
+reservations.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import threading
@@ -24,26 +28,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from scanner.facts.badges import libc_label
-from scanner.models import ImageReport, PlatformReport
+from store.dialect import SQLITE, Db, P, Query, T
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import latest_version, migrations
 from store.models import (
-    JOB_STATES,
-    DeploymentRecord,
     EnqueueBatch,
     GpuTaken,
-    ImageRow,
     Job,
     JobState,
     LeaseExpiry,
     QueueHealth,
     RegistryLoad,
-    ServerRecord,
     StoreUnavailable,
-    TagEvent,
 )
 
 
@@ -274,246 +272,16 @@ class SqliteStore:
             running=int(running),
         )
 
-    # ---------------------------------------------------------------- reports
+    # ---------------------------------------------------------------- queries
 
-    def save_report(self, report: ImageReport) -> None:
-        """Store a successful report under its manifest digest, and each platform under its own."""
-        if report.error is not None or report.digest is None:
-            raise ValueError("only successful reports are stored")
-        platforms = report.platforms
-        row = {
-            "digest": report.digest,
-            "registry": report.registry or "",
-            "repository": report.repository or "",
-            "reference": report.reference,
-            "media_type": report.media_type,
-            "gpu_required": int(any(p.gpu.required for p in platforms)),
-            "cuda_versions": json.dumps(
-                sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})
-            ),
-            "libc_flavours": json.dumps(sorted({libc_label(p.libc) for p in platforms})),
-            "platforms": json.dumps([p.platform for p in platforms]),
-            "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
-            "scanned_at": _iso(report.scanned_at),
-            "report": report.model_dump_json(),
-        }
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT OR REPLACE INTO reports (digest, registry, repository, reference, media_type,"
-                " gpu_required, cuda_versions, libc_flavours, platforms, distro, scanned_at, report)"
-                " VALUES (:digest, :registry, :repository, :reference, :media_type, :gpu_required,"
-                " :cuda_versions, :libc_flavours, :platforms, :distro, :scanned_at, :report)",
-                row,
-            )
-            conn.executemany(
-                "INSERT OR REPLACE INTO platform_reports (digest, report) VALUES (?, ?)",
-                [(p.digest, p.model_dump_json()) for p in platforms],
-            )
-            children = [p.digest for p in platforms if p.digest != report.digest]
-            if children:
-                # Platform manifests scanned on their own before their index arrived are not
-                # images of their own: the index report covers them.
-                marks = ",".join("?" * len(children))
-                conn.execute(
-                    f"DELETE FROM reports WHERE digest IN ({marks}) AND digest NOT IN (SELECT digest FROM tags)",
-                    children,
-                )
-
-    def report(self, digest: str) -> ImageReport | None:
+    def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run one of `store.queries` (or any `Query`): a read on this thread's read connection, a
+        write in one immediate transaction on the shared writer."""
+        if query.write:
+            with self._transaction() as conn:
+                return query(Db(conn, SQLITE), *args, **kwargs)
         with self._reading() as db:
-            row = db.execute("SELECT report FROM reports WHERE digest = ?", [digest]).fetchone()
-        return ImageReport.model_validate_json(row[0]) if row else None
-
-    def has_report(self, digest: str) -> bool:
-        """Whether `digest` was scanned, as an image or as one platform of an index."""
-        with self._reading() as db:
-            row = db.execute(
-                "SELECT EXISTS (SELECT 1 FROM reports WHERE digest = :d)"
-                " OR EXISTS (SELECT 1 FROM platform_reports WHERE digest = :d)",
-                {"d": digest},
-            ).fetchone()
-        return bool(row[0])
-
-    def platform_report(self, digest: str) -> PlatformReport | None:
-        with self._reading() as db:
-            row = db.execute("SELECT report FROM platform_reports WHERE digest = ?", [digest]).fetchone()
-        return PlatformReport.model_validate_json(row[0]) if row else None
-
-    def list_images(
-        self,
-        *,
-        gpu: bool | None = None,
-        libc: str | None = None,
-        cuda: str | None = None,
-        registry: str | None = None,
-        query: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-        inferred: bool | None = None,
-    ) -> tuple[list[ImageRow], int]:
-        """Filtered, newest-first listing plus the total count for pagination."""
-        where: list[str] = []
-        params: dict[str, Any] = {}
-        if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
-            where.append(
-                ("" if inferred else "NOT ") + "EXISTS (SELECT 1 FROM json_each(r.report, '$.platforms') p"
-                " WHERE json_extract(p.value, '$.gpu.inferred') IS NOT NULL)"
-            )
-        if gpu is not None:
-            where.append("r.gpu_required = :gpu")
-            params["gpu"] = int(gpu)
-        if libc:
-            where.append("EXISTS (SELECT 1 FROM json_each(r.libc_flavours) WHERE value = :libc)")
-            params["libc"] = libc
-        if cuda:
-            where.append(
-                "EXISTS (SELECT 1 FROM json_each(r.cuda_versions) WHERE value = :cuda OR value LIKE :cuda_major)"
-            )
-            params["cuda"] = cuda
-            params["cuda_major"] = cuda if "." in cuda else f"{cuda}.%"
-        if registry:
-            where.append("r.registry = :registry")
-            params["registry"] = registry
-        if query:
-            where.append(
-                "(r.repository LIKE :q ESCAPE '\\' OR r.reference LIKE :q ESCAPE '\\' OR r.digest LIKE :q"
-                " ESCAPE '\\' OR r.distro LIKE :q ESCAPE '\\')"
-            )
-            escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params["q"] = f"%{escaped}%"
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        with self._reading() as db:
-            total = db.execute(f"SELECT count(*) FROM reports r {clause}", params).fetchone()[0]
-            rows = db.execute(
-                "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
-                " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
-                " (SELECT json_group_array(t.tag) FROM tags t WHERE t.digest = r.digest AND t.gone_at IS NULL"
-                "   AND t.registry = r.registry AND t.repository = r.repository"
-                "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-                "   AND t2.repository = t.repository AND t2.tag = t.tag))"
-                f" FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest LIMIT :limit OFFSET :offset",
-                {**params, "limit": limit, "offset": offset},
-            ).fetchall()
-        images = [
-            ImageRow(
-                digest=row[0],
-                registry=row[1],
-                repository=row[2],
-                reference=row[3],
-                gpu_required=bool(row[4]),
-                cuda_versions=json.loads(row[5]),
-                libc_flavours=json.loads(row[6]),
-                platforms=json.loads(row[7]),
-                distro=row[8],
-                scanned_at=row[9],
-                tags=sorted(json.loads(row[10] or "[]")),
-            )
-            for row in rows
-        ]
-        return images, int(total)
-
-    def registries(self) -> list[str]:
-        with self._reading() as db:
-            return [row[0] for row in db.execute("SELECT DISTINCT registry FROM reports ORDER BY 1")]
-
-    # ------------------------------------------------------------------- tags
-
-    def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
-        """Remember that `tag` points at `digest` now; a change starts a new history row."""
-        now = _iso(_now())
-        with self._transaction() as conn:
-            current = conn.execute(
-                "SELECT id, digest, gone_at FROM tags WHERE registry = ? AND repository = ? AND tag = ?"
-                " ORDER BY id DESC LIMIT 1",
-                [registry, repository, tag],
-            ).fetchone()
-            if current and current[1] == digest and current[2] is None:
-                conn.execute("UPDATE tags SET last_seen = ? WHERE id = ?", [now, current[0]])
-            else:
-                conn.execute(
-                    "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    [registry, repository, tag, digest, now, now],
-                )
-            conn.execute(
-                "DELETE FROM gone_digests WHERE registry = ? AND repository = ? AND digest = ?",
-                [registry, repository, digest],
-            )
-
-    def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
-        """The digest a tag pointed at when last seen, or None if unknown or deleted."""
-        with self._reading() as db:
-            row = db.execute(
-                "SELECT digest, gone_at FROM tags WHERE registry = ? AND repository = ? AND tag = ?"
-                " ORDER BY id DESC LIMIT 1",
-                [registry, repository, tag],
-            ).fetchone()
-        return row[0] if row and row[1] is None else None
-
-    def tag_history(self, registry: str, repository: str) -> list[TagEvent]:
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT tag, digest, first_seen, last_seen, gone_at FROM tags"
-                " WHERE registry = ? AND repository = ? ORDER BY id DESC",
-                [registry, repository],
-            ).fetchall()
-        return [TagEvent(*row) for row in rows]
-
-    def tags_for_digest(self, digest: str) -> list[tuple[str, str, str]]:
-        """(registry, repository, tag) triples currently pointing at `digest`."""
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT t.registry, t.repository, t.tag FROM tags t WHERE t.digest = ? AND t.gone_at IS NULL"
-                " AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-                " AND t2.repository = t.repository AND t2.tag = t.tag) ORDER BY t.tag",
-                [digest],
-            ).fetchall()
-        return [DeploymentRecord(*row) for row in rows]
-
-    def mark_gone(self, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
-        """A registry deleted a tag or a manifest: keep the history, flag it gone."""
-        now = _iso(_now())
-        with self._transaction() as conn:
-            if tag:
-                conn.execute(
-                    "UPDATE tags SET gone_at = ? WHERE id = (SELECT max(id) FROM tags WHERE registry = ?"
-                    " AND repository = ? AND tag = ?) AND gone_at IS NULL",
-                    [now, registry, repository, tag],
-                )
-            if digest:
-                conn.execute(
-                    "UPDATE tags SET gone_at = ? WHERE registry = ? AND repository = ? AND digest = ?"
-                    " AND gone_at IS NULL",
-                    [now, registry, repository, digest],
-                )
-                conn.execute(
-                    "INSERT OR REPLACE INTO gone_digests (registry, repository, digest, gone_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    [registry, repository, digest, now],
-                )
-
-    def is_gone(self, registry: str, repository: str, digest: str) -> bool:
-        with self._reading() as db:
-            row = db.execute(
-                "SELECT 1 FROM gone_digests WHERE registry = ? AND repository = ? AND digest = ?",
-                [registry, repository, digest],
-            ).fetchone()
-        return row is not None
-
-    # ----------------------------------------------------------- layer cache
-
-    def layer_evidence(self, digest: str) -> str | None:
-        """The cached libc evidence JSON for a layer digest."""
-        with self._reading() as db:
-            row = db.execute("SELECT evidence FROM layers WHERE digest = ?", [digest]).fetchone()
-        return row[0] if row else None
-
-    def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT OR REPLACE INTO layers (digest, evidence, stored_at) VALUES (?, ?, ?)",
-                [digest, evidence_json, _iso(_now())],
-            )
+            return query(Db(db, SQLITE), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
 
@@ -775,92 +543,9 @@ class SqliteStore:
             row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
         return Job(*row) if row else None
 
-    def jobs(self, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
-        placeholders = ",".join("?" * len(states))
-        clause = f"WHERE state IN ({placeholders})" if states else ""
-        with self._reading() as db:
-            rows = db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs {clause} ORDER BY created_at DESC LIMIT ?", [*states, limit]
-            ).fetchall()
-        return [Job(*row) for row in rows]
-
-    def pending_job_for(self, reference: str) -> Job | None:
-        """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
-        with self._reading() as db:
-            row = db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
-                " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
-                " ORDER BY created_at DESC LIMIT 1",
-                {"ref": reference},
-            ).fetchone()
-        return Job(*row) if row else None
-
-    def latest_job_for(self, reference: str) -> Job | None:
-        with self._reading() as db:
-            row = db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE dedupe_key = ? ORDER BY created_at DESC LIMIT 1",
-                [reference],
-            ).fetchone()
-        return Job(*row) if row else None
-
-    def queue_depth(self) -> dict[str, int]:
-        with self._reading() as db:
-            rows = db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
-        depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
-        depth.update({row[0]: row[1] for row in rows})
-        return depth
-
-    def next_job_due(self) -> datetime | None:
-        with self._reading() as db:
-            row = db.execute("SELECT min(not_before) FROM jobs WHERE state = 'queued'").fetchone()
-        return datetime.fromisoformat(row[0]) if row and row[0] else None
-
     # ----------------------------------------------------------------- fleet
-    # Servers and deployments are stored as JSON documents: their shape belongs to
-    # placement/, which scanner/ must not import. Only the reservation is relational,
-    # because its primary key is what makes double-booking a GPU impossible.
-
-    def upsert_server(self, name: str, inventory_json: str) -> None:
-        now = _iso(_now())
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT INTO servers (name, inventory, registered_at, last_heartbeat) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT(name) DO UPDATE SET inventory = excluded.inventory,"
-                " last_heartbeat = excluded.last_heartbeat",
-                [name, inventory_json, now, now],
-            )
-
-    def heartbeat(self, name: str, inventory_json: str | None = None) -> bool:
-        """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
-        now = _iso(_now())
-        with self._transaction() as conn:
-            if inventory_json is None:
-                cursor = conn.execute("UPDATE servers SET last_heartbeat = ? WHERE name = ?", [now, name])
-            else:
-                cursor = conn.execute(
-                    "UPDATE servers SET last_heartbeat = ?, inventory = ? WHERE name = ?",
-                    [now, inventory_json, name],
-                )
-            return cursor.rowcount > 0
-
-    def servers(self) -> list[ServerRecord]:
-        """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name"
-            ).fetchall()
-        return [ServerRecord(*row) for row in rows]
-
-    def server_inventory(self, name: str) -> str | None:
-        with self._reading() as db:
-            row = db.execute("SELECT inventory FROM servers WHERE name = ?", [name]).fetchone()
-        return row[0] if row else None
-
-    def reserved_gpus(self) -> dict[str, str]:
-        """GPU UUID -> deployment id, for every GPU currently reserved."""
-        with self._reading() as db:
-            rows = db.execute("SELECT gpu_uuid, deployment_id FROM reservations").fetchall()
-        return {row[0]: row[1] for row in rows}
+    # The reservation's primary key is what makes double-booking a GPU impossible; the rest of
+    # the fleet's queries are written once in `store.queries.fleet`.
 
     def create_deployment(
         self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
@@ -884,54 +569,6 @@ class SqliteStore:
                 " VALUES (?, ?, ?, 'pending', 'run', ?, ?)",
                 [deployment_id, server, record_json, now, now],
             )
-
-    def deployment(self, deployment_id: str) -> DeploymentRecord | None:
-        """(record JSON, state, desired)."""
-        with self._reading() as db:
-            row = db.execute(
-                "SELECT record, state, desired FROM deployments WHERE id = ?", [deployment_id]
-            ).fetchone()
-        return DeploymentRecord(*row) if row else None
-
-    def deployments(self, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
-        clause, params = ("WHERE server = ?", [server]) if server else ("", [])
-        with self._reading() as db:
-            rows = db.execute(
-                f"SELECT record, state, desired FROM deployments {clause} ORDER BY created_at DESC LIMIT ?",
-                [*params, limit],
-            ).fetchall()
-        return [DeploymentRecord(*row) for row in rows]
-
-    def update_deployment(
-        self,
-        deployment_id: str,
-        record_json: str,
-        *,
-        state: str,
-        desired: str | None = None,
-        release: bool = False,
-    ) -> None:
-        """Store a new state (and record); `release` frees the deployment's GPUs in the same step."""
-        with self._transaction() as conn:
-            conn.execute(
-                "UPDATE deployments SET record = ?, state = ?, desired = coalesce(?, desired), updated_at = ?"
-                " WHERE id = ?",
-                [record_json, state, desired, _iso(_now()), deployment_id],
-            )
-            if release:
-                conn.execute("DELETE FROM reservations WHERE deployment_id = ?", [deployment_id])
-
-    def actionable_deployments(self, server: str) -> list[DeploymentRecord]:
-        """Deployments the server's agent must act on: new ones to run, live ones to stop."""
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT record, state, desired FROM deployments WHERE server = ? AND ("
-                " (desired = 'run' AND state = 'pending') OR"
-                " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
-                " ORDER BY created_at",
-                [server],
-            ).fetchall()
-        return [DeploymentRecord(*row) for row in rows]
 
     # ------------------------------------------------------ registry gates
 

@@ -65,7 +65,7 @@ async def scanner(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
     store = open_store(tmp_path / "scan.db")
     try:
         async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store, settings)
+            scanner = Scanner(client, store.scan_cache, settings)
             yield scanner
             await scanner.close()
     finally:

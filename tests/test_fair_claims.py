@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from datetime import UTC, datetime
 
-from store import Job
+from store import Job, queries
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from tests.conftest import OpenBackend
 
@@ -105,7 +105,7 @@ def test_a_deferred_job_closes_its_registrys_gate_for_every_worker(open_backend:
     assert 55 < load["limited"].cool_down_seconds <= 60
     # its other jobs wait for the gate: not ready, so the idle loop and /healthz's stall check wait too
     assert load["limited"].ready == 0 and load["limited"].running == 0
-    due = other_process.next_job_due()
+    due = other_process.run(queries.next_job_due)
     assert due is not None and (due - datetime.now(UTC)).total_seconds() > 55
     assert load["calm"].running == 2 and load["calm"].cool_down_seconds == 0
     (again,) = store.enqueue([("calm/app:late", "calm")])

@@ -168,7 +168,7 @@ async def scan(reference: str, store: AsyncStore | None = None, **settings: obje
     """A scan with the defaults (analysis processes, deep scan auto, default platforms)."""
     configured = ScannerSettings(docker_config=None, **settings)  # type: ignore[arg-type]
     async with RegistryClient(configured) as client:
-        scanner = Scanner(client, store, configured)
+        scanner = Scanner(client, store.scan_cache if store else None, configured)
         try:
             return await scanner.scan(reference)
         finally:

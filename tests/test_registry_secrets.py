@@ -71,7 +71,7 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         settings = ScannerSettings(registries=good, docker_config=None)
         async with RegistryClient(settings) as client:
             store = open_store(tmp_path / "good.db")
-            scanner = Scanner(client, store, settings)
+            scanner = Scanner(client, store.scan_cache, settings)
             reports = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),
@@ -87,7 +87,7 @@ async def test_scans_with_basic_and_bearer_credentials_leak_nothing(
         bad_settings = ScannerSettings(registries=bad, docker_config=None)
         async with RegistryClient(bad_settings) as client:
             store = open_store(tmp_path / "bad.db")
-            scanner = Scanner(client, store, bad_settings)
+            scanner = Scanner(client, store.scan_cache, bad_settings)
             refused = [
                 await scanner.scan(f"{basic_registry.host}/{REPOSITORY}"),
                 await scanner.scan(f"{bearer_registry.host}/{REPOSITORY}"),

@@ -30,6 +30,7 @@ from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import LocalRegistry, free_port, run_registry
 from fixtures.service import RunningService, run_role_process, run_service_process
+from store import queries
 from tests.test_service_e2e import call, metric_values, wait_job
 
 SECRET = "scale-secret"
@@ -442,10 +443,10 @@ def test_a_worker_exits_cleanly_on_sigterm_and_hands_back_its_jobs(
         with run_role_process(
             ("worker", "--concurrency", "4"), tmp_path / "w.db", env, tmp_path / "w.log"
         ) as worker:
-            wait_until(lambda: store.queue_depth()["running"] > 0, 60, "the worker claimed jobs")
+            wait_until(lambda: store.run(queries.queue_depth)["running"] > 0, 60, "the worker claimed jobs")
             worker.send_signal(signal.SIGTERM)
             assert worker.wait(timeout=30) == 0, (tmp_path / "w.log").read_text()[-2000:]
-        depth = store.queue_depth()
+        depth = store.run(queries.queue_depth)
         assert depth["running"] == 0 and depth["failed"] == 0, depth  # nothing left leased to a dead process
         assert depth["queued"] + depth["done"] == 60, depth
         assert not store.lease_owners()

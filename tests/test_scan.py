@@ -38,7 +38,7 @@ async def scanner(tmp_path: Path) -> AsyncIterator[Scanner]:
     async with RegistryClient(settings) as client:
         store = open_store(tmp_path / "scan.db")
         try:
-            yield Scanner(client, store, settings)
+            yield Scanner(client, store.scan_cache, settings)
         finally:
             await store.close()
 
@@ -119,6 +119,28 @@ async def test_request_budget_and_digest_reuse(scanner: Scanner, samples: dict[s
     assert again.digest == first.digest
     by_digest = await scanner.scan(f"{ref.split(':22.04')[0]}@{first.digest}", ScanOptions(config_only=True))
     assert by_digest.cached and by_digest.requests == 0
+
+
+async def test_with_a_store_a_tag_never_seen_costs_no_head_and_is_stored_with_its_report(
+    scanner: Scanner, samples: dict[str, str]
+) -> None:
+    from store import queries
+    from store.facade import StoreScanCache
+
+    ref = samples["samples/cuda-ubuntu:12.2"]
+    first = await scanner.scan(ref, ScanOptions(config_only=True))
+    assert first.error is None and not first.cached
+    assert first.requests == 2  # the manifest by tag (a HEAD would only have preceded it), the config
+    assert isinstance(scanner.store, StoreScanCache) and first.digest is not None
+    store = scanner.store.store
+    # the report and its tag were one write: the tag resolves to the stored report's digest
+    assert (
+        await store.run(queries.resolve_tag, first.registry or "", first.repository or "", "12.2")
+        == first.digest
+    )
+    assert await store.run(queries.report, first.digest) is not None
+    again = await scanner.scan(ref, ScanOptions(config_only=True))
+    assert again.cached and again.requests == 1  # a tag seen before: HEAD, and the report is reused
 
 
 async def test_without_a_store_a_tag_costs_two_requests(samples: dict[str, str]) -> None:

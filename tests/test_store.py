@@ -14,6 +14,7 @@ import pytest
 
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
+from store import queries
 from tests.conftest import OpenBackend
 
 
@@ -35,30 +36,30 @@ def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: st
 
 def test_reports_round_trip_and_filter(open_backend: OpenBackend) -> None:
     store = open_backend()
-    store.save_report(_report("sha256:" + "a" * 64, gpu=True, cuda="12.2", libc="glibc"))
-    store.save_report(_report("sha256:" + "c" * 64, libc="musl"))
-    assert store.report("sha256:" + "a" * 64) is not None
-    assert store.platform_report("sha256:" + "b" * 64) is not None
-    gpu_rows, total = store.list_images(gpu=True)
+    store.run(queries.save_report, _report("sha256:" + "a" * 64, gpu=True, cuda="12.2", libc="glibc"))
+    store.run(queries.save_report, _report("sha256:" + "c" * 64, libc="musl"))
+    assert store.run(queries.report, "sha256:" + "a" * 64) is not None
+    assert store.run(queries.platform_report, "sha256:" + "b" * 64) is not None
+    gpu_rows, total = store.run(queries.list_images, gpu=True)
     assert total == 1 and gpu_rows[0].cuda_versions == ["12.2"]
-    assert store.list_images(libc="musl")[1] == 1
-    assert store.list_images(cuda="12")[1] == 1
-    assert store.list_images(cuda="11.8")[1] == 0
-    assert store.list_images(query="100%")[1] == 0  # LIKE wildcards are escaped
+    assert store.run(queries.list_images, libc="musl")[1] == 1
+    assert store.run(queries.list_images, cuda="12")[1] == 1
+    assert store.run(queries.list_images, cuda="11.8")[1] == 0
+    assert store.run(queries.list_images, query="100%")[1] == 0  # LIKE wildcards are escaped
 
 
 def test_tag_history_and_gone(open_backend: OpenBackend) -> None:
     store = open_backend()
     first, second = "sha256:" + "1" * 64, "sha256:" + "2" * 64
-    store.record_tag("r", "app", "v1", first)
-    store.record_tag("r", "app", "v1", first)
-    store.record_tag("r", "app", "v1", second)
-    assert store.resolve_tag("r", "app", "v1") == second
-    assert [event.digest for event in store.tag_history("r", "app")] == [second, first]
-    store.mark_gone("r", "app", tag="v1", digest=None)
-    assert store.resolve_tag("r", "app", "v1") is None
-    store.mark_gone("r", "app", tag=None, digest=first)
-    assert store.is_gone("r", "app", first)
+    store.run(queries.record_tag, "r", "app", "v1", first)
+    store.run(queries.record_tag, "r", "app", "v1", first)
+    store.run(queries.record_tag, "r", "app", "v1", second)
+    assert store.run(queries.resolve_tag, "r", "app", "v1") == second
+    assert [event.digest for event in store.run(queries.tag_history, "r", "app")] == [second, first]
+    store.run(queries.mark_gone, "r", "app", tag="v1", digest=None)
+    assert store.run(queries.resolve_tag, "r", "app", "v1") is None
+    store.run(queries.mark_gone, "r", "app", tag=None, digest=first)
+    assert store.run(queries.is_gone, "r", "app", first)
 
 
 def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBackend) -> None:
@@ -82,9 +83,9 @@ def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBacke
     assert sorted(claimed) == sorted({ids[0], ids[2]})  # every job claimed exactly once
     store.close()
     reopened = open_backend()
-    assert reopened.queue_depth()["running"] == 2  # a reopen alone steals no leased job
+    assert reopened.run(queries.queue_depth)["running"] == 2  # a reopen alone steals no leased job
     assert reopened.release_leases(["w"], refund_attempt=False) == 2
-    assert reopened.queue_depth()["queued"] == 2
+    assert reopened.run(queries.queue_depth)["queued"] == 2
 
 
 def test_failed_job_retries_then_fails_and_can_be_retried_by_hand(open_backend: OpenBackend) -> None:
@@ -149,14 +150,14 @@ def test_leases_renew_expire_and_guard_outcomes(open_backend: OpenBackend) -> No
     done = store.job(ids[1])
     assert done is not None and done.state == "done" and done.result_digest == "sha256:" + "9" * 64
     assert done.lease_owner is None
-    assert store.latest_job_for("r/app:2") == done
-    assert store.pending_job_for("r/app:1") is not None
-    assert store.pending_job_for("r/app") is None
-    assert store.queue_depth() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
+    assert store.run(queries.latest_job_for, "r/app:2") == done
+    assert store.run(queries.pending_job_for, "r/app:1") is not None
+    assert store.run(queries.pending_job_for, "r/app") is None
+    assert store.run(queries.queue_depth) == {"queued": 1, "running": 0, "done": 1, "failed": 0}
     health = store.queue_health()
     assert health.ready == 1 and health.running == 0 and health.last_progress_seconds is not None
-    assert [job.id for job in store.jobs(states=["done"])] == [ids[1]]
-    assert store.next_job_due() is not None
+    assert [job.id for job in store.run(queries.jobs, states=["done"])] == [ids[1]]
+    assert store.run(queries.next_job_due) is not None
     store.check_writable(5.0)
 
 
@@ -164,10 +165,10 @@ def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
     from store import GpuTaken
 
     store = open_backend()
-    store.upsert_server("node-a", '{"name": "node-a"}')
-    assert store.heartbeat("node-a") and not store.heartbeat("node-b")
-    assert store.server_inventory("node-a") == '{"name": "node-a"}'
-    assert [record.inventory_json for record in store.servers()] == ['{"name": "node-a"}']
+    store.run(queries.upsert_server, "node-a", '{"name": "node-a"}')
+    assert store.run(queries.heartbeat, "node-a") and not store.run(queries.heartbeat, "node-b")
+    assert store.run(queries.server_inventory, "node-a") == '{"name": "node-a"}'
+    assert [record.inventory_json for record in store.run(queries.servers)] == ['{"name": "node-a"}']
     store.create_deployment("d1", "node-a", ["GPU-1", "GPU-2"], '{"id": "d1"}')
     try:
         store.create_deployment("d2", "node-a", ["GPU-2", "GPU-3"], '{"id": "d2"}')
@@ -175,29 +176,37 @@ def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
         assert "GPU-2" in str(exc)
     else:
         raise AssertionError("GPU-2 was reserved twice")
-    assert store.reserved_gpus() == {"GPU-1": "d1", "GPU-2": "d1"}  # d2 left no partial reservation
-    assert store.deployment("d2") is None
-    assert [record.record_json for record in store.actionable_deployments("node-a")] == ['{"id": "d1"}']
-    store.update_deployment("d1", '{"id": "d1", "v": 2}', state="exited", release=True)
-    assert store.reserved_gpus() == {}
-    assert store.deployment("d1") == ('{"id": "d1", "v": 2}', "exited", "run")
-    assert len(store.deployments(server="node-a")) == 1
+    assert store.run(queries.reserved_gpus) == {
+        "GPU-1": "d1",
+        "GPU-2": "d1",
+    }  # d2 left no partial reservation
+    assert store.run(queries.deployment, "d2") is None
+    assert [record.record_json for record in store.run(queries.actionable_deployments, "node-a")] == [
+        '{"id": "d1"}'
+    ]
+    store.run(queries.update_deployment, "d1", '{"id": "d1", "v": 2}', state="exited", release=True)
+    assert store.run(queries.reserved_gpus) == {}
+    assert store.run(queries.deployment, "d1") == ('{"id": "d1", "v": 2}', "exited", "run")
+    assert len(store.run(queries.deployments, server="node-a")) == 1
 
 
 def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:
     store = open_backend()
-    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "musl"}')
-    store.save_layer_evidence("sha256:" + "e" * 64, '{"flavour": "glibc"}')
-    assert store.layer_evidence("sha256:" + "e" * 64) == '{"flavour": "glibc"}'
+    store.run(queries.save_layer_evidence, "sha256:" + "e" * 64, '{"flavour": "musl"}')
+    store.run(queries.save_layer_evidence, "sha256:" + "e" * 64, '{"flavour": "glibc"}')
+    assert store.run(queries.layer_evidence, "sha256:" + "e" * 64) == '{"flavour": "glibc"}'
     digest = "sha256:" + "a" * 64
-    store.save_report(_report(digest))
-    store.record_tag("127.0.0.1:5000", "app", "v1", digest)
-    store.record_tag("127.0.0.1:5000", "app", "v2", digest)
-    assert store.registries() == ["127.0.0.1:5000"]
-    assert store.tags_for_digest(digest) == [("127.0.0.1:5000", "app", "v1"), ("127.0.0.1:5000", "app", "v2")]
-    (row,), total = store.list_images()
+    store.run(queries.save_report, _report(digest))
+    store.run(queries.record_tag, "127.0.0.1:5000", "app", "v1", digest)
+    store.run(queries.record_tag, "127.0.0.1:5000", "app", "v2", digest)
+    assert store.run(queries.registries) == ["127.0.0.1:5000"]
+    assert store.run(queries.tags_for_digest, digest) == [
+        ("127.0.0.1:5000", "app", "v1"),
+        ("127.0.0.1:5000", "app", "v2"),
+    ]
+    (row,), total = store.run(queries.list_images)
     assert total == 1 and row.tags == ["v1", "v2"] and row.digest == digest
-    assert store.has_report(digest) and store.has_report("sha256:" + "b" * 64)
+    assert store.run(queries.has_report, digest) and store.run(queries.has_report, "sha256:" + "b" * 64)
     assert store.schema_version() == store.upgrade()  # upgrading a current database changes nothing
 
 
@@ -339,7 +348,7 @@ def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) 
             store.enqueue([("r/app:1", "r")])
         with pytest.raises(StoreUnavailable, match="cannot be written"):
             store.check_writable(0.2)
-        assert store.queue_depth()["queued"] == 0  # reads go on beside the lock (WAL)
+        assert store.run(queries.queue_depth)["queued"] == 0  # reads go on beside the lock (WAL)
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
@@ -398,3 +407,85 @@ async def test_overlapping_health_checks_share_one_write(tmp_path: Path) -> None
         await store.close()
     assert answers == [None] * 5  # none reported the shared check as stuck
     assert SlowCheck.checks == 1
+
+
+def test_a_batch_of_scan_results_is_stored_in_one_transaction(open_backend: OpenBackend) -> None:
+    from store.queries import TagSeen
+
+    store = open_backend()
+    index, other, child = ("sha256:" + letter * 64 for letter in "acb")
+    store.run(queries.save_report, _report(child))  # a platform scanned alone before its index
+    assert store.run(queries.list_images)[1] == 1
+    index_report = _report(index)  # its platform is `child`: the index report covers it now
+    store.run(
+        queries.save_scan_results,
+        [
+            TagSeen("127.0.0.1:5000", "app", "v1", index),
+            index_report,
+            _report(other, libc="musl"),
+            TagSeen("127.0.0.1:5000", "app", "v2", other),
+        ],
+    )
+    assert store.run(queries.report, index) == index_report  # the JSON, assembled once, reads back whole
+    rows, total = store.run(queries.list_images)
+    assert total == 2 and {row.digest for row in rows} == {index, other}
+    assert store.run(queries.has_report, child)  # still known, as one platform of the index
+    as_image, as_platform = store.run(queries.stored, child)
+    assert as_image is None and as_platform is not None and as_platform.digest == child
+    assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v1") == index
+    assert store.run(queries.resolve_tag, "127.0.0.1:5000", "app", "v2") == other
+    assert store.run(queries.list_images, libc="musl")[1] == 1
+
+
+async def test_concurrent_scan_writes_share_commits_and_return_only_once_committed(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from store import AsyncStore, StoreUnavailable
+
+    backend = open_backend()
+    batches: list[int] = []
+    failing = threading.Event()
+    run = backend.run
+
+    def counting(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query is queries.save_scan_results:
+            if failing.is_set():
+                raise StoreUnavailable("the disk is full")
+            batches.append(len(args[0]))
+        return run(query, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "run", counting)
+    store = AsyncStore(backend)
+    cache = store.scan_cache
+    reader = open_backend()  # another process's view: it sees only what was committed
+
+    async def scan(n: int) -> None:
+        digest = "sha256:" + f"{n:064x}"
+        await cache.record_tag("127.0.0.1:5000", "app", f"v{n}", digest)
+        assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", f"v{n}") == digest
+        await cache.save_report(_report(digest))
+        assert reader.run(queries.report, digest) is not None  # durable before the await returns
+
+    try:
+        await asyncio.gather(*(scan(n) for n in range(1, 41)))
+        assert sum(batches) == 80  # every tag and every report written, once
+        assert len(batches) <= 10  # in a few shared transactions, not one each
+        failing.set()
+        outcomes = await asyncio.gather(*(scan(n) for n in range(41, 45)), return_exceptions=True)
+        assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
+        failing.clear()
+        await scan(45)  # a failed batch leaves the writer ready for the next
+    finally:
+        await store.close()
+        reader.close()
+
+
+def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
+    from store.dialect import POSTGRES, SQLITE
+
+    neutral = "SELECT :a::text[], '100%', coalesce(:b, 1) FROM t WHERE x < :now"
+    assert (
+        POSTGRES.translate(neutral)
+        == "SELECT %(a)s::text[], '100%%', coalesce(%(b)s, 1) FROM t WHERE x < now()"
+    )
+    assert SQLITE.translate(neutral) == neutral  # SQLite binds :now to the process's clock

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scanner.models import GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
+from store import queries
 from tests.conftest import OpenBackend
 
 
@@ -25,10 +26,12 @@ def report(name: str, digit: str, inferred: InferredCuda | None) -> ImageReport:
 
 def test_inferred_filter(open_backend: OpenBackend) -> None:
     store = open_backend()
-    store.save_report(report("torch", "a", InferredCuda(cuda="12.1", evidence=["x: cuda = '12.1'"])))
-    store.save_report(report("plain", "b", None))
-    found, total = store.list_images(inferred=True)
+    store.run(
+        queries.save_report, report("torch", "a", InferredCuda(cuda="12.1", evidence=["x: cuda = '12.1'"]))
+    )
+    store.run(queries.save_report, report("plain", "b", None))
+    found, total = store.run(queries.list_images, inferred=True)
     assert [row.repository for row in found] == ["torch"] and total == 1
-    found, _ = store.list_images(inferred=False)
+    found, _ = store.run(queries.list_images, inferred=False)
     assert [row.repository for row in found] == ["plain"]
-    assert store.list_images()[1] == 2
+    assert store.run(queries.list_images)[1] == 2

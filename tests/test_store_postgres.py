@@ -16,6 +16,7 @@ from typing import TypeVar
 import psycopg
 import pytest
 
+from store import queries
 from store.migrations import latest_version
 from store.models import GpuTaken, StoreUnavailable
 from store.postgres import JOB_SETTLED, JOBS_QUEUED, Notification, PostgresStore
@@ -80,7 +81,7 @@ def test_the_same_push_on_every_replica_makes_one_job(replicas: list[PostgresSto
         for (reference, _), job_id in zip(rotated, ids, strict=True):
             ids_by_reference[reference].add(job_id)
     assert all(len(ids) == 1 for ids in ids_by_reference.values()), ids_by_reference
-    assert replicas[0].queue_depth()["queued"] == len(references)
+    assert replicas[0].run(queries.queue_depth)["queued"] == len(references)
 
 
 def test_concurrent_claims_take_each_job_once_and_keep_the_registry_cap(
@@ -127,11 +128,11 @@ def test_two_replicas_never_reserve_one_gpu_twice(replicas: list[PostgresStore])
     won = [n for n, outcome in enumerate(outcomes) if outcome is None]
     taken = [gpu for n in won for gpu in wants[n]]
     assert len(taken) == len(set(taken)), "a GPU was reserved twice"
-    reserved = replicas[1].reserved_gpus()
+    reserved = replicas[1].run(queries.reserved_gpus)
     assert reserved == {gpu: f"d{n}" for n in won for gpu in wants[n]}
     # a losing deploy left nothing behind: no partial reservation, no deployment row
-    assert {record for record in replicas[0].deployments(limit=200)} and len(
-        replicas[0].deployments(limit=200)
+    assert {record for record in replicas[0].run(queries.deployments, limit=200)} and len(
+        replicas[0].run(queries.deployments, limit=200)
     ) == len(won)
 
 
@@ -171,7 +172,7 @@ def test_expired_leases_return_to_the_queue_once(replicas: list[PostgresStore]) 
     returned = [entry for result in expiries if isinstance(result, list) for entry in result]
     assert sorted(entry.job_id for entry in returned) == sorted(job.id for job in jobs)
     assert {entry.owner for entry in returned} == {"dead-worker"}
-    assert store.queue_depth()["queued"] == 10
+    assert store.run(queries.queue_depth)["queued"] == 10
     # the dead worker's late outcome is refused: the lease is gone
     assert store.finish_job(jobs[0].id, digest=None, owner="dead-worker") is False
     assert store.fail_job(jobs[0].id, "late", retry_in=1.0, owner="dead-worker") is None
@@ -189,22 +190,23 @@ def test_unreachable_database_is_reported_without_the_password(postgres_server: 
 def test_listing_totals_are_exact_up_to_the_limit_then_estimated(
     replicas: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from store import postgres
+    from store.queries import reports
     from tests.test_store import _report
 
     store = replicas[0]
-    monkeypatch.setattr(postgres, "EXACT_COUNT_LIMIT", 5)
+    monkeypatch.setattr(reports, "EXACT_COUNT_LIMIT", 5)
     for n in range(8):
         report = _report("sha256:" + f"{n:x}" * 64, gpu=n < 3)
-        store.save_report(report.model_copy(update={"registry": f"r{n % 3}.example"}))
-    rows, total = store.list_images(limit=2)
+        store.run(queries.save_report, report.model_copy(update={"registry": f"r{n % 3}.example"}))
+    rows, total = store.run(queries.list_images, limit=2)
     assert len(rows) == 2 and total >= 5  # past the limit: an estimate, never below what is proven
-    assert store.list_images(gpu=True)[1] == 3  # under the limit: exact
-    rows, total = store.list_images(limit=4, offset=4)
+    assert store.run(queries.list_images, gpu=True)[1] == 3  # under the limit: exact
+    rows, total = store.run(queries.list_images, limit=4, offset=4)
     assert len(rows) == 4 and total == 8  # counting past the page's end is exact again: the last page knows
-    assert store.registries() == ["r0.example", "r1.example", "r2.example"]  # the index skip-scan
-    assert store.list_images(query="R1.EXAMPLE")[1] == 0  # the registry is not part of the search text
-    assert store.list_images(query="APP:")[1] == 8  # case-insensitive, over the reference
+    assert store.run(queries.registries) == ["r0.example", "r1.example", "r2.example"]  # the index skip-scan
+    # the registry is not part of the search text
+    assert store.run(queries.list_images, query="R1.EXAMPLE")[1] == 0
+    assert store.run(queries.list_images, query="APP:")[1] == 8  # case-insensitive, over the reference
 
 
 async def test_a_wait_on_one_replica_wakes_when_another_process_finishes_the_job(
@@ -228,7 +230,7 @@ async def test_a_wait_on_one_replica_wakes_when_another_process_finishes_the_job
         async def finished() -> bool:
             nonlocal checks
             checks += 1
-            job = await api.job(job_id)
+            job = await api.run(api.backend.job, job_id)
             if checks == 1:  # the other process claims and finishes it while we wait
                 (claimed,) = await asyncio.to_thread(
                     worker.claim_jobs, 1, owner="elsewhere", lease_seconds=60

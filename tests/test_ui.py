@@ -33,7 +33,7 @@ from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, free_port
 from scanner.facts.badges import badges
 from scanner.models import GpuFacts, ImageReport, LibcFlavour, LibcVerdict, PlatformReport, RequirementIssue
-from store import EnqueueBatch
+from store import EnqueueBatch, queries
 from store import SqliteStore as Store
 from store.backend import StoreBackend
 from tests.conftest import Pusher
@@ -118,9 +118,9 @@ def make_report(
 
 
 def save(store: StoreBackend, report: ImageReport) -> None:
-    store.save_report(report)
+    store.run(queries.save_report, report)
     assert report.registry and report.repository and report.tag and report.digest
-    store.record_tag(report.registry, report.repository, report.tag, report.digest)
+    store.run(queries.record_tag, report.registry, report.repository, report.tag, report.digest)
 
 
 GPU_IMAGE = make_report(
@@ -348,7 +348,7 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
     ref = "127.0.0.1:5000/team/app:1.0"
     wrong = await client.post("/scans", data={"ref": ref, "token": "nope"}, allow_redirects=False)
     assert wrong.status == 401 and "not valid" in await wrong.text()
-    assert services.store.backend.jobs() == []
+    assert services.store.backend.run(queries.jobs) == []
     refused = await client.post(
         "/scans", data={"ref": "evil.example.com/x:1", "token": "s3cret"}, allow_redirects=False
     )
@@ -360,10 +360,10 @@ async def test_scan_form_checks_token_and_allowlist_then_redirects(
     assert (await api_refused.json())["error"] in await refused.text()
     malformed = await client.post("/scans", data={"ref": "a b", "token": "s3cret"}, allow_redirects=False)
     assert malformed.status == 400
-    assert services.store.backend.jobs() == []
+    assert services.store.backend.run(queries.jobs) == []
     accepted = await client.post("/scans", data={"ref": ref, "token": "s3cret"}, allow_redirects=False)
     assert accepted.status == 303 and accepted.headers["Location"] == "/scans"
-    (job,) = services.store.backend.jobs()
+    (job,) = services.store.backend.run(queries.jobs)
     assert (job.reference, job.source, job.state) == (ref, "ui", "queued")
     page = await (await client.get("/scans")).text()
     assert ref in page and "1 queued" in page

@@ -187,7 +187,7 @@ async def test_error_messages_do_not_carry_secrets(service: Service, registry: L
     store = service.app[SERVICES].store
     reference = f"{registry.host}/sec/app:1"
     (job_id,) = await store.enqueue([(reference, registry.host)], source="api", max_attempts=1)
-    (claimed,) = await store.claim_jobs(1, owner="test", lease_seconds=60)
+    (claimed,) = await store.run(store.backend.claim_jobs, 1, owner="test", lease_seconds=60)
     assert claimed.id == job_id
     presigned = "https://bucket.s3.amazonaws.com/blob?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=0ddba11"
     await store.fail_job(job_id, f"blob download failed: 403 from {presigned}", retry_in=None, owner="test")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
-from store import Job
+from store import Job, queries
 from web import hooks
 from web.errors import json_error, json_http_error, read_json
 from web.hooks import acr as acr_hook
@@ -143,8 +143,8 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
     pushes = [event for event in events if event.action == "push"]
     for event in events:
         if event.action == "delete":
-            await services.store.mark_gone(
-                event.registry, event.repository, tag=event.tag, digest=event.digest
+            await services.store.run(
+                queries.mark_gone, event.registry, event.repository, tag=event.tag, digest=event.digest
             )
     try:
         queued = [(str(parse_reference(event.reference)), event) for event in pushes]
@@ -217,7 +217,8 @@ async def list_images(request: web.Request) -> web.Response:
     libc = query.get("libc") or None
     if libc == "no-libc":
         libc = "none"
-    rows, total = await services.store.list_images(
+    rows, total = await services.store.run(
+        queries.list_images,
         gpu=_bool_param(query.get("gpu"), "gpu"),
         libc=libc,
         cuda=query.get("cuda") or None,
@@ -241,7 +242,9 @@ async def _stored_digest(services: Services, reference: Reference) -> str | None
     """The digest a tag or digest reference stands for, if the store knows it."""
     if reference.digest:
         return reference.digest
-    return await services.store.resolve_tag(reference.registry, reference.repository, reference.tag or "")
+    return await services.store.run(
+        queries.resolve_tag, reference.registry, reference.repository, reference.tag or ""
+    )
 
 
 def _ready(report: ImageReport | None, until: str) -> bool:
@@ -255,9 +258,9 @@ async def find_report(services: Services, reference: Reference) -> ImageReport |
     digest = await _stored_digest(services, reference)
     if digest is None:
         return None
-    report = await store.report(digest)
+    report = await store.run(queries.report, digest)
     if report is None:
-        platform = await store.platform_report(digest)
+        platform = await store.run(queries.platform_report, digest)
         if platform is None:
             return None
         report = ImageReport(
@@ -292,8 +295,8 @@ async def image_by_ref(request: web.Request) -> web.Response:
         await services.store.wait_until(ready, wait, key=str(reference))
         report = await find_report(services, reference)
     if report is None:
-        pending = await services.store.pending_job_for(str(reference))
-        latest = pending or await services.store.latest_job_for(str(reference))
+        pending = await services.store.run(queries.pending_job_for, str(reference))
+        latest = pending or await services.store.run(queries.latest_job_for, str(reference))
         return json_error(
             404,
             f"{reference} has not been scanned",
@@ -324,7 +327,7 @@ async def get_scan(request: web.Request) -> web.Response:
     services = services_of(request)
     job_id = request.match_info["job_id"]
     wait = wait_param(request)
-    job = await services.store.job(job_id)
+    job = await services.store.run(services.store.backend.job, job_id)
     if job is not None and wait:  # the job may run in any worker process, here or elsewhere
         job = await services.store.wait_for_job(job_id, wait)
     if job is None:
@@ -345,7 +348,9 @@ async def retry_scan(request: web.Request) -> web.Response:
 async def list_scans(request: web.Request) -> web.Response:
     services = services_of(request)
     states = [s for s in request.query.get("state", "").split(",") if s]
-    jobs = await services.store.jobs(states=states, limit=_int_param(request, "limit", 50, 1, MAX_PAGE))
+    jobs = await services.store.run(
+        queries.jobs, states=states, limit=_int_param(request, "limit", 50, 1, MAX_PAGE)
+    )
     return web.json_response({"jobs": [JobView.of(job).model_dump() for job in jobs]})
 
 

@@ -95,7 +95,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
         static_fleet: list[Server] = app[STATIC_FLEET]
         services.scanner = Scanner(
             client,
-            services.store,
+            services.store.scan_cache,
             settings,
             on_result=on_result,
             publish_facts=True,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from placement.inventory import Server
+from store import queries
 from store.facade import AsyncStore
 
 REFRESH_SECONDS = 30.0
@@ -48,7 +49,7 @@ class FleetArchitectures:
         async with self._lock:
             now = time.monotonic()
             if self._read_at is None or now - self._read_at >= self.refresh_seconds:
-                records = await self.store.servers()
+                records = await self.store.run(queries.servers)
                 agents = await asyncio.to_thread(_architectures, [row.inventory_json for row in records])
                 self._known, self._read_at = self.static | agents, now
             return self._known

@@ -39,7 +39,7 @@ from placement.protocol import (
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
-from store import GpuTaken, ServerRecord
+from store import GpuTaken, ServerRecord, queries
 from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json
 from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
@@ -138,9 +138,9 @@ async def live_servers(app: web.Application) -> list[Server]:
     """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
     services = services_of_app(app)
     stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
-    reserved = await services.store.reserved_gpus()
+    reserved = await services.store.run(queries.reserved_gpus)
     servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
-    for inventory, _, last_heartbeat in await services.store.servers():
+    for inventory, _, last_heartbeat in await services.store.run(queries.servers):
         server = Server.model_validate_json(inventory)
         seen = datetime.fromisoformat(last_heartbeat)
         if seen < stale_before:
@@ -243,7 +243,7 @@ class FleetIndexCache:
             # Claims made before this read are committed, so the read has them; later ones stay.
             self._recent_owner.clear()
             self._recent_live.clear()
-            servers, reserved = await store.servers(), await store.reserved_gpus()
+            servers, reserved = await store.run(queries.servers), await store.run(queries.reserved_gpus)
             # Parsing inventories is the costly part (10,000 agents at start-up): a thread does it;
             # the index itself changes here, on the loop, in one step.
             unseen = [row.inventory_json for row in servers if row.inventory_json not in self._parsed]
@@ -251,7 +251,7 @@ class FleetIndexCache:
             self._read_inventory(app, now, servers, reserved, fresh)
         elif self._reservations_dirty:
             self._reservations_dirty = False
-            self._apply_reservations(await store.reserved_gpus(), ())
+            self._apply_reservations(await store.run(queries.reserved_gpus), ())
         assert self._index is not None
         return self._index
 
@@ -410,7 +410,7 @@ async def returning_conflict(app: web.Application, name: str) -> web.Response | 
     """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
     if await app[FLEET_INDEX].is_live(app, name):
         return None
-    stored = await services_of_app(app).store.server_inventory(name)
+    stored = await services_of_app(app).store.run(queries.server_inventory, name)
     if stored is None:
         return None
     gpus = Server.model_validate_json(stored).gpus
@@ -438,7 +438,7 @@ async def register_server(request: web.Request) -> web.Response:
         conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
         if conflict is not None:
             return conflict
-        await services.store.upsert_server(server.name, stored.model_dump_json())
+        await services.store.run(queries.upsert_server, server.name, stored.model_dump_json())
         request.app[FLEET_INDEX].claimed(server.name, server.gpus)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
@@ -464,14 +464,14 @@ async def server_heartbeat(request: web.Request) -> web.Response:
             conflict = await claimed_elsewhere(request.app, name, beat.gpus)
             if conflict is not None:
                 return conflict
-            current = await services.store.server_inventory(name)
+            current = await services.store.run(queries.server_inventory, name)
             if current is not None:
                 inventory = (
                     Server.model_validate_json(current)
                     .model_copy(update={"gpus": beat.gpus})
                     .model_dump_json()
                 )
-        if not await services.store.heartbeat(name, inventory):
+        if not await services.store.run(queries.heartbeat, name, inventory):
             return json_error(404, f"unknown server {name}; register again")
         if inventory is not None and beat.gpus is not None:
             request.app[FLEET_INDEX].claimed(name, beat.gpus)
@@ -548,7 +548,7 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
     if report is not None:
         return report
     if not may_scan:
-        if await services.store.pending_job_for(str(reference)) is not None:
+        if await services.store.run(queries.pending_job_for, str(reference)) is not None:
             raise json_http_error(
                 web.HTTPNotFound,
                 f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
@@ -631,7 +631,7 @@ async def constraints(request: web.Request) -> web.Response:
 
 
 async def _load(services: Services, deployment_id: str) -> Deployment | None:
-    row = await services.store.deployment(deployment_id)
+    row = await services.store.run(queries.deployment, deployment_id)
     return Deployment.model_validate_json(row.record_json) if row else None
 
 
@@ -664,8 +664,12 @@ async def create_deployment(request: web.Request) -> web.Response:
             env=run.env,
         )
         try:
-            await services.store.create_deployment(
-                deployment.id, deployment.server, deployment.gpus, deployment.model_dump_json()
+            await services.store.run(
+                services.store.backend.create_deployment,
+                deployment.id,
+                deployment.server,
+                deployment.gpus,
+                deployment.model_dump_json(),
             )
         except GpuTaken:
             # Another deploy (maybe another process) reserved one of these GPUs first: decide again.
@@ -696,7 +700,7 @@ async def get_deployment(request: web.Request) -> web.Response:
 async def list_deployments(request: web.Request) -> web.Response:
     services = services_of(request)
     reveal = holds_api_token(request, services.settings.api_token)
-    rows = await services.store.deployments(server=request.query.get("server") or None)
+    rows = await services.store.run(queries.deployments, server=request.query.get("server") or None)
     return web.json_response(
         {"deployments": [Deployment.model_validate_json(row.record_json).shown(reveal) for row in rows]}
     )
@@ -721,14 +725,23 @@ async def delete_deployment(request: web.Request) -> web.Response:
                 "updated_at": now,
             }
         )
-        await services.store.update_deployment(
-            deployment.id, deployment.model_dump_json(), state="stopped", desired="stop", release=True
+        await services.store.run(
+            queries.update_deployment,
+            deployment.id,
+            deployment.model_dump_json(),
+            state="stopped",
+            desired="stop",
+            release=True,
         )
         request.app[FLEET_INDEX].reservations_changed()
     else:
         deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
-        await services.store.update_deployment(
-            deployment.id, deployment.model_dump_json(), state=deployment.state, desired="stop"
+        await services.store.run(
+            queries.update_deployment,
+            deployment.id,
+            deployment.model_dump_json(),
+            state=deployment.state,
+            desired="stop",
         )
     await request.app[FLEET_EVENTS].notify()
     return web.json_response(deployment.shown(reveal), status=202)
@@ -744,11 +757,11 @@ async def agent_poll(request: web.Request) -> web.Response:
         conflict = await returning_conflict(request.app, name)
         if conflict is not None:
             return conflict
-        if await services.store.heartbeat(name):
+        if await services.store.run(queries.heartbeat, name):
             request.app[FLEET_INDEX].heard_from(name)
     deadline = time.monotonic() + wait
     while True:
-        rows = await services.store.actionable_deployments(name)
+        rows = await services.store.run(queries.actionable_deployments, name)
         remaining = deadline - time.monotonic()
         if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
             break
@@ -783,8 +796,12 @@ async def deployment_status(request: web.Request) -> web.Response:
             "updated_at": datetime.now(UTC),
         }
     )
-    await services.store.update_deployment(
-        deployment.id, updated.model_dump_json(), state=status.state, release=status.state in TERMINAL_STATES
+    await services.store.run(
+        queries.update_deployment,
+        deployment.id,
+        updated.model_dump_json(),
+        state=status.state,
+        release=status.state in TERMINAL_STATES,
     )
     if status.state in TERMINAL_STATES:
         request.app[FLEET_INDEX].reservations_changed()

@@ -15,12 +15,14 @@ from typing import Any
 
 from aiohttp import web
 
-from store import QueueHealth
+from store import QueueHealth, queries
 from web.state import Services, services_of
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
-    depth, queue = await asyncio.gather(services.store.queue_depth(), services.store.queue_health())
+    depth, queue = await asyncio.gather(
+        services.store.run(queries.queue_depth), services.store.run(services.store.backend.queue_health)
+    )
     return depth, queue
 
 
@@ -81,7 +83,10 @@ async def metrics(request: web.Request) -> web.Response:
             registry.queue.set(float(count), state)
         registry.oldest_queued.set(queue.oldest_ready_seconds or 0.0)
     with contextlib.suppress(Exception):
-        loads = await asyncio.wait_for(services.store.registry_load(), services.settings.health_timeout)
+        store = services.store
+        loads = await asyncio.wait_for(
+            store.run(store.backend.registry_load), services.settings.health_timeout
+        )
         registry.set_registry_load(loads)
     return web.Response(
         text=registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}

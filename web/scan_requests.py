@@ -43,7 +43,7 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
         max_attempts=services.settings.max_attempts,
     )
     services.wake_workers()
-    job = await services.store.job(job_id)
+    job = await services.store.run(services.store.backend.job, job_id)
     if job is None:  # pragma: no cover - enqueue committed it in the same process
         raise ScanRefused(500, f"scan job {job_id} vanished after it was queued")
     return job

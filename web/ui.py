@@ -27,7 +27,7 @@ from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.requirements import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
-from store import ImageRow, Job, TagEvent
+from store import ImageRow, Job, TagEvent, queries
 from web.api import find_report
 from web.badge_svg import badge_for, render_badge
 from web.nfd_view import nfd_views
@@ -501,11 +501,14 @@ async def images_page(request: web.Request) -> web.Response:
     services = services_of(request)
     store = services.store
     filters = ImageFilters.from_query(request.query)
-    rows, total = await store.list_images(
-        **filters.store_arguments(), limit=PAGE_SIZE, offset=(filters.page - 1) * PAGE_SIZE
+    rows, total = await store.run(
+        queries.list_images,
+        **filters.store_arguments(),
+        limit=PAGE_SIZE,
+        offset=(filters.page - 1) * PAGE_SIZE,
     )
     if filters.active or filters.page > 1:
-        newest, _ = await store.list_images(limit=1)
+        newest, _ = await store.run(queries.list_images, limit=1)
     else:
         newest = rows[:1]
     pages = max(1, math.ceil(total / PAGE_SIZE))
@@ -518,9 +521,11 @@ async def images_page(request: web.Request) -> web.Response:
         rows=[image_row_view(row) for row in rows],
         total=total,
         pages=pages,
-        registries=await store.registries(),
+        registries=await store.run(queries.registries),
         last_scan=newest[0].scanned_at if newest else None,
-        failures=[job_view(job) for job in await store.jobs(states=["failed"], limit=RECENT_FAILURES)],
+        failures=[
+            job_view(job) for job in await store.run(queries.jobs, states=["failed"], limit=RECENT_FAILURES)
+        ],
         legend=LEGEND,
         token_required=services.settings.api_token is not None,
     )
@@ -536,8 +541,8 @@ async def image_page(request: web.Request) -> web.Response:
     report = await find_report(services, reference)
     if report is None:
         store = services.store
-        pending = await store.pending_job_for(str(reference))
-        latest = pending or await store.latest_job_for(str(reference))
+        pending = await store.run(queries.pending_job_for, str(reference))
+        latest = pending or await store.run(queries.latest_job_for, str(reference))
         return page(
             request,
             "not_scanned.html",
@@ -561,8 +566,8 @@ async def image_page(request: web.Request) -> web.Response:
 async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
-    tags = await store.tags_for_digest(report.digest) if report.digest else []
-    history = await store.tag_history(reference.registry, reference.repository)
+    tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
+    history = await store.run(queries.tag_history, reference.registry, reference.repository)
     return {
         "reference": str(reference),
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
@@ -601,9 +606,12 @@ async def scans_response(
         status=status,
         title="Scans · gpubadge",
         active="scans",
-        pending=[job_view(job, deep) for job in await store.jobs(states=["queued", "running"], limit=100)],
-        recent=[job_view(job) for job in await store.jobs(limit=50)],
-        depth=await store.queue_depth(),
+        pending=[
+            job_view(job, deep)
+            for job in await store.run(queries.jobs, states=["queued", "running"], limit=100)
+        ],
+        recent=[job_view(job) for job in await store.run(queries.jobs, limit=50)],
+        depth=await store.run(queries.queue_depth),
         token_required=services.settings.api_token is not None,
         form_error=error,
         ref=ref,
@@ -651,7 +659,7 @@ async def badge(request: web.Request) -> web.Response:
     report = await find_report(services, reference)
     failed, failure = False, None
     if report is None:
-        latest = await services.store.latest_job_for(str(reference))
+        latest = await services.store.run(queries.latest_job_for, str(reference))
         failed = latest is not None and latest.state == "failed"
         failure = redact_secrets(latest.error) if latest is not None and failed and latest.error else None
     svg = render_badge(badge_for(report, last_scan_failed=failed, failure=failure))

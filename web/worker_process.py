@@ -84,7 +84,7 @@ async def run_workers(
             )
             scanner = Scanner(
                 client,
-                store,
+                store.scan_cache,
                 settings,
                 publish_facts=True,
                 fleet_architectures=FleetArchitectures(store, static),

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from scanner.models import ImageReport
 from scanner.scan import Scanner, ScanOptions
-from store import AsyncStore, Job, JobState, LeaseExpiry
+from store import AsyncStore, Job, JobState, LeaseExpiry, queries
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,11 @@ class ScanWorkers:
         self._unsubscribe = self.store.events.on_queued(self.wake)
         await self.store.start_events()
         try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
-            dead = [owner for owner in await self.store.lease_owners() if _local_owner_is_dead(owner)]
+            dead = [
+                owner
+                for owner in await self.store.run(self.store.backend.lease_owners)
+                if _local_owner_is_dead(owner)
+            ]
             if dead:
                 resumed = await self.store.release_leases(dead, refund_attempt=False)
                 log.info("resuming %d scan job(s) left running by %s", resumed, ", ".join(dead))
@@ -222,7 +226,8 @@ class ScanWorkers:
                     self.events.on_lease_expiries(expired)
         free = self.settings.concurrency - len(self._running)
         if free > 0 and not self._stopping:
-            claimed = await self.store.claim_jobs(
+            claimed = await self.store.run(
+                self.store.backend.claim_jobs,
                 free,
                 owner=self.owner,
                 lease_seconds=self.settings.lease_seconds,
@@ -238,7 +243,7 @@ class ScanWorkers:
         self._running.pop(job_id, None)
 
     async def _idle_delay(self) -> float:
-        due = await self.store.next_job_due()
+        due = await self.store.run(queries.next_job_due)
         pause = self.settings.idle_poll
         if due is not None:
             pause = max(0.0, min(pause, (due - datetime.now(UTC)).total_seconds()))
@@ -254,7 +259,11 @@ class ScanWorkers:
         interval = self.settings.lease_seconds / 3
         ids = list(self._running)
         if ids:
-            held = set(await self.store.renew_leases(self.owner, ids, self.settings.lease_seconds))
+            held = set(
+                await self.store.run(
+                    self.store.backend.renew_leases, self.owner, ids, self.settings.lease_seconds
+                )
+            )
             for job_id in ids:
                 task = self._running.get(job_id)
                 if job_id not in held and task is not None and not task.done():

@@ -1,0 +1,310 @@
+"""What differs between the two engines for the queries written once in `store.queries`.
+
+The shared queries are written in one neutral SQL: named parameters (`:name`), standard
+`INSERT ... ON CONFLICT (key) DO UPDATE` upserts (both engines take them), and a magic `:now`
+parameter for "the store's clock". A `Dialect` turns that text into its engine's (once per
+distinct text: the translation is cached, so a statement is prepared once), and supplies the
+few expressions that cannot be written once: list columns (a JSON array in SQLite, `text[]` in
+PostgreSQL), membership and JSON tests, text search, aggregation into a list, timestamps, and
+the NOTIFY that tells other replicas of a commit.
+
+`Db` is one connection inside one transaction (or one read), as a query function sees it.
+`Query` marks a function of a `Db` as a read or a write, so a backend's `run` knows which
+connection and which transaction it needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+R = TypeVar("R", covariant=True)  # a query of a dict is a query of a Mapping
+
+Params = Mapping[str, Any]
+Row = tuple[Any, ...]
+
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+def iso(moment: datetime) -> str:
+    """The one text form of a time that callers see, from either engine."""
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+class Cursorish(Protocol):
+    """What both drivers' cursors give back after a statement."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Connectionish(Protocol):
+    """sqlite3.Connection and psycopg.Connection, as far as the shared queries use them."""
+
+    def execute(self, sql: Any, params: Any = ..., /) -> Any: ...
+
+
+class Dialect:
+    """One engine's spelling of what the shared queries cannot write once."""
+
+    name: str
+    # The store's clock: SQLite binds the process's time, PostgreSQL uses the database's.
+    clock_is_parameter: bool
+
+    def translate(self, sql: str) -> str:
+        """Neutral SQL (`:name` parameters) in this engine's parameter style; cached per text.
+
+        Bounded by the statements' shapes: input only ever travels as parameters, never in the text.
+        """
+        raise NotImplementedError
+
+    def array(self, values: Iterable[str]) -> Any:
+        """A list of strings as a parameter for a list column."""
+        raise NotImplementedError
+
+    def array_value(self, value: Any) -> list[str]:
+        """A list column (or `agg`'s result) read back."""
+        raise NotImplementedError
+
+    def array_has(self, column: str, param: str) -> str:
+        """True when the list column holds the parameter's value exactly."""
+        raise NotImplementedError
+
+    def array_any(self, column: str, test: str) -> str:
+        """True when some element `v` of the list column passes `test` (written over `v`)."""
+        raise NotImplementedError
+
+    def in_list(self, column: str, param: str) -> str:
+        """`column` is one of a list parameter's values (pass `array(values)`): one statement text
+        for any number of values, so it is prepared once."""
+        raise NotImplementedError
+
+    def json_any(self, document: str, array_key: str, member: Sequence[str]) -> str:
+        """True when some element of the JSON document's top-level array `array_key` has a
+        non-null object at the path `member`."""
+        raise NotImplementedError
+
+    def search(self, columns: Sequence[str], param: str) -> str:
+        """A case-insensitive substring match of the (already escaped, %-wrapped) parameter
+        against any of `columns`."""
+        raise NotImplementedError
+
+    def agg(self, expression: str) -> str:
+        """The aggregate that gathers `expression` into a list (read it with `array_value`)."""
+        raise NotImplementedError
+
+    def stamp(self, value: Any) -> str | None:
+        """A timestamp column read back, in `iso` form."""
+        raise NotImplementedError
+
+    def stamp_param(self, moment: datetime) -> Any:
+        """A time as a parameter for a timestamp column."""
+        raise NotImplementedError
+
+    def estimate(self, db: Db, sql: str, params: Params) -> int | None:
+        """The planner's row estimate for `sql`, where the engine has one."""
+        return None
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        """One translated statement over many parameter sets, as the driver batches them."""
+        raise NotImplementedError
+
+    def lock(self, db: Db, key: str) -> None:
+        """Serialise this transaction with every other one taking the same `key` until it ends
+        (PostgreSQL's advisory lock); SQLite's one writer serialises every write already."""
+
+    def notify(self, db: Db, channel: str, payload: str) -> None:
+        """Tell every replica of this commit (PostgreSQL); a single-file store needs no telling."""
+
+
+class SqliteDialect(Dialect):
+    name = "sqlite"
+    clock_is_parameter = True
+
+    @functools.cache  # noqa: B019 - one instance per process; the cache is the point
+    def translate(self, sql: str) -> str:
+        return sql  # named parameters are SQLite's own style
+
+    def array(self, values: Iterable[str]) -> Any:
+        return json.dumps(list(values))
+
+    def array_value(self, value: Any) -> list[str]:
+        return list(json.loads(value)) if value else []
+
+    def array_has(self, column: str, param: str) -> str:
+        return f"EXISTS (SELECT 1 FROM json_each({column}) WHERE value = :{param})"
+
+    def array_any(self, column: str, test: str) -> str:
+        return f"EXISTS (SELECT 1 FROM (SELECT value AS v FROM json_each({column})) WHERE {test})"
+
+    def in_list(self, column: str, param: str) -> str:
+        return f"{column} IN (SELECT value FROM json_each(:{param}))"
+
+    def json_any(self, document: str, array_key: str, member: Sequence[str]) -> str:
+        path = "$." + ".".join(member)
+        return (
+            f"EXISTS (SELECT 1 FROM json_each({document}, '$.{array_key}') p"
+            f" WHERE json_type(p.value, '{path}') = 'object')"
+        )
+
+    def search(self, columns: Sequence[str], param: str) -> str:
+        # SQLite's LIKE is case-insensitive for ASCII
+        return "(" + " OR ".join(f"{column} LIKE :{param} ESCAPE '\\'" for column in columns) + ")"
+
+    def agg(self, expression: str) -> str:
+        return f"json_group_array({expression})"
+
+    def stamp(self, value: Any) -> str | None:
+        return None if value is None else str(value)
+
+    def stamp_param(self, moment: datetime) -> Any:
+        return iso(moment)
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        conn.executemany(sql, rows)
+
+
+class PostgresDialect(Dialect):
+    name = "postgres"
+    clock_is_parameter = False
+
+    @functools.cache  # noqa: B019 - one instance per process; the cache is the point
+    def translate(self, sql: str) -> str:
+        escaped = sql.replace("%", "%%")
+        return _NAMED.sub(lambda m: "now()" if m[1] == "now" else f"%({m[1]})s", escaped)
+
+    def array(self, values: Iterable[str]) -> Any:
+        return list(values)
+
+    def array_value(self, value: Any) -> list[str]:
+        return list(value) if value else []
+
+    def array_has(self, column: str, param: str) -> str:
+        return f"{column} @> ARRAY[:{param}]::text[]"  # the GIN index answers it
+
+    def array_any(self, column: str, test: str) -> str:
+        return f"EXISTS (SELECT 1 FROM unnest({column}) AS v WHERE {test})"
+
+    def in_list(self, column: str, param: str) -> str:
+        return f"{column} = ANY(:{param})"
+
+    def json_any(self, document: str, array_key: str, member: Sequence[str]) -> str:
+        path = " -> ".join(f"'{key}'" for key in member)
+        return (
+            f"EXISTS (SELECT 1 FROM jsonb_array_elements({document}::jsonb -> '{array_key}') p"
+            f" WHERE jsonb_typeof(p -> {path}) = 'object')"
+        )
+
+    def search(self, columns: Sequence[str], param: str) -> str:
+        # One expression, so the trigram index `reports_search` (migration 0003) serves it when it
+        # is spelt exactly as there; chr(31) keeps a match from spanning two fields.
+        return "(" + " || chr(31) || ".join(columns) + f") ILIKE :{param}"
+
+    def agg(self, expression: str) -> str:
+        return f"array_agg({expression} ORDER BY {expression})"
+
+    def stamp(self, value: Any) -> str | None:
+        return None if value is None else iso(value)
+
+    def stamp_param(self, moment: datetime) -> Any:
+        return moment
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
+        with conn.cursor() as cursor:  # psycopg sends the batch in one pipeline
+            cursor.executemany(sql, rows)
+
+    def estimate(self, db: Db, sql: str, params: Params) -> int | None:
+        plan = db.one(f"EXPLAIN (FORMAT JSON) {sql}", params)
+        return int(plan[0][0]["Plan"]["Plan Rows"]) if plan else None
+
+    def lock(self, db: Db, key: str) -> None:
+        db.one("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))", {"key": key})
+
+    def notify(self, db: Db, channel: str, payload: str) -> None:
+        # NOTIFY's payload limit is 8000 bytes; every payload here is bounded far below it
+        db.one("SELECT pg_notify(:channel, :payload)", {"channel": channel, "payload": payload[:7900]})
+
+
+SQLITE = SqliteDialect()
+POSTGRES = PostgresDialect()
+
+
+class Db:
+    """One connection inside one transaction (a write) or one read, speaking neutral SQL."""
+
+    __slots__ = ("_conn", "_now", "dialect")
+
+    def __init__(self, conn: Connectionish, dialect: Dialect) -> None:
+        self._conn = conn
+        self.dialect = dialect
+        self._now: str | None = None
+
+    def _params(self, params: Params) -> Params:
+        if not self.dialect.clock_is_parameter:
+            return params
+        if self._now is None:  # one instant for the whole transaction, as PostgreSQL's now()
+            self._now = iso(datetime.now(UTC))
+        return {**params, "now": self._now}
+
+    def execute(self, sql: str, params: Params | None = None) -> Cursorish:
+        cursor: Cursorish = self._conn.execute(self.dialect.translate(sql), self._params(params or {}))
+        return cursor
+
+    def one(self, sql: str, params: Params | None = None) -> Row | None:
+        row: Row | None = self.execute(sql, params).fetchone()
+        return row
+
+    def all(self, sql: str, params: Params | None = None) -> list[Row]:
+        return list(self.execute(sql, params).fetchall())
+
+    def many(self, sql: str, rows: Sequence[Params]) -> None:
+        """One statement for many parameter sets: prepared once, sent as one batch."""
+        if not rows:
+            return
+        self.dialect.execute_many(
+            self._conn, self.dialect.translate(sql), [self._params(row) for row in rows]
+        )
+
+    def notify(self, channel: str, payload: str) -> None:
+        self.dialect.notify(self, channel, payload)
+
+
+class Query(Generic[P, R]):
+    """A function of a `Db`, marked as a read or a write: what `StoreBackend.run` runs.
+
+    A read runs on a connection that never waits for writers; a write runs in one write
+    transaction (SQLite: the shared writer, `BEGIN IMMEDIATE`), committed when it returns.
+    """
+
+    __slots__ = ("function", "name", "write")
+
+    def __init__(self, function: Callable[Concatenate[Db, P], R], *, write: bool) -> None:
+        self.function: Callable[Concatenate[Db, P], R] = function
+        self.write = write
+        self.name = function.__name__
+
+    def __call__(self, db: Db, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.function(db, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{'write' if self.write else 'read'} query {self.name}>"
+
+
+def reads(function: Callable[Concatenate[Db, P], T]) -> Query[P, T]:
+    """Mark a query function as a read."""
+    return Query(function, write=False)
+
+
+def writes(function: Callable[Concatenate[Db, P], T]) -> Query[P, T]:
+    """Mark a query function as a write (one transaction)."""
+    return Query(function, write=True)

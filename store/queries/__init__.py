@@ -1,0 +1,83 @@
+"""The store's queries written once, run on SQLite and PostgreSQL alike.
+
+Each is a function of a `store.dialect.Db`, marked as a read or a write; run one with
+`StoreBackend.run(query, ...)` (synchronous) or `await AsyncStore.run(query, ...)` (off the
+event loop, one thread hop). What really differs per engine (claims, leases, enqueueing,
+health, upgrades, GPU reservations, LISTEN) stays in `store.sqlite` and `store.postgres`.
+"""
+
+from store.queries.fleet import (
+    actionable_deployments,
+    deployment,
+    deployments,
+    heartbeat,
+    reserved_gpus,
+    server_inventory,
+    servers,
+    update_deployment,
+    upsert_server,
+)
+from store.queries.jobs import (
+    jobs,
+    latest_job_for,
+    next_job_due,
+    pending_job_for,
+    queue_depth,
+)
+from store.queries.reports import (
+    TagSeen,
+    has_report,
+    list_images,
+    platform_report,
+    registries,
+    report,
+    save_report,
+    save_reports,
+    save_scan_results,
+    stored,
+)
+from store.queries.tags import (
+    is_gone,
+    layer_evidence,
+    mark_gone,
+    record_tag,
+    resolve_tag,
+    save_layer_evidence,
+    tag_history,
+    tags_for_digest,
+)
+
+__all__ = [
+    "TagSeen",
+    "actionable_deployments",
+    "deployment",
+    "deployments",
+    "has_report",
+    "heartbeat",
+    "is_gone",
+    "jobs",
+    "latest_job_for",
+    "layer_evidence",
+    "list_images",
+    "mark_gone",
+    "next_job_due",
+    "pending_job_for",
+    "platform_report",
+    "queue_depth",
+    "record_tag",
+    "registries",
+    "report",
+    "reserved_gpus",
+    "resolve_tag",
+    "save_layer_evidence",
+    "save_report",
+    "save_reports",
+    "save_scan_results",
+    "server_inventory",
+    "servers",
+    "stored",
+    "tag_history",
+    "tags_for_digest",
+    "update_deployment",
+    "upsert_server",
+]

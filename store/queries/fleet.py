@@ -1,0 +1,107 @@
+"""Servers and deployments: written once, run on both engines.
+
+Servers and deployments are stored as JSON documents: their shape belongs to placement/, which
+the store must not import. Only the reservation is relational, because its primary key is what
+makes double-booking a GPU impossible; reserving (`create_deployment`) differs per engine and
+stays in each backend.
+"""
+
+from __future__ import annotations
+
+from store.dialect import Db, reads, writes
+from store.events import FLEET_CHANNEL
+from store.models import DeploymentRecord, ServerRecord
+
+
+@writes
+def upsert_server(db: Db, name: str, inventory_json: str) -> None:
+    db.execute(
+        "INSERT INTO servers (name, inventory, registered_at, last_heartbeat) VALUES (:name, :inventory, :now, :now)"
+        " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory,"
+        " last_heartbeat = excluded.last_heartbeat",
+        {"name": name, "inventory": inventory_json},
+    )
+    db.notify(FLEET_CHANNEL, "inventory")
+
+
+@writes
+def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
+    """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
+    cursor = db.execute(
+        "UPDATE servers SET last_heartbeat = :now, inventory = coalesce(:inventory, inventory) WHERE name = :name",
+        {"name": name, "inventory": inventory_json},
+    )
+    return cursor.rowcount > 0
+
+
+@reads
+def servers(db: Db) -> list[ServerRecord]:
+    """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
+    rows = db.all("SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name")
+    stamp = db.dialect.stamp
+    return [ServerRecord(row[0], stamp(row[1]) or "", stamp(row[2]) or "") for row in rows]
+
+
+@reads
+def server_inventory(db: Db, name: str) -> str | None:
+    row = db.one("SELECT inventory FROM servers WHERE name = :name", {"name": name})
+    return row[0] if row else None
+
+
+@reads
+def reserved_gpus(db: Db) -> dict[str, str]:
+    """GPU UUID -> deployment id, for every GPU currently reserved."""
+    return {row[0]: row[1] for row in db.all("SELECT gpu_uuid, deployment_id FROM reservations")}
+
+
+@reads
+def deployment(db: Db, deployment_id: str) -> DeploymentRecord | None:
+    """(record JSON, state, desired)."""
+    row = db.one("SELECT record, state, desired FROM deployments WHERE id = :id", {"id": deployment_id})
+    return DeploymentRecord(*row) if row else None
+
+
+@reads
+def deployments(db: Db, *, server: str | None = None, limit: int = 100) -> list[DeploymentRecord]:
+    clause = "WHERE server = :server" if server else ""
+    rows = db.all(
+        f"SELECT record, state, desired FROM deployments {clause} ORDER BY created_at DESC LIMIT :limit",
+        {"server": server, "limit": limit},
+    )
+    return [DeploymentRecord(*row) for row in rows]
+
+
+@writes
+def update_deployment(
+    db: Db,
+    deployment_id: str,
+    record_json: str,
+    *,
+    state: str,
+    desired: str | None = None,
+    release: bool = False,
+) -> None:
+    """Store a new state (and record); `release` frees the deployment's GPUs in the same step."""
+    params = {"id": deployment_id, "record": record_json, "state": state, "desired": desired}
+    db.execute(
+        "UPDATE deployments SET record = :record, state = :state, desired = coalesce(:desired, desired),"
+        " updated_at = :now WHERE id = :id",
+        params,
+    )
+    if release:
+        db.execute("DELETE FROM reservations WHERE deployment_id = :id", params)
+    # other replicas: refresh the placement index, wake the agent's long-poll
+    db.notify(FLEET_CHANNEL, "reservations")
+
+
+@reads
+def actionable_deployments(db: Db, server: str) -> list[DeploymentRecord]:
+    """Deployments the server's agent must act on: new ones to run, live ones to stop."""
+    rows = db.all(
+        "SELECT record, state, desired FROM deployments WHERE server = :server AND ("
+        " (desired = 'run' AND state = 'pending') OR"
+        " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
+        " ORDER BY created_at",
+        {"server": server},
+    )
+    return [DeploymentRecord(*row) for row in rows]

@@ -1,0 +1,84 @@
+"""Reads of the job queue: written once, run on both engines.
+
+Claims, leases, enqueueing and outcomes (what locks, and how) differ per engine and stay in
+`store.sqlite` and `store.postgres`; so does `job`, which their `retry_job` answers with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from store.dialect import Db, reads
+from store.models import JOB_STATES, Job
+
+JOB_COLUMNS = (
+    "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
+    " updated_at, lease_owner, lease_expires"
+)
+
+
+def job_of(db: Db, row: Sequence[Any]) -> Job:
+    """A `jobs` row (`JOB_COLUMNS`) as a Job, its times in the one text form."""
+    stamp = db.dialect.stamp
+    return Job(
+        row[0],
+        row[1],
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        row[8],
+        stamp(row[9]) or "",
+        stamp(row[10]) or "",
+        row[11],
+        stamp(row[12]),
+    )
+
+
+@reads
+def jobs(db: Db, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
+    clause = f"WHERE {db.dialect.in_list('state', 'states')}" if states else ""
+    rows = db.all(
+        f"SELECT {JOB_COLUMNS} FROM jobs {clause} ORDER BY created_at DESC LIMIT :limit",
+        {"states": db.dialect.array(states), "limit": limit},
+    )
+    return [job_of(db, row) for row in rows]
+
+
+@reads
+def pending_job_for(db: Db, reference: str) -> Job | None:
+    """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
+    row = db.one(
+        f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
+        " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
+        " ORDER BY created_at DESC LIMIT 1",
+        {"ref": reference},
+    )
+    return job_of(db, row) if row else None
+
+
+@reads
+def latest_job_for(db: Db, reference: str) -> Job | None:
+    row = db.one(
+        f"SELECT {JOB_COLUMNS} FROM jobs WHERE dedupe_key = :ref ORDER BY created_at DESC LIMIT 1",
+        {"ref": reference},
+    )
+    return job_of(db, row) if row else None
+
+
+@reads
+def queue_depth(db: Db) -> dict[str, int]:
+    depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
+    depth.update({row[0]: int(row[1]) for row in db.all("SELECT state, count(*) FROM jobs GROUP BY state")})
+    return depth
+
+
+@reads
+def next_job_due(db: Db) -> datetime | None:
+    row = db.one("SELECT min(not_before) FROM jobs WHERE state = 'queued'")
+    due = db.dialect.stamp(row[0]) if row else None
+    return datetime.fromisoformat(due) if due else None

@@ -1,0 +1,288 @@
+"""Reports by digest and the image listing: written once, run on both engines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scanner.facts.badges import libc_label
+from scanner.models import ImageReport, PlatformReport
+from store.dialect import Db, reads, writes
+from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
+from store.models import ImageRow
+from store.queries.tags import record_tag
+
+# Exact totals up to this many matching images; beyond, the planner's estimate where the engine
+# has one (see `_count`).
+EXACT_COUNT_LIMIT = 10_000
+
+_SAVE_REPORT = (
+    "INSERT INTO reports (digest, registry, repository, reference, media_type, gpu_required,"
+    " cuda_versions, libc_flavours, platforms, distro, scanned_at, report)"
+    " VALUES (:digest, :registry, :repository, :reference, :media_type, :gpu_required,"
+    " :cuda_versions, :libc_flavours, :platforms, :distro, :scanned_at, :report)"
+    " ON CONFLICT (digest) DO UPDATE SET registry = excluded.registry,"
+    " repository = excluded.repository, reference = excluded.reference,"
+    " media_type = excluded.media_type, gpu_required = excluded.gpu_required,"
+    " cuda_versions = excluded.cuda_versions, libc_flavours = excluded.libc_flavours,"
+    " platforms = excluded.platforms, distro = excluded.distro, scanned_at = excluded.scanned_at,"
+    " report = excluded.report"
+)
+_SAVE_PLATFORM = (
+    "INSERT INTO platform_reports (digest, report) VALUES (:digest, :report)"
+    " ON CONFLICT (digest) DO UPDATE SET report = excluded.report"
+)
+
+
+def report_row(db: Db, report: ImageReport, document: str) -> dict[str, Any]:
+    """The `reports` row of a successful report, with its JSON `document` serialised once."""
+    if report.error is not None or report.digest is None:
+        raise ValueError("only successful reports are stored")
+    platforms = report.platforms
+    dialect = db.dialect
+    return {
+        "digest": report.digest,
+        "registry": report.registry or "",
+        "repository": report.repository or "",
+        "reference": report.reference,
+        "media_type": report.media_type,
+        "gpu_required": any(p.gpu.required for p in platforms),
+        "cuda_versions": dialect.array(sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})),
+        "libc_flavours": dialect.array(sorted({libc_label(p.libc) for p in platforms})),
+        "platforms": dialect.array([p.platform for p in platforms]),
+        "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
+        "scanned_at": dialect.stamp_param(report.scanned_at),
+        "report": document,
+    }
+
+
+def report_document(report: ImageReport, platforms: Sequence[str]) -> str:
+    """The report's JSON around its platforms' JSON, each serialised once: the platforms' text is
+    both the `platform_reports` rows and a slice of the report's."""
+    head = report.model_dump_json(exclude={"platforms"})
+    return f'{head[:-1]},"platforms":[{",".join(platforms)}]}}'
+
+
+@writes
+def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
+    """Store successful reports under their manifest digests, and each platform under its own, in
+    one transaction: each statement prepared once for the batch, each report serialised once (a
+    platform's JSON is the slice of its image's)."""
+    rows: list[dict[str, Any]] = []
+    platform_rows: list[dict[str, str]] = []
+    children: list[str] = []
+    for report in reports:
+        documents = [platform.model_dump_json() for platform in report.platforms]
+        rows.append(report_row(db, report, report_document(report, documents)))
+        for platform, document in zip(report.platforms, documents, strict=True):
+            platform_rows.append({"digest": platform.digest, "report": document})
+            if platform.digest != report.digest:
+                children.append(platform.digest)
+    db.many(_SAVE_REPORT, rows)
+    db.many(_SAVE_PLATFORM, platform_rows)
+    if children:
+        # Platform manifests scanned on their own before their index arrived are not images of
+        # their own: the index report covers them.
+        db.execute(
+            f"DELETE FROM reports WHERE {db.dialect.in_list('digest', 'children')}"
+            " AND NOT EXISTS (SELECT 1 FROM tags WHERE tags.digest = reports.digest)",
+            {"children": db.dialect.array(children)},
+        )
+    for report in reports:  # long polls on each reference wake, on any replica
+        db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {report.reference}")
+
+
+@writes
+def save_report(db: Db, report: ImageReport) -> None:
+    """One report (see `save_reports`)."""
+    save_reports(db, [report])
+
+
+@dataclass(frozen=True)
+class TagSeen:
+    """A tag seen pointing at a digest (see `store.queries.tags.record_tag`)."""
+
+    registry: str
+    repository: str
+    tag: str
+    digest: str
+
+
+@writes
+def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport]) -> None:
+    """A group commit of what concurrent scans write: tags seen, in order, then every report in
+    one batch (`save_reports`). One transaction for all of them."""
+    for write in writes:
+        if isinstance(write, TagSeen):
+            record_tag(db, write.registry, write.repository, write.tag, write.digest)
+    reports = [write for write in writes if isinstance(write, ImageReport)]
+    if reports:
+        save_reports(db, reports)
+
+
+@reads
+def report(db: Db, digest: str) -> ImageReport | None:
+    row = db.one("SELECT report FROM reports WHERE digest = :digest", {"digest": digest})
+    return ImageReport.model_validate_json(row[0]) if row else None
+
+
+@reads
+def has_report(db: Db, digest: str) -> bool:
+    """Whether `digest` was scanned, as an image or as one platform of an index."""
+    row = db.one(
+        "SELECT EXISTS (SELECT 1 FROM reports WHERE digest = :d)"
+        " OR EXISTS (SELECT 1 FROM platform_reports WHERE digest = :d)",
+        {"d": digest},
+    )
+    return bool(row and row[0])
+
+
+@reads
+def platform_report(db: Db, digest: str) -> PlatformReport | None:
+    row = db.one("SELECT report FROM platform_reports WHERE digest = :digest", {"digest": digest})
+    return PlatformReport.model_validate_json(row[0]) if row else None
+
+
+@reads
+def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+    """The digest's report as an image and as one platform of an index, in one statement."""
+    row = db.one(
+        "SELECT (SELECT report FROM reports WHERE digest = :d),"
+        " (SELECT report FROM platform_reports WHERE digest = :d)",
+        {"d": digest},
+    )
+    image, platform = row if row else (None, None)
+    return (
+        ImageReport.model_validate_json(image) if image else None,
+        PlatformReport.model_validate_json(platform) if platform else None,
+    )
+
+
+@reads
+def list_images(
+    db: Db,
+    *,
+    gpu: bool | None = None,
+    libc: str | None = None,
+    cuda: str | None = None,
+    registry: str | None = None,
+    query: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    inferred: bool | None = None,
+) -> tuple[list[ImageRow], int]:
+    """Filtered, newest-first listing plus the total count for pagination."""
+    dialect = db.dialect
+    where: list[str] = []
+    params: dict[str, Any] = {}
+    if inferred is not None:  # CUDA found in the layers (deep scan) of any platform
+        where.append(
+            ("" if inferred else "NOT ") + dialect.json_any("r.report", "platforms", ["gpu", "inferred"])
+        )
+    if gpu is not None:
+        where.append("r.gpu_required = :gpu")
+        params["gpu"] = gpu
+    if libc:
+        where.append(dialect.array_has("r.libc_flavours", "libc"))
+        params["libc"] = libc
+    if cuda:
+        if "." in cuda:
+            where.append(dialect.array_has("r.cuda_versions", "cuda"))
+        else:  # a major version matches its minors
+            where.append(dialect.array_any("r.cuda_versions", "v = :cuda OR v LIKE :cuda_major"))
+            params["cuda_major"] = f"{cuda}.%"
+        params["cuda"] = cuda
+    if registry:
+        where.append("r.registry = :registry")
+        params["registry"] = registry
+    if query:
+        columns = ["r.repository", "r.reference", "r.digest", "coalesce(r.distro, '')"]
+        where.append(dialect.search(columns, "q"))
+        escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        params["q"] = f"%{escaped}%"
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    total = _count(db, clause, params, at_least=offset + limit)
+    # The page is cut first, and only its rows look up their tags: an engine may compute the select
+    # list for the rows OFFSET skips too, so a deep page would pay for every skipped row.
+    rows = db.all(
+        "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
+        " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
+        f" (SELECT {dialect.agg('t.tag')} FROM tags t WHERE t.digest = r.digest"
+        "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
+        "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
+        "   AND t2.repository = t.repository AND t2.tag = t.tag))"
+        f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
+        " LIMIT :limit OFFSET :offset) AS r ORDER BY r.scanned_at DESC, r.digest",
+        {**params, "limit": limit, "offset": offset},
+    )
+    images = [
+        ImageRow(
+            digest=row[0],
+            registry=row[1],
+            repository=row[2],
+            reference=row[3],
+            gpu_required=bool(row[4]),
+            cuda_versions=dialect.array_value(row[5]),
+            libc_flavours=dialect.array_value(row[6]),
+            platforms=dialect.array_value(row[7]),
+            distro=row[8],
+            scanned_at=dialect.stamp(row[9]) or "",
+            tags=sorted(dialect.array_value(row[10])),
+        )
+        for row in rows
+    ]
+    return images, total
+
+
+def _count(db: Db, clause: str, params: dict[str, Any], at_least: int) -> int:
+    """The exact number of matches up to EXACT_COUNT_LIMIT; beyond it, the planner's estimate.
+
+    An exact count(*) reads every matching row, so its cost grows with the table (about 100 ms
+    at 1M reports on PostgreSQL) while a page costs the same at any size. Past the limit nobody
+    pages by the last digit: the estimate (never below the limit, or below what this page
+    proves) keeps the listing's latency flat. An engine without an estimate counts exactly.
+    """
+    cap = max(EXACT_COUNT_LIMIT, at_least + 1)
+    # the cap is a parameter: statement texts (and their cached translations) never vary with input
+    row = db.one(
+        f"SELECT count(*) FROM (SELECT 1 FROM reports r {clause} LIMIT :cap) AS m", {**params, "cap": cap}
+    )
+    exact = int(row[0]) if row else 0
+    if exact < cap:
+        return exact
+    estimate = db.dialect.estimate(db, f"SELECT 1 FROM reports r {clause}", params)
+    if estimate is None:
+        full = db.one(f"SELECT count(*) FROM reports r {clause}", params)
+        return int(full[0]) if full else exact
+    return max(estimate, cap)
+
+
+@reads
+def registries(db: Db) -> list[str]:
+    """Distinct registries by skipping through the (registry, repository) index: one probe per
+    registry, not a pass over every report."""
+    rows = db.all(
+        "WITH RECURSIVE found(registry) AS ("
+        " SELECT * FROM (SELECT registry FROM reports ORDER BY registry LIMIT 1) AS lowest"
+        " UNION ALL"
+        " SELECT (SELECT r.registry FROM reports r WHERE r.registry > found.registry"
+        "   ORDER BY r.registry LIMIT 1) FROM found WHERE found.registry IS NOT NULL)"
+        " SELECT registry FROM found WHERE registry IS NOT NULL"
+    )
+    return [row[0] for row in rows]
+
+
+__all__ = [
+    "EXACT_COUNT_LIMIT",
+    "TagSeen",
+    "has_report",
+    "list_images",
+    "platform_report",
+    "registries",
+    "report",
+    "report_row",
+    "save_report",
+    "save_reports",
+    "save_scan_results",
+]
