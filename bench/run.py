@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench import (
     deep_bench,
+    export_bench,
     hostile_bench,
     push_burst_bench,
     real_images_bench,
@@ -30,7 +31,19 @@ from bench import (
 )
 from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
 
-SECTIONS = ("real", "scan", "service", "burst", "hostile", "deep", "placement", "ui", "scale", "starvation")
+SECTIONS = (
+    "real",
+    "scan",
+    "service",
+    "burst",
+    "hostile",
+    "deep",
+    "placement",
+    "ui",
+    "scale",
+    "starvation",
+    "export",
+)
 
 
 def run_child(results: Results, section: str, module: str, *args: str) -> list[str]:
@@ -201,6 +214,8 @@ def main() -> int:
         scale_bench.run_all(results, args.quick)
     if "starvation" in wanted:
         starvation_bench.run_all(results, args.quick)
+    if "export" in wanted:
+        export_bench.run_all(results, args.quick)
     elapsed = time.perf_counter() - started
 
     print()

@@ -1,4 +1,5 @@
-"""`gpubadge scan | serve | worker | config | db | eligible | constraints | agent | referrers | compat | healthcheck`.
+"""`gpubadge scan | serve | worker | config | db | eligible | constraints | agent | referrers | compat | export |
+healthcheck`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
         ("compat", "check nodes against an image's NFD image-compatibility artifact"),
         ("healthcheck", "probe this container's gpubadge role on its port (the image's HEALTHCHECK)"),
+        ("export", "export every stored report as a SQLite file for SQL and Datasette"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -102,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "referrers",
         "compat",
         "healthcheck",
+        "export",
     ):
         return _delegate(args_list[0], args_list[1:])
     try:
@@ -142,6 +145,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.compat import main as run_compat
 
         return run_compat(rest)
+    if command == "export":
+        from gpubadge.export import main as run_export
+
+        return run_export(rest)
     if command == "constraints":
         from gpubadge.constraints import main as run_constraints
 

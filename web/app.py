@@ -19,7 +19,7 @@ from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
-from web import admission, api, fleet, health, openapi, ui, ui_fleet
+from web import admission, api, export, fleet, health, openapi, ui, ui_fleet
 from web.architectures import FleetArchitectures
 from web.companions import companions
 from web.errors import error_middleware
@@ -44,7 +44,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
-    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission):
+    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission, export):
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     app.cleanup_ctx.append(admission.tls_listener(services))

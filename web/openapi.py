@@ -438,6 +438,24 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+        "/api/export.sqlite": {
+            "get": {
+                "summary": "Every stored report and the fleet as a gpubadge SQLite export (Datasette-ready)",
+                "security": bearer,
+                "responses": {
+                    "200": {
+                        "description": "the file `gpubadge export sqlite` writes",
+                        "content": {
+                            "application/vnd.sqlite3": {"schema": {"type": "string", "format": "binary"}}
+                        },
+                    },
+                    "401": _json(error, "the API token is required"),
+                    "403": _json(error, "no API token is configured, so nobody may export"),
+                    "429": _json(error, "an export is being built; Retry-After says when to try again"),
+                    "503": _json(error, "the store cannot be read, or the file cannot be written"),
+                },
+            }
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics",

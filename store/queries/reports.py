@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from scanner.facts.badges import libc_label
@@ -125,6 +126,20 @@ def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport]) -> None:
 def report(db: Db, digest: str) -> ImageReport | None:
     row = db.one("SELECT report FROM reports WHERE digest = :digest", {"digest": digest})
     return ImageReport.model_validate_json(row[0]) if row else None
+
+
+@reads
+def report_page(db: Db, *, after: str, since: datetime | None, limit: int) -> list[ImageReport]:
+    """Up to `limit` stored reports with a digest above `after`, in digest order; with `since`,
+    only those scanned after it. What an export of the whole store pages through
+    (`store.export`): keyset pages are a range scan of the primary key whatever the store's
+    size, and reports saved meanwhile never shift a page (an offset would skip or repeat them)."""
+    where, params = "digest > :after", {"after": after, "limit": limit}
+    if since is not None:
+        where += " AND scanned_at > :since"
+        params["since"] = db.dialect.stamp_param(since)
+    rows = db.all(f"SELECT report FROM reports WHERE {where} ORDER BY digest LIMIT :limit", params)
+    return [ImageReport.model_validate_json(row[0]) for row in rows]
 
 
 @reads

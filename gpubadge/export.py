@@ -1,0 +1,150 @@
+"""`gpubadge export sqlite OUT`: every stored report as a SQLite file to query and open in Datasette.
+
+Reads whichever store is configured (`--db`'s SQLite file, else `GPUBADGE_DATABASE_URL`'s
+PostgreSQL, else `GPUBADGE_DB`), never changing it, and writes `OUT` plus
+`<OUT's name>.metadata.json` beside it (see `store.export`). A progress bar shows on a
+terminal; the last lines say what was written and how to explore it. Exit status: 0 written,
+1 a failure (one clear line; `OUT` unchanged), 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TextIO
+
+_DURATION = re.compile(r"^(\d+)([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_since(text: str) -> datetime:
+    """An ISO 8601 time (UTC unless it names a zone), or an age such as `90m`, `24h`, `7d`."""
+    match = _DURATION.match(text.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (ISO 8601 such as 2026-11-24T18:00:00Z, or an age such as 24h or 7d)"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _batch(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError("must be between 1 and 100000")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gpubadge.cli import DEFAULT_DB
+
+    parser = argparse.ArgumentParser(
+        prog="gpubadge export", description="Export every stored report for SQL and Datasette."
+    )
+    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    sqlite = formats.add_parser(
+        "sqlite",
+        help="a SQLite file (sqlite-utils) with a Datasette metadata file beside it",
+        description="Write (or update) OUT; then: datasette OUT -m <OUT name>.metadata.json",
+    )
+    sqlite.add_argument("out", type=Path, metavar="OUT", help="the SQLite file to write or update")
+    sqlite.add_argument(
+        "--db",
+        type=Path,
+        default=None,
+        help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {DEFAULT_DB})",
+    )
+    sqlite.add_argument(
+        "--since",
+        type=parse_since,
+        default=None,
+        help="only reports scanned after this time (ISO 8601, or an age: 90m, 24h, 7d)",
+    )
+    sqlite.add_argument(
+        "--batch-size",
+        type=_batch,
+        default=500,
+        help="reports read and written per transaction (default 500)",
+    )
+    return parser
+
+
+class Bar:
+    """A one-line progress bar on a terminal; silent when `stream` is not one."""
+
+    def __init__(self, total: int | None, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.enabled = stream.isatty()
+
+    def __call__(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.total:
+            filled = min(30, int(30 * done / self.total))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done:,}/{self.total:,} images")
+        else:
+            self.stream.write(f"\r{done:,} images")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 60 + "\r")
+            self.stream.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    from gpubadge.cli import DEFAULT_DB
+    from store import StoreUnavailable, open_backend, queries
+    from store.export import ExportError, export_sqlite, metadata_path
+
+    try:
+        args = build_parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
+    database_url = None if args.db else os.environ.get("GPUBADGE_DATABASE_URL") or None
+    if database_url is None and not db_path.is_file():
+        print(f"gpubadge export: no store at {db_path} (scan something first, or pass --db)", file=sys.stderr)
+        return 1
+    try:
+        backend = open_backend(db_path, database_url=database_url, threads=1, upgrade=False)
+    except StoreUnavailable as exc:
+        print(f"gpubadge export: {exc}", file=sys.stderr)
+        return 1
+    try:
+        bar = Bar(None, sys.stderr)
+        if bar.enabled and args.since is None:
+            bar.total = backend.run(queries.list_images, limit=1)[
+                1
+            ]  # exact on SQLite, an estimate on PostgreSQL
+        summary = export_sqlite(
+            backend,
+            args.out,
+            since=args.since,
+            batch_size=args.batch_size,
+            progress=bar,
+            source="postgresql" if database_url else f"sqlite:{db_path}",
+        )
+        bar.finish()
+    except (ExportError, StoreUnavailable) as exc:
+        print(f"\ngpubadge export: {exc}" if bar.enabled else f"gpubadge export: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ngpubadge export: interrupted; {args.out} is unchanged", file=sys.stderr)
+        return 130
+    finally:
+        backend.close()
+    print(summary.describe())
+    print(f"explore it: datasette {args.out} -m {metadata_path(args.out)}")
+    return 0
