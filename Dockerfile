@@ -32,6 +32,10 @@ RUN if [ -n "$WHEELHOUSE" ]; then \
          && /opt/gpubadge/bin/pip install --no-cache-dir . \
          && /opt/gpubadge/bin/python3 -m pip uninstall --yes --quiet pip setuptools; \
        fi \
+    # pip comes in as a dependency (sqlite-utils declares it, for its plugin installer): not at run time
+    && if /opt/gpubadge/bin/python3 -c 'import pip' 2>/dev/null; then \
+         /opt/gpubadge/bin/python3 -m pip uninstall --yes --quiet pip; \
+       fi \
     && /opt/gpubadge/bin/gpubadge --help >/dev/null \
     # zstandard ships two backends; CPython imports the C one, the CFFI one (12 MB) is PyPy's fallback
     && rm -f /opt/gpubadge/lib/python3*/site-packages/zstandard/_cffi.*.so \

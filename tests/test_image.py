@@ -337,7 +337,7 @@ def test_an_unwritable_data_directory_names_the_path_the_user_and_the_remedy(
         assert "mount a volume at /data" in done.stderr and "GPUBADGE_DATABASE_URL" in done.stderr
 
 
-def test_postgres_roles_db_upgrade_worker_api_scan_and_config(
+def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
     docker_cli: Docker, built: Built, registry: LocalRegistry, push: Pusher, postgres_url: str
 ) -> None:
     nothing = run_once(docker_cli, built.image, "db", "upgrade")
@@ -408,3 +408,13 @@ def test_postgres_roles_db_upgrade_worker_api_scan_and_config(
     )
     assert scanned.returncode == 0, scanned.stderr
     assert json.loads(scanned.stdout)["digest"] == digest
+
+    exported = run_once(
+        docker_cli,
+        *env,
+        *("--entrypoint", "/bin/sh", built.image, "-c"),
+        'gpubadge export sqlite /tmp/reports.db >&2 && /opt/gpubadge/bin/python3 -c "import sqlite3;'
+        " print(sqlite3.connect('/tmp/reports.db').execute('SELECT digest FROM images').fetchall())\"",
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.strip() == str([(digest,)])  # the export role reads PostgreSQL, writes /tmp
