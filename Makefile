@@ -1,10 +1,14 @@
 # gpubadge: `make run` starts the main job, `make test` runs every check.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql
+DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql debootstrap
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test deps-system deps-python lint typecheck pytest bench
+.PHONY: run test deps-system deps-python lint typecheck pytest bench image image-airgapped
+
+# The container image (README "Container image"). Both targets use the daemon DOCKER_HOST names.
+IMAGE ?= gpubadge:latest
+DOCKER ?= docker
 
 deps-system:  ## Debian packages the tests drive for real (registry, pusher, engine, browser)
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -33,3 +37,12 @@ test: deps-system deps-python lint typecheck pytest
 
 bench: deps-system deps-python
 	$(PYTHON) -m bench.run
+
+image:  ## online: FROM python:3.11-slim, dependencies from PyPI
+	$(DOCKER) build -t $(IMAGE) .
+
+# No container registry (deploy/airgapped/build.sh): the base is debootstrapped from Debian packages,
+# the wheels come from the pip index configured on this host (both cached in $$GPUBADGE_CACHE,
+# default ~/.cache/gpubadge), and the build itself runs with no network at all.
+image-airgapped:
+	PYTHON=$(PYTHON) DOCKER="$(DOCKER)" deploy/airgapped/build.sh $(IMAGE)

@@ -117,6 +117,29 @@ async def _main(args: argparse.Namespace, token: str) -> int:
     return 0
 
 
+def socket_hint(docker_host: str | None) -> str:
+    """What the agent needs when the engine's unix socket refuses it, else "".
+
+    The socket is root's and its group's (mode 660); the image runs as uid 999, so the container
+    needs the socket's group as a supplementary group, which only the caller can grant."""
+    url = docker_host or "unix:///var/run/docker.sock"
+    if not url.startswith("unix://"):
+        return ""
+    path = url.removeprefix("unix://")
+    try:
+        owner = os.stat(path)
+    except OSError:
+        return f"; there is no Docker socket at {path}: mount the host's (-v /var/run/docker.sock:{path})"
+    if os.access(path, os.R_OK | os.W_OK):
+        return ""
+    return (
+        f"; {path} belongs to uid {owner.st_uid}, gid {owner.st_gid} (mode {owner.st_mode & 0o777:o}) and"
+        f" uid {os.getuid()} (groups {', '.join(map(str, os.getgroups())) or 'none'}) may not use it:"
+        f" run with its group, `docker run --group-add {owner.st_gid}`"
+        f" (Kubernetes: securityContext.supplementalGroups: [{owner.st_gid}])"
+    )
+
+
 def run_agent(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -131,7 +154,8 @@ def run_agent(argv: list[str]) -> int:
     try:
         return asyncio.run(_main(args, token))
     except docker.errors.DockerException as exc:
-        print(f"gpubadge agent: cannot reach the Docker engine: {exc}", file=sys.stderr)
+        hint = socket_hint(args.docker_host or os.environ.get("DOCKER_HOST"))
+        print(f"gpubadge agent: cannot reach the Docker engine: {exc}{hint}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
         print(f"gpubadge agent: {exc}", file=sys.stderr)

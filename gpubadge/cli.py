@@ -1,4 +1,5 @@
-"""`gpubadge scan | serve | worker | config | db | eligible | constraints | agent | referrers | compat`.
+"""`gpubadge scan | serve | worker | config | db | eligible | constraints | agent | referrers | compat | export |
+healthcheck`.
 
 A thin dispatcher: each command imports its package lazily, so `gpubadge scan`
 never loads the web service and the agent never loads web/ at all.
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("agent", "run the node agent"),
         ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
         ("compat", "check nodes against an image's NFD image-compatibility artifact"),
+        ("healthcheck", "probe this container's gpubadge role on its port (the image's HEALTHCHECK)"),
         ("export", "export every stored report as a SQLite file for SQL and Datasette"),
     ):
         sub = commands.add_parser(name, help=help_text, add_help=False)
@@ -101,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agent",
         "referrers",
         "compat",
+        "healthcheck",
         "export",
     ):
         return _delegate(args_list[0], args_list[1:])
@@ -150,6 +153,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.constraints import main as run_constraints
 
         return run_constraints(rest)
+    if command == "healthcheck":
+        from gpubadge.healthcheck import main as run_healthcheck
+
+        return run_healthcheck(rest)
     from agent.main import run_agent
 
     return run_agent(rest)

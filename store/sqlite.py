@@ -20,6 +20,7 @@ reservations.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 import uuid
@@ -96,6 +97,29 @@ def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
 SCHEMA_VERSION = latest_version("sqlite")
 
 
+def unwritable_hint(path: Path) -> str:
+    """Why a SQLite file cannot be opened when it, or its directory, is not this process's to write:
+    SQLite says only "unable to open database file". Names the path, the user and the remedy (in a
+    container: a volume the user can write, such as a root-owned bind mount is not); "" otherwise."""
+    uid, gid = os.getuid(), os.getgid()
+    if path.exists():
+        if os.access(path, os.R_OK | os.W_OK):
+            return ""
+        blocked = path
+    else:
+        directory = path.parent
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent
+        if os.access(directory, os.W_OK | os.X_OK):
+            return ""
+        blocked = directory
+    return (
+        f"; {blocked} is not writable by uid {uid} (gid {gid}): mount a volume at {path.parent} that uid {uid}"
+        f" can write (docker run -v gpubadge:{path.parent}, or chown {uid} the host directory), or set"
+        " GPUBADGE_DATABASE_URL to use PostgreSQL instead"
+    )
+
+
 class SqliteStore:
     """One SQLite file, safe to call from many threads (and many processes)."""
 
@@ -121,7 +145,9 @@ class SqliteStore:
             if upgrade:  # `gpubadge db status` looks without changing anything
                 self.upgrade()
         except (OSError, sqlite3.Error) as exc:
-            raise StoreUnavailable(f"cannot open the SQLite store {self.path}: {exc}") from exc
+            raise StoreUnavailable(
+                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}"
+            ) from exc
 
     def _connect(self, timeout: float) -> sqlite3.Connection:
         connection = sqlite3.connect(

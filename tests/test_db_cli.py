@@ -13,9 +13,10 @@ from store.migrations import latest_version
 
 
 def gpubadge_db(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`gpubadge db ARGS` with `env` over this process's environment; an empty value unsets a name."""
     return subprocess.run(
         [sys.executable, "-m", "gpubadge.cli", "db", *args],
-        env={**os.environ, **env},
+        env={key: value for key, value in {**os.environ, **env}.items() if value},
         capture_output=True,
         text=True,
         timeout=120,
@@ -29,15 +30,17 @@ def test_status_changes_nothing_and_upgrade_applies_every_migration(
 ) -> None:
     db = tmp_path / "gpubadge.db"
     env = {"GPUBADGE_DB": str(db)}
+    flags = ["--db", str(db)]
     if engine == "postgres":
         env["GPUBADGE_DATABASE_URL"] = request.getfixturevalue("postgres_url")
-    status = gpubadge_db("status", env=env)
+        flags = []
+    status = gpubadge_db("status", *flags, env=env)
     assert status.returncode == 0, status.stderr
     assert status.stdout.count("pending") == latest_version(engine) and "applied" not in status.stdout
-    upgrade = gpubadge_db("upgrade", env=env)
+    upgrade = gpubadge_db("upgrade", *flags, env=env)
     assert upgrade.returncode == 0, upgrade.stderr
     assert f"schema at version {latest_version(engine)}" in upgrade.stdout
-    again = gpubadge_db("status", env=env)
+    again = gpubadge_db("status", *flags, env=env)
     assert again.stdout.count("applied") == latest_version(engine) and "pending" not in again.stdout
     assert db.exists() == (engine == "sqlite")  # with a database URL, no SQLite file is written
 
@@ -49,3 +52,14 @@ def test_an_unreachable_database_is_a_clear_error_without_its_password(tmp_path:
     done = gpubadge_db("upgrade", env={"GPUBADGE_DATABASE_URL": url, "GPUBADGE_SQLITE_BUSY_TIMEOUT": "2"})
     assert done.returncode == 1
     assert "cannot open the PostgreSQL store" in done.stderr and "hunter2-secret" not in done.stderr
+
+
+def test_upgrade_needs_a_database_named_by_the_user_not_a_default(tmp_path: Path) -> None:
+    """GPUBADGE_DB alone (the image sets it) is no choice: an init job with nothing set must fail."""
+    db = tmp_path / "gpubadge.db"
+    env = {"GPUBADGE_DB": str(db), "GPUBADGE_DATABASE_URL": ""}
+    for action in ("upgrade", "status"):
+        done = gpubadge_db(action, env=env)
+        assert done.returncode == 2
+        assert "GPUBADGE_DATABASE_URL" in done.stderr and "--db" in done.stderr
+    assert not db.exists()

@@ -17,9 +17,11 @@ import pytest
 import yaml
 
 from agent.main import parse_args as parse_agent_args
+from gpubadge.healthcheck import probe_for
 from web.cli import db_parser, serve_parser, worker_parser
 
-MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
 # Oldest still-supported minor and the newest the validator knows: the manifests must hold for both.
 KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 SECRET_LIKE = re.compile(r"TOKEN|SECRET|PASSWORD|DATABASE_URL|CREDENTIAL", re.IGNORECASE)
@@ -167,3 +169,73 @@ def test_the_admission_add_on_patch_fits_the_api_deployment() -> None:
     assert "GPUBADGE_DATABASE_URL" in {env["name"] for env in container["env"]}  # nothing of ours lost
     for version in KUBERNETES_VERSIONS:
         kubernetes_validate.validate(merged, version, strict=True)
+
+
+WORKLOADS = [
+    ("Deployment", "gpubadge-api"),
+    ("Deployment", "gpubadge-workers"),
+    ("DaemonSet", "gpubadge-agent"),
+]
+
+
+def _dockerfile_user() -> tuple[int, int]:
+    """The final stage's USER uid:gid, as the image runs every role (tests/test_image.py runs it)."""
+    (user,) = [
+        line.split()[1]
+        for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("USER ")
+    ]
+    uid, gid = user.split(":")
+    return int(uid), int(gid)
+
+
+@pytest.mark.parametrize(("kind", "name"), WORKLOADS)
+def test_every_role_runs_as_the_image_proved_non_root_read_only_with_a_tmpfs_tmp(
+    kind: str, name: str
+) -> None:
+    """The same user, read-only root and in-memory /tmp that tests/test_image.py runs each role with."""
+    uid, gid = _dockerfile_user()
+    workload = _by_kind(kind, name)
+    pod = workload["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+    for container in _containers(workload):
+        context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+        assert (context["runAsUser"], context["runAsGroup"], context["runAsNonRoot"]) == (uid, gid, True)
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        (tmp,) = [mount for mount in container["volumeMounts"] if mount["mountPath"] == "/tmp"]
+        assert volumes[tmp["name"]]["emptyDir"]["medium"] == "Memory"  # tmpfs, as `--tmpfs /tmp`
+        # No /data on PostgreSQL: every role here reads GPUBADGE_DATABASE_URL or has no store.
+        assert not [mount for mount in container["volumeMounts"] if mount["mountPath"] == "/data"]
+
+
+@pytest.mark.parametrize(("kind", "name"), WORKLOADS)
+def test_probes_reach_what_the_images_healthcheck_probes(
+    kind: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kubernetes ignores the image's HEALTHCHECK: its probes must ask the same port and path that
+    `gpubadge healthcheck` resolves from the same settings and flags (none where there is nothing)."""
+    for key, value in _by_kind("ConfigMap", "gpubadge-settings")["data"].items():
+        monkeypatch.setenv(key, value)
+    (container,) = _by_kind(kind, name)["spec"]["template"]["spec"]["containers"]
+    probe = probe_for(container["args"])
+    probes = [container[key]["httpGet"] for key in ("readinessProbe", "livenessProbe") if key in container]
+    if probe.url is None:
+        assert not probes, f"{name}: a probe where the role serves nothing ({probe.reason})"
+        return
+    assert probes
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    for http in probes:
+        assert probe.url.endswith(f":{ports[http['port']]}{http['path']}"), (probe.url, http)
+
+
+def test_the_agent_uses_the_docker_socket_through_its_group_not_root() -> None:
+    agent = _by_kind("DaemonSet", "gpubadge-agent")
+    pod = agent["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["supplementalGroups"], "the socket's gid, as docker run --group-add"
+    (socket_mount,) = [mount for mount in container["volumeMounts"] if mount["name"] == "docker-socket"]
+    environment = {env["name"]: env.get("value") for env in container["env"]}
+    assert environment["DOCKER_HOST"] == f"unix://{socket_mount['mountPath']}"
+    (volume,) = [volume for volume in pod["volumes"] if volume["name"] == "docker-socket"]
+    assert volume["hostPath"]["type"] == "Socket"

@@ -48,3 +48,37 @@ def test_missing_docker_fails_only_when_required(tmp_path: Path, require: str | 
         assert "1 error" in output and f"{REQUIRE_DOCKER_ENV} is set" in output, output
     else:
         assert result.returncode == 0 and "1 skipped" in output, output
+
+
+@pytest.mark.parametrize(("require", "fails"), [(None, False), ("1", True)])
+def test_the_image_test_needs_debootstrap_and_says_so(
+    tmp_path: Path, require: str | None, fails: bool
+) -> None:
+    """Everything tests/test_image.py needs but debootstrap: it skips naming it, or fails when required."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("runc", "make", "docker", "dockerd"):
+        found = shutil.which(tool)
+        if found is None:
+            pytest.skip(f"{tool} is not installed")
+        (bin_dir / tool).symlink_to(found)
+    env = {key: value for key, value in os.environ.items() if key != REQUIRE_DOCKER_ENV}
+    env.update({"PATH": str(bin_dir), "PYTHONPATH": str(REPO_ROOT)})
+    if require is not None:
+        env[REQUIRE_DOCKER_ENV] = require
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_image.py"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert "debootstrap is not installed" in output, output
+    if fails:
+        assert result.returncode != 0 and f"{REQUIRE_DOCKER_ENV} is set" in output, output
+    else:
+        assert result.returncode == 0 and "skipped" in output and "error" not in output, output

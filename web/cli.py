@@ -56,7 +56,9 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def db_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gpubadge db", description="Manage the store's schema (GPUBADGE_DATABASE_URL, else --db)."
+        prog="gpubadge db",
+        description="Manage the store's schema: GPUBADGE_DATABASE_URL's PostgreSQL, else the SQLite file"
+        " named by --db (GPUBADGE_DB alone does not count: an image's default must not be migrated by mistake).",
     )
     commands = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in (
@@ -64,7 +66,9 @@ def db_parser() -> argparse.ArgumentParser:
         ("status", "print the applied and pending migrations"),
     ):
         sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+        sub.add_argument(
+            "--db", type=Path, help="SQLite file; required when GPUBADGE_DATABASE_URL is not set"
+        )
         sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     return parser
 
@@ -184,6 +188,15 @@ def run_db(argv: list[str]) -> int:
         settings = load_settings(args.config, db=args.db)
     except (ValueError, OSError) as exc:
         print(f"gpubadge db: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    if settings.database_url is None and args.db is None:
+        # GPUBADGE_DB alone does not count: the image sets it, so an init job that forgot its database
+        # would otherwise migrate a throwaway file inside its container and report success.
+        print(
+            f"gpubadge db {args.action}: no database named: set GPUBADGE_DATABASE_URL (PostgreSQL),"
+            " or pass --db FILE to use a SQLite file",
+            file=sys.stderr,
+        )
         return 2
     from store import StoreUnavailable, open_backend
     from store.migrations import migrations
