@@ -23,7 +23,6 @@ import contextlib
 import os
 import sqlite3
 import threading
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -44,6 +43,16 @@ from store.models import (
     StoreUnavailable,
 )
 
+# The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
+# queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
+_INSERT_JOB = (
+    "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
+    " not_before, source, created_at, updated_at)"
+    " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
+)
+_ACTIVE_JOB = "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')"
+
 
 class _WriterLock:
     """The in-process writer lock, with a fast lane: webhook intake commits go before queued scan writes.
@@ -58,9 +67,12 @@ class _WriterLock:
         self._held = False
         self._urgent_waiting = 0
 
-    @contextmanager
-    def hold(self, *, urgent: bool) -> Iterator[None]:
+    def acquire(self, *, urgent: bool) -> None:
+        """Take the lock: at once when it is free (and, for a scan write, no intake commit waits)."""
         with self._condition:
+            if not self._held and (urgent or not self._urgent_waiting):
+                self._held = True
+                return
             if urgent:
                 self._urgent_waiting += 1
                 try:
@@ -70,12 +82,19 @@ class _WriterLock:
             else:
                 self._condition.wait_for(lambda: not self._held and not self._urgent_waiting)
             self._held = True
+
+    def release(self) -> None:
+        with self._condition:
+            self._held = False
+            self._condition.notify_all()
+
+    @contextmanager
+    def hold(self, *, urgent: bool) -> Iterator[None]:
+        self.acquire(urgent=urgent)
         try:
             yield
         finally:
-            with self._condition:
-                self._held = False
-                self._condition.notify_all()
+            self.release()
 
 
 def _now() -> datetime:
@@ -214,20 +233,23 @@ class SqliteStore:
         A lock held too long elsewhere, a full disk or a read-only file becomes StoreUnavailable,
         with SQLite's own words for the cause.
         """
-        with self._write_lock.hold(urgent=urgent):
+        lock = self._write_lock
+        lock.acquire(urgent=urgent)  # not `hold`: one generator less on the webhook's commit path
+        try:
             conn = self._writer
+            conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield conn
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        with contextlib.suppress(sqlite3.Error):
-                            conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.OperationalError as exc:
-                raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+        finally:
+            lock.release()
 
     # ---------------------------------------------------------------- health
 
@@ -303,43 +325,48 @@ class SqliteStore:
         return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Several deliveries' jobs in one transaction (group commit); job ids per batch."""
+        """Several deliveries' jobs in one transaction (group commit); job ids per batch.
+
+        This is the webhook's commit path (a registry waits for each answer), so it does the least
+        per job: one `INSERT ... ON CONFLICT DO NOTHING` against the partial unique index on active
+        dedupe keys, and only when that inserts nothing (a queued or running job already holds the
+        reference) a read of that job's id. The writer lock makes the pair exact. The timestamp is
+        formatted once, and once per distinct delay.
+        """
         if not any(batch.references for batch in batches):
             return [[] for _ in batches]
         moment = _now()
         now = _iso(moment)
+        not_before = {0.0: now}  # delay -> timestamp: most items share one (no delay at all)
         results: list[list[str]] = []
         with self._transaction(urgent=True) as conn:
+            execute = conn.execute
             for batch in batches:
                 ids: list[str] = []
                 for item in batch.references:
-                    reference, registry = item[0], item[1]
+                    reference = item[0]
                     wait = item[2] if len(item) == 3 else batch.delay
-                    existing = conn.execute(
-                        "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')",
-                        [reference],
-                    ).fetchone()
-                    if existing:
-                        ids.append(existing[0])
-                        continue
-                    job_id = uuid.uuid4().hex
-                    conn.execute(
-                        "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
-                        " not_before, source, created_at, updated_at)"
-                        " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
-                        [
+                    ready = not_before.get(wait)
+                    if ready is None:
+                        ready = not_before[wait] = _iso(moment + timedelta(seconds=wait))
+                    job_id = os.urandom(16).hex()  # as random as uuid4().hex, without the UUID object
+                    if execute(
+                        _INSERT_JOB,
+                        (
                             job_id,
                             reference,
-                            registry,
+                            item[1],
                             reference,
                             batch.max_attempts,
-                            _iso(moment + timedelta(seconds=wait)),
+                            ready,
                             batch.source,
                             now,
                             now,
-                        ],
-                    )
-                    ids.append(job_id)
+                        ),
+                    ).rowcount:
+                        ids.append(job_id)
+                    else:
+                        ids.append(execute(_ACTIVE_JOB, (reference,)).fetchone()[0])
                 results.append(ids)
         return results
 
