@@ -129,7 +129,9 @@ def list_all(api: str, registry_host: str) -> dict[str, str]:
 async def test_two_apis_two_workers_one_killed_every_image_scanned_once(
     pushed: Pushed, postgres_url: str, tmp_path: Path
 ) -> None:
-    env = role_env(postgres_url, pushed.registry)
+    # One registry: its cap is every worker slot (the default, half the workers, leaves each
+    # worker so few jobs at a time that the kill could land between two of them).
+    env = role_env(postgres_url, pushed.registry, GPUBADGE_PER_REGISTRY_SCANS="8")
     sqlite_paths = [tmp_path / f"{role}.db" for role in ("api0", "api1", "worker0", "worker1")]
     repositories = sorted(pushed.digests)
     with ExitStack() as stack:

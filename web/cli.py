@@ -145,7 +145,7 @@ def run_serve(argv: list[str]) -> int:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (a dependency on Linux), else asyncio's.
+    """uvloop's event loop where it is installed (`pip install gpubadge[uvloop]`), else asyncio's.
 
     A registry waits for each webhook answer before it sends the next delivery, so the loop's
     own cost per request (scheduling, polling, socket writes) is paid once per push along the
