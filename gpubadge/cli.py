@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from gpubadge.progress import Bar
 from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, Platform
 
@@ -186,7 +187,8 @@ def run_scan(args: argparse.Namespace) -> int:
             print(f"gpubadge scan: {exc} (or pass --no-store)", file=sys.stderr)
             return 1
     options = ScanOptions(platform=args.platform, config_only=args.config_only)
-    progress = Progress(len(args.references), sys.stderr) if not args.json else None
+    # a bar only for batches long enough to wait on, and never over --json's lines
+    progress = Bar(len(args.references), sys.stderr) if not args.json and len(args.references) >= 4 else None
 
     async def run() -> list[ImageReport]:
         try:
@@ -227,26 +229,6 @@ def run_scan(args: argparse.Namespace) -> int:
             print(f"gpubadge: {report.reference}: {problem}", file=sys.stderr)
         failures += bool(problems)
     return 1 if failures else 0
-
-
-class Progress:
-    """A one-line progress bar on a terminal, for batches long enough to wait on."""
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total, self.done, self.stream = total, 0, stream
-        self.enabled = total >= 4 and stream.isatty()
-
-    def step(self) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(30 * self.done / self.total)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 50 + "\r")
-            self.stream.flush()
 
 
 def print_table(reports: Sequence[ImageReport], out: TextIO) -> None:

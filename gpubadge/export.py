@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TextIO
+
+from gpubadge.progress import Bar
 
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -78,29 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="reports read and written per transaction (default 500)",
     )
     return parser
-
-
-class Bar:
-    """A one-line progress bar on a terminal; silent when `stream` is not one."""
-
-    def __init__(self, total: int | None, stream: TextIO) -> None:
-        self.total, self.stream = total, stream
-        self.enabled = stream.isatty()
-
-    def __call__(self, done: int) -> None:
-        if not self.enabled:
-            return
-        if self.total:
-            filled = min(30, int(30 * done / self.total))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done:,}/{self.total:,} images")
-        else:
-            self.stream.write(f"\r{done:,} images")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 60 + "\r")
-            self.stream.flush()
 
 
 def main(argv: Sequence[str]) -> int:
