@@ -11,13 +11,11 @@ Three sources give them:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from placement.inventory import Server
+from placement.inventory import Server, parse_json_or_yaml
 
 NVIDIA_PCI_VENDOR = "10de"
 PCI_CLASS_VGA = "0300"
@@ -86,12 +84,9 @@ def parse_node_features(text: str, name: str = "node") -> NodeFeatures:
     if len(text) > MAX_FEATURES_BYTES:
         raise FeaturesError(f"the document is {len(text):,} bytes; at most {MAX_FEATURES_BYTES:,} are read")
     try:
-        data: Any = json.loads(text)
-    except ValueError:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise FeaturesError(f"neither JSON nor YAML: {exc}") from None
+        data = parse_json_or_yaml(text)
+    except ValueError as exc:
+        raise FeaturesError(str(exc)) from None
     if not isinstance(data, dict):
         raise FeaturesError("expected a NodeFeature object, a list of them, or `nfd export features` output")
     try:
