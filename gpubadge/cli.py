@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -190,21 +191,41 @@ def run_scan(args: argparse.Namespace) -> int:
     # a bar only for batches long enough to wait on, and never over --json's lines
     progress = Bar(len(args.references), sys.stderr) if not args.json and len(args.references) >= 4 else None
 
+    def emit(report: ImageReport) -> None:
+        if args.json:
+            print(report.model_dump_json(), flush=True)
+        elif progress:
+            progress.step()
+
+    def emit_stored(report: ImageReport, error: BaseException | None) -> None:
+        if error is not None and report.error is None:  # a failed scan is never stored anyway
+            print(f"gpubadge: {report.reference}: not stored: {error}", file=sys.stderr)
+        emit(report)
+
+    store_failures: list[BaseException] = []
+
     async def run() -> list[ImageReport]:
+        from store.batch_cache import BatchScanCache
+
+        cache = BatchScanCache(store) if store else None
         try:
             async with RegistryClient(settings) as client:
-                scanner = Scanner(client, store.scan_cache if store else None, settings)
+                scanner = Scanner(client, cache, settings)
+                if cache is not None:  # what the tags pointed at, read once for the whole list
+                    await cache.preload_tags(args.references)
 
                 def done(_: int, report: ImageReport) -> None:
-                    if args.json:
-                        print(report.model_dump_json(), flush=True)
-                    elif progress:
-                        progress.step()
+                    if cache is None:
+                        emit(report)
+                    else:  # printed once stored: what the user saw is in the store
+                        cache.when_committed(functools.partial(emit_stored, report))
 
                 try:
                     return await scan_many(scanner, args.references, options, args.concurrency, done)
                 finally:
                     await scanner.close()
+                    if cache is not None and (failure := await cache.close()) is not None:
+                        store_failures.append(failure)
         finally:
             if store is not None:
                 await store.close()
@@ -217,7 +238,7 @@ def run_scan(args: argparse.Namespace) -> int:
         progress.finish()
     if not args.json:
         print_table(reports, sys.stdout)
-    failures = 0
+    failures = len(store_failures)  # a commit that failed: its reports said so
     for report in reports:
         # A platform's error (its layers could not be read) is a failure too; its facts still print.
         problems = (
@@ -257,5 +278,22 @@ def print_table(reports: Sequence[ImageReport], out: TextIO) -> None:
         out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
 
 
+def console() -> None:
+    """The `gpubadge` program: `main`, then, after `scan`, an exit without the interpreter's teardown.
+
+    By the time `main` returns, a scan has closed its store, its registry sessions and its
+    analysis processes; its output is flushed here. Tearing down the interpreter's modules and
+    objects after that changes nothing on disk or on screen, and costs a `gpubadge scan` process
+    about 60 ms of CPU (measured: 0.43 s against 0.36 s for a three-image scan). Other commands
+    exit the ordinary way.
+    """
+    status = main()
+    if sys.argv[1:2] == ["scan"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

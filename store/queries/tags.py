@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from store.dialect import Db, reads, writes
 from store.models import TagEvent
 
@@ -40,6 +42,30 @@ def resolve_tag(db: Db, registry: str, repository: str, tag: str) -> str | None:
         {"registry": registry, "repository": repository, "tag": tag},
     )
     return row[0] if row and row[1] is None else None
+
+
+@reads
+def resolve_tags(db: Db, keys: Iterable[tuple[str, str, str]]) -> dict[tuple[str, str, str], str | None]:
+    """`resolve_tag` for many (registry, repository, tag) keys: one statement per repository,
+    whatever the number of tags, so a command scanning hundreds of tags reads them in one hop.
+    Every key asked for is in the answer (None: unknown or deleted)."""
+    tags_by_repository: dict[tuple[str, str], set[str]] = {}
+    for registry, repository, tag in keys:
+        tags_by_repository.setdefault((registry, repository), set()).add(tag)
+    found: dict[tuple[str, str, str], str | None] = {}
+    for (registry, repository), tags in tags_by_repository.items():
+        latest: dict[str, tuple[int, str | None]] = {}
+        rows = db.all(
+            "SELECT tag, id, digest, gone_at FROM tags WHERE registry = :registry"
+            f" AND repository = :repository AND {db.dialect.in_list('tag', 'tags')}",
+            {"registry": registry, "repository": repository, "tags": db.dialect.array(sorted(tags))},
+        )
+        for tag, row_id, digest, gone_at in rows:  # the newest row of each tag is its state now
+            if tag not in latest or row_id > latest[tag][0]:
+                latest[tag] = (row_id, digest if gone_at is None else None)
+        for tag in tags:
+            found[(registry, repository, tag)] = latest[tag][1] if tag in latest else None
+    return found
 
 
 @reads

@@ -1,0 +1,191 @@
+"""The scanner's `ScanCache` for one command that scans many references (`gpubadge scan`).
+
+The service's scans each wait for their own commit (`StoreScanCache`): a job is finished only
+after its report is stored, and the long polls wake on that commit. A command scanning a
+list has a different shape: it knows every reference up front and prints as it goes. Here
+
+- what each tag pointed at is read once for the whole list (`preload_tags`, one statement per
+  repository), instead of one read per scan;
+- writes are queued and committed in batches (up to `max_batch` writes, or what gathered in
+  `linger` seconds): one transaction, one thread hop and one prepared statement per kind for
+  the batch, instead of one of each per report;
+- a report is reported to the user only after its commit (`when_committed`), so what was
+  printed is stored: the durability is the service's, the commits are fewer.
+
+Reads of a digest queued but not yet committed are answered from the queue, so a digest seen
+twice in one list is scanned once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable
+
+from scanner.models import ImageReport, PlatformReport
+from scanner.registry.reference import ReferenceError, parse_reference
+from store import queries
+from store.events import REPORTED_JOB, SETTLED
+from store.facade import AsyncStore
+from store.queries.reports import TagSeen
+
+TagKey = tuple[str, str, str]
+Committed = Callable[[BaseException | None], None]
+
+
+class BatchScanCache:
+    """Batched store access for `scan_many` over a known list (see the module's docstring).
+
+    `close()` commits what is still queued and returns the first commit failure, if any;
+    every `when_committed` callback has been called by then, each with its batch's error.
+    """
+
+    def __init__(self, store: AsyncStore, *, max_batch: int = 256, linger: float = 0.05) -> None:
+        self._store = store
+        self._max_batch = max_batch
+        self._linger = linger
+        self._tags: dict[TagKey, str | None] = {}
+        self._queued: list[TagSeen | ImageReport] = []
+        self._queued_reports: dict[str, ImageReport] = {}  # by digest, until committed
+        self._queued_platforms: dict[str, PlatformReport] = {}
+        self._sequence = itertools.count(1)
+        self._last_queued = 0  # the sequence number of the newest queued write
+        self._callbacks: list[tuple[int, Committed]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    async def preload_tags(self, references: Iterable[str]) -> None:
+        """Read what each tag among `references` points at now, in one hop for them all;
+        `resolve_tag` then answers them without a read. References that do not parse, or
+        that name a digest, are left to their scans."""
+        wanted: list[TagKey] = []
+        for text in references:
+            with contextlib.suppress(ReferenceError):  # the scan's report says why
+                reference = parse_reference(text)
+                key = (reference.registry, reference.repository, reference.tag or "")
+                if reference.tag and reference.digest is None and key not in self._tags:
+                    wanted.append(key)
+        if wanted:
+            self._tags.update(await self._store.run(queries.resolve_tags, wanted))
+
+    # ------------------------------------------------------------------ reads
+
+    async def report(self, digest: str) -> ImageReport | None:
+        queued = self._queued_reports.get(digest)
+        return queued if queued is not None else await self._store.run(queries.report, digest)
+
+    async def platform_report(self, digest: str) -> PlatformReport | None:
+        queued = self._queued_platforms.get(digest)
+        return queued if queued is not None else await self._store.run(queries.platform_report, digest)
+
+    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+        image, platform = self._queued_reports.get(digest), self._queued_platforms.get(digest)
+        if image is not None or platform is not None:
+            return image, platform
+        return await self._store.run(queries.stored, digest)
+
+    async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
+        key = (registry, repository, tag)
+        if key in self._tags:
+            return self._tags[key]
+        return await self._store.run(queries.resolve_tag, registry, repository, tag)
+
+    async def layer_evidence(self, digest: str) -> str | None:
+        return await self._store.run(queries.layer_evidence, digest)
+
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
+
+    # ----------------------------------------------------------------- writes
+
+    async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
+        self._queue(TagSeen(registry, repository, tag, digest))
+
+    async def save_report(self, report: ImageReport) -> None:
+        """Queue the report (and its tag) for the next batch; `when_committed` says when it is stored."""
+        if report.error is not None or report.digest is None:
+            raise ValueError("only successful reports are stored")  # before it can fail a batch
+        if report.registry and report.repository and report.tag:
+            self._queue(TagSeen(report.registry, report.repository, report.tag, report.digest))
+        self._queue(report)
+
+    def when_committed(self, callback: Committed) -> None:
+        """Call `callback` once every write queued so far is committed (at once if none is
+        waiting), with the error of the batch that failed, if one did."""
+        if not self._queued and self._flushing is None and not self._callbacks:
+            callback(None)
+        else:
+            self._callbacks.append((self._last_queued, callback))
+
+    async def close(self) -> BaseException | None:
+        """Commit everything still queued; the first commit failure of this cache's life, if any."""
+        while self._queued or self._flushing is not None:
+            if self._flushing is None:
+                self._flush_now()
+            assert self._flushing is not None
+            await asyncio.shield(self._flushing)
+        return self._failure
+
+    def _queue(self, write: TagSeen | ImageReport) -> None:
+        self._last_queued = next(self._sequence)
+        self._queued.append(write)
+        if isinstance(write, TagSeen):
+            self._tags[(write.registry, write.repository, write.tag)] = write.digest
+        else:
+            assert write.digest is not None
+            self._queued_reports[write.digest] = write
+            for platform in write.platforms:
+                self._queued_platforms[platform.digest] = platform
+        if self._flushing is not None:
+            return  # the running batch starts the next one when it ends
+        if len(self._queued) >= self._max_batch:
+            self._flush_now()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._linger, self._flush_now)
+
+    def _flush_now(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._flushing is None and self._queued:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Commit batch after batch while writes are queued; then call the callbacks they cover."""
+        try:
+            while self._queued:
+                batch, self._queued = self._queued, []
+                covered = self._last_queued
+                error: BaseException | None = None
+                try:
+                    await self._store.run(queries.save_scan_results, batch)
+                except Exception as exc:
+                    error = exc
+                    self._failure = self._failure or exc
+                for write in batch:
+                    if isinstance(write, ImageReport) and write.digest is not None:
+                        if self._queued_reports.get(write.digest) is write:
+                            del self._queued_reports[write.digest]
+                            for platform in write.platforms:
+                                if self._queued_platforms.get(platform.digest) is platform:
+                                    del self._queued_platforms[platform.digest]
+                        if error is None:
+                            self._store._fire_local(SETTLED, f"{REPORTED_JOB} {write.reference}")
+                self._call_back(covered, error)
+        finally:
+            self._flushing = None
+        self._call_back(self._last_queued, None)  # callbacks registered with nothing queued after
+
+    def _call_back(self, covered: int, error: BaseException | None) -> None:
+        due = [callback for sequence, callback in self._callbacks if sequence <= covered]
+        self._callbacks = [
+            (sequence, callback) for sequence, callback in self._callbacks if sequence > covered
+        ]
+        for callback in due:
+            callback(error)
