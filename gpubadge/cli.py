@@ -24,6 +24,7 @@ from scanner.models import ImageReport, Platform
 
 if TYPE_CHECKING:
     from store import AsyncStore
+    from store.batch_cache import BatchScanCache
 
 DEFAULT_DB = (
     Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "gpubadge" / "gpubadge.db"
@@ -205,9 +206,11 @@ def run_scan(args: argparse.Namespace) -> int:
     store_failures: list[BaseException] = []
 
     async def run() -> list[ImageReport]:
-        from store.batch_cache import BatchScanCache
+        cache: BatchScanCache | None = None
+        if store is not None:
+            from store.batch_cache import BatchScanCache
 
-        cache = BatchScanCache(store) if store else None
+            cache = BatchScanCache(store)
         try:
             async with RegistryClient(settings) as client:
                 scanner = Scanner(client, cache, settings)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 
@@ -356,6 +355,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present."""
     text = path.read_text()
     if path.suffix == ".toml":
+        import tomllib  # deferred, as yaml: a run without a config file never parses one
+
         data: Any = tomllib.loads(text)
     else:
         import yaml  # deferred: only YAML config files need it
