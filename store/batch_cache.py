@@ -9,6 +9,9 @@ list has a different shape: it knows every reference up front and prints as it g
 - writes are queued and committed in batches (up to `max_batch` writes, or what gathered in
   `linger` seconds): one transaction, one thread hop and one prepared statement per kind for
   the batch, instead of one of each per report;
+- the digest lookups of concurrent scans (`stored`) wait up to `read_linger` (5 ms, well under
+  one registry round trip) and go to the store in one read: a thread hop costs more CPU than
+  the lookup itself, and a list's scans ask in bursts;
 - a report is reported to the user only after its commit (`when_committed`), so what was
   printed is stored: the durability is the service's, the commits are fewer.
 
@@ -32,6 +35,7 @@ from store.queries.reports import TagSeen
 
 TagKey = tuple[str, str, str]
 Committed = Callable[[BaseException | None], None]
+Stored = tuple[ImageReport | None, PlatformReport | None]
 
 
 class BatchScanCache:
@@ -41,10 +45,13 @@ class BatchScanCache:
     every `when_committed` callback has been called by then, each with its batch's error.
     """
 
-    def __init__(self, store: AsyncStore, *, max_batch: int = 256, linger: float = 0.05) -> None:
+    def __init__(
+        self, store: AsyncStore, *, max_batch: int = 256, linger: float = 0.05, read_linger: float = 0.005
+    ) -> None:
         self._store = store
         self._max_batch = max_batch
         self._linger = linger
+        self._read_linger = read_linger
         self._tags: dict[TagKey, str | None] = {}
         self._queued: list[TagSeen | ImageReport] = []
         self._queued_reports: dict[str, ImageReport] = {}  # by digest, until committed
@@ -55,6 +62,8 @@ class BatchScanCache:
         self._timer: asyncio.TimerHandle | None = None
         self._flushing: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self._lookups: dict[str, list[asyncio.Future[Stored]]] = {}
+        self._looking_up: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> AsyncStore:
@@ -84,11 +93,40 @@ class BatchScanCache:
         queued = self._queued_platforms.get(digest)
         return queued if queued is not None else await self._store.run(queries.platform_report, digest)
 
-    async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
+    async def stored(self, digest: str) -> Stored:
+        """The digest's stored report (`queries.stored`). Lookups wait up to `linger` and go to the
+        store together (`queries.stored_many`): one hop for the scans that asked meanwhile,
+        instead of one each. What is queued here answers before the store."""
         image, platform = self._queued_reports.get(digest), self._queued_platforms.get(digest)
         if image is not None or platform is not None:
             return image, platform
-        return await self._store.run(queries.stored, digest)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Stored] = loop.create_future()
+        self._lookups.setdefault(digest, []).append(answer)
+        if self._looking_up is None:
+            self._looking_up = loop.create_task(self._look_up())
+        return await answer
+
+    async def _look_up(self) -> None:
+        """Answer what was asked, batch after batch, until nothing waits."""
+        try:
+            await asyncio.sleep(self._read_linger)
+            while self._lookups:
+                batch, self._lookups = self._lookups, {}
+                try:
+                    found = await self._store.run(queries.stored_many, list(batch))
+                except Exception as exc:  # each scan that asked gets the store's own error
+                    for answers in batch.values():
+                        for answer in answers:
+                            if not answer.done():
+                                answer.set_exception(exc)
+                    continue
+                for digest, answers in batch.items():
+                    for answer in answers:
+                        if not answer.done():
+                            answer.set_result(found[digest])
+        finally:
+            self._looking_up = None
 
     async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
         key = (registry, repository, tag)

@@ -157,3 +157,25 @@ async def test_a_failed_batch_is_handed_back_with_its_error_and_the_next_batch_s
             await cache.save_report(failed_scan)
     finally:
         await store.close()
+
+
+async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_does(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = open_backend()
+    counting = _CountingBackend(backend)
+    monkeypatch.setattr(backend, "run", counting.run)
+    saved = _tagged(1)
+    backend.run(queries.save_report, saved)
+    platform_digest = saved.platforms[0].digest
+    unknown = ["sha256:" + f"{n:064x}" for n in range(100, 120)]
+    store = AsyncStore(backend)
+    cache = BatchScanCache(store)
+    try:
+        asked = [saved.digest, platform_digest, *unknown]
+        answers = await asyncio.gather(*(cache.stored(digest) for digest in asked if digest))
+        assert counting.calls["stored_many"] == 1 and counting.calls["stored"] == 0
+        assert answers == [backend.run(queries.stored, digest) for digest in asked]
+        assert answers[0][0] is not None and answers[1][1] is not None and answers[2] == (None, None)
+    finally:
+        await store.close()

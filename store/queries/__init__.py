@@ -36,6 +36,7 @@ from store.queries.reports import (
     save_reports,
     save_scan_results,
     stored,
+    stored_many,
 )
 from store.queries.tags import (
     is_gone,
@@ -80,6 +81,7 @@ __all__ = [
     "server_inventory",
     "servers",
     "stored",
+    "stored_many",
     "tag_history",
     "tags_for_digest",
     "update_deployment",

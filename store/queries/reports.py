@@ -175,6 +175,26 @@ def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | No
 
 
 @reads
+def stored_many(
+    db: Db, digests: Sequence[str]
+) -> dict[str, tuple[ImageReport | None, PlatformReport | None]]:
+    """`stored` for many digests, one statement per table: every digest asked for is in the answer."""
+    found: dict[str, tuple[ImageReport | None, PlatformReport | None]] = dict.fromkeys(digests, (None, None))
+    wanted = {"digests": db.dialect.array(sorted(set(digests)))}
+    images = db.all(
+        f"SELECT digest, report FROM reports WHERE {db.dialect.in_list('digest', 'digests')}", wanted
+    )
+    for digest, document in images:
+        found[digest] = (ImageReport.model_validate_json(document), None)
+    platforms = db.all(
+        f"SELECT digest, report FROM platform_reports WHERE {db.dialect.in_list('digest', 'digests')}", wanted
+    )
+    for digest, document in platforms:
+        found[digest] = (found[digest][0], PlatformReport.model_validate_json(document))
+    return found
+
+
+@reads
 def list_images(
     db: Db,
     *,
@@ -300,4 +320,6 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "stored",
+    "stored_many",
 ]
