@@ -172,7 +172,7 @@ class RegistryClient:
 
         async def head(host: str) -> Descriptor | None:
             path = f"/v2/{ref.repository}/manifests/{ref.identifier}"
-            async with self._slot(host):
+            async with self._semaphore(host):
                 response = await self._open(
                     host, ref.repository, "HEAD", path, {"Accept": MANIFEST_ACCEPT}, self._timeout()
                 )
@@ -204,7 +204,7 @@ class RegistryClient:
         limit = self.settings.max_manifest_bytes
 
         async def get(host: str) -> tuple[bytes, CIMultiDictProxy[str]]:
-            async with self._slot(host):
+            async with self._semaphore(host):
                 response = await self._open(
                     host, ref.repository, "GET", path, {"Accept": MANIFEST_ACCEPT}, self._timeout()
                 )
@@ -242,7 +242,7 @@ class RegistryClient:
         limit = self.settings.max_manifest_bytes
 
         async def get(host: str) -> tuple[bytes, str]:
-            async with self._slot(host):
+            async with self._semaphore(host):
                 response = await self._open(
                     host, ref.repository, "GET", path, {"Accept": OCI_INDEX}, self._timeout()
                 )
@@ -275,7 +275,7 @@ class RegistryClient:
         what = f"blob {ref.name}@{digest}"
 
         async def get(host: str) -> bytes:
-            async with self._slot(host):
+            async with self._semaphore(host):
                 response = await self._open(
                     host, ref.repository, "GET", path, {"Accept-Encoding": "identity"}, self._timeout()
                 )
@@ -373,11 +373,6 @@ class RegistryClient:
             self._semaphores[host] = asyncio.Semaphore(self.settings.concurrency_per_registry)
         return self._semaphores[host]
 
-    @contextlib.asynccontextmanager
-    async def _slot(self, host: str) -> AsyncIterator[None]:
-        async with self._semaphore(host):
-            yield
-
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.settings.request_timeout)
 
@@ -412,7 +407,7 @@ class RegistryClient:
         timeout: aiohttp.ClientTimeout,
     ) -> aiohttp.ClientResponse:
         """One HTTP exchange, counted and observed (status, rate-limit headers)."""
-        host = urlsplit(url).netloc
+        host = url.split("/", 3)[2]  # the URL's authority: `follow` built it, scheme://host/...
         count(self.totals, requests=1)
         try:
             response = await self._http().request(

@@ -33,9 +33,10 @@ async def follow(
     plain_http_allowed: Callable[[str], bool],
 ) -> aiohttp.ClientResponse:
     """The first non-redirect response for `method url`, each hop sent by `send`."""
-    origin = urlsplit(url)
-    for _ in range(max_redirects + 1):
-        target = urlsplit(url)
+    origin = target = urlsplit(url)
+    for hop in range(max_redirects + 1):
+        if hop:
+            target = urlsplit(url)
         if target.scheme == "http" and not plain_http_allowed(target.netloc):
             raise InsecureTransport(
                 f"refusing plain HTTP to {target.netloc}: only loopback or registries configured "
