@@ -31,7 +31,7 @@ from scanner.registry.reference import ReferenceError, parse_reference
 from store import queries
 from store.events import REPORTED_JOB, SETTLED
 from store.facade import AsyncStore
-from store.queries.reports import TagSeen
+from store.queries.tags import TagSeen
 
 TagKey = tuple[str, str, str]
 Committed = Callable[[BaseException | None], None]
@@ -180,8 +180,10 @@ class BatchScanCache:
             self._queued_reports[write.digest] = write
             for platform in write.platforms:
                 self._queued_platforms[platform.digest] = platform
-        if self._flushing is not None:
-            return  # the running batch starts the next one when it ends
+        if self._flushing is None:  # else the running batch schedules the next one when it ends
+            self._schedule()
+
+    def _schedule(self) -> None:
         if len(self._queued) >= self._max_batch:
             self._flush_now()
         elif self._timer is None:
@@ -195,30 +197,30 @@ class BatchScanCache:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        """Commit batch after batch while writes are queued; then call the callbacks they cover."""
+        """Commit what is queued, in one transaction; then call the callbacks it covers. What
+        gathers meanwhile waits for its own linger (or a full batch): one commit per `linger`."""
+        batch, self._queued = self._queued, []
+        covered = self._last_queued
+        error: BaseException | None = None
         try:
-            while self._queued:
-                batch, self._queued = self._queued, []
-                covered = self._last_queued
-                error: BaseException | None = None
-                try:
-                    await self._store.run(queries.save_scan_results, batch)
-                except Exception as exc:
-                    error = exc
-                    self._failure = self._failure or exc
-                for write in batch:
-                    if isinstance(write, ImageReport) and write.digest is not None:
-                        if self._queued_reports.get(write.digest) is write:
-                            del self._queued_reports[write.digest]
-                            for platform in write.platforms:
-                                if self._queued_platforms.get(platform.digest) is platform:
-                                    del self._queued_platforms[platform.digest]
-                        if error is None:
-                            self._store._fire_local(SETTLED, f"{REPORTED_JOB} {write.reference}")
-                self._call_back(covered, error)
+            await self._store.run(queries.save_scan_results, batch)
+        except Exception as exc:
+            error = exc
+            self._failure = self._failure or exc
         finally:
             self._flushing = None
-        self._call_back(self._last_queued, None)  # callbacks registered with nothing queued after
+            if self._queued:
+                self._schedule()
+        for write in batch:
+            if isinstance(write, ImageReport) and write.digest is not None:
+                if self._queued_reports.get(write.digest) is write:
+                    del self._queued_reports[write.digest]
+                    for platform in write.platforms:
+                        if self._queued_platforms.get(platform.digest) is platform:
+                            del self._queued_platforms[platform.digest]
+                if error is None:
+                    self._store._fire_local(SETTLED, f"{REPORTED_JOB} {write.reference}")
+        self._call_back(covered, error)
 
     def _call_back(self, covered: int, error: BaseException | None) -> None:
         due = [callback for sequence, callback in self._callbacks if sequence <= covered]

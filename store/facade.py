@@ -41,7 +41,7 @@ from store.models import (
     LeaseExpiry,
     StoreUnavailable,
 )
-from store.queries.reports import TagSeen
+from store.queries.tags import TagSeen
 
 P = ParamSpec("P")
 T = TypeVar("T")

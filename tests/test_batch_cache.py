@@ -179,3 +179,38 @@ async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_doe
         assert answers[0][0] is not None and answers[1][1] is not None and answers[2] == (None, None)
     finally:
         await store.close()
+
+
+def test_recording_tags_in_one_batch_leaves_the_history_that_one_call_each_leaves(
+    open_backend: OpenBackend,
+) -> None:
+    from store.queries import TagSeen
+
+    store = open_backend()
+    a, b, c = ("sha256:" + ch * 64 for ch in "abc")
+    for repository in ("one-by-one", "batched"):  # the same starting state in both
+        store.run(queries.record_tag, REGISTRY, repository, "stays", a)
+        store.run(queries.record_tag, REGISTRY, repository, "moves", a)
+        store.run(queries.record_tag, REGISTRY, repository, "deleted", b)
+        store.run(queries.mark_gone, REGISTRY, repository, tag="deleted", digest=None)
+        store.run(queries.mark_gone, REGISTRY, repository, tag=None, digest=c)
+    seen = [
+        ("stays", a),  # unchanged: last_seen only
+        ("moves", b),  # moved: a new row
+        ("moves", a),  # and back in the same batch: another row
+        ("new", c),  # first seen; its digest is no longer gone
+        ("new", c),  # seen twice: still one row
+        ("deleted", b),  # pushed again after its deletion: a new row
+    ]
+    for tag, digest in seen:
+        store.run(queries.record_tag, REGISTRY, "one-by-one", tag, digest)
+    store.run(queries.record_tags, [TagSeen(REGISTRY, "batched", tag, digest) for tag, digest in seen])
+
+    def history(repository: str) -> list[tuple[str, str, bool]]:
+        events = store.run(queries.tag_history, REGISTRY, repository)
+        return [(event.tag, event.digest, event.gone_at is not None) for event in events]
+
+    assert history("batched") == history("one-by-one")
+    assert [tag for tag, _, _ in history("batched")].count("moves") == 3
+    assert not store.run(queries.is_gone, REGISTRY, "batched", c)
+    assert store.run(queries.resolve_tag, REGISTRY, "batched", "deleted") == b

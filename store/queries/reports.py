@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -12,7 +11,7 @@ from scanner.models import ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
 from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
 from store.models import ImageRow
-from store.queries.tags import record_tag
+from store.queries.tags import TagSeen, record_tags
 
 # Exact totals up to this many matching images; beyond, the planner's estimate where the engine
 # has one (see `_count`).
@@ -100,23 +99,11 @@ def save_report(db: Db, report: ImageReport) -> None:
     save_reports(db, [report])
 
 
-@dataclass(frozen=True)
-class TagSeen:
-    """A tag seen pointing at a digest (see `store.queries.tags.record_tag`)."""
-
-    registry: str
-    repository: str
-    tag: str
-    digest: str
-
-
 @writes
 def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport]) -> None:
     """A group commit of what concurrent scans write: tags seen, in order, then every report in
     one batch (`save_reports`). One transaction for all of them."""
-    for write in writes:
-        if isinstance(write, TagSeen):
-            record_tag(db, write.registry, write.repository, write.tag, write.digest)
+    record_tags(db, [write for write in writes if isinstance(write, TagSeen)])
     reports = [write for write in writes if isinstance(write, ImageReport)]
     if reports:
         save_reports(db, reports)
@@ -178,19 +165,21 @@ def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | No
 def stored_many(
     db: Db, digests: Sequence[str]
 ) -> dict[str, tuple[ImageReport | None, PlatformReport | None]]:
-    """`stored` for many digests, one statement per table: every digest asked for is in the answer."""
+    """`stored` for many digests in one statement: every digest asked for is in the answer."""
     found: dict[str, tuple[ImageReport | None, PlatformReport | None]] = dict.fromkeys(digests, (None, None))
-    wanted = {"digests": db.dialect.array(sorted(set(digests)))}
-    images = db.all(
-        f"SELECT digest, report FROM reports WHERE {db.dialect.in_list('digest', 'digests')}", wanted
+    wanted = db.dialect.in_list("digest", "digests")
+    rows = db.all(
+        f"SELECT digest, report, 1 FROM reports WHERE {wanted}"
+        f" UNION ALL SELECT digest, report, 0 FROM platform_reports WHERE {wanted}",
+        {"digests": db.dialect.array(sorted(set(digests)))},
     )
-    for digest, document in images:
-        found[digest] = (ImageReport.model_validate_json(document), None)
-    platforms = db.all(
-        f"SELECT digest, report FROM platform_reports WHERE {db.dialect.in_list('digest', 'digests')}", wanted
-    )
-    for digest, document in platforms:
-        found[digest] = (found[digest][0], PlatformReport.model_validate_json(document))
+    for digest, document, as_image in rows:
+        image, platform = found[digest]
+        if as_image:
+            image = ImageReport.model_validate_json(document)
+        else:
+            platform = PlatformReport.model_validate_json(document)
+        found[digest] = (image, platform)
     return found
 
 

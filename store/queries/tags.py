@@ -2,35 +2,92 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from store.dialect import Db, reads, writes
 from store.models import TagEvent
+
+TagKey = tuple[str, str, str]  # (registry, repository, tag)
+
+
+@dataclass(frozen=True)
+class TagSeen:
+    """A tag seen pointing at a digest (see `record_tags`)."""
+
+    registry: str
+    repository: str
+    tag: str
+    digest: str
 
 
 @writes
 def record_tag(db: Db, registry: str, repository: str, tag: str, digest: str) -> None:
     """Remember that `tag` points at `digest` now; a change starts a new history row."""
-    key = {"registry": registry, "repository": repository, "tag": tag, "digest": digest}
-    # Serialise writers of one tag (two replicas seeing the same push); SQLite's one writer already is.
-    db.dialect.lock(db, f"tag {registry} {repository} {tag}")
-    current = db.one(
-        "SELECT id, digest, gone_at FROM tags WHERE registry = :registry AND repository = :repository"
-        " AND tag = :tag ORDER BY id DESC LIMIT 1",
-        key,
+    record_tags(db, [TagSeen(registry, repository, tag, digest)])
+
+
+@writes
+def record_tags(db: Db, seen: Sequence[TagSeen]) -> None:
+    """`record_tag` for each of `seen`, in order, with one statement per kind for them all: the
+    newest row of a tag that still points at the same digest gets a new `last_seen`; a tag that
+    moved (or is new, or was deleted) gets a new history row; the digests are no longer gone."""
+    if not seen:
+        return
+    keys = sorted({(one.registry, one.repository, one.tag) for one in seen})
+    # Serialise writers of one tag (two replicas seeing the same push); SQLite's one writer
+    # already is. In one order, so that two batches never wait on each other in a cycle.
+    for registry, repository, tag in keys:
+        db.dialect.lock(db, f"tag {registry} {repository} {tag}")
+    newest = _newest_rows(db, keys)
+    pointing: dict[TagKey, str | None] = {}  # what each tag points at as the batch goes on
+    touched: set[int] = set()
+    inserted: list[dict[str, str]] = []
+    for one in seen:
+        key = (one.registry, one.repository, one.tag)
+        if key not in pointing:
+            row = newest.get(key)
+            pointing[key] = row[1] if row and row[2] is None else None
+            if pointing[key] == one.digest and row:
+                touched.add(row[0])
+        if pointing[key] != one.digest:
+            inserted.append(
+                {"registry": one.registry, "repository": one.repository, "tag": one.tag, "digest": one.digest}
+            )
+            pointing[key] = one.digest
+    db.many("UPDATE tags SET last_seen = :now WHERE id = :id", [{"id": row_id} for row_id in sorted(touched)])
+    db.many(
+        "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
+        " VALUES (:registry, :repository, :tag, :digest, :now, :now)",
+        inserted,
     )
-    if current and current[1] == digest and current[2] is None:
-        db.execute("UPDATE tags SET last_seen = :now WHERE id = :id", {"id": current[0]})
-    else:
-        db.execute(
-            "INSERT INTO tags (registry, repository, tag, digest, first_seen, last_seen)"
-            " VALUES (:registry, :repository, :tag, :digest, :now, :now)",
-            key,
-        )
-    db.execute(
+    db.many(
         "DELETE FROM gone_digests WHERE registry = :registry AND repository = :repository AND digest = :digest",
-        key,
+        [
+            {"registry": registry, "repository": repository, "digest": digest}
+            for registry, repository, digest in sorted({(o.registry, o.repository, o.digest) for o in seen})
+        ],
     )
+
+
+def _newest_rows(db: Db, keys: Iterable[TagKey]) -> dict[TagKey, tuple[int, str, object]]:
+    """The newest history row (id, digest, gone_at) of each key that has one: one statement per
+    repository, whatever the number of tags."""
+    tags_by_repository: dict[tuple[str, str], set[str]] = {}
+    for registry, repository, tag in keys:
+        tags_by_repository.setdefault((registry, repository), set()).add(tag)
+    newest: dict[TagKey, tuple[int, str, object]] = {}
+    for (registry, repository), tags in tags_by_repository.items():
+        rows = db.all(
+            "SELECT tag, id, digest, gone_at FROM tags WHERE registry = :registry"
+            f" AND repository = :repository AND {db.dialect.in_list('tag', 'tags')}",
+            {"registry": registry, "repository": repository, "tags": db.dialect.array(sorted(tags))},
+        )
+        for tag, row_id, digest, gone_at in rows:
+            key = (registry, repository, tag)
+            if key not in newest or row_id > newest[key][0]:
+                newest[key] = (row_id, digest, gone_at)
+    return newest
 
 
 @reads
@@ -45,27 +102,15 @@ def resolve_tag(db: Db, registry: str, repository: str, tag: str) -> str | None:
 
 
 @reads
-def resolve_tags(db: Db, keys: Iterable[tuple[str, str, str]]) -> dict[tuple[str, str, str], str | None]:
+def resolve_tags(db: Db, keys: Iterable[TagKey]) -> dict[TagKey, str | None]:
     """`resolve_tag` for many (registry, repository, tag) keys: one statement per repository,
     whatever the number of tags, so a command scanning hundreds of tags reads them in one hop.
     Every key asked for is in the answer (None: unknown or deleted)."""
-    tags_by_repository: dict[tuple[str, str], set[str]] = {}
-    for registry, repository, tag in keys:
-        tags_by_repository.setdefault((registry, repository), set()).add(tag)
-    found: dict[tuple[str, str, str], str | None] = {}
-    for (registry, repository), tags in tags_by_repository.items():
-        latest: dict[str, tuple[int, str | None]] = {}
-        rows = db.all(
-            "SELECT tag, id, digest, gone_at FROM tags WHERE registry = :registry"
-            f" AND repository = :repository AND {db.dialect.in_list('tag', 'tags')}",
-            {"registry": registry, "repository": repository, "tags": db.dialect.array(sorted(tags))},
-        )
-        for tag, row_id, digest, gone_at in rows:  # the newest row of each tag is its state now
-            if tag not in latest or row_id > latest[tag][0]:
-                latest[tag] = (row_id, digest if gone_at is None else None)
-        for tag in tags:
-            found[(registry, repository, tag)] = latest[tag][1] if tag in latest else None
-    return found
+    wanted = list(keys)
+    newest = _newest_rows(db, wanted)
+    return {
+        key: row[1] if (row := newest.get(key)) is not None and row[2] is None else None for key in wanted
+    }
 
 
 @reads
