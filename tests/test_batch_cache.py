@@ -50,8 +50,10 @@ def test_resolve_tags_answers_every_key_with_its_newest_state(open_backend: Open
 class _CountingBackend:
     """The backend with its queries counted, and save_scan_results failing while `failing` is set."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.backend = backend
         self.run_query = backend.run
+        monkeypatch.setattr(backend, "run", self.run)
         self.calls: collections.Counter[str] = collections.Counter()
         self.batches: list[int] = []
         self.failing = threading.Event()
@@ -68,9 +70,8 @@ class _CountingBackend:
 async def test_a_list_is_written_in_few_commits_and_each_report_handed_back_once_committed(
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = open_backend()
-    counting = _CountingBackend(backend)
-    monkeypatch.setattr(backend, "run", counting.run)
+    counting = _CountingBackend(open_backend(), monkeypatch)
+    backend = counting.backend
     backend.run(queries.record_tag, REGISTRY, "app", "v7", "sha256:" + "7" * 64)  # seen before
     store = AsyncStore(backend)
     reader = open_backend()  # another process's view: only what was committed
@@ -117,9 +118,8 @@ async def test_a_list_is_written_in_few_commits_and_each_report_handed_back_once
 async def test_a_failed_batch_is_handed_back_with_its_error_and_the_next_batch_still_commits(
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = open_backend()
-    counting = _CountingBackend(backend)
-    monkeypatch.setattr(backend, "run", counting.run)
+    counting = _CountingBackend(open_backend(), monkeypatch)
+    backend = counting.backend
     store = AsyncStore(backend)
     cache = BatchScanCache(store, linger=0.01)
     outcomes: dict[str, BaseException | None] = {}
@@ -162,9 +162,8 @@ async def test_a_failed_batch_is_handed_back_with_its_error_and_the_next_batch_s
 async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_does(
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = open_backend()
-    counting = _CountingBackend(backend)
-    monkeypatch.setattr(backend, "run", counting.run)
+    counting = _CountingBackend(open_backend(), monkeypatch)
+    backend = counting.backend
     saved = _tagged(1)
     backend.run(queries.save_report, saved)
     platform_digest = saved.platforms[0].digest
