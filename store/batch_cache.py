@@ -94,7 +94,7 @@ class BatchScanCache:
         return queued if queued is not None else await self._store.run(queries.platform_report, digest)
 
     async def stored(self, digest: str) -> Stored:
-        """The digest's stored report (`queries.stored`). Lookups wait up to `linger` and go to the
+        """The digest's stored report (`queries.stored`). Lookups wait up to `read_linger` and go to the
         store together (`queries.stored_many`): one hop for the scans that asked meanwhile,
         instead of one each. What is queued here answers before the store."""
         image, platform = self._queued_reports.get(digest), self._queued_platforms.get(digest)
