@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -258,3 +259,38 @@ def test_cli_json_contract_and_exit_codes(samples: dict[str, str], tmp_path: Pat
     assert failed.stderr.count("\n") == 1 and "missing" in failed.stderr
     usage = _cli("--platform", "linux", samples["samples/static:1"], db=db)
     assert usage.returncode == 2
+
+
+def test_cli_prints_each_report_once_stored_and_fails_when_a_commit_fails(
+    samples: dict[str, str], tmp_path: Path
+) -> None:
+    import sqlite3
+
+    refs = [
+        samples["samples/alpine-gpu:3.20"],
+        samples["samples/multi-arch:12.4"],
+        samples["samples/static:1"],
+    ]
+    db = tmp_path / "cli.db"
+    ok = _cli("--json", *refs, db=db)
+    assert ok.returncode == 0, ok.stderr
+    printed = [json.loads(line)["digest"] for line in ok.stdout.splitlines()]
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        stored = {row[0] for row in conn.execute("SELECT digest FROM reports")}
+        tags = {row[0] for row in conn.execute("SELECT tag FROM tags WHERE gone_at IS NULL")}
+    assert len(printed) == 3 and set(printed) <= stored  # every printed report is in the store
+    assert tags == {ref.rsplit(":", 1)[1] for ref in refs}
+
+    # A store that refuses every report (as a full disk would): nothing is claimed stored.
+    broken = tmp_path / "broken.db"
+    assert _cli("--json", refs[0], db=broken).returncode == 0  # created and migrated
+    with contextlib.closing(sqlite3.connect(broken)) as conn, conn:
+        conn.execute("DELETE FROM reports")
+        conn.execute("DELETE FROM platform_reports")
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON reports BEGIN SELECT RAISE(ABORT, 'disk is full'); END"
+        )
+    failed = _cli("--json", *refs, db=broken)
+    assert failed.returncode == 1
+    assert failed.stderr.count("not stored") == 3 and "disk is full" in failed.stderr
+    assert len(failed.stdout.splitlines()) == 3  # the scans' answers are still shown
