@@ -7,6 +7,7 @@ Setup (building and pushing images) is never inside a measured window.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import os
@@ -15,7 +16,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ class Results:
     def detail(self, line: str) -> None:
         self.details.append(line)
         print(f"  {line}", flush=True)
+
+
+def run_section(run_all: Callable[[Results, bool], None], doc: str | None) -> None:
+    """`python3 -m bench.<section> [--quick]`: one section alone, as `bench.run --only` runs it."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    run_all(Results(), parser.parse_args().quick)
 
 
 def _verdict(figure: Figure) -> str:

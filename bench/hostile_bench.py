@@ -18,7 +18,6 @@ the event loop, as before this work), run in the same bench run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import Figure, Results, percentile
+from bench.common import Figure, Results, percentile, run_section
 from fixtures import hostile
 from fixtures.oci import ImageSpec, push_image
 from fixtures.registry import LocalRegistry, run_registry
@@ -280,11 +279,5 @@ def run_all(results: Results, quick: bool) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    run_all(Results(), parser.parse_args().quick)
-
-
 if __name__ == "__main__":
-    main()
+    run_section(run_all, __doc__)

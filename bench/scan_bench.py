@@ -11,7 +11,6 @@ Run alone: python3 -m bench.scan_bench [--quick]
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -36,6 +35,7 @@ from bench.common import (
     ms,
     push_tags,
     ratio,
+    run_section,
 )
 from fixtures.oci import (
     LAYER_MEDIA_TYPES,
@@ -623,11 +623,5 @@ def run_all(results: Results, quick: bool) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    run_all(Results(), parser.parse_args().quick)
-
-
 if __name__ == "__main__":
-    main()
+    run_section(run_all, __doc__)

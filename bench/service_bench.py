@@ -10,7 +10,6 @@ Run alone: python3 -m bench.service_bench [--quick]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -29,7 +28,16 @@ from typing import Literal
 
 import aiohttp
 
-from bench.common import Figure, Results, measure, ms, percentile, process_cpu_seconds, push_with_retry
+from bench.common import (
+    Figure,
+    Results,
+    measure,
+    ms,
+    percentile,
+    process_cpu_seconds,
+    push_with_retry,
+    run_section,
+)
 from fixtures.oci import ImageSpec, LayerSpec, LayoutWriter, fake_elf, file
 from fixtures.registry import free_port, run_registry
 from fixtures.service import RunningService, run_service_process
@@ -253,11 +261,5 @@ def run_all(results: Results, quick: bool) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    run_all(Results(), parser.parse_args().quick)
-
-
 if __name__ == "__main__":
-    main()
+    run_section(run_all, __doc__)

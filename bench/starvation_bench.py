@@ -19,7 +19,6 @@ the fair ones of this work, which cannot help when one registry may take every w
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shutil
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bench.common import Figure, Results, percentile
+from bench.common import Figure, Results, percentile, run_section
 from fixtures import catalog
 from fixtures.oci import push_many
 from fixtures.registry import LocalRegistry, run_registry
@@ -238,11 +237,5 @@ def run_all(results: Results, quick: bool) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    run_all(Results(), parser.parse_args().quick)
-
-
 if __name__ == "__main__":
-    main()
+    run_section(run_all, __doc__)
