@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def store_location(db: Path | None) -> tuple[Path, str | None]:
+    """The store a command uses: `--db` when given; else the service's PostgreSQL when
+    GPUBADGE_DATABASE_URL is set (reports land where the service reads them, and no SQLite file
+    is written); else the SQLite file at GPUBADGE_DB or the default path. (path, url or None)."""
+    if db is not None:
+        return db, None
+    return Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB)), os.environ.get("GPUBADGE_DATABASE_URL") or None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -179,10 +188,7 @@ def run_scan(args: argparse.Namespace) -> int:
     if not args.no_store:
         from store import StoreUnavailable, open_store
 
-        db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
-        # The service's PostgreSQL, when configured and no --db is named: reports land where the
-        # service reads them, and no SQLite file is written.
-        database_url = None if args.db else os.environ.get("GPUBADGE_DATABASE_URL") or None
+        db_path, database_url = store_location(args.db)
         try:
             store = open_store(db_path, database_url=database_url)
         except StoreUnavailable as exc:

@@ -10,7 +10,6 @@ terminal; the last lines say what was written and how to explore it. Exit status
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -82,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    from gpubadge.cli import DEFAULT_DB
+    from gpubadge.cli import store_location
     from store import StoreUnavailable, open_backend, queries
     from store.export import ExportError, export_sqlite, metadata_path
 
@@ -90,8 +89,7 @@ def main(argv: Sequence[str]) -> int:
         args = build_parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    db_path = args.db or Path(os.environ.get("GPUBADGE_DB", DEFAULT_DB))
-    database_url = None if args.db else os.environ.get("GPUBADGE_DATABASE_URL") or None
+    db_path, database_url = store_location(args.db)
     if database_url is None and not db_path.is_file():
         print(f"gpubadge export: no store at {db_path} (scan something first, or pass --db)", file=sys.stderr)
         return 1
