@@ -313,6 +313,17 @@ def best_run(runs: Sequence[Run]) -> Run:
     return min(runs, key=lambda run: run.wall_s)
 
 
+def timed_scan(refs: Sequence[str], registry_pid: int, *args: str) -> Run:
+    """One `gpubadge scan --json ARGS REFS` process, measured; any scan error stops the bench."""
+    with measure(registry_pid) as window:
+        reports = run_gpubadge_scan(refs, *args)
+    if errors_of(reports):
+        raise RuntimeError(f"gpubadge scan errors: {errors_of(reports)[:3]}")
+    return Run(
+        window.wall_s, window.children_cpu_s, window.watched_cpu_s, sum(int(r["requests"]) for r in reports)
+    )
+
+
 def bench_config_only(
     results: Results, figures: ScanFigures, workdir: Path, skopeo_requests_per_image: float
 ) -> None:
@@ -339,34 +350,11 @@ def bench_config_only(
             peer_runs.append(
                 Run(peer.wall_s, peer.children_cpu_s, peer.watched_cpu_s, int(skopeo_requests_per_image * n))
             )
-            args = ("--config-only", "--concurrency", str(concurrency), "--no-store")
-            with measure(pid) as ours:
-                reports = run_gpubadge_scan(refs, *args)
-            if errors_of(reports):
-                raise RuntimeError(f"gpubadge scan errors: {errors_of(reports)[:3]}")
-            our_runs.append(
-                Run(
-                    ours.wall_s,
-                    ours.children_cpu_s,
-                    ours.watched_cpu_s,
-                    sum(int(r["requests"]) for r in reports),
-                )
-            )
+            base = ("--config-only", "--concurrency", str(concurrency))
+            our_runs.append(timed_scan(refs, pid, *base, "--no-store"))
             # The default: every report stored (a fresh SQLite file, as a first run makes).
-            stored_args = ("--config-only", "--concurrency", str(concurrency), "--db")
             database = workdir / f"config-store-{round_number}.db"
-            with measure(pid) as stored:
-                reports = run_gpubadge_scan(refs, *stored_args, str(database))
-            if errors_of(reports):
-                raise RuntimeError(f"gpubadge scan errors: {errors_of(reports)[:3]}")
-            stored_runs.append(
-                Run(
-                    stored.wall_s,
-                    stored.children_cpu_s,
-                    stored.watched_cpu_s,
-                    sum(int(r["requests"]) for r in reports),
-                )
-            )
+            stored_runs.append(timed_scan(refs, pid, *base, "--db", str(database)))
     peer_run, our_run, stored_run = best_run(peer_runs), best_run(our_runs), best_run(stored_runs)
     cpu_ratio = ratio(peer_run.client_cpu_s, our_run.client_cpu_s)
     stored_ratio = ratio(peer_run.client_cpu_s, stored_run.client_cpu_s)
