@@ -220,8 +220,8 @@ def run_scan(args: argparse.Namespace) -> int:
         try:
             async with RegistryClient(settings) as client:
                 scanner = Scanner(client, cache, settings)
-                if cache is not None:  # what the tags pointed at, read once for the whole list
-                    await cache.preload_tags(args.references)
+                if cache is not None:  # what the tags and the store held, read once for the whole list
+                    await cache.preload(args.references)
 
                 def done(_: int, report: ImageReport) -> None:
                     if cache is None:

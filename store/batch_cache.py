@@ -4,8 +4,11 @@ The service's scans each wait for their own commit (`StoreScanCache`): a job is 
 after its report is stored, and the long polls wake on that commit. A command scanning a
 list has a different shape: it knows every reference up front and prints as it goes. Here
 
-- what each tag pointed at is read once for the whole list (`preload_tags`, one statement per
+- what each tag pointed at is read once for the whole list (`preload`, one statement per
   repository), instead of one read per scan;
+- so is the set of digests the store holds, where it holds few enough (`stored_digests`, at
+  most `DIGESTS_PER_REFERENCE` per listed reference): a scan whose digest is not among them
+  needs no lookup at all. A first scan of a list into a new or small store makes no reads;
 - writes are queued and committed in batches (up to `max_batch` writes, or what gathered in
   `linger` seconds): one transaction, one thread hop and one prepared statement per kind for
   the batch, instead of one of each per report;
@@ -16,7 +19,9 @@ list has a different shape: it knows every reference up front and prints as it g
   printed is stored: the durability is the service's, the commits are fewer.
 
 Reads of a digest queued but not yet committed are answered from the queue, so a digest seen
-twice in one list is scanned once.
+twice in one list is scanned once. A report another process stores after the preload is not
+seen by this command's lookups: its digest is scanned again and stored again, as it would be
+had the other process stored it a moment after a lookup.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.reference import ReferenceError, parse_reference
@@ -34,6 +39,12 @@ from store.facade import AsyncStore
 from store.queries.tags import TagSeen
 
 TagKey = tuple[str, str, str]
+# Up to this many stored digests per listed reference are read up front (`preload`): reading a
+# digest costs about a microsecond, a lookup's thread hop a hundred times that; past the bound
+# (a store far larger than the list) each scan asks for its own digest instead.
+DIGESTS_PER_REFERENCE = 20
+DIGESTS_PRELOAD_FLOOR = 10_000
+DIGESTS_PRELOAD_MAX = 200_000
 Committed = Callable[[BaseException | None], None]
 Stored = tuple[ImageReport | None, PlatformReport | None]
 
@@ -63,16 +74,22 @@ class BatchScanCache:
         self._flushing: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._lookups: dict[str, list[asyncio.Future[Stored]]] = {}
+        # every digest the store held at `preload` (images, platforms); None: ask for each
+        self._known: tuple[frozenset[str], frozenset[str]] | None = None
         self._looking_up: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> AsyncStore:
         return self._store
 
-    async def preload_tags(self, references: Iterable[str]) -> None:
+    async def preload(self, references: Sequence[str]) -> None:
         """Read what each tag among `references` points at now, in one hop for them all;
         `resolve_tag` then answers them without a read. References that do not parse, or
-        that name a digest, are left to their scans."""
+        that name a digest, are left to their scans. Then the stored digests, if the store
+        holds few enough for the list's length: `stored` answers a digest not among them at
+        once."""
+        limit = min(DIGESTS_PRELOAD_MAX, max(DIGESTS_PRELOAD_FLOOR, DIGESTS_PER_REFERENCE * len(references)))
+        self._known = await self._store.run(queries.stored_digests, limit)
         wanted: list[TagKey] = []
         for text in references:
             with contextlib.suppress(ReferenceError):  # the scan's report says why
@@ -100,6 +117,8 @@ class BatchScanCache:
         image, platform = self._queued_reports.get(digest), self._queued_platforms.get(digest)
         if image is not None or platform is not None:
             return image, platform
+        if self._known is not None and digest not in self._known[0] and digest not in self._known[1]:
+            return None, None  # not stored when the list began, nor queued since
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Stored] = loop.create_future()
         self._lookups.setdefault(digest, []).append(answer)

@@ -85,7 +85,7 @@ async def test_a_list_is_written_in_few_commits_and_each_report_handed_back_once
         committed.append(report.reference)
 
     try:
-        await cache.preload_tags(
+        await cache.preload(
             [r.reference for r in reports] + ["not a reference!", f"{REGISTRY}/app@sha256:{'0' * 64}"]
         )
         assert counting.calls["resolve_tags"] == 1
@@ -176,6 +176,55 @@ async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_doe
         assert counting.calls["stored_many"] == 1 and counting.calls["stored"] == 0
         assert answers == [backend.run(queries.stored, digest) for digest in asked]
         assert answers[0][0] is not None and answers[1][1] is not None and answers[2] == (None, None)
+    finally:
+        await store.close()
+
+
+async def test_a_preloaded_store_answers_digests_it_lacks_without_a_read(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = _CountingBackend(open_backend(), monkeypatch)
+    backend = counting.backend
+    saved = _tagged(1)
+    backend.run(queries.save_report, saved)
+    platform_digest = saved.platforms[0].digest
+    unknown = ["sha256:" + f"{n:064x}" for n in range(100, 110)]
+    store = AsyncStore(backend)
+    cache = BatchScanCache(store)
+    try:
+        await cache.preload([f"{REGISTRY}/app:v{n}" for n in range(100, 110)])
+        assert counting.calls["stored_digests"] == 1
+        assert await asyncio.gather(*(cache.stored(digest) for digest in unknown)) == [(None, None)] * 10
+        assert counting.calls["stored_many"] == 0  # not stored when the list began: no read
+        asked = [saved.digest, platform_digest]
+        answers = await asyncio.gather(*(cache.stored(digest) for digest in asked if digest))
+        assert counting.calls["stored_many"] == 1  # stored ones are read, with their reports
+        assert answers == [backend.run(queries.stored, digest) for digest in asked]
+        assert answers[0][0] is not None and answers[1][1] is not None
+    finally:
+        await store.close()
+
+
+async def test_a_store_larger_than_the_preload_bound_is_asked_per_digest(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = _CountingBackend(open_backend(), monkeypatch)
+    backend = counting.backend
+    for n in (1, 2, 3):
+        backend.run(queries.save_report, _tagged(n))
+    assert backend.run(queries.stored_digests, 3) is not None
+    assert backend.run(queries.stored_digests, 2) is None  # three stored, more than asked for
+    monkeypatch.setattr("store.batch_cache.DIGESTS_PRELOAD_FLOOR", 2)
+    monkeypatch.setattr("store.batch_cache.DIGESTS_PER_REFERENCE", 1)
+    store = AsyncStore(backend)
+    cache = BatchScanCache(store)
+    try:
+        await cache.preload([f"{REGISTRY}/app:v9"])
+        unknown = "sha256:" + "9" * 64
+        assert await cache.stored(unknown) == (None, None)
+        assert counting.calls["stored_many"] == 1  # no digest set to answer from: read
+        image, _ = await cache.stored(_tagged(2).digest)
+        assert image is not None and image.digest == _tagged(2).digest
     finally:
         await store.close()
 

@@ -36,6 +36,7 @@ from store.queries.reports import (
     save_reports,
     save_scan_results,
     stored,
+    stored_digests,
     stored_many,
 )
 from store.queries.tags import (
@@ -83,6 +84,7 @@ __all__ = [
     "server_inventory",
     "servers",
     "stored",
+    "stored_digests",
     "stored_many",
     "tag_history",
     "tags_for_digest",

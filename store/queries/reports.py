@@ -184,6 +184,21 @@ def stored_many(
 
 
 @reads
+def stored_digests(db: Db, limit: int) -> tuple[frozenset[str], frozenset[str]] | None:
+    """Every digest stored as an image and every digest stored as a platform, when the store
+    holds at most `limit` of each; None when it holds more (then ask `stored_many`). Each is a
+    scan of its table's primary key, read no further than `limit` rows: the caller bounds the
+    cost by what a lookup per digest would cost instead."""
+    sets: list[frozenset[str]] = []
+    for table in ("reports", "platform_reports"):
+        rows = db.all(f"SELECT digest FROM {table} LIMIT :n", {"n": limit + 1})
+        if len(rows) > limit:
+            return None
+        sets.append(frozenset(row[0] for row in rows))
+    return sets[0], sets[1]
+
+
+@reads
 def list_images(
     db: Db,
     *,
