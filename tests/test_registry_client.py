@@ -363,3 +363,34 @@ async def test_a_ranged_read_grows_its_ranges_and_counts_what_an_early_stop_was_
                 assert early.bytes_read <= early.bytes_received <= len(data)
     finally:
         await runner.cleanup()
+
+
+async def test_cookies_a_registry_sets_are_never_sent_back() -> None:
+    """As containerd's resolver and skopeo: the registry API authenticates by header, so a
+    `Set-Cookie` (a load balancer's session, a hostile registry's tracker) is not kept."""
+    data = b'{"architecture": "amd64", "os": "linux"}'
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    sent: list[str | None] = []
+
+    async def blob(request: web.Request) -> web.Response:
+        sent.append(request.headers.get("Cookie"))
+        response = web.Response(body=data)
+        response.set_cookie("session", "tracked", path="/")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v2/r/blobs/{digest}", blob)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        # by name: aiohttp's default jar keeps no cookie of a bare IP address anyway
+        ref = parse_reference(f"localhost:{port}/r:1")
+        async with RegistryClient(settings()) as client:
+            for _ in range(3):
+                assert await client.blob(ref, digest, 1 << 20) == data
+        assert sent == [None, None, None]
+    finally:
+        await runner.cleanup()
