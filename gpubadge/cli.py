@@ -198,9 +198,22 @@ def run_scan(args: argparse.Namespace) -> int:
     # a bar only for batches long enough to wait on, and never over --json's lines
     progress = Bar(len(args.references), sys.stderr) if not args.json and len(args.references) >= 4 else None
 
+    flush_scheduled = False
+
+    def flush_stdout() -> None:
+        nonlocal flush_scheduled
+        flush_scheduled = False
+        sys.stdout.flush()
+
     def emit(report: ImageReport) -> None:
+        """Print a report's line; the lines printed in one turn of the loop (a committed batch)
+        reach the pipe in one write, before the loop waits for anything else."""
+        nonlocal flush_scheduled
         if args.json:
-            print(report.model_dump_json(), flush=True)
+            sys.stdout.write(report.model_dump_json() + "\n")
+            if not flush_scheduled:
+                flush_scheduled = True
+                asyncio.get_running_loop().call_soon(flush_stdout)
         elif progress:
             progress.step()
 
