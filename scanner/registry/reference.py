@@ -90,23 +90,23 @@ class Reference:
 def validate_digest(digest: str) -> str:
     """Check `algorithm:hex` (sha256 or sha512, lowercase hex of the right length); return it."""
     algorithm, sep, hex_part = digest.partition(":")
-    shown = _shown(digest)
     if not sep or not algorithm:
-        raise ReferenceError(f"invalid digest {shown}: expected 'sha256:<64 hex characters>'")
+        raise ReferenceError(f"invalid digest {_shown(digest)}: expected 'sha256:<64 hex characters>'")
     expected = DIGEST_HEX_LENGTHS.get(algorithm)
     if expected is None:
         raise ReferenceError(
-            f"invalid digest {shown}: unsupported algorithm {algorithm[:40]!r}; expected "
+            f"invalid digest {_shown(digest)}: unsupported algorithm {algorithm[:40]!r}; expected "
             "'sha256:<64 hex characters>' or 'sha512:<128 hex characters>'"
         )
     if not _HEX_RE.fullmatch(hex_part):
         raise ReferenceError(
-            f"invalid digest {shown}: the part after '{algorithm}:' must be lowercase hexadecimal "
-            f"(0-9, a-f), {expected} characters"
+            f"invalid digest {_shown(digest)}: the part after '{algorithm}:' must be lowercase "
+            f"hexadecimal (0-9, a-f), {expected} characters"
         )
     if len(hex_part) != expected:
         raise ReferenceError(
-            f"invalid digest {shown}: {algorithm} needs {expected} hex characters, got {len(hex_part)}"
+            f"invalid digest {_shown(digest)}: {algorithm} needs {expected} hex characters,"
+            f" got {len(hex_part)}"
         )
     return digest
 
@@ -134,14 +134,13 @@ def _split_domain(name: str) -> tuple[str, str]:
 
 
 def _validate_repository(repository: str, original: str) -> None:
-    shown = _shown(original)
     if not repository:
         raise ReferenceError(
-            f"invalid reference {shown}: the repository name is empty; expected {EXPECTED_FORM}"
+            f"invalid reference {_shown(original)}: the repository name is empty; expected {EXPECTED_FORM}"
         )
     if repository != repository.lower():
         raise ReferenceError(
-            f"invalid reference {shown}: repository {_shown(repository)} must be lowercase "
+            f"invalid reference {_shown(original)}: repository {_shown(repository)} must be lowercase "
             f"(e.g. {_shown(repository.lower())})"
         )
     for component in repository.split("/"):
@@ -154,10 +153,10 @@ def _validate_repository(repository: str, original: str) -> None:
                     "'.', '_', '__' or '-' (e.g. 'my-org/my_app.v2')"
                 )
             )
-            raise ReferenceError(f"invalid reference {shown}: repository component {what}")
+            raise ReferenceError(f"invalid reference {_shown(original)}: repository component {what}")
     if len(repository) > REPOSITORY_PATH_LENGTH_MAX:
         raise ReferenceError(
-            f"invalid reference {shown}: the repository path is {len(repository)} characters, over "
+            f"invalid reference {_shown(original)}: the repository path is {len(repository)} characters, over "
             f"the {REPOSITORY_PATH_LENGTH_MAX}-character limit (the registry name does not count)"
         )
 
@@ -169,18 +168,19 @@ def parse_reference(text: str) -> Reference:
     only. Docker Hub names are normalised (`alpine` -> `docker.io/library/alpine`).
     """
     original = text
-    shown = _shown(original)
     if not text:
         raise ReferenceError(f"invalid reference '': it is empty; expected {EXPECTED_FORM}")
     if "://" in text:
         raise ReferenceError(
-            f"invalid reference {shown}: drop the URL scheme (no 'https://'); expected {EXPECTED_FORM}"
+            f"invalid reference {_shown(original)}: drop the URL scheme (no 'https://');"
+            f" expected {EXPECTED_FORM}"
         )
     if text != text.strip():
-        raise ReferenceError(f"invalid reference {shown}: remove the surrounding whitespace")
+        raise ReferenceError(f"invalid reference {_shown(original)}: remove the surrounding whitespace")
     if not text.isascii():
         raise ReferenceError(
-            f"invalid reference {shown}: only ASCII characters are allowed; expected {EXPECTED_FORM}"
+            f"invalid reference {_shown(original)}: only ASCII characters are allowed;"
+            f" expected {EXPECTED_FORM}"
         )
 
     name, at, digest = text.partition("@")
@@ -188,7 +188,7 @@ def parse_reference(text: str) -> Reference:
     if at:
         if not digest:
             raise ReferenceError(
-                f"invalid reference {shown}: empty digest after '@'; expected '@sha256:<64 hex>'"
+                f"invalid reference {_shown(original)}: empty digest after '@'; expected '@sha256:<64 hex>'"
             )
         digest_value = validate_digest(digest)
 
@@ -201,17 +201,19 @@ def parse_reference(text: str) -> Reference:
 
     if not name:
         raise ReferenceError(
-            f"invalid reference {shown}: the repository name is empty; expected {EXPECTED_FORM}"
+            f"invalid reference {_shown(original)}: the repository name is empty; expected {EXPECTED_FORM}"
         )
     if _BARE_ID_RE.fullmatch(name):
         raise ReferenceError(
-            f"invalid reference {shown}: a 64-character hex string is an image ID, not a repository "
+            f"invalid reference {_shown(original)}: a 64-character hex string is an image ID,"
+            " not a repository "
             "(name the registry to mean a repository: docker.io/<hex>)"
         )
     domain, repository = _split_domain(name)
     if not _DOMAIN_RE.fullmatch(domain):
         raise ReferenceError(
-            f"invalid reference {shown}: registry host {_shown(domain)} is not valid; expected a host "
+            f"invalid reference {_shown(original)}: registry host {_shown(domain)} is not valid;"
+            " expected a host "
             "name or IP, optionally with a numeric port (e.g. 'registry.example.com:5000', '[::1]:5000')"
         )
     _validate_repository(repository, original)
