@@ -127,6 +127,13 @@ class Dialect:
         """Tell every replica of this commit (PostgreSQL); a single-file store needs no telling."""
 
 
+@functools.lru_cache(maxsize=1024)
+def _json_array(values: tuple[str, ...]) -> str:
+    """A list column's JSON text. Cached: a store's list values repeat (a handful of platform
+    sets, libc flavours and CUDA versions), and each report writes three of them."""
+    return json.dumps(values)
+
+
 class SqliteDialect(Dialect):
     name = "sqlite"
     clock_is_parameter = True
@@ -136,7 +143,7 @@ class SqliteDialect(Dialect):
         return sql  # named parameters are SQLite's own style
 
     def array(self, values: Iterable[str]) -> Any:
-        return json.dumps(list(values))
+        return _json_array(tuple(values))
 
     def array_value(self, value: Any) -> list[str]:
         return list(json.loads(value)) if value else []
