@@ -32,21 +32,28 @@ async def follow(
     max_redirects: int,
     plain_http_allowed: Callable[[str], bool],
 ) -> aiohttp.ClientResponse:
-    """The first non-redirect response for `method url`, each hop sent by `send`."""
-    origin = target = urlsplit(url)
+    """The first non-redirect response for `method url`, each hop sent by `send`.
+
+    `url` is the client's own `scheme://host/path`; where a registry redirects, the next URL is
+    its `Location` resolved against the last one, and parsed as any untrusted URL is."""
+    first = url
+    scheme, _, rest = url.partition("://")
+    origin = target = (scheme, rest.split("/", 1)[0])
     for hop in range(max_redirects + 1):
         if hop:
-            target = urlsplit(url)
-        if target.scheme == "http" and not plain_http_allowed(target.netloc):
+            parts = urlsplit(url)
+            target = (parts.scheme, parts.netloc)
+        scheme, host = target
+        if scheme == "http" and not plain_http_allowed(host):
             raise InsecureTransport(
-                f"refusing plain HTTP to {target.netloc}: only loopback or registries configured "
+                f"refusing plain HTTP to {host}: only loopback or registries configured "
                 "'insecure' may use http",
-                host=target.netloc,
+                host=host,
             )
-        if target.scheme not in ("http", "https"):
-            raise RegistryError(f"redirect to unsupported scheme {target.scheme!r}")
+        if scheme not in ("http", "https"):
+            raise RegistryError(f"redirect to unsupported scheme {scheme!r}")
         send_headers = dict(headers)
-        if authorization and (target.scheme, target.netloc) == (origin.scheme, origin.netloc):
+        if authorization and target == origin:
             send_headers["Authorization"] = authorization
         response = await send(method, url, send_headers, timeout)
         location = response.headers.get("Location")
@@ -56,4 +63,4 @@ async def follow(
         url = urljoin(url, location)
         if response.status == 303 and method != "HEAD":
             method = "GET"
-    raise RegistryError(f"too many redirects from {origin.netloc}{origin.path}", host=origin.netloc)
+    raise RegistryError(f"too many redirects from {origin[1]}{urlsplit(first).path}", host=origin[1])
