@@ -15,6 +15,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -136,9 +137,50 @@ def push_with_retry(layout: Path, tag: str, destination: str, attempts: int = 3)
                 raise
 
 
+# The `gpubadge` program of the copy `bench.run` installs (`installed_copy`), for every child.
+INSTALLED_PROGRAM_ENV = "GPUBADGE_BENCH_PROGRAM"
+
+
 def gpubadge_command(*args: str) -> list[str]:
-    """`gpubadge ...` as a user runs it (the console script when installed, else the module)."""
-    return [sys.executable, "-m", "gpubadge.cli", *args]
+    """`gpubadge ...` as a user runs it: the installed copy's program where `bench.run` made one
+    (`installed_copy`), else this checkout run by this interpreter."""
+    program = os.environ.get(INSTALLED_PROGRAM_ENV)
+    return [program, *args] if program else [sys.executable, "-m", "gpubadge.cli", *args]
+
+
+@contextmanager
+def installed_copy() -> Iterator[str]:
+    """gpubadge installed as the Dockerfile installs it: a virtualenv with `pip install
+    '.[uvloop]'` of this checkout (its bytecode compiled, no editable-install hook, no `.pth`
+    of the machine's own interpreter). Yields what the results should say of it; `gpubadge_command`
+    runs its program meanwhile. Where the install fails (no package index), this checkout with
+    this interpreter is measured, and the yielded text says so."""
+    with tempfile.TemporaryDirectory(prefix="gpubadge-bench-venv-") as directory:
+        venv = Path(directory)
+        started = time.perf_counter()
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+            subprocess.run(
+                [str(venv / "bin" / "pip"), "install", "--quiet", f"{REPO_ROOT}[uvloop]"],
+                check=True,
+                capture_output=True,
+                timeout=900,
+            )
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            error = exc.stderr.decode(errors="replace").strip()[-300:] if exc.stderr else str(exc)
+            print(f"installing gpubadge in a virtualenv failed; measuring this checkout: {error}", flush=True)
+            yield f"this checkout, run by {sys.executable} (installing a copy failed: {error[-120:]})"
+            return
+        os.environ[INSTALLED_PROGRAM_ENV] = str(venv / "bin" / "gpubadge")
+        took = time.perf_counter() - started
+        try:
+            yield (
+                "`gpubadge scan` runs the copy installed as the Dockerfile installs it (a virtualenv,"
+                f" `pip install '.[uvloop]'`, {took:.0f} s, not measured); the service's processes"
+                " (`serve`, `worker`) run this checkout"
+            )
+        finally:
+            del os.environ[INSTALLED_PROGRAM_ENV]
 
 
 def machine_description() -> str:

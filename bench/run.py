@@ -31,7 +31,15 @@ from bench import (
     starvation_bench,
     webhook_cpu_bench,
 )
-from bench.common import REPO_ROOT, Figure, Results, machine_description, today, tool_versions
+from bench.common import (
+    REPO_ROOT,
+    Figure,
+    Results,
+    installed_copy,
+    machine_description,
+    today,
+    tool_versions,
+)
 
 SECTIONS = (
     "real",
@@ -205,33 +213,11 @@ def main() -> int:
 
     results = Results()
     compile_package()
-    started = time.perf_counter()
-    load_before = load_average()
-    if "real" in wanted:
-        real_images_bench.run_all(results, args.quick)
-    if "scan" in wanted:
-        scan_bench.run_all(results, args.quick)
-    if "service" in wanted:
-        service_bench.run_all(results, args.quick)
-    if "webhook" in wanted:
-        webhook_cpu_bench.run_all(results, args.quick)
-    if "burst" in wanted:
-        push_burst_bench.run_all(results, args.quick)
-    if "hostile" in wanted:
-        hostile_bench.run_all(results, args.quick)
-    if "deep" in wanted:
-        deep_bench.run_all(results, args.quick)
-    if "placement" in wanted:
-        run_placement(results, args.quick)
-    if "ui" in wanted:
-        run_ui(results, args.quick)
-    if "scale" in wanted:
-        scale_bench.run_all(results, args.quick)
-    if "starvation" in wanted:
-        starvation_bench.run_all(results, args.quick)
-    if "export" in wanted:
-        export_bench.run_all(results, args.quick)
-    elapsed = time.perf_counter() - started
+    with installed_copy() as measured_copy:
+        started = time.perf_counter()
+        load_before = load_average()
+        run_sections(results, wanted, args.quick)
+        elapsed = time.perf_counter() - started
 
     print()
     print(format_table(results.figures))
@@ -239,6 +225,7 @@ def main() -> int:
         "Date": today(),
         "Machine": machine_description(),
         "Tools": tool_versions(),
+        "gpubadge": measured_copy,
         "Mode": ("quick" if args.quick else "full")
         + f", sections: {', '.join(s for s in SECTIONS if s in wanted)}",
         "Load average (1/5/15 min) before / after": f"{load_before} / {load_average()} "
@@ -251,6 +238,34 @@ def main() -> int:
         write_results(output, results, header, commentary)
         print(f"\nwrote {os.path.relpath(output)}")
     return 0
+
+
+def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
+    """The sections asked for, in the order of `SECTIONS`."""
+    if "real" in wanted:
+        real_images_bench.run_all(results, quick)
+    if "scan" in wanted:
+        scan_bench.run_all(results, quick)
+    if "service" in wanted:
+        service_bench.run_all(results, quick)
+    if "webhook" in wanted:
+        webhook_cpu_bench.run_all(results, quick)
+    if "burst" in wanted:
+        push_burst_bench.run_all(results, quick)
+    if "hostile" in wanted:
+        hostile_bench.run_all(results, quick)
+    if "deep" in wanted:
+        deep_bench.run_all(results, quick)
+    if "placement" in wanted:
+        run_placement(results, quick)
+    if "ui" in wanted:
+        run_ui(results, quick)
+    if "scale" in wanted:
+        scale_bench.run_all(results, quick)
+    if "starvation" in wanted:
+        starvation_bench.run_all(results, quick)
+    if "export" in wanted:
+        export_bench.run_all(results, quick)
 
 
 if __name__ == "__main__":
