@@ -119,6 +119,8 @@ class RegistryClient:
         self._challenges: dict[str, Challenge] = {DOCKER_HUB_API: DOCKER_HUB_CHALLENGE}
         self._tokens = TokenCache()
         self._token_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        # one request's bound, the same for every small read: made once (it is immutable)
+        self._request_timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
 
     def __repr__(self) -> str:
         return f"RegistryClient(hosts={sorted(self._semaphores)})"
@@ -374,7 +376,7 @@ class RegistryClient:
         return self._semaphores[host]
 
     def _timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.settings.request_timeout)
+        return self._request_timeout
 
     # --- HTTP ----------------------------------------------------------------------------------
 

@@ -26,11 +26,20 @@ class RequestStats:
 _active_stats: ContextVar[tuple[RequestStats, ...]] = ContextVar("gpubadge_request_stats", default=())
 
 
-def count(totals: RequestStats, **increments: int) -> None:
+def count(
+    totals: RequestStats,
+    *,
+    requests: int = 0,
+    bytes_received: int = 0,
+    token_requests: int = 0,
+    retries: int = 0,
+) -> None:
     """Add to the client's totals and to every `track()` block active in this context."""
     for stats in (totals, *_active_stats.get()):
-        for name, amount in increments.items():
-            setattr(stats, name, getattr(stats, name) + amount)
+        stats.requests += requests
+        stats.bytes_received += bytes_received
+        stats.token_requests += token_requests
+        stats.retries += retries
 
 
 @contextlib.contextmanager
