@@ -62,7 +62,7 @@ class ScanFigures:
 
     images: int = 500
     concurrency: int = 8
-    rounds: int = 2
+    rounds: int = 3
     front_layer_mib: int = 32
     shared_images: int = 10
     shared_base_mib: int = 16
