@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
@@ -242,30 +243,23 @@ def main() -> int:
 
 def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
     """The sections asked for, in the order of `SECTIONS`."""
-    if "real" in wanted:
-        real_images_bench.run_all(results, quick)
-    if "scan" in wanted:
-        scan_bench.run_all(results, quick)
-    if "service" in wanted:
-        service_bench.run_all(results, quick)
-    if "webhook" in wanted:
-        webhook_cpu_bench.run_all(results, quick)
-    if "burst" in wanted:
-        push_burst_bench.run_all(results, quick)
-    if "hostile" in wanted:
-        hostile_bench.run_all(results, quick)
-    if "deep" in wanted:
-        deep_bench.run_all(results, quick)
-    if "placement" in wanted:
-        run_placement(results, quick)
-    if "ui" in wanted:
-        run_ui(results, quick)
-    if "scale" in wanted:
-        scale_bench.run_all(results, quick)
-    if "starvation" in wanted:
-        starvation_bench.run_all(results, quick)
-    if "export" in wanted:
-        export_bench.run_all(results, quick)
+    runners: dict[str, Callable[[Results, bool], None]] = {
+        "real": real_images_bench.run_all,
+        "scan": scan_bench.run_all,
+        "service": service_bench.run_all,
+        "webhook": webhook_cpu_bench.run_all,
+        "burst": push_burst_bench.run_all,
+        "hostile": hostile_bench.run_all,
+        "deep": deep_bench.run_all,
+        "placement": run_placement,
+        "ui": run_ui,
+        "scale": scale_bench.run_all,
+        "starvation": starvation_bench.run_all,
+        "export": export_bench.run_all,
+    }
+    for section in SECTIONS:
+        if section in wanted:
+            runners[section](results, quick)
 
 
 if __name__ == "__main__":

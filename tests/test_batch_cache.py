@@ -159,8 +159,9 @@ async def test_a_failed_batch_is_handed_back_with_its_error_and_the_next_batch_s
         await store.close()
 
 
+@pytest.mark.parametrize("preloaded", [False, True], ids=["asked", "preloaded"])
 async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_does(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch, preloaded: bool
 ) -> None:
     counting = _CountingBackend(open_backend(), monkeypatch)
     backend = counting.backend
@@ -171,36 +172,16 @@ async def test_concurrent_digest_lookups_share_one_read_and_answer_as_stored_doe
     store = AsyncStore(backend)
     cache = BatchScanCache(store)
     try:
+        if preloaded:  # the digests the store holds, read up front: the unknown ones need no read
+            await cache.preload([f"{REGISTRY}/app:v{n}" for n in range(100, 120)])
+            assert counting.calls["stored_digests"] == 1
+            assert await asyncio.gather(*(cache.stored(digest) for digest in unknown)) == [(None, None)] * 20
+            assert counting.calls["stored_many"] == 0
         asked = [saved.digest, platform_digest, *unknown]
         answers = await asyncio.gather(*(cache.stored(digest) for digest in asked if digest))
         assert counting.calls["stored_many"] == 1 and counting.calls["stored"] == 0
         assert answers == [backend.run(queries.stored, digest) for digest in asked]
         assert answers[0][0] is not None and answers[1][1] is not None and answers[2] == (None, None)
-    finally:
-        await store.close()
-
-
-async def test_a_preloaded_store_answers_digests_it_lacks_without_a_read(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    counting = _CountingBackend(open_backend(), monkeypatch)
-    backend = counting.backend
-    saved = _tagged(1)
-    backend.run(queries.save_report, saved)
-    platform_digest = saved.platforms[0].digest
-    unknown = ["sha256:" + f"{n:064x}" for n in range(100, 110)]
-    store = AsyncStore(backend)
-    cache = BatchScanCache(store)
-    try:
-        await cache.preload([f"{REGISTRY}/app:v{n}" for n in range(100, 110)])
-        assert counting.calls["stored_digests"] == 1
-        assert await asyncio.gather(*(cache.stored(digest) for digest in unknown)) == [(None, None)] * 10
-        assert counting.calls["stored_many"] == 0  # not stored when the list began: no read
-        asked = [saved.digest, platform_digest]
-        answers = await asyncio.gather(*(cache.stored(digest) for digest in asked if digest))
-        assert counting.calls["stored_many"] == 1  # stored ones are read, with their reports
-        assert answers == [backend.run(queries.stored, digest) for digest in asked]
-        assert answers[0][0] is not None and answers[1][1] is not None
     finally:
         await store.close()
 

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -321,14 +321,21 @@ async def _blob_server(data: bytes, honour_ranges: bool) -> tuple[web.AppRunner,
             )
         return web.Response(body=data)
 
+    runner, port = await _serve_blobs(blob)
+    return runner, f"127.0.0.1:{port}", ranges
+
+
+async def _serve_blobs(
+    blob: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> tuple[web.AppRunner, int]:
+    """A stand-in registry answering `/v2/r/blobs/{digest}` with `blob`, on a free loopback port."""
     app = web.Application()
     app.router.add_get("/v2/r/blobs/{digest}", blob)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"127.0.0.1:{port}", ranges
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("honour_ranges", [True, False], ids=["ranges", "no-ranges"])
@@ -378,13 +385,7 @@ async def test_cookies_a_registry_sets_are_never_sent_back() -> None:
         response.set_cookie("session", "tracked", path="/")
         return response
 
-    app = web.Application()
-    app.router.add_get("/v2/r/blobs/{digest}", blob)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await _serve_blobs(blob)
     try:
         # by name: aiohttp's default jar keeps no cookie of a bare IP address anyway
         ref = parse_reference(f"localhost:{port}/r:1")
