@@ -58,7 +58,8 @@ class Results:
 
 
 def run_section(run_all: Callable[[Results, bool], None], doc: str | None) -> None:
-    """`python3 -m bench.<section> [--quick]`: one section alone, as `bench.run --only` runs it."""
+    """`python3 -m bench.<section> [--quick]`: one section alone, as `bench.run --only` runs it,
+    except that `gpubadge` is this checkout run by this interpreter (no `installed_copy`)."""
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     run_all(Results(), parser.parse_args().quick)
