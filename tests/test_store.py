@@ -233,6 +233,45 @@ def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_pa
         store.close()
 
 
+def test_sqlite_version_4_file_gets_the_job_indexes_postgres_has(tmp_path: Path) -> None:
+    """Migration 5: the latest job of a reference is found by index, not by scanning every job
+    (the image page asks it for each image without a report), and a queued job's insert no longer
+    writes a page of the lease index, which holds running jobs only."""
+    import sqlite3
+
+    from store.migrations import migrations
+
+    path = tmp_path / "v4.db"
+    with sqlite3.connect(path) as old:
+        for migration in migrations("sqlite")[:4]:
+            for statement in migration.statements():
+                old.execute(statement)
+        old.execute("PRAGMA user_version = 4")
+    store = Store(path)
+    try:
+        assert store.schema_version() >= 5
+        with store._reading() as db:
+
+            def plan(sql: str) -> str:
+                return " ".join(str(row[3]) for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", ["x"]))
+
+            def indexed(name: str) -> list[str]:
+                return [row[2] for row in db.execute(f"PRAGMA index_info({name})")]
+
+            latest = plan("SELECT id FROM jobs WHERE dedupe_key = ? ORDER BY created_at DESC LIMIT 1")
+            leases = plan(
+                "SELECT id FROM jobs WHERE state = 'running' AND (lease_expires IS NULL OR lease_expires < ?)"
+            )
+            lease_index = db.execute("SELECT sql FROM sqlite_master WHERE name = 'jobs_lease'").fetchone()[0]
+            reference_columns, lease_columns = indexed("jobs_reference"), indexed("jobs_lease")
+        assert "USING INDEX jobs_reference" in latest and "TEMP B-TREE" not in latest, latest
+        assert "SCAN jobs" not in leases, leases
+        assert reference_columns == ["dedupe_key", "created_at"]
+        assert lease_columns == ["lease_expires"] and "WHERE state = 'running'" in lease_index
+    finally:
+        store.close()
+
+
 def _age_leases(store: Any, seconds: float) -> None:
     """Move every lease's expiry into the past, as time passing would (another connection, as a peer)."""
     from datetime import UTC, datetime, timedelta

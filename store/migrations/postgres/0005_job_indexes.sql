@@ -1,0 +1,2 @@
+-- Version 5 gives SQLite the job indexes PostgreSQL has had since 0001 and 0002
+-- (jobs_reference on dedupe_key, jobs_lease on running jobs only); nothing changes here.
