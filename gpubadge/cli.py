@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -252,6 +253,10 @@ def run_scan(args: argparse.Namespace) -> int:
             if store is not None:
                 await store.close()
 
+    # What is imported by now (modules, pydantic schemas) lives as long as the process. Frozen out of
+    # the collector's reach, it is not walked again by the full collection a scan of a list triggers
+    # (`serve` freezes at start too). 500-image config-only scan: collector time 66-70 ms -> 34-37 ms.
+    gc.freeze()
     try:
         reports = asyncio.run(run())
     except KeyboardInterrupt:
