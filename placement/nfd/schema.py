@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ARTIFACT_TYPE = "application/vnd.nfd.image-compatibility.v1alpha1"
 SPEC_MEDIA_TYPE = "application/vnd.nfd.image-compatibility.spec.v1alpha1+yaml"
@@ -74,11 +74,20 @@ class _Go(BaseModel):
 class MatchExpression(_Go):
     """`{op, value, type}`: an operator applied to one feature element's value.
 
-    `op` is any string, as Go's `MatchOp` is: an unknown one is an error only when evaluated
-    (`evaluateMatchExpression`), as in NFD.
+    `op` is read as any string, as Go's `MatchOp` is: an unknown one is an error only when
+    evaluated (`evaluateMatchExpression`), as in NFD. It is typed as the operators NFD knows, for
+    those who write expressions (gpubadge's builder); `dump_spec` refuses another.
     """
 
-    op: str = ""
+    op: MatchOp = ""
+
+    @field_validator("op", mode="plain")
+    @classmethod
+    def _any_op(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError("op must be a string")
+        return value
+
     value: list[str] = Field(default_factory=list)
     type: str = ""  # "" or "version" (for Gt, Ge, Lt, Le, GtLt, GeLe)
 
@@ -617,7 +626,24 @@ def dump_spec(spec: Spec) -> bytes:
     """The YAML bytes of `spec`, checked against the schema (strictly) before they are returned."""
     text = yaml.dump(spec_document(spec), Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     raw = text.encode()
+    unknown = sorted({e.op for e in _expressions(spec)} - MATCH_OPS)
+    if unknown:
+        raise SpecError(f"unknown op {unknown[0]!r}: gpubadge writes only the operators NFD knows")
     reread, _ = load_spec(raw, strict=True)
     if reread != spec:  # a representer bug must never reach a registry
         raise AssertionError("the YAML written does not read back as the same spec")
     return raw
+
+
+def _expressions(spec: Spec) -> list[MatchExpression]:
+    terms = [
+        term
+        for compatibility in spec.compatibilities
+        for rule in compatibility.rules
+        for term in [
+            *(rule.match_features or []),
+            *(t for e in rule.match_any or [] for t in e.match_features),
+        ]
+    ]
+    found = [e for term in terms for e in (term.match_expressions or {}).values()]
+    return found + [term.match_name for term in terms if term.match_name is not None]
