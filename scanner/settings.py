@@ -212,6 +212,11 @@ class ScannerSettings(BaseSettings):
         description="most YAML nodes an NFD document may expand to (aliases counted each use)",
     )
     nfd_max_depth: int = Field(default=64, ge=1, description="deepest nesting of an NFD document")
+    nfd_max_feature_nodes: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="most YAML nodes a node-features file (gpubadge compat --node) may expand to",
+    )
     nfd_regex_max_mem: int = Field(
         default=1 * MiB, ge=64 * 1024, description="RE2 memory for one InRegexp pattern of an NFD document"
     )

@@ -516,6 +516,26 @@ def load_spec(
     return spec, warnings
 
 
+def read_yaml_as_strings(raw: bytes | str, limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
+    """A YAML (or JSON) document within `limits`, every scalar as the string Go's sigs.k8s.io/yaml
+    makes of it where Go has a string (numbers, booleans; null stays None). Raises SpecError."""
+    return _as_strings(_read_yaml(raw, limits))
+
+
+def _as_strings(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _as_strings(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_strings(item) for item in value]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, _GoFloat):
+        return _go_float32_text(value.value)
+    return value
+
+
 def _path(location: tuple[Any, ...]) -> str:
     text = ""
     for part in location:

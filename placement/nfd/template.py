@@ -74,7 +74,7 @@ def _tokens(source: str) -> list[tuple[str, str]]:
 
 def _operand(tokens: list[tuple[str, str]], action: str) -> Any:
     if len(tokens) != 1:
-        words = [value for kind, value in tokens if kind in ("word", "other")]
+        words = [value for kind, value in tokens if kind == "word"] or [v for k, v in tokens if k == "other"]
         if words:
             raise TemplateError(
                 f"{{{{{action.strip()}}}}} calls {words[0]!r}; gpubadge evaluates no template function "
@@ -329,6 +329,7 @@ class _Run:
             self.run(node.otherwise, dot)
             return
         for key, item in items:
+            self.step()
             self.scopes.append({})
             if len(node.names) == 1:
                 self.assign(node.names[0], item, True)
