@@ -87,7 +87,7 @@ def main(argv: Sequence[str]) -> int:
                         load_spec, layer, limits=DocumentLimits.of(settings)
                     )
                 except SpecError as exc:
-                    line["error"] = f"not an image-compatibility spec NFD could read: {exc}"
+                    line["error"] = f"its image-compatibility spec could not be read: {exc}"
                 else:
                     line["spec"] = spec_document(spec)
                     line["warnings"] = warnings

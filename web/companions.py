@@ -48,7 +48,7 @@ def parse_nfd(layer: bytes, limits: DocumentLimits) -> CompanionDocument:
     try:
         spec, warnings = load_spec(layer, limits=limits)
     except SpecError as exc:
-        document = NfdDocument(error=f"its document is not one NFD could read: {exc}")
+        document = NfdDocument(error=f"its document could not be read: {exc}")
     else:
         document = NfdDocument(spec_document(spec)["compatibilities"], warnings)
     return CompanionDocument(document, _memory(document))

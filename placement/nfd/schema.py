@@ -62,7 +62,8 @@ DEFAULT_MAX_TEMPLATE_BYTES = 64 * 1024  # a varsTemplate's expansion (NFD bounds
 
 
 class SpecError(ValueError):
-    """The document is not an image-compatibility spec NFD could decode; the message says where."""
+    """The document is not one NFD could decode, or it goes past one of gpubadge's bounds (the message
+    says where, or which setting)."""
 
 
 class _Go(BaseModel):
