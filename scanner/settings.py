@@ -225,6 +225,11 @@ class ScannerSettings(BaseSettings):
         ge=1,
         description="RE2 instructions all the InRegexp patterns of one NFD evaluation may compile to",
     )
+    nfd_max_evaluations: int = Field(
+        default=500_000,
+        ge=1,
+        description="expressions (each on one feature element) one NFD evaluation of one node may run",
+    )
     nfd_max_template_bytes: int = Field(
         default=64 * 1024, ge=1, description="largest expansion of one NFD varsTemplate"
     )

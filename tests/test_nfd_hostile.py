@@ -236,3 +236,26 @@ def test_referrers_and_compat_read_the_registrys_bombs_cleanly(
         checked, seconds, _ = _measured(["compat", refs[name], "--node", str(node)], env)
         assert checked.returncode == 1 and bound in checked.stderr and "Traceback" not in checked.stderr
         assert seconds < 10
+
+
+def test_evaluation_time_is_bounded_by_expressions_run() -> None:
+    """Many matchName expressions over a node with thousands of names: stopped at nfd_max_evaluations."""
+    from placement.nfd.features import Features, FlagFeatureSet
+    from placement.nfd.match import evaluate_spec
+    from placement.nfd.schema import load_spec
+
+    node = Features(
+        flags={"kernel.config": FlagFeatureSet(elements={f"CONFIG_{i}": {} for i in range(5000)})}
+    )
+    rules = "".join(
+        f"  - name: r{i}\n    matchFeatures:\n    - feature: kernel.config\n"
+        f"      matchName: {{op: In, value: [CONFIG_X{i}]}}\n"
+        for i in range(300)
+    )
+    spec, _ = load_spec("version: v1alpha1\ncompatibilities:\n- rules:\n" + rules)
+    started = time.monotonic()
+    result = evaluate_spec(spec, node)
+    assert time.monotonic() - started < 5
+    errors = [rule.error for rule in result.sets[0].rules if rule.error]
+    assert errors and all("nfd_max_evaluations" in error for error in errors)
+    assert result.sets[0].rules[0].verdict == "no-match"  # the first ones ran: 5,000 names each

@@ -14,6 +14,7 @@ from typing import Any
 from placement.exports.nfd import artifact_yaml
 from placement.nfd.schema import (
     ARTIFACT_TYPE,
+    MAX_SPEC_BYTES,
     SPEC_FILE_NAME,
     SPEC_MEDIA_TYPE,
     DocumentLimits,
@@ -81,6 +82,7 @@ def nfd_companion(settings: ScannerSettings) -> Companion:
         artifact_type=ARTIFACT_TYPE,
         build=nfd_content,
         parse=lambda layer: parse_nfd(layer, limits),
+        max_bytes=MAX_SPEC_BYTES,  # never more than load_spec reads: a bigger layer is refused at the registry read
     )
 
 

@@ -41,6 +41,8 @@ node-validator`: every term evaluated, no fail-fast), for artifacts written by a
   variables, `range`, `if`, `with`, `else`, trim markers, comments) but no function (NFD also
   offers sprig's): a template that calls one is an error saying so. Its output is bounded by
   `max_template_bytes` (`nfd_max_template_bytes`).
+- Time: one evaluation (a spec on a node) runs at most `max_evaluations` expressions on single
+  elements (`nfd_max_evaluations`); past it the rule is an error naming the setting.
 - Errors end the rule's evaluation as NFD's do: a wrong number of values, a value that is not a
   number or a version (the node's or the rule's), a bad regular expression, another `type`, an
   unknown op, a template error. The rule is then `error`, with NFD's reason. (NFD stops the whole
@@ -191,7 +193,17 @@ class Budget:
         self._options = re2.Options()
         self._options.log_errors = False
         self._options.max_mem = limits.regex_max_mem
-        self.template = TemplateBudget(limits.max_template_bytes)
+        self.template = TemplateBudget(limits.max_template_bytes, steps=limits.max_evaluations)
+        self.evaluations = 0
+
+    def evaluation(self) -> None:
+        """Count one expression evaluated on one element; past `max_evaluations`, a MatchError."""
+        self.evaluations += 1
+        if self.evaluations > self.limits.max_evaluations:
+            raise MatchError(
+                f"this document needs more than {self.limits.max_evaluations:,} expression evaluations on this "
+                "node (the setting nfd_max_evaluations)"
+            )
 
     def regex(self, pattern: str) -> Any:
         """`pattern` compiled (from the process-wide cache when it is there), charged once per evaluation."""
@@ -288,6 +300,8 @@ def evaluate_expression(
 
     Raises MatchError where NFD returns an error (an unknown op first of all, whatever the element).
     """
+    if budget is not None:
+        budget.evaluation()
     op, values = expression.op, expression.value
     if op not in MATCH_OPS:
         raise MatchError(f"invalid Op {op!r}")

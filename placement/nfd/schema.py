@@ -35,10 +35,13 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if TYPE_CHECKING:
+    from scanner.settings import ScannerSettings
 
 ARTIFACT_TYPE = "application/vnd.nfd.image-compatibility.v1alpha1"
 SPEC_MEDIA_TYPE = "application/vnd.nfd.image-compatibility.spec.v1alpha1+yaml"
@@ -58,6 +61,7 @@ DEFAULT_MAX_NODES = 20_000
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_REGEX_MAX_MEM = 1024 * 1024  # RE2's memory for one pattern: `\pL{30}` fits, `\pL{300}` not
 DEFAULT_REGEX_BUDGET = 400_000  # RE2 program instructions compiled per document (~0.1 s of compiling)
+DEFAULT_MAX_EVALUATIONS = 500_000  # expressions evaluated (on one element each) per evaluation: ~1 s
 DEFAULT_MAX_TEMPLATE_BYTES = 64 * 1024  # a varsTemplate's expansion (NFD bounds the template to 64 KiB)
 
 
@@ -157,9 +161,10 @@ class DocumentLimits(BaseModel):
     regex_max_mem: int = Field(default=DEFAULT_REGEX_MAX_MEM, ge=64 * 1024)
     regex_budget: int = Field(default=DEFAULT_REGEX_BUDGET, ge=1)
     max_template_bytes: int = Field(default=DEFAULT_MAX_TEMPLATE_BYTES, ge=1)
+    max_evaluations: int = Field(default=DEFAULT_MAX_EVALUATIONS, ge=1)
 
     @classmethod
-    def of(cls, settings: Any) -> DocumentLimits:
+    def of(cls, settings: ScannerSettings) -> DocumentLimits:
         """The limits a `ScannerSettings` names (`nfd_max_nodes`, `nfd_max_depth`, ...)."""
         return cls(
             max_nodes=settings.nfd_max_nodes,
@@ -167,6 +172,7 @@ class DocumentLimits(BaseModel):
             regex_max_mem=settings.nfd_regex_max_mem,
             regex_budget=settings.nfd_regex_budget,
             max_template_bytes=settings.nfd_max_template_bytes,
+            max_evaluations=settings.nfd_max_evaluations,
         )
 
 

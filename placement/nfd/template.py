@@ -9,8 +9,9 @@ declarations (`$x := ...`, `$x = ...`), `if`/`with`/`range` (with `else`, `else 
 `range $i, $e := ...`), comments and `{{-`/`-}}` trimming. It evaluates no function: NFD offers
 Go's builtins and sprig's, and a template that calls one is a TemplateError saying so.
 
-Bounded: the template is at most NFD's own 64 KiB, nested at most MAX_NESTING blocks, and one
-evaluation spends at most `TemplateBudget.steps` steps and writes at most `max_bytes` bytes.
+Bounded: the template is at most NFD's own 64 KiB, nested at most MAX_NESTING blocks, and the
+templates of one evaluation take at most `TemplateBudget.steps` steps (`nfd_max_evaluations`)
+and each writes at most `max_bytes` bytes (`nfd_max_template_bytes`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 MAX_TEMPLATE_SIZE = 64 * 1024  # NFD's MaxTemplateSize
 MAX_NESTING = 100
-DEFAULT_STEPS = 1_000_000  # template steps one evaluation of a document may take (all its rules)
+DEFAULT_STEPS = 500_000  # template steps one evaluation of a document may take (all its rules)
 
 
 class TemplateError(ValueError):
@@ -35,6 +36,9 @@ class TemplateBudget:
 
     max_bytes: int
     steps: int = DEFAULT_STEPS
+
+    def __post_init__(self) -> None:
+        self.limit = self.steps
 
 
 # --- parsing ------------------------------------------------------------------------------------
@@ -253,7 +257,10 @@ class _Run:
     def step(self) -> None:
         self.budget.steps -= 1
         if self.budget.steps < 0:
-            raise TemplateError("the templates of this document take too many steps")
+            raise TemplateError(
+                f"the templates of this document take more than {self.budget.limit:,} steps (the setting "
+                "nfd_max_evaluations)"
+            )
 
     def write(self, text: str) -> None:
         self.size += len(text.encode())

@@ -209,6 +209,7 @@ class Companion:
     artifact_type: str
     build: Callable[[ImageReport], CompanionContent | None]
     parse: Callable[[bytes], CompanionDocument] = _opaque
+    max_bytes: int | None = None  # the largest layer read back (None: max_manifest_bytes)
 
 
 def created_annotation(moment: datetime) -> str:
@@ -487,7 +488,7 @@ class ReportAttacher:
         if pick is None:
             self._set_companion_status(digest, kind, "absent")
         else:
-            layer = await read_layer(self.client, reference, pick)
+            layer = await read_layer(self.client, reference, pick, companion.max_bytes)
             document = await asyncio.to_thread(companion.parse, layer)  # once, off the event loop
             del layer  # only the parsed, bounded document is kept
             self._set_companion_status(
@@ -941,12 +942,20 @@ async def list_referrers(
     return digest, _referrers_of_type(manifests if isinstance(manifests, list) else [], artifact_type)
 
 
-async def read_layer(client: RegistryClient, reference: Reference, referrer: Referrer) -> bytes:
-    """`layers[0]` of a referrer, as NFD's client reads its artifact (verified and size-capped)."""
+async def read_layer(
+    client: RegistryClient, reference: Reference, referrer: Referrer, max_bytes: int | None = None
+) -> bytes:
+    """`layers[0]` of a referrer, as NFD's client reads its artifact (verified, and capped at
+    `max_bytes`, else at `max_manifest_bytes`)."""
     manifest = await client.manifest(reference, referrer.digest)
     if not manifest.layers:
         raise RegistryError(f"referrer {referrer.digest} has no layer")
-    return await client.blob(reference, manifest.layers[0].digest, client.settings.max_manifest_bytes)
+    cap = (
+        client.settings.max_manifest_bytes
+        if max_bytes is None
+        else min(max_bytes, client.settings.max_manifest_bytes)
+    )
+    return await client.blob(reference, manifest.layers[0].digest, cap)
 
 
 async def resolve_subject(
