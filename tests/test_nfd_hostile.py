@@ -1,8 +1,8 @@
 """Hostile NFD artifacts (issue 30: items 1, 6, 7, 8): nobody freezes the service or the CLI with one.
 
 A real registry on loopback holds GPU images with image-compatibility artifacts anyone could attach
-(`oras attach`, written by hand as in test_nfd_artifact): a 1.4 KB alias bomb that expands to
-280,000 terms, `[` x 100,000, and big legal documents. The service (a real `gpubadge serve`
+(`oras attach`, written by hand as in test_nfd_artifact): an 888-byte alias bomb that expands to
+216,000 terms, `[` x 100,000, and big legal documents. The service (a real `gpubadge serve`
 process) reads them back for the image page while /healthz is polled every 20 ms; `gpubadge
 compat` and `referrers` read them and a regular-expression bomb. Each is refused with its bound
 named, quickly, within bounded memory, and /healthz answers within 250 ms throughout (see
@@ -36,15 +36,15 @@ CACHE_BYTES = 4 * 1024 * 1024
 
 
 def alias_bomb() -> bytes:
-    """1.4 KB: terms of 6^7 = 279,936 matchFeatures (the shape of the report's 216k-term artifact)."""
+    """888 bytes of NFD's own shape: 60 sets x 60 rules x 60 terms = 216,000 terms, as in the report."""
+    many = ", ".join
     lines = [
         "version: v1alpha1",
-        'x0: &x0 {feature: pci.device, matchExpressions: {vendor: {op: In, value: ["10de"]}}}',
+        't: &t {feature: pci.device, matchExpressions: {vendor: {op: In, value: ["10de"]}}}',
+        "r: &r {name: r, matchFeatures: [" + many(["*t"] * 60) + "]}",
+        "c: &c {rules: [" + many(["*r"] * 60) + "]}",
+        "compatibilities: [" + many(["*c"] * 60) + "]",
     ]
-    for level in range(1, 8):
-        lines.append(f"x{level}: &x{level} [" + ", ".join([f"*x{level - 1}"] * 6) + "]")
-    lines += ["compatibilities:", "- rules:", "  - name: bomb", "    matchFeatures: *x7"]
-    lines += ["    matchAny: [{matchFeatures: *x7}, {matchFeatures: *x7}]"]
     return ("\n".join(lines) + "\n").encode()
 
 
