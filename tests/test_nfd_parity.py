@@ -319,3 +319,50 @@ def test_what_go_still_refuses() -> None:
         load_spec(
             "compatibilities:\n- rules:\n  - matchFeatures:\n    - feature: a.b\n      matchExpressions: {x: null}\n"
         )
+
+
+def test_compat_exit_status_reads_sets_as_all_or_as_weighted_alternatives(tmp_path: Any) -> None:
+    # NFD computes no overall verdict (cmd/nfd/subcmd/compat/validate-node.go prints each set and exits
+    # 0); gpubadge's exit status summarises: --sets all (default) or any (sets as alternatives).
+    import subprocess
+    import sys
+
+    (tmp_path / "spec.yaml").write_text("""version: v1alpha1
+compatibilities:
+- tag: amd
+  weight: 10
+  rules:
+  - name: amd-gpu
+    matchFeatures:
+    - feature: pci.device
+      matchExpressions: {vendor: {op: In, value: ["1002"]}}
+- tag: nvidia
+  weight: 5
+  rules:
+  - name: nvidia-gpu
+    matchFeatures:
+    - feature: pci.device
+      matchExpressions: {vendor: {op: In, value: ["10de"]}}
+""")
+    (tmp_path / "node.yaml").write_text(
+        "instances: {pci.device: {elements: [{attributes: {vendor: '10de', class: '0302'}}]}}\n"
+    )
+
+    def compat(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [
+            "compat",
+            "--spec",
+            str(tmp_path / "spec.yaml"),
+            "--node",
+            str(tmp_path / "node.yaml"),
+            *extra,
+        ]
+        return subprocess.run(
+            [sys.executable, "-m", "gpubadge.cli", *args], capture_output=True, text=True, timeout=60
+        )
+
+    assert compat().returncode == 3
+    assert compat("--sets", "any").returncode == 0
+    assert compat("--sets", "any", "--tags", "amd").returncode == 3
+    wrong = compat("--sets", "most")
+    assert wrong.returncode == 2 and "--sets" in wrong.stderr and "Traceback" not in wrong.stderr
