@@ -366,3 +366,24 @@ compatibilities:
     assert compat("--sets", "any", "--tags", "amd").returncode == 3
     wrong = compat("--sets", "most")
     assert wrong.returncode == 2 and "--sets" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_merge_keys_apply_as_go_yaml_v2_applies_them() -> None:
+    # go-yaml v2 (decode.go, mapping/merge): `<<` merges in document order, a later key overrides,
+    # among a list of merged mappings the earlier wins; a quoted "<<" is an ordinary key.
+    loaded = spec("""base: &base {op: In, value: ["10de"]}
+other: &other {op: Exists, type: version}
+compatibilities:
+- rules:
+  - name: merged
+    matchFeatures:
+    - feature: pci.device
+      matchExpressions:
+        vendor: {<<: [*base, *other], type: ""}
+        class: {type: version, <<: *other}
+""")
+    expressions = loaded.compatibilities[0].rules[0].match_features[0].match_expressions
+    assert expressions["vendor"] == MatchExpression(op="In", value=["10de"], type="")
+    assert expressions["class"] == MatchExpression(op="Exists", type="version")
+    with pytest.raises(SpecError, match="merge key"):
+        load_spec("compatibilities: {<<: [1]}\n")

@@ -12,6 +12,8 @@ the Go types as a guide, then encoding/json decodes it), and `load_spec` reads i
 - field names match case-insensitively (`MatchExpressions:` is `matchExpressions`), the exact
   name first; unknown fields are ignored (returned as warnings; `strict=True` refuses them);
 - a missing `version`, `compatibilities` or a set's `rules` is empty, and any version is read.
+- merge keys (`<<: *base`) apply as go-yaml v2 applies them, in document order; only the first
+  YAML document is read.
 
 The YAML is read from the parser's events, never composed recursively, and bounded whatever its
 byte size (`DocumentLimits`: expanded nodes, aliases counted each time they are used, and depth),
@@ -334,9 +336,7 @@ def _read_yaml(raw: bytes | str, limits: DocumentLimits) -> Any:
                 depth = 1 + max((child.depth for child in children), default=0)
                 total -= nodes - 1  # the children were counted as they were added
                 if isinstance(start, yaml.MappingStartEvent):
-                    value: Any = {}
-                    for key, item in zip(children[0::2], children[1::2], strict=True):
-                        value[_map_key(key.value)] = item.value
+                    value: Any = _mapping(children)
                 else:
                     value = [child.value for child in children]
                 tree = _Tree(value, nodes, depth)
@@ -346,7 +346,7 @@ def _read_yaml(raw: bytes | str, limits: DocumentLimits) -> Any:
                 add(tree)
             elif isinstance(event, yaml.ScalarEvent):
                 if event.tag in (None, "!") and event.implicit[0]:
-                    scalar = _resolve_plain(event.value)
+                    scalar = _MERGE if event.value == "<<" else _resolve_plain(event.value)
                 elif event.tag == "tag:yaml.org,2002:str" or event.tag is None:
                     scalar = event.value
                 else:
@@ -371,6 +371,30 @@ def _read_yaml(raw: bytes | str, limits: DocumentLimits) -> Any:
 
 class _EventLoader(yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader):  # type: ignore[misc]
     """The parser alone: events, no composition (aliases stay references until `_read_yaml`)."""
+
+
+class _Merge:
+    """go-yaml v2's merge key: a plain `<<` (`<<: *base` or `<<: [*a, *b]`)."""
+
+
+_MERGE = _Merge()
+
+
+def _mapping(children: list[_Tree]) -> dict[str, Any]:
+    """A mapping from its key and value trees, merge keys applied as go-yaml v2 applies them: in
+    document order, so a key after `<<` overrides the merged one and a key before it is overridden;
+    among merged mappings, an earlier one wins over a later one."""
+    value: dict[str, Any] = {}
+    for key, item in zip(children[0::2], children[1::2], strict=True):
+        if key.value is _MERGE:
+            sources = item.value if isinstance(item.value, list) else [item.value]
+            for source in reversed(sources):
+                if not isinstance(source, dict):
+                    raise SpecError("a merge key (<<) needs a mapping or a list of mappings")
+                value.update(source)
+            continue
+        value[_map_key(key.value)] = item.value
+    return value
 
 
 def _map_key(key: Any) -> Any:
