@@ -275,3 +275,20 @@ def test_evaluation_time_is_bounded_by_expressions_run() -> None:
     errors = [rule.error for rule in result.sets[0].rules if rule.error]
     assert errors and all("nfd_max_evaluations" in error for error in errors)
     assert result.sets[0].rules[0].verdict == "no-match"  # the first ones ran: 5,000 names each
+
+
+def test_a_refused_pattern_is_compiled_once_not_once_per_rule() -> None:
+    from placement.nfd.features import parse_node_features
+    from placement.nfd.match import evaluate_spec
+    from placement.nfd.schema import load_spec
+
+    rules = "".join(
+        f"  - name: r{i}\n    matchFeatures:\n    - feature: kernel.version\n"
+        "      matchExpressions: {major: {op: InRegexp, value: ['\\pL{300}x']}}\n"
+        for i in range(400)
+    )  # one pattern past nfd_regex_max_mem, 400 times: ~7 ms a compile, 3 s if compiled each time
+    spec, _ = load_spec("version: v1alpha1\ncompatibilities:\n- rules:\n" + rules)
+    started = time.monotonic()
+    result = evaluate_spec(spec, parse_node_features(NODE).features)
+    assert time.monotonic() - started < 1.0
+    assert all("nfd_regex_max_mem" in (rule.error or "") for rule in result.sets[0].rules)

@@ -98,7 +98,7 @@ MATCH_OPS = frozenset(
 )  # NFD's matchOps (pkg/apis/nfd/nodefeaturerule/expression.go)
 REGEX_CACHE_INSTRUCTIONS = 4_000_000  # compiled patterns kept by the process, in RE2 instructions (~64 MiB)
 RULE_BACKREF = "rule.matched"  # nfdv1alpha1.RuleBackrefDomain + "." + RuleBackrefFeature
-_regex_cache: OrderedDict[tuple[str, int], tuple[Any, int]] = OrderedDict()
+_regex_cache: OrderedDict[tuple[str, int], tuple[Any, int, str]] = OrderedDict()
 _regex_cache_size = 0
 
 Verdict = Literal["match", "no-match", "error"]
@@ -206,38 +206,46 @@ class Budget:
             )
 
     def regex(self, pattern: str) -> Any:
-        """`pattern` compiled (from the process-wide cache when it is there), charged once per evaluation."""
+        """`pattern` compiled (from the process-wide cache when it is there), charged once per evaluation.
+
+        A pattern RE2 (or Go's syntax) refuses is remembered too, so it is compiled once, not once
+        per element; it costs what the largest allowed pattern would.
+        """
         global _regex_cache_size
-        refused_cost = max(1, self.limits.regex_max_mem // 24)  # ~ the largest program max_mem allows
         if pattern not in self._charged and self.spent + 1 > self.limits.regex_budget:
             raise MatchError(self._over_budget())
         key = (pattern, self.limits.regex_max_mem)
         cached = _regex_cache.get(key)
         if cached is None:
-            problem = _go_syntax_problem(pattern)
-            compiled: Any = None
-            if problem is None:
-                try:
-                    compiled = re2.compile(pattern, options=self._options)
-                except re2.error as exc:
-                    problem = str(
-                        exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc
-                    )
-            if compiled is None:
-                self._charge(pattern, refused_cost)
-                if "pattern too large" in (problem or ""):
-                    problem = f"it needs more than {self.limits.regex_max_mem:,} bytes (the setting nfd_regex_max_mem)"
-                raise MatchError(f"invalid regular expression {pattern!r}: {problem}")
-            cached = (compiled, max(1, compiled.programsize))
+            cached = self._compile(pattern)
             _regex_cache[key] = cached
             _regex_cache_size += cached[1]
             while _regex_cache_size > REGEX_CACHE_INSTRUCTIONS and len(_regex_cache) > 1:
-                _, (_, size) = _regex_cache.popitem(last=False)
+                _, (_, size, _) = _regex_cache.popitem(last=False)
                 _regex_cache_size -= size
         else:
             _regex_cache.move_to_end(key)
-        self._charge(pattern, cached[1])
-        return cached[0]
+        compiled, cost, problem = cached
+        self._charge(pattern, cost)
+        if compiled is None:
+            raise MatchError(f"invalid regular expression {pattern!r}: {problem}")
+        return compiled
+
+    def _compile(self, pattern: str) -> tuple[Any, int, str]:
+        """(the compiled pattern or None, its cost in RE2 instructions, why it was refused)."""
+        problem = _go_syntax_problem(pattern)
+        if problem is None:
+            try:
+                compiled = re2.compile(pattern, options=self._options)
+            except re2.error as exc:
+                problem = str(exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc)
+            else:
+                return compiled, max(1, compiled.programsize), ""
+        if "pattern too large" in problem:
+            problem = (
+                f"it needs more than {self.limits.regex_max_mem:,} bytes (the setting nfd_regex_max_mem)"
+            )
+        return None, max(1, self.limits.regex_max_mem // 24), problem  # ~ the largest program max_mem allows
 
     def _charge(self, pattern: str, cost: int) -> None:
         if pattern in self._charged:
