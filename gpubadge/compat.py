@@ -10,8 +10,17 @@ repeatable) or from gpubadge's fleet (`--servers FILE` or `--service URL`: featu
 each server's inventory). Every compatibility set is evaluated with NFD's rule semantics
 (`--tags` picks sets, as NFD's flag does), and each failing rule says why.
 
-Exit status: 0 when every node meets every selected set, 3 when some node does not, 1 on error
-(no artifact, a registry or file error, a rule NFD would reject), 2 on usage.
+Exit status. NFD itself computes no overall verdict: `nfd compat validate-node` prints each
+set's rules and exits 0 whatever they say (1 only on an error), and NFD treats the sets as
+alternatives, each with a node-affinity `weight`, not as requirements that must all hold. The
+exit status is gpubadge's own summary of what it printed: with `--sets all` (the default) 0 when
+every selected set holds on every node; with `--sets any` 0 when on every node at least one
+selected set holds (the reading of sets as weighted alternatives); else 3. 1 on error (no
+artifact, a registry or file error, a document past a bound, a rule NFD would stop at), 2 on
+usage. A document with no (selected) set is vacuously compatible with `all`, and not with `any`.
+
+Every document is read within the `nfd_*` settings' bounds (expanded YAML nodes and depth, regular
+expressions, templates), whatever its size: past one, the error names the setting.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from placement.nfd.features import NodeFeatures
     from placement.nfd.match import SpecResult
-    from placement.nfd.schema import Spec
+    from placement.nfd.schema import DocumentLimits, Spec
+    from scanner.settings import ScannerSettings
 
 EXIT_COMPATIBLE, EXIT_ERROR, EXIT_USAGE, EXIT_INCOMPATIBLE = 0, 1, 2, 3
 
@@ -53,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
     parser.add_argument("--platform", help="the image of this platform in an index (os/arch[/variant])")
     parser.add_argument("--tags", default="", help="comma-separated tags: only the sets with these tags")
+    parser.add_argument(
+        "--sets",
+        choices=("all", "any"),
+        default="all",
+        help="exit 0 when every selected set holds on each node (all, the default) or at least one does (any:"
+        " the sets as NFD's weighted alternatives)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per node")
     parser.add_argument("--config", type=Path, default=None, help="settings file (TOML or YAML)")
     return parser
@@ -66,12 +83,18 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0)
     from placement.nfd.features import FeaturesError
     from placement.nfd.match import evaluate_spec
-    from placement.nfd.schema import SpecError
+    from placement.nfd.schema import DocumentLimits, SpecError
+    from scanner.settings import ScannerSettings
 
     tags = [tag.strip() for tag in args.tags.split(",") if tag.strip()]
     try:
-        spec, origin = asyncio.run(_artifact(args))
-        nodes = asyncio.run(_nodes(args))
+        try:
+            settings = ScannerSettings.load(args.config)  # an ambiguous merge is a usage error too
+        except ValueError as exc:
+            raise _Usage(str(exc)) from None
+        limits = DocumentLimits.of(settings)
+        spec, origin = asyncio.run(_artifact(args, settings, limits))
+        nodes = asyncio.run(_nodes(args, settings, limits))
     except _Usage as exc:
         print(f"gpubadge compat: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -81,7 +104,7 @@ def main(argv: Sequence[str]) -> int:
     if not nodes:
         print("gpubadge compat: no node to check", file=sys.stderr)
         return EXIT_ERROR
-    results = [evaluate_spec(spec, node.features, node.name, tags) for node in nodes]
+    results = [evaluate_spec(spec, node.features, node.name, tags, limits) for node in nodes]
     for node, result in zip(nodes, results, strict=True):
         if args.json:
             body: dict[str, Any] = {"artifact": origin, "node": node.name, "source": node.source}
@@ -92,18 +115,33 @@ def main(argv: Sequence[str]) -> int:
             _print(result, origin)
     if any(r.verdict == "error" for r in results):
         return EXIT_ERROR
-    return EXIT_COMPATIBLE if all(r.compatible for r in results) else EXIT_INCOMPATIBLE
+    if args.sets == "any":
+        held = all(any(s.verdict == "match" for s in r.sets) for r in results)
+    else:
+        held = all(r.compatible for r in results)
+    return EXIT_COMPATIBLE if held else EXIT_INCOMPATIBLE
 
 
 class _Usage(ValueError):
     pass
 
 
-async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
-    from placement.nfd.schema import ARTIFACT_TYPE, load_spec
+def _read_capped(path: Path, most: int) -> bytes:
+    """At most `most` + 1 bytes of a file: enough to refuse a bigger one without reading it all."""
+    with path.open("rb") as file:
+        return file.read(most + 1)
+
+
+async def _artifact(
+    args: argparse.Namespace, settings: ScannerSettings, limits: DocumentLimits
+) -> tuple[Spec, str]:
+    from placement.nfd.schema import ARTIFACT_TYPE, MAX_SPEC_BYTES, SpecError, load_spec
 
     if args.spec is not None:
-        spec, warnings = load_spec(args.spec.read_bytes())
+        try:
+            spec, warnings = load_spec(_read_capped(args.spec, MAX_SPEC_BYTES), limits=limits)
+        except SpecError as exc:
+            raise SpecError(f"{args.spec}: {exc}") from None
         _warn(warnings)
         return spec, str(args.spec)
     from scanner.models import Platform
@@ -111,12 +149,10 @@ async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
     from scanner.registry.errors import RegistryError
     from scanner.registry.reference import ReferenceError, parse_reference
     from scanner.registry.referrers import newest_of_type
-    from scanner.settings import ScannerSettings
 
     try:
         reference = parse_reference(args.reference)
         platform = Platform.parse(args.platform) if args.platform else None
-        settings = ScannerSettings.load(args.config)  # an ambiguous merge is a usage error too
     except (ReferenceError, ValueError) as exc:
         raise _Usage(str(exc)) from None
     try:
@@ -126,7 +162,10 @@ async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
         raise RuntimeError(f"{reference}: {exc}") from None
     if referrer is None or layer is None:
         raise RuntimeError(f"{reference} ({subject}): compatibility artifact not found")
-    spec, warnings = load_spec(layer)
+    try:
+        spec, warnings = await asyncio.to_thread(load_spec, layer, limits=limits)
+    except SpecError as exc:
+        raise SpecError(f"{reference}@{referrer.digest}: {exc}") from None
     _warn(warnings)
     return spec, f"{reference}@{referrer.digest}"
 
@@ -136,12 +175,21 @@ def _warn(warnings: list[str]) -> None:
         print(f"gpubadge compat: warning: {warning}", file=sys.stderr)
 
 
-async def _nodes(args: argparse.Namespace) -> list[NodeFeatures]:
+async def _nodes(
+    args: argparse.Namespace, settings: ScannerSettings, limits: DocumentLimits
+) -> list[NodeFeatures]:
     from placement.inventory import Server, parse_inventory
-    from placement.nfd.features import from_server, parse_node_features
+    from placement.nfd.features import MAX_FEATURES_BYTES, FeaturesError, from_server, parse_node_features
 
     if args.node:
-        return [parse_node_features(path.read_text(), name=path.stem) for path in args.node]
+        nodes = []
+        for path in args.node:
+            text = _read_capped(path, MAX_FEATURES_BYTES).decode()
+            try:
+                nodes.append(parse_node_features(text, path.stem, limits, settings.nfd_max_feature_nodes))
+            except FeaturesError as exc:
+                raise FeaturesError(f"{path}: {exc}") from None
+        return nodes
     if args.servers is not None:
         return [from_server(server) for server in parse_inventory(args.servers.read_text()).servers]
     import aiohttp

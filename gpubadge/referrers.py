@@ -5,7 +5,7 @@ registry has one, else the referrers tag schema. Like `nfd compat validate-node`
 to its index (its own manifest for a single-platform image), or with `--platform` to that
 platform's image. The NFD artifact that NFD's client would read (the newest by
 `org.opencontainers.image.created`) is marked; its `layers[0]` is decoded and checked against
-NFD's schema.
+NFD's schema, within the `nfd_*` settings' bounds whatever its size (past one, its line says so).
 Exit status: 0 when at least one is attached, 3 when none is, 1 on error, 2 on usage.
 """
 
@@ -42,7 +42,7 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
-    from placement.nfd.schema import SpecError, load_spec, spec_document
+    from placement.nfd.schema import DocumentLimits, SpecError, load_spec, spec_document
     from scanner.models import Platform
     from scanner.registry.client import RegistryClient
     from scanner.registry.errors import RegistryError
@@ -82,9 +82,12 @@ def main(argv: Sequence[str]) -> int:
                 line = _line(digest, referrer, "nfd")
                 line["current"] = referrer == current
                 try:
-                    spec, warnings = load_spec(await read_layer(client, pinned, referrer))
+                    layer = await read_layer(client, pinned, referrer)
+                    spec, warnings = await asyncio.to_thread(
+                        load_spec, layer, limits=DocumentLimits.of(settings)
+                    )
                 except SpecError as exc:
-                    line["error"] = f"not an image-compatibility spec NFD could read: {exc}"
+                    line["error"] = f"its image-compatibility spec could not be read: {exc}"
                 else:
                     line["spec"] = spec_document(spec)
                     line["warnings"] = warnings

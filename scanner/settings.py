@@ -204,6 +204,40 @@ class ScannerSettings(BaseSettings):
         description="with attach_reports, also attach Node Feature Discovery's image-compatibility artifact to"
         " GPU images (false: reports only)",
     )
+    # Bounds on reading and evaluating an NFD image-compatibility document (anyone may attach one):
+    # far above any real document (gpubadge's own is ~60 YAML nodes), far below what stalls.
+    nfd_max_nodes: int = Field(
+        default=20_000,
+        ge=1,
+        description="most YAML nodes an NFD document may expand to (aliases counted each use)",
+    )
+    nfd_max_depth: int = Field(default=64, ge=1, description="deepest nesting of an NFD document")
+    nfd_max_feature_nodes: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="most YAML nodes a node-features file (gpubadge compat --node) may expand to",
+    )
+    nfd_regex_max_mem: int = Field(
+        default=1 * MiB, ge=64 * 1024, description="RE2 memory for one InRegexp pattern of an NFD document"
+    )
+    nfd_regex_budget: int = Field(
+        default=400_000,
+        ge=1,
+        description="RE2 instructions all the InRegexp patterns of one NFD evaluation may compile to",
+    )
+    nfd_max_evaluations: int = Field(
+        default=500_000,
+        ge=1,
+        description="expressions (each on one feature element) one NFD evaluation of one node may run",
+    )
+    nfd_max_template_bytes: int = Field(
+        default=64 * 1024, ge=1, description="largest expansion of one NFD varsTemplate"
+    )
+    nfd_cache_bytes: int = Field(
+        default=16 * MiB,
+        ge=0,
+        description="memory the service keeps for NFD artifacts read back for the image page (parsed, not raw)",
+    )
 
     @field_validator("platforms", mode="before")
     @classmethod

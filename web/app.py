@@ -111,6 +111,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
                 companions=companions(settings),
                 on_companion=lambda _, result: metrics.nfd_attach.inc(result),
             )
+            metrics.nfd_cache_source = services.attacher.companion_bytes
         if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
             services.workers = ScanWorkers(
                 services.store,

@@ -210,6 +210,15 @@ class ServiceMetrics:
         self.admission_seconds = add(
             Histogram("gpubadge_admission_duration_seconds", "Admission review handling time.", ["webhook"])
         )
+        # What the image page keeps of NFD artifacts it read (parsed, bounded; at most nfd_cache_bytes).
+        self.nfd_cache_source: Callable[[], int] = lambda: 0
+        self.nfd_cache = add(
+            Gauge(
+                "gpubadge_nfd_cache_bytes",
+                "Memory held by the NFD artifacts kept for the image page (parsed; capped by nfd_cache_bytes).",
+                collect=lambda: {(): float(self.nfd_cache_source())},
+            )
+        )
         # Gauges read from the database are set by the /metrics handler just before it renders,
         # so rendering itself never runs SQL.
         self.queue = add(Gauge("gpubadge_queue_jobs", "Scan jobs by state.", ["state"]))

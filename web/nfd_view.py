@@ -4,7 +4,10 @@ For the index and each platform image that needs a GPU, what this process attach
 or left to another tool's artifact) is known from the attacher. Otherwise (another process
 attached it, or a restart) the artifact is read back from the registry as NFD's client reads it
 (newest by `org.opencontainers.image.created`, `layers[0]`), bounded by LOOKUP_SECONDS and
-remembered for a minute, so a page view costs at most a few small registry reads.
+remembered for a minute, so a page view costs at most a few small registry reads. The document
+is decoded once, in a thread, when it is read (`web.companions.parse_nfd`, within the `nfd_*`
+settings' bounds); views use that decoded, bounded form, and the page renders them off the
+event loop (`web.ui.detail_context`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from placement.nfd.schema import SpecError, load_spec, spec_document
 from scanner.models import ImageReport
 from scanner.registry.errors import RegistryError
 from scanner.registry.referrers import AttachStatus, ReportAttacher
-from web.companions import NFD_KIND
+from web.companions import NFD_KIND, NfdDocument
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +59,10 @@ def _view(subject: str, label: str, status: AttachStatus | None, problem: str | 
         subject, label, status.state, STATE_WORDS.get(status.state, status.state), status.artifact, status.created,
         status.error,
     )  # fmt: skip
-    if status.layer is not None:
-        try:
-            spec, view.warnings = load_spec(status.layer)
-        except SpecError as exc:
-            view.error = f"its document is not one NFD could read: {exc}"
-        else:
-            view.sets = spec_document(spec)["compatibilities"]
+    document = status.document.value if status.document is not None else None
+    if isinstance(document, NfdDocument):  # decoded once, bounded, when it was read or built
+        view.sets, view.warnings = document.sets, document.warnings
+        view.error = document.error or view.error
     return view
 
 
@@ -102,5 +101,4 @@ async def nfd_views(attacher: ReportAttacher | None, report: ImageReport) -> lis
         else:
             status, error = task.result()
             found.append((digest, label, status, error))
-    # Decoding and checking the documents is CPU work: off the event loop.
-    return await asyncio.to_thread(lambda: [_view(*item) for item in found])
+    return [_view(*item) for item in found]  # the documents were decoded when read, off the loop

@@ -9,6 +9,7 @@ scripts is the second line of defence.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import re
@@ -22,6 +23,7 @@ from urllib.parse import quote, urlencode
 
 import jinja2
 from aiohttp import web
+from markupsafe import Markup
 
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.requirements import describe_condition, parse_requirement_lenient
@@ -586,8 +588,17 @@ async def detail_context(services: Services, reference: Reference, report: Image
             for digest in [report.digest or "", *(p.digest for p in report.platforms)]
             if services.attacher is not None and (status := services.attacher.status(digest)) is not None
         ],
-        "nfd": await nfd_views(services.attacher, report),
+        "nfd_html": await nfd_section(services, report),
     }
+
+
+async def nfd_section(services: Services, report: ImageReport) -> Markup:
+    """The image page's NFD section, rendered in a thread: an artifact is anyone's, so even its
+    bounded rendering stays off the event loop."""
+    views = await nfd_views(services.attacher, report)
+    if not views:
+        return Markup("")
+    return Markup(await asyncio.to_thread(render, "_nfd.html", nfd=views))
 
 
 async def scans_page(request: web.Request) -> web.Response:

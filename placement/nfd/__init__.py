@@ -5,8 +5,12 @@
   client reads it (YAML -> JSON -> Go structs).
 - `features`: a node's features (NFD's `NodeFeature` object, `nfd export features`, or a gpubadge
   server inventory), in NFD's flags / attributes / instances shape.
-- `match`: NFD's rule semantics (matchFeatures, matchAny, every match operator, `type: version`),
+- `match`: NFD's rule semantics (matchFeatures, matchAny, every match operator, `type: version`,
+  `rule.matched` and `varsTemplate` through `template`, Go's text/template without functions),
   evaluated against those features, with the reason each rule fails.
+
+Anyone can attach an artifact: reading and evaluating one is bounded whatever its bytes
+(`schema.DocumentLimits`, the `nfd_*` settings), and past a bound the error names the setting.
 
 What gpubadge writes into an artifact for a scanned image is `placement.exports.nfd`.
 """

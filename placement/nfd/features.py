@@ -11,11 +11,13 @@ Three sources give them:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from placement.inventory import Server, parse_json_or_yaml
+from placement.inventory import Server
+from placement.nfd.schema import DEFAULT_LIMITS, DocumentLimits, SpecError, read_yaml_as_strings
 
 NVIDIA_PCI_VENDOR = "10de"
 PCI_CLASS_VGA = "0300"
@@ -25,6 +27,7 @@ _COMPUTE_BRANDS = frozenset(
     {"tesla", "nvidia", "grid", "nvidia vapps", "nvidia vpc", "nvidia vcs", "nvidia vws"}
 )
 MAX_FEATURES_BYTES = 8 * 1024 * 1024  # a NodeFeature object is tens of KiB on a big node
+DEFAULT_MAX_FEATURE_NODES = 1_000_000  # the setting nfd_max_feature_nodes: YAML nodes of one features file
 
 
 class FeaturesError(ValueError):
@@ -76,17 +79,27 @@ class NodeFeatures(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-def parse_node_features(text: str, name: str = "node") -> NodeFeatures:
+def parse_node_features(
+    text: str,
+    name: str = "node",
+    limits: DocumentLimits = DEFAULT_LIMITS,
+    max_nodes: int = DEFAULT_MAX_FEATURE_NODES,
+) -> NodeFeatures:
     """A NodeFeature object, a list of them (`kind: List` or NodeFeatureList), or `nfd export features`.
 
-    JSON or YAML. Raises FeaturesError naming what is wrong.
+    JSON, else YAML read within `limits` (depth) and `max_nodes` (a big node's kernel.config alone
+    is thousands of elements), numbers and booleans as the strings Go makes of them. Raises
+    FeaturesError naming what is wrong, or the bound (its setting) a document goes past.
     """
     if len(text) > MAX_FEATURES_BYTES:
         raise FeaturesError(f"the document is {len(text):,} bytes; at most {MAX_FEATURES_BYTES:,} are read")
     try:
-        data = parse_json_or_yaml(text)
-    except ValueError as exc:
-        raise FeaturesError(str(exc)) from None
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # YAML, or JSON nested too deep: the bounded reader says which
+        try:
+            data = read_yaml_as_strings(text, limits.model_copy(update={"max_nodes": max_nodes}))
+        except SpecError as exc:
+            raise FeaturesError(str(exc).replace("nfd_max_nodes", "nfd_max_feature_nodes")) from None
     if not isinstance(data, dict):
         raise FeaturesError("expected a NodeFeature object, a list of them, or `nfd export features` output")
     try:

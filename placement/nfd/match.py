@@ -1,51 +1,105 @@
 """NFD's rule semantics, evaluated against a node's features, with the reason each rule fails. Pure.
 
-This follows node-feature-discovery's own evaluator (`pkg/apis/nfd/nodefeaturerule`:
-`ExecuteGroupRule`, `evaluateFeatureMatcher`, `MatchMulti`, `evaluateMatchExpression`) as
-`nfd compat validate-node` runs it (every term evaluated, no fail-fast), for artifacts written by
-anyone:
+This follows node-feature-discovery v0.19.0's own evaluator (`pkg/apis/nfd/nodefeaturerule`:
+`ExecuteGroupRule`, `evaluateFeatureMatcher`, `MatchMulti`, `MatchNamesMulti`,
+`evaluateMatchExpression`) as `nfd compat validate-node` runs it (`pkg/client-nfd/compat/
+node-validator`: every term evaluated, no fail-fast), for artifacts written by anyone:
 
-- A compatibility set holds when every rule matches. A rule matches when all of `matchFeatures`
-  match and, if it has `matchAny`, one of those does. A rule with neither matches.
+- Sets are evaluated in order on one copy of the node's features; after each rule, the vars it
+  produced (`vars`, and what `varsTemplate` expands to) are added to the attribute feature
+  `rule.matched`, which later rules, in this set or a later one, can match on. As in NFD, the
+  feature exists (maybe empty) from the first rule on, and a rule whose `matchFeatures` fail adds
+  nothing, while one whose `matchAny` alone fails still adds its `vars`.
+- A rule matches when all of `matchFeatures` match and, if it has `matchAny`, one of those does.
+  A rule with neither matches.
 - A term on a feature the node does not have (validate-node has no `local` source, so no
-  `local.label`) does not match, and nothing in it is evaluated.
+  `local.label`) does not match, and nothing in it is evaluated. As in NFD, whether a term
+  matched carries over to the next term until that one evaluates `matchExpressions`: a term with
+  only `matchName` after a failing term is not evaluated (so its errors do not surface) and fails.
 - Flag and attribute features are one union: each expression must match the flag or the
   attribute (`DoesNotExist` needs the name absent from both). Instance features (`pci.device`)
   match when one instance matches every expression. An empty expression set matches.
-- Operators: `In`, `NotIn`, `InRegexp` (RE2 syntax, searched, as Go's `regexp.MatchString`),
-  `Exists`, `DoesNotExist`, `Gt`, `Ge`, `Lt`, `Le` (one value), `GtLt`, `GeLe` (two), `IsTrue`,
-  `IsFalse` (none), `""` (always true). Comparisons are integers (Go's `strconv.Atoi`), or with
-  `type: version` versions as NFD parses them (Masterminds semver, leading zeros allowed, at most
-  three numbers, pre-release and build parts ignored). A missing element fails every operator
-  but `DoesNotExist` (and `""`), without looking at the values.
-- Errors end the evaluation as NFD's do: a wrong number of values, a value that is not a number
-  or a version (the node's or the rule's), a bad regular expression, another `type`. The rule
-  is then `error`, with NFD's reason.
+  `matchName` evaluates every name (flags, attributes, every instance's attributes) and is an
+  error if any name is an error, as `MatchNamesMulti` is.
+- Operators: `In`, `NotIn`, `InRegexp` (searched, as Go's `regexp.MatchString`), `Exists`,
+  `DoesNotExist`, `Gt`, `Ge`, `Lt`, `Le` (one value), `GtLt`, `GeLe` (two), `IsTrue`, `IsFalse`
+  (none), `""` (always true); any other op is an error when evaluated, before anything else.
+  Comparisons are integers as Go's `strconv.Atoi` reads them (ASCII digits, one sign, nothing
+  after them, not even a newline; the full int64 range), or with `type: version` versions as
+  Masterminds semver reads them (leading zeros allowed, at most three numbers, pre-release and
+  build parts ignored). A missing element fails every operator but `DoesNotExist` (and `""`).
+- Regular expressions: RE2 (the library Go's `regexp` reimplements), with Go's syntax where the
+  two differ: `\\C` is refused as Go refuses it. Residual gaps: the Unicode tables of `\\pL` and
+  friends are RE2's, not Go's release's, and Go's own size limits differ from RE2's `max_mem`.
+  Every compile is bounded: one pattern by `regex_max_mem` (`nfd_regex_max_mem`), all the
+  distinct patterns of one evaluation by `regex_budget` RE2 instructions (`nfd_regex_budget`; a
+  refused pattern costs what the largest allowed one would), and the process-wide cache of
+  compiled patterns by REGEX_CACHE_INSTRUCTIONS in total. Past a bound the rule is an error
+  naming the setting.
+- `varsTemplate` is Go's text/template over the matched elements, expanded into `key=value`
+  lines as NFD's template helper does. gpubadge evaluates text/template's language (fields,
+  variables, `range`, `if`, `with`, `else`, trim markers, comments) but no function (NFD also
+  offers sprig's): a template that calls one is an error saying so. Its output is bounded by
+  `max_template_bytes` (`nfd_max_template_bytes`).
+- Time: one evaluation (a spec on a node) runs at most `max_evaluations` expressions on single
+  elements (`nfd_max_evaluations`); past it the rule is an error naming the setting.
+- Errors end the rule's evaluation as NFD's do: a wrong number of values, a value that is not a
+  number or a version (the node's or the rule's), a bad regular expression, another `type`, an
+  unknown op, a template error. The rule is then `error`, with NFD's reason. (NFD stops the whole
+  validation at the first error; gpubadge goes on to show the other rules, and its exit status
+  says error either way.)
 """
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import re2
 from pydantic import BaseModel, Field
 
-from placement.nfd.features import Features
-from placement.nfd.schema import Compatibility, FeatureMatcherTerm, GroupRule, MatchExpression, Spec
+from placement.nfd.features import AttributeFeatureSet, Features
+from placement.nfd.schema import (
+    DEFAULT_LIMITS,
+    Compatibility,
+    DocumentLimits,
+    FeatureMatcherTerm,
+    GroupRule,
+    MatchExpression,
+    Spec,
+)
+from placement.nfd.template import TemplateBudget, TemplateError, expand_map
 
-_INT = re.compile(r"^[+-]?[0-9]+$")
-_INT_MAX = 2**63 - 1
+_INT = re.compile(r"[+-]?[0-9]+\Z")
+_INT64 = (-(2**63), 2**63 - 1)
 _VERSION = re.compile(
-    r"^v?([0-9]+)(\.[0-9]+)?(\.[0-9]+)?(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$"
+    r"v?([0-9]+)(\.[0-9]+)?(\.[0-9]+)?(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?\Z"
 )
 _UINT64_MAX = 2**64 - 1
-_REGEX_OPTIONS = re2.Options()
-_REGEX_OPTIONS.log_errors = False
-_REGEX_OPTIONS.max_mem = 8 << 20  # RE2's own program-size bound; a pattern past it is an error
-MAX_REGEX_CACHE = 1024
-_regex_cache: dict[str, Any] = {}
+MATCH_OPS = frozenset(
+    {
+        "",
+        "In",
+        "NotIn",
+        "InRegexp",
+        "Exists",
+        "DoesNotExist",
+        "Gt",
+        "Ge",
+        "Lt",
+        "Le",
+        "GtLt",
+        "GeLe",
+        "IsTrue",
+        "IsFalse",
+    }
+)  # NFD's matchOps (pkg/apis/nfd/nodefeaturerule/expression.go)
+REGEX_CACHE_INSTRUCTIONS = 4_000_000  # compiled patterns kept by the process, in RE2 instructions (~64 MiB)
+RULE_BACKREF = "rule.matched"  # nfdv1alpha1.RuleBackrefDomain + "." + RuleBackrefFeature
+_regex_cache: OrderedDict[tuple[str, int], tuple[Any, int, str]] = OrderedDict()
+_regex_cache_size = 0
 
 Verdict = Literal["match", "no-match", "error"]
 
@@ -126,24 +180,107 @@ class SpecResult(BaseModel):
         return self.verdict == "match"
 
 
+# --- the cost of one evaluation ------------------------------------------------------------------
+
+
+class Budget:
+    """What one evaluation (one spec on one node) may still spend compiling regular expressions."""
+
+    def __init__(self, limits: DocumentLimits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self.spent = 0
+        self._charged: set[str] = set()
+        self._options = re2.Options()
+        self._options.log_errors = False
+        self._options.max_mem = limits.regex_max_mem
+        self.template = TemplateBudget(limits.max_template_bytes, steps=limits.max_evaluations)
+        self.evaluations = 0
+
+    def evaluation(self) -> None:
+        """Count one expression evaluated on one element; past `max_evaluations`, a MatchError."""
+        self.evaluations += 1
+        if self.evaluations > self.limits.max_evaluations:
+            raise MatchError(
+                f"this document needs more than {self.limits.max_evaluations:,} expression evaluations on this "
+                "node (the setting nfd_max_evaluations)"
+            )
+
+    def regex(self, pattern: str) -> Any:
+        """`pattern` compiled (from the process-wide cache when it is there), charged once per evaluation.
+
+        A pattern RE2 (or Go's syntax) refuses is remembered too, so it is compiled once, not once
+        per element; it costs what the largest allowed pattern would.
+        """
+        global _regex_cache_size
+        if pattern not in self._charged and self.spent + 1 > self.limits.regex_budget:
+            raise MatchError(self._over_budget())
+        key = (pattern, self.limits.regex_max_mem)
+        cached = _regex_cache.get(key)
+        if cached is None:
+            cached = self._compile(pattern)
+            _regex_cache[key] = cached
+            _regex_cache_size += cached[1]
+            while _regex_cache_size > REGEX_CACHE_INSTRUCTIONS and len(_regex_cache) > 1:
+                _, (_, size, _) = _regex_cache.popitem(last=False)
+                _regex_cache_size -= size
+        else:
+            _regex_cache.move_to_end(key)
+        compiled, cost, problem = cached
+        self._charge(pattern, cost)
+        if compiled is None:
+            raise MatchError(f"invalid regular expression {pattern!r}: {problem}")
+        return compiled
+
+    def _compile(self, pattern: str) -> tuple[Any, int, str]:
+        """(the compiled pattern or None, its cost in RE2 instructions, why it was refused)."""
+        problem = _go_syntax_problem(pattern)
+        if problem is None:
+            try:
+                compiled = re2.compile(pattern, options=self._options)
+            except re2.error as exc:
+                problem = str(exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc)
+            else:
+                return compiled, max(1, compiled.programsize), ""
+        if "pattern too large" in problem:
+            problem = (
+                f"it needs more than {self.limits.regex_max_mem:,} bytes (the setting nfd_regex_max_mem)"
+            )
+        return None, max(1, self.limits.regex_max_mem // 24), problem  # ~ the largest program max_mem allows
+
+    def _charge(self, pattern: str, cost: int) -> None:
+        if pattern in self._charged:
+            return
+        self._charged.add(pattern)
+        self.spent += cost
+        if self.spent > self.limits.regex_budget:
+            raise MatchError(self._over_budget())
+
+    def _over_budget(self) -> str:
+        return (
+            f"the regular expressions of this document need more than {self.limits.regex_budget:,} RE2 "
+            "instructions to compile (the setting nfd_regex_budget)"
+        )
+
+
+def _go_syntax_problem(pattern: str) -> str | None:
+    """Where Go's regexp/syntax refuses what RE2 accepts: `\\C` (any byte)."""
+    index = 0
+    while index < len(pattern):
+        if pattern[index] == "\\":
+            if pattern[index + 1 : index + 2] == "C":
+                return "invalid escape sequence: `\\C` (Go's regexp has no \\C)"
+            index += 2
+            continue
+        index += 1
+    return None
+
+
 # --- one expression ------------------------------------------------------------------------------
 
 
-def _regex(pattern: str) -> Any:
-    found = _regex_cache.get(pattern)
-    if found is None:
-        try:
-            found = re2.compile(pattern, options=_REGEX_OPTIONS)
-        except re2.error as exc:
-            raise MatchError(f"invalid regular expression {pattern!r}: {exc}") from None
-        if len(_regex_cache) >= MAX_REGEX_CACHE:
-            _regex_cache.clear()
-        _regex_cache[pattern] = found
-    return found
-
-
 def _atoi(text: str, where: str) -> int:
-    if not _INT.match(text) or abs(int(text)) > _INT_MAX:
+    """Go's strconv.Atoi on a 64-bit platform: ASCII digits, one sign, the int64 range, nothing else."""
+    if not _INT.match(text) or not _INT64[0] <= int(text) <= _INT64[1]:
         raise MatchError(f"not a number {text!r}{where}")
     return int(text)
 
@@ -164,12 +301,18 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return numbers[0], numbers[1], numbers[2]
 
 
-def evaluate_expression(expression: MatchExpression, valid: bool, value: str | None) -> bool:
+def evaluate_expression(
+    expression: MatchExpression, valid: bool, value: str | None, budget: Budget | None = None
+) -> bool:
     """NFD's evaluateMatchExpression: `valid` says the element exists, `value` is its value (None for a flag).
 
-    Raises MatchError where NFD returns an error.
+    Raises MatchError where NFD returns an error (an unknown op first of all, whatever the element).
     """
+    if budget is not None:
+        budget.evaluation()
     op, values = expression.op, expression.value
+    if op not in MATCH_OPS:
+        raise MatchError(f"invalid Op {op!r}")
     if op in ("", "Exists", "DoesNotExist"):
         if values:
             raise MatchError(f"invalid expression, 'value' field must be empty for Op {op!r} (have {values})")
@@ -183,7 +326,8 @@ def evaluate_expression(expression: MatchExpression, valid: bool, value: str | N
     if op == "NotIn":
         return value not in values
     if op == "InRegexp":
-        compiled = [_regex(pattern) for pattern in values]
+        budget = budget or Budget()
+        compiled = [budget.regex(pattern) for pattern in values]
         return any(regex.search(value) is not None for regex in compiled)
     if op in ("Gt", "Ge", "Lt", "Le"):
         if len(values) != 1:
@@ -204,11 +348,9 @@ def evaluate_expression(expression: MatchExpression, valid: bool, value: str | N
                 f"invalid expression, value[0] must be less than Value[1] for Op {op!r} (have {values})"
             )
         return bool(low < here < high) if op == "GtLt" else bool(low <= here <= high)
-    if op in ("IsTrue", "IsFalse"):
-        if values:
-            raise MatchError(f"invalid expression, 'value' field must be empty for Op {op!r} (have {values})")
-        return value == ("true" if op == "IsTrue" else "false")
-    raise MatchError(f"invalid Op {op!r}")
+    if values:  # IsTrue, IsFalse
+        raise MatchError(f"invalid expression, 'value' field must be empty for Op {op!r} (have {values})")
+    return value == ("true" if op == "IsTrue" else "false")
 
 
 def _operands(expression: MatchExpression, value: str, wanted: str) -> tuple[Any, Any]:
@@ -224,6 +366,8 @@ def _operands(expression: MatchExpression, value: str, wanted: str) -> tuple[Any
 
 # --- terms ---------------------------------------------------------------------------------------
 
+Matched = dict[str, dict[str, list[dict[str, str]]]]  # NFD's matchedFeatures: domain -> feature -> elements
+
 
 def _failure(feature: str, name: str, expression: MatchExpression, keys: Any, values: Any) -> str:
     """The node's side of a failed expression on a flag or attribute, in words."""
@@ -234,39 +378,83 @@ def _failure(feature: str, name: str, expression: MatchExpression, keys: Any, va
     return f"{feature}: {name} is absent; needs {expression.text()}"
 
 
-def _match_term(term: FeatureMatcherTerm, features: Features) -> TermResult:
+def _match_term(
+    term: FeatureMatcherTerm, features: Features, carried: bool, budget: Budget
+) -> tuple[TermResult, bool, list[dict[str, str]]]:
+    """One term; `carried` is whether the previous term matched (NFD's isTermMatch outlives a term).
+
+    Returns the result, the isTermMatch NFD carries on, and the elements it matched (for templates).
+    """
     feature = term.feature.lower()
     flag = features.flags.get(feature)
     attribute = features.attributes.get(feature)
     instance = features.instances.get(feature)
     if flag is None and attribute is None and instance is None:
-        return TermResult(
+        result = TermResult(
             feature=feature, matched=False, reason=f"{feature}: feature not available on this node"
         )
+        return result, carried, []
     keys: Mapping[str, Any] | None = flag.elements if flag is not None else None
     values: Mapping[str, str] | None = attribute.elements if attribute is not None else None
     instances: list[dict[str, str]] = [i.attributes for i in instance.elements or []] if instance else []
     results: list[ExpressionResult] = []
-    matched = True
+    elements: list[dict[str, str]] = []
+    matched = carried
     if term.match_expressions is not None:
-        matched, results = _match_multi(feature, term.match_expressions, keys, values, instances)
-    if matched and term.match_name is not None:
-        names = [*(keys or {}), *(values or {}), *(name for attrs in instances for name in attrs)]
-        hit = any(evaluate_expression(term.match_name, True, name) for name in names)
+        matched, results, elements = _match_multi(
+            feature, term.match_expressions, keys, values, instances, budget
+        )
+    if term.match_name is not None and not matched:
+        results.append(
+            ExpressionResult(
+                feature=feature, name="", expression=term.match_name.text(), matcher="matchName", matched=False,
+                reason=f"{feature}: matchName {term.match_name.text()} not evaluated: "
+                + ("its matchExpressions failed" if term.match_expressions is not None else "an earlier term failed"),
+            )
+        )  # fmt: skip
+    elif term.match_name is not None:
+        named = _match_names(term.match_name, keys, values, instances, budget)
+        elements += named
+        matched = bool(named)
         results.append(
             ExpressionResult(
                 feature=feature,
                 name="",
                 expression=term.match_name.text(),
                 matcher="matchName",
-                matched=hit,
-                reason="" if hit else f"{feature}: no element name matches {term.match_name.text()}",
+                matched=matched,
+                reason="" if matched else f"{feature}: no element name matches {term.match_name.text()}",
             )
         )
-        matched = hit
     failing = list(dict.fromkeys(r.reason for r in results if not r.matched))
+    if not matched and not failing and term.match_expressions is None and term.match_name is None:
+        failing = [f"{feature}: an earlier term failed (NFD carries that into a term with no expression)"]
     reason = "" if matched else "; ".join(failing) or f"{feature}: no match"
-    return TermResult(feature=feature, matched=matched, reason=reason, expressions=results)
+    return TermResult(feature=feature, matched=matched, reason=reason, expressions=results), matched, elements
+
+
+def _match_names(
+    expression: MatchExpression,
+    keys: Mapping[str, Any] | None,
+    values: Mapping[str, str] | None,
+    instances: list[dict[str, str]],
+    budget: Budget,
+) -> list[dict[str, str]]:
+    """NFD's MatchNamesMulti: every name evaluated (an error on any one is an error); the matched elements."""
+    found = [
+        {"Name": name} for name in sorted(keys or {}) if evaluate_expression(expression, True, name, budget)
+    ]
+    found += [
+        {"Name": name, "Value": value}
+        for name, value in sorted((values or {}).items())
+        if evaluate_expression(expression, True, name, budget)
+    ]
+    found.sort(key=lambda element: element["Name"])
+    for attributes in instances:
+        hits = [evaluate_expression(expression, True, name, budget) for name in attributes]
+        if any(hits):
+            found.append(dict(attributes))
+    return found
 
 
 def _match_multi(
@@ -275,30 +463,43 @@ def _match_multi(
     keys: Mapping[str, Any] | None,
     values: Mapping[str, str] | None,
     instances: list[dict[str, str]],
-) -> tuple[bool, list[ExpressionResult]]:
+    budget: Budget,
+) -> tuple[bool, list[ExpressionResult], list[dict[str, str]]]:
     """NFD's MatchMulti (no fail-fast): flags and attributes as a union, then instances apart."""
     union = keys is not None or values is not None
     union_match = union
     per_expression: dict[str, bool] = {}
+    elements: list[dict[str, str]] = []
     for name, expression in expressions.items():
         hit_key = hit_value = False
         if keys is not None:
-            hit_key = evaluate_expression(expression, name in keys, None)
-            if not hit_key and expression.op == "DoesNotExist":
+            hit_key = evaluate_expression(expression, name in keys, None, budget)
+            if hit_key:
+                elements.append({"Name": name})
+            elif expression.op == "DoesNotExist":
                 union_match, per_expression[name] = False, False
                 continue
         if values is not None:
-            hit_value = evaluate_expression(expression, name in values, values.get(name))
-            if not hit_value and expression.op == "DoesNotExist":
+            hit_value = evaluate_expression(expression, name in values, values.get(name), budget)
+            if hit_value:
+                elements.append({"Name": name, "Value": values.get(name, "")})
+            elif expression.op == "DoesNotExist":
                 union_match, per_expression[name] = False, False
                 continue
         per_expression[name] = hit_key or hit_value
         if not (hit_key or hit_value):
             union_match = False
+    elements.sort(key=lambda element: element["Name"])
     # Instances: each one against every expression (all evaluated, so any error surfaces as in NFD).
     outcomes = [
-        {name: evaluate_expression(e, name in attrs, attrs.get(name)) for name, e in expressions.items()}
+        {
+            name: evaluate_expression(e, name in attrs, attrs.get(name), budget)
+            for name, e in expressions.items()
+        }
         for attrs in instances
+    ]
+    elements += [
+        dict(attrs) for attrs, outcome in zip(instances, outcomes, strict=True) if all(outcome.values())
     ]
     instance_match = any(all(outcome.values()) for outcome in outcomes)
     matched = (union and union_match) or instance_match
@@ -335,36 +536,99 @@ def _match_multi(
                 reason=f"{feature}: no element",
             )
         )  # fmt: skip
-    return matched, results
+    return matched, results, elements
 
 
 # --- rules, sets, specs --------------------------------------------------------------------------
 
 
-def _match_terms(terms: Iterable[FeatureMatcherTerm], features: Features) -> tuple[bool, list[TermResult]]:
-    results = [_match_term(term, features) for term in terms]
-    return all(r.matched for r in results), results
+def _match_terms(
+    terms: Iterable[FeatureMatcherTerm], features: Features, budget: Budget
+) -> tuple[bool, list[TermResult], Matched]:
+    """NFD's evaluateFeatureMatcher (no fail-fast): every term, and the elements each matched."""
+    results: list[TermResult] = []
+    matched: Matched = {}
+    carried = True
+    for term in terms:
+        domain, dot, name = term.feature.partition(".")
+        if not dot:
+            domain, name = term.feature.lower(), ""
+        result, carried, elements = _match_term(term, features, carried, budget)
+        if result.reason.endswith("feature not available on this node"):
+            matched.setdefault(domain, {})
+        else:
+            matched.setdefault(domain, {}).setdefault(name, []).extend(elements)
+        results.append(result)
+    return all(r.matched for r in results), results, matched
 
 
-def evaluate_rule(rule: GroupRule, features: Features) -> RuleResult:
+def evaluate_rule(rule: GroupRule, features: Features, budget: Budget | None = None) -> RuleResult:
     """NFD's ExecuteGroupRule for validate-node: matchAny (any one) and matchFeatures (all)."""
+    return _execute_rule(rule, features, budget or Budget())[0]
+
+
+def _execute_rule(
+    rule: GroupRule, features: Features, budget: Budget
+) -> tuple[RuleResult, dict[str, str] | None]:
+    """The rule's result and the vars NFD's ExecuteGroupRule returns (None where it returns none)."""
+    variables: dict[str, str] = {}
+    limit = budget.template
     try:
-        any_results = [_match_terms(e.match_features, features) for e in rule.match_any or []]
-        all_match, term_results = _match_terms(rule.match_features or [], features)
+        any_results = []
+        for alternative in rule.match_any or []:
+            ok, results, matched = _match_terms(alternative.match_features, features, budget)
+            any_results.append((ok, results))
+            if ok:
+                variables.update(expand_map(rule.vars_template, matched, limit))
+        all_match, term_results, matched = _match_terms(rule.match_features or [], features, budget)
+        any_ok = not rule.match_any or any(ok for ok, _ in any_results)
+        features_ok = not rule.match_features or all_match
+        if rule.match_features and not all_match:
+            out: dict[str, str] | None = None
+        else:
+            if rule.match_features:
+                variables.update(expand_map(rule.vars_template, matched, limit))
+            variables.update(rule.vars or {})
+            out = variables
     except MatchError as exc:
-        return RuleResult(name=rule.name, verdict="error", error=str(exc))
-    any_ok = not rule.match_any or any(ok for ok, _ in any_results)
-    features_ok = not rule.match_features or all_match
-    return RuleResult(
+        return RuleResult(name=rule.name, verdict="error", error=str(exc)), None
+    except TemplateError as exc:
+        return RuleResult(name=rule.name, verdict="error", error=f"varsTemplate: {exc}"), None
+    result = RuleResult(
         name=rule.name,
         verdict="match" if any_ok and features_ok else "no-match",
         match_features=term_results,
         match_any=[results for _, results in any_results],
     )
+    return result, out
 
 
-def evaluate_set(index: int, compatibility: Compatibility, features: Features) -> SetResult:
-    rules = [evaluate_rule(rule, features) for rule in compatibility.rules]
+def _with_backref(features: Features, variables: dict[str, str] | None) -> Features:
+    """NFD's InsertAttributeFeatures("rule", "matched", vars): the feature made (maybe empty), vars added."""
+    current = features.attributes.get(RULE_BACKREF)
+    if current is not None and not variables:
+        return features
+    elements = {**((current.elements or {}) if current is not None else {}), **(variables or {})}
+    attributes = {**features.attributes, RULE_BACKREF: AttributeFeatureSet(elements=elements)}
+    return features.model_copy(update={"attributes": attributes})
+
+
+def evaluate_set(
+    index: int, compatibility: Compatibility, features: Features, budget: Budget | None = None
+) -> SetResult:
+    """One set on its own (no earlier set's `rule.matched`); `evaluate_spec` chains sets as NFD does."""
+    return _evaluate_set(index, compatibility, features, budget or Budget())[0]
+
+
+def _evaluate_set(
+    index: int, compatibility: Compatibility, features: Features, budget: Budget
+) -> tuple[SetResult, Features]:
+    rules = []
+    for rule in compatibility.rules:
+        result, variables = _execute_rule(rule, features, budget)
+        rules.append(result)
+        if result.verdict != "error":
+            features = _with_backref(features, variables)
     verdict: Verdict = (
         "error"
         if any(r.verdict == "error" for r in rules)
@@ -372,7 +636,7 @@ def evaluate_set(index: int, compatibility: Compatibility, features: Features) -
         if all(r.matched for r in rules)
         else "no-match"
     )
-    return SetResult(
+    outcome = SetResult(
         index=index,
         tag=compatibility.tag,
         weight=compatibility.weight,
@@ -380,14 +644,24 @@ def evaluate_set(index: int, compatibility: Compatibility, features: Features) -
         verdict=verdict,
         rules=rules,
     )
+    return outcome, features
 
 
-def evaluate_spec(spec: Spec, features: Features, node: str = "node", tags: Iterable[str] = ()) -> SpecResult:
-    """Every compatibility set (only those whose tag is in `tags`, when given, as `--tags` does)."""
+def evaluate_spec(
+    spec: Spec,
+    features: Features,
+    node: str = "node",
+    tags: Iterable[str] = (),
+    limits: DocumentLimits = DEFAULT_LIMITS,
+) -> SpecResult:
+    """Every compatibility set in order (only those whose tag is in `tags`, when given, as `--tags` does),
+    each rule's vars visible to the later rules as `rule.matched`, within `limits`."""
     wanted = set(tags)
-    sets = [
-        evaluate_set(index, compatibility, features)
-        for index, compatibility in enumerate(spec.compatibilities, 1)
-        if not wanted or compatibility.tag in wanted
-    ]
+    budget = Budget(limits)
+    sets = []
+    for index, compatibility in enumerate(spec.compatibilities, 1):
+        if wanted and compatibility.tag not in wanted:
+            continue
+        result, features = _evaluate_set(index, compatibility, features, budget)
+        sets.append(result)
     return SpecResult(node=node, sets=sets)

@@ -43,6 +43,11 @@ duplicate on a re-scan with the same verdict). If it was written by another tool
 leaves it as the one NFD reads (`deferred`): a person or pipeline that attaches its own
 compatibility document knows better. Otherwise the new artifact is pushed and becomes the newest.
 Pending reports (`ImageReport.pending`: config facts only) are never attached.
+
+**What is kept of a companion's document.** Its status keeps what the companion's `parse` made
+of the layer (bounded, decoded once, in a thread, when it is read or built), never the raw bytes,
+and the statuses kept hold at most `nfd_cache_bytes` of documents in all (the oldest go first; a
+read-back is simply read again on the next page view).
 """
 
 from __future__ import annotations
@@ -178,17 +183,33 @@ class CompanionContent:
 
 
 @dataclass(frozen=True)
+class CompanionDocument:
+    """What a companion's `parse` made of a layer: a bounded value, and the bytes it holds in memory."""
+
+    value: Any
+    cost: int
+
+
+def _opaque(layer: bytes) -> CompanionDocument:
+    return CompanionDocument(None, 0)
+
+
+@dataclass(frozen=True)
 class Companion:
     """An artifact attached beside each report (see the module docstring).
 
     `build` gets the report about one manifest (the whole report for an index, one platform's
     for a platform image) and returns the layer, or None when that manifest gets none. It must
     be pure and deterministic: the same verdict must give the same bytes. It runs in a thread.
+    `parse` turns a layer (gpubadge's or anyone's) into what the status keeps; it must be
+    bounded whatever the bytes, never raise, and it runs in a thread. The default keeps nothing.
     """
 
     kind: str  # "nfd": the key of its status and of its counts
     artifact_type: str
     build: Callable[[ImageReport], CompanionContent | None]
+    parse: Callable[[bytes], CompanionDocument] = _opaque
+    max_bytes: int | None = None  # the largest layer read back (None: max_manifest_bytes)
 
 
 def created_annotation(moment: datetime) -> str:
@@ -330,7 +351,8 @@ class AttachStatus:
 
     Companions add `reused` (the newest artifact already said the same), `deferred` (another
     tool's artifact is the newest; left as it is), and, read back for the page when this process
-    did not attach it, `found` / `absent`. `layer` holds the companion's document.
+    did not attach it, `found` / `absent`. `document` is what the companion's `parse` made of
+    its layer (never the raw bytes).
     """
 
     subject: str
@@ -340,7 +362,7 @@ class AttachStatus:
     artifact: str | None = None
     via: Via | None = None
     kind: str = "report"
-    layer: bytes | None = None
+    document: CompanionDocument | None = None
     created: str | None = None
     updated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -396,6 +418,7 @@ class ReportAttacher:
         self._own: OrderedDict[str, None] = OrderedDict()
         self._status: OrderedDict[str, AttachStatus] = OrderedDict()
         self._companion_status: OrderedDict[tuple[str, str], AttachStatus] = OrderedDict()
+        self._companion_bytes = 0  # the documents the companion statuses hold (nfd_cache_bytes)
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(concurrency)
         # Registries already warned about lacking push credentials: one WARNING each, not one per
@@ -465,13 +488,15 @@ class ReportAttacher:
         if pick is None:
             self._set_companion_status(digest, kind, "absent")
         else:
-            layer = await read_layer(self.client, reference, pick)
+            layer = await read_layer(self.client, reference, pick, companion.max_bytes)
+            document = await asyncio.to_thread(companion.parse, layer)  # once, off the event loop
+            del layer  # only the parsed, bounded document is kept
             self._set_companion_status(
                 digest,
                 kind,
                 "found",
                 artifact=pick.digest,
-                layer=layer,
+                document=document,
                 created=pick.annotations.get(CREATED),
             )
         return self._companion_status.get((digest, kind))
@@ -735,7 +760,8 @@ class ReportAttacher:
         if content is None:
             self._companion_status.pop((subject_digest, kind), None)
             return
-        self._set_companion_status(subject_digest, kind, "pending", layer=content.data)
+        document = await asyncio.to_thread(companion.parse, content.data)
+        self._set_companion_status(subject_digest, kind, "pending", document=document)
         attempts = self.settings.attach_attempts
         for attempt in range(1, attempts + 1):
             async with self._slots:
@@ -759,7 +785,8 @@ class ReportAttacher:
                     )
                     self._set_companion_status(
                         subject_digest, kind, done.outcome, attempts=attempt, artifact=done.artifact, via=done.via,
-                        layer=done.layer, created=done.created, error=note,
+                        document=document if done.layer is not None else None, created=done.created,
+                        error=note,
                     )  # fmt: skip
                     self._count_companion(kind, done.outcome)
                     return
@@ -770,7 +797,7 @@ class ReportAttacher:
                 "failed" if final else "retrying",
                 attempts=attempt,
                 error=error,
-                layer=content.data,
+                document=document,
             )
             self._count_companion(kind, "failed" if final else "retry")
             log.warning(
@@ -801,11 +828,36 @@ class ReportAttacher:
             self._status.popitem(last=False)
 
     def _set_companion_status(self, digest: str, kind: str, state: AttachState, **fields: Any) -> None:
+        """Keep the status; the oldest go past _STATUS_REMEMBERED entries or `nfd_cache_bytes` of documents.
+
+        A document larger than the whole cap is not kept (the status says so); the page then
+        reads it again, each time within the same bounds.
+        """
         key = (digest, kind)
-        self._companion_status[key] = AttachStatus(digest, state, kind=kind, **fields)
-        self._companion_status.move_to_end(key)
-        while len(self._companion_status) > _STATUS_REMEMBERED:
-            self._companion_status.popitem(last=False)
+        cap = self.settings.nfd_cache_bytes
+        document: CompanionDocument | None = fields.get("document")
+        if document is not None and document.cost > cap:
+            fields["document"] = None
+            fields["error"] = fields.get("error") or (
+                f"its document ({document.cost:,} bytes in memory) is larger than nfd_cache_bytes ({cap:,}); not kept"
+            )
+        old = self._companion_status.pop(key, None)
+        if old is not None and old.document is not None:
+            self._companion_bytes -= old.document.cost
+        status = AttachStatus(digest, state, kind=kind, **fields)
+        self._companion_status[key] = status
+        if status.document is not None:
+            self._companion_bytes += status.document.cost
+        while len(self._companion_status) > 1 and (
+            len(self._companion_status) > _STATUS_REMEMBERED or self._companion_bytes > cap
+        ):
+            _, dropped = self._companion_status.popitem(last=False)
+            if dropped.document is not None:
+                self._companion_bytes -= dropped.document.cost
+
+    def companion_bytes(self) -> int:
+        """The bytes the kept companion documents hold (at most `nfd_cache_bytes`)."""
+        return self._companion_bytes
 
     def _count(self, result: AttachResult) -> None:
         if self.on_result is not None:
@@ -890,12 +942,20 @@ async def list_referrers(
     return digest, _referrers_of_type(manifests if isinstance(manifests, list) else [], artifact_type)
 
 
-async def read_layer(client: RegistryClient, reference: Reference, referrer: Referrer) -> bytes:
-    """`layers[0]` of a referrer, as NFD's client reads its artifact (verified and size-capped)."""
+async def read_layer(
+    client: RegistryClient, reference: Reference, referrer: Referrer, max_bytes: int | None = None
+) -> bytes:
+    """`layers[0]` of a referrer, as NFD's client reads its artifact (verified, and capped at
+    `max_bytes`, else at `max_manifest_bytes`)."""
     manifest = await client.manifest(reference, referrer.digest)
     if not manifest.layers:
         raise RegistryError(f"referrer {referrer.digest} has no layer")
-    return await client.blob(reference, manifest.layers[0].digest, client.settings.max_manifest_bytes)
+    cap = (
+        client.settings.max_manifest_bytes
+        if max_bytes is None
+        else min(max_bytes, client.settings.max_manifest_bytes)
+    )
+    return await client.blob(reference, manifest.layers[0].digest, cap)
 
 
 async def resolve_subject(
