@@ -15,7 +15,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import is_loopback
-from scanner.settings import ScannerSettings
+from scanner.settings import ScannerSettings, mirror_parts
 from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
@@ -180,9 +180,9 @@ class ServiceSettings(ScannerSettings):
     def allowlist(self) -> set[str]:
         """Registries the service may contact. Mirrors of allowed registries are allowed too."""
         hosts = {entry.host for entry in self.registries}
-        hosts |= {entry.mirror for entry in self.registries if entry.mirror}
+        hosts |= {mirror_parts(entry.mirror)[0] for entry in self.registries if entry.mirror}
         if self.docker_mirror and (not self.registries or DOCKER_HUB in hosts):
-            hosts.add(self.docker_mirror)
+            hosts.add(mirror_parts(self.docker_mirror)[0])
         return hosts
 
     def allows(self, registry: str) -> bool:

@@ -596,11 +596,7 @@ class RegistryClient:
 
     def _realm_allowlist(self) -> set[str]:
         """Configured registries and their mirrors: hosts a token realm may name."""
-        hosts = {entry.host for entry in self.settings.registries}
-        hosts |= {
-            entry.mirror.split("://", 1)[-1].rstrip("/") for entry in self.settings.registries if entry.mirror
-        }
-        return hosts
+        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
 
     async def _fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
