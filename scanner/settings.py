@@ -182,6 +182,11 @@ class ScannerSettings(BaseSettings):
         description="seconds of waiting on a registry over which min_transfer_rate is judged",
     )
     max_redirects: int = Field(default=5, description="redirects followed per request (blob CDNs)")
+    redirect_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts a registry's redirect may lead to besides the registries, their mirrors and the"
+        " well-known storage of public registries: host[:port] or .domain (with its subdomains),...",
+    )
     credential_helper_timeout: float = Field(
         default=10.0, description="seconds a docker-credential-* helper may take"
     )
@@ -206,6 +211,14 @@ class ScannerSettings(BaseSettings):
         description="with attach_reports, also attach Node Feature Discovery's image-compatibility artifact to"
         " GPU images (false: reports only)",
     )
+
+    @field_validator("redirect_hosts", mode="before")
+    @classmethod
+    def _hosts_from_text(cls, value: Any) -> Any:
+        """`GPUBADGE_REDIRECT_HOSTS=storage.internal:9000,.blob.example.com`, or a list."""
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("platforms", mode="before")
     @classmethod

@@ -1,0 +1,233 @@
+"""Issue 30: the surfaces added with referrers, pushes and admission, against a hostile registry on
+loopback (tests/faultproxy.py in front of the real registry, fixtures/hostile_registry.py for what
+it steers us to): every push-path read bounded, push credentials only to an allowed realm, no
+redirect hop off the allowlist, and the service's /healthz answering within 250 ms throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from pydantic import SecretStr
+
+from fixtures.busybox import busybox_image
+from fixtures.hostile_registry import BYSTANDER_SECRET, Bystander
+from fixtures.registry import LocalRegistry
+from fixtures.service import run_service_inprocess
+from scanner.registry.push import PushError, RegistryPusher
+from scanner.settings import RegistryConfig, ScannerSettings
+from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule, TokenServer
+from web.settings import ServiceSettings
+
+REPO = "hostile/surfaces"
+GIB = 1 << 30
+HEALTHZ_BOUND = 0.25
+API_TOKEN = "surfaces-api-token-7d2e"
+
+
+@pytest.fixture(scope="module")
+def digest(push: Pusher) -> str:
+    return push(busybox_image(), f"{REPO}:v1")
+
+
+@pytest.fixture
+async def proxy(registry: LocalRegistry) -> AsyncIterator[FaultProxy]:
+    async with FaultProxy(registry.url) as running:
+        yield running
+
+
+def scanner_settings(**overrides: Any) -> ScannerSettings:
+    values: dict[str, Any] = {"docker_config": None, "request_timeout": 5.0, "retries": 1}
+    values.update(overrides)
+    return ScannerSettings(**values)
+
+
+class HealthWatch:
+    """GETs /healthz every 20 ms while the test runs; `worst` is the slowest answer seen."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url, self.session = url, session
+        self.worst = 0.0
+        self.answers = 0
+
+    async def run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            async with self.session.get(f"{self.url}/healthz") as reply:
+                await reply.read()
+                assert reply.status == 200
+            self.worst = max(self.worst, time.perf_counter() - started)
+            self.answers += 1
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def watched(url: str, session: aiohttp.ClientSession) -> AsyncIterator[HealthWatch]:
+    watch = HealthWatch(url, session)
+    task = asyncio.create_task(watch.run())
+    try:
+        yield watch
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert watch.answers >= 1 and watch.worst < HEALTHZ_BOUND, f"/healthz took {watch.worst:.3f} s"
+
+
+# ------------------------------------------------------------------ 2: push-path reads bounded
+
+
+@pytest.mark.parametrize("declare", [False, True], ids=["streamed", "declared"])
+async def test_a_1_gib_referrers_answer_on_the_push_path_stops_at_the_manifest_cap(
+    proxy: FaultProxy, digest: str, declare: bool
+) -> None:
+    """Issue 30 (2): the push path's referrers read is cut at GPUBADGE_MAX_MANIFEST_BYTES (4 MiB by
+    default), in memory and in time, whether or not the answer declares its size."""
+    proxy.add(Rule("flood", method="GET", path="/referrers/", times=None, size=GIB, declare=declare))
+    proxy.add(Rule("flood", method="GET", path="/manifests/sha256-", times=None, size=GIB, declare=declare))
+    settings = scanner_settings()
+    pusher = RegistryPusher(settings, proxy.host)
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(PushError, match="GPUBADGE_MAX_MANIFEST_BYTES") as refused:
+            await asyncio.to_thread(pusher.get_referrers, REPO, digest)
+        with pytest.raises(PushError, match="GPUBADGE_MAX_MANIFEST_BYTES"):
+            await asyncio.to_thread(
+                pusher.get_manifest, REPO, f"sha256-{digest[7:]}", "application/vnd.oci.image.index.v1+json"
+            )
+        elapsed = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        pusher.close()
+    assert elapsed < 5.0
+    assert peak < 3 * settings.max_manifest_bytes, f"peak {peak} bytes"  # one capped body, not 1 GiB
+    assert f"{settings.max_manifest_bytes}-byte limit" in str(refused.value)
+
+
+# ------------------------------------------------------- 3: push credentials and the token realm
+
+
+@pytest.mark.parametrize(
+    ("realm", "also_listed"),
+    [
+        ("http://0.0.0.0:{port}/token", None),  # the issue's reproduction: reaches loopback, not loopback
+        ("https://auth.evil.example/token", None),  # a host nobody listed
+        ("http://auth.example.com/token", "auth.example.com"),  # listed, but plain HTTP to another host
+    ],
+    ids=["wildcard-address", "foreign-host", "listed-host-plain-http"],
+)
+async def test_push_credentials_never_go_to_a_realm_off_the_allowlist(
+    proxy: FaultProxy, digest: str, realm: str, also_listed: str | None
+) -> None:
+    """Issue 30 (3): a hostile registry names a token realm; the push path checks it as the pull path
+    does before anything, and never sends the push account's Basic credentials there."""
+    async with Bystander() as bystander:
+        proxy.require_bearer(realm.format(port=bystander.port), set())
+        entry = RegistryConfig(host=proxy.host, push_username="robot", push_password=SecretStr("push-pw-3a9"))
+        listed = [entry] + ([RegistryConfig(host=also_listed)] if also_listed else [])
+        pusher = RegistryPusher(scanner_settings(registries=listed), proxy.host)
+        try:
+            with pytest.raises(PushError) as refused:
+                await asyncio.to_thread(pusher.get_referrers, REPO, digest)
+        finally:
+            pusher.close()
+    message = str(refused.value)
+    assert "realm" in message and "push credentials were not sent" in message, message
+    assert "push-pw-3a9" not in message
+    assert bystander.hits == []
+
+
+async def test_push_credentials_reach_an_allowed_realm(proxy: FaultProxy, digest: str) -> None:
+    """The same check lets a loopback registry's loopback realm through, with the push account."""
+    async with TokenServer(users={"robot": "push-pw-3a9"}, allow_anonymous=False) as tokens:
+        proxy.require_bearer(tokens.realm, tokens.issued)
+        entry = RegistryConfig(host=proxy.host, push_username="robot", push_password=SecretStr("push-pw-3a9"))
+        pusher = RegistryPusher(scanner_settings(registries=[entry]), proxy.host)
+        try:
+            fetched = await asyncio.to_thread(
+                pusher.get_manifest, REPO, digest, "application/vnd.oci.image.manifest.v1+json"
+            )
+        finally:
+            pusher.close()
+    assert fetched is not None and fetched.digest == digest
+    assert tokens.calls and tokens.calls[0]["authorization"].startswith("Basic ")
+
+
+async def test_the_push_path_follows_no_redirect(proxy: FaultProxy, digest: str) -> None:
+    """A 3xx on the push path is its answer: the host it names is never contacted."""
+    async with Bystander() as bystander:
+        proxy.add(Rule("redirect", path="/manifests/", location=f"http://{bystander.host}", times=None))
+        pusher = RegistryPusher(scanner_settings(), proxy.host)
+        try:
+            with pytest.raises(PushError, match="status 307") as refused:
+                await asyncio.to_thread(
+                    pusher.get_manifest, REPO, digest, "application/vnd.oci.image.manifest.v1+json"
+                )
+        finally:
+            pusher.close()
+    assert bystander.hits == [] and BYSTANDER_SECRET not in str(refused.value)
+
+
+# ---------------------------------------------------------- 4: redirect hops against the allowlist
+
+
+async def _job(session: aiohttp.ClientSession, url: str, job_id: str) -> dict[str, Any]:
+    while True:  # bounded by the caller's wait_for
+        async with session.get(f"{url}/api/scans/{job_id}?wait=5") as reply:
+            job: dict[str, Any] = await reply.json()
+        if job["state"] in ("done", "failed"):
+            return job
+        await asyncio.sleep(0.05)
+
+
+async def test_a_blob_redirect_to_a_host_never_allowed_is_refused_and_its_body_never_shown(
+    proxy: FaultProxy, digest: str, tmp_path: Path
+) -> None:
+    """Issue 30 (4): an allowed registry redirects blob reads to an internal service on loopback
+    (refused when scanned directly); the hop is refused before it is sent, the job error names the
+    setting that would allow it, and nothing of the internal service reaches the API."""
+    async with Bystander() as bystander:
+        proxy.add(
+            Rule("redirect", method="GET", path="/blobs/", location=f"http://{bystander.host}", times=None)
+        )
+        settings = ServiceSettings(
+            db=tmp_path / "gpubadge.db",
+            registries=[proxy.host],  # type: ignore[list-item]
+            docker_config=None,
+            api_token=SecretStr(API_TOKEN),
+            analysis_processes=0,
+            max_attempts=1,
+            retries=1,
+        )
+        headers = {"Authorization": f"Bearer {API_TOKEN}"}
+        async with (
+            run_service_inprocess(settings) as service,
+            aiohttp.ClientSession(headers=headers) as session,
+            watched(service.url, session),
+        ):
+            async with session.post(
+                f"{service.url}/api/scans", json={"ref": f"{bystander.host}/x:1"}
+            ) as reply:
+                assert reply.status == 403  # the internal service, asked for directly
+            async with session.post(
+                f"{service.url}/api/scans", json={"ref": f"{proxy.host}/{REPO}:v1"}
+            ) as reply:
+                assert reply.status == 202, await reply.text()
+                job_id = (await reply.json())["id"]
+            job = await asyncio.wait_for(_job(session, service.url, job_id), 30)
+            async with session.get(f"{service.url}/api/images/{digest}") as reply:
+                page = await reply.text()
+    assert job["state"] == "failed", job
+    assert "GPUBADGE_REDIRECT_HOSTS" in job["error"] and bystander.host in job["error"]
+    assert BYSTANDER_SECRET not in job["error"] and BYSTANDER_SECRET not in page
+    assert bystander.hits == []
