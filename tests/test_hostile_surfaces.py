@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 import time
 import tracemalloc
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from pydantic import SecretStr
 
 from fixtures.busybox import busybox_image
 from fixtures.hostile_registry import BYSTANDER_SECRET, Bystander
-from fixtures.registry import LocalRegistry
+from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import run_service_inprocess
 from scanner.registry.push import PushError, RegistryPusher
 from scanner.settings import RegistryConfig, ScannerSettings
@@ -57,6 +60,7 @@ class HealthWatch:
         self.url, self.session = url, session
         self.worst = 0.0
         self.answers = 0
+        self.times: list[float] = []
 
     async def run(self) -> None:
         while True:
@@ -66,12 +70,15 @@ class HealthWatch:
                 assert reply.status == 200
             self.worst = max(self.worst, time.perf_counter() - started)
             self.answers += 1
+            self.times.append(time.perf_counter() - started)
             await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
 async def watched(url: str, session: aiohttp.ClientSession) -> AsyncIterator[HealthWatch]:
     watch = HealthWatch(url, session)
+    async with session.get(f"{url}/healthz") as reply:  # warm: the pool's first connection, the first write
+        assert reply.status == 200
     task = asyncio.create_task(watch.run())
     try:
         yield watch
@@ -79,7 +86,7 @@ async def watched(url: str, session: aiohttp.ClientSession) -> AsyncIterator[Hea
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert watch.answers >= 1 and watch.worst < HEALTHZ_BOUND, f"/healthz took {watch.worst:.3f} s"
+    assert watch.answers >= 1 and watch.worst < HEALTHZ_BOUND, f"/healthz took {watch.times}"
 
 
 # ------------------------------------------------------------------ 2: push-path reads bounded
@@ -231,3 +238,160 @@ async def test_a_blob_redirect_to_a_host_never_allowed_is_refused_and_its_body_n
     assert "GPUBADGE_REDIRECT_HOSTS" in job["error"] and bystander.host in job["error"]
     assert BYSTANDER_SECRET not in job["error"] and BYSTANDER_SECRET not in page
     assert bystander.hits == []
+
+
+# -------------------------------------------------- 5 and 11: who may queue, and how much at once
+
+
+def distribution_delivery(registry_host: str, first: int, count: int) -> bytes:
+    """One Distribution notification envelope of `count` pushes, each a new tag of its own."""
+    events = [
+        {
+            "action": "push",
+            "target": {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": f"sha256:{n:064x}",
+                "repository": f"flood/app-{n}",
+                "tag": f"v{n}",
+            },
+            "request": {"host": registry_host, "method": "PUT"},
+        }
+        for n in range(first, first + count)
+    ]
+    return json.dumps({"events": events}).encode()
+
+
+def admission_review(images: list[str]) -> dict[str, Any]:
+    containers = [{"name": f"c{n}", "image": image} for n, image in enumerate(images)]
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "operation": "CREATE",
+            "object": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "p"},
+                "spec": {"containers": containers},
+            },
+        },
+    }
+
+
+async def _queued(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(f"{url}/metrics") as reply:
+        text = await reply.text()
+    match = re.search(r'^gpubadge_queue_jobs\{state="queued"\} (\S+)$', text, re.M)
+    return int(float(match.group(1))) if match else 0
+
+
+def _service_settings(tmp_path: Path, **overrides: Any) -> ServiceSettings:
+    values: dict[str, Any] = {
+        "db": tmp_path / "gpubadge.db",
+        "docker_config": None,
+        "api_token": SecretStr(API_TOKEN),
+        "analysis_processes": 0,
+        "workers": 0,  # nothing is scanned: what is queued stays queued, to be counted
+    }
+    values.update(overrides)
+    return ServiceSettings(**values)
+
+
+async def test_admission_without_the_token_answers_from_stored_reports_and_queues_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 (5): three reviews of 64 unknown images each, without the API token, queue nothing;
+    the same review with the token queues its 64 (the API server sends the token, or a client cert)."""
+    settings = _service_settings(tmp_path, workers=1, max_attempts=1)
+    closed = f"127.0.0.1:{free_port()}"  # an allowed (loopback) registry that never answers
+    images = [f"{closed}/unknown/app-{n}:1" for n in range(64)]
+    async with (
+        run_service_inprocess(settings) as service,
+        aiohttp.ClientSession() as session,
+        watched(service.url, session),
+    ):
+        for _ in range(3):
+            async with session.post(f"{service.url}/k8s/admit", json=admission_review(images)) as reply:
+                assert reply.status == 200
+                answer = (await reply.json())["response"]
+            assert answer["allowed"] is True
+            assert any("queued no scan" in warning for warning in answer["warnings"])
+        async with session.get(f"{service.url}/api/scans?limit=200") as reply:
+            assert (await reply.json())["jobs"] == []
+        headers = {"Authorization": f"Bearer {API_TOKEN}"}
+        async with session.post(
+            f"{service.url}/k8s/admit", json=admission_review(images), headers=headers
+        ) as reply:
+            answer = (await reply.json())["response"]
+        assert not any("queued no scan" in warning for warning in answer["warnings"])
+
+        async def all_queued() -> list[dict[str, Any]]:
+            while True:  # bounded by the wait_for below; the queueing never holds the answer
+                async with session.get(f"{service.url}/api/scans?limit=200") as reply:
+                    jobs: list[dict[str, Any]] = (await reply.json())["jobs"]
+                if len(jobs) == 64:
+                    return jobs
+                await asyncio.sleep(0.05)
+
+        jobs = await asyncio.wait_for(all_queued(), 10)
+    assert {job["source"] for job in jobs} == {"admission"}
+
+
+async def test_one_delivery_queues_at_most_the_named_number_of_scans(tmp_path: Path) -> None:
+    """Issue 30 (11): a 1 MiB delivery naming about 2,700 pushes is refused whole (413, naming
+    GPUBADGE_MAX_SCANS_PER_DELIVERY); one at the bound is accepted."""
+    settings = _service_settings(tmp_path)
+    registry_host = f"127.0.0.1:{free_port()}"
+    body = distribution_delivery(registry_host, 0, 2_700)
+    assert 0.5 * 2**20 < len(body) <= settings.max_body_bytes
+    async with (
+        run_service_inprocess(settings) as service,
+        aiohttp.ClientSession() as session,
+        watched(service.url, session),
+    ):
+        async with session.post(f"{service.url}/hooks/distribution", data=body) as reply:
+            assert reply.status == 413
+            error = (await reply.json())["error"]
+        assert "GPUBADGE_MAX_SCANS_PER_DELIVERY" in error and "2700 scans" in error
+        assert await _queued(session, service.url) == 0
+        at_bound = distribution_delivery(registry_host, 0, settings.max_scans_per_delivery)
+        async with session.post(f"{service.url}/hooks/distribution", data=at_bound) as reply:
+            assert reply.status == 202
+        assert await _queued(session, service.url) == settings.max_scans_per_delivery
+
+
+async def test_a_full_queue_answers_503_naming_its_cap_and_loses_nothing(tmp_path: Path) -> None:
+    """Issue 30 (11): the queue's cap (GPUBADGE_MAX_QUEUED_SCANS) refuses what would pass it, with
+    Retry-After; what was accepted before stays queued, and room comes back when jobs leave."""
+    settings = _service_settings(tmp_path, max_queued_scans=50)
+    registry_host = f"127.0.0.1:{free_port()}"
+    headers = {"Authorization": f"Bearer {API_TOKEN}"}
+    async with (
+        run_service_inprocess(settings) as service,
+        aiohttp.ClientSession() as session,
+        watched(service.url, session),
+    ):
+        accepted = []
+        for first in range(0, 50, 10):
+            async with session.post(
+                f"{service.url}/hooks/distribution", data=distribution_delivery(registry_host, first, 10)
+            ) as reply:
+                assert reply.status == 202
+                accepted += (await reply.json())["jobs"]
+        async with session.post(
+            f"{service.url}/hooks/distribution", data=distribution_delivery(registry_host, 50, 10)
+        ) as reply:
+            assert reply.status == 503
+            assert reply.headers["Retry-After"] == "30"
+            error = (await reply.json())["error"]
+        assert "GPUBADGE_MAX_QUEUED_SCANS" in error and "nothing already queued was dropped" in error
+        async with session.post(
+            f"{service.url}/api/scans", json={"ref": f"{registry_host}/one/more:1"}, headers=headers
+        ) as reply:
+            assert reply.status == 503 and "GPUBADGE_MAX_QUEUED_SCANS" in (await reply.json())["error"]
+        assert await _queued(session, service.url) == 50
+        for job_id in accepted:
+            async with session.get(f"{service.url}/api/scans/{job_id}") as reply:
+                assert (await reply.json())["state"] == "queued"

@@ -113,7 +113,26 @@ class ServiceSettings(ScannerSettings):
     )
     admission_scan_unknown: bool = Field(
         default=True,
-        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits)",
+        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits),"
+        " only for a review that carries the API token or a client certificate signed by admission_client_ca;"
+        " any other review is answered from stored reports alone",
+    )
+    admission_client_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle: the HTTPS admission listener asks for a client certificate (the API server's,"
+        " from its AdmissionConfiguration kubeconfig) and a review signed by it may queue scans",
+    )
+    max_scans_per_delivery: int = Field(
+        default=500,
+        ge=1,
+        description="scans one webhook delivery or admission review may queue; a delivery naming more is refused"
+        " (413) whole",
+    )
+    max_queued_scans: int = Field(
+        default=100_000,
+        ge=1,
+        description="scans waiting in the queue; past it deliveries and scan requests are refused (503, Retry-After)"
+        " until workers catch up, and nothing already queued is dropped",
     )
     admission_tls_port: int | None = Field(
         default=None,
