@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import json
 import re
+import ssl
+import subprocess
 import time
 import tracemalloc
 import uuid
@@ -395,3 +397,66 @@ async def test_a_full_queue_answers_503_naming_its_cap_and_loses_nothing(tmp_pat
         for job_id in accepted:
             async with session.get(f"{service.url}/api/scans/{job_id}") as reply:
                 assert (await reply.json())["state"] == "queued"
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def _certificates(directory: Path) -> dict[str, Path]:
+    """A server certificate for 127.0.0.1, a client CA, and a client certificate it signed."""
+    paths = {name: directory / name for name in ("server.crt", "server.key", "ca.crt", "ca.key", "client.crt", "client.key", "client.csr")}  # fmt: skip
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(paths["server.key"]), "-out", str(paths["server.crt"]))  # fmt: skip
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=apiserver-client-ca",
+             "-keyout", str(paths["ca.key"]), "-out", str(paths["ca.crt"]))  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
+             "-keyout", str(paths["client.key"]), "-out", str(paths["client.csr"]))  # fmt: skip
+    _openssl("x509", "-req", "-in", str(paths["client.csr"]), "-CA", str(paths["ca.crt"]), "-CAkey", str(paths["ca.key"]),
+             "-CAcreateserial", "-days", "1", "-out", str(paths["client.crt"]))  # fmt: skip
+    return paths
+
+
+async def test_admission_over_tls_queues_only_for_the_configured_client_certificate(tmp_path: Path) -> None:
+    """Issue 30 (5): on the HTTPS admission port, a review signed by GPUBADGE_ADMISSION_CLIENT_CA's
+    client certificate may queue scans; one without a certificate is answered and queues nothing."""
+    certs = _certificates(tmp_path)
+    tls_port = free_port()
+    settings = _service_settings(
+        tmp_path,
+        workers=1,
+        max_attempts=1,
+        admission_tls_port=tls_port,
+        admission_tls_cert=certs["server.crt"],
+        admission_tls_key=certs["server.key"],
+        admission_client_ca=certs["ca.crt"],
+    )
+    closed = f"127.0.0.1:{free_port()}"
+    images = [f"{closed}/tls/app-{n}:1" for n in range(3)]
+    anonymous = ssl.create_default_context(cafile=str(certs["server.crt"]))
+    apiserver = ssl.create_default_context(cafile=str(certs["server.crt"]))
+    apiserver.load_cert_chain(str(certs["client.crt"]), str(certs["client.key"]))
+    admit_url = f"https://127.0.0.1:{tls_port}/k8s/admit"
+    async with (
+        run_service_inprocess(settings) as service,
+        aiohttp.ClientSession() as session,
+        watched(service.url, session),
+    ):
+        async with session.post(admit_url, json=admission_review(images), ssl=anonymous) as reply:
+            answer = (await reply.json())["response"]
+        assert answer["allowed"] is True and any("queued no scan" in w for w in answer["warnings"])
+        async with session.get(f"{service.url}/api/scans?limit=200") as reply:
+            assert (await reply.json())["jobs"] == []
+        async with session.post(admit_url, json=admission_review(images), ssl=apiserver) as reply:
+            answer = (await reply.json())["response"]
+        assert not any("queued no scan" in w for w in answer["warnings"])
+
+        async def queued() -> int:
+            while True:  # bounded by the wait_for below
+                async with session.get(f"{service.url}/api/scans?limit=200") as reply:
+                    jobs = (await reply.json())["jobs"]
+                if len(jobs) == len(images):
+                    return len(jobs)
+                await asyncio.sleep(0.05)
+
+        assert await asyncio.wait_for(queued(), 10) == len(images)
