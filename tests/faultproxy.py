@@ -182,7 +182,8 @@ class FaultProxy:
         if rule.action == "drip":
             return await self._forward(request, drip=rule.rate)
         if rule.action == "flood":
-            return await flood(request, rule.size, declare=rule.declare)
+            location = rule.location.rstrip("/") + request.path_qs if rule.location else None
+            return await flood(request, rule.size, declare=rule.declare, location=location)
         if rule.action == "redirect":
             return web.Response(status=307, headers={"Location": rule.location.rstrip("/") + request.path_qs})
         if rule.action == "hang":

@@ -173,15 +173,23 @@ async def test_push_credentials_reach_an_allowed_realm(proxy: FaultProxy, digest
 
 
 async def test_the_push_path_follows_no_redirect(proxy: FaultProxy, digest: str) -> None:
-    """A 3xx on the push path is its answer: the host it names is never contacted."""
+    """A 3xx on the push path is its answer: the host it names is never contacted, and the redirect's
+    own body (1 GiB here) is read no further than the cap."""
     async with Bystander() as bystander:
         proxy.add(Rule("redirect", path="/manifests/", location=f"http://{bystander.host}", times=None))
+        proxy.add(
+            Rule("flood", path="/referrers/", location=f"http://{bystander.host}", size=GIB, times=None)
+        )
         pusher = RegistryPusher(scanner_settings(), proxy.host)
         try:
             with pytest.raises(PushError, match="status 307") as refused:
                 await asyncio.to_thread(
                     pusher.get_manifest, REPO, digest, "application/vnd.oci.image.manifest.v1+json"
                 )
+            started = time.monotonic()
+            with pytest.raises(PushError, match="GPUBADGE_MAX_MANIFEST_BYTES"):
+                await asyncio.to_thread(pusher.get_referrers, REPO, digest)
+            assert time.monotonic() - started < 5.0
         finally:
             pusher.close()
     assert bystander.hits == [] and BYSTANDER_SECRET not in str(refused.value)

@@ -142,10 +142,15 @@ class _GuardedSession(requests.Session):
                 and not _plain_http_ok(pusher.settings, host)
             ):
                 raise PushError(f"{pusher.host}: refusing plain HTTP to {host}")
-        kwargs["allow_redirects"] = False
+        kwargs["allow_redirects"] = False  # with `get_redirect_target` below: no hop, no body read for one
         kwargs["stream"] = True
         response = super().send(request, **kwargs)
         return _read_bounded(response, pusher.settings, f"{request.method} {host}{parts.path}")
+
+    def get_redirect_target(self, response: requests.Response) -> None:
+        """None: requests would otherwise read a 3xx answer's whole body (unbounded) to follow it, even
+        with redirects off. A 3xx is the answer on the push path."""
+        return None
 
 
 def _plain_http_ok(settings: ScannerSettings, host: str) -> bool:
