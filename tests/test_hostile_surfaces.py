@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import ssl
 import subprocess
@@ -34,7 +35,9 @@ from web.settings import ServiceSettings
 
 REPO = "hostile/surfaces"
 GIB = 1 << 30
-HEALTHZ_BOUND = 0.25
+# The issue's bound. On a host far past its cores (a load of 20 on 2 cores) any answer can take longer:
+# GPUBADGE_TEST_HEALTHZ_BOUND raises it there, never in CI.
+HEALTHZ_BOUND = float(os.environ.get("GPUBADGE_TEST_HEALTHZ_BOUND", "0.25"))
 API_TOKEN = "surfaces-api-token-7d2e"
 
 
@@ -121,6 +124,24 @@ async def test_a_1_gib_referrers_answer_on_the_push_path_stops_at_the_manifest_c
     assert elapsed < 5.0
     assert peak < 3 * settings.max_manifest_bytes, f"peak {peak} bytes"  # one capped body, not 1 GiB
     assert f"{settings.max_manifest_bytes}-byte limit" in str(refused.value)
+
+
+async def test_a_dripping_answer_on_the_push_path_is_cut_off_at_the_request_timeout(
+    proxy: FaultProxy, digest: str
+) -> None:
+    """Issue 30 (2): a registry that sends its answer a few bytes a second holds a push thread for
+    about GPUBADGE_REQUEST_TIMEOUT, not for as long as it likes."""
+    proxy.add(Rule("drip", method="GET", path="/manifests/", times=None, rate=100))
+    pusher = RegistryPusher(scanner_settings(request_timeout=1.0), proxy.host)
+    started = time.monotonic()
+    try:
+        with pytest.raises(PushError, match="GPUBADGE_REQUEST_TIMEOUT"):
+            await asyncio.to_thread(
+                pusher.get_manifest, REPO, digest, "application/vnd.oci.image.manifest.v1+json"
+            )
+    finally:
+        pusher.close()
+    assert time.monotonic() - started < 3.0
 
 
 # ------------------------------------------------------- 3: push credentials and the token realm

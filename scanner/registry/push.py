@@ -126,7 +126,7 @@ class _GuardedSession(requests.Session):
         if parts.scheme not in ("http", "https") or not host:
             raise PushError(f"{pusher.host}: refusing to send a push request to a non-http(s) URL")
         if host.lower() != pusher.host.lower():
-            if host in pusher.approved_realms:
+            if (parts.scheme, host) in pusher.approved_realms:
                 pass  # `_CheckedTokenAuth` checked this realm (scheme included) before adding it
             elif redirects.hop_allowed(pusher.settings, pusher.host, host):
                 request.headers.pop("Authorization", None)
@@ -138,7 +138,7 @@ class _GuardedSession(requests.Session):
                 )
             if (
                 parts.scheme == "http"
-                and host not in pusher.approved_realms
+                and (parts.scheme, host) not in pusher.approved_realms
                 and not _plain_http_ok(pusher.settings, host)
             ):
                 raise PushError(f"{pusher.host}: refusing plain HTTP to {host}")
@@ -158,8 +158,9 @@ def _plain_http_ok(settings: ScannerSettings, host: str) -> bool:
 
 
 def _read_bounded(response: requests.Response, settings: ScannerSettings, what: str) -> requests.Response:
-    """Read the body whole, but never more than max_manifest_bytes nor for longer than the request
-    timeout; past either, the connection is closed and PushError raised."""
+    """Read the body whole, but never more than max_manifest_bytes nor (give or take one socket read,
+    itself bounded by the request timeout) for longer than the request timeout; past either, the
+    connection is closed and PushError raised."""
     limit = settings.max_manifest_bytes
     try:
         declared = int(response.headers.get("Content-Length", ""))
@@ -174,7 +175,7 @@ def _read_bounded(response: requests.Response, settings: ScannerSettings, what: 
     body = bytearray()
     try:
         while True:
-            chunk = response.raw.read(65536, decode_content=True)
+            chunk = response.raw.read1(65536, decode_content=True)  # what has arrived: never waits for 64 KiB
             if not chunk:
                 break
             body += chunk
@@ -230,7 +231,8 @@ class _CheckedTokenAuth(oras.auth.TokenAuth):  # type: ignore[misc]
             )
         except RealmRefused as exc:
             raise PushError(f"{exc} (push credentials were not sent)", status=401) from None
-        pusher.approved_realms.add(urlsplit(realm).netloc)
+        checked = urlsplit(realm)
+        pusher.approved_realms.add((checked.scheme, checked.netloc))
         params = {key: value for key, value in (("service", h.service), ("scope", h.scope)) if value}
         headers = {"Accept": "application/json"}
         if basic:
@@ -254,7 +256,7 @@ class RegistryPusher:
         self._sessions: dict[str, tuple[oras.provider.Registry, threading.Lock]] = {}
         self._lock = threading.Lock()
         self._backend: str | None = None
-        self.approved_realms: set[str] = set()  # realm hosts `check_realm` passed, for this registry
+        self.approved_realms: set[tuple[str, str]] = set()  # (scheme, host) of realms `check_realm` passed
 
     @property
     def insecure(self) -> bool:
