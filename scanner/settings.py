@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_origin
+from urllib.parse import unquote
 
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, SettingsConfigDict
@@ -180,6 +182,11 @@ class ScannerSettings(BaseSettings):
         description="seconds of waiting on a registry over which min_transfer_rate is judged",
     )
     max_redirects: int = Field(default=5, description="redirects followed per request (blob CDNs)")
+    redirect_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts a registry's redirect may lead to besides the registries, their mirrors and the"
+        " well-known storage of public registries: host[:port] or .domain (with its subdomains),...",
+    )
     credential_helper_timeout: float = Field(
         default=10.0, description="seconds a docker-credential-* helper may take"
     )
@@ -238,6 +245,14 @@ class ScannerSettings(BaseSettings):
         ge=0,
         description="memory the service keeps for NFD artifacts read back for the image page (parsed, not raw)",
     )
+
+    @field_validator("redirect_hosts", mode="before")
+    @classmethod
+    def _hosts_from_text(cls, value: Any) -> Any:
+        """`GPUBADGE_REDIRECT_HOSTS=storage.internal:9000,.blob.example.com`, or a list."""
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("platforms", mode="before")
     @classmethod
@@ -301,11 +316,31 @@ class ScannerSettings(BaseSettings):
         return bool(entry and entry.insecure)
 
     def mirror_for(self, registry: str) -> str | None:
+        """The mirror's `host[:port]` for `registry` (scheme and user info dropped), if any."""
         entry = self.registry_config(registry)
         if entry and entry.mirror:
-            return entry.mirror
-        if registry == "docker.io":
-            return self.docker_mirror
+            return mirror_parts(entry.mirror)[0]
+        if registry == "docker.io" and self.docker_mirror:
+            return mirror_parts(self.docker_mirror)[0]
+        return None
+
+    def mirror_hosts(self) -> set[str]:
+        """Every configured mirror's `host[:port]`."""
+        mirrors = [entry.mirror for entry in self.registries if entry.mirror]
+        if self.docker_mirror:
+            mirrors.append(self.docker_mirror)
+        return {mirror_parts(mirror)[0] for mirror in mirrors}
+
+    def mirror_credentials(self, host: str) -> tuple[str, SecretStr] | None:
+        """The user and password written into a mirror's URL (`https://user:password@host`), if any."""
+        mirrors = [entry.mirror for entry in self.registries if entry.mirror]
+        if self.docker_mirror:
+            mirrors.append(self.docker_mirror)
+        for mirror in mirrors:
+            mirror_host, userinfo = mirror_parts(mirror)
+            if mirror_host == host and userinfo is not None:
+                user, _, password = userinfo.partition(":")
+                return unquote(user), SecretStr(unquote(password))
         return None
 
     @classmethod
@@ -386,16 +421,28 @@ def _env_label(name: str) -> str:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present."""
+    """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present.
+
+    A file that does not parse raises ValueError naming the file, the line and column and what is
+    wrong there, never the line's content (it may be the `api_token` line): one line for the CLI
+    to print, no traceback.
+    """
     text = path.read_text()
     if path.suffix == ".toml":
         import tomllib  # deferred, as yaml: a run without a config file never parses one
 
-        data: Any = tomllib.loads(text)
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            # tomllib's message is "<what> (at line L, column C)": no content of the file
+            raise ValueError(f"config file {path}: not valid TOML: {exc}") from None
     else:
         import yaml  # deferred: only YAML config files need it
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {path}: not valid YAML{_yaml_where(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -404,3 +451,26 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise ValueError(f"config file {path}: 'scanner' must be a mapping")
     return section
+
+
+def _yaml_where(exc: Exception) -> str:
+    """Where and what, from a YAML error: its line, column and problem, never the snippet PyYAML
+    quotes (the offending line, which may hold a secret), nor a scalar it quotes in the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None)
+    if isinstance(problem, str) and problem:
+        # PyYAML's problems are fixed phrases, some quoting a token kind ('<block mapping start>'),
+        # others a character, a tag or a key of the file: keep the phrase and the token kinds only.
+        phrase = re.sub(r"""(['"])(?!<)[^'"]*\1""", "(…)", problem).strip()
+        return f"{where}: {phrase}"
+    return where
+
+
+def mirror_parts(mirror: str) -> tuple[str, str | None]:
+    """A mirror setting (`host[:port]`, `scheme://host[:port][/]`, either with `user:password@`)
+    as its `host[:port]` and its user info. The host is what requests, slots and errors name, so a
+    password written into the URL never reaches a request line, a log or an error."""
+    rest = mirror.split("://", 1)[-1].rstrip("/")
+    userinfo, at, host = rest.rpartition("@")
+    return (host, userinfo) if at else (rest, None)

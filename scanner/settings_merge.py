@@ -18,6 +18,7 @@ Pure: the caller validates each source on its own and says how to name it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +27,12 @@ from pydantic import BaseModel, SecretStr
 
 Source = Literal["default", "file", "environment", "merged", "command line"]
 REDACTED = "[redacted]"
+# `scheme://user:password@` anywhere in a text, and a bare `user:password@host` value (a mirror
+# given as `user:password@mirror:5000`): the password becomes REDACTED, the user name stays.
+_URL_USERINFO = re.compile(r"(?P<lead>[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):(?P<password>[^/@\s]*)@")
+_BARE_USERINFO = re.compile(
+    r"^(?P<lead>[^/@\s:]+):(?P<password>[^/@\s]*)@(?=(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?(?:/|$))"
+)
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,22 @@ def shown(value: Any) -> Any:
         return {str(key): shown(item) for key, item in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [shown(item) for item in value]
-    if value is None or isinstance(value, bool | int | float | str):
+    if isinstance(value, str):
+        return redact_userinfo(value)
+    if value is None or isinstance(value, bool | int | float):
         return value
     return str(value)  # paths and other scalars
+
+
+def redact_userinfo(text: str) -> str:
+    """`text` with the password of every `scheme://user:password@` URL in it, and of a whole value
+    `user:password@host[:port][/path]` (a mirror written without a scheme), replaced by REDACTED.
+
+    References such as `repo:tag@sha256:...` inside a longer text are left alone: only a URL with a
+    scheme, or a value that is nothing but `user:password@host`, is taken to carry user info."""
+    if "@" not in text:
+        return text
+    text = _URL_USERINFO.sub(lambda m: f"{m['lead']}:{REDACTED}@", text)
+    if " " not in text and "://" not in text:
+        text = _BARE_USERINFO.sub(lambda m: f"{m['lead']}:{REDACTED}@", text)
+    return text

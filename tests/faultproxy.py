@@ -18,8 +18,19 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
+from fixtures.hostile_registry import flood
+
 Action = Literal[
-    "status", "reset", "tamper", "hang", "redirect", "strip_headers", "add_headers", "chunked", "drip"
+    "status",
+    "reset",
+    "tamper",
+    "hang",
+    "redirect",
+    "strip_headers",
+    "add_headers",
+    "chunked",
+    "drip",
+    "flood",
 ]
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 
@@ -36,6 +47,8 @@ class Rule:
     location: str = ""  # redirect: base URL; the request's path is appended
     remove: tuple[str, ...] = ()
     rate: float = 1.0  # drip: body bytes per second
+    size: int = 0  # flood: body bytes sent (streamed, no Content-Length unless `declare`)
+    declare: bool = False
 
     def matches(self, request: web.Request) -> bool:
         if self.times is not None and self.times <= 0:
@@ -168,6 +181,9 @@ class FaultProxy:
             return await self._forward(request, chunked=True)
         if rule.action == "drip":
             return await self._forward(request, drip=rule.rate)
+        if rule.action == "flood":
+            location = rule.location.rstrip("/") + request.path_qs if rule.location else None
+            return await flood(request, rule.size, declare=rule.declare, location=location)
         if rule.action == "redirect":
             return web.Response(status=307, headers={"Location": rule.location.rstrip("/") + request.path_qs})
         if rule.action == "hang":

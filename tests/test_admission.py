@@ -110,11 +110,16 @@ def review_of(obj: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
 
 
 def admit(
-    service: RunningService, obj: dict[str, Any], query: str = "", dry_run: bool = False
+    service: RunningService,
+    obj: dict[str, Any],
+    query: str = "",
+    dry_run: bool = False,
+    token: str | None = None,
 ) -> dict[str, Any]:
     sent = review_of(obj)
     sent["request"]["dryRun"] = dry_run
-    reply = call("POST", f"{service.url}/k8s/admit{query}", sent)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    reply = call("POST", f"{service.url}/k8s/admit{query}", sent, headers)
     assert reply.status == 200, reply.text
     assert (reply.body["apiVersion"], reply.body["kind"]) == ("admission.k8s.io/v1", "AdmissionReview")
     response: dict[str, Any] = reply.body["response"]
@@ -185,13 +190,17 @@ def test_unknown_images_are_allowed_with_a_warning_and_scanned_for_next_time(
 ) -> None:
     push(catalog.alpine_gpu(), "adm/later:1")
     image = f"{registry.host}/adm/later:1"
-    assert admit(service, pod(container("x", image)), dry_run=True)["allowed"] is True
+    assert admit(service, pod(container("x", image)), dry_run=True, token=TOKEN)["allowed"] is True
+    # Issue 30 (5): without the API token, a review is answered from stored reports and queues nothing.
+    anonymous = admit(service, pod(container("x", image)))
+    assert anonymous["allowed"] is True
+    assert any("queued no scan" in warning for warning in anonymous["warnings"]), anonymous
     assert not [
         j
         for j in call("GET", f"{service.url}/api/scans?limit=200").body["jobs"]
         if "adm/later" in j["reference"]
     ]
-    response = admit(service, pod(container("x", image)))
+    response = admit(service, pod(container("x", image)), token=TOKEN)
     assert response["allowed"] is True
     [warning] = response["warnings"]
     assert "adm/later:1" in warning and "not scanned" in warning
@@ -199,7 +208,7 @@ def test_unknown_images_are_allowed_with_a_warning_and_scanned_for_next_time(
     assert call("GET", f"{service.url}/api/images/by-ref?ref={image}&wait=20").status == 200
     again = admit(service, pod(container("x", image)))
     assert again["allowed"] is False and "NVIDIA_GPU" in again["status"]["message"]
-    outside = admit(service, pod(container("x", "registry.invalid/never/pushed:1")))
+    outside = admit(service, pod(container("x", "registry.invalid/never/pushed:1")), token=TOKEN)
     assert outside["allowed"] is True and "not scanned" in outside["warnings"][0]
     jobs = call("GET", f"{service.url}/api/scans?limit=200").body["jobs"]
     assert [job["source"] for job in jobs if "adm/later" in job["reference"]] == ["admission"]

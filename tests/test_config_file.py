@@ -125,3 +125,54 @@ def test_serve_refuses_a_bad_file_with_a_reason(tmp_path: Path, content: str, me
     )
     assert result.returncode == 2, result.stderr
     assert "invalid settings" in result.stderr and message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("unterminated.yaml", 'port: 1\napi_token: "s3cret-in-a-broken-line\n', "line 3, column 1"),
+        ("indent.yaml", "registries:\n  - host: a\n   api_token: s3cret-in-a-broken-line: x\n", "line 3"),
+        ("tag.yaml", "api_token: !s3cret-in-a-broken-line x\n", "line 1, column 12"),
+        ("broken.toml", 'api_token = "s3cret-in-a-broken-line\n', "line 1"),
+    ],
+    ids=["yaml-unterminated", "yaml-indent", "yaml-tag", "toml"],
+)
+@pytest.mark.parametrize("command", ["config", "serve"])
+def test_a_file_that_does_not_parse_names_file_and_line_never_its_content(
+    tmp_path: Path, name: str, content: str, where: str, command: str
+) -> None:
+    """Issue 30 (10): one line naming the file and the line; no traceback, no secret."""
+    path = tmp_path / name
+    path.write_text(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", command, "--config", str(path), "--db", str(tmp_path / "x.db")]
+        if command == "serve"
+        else [sys.executable, "-m", "gpubadge.cli", command, "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert str(path) in lines[0] and where in lines[0], lines[0]
+    assert "s3cret" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+
+
+def test_mirror_user_info_is_redacted_by_config(tmp_path: Path) -> None:
+    """Issue 30 (10): a mirror written as a URL with user:password@ shows the user, never the password."""
+    path = tmp_path / "mirrors.yaml"
+    path.write_text(
+        "registries:\n  - host: ghcr.io\n    mirror: https://bob:hunter2-mirror@mirror.local:5000\n"
+        "docker_mirror: alice:hunter3-mirror@hub-mirror:5000\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "hunter" not in result.stdout + result.stderr
+    assert "https://bob:[redacted]@mirror.local:5000" in result.stdout
+    assert "alice:[redacted]@hub-mirror:5000" in result.stdout

@@ -406,6 +406,37 @@ def test_bad_targets_are_refused_and_left_as_they_were(three: Path, tmp_path: Pa
     assert usage.returncode == 2 and "not a time" in usage.stderr
 
 
+def test_files_are_written_only_where_asked(three: Path, tmp_path: Path) -> None:
+    """Issue 30 (9): a link planted at the metadata file's old temporary name is never followed, and a
+    metadata file gpubadge did not write is never replaced (nor is `OUT` written beside it)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "planted.db"
+    (tmp_path / ".planted.metadata.json.tmp").symlink_to(victim)  # the name the export used to use
+    export(out, db=three)
+    assert victim.read_text() == "precious\n"
+    ours = json.loads((tmp_path / "planted.metadata.json").read_text())
+    assert ours["gpubadge_export"]["format"] == "gpubadge-export"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]
+    export(out, db=three)  # its own sidecar, marked: replaced
+
+    foreign = tmp_path / "theirs.db"
+    sidecar = tmp_path / "theirs.metadata.json"
+    sidecar.write_text('{"title": "someone else\'s Datasette metadata"}\n')
+    done = gpubadge("export", "sqlite", str(foreign), "--db", str(three))
+    assert done.returncode == 1, done.stderr
+    assert f"{sidecar} exists and was not written by gpubadge; not replacing it" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert sidecar.read_text() == '{"title": "someone else\'s Datasette metadata"}\n'
+    assert not foreign.exists()
+
+    linked = tmp_path / "linked.db"
+    (tmp_path / "linked.metadata.json").symlink_to(victim)
+    done = gpubadge("export", "sqlite", str(linked), "--db", str(three))
+    assert done.returncode == 1 and "is not a regular file" in done.stderr, done.stderr
+    assert victim.read_text() == "precious\n" and not linked.exists()
+
+
 def test_a_full_disk_is_a_clear_error_and_the_previous_file_stays(three: Path, tmp_path: Path) -> None:
     small = tmp_path / "small"
     small.mkdir()

@@ -22,6 +22,7 @@ from fixtures.oci import ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry
 from scanner.registry.auth import Challenge
 from scanner.registry.client import RegistryClient
+from scanner.registry.credentials import CredentialStore
 from scanner.registry.errors import (
     DigestMismatch,
     InsecureTransport,
@@ -293,6 +294,32 @@ async def test_mirror_first_then_fallback(registry: LocalRegistry, digest: str) 
             hub_descriptor = await client.resolve(parse_reference(f"docker.io/{REPO}:v1"))
         assert hub_descriptor.digest == digest  # docker.io served entirely by the mirror
         assert mirror.seen[-1].path == f"/v2/{REPO}/manifests/v1"
+
+
+async def test_mirror_password_never_reaches_a_warning_or_an_error(
+    registry: LocalRegistry, digest: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30 (10): a mirror given as user:password@host is asked by its host alone (its user info
+    is a credential for it) and named without its password, in warnings and in errors."""
+    caplog.set_level(logging.DEBUG)
+    async with FaultProxy(registry.url) as upstream, FaultProxy(registry.url) as mirror:
+        mirror.add(Rule("status", status=404, times=None))
+        secret_mirror = f"robot:mirror-pw-9f1@{mirror.host}"
+        config = settings(registries=[RegistryConfig(host=upstream.host, mirror=secret_mirror)])
+        async with RegistryClient(config) as client:
+            descriptor = await client.resolve(parse_reference(f"{upstream.host}/{REPO}:v1"))
+        assert descriptor.digest == digest and mirror.count("HEAD") == 1
+        assert f"mirror {mirror.host} failed" in caplog.text
+        found = await CredentialStore(config).get(mirror.host)
+        assert found is not None and found.username == "robot" and found.password is not None
+        assert found.password.get_secret_value() == "mirror-pw-9f1"
+        # an error that does not fall back (a digest the mirror lies about) stands, without the password
+        mirror.rules.clear()
+        mirror.add(Rule("tamper", method="GET", path="/manifests/", times=None))
+        async with RegistryClient(config) as client:
+            with pytest.raises(DigestMismatch) as lied:
+                await client.manifest(parse_reference(f"{upstream.host}/{REPO}@{digest}"))
+    assert "mirror-pw-9f1" not in caplog.text and "mirror-pw-9f1" not in str(lied.value)
 
 
 async def test_token_over_plain_http_to_remote_realm_is_refused(proxy: FaultProxy) -> None:

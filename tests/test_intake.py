@@ -7,9 +7,10 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
-from store import AsyncStore, EnqueueBatch
+from store import AsyncStore, EnqueueBatch, queries
 from store import SqliteStore as Store
-from web.intake import JobIntake
+from tests.conftest import OpenBackend
+from web.intake import JobIntake, QueueFull
 
 
 class CountingStore(Store):
@@ -44,3 +45,25 @@ async def test_a_failed_commit_reaches_every_waiting_delivery(tmp_path: Path) ->
         return_exceptions=True,
     )
     assert all(isinstance(outcome, sqlite3.ProgrammingError) for outcome in outcomes)
+
+
+async def test_the_queue_cap_refuses_what_would_pass_it_and_keeps_the_rest(open_backend: OpenBackend) -> None:
+    """Issue 30 (11), on both engines: concurrent deliveries fill the queue to its cap exactly; the
+    ones past it get QueueFull, nothing of theirs is committed, and every accepted job stays queued."""
+    backend = open_backend()
+    store = AsyncStore(backend)
+    intake = JobIntake(store, max_queued=25)
+    outcomes = await asyncio.gather(
+        *(
+            intake.enqueue([(f"r/app-{n}:{i}", "r") for i in range(3)], source="test", max_attempts=3)
+            for n in range(12)
+        ),
+        return_exceptions=True,
+    )
+    accepted = [ids for ids in outcomes if isinstance(ids, list)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, QueueFull)]
+    assert len(accepted) == 8 and len(refused) == 4  # 8 x 3 = 24 fit under 25; a ninth would make 27
+    assert "GPUBADGE_MAX_QUEUED_SCANS" in str(refused[0])
+    assert await store.run(queries.queued_jobs, cap=100) == 24
+    assert await intake.has_room(1) and not await intake.has_room(2)
+    assert all(backend.job(job_id).state == "queued" for ids in accepted for job_id in ids)

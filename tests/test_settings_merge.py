@@ -90,6 +90,7 @@ def test_every_list_and_map_setting_merges() -> None:
     assert ServiceSettings.merge_kinds() == {
         "registries": Keyed("host"),
         "platforms": "set",
+        "redirect_hosts": "set",
         "webhook_secrets": "map",
         "agent_tokens": "map",
     }

@@ -9,7 +9,7 @@ from fixtures.busybox import busybox_image
 from fixtures.registry import LocalRegistry
 from scanner.registry.auth import RealmRefused, check_realm
 from scanner.registry.client import RegistryClient
-from scanner.registry.errors import NotFound, TokenRealmRefused
+from scanner.registry.errors import NotFound, RedirectRefused, TokenRealmRefused
 from scanner.registry.reference import parse_reference
 from scanner.settings import RegistryConfig, ScannerSettings
 from tests.conftest import Pusher
@@ -137,12 +137,15 @@ async def test_blob_redirects_to_storage_stay_allowed_and_carry_no_credentials(
                 times=None,
             )
         )
-        config = settings(
-            registries=[RegistryConfig(host=proxy.host, token=SecretStr("configured-token-123"))]
-        )
+        registries = [RegistryConfig(host=proxy.host, token=SecretStr("configured-token-123"))]
         ref = parse_reference(f"{proxy.host}/realm/redirected:v1")
-        async with RegistryClient(config) as client:
+        async with RegistryClient(settings(registries=registries)) as client:
             manifest = await client.manifest(ref, digest)
+            with pytest.raises(RedirectRefused, match=f"localhost:{storage.port}.*GPUBADGE_REDIRECT_HOSTS"):
+                await client.blob(ref, manifest.config.digest, 1 << 20)  # a storage host nobody listed
+            assert storage.count() == 0
+        config = settings(registries=registries, redirect_hosts=[f"localhost:{storage.port}"])
+        async with RegistryClient(config) as client:
             assert await client.blob(ref, manifest.config.digest, 1 << 20)
     assert storage.count("GET") == 1
     assert all("Authorization" not in seen.headers for seen in storage.seen)

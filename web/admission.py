@@ -11,6 +11,14 @@ block a cluster, and a short `timeoutSeconds`. Inside the handler, any problem w
 image (an unparsable reference, a store error) becomes a warning and that image is
 allowed; only a malformed AdmissionReview gets a 400. `GPUBADGE_ADMISSION=warn` turns the
 "needs a GPU but requests none" denial into a warning; unreachable-node denials stay.
+
+Who may start work: the endpoint answers anyone from stored reports (that is all an answer
+needs), but queues a scan of an unknown image only for a review that proves it comes from the
+API server: it carries the API token (`Authorization: Bearer`, which the API server sends when
+its AdmissionConfiguration kubeconfig names the token for this webhook), or it arrived on the
+HTTPS listener with a client certificate signed by GPUBADGE_ADMISSION_CLIENT_CA. Any other
+review queues nothing and says so in its warning. One review queues at most
+GPUBADGE_MAX_SCANS_PER_DELIVERY scans, and none past the queue's cap (GPUBADGE_MAX_QUEUED_SCANS).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from scanner.registry.reference import ReferenceError, parse_reference
 from web.api import find_report
 from web.errors import read_json
 from web.fleet import fleet_index
+from web.intake import QueueFull
+from web.security import holds_api_token
 from web.state import services_of_app
 
 if TYPE_CHECKING:
@@ -89,7 +99,14 @@ async def admit(
         return _bad_request(f"expected apiVersion {ADMISSION_API}, kind AdmissionReview")
     mutate = request.path == MUTATE_PATH or request.query.get("mutate", "").lower() in ("1", "true", "yes")
     started = time.perf_counter()
-    answer = await _answer(services, main, background, review.request, mutate=mutate)
+    answer = await _answer(
+        services,
+        main,
+        background,
+        review.request,
+        mutate=mutate,
+        may_queue=may_queue_scans(services, request),
+    )
     webhook = "mutate" if mutate else "validate"
     services.metrics.admission.inc(webhook, _decision(answer))
     services.metrics.admission_seconds.observe(time.perf_counter() - started, webhook)
@@ -103,6 +120,7 @@ async def _answer(
     request: AdmissionRequest,
     *,
     mutate: bool,
+    may_queue: bool,
 ) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request.uid, "allowed": True}
     if request.kind.kind != "Pod" or request.kind.group != "" or request.object is None:
@@ -115,8 +133,15 @@ async def _answer(
         response["warnings"] = ["gpubadge could not read this Pod's spec; not checked"]
         return response
     reports, warnings = await _stored_reports(services, pod)
-    if not request.dry_run:  # queuing a scan is our one side effect: the manifests say NoneOnDryRun
-        _scan_unknown(services, background, [image for image, report in reports.items() if report is None])
+    unknown = [image for image, report in reports.items() if report is None]
+    if not request.dry_run and unknown:  # queuing a scan is our one side effect: NoneOnDryRun
+        if may_queue:
+            _scan_unknown(services, background, unknown)
+        elif services.settings.admission_scan_unknown and services.workers is not None:
+            warnings.append(
+                "gpubadge queued no scan of the unknown images: this review carries neither the API token nor"
+                " a client certificate signed by GPUBADGE_ADMISSION_CLIENT_CA"
+            )
     fleet = await _known_gpus(main) if mutate else []
     outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate, fleet=fleet)
     outcome.warnings = warnings + outcome.warnings
@@ -169,8 +194,21 @@ def _decision(answer: dict[str, Any]) -> str:
     return "warned" if answer.get("warnings") else "allowed"
 
 
+def may_queue_scans(services: Services, request: web.Request) -> bool:
+    """Whether this review may queue scans: it holds the API token, or its TLS connection carries a
+    client certificate the listener verified against GPUBADGE_ADMISSION_CLIENT_CA."""
+    if holds_api_token(request, services.settings.api_token):
+        return True
+    if services.settings.admission_client_ca is None or request.transport is None:
+        return False
+    tls = request.transport.get_extra_info("ssl_object")
+    return isinstance(tls, ssl.SSLObject) and bool(tls.getpeercert())
+
+
 def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images: list[str]) -> None:
-    """Queue scans of unknown images on allowed registries, so the next pod is checked; never awaited here."""
+    """Queue scans of unknown images on allowed registries, so the next pod is checked; never awaited here.
+
+    At most GPUBADGE_MAX_SCANS_PER_DELIVERY of them; none when the queue is full."""
     if not services.settings.admission_scan_unknown or services.workers is None:
         return
     wanted = []
@@ -183,6 +221,7 @@ def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images
             wanted.append((str(reference), reference.registry))
     if not wanted:
         return
+    wanted = wanted[: services.settings.max_scans_per_delivery]
 
     async def enqueue() -> None:
         try:
@@ -190,6 +229,8 @@ def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images
                 wanted, source="admission", max_attempts=services.settings.max_attempts
             )
             services.wake_workers()
+        except QueueFull as full:
+            log.warning("admission: %s", full)
         except Exception:
             log.exception("admission: queueing scans of unknown images failed")
 
@@ -230,6 +271,10 @@ def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterato
         await asyncio.to_thread(
             context.load_cert_chain, str(settings.admission_tls_cert), str(settings.admission_tls_key)
         )
+        if settings.admission_client_ca is not None:
+            # Asked for, not required: a review without one is still answered, from stored reports.
+            await asyncio.to_thread(context.load_verify_locations, cafile=str(settings.admission_client_ca))
+            context.verify_mode = ssl.CERT_OPTIONAL
         app = web.Application(client_max_size=settings.max_body_bytes)
         app.add_routes(routes(services, main))
         runner = web.AppRunner(app, access_log=None)

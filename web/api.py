@@ -8,6 +8,7 @@ outside the allowlist is refused here and never contacted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import Job, queries
 from web import hooks
 from web.errors import json_error, json_http_error, read_json
+from web.intake import RETRY_AFTER_SECONDS, QueueFull
 from web.scan_requests import ScanRefused, request_scan
 from web.security import bearer_token, redact_secrets, token_matches
 from web.state import Services, services_of
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 MAX_PAGE = 200
 MAX_WAIT = 60.0
+# Deliveries larger than this are parsed off the event loop (a 1 MiB delivery takes 100+ ms to parse).
+INLINE_PARSE_BYTES = 64 * 1024
 
 
 class ScanBody(BaseModel):
@@ -123,9 +127,11 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         log.warning("webhook from %s refused: %s", request.remote, exc)
         return json_error(401, str(exc))
     try:
-        events = sender.parse(
-            body, headers, settings.webhook_default_registry(sender), settings.json_limits()
-        )
+        default_registry, limits = settings.webhook_default_registry(sender), settings.json_limits()
+        if len(body) <= INLINE_PARSE_BYTES:  # a registry's usual delivery: parsed at once, on the loop
+            events = sender.parse(body, headers, default_registry, limits)
+        else:  # up to max_body_bytes of events: parsed in a thread, so /healthz and others go on
+            events = await asyncio.to_thread(sender.parse, body, headers, default_registry, limits)
     except hooks.WebhookError as exc:
         return json_error(400, f"malformed {source} webhook: {exc}")
     refused = sorted({event.registry for event in events if not settings.allows(event.registry)})
@@ -147,7 +153,18 @@ async def _receive_webhook(request: web.Request, services: Services, source: str
         elif not _own_artifact(services, event):
             # Digest-only events (the children of a multi-arch push) wait briefly for their index job.
             pushes.append((event.reference, event.registry, 0.0 if event.tag else settings.coalesce_seconds))
-    job_ids = await services.intake.enqueue(pushes, source=source, max_attempts=settings.max_attempts)
+    if len(pushes) > settings.max_scans_per_delivery:  # nothing queued: the sender may split it
+        return json_error(
+            413,
+            f"this {source} delivery asks for {len(pushes)} scans; one delivery may queue at most "
+            f"{settings.max_scans_per_delivery} (GPUBADGE_MAX_SCANS_PER_DELIVERY); nothing was queued",
+        )
+    try:
+        job_ids = await services.intake.enqueue(pushes, source=source, max_attempts=settings.max_attempts)
+    except QueueFull as full:
+        refused_full = json_error(503, str(full))
+        refused_full.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return refused_full
     services.wake_workers()
     return web.json_response(
         {"accepted": len(pushes), "deleted": deleted, "jobs": sorted(set(job_ids))}, status=202
@@ -313,7 +330,10 @@ async def create_scan(request: web.Request) -> web.Response:
     try:
         job = await request_scan(services, body.ref, source="api")
     except ScanRefused as refused:
-        return json_error(refused.status, refused.message)
+        answer = json_error(refused.status, refused.message)
+        if refused.status == 503:  # the queue is full: come back when workers have caught up
+            answer.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return answer
     return web.json_response(JobView.of(job).model_dump(), status=202)
 
 

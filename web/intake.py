@@ -11,25 +11,54 @@ The registry waits for each answer before it sends its next delivery, so the hop
 the commit thread is the cheapest there is: one queue put to wake the thread, one
 `call_soon_threadsafe` to come back, and the callers' futures settled directly on the
 loop, with no executor future, no chained callbacks and no task per group.
+
+The queue has a cap (GPUBADGE_MAX_QUEUED_SCANS). The commit thread knows how many jobs wait: it
+counts them (an index range, stopped at the cap) at most once a second, adds what each group
+queues, and counts again whenever a group would bring that figure within a tenth of the cap,
+so near the cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot
+by what they queue within one count). A delivery that would pass the cap is not committed: its
+caller gets `QueueFull` (the route answers 503 with Retry-After), the others in its group are
+committed as usual, and nothing already queued is touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
-from store import AsyncStore, EnqueueBatch
+from store import AsyncStore, EnqueueBatch, queries
+
+log = logging.getLogger(__name__)
 
 Pending = list[tuple[EnqueueBatch, asyncio.Future[list[str]]]]
 Outcome = list[list[str]] | BaseException
+RECOUNT_SECONDS = 1.0
+QUEUE_SETTING = "GPUBADGE_MAX_QUEUED_SCANS"
+RETRY_AFTER_SECONDS = 30
+
+
+class QueueFull(Exception):
+    """The scan queue holds `cap` jobs (GPUBADGE_MAX_QUEUED_SCANS): this delivery was not queued."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(
+            f"the scan queue is full ({cap} scans waiting, {QUEUE_SETTING}); nothing of this request was "
+            f"queued, and nothing already queued was dropped: retry in {RETRY_AFTER_SECONDS} s"
+        )
+        self.cap = cap
 
 
 class JobIntake:
-    def __init__(self, store: AsyncStore) -> None:
+    def __init__(self, store: AsyncStore, *, max_queued: int | None = None) -> None:
         self.store = store
+        self.max_queued = max_queued
+        self._waiting: int | None = None  # jobs queued, as the commit thread last knew it
+        self._counted_at = 0.0
         self._pending: Pending = []
         self._committing = False
         self._groups: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, Pending] | None] = (
@@ -45,7 +74,9 @@ class JobIntake:
         source: str | None,
         max_attempts: int,
     ) -> list[str]:
-        """Queue one delivery's jobs; returns once they are committed, with their ids."""
+        """Queue one delivery's jobs; returns once they are committed, with their ids.
+
+        Raises `QueueFull` (nothing of this delivery queued) when they would pass the queue's cap."""
         if not references:
             return []
         loop = asyncio.get_running_loop()
@@ -78,16 +109,59 @@ class JobIntake:
         """The commit thread: one transaction per group, then back to the loop with the outcome."""
         while (item := self._groups.get()) is not None:
             loop, group = item
+            refused = self._over_cap(group)
+            admitted = [entry for index, entry in enumerate(group) if index not in refused]
             outcome: Outcome
             try:
-                outcome = self.store.backend.enqueue_many([batch for batch, _ in group])
+                outcome = (
+                    self.store.backend.enqueue_many([batch for batch, _ in admitted]) if admitted else []
+                )
             except Exception as exc:  # every delivery of the group learns its commit failed
                 outcome = exc
+            full = [future for index, (_, future) in enumerate(group) if index in refused]
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these answers
-                loop.call_soon_threadsafe(self._settle, loop, group, outcome)
+                loop.call_soon_threadsafe(self._settle, loop, admitted, outcome, full)
 
-    def _settle(self, loop: asyncio.AbstractEventLoop, group: Pending, outcome: Outcome) -> None:
+    def _over_cap(self, group: Pending) -> set[int]:
+        """On the commit thread: the deliveries of `group` that would take the queue past its cap."""
+        cap = self.max_queued
+        if cap is None:
+            return set()
+        incoming = sum(len(batch.references) for batch, _ in group)
+        now = time.monotonic()
+        if (
+            self._waiting is None
+            or now - self._counted_at >= RECOUNT_SECONDS
+            or self._waiting + incoming > cap - cap // 10
+        ):
+            try:
+                self._waiting = self.store.backend.run(queries.queued_jobs, cap=cap + 1)
+                self._counted_at = now
+            except Exception:
+                log.exception(
+                    "intake: counting the queued jobs failed; the cap is checked with the last count"
+                )
+                if self._waiting is None:
+                    return set()
+        refused = set()
+        for index, (batch, _) in enumerate(group):
+            if self._waiting + len(batch.references) > cap:
+                refused.add(index)
+            else:
+                self._waiting += len(batch.references)  # coalesced ones too: an over-estimate until recounted
+        return refused
+
+    def _settle(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        group: Pending,
+        outcome: Outcome,
+        full: list[asyncio.Future[list[str]]] | None = None,
+    ) -> None:
         """On the loop: answer each delivery of the group, then start the next group, if any."""
+        for future in full or ():
+            if not future.done():
+                future.set_exception(QueueFull(self.max_queued or 0))
         if isinstance(outcome, BaseException):
             for _, future in group:
                 if not future.done():
@@ -96,8 +170,16 @@ class JobIntake:
             for (_, future), ids in zip(group, outcome, strict=True):
                 if not future.done():
                     future.set_result(ids)
-            self.store.jobs_queued()
+            if group:
+                self.store.jobs_queued()
         if self._pending:
             self._dispatch(loop)
         else:
             self._committing = False
+
+    async def has_room(self, count: int = 1) -> bool:
+        """Whether `count` more jobs fit under the cap now (an exact count, off the loop)."""
+        if self.max_queued is None:
+            return True
+        waiting = await self.store.run(queries.queued_jobs, cap=self.max_queued + 1)
+        return waiting + count <= self.max_queued

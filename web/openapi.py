@@ -219,6 +219,9 @@ def openapi_document() -> dict[str, Any]:
                     "401": _json(error, "token required"),
                     "403": _json(error, "registry not allowed"),
                     **too_large,
+                    "503": _json(
+                        error, "the queue holds GPUBADGE_MAX_QUEUED_SCANS scans; Retry-After says when"
+                    ),
                 },
             },
         },
@@ -262,7 +265,10 @@ def openapi_document() -> dict[str, Any]:
                     "401": _json(error, "bad or missing secret or signature, or no secret for this source"),
                     "403": _json(error, "registry not on the allowlist"),
                     "404": _json(error, "unknown source"),
-                    "413": _json(error, "body too large"),
+                    "413": _json(error, "body too large, or more scans than GPUBADGE_MAX_SCANS_PER_DELIVERY"),
+                    "503": _json(
+                        error, "the queue holds GPUBADGE_MAX_QUEUED_SCANS scans; Retry-After says when"
+                    ),
                 },
             }
         },

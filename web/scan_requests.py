@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import Job
+from web.intake import QueueFull
 from web.security import token_matches
 from web.state import Services
 
@@ -27,7 +28,8 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
     """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one).
 
     Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
-    registry outside the allowlist, which is then never contacted.
+    registry outside the allowlist, which is then never contacted; ScanRefused(503) when the
+    queue holds GPUBADGE_MAX_QUEUED_SCANS jobs.
     """
     try:
         reference = parse_reference(text.strip())
@@ -37,6 +39,8 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
         raise ScanRefused(
             403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
         )
+    if not await services.intake.has_room():
+        raise ScanRefused(503, str(QueueFull(services.settings.max_queued_scans)))
     (job_id,) = await services.store.enqueue(
         [(str(reference), reference.registry)],
         source=source,

@@ -15,7 +15,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import is_loopback
-from scanner.settings import ScannerSettings
+from scanner.settings import ScannerSettings, mirror_parts
 from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
@@ -113,7 +113,26 @@ class ServiceSettings(ScannerSettings):
     )
     admission_scan_unknown: bool = Field(
         default=True,
-        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits)",
+        description="POST /k8s/admit queues a scan of an unknown image on an allowed registry (the answer never waits),"
+        " only for a review that carries the API token or a client certificate signed by admission_client_ca;"
+        " any other review is answered from stored reports alone",
+    )
+    admission_client_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle: the HTTPS admission listener asks for a client certificate (the API server's,"
+        " from its AdmissionConfiguration kubeconfig) and a review signed by it may queue scans",
+    )
+    max_scans_per_delivery: int = Field(
+        default=500,
+        ge=1,
+        description="scans one webhook delivery or admission review may queue; a delivery naming more is refused"
+        " (413) whole",
+    )
+    max_queued_scans: int = Field(
+        default=100_000,
+        ge=1,
+        description="scans waiting in the queue; past it deliveries and scan requests are refused (503, Retry-After)"
+        " until workers catch up, and nothing already queued is dropped",
     )
     admission_tls_port: int | None = Field(
         default=None,
@@ -180,9 +199,9 @@ class ServiceSettings(ScannerSettings):
     def allowlist(self) -> set[str]:
         """Registries the service may contact. Mirrors of allowed registries are allowed too."""
         hosts = {entry.host for entry in self.registries}
-        hosts |= {entry.mirror for entry in self.registries if entry.mirror}
+        hosts |= {mirror_parts(entry.mirror)[0] for entry in self.registries if entry.mirror}
         if self.docker_mirror and (not self.registries or DOCKER_HUB in hosts):
-            hosts.add(self.docker_mirror)
+            hosts.add(mirror_parts(self.docker_mirror)[0])
         return hosts
 
     def allows(self, registry: str) -> bool:

@@ -37,7 +37,7 @@ class Services:
     intake: JobIntake = field(init=False)
 
     def __post_init__(self) -> None:
-        self.intake = JobIntake(self.store)
+        self.intake = JobIntake(self.store, max_queued=self.settings.max_queued_scans)
 
     def wake_workers(self) -> None:
         if self.workers is not None:

@@ -383,6 +383,9 @@ class RegistryClient:
     def _plain_http_allowed(self, host: str) -> bool:
         return is_loopback(host) or self.settings.is_insecure(host)
 
+    def _hop_allowed(self, origin: str, target: str) -> bool:
+        return redirects.hop_allowed(self.settings, origin, target)
+
     def _scheme(self, host: str) -> str:
         return "http" if self._plain_http_allowed(host) else "https"
 
@@ -462,6 +465,7 @@ class RegistryClient:
                 timeout,
                 max_redirects=self.settings.max_redirects,
                 plain_http_allowed=self._plain_http_allowed,
+                hop_allowed=self._hop_allowed,
             )
             if response.status == 401 and not answered_challenge:
                 challenges = parse_challenges(response.headers.getall("WWW-Authenticate", []))
@@ -596,11 +600,7 @@ class RegistryClient:
 
     def _realm_allowlist(self) -> set[str]:
         """Configured registries and their mirrors: hosts a token realm may name."""
-        hosts = {entry.host for entry in self.settings.registries}
-        hosts |= {
-            entry.mirror.split("://", 1)[-1].rstrip("/") for entry in self.settings.registries if entry.mirror
-        }
-        return hosts
+        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
 
     async def _fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None

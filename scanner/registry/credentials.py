@@ -145,6 +145,9 @@ class CredentialStore:
                 (e for e in self._settings.registries if _normalise_key(e.host) == "docker.io"), None
             )
         if entry is None:
+            mirror = self._settings.mirror_credentials(registry)
+            if mirror is not None:  # a mirror given as https://user:password@host
+                return Credentials(username=mirror[0], password=mirror[1], source="settings (mirror URL)")
             return None
         if entry.token is not None:
             return Credentials(username=entry.username, registry_token=entry.token)

@@ -46,6 +46,10 @@ class DigestMismatch(RegistryError):
     pass
 
 
+class RedirectRefused(RegistryError):
+    """A registry redirected to a host the operator did not allow; it was never contacted."""
+
+
 class TooLarge(RegistryError):
     pass
 

@@ -21,6 +21,7 @@ from scanner.registry.errors import (
 )
 from scanner.registry.reference import Reference
 from scanner.settings import ScannerSettings
+from scanner.settings_merge import redact_userinfo
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -28,11 +29,8 @@ log = logging.getLogger(__name__)
 
 def endpoints(ref: Reference, settings: ScannerSettings) -> list[str]:
     """The hosts to ask for `ref`, in order: its mirror (if configured), then its registry."""
-    mirror = settings.mirror_for(ref.registry)
-    hosts = [ref.api_host]
-    if mirror:
-        hosts.insert(0, mirror.split("://", 1)[-1].rstrip("/"))
-    return hosts
+    mirror = settings.mirror_for(ref.registry)  # host[:port]: its user info is a credential
+    return [mirror, ref.api_host] if mirror else [ref.api_host]
 
 
 def falls_back(exc: RegistryError) -> bool:
@@ -40,13 +38,31 @@ def falls_back(exc: RegistryError) -> bool:
     return isinstance(exc, NotFound | Unauthorized | TransportError | ServerError | RateLimited)
 
 
+def _without_userinfo(exc: RegistryError, host: str) -> RegistryError:
+    """A mirror configured as `user:password@host` names itself in its errors: redact the password
+    there (the error may become a job's error, shown in the API and the UI)."""
+    shown = redact_userinfo(host)
+    if shown != host:
+        exc.args = (redact_userinfo(str(exc).replace(host, shown)), *exc.args[1:])
+        exc.host = shown
+    return exc
+
+
 async def on_endpoints(hosts: list[str], operation: Callable[[str], Awaitable[T]]) -> T:
-    """`operation(host)` on each host in turn until one answers (see the module docstring)."""
+    """`operation(host)` on each host in turn until one answers (see the module docstring).
+
+    A mirror's password (`user:password@mirror`) never reaches a warning or an error's text."""
     for index, host in enumerate(hosts):
         try:
             return await operation(host)
         except RegistryError as exc:
+            _without_userinfo(exc, host)
             if index == len(hosts) - 1 or not falls_back(exc):
                 raise
-            log.warning("mirror %s failed (%s); trying %s", host, exc, hosts[index + 1])
+            log.warning(
+                "mirror %s failed (%s); trying %s",
+                redact_userinfo(host),
+                exc,
+                redact_userinfo(hosts[index + 1]),
+            )
     raise AssertionError("unreachable: no endpoints")

@@ -284,6 +284,10 @@ QUERIES = {
 }
 
 
+METADATA_TITLE = "gpubadge: which images need an NVIDIA GPU"
+METADATA_MARK = "gpubadge_export"
+
+
 def datasette_metadata(database: str) -> dict[str, Any]:
     """Datasette's metadata for an export opened as `database` (the file name without `.db`)."""
     tables: dict[str, Any] = {
@@ -299,7 +303,10 @@ def datasette_metadata(database: str) -> dict[str, Any]:
     tables["images"]["fts_table"] = "images_fts"
     tables["gpubadge_export"] = {"hidden": True}
     return {
-        "title": "gpubadge: which images need an NVIDIA GPU",
+        "title": METADATA_TITLE,
         "description": "Every stored gpubadge report, exported by `gpubadge export sqlite`.",
         "databases": {database: {"tables": tables, "queries": QUERIES}},
+        # The mark by which a later export knows this sidecar is its own to replace (Datasette
+        # ignores keys it does not know).
+        METADATA_MARK: {"format": FORMAT, "version": FORMAT_VERSION},
     }

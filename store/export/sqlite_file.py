@@ -15,6 +15,11 @@ service in a thread) and keeps these promises:
   when it exists) and is renamed over it only when complete and synced, so a killed or failed
   export leaves the previous file as it was. A file that is not a gpubadge export, or is
   read-only, is refused before anything is written; a full disk is an `ExportError` that says so.
+- **Only where asked.** Every temporary file is created exclusively under an unpredictable name
+  (`mkstemp`: `O_CREAT | O_EXCL`, so a link planted in the directory is never followed). The
+  metadata file beside `out` is replaced only when gpubadge wrote it (it carries the
+  `gpubadge_export` mark, or is an earlier gpubadge sidecar); any other file or link there is
+  refused with an `ExportError` before anything is written.
 - **Explorable.** Primary keys, foreign keys, indexes on what people filter by, full-text search
   on `images` (reference, repository), and a Datasette metadata file beside the database
   (`<name>.metadata.json`: titles, every column described, facets, two canned queries).
@@ -49,6 +54,8 @@ from store.export.rows import (
     FORMAT_VERSION,
     FULL_TEXT,
     INDEXES,
+    METADATA_MARK,
+    METADATA_TITLE,
     PRIMARY_KEYS,
     UNIQUE_INDEXES,
     Row,
@@ -58,6 +65,7 @@ from store.export.rows import (
 )
 
 META_TABLE = "gpubadge_export"
+METADATA_MAX_BYTES = 1024 * 1024  # far above what `datasette_metadata` writes (about 12 KB)
 DEFAULT_BATCH = 500
 
 
@@ -115,6 +123,7 @@ def export_sqlite(
     out = Path(out)
     started = time.perf_counter()
     existing = _check_target(out)
+    _check_metadata_target(metadata_path(out))
     try:
         handle, temporary_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as exc:
@@ -311,12 +320,45 @@ def _remove_unexported(db: sqlite_utils.Database) -> int:
     return removed
 
 
-def _write_metadata(path: Path, database: Path) -> None:
-    """The Datasette metadata file, itself written to a temporary file and renamed."""
-    document = json.dumps(datasette_metadata(database.stem), indent=2) + "\n"
-    temporary = path.with_name(f".{path.name}.tmp")
+def _check_metadata_target(path: Path) -> None:
+    """ExportError unless `path` is absent or a metadata file gpubadge wrote (so it may be replaced)."""
     try:
-        temporary.write_text(document)
+        status = path.lstat()
+    except FileNotFoundError:
+        return
+    refusal = (
+        f"{path} exists and was not written by gpubadge; not replacing it "
+        "(remove it, or export to another file)"
+    )
+    if not stat.S_ISREG(status.st_mode):
+        raise ExportError(f"{path} is not a regular file (a link or a directory); not replacing it")
+    if status.st_size > METADATA_MAX_BYTES:
+        raise ExportError(refusal)
+    try:
+        with path.open("rb") as handle:
+            document = json.loads(handle.read(METADATA_MAX_BYTES + 1))
+    except (OSError, ValueError):
+        raise ExportError(refusal) from None
+    if not isinstance(document, dict):
+        raise ExportError(refusal)
+    mark = document.get(METADATA_MARK)
+    ours = isinstance(mark, dict) and mark.get("format") == FORMAT
+    earlier = METADATA_MARK not in document and document.get("title") == METADATA_TITLE
+    if not (ours or earlier):
+        raise ExportError(refusal)
+
+
+def _write_metadata(path: Path, database: Path) -> None:
+    """The Datasette metadata file, written to a temporary file created exclusively, synced and renamed."""
+    document = (json.dumps(datasette_metadata(database.stem), indent=2) + "\n").encode()
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(document)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)
         os.replace(temporary, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

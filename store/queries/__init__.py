@@ -23,6 +23,7 @@ from store.queries.jobs import (
     next_job_due,
     pending_job_for,
     queue_depth,
+    queued_jobs,
 )
 from store.queries.reports import (
     TagSeen,
@@ -69,6 +70,7 @@ __all__ = [
     "pending_job_for",
     "platform_report",
     "queue_depth",
+    "queued_jobs",
     "record_tag",
     "record_tags",
     "registries",

@@ -82,3 +82,12 @@ def next_job_due(db: Db) -> datetime | None:
     row = db.one("SELECT min(not_before) FROM jobs WHERE state = 'queued'")
     due = db.dialect.stamp(row[0]) if row else None
     return datetime.fromisoformat(due) if due else None
+
+
+@reads
+def queued_jobs(db: Db, *, cap: int) -> int:
+    """Jobs waiting to run (state `queued`), counted up to `cap` (an index range, never the table)."""
+    row = db.one(
+        "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :cap) AS waiting", {"cap": cap}
+    )
+    return int(row[0]) if row else 0
