@@ -123,6 +123,12 @@ class Dialect:
         """Serialise this transaction with every other one taking the same `key` until it ends
         (PostgreSQL's advisory lock); SQLite's one writer serialises every write already."""
 
+    def lock_all(self, db: Db, keys: Sequence[str]) -> None:
+        """`lock` for each of `keys`, taken in the order given (sort them: two transactions taking
+        overlapping keys in one order cannot deadlock)."""
+        for key in keys:
+            self.lock(db, key)
+
     def notify(self, db: Db, channel: str, payload: str) -> None:
         """Tell every replica of this commit (PostgreSQL); a single-file store needs no telling."""
 
@@ -236,6 +242,17 @@ class PostgresDialect(Dialect):
 
     def lock(self, db: Db, key: str) -> None:
         db.one("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))", {"key": key})
+
+    def lock_all(self, db: Db, keys: Sequence[str]) -> None:
+        if len(keys) <= 1:
+            for key in keys:
+                self.lock(db, key)
+            return
+        # One round trip; the target list (volatile) is evaluated after the sort, so in key order.
+        db.all(
+            "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM unnest(CAST(:keys AS text[])) AS k ORDER BY k",
+            {"keys": self.array(keys)},
+        )
 
     def notify(self, db: Db, channel: str, payload: str) -> None:
         # NOTIFY's payload limit is 8000 bytes; every payload here is bounded far below it

@@ -69,12 +69,14 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
     """Store successful reports under their manifest digests, and each platform under its own, in
     one transaction: each statement prepared once for the batch, each report serialised once (a
     platform's JSON is the slice of its image's)."""
+    covered = _covered_children(db, reports)
     rows: list[dict[str, Any]] = []
     platform_rows: list[dict[str, str]] = []
     children: list[str] = []
     for report in reports:
         documents = [platform.model_dump_json() for platform in report.platforms]
-        rows.append(report_row(db, report, report_document(report, documents)))
+        if report.digest not in covered:
+            rows.append(report_row(db, report, report_document(report, documents)))
         for platform, document in zip(report.platforms, documents, strict=True):
             platform_rows.append({"digest": platform.digest, "report": document})
             if platform.digest != report.digest:
@@ -91,6 +93,31 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
         )
     for report in reports:  # long polls on each reference wake, on any replica
         db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {report.reference}")
+
+
+def _covered_children(db: Db, reports: Sequence[ImageReport]) -> frozenset[str]:
+    """The single-platform reports among `reports` that an index report already covers: their
+    digest is stored as a platform but not as an image (only an index's save leaves it so), and no
+    tag names it. Such a manifest (a multi-arch child whose own digest-only job finished after its
+    index's) is not an image of its own, whatever the timing: its index's save deletes it when
+    that save comes second, and this keeps it out when it comes second itself. Both saves take the
+    platform digests' locks first (PostgreSQL's advisory locks; SQLite's one writer serialises
+    them anyway), so one of the two orders always holds, even across replicas."""
+    db.dialect.lock_all(db, sorted({f"platform {p.digest}" for report in reports for p in report.platforms}))
+    lone = [
+        report.digest
+        for report in reports
+        if report.digest is not None and [p.digest for p in report.platforms] == [report.digest]
+    ]
+    if not lone:
+        return frozenset()
+    rows = db.all(
+        f"SELECT p.digest FROM platform_reports p WHERE {db.dialect.in_list('p.digest', 'lone')}"
+        " AND NOT EXISTS (SELECT 1 FROM reports r WHERE r.digest = p.digest)"
+        " AND NOT EXISTS (SELECT 1 FROM tags t WHERE t.digest = p.digest)",
+        {"lone": db.dialect.array(lone)},
+    )
+    return frozenset(row[0] for row in rows)
 
 
 @writes
