@@ -232,6 +232,8 @@ def test_eligibility_form_scans_and_explains(
     t4_rows = [row for row in summary.all() if "t4-old" in row.locator(".examples").inner_text()]
     assert any("12.2" in row.locator(".reason").inner_text() for row in t4_rows)
     assert page.locator("table.rejected").count() == 0  # the summary only, until asked
+    assert "exact fit" in page.locator(".score-legend").inner_text()  # the score is explained
+    assert "spare GPUs" in (page.locator("abbr.score-help").get_attribute("title") or "")
     assert page.locator("input[name=gpus]").input_value() == "1"  # the form keeps what was typed
     page.screenshot(path=str(screenshot_path("eligibility.png", tmp_path)), full_page=True)
     page.locator("a.explain-all").click()
