@@ -392,6 +392,16 @@ def tag_history_view(events: Sequence[TagEvent], name: str, digests: set[str]) -
     ]
 
 
+def short_reference(reference: str, digits: int = 12) -> str:
+    """`reference` with its digest cut to `digits` hex digits and an ellipsis (the name and tag
+    kept whole): what a table row shows, the full reference on hover and copy."""
+    name, at, digest = reference.rpartition("@")
+    algorithm, colon, hexdigits = digest.partition(":")
+    if not at or not colon or len(hexdigits) <= digits:
+        return reference
+    return f"{name}@{algorithm}:{hexdigits[:digits]}…"
+
+
 @dataclass(frozen=True)
 class JobView:
     id: str
@@ -405,6 +415,10 @@ class JobView:
     error: str | None
     explanation: str | None
     progress: str | None = None  # a running scan's layer read: layers and bytes so far
+
+    @property
+    def short(self) -> str:
+        return short_reference(self.reference)
 
 
 def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
@@ -674,6 +688,11 @@ async def badge(request: web.Request) -> web.Response:
     return web.Response(text=svg, content_type="image/svg+xml", charset="utf-8", headers=headers)
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    """/favicon.ico, which browsers and tools ask for on every page whatever the markup says."""
+    return web.FileResponse(STATIC_DIR / "favicon.ico", headers={"Cache-Control": "public, max-age=86400"})
+
+
 def setup_routes(app: web.Application) -> None:
     environment()  # load and check the templates at startup, not on the first request
     app.router.add_get("/", images_page)
@@ -682,3 +701,4 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/scans", submit_scan)
     app.router.add_get(r"/badge/{path:.+\.svg}", badge)
     app.router.add_static("/static", STATIC_DIR)
+    app.router.add_get("/favicon.ico", favicon)
