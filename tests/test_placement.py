@@ -655,12 +655,23 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     )
     assert status == 200
     assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
-    # The agent goes silent: its last heartbeat is now older than stale_after_seconds.
-    silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-    # The store has no API to age a heartbeat; the test writes the file as another process would.
-    with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
-        other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
-        other.commit()
+    stale_after = service.app[SERVICES].settings.stale_after_seconds
+
+    def silent_for(seconds: float) -> None:
+        """The agent's last heartbeat `seconds` ago (the store has no API to age a heartbeat; the
+        test writes the file as another process would)."""
+        since = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat()
+        with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
+            other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [since])
+            other.commit()
+        service.clock.now += service.cache.check_seconds  # the next timed check reads it
+
+    # Both sides of the threshold: silent a little less than stale_after_seconds, it stays...
+    silent_for(stale_after - 10)
+    assert "agent-a" in _eligible(await service.eligibility(gpus=1))
+    # ...a little more, it drops out (at the next timed check, not before).
+    silent_for(stale_after + 10)
+    service.clock.now -= service.cache.check_seconds
     assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
     service.clock.now += service.cache.check_seconds
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
