@@ -94,6 +94,11 @@ class Dialect:
         non-null object at the path `member`."""
         raise NotImplementedError
 
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        """Every distinct string of the arrays at `member` of the elements of the JSON document's
+        top-level array `array_key` (e.g. every platform's badges), gathered as `agg` does."""
+        raise NotImplementedError
+
     def search(self, columns: Sequence[str], param: str) -> str:
         """A case-insensitive substring match of the (already escaped, %-wrapped) parameter
         against any of `columns`."""
@@ -170,6 +175,12 @@ class SqliteDialect(Dialect):
             f" WHERE json_type(p.value, '{path}') = 'object')"
         )
 
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        return (
+            f"(SELECT json_group_array(DISTINCT b.value) FROM json_each({document}, '$.{array_key}') p,"
+            f" json_each(p.value, '$.{member}') b)"
+        )
+
     def search(self, columns: Sequence[str], param: str) -> str:
         # SQLite's LIKE is case-insensitive for ASCII
         return "(" + " OR ".join(f"{column} LIKE :{param} ESCAPE '\\'" for column in columns) + ")"
@@ -216,6 +227,12 @@ class PostgresDialect(Dialect):
         return (
             f"EXISTS (SELECT 1 FROM jsonb_array_elements({document}::jsonb -> '{array_key}') p"
             f" WHERE jsonb_typeof(p -> {path}) = 'object')"
+        )
+
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        return (
+            f"(SELECT array_agg(DISTINCT b ORDER BY b) FROM jsonb_array_elements({document}::jsonb"
+            f" -> '{array_key}') p, jsonb_array_elements_text(coalesce(p -> '{member}', '[]'::jsonb)) b)"
         )
 
     def search(self, columns: Sequence[str], param: str) -> str:

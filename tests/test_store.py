@@ -620,3 +620,17 @@ def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
         == "SELECT %(a)s::text[], '100%%', coalesce(%(b)s, 1) FROM t WHERE x < now()"
     )
     assert SQLITE.translate(neutral) == neutral  # SQLite binds :now to the process's clock
+
+
+def test_a_listing_row_carries_every_platform_badge_once(open_backend: OpenBackend) -> None:
+    """What the layers found (inferred CUDA, a mismatch, a requirement error) reaches the listing."""
+    store = open_backend()
+    report = _report("sha256:" + "a" * 64)
+    badges = ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-mismatch", "glibc"]
+    arm = report.platforms[0].model_copy(update={"platform": "linux/arm64", "digest": "sha256:" + "e" * 64})
+    platforms = [p.model_copy(update={"badges": badges}) for p in (report.platforms[0], arm)]
+    store.run(queries.save_report, report.model_copy(update={"platforms": platforms}))
+    store.run(queries.save_report, _report("sha256:" + "c" * 64))  # a report with no badges stored
+    rows = {row.digest: row for row in store.run(queries.list_images)[0]}
+    assert rows["sha256:" + "a" * 64].platform_badges == sorted(badges)
+    assert rows["sha256:" + "c" * 64].platform_badges == []

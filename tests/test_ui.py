@@ -3,8 +3,8 @@
 Part one drives the aiohttp app in-process over a Store filled with ImageReport
 objects (fast, exact). Part two (`-m browser`) runs `gpubadge serve` as a real
 process, scans images pushed by skopeo to the real test registry, and looks at the
-pages with headless Chromium. Set GPUBADGE_SCREENSHOTS=docs to refresh
-docs/images.png and docs/detail.png from that run.
+pages with headless Chromium. (The README's screenshots come from `make run`, by
+`python -m fixtures.screenshots`, not from these fixtures.)
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from web.ui import (
     human_bytes,
     platform_view,
     requirement_view,
+    row_badges,
     short_reference,
     time_ago,
 )
@@ -202,6 +203,41 @@ def test_platform_view_adds_the_legacy_derived_requirement() -> None:
     assert [(r.variable, r.value, r.derived) for r in view.requirements] == [
         ("CUDA_VERSION (legacy image)", "cuda>=11.0", True)
     ]
+
+
+def test_listing_rows_show_what_the_layers_found() -> None:
+    from store import ImageRow
+
+    def row(gpu: bool, cuda: list[str], found: list[str]) -> list[str]:
+        image = ImageRow(
+            "sha256:" + "a" * 64,
+            "r",
+            "app",
+            "r/app:1",
+            gpu,
+            cuda,
+            ["glibc"],
+            ["linux/amd64"],
+            None,
+            "2026-01-01T00:00:00+00:00",
+            ["1"],
+            found,
+        )
+        return [badge.text for badge in row_badges(image)]
+
+    assert row(False, [], []) == ["CPU only", "glibc"]
+    assert row(False, [], ["cuda-12.1-inferred", "glibc"]) == ["CUDA 12.1 inside (inferred)", "glibc"]
+    mismatch = row(
+        True, ["11.8"], ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-mismatch", "glibc"]
+    )
+    assert mismatch == [
+        "NVIDIA GPU",
+        "CUDA 11.8",
+        "CUDA 12.4 inside (inferred)",
+        "declared and inferred CUDA differ",
+        "glibc",
+    ]
+    assert "requirement error" in row(True, ["12.2"], ["nvidia-gpu", "requirement-error"])
 
 
 def test_badge_paths_and_filters_parse() -> None:
@@ -598,8 +634,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 
 def screenshot_path(name: str, tmp_path: Path) -> Path:
-    target = os.environ.get("GPUBADGE_SCREENSHOTS")
-    return (Path(target) if target else tmp_path) / name
+    """Where a test keeps its shot (docs/*.png come from `make run`: python -m fixtures.screenshots)."""
+    return tmp_path / name
 
 
 @pytest.mark.browser

@@ -8,7 +8,6 @@ headless Chromium.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -159,9 +158,8 @@ async def test_blank_form_is_a_plain_page(client: TestClient[Any, Any]) -> None:
 
 
 def screenshot_path(name: str, tmp_path: Path) -> Path:
-    """GPUBADGE_SCREENSHOTS=docs refreshes docs/<name>; otherwise the shot lands in tmp_path."""
-    target = os.environ.get("GPUBADGE_SCREENSHOTS")
-    return (Path(target) if target else tmp_path) / name
+    """Where a test keeps its shot (docs/*.png come from `make run`: python -m fixtures.screenshots)."""
+    return tmp_path / name
 
 
 @pytest.fixture(scope="module")

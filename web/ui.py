@@ -219,7 +219,11 @@ LEGEND = (
         BadgeView("CUDA 12.1 inside (inferred)", "inferred"),
         "CUDA found in the layers; no NVIDIA variable declares it",
     ),
-    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU"),
+    (
+        BadgeView("declared and inferred CUDA differ", "warn"),
+        "the layers carry another CUDA than the config declares (a driver picked by the declaration may not run it)",
+    ),
+    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU, and no CUDA was found in it"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
     (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
     (BadgeView("no libc", "nolibc"), "static binaries or scratch: no C library"),
@@ -256,14 +260,25 @@ def badge_view(name: str) -> BadgeView:
     return _NAMED_BADGES.get(name, BadgeView(name, "info"))
 
 
+# Platform badges a listing row adds to what its columns say: the findings of the layers.
+_FINDINGS = ("cuda-mismatch", "requirement-error", "require-disabled", "musl-also", "cuda-inferred")
+
+
 def row_badges(row: ImageRow) -> list[BadgeView]:
+    """The declared GPU and CUDA, CUDA found in the layers, warnings, then the libc; "CPU only"
+    when nothing declares a GPU and no CUDA was found."""
+    inferred = [
+        name for name in row.platform_badges if name.endswith("-inferred") and name.startswith("cuda-")
+    ]
     names = ["nvidia-gpu"] if row.gpu_required else []
     names += [f"cuda-{version}" for version in row.cuda_versions]
+    names += inferred or [name for name in row.platform_badges if name == "cuda-inferred"]
+    names += [name for name in _FINDINGS if name in row.platform_badges and name not in names]
     names += [
         LIBC_BADGES.get(label) or LAYER_STATE_BADGES.get(label, "libc-unknown") for label in row.libc_flavours
     ]
-    views = [badge_view(name) for name in names]
-    if not row.gpu_required:
+    views = [badge_view(name) for name in dict.fromkeys(names)]
+    if not row.gpu_required and not any(view.kind == "inferred" for view in views):
         views.insert(0, BadgeView("CPU only", "cpu"))
     return views
 

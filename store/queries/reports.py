@@ -277,7 +277,8 @@ def list_images(
         f" (SELECT {dialect.agg('t.tag')} FROM tags t WHERE t.digest = r.digest"
         "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
         "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-        "   AND t2.repository = t.repository AND t2.tag = t.tag))"
+        "   AND t2.repository = t.repository AND t2.tag = t.tag)),"
+        f" {dialect.json_strings('r.report', 'platforms', 'badges')}"
         f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
         " LIMIT :limit OFFSET :offset) AS r ORDER BY r.scanned_at DESC, r.digest",
         {**params, "limit": limit, "offset": offset},
@@ -295,6 +296,7 @@ def list_images(
             distro=row[8],
             scanned_at=dialect.stamp(row[9]) or "",
             tags=sorted(dialect.array_value(row[10])),
+            platform_badges=sorted(dialect.array_value(row[11])),
         )
         for row in rows
     ]
