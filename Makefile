@@ -1,7 +1,9 @@
 # gpubadge: `make run` starts the main job, `make test` runs every check.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql debootstrap
+DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql debootstrap gcc
+# On a shared machine another job may hold dpkg's lock: wait for it (up to 5 min) instead of failing.
+APT_LOCK_WAIT := -o DPkg::Lock::Timeout=300
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test deps-system deps-python lint typecheck pytest bench image image-airgapped
@@ -10,11 +12,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 IMAGE ?= gpubadge:latest
 DOCKER ?= docker
 
-deps-system:  ## Debian packages the tests drive for real (registry, pusher, engine, browser)
+deps-system:  ## Debian packages the tests drive for real (registry, pusher, engine, browser, C compiler)
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  echo "installing:$$missing"; apt-get $(APT_LOCK_WAIT) update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get $(APT_LOCK_WAIT) install -y -qq --no-install-recommends $$missing; \
 	fi
 
 deps-python:
@@ -30,8 +32,8 @@ lint:
 typecheck:
 	$(PYTHON) -m mypy
 
-pytest:  ## Docker was installed by deps-system: a dockerd that cannot start fails the Docker tests
-	GPUBADGE_REQUIRE_DOCKER=1 $(PYTHON) -m pytest -q
+pytest:  ## deps-system installed Docker, PostgreSQL and gcc: a test that cannot use them fails, not skips
+	GPUBADGE_REQUIRE_DOCKER=1 GPUBADGE_REQUIRE_SYSTEM=1 $(PYTHON) -m pytest -q
 
 test: deps-system deps-python lint typecheck pytest
 

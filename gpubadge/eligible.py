@@ -160,6 +160,8 @@ def print_decision(decision: dict[str, Any]) -> None:
             print(f"ineligible  {examples}{more}: {item['reason']}")
     for warning in decision.get("warnings", []):
         print(f"warning     {warning}")
+    for hint in decision.get("hints", []):
+        print(f"hint        the image {hint}")
     if not decision.get("eligible_count", len(decision.get("eligible", []))):
         print("no server can run this image with this request")
 

@@ -43,22 +43,32 @@ class AnswerOptions(BaseModel):
     )
 
 
+SCORE_MEANING = (
+    "how well the server fits, 1 = exactly: 1 / (1 + preference rank + spare GPUs), where the rank"
+    " is the position of its GPU model in an ordered `gpu_models` list (0 otherwise) and spare GPUs"
+    " are the free GPUs a deployment would leave unused there; higher is a tighter fit"
+)
+
+
 class ReasonCount(BaseModel):
     reason: str
-    count: int = Field(description="ineligible servers this reason applies to (a server may have several)")
+    count: int = Field(
+        description="ineligible servers whose decisive (first) reason this is: each server is counted"
+        " once, so the counts add up to `ineligible_count` (explain=all lists every reason)"
+    )
     examples: list[str] = Field(description=f"up to {EXAMPLES} of them, by name")
 
 
 class EligibleEntry(BaseModel):
     server: str
     gpus: list[str] = Field(description="GPU UUIDs a deployment would reserve, in order")
-    score: float
+    score: float = Field(description=SCORE_MEANING)
     platform: str = Field(description="the image platform that would run")
 
 
 class IneligibleEntry(BaseModel):
     server: str
-    reasons: list[str]
+    reasons: list[str] = Field(description="every reason, the decisive one first")
 
 
 class EligibilityAnswer(BaseModel):
@@ -67,6 +77,12 @@ class EligibilityAnswer(BaseModel):
     eligible: list[EligibleEntry] = Field(description="best fit first; one page unless explain=all")
     eligible_count: int = Field(description="all eligible servers, on every page")
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last")
+    image_needs_gpu: bool = Field(
+        default=False,
+        description="whether the image uses an NVIDIA GPU: it declares one (NVIDIA/CUDA settings in its"
+        " config) or CUDA was found in its layers; with gpus asked for an image that does not, a hint"
+        " says they would sit idle",
+    )
     ineligible_count: int
     ineligible_by_reason: list[ReasonCount] = Field(description="most common reason first")
     ineligible: list[IneligibleEntry] | None = Field(
@@ -91,6 +107,7 @@ class AnswerBody(TypedDict, total=False):
     eligible: list[EligibleServer]
     eligible_count: int
     next_cursor: str | None
+    image_needs_gpu: bool
     ineligible_count: int
     ineligible_by_reason: list[ReasonSummary]
     ineligible: list[IneligibleServer]
@@ -139,6 +156,7 @@ def answer(decision: Decision, options: AnswerOptions) -> AnswerBody:
         "eligible": listed,
         "eligible_count": decision.eligible_count,
         "next_cursor": encode_cursor(after) if after is not None else None,
+        "image_needs_gpu": decision.image_needs_gpu,
         "ineligible_count": decision.ineligible_count,
         "ineligible_by_reason": decision.ineligible_summary(EXAMPLES),
         "warnings": list(decision.warnings),

@@ -10,6 +10,7 @@ lists single servers only for the page a caller asks for (or all of them when as
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,24 @@ class ImageFacts(BaseModel):
     @property
     def gpu_required(self) -> bool:
         return any(p.gpu.required for p in self.platforms)
+
+    @property
+    def needs_gpu(self) -> bool:
+        """Whether a platform uses an NVIDIA GPU: it declares one (NVIDIA/CUDA settings in its
+        config) or CUDA was found in its layers. False for a CPU image, and for one whose layers
+        are still being read and declares none (`pending` says what could change)."""
+        return any(p.gpu.required or p.gpu.inferred is not None for p in self.platforms)
+
+    def idle_gpus_hint(self, gpus_requested: int | None) -> str | None:
+        """The hint for GPUs asked for an image that shows no sign of using one (they would idle)."""
+        if not gpus_requested or self.needs_gpu or not self.platforms:
+            return None
+        so_far = " so far (its layers are still being read)" if self.pending else ""
+        return (
+            f"shows no sign of using a GPU{so_far}: no NVIDIA or CUDA settings in its config, no CUDA"
+            f" in its layers; the {gpus_requested} GPU(s) reserved for it would sit idle (leave gpus"
+            " out to place it on any server)"
+        )
 
     @property
     def pending(self) -> list[str]:
@@ -465,12 +484,14 @@ def _cuda_major(facts: GpuFacts) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _fmt_bytes(value: int) -> str:
-    if value % _GIB == 0:
-        return f"{value // _GIB}Gi"
-    if value % 1024**2 == 0:
-        return f"{value // 1024**2}Mi"
-    return f"{value} bytes"
+def _fmt_sizes(have: int, need: int) -> tuple[str, str]:
+    """`have` and `need` (bytes; have < need) in one unit, GiB from 1 GiB on, else MiB: what a
+    server has rounded down, what a request needs rounded up (2 decimals), so have < need still
+    reads so (never `40 GiB < requested 40 GiB`)."""
+    unit, size = ("GiB", _GIB) if need >= _GIB else ("MiB", 1024**2)
+    shown_have = math.floor(have * 100 / size) / 100
+    shown_need = math.ceil(need * 100 / size) / 100
+    return f"{shown_have:g} {unit}", f"{shown_need:g} {unit}"
 
 
 def _fmt_cpus(value: float) -> str:
@@ -520,7 +541,8 @@ class _Query:
         if request.min_gpu_memory is not None and not memory_satisfies(
             gpu.memory_mib, request.min_gpu_memory
         ):
-            reasons.append(f"memory {gpu.memory_mib} MiB < requested {_fmt_bytes(request.min_gpu_memory)}")
+            has, wants = _fmt_sizes(gpu.memory_mib * 1024**2, request.min_gpu_memory)
+            reasons.append(f"GPU memory {has} < requested {wants}")
         cc = gpu.compute_capability or None
         if request.min_compute_capability is not None:
             if cc is None:
@@ -603,14 +625,17 @@ class _Query:
             gpu = self.gpu_parts[key] = self._gpu_part(plan, entry)
         gpu_reasons, picks, rank, spare_gpus, memory_mib, score = gpu
         if arch_reason is not None or cpus_short or memory_short or gpu_reasons:
+            # Decisive first: the image cannot run on this architecture at all; then what the GPU
+            # side says (itself decisive first); then the CPUs and memory a bigger server would add.
             reasons: list[str] = []
             if arch_reason is not None:
                 reasons.append(arch_reason)
-            if cpus is not None and cpus_short:
-                reasons.append(f"has {entry.cpus} CPUs, request needs {_fmt_cpus(cpus)}")
-            if memory is not None and memory_short:
-                reasons.append(f"has {_fmt_bytes(entry.memory)} memory, request needs {_fmt_bytes(memory)}")
             reasons.extend(gpu_reasons)
+            if cpus is not None and cpus_short:
+                reasons.append(f"has {_fmt_cpus(entry.cpus)} CPUs, request needs {_fmt_cpus(cpus)}")
+            if memory is not None and memory_short:
+                has, wants = _fmt_sizes(entry.memory, memory)
+                reasons.append(f"has {has} memory, request needs {wants}")
             return tuple(reasons), (), _NO_KEY, plan.platform, 0.0
         spare_cpus = entry.cpus - (cpus or 0)
         return (
@@ -636,17 +661,16 @@ class _Query:
         needed = plan.needed
         if plan.gpu_image or needed > 0:
             if entry.driver is None:
-                reasons.append("no NVIDIA driver")
-            elif request.min_driver is not None and not compare_version(
-                entry.driver, ">=", request.min_driver
-            ):
+                # A server without NVIDIA's driver: that says it all (no musl, requirement or
+                # GPU-count reason after it).
+                return ("no NVIDIA driver",), (), 0, 0, 0, 0.0
+            if request.min_driver is not None and not compare_version(entry.driver, ">=", request.min_driver):
                 reasons.append(f"driver {entry.driver} < requested {request.min_driver}")
             if plan.requirements.error is not None:
                 reasons.append(f"image requirement cannot be evaluated: {plan.requirements.error}")
             if plan.musl and plan.gpu_image and not entry.musl:
                 reasons.append("image uses musl libc with GPUs; server has no musl GPU support")
-            if entry.driver is not None:
-                reasons.extend(self._shape_rules(plan, entry))
+            reasons.extend(self._shape_rules(plan, entry))
         picks: list[tuple[int, int]] = []  # (position in entry.groups, how many GPUs to take)
         picked = 0
         memory_mib = 0
@@ -673,12 +697,20 @@ class _Query:
                 if entry.busy_gpus:
                     detail += f", {entry.busy_gpus} in use"
                 if free == available:
-                    reasons.append(f"needs {needed} free GPU(s), has {detail}")
+                    count_reason = f"needs {needed} free GPU(s), has {detail}"
                 else:
-                    reasons.append(f"needs {needed} suitable free GPU(s), has {available} ({detail})")
-                for class_id, count, why in refused:
-                    name = self.index.classes[class_id].name
-                    reasons.extend(f"{count} free {name}: {line}" for line in why)
+                    count_reason = f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+                class_reasons = [
+                    f"{count} free {self.index.classes[class_id].name}: {line}"
+                    for class_id, count, why in refused
+                    for line in why
+                ]
+                # With no suitable GPU at all, why the GPUs it has do not suit is decisive (the
+                # count follows from it); with some, too few of them is.
+                if available == 0:
+                    reasons.extend([*class_reasons, count_reason])
+                else:
+                    reasons.extend([count_reason, *class_reasons])
             elif not reasons:
                 if len(usable) > 1:
                     usable.sort()
@@ -749,8 +781,15 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             bucket = _Bucket(result, view.shape_names[shape], view.shape_groups[shape], result[0])
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
-    hint = inferred.hint([platform.gpu for platform in image.platforms], request.gpus)
-    decision = Decision(eligible, refused, warnings, [hint] if hint else [], image.pending)
+    hints = [
+        hint
+        for hint in (
+            inferred.hint([platform.gpu for platform in image.platforms], request.gpus),
+            image.idle_gpus_hint(request.gpus),
+        )
+        if hint
+    ]
+    decision = Decision(eligible, refused, warnings, hints, image.pending, image_needs_gpu=image.needs_gpu)
     index.keep_decision(form, view, decision)
     return decision
 
@@ -809,6 +848,7 @@ class Decision:
         "_tiers",
         "eligible_count",
         "hints",
+        "image_needs_gpu",
         "ineligible_count",
         "pending",
         "warnings",
@@ -821,8 +861,11 @@ class Decision:
         warnings: list[str],
         hints: list[str] | None = None,
         pending: list[str] | None = None,
+        *,
+        image_needs_gpu: bool = False,
     ) -> None:
         self.pending = pending or []
+        self.image_needs_gpu = image_needs_gpu  # ImageFacts.needs_gpu of the image judged
         tiers: dict[SortKey, list[_Bucket]] = {}
         for bucket in eligible:
             tiers.setdefault(bucket.key, []).append(bucket)
@@ -873,7 +916,7 @@ class Decision:
 
     @property
     def ineligible(self) -> list[IneligibleServer]:
-        """Every other server in name order, each with every reason."""
+        """Every other server in name order, each with every reason, the decisive one first."""
         listed = [
             (name, reasons)
             for bucket in self._refused
@@ -884,7 +927,9 @@ class Decision:
         return [{"server": name, "reasons": reasons} for name, reasons in listed]
 
     def ineligible_summary(self, examples: int = 3) -> list[ReasonSummary]:
-        """Each reason once, with how many servers it rules out and the first few by name; most first.
+        """Each decisive reason once (a server's first: see `ineligible` for all of them), with how
+        many servers it rules out and the first few by name; most first. The counts add up to
+        `ineligible_count`: every server is counted once.
 
         Computed once per Decision and examples count (a Decision is immutable); callers get copies.
         """
@@ -903,9 +948,9 @@ class Decision:
         holders: dict[str, list[_Bucket]] = {}
         for reasons, buckets in by_reasons.items():
             size = sum(len(bucket.names) for bucket in buckets)
-            for reason in reasons:
-                counts[reason] = counts.get(reason, 0) + size
-                holders.setdefault(reason, []).extend(buckets)
+            reason = reasons[0]  # each server once, under its decisive reason
+            counts[reason] = counts.get(reason, 0) + size
+            holders.setdefault(reason, []).extend(buckets)
         summary: list[ReasonSummary] = []
         for reason, count in counts.items():
             # The first names overall lie in the buckets whose first names are the first.

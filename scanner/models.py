@@ -171,6 +171,11 @@ class LibcVerdict(BaseModel):
     musl_also: bool = Field(default=False, description="a musl loader is present beside glibc")
     layers_read: int = 0
     layers_total: int = 0
+    layers_cached: int = Field(
+        default=0,
+        description="of layers_read, those whose C-library facts came from the layer cache (read before,"
+        " for this or another image), not from bytes this scan fetched",
+    )
     bytes_read: int = Field(
         default=0,
         description="compressed layer bytes the registry sent for this verdict, partial reads included",

@@ -94,6 +94,11 @@ class Dialect:
         non-null object at the path `member`."""
         raise NotImplementedError
 
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        """Every distinct string of the arrays at `member` of the elements of the JSON document's
+        top-level array `array_key` (e.g. every platform's badges), gathered as `agg` does."""
+        raise NotImplementedError
+
     def search(self, columns: Sequence[str], param: str) -> str:
         """A case-insensitive substring match of the (already escaped, %-wrapped) parameter
         against any of `columns`."""
@@ -122,6 +127,12 @@ class Dialect:
     def lock(self, db: Db, key: str) -> None:
         """Serialise this transaction with every other one taking the same `key` until it ends
         (PostgreSQL's advisory lock); SQLite's one writer serialises every write already."""
+
+    def lock_all(self, db: Db, keys: Sequence[str]) -> None:
+        """`lock` for each of `keys`, taken in the order given (sort them: two transactions taking
+        overlapping keys in one order cannot deadlock)."""
+        for key in keys:
+            self.lock(db, key)
 
     def notify(self, db: Db, channel: str, payload: str) -> None:
         """Tell every replica of this commit (PostgreSQL); a single-file store needs no telling."""
@@ -162,6 +173,12 @@ class SqliteDialect(Dialect):
         return (
             f"EXISTS (SELECT 1 FROM json_each({document}, '$.{array_key}') p"
             f" WHERE json_type(p.value, '{path}') = 'object')"
+        )
+
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        return (
+            f"(SELECT json_group_array(DISTINCT b.value) FROM json_each({document}, '$.{array_key}') p,"
+            f" json_each(p.value, '$.{member}') b)"
         )
 
     def search(self, columns: Sequence[str], param: str) -> str:
@@ -212,6 +229,12 @@ class PostgresDialect(Dialect):
             f" WHERE jsonb_typeof(p -> {path}) = 'object')"
         )
 
+    def json_strings(self, document: str, array_key: str, member: str) -> str:
+        return (
+            f"(SELECT array_agg(DISTINCT b ORDER BY b) FROM jsonb_array_elements({document}::jsonb"
+            f" -> '{array_key}') p, jsonb_array_elements_text(coalesce(p -> '{member}', '[]'::jsonb)) b)"
+        )
+
     def search(self, columns: Sequence[str], param: str) -> str:
         # One expression, so the trigram index `reports_search` (migration 0003) serves it when it
         # is spelt exactly as there; chr(31) keeps a match from spanning two fields.
@@ -236,6 +259,17 @@ class PostgresDialect(Dialect):
 
     def lock(self, db: Db, key: str) -> None:
         db.one("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))", {"key": key})
+
+    def lock_all(self, db: Db, keys: Sequence[str]) -> None:
+        if len(keys) <= 1:
+            for key in keys:
+                self.lock(db, key)
+            return
+        # One round trip; the target list (volatile) is evaluated after the sort, so in key order.
+        db.all(
+            "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM unnest(CAST(:keys AS text[])) AS k ORDER BY k",
+            {"keys": self.array(keys)},
+        )
 
     def notify(self, db: Db, channel: str, payload: str) -> None:
         # NOTIFY's payload limit is 8000 bytes; every payload here is bounded far below it

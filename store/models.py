@@ -7,7 +7,7 @@ callers never learn which engine is behind the facade.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 JobState = Literal["queued", "running", "done", "failed"]
@@ -95,6 +95,7 @@ class ImageRow:
     distro: str | None
     scanned_at: str
     tags: list[str]
+    platform_badges: list[str] = field(default_factory=list)  # every platform's badges, once each
 
 
 class ServerRecord(NamedTuple):

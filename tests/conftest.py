@@ -20,10 +20,24 @@ Pusher = Callable[[ImageSpec | list[ImageSpec], str], str]
 # Set by `make test`, which installs Docker first: a Docker engine that cannot start is then a
 # failure, not a skip, so a broken CI host cannot pass by skipping every agent test.
 REQUIRE_DOCKER_ENV = "GPUBADGE_REQUIRE_DOCKER"
+# The same promise for the rest of what `make deps-system` installs (PostgreSQL, gcc): a test that
+# needs one of them fails, naming what is missing, instead of skipping quietly.
+REQUIRE_SYSTEM_ENV = "GPUBADGE_REQUIRE_SYSTEM"
+
+
+def _set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def docker_required() -> bool:
-    return os.environ.get(REQUIRE_DOCKER_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return _set(REQUIRE_DOCKER_ENV)
+
+
+def skip_unless_required(reason: str) -> None:
+    """Skip for `reason` (a Debian package missing here), or fail when `make test` promised it."""
+    if _set(REQUIRE_SYSTEM_ENV):
+        pytest.fail(f"{REQUIRE_SYSTEM_ENV} is set (make test installs it), but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +64,7 @@ def postgres_server() -> Iterator[LocalPostgres]:
     """One real PostgreSQL (Debian's, initdb into a temp dir, as `postgres`) for the session."""
     reason = postgres_unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        skip_unless_required(reason)
     with run_postgres() as server:
         yield server
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from fixtures.service import run_service_process
+from scanner.settings import RETIRED_SETTINGS, ScannerSettings
 from tests.test_service_e2e import call
 from web.cli import load_settings
 
@@ -176,3 +180,32 @@ def test_mirror_user_info_is_redacted_by_config(tmp_path: Path) -> None:
     assert "hunter" not in result.stdout + result.stderr
     assert "https://bob:[redacted]@mirror.local:5000" in result.stdout
     assert "alice:[redacted]@hub-mirror:5000" in result.stdout
+
+
+@pytest.mark.parametrize("old", sorted(RETIRED_SETTINGS))
+def test_a_retired_setting_is_refused_naming_its_replacement(
+    old: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deep scan's own bounds are gone: set by keyword, file or environment, each fails loudly."""
+    monkeypatch.delenv("GPUBADGE_CONFIG", raising=False)
+    message = rf"setting {old} \(GPUBADGE_{old.upper()}\) was removed: {re.escape(RETIRED_SETTINGS[old])}"
+    with pytest.raises(ValidationError, match=message):
+        ScannerSettings(docker_config=None, **{old: 1})
+    monkeypatch.setenv(f"GPUBADGE_{old.upper()}", "1")
+    with pytest.raises(ValidationError, match=message):
+        ScannerSettings(docker_config=None)
+
+
+def test_serve_refuses_a_retired_setting_in_its_environment(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUBADGE_")}
+    env["GPUBADGE_DEEP_SCAN_SECONDS"] = "30"
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "serve", "--db", str(tmp_path / "x.db")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "deep_scan_seconds (GPUBADGE_DEEP_SCAN_SECONDS) was removed" in result.stderr
+    assert "set max_scan_seconds" in result.stderr and "Traceback" not in result.stderr

@@ -25,6 +25,7 @@ from scanner.layers.fatbin import (
 )
 from scanner.layers.inferred import needed_finding
 from scanner.models import ContainerArchs
+from tests.conftest import skip_unless_required
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 
 # cuobjdump on nvidia-nvjpeg-cu12 12.4.0.76's libnvjpeg.so.12 (see the shared cuda_inference note).
@@ -230,7 +231,7 @@ def test_summary_intersects_never_unites() -> None:
 @pytest.fixture(scope="module")
 def linked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
+        skip_unless_required("gcc is not installed (make deps-system installs it)")
     work: Path = tmp_path_factory.mktemp("linked")
     (work / "stub.c").write_text("int stub(void) { return 0; }\n")
     (work / "main.c").write_text("int stub(void);\nint main(void) { return stub(); }\n")

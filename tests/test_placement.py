@@ -225,7 +225,7 @@ def test_cuda_12_2_image_on_the_sample_fleet() -> None:
     assert reasons_of(decision, "gh200-arm") == [
         "CPU architecture arm64 is not among the image's platforms (linux/amd64)"
     ]
-    assert reasons_of(decision, "cpu-1") == ["no NVIDIA driver", "needs 1 free GPU(s), has 0 free of 0"]
+    assert reasons_of(decision, "cpu-1") == ["no NVIDIA driver"]  # not also "has 0 free of 0"
     h100 = next(item for item in decision.eligible if item["server"] == "h100-a")
     assert h100["gpus"] == ["GPU-h100a-0002-0000-0000-000000000000"]  # 0 and 1 are in use
 
@@ -266,8 +266,12 @@ def test_model_preference_order_and_memory() -> None:
     decision = decide(cuda_image("12.2.2"), request, FLEET)
     assert eligible_names(decision) == ["a100-40-a", "a100-80-a", "h100-a"]
     t4 = reasons_of(decision, "t4-legacy")
-    assert "2 free Tesla T4: model Tesla T4 is not a100 or h100" in t4
-    assert "2 free Tesla T4: memory 15360 MiB < requested 40Gi" in t4
+    # Why its GPUs do not suit comes first; the count that follows from it last; one unit per quantity.
+    assert t4 == [
+        "2 free Tesla T4: model Tesla T4 is not a100 or h100",
+        "2 free Tesla T4: GPU memory 15 GiB < requested 40 GiB",
+        "needs 1 suitable free GPU(s), has 0 (2 free of 2)",
+    ]
     reverse = decide(cuda_image("12.2.2"), request.model_copy(update={"gpu_models": ["h100", "a100"]}), FLEET)
     assert eligible_names(reverse)[0] == "h100-a"
     big = decide(cuda_image("12.2.2"), DeployRequest(gpus=1, gpu_models=["a100-80gb"]), FLEET)
@@ -285,7 +289,7 @@ def test_every_failed_condition_is_reported() -> None:
     )
     reasons = reasons_of(decide(cuda_image("12.2.2"), request, FLEET), "t4-legacy")
     assert "has 32 CPUs, request needs 64" in reasons
-    assert "has 128Gi memory, request needs 256Gi" in reasons
+    assert "has 128 GiB memory, request needs 256 GiB" in reasons
     assert "driver 470.57.02 < requested 535" in reasons
     assert "2 free Tesla T4: compute capability 7.5 < requested 8.0" in reasons
     edge = reasons_of(decide(cuda_image("12.2.2"), request, FLEET), "l4-edge")
@@ -374,9 +378,10 @@ def test_decision_json_shape_and_prepared_index() -> None:
     summary = answer(decision, AnswerOptions())
     assert "ineligible" not in summary and summary["next_cursor"] is None
     EligibilityAnswer.model_validate(summary)
-    for item in summary["ineligible_by_reason"]:
-        having = [entry["server"] for entry in data["ineligible"] if item["reason"] in entry["reasons"]]
+    for item in summary["ineligible_by_reason"]:  # each server once, under its decisive reason
+        having = [entry["server"] for entry in data["ineligible"] if item["reason"] == entry["reasons"][0]]
         assert item["count"] == len(having) and item["examples"] == having[:3]
+    assert sum(item["count"] for item in summary["ineligible_by_reason"]) == data["ineligible_count"]
 
 
 def _many(count: int) -> list[Server]:
@@ -496,16 +501,16 @@ def test_servers_sharing_gpus_but_not_arch_or_size_get_their_own_verdicts() -> N
     arch = "CPU architecture arm64 is not among the image's platforms (linux/amd64)"
     assert reasons_of(decision, "twin-small") == [
         "has 8 CPUs, request needs 16",
-        "has 16Gi memory, request needs 64Gi",
+        "has 16 GiB memory, request needs 64 GiB",
     ]
     assert reasons_of(decision, "twin-arm") == [arch]
     assert reasons_of(decision, "twin-arm-small") == [arch, "has 8 CPUs, request needs 16"]
-    # A GPU failure is listed after the per-server reasons, for every server with those GPUs.
+    # A GPU failure is listed before the CPU and memory reasons (a bigger server would not help).
     failing = decide(cuda_image("12.2.2"), DeployRequest(gpus=2, cpus=16, min_driver="999"), fleet)
     assert failing.eligible == []
     driver = f"driver {h100.driver_version} < requested 999"
     assert reasons_of(failing, "twin-big") == [driver]
-    assert reasons_of(failing, "twin-arm-small") == [arch, "has 8 CPUs, request needs 16", driver]
+    assert reasons_of(failing, "twin-arm-small") == [arch, driver, "has 8 CPUs, request needs 16"]
     # A CPU image for both architectures: one shared GPU part, each server its own platform.
     anywhere = decide(cpu_image("linux/amd64", "linux/arm64"), DeployRequest(cpus=16), fleet)
     assert {item["server"]: item["platform"] for item in anywhere.eligible} == {
@@ -650,12 +655,23 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     )
     assert status == 200
     assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
-    # The agent goes silent: its last heartbeat is now older than stale_after_seconds.
-    silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-    # The store has no API to age a heartbeat; the test writes the file as another process would.
-    with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
-        other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
-        other.commit()
+    stale_after = service.app[SERVICES].settings.stale_after_seconds
+
+    def silent_for(seconds: float) -> None:
+        """The agent's last heartbeat `seconds` ago (the store has no API to age a heartbeat; the
+        test writes the file as another process would)."""
+        since = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat()
+        with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
+            other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [since])
+            other.commit()
+        service.clock.now += service.cache.check_seconds  # the next timed check reads it
+
+    # Both sides of the threshold: silent a little less than stale_after_seconds, it stays...
+    silent_for(stale_after - 10)
+    assert "agent-a" in _eligible(await service.eligibility(gpus=1))
+    # ...a little more, it drops out (at the next timed check, not before).
+    silent_for(stale_after + 10)
+    service.clock.now -= service.cache.check_seconds
     assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
     service.clock.now += service.cache.check_seconds
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
@@ -698,3 +714,62 @@ def test_many_small_updates_match_a_fresh_build() -> None:
     ):
         assert decide(cuda_image("12.2.2"), request, index) == decide(cuda_image("12.2.2"), request, fresh)
     assert index.view() is not before and sum(map(len, before.shape_names)) == 400  # old view untouched
+
+
+def test_one_decisive_reason_per_server_in_the_summary_all_of_them_behind_explain_all() -> None:
+    """The issue's example: a musl GPU image asked for H100s. Each server is summarised once, by
+    the reason that decides it; explain=all keeps every reason, that one first."""
+    request = DeployRequest(gpus=1, gpu_models=["h100"], min_gpu_memory="40Gi")
+    decision = decide(cuda_image("12.2.2", libc="musl"), request, FLEET)
+    a100 = reasons_of(decision, "a100-40-a")
+    assert a100[0] == "image uses musl libc with GPUs; server has no musl GPU support"
+    assert "4 free NVIDIA A100-SXM4-40GB: model NVIDIA A100-SXM4-40GB is not h100" in a100[1:]
+    assert reasons_of(decision, "cpu-1") == ["no NVIDIA driver"]
+    body = answer(decision, AnswerOptions())
+    counted = {item["reason"]: item["count"] for item in body["ineligible_by_reason"]}
+    assert sum(counted.values()) == body["ineligible_count"] == len(FLEET) - body["eligible_count"]
+    for server in FLEET:  # one unit per quantity, never `MiB < requested 40Gi`
+        for reason in (
+            reasons_of(decision, server.name) if server.name not in eligible_names(decision) else []
+        ):
+            assert not ("MiB" in reason and "GiB" in reason) and "Gi " not in reason + " ", reason
+
+
+@pytest.mark.parametrize(
+    ("have_mib", "need", "shown"),
+    [
+        (23034, "40Gi", "GPU memory 22.49 GiB < requested 40 GiB"),
+        (512, "1000Mi", "GPU memory 512 MiB < requested 1000 MiB"),
+    ],
+)
+def test_gpu_memory_reasons_use_one_unit_and_never_read_equal(have_mib: int, need: str, shown: str) -> None:
+    (template,) = [server for server in FLEET if server.name == "l4-edge"]
+    data = template.model_dump()
+    data["gpus"] = [{**gpu, "memory_mib": have_mib} for gpu in data["gpus"]]
+    server = Server.model_validate(data)
+    decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=1, min_gpu_memory=need), [server])
+    assert any(reason.endswith(shown) for reason in reasons_of(decision, "l4-edge")), decision.ineligible
+
+
+def test_sizes_never_read_equal_in_a_reason() -> None:
+    from placement.decide import _fmt_sizes
+
+    gib = 1024**3
+    assert _fmt_sizes(gib * 16, gib * 64) == ("16 GiB", "64 GiB")
+    assert _fmt_sizes(40959 * 1024**2, 40 * gib) == ("39.99 GiB", "40 GiB")  # not "40 < 40"
+    assert _fmt_sizes(40 * gib, 40 * gib + 1) == ("40 GiB", "40.01 GiB")
+    assert _fmt_sizes(100 * 1024**2, 200 * 1024**2) == ("100 MiB", "200 MiB")
+
+
+def test_gpus_asked_for_a_cpu_image_are_said_to_sit_idle() -> None:
+    cpu = decide(cpu_image("linux/amd64"), DeployRequest(gpus=1), FLEET)
+    body = answer(cpu, AnswerOptions())
+    assert body["image_needs_gpu"] is False and body["eligible_count"] > 0
+    (hint,) = body["hints"]
+    assert (
+        hint.startswith("shows no sign of using a GPU:") and "1 GPU(s) reserved for it would sit idle" in hint
+    )
+    assert answer(decide(cpu_image("linux/amd64"), DeployRequest(), FLEET), AnswerOptions())["hints"] == []
+    gpu = answer(decide(cuda_image("12.2.2"), DeployRequest(gpus=1), FLEET), AnswerOptions())
+    assert gpu["image_needs_gpu"] is True and gpu["hints"] == []
+    EligibilityAnswer.model_validate(body)

@@ -395,3 +395,29 @@ async def test_cookies_a_registry_sets_are_never_sent_back() -> None:
         assert sent == [None, None, None]
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("media_type", "urls", "reason"),
+    [
+        # each rule alone: a mutation dropping any one of them fails its own case
+        ("application/vnd.oci.image.layer.nondistributable.v1.tar+gzip", None, "non-distributable layer"),
+        ("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip", None, "foreign layer"),
+        ("application/vnd.oci.image.layer.v1.tar+gzip", ["https://example.com/base.tgz"], "external URLs"),
+        ("application/vnd.oci.image.layer.v1.tar+gzip", None, None),
+        ("application/vnd.oci.image.layer.v1.tar+gzip", [], None),
+    ],
+)
+def test_layers_never_fetched_each_rule_alone(
+    media_type: str, urls: list[str] | None, reason: str | None
+) -> None:
+    from scanner.registry.descriptors import Descriptor, not_distributable
+
+    data: dict[str, object] = {"mediaType": media_type, "digest": "sha256:" + "a" * 64, "size": 10}
+    if urls is not None:
+        data["urls"] = urls
+    why = not_distributable(Descriptor.from_json(data, "layer 0"))
+    if reason is None:
+        assert why is None
+    else:
+        assert why is not None and reason in why, why

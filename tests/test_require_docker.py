@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REQUIRE_DOCKER_ENV
+from tests.conftest import REQUIRE_DOCKER_ENV, REQUIRE_SYSTEM_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 USES_DOCKERD = """
@@ -82,3 +82,60 @@ def test_the_image_test_needs_debootstrap_and_says_so(
         assert result.returncode != 0 and f"{REQUIRE_DOCKER_ENV} is set" in output, output
     else:
         assert result.returncode == 0 and "skipped" in output and "error" not in output, output
+
+
+# -- the rest of deps-system: PostgreSQL and gcc (GPUBADGE_REQUIRE_SYSTEM, set by `make test`)
+
+WITHOUT_POSTGRES = """
+import fixtures.postgres
+
+fixtures.postgres.postgres_bin_dir = lambda: None  # as on a host without Debian's postgresql
+
+
+def test_needs_postgres(postgres_url: str) -> None:
+    assert postgres_url
+"""
+
+
+def run_child(tmp_path: Path, require: str | None, target: str, path: str | None = None) -> str:
+    env = {key: value for key, value in os.environ.items() if key != REQUIRE_SYSTEM_ENV}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    if path is not None:
+        env["PATH"] = path
+    if require is not None:
+        env[REQUIRE_SYSTEM_ENV] = require
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    if target.startswith(str(tmp_path)):  # a test file of ours in tmp_path: the repository's fixtures
+        command += ["-p", "tests.conftest", "--rootdir", str(tmp_path)]
+    result = subprocess.run(
+        [*command, target],
+        cwd=tmp_path if target.startswith(str(tmp_path)) else REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    if require:
+        assert result.returncode != 0 and f"{REQUIRE_SYSTEM_ENV} is set" in output, output
+        assert "skipped" not in output, output
+    else:
+        assert result.returncode == 0 and "skipped" in output and "error" not in output, output
+    return output
+
+
+@pytest.mark.parametrize("require", [None, "1"])
+def test_missing_postgres_fails_only_when_required(tmp_path: Path, require: str | None) -> None:
+    (tmp_path / "test_uses_postgres.py").write_text(WITHOUT_POSTGRES)
+    output = run_child(tmp_path, require, str(tmp_path / "test_uses_postgres.py"))
+    assert "postgresql is not installed" in output, output
+
+
+@pytest.mark.parametrize("require", [None, "1"])
+def test_missing_gcc_fails_the_fatbin_tests_only_when_required(tmp_path: Path, require: str | None) -> None:
+    """tests/test_fatbin.py links real binaries with gcc: without it they skip, or fail under make test."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()  # no gcc on this PATH
+    target = f"{REPO_ROOT / 'tests' / 'test_fatbin.py'}::test_needed_names_are_exact"
+    output = run_child(tmp_path, require, target, path=str(bin_dir))
+    assert "gcc is not installed" in output, output

@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 
+from fixtures import catalog
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
-from tests.test_service_e2e import WEBHOOKS, by_ref, call
+from tests.conftest import Pusher
+from tests.test_service_e2e import WEBHOOKS, by_ref, call, wait_job
 
 SECRET = "bad-input-hook-secret-91d2"
 TOKEN = "bad-input-api-token-5e77"
@@ -393,6 +395,24 @@ def test_by_ref_for_unscanned_image_is_404(service: RunningService, registry: Lo
 
     for bad in ("", "UPPER:1"):
         assert by_ref(service.url, bad, wait=0).status == 400
+
+
+def test_a_digest_only_push_is_held_back_while_a_later_tagged_one_runs(
+    service: RunningService, registry: LocalRegistry, push: Pusher
+) -> None:
+    """The coalescing delay, observed by order rather than by clock: a tagged push delivered after
+    a digest-only one is claimed and scanned to the end while the digest-only job (older, so
+    first in line were it ready) has not been tried once. Without the delay it would be claimed
+    first (claims go by readiness, then age), and its try would count."""
+    held = hook(service, "distribution", distribution_push(registry.host, "bad/held", tag=None), BEARER)
+    assert held.status == 202, held.text
+    tagged = distribution_push(registry.host, "bad/later", tag="1")
+    tagged["events"][0]["target"]["digest"] = push(catalog.plain_glibc(), "bad/later:1")
+    later = hook(service, "distribution", tagged, BEARER)
+    assert later.status == 202, later.text
+    assert wait_job(service.url, later.body["jobs"][0])["state"] == "done", service.log()[-3000:]
+    job = wait_job(service.url, held.body["jobs"][0], wait=0)
+    assert (job["state"], job["attempts"]) == ("queued", 0), job
 
 
 def test_health_after_everything(service: RunningService) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import LocalRegistry, free_port, run_registry
 from fixtures.service import run_service_process
+from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule
 from tests.test_service_e2e import by_ref, call, wait_job
 
@@ -211,3 +214,33 @@ async def test_sigterm_drains_and_requeues(burst: Burst, tmp_path: Path) -> None
                 job = await asyncio.to_thread(wait_job, again.url, sender.acked[repository][0], 30.0)
                 assert job["state"] == "done", job
     assert len(rows(db, "SELECT digest FROM reports")) == len(repositories)
+
+
+def test_jobs_of_a_dead_local_worker_resume_at_the_next_start(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """A process on this host that died with jobs running (kill -9) holds leases an hour long here:
+    the next start hands them back at once, not when they lapse; a live process keeps its own."""
+    from store import SqliteStore
+
+    push(ImageSpec([LayerSpec([file("etc/os-release", "ID=resumed\n")])]), "durable/resumed:1")
+    push(ImageSpec([LayerSpec([file("etc/os-release", "ID=kept\n")])]), "durable/kept:1")
+    dead_pid = subprocess.Popen(["true"])  # a pid that no longer exists once it is reaped
+    dead_pid.wait()
+    db = tmp_path / "gpubadge.db"
+    store = SqliteStore(db)
+    try:
+        host = socket.gethostname()
+        (dead_job,) = store.enqueue([(f"{registry.host}/durable/resumed:1", registry.host)])
+        assert [
+            job.id for job in store.claim_jobs(1, owner=f"{host}/{dead_pid.pid}/dead0000", lease_seconds=3600)
+        ] == [dead_job]
+        (live_job,) = store.enqueue([(f"{registry.host}/durable/kept:1", registry.host)])
+        live_owner = f"{host}/{os.getpid()}/live0000"  # this test's process: alive
+        assert [job.id for job in store.claim_jobs(1, owner=live_owner, lease_seconds=3600)] == [live_job]
+    finally:
+        store.close()
+    with run_service_process(db, env=service_env(registry)) as service:
+        assert wait_job(service.url, dead_job, 20.0)["state"] == "done"
+        kept = wait_job(service.url, live_job, 0)
+        assert kept["state"] == "running" and kept["attempts"] == 1, kept

@@ -210,6 +210,58 @@ def test_multi_arch_push_coalesces_into_one_index_report(stack: Stack) -> None:
         assert [p["digest"] for p in child_view.body["platforms"]] == [child]
 
 
+def manifest_event(host: str, repository: str, digest: str, tag: str | None = None) -> dict[str, Any]:
+    """One registry push event, as CNCF Distribution sends it (the tag absent for a child)."""
+    target = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "repository": repository}
+    target |= {"digest": digest, **({"tag": tag} if tag else {})}
+    return {"action": "push", "target": target, "request": {"host": host}}
+
+
+def index_children(host: str, repository: str, tag: str) -> list[str]:
+    """The manifests an index lists (platforms and attestations), read from the registry itself."""
+    request = urllib.request.Request(
+        f"http://{host}/v2/{repository}/manifests/{tag}",
+        headers={"Accept": "application/vnd.oci.image.index.v1+json"},
+    )
+    with urllib.request.urlopen(request, timeout=20) as response:
+        return [child["digest"] for child in json.loads(response.read())["manifests"]]
+
+
+@pytest.mark.parametrize("child_event", ["before", "with", "after"])
+def test_a_multi_arch_child_never_becomes_an_image_whenever_its_event_arrives(
+    stack: Stack, child_event: str
+) -> None:
+    """The index's and its children's push events in each order a registry may send them, each
+    delivery's jobs run to the end before the next: one image, the index; each child is known as
+    one of its platforms (README, Durability: child events wait so the index covers them)."""
+    repository = f"e2e/order-{child_event}"
+    specs = catalog.multi_arch()
+    for spec in specs:  # content of its own, so no other test's report of the same digest answers
+        spec.labels["case"] = repository
+    index_digest = stack.push(specs, f"{repository}:1", quiet=True)
+    host = stack.quiet.host
+    children = [manifest_event(host, repository, d) for d in index_children(host, repository, "1")]
+    index = [manifest_event(host, repository, index_digest, tag="1")]
+    deliveries = {
+        "before": [children, index],
+        "with": [children + index],
+        "after": [index, children],
+    }[child_event]
+    for events in deliveries:
+        reply = stack.hook("distribution", {"events": events})
+        assert reply.status == 202, reply.text
+        for job_id in reply.body["jobs"]:
+            assert wait_job(stack.url, job_id)["state"] == "done", stack.service.log()[-2000:]
+    listing = call("GET", f"{stack.url}/api/images?limit=200").body["images"]
+    mine = [image["digest"] for image in listing if image["repository"] == repository]
+    assert mine == [index_digest], listing
+    report = by_ref(stack.url, f"{host}/{repository}:1", wait=0).body
+    for platform in report["platforms"]:
+        child_view = by_ref(stack.url, f"{host}/{repository}@{platform['digest']}", wait=0)
+        assert child_view.status == 200, child_view.text
+        assert [p["digest"] for p in child_view.body["platforms"]] == [platform["digest"]]
+
+
 # ------------------------------------------------------------------ every other documented sender
 
 

@@ -480,6 +480,94 @@ def test_a_batch_of_scan_results_is_stored_in_one_transaction(open_backend: Open
     assert store.run(queries.list_images, libc="musl")[1] == 1
 
 
+def _lone(digest: str, tag: str | None = None) -> ImageReport:
+    """A platform manifest scanned on its own (a digest-only job): its one platform is itself."""
+    platform = PlatformReport(platform="linux/amd64", digest=digest, libc=LibcVerdict(flavour="glibc"))
+    reference = f"127.0.0.1:5000/app:{tag}" if tag else f"127.0.0.1:5000/app@{digest}"
+    return ImageReport(
+        reference=reference,
+        digest=digest,
+        registry="127.0.0.1:5000",
+        repository="app",
+        tag=tag,
+        platforms=[platform],
+    )
+
+
+@pytest.mark.parametrize("child_saved", ["before", "with", "after"])
+def test_a_multi_arch_child_is_never_an_image_of_its_own(open_backend: OpenBackend, child_saved: str) -> None:
+    """Whichever of the two saves comes first (the child's own digest-only scan, its index's scan),
+    only the index is an image; the child stays known as the index's platform."""
+    store = open_backend()
+    index, child = "sha256:" + "a" * 64, "sha256:" + "b" * 64  # _report(index)'s platform is `child`
+    if child_saved == "before":
+        store.run(queries.save_report, _lone(child))
+        store.run(queries.save_report, _report(index))
+    elif child_saved == "with":
+        store.run(queries.save_scan_results, [_lone(child), _report(index)])
+    else:
+        store.run(queries.save_report, _report(index))
+        store.run(queries.save_report, _lone(child))
+    rows, total = store.run(queries.list_images)
+    assert total == 1 and [row.digest for row in rows] == [index]
+    as_image, as_platform = store.run(queries.stored, child)
+    assert as_image is None and as_platform is not None
+
+
+def test_a_tagged_platform_manifest_stays_an_image_after_its_index(open_backend: OpenBackend) -> None:
+    """A tag that names the platform manifest itself makes it an image a user asked for."""
+    from store.queries import TagSeen
+
+    store = open_backend()
+    index, child = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    store.run(queries.save_report, _report(index))
+    store.run(
+        queries.save_scan_results, [TagSeen("127.0.0.1:5000", "app", "amd64", child), _lone(child, "amd64")]
+    )
+    assert {row.digest for row in store.run(queries.list_images)[0]} == {index, child}
+
+
+def test_postgres_child_save_waits_for_a_concurrent_index_save(postgres_url: str) -> None:
+    """Across replicas: the child's save, begun while its index's save is uncommitted, waits for it
+    (the platform digest's advisory lock) and then sees that the index covers it."""
+    from store.dialect import Db, writes
+    from store.postgres import PostgresStore
+
+    index, child = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    store = PostgresStore(postgres_url, pool_size=4)
+    try:
+        index_saving, child_done = threading.Event(), threading.Event()
+        release = threading.Event()
+
+        @writes
+        def save_index_and_hold(db: Db) -> None:
+            queries.save_report(db, _report(index))
+            index_saving.set()
+            assert release.wait(10)
+
+        def save_index() -> None:
+            store.run(save_index_and_hold)
+
+        def save_child() -> None:
+            assert index_saving.wait(10)
+            store.run(queries.save_report, _lone(child))
+            child_done.set()
+
+        threads = [threading.Thread(target=save_index), threading.Thread(target=save_child)]
+        for thread in threads:
+            thread.start()
+        assert index_saving.wait(10)
+        assert not child_done.wait(0.5), "the child's save did not wait for the index's"
+        release.set()
+        for thread in threads:
+            thread.join(10)
+        assert child_done.is_set()
+        assert [row.digest for row in store.run(queries.list_images)[0]] == [index]
+    finally:
+        release.set()
+        store.close()
+
+
 async def test_concurrent_scan_writes_share_commits_and_return_only_once_committed(
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -532,3 +620,17 @@ def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
         == "SELECT %(a)s::text[], '100%%', coalesce(%(b)s, 1) FROM t WHERE x < now()"
     )
     assert SQLITE.translate(neutral) == neutral  # SQLite binds :now to the process's clock
+
+
+def test_a_listing_row_carries_every_platform_badge_once(open_backend: OpenBackend) -> None:
+    """What the layers found (inferred CUDA, a mismatch, a requirement error) reaches the listing."""
+    store = open_backend()
+    report = _report("sha256:" + "a" * 64)
+    badges = ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-mismatch", "glibc"]
+    arm = report.platforms[0].model_copy(update={"platform": "linux/arm64", "digest": "sha256:" + "e" * 64})
+    platforms = [p.model_copy(update={"badges": badges}) for p in (report.platforms[0], arm)]
+    store.run(queries.save_report, report.model_copy(update={"platforms": platforms}))
+    store.run(queries.save_report, _report("sha256:" + "c" * 64))  # a report with no badges stored
+    rows = {row.digest: row for row in store.run(queries.list_images)[0]}
+    assert rows["sha256:" + "a" * 64].platform_badges == sorted(badges)
+    assert rows["sha256:" + "c" * 64].platform_badges == []

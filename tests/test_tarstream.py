@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import os
 import random
 import struct
@@ -208,6 +209,31 @@ async def test_a_decompression_bomb_stops_at_the_inflation_ratio(compression: st
         ):
             pass
     assert stats.decompressed_bytes <= max(4 << 20, 100 * stats.compressed_bytes) + (256 << 10)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+async def test_the_inflation_ratio_is_enforced_at_its_bound(compression: str) -> None:
+    """A layer inflating an even R times (4 KiB of noise, then 60 KiB of zeros, repeated): a bound
+    a quarter above R reads it to its end, a bound a fifth below R stops it. So the guard is the
+    bound as set, not some multiple of it (a bomb inflating 1000x would pass either way)."""
+    rng = random.Random(11)
+    content = b"".join(rng.randbytes(4096) + bytes(60 << 10) for _ in range(128))  # 8 MiB
+    blob = compress(tar_bytes([file("/data", content)]), compression)
+
+    async def read(ratio: int) -> StreamStats:
+        stats = StreamStats()
+        limits = AnalysisLimits(max_inflation_ratio=ratio, inflation_ratio_floor=1 << 20)
+        media_type = LAYER_MEDIA_TYPES[compression]  # type: ignore[index]
+        async for _ in iter_layer(chunked(blob), media_type, limits=limits, want=lambda _e: 0, stats=stats):
+            pass
+        return stats
+
+    whole = await read(1 << 30)
+    ratio = whole.decompressed_bytes / whole.compressed_bytes
+    assert 8 < ratio < 32, ratio  # what the content gives, so the bounds below mean what they say
+    assert (await read(math.ceil(ratio * 1.25))).reached_end
+    with pytest.raises(LimitExceeded, match="GPUBADGE_MAX_INFLATION_RATIO"):
+        await read(math.floor(ratio * 0.8))
 
 
 async def test_a_real_layer_inflating_a_few_times_reads_to_its_end() -> None:

@@ -3,8 +3,8 @@
 Part one drives the aiohttp app in-process over a Store filled with ImageReport
 objects (fast, exact). Part two (`-m browser`) runs `gpubadge serve` as a real
 process, scans images pushed by skopeo to the real test registry, and looks at the
-pages with headless Chromium. Set GPUBADGE_SCREENSHOTS=docs to refresh
-docs/images.png and docs/detail.png from that run.
+pages with headless Chromium. (The README's screenshots come from `make run`, by
+`python -m fixtures.screenshots`, not from these fixtures.)
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from web.ui import (
     human_bytes,
     platform_view,
     requirement_view,
+    row_badges,
+    short_reference,
     time_ago,
 )
 
@@ -201,6 +203,41 @@ def test_platform_view_adds_the_legacy_derived_requirement() -> None:
     assert [(r.variable, r.value, r.derived) for r in view.requirements] == [
         ("CUDA_VERSION (legacy image)", "cuda>=11.0", True)
     ]
+
+
+def test_listing_rows_show_what_the_layers_found() -> None:
+    from store import ImageRow
+
+    def row(gpu: bool, cuda: list[str], found: list[str]) -> list[str]:
+        image = ImageRow(
+            "sha256:" + "a" * 64,
+            "r",
+            "app",
+            "r/app:1",
+            gpu,
+            cuda,
+            ["glibc"],
+            ["linux/amd64"],
+            None,
+            "2026-01-01T00:00:00+00:00",
+            ["1"],
+            found,
+        )
+        return [badge.text for badge in row_badges(image)]
+
+    assert row(False, [], []) == ["CPU only", "glibc"]
+    assert row(False, [], ["cuda-12.1-inferred", "glibc"]) == ["CUDA 12.1 inside (inferred)", "glibc"]
+    mismatch = row(
+        True, ["11.8"], ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-mismatch", "glibc"]
+    )
+    assert mismatch == [
+        "NVIDIA GPU",
+        "CUDA 11.8",
+        "CUDA 12.4 inside (inferred)",
+        "declared and inferred CUDA differ",
+        "glibc",
+    ]
+    assert "requirement error" in row(True, ["12.2"], ["nvidia-gpu", "requirement-error"])
 
 
 def test_badge_paths_and_filters_parse() -> None:
@@ -597,8 +634,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 
 def screenshot_path(name: str, tmp_path: Path) -> Path:
-    target = os.environ.get("GPUBADGE_SCREENSHOTS")
-    return (Path(target) if target else tmp_path) / name
+    """Where a test keeps its shot (docs/*.png come from `make run`: python -m fixtures.screenshots)."""
+    return tmp_path / name
 
 
 @pytest.mark.browser
@@ -717,6 +754,55 @@ def test_scan_form_queues_and_redirects(scanned: Scanned, page: Any, push: Pushe
     page.get_by_role("button", name="Scan").click()
     page.wait_for_url("**/scans")
     assert page.locator("table.jobs-table a", has_text=reference).first.is_visible()
+
+
+@pytest.mark.browser
+def test_desktop_scans_table_fits_and_the_favicon_is_served(
+    scanned: Scanned, page: Any, push: Pusher
+) -> None:
+    """At 1280 px the scans table fits its box though a row names a digest (shortened, whole on
+    hover and copy), and no page asks for anything that is missing (/favicon.ico included)."""
+    digest = push(STATIC, "wide/app:1")
+    reference = scanned.ref(f"wide/app@{digest}")
+    scanned.service.scan(reference)
+    missing: list[str] = []
+    page.on("response", lambda response: missing.append(response.url) if response.status >= 400 else None)
+    page.goto(scanned.service.url + "/scans")
+    link = page.locator("table.jobs-table td.job-ref a", has=page.locator(f"text={digest[:19]}")).first
+    assert link.get_attribute("title") == reference and link.get_attribute("data-copy") == reference
+    assert link.inner_text() == short_reference(reference) and digest not in link.inner_text()
+    sizes = page.evaluate(
+        "() => { const w = document.querySelector('.table-wrap'), t = w.querySelector('table');"
+        " return [t.getBoundingClientRect().width, w.clientWidth, document.documentElement.scrollWidth,"
+        " window.innerWidth]; }"
+    )
+    table_width, box_width, page_width, viewport = sizes
+    assert table_width <= box_width and page_width <= viewport, sizes
+    headers = page.locator("table.jobs-table thead th").all()
+    assert all(h.evaluate("h => h.scrollWidth <= h.clientWidth") for h in headers)  # none cut short
+    page.locator("table.jobs-table button.copy").first.wait_for()
+    for path in ("/", "/images/" + scanned.ref("ml/trainer:12.2")):
+        page.goto(scanned.service.url + path)
+    status, headers_, body = scanned.service.get("/favicon.ico")
+    assert (
+        status == 200
+        and headers_["Content-Type"] in ("image/x-icon", "image/vnd.microsoft.icon")
+        and body[:4] == b"\0\0\1\0"
+    )
+    assert missing == []
+
+
+@pytest.mark.browser
+def test_layers_from_the_cache_are_said_to_be(scanned: Scanned, page: Any, push: Pusher) -> None:
+    """An image whose layers were read before for another image: read, from the cache, 0 B fetched."""
+    twin = ImageSpec(layers=STATIC.layers, env={"PATH": "/", "TWIN": "1"})  # same layer, own config
+    push(twin, "twin/static:1")
+    scanned.service.scan(scanned.ref("twin/static:1"))
+    page.goto(scanned.service.url + "/images/" + scanned.ref("twin/static:1"))
+    layers = page.locator("section.libc .layers-read").inner_text()
+    assert layers == "1 of 1: all from the layer cache (read before, no download)", layers
+    assert page.locator("section.libc .bytes-read").inner_text().startswith("0 B of ")
+    assert "(cached layers need none)" in page.locator("section.libc .bytes-read").inner_text()
 
 
 @pytest.mark.browser

@@ -8,7 +8,6 @@ headless Chromium.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -159,9 +158,8 @@ async def test_blank_form_is_a_plain_page(client: TestClient[Any, Any]) -> None:
 
 
 def screenshot_path(name: str, tmp_path: Path) -> Path:
-    """GPUBADGE_SCREENSHOTS=docs refreshes docs/<name>; otherwise the shot lands in tmp_path."""
-    target = os.environ.get("GPUBADGE_SCREENSHOTS")
-    return (Path(target) if target else tmp_path) / name
+    """Where a test keeps its shot (docs/*.png come from `make run`: python -m fixtures.screenshots)."""
+    return tmp_path / name
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +230,8 @@ def test_eligibility_form_scans_and_explains(
     t4_rows = [row for row in summary.all() if "t4-old" in row.locator(".examples").inner_text()]
     assert any("12.2" in row.locator(".reason").inner_text() for row in t4_rows)
     assert page.locator("table.rejected").count() == 0  # the summary only, until asked
+    assert "exact fit" in page.locator(".score-legend").inner_text()  # the score is explained
+    assert "spare GPUs" in (page.locator("abbr.score-help").get_attribute("title") or "")
     assert page.locator("input[name=gpus]").input_value() == "1"  # the form keeps what was typed
     page.screenshot(path=str(screenshot_path("eligibility.png", tmp_path)), full_page=True)
     page.locator("a.explain-all").click()

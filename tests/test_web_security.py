@@ -109,9 +109,11 @@ class Service:
                 parsed = None
             return Reply(response.status, parsed, text, response.headers)
 
-    def age_heartbeat(self, name: str) -> None:
-        """Make `name` silent for an hour, and move the fleet's clock past its timed check."""
-        silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    def age_heartbeat(self, name: str, beyond: float = 10.0) -> None:
+        """Make `name` silent for `beyond` seconds more than the stale threshold (less, when
+        negative), and move the fleet's clock past its timed check."""
+        stale_after = self.app[SERVICES].settings.stale_after_seconds
+        silent_since = (datetime.now(UTC) - timedelta(seconds=stale_after + beyond)).isoformat()
         # The store has no API to age a heartbeat; the test writes the file as another process would.
         with contextlib.closing(sqlite3.connect(self.app[SERVICES].settings.db)) as other:
             other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = ?", [silent_since, name])
@@ -486,7 +488,11 @@ async def test_a_gpu_uuid_has_one_live_server(service: Service, caplog: pytest.L
     servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
     assert [g["uuid"] for g in servers["node-a"]["gpus"]] == ["GPU-shared-1"]
     assert servers["node-b"]["gpus"] == []
-    # A goes stale: the claim is released, and B may report the GPU.
+    # Silent a little less than the stale threshold, A keeps its claim...
+    service.age_heartbeat("node-a", beyond=-10)
+    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
+    assert claim.status == 409, claim.text
+    # ...a little more, A is stale: the claim is released, and B may report the GPU.
     service.age_heartbeat("node-a")
     claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
     assert claim.status == 200, claim.text

@@ -221,7 +221,11 @@ LEGEND = (
         BadgeView("CUDA 12.1 inside (inferred)", "inferred"),
         "CUDA found in the layers; no NVIDIA variable declares it",
     ),
-    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU"),
+    (
+        BadgeView("declared and inferred CUDA differ", "warn"),
+        "the layers carry another CUDA than the config declares (a driver picked by the declaration may not run it)",
+    ),
+    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU, and no CUDA was found in it"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
     (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
     (BadgeView("no libc", "nolibc"), "static binaries or scratch: no C library"),
@@ -258,14 +262,25 @@ def badge_view(name: str) -> BadgeView:
     return _NAMED_BADGES.get(name, BadgeView(name, "info"))
 
 
+# Platform badges a listing row adds to what its columns say: the findings of the layers.
+_FINDINGS = ("cuda-mismatch", "requirement-error", "require-disabled", "musl-also", "cuda-inferred")
+
+
 def row_badges(row: ImageRow) -> list[BadgeView]:
+    """The declared GPU and CUDA, CUDA found in the layers, warnings, then the libc; "CPU only"
+    when nothing declares a GPU and no CUDA was found."""
+    inferred = [
+        name for name in row.platform_badges if name.endswith("-inferred") and name.startswith("cuda-")
+    ]
     names = ["nvidia-gpu"] if row.gpu_required else []
     names += [f"cuda-{version}" for version in row.cuda_versions]
+    names += inferred or [name for name in row.platform_badges if name == "cuda-inferred"]
+    names += [name for name in _FINDINGS if name in row.platform_badges and name not in names]
     names += [
         LIBC_BADGES.get(label) or LAYER_STATE_BADGES.get(label, "libc-unknown") for label in row.libc_flavours
     ]
-    views = [badge_view(name) for name in names]
-    if not row.gpu_required:
+    views = [badge_view(name) for name in dict.fromkeys(names)]
+    if not row.gpu_required and not any(view.kind == "inferred" for view in views):
         views.insert(0, BadgeView("CPU only", "cpu"))
     return views
 
@@ -394,6 +409,16 @@ def tag_history_view(events: Sequence[TagEvent], name: str, digests: set[str]) -
     ]
 
 
+def short_reference(reference: str, digits: int = 12) -> str:
+    """`reference` with its digest cut to `digits` hex digits and an ellipsis (the name and tag
+    kept whole): what a table row shows, the full reference on hover and copy."""
+    name, at, digest = reference.rpartition("@")
+    algorithm, colon, hexdigits = digest.partition(":")
+    if not at or not colon or len(hexdigits) <= digits:
+        return reference
+    return f"{name}@{algorithm}:{hexdigits[:digits]}…"
+
+
 @dataclass(frozen=True)
 class JobView:
     id: str
@@ -407,6 +432,10 @@ class JobView:
     error: str | None
     explanation: str | None
     progress: str | None = None  # a running scan's layer read: layers and bytes so far
+
+    @property
+    def short(self) -> str:
+        return short_reference(self.reference)
 
 
 def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
@@ -685,6 +714,11 @@ async def badge(request: web.Request) -> web.Response:
     return web.Response(text=svg, content_type="image/svg+xml", charset="utf-8", headers=headers)
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    """/favicon.ico, which browsers and tools ask for on every page whatever the markup says."""
+    return web.FileResponse(STATIC_DIR / "favicon.ico", headers={"Cache-Control": "public, max-age=86400"})
+
+
 def setup_routes(app: web.Application) -> None:
     environment()  # load and check the templates at startup, not on the first request
     app.router.add_get("/", images_page)
@@ -693,3 +727,4 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/scans", submit_scan)
     app.router.add_get(r"/badge/{path:.+\.svg}", badge)
     app.router.add_static("/static", STATIC_DIR)
+    app.router.add_get("/favicon.ico", favicon)

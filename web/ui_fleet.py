@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from aiohttp import web
 from pydantic import ValidationError
 
-from placement.answer import AnswerBody
+from placement.answer import SCORE_MEANING, AnswerBody
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
@@ -267,6 +267,7 @@ class ResultView:
     hints: list[str]
     next_url: str | None
     all_url: str | None
+    score_meaning: str = SCORE_MEANING
 
 
 def result_view(
@@ -288,7 +289,8 @@ def result_view(
         reference=report.reference,
         digest=report.digest,
         image_url=image_url(report.reference),
-        gpu_required=any(platform.gpu.required for platform in report.platforms),
+        gpu_required=bool(body.get("image_needs_gpu"))
+        or any(platform.gpu.required for platform in report.platforms),
         eligible=[
             EligibleView(
                 rank=rank,

@@ -364,6 +364,7 @@ class LibcAnalysis:
         self.budget = ScanBudget(self.limits)
         self._layers: list[_Layer] = []
         self._incomplete = 0  # layers not (yet) read to their end, so `all_read` is O(1)
+        self._from_cache = 0  # layers taken from the layer cache, not streamed
         self._open: LayerCollector | None = None
         self._records: dict[str, tuple[int, PathRecord]] = {}
         self._hides = WhiteoutIndex()
@@ -398,6 +399,7 @@ class LibcAnalysis:
             return False
         self._add_layer(_Layer.from_evidence(evidence))
         if evidence.complete or self.decided:
+            self._from_cache += 1
             return True
         self._drop_last_layer()
         return False
@@ -616,6 +618,7 @@ class LibcAnalysis:
             musl_also=musl_also,
             layers_read=self.layers_read,
             layers_total=self.layers_total,
+            layers_cached=self._from_cache,
             bytes_read=bytes_read,
             bytes_total=bytes_total,
         )

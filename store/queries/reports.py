@@ -69,12 +69,14 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
     """Store successful reports under their manifest digests, and each platform under its own, in
     one transaction: each statement prepared once for the batch, each report serialised once (a
     platform's JSON is the slice of its image's)."""
+    covered = _covered_children(db, reports)
     rows: list[dict[str, Any]] = []
     platform_rows: list[dict[str, str]] = []
     children: list[str] = []
     for report in reports:
         documents = [platform.model_dump_json() for platform in report.platforms]
-        rows.append(report_row(db, report, report_document(report, documents)))
+        if report.digest not in covered:
+            rows.append(report_row(db, report, report_document(report, documents)))
         for platform, document in zip(report.platforms, documents, strict=True):
             platform_rows.append({"digest": platform.digest, "report": document})
             if platform.digest != report.digest:
@@ -91,6 +93,31 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
         )
     for report in reports:  # long polls on each reference wake, on any replica
         db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {report.reference}")
+
+
+def _covered_children(db: Db, reports: Sequence[ImageReport]) -> frozenset[str]:
+    """The single-platform reports among `reports` that an index report already covers: their
+    digest is stored as a platform but not as an image (only an index's save leaves it so), and no
+    tag names it. Such a manifest (a multi-arch child whose own digest-only job finished after its
+    index's) is not an image of its own, whatever the timing: its index's save deletes it when
+    that save comes second, and this keeps it out when it comes second itself. Both saves take the
+    platform digests' locks first (PostgreSQL's advisory locks; SQLite's one writer serialises
+    them anyway), so one of the two orders always holds, even across replicas."""
+    db.dialect.lock_all(db, sorted({f"platform {p.digest}" for report in reports for p in report.platforms}))
+    lone = [
+        report.digest
+        for report in reports
+        if report.digest is not None and [p.digest for p in report.platforms] == [report.digest]
+    ]
+    if not lone:
+        return frozenset()
+    rows = db.all(
+        f"SELECT p.digest FROM platform_reports p WHERE {db.dialect.in_list('p.digest', 'lone')}"
+        " AND NOT EXISTS (SELECT 1 FROM reports r WHERE r.digest = p.digest)"
+        " AND NOT EXISTS (SELECT 1 FROM tags t WHERE t.digest = p.digest)",
+        {"lone": db.dialect.array(lone)},
+    )
+    return frozenset(row[0] for row in rows)
 
 
 @writes
@@ -250,7 +277,8 @@ def list_images(
         f" (SELECT {dialect.agg('t.tag')} FROM tags t WHERE t.digest = r.digest"
         "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
         "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
-        "   AND t2.repository = t.repository AND t2.tag = t.tag))"
+        "   AND t2.repository = t.repository AND t2.tag = t.tag)),"
+        f" {dialect.json_strings('r.report', 'platforms', 'badges')}"
         f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
         " LIMIT :limit OFFSET :offset) AS r ORDER BY r.scanned_at DESC, r.digest",
         {**params, "limit": limit, "offset": offset},
@@ -268,6 +296,7 @@ def list_images(
             distro=row[8],
             scanned_at=dialect.stamp(row[9]) or "",
             tags=sorted(dialect.array_value(row[10])),
+            platform_badges=sorted(dialect.array_value(row[11])),
         )
         for row in rows
     ]
