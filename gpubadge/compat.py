@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpubadge.service import service_url
+
 if TYPE_CHECKING:
     from placement.nfd.features import NodeFeatures
     from placement.nfd.match import SpecResult
@@ -49,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="NodeFeature YAML/JSON or `nfd export features` output (repeat)",
     )
     nodes.add_argument("--servers", type=Path, help="gpubadge inventory file ({servers: [...]})")
-    nodes.add_argument("--service", help="URL of a running gpubadge service: its fleet")
+    nodes.add_argument(
+        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port): its fleet"
+    )
     parser.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
     parser.add_argument("--platform", help="the image of this platform in an index (os/arch[/variant])")
     parser.add_argument("--tags", default="", help="comma-separated tags: only the sets with these tags")
@@ -103,7 +107,13 @@ async def _artifact(args: argparse.Namespace) -> tuple[Spec, str]:
     from placement.nfd.schema import ARTIFACT_TYPE, load_spec
 
     if args.spec is not None:
-        spec, warnings = load_spec(args.spec.read_bytes())
+        from gpubadge.files import read_text
+        from placement.nfd.schema import SpecError
+
+        try:
+            spec, warnings = load_spec(read_text(args.spec, "spec"))
+        except SpecError as exc:
+            raise SpecError(f"spec {args.spec}: {_in_words(exc)}") from None
         _warn(warnings)
         return spec, str(args.spec)
     from scanner.models import Platform
@@ -137,25 +147,34 @@ def _warn(warnings: list[str]) -> None:
 
 
 async def _nodes(args: argparse.Namespace) -> list[NodeFeatures]:
-    from placement.inventory import Server, parse_inventory
-    from placement.nfd.features import from_server, parse_node_features
+    from gpubadge.files import load_inventory, read_text
+    from gpubadge.service import call
+    from placement.inventory import Server
+    from placement.nfd.features import FeaturesError, from_server, parse_node_features
 
     if args.node:
-        return [parse_node_features(path.read_text(), name=path.stem) for path in args.node]
+        nodes = []
+        for path in args.node:
+            try:
+                nodes.append(parse_node_features(read_text(path, "node features"), name=path.stem))
+            except FeaturesError as exc:
+                raise FeaturesError(f"node features {path}: {_in_words(exc)}") from None
+        return nodes
     if args.servers is not None:
-        return [from_server(server) for server in parse_inventory(args.servers.read_text()).servers]
-    import aiohttp
-
+        return [from_server(server) for server in load_inventory(args.servers).servers]
     token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
-        session.get(f"{args.service.rstrip('/')}/api/servers", headers=headers) as response,
-    ):
-        body: Any = await response.json(content_type=None)
-        if response.status != 200:
-            raise RuntimeError(f"service answered {response.status}: {body}")
+    body = await call(args.service, "/api/servers", token)
     return [from_server(Server.model_validate(item)) for item in body.get("servers", [])]
+
+
+def _in_words(exc: ValueError) -> str:
+    """A spec or features error; a YAML syntax error as `not YAML: line N, column M: what`."""
+    from scanner.problems import document_error
+
+    cause = exc.__context__
+    if cause is not None and type(cause).__module__.startswith("yaml"):
+        return f"not YAML: {document_error(cause)}"
+    return str(exc)
 
 
 def _print(result: SpecResult, origin: str) -> None:
