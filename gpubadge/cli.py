@@ -214,6 +214,9 @@ def silence_stdout() -> None:
 
 
 def run_scan(args: argparse.Namespace) -> int:
+    from scanner.registry.tls import import_aiohttp
+
+    import_aiohttp()  # first, before anything imports it: no trust store read unless a registry speaks TLS
     from gpubadge.progress import Bar
     from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner, ScanOptions, scan_many
