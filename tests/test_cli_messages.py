@@ -239,12 +239,14 @@ def test_a_malformed_reference_is_not_retryable() -> None:
 
 
 def test_config_shows_the_store_scan_uses(tmp_path: Path) -> None:
-    env: dict[str, str | None] = {"XDG_DATA_HOME": str(tmp_path / "data"), "GPUBADGE_DB": None}
-    shown = json.loads(gpubadge("config", "--json", env=env).stdout)
-    db = next(row for row in shown["settings"] if row["variable"] == "GPUBADGE_DB")
     expected = tmp_path / "data" / "gpubadge" / "gpubadge.db"
-    assert db["value"] == str(expected)
-    assert str(expected) in gpubadge("scan", "--help", env=env).stdout.replace("\n", "").replace(" ", "")
+    for unset in (None, ""):  # GPUBADGE_DB unset, or set but empty: the default, for both commands
+        env: dict[str, str | None] = {"XDG_DATA_HOME": str(tmp_path / "data"), "GPUBADGE_DB": unset}
+        shown = json.loads(gpubadge("config", "--json", env=env).stdout)
+        db = next(row for row in shown["settings"] if row["variable"] == "GPUBADGE_DB")
+        assert db["value"] == str(expected)
+        usage = gpubadge("scan", "--help", env=env).stdout
+        assert str(expected) in usage.replace("\n", "").replace(" ", "")
 
 
 # ------------------------------------------------------------------ a reader that goes away

@@ -133,6 +133,12 @@ class ServiceSettings(ScannerSettings):
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )
 
+    @field_validator("db", mode="before")
+    @classmethod
+    def _empty_db_is_the_default(cls, value: Any) -> Any:
+        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
+        return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
+
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
