@@ -142,6 +142,11 @@ def main(argv: Sequence[str]) -> int:
         backend.close()
     print(f"read {store_words}" + (f" and the inventory {inventory_file}" if inventory_file else ""))
     print(summary.describe())
+    if not summary.gpus and inventory_file is None:
+        print(
+            "no server GPU rows: the store holds no agent's servers; a service whose fleet is a file"
+            " (GPUBADGE_INVENTORY_FILE, as the demo's) keeps it there: pass --inventory FILE"
+        )
     print(f"explore it: datasette {args.out} -m {metadata_path(args.out)}")
     return 0
 

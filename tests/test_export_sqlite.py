@@ -535,6 +535,8 @@ def test_export_says_which_store_it_read_and_writes_the_inventory_files_servers(
     fleet = Path(__file__).parent.parent / "fixtures" / "fleet.yaml"
     servers = yaml.safe_load(fleet.read_text())["servers"]
     gpus = sum(len(server.get("gpus") or []) for server in servers)
+    alone = export(tmp_path / "alone.db", db=three)
+    assert "and 0 server GPU rows" in alone and "pass --inventory FILE" in alone.splitlines()[-2]
     out = tmp_path / "fleet.db"
     said = export(out, db=three, env={"GPUBADGE_INVENTORY_FILE": str(fleet)})
     assert said.splitlines()[0] == f"read SQLite {three.absolute()} and the inventory {fleet}"
