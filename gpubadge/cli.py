@@ -121,7 +121,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+# Commands that talk to registries or a service as clients: aiohttp imported without reading the
+# trust store, read at their first TLS handshake instead (scanner/registry/tls.py). The service's
+# roles import it the ordinary way.
+CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat"})
+
+
 def _delegate(command: str, rest: list[str]) -> int:
+    if command in CLIENT_COMMANDS:
+        from scanner.registry.tls import import_aiohttp
+
+        import_aiohttp()
     if command == "scan":
         # Start-up allocates much and frees little: the collector's 97 passes over it cost 25-30 ms
         # of a scan's CPU. Off until `run_scan` freezes what was imported; on again for the scan.
@@ -219,9 +229,6 @@ def silence_stdout() -> None:
 
 
 def run_scan(args: argparse.Namespace) -> int:
-    from scanner.registry.tls import import_aiohttp
-
-    import_aiohttp()  # first, before anything imports it: no trust store read unless a registry speaks TLS
     from gpubadge.progress import Bar
     from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner, ScanOptions, scan_many
