@@ -598,11 +598,51 @@ def scan_rss(ref: str, env: dict[str, str]) -> tuple[int, dict[str, Any], float]
     return peak_kib, report, seconds
 
 
+def bench_startup(results: Results, workdir: Path, runs: int = 10) -> None:
+    """The CPU of a `gpubadge scan` process that scans nothing (a malformed reference, the default
+    store): what every scan pays before its first request, side by side with `skopeo inspect`'s
+    own start-up against the same kind of reference; and what `python -X importtime` says costs most."""
+    env = {**os.environ, "GPUBADGE_DB": str(workdir / "startup.db")}
+    ours: list[float] = []
+    peer: list[float] = []
+    for _ in range(runs):
+        with measure() as window:
+            subprocess.run(gpubadge_command("scan", "UPPER//x"), env=env, capture_output=True, timeout=60)
+        ours.append(window.children_cpu_s)
+        with measure() as window:
+            subprocess.run(["skopeo", "inspect", "docker://UPPER//x"], capture_output=True, timeout=60)
+        peer.append(window.children_cpu_s)
+    results.add(
+        Figure(
+            "config-only",
+            f"start-up CPU of one `gpubadge scan` process (fastest of {runs})",
+            f"{min(ours) * 1000:.0f} ms",
+            f"skopeo inspect: {min(peer) * 1000:.0f} ms",
+            ratio(min(peer), min(ours)),
+        )
+    )
+    importtime = subprocess.run(
+        gpubadge_command("scan", "UPPER//x"),
+        env={**env, "PYTHONPROFILEIMPORTTIME": "1"},  # python -X importtime, for any interpreter
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stderr
+    by_package: Counter[str] = Counter()
+    for line in importtime.splitlines():
+        fields = line.removeprefix("import time:").split("|")
+        if len(fields) == 3 and fields[0].strip().isdigit():
+            by_package[fields[2].strip().split(".")[0]] += int(fields[0])
+    top = ", ".join(f"{name} {micros / 1000:.0f} ms" for name, micros in by_package.most_common(6))
+    results.detail(f"start-up imports by package (python -X importtime, self time, one run): {top}")
+
+
 def run_all(results: Results, quick: bool) -> None:
     figures = ScanFigures.quick() if quick else ScanFigures()
     workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-"))
     try:
         skopeo_per_image = bench_requests(results, workdir)
+        bench_startup(results, workdir)
         bench_config_only(results, figures, workdir, skopeo_per_image)
         bench_front_bytes(results, figures, workdir)
         bench_shared_base(results, figures, workdir)

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpubadge.service import service_url
+
 if TYPE_CHECKING:
     from placement.nfd.features import NodeFeatures
     from placement.nfd.match import SpecResult
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="NodeFeature YAML/JSON or `nfd export features` output (repeat)",
     )
     nodes.add_argument("--servers", type=Path, help="gpubadge inventory file ({servers: [...]})")
-    nodes.add_argument("--service", help="URL of a running gpubadge service: its fleet")
+    nodes.add_argument(
+        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port): its fleet"
+    )
     parser.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
     parser.add_argument("--platform", help="the image of this platform in an index (os/arch[/variant])")
     parser.add_argument("--tags", default="", help="comma-separated tags: only the sets with these tags")
@@ -126,22 +130,18 @@ class _Usage(ValueError):
     pass
 
 
-def _read_capped(path: Path, most: int) -> bytes:
-    """At most `most` + 1 bytes of a file: enough to refuse a bigger one without reading it all."""
-    with path.open("rb") as file:
-        return file.read(most + 1)
-
-
 async def _artifact(
     args: argparse.Namespace, settings: ScannerSettings, limits: DocumentLimits
 ) -> tuple[Spec, str]:
     from placement.nfd.schema import ARTIFACT_TYPE, MAX_SPEC_BYTES, SpecError, load_spec
 
     if args.spec is not None:
+        from gpubadge.files import read_text
+
         try:
-            spec, warnings = load_spec(_read_capped(args.spec, MAX_SPEC_BYTES), limits=limits)
+            spec, warnings = load_spec(read_text(args.spec, "spec", most=MAX_SPEC_BYTES), limits=limits)
         except SpecError as exc:
-            raise SpecError(f"{args.spec}: {exc}") from None
+            raise SpecError(f"spec {args.spec}: {_in_words(exc)}") from None
         _warn(warnings)
         return spec, str(args.spec)
     from scanner.models import Platform
@@ -178,32 +178,35 @@ def _warn(warnings: list[str]) -> None:
 async def _nodes(
     args: argparse.Namespace, settings: ScannerSettings, limits: DocumentLimits
 ) -> list[NodeFeatures]:
-    from placement.inventory import Server, parse_inventory
+    from gpubadge.files import load_inventory, read_text
+    from gpubadge.service import call
+    from placement.inventory import Server
     from placement.nfd.features import MAX_FEATURES_BYTES, FeaturesError, from_server, parse_node_features
 
     if args.node:
         nodes = []
         for path in args.node:
-            text = _read_capped(path, MAX_FEATURES_BYTES).decode()
+            text = read_text(path, "node features", most=MAX_FEATURES_BYTES)
             try:
                 nodes.append(parse_node_features(text, path.stem, limits, settings.nfd_max_feature_nodes))
             except FeaturesError as exc:
-                raise FeaturesError(f"{path}: {exc}") from None
+                raise FeaturesError(f"node features {path}: {_in_words(exc)}") from None
         return nodes
     if args.servers is not None:
-        return [from_server(server) for server in parse_inventory(args.servers.read_text()).servers]
-    import aiohttp
-
+        return [from_server(server) for server in load_inventory(args.servers).servers]
     token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
-        session.get(f"{args.service.rstrip('/')}/api/servers", headers=headers) as response,
-    ):
-        body: Any = await response.json(content_type=None)
-        if response.status != 200:
-            raise RuntimeError(f"service answered {response.status}: {body}")
+    body = await call(args.service, "/api/servers", token)
     return [from_server(Server.model_validate(item)) for item in body.get("servers", [])]
+
+
+def _in_words(exc: ValueError) -> str:
+    """A spec or features error; a YAML syntax error as `not YAML: line N, column M: what`."""
+    from scanner.problems import document_error
+
+    cause = exc.__context__
+    if cause is not None and type(cause).__module__.startswith("yaml"):
+        return f"not YAML: {document_error(cause)}"
+    return str(exc)
 
 
 def _print(result: SpecResult, origin: str) -> None:

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 
 from gpubadge.eligible import (
@@ -26,9 +25,10 @@ from gpubadge.eligible import (
     EXIT_NONE,
     add_request_arguments,
     ask_service,
-    request_fields,
+    checked_fields,
     scan_locally,
 )
+from gpubadge.files import load_inventory
 
 FORMATS = ("kubernetes", "dra", "nomad", "akash")
 
@@ -49,11 +49,10 @@ async def export_locally(
 ) -> dict[str, Any]:
     from placement.decide import FleetIndex, ImageFacts
     from placement.exports import export_constraints, known_gpus
-    from placement.inventory import parse_inventory
     from placement.request import DeployRequest
 
     request = DeployRequest.parse_any(fields)
-    inventory = parse_inventory(servers.read_text())
+    inventory = load_inventory(servers)
     report = await scan_locally(reference)
     fleet = known_gpus(FleetIndex.build(inventory.servers))
     body = export_constraints(ImageFacts.from_report(report), request, fleet, chosen)  # type: ignore[arg-type]
@@ -89,12 +88,13 @@ def render(body: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    command = parser()
     try:
-        args = parser().parse_args(argv)
+        args = command.parse_args(argv)
+        fields = checked_fields(command, args)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        fields = request_fields(args)
         if args.servers:
             body = asyncio.run(export_locally(args.reference, args.servers, fields, args.format))
         else:
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
                     path="/api/constraints",
                 )
             )
-    except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # FileProblem, ServiceError, a failed scan
         print(f"gpubadge constraints: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(json.dumps(body) if args.json else render(body), end="" if not args.json else "\n")

@@ -14,10 +14,26 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
+from gpubadge.files import load_inventory
+from gpubadge.service import call, service_url
 
 if TYPE_CHECKING:
     from scanner.models import ImageReport
+
+# The option that sets each field of a deploy request (and of the answer's shape), for usage errors.
+OPTION_OF_FIELD = {
+    "gpus": "--gpus",
+    "gpu_models": "--gpu-model",
+    "min_gpu_memory": "--min-gpu-memory",
+    "min_compute_capability": "--min-compute-capability",
+    "min_driver": "--min-driver",
+    "cpus": "--cpus",
+    "memory": "--memory",
+    "labels": "--label",
+    "limit": "--limit",
+    "cursor": "--cursor",
+    "explain": "--explain",
+}
 
 EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE = 0, 1, 3
 
@@ -26,7 +42,9 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """Where the fleet comes from and what the deploy asks for: shared by `eligible` and `constraints`."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
-    where.add_argument("--service", help="URL of a running gpubadge service")
+    where.add_argument(
+        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port)"
+    )
     p.add_argument("--gpus", type=int, help="GPUs needed (a GPU image defaults to 1)")
     p.add_argument(
         "--gpu-model", action="append", default=[], dest="gpu_models", help="acceptable model (repeat)"
@@ -66,12 +84,37 @@ def answer_fields(args: argparse.Namespace) -> dict[str, Any]:
     return fields
 
 
+def checked_fields(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, shape: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`request_fields`, validated as the service validates them: a bad value is a usage error
+    (exit 2) naming its option, before anything is scanned or asked."""
+    from pydantic import ValidationError
+
+    from placement.answer import AnswerOptions
+    from placement.request import DeployRequest
+    from scanner.problems import expected
+
+    try:
+        fields = request_fields(args)
+        DeployRequest.parse_any(fields)
+        if shape is not None:
+            AnswerOptions.model_validate(shape)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        parser.error(f"argument {OPTION_OF_FIELD.get(field, field)}: {expected(error)}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return fields
+
+
 def request_fields(args: argparse.Namespace) -> dict[str, Any]:
     labels = {}
     for item in args.label:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--label {item!r}: expected key=value")
+        if not sep or not key:
+            raise ValueError(f"argument --label: expected key=value, got {item!r}")
         labels[key] = value
     fields = {
         "gpus": args.gpus,
@@ -91,12 +134,11 @@ async def decide_locally(
 ) -> dict[str, Any]:
     from placement.answer import AnswerOptions, answer
     from placement.decide import ImageFacts, decide
-    from placement.inventory import parse_inventory
     from placement.request import DeployRequest
 
     request = DeployRequest.parse_any(fields)
     options = AnswerOptions.model_validate(shape)
-    inventory = parse_inventory(servers.read_text())
+    inventory = load_inventory(servers)
     report = await scan_locally(reference)
     decision = decide(ImageFacts.from_report(report), request, inventory.servers)
     result: dict[str, Any] = dict(answer(decision, options))
@@ -121,20 +163,9 @@ async def scan_locally(reference: str) -> ImageReport:
 async def ask_service(
     reference: str, url: str, fields: dict[str, Any], token: str | None, *, path: str = "/api/eligibility"
 ) -> dict[str, Any]:
-    """POST `{"image": reference, **fields}` to the service (`--service`); its JSON answer."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(
-            f"{url.rstrip('/')}{path}", json={"image": reference, **fields}, headers=headers
-        ) as response,
-    ):
-        body = await response.json(content_type=None)
-        if response.status != 200:
-            raise RuntimeError(f"service answered {response.status}: {body.get('error', body)}")
-        result: dict[str, Any] = body
-        return result
+    """POST `{"image": reference, **fields}` to the service (`--service`); its JSON answer, or
+    ServiceError saying what went wrong and what to do."""
+    return await call(url, path, token, body={"image": reference, **fields})
 
 
 def print_decision(decision: dict[str, Any]) -> None:
@@ -169,19 +200,20 @@ def print_decision(decision: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     import os
 
+    command = parser()
     try:
-        args = parser().parse_args(argv)
+        args = command.parse_args(argv)
+        shape = answer_fields(args)
+        fields = checked_fields(command, args, shape)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        fields = request_fields(args)
-        shape = answer_fields(args)
         if args.servers:
             decision = asyncio.run(decide_locally(args.reference, args.servers, fields, shape))
         else:
             token = args.token or os.environ.get("GPUBADGE_API_TOKEN")
             decision = asyncio.run(ask_service(args.reference, args.service, {**fields, **shape}, token))
-    except (RuntimeError, ValueError, OSError, aiohttp.ClientError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # FileProblem, ServiceError, a failed scan
         print(f"gpubadge eligible: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:

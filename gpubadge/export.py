@@ -1,7 +1,9 @@
 """`gpubadge export sqlite OUT`: every stored report as a SQLite file to query and open in Datasette.
 
 Reads whichever store is configured (`--db`'s SQLite file, else `GPUBADGE_DATABASE_URL`'s
-PostgreSQL, else `GPUBADGE_DB`), never changing it, and writes `OUT` plus
+PostgreSQL, else `GPUBADGE_DB`), never changing it, and says which; the fleet is the service's:
+the servers of its inventory file (`--inventory`, else `GPUBADGE_INVENTORY_FILE`) with the
+agents' over them. It writes `OUT` plus
 `<OUT's name>.metadata.json` beside it (see `store.export`). A progress bar shows on a
 terminal; the last lines say what was written and how to explore it. Exit status: 0 written,
 1 a failure (one clear line; `OUT` unchanged), 2 usage errors.
@@ -10,6 +12,7 @@ terminal; the last lines say what was written and how to explore it. Exit status
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -47,7 +50,7 @@ def _batch(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gpubadge.cli import DEFAULT_DB
+    from gpubadge.stores import default_db
 
     parser = argparse.ArgumentParser(
         prog="gpubadge export", description="Export every stored report for SQL and Datasette."
@@ -63,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--db",
         type=Path,
         default=None,
-        help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {DEFAULT_DB})",
+        help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {default_db()})",
+    )
+    sqlite.add_argument(
+        "--inventory",
+        type=Path,
+        default=None,
+        help="the service's inventory file, whose servers join the agents' (default $GPUBADGE_INVENTORY_FILE)",
     )
     sqlite.add_argument(
         "--since",
@@ -81,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    from gpubadge.cli import store_location
+    from gpubadge.stores import describe_store, store_location
     from store import StoreUnavailable, open_backend, queries
     from store.export import ExportError, export_sqlite, metadata_path
 
@@ -93,10 +102,19 @@ def main(argv: Sequence[str]) -> int:
     if database_url is None and not db_path.is_file():
         print(f"gpubadge export: no store at {db_path} (scan something first, or pass --db)", file=sys.stderr)
         return 1
+    inventory_file = args.inventory or (
+        Path(env) if (env := os.environ.get("GPUBADGE_INVENTORY_FILE")) else None
+    )
+    try:
+        inventory = _inventory(inventory_file) if inventory_file else []
+    except ValueError as exc:
+        print(f"gpubadge export: {exc}", file=sys.stderr)
+        return 1
+    store_words = describe_store(db_path, database_url)
     try:
         backend = open_backend(db_path, database_url=database_url, threads=1, upgrade=False)
     except StoreUnavailable as exc:
-        print(f"gpubadge export: {exc}", file=sys.stderr)
+        print(f"gpubadge export: {store_words}: {exc}", file=sys.stderr)
         return 1
     try:
         bar = Bar(None, sys.stderr)
@@ -111,6 +129,7 @@ def main(argv: Sequence[str]) -> int:
             batch_size=args.batch_size,
             progress=bar,
             source="postgresql" if database_url else f"sqlite:{db_path}",
+            inventory=inventory,
         )
         bar.finish()
     except (ExportError, StoreUnavailable) as exc:
@@ -121,6 +140,19 @@ def main(argv: Sequence[str]) -> int:
         return 130
     finally:
         backend.close()
+    print(f"read {store_words}" + (f" and the inventory {inventory_file}" if inventory_file else ""))
     print(summary.describe())
+    if not summary.gpus and inventory_file is None:
+        print(
+            "no server GPU rows: the store holds no agent's servers; a service whose fleet is a file"
+            " (GPUBADGE_INVENTORY_FILE, as the demo's) keeps it there: pass --inventory FILE"
+        )
     print(f"explore it: datasette {args.out} -m {metadata_path(args.out)}")
     return 0
+
+
+def _inventory(path: Path) -> list[str]:
+    """The servers of an inventory file, each as its JSON document; ValueError naming the file."""
+    from gpubadge.files import load_inventory
+
+    return [server.model_dump_json() for server in load_inventory(path).servers]

@@ -248,7 +248,8 @@ class ImageReport(BaseModel):
     )
     retryable: bool = Field(
         default=True,
-        description="false when scanning again cannot succeed (the image crosses a configured bound)",
+        description="false when scanning again cannot succeed (a malformed reference, or the image crosses a"
+        " configured bound)",
     )
     not_an_image: bool = Field(
         default=False, exclude=True, description="an artifact (attestation, signature), not a container image"

@@ -186,8 +186,8 @@ class Scanner:
         options = options or ScanOptions()
         try:
             reference = parse_reference(text)
-        except ReferenceError as exc:
-            return ImageReport(reference=text, error=str(exc))
+        except ReferenceError as exc:  # the same text fails to parse every time
+            return ImageReport(reference=text, error=str(exc), retryable=False)
         with self.client.track() as stats:
             deadline = time.monotonic() + self.settings.max_scan_seconds
             try:

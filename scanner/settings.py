@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 from urllib.parse import unquote
 
-from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, SettingsConfigDict
 
 from scanner.facts.platforms import PlatformPolicy, parse_platforms
 from scanner.layers import limits
+from scanner.problems import document_error, dotted, expected, line_of
 from scanner.settings_merge import Keyed, Layer, MergeKind, Origin, Source, merge_layers, shown
 
 MiB = 1024 * 1024
@@ -32,6 +40,13 @@ RETIRED_SETTINGS = {
     "deep_scan_seconds": "every layer read has the same bounds; set max_scan_seconds",
     "deep_scan_max_ratio": "every layer read is bounded by max_inflation_ratio",
 }
+
+
+def default_db_path() -> Path:
+    """Where every command keeps its SQLite store unless told otherwise (`GPUBADGE_DB`, `--db`):
+    `$XDG_DATA_HOME/gpubadge/gpubadge.db`, by default `~/.local/share/gpubadge/gpubadge.db`."""
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data_home) / "gpubadge" / "gpubadge.db"
 
 
 def default_docker_config() -> Path:
@@ -369,9 +384,15 @@ class ScannerSettings(BaseSettings):
         """
         if path is None and os.environ.get(CONFIG_ENV):
             path = Path(os.environ[CONFIG_ENV])
-        file_values = read_config_file(path) if path else {}
-        from_file = cls.from_values(file_values)
-        from_env = cls()
+        file_values, text, section = _read_config(path) if path else ({}, None, None)
+        try:
+            from_file = cls.from_values(file_values)
+        except ValidationError as exc:
+            raise SettingsError(f"config file {path}", exc, text, section) from None
+        try:
+            from_env = cls()
+        except ValidationError as exc:
+            raise SettingsError("the environment", exc) from None
         file_label = f"the file {path}"
         values, origins = merge_layers(
             cls.merge_kinds(),
@@ -383,7 +404,10 @@ class ScannerSettings(BaseSettings):
         for name, value in overrides.items():
             values[name] = value
             origins[name] = Origin("command line")
-        settings = cls.from_values(values)
+        try:
+            settings = cls.from_values(values)
+        except ValidationError as exc:
+            raise SettingsError("the merged settings", exc) from None
         settings._origins, settings._config_file = origins, path
         return settings
 
@@ -420,6 +444,25 @@ def _env_label(name: str) -> str:
     return f"the environment ({', '.join(found) or exact})"
 
 
+class SettingsError(ValueError):
+    """Settings that do not validate, one problem per line: where (the file and its line and key,
+    or the environment variable) and what was expected. Values are never echoed (secrets)."""
+
+    def __init__(
+        self, source: str, exc: ValidationError, text: str | None = None, section: str | None = None
+    ) -> None:
+        lines = []
+        for error in exc.errors(include_url=False):
+            loc = (section, *error["loc"]) if section else tuple(error["loc"])
+            if source == "the environment":
+                where = f"GPUBADGE_{str(error['loc'][0]).upper()}" if error["loc"] else source
+            else:
+                line = line_of(text, loc) if text else None
+                where = f"{source}, {'line ' + str(line) + ', ' if line else ''}{dotted(loc)}"
+            lines.append(f"{where}: {expected(error, show_input=False)}")
+        super().__init__("; ".join(lines))
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """A TOML (`.toml`) or YAML file; a `[scanner]` table is used when present.
 
@@ -427,7 +470,16 @@ def read_config_file(path: Path) -> dict[str, Any]:
     wrong there, never the line's content (it may be the `api_token` line): one line for the CLI
     to print, no traceback.
     """
-    text = path.read_text()
+    return _read_config(path)[0]
+
+
+def _read_config(path: Path) -> tuple[dict[str, Any], str | None, str | None]:
+    """The file's settings, its text (YAML only: to find a key's line), and "scanner" when they came from a `[scanner]` table.
+    Raises ValueError naming the file (and the line, for a syntax error), never quoting its content."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
     if path.suffix == ".toml":
         import tomllib  # deferred, as yaml: a run without a config file never parses one
 
@@ -435,36 +487,23 @@ def read_config_file(path: Path) -> dict[str, Any]:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             # tomllib's message is "<what> (at line L, column C)": no content of the file
-            raise ValueError(f"config file {path}: not valid TOML: {exc}") from None
+            raise ValueError(f"config file {path}: not TOML: {exc}") from None
     else:
         import yaml  # deferred: only YAML config files need it
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ValueError(f"config file {path}: not valid YAML{_yaml_where(exc)}") from None
+            raise ValueError(f"config file {path}: not YAML: {document_error(exc)}") from None
+    located = None if path.suffix == ".toml" else text  # tomllib keeps no positions
     if data is None:
-        return {}
+        return {}, located, None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping at the top level")
     section = data.get("scanner", data)
     if not isinstance(section, dict):
         raise ValueError(f"config file {path}: 'scanner' must be a mapping")
-    return section
-
-
-def _yaml_where(exc: Exception) -> str:
-    """Where and what, from a YAML error: its line, column and problem, never the snippet PyYAML
-    quotes (the offending line, which may hold a secret), nor a scalar it quotes in the problem."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None)
-    if isinstance(problem, str) and problem:
-        # PyYAML's problems are fixed phrases, some quoting a token kind ('<block mapping start>'),
-        # others a character, a tag or a key of the file: keep the phrase and the token kinds only.
-        phrase = re.sub(r"""(['"])(?!<)[^'"]*\1""", "(…)", problem).strip()
-        return f"{where}: {phrase}"
-    return where
+    return section, located, "scanner" if "scanner" in data else None
 
 
 def mirror_parts(mirror: str) -> tuple[str, str | None]:

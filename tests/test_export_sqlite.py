@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fixtures import catalog
 from fixtures.process import stop_process
@@ -556,3 +557,31 @@ def test_report_pages_cover_every_report_once_on_both_engines(open_backend: Any)
     )
     assert [report.repository for report in recent] == ["app5", "app6"]
     assert recent[0].scanned_at == start + timedelta(hours=5)
+
+
+def test_export_says_which_store_it_read_and_writes_the_inventory_files_servers(
+    three: Path, tmp_path: Path
+) -> None:
+    """The service's fleet is its inventory file's servers and its agents'; the demo's is the file alone."""
+    fleet = Path(__file__).parent.parent / "fixtures" / "fleet.yaml"
+    servers = yaml.safe_load(fleet.read_text())["servers"]
+    gpus = sum(len(server.get("gpus") or []) for server in servers)
+    alone = export(tmp_path / "alone.db", db=three)
+    assert "and 0 server GPU rows" in alone and "pass --inventory FILE" in alone.splitlines()[-2]
+    out = tmp_path / "fleet.db"
+    said = export(out, db=three, env={"GPUBADGE_INVENTORY_FILE": str(fleet)})
+    assert said.splitlines()[0] == f"read SQLite {three.absolute()} and the inventory {fleet}"
+    assert f"and {gpus} server GPU rows" in said
+    with contextlib.closing(sqlite3.connect(out)) as conn:
+        names = {row[0] for row in conn.execute("SELECT server FROM servers")}
+        counted = conn.execute("SELECT count(*) FROM servers WHERE gpu_uuid IS NOT NULL").fetchone()[0]
+    assert names == {server["name"] for server in servers} and counted == gpus
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("servers:\n  - name: x\n    cpus: many\n")
+    done = gpubadge("export", "sqlite", str(tmp_path / "no.db"), "--db", str(three), "--inventory", str(bad))
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        == f"gpubadge export: inventory {bad}: line 3, servers[0].cpus: expected an integer, got 'many'"
+    )

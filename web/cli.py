@@ -22,7 +22,9 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", help="listen address (GPUBADGE_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
-    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB, default ./gpubadge.db)")
+    parser.add_argument(
+        "--db", type=Path, help="SQLite file (GPUBADGE_DB, default ~/.local/share/gpubadge/gpubadge.db)"
+    )
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     parser.add_argument(
         "--workers",

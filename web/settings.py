@@ -15,7 +15,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import is_loopback
-from scanner.settings import ScannerSettings, mirror_parts
+from scanner.settings import ScannerSettings, default_db_path, mirror_parts
 from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
@@ -30,7 +30,10 @@ class ServiceSettings(ScannerSettings):
     # A rejected value is never echoed: the database URL and the tokens carry secrets.
     model_config = SettingsConfigDict(**{**ScannerSettings.model_config, "hide_input_in_errors": True})
 
-    db: Path = Field(default=Path("gpubadge.db"), description="SQLite database file")
+    db: Path = Field(
+        default_factory=default_db_path,
+        description="SQLite database file (default $XDG_DATA_HOME/gpubadge/gpubadge.db, as `gpubadge scan`)",
+    )
     database_url: SecretStr | None = Field(
         default=None,
         description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
@@ -149,6 +152,12 @@ class ServiceSettings(ScannerSettings):
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )
 
+    @field_validator("db", mode="before")
+    @classmethod
+    def _empty_db_is_the_default(cls, value: Any) -> Any:
+        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
+        return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
+
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
@@ -247,7 +256,7 @@ class ServiceSettings(ScannerSettings):
         for name, info in cls.model_fields.items():
             default: Any = info.default
             if info.default_factory is not None:
-                default = "(computed)" if name == "docker_config" else "(empty)"
+                default = "(computed)" if name in ("docker_config", "db") else "(empty)"
             shown = "(unset)" if default is None else default
             lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
         return "\n".join(lines)

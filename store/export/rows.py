@@ -102,8 +102,11 @@ COLUMNS: dict[str, dict[str, tuple[type, str]]] = {
         "memory_mib": (int, "GPU memory in MiB"),
         "compute_capability": (str, "compute capability, e.g. 8.0"),
         "mig": (int, "1 when MIG mode is on"),
-        "registered_at": (str, "when the server registered (UTC)"),
-        "last_heartbeat": (str, "its latest heartbeat (UTC)"),
+        "registered_at": (str, "when its agent registered (UTC); null for a server of the inventory file"),
+        "last_heartbeat": (
+            str,
+            "its agent's latest heartbeat (UTC); null for a server of the inventory file",
+        ),
     },
 }
 
@@ -220,7 +223,7 @@ def _platform_row(digest: str, key: int, platform: PlatformReport) -> Row:
     }
 
 
-def server_rows(inventory_json: str, registered_at: str, last_heartbeat: str) -> list[Row]:
+def server_rows(inventory_json: str, registered_at: str | None, last_heartbeat: str | None) -> list[Row]:
     """One row per GPU of a stored server inventory (placement's `Server` document, read as JSON:
     store/ does not import placement/); one GPU-less row for a server without GPUs."""
     server: dict[str, Any] = json.loads(inventory_json)

@@ -37,7 +37,7 @@ import sqlite3
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -113,8 +113,13 @@ def export_sqlite(
     batch_size: int = DEFAULT_BATCH,
     progress: Callable[[int], None] | None = None,
     source: str = "",
+    inventory: Sequence[str] = (),
 ) -> ExportSummary:
     """Export the store's reports (those scanned after `since`, if given) and its fleet into `out`.
+
+    The fleet is the service's: the servers of its inventory file (`inventory`, each a `Server`
+    document as JSON, with no registration or heartbeat), and over them, by name, the servers
+    agents registered in the store.
 
     `progress(n)` is called after each written batch with the number of images written so far.
     Raises `ExportError` (with `out` untouched) for a bad `out`, a full disk or an unwritable
@@ -144,6 +149,7 @@ def export_sqlite(
             batch_size=batch_size,
             progress=progress,
             source=source,
+            inventory=inventory,
         )
         metadata = metadata_path(out)
         _write_metadata(metadata, out)  # first: a disk that fills now fails before `out` is replaced
@@ -199,6 +205,7 @@ def _write(
     batch_size: int,
     progress: Callable[[int], None] | None,
     source: str,
+    inventory: Sequence[str],
 ) -> dict[str, int]:
     counts = {"images": 0, "platforms": 0, "layer_links": 0, "gpus": 0, "removed": 0}
     db = sqlite_utils.Database(path)
@@ -235,7 +242,14 @@ def _write(
                 progress(counts["images"])
             if len(page) < batch_size:
                 break
-        servers = [row for record in backend.run(queries.servers) for row in server_rows(*record)]
+        fleet: dict[str, list[Row]] = {}
+        for document in inventory:
+            rows = server_rows(document, None, None)
+            fleet[str(rows[0]["server"])] = rows
+        for record in backend.run(queries.servers):  # an agent's report wins over the file's
+            rows = server_rows(*record)
+            fleet[str(rows[0]["server"])] = rows
+        servers = [row for rows in fleet.values() for row in rows]
         counts["gpus"] = sum(1 for row in servers if row.get("gpu_uuid"))
         with db.conn:
             if sweep:
