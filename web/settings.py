@@ -71,8 +71,16 @@ class ServiceSettings(ScannerSettings):
     per_registry_scans: int | None = Field(
         default=None,
         ge=1,
-        description="scans run at once against one registry, across every worker; default half of workers"
-        " (at least 1), so one slow registry never holds every worker",
+        description="a hard cap on the scans run at once against one registry, across every worker; unset"
+        " (the default): none, so a registry alone in the queue gets every worker (work-conserving; fairness"
+        " and preempt_after keep one registry from starving another)",
+    )
+    preempt_after: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds a registry with ready jobs may wait with no scan in flight while every worker is"
+        " busy; past it, a saturated worker puts its longest-running scan of the busiest registry back in the"
+        " queue (no attempt spent) and the slot goes to the waiting registry (0: never pre-empt)",
     )
     max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
     retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")

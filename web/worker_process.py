@@ -35,7 +35,8 @@ def worker_settings(settings: ServiceSettings) -> WorkerSettings:
     """The one mapping from service settings to worker settings (serve and worker share it)."""
     return WorkerSettings(
         concurrency=settings.workers,
-        per_registry=settings.per_registry_scans or max(1, settings.workers // 2),
+        per_registry=settings.per_registry_scans,
+        preempt_after=settings.preempt_after,
         backoff_base=settings.retry_backoff,
         lease_seconds=settings.lease_seconds,
     )

@@ -13,12 +13,18 @@ writes for a while delays the work; it does not end it.
 Bursts coalesce twice: the store refuses a second active job for the same reference,
 and digest-only child events wait briefly, so the index job covers them first.
 
-One team's slow registry is that team's problem alone: claims are fair across registries
-(the store picks the registry with the fewest scans in flight, least recently claimed
-first), a registry never gets more than `per_registry` workers (by default half of them),
-a transfer slower than GPUBADGE_MIN_TRANSFER_RATE is cut off and retried with backoff, and
-a registry's Retry-After puts the job back with `not_before` and closes that registry's gate
-(`store.defer_job`) instead of a worker sleeping on it.
+Work is conserved and one team's slow registry is that team's problem alone. No worker idles
+while any registry has a ready job: a registry alone in the queue gets every worker. Claims are
+fair across registries (the store gives each free slot to the registry with the fewest scans in
+flight, least recently claimed first), so a registry that holds every slot gives one up as soon
+as any of its scans ends. Where none ends (a registry dripping its bytes holds its scans until
+GPUBADGE_MIN_TRANSFER_RATE cuts them off, 30 s by default), pre-emption frees one: once a registry
+has waited `preempt_after` seconds with ready jobs and no scan in flight anywhere, a saturated
+worker puts its longest-running scan of the busiest registry back in the queue (no attempt spent;
+`store.preempt_job`) and the next claim gives that slot to the waiting registry. A registry's
+Retry-After puts the job back with `not_before` and closes that registry's gate
+(`store.defer_job`) instead of a worker sleeping on it. `per_registry` (GPUBADGE_PER_REGISTRY_SCANS,
+unset by default) still caps one registry's scans across every worker where an operator wants it.
 """
 
 from __future__ import annotations
@@ -53,7 +59,10 @@ MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After
 @dataclass
 class WorkerSettings:
     concurrency: int = 4
-    per_registry: int = 2  # below `concurrency`, so one registry never holds every worker
+    per_registry: int | None = None  # a hard cap on one registry's scans (None: work-conserving, no cap)
+    preempt_after: float = (
+        5.0  # seconds a registry waits with no scan in flight before one is pre-empted; 0: never
+    )
     backoff_base: float = 1.0  # first retry of a failed scan
     backoff_max: float = 300.0
     idle_poll: float = 5.0  # re-check the queue this often with nothing to wake us
@@ -112,6 +121,9 @@ class ScanWorkers:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
+        self._started: dict[str, tuple[Job, float]] = {}  # job id -> the job and when its scan began
+        self._waiting_since: dict[str, float] = {}  # registry with ready jobs and none in flight -> since
+        self._next_wait_check = 0.0
         self._next_expiry_check = 0.0
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -236,11 +248,70 @@ class ScanWorkers:
             for job in claimed:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
+                self._started[job.id] = (job, time.monotonic())
                 task.add_done_callback(functools.partial(self._forget, job.id))
+        if len(self._running) >= self.settings.concurrency and self.settings.preempt_after > 0:
+            await self._preempt_for_a_waiting_registry()
         return await self._idle_delay()
 
     def _forget(self, job_id: str, _: asyncio.Task[None]) -> None:
         self._running.pop(job_id, None)
+        self._started.pop(job_id, None)
+
+    async def _preempt_for_a_waiting_registry(self) -> None:
+        """Every slot here is busy: if a registry has waited `preempt_after` seconds with ready jobs
+        and no scan in flight in any worker, put back one scan of the busiest registry we run.
+
+        Looked at once per SATURATED_RECHECK at most (one read of the per-registry load). The
+        scan put back is this worker's longest-running one of the registry with the most scans in
+        flight everywhere, and only where that registry has two or more (taking a registry's only
+        scan would just move the wait). Its job is queued again at once with its attempt refunded;
+        the claim that follows gives the slot to the registry with the fewest in flight.
+        """
+        now = time.monotonic()
+        if now < self._next_wait_check:
+            return
+        self._next_wait_check = now + SATURATED_RECHECK
+        loads = await self.store.run(self.store.backend.registry_load)
+        waiting = {
+            load.registry
+            for load in loads
+            if load.ready > 0 and load.running == 0 and load.cool_down_seconds <= 0
+        }
+        self._waiting_since = {registry: self._waiting_since.get(registry, now) for registry in waiting}
+        starved = sorted(
+            (since, registry)
+            for registry, since in self._waiting_since.items()
+            if now - since >= self.settings.preempt_after
+        )
+        if not starved:
+            return
+        running = {load.registry: load.running for load in loads}
+        candidates = [
+            (-running.get(job.registry, 0), began, job)
+            for job_id, (job, began) in self._started.items()
+            if running.get(job.registry, 0) >= 2 and job_id in self._running
+        ]
+        if not candidates:
+            return
+        _, began, job = min(candidates, key=lambda item: (item[0], item[1]))
+        waited_since, registry = starved[0]
+        task = self._running[job.id]
+        task.cancel()
+        await asyncio.wait({task}, timeout=self.settings.lease_seconds)
+        preempted = await self._write(lambda: self.store.preempt_job(job.id, owner=self.owner), job)
+        self._waiting_since[registry] = time.monotonic()  # its grace starts again: one scan per wait
+        if preempted:
+            log.info(
+                "scan %s of %s (%s, %.1f s in flight) put back in the queue: %s has waited %.1f s"
+                " with ready jobs and no scan in flight",
+                job.id,
+                job.reference,
+                job.registry,
+                now - began,
+                registry,
+                now - waited_since,
+            )
 
     async def _idle_delay(self) -> float:
         due = await self.store.run(queries.next_job_due)
