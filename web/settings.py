@@ -105,6 +105,24 @@ class ServiceSettings(ScannerSettings):
         description="/healthz fails when ready jobs wait this long while no worker makes progress",
     )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
+    request_head_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a connection has to complete a request head (from its opening, or from the"
+        " first byte of a keep-alive connection's next head); a slower one gets 408 and is closed",
+    )
+    min_body_rate: int = Field(
+        default=1024,
+        ge=0,
+        description="bytes per second a request body must average over each request_head_timeout while it"
+        " is still arriving; a slower one gets 408 and is closed (0: judged never)",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="open HTTP connections per listener; beyond it a new connection is answered 503 at once"
+        " (default: the open-file limit less a tenth of it, at least 256, kept for the store and registries)",
+    )
     json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
     json_max_number: int = Field(
         default=INTEROPERABLE_INTEGER,

@@ -23,6 +23,7 @@ from store import LeaseExpiry
 from web import health
 from web.architectures import FleetArchitectures
 from web.companions import companions
+from web.connections import GuardedRunner, connection_limits
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
@@ -127,7 +128,7 @@ async def _serve_health(services: Services, port: int) -> web.AppRunner:
     app = web.Application()
     app[SERVICES] = services
     health.setup_routes(app)
-    runner = web.AppRunner(app, access_log=None)
+    runner = GuardedRunner(app, connection_limits(services.settings), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, services.settings.host, port).start()
     return runner
