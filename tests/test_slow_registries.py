@@ -248,6 +248,32 @@ async def test_a_dripping_registry_takes_the_idle_workers_but_never_starves_anot
     assert proxy.max_in_flight <= workers + 1
 
 
+async def test_a_registry_alone_keeps_every_worker_busy_and_a_newcomer_gets_the_next_free_slot(
+    registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path
+) -> None:
+    """The single-registry burst: with default settings every worker scans while one registry has
+    ready jobs (the old default cap of half the workers left four idle), and another registry's
+    job, requested meanwhile, takes the next slot that frees, without waiting for pre-emption."""
+    settings, normal_ref, slow_refs = await _scene(registry, proxy, push, slow_images, tmp_path, "burst")
+    workers = settings.workers
+    # each manifest takes about a second to arrive (well above the transfer-rate floor's judgement):
+    # long enough for scans to overlap, short enough that one ends well before preempt_after
+    proxy.add(Rule("drip", method="GET", path="/manifests/", times=None, rate=600))
+    async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
+        scene = Scene(service.url, proxy, session, slow_refs, normal_ref)
+        jobs = [await scene.scan(ref) for ref in slow_refs]
+        await proxy.wait_for_in_flight(workers, timeout=15)  # every worker on the one registry
+        requested = time.monotonic()
+        normal = await scene.scan(normal_ref)
+        done = await scene.job(normal["id"], wait=NORMAL_DEADLINE)
+        elapsed = time.monotonic() - requested
+        assert done["state"] == "done", done
+        assert elapsed < settings.preempt_after, elapsed  # a slot freed by a scan that ended, not taken
+        for job in jobs:
+            assert (await scene.job(job["id"], wait=NORMAL_DEADLINE))["state"] == "done"
+    assert proxy.max_in_flight == workers  # every worker, and never more
+
+
 async def test_a_rate_limited_registry_cools_down_while_another_goes_on(
     registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path
 ) -> None:
