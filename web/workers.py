@@ -250,8 +250,12 @@ class ScanWorkers:
                 self._running[job.id] = task
                 self._started[job.id] = (job, time.monotonic())
                 task.add_done_callback(functools.partial(self._forget, job.id))
-        if len(self._running) >= self.settings.concurrency and self.settings.preempt_after > 0:
-            await self._preempt_for_a_waiting_registry()
+        if len(self._running) >= self.settings.concurrency:
+            if self.settings.preempt_after > 0:
+                await self._preempt_for_a_waiting_registry()
+            # Every slot busy: a scan that ends wakes this loop, so there is no due time to read. In a
+            # push burst each webhook commit wakes it; that read would cost a store hop per delivery.
+            return min(self.settings.idle_poll, SATURATED_RECHECK)
         return await self._idle_delay()
 
     def _forget(self, job_id: str, _: asyncio.Task[None]) -> None:
