@@ -244,6 +244,8 @@ async def test_a_dripping_registry_takes_the_idle_workers_but_never_starves_anot
         assert [job["state"] for job in states].count("running") <= workers
         assert all(job["state"] in ("running", "queued") for job in states)
         assert all(job["attempts"] <= 1 for job in states)  # the one put back spent no attempt
+        preempted = metric(await scene.metrics(), "gpubadge_scan_preemptions_total", proxy.host)
+        assert preempted is not None and preempted >= 1
     # a scan put back drops its connection; the proxy notices at its next dripped byte, so one overlaps
     assert proxy.max_in_flight <= workers + 1
 
@@ -269,6 +271,7 @@ async def test_a_registry_alone_keeps_every_worker_busy_and_a_newcomer_gets_the_
         elapsed = time.monotonic() - requested
         assert done["state"] == "done", done
         assert elapsed < settings.preempt_after, elapsed  # a slot freed by a scan that ended, not taken
+        assert metric(await scene.metrics(), "gpubadge_scan_preemptions_total", proxy.host) in (None, 0)
         for job in jobs:
             assert (await scene.job(job["id"], wait=NORMAL_DEADLINE))["state"] == "done"
     assert proxy.max_in_flight == workers  # every worker, and never more

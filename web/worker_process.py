@@ -65,6 +65,7 @@ def worker_events(metrics: ServiceMetrics, attacher: ReportAttacher | None = Non
         on_outcome=on_outcome,
         on_restart=lambda: metrics.worker_restarts.inc(),
         on_lease_expiries=on_lease_expiries,
+        on_preempt=lambda job: metrics.preemptions.inc(job.registry),
     )
 
 

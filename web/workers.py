@@ -84,6 +84,7 @@ class WorkerEvents:
     on_outcome: Callable[[JobOutcome], None] | None = None
     on_restart: Callable[[], None] | None = None
     on_lease_expiries: Callable[[list[LeaseExpiry]], None] | None = None
+    on_preempt: Callable[[Job], None] | None = None  # a scan put back for a waiting registry
 
 
 def worker_identity() -> str:
@@ -306,6 +307,8 @@ class ScanWorkers:
         preempted = await self._write(lambda: self.store.preempt_job(job.id, owner=self.owner), job)
         self._waiting_since[registry] = time.monotonic()  # its grace starts again: one scan per wait
         if preempted:
+            if self.events.on_preempt:
+                self.events.on_preempt(job)
             log.info(
                 "scan %s of %s (%s, %.1f s in flight) put back in the queue: %s has waited %.1f s"
                 " with ready jobs and no scan in flight",
