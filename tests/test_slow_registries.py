@@ -206,6 +206,18 @@ def slow_images(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactor
     return [f"{name}:latest" for name in sorted(specs)]
 
 
+@pytest.fixture(scope="module")
+def distinct_images(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Sixteen different images (their configs differ) over the same layers (one `skopeo sync`)."""
+    specs = {}
+    for n in range(SLOW_SCANS):
+        spec = catalog.plain_glibc()
+        spec.env = {**spec.env, "BUILD": str(n)}
+        specs[f"distinct/app{n:02d}"] = spec
+    push_many(specs, registry.host, tmp_path_factory.mktemp("distinct"))
+    return [f"{name}:latest" for name in sorted(specs)]
+
+
 async def _scene(
     registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path, tag: str
 ) -> tuple[ServiceSettings, str, list[str]]:
@@ -275,6 +287,46 @@ async def test_a_registry_alone_keeps_every_worker_busy_and_a_newcomer_gets_the_
         for job in jobs:
             assert (await scene.job(job["id"], wait=NORMAL_DEADLINE))["state"] == "done"
     assert proxy.max_in_flight == workers  # every worker, and never more
+
+
+async def test_badges_of_a_burst_never_wait_for_the_layers_of_images_before_them(
+    registry: LocalRegistry, proxy: FaultProxy, push: Pusher, distinct_images: list[str], tmp_path: Path
+) -> None:
+    """A scan's worker slot is for its config facts: once its badge is published (the pending
+    report), the slot takes the next job while the layers are read (up to as many scans again).
+    Here every layer drips, so no scan ends; twice the workers' scans still show their badges."""
+    settings, _, slow_refs = await _scene(registry, proxy, push, distinct_images, tmp_path, "layers")
+    workers = settings.workers
+    layers: set[str] = set()
+    async with aiohttp.ClientSession() as session:
+        for image in distinct_images:
+            name, _, tag = image.partition(":")
+            async with session.get(
+                f"http://{registry.host}/v2/{name}/manifests/{tag}",
+                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+            ) as reply:
+                layers.update(layer["digest"] for layer in (await reply.json())["layers"])
+    proxy.add(Rule("drip", method="GET", path="|".join(sorted(layers)), times=None, rate=4))
+    async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
+        scene = Scene(service.url, proxy, session, slow_refs, "")
+        jobs = [await scene.scan(ref) for ref in slow_refs[: 2 * workers]]
+
+        async def badge(ref: str) -> dict[str, Any]:
+            async with session.get(
+                f"{service.url}/api/images/by-ref", params={"ref": ref, "wait": "15", "until": "facts"}
+            ) as reply:
+                assert reply.status == 200, await reply.text()
+                report: dict[str, Any] = await reply.json()
+                return report
+
+        started = time.monotonic()
+        reports = await asyncio.gather(*(badge(ref) for ref in slow_refs[: 2 * workers]))
+        assert time.monotonic() - started < NORMAL_DEADLINE
+        assert all(report["pending"] for report in reports), [
+            (r.get("pending"), r["platforms"][0]["libc"]) for r in reports
+        ]
+        states = [(await scene.job(job["id"]))["state"] for job in jobs]
+        assert states == ["running"] * (2 * workers)  # every one still reading its layers
 
 
 async def test_a_rate_limited_registry_cools_down_while_another_goes_on(

@@ -122,6 +122,7 @@ class ScanWorkers:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
+        self._before_facts: set[str] = set()  # jobs whose config facts are not published yet
         self._started: dict[str, tuple[Job, float]] = {}  # job id -> the job and when its scan began
         self._waiting_since: dict[str, float] = {}  # registry with ready jobs and none in flight -> since
         self._next_wait_check = 0.0
@@ -237,7 +238,7 @@ class ScanWorkers:
                     )
                 if self.events.on_lease_expiries:
                     self.events.on_lease_expiries(expired)
-        free = self.settings.concurrency - len(self._running)
+        free = self._free_slots()
         if free > 0 and not self._stopping:
             claimed = await self.store.run(
                 self.store.backend.claim_jobs,
@@ -250,8 +251,9 @@ class ScanWorkers:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
                 self._started[job.id] = (job, time.monotonic())
+                self._before_facts.add(job.id)
                 task.add_done_callback(functools.partial(self._forget, job.id))
-        if len(self._running) >= self.settings.concurrency:
+        if self._free_slots() <= 0:
             if self.settings.preempt_after > 0:
                 await self._preempt_for_a_waiting_registry()
             # Every slot busy: a scan that ends wakes this loop, so there is no due time to read. In a
@@ -259,9 +261,24 @@ class ScanWorkers:
             return min(self.settings.idle_poll, SATURATED_RECHECK)
         return await self._idle_delay()
 
+    def _free_slots(self) -> int:
+        """Slots for new claims: `concurrency` scans before their config facts are published, and
+        as many again still reading layers after (so a burst's badges never wait for the layers
+        of the images pushed before them), whichever is fuller."""
+        return min(
+            self.settings.concurrency - len(self._before_facts),
+            2 * self.settings.concurrency - len(self._running),
+        )
+
+    def _facts_published(self, job_id: str) -> None:
+        """A scan's badge is visible and it reads layers now: its config slot goes to the next claim."""
+        self._before_facts.discard(job_id)
+        self._wake.set()
+
     def _forget(self, job_id: str, _: asyncio.Task[None]) -> None:
         self._running.pop(job_id, None)
         self._started.pop(job_id, None)
+        self._before_facts.discard(job_id)
 
     async def _preempt_for_a_waiting_registry(self) -> None:
         """Every slot here is busy: if a registry has waited `preempt_after` seconds with ready jobs
@@ -292,10 +309,14 @@ class ScanWorkers:
         if not starved:
             return
         running = {load.registry: load.running for load in loads}
+        # the config slots are full: one of theirs; else every slot is: any scan
+        holding = (
+            self._before_facts if len(self._before_facts) >= self.settings.concurrency else self._running
+        )
         candidates = [
             (-running.get(job.registry, 0), began, job)
             for job_id, (job, began) in self._started.items()
-            if running.get(job.registry, 0) >= 2 and job_id in self._running
+            if running.get(job.registry, 0) >= 2 and job_id in self._running and job_id in holding
         ]
         if not candidates:
             return
@@ -354,7 +375,8 @@ class ScanWorkers:
     async def _run(self, job: Job) -> None:
         started = time.monotonic()
         try:
-            report = await self.scanner.scan(job.reference, ScanOptions())
+            options = ScanOptions(on_facts=functools.partial(self._facts_published, job.id))
+            report = await self.scanner.scan(job.reference, options)
             await self._record(job, report)
             if self.events.on_outcome:
                 self.events.on_outcome(JobOutcome(job, report, time.monotonic() - started))
