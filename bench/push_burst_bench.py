@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sqlite3
 import tempfile
@@ -191,21 +192,32 @@ async def measure_burst(
 
 
 OLD_DEFAULT_CAP = {"GPUBADGE_PER_REGISTRY_SCANS": "4"}  # the default before issue 31: half of 8 workers
+PEER_TREE = "GPUBADGE_BENCH_PEER_TREE"  # a checkout of an earlier gpubadge to run as the peer
+
+
+def peer_env() -> tuple[str, dict[str, str]]:
+    """The peer's label and environment: the checkout named by $GPUBADGE_BENCH_PEER_TREE (e.g. a
+    worktree of main) with its own defaults, else this checkout with the old default cap."""
+    tree = os.environ.get(PEER_TREE)
+    if tree:
+        return f"{Path(tree).name} with its defaults", {"PYTHONPATH": tree}
+    return "old default cap (4 of 8 workers)", OLD_DEFAULT_CAP
 
 
 def run_all(results: Results, quick: bool) -> None:
-    """Ours (default settings: every worker on the one registry) and the old default cap (half the
-    workers per registry), each beside its own null receiver in the same run, old first."""
+    """Ours (default settings: every worker on the one registry) and the peer (`peer_env`), each
+    beside its own null receiver in the same run, the peer first."""
     figures = BurstFigures.quick() if quick else BurstFigures()
     print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
     runs = {}
-    for label, env in (("old default cap (4 of 8 workers)", OLD_DEFAULT_CAP), ("defaults", None)):
+    peer_label, env_of_peer = peer_env()
+    for label, env in ((peer_label, env_of_peer), ("defaults", None)):
         workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
         try:
             runs[label] = asyncio.run(measure_burst(figures, workdir, env))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    old_floor, old_badge, *_ = runs["old default cap (4 of 8 workers)"]
+    old_floor, old_badge, *_ = runs[peer_label]
     floor, badge, pushes, answer, breakdown = runs["defaults"]
     for name, pick in (("p50", 0.5), ("p99", 0.99)):
         ours, peer = percentile(badge, pick), percentile(floor, pick)
@@ -219,7 +231,7 @@ def run_all(results: Results, quick: bool) -> None:
                 ratio=peer / ours if ours > 0 else None,
                 target="within 100 ms of the floor",
                 met=ours - peer <= 0.100,
-                note=f"difference {ms(ours - peer)} (old default cap, same run: {ms(old)}); gpubadge answered each"
+                note=f"difference {ms(ours - peer)} ({peer_label}, same run: {ms(old)}); gpubadge answered each"
                 f" delivery in {ms(answer)} on average; push -> job committed {name}"
                 f" {ms(percentile(breakdown.delivered, pick))}, job -> badge {name}"
                 f" {ms(percentile(breakdown.scanned, pick))}; the full report (layers read) {name}"

@@ -67,7 +67,11 @@ class ServiceSettings(ScannerSettings):
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
     )
-    workers: int = Field(default=8, description="scans run at once")
+    workers: int = Field(
+        default=8,
+        description="scans run at once until their config facts (the badge) are published; as many again may"
+        " go on reading layers after that, per worker process",
+    )
     per_registry_scans: int | None = Field(
         default=None,
         ge=1,

@@ -13,6 +13,11 @@ writes for a while delays the work; it does not end it.
 Bursts coalesce twice: the store refuses a second active job for the same reference,
 and digest-only child events wait briefly, so the index job covers them first.
 
+A worker's slot is for a scan's config facts: once the scan has published them (the pending
+report, the badge), the slot takes the next job while the layers are read, up to as many scans
+again (`concurrency` before their facts, `2 * concurrency` in all), so the badges of a push burst
+never wait for the layers of the images pushed before them.
+
 Work is conserved and one team's slow registry is that team's problem alone. No worker idles
 while any registry has a ready job: a registry alone in the queue gets every worker. Claims are
 fair across registries (the store gives each free slot to the registry with the fewest scans in
@@ -58,7 +63,7 @@ MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After
 
 @dataclass
 class WorkerSettings:
-    concurrency: int = 4
+    concurrency: int = 4  # scans before their config facts are published; as many again reading layers
     per_registry: int | None = None  # a hard cap on one registry's scans (None: work-conserving, no cap)
     preempt_after: float = (
         5.0  # seconds a registry waits with no scan in flight before one is pre-empted; 0: never
