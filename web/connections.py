@@ -15,9 +15,10 @@ descriptor and a parser for that long, and thousands of them run the process out
   `request_head_timeout` seconds the connection must have delivered at least
   `min_body_rate` bytes a second over that window; a slower one gets `408` and is closed.
   A handler that has its whole body (or none: a GET long-poll) is never judged by it.
-- **Open connections** (`max_connections`, by default sized from the open-file limit): beyond it
-  each new connection is answered `503` with `Retry-After` and closed at once, so the accept
-  queue never grows and the descriptors already open keep serving.
+- **Open connections** (`max_connections`, by default sized from the open-file limit), counted
+  over every guarded listener of the process: beyond it each new connection is answered `503`
+  with `Retry-After` and closed at once, so the accept queue never grows and the descriptors
+  already open keep serving.
 
 The guard relies on three attributes of aiohttp's `RequestHandler` (`_request_count`,
 `_messages`, `_current_request`; aiohttp 3.9 to 3.14); `tests/test_slow_clients.py` pins the
@@ -164,6 +165,12 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
+class _ProcessConnections:
+    """Connections open in this process, over every guarded listener (the cap is per process)."""
+
+    open = 0
+
+
 class ConnectionGuard:
     """The protocol factory a listener calls per connection: a guarded handler, or `_Busy`."""
 
@@ -171,17 +178,20 @@ class ConnectionGuard:
         self.server = server
         self.limits = limits
         self.cap = limits.connection_cap
-        self.open = 0
         self.refused = 0
         self.closed_slow_heads = 0
         self.closed_slow_bodies = 0
         self._warned = False
 
+    @property
+    def open(self) -> int:
+        return _ProcessConnections.open
+
     def opened(self) -> None:
-        self.open += 1
+        _ProcessConnections.open += 1
 
     def closed(self) -> None:
-        self.open -= 1
+        _ProcessConnections.open -= 1
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.cap:

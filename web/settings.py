@@ -124,7 +124,8 @@ class ServiceSettings(ScannerSettings):
     max_connections: int | None = Field(
         default=None,
         ge=1,
-        description="open HTTP connections per listener; beyond it a new connection is answered 503 at once"
+        description="open HTTP connections per process, every listener counted; beyond it a new connection is"
+        " answered 503 at once"
         " (default: the open-file limit less a tenth of it, at least 256, kept for the store and registries)",
     )
     json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
