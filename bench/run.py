@@ -29,6 +29,7 @@ from bench import (
     scale_bench,
     scan_bench,
     service_bench,
+    slow_clients_bench,
     starvation_bench,
     webhook_cpu_bench,
 )
@@ -54,6 +55,7 @@ SECTIONS = (
     "ui",
     "scale",
     "starvation",
+    "slowclients",
     "export",
 )
 
@@ -255,6 +257,7 @@ def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
         "ui": run_ui,
         "scale": scale_bench.run_all,
         "starvation": starvation_bench.run_all,
+        "slowclients": slow_clients_bench.run_all,
         "export": export_bench.run_all,
     }
     for section in SECTIONS:

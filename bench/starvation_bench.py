@@ -11,10 +11,12 @@ either drips every manifest one byte a second (a throttled proxy) or answers eve
 Measured, for each slow registry and each configuration: sixteen scans of the slow registry
 are requested; once it holds the workers it may have, scans of the normal registry are
 requested together, each timed from its request until it is `done` (or the deadline
-passes). Ours is the service with its defaults; the peer is the same service with
-main's behaviour before this work (per-registry scans = workers = 8, no transfer-rate floor,
-a Retry-After slept on up to 60 s in the worker), run in the same bench run; claims are then
-the fair ones of this work, which cannot help when one registry may take every worker.
+passes). Ours is the service with its defaults (no per-registry cap: the slow registry takes
+every idle worker, and the normal registry gets one back by pre-emption after
+GPUBADGE_PREEMPT_AFTER); the peer is the same service with main's behaviour before issue 20
+(per-registry scans = workers = 8, no transfer-rate floor, no pre-emption, a Retry-After slept on
+up to 60 s in the worker), run in the same bench run; claims are then the fair ones, which
+cannot help when one registry may take every worker and none of its scans ends.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ async def measure(
     slow = await SlowRegistry(f"http://{registry.host}", mode).start()
     overrides: dict[str, Any] = {}
     if peer:  # main's settings: one registry may take every worker; no rate floor
-        overrides = {"per_registry_scans": 8, "min_transfer_rate": 0}
+        overrides = {"per_registry_scans": 8, "min_transfer_rate": 0, "preempt_after": 0}
     settings = ServiceSettings(
         db=workdir / "gpubadge.db",
         registries=[registry.host, slow.host],  # type: ignore[list-item]

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scanner.facts.badges import badges, cuda_mismatch
@@ -64,6 +64,9 @@ class ScanOptions:
     platform: Platform | None = None
     config_only: bool = False
     force: bool = False  # ignore a stored report for the same digest
+    # called once, when the config facts are published (`publish_facts`: the pending report is
+    # stored) and the layers are still to be read; the service's workers free a slot on it
+    on_facts: Callable[[], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -264,7 +267,9 @@ class Scanner:
         child = self._usable_platform(as_platform, options, policy, None, accept_pending=True)
         if child is not None:
             # A platform of an index already scanned, or being scanned now (the child events of a
-            # multi-arch push): its index's scan gives the answer; reading it again would only repeat it.
+            # multi-arch push, or the same image pushed under another tag): the scan that reads it
+            # gives the answer; reading it again would only repeat it. A tag still points here.
+            await self._remember_tag(reference, digest)
             return ImageReport(
                 reference=str(reference),
                 digest=digest,
@@ -309,6 +314,8 @@ class Scanner:
             report.pending = True
             if storable and self.publish_facts:
                 await self._save(reference, report)
+                if options.on_facts is not None:
+                    options.on_facts()
             results = await asyncio.gather(
                 *(self._layer_verdicts(reference, entry, run.deadline) for _, entry in to_read)
             )

@@ -236,6 +236,13 @@ class AsyncStore:
             self._fire_local(QUEUED)
         return released
 
+    async def preempt_job(self, job_id: str, *, owner: str) -> bool:
+        """Put a running job back in the queue at once (its worker's slot goes to another registry)."""
+        preempted = await self.run(self._backend.preempt_job, job_id, owner=owner)
+        if preempted:
+            self._fire_local(QUEUED)
+        return preempted
+
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         finished = await self.run(self._backend.finish_job, job_id, digest=digest, owner=owner)
         self._fire_local(SETTLED)

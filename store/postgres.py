@@ -389,6 +389,24 @@ class PostgresStore:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
             return cursor.rowcount
 
+    def preempt_job(self, job_id: str, *, owner: str) -> bool:
+        """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
+
+        A worker does this to hand its slot to a registry that has waited with no scan in flight
+        (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
+        `owner` no longer holds its lease.
+        """
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "UPDATE jobs SET state = 'queued', not_before = now(), lease_owner = NULL,"
+                " lease_expires = NULL, attempts = greatest(0, attempts - 1), updated_at = clock_timestamp()"
+                " WHERE id = %s AND state = 'running' AND lease_owner = %s",
+                [job_id, owner],
+            )
+            if cursor.rowcount:
+                conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
+            return cursor.rowcount > 0
+
     def lease_owners(self) -> list[str]:
         """The workers holding running jobs now."""
         with self._reading() as conn:

@@ -147,3 +147,44 @@ def test_concurrent_claimers_keep_the_cap_and_the_share_exact(open_backend: Open
         thread.join(timeout=30)
     assert len({job.id for job in claimed}) == len(claimed)  # no job twice
     assert Counter(job.registry for job in claimed) == {"r1": 2, "r2": 2, "r3": 2}
+
+
+def test_a_registry_alone_keeps_every_worker_and_a_newcomer_gets_the_next_free_slot(
+    open_backend: OpenBackend,
+) -> None:
+    store = open_backend()
+    _queue(store, "busy", 40)
+    held = store.claim_jobs(8, owner="w1", lease_seconds=30, per_registry=None)
+    assert Counter(job.registry for job in held) == {"busy": 8}  # no cap: no worker idles
+    _queue(store, "other", 3)  # made ready while busy holds every slot
+    for job in held[:2]:  # as each of busy's scans ends, the slot it frees goes to the newcomer first
+        assert store.finish_job(job.id, digest=None, owner="w1")
+        (nxt,) = store.claim_jobs(1, owner="w1", lease_seconds=30, per_registry=None)
+        assert nxt.registry == "other"
+    load = {entry.registry: entry for entry in store.registry_load()}
+    assert (load["busy"].running, load["other"].running) == (6, 2)
+    # then the slots balance by scans in flight: the third free slot goes to other (2 < 6)
+    assert store.finish_job(held[2].id, digest=None, owner="w1")
+    assert [job.registry for job in store.claim_jobs(1, owner="w1", lease_seconds=30, per_registry=None)] == [
+        "other"
+    ]
+    assert store.finish_job(held[3].id, digest=None, owner="w1")
+    assert [job.registry for job in store.claim_jobs(1, owner="w1", lease_seconds=30, per_registry=None)] == [
+        "busy"
+    ]  # other has nothing left ready
+
+
+def test_a_preempted_job_goes_back_ready_with_its_attempt_refunded(open_backend: OpenBackend) -> None:
+    store = open_backend()
+    _queue(store, "busy", 2)
+    first, second = store.claim_jobs(2, owner="w1", lease_seconds=30, per_registry=None)
+    assert not store.preempt_job(first.id, owner="w2")  # not its lease: nothing written
+    assert store.preempt_job(first.id, owner="w1")
+    back = store.job(first.id)
+    assert back.state == "queued" and back.attempts == 0 and back.lease_owner is None
+    assert not store.preempt_job(first.id, owner="w1")  # no longer running
+    _queue(store, "waiting", 1)
+    # the claim after a pre-emption gives the slot to the registry with none in flight
+    (job,) = store.claim_jobs(1, owner="w1", lease_seconds=30, per_registry=None)
+    assert job.registry == "waiting"
+    assert store.job(second.id).state == "running"

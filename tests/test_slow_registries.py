@@ -3,7 +3,8 @@
 A registry that drips its answers a byte a second, or answers 429 with Retry-After, must not
 keep another registry's scans waiting. The registries here are the session's real registry
 and a `FaultProxy` in front of it under another host:port (so another registry name); the
-service runs in-process with its default workers and per-registry cap.
+service runs in-process with its defaults: no per-registry cap (a registry alone in the
+queue gets every worker), fair claims, and pre-emption after `preempt_after`.
 """
 
 from __future__ import annotations
@@ -205,6 +206,18 @@ def slow_images(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactor
     return [f"{name}:latest" for name in sorted(specs)]
 
 
+@pytest.fixture(scope="module")
+def distinct_images(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Sixteen different images (their configs differ) over the same layers (one `skopeo sync`)."""
+    specs = {}
+    for n in range(SLOW_SCANS):
+        spec = catalog.plain_glibc()
+        spec.env = {**spec.env, "BUILD": str(n)}
+        specs[f"distinct/app{n:02d}"] = spec
+    push_many(specs, registry.host, tmp_path_factory.mktemp("distinct"))
+    return [f"{name}:latest" for name in sorted(specs)]
+
+
 async def _scene(
     registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path, tag: str
 ) -> tuple[ServiceSettings, str, list[str]]:
@@ -219,35 +232,108 @@ async def _scene(
     return settings, f"{registry.host}/{normal}", [f"{proxy.host}/{name}" for name in slow_images]
 
 
-async def test_a_dripping_registry_holds_its_cap_and_never_starves_another(
+async def test_a_dripping_registry_takes_the_idle_workers_but_never_starves_another(
     registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path
 ) -> None:
     settings, normal_ref, slow_refs = await _scene(registry, proxy, push, slow_images, tmp_path, "drip")
-    cap = settings.workers // 2
-    assert settings.per_registry_scans is None and cap < settings.workers  # the defaults under test
+    workers = settings.workers
+    assert settings.per_registry_scans is None and settings.preempt_after > 0  # the defaults under test
+    assert settings.preempt_after + 5 < NORMAL_DEADLINE < settings.min_transfer_window  # no cut-off helps
     proxy.add(Rule("drip", method="GET", path="/manifests/", times=None, rate=1))
     async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
         scene = Scene(service.url, proxy, session, slow_refs, normal_ref)
         slow_jobs = [await scene.scan(ref) for ref in slow_refs]
-        await proxy.wait_for_in_flight(cap, timeout=15)  # the slow registry holds its whole cap
+        await proxy.wait_for_in_flight(workers, timeout=15)  # alone in the queue: every worker, none idle
         requested = time.monotonic()
         normal = await scene.scan(normal_ref)
         done = await scene.job(normal["id"], wait=NORMAL_DEADLINE)
         elapsed = time.monotonic() - requested
         assert done["state"] == "done", done
-        assert elapsed < NORMAL_DEADLINE
-        text = await scene.metrics()
-        assert metric(text, "gpubadge_registry_scans_in_flight", proxy.host) == cap
-        states = [(await scene.job(job["id"]))["state"] for job in slow_jobs]
-        assert states.count("running") == cap and states.count("queued") == SLOW_SCANS - cap
-    assert proxy.max_in_flight <= cap  # never more of the workers than its share
+        # no dripping scan ends by itself within the window: the normal scan got its slot by pre-emption
+        assert settings.preempt_after <= elapsed < NORMAL_DEADLINE, elapsed
+        print(f"normal registry's scan done {elapsed:.2f} s after its request")
+        states = [await scene.job(job["id"]) for job in slow_jobs]
+        assert [job["state"] for job in states].count("running") <= workers
+        assert all(job["state"] in ("running", "queued") for job in states)
+        assert all(job["attempts"] <= 1 for job in states)  # the one put back spent no attempt
+        preempted = metric(await scene.metrics(), "gpubadge_scan_preemptions_total", proxy.host)
+        assert preempted is not None and preempted >= 1
+    # a scan put back drops its connection; the proxy notices at its next dripped byte, so one overlaps
+    assert proxy.max_in_flight <= workers + 1
+
+
+async def test_a_registry_alone_keeps_every_worker_busy_and_a_newcomer_gets_the_next_free_slot(
+    registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path
+) -> None:
+    """The single-registry burst: with default settings every worker scans while one registry has
+    ready jobs (the old default cap of half the workers left four idle), and another registry's
+    job, requested meanwhile, takes the next slot that frees, without waiting for pre-emption."""
+    settings, normal_ref, slow_refs = await _scene(registry, proxy, push, slow_images, tmp_path, "burst")
+    workers = settings.workers
+    # each manifest takes about a second to arrive (well above the transfer-rate floor's judgement):
+    # long enough for scans to overlap, short enough that one ends well before preempt_after
+    proxy.add(Rule("drip", method="GET", path="/manifests/", times=None, rate=600))
+    async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
+        scene = Scene(service.url, proxy, session, slow_refs, normal_ref)
+        jobs = [await scene.scan(ref) for ref in slow_refs]
+        await proxy.wait_for_in_flight(workers, timeout=15)  # every worker on the one registry
+        requested = time.monotonic()
+        normal = await scene.scan(normal_ref)
+        done = await scene.job(normal["id"], wait=NORMAL_DEADLINE)
+        elapsed = time.monotonic() - requested
+        assert done["state"] == "done", done
+        assert elapsed < settings.preempt_after, elapsed  # a slot freed by a scan that ended, not taken
+        assert metric(await scene.metrics(), "gpubadge_scan_preemptions_total", proxy.host) in (None, 0)
+        for job in jobs:
+            assert (await scene.job(job["id"], wait=NORMAL_DEADLINE))["state"] == "done"
+    assert proxy.max_in_flight == workers  # every worker, and never more
+
+
+async def test_badges_of_a_burst_never_wait_for_the_layers_of_images_before_them(
+    registry: LocalRegistry, proxy: FaultProxy, push: Pusher, distinct_images: list[str], tmp_path: Path
+) -> None:
+    """A scan's worker slot is for its config facts: once its badge is published (the pending
+    report), the slot takes the next job while the layers are read (up to as many scans again).
+    Here every layer drips, so no scan ends; twice the workers' scans still show their badges."""
+    settings, _, slow_refs = await _scene(registry, proxy, push, distinct_images, tmp_path, "layers")
+    workers = settings.workers
+    layers: set[str] = set()
+    async with aiohttp.ClientSession() as session:
+        for image in distinct_images:
+            name, _, tag = image.partition(":")
+            async with session.get(
+                f"http://{registry.host}/v2/{name}/manifests/{tag}",
+                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+            ) as reply:
+                layers.update(layer["digest"] for layer in (await reply.json())["layers"])
+    proxy.add(Rule("drip", method="GET", path="|".join(sorted(layers)), times=None, rate=4))
+    async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
+        scene = Scene(service.url, proxy, session, slow_refs, "")
+        jobs = [await scene.scan(ref) for ref in slow_refs[: 2 * workers]]
+
+        async def badge(ref: str) -> dict[str, Any]:
+            async with session.get(
+                f"{service.url}/api/images/by-ref", params={"ref": ref, "wait": "15", "until": "facts"}
+            ) as reply:
+                assert reply.status == 200, await reply.text()
+                report: dict[str, Any] = await reply.json()
+                return report
+
+        started = time.monotonic()
+        reports = await asyncio.gather(*(badge(ref) for ref in slow_refs[: 2 * workers]))
+        assert time.monotonic() - started < NORMAL_DEADLINE
+        assert all(report["pending"] for report in reports), [
+            (r.get("pending"), r["platforms"][0]["libc"]) for r in reports
+        ]
+        states = [(await scene.job(job["id"]))["state"] for job in jobs]
+        assert states == ["running"] * (2 * workers)  # every one still reading its layers
 
 
 async def test_a_rate_limited_registry_cools_down_while_another_goes_on(
     registry: LocalRegistry, proxy: FaultProxy, push: Pusher, slow_images: list[str], tmp_path: Path
 ) -> None:
     settings, normal_ref, slow_refs = await _scene(registry, proxy, push, slow_images, tmp_path, "limited")
-    cap = settings.workers // 2
+    cap = settings.workers  # no per-registry cap by default: at most every worker asks once
     limited = proxy.add(
         Rule("status", path="/manifests/", times=None, status=429, headers={"Retry-After": "60"})
     )

@@ -43,6 +43,7 @@ from placement.exports.core import KnownGpu
 from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from web.api import find_report
+from web.connections import GuardedRunner, connection_limits
 from web.errors import read_json
 from web.fleet import fleet_index
 from web.intake import QueueFull
@@ -277,7 +278,7 @@ def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterato
             context.verify_mode = ssl.CERT_OPTIONAL
         app = web.Application(client_max_size=settings.max_body_bytes)
         app.add_routes(routes(services, main))
-        runner = web.AppRunner(app, access_log=None)
+        runner = GuardedRunner(app, connection_limits(settings), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.admission_tls_port, ssl_context=context)
         await site.start()

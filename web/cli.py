@@ -123,10 +123,9 @@ def run_serve(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
-    from aiohttp import web
-
     from store import StoreUnavailable
     from web.app import create_app
+    from web.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
 
     try:
@@ -135,10 +134,11 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
     app.on_startup.append(_freeze_startup_objects)
-    web.run_app(
+    run_guarded_app(
         app,
         host=settings.host,
         port=settings.port,
+        limits=connection_limits(settings),
         print=lambda message: logging.info("%s", message),
         access_log_class=RedactingAccessLogger,
         loop=new_event_loop(),

@@ -89,6 +89,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             status=503,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
+    except ConnectionResetError:
+        # the client went away, or was closed for sending too slowly (web/connections.py): no one to answer
+        log.info("%s %s: connection closed before the request was read", request.method, request.path)
+        raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_error(500, "internal error; see the service log")

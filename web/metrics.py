@@ -241,6 +241,14 @@ class ServiceMetrics:
                 ["outcome"],
             )
         )
+        self.preemptions = add(
+            Counter(
+                "gpubadge_scan_preemptions_total",
+                "Scans put back in the queue to give their worker to a registry that waited with none in"
+                " flight (GPUBADGE_PREEMPT_AFTER), by the registry of the scan put back.",
+                ["registry"],
+            )
+        )
         # Per-registry load, read from the store by the /metrics handler (every worker process's
         # scans, not only this one's); a registry with nothing queued, running or gated drops out.
         self._registry_load: list[RegistryLoad] = []

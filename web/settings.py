@@ -70,12 +70,24 @@ class ServiceSettings(ScannerSettings):
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
     )
-    workers: int = Field(default=8, description="scans run at once")
+    workers: int = Field(
+        default=8,
+        description="scans run at once until their config facts (the badge) are published; as many again may"
+        " go on reading layers after that, per worker process",
+    )
     per_registry_scans: int | None = Field(
         default=None,
         ge=1,
-        description="scans run at once against one registry, across every worker; default half of workers"
-        " (at least 1), so one slow registry never holds every worker",
+        description="a hard cap on the scans run at once against one registry, across every worker; unset"
+        " (the default): none, so a registry alone in the queue gets every worker (work-conserving; fairness"
+        " and preempt_after keep one registry from starving another)",
+    )
+    preempt_after: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds a registry with ready jobs may wait with no scan in flight while every worker is"
+        " busy; past it, a saturated worker puts its longest-running scan of the busiest registry back in the"
+        " queue (no attempt spent) and the slot goes to the waiting registry (0: never pre-empt)",
     )
     max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
     retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
@@ -100,6 +112,25 @@ class ServiceSettings(ScannerSettings):
         description="/healthz fails when ready jobs wait this long while no worker makes progress",
     )
     max_body_bytes: int = Field(default=1024 * 1024, description="largest accepted request body")
+    request_head_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a connection has to complete a request head (from its opening, or from the"
+        " first byte of a keep-alive connection's next head); a slower one gets 408 and is closed",
+    )
+    min_body_rate: int = Field(
+        default=1024,
+        ge=0,
+        description="bytes per second a request body must average over each request_head_timeout while it"
+        " is still arriving; a slower one gets 408 and is closed (0: judged never)",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="open HTTP connections per process, every listener counted; beyond it a new connection is"
+        " answered 503 at once"
+        " (default: the open-file limit less a tenth of it, at least 256, kept for the store and registries)",
+    )
     json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
     json_max_number: int = Field(
         default=INTEROPERABLE_INTEGER,

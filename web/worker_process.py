@@ -23,6 +23,7 @@ from store import LeaseExpiry
 from web import health
 from web.architectures import FleetArchitectures
 from web.companions import companions
+from web.connections import GuardedRunner, connection_limits
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
@@ -35,7 +36,8 @@ def worker_settings(settings: ServiceSettings) -> WorkerSettings:
     """The one mapping from service settings to worker settings (serve and worker share it)."""
     return WorkerSettings(
         concurrency=settings.workers,
-        per_registry=settings.per_registry_scans or max(1, settings.workers // 2),
+        per_registry=settings.per_registry_scans,
+        preempt_after=settings.preempt_after,
         backoff_base=settings.retry_backoff,
         lease_seconds=settings.lease_seconds,
     )
@@ -63,6 +65,7 @@ def worker_events(metrics: ServiceMetrics, attacher: ReportAttacher | None = Non
         on_outcome=on_outcome,
         on_restart=lambda: metrics.worker_restarts.inc(),
         on_lease_expiries=on_lease_expiries,
+        on_preempt=lambda job: metrics.preemptions.inc(job.registry),
     )
 
 
@@ -126,7 +129,7 @@ async def _serve_health(services: Services, port: int) -> web.AppRunner:
     app = web.Application()
     app[SERVICES] = services
     health.setup_routes(app)
-    runner = web.AppRunner(app, access_log=None)
+    runner = GuardedRunner(app, connection_limits(services.settings), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, services.settings.host, port).start()
     return runner

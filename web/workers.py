@@ -13,12 +13,23 @@ writes for a while delays the work; it does not end it.
 Bursts coalesce twice: the store refuses a second active job for the same reference,
 and digest-only child events wait briefly, so the index job covers them first.
 
-One team's slow registry is that team's problem alone: claims are fair across registries
-(the store picks the registry with the fewest scans in flight, least recently claimed
-first), a registry never gets more than `per_registry` workers (by default half of them),
-a transfer slower than GPUBADGE_MIN_TRANSFER_RATE is cut off and retried with backoff, and
-a registry's Retry-After puts the job back with `not_before` and closes that registry's gate
-(`store.defer_job`) instead of a worker sleeping on it.
+A worker's slot is for a scan's config facts: once the scan has published them (the pending
+report, the badge), the slot takes the next job while the layers are read, up to as many scans
+again (`concurrency` before their facts, `2 * concurrency` in all), so the badges of a push burst
+never wait for the layers of the images pushed before them.
+
+Work is conserved and one team's slow registry is that team's problem alone. No worker idles
+while any registry has a ready job: a registry alone in the queue gets every worker. Claims are
+fair across registries (the store gives each free slot to the registry with the fewest scans in
+flight, least recently claimed first), so a registry that holds every slot gives one up as soon
+as any of its scans ends. Where none ends (a registry dripping its bytes holds its scans until
+GPUBADGE_MIN_TRANSFER_RATE cuts them off, 30 s by default), pre-emption frees one: once a registry
+has waited `preempt_after` seconds with ready jobs and no scan in flight anywhere, a saturated
+worker puts its longest-running scan of the busiest registry back in the queue (no attempt spent;
+`store.preempt_job`) and the next claim gives that slot to the waiting registry. A registry's
+Retry-After puts the job back with `not_before` and closes that registry's gate
+(`store.defer_job`) instead of a worker sleeping on it. `per_registry` (GPUBADGE_PER_REGISTRY_SCANS,
+unset by default) still caps one registry's scans across every worker where an operator wants it.
 """
 
 from __future__ import annotations
@@ -52,8 +63,11 @@ MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After
 
 @dataclass
 class WorkerSettings:
-    concurrency: int = 4
-    per_registry: int = 2  # below `concurrency`, so one registry never holds every worker
+    concurrency: int = 4  # scans before their config facts are published; as many again reading layers
+    per_registry: int | None = None  # a hard cap on one registry's scans (None: work-conserving, no cap)
+    preempt_after: float = (
+        5.0  # seconds a registry waits with no scan in flight before one is pre-empted; 0: never
+    )
     backoff_base: float = 1.0  # first retry of a failed scan
     backoff_max: float = 300.0
     idle_poll: float = 5.0  # re-check the queue this often with nothing to wake us
@@ -75,6 +89,7 @@ class WorkerEvents:
     on_outcome: Callable[[JobOutcome], None] | None = None
     on_restart: Callable[[], None] | None = None
     on_lease_expiries: Callable[[list[LeaseExpiry]], None] | None = None
+    on_preempt: Callable[[Job], None] | None = None  # a scan put back for a waiting registry
 
 
 def worker_identity() -> str:
@@ -112,6 +127,10 @@ class ScanWorkers:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
+        self._before_facts: set[str] = set()  # jobs whose config facts are not published yet
+        self._started: dict[str, tuple[Job, float]] = {}  # job id -> the job and when its scan began
+        self._waiting_since: dict[str, float] = {}  # registry with ready jobs and none in flight -> since
+        self._next_wait_check = 0.0
         self._next_expiry_check = 0.0
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -224,7 +243,7 @@ class ScanWorkers:
                     )
                 if self.events.on_lease_expiries:
                     self.events.on_lease_expiries(expired)
-        free = self.settings.concurrency - len(self._running)
+        free = self._free_slots()
         if free > 0 and not self._stopping:
             claimed = await self.store.run(
                 self.store.backend.claim_jobs,
@@ -236,11 +255,96 @@ class ScanWorkers:
             for job in claimed:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
+                self._started[job.id] = (job, time.monotonic())
+                self._before_facts.add(job.id)
                 task.add_done_callback(functools.partial(self._forget, job.id))
+        if self._free_slots() <= 0:
+            if self.settings.preempt_after > 0:
+                await self._preempt_for_a_waiting_registry()
+            # Every slot busy: a scan that ends wakes this loop, so there is no due time to read. In a
+            # push burst each webhook commit wakes it; that read would cost a store hop per delivery.
+            return min(self.settings.idle_poll, SATURATED_RECHECK)
         return await self._idle_delay()
+
+    def _free_slots(self) -> int:
+        """Slots for new claims: `concurrency` scans before their config facts are published, and
+        as many again still reading layers after (so a burst's badges never wait for the layers
+        of the images pushed before them), whichever is fuller."""
+        return min(
+            self.settings.concurrency - len(self._before_facts),
+            2 * self.settings.concurrency - len(self._running),
+        )
+
+    def _facts_published(self, job_id: str) -> None:
+        """A scan's badge is visible and it reads layers now: its config slot goes to the next claim."""
+        self._before_facts.discard(job_id)
+        self._wake.set()
 
     def _forget(self, job_id: str, _: asyncio.Task[None]) -> None:
         self._running.pop(job_id, None)
+        self._started.pop(job_id, None)
+        self._before_facts.discard(job_id)
+
+    async def _preempt_for_a_waiting_registry(self) -> None:
+        """Every slot here is busy: if a registry has waited `preempt_after` seconds with ready jobs
+        and no scan in flight in any worker, put back one scan of the busiest registry we run.
+
+        Looked at once per SATURATED_RECHECK at most (one read of the per-registry load). The
+        scan put back is this worker's longest-running one of the registry with the most scans in
+        flight everywhere, and only where that registry has two or more (taking a registry's only
+        scan would just move the wait). Its job is queued again at once with its attempt refunded;
+        the claim that follows gives the slot to the registry with the fewest in flight.
+        """
+        now = time.monotonic()
+        if now < self._next_wait_check:
+            return
+        self._next_wait_check = now + SATURATED_RECHECK
+        loads = await self.store.run(self.store.backend.registry_load)
+        waiting = {
+            load.registry
+            for load in loads
+            if load.ready > 0 and load.running == 0 and load.cool_down_seconds <= 0
+        }
+        self._waiting_since = {registry: self._waiting_since.get(registry, now) for registry in waiting}
+        starved = sorted(
+            (since, registry)
+            for registry, since in self._waiting_since.items()
+            if now - since >= self.settings.preempt_after
+        )
+        if not starved:
+            return
+        running = {load.registry: load.running for load in loads}
+        # the config slots are full: one of theirs; else every slot is: any scan
+        holding = (
+            self._before_facts if len(self._before_facts) >= self.settings.concurrency else self._running
+        )
+        candidates = [
+            (-running.get(job.registry, 0), began, job)
+            for job_id, (job, began) in self._started.items()
+            if running.get(job.registry, 0) >= 2 and job_id in self._running and job_id in holding
+        ]
+        if not candidates:
+            return
+        _, began, job = min(candidates, key=lambda item: (item[0], item[1]))
+        waited_since, registry = starved[0]
+        task = self._running[job.id]
+        task.cancel()
+        await asyncio.wait({task}, timeout=self.settings.lease_seconds)
+        preempted = await self._write(lambda: self.store.preempt_job(job.id, owner=self.owner), job)
+        self._waiting_since[registry] = time.monotonic()  # its grace starts again: one scan per wait
+        if preempted:
+            if self.events.on_preempt:
+                self.events.on_preempt(job)
+            log.info(
+                "scan %s of %s (%s, %.1f s in flight) put back in the queue: %s has waited %.1f s"
+                " with ready jobs and no scan in flight",
+                job.id,
+                job.reference,
+                job.registry,
+                now - began,
+                registry,
+                now - waited_since,
+            )
 
     async def _idle_delay(self) -> float:
         due = await self.store.run(queries.next_job_due)
@@ -276,7 +380,8 @@ class ScanWorkers:
     async def _run(self, job: Job) -> None:
         started = time.monotonic()
         try:
-            report = await self.scanner.scan(job.reference, ScanOptions())
+            options = ScanOptions(on_facts=functools.partial(self._facts_published, job.id))
+            report = await self.scanner.scan(job.reference, options)
             await self._record(job, report)
             if self.events.on_outcome:
                 self.events.on_outcome(JobOutcome(job, report, time.monotonic() - started))
