@@ -163,7 +163,8 @@ class Scanner:
         return {reference: "; ".join(parts) for reference, parts in found.items()}
 
     def _wants_deep(self, gpu: GpuFacts) -> bool:
-        """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
+        """GPUBADGE_DEEP_SCAN: `always` (the default) reads every image's carried CUDA and GPU code;
+        `auto` only that of images that declare no NVIDIA signal; `never` none."""
         mode = self.settings.deep_scan
         return mode == "always" or (mode == "auto" and not gpu.required)
 

@@ -239,7 +239,8 @@ _NAMED_BADGES = {
     "libc-not-analysed": BadgeView("layers not analysed", "info"),
     "musl-also": BadgeView("musl also", "musl"),
     "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
-    "cuda-mismatch": BadgeView("declared and inferred CUDA differ", "warn"),
+    "cuda-mismatch": BadgeView("carries an older CUDA than declared", "warn"),
+    "cuda-newer-inside": BadgeView("carries a newer CUDA than declared: needs its driver", "warn"),
 }
 
 
