@@ -86,7 +86,7 @@ async def test_undeclared_cuda_is_inferred_with_archs(scanner: Scanner, images: 
     gpu = platform.gpu
     assert not gpu.required and gpu.cuda_version is None  # declared signals stay as they are
     assert gpu.inferred is not None and gpu.inferred.cuda == "12.1"
-    assert gpu.inferred.evidence[0] == f"{SITE}/torch/version.py: cuda = '12.1'"
+    assert gpu.inferred.evidence[0] == f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"
     assert f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12: GPU code in .nv_fatbin" in gpu.inferred.evidence
     assert gpu.archs is not None and "90" in gpu.archs.sass and gpu.archs.ptx == ["121"]
     assert gpu.archs.files[0].path == f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"
@@ -121,11 +121,11 @@ async def test_by_default_a_declared_image_is_read_and_a_newer_carried_cuda_flag
     platform = await platform_of(scanner, images["deep/declared:1"])
     assert platform.gpu.cuda_version == "11.8"
     assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "12.1"
-    assert platform.gpu.inferred.set_by == f"{SITE}/torch/version.py: cuda = '12.1'"
+    assert platform.gpu.inferred.set_by == f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"
     assert "cuda-newer-inside" in platform.badges and "cuda-mismatch" not in platform.badges
     assert (
         f"the config declares CUDA 11.8, but the layers carry the newer CUDA 12.1 ({SITE}/torch/version.py:"
-        " cuda = '12.1'): the image needs a driver for CUDA 12.1, which NVIDIA_REQUIRE_CUDA does not check"
+        " torch 2.1.2+cu121, cuda = '12.1'): the image needs a driver for CUDA 12.1, which NVIDIA_REQUIRE_CUDA does not check"
     ) in platform.warnings
 
 

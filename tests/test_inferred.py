@@ -66,7 +66,7 @@ def test_torch_version_forms() -> None:
     assert parse_torch_version("cuda = (") is False
     inferred, _ = combine([layer({f"{SITE}/torch/version.py": TORCH_NEW})])
     assert inferred is not None and inferred.cuda == "12.1" and inferred.sources == ["torch"]
-    assert inferred.evidence == [f"{SITE}/torch/version.py: cuda = '12.1'"]
+    assert inferred.evidence == [f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"]
     assert combine([layer({f"{SITE}/torch/version.py": TORCH_CPU})]) == (None, None)
 
 
@@ -183,7 +183,7 @@ def test_upper_layer_wins_and_whiteouts_hide() -> None:
     inferred, _ = combine([cpu_on_top, lower])
     assert inferred is not None and inferred.cuda == "12.1"  # the wheel is still there
     assert inferred.evidence[-1] == f"{torch}: cuda = None (a CPU, ROCm or XPU build)"
-    assert f"{torch}: cuda = '12.1'" not in inferred.evidence
+    assert f"{torch}: torch 2.1.2+cu121, cuda = '12.1'" not in inferred.evidence
 
     removed = collect_layer(
         [

@@ -143,6 +143,15 @@ def parse_torch_version(text: str) -> str | Literal[False] | None:
     return False
 
 
+_TORCH_RELEASE = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([0-9][0-9A-Za-z.+_-]{0,63})['"]""", re.M)
+
+
+def parse_torch_release(text: str) -> str | None:
+    """`__version__` of torch/version.py ("2.9.1+cu130"), or None."""
+    match = _TORCH_RELEASE.search(text)
+    return match.group(1) if match else None
+
+
 def parse_tf_build_info(text: str) -> dict[str, object] | None:
     """The `build_info` mapping of TensorFlow's build_info.py (a dict or an OrderedDict of pairs)."""
     try:
@@ -326,7 +335,9 @@ class CudaLayerCollector:
                     Finding(source="torch", detail="cuda = None (a CPU, ROCm or XPU build)", no_cuda=True),
                 )
             else:
-                self._finding(path, Finding(source="torch", cuda=cuda, detail=f"cuda = '{cuda}'"))
+                release = parse_torch_release(text)
+                detail = f"torch {release}, cuda = '{cuda}'" if release else f"cuda = '{cuda}'"
+                self._finding(path, Finding(source="torch", cuda=cuda, detail=detail))
         elif _TF_BUILD_INFO.search(path):
             self._add_tf(path, text)
         elif (match := _TOOLKIT_VERSION_FILE.match(path)) is not None:
