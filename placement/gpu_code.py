@@ -164,7 +164,7 @@ class FileVerdict:
 
     def lacks(self, cc: CC) -> str:
         """ "libnccl.so.2 has no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX)"."""
-        share = "" if len(self.missing) == self.total else f" in {_count(self.missing)} of its containers"
+        share = "" if _count(self.missing) == self.total else f" in {_count(self.missing)} of its containers"
         return (
             f"{self.path} has no kernel image for compute capability {cc_text(cc)}{share}"
             f" ({describe_code(self.missing)})"

@@ -11,8 +11,11 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import zstandard
 
 CACHE = Path(
     os.environ.get("GPUBADGE_WHEEL_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "wheels")
@@ -141,3 +144,20 @@ def cuobjdump() -> Path:
         partial.chmod(0o755)
         partial.replace(target)
     return target
+
+
+def cached_layer(name: str, wheels: Sequence[PinnedWheel], build: Callable[[], bytes]) -> tuple[bytes, str]:
+    """(zstd blob, diff_id) of a layer made of real wheels' files, built by `build()` (its tar) once and
+    cached beside the wheels, keyed by `name` and the wheels' pinned digests: big layers of NVIDIA's
+    libraries cost their inflate and compression once per machine, not once per test run."""
+    key = hashlib.sha256("\n".join([name, *(w.sha256 for w in wheels)]).encode()).hexdigest()[:16]
+    blob_path = CACHE / "layers" / f"{name}-{key}.tar.zst"
+    diff_path = blob_path.with_suffix(".diffid")
+    if not (blob_path.exists() and diff_path.exists()):
+        raw = build()
+        blob_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = blob_path.with_suffix(".partial")
+        partial.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw))
+        diff_path.write_text("sha256:" + hashlib.sha256(raw).hexdigest())
+        partial.replace(blob_path)
+    return blob_path.read_bytes(), diff_path.read_text()
