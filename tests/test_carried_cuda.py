@@ -21,6 +21,7 @@ from fixtures.oci import Entry, ImageSpec, LayerSpec, file, tar_bytes
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
 from placement.decide import ImageFacts, decide
+from placement.exports import FORMATS, export_constraints
 from placement.exports.nfd import artifact_yaml
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
@@ -200,6 +201,14 @@ async def test_a_newer_carried_cuda_on_a_declared_base_needs_its_driver(
         assert f"the image carries CUDA 13.0 ({setter}), newer than the CUDA 12.8 it declares" in line
     assert any("compute capability 7.5 or newer" in line for line in reasons["v100-580"])
 
+    # every export states the carried CUDA's driver floor
+    facts = ImageFacts.from_report(ImageReport(reference=reference, platforms=[platform]))
+    for form in FORMATS:
+        body = json.dumps(export_constraints(facts, DeployRequest(gpus=1), [], form))
+        assert "CUDA 13.x needs driver >= 580" in body, form
+    dra = json.dumps(export_constraints(facts, DeployRequest(gpus=1), [], "dra"))
+    assert "driverVersion.compareTo(semver('580.0.0')) >= 0" in dra
+
     # what the default was before: a declared image's layers were never read for what it carries
     before = await scan(reference, store_path.with_name("auto.db"), mode="auto")
     assert before.gpu.inferred is None
@@ -236,6 +245,12 @@ async def test_a_declared_base_with_kernels_that_stop_at_sm_90(
             in line
             for line in reasons[name]
         ), "\n".join(reasons[name])
+
+    # the exports say the same: DRA's selector admits compute capability 8.0-9.0 and nothing newer
+    facts = ImageFacts.from_report(ImageReport(reference=reference, platforms=[platform]))
+    dra = json.dumps(export_constraints(facts, DeployRequest(gpus=1), [], "dra"))
+    assert "cudaComputeCapability.compareTo(semver('8.0.0')) >= 0" in dra
+    assert "cudaComputeCapability.compareTo(semver('9.0.0')) <= 0" in dra and "semver('10.0.0')" not in dra
 
     # NFD's artifact says the same on GFD's labels
     artifact = artifact_yaml(ImageReport(reference=reference, platforms=[platform]))
