@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from placement import gpu_code
 from placement.gpu_code import KNOWN_COMPUTE_CAPABILITIES
 from placement.requirements import compare_version
+from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.models import GpuFacts
 
 # Minor-version compatibility floors, by CUDA major (NVIDIA's CUDA compatibility guide).
@@ -63,16 +64,6 @@ TOOLKIT_DRIVERS: dict[tuple[int, int], str] = {
     (12, 9): "575.51.03",
     (13, 0): "580.65.06",
     (13, 1): "590.44.01",
-}
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
-PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
-    **{(7, minor): (11, minor) for minor in range(9)},
-    **{(8, minor): (12, minor) for minor in range(6)},
-    (8, 6): (12, 7),
-    (8, 7): (12, 8),
-    (8, 8): (12, 9),
-    (9, 0): (13, 0),
-    (9, 1): (13, 1),
 }
 
 

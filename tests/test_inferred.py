@@ -108,7 +108,7 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
     """The cu12 wheel: dist-info (major) + fatbin archs; the cu13 wheel: files under nvidia/cu13/."""
     cu12 = {f"{SITE}/{path}": data for path, data in wheel_members(NVJPEG_CU12).items()}
     inferred, archs = combine([layer(cu12)])  # type: ignore[arg-type]
-    assert inferred is not None and inferred.cuda == "12" and inferred.sources == ["nvidia-wheel", "elf"]
+    assert inferred is not None and inferred.cuda == "12.9" and inferred.sources == ["nvidia-wheel", "elf"]
     assert f"{SITE}/nvidia_nvjpeg_cu12-12.4.0.76.dist-info: nvidia-nvjpeg-cu12 12.4.0.76" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib: libnvjpeg.so.12" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12: GPU code in .nv_fatbin" in inferred.evidence
@@ -119,6 +119,18 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
     inferred13, archs13 = combine([layer(cu13)])  # type: ignore[arg-type]
     assert inferred13 is not None and inferred13.cuda == "13"
     assert archs13 is not None and archs13.sass[0] == "75"
+    # the PTX says which toolkit wrote it (ISA 8.8: CUDA 12.9): listed, but the wheel's CUDA stays the answer
+    lib = f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"
+    assert inferred.versions[0].source == "ptx" and inferred.versions[0].cuda == "12.9"
+    assert inferred.versions[0].evidence == f"{lib}: PTX ISA 8.8, written by CUDA 12.9"
+    # with nothing else to say, the PTX sets the version
+    alone, _ = combine([layer({lib: cu12[lib]})])  # type: ignore[arg-type]
+    assert (
+        alone is not None
+        and alone.cuda == "12.9"
+        and alone.set_by == f"{lib}: PTX ISA 8.8, written by CUDA 12.9"
+    )
+
     # both in one image: sources disagree, the newest is kept and quoted, both listed
     both, both_archs = combine([layer(cu13), layer(cu12)])  # type: ignore[arg-type]
     assert both is not None and both.cuda == "13" and both.conflict

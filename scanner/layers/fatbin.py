@@ -50,6 +50,18 @@ LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared obj
 RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
 
+# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
+PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    **{(7, minor): (11, minor) for minor in range(9)},
+    **{(8, minor): (12, minor) for minor in range(6)},
+    (8, 6): (12, 7),
+    (8, 7): (12, 8),
+    (8, 8): (12, 9),
+    (9, 0): (13, 0),
+    (9, 1): (13, 1),
+}
+
+
 _ARCH = re.compile(r"^(\d{2,4})([af]?)$")
 Variant = Literal["", "a", "f"]
 CC = tuple[int, int]
@@ -92,6 +104,15 @@ def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
     sass = {arch for c in loaded for arch in c.sass}
     ptx = {arch for c in loaded for arch in c.ptx}
     return ArchSummary(sass=sorted(sass, key=arch_sort_key), ptx=sorted(ptx, key=arch_sort_key))
+
+
+def ptx_toolkit(isa: str | None) -> str | None:
+    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown."""
+    major, _, minor = (isa or "").partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    toolkit = PTX_ISA_TOOLKITS.get((int(major), int(minor)))
+    return f"{toolkit[0]}.{toolkit[1]}" if toolkit else None
 
 
 def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArchs]:

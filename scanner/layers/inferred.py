@@ -20,7 +20,8 @@ Sources (see the shared cuda_inference note for the facts behind each):
 `cuda` is the NEWEST CUDA the evidence names (the image needs the newest runtime it carries), as
 precisely as the evidence for that major allows: a major.minor (a toolkit-versioned wheel's
 dist-info, `torch/version.py`, a toolkit tree) wins over a major alone (a `-cu13` wheel name, a
-SONAME). `set_by` quotes the evidence that set it; `versions` lists every source with its version.
+SONAME); where nothing names the minor, the PTX ISA of a runnable file's GPU code says which toolkit
+wrote it (`ptx` evidence: ISA 8.7 is CUDA 12.8). `set_by` quotes the evidence that set it; `versions` lists every source with its version.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
-from scanner.layers.fatbin import ArchSummary, summarise
+from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, ptx_toolkit, summarise
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, InferredCuda
@@ -50,7 +51,7 @@ MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
 
-Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf"]
+Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf", "ptx"]
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
     "torch",
@@ -61,6 +62,7 @@ SOURCE_ORDER: tuple[Source, ...] = (
     "nvidia-wheel",
     "toolkit",
     "elf",
+    "ptx",  # the toolkit that wrote a file's PTX: sets the version only where nothing else names the minor
 )
 
 _TORCH_VERSION = re.compile(r"/torch/version\.py$")
@@ -547,6 +549,7 @@ def combine(
             hides.delete(index, path)
         for path in layer.opaque_dirs:
             hides.cover(index, path)
+    ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
     for path, facts in elves:
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
@@ -554,6 +557,21 @@ def combine(
             findings.append(
                 (path, Finding(source="elf", detail=f"GPU code in {', '.join(facts.fatbin.sections)}"))
             )
+        if facts.fatbin is not None and facts.elf_type != 1:
+            isas = [
+                c.ptx_isa for c in facts.fatbin.containers if c.ptx_isa and c.section != RELOCATABLE_SECTION
+            ]
+            isa = max(isas, key=_version_key) if isas else None
+            toolkit = ptx_toolkit(isa)
+            if toolkit is not None:
+                ptx.append(
+                    (
+                        path,
+                        Finding(
+                            source="ptx", cuda=toolkit, detail=f"PTX ISA {isa}, written by CUDA {toolkit}"
+                        ),
+                    )
+                )
     positive = [(p, f) for p, f in findings if not f.no_cuda]
     complete = all(layer.complete for layer in layers_top_down) and (
         layers_total is None or len(layers_top_down) >= layers_total
@@ -561,9 +579,19 @@ def combine(
     if not positive:
         return None, None
     cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
+    ptx_decides = cuda is None
+    if ptx_decides:  # nothing else names a version: what wrote the PTX does
+        positive += ptx
+        cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
+    elif (
+        cuda is not None and "." not in cuda
+    ):  # only the major is named: the PTX of that major is more precise
+        same_major = [f.cuda for _, f in ptx if f.cuda and f.cuda.split(".")[0] == cuda]
+        if same_major:
+            cuda = max(same_major, key=_version_key)
     ordered = sorted(findings, key=lambda item: (item[1].no_cuda, item[1].source != "torch", item[0]))
     named = sorted(
-        ((p, f) for p, f in positive if f.cuda),
+        ((p, f) for p, f in (positive if ptx_decides else [*positive, *ptx]) if f.cuda),
         key=lambda item: (
             tuple(-part for part in _version_key(item[1].cuda or "0")),
             SOURCE_ORDER.index(item[1].source),
