@@ -22,8 +22,10 @@ from fixtures.registry import LocalRegistry
 from placement import gpu_code
 from placement.decide import ImageFacts, decide
 from placement.exports import FORMATS, export_constraints
-from placement.exports.nfd import artifact_yaml
+from placement.exports.nfd import artifact_yaml, compatibility_spec
 from placement.inventory import Gpu, Server
+from placement.nfd.features import from_server
+from placement.nfd.match import evaluate_spec
 from placement.request import DeployRequest
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.client import RegistryClient
@@ -258,6 +260,15 @@ async def test_a_declared_base_with_kernels_that_stop_at_sm_90(
     text = artifact.decode()
     assert "name: gpu-code" in text and "nvidia.com/gpu.compute.major" in text
     assert "compute capability 8.0-8.9, 9.0" in text
+    spec = compatibility_spec(ImageReport(reference=reference, platforms=[platform]))
+    assert spec is not None
+    code_rule = {}
+    for node in FLEET:
+        result = evaluate_spec(spec, from_server(node).features, node.name)
+        rules = [rule for one in result.sets for rule in one.rules if rule.name == "gpu-code"]
+        assert len(rules) == 1 and rules[0].error is None, rules
+        code_rule[node.name] = rules[0].matched
+    assert {name for name, matched in code_rule.items() if matched} == {"a100-520", *eligible}
 
 
 async def test_torch_27_libraries_declared_and_undeclared(images: dict[str, str], store_path: Path) -> None:

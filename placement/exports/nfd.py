@@ -251,7 +251,11 @@ def _gpu_code_rule(platform: PlatformReport) -> tuple[GroupRule, str] | None:
             alternatives.append([(CC_MAJOR_LABEL, MatchExpression(op="Gt", value=[str(low[0])])), *driver])
             described.append(f"{low[0]}.{low[1]} and newer{floor_text}")
         else:
-            minor = MatchExpression(op="GeLe", value=[str(low[1]), str(high[1])])
+            minor = (  # NFD refuses a GeLe whose bounds are equal
+                MatchExpression(op="In", value=[str(low[1])])
+                if low[1] == high[1]
+                else MatchExpression(op="GeLe", value=[str(low[1]), str(high[1])])
+            )
             alternatives.append([major, (CC_MINOR_LABEL, minor), *driver])
             span = f"{low[0]}.{low[1]}" if low == high else f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
             described.append(f"{span}{floor_text}")
