@@ -61,11 +61,11 @@ GENERATIONS: dict[int, str] = {
 _NVIDIA_LIBRARY = re.compile(
     r"^lib(cublas|cublasLt|cudnn\w*|nccl|cusparse|cusparseLt|cufft|cufftw|curand|cusolver|cusolverMg|"
     r"nvjpeg|npp\w*|nvrtc\w*|cupti|nvJitLink|cudart|nvblas|cufile\w*|nvinfer\w*|nvonnxparser|nvshmem\w*|"
-    r"cudss|cutensor\w*|cusparseLt|nvperf\w*|nvToolsExt|nvjitlink|nvcomp\w*|cuda)\.so"
-)
-# Where NVIDIA's wheels and toolkits put them: site-packages/nvidia/<component>/lib, cusparselt/lib,
+    r"cudss|cutensor\w*|nvperf\w*|nvToolsExt|nvjitlink|nvcomp\w*|cuda)(?:[-.][0-9a-f]{8})?\.so"
+)  # auditwheel renames the copies it bundles: libnvjpeg.02b6d700.so.12, libcudart-e409450e.so.11.0
+# Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>/lib, cusparselt/lib,
 # /usr/local/cuda[-X.Y]/.
-_NVIDIA_TREE = re.compile(r"(?:/site-packages/nvidia/|/site-packages/cusparselt/|^/usr/local/cuda[-/])")
+_NVIDIA_TREE = re.compile(r"(?:/(?:site|dist)-packages/(?:nvidia|cusparselt)/|^/usr/local/cuda[-/])")
 
 
 def sass_runs_on(arch: str, cc: CC) -> bool:

@@ -68,6 +68,9 @@ def test_the_images_own_code_decides_and_nvidia_libraries_are_caveats() -> None:
         and gpu_code.nvidia_library(CUBLAS)
         and not gpu_code.nvidia_library(TORCH)
     )
+    bundled = "/usr/lib/python3/dist-packages/torchvision.libs/libnvjpeg.02b6d700.so.12"  # auditwheel's copy
+    assert gpu_code.nvidia_library(bundled) and not gpu_code.nvidia_library("/app/libcudagraph_helpers.so")
+    assert gpu_code.nvidia_library("/usr/lib/python3/dist-packages/nvidia/cu13/lib/libcufile.so.0")
 
 
 def test_summary_says_where_the_image_runs() -> None:
