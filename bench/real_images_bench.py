@@ -10,8 +10,9 @@ the foreign-layer host served), never the scanner's own count; times are whole p
 - CUDA runtime shape with a CUDA-libraries layer of 2 GiB and more inflated (the real one is about
   2.5 GB): first image against a single-platform `skopeo copy`; then an image built on it;
 - pip-installed torch (no NVIDIA variable: the deep scan reads every layer once): against its pull;
-- the combined walk (libc and inferred CUDA on one walk) of the CUDA layer against
-  `gzip -dc | tar -t`;
+- the combined walk (libc, carried CUDA and GPU code on one walk) of the CUDA layer, and of a layer of
+  real NVIDIA libraries (torch 2.7's cuSPARSELt, NCCL and cuRAND from PyPI, cached beside the test
+  wheels), against `gzip -dc | tar -t`;
 - push -> GPU badge on the CUDA shape through a running `gpubadge serve` fed by the registry's
   notifications: the config facts come first, whatever the layer size.
 """
@@ -195,6 +196,11 @@ def run_all(results: Results, quick: bool) -> None:
             walk_bench(
                 results, writer.root / "blobs" / "sha256" / cuda.cuda_layer.digest.removeprefix("sha256:")
             )
+            walk_bench(
+                results,
+                real_library_blob(),
+                "layer of real NVIDIA libraries (cuSPARSELt 0.6.3, NCCL 2.26.2, cuRAND 10.3.9.90)",
+            )
             badge_bench(results, writer, cuda.inflated)
 
 
@@ -288,7 +294,29 @@ def torch_bench(results: Results, registry: LocalRegistry, env: dict[str, str], 
     )
 
 
-def walk_bench(results: Results, blob: Path) -> None:
+def real_library_blob() -> Path:
+    """A gzip layer of real NVIDIA libraries (what torch 2.7.0 pins: cuSPARSELt 0.6.3, NCCL 2.26.2,
+    cuRAND 10.3.9.90), from PyPI at first use, built once and cached beside the wheels
+    (GPUBADGE_WHEEL_CACHE); never committed."""
+    from fixtures.oci import file, tar_bytes
+    from tests.nvidia_wheels import CACHE, CURAND_CU12, CUSPARSELT_CU12, NCCL_CU12, wheel_members
+
+    wheels = (CUSPARSELT_CU12, NCCL_CU12, CURAND_CU12)
+    blob = CACHE / "layers" / f"torch27-libs-{'-'.join(w.sha256[:8] for w in wheels)}.tar.gz"
+    if not blob.exists():
+        site = "/usr/local/lib/python3.12/dist-packages"
+        raw = tar_bytes(
+            file(f"{site}/{path}", data) for w in wheels for path, data in wheel_members(w).items()
+        )
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        partial = blob.with_suffix(".partial")
+        with partial.open("wb") as out:
+            subprocess.run(["gzip", "-6", "-n"], input=raw, stdout=out, check=True)
+        partial.replace(blob)
+    return blob
+
+
+def walk_bench(results: Results, blob: Path, what: str = "CUDA layer") -> None:
     floor = ["sh", "-c", f"gzip -dc {blob} | tar -t >/dev/null"]
     ours = [sys.executable, "-m", "bench.deep_bench", "--walk", str(blob)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -305,7 +333,8 @@ def walk_bench(results: Results, blob: Path) -> None:
     results.add(
         Figure(
             SECTION,
-            f"combined walk (libc + inferred CUDA) of the {inflated / MiB:.0f} MiB CUDA layer (wall, process start included)",
+            f"combined walk (libc + carried CUDA + GPU code) of the {inflated / MiB:.0f} MiB {what}"
+            " (wall, process start included)",
             f"{our_wall:.2f} s ({inflated / MiB / our_wall:.0f} MiB/s)",
             f"{floor_wall:.2f} s gzip -dc | tar -t",
             round(speed, 2),

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from placement.decide import ImageFacts
 from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
+from placement.inferred import declared_vs_carried
 from placement.request import DeployRequest
 from placement.requirements import DeviceFacts, ImageRequirements, Verdict
 from scanner.models import ImageReport, Platform, PlatformReport
@@ -175,7 +176,10 @@ def gpu_evidence(report: ImageReport) -> str | None:
         inferred = getattr(platform.gpu, "inferred", None)
         cuda = getattr(inferred, "cuda", None)
         if cuda:
-            evidence = [str(item) for item in getattr(inferred, "evidence", [])[:2]]
+            set_by = getattr(inferred, "set_by", None)
+            evidence = (
+                [str(set_by)] if set_by else [str(item) for item in getattr(inferred, "evidence", [])[:2]]
+            )
             detail = f": {'; '.join(evidence)}" if evidence else ""
             return f"CUDA {cuda} inferred from its layers{detail}"
     return None
@@ -214,6 +218,11 @@ def review_pod(
         if evidence is None:
             continue
         gpu_containers.append((ref, report))
+        for platform in report.platforms:
+            disagreement = declared_vs_carried(platform.gpu)
+            if disagreement is not None:
+                review.warnings.append(f"{image} ({ref.label}): {disagreement}")
+                break
         if gpu_count(ref.container) == 0 and not mutate:
             problem = (
                 f"{ref.label} runs {image}, which needs an NVIDIA GPU ({evidence}), "

@@ -479,7 +479,8 @@ class _Plan:
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
-    text = facts.cuda_version or facts.env.get("CUDA_VERSION", "")
+    """The major of the CUDA the image needs: the newest it declares or carries (placement.inferred)."""
+    text = inferred.needed_cuda(facts) or facts.env.get("CUDA_VERSION", "")
     head = text.lstrip("v").split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
@@ -572,9 +573,22 @@ class _Query:
                 f"CUDA {plan.cuda_major} image needs compute capability 7.5 or newer "
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
-        if plan.inferred is not None:  # CUDA found in the layers (placement.inferred)
+        if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.inferred)
             return inferred.gpu_reasons(plan.inferred, cc, gpu.driver)
         return []
+
+    def caveats(self) -> list[str]:
+        """NVIDIA libraries of the image lacking code for a GPU class it is eligible on (placement.gpu_code)."""
+        found: list[str] = []
+        for plan in self.plans.values():
+            if plan.inferred is None:
+                continue
+            for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
+                gpu = self.index.classes[class_id]
+                if usable and gpu.compute_capability:
+                    for caveat in inferred.gpu_caveats(plan.inferred, gpu.compute_capability):
+                        found.append(f"on {gpu.name} (compute capability {gpu.compute_capability}): {caveat}")
+        return found
 
     @staticmethod
     def _shape_rules(plan: _Plan, entry: ServerEntry) -> list[str]:
@@ -781,6 +795,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             bucket = _Bucket(result, view.shape_names[shape], view.shape_groups[shape], result[0])
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
+    warnings += [caveat for caveat in dict.fromkeys(query.caveats()) if caveat not in warnings]
     hints = [
         hint
         for hint in (

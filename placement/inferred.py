@@ -1,25 +1,33 @@
-"""Placement rules for CUDA an image carries without declaring it (found by a deep scan). Pure.
+"""Placement rules for the CUDA an image carries in its layers, declared or not (GPUBADGE_DEEP_SCAN). Pure.
+
+The CUDA an image needs is the newest it declares or carries: a `FROM nvidia/cuda:12.8` image with
+torch cu130 on top needs CUDA 13's driver. The declared CUDA is checked as NVIDIA's runtime checks
+it (`NVIDIA_REQUIRE_CUDA`, `placement.requirements`); the carried CUDA by the rules below, for
+declared images as for the others.
 
 A CUDA build is not a GPU requirement (PyPI's torch and TensorFlow are CUDA builds that also run on
-a CPU), so a request without `gpus` places such an image as before, with a hint. When the request
-asks for GPUs, two NVIDIA rules decide, and every rejection names the file and the rule:
+a CPU), so a request without `gpus` places an image that declares nothing as before, with a hint.
+When the request asks for GPUs, two NVIDIA rules decide, and every rejection names the evidence
+that set the version (`InferredCuda.set_by`) or the file and the rule:
 
 * **Driver floor** (minor-version compatibility, Linux): a CUDA 13.x runtime needs driver >= 580,
   12.x >= 525.60.13, 11.x >= 450.80.02 (11.0: 450.51.05); 10.2 and older have no minor-version
   compatibility and need their own release's driver. `CUDA_DRIVER_FLOORS` is the one table.
-* **Compute capability**, in every fatbin container of every runnable file: SASS of the same major
-  and a lower or equal minor; an `a` build only at exactly its CC; PTX at or below the CC. When only
-  PTX covers the GPU, the driver must be at least the one of the toolkit that produced the PTX
-  (`PTX_TOOLKIT_DRIVERS`), because a driver cannot JIT a newer PTX ISA than it knows.
+* **GPU code**, judged as CUDA loads it (`placement.gpu_code`: which containers count, which files
+  decide, which only earn a caveat). When only PTX covers the GPU, the driver must be at least the
+  one of the toolkit that produced the PTX (`PTX_ISA_TOOLKITS`, `TOOLKIT_DRIVERS`), because a
+  driver cannot JIT a newer PTX ISA than it knows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from placement import gpu_code
+from placement.gpu_code import KNOWN_COMPUTE_CAPABILITIES
 from placement.requirements import compare_version
-from scanner.layers.fatbin import container_runs_on
-from scanner.models import ContainerArchs, GpuFacts
+from scanner.layers.fatbin import PTX_ISA_TOOLKITS
+from scanner.models import GpuFacts
 
 # Minor-version compatibility floors, by CUDA major (NVIDIA's CUDA compatibility guide).
 CUDA_DRIVER_FLOORS: dict[int, str] = {13: "580", 12: "525.60.13", 11: "450.80.02"}
@@ -56,16 +64,6 @@ TOOLKIT_DRIVERS: dict[tuple[int, int], str] = {
     (12, 9): "575.51.03",
     (13, 0): "580.65.06",
     (13, 1): "590.44.01",
-}
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
-PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
-    **{(7, minor): (11, minor) for minor in range(9)},
-    **{(8, minor): (12, minor) for minor in range(6)},
-    (8, 6): (12, 7),
-    (8, 7): (12, 8),
-    (8, 8): (12, 9),
-    (9, 0): (13, 0),
-    (9, 1): (13, 1),
 }
 
 
@@ -135,43 +133,70 @@ def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
     return None
 
 
-# Every compute capability NVIDIA has shipped (its CUDA GPUs list). A scheduler can only compare a
-# node's CC with numbers, so exports walk these to turn "every container runs here" into ranges.
-KNOWN_COMPUTE_CAPABILITIES: tuple[tuple[int, int], ...] = (
-    (3, 0), (3, 2), (3, 5), (3, 7), (5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2),
-    (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1),
-)  # fmt: skip
-
 CcRange = tuple[tuple[int, int], tuple[int, int] | None, str | None]  # low, high (None: open), PTX driver
 
 
+def _version_key(version: str) -> tuple[int, int]:
+    pair = _pair(version)
+    return pair if pair is not None else (0, 0)
+
+
+def needed_cuda(gpu: GpuFacts) -> str | None:
+    """The CUDA the image needs: the newest it declares (CUDA_VERSION / NVIDIA_REQUIRE_CUDA) or carries."""
+    declared = gpu.cuda_version
+    carried = gpu.inferred.cuda if gpu.inferred is not None else None
+    if declared and carried:
+        if declared.split(".")[0] == carried and "." not in carried:
+            return declared  # "13" carried agrees with "13.0" declared, and says less
+        return max(declared, carried, key=_version_key)
+    return declared or carried
+
+
+def declared_vs_carried(gpu: GpuFacts) -> str | None:
+    """When the declared and the carried CUDA disagree: which is newer and what it means for the
+    driver, e.g. "declares CUDA 12.8, carries the newer CUDA 13.0 (torch 2.9.1+cu130): needs driver >=
+    580"; None when they agree or one is missing."""
+    declared = gpu.cuda_version
+    inferred = gpu.inferred
+    carried = inferred.cuda if inferred is not None else None
+    if not declared or not carried or inferred is None:
+        return None
+    if carried == declared or ("." not in carried and declared.split(".")[0] == carried):
+        return None
+    source = inferred.set_by or (inferred.evidence[0] if inferred.evidence else "its layers")
+    if _version_key(carried) > _version_key(declared):
+        floor = driver_floor(carried)
+        need = f": needs driver >= {floor[0]} ({floor[1]}), not the declared CUDA's" if floor else ""
+        return f"declares CUDA {declared}, but carries the newer CUDA {carried} ({source}){need}"
+    return (
+        f"declares CUDA {declared}, carries the older CUDA {carried} ({source}): the declared CUDA's"
+        " driver requirement decides"
+    )
+
+
 def _floor_at(gpu: GpuFacts, cc: tuple[int, int]) -> tuple[bool, str | None]:
-    """(runs, the driver PTX JIT needs there or None) for the image's fatbins on a GPU of CC `cc`."""
+    """(runs, the driver PTX JIT needs there or None) for the image's GPU code on a GPU of CC `cc`."""
     assert gpu.archs is not None
+    verdict = gpu_code.judge(gpu.archs, cc)
+    if not verdict.runs:
+        return False, None
     floor: str | None = None
-    for file in gpu.archs.files:
-        if file.error is not None or any("relocatable" in section for section in file.sections):
-            continue
-        for container in file.containers:
-            how = container_runs_on(container, cc)
-            if how is None:
-                return False, None
-            if how == "ptx":
-                needed = ptx_driver_floor(container.ptx_isa)
-                if needed is not None and (floor is None or compare_version(needed[0], ">", floor)):
-                    floor = needed[0]
+    for file in verdict.ptx:
+        needed = ptx_driver_floor(file.ptx_isa)
+        if needed is not None and (floor is None or compare_version(needed[0], ">", floor)):
+            floor = needed[0]
     return True, floor
 
 
 def compute_capability_ranges(gpu: GpuFacts) -> list[CcRange] | None:
-    """Where an image's inferred CUDA can run, as CC ranges with the driver PTX JIT needs in each.
+    """Where an image's GPU code can run, as CC ranges with the driver PTX JIT needs in each.
 
-    The same rules as `gpu_reasons`, for schedulers that place by labels: known CCs that behave
-    alike (same major, same driver need) merge into one range, and CCs newer than every known one
-    are included when PTX covers them. None when there is nothing to check.
+    The same rules as `gpu_reasons` (`placement.gpu_code`), for schedulers that place by labels:
+    known CCs that behave alike (same major, same driver need) merge into one range, and CCs newer
+    than every known one are included when PTX covers them. None when there is nothing to check.
     """
-    if gpu.archs is None:
-        support = _toolkit_min_cc(gpu.inferred.cuda if gpu.inferred is not None else None)
+    if gpu.archs is None or not any(gpu_code.counted(f) for f in gpu.archs.files):
+        support = _toolkit_min_cc(needed_cuda(gpu) if gpu.inferred is not None else None)
         return None if support is None else [(support[0], None, None)]
     ranges: list[CcRange] = []
     for cc in KNOWN_COMPUTE_CAPABILITIES:
@@ -194,51 +219,51 @@ def compute_capability_ranges(gpu: GpuFacts) -> list[CcRange] | None:
     return ranges
 
 
-def _describe(container: ContainerArchs) -> str:
-    sass = ", ".join(f"sm_{a}" for a in container.sass) or "none"
-    ptx = ", ".join(f"compute_{a}" for a in container.ptx) or "none"
-    return f"SASS {sass}; PTX {ptx}"
-
-
 def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | None) -> list[str]:
-    """Why a GPU (its CC and host driver) cannot run an image's inferred CUDA; [] when it can."""
+    """Why a GPU (its CC and host driver) cannot run the CUDA and GPU code an image carries; [] when
+    it can."""
     reasons: list[str] = []
     inferred = gpu.inferred
     if inferred is not None and inferred.cuda and driver:
         floor = driver_floor(inferred.cuda)
         if floor is not None and not compare_version(driver, ">=", floor[0]):
-            source = inferred.evidence[0] if inferred.evidence else "the layers"
-            reasons.append(f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source})")
+            source = inferred.set_by or (inferred.evidence[0] if inferred.evidence else "the layers")
+            declared = ""
+            if gpu.cuda_version and _version_key(inferred.cuda) > _version_key(gpu.cuda_version):
+                declared = f", newer than the CUDA {gpu.cuda_version} it declares"
+            reasons.append(
+                f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source}){declared}"
+            )
     archs = gpu.archs
     cc = _cc_pair(compute_capability) if compute_capability else None
     if cc is None:
         return reasons
-    if archs is None:  # no fatbin was read: the toolkit's own support range is all we know
+    if archs is None or not any(gpu_code.counted(f) for f in archs.files):
+        # no GPU code CUDA loads was read: the toolkit's own support range is all we know
         support = _toolkit_min_cc(inferred.cuda if inferred is not None else None)
         if support is not None and cc < support[0]:
             reasons.append(f"compute capability {compute_capability}: {support[1]}")
         return reasons
-    for file in archs.files:
-        if file.error is not None or any("relocatable" in section for section in file.sections):
-            continue
-        for container in file.containers:
-            how = container_runs_on(container, cc)
-            if how is None:
+    verdict = gpu_code.judge(archs, cc)
+    reasons += verdict.reasons
+    if driver:
+        for file in verdict.ptx:
+            floor = ptx_driver_floor(file.ptx_isa)
+            if floor is not None and not compare_version(driver, ">=", floor[0]):
                 reasons.append(
-                    f"compute capability {compute_capability}: {file.path} has GPU code it cannot run "
-                    f"({_describe(container)}): SASS runs only on its own major at or above its minor, "
-                    f"an `a` build only at its exact CC, PTX at or above its arch"
+                    f"compute capability {compute_capability}: {file.path} runs here only through PTX"
+                    f" (PTX ISA {file.ptx_isa}); {floor[1]}, this server has {driver}"
                 )
-                break
-            if how == "ptx" and driver:
-                floor = ptx_driver_floor(container.ptx_isa)
-                if floor is not None and not compare_version(driver, ">=", floor[0]):
-                    reasons.append(
-                        f"compute capability {compute_capability}: {file.path} runs here only through PTX "
-                        f"({_describe(container)}); {floor[1]}, this server has {driver}"
-                    )
-                    break
     return reasons
+
+
+def gpu_caveats(gpu: GpuFacts, compute_capability: str | None) -> list[str]:
+    """The NVIDIA libraries of the image that lack code for a GPU the image runs on (never a reason)."""
+    cc = _cc_pair(compute_capability) if compute_capability else None
+    if cc is None or gpu.archs is None:
+        return []
+    verdict = gpu_code.judge(gpu.archs, cc)
+    return verdict.caveats if verdict.runs else []
 
 
 def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:

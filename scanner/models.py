@@ -79,14 +79,20 @@ class ContainerArchs(BaseModel):
     ptx: tuple[str, ...] = ()
     ptx_isa: str | None = Field(default=None, description="the newest PTX ISA version among its PTX entries")
     count: int = 1
+    section: str = Field(
+        default=".nv_fatbin",
+        description="the ELF section that holds it: `.nv_fatbin` is loaded at run time; `__nv_relfatbin` is"
+        " device-link input (`-rdc`), never loaded from a shared library",
+    )
 
     @property
-    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
-        return self.sass, self.ptx, self.ptx_isa
+    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str]:
+        return self.sass, self.ptx, self.ptx_isa, self.section
 
 
 class FileArchs(BaseModel):
-    """The fatbin of one file: per-file intersections, and its distinct containers for placement."""
+    """The fatbin of one file: the archs it holds code for (`sass`, `ptx`: every arch met in its loaded
+    containers), and its distinct containers, which placement (`placement.gpu_code`) judges."""
 
     path: str
     sections: list[str] = Field(default_factory=list)
@@ -97,11 +103,11 @@ class FileArchs(BaseModel):
 
 
 class GpuArchs(BaseModel):
-    """GPU architectures found in the image's fatbins.
+    """GPU architectures found in the image's fatbins, as facts; where they run is placement's answer.
 
-    `sass`: the archs at whose compute capability every container of every runnable file runs from
-    SASS; `ptx`: the PTX archs from which on every container can be JIT-compiled. Intersections,
-    because a union overstates; `files` has the detail per file.
+    `sass`: every SASS arch of the containers CUDA loads (`.nv_fatbin` of runnable files); `ptx`: every
+    PTX arch among them. `files` has the containers per file, which `placement.gpu_code` judges
+    (which GPUs each file, and so the image, runs on).
     """
 
     sass: list[str] = Field(default_factory=list)
@@ -109,14 +115,31 @@ class GpuArchs(BaseModel):
     files: list[FileArchs] = Field(default_factory=list)
 
 
-class InferredCuda(BaseModel):
-    """CUDA found in the layers (not declared by the config). See scanner.layers.inferred."""
+class CudaSource(BaseModel):
+    """One piece of evidence that names a CUDA version: what it is, where, and which version."""
 
-    cuda: str | None = Field(default=None, description="the most precise CUDA version the evidence supports")
+    source: str = Field(description="kind of evidence: torch, nvidia-wheel, conda, toolkit, elf, ...")
+    cuda: str = Field(description='the version it names: "12.8", or "13" where it names only the major')
+    evidence: str = Field(description='"<path>: <what it says>"')
+
+
+class InferredCuda(BaseModel):
+    """CUDA the image carries in its layers (declared or not). See scanner.layers.inferred."""
+
+    cuda: str | None = Field(
+        default=None,
+        description="the newest CUDA the evidence names, as precisely as the evidence for that major allows",
+    )
+    set_by: str | None = Field(
+        default=None, description='the evidence that set `cuda`: "<path>: <what it says>"'
+    )
     evidence: list[str] = Field(default_factory=list, description='"<path>: <what it says>"')
+    versions: list[CudaSource] = Field(
+        default_factory=list, description="every piece of evidence that names a version, newest first"
+    )
     sources: list[str] = Field(default_factory=list, description="kinds of evidence: torch, conda, elf, ...")
     conflict: bool = Field(
-        default=False, description="sources name different CUDA versions; the lowest is kept"
+        default=False, description="sources name different CUDA versions; the newest is kept"
     )
     complete: bool = Field(default=True, description="every layer was read")
 
@@ -153,7 +176,8 @@ class GpuFacts(BaseModel):
     )
     inferred: InferredCuda | None = Field(
         default=None,
-        description="CUDA found in the layers by a deep scan; null when none was found or looked for",
+        description="CUDA the image carries in its layers (GPUBADGE_DEEP_SCAN); null when none was found or"
+        " looked for",
     )
     archs: GpuArchs | None = Field(default=None, description="GPU architectures in the image's fatbins")
 

@@ -9,8 +9,8 @@ This is the only place that combines I/O with the pure cores, in two phases:
    multi-GB image shows within moments of its push, while its layers are still being read.
 2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
    linux platforms a GPU fleet runs, by default), `scanner.layers.reader` streams each layer not
-   already known once, into one walk for every consumer (libc; inferred CUDA and archs for a
-   deep scan), under one set of bounds. Other platforms get `state: not_analysed` with the
+   already known once, into one walk for every consumer (libc; the CUDA and GPU code the image
+   carries, for every image under the default `GPUBADGE_DEEP_SCAN=always`), under one set of bounds. Other platforms get `state: not_analysed` with the
    reason; foreign and non-distributable layers are never fetched and are named.
 
 A platform's failure stays on that platform (`PlatformReport.error`): one Windows entry, one
@@ -166,7 +166,8 @@ class Scanner:
         return {reference: "; ".join(parts) for reference, parts in found.items()}
 
     def _wants_deep(self, gpu: GpuFacts) -> bool:
-        """GPUBADGE_DEEP_SCAN: `auto` deep-scans images that declare no NVIDIA signal."""
+        """GPUBADGE_DEEP_SCAN: `always` (the default) reads every image's carried CUDA and GPU code;
+        `auto` only that of images that declare no NVIDIA signal; `never` none."""
         mode = self.settings.deep_scan
         return mode == "always" or (mode == "auto" and not gpu.required)
 

@@ -167,10 +167,13 @@ class ScannerSettings(BaseSettings):
         ge=0,
         description="processes that parse layer content off the event loop; 0 parses in the scanning process",
     )
-    deep_scan: Literal["auto", "always", "never"] = Field(
-        default="auto",
-        description="read every layer for CUDA the config does not declare (torch, NVIDIA wheels, conda, fatbins):"
-        " auto = images without declared NVIDIA signals",
+    deep_scan: Literal["always", "auto", "never"] = Field(
+        default="always",
+        description="which images' layers are read whole for the CUDA and GPU code they carry (torch, NVIDIA"
+        " wheels, conda, toolkit trees, fatbins), in the same walk that finds the libc, each layer once ever"
+        " (cached by digest): always = every image (default); auto = only images that declare no NVIDIA"
+        " signal (a declared image's walk stops at its libc verdict, usually in the top layer's first KiB);"
+        " never = the libc verdict only",
     )
     platforms: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

@@ -33,7 +33,7 @@ from placement.admission import Pod, review_pod
 from placement.decide import ImageFacts
 from placement.exports import export_constraints
 from placement.request import DeployRequest
-from scanner.models import GpuFacts, ImageReport, PlatformReport
+from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
 from tests.conftest import Pusher
 from tests.test_service_e2e import call, metric_values, wait_job
 
@@ -363,6 +363,24 @@ def test_warn_mode_turns_the_gpu_denial_into_a_warning() -> None:
     assert not review_pod(obj, {"r/x:1": report}, mode="deny").allowed
     warned = review_pod(obj, {"r/x:1": report}, mode="warn")
     assert warned.allowed and "needs an NVIDIA GPU (NVIDIA_GPU)" in warned.warnings[0]
+
+
+def test_a_declared_image_carrying_a_newer_cuda_is_flagged_with_its_driver_floor() -> None:
+    setter = "/usr/lib/python3/dist-packages/torch/version.py: torch 2.9.1+cu130, cuda = '13.0'"
+    facts = GpuFacts(
+        required=True,
+        signals=["CUDA_VERSION"],
+        cuda_version="12.8",
+        inferred=InferredCuda(cuda="13.0", set_by=setter),
+    )
+    digest = "sha256:" + "c" * 64
+    report = ImageReport(reference="r/cu130:1", digest=digest, platforms=[PlatformReport(platform="linux/amd64", digest=digest, gpu=facts)])  # fmt: skip
+    review = review_pod(Pod.model_validate(pod(container("c", "r/cu130:1", gpus=1))), {"r/cu130:1": report})
+    assert review.allowed
+    assert any(
+        f"declares CUDA 12.8, but carries the newer CUDA 13.0 ({setter}): needs driver >= 580" in w
+        for w in review.warnings
+    ), review.warnings
 
 
 def test_deploy_manifests_are_valid_webhook_configurations() -> None:

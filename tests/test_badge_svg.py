@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from scanner.models import GpuFacts, ImageReport, PlatformReport
+from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
 from web.badge_svg import (
     CPU_COLOUR,
     ERROR_COLOUR,
@@ -37,6 +37,16 @@ def test_gpu_image_names_its_highest_cuda_version() -> None:
         report(GpuFacts(required=True, cuda_version="12.10"), GpuFacts(required=True, cuda_version="12.9"))
     )
     assert content == BadgeContent("nvidia gpu", "cuda 12.10", GPU_COLOUR)
+
+
+def test_a_newer_cuda_carried_than_declared_is_the_badge() -> None:
+    carried = InferredCuda(cuda="13.0", set_by="/x/torch/version.py: torch 2.9.1+cu130, cuda = '13.0'")
+    content = badge_for(report(GpuFacts(required=True, cuda_version="12.8", inferred=carried)))
+    assert content == BadgeContent("nvidia gpu", "cuda 13.0 inside (declares 12.8)", GPU_COLOUR)
+    same = InferredCuda(cuda="12.8")
+    assert (
+        badge_for(report(GpuFacts(required=True, cuda_version="12.8", inferred=same))).message == "cuda 12.8"
+    )
 
 
 def test_gpu_without_cuda_version_and_cpu_and_unscanned() -> None:

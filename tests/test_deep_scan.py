@@ -60,7 +60,7 @@ def images(registry: LocalRegistry, push: Pusher) -> dict[str, str]:
 
 @pytest.fixture
 async def scanner(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Scanner]:
-    mode, processes = getattr(request, "param", ("auto", 0))
+    mode, processes = getattr(request, "param", ("always", 0))
     settings = ScannerSettings(docker_config=None, deep_scan=mode, analysis_processes=processes)
     store = open_store(tmp_path / "scan.db")
     try:
@@ -79,16 +79,16 @@ async def platform_of(scanner: Scanner, reference: str) -> PlatformReport:
 
 
 @pytest.mark.parametrize(
-    "scanner", [("auto", 0), ("auto", 2)], indirect=True, ids=["in-process", "2-processes"]
+    "scanner", [("always", 0), ("always", 2)], indirect=True, ids=["in-process", "2-processes"]
 )
 async def test_undeclared_cuda_is_inferred_with_archs(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/torch:1"])
     gpu = platform.gpu
     assert not gpu.required and gpu.cuda_version is None  # declared signals stay as they are
     assert gpu.inferred is not None and gpu.inferred.cuda == "12.1"
-    assert gpu.inferred.evidence[0] == f"{SITE}/torch/version.py: cuda = '12.1'"
+    assert gpu.inferred.evidence[0] == f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"
     assert f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12: GPU code in .nv_fatbin" in gpu.inferred.evidence
-    assert gpu.archs is not None and "90" in gpu.archs.sass and gpu.archs.ptx == []
+    assert gpu.archs is not None and "90" in gpu.archs.sass and gpu.archs.ptx == ["121"]
     assert gpu.archs.files[0].path == f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"
     assert "cuda-12.1-inferred" in platform.badges and "nvidia-gpu" not in platform.badges
 
@@ -109,18 +109,24 @@ async def test_whiteouts_hide_evidence(scanner: Scanner, images: dict[str, str])
     assert platform.gpu.inferred is None and platform.gpu.archs is None
 
 
+@pytest.mark.parametrize("scanner", [("auto", 0)], indirect=True)
 async def test_auto_skips_images_that_declare_cuda(scanner: Scanner, images: dict[str, str]) -> None:
     platform = await platform_of(scanner, images["deep/declared:1"])
     assert platform.gpu.required and platform.gpu.inferred is None
 
 
-@pytest.mark.parametrize("scanner", [("always", 0)], indirect=True)
-async def test_always_flags_a_mismatch(scanner: Scanner, images: dict[str, str]) -> None:
+async def test_by_default_a_declared_image_is_read_and_a_newer_carried_cuda_flagged(
+    scanner: Scanner, images: dict[str, str]
+) -> None:
     platform = await platform_of(scanner, images["deep/declared:1"])
     assert platform.gpu.cuda_version == "11.8"
     assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "12.1"
-    assert "cuda-mismatch" in platform.badges
-    assert "the config declares CUDA 11.8, but the layers carry CUDA 12.1" in platform.warnings
+    assert platform.gpu.inferred.set_by == f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"
+    assert "cuda-newer-inside" in platform.badges and "cuda-mismatch" not in platform.badges
+    assert (
+        f"the config declares CUDA 11.8, but the layers carry the newer CUDA 12.1 ({SITE}/torch/version.py:"
+        " torch 2.1.2+cu121, cuda = '12.1'): the image needs a driver for CUDA 12.1, which NVIDIA_REQUIRE_CUDA does not check"
+    ) in platform.warnings
 
 
 @pytest.mark.parametrize("scanner", [("never", 0)], indirect=True)

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from placement.gpu_code import container_runs_on, ptx_runs_on, sass_runs_on
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.layers.fatbin import (
     FatbinError,
     FatbinScan,
-    container_runs_on,
-    ptx_runs_on,
-    sass_runs_on,
     summarise,
     walk_section,
 )
@@ -76,9 +74,9 @@ def test_cu12_every_container_any_chunking(cu12: bytes, chunk: int) -> None:
     with_ptx = [c for c in containers if c.ptx]
     assert sum(c.count for c in with_ptx) == 10
     assert all(c.ptx == ("121",) and c.ptx_isa == "8.8" for c in with_ptx)
-    # container 0 carries no PTX, so no PTX arch covers every container
+    # the summary lists the code present (container 0 has no PTX: placement.gpu_code judges that)
     assert facts.fatbin.archs.sass == CU12_SASS
-    assert facts.fatbin.archs.ptx == []
+    assert facts.fatbin.archs.ptx == ["121"]
 
 
 def test_cu12_first_container_is_found_though_no_wrapper_names_it(cu12: bytes) -> None:
@@ -215,14 +213,14 @@ def test_sass_and_ptx_rules() -> None:
     assert ptx_runs_on("100f", (10, 3)) and not ptx_runs_on("100f", (12, 0))
 
 
-def test_summary_intersects_never_unites() -> None:
+def test_summary_lists_the_code_present_and_leaves_device_link_input_out() -> None:
     one = ContainerArchs(sass=("80", "90"), ptx=("90",))
     two = ContainerArchs(sass=("80",), ptx=("80",))
     summary = summarise([one, two])
-    assert summary.sass == ["80"]  # sm_90 SASS is missing in the second container
-    assert summary.ptx == ["90"]  # from 9.0 on, both containers JIT
+    assert summary.sass == ["80", "90"] and summary.ptx == ["80", "90"]  # facts; placement judges
     assert container_runs_on(two, (9, 0)) == "ptx" and container_runs_on(one, (9, 0)) == "sass"
-    assert summarise([ContainerArchs(sass=("90a",)), ContainerArchs(sass=("90",))]).sass == ["90", "90a"]
+    link_input = ContainerArchs(sass=("100",), ptx=("100",), section="__nv_relfatbin")
+    assert summarise([two, link_input]).sass == ["80"]
 
 
 # -- DT_NEEDED, on binaries built by the real toolchain

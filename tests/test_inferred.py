@@ -66,7 +66,7 @@ def test_torch_version_forms() -> None:
     assert parse_torch_version("cuda = (") is False
     inferred, _ = combine([layer({f"{SITE}/torch/version.py": TORCH_NEW})])
     assert inferred is not None and inferred.cuda == "12.1" and inferred.sources == ["torch"]
-    assert inferred.evidence == [f"{SITE}/torch/version.py: cuda = '12.1'"]
+    assert inferred.evidence == [f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = '12.1'"]
     assert combine([layer({f"{SITE}/torch/version.py": TORCH_CPU})]) == (None, None)
 
 
@@ -108,23 +108,36 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
     """The cu12 wheel: dist-info (major) + fatbin archs; the cu13 wheel: files under nvidia/cu13/."""
     cu12 = {f"{SITE}/{path}": data for path, data in wheel_members(NVJPEG_CU12).items()}
     inferred, archs = combine([layer(cu12)])  # type: ignore[arg-type]
-    assert inferred is not None and inferred.cuda == "12" and inferred.sources == ["nvidia-wheel", "elf"]
+    assert inferred is not None and inferred.cuda == "12.9" and inferred.sources == ["nvidia-wheel", "elf"]
     assert f"{SITE}/nvidia_nvjpeg_cu12-12.4.0.76.dist-info: nvidia-nvjpeg-cu12 12.4.0.76" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib: libnvjpeg.so.12" in inferred.evidence
     assert f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12: GPU code in .nv_fatbin" in inferred.evidence
-    assert archs is not None and archs.sass[0] == "50" and archs.ptx == []
+    assert archs is not None and archs.sass[0] == "50" and archs.ptx == ["121"]
     assert [f.path for f in archs.files] == [f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"]
 
     cu13 = {f"{SITE}/{path}": data for path, data in wheel_members(NVJPEG_CU13).items()}
     inferred13, archs13 = combine([layer(cu13)])  # type: ignore[arg-type]
     assert inferred13 is not None and inferred13.cuda == "13"
     assert archs13 is not None and archs13.sass[0] == "75"
-    # both in one image: sources disagree, the lowest is kept, both listed, archs intersect
+    # the PTX says which toolkit wrote it (ISA 8.8: CUDA 12.9): listed, but the wheel's CUDA stays the answer
+    lib = f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"
+    assert inferred.versions[0].source == "ptx" and inferred.versions[0].cuda == "12.9"
+    assert inferred.versions[0].evidence == f"{lib}: PTX ISA 8.8, written by CUDA 12.9"
+    # with nothing else to say, the PTX sets the version
+    alone, _ = combine([layer({lib: cu12[lib]})])  # type: ignore[arg-type]
+    assert (
+        alone is not None
+        and alone.cuda == "12.9"
+        and alone.set_by == f"{lib}: PTX ISA 8.8, written by CUDA 12.9"
+    )
+
+    # both in one image: sources disagree, the newest is kept and quoted, both listed
     both, both_archs = combine([layer(cu13), layer(cu12)])  # type: ignore[arg-type]
-    assert both is not None and both.cuda == "12" and both.conflict
-    # sm_50..70 are missing from the cu13 lib and sm_110 from the cu12 one; sm_100 SASS covers CC 10.1 and 10.7
-    assert both_archs is not None
-    assert both_archs.sass == ["75", "80", "86", "89", "90", "100", "101", "103", "107", "120", "121"]
+    assert both is not None and both.cuda == "13" and both.conflict
+    assert both.set_by == f"{SITE}/nvidia/cu13: CUDA 13 wheel files"
+    assert [v.cuda for v in both.versions][:1] == ["13"] and "12" in [v.cuda for v in both.versions]
+    # the archs are what the code holds (the union); placement.gpu_code judges where it runs
+    assert both_archs is not None and both_archs.sass[0] == "50" and "75" in both_archs.sass
 
 
 def test_tensorflow_build_info() -> None:
@@ -153,7 +166,8 @@ def test_conda_meta_reads_name_and_version_inside() -> None:
         ),
     }
     inferred, _ = combine([layer(files)])  # type: ignore[arg-type]
-    assert inferred is not None and inferred.cuda == "11.7" and inferred.conflict
+    assert inferred is not None and inferred.cuda == "11.8" and inferred.conflict  # the newest runtime
+    assert inferred.set_by == f"{meta}/cudatoolkit-11.8.0-h6a678d5_0.json: cudatoolkit 11.8.0"
     assert not any("cuda-cudart-dev" in line for line in inferred.evidence)
     assert f"{meta}/cudatoolkit-11.8.0-h6a678d5_0.json: cudatoolkit 11.8.0" in inferred.evidence
 
@@ -181,7 +195,7 @@ def test_upper_layer_wins_and_whiteouts_hide() -> None:
     inferred, _ = combine([cpu_on_top, lower])
     assert inferred is not None and inferred.cuda == "12.1"  # the wheel is still there
     assert inferred.evidence[-1] == f"{torch}: cuda = None (a CPU, ROCm or XPU build)"
-    assert f"{torch}: cuda = '12.1'" not in inferred.evidence
+    assert f"{torch}: torch 2.1.2+cu121, cuda = '12.1'" not in inferred.evidence
 
     removed = collect_layer(
         [
@@ -197,9 +211,10 @@ def test_upper_layer_wins_and_whiteouts_hide() -> None:
 
 def test_choose_cuda() -> None:
     assert choose_cuda(["12", "12.1"]) == ("12.1", False)
-    assert choose_cuda(["12.4", "12.1", "12"]) == ("12.1", True)
-    assert choose_cuda(["13", "12.1"]) == ("12.1", True)
-    assert choose_cuda(["12", "11"]) == ("11", True)
+    assert choose_cuda(["12.4", "12.1", "12"]) == ("12.4", True)  # the newest the image carries
+    assert choose_cuda(["13", "12.8"]) == ("13", True)  # a newer major, even named only by its major
+    assert choose_cuda(["13", "13.0", "12.8"]) == ("13.0", True)  # the most precise of the newest major
+    assert choose_cuda(["12", "11"]) == ("12", True)
     assert choose_cuda([]) == (None, False)
 
 

@@ -62,7 +62,7 @@ def test_image_page_badge_and_images_page(service: RunningService, scanned: dict
     page = call("GET", f"{service.url}/images/{scanned['inf/torch:1']}")
     assert page.status == 200
     assert "CUDA 12.1 inside (inferred)" in page.text
-    assert f"{SITE}/torch/version.py: cuda = &#39;12.1&#39;" in page.text
+    assert f"{SITE}/torch/version.py: torch 2.1.2+cu121, cuda = &#39;12.1&#39;" in page.text
     assert "sm_90" in page.text and f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12" in page.text
     registry, _, rest = scanned["inf/torch:1"].partition("/")
     svg = call("GET", f"{service.url}/badge/{registry}/{rest.replace(':', '/')}.svg")

@@ -219,8 +219,10 @@ async def test_a_cuda_runtime_image_scans_to_glibc_with_the_defaults_and_the_nex
         for line in first_lines
         if line.method == "GET" and line.path.rsplit("/", 1)[-1] in layer_digests
     )
-    # Never under the registry's own count; the Ubuntu base stopped early, past its shell.
-    assert layers_sent <= platform.libc.bytes_read < layers_total
+    # Never under the registry's own count. The default reads a declared image's layers whole too, once,
+    # for the CUDA and GPU code it carries (GPUBADGE_DEEP_SCAN=always); the next image reads only its own.
+    assert layers_sent <= platform.libc.bytes_read == layers_total
+    assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda is not None
     assert platform.libc.bytes_read < platform.bytes_fetched <= report.bytes_fetched
 
     with logged(registry, "cuda-next") as next_lines:

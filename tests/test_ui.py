@@ -32,7 +32,18 @@ from pydantic import SecretStr
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry, free_port
 from scanner.facts.badges import badges
-from scanner.models import GpuFacts, ImageReport, LibcFlavour, LibcVerdict, PlatformReport, RequirementIssue
+from scanner.models import (
+    ContainerArchs,
+    FileArchs,
+    GpuArchs,
+    GpuFacts,
+    ImageReport,
+    InferredCuda,
+    LibcFlavour,
+    LibcVerdict,
+    PlatformReport,
+    RequirementIssue,
+)
 from store import EnqueueBatch, queries
 from store import SqliteStore as Store
 from store.backend import StoreBackend
@@ -359,6 +370,57 @@ async def test_detail_page_shows_evidence_and_escapes_image_values(
 
     by_digest = await client.get(f"/images/127.0.0.1:5000/ml/trainer@{GPU_IMAGE.digest}")
     assert by_digest.status == 200 and "driver CUDA at least 12.2" in await by_digest.text()
+
+
+# The requirement of nvidia/cuda:12.8.1-runtime-ubuntu24.04 (21 clauses), as Docker Hub serves it.
+REQUIRE_CUDA_128 = "cuda>=12.8 " + " ".join(
+    f"brand={brand},driver>={major},driver<{major + 1}"
+    for major in (470, 535, 550, 560, 565)
+    for brand in ("unknown", "grid", "tesla", "nvidia")
+)
+
+
+async def test_image_page_says_what_it_declares_carries_and_where_its_code_runs(
+    app_client: tuple[TestClient[Any, Any], Services],
+) -> None:
+    """Issue 29: CUDA and GPU code at a glance; the brand clauses in one line, the raw value one click away."""
+    client, services = app_client
+    report = make_report(
+        "127.0.0.1:5000",
+        "ml/cu130",
+        "1",
+        gpu=True,
+        cuda="12.8",
+        env={"CUDA_VERSION": "12.8.1", "NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA_128},
+    )
+    torch = "/usr/lib/python3/dist-packages/torch/version.py: torch 2.9.1+cu130, cuda = '13.0'"
+    lib = "/usr/lib/python3/dist-packages/torch/lib/libtorch_cuda.so"
+    gpu = report.platforms[0].gpu.model_copy(
+        update={
+            "inferred": InferredCuda(cuda="13.0", set_by=torch, evidence=[torch], sources=["torch"]),
+            "archs": GpuArchs(
+                sass=["50", "60", "70", "75", "80", "86", "90", "90a"],
+                files=[
+                    FileArchs(
+                        path=lib,
+                        containers=[
+                            ContainerArchs(sass=("50", "60", "70", "75", "80", "86", "90"), count=40),
+                            ContainerArchs(sass=("90a",)),
+                        ],
+                    )
+                ],
+            ),
+        }
+    )
+    report.platforms[0] = report.platforms[0].model_copy(update={"gpu": gpu})
+    save(services.store.backend, report)
+    body = await (await client.get("/images/127.0.0.1:5000/ml/cu130:1")).text()
+    assert "Declares CUDA 12.8 · carries CUDA 13.0 (torch 2.9.1+cu130): needs driver ≥ 580" in body
+    assert "GPU code for sm_50–sm_90, no PTX: compute capability 5.0–9.0, not Blackwell" in body
+    assert "Needs driver CUDA at least 12.8; or, on an older driver, one of 20 brand exceptions" in body
+    raw = REQUIRE_CUDA_128.replace(">", "&gt;").replace("<", "&lt;")
+    assert body.count(raw) == 1  # once, inside <details>: not in the environment table too
+    assert body.index('<details class="raw-requirement">') < body.index(raw)
 
 
 async def test_unscanned_image_is_a_404_with_the_scan_form(

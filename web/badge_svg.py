@@ -72,7 +72,8 @@ def badge_for(
     report: ImageReport | None, *, last_scan_failed: bool = False, failure: str | None = None
 ) -> BadgeContent:
     """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`,
-    or `gpu | cuda 12.1 inside (inferred)` for CUDA found in the layers of an image that declares none.
+    or `gpu | cuda 12.1 inside (inferred)` for CUDA found in the layers of an image that declares none;
+    `nvidia gpu | cuda 13.0 inside (declares 12.8)` where the layers carry a newer CUDA than declared.
 
     A failed scan gives `gpu | unknown` with the error as the reason (in the title and
     aria-label): it never guesses a verdict, e.g. for an image past a scan limit. While the layers
@@ -90,6 +91,18 @@ def badge_for(
             key=_version_key,
         )
         message = f"cuda {versions[-1]}" if versions else "required"
+        carried = sorted(
+            {p.gpu.inferred.cuda for p in report.platforms if p.gpu.inferred and p.gpu.inferred.cuda},
+            key=_version_key,
+        )
+        if (
+            carried
+            and versions
+            and "." in carried[-1]
+            and _version_key(carried[-1]) > _version_key(versions[-1])
+        ):
+            # the layers carry a newer CUDA than the config declares: that one decides the driver
+            message = f"cuda {carried[-1]} inside (declares {versions[-1]})"
         return BadgeContent("nvidia gpu", message, GPU_COLOUR, reason=pending)
     inferred = [p.gpu.inferred for p in report.platforms if p.gpu.inferred is not None]
     if inferred:

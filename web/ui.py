@@ -25,6 +25,8 @@ import jinja2
 from aiohttp import web
 from markupsafe import Markup
 
+from placement import gpu_code
+from placement import inferred as placement_inferred
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.requirements import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport
@@ -245,7 +247,8 @@ _NAMED_BADGES = {
     "libc-not-analysed": BadgeView("layers not analysed", "info"),
     "musl-also": BadgeView("musl also", "musl"),
     "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
-    "cuda-mismatch": BadgeView("declared and inferred CUDA differ", "warn"),
+    "cuda-mismatch": BadgeView("carries an older CUDA than declared", "warn"),
+    "cuda-newer-inside": BadgeView("carries a newer CUDA than declared: needs its driver", "warn"),
 }
 
 
@@ -321,13 +324,48 @@ class ConditionView:
 
 @dataclass(frozen=True)
 class RequirementView:
-    """One NVIDIA_REQUIRE_* variable: any one alternative must hold, all conditions within it."""
+    """One NVIDIA_REQUIRE_* variable: any one alternative must hold, all conditions within it.
+
+    `summary`: one line for a value made of a main condition and many `brand=` exceptions (the
+    official CUDA images carry up to 21 clauses); the page then shows the raw value and every
+    alternative one click away."""
 
     variable: str
     value: str
     alternatives: list[list[ConditionView]]
     errors: list[str]
     derived: bool = False
+    summary: str | None = None
+
+
+BRAND_SUMMARY_MIN_CLAUSES = 3  # fewer alternatives read well in full
+
+
+def _brand_summary(variable: str, alternatives: Sequence[Sequence[Any]]) -> str | None:
+    """ "Needs CUDA >= 12.8; or, with an older driver, one of 20 brand exceptions (tesla, nvidia, ...:
+    drivers 470, 535, 550)", for a requirement whose alternatives beyond the first are brand clauses."""
+    if len(alternatives) < BRAND_SUMMARY_MIN_CLAUSES or variable != "NVIDIA_REQUIRE_CUDA":
+        return None
+    main = [term for term in alternatives if not any(c.key == "brand" for c in term)]
+    exceptions = [term for term in alternatives if any(c.key == "brand" for c in term)]
+    if len(main) != 1 or len(exceptions) < BRAND_SUMMARY_MIN_CLAUSES - 1:
+        return None
+    if any(c.error for term in alternatives for c in term):
+        return None
+    brands = sorted({c.value for term in exceptions for c in term if c.key == "brand"})
+    drivers = sorted(
+        {
+            c.value.split(".")[0]
+            for term in exceptions
+            for c in term
+            if c.key == "driver" and c.op in (">=", ">")
+        },
+        key=lambda v: int(v) if v.isdigit() else 0,
+    )
+    needs = " and ".join(describe_condition(c) for c in main[0]) or "nothing"
+    shown = ", ".join(brands[:4]) + (f" and {len(brands) - 4} more" if len(brands) > 4 else "")
+    driver_text = f": drivers {', '.join(drivers)}" if drivers else ""
+    return f"Needs {needs}; or, on an older driver, one of {len(exceptions)} brand exceptions ({shown}{driver_text})"
 
 
 def requirement_view(variable: str, value: str, *, derived: bool = False) -> RequirementView:
@@ -343,7 +381,59 @@ def requirement_view(variable: str, value: str, *, derived: bool = False) -> Req
         ]
         for term in expression.alternatives
     ]
-    return RequirementView(variable, value, alternatives, list(expression.errors), derived)
+    summary = _brand_summary(variable, [term.conditions for term in expression.alternatives])
+    return RequirementView(variable, value, alternatives, list(expression.errors), derived, summary)
+
+
+def _release(evidence: str | None) -> str | None:
+    """ "torch 2.9.1+cu130" from "<path>: torch 2.9.1+cu130, cuda = '13.0'"; else what the evidence says."""
+    if not evidence:
+        return None
+    said = evidence.rsplit(": ", 1)[-1]
+    return said.split(", cuda = ", 1)[0]
+
+
+def cuda_glance(report: PlatformReport) -> str | None:
+    """ "Declares CUDA 12.8 · carries CUDA 13.0 (torch 2.9.1+cu130): needs driver ≥ 580"."""
+    gpu = report.gpu
+    carried = gpu.inferred.cuda if gpu.inferred is not None else None
+    parts: list[str] = []
+    floors: list[str] = []
+    if gpu.cuda_version:
+        parts.append(f"Declares CUDA {gpu.cuda_version}")
+        own = placement_inferred.TOOLKIT_DRIVERS.get(_cuda_pair(gpu.cuda_version) or (0, 0))
+        if own and gpu.effective_requirements and not gpu.disable_require:
+            floors.append(own)  # the runtime checks cuda>=X.Y against the driver's own CUDA
+    if carried:
+        source = _release(gpu.inferred.set_by if gpu.inferred is not None else None)
+        parts.append(f"carries CUDA {carried}" + (f" ({source})" if source else ""))
+        floor = placement_inferred.driver_floor(carried)
+        if floor is not None:
+            floors.append(floor[0])
+    elif gpu.inferred is not None:
+        parts.append("carries CUDA")
+    if not parts:
+        return None
+    text = " · ".join(parts)
+    if floors:
+        newest = max(floors, key=lambda v: tuple(int(p) if p.isdigit() else 0 for p in v.split(".")))
+        text += f": needs driver ≥ {newest}"
+    return text[0].upper() + text[1:]
+
+
+def _cuda_pair(version: str) -> tuple[int, int] | None:
+    major, _, minor = version.partition(".")
+    if not major.isdigit():
+        return None
+    return int(major), int(minor) if minor.isdigit() else 0
+
+
+def gpu_code_glance(report: PlatformReport) -> list[str]:
+    """Where the image's GPU code runs (placement.gpu_code), then each NVIDIA library lacking code."""
+    archs = report.gpu.archs
+    if archs is None or not archs.files:
+        return []
+    return [gpu_code.summary(archs), *gpu_code.caveats(archs)]
 
 
 @dataclass(frozen=True)
@@ -354,6 +444,9 @@ class PlatformView:
     layers_read: int
     layers_total: int
     warnings: list[str] = field(default_factory=list)
+    cuda: str | None = None  # the CUDA line at a glance (cuda_glance)
+    gpu_code: list[str] = field(default_factory=list)  # where the GPU code runs, then caveats
+    env: dict[str, str] = field(default_factory=dict)  # NVIDIA_/CUDA_ variables not shown as requirements
 
 
 def platform_view(report: PlatformReport) -> PlatformView:
@@ -379,6 +472,9 @@ def platform_view(report: PlatformReport) -> PlatformView:
         layers_read=report.libc.layers_read,
         layers_total=report.libc.layers_total or len(report.layers),
         warnings=warnings,
+        cuda=cuda_glance(report),
+        gpu_code=gpu_code_glance(report),
+        env={name: value for name, value in gpu.env.items() if not name.startswith("NVIDIA_REQUIRE_")},
     )
 
 

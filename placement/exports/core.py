@@ -409,7 +409,7 @@ def _platform(
     elif requirements.disabled:
         result.note(f"{platform.platform}: NVIDIA_DISABLE_REQUIRE is set; the runtime checks nothing")
     # gpubadge's own image rule: CUDA 13 dropped GPUs below compute capability 7.5.
-    cuda = platform.gpu.cuda_version or ""
+    cuda = inferred.needed_cuda(platform.gpu) or ""  # the newest it declares or carries
     major = cuda.split(".", 1)[0]
     if needed > 0 and major.isdigit() and int(major) >= 13:
         terms = conjunction(terms, [Term((("cc", Interval(low=Bound((7, 5), True))),))])
@@ -425,8 +425,8 @@ def _platform(
 
 
 def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[Term]:
-    """placement.inferred's rules for CUDA found in the layers: the driver floor of the CUDA it
-    carries, and the compute capabilities every fatbin container runs on (PTX JIT adds a floor)."""
+    """placement.inferred's rules for the CUDA an image carries: the driver floor of that CUDA, and the
+    compute capabilities its GPU code runs on (`placement.gpu_code`; PTX JIT adds a floor)."""
     common: list[Term] = TRUE
     cuda = gpu.inferred.cuda if gpu.inferred is not None else None
     floor = inferred.driver_floor(cuda) if cuda else None
@@ -449,7 +449,7 @@ def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[T
             facts.append(("driver", Interval(low=Bound(version, True))))
         alternatives.append(Term(tuple(facts)))
     if not alternatives:
-        result.note(f"{platform}: no known compute capability runs every fatbin container of the image")
+        result.note(f"{platform}: no known compute capability runs the image's GPU code (placement.gpu_code)")
     return conjunction(common, alternatives)
 
 

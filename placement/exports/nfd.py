@@ -36,8 +36,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from placement import gpu_code
 from placement.exports.core import parse_version
-from placement.inferred import driver_floor
+from placement.inferred import compute_capability_ranges, driver_floor
 from placement.nfd.schema import (
     VERSION,
     Compatibility,
@@ -198,7 +199,7 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
     if inferred is not None and inferred.cuda:
         floor = driver_floor(inferred.cuda)
         if floor is None:
-            unchecked.append(f"CUDA {inferred.cuda} found in its layers: no known driver floor")
+            unchecked.append(f"CUDA {inferred.cuda} carried in its layers: no known driver floor")
         else:
             version = _nfd_version(floor[0])
             if version is None:
@@ -211,14 +212,67 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
                 checked.append(
                     f"CUDA {inferred.cuda} found in its layers: {floor[1]}, as {DRIVER_LABEL} {at_least.text()}"
                 )
-    archs = platform.gpu.archs
-    if archs is not None and (archs.sass or archs.ptx):
-        built = ", ".join([*archs.sass, *(f"{a} (PTX)" for a in archs.ptx)])
-        unchecked.append(
-            f"the GPU architectures its CUDA code runs on ({built}): GFD publishes the compute capability as "
-            "separate major and minor labels"
-        )
+    code_rule = _gpu_code_rule(platform)
+    if code_rule is not None:
+        rule, text = code_rule
+        rules.append(rule)
+        checked.append(text)
     return _Checks(tuple(rules), tuple(checked), tuple(alternatives), tuple(unchecked), tuple(notes))
+
+
+CC_MAJOR_LABEL = "nvidia.com/gpu.compute.major"
+CC_MINOR_LABEL = "nvidia.com/gpu.compute.minor"
+
+
+def _gpu_code_rule(platform: PlatformReport) -> tuple[GroupRule, str] | None:
+    """Where the image's GPU code runs (`placement.inferred.compute_capability_ranges`, judged by
+    `placement.gpu_code`) as GFD's compute-capability labels, one alternative per range, each with the
+    driver PTX JIT needs there; None when there is no GPU code to judge."""
+    gpu = platform.gpu
+    if gpu.archs is None or not gpu.archs.files:
+        return None
+    ranges = compute_capability_ranges(gpu)
+    if ranges is None:
+        return None
+    alternatives: list[list[tuple[str, MatchExpression]]] = []
+    described: list[str] = []
+    for low, high, ptx_floor in ranges:
+        driver: list[tuple[str, MatchExpression]] = []
+        floor_text = ""
+        version = _nfd_version(ptx_floor) if ptx_floor else None
+        if version is not None:
+            driver = [(DRIVER_LABEL, MatchExpression(op="Ge", value=[version], type="version"))]
+            floor_text = f" with driver >= {ptx_floor} (PTX JIT)"
+        major = (CC_MAJOR_LABEL, MatchExpression(op="In", value=[str(low[0])]))
+        if high is None:
+            alternatives.append(
+                [major, (CC_MINOR_LABEL, MatchExpression(op="Ge", value=[str(low[1])])), *driver]
+            )
+            alternatives.append([(CC_MAJOR_LABEL, MatchExpression(op="Gt", value=[str(low[0])])), *driver])
+            described.append(f"{low[0]}.{low[1]} and newer{floor_text}")
+        else:
+            minor = (  # NFD refuses a GeLe whose bounds are equal
+                MatchExpression(op="In", value=[str(low[1])])
+                if low[1] == high[1]
+                else MatchExpression(op="GeLe", value=[str(low[1]), str(high[1])])
+            )
+            alternatives.append([major, (CC_MINOR_LABEL, minor), *driver])
+            span = f"{low[0]}.{low[1]}" if low == high else f"{low[0]}.{low[1]}-{high[0]}.{high[1]}"
+            described.append(f"{span}{floor_text}")
+    if not alternatives:
+        alternatives = [[(CC_MAJOR_LABEL, MatchExpression(op="In", value=["none"]))]]
+        described = ["no known compute capability"]
+    summary = gpu_code.summary(gpu.archs)
+    text = (
+        f"its GPU code ({summary}) as {CC_MAJOR_LABEL} / {CC_MINOR_LABEL}: compute capability "
+        + ", ".join(described)
+    )
+    if len(alternatives) == 1:
+        return GroupRule(name="gpu-code", match_features=_terms(alternatives[0])), text
+    return (
+        GroupRule(name="gpu-code", match_any=[MatchAnyElem(match_features=_terms(a)) for a in alternatives]),
+        text,
+    )
 
 
 def _sentence(items: Sequence[str]) -> str:

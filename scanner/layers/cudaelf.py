@@ -29,8 +29,10 @@ from scanner.layers.elf import (
     parse_sections,
 )
 from scanner.layers.fatbin import (
+    LOADED_SECTION,
     MAX_CONTAINERS_PER_FILE,
     MAX_SIGNATURES_PER_FILE,
+    RELOCATABLE_SECTION,
     ArchSummary,
     FatbinError,
     FatbinScan,
@@ -258,8 +260,9 @@ class ElfCudaProbe:
         facts = FatbinFacts(sections=[s.name or f"section at {s.offset:#x}" for s in named])
         containers: list[ContainerArchs] = []
         for section in named:
+            kind = RELOCATABLE_SECTION if section.name == RELOCATABLE_SECTION else LOADED_SECTION
             try:
-                containers.extend(self._scan.chain(section.offset, section.size))
+                containers.extend(self._scan.chain(section.offset, section.size, section=kind))
             except FatbinError as exc:
                 facts.error = f"{section.name or 'fatbin section'}: {exc}"
                 break

@@ -17,10 +17,9 @@ only a few small numbers per container. Once the section headers are known, `cha
 section from its first byte, container after container, so containers outside the section (libcupti
 keeps valid ones in `.rodata`) are ignored and containers no wrapper references are not.
 
-Matching a GPU of compute capability X.Y (NVIDIA's rules): SASS `sm_XZ` runs on the same major with
-Z <= Y; `sm_XYa` only on exactly X.Y; `sm_XYf` on the same major with Y <= the GPU's minor. PTX
-`compute_XZ` is JIT-compiled on any CC >= X.Z (an `a` PTX only on X.Z, an `f` PTX within its major).
-An image runs on a GPU only if *every* container does, so summaries intersect, never unite.
+What the scanner reports is what the bytes say: each container's SASS and PTX archs, its PTX ISA
+and the section it sits in. Which GPU a container, a file or an image runs on is placement's
+knowledge (`placement.gpu_code`), judged as CUDA loads the code.
 """
 
 from __future__ import annotations
@@ -47,7 +46,21 @@ MAX_SIGNATURES_PER_FILE = 32  # distinct container contents kept per file (real 
 KIND_PTX, KIND_ELF = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_FAMILY_SPECIFIC = 0x200000
+LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared object or executable
+RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
+
+# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
+PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    **{(7, minor): (11, minor) for minor in range(9)},
+    **{(8, minor): (12, minor) for minor in range(6)},
+    (8, 6): (12, 7),
+    (8, 7): (12, 8),
+    (8, 8): (12, 9),
+    (9, 0): (13, 0),
+    (9, 1): (13, 1),
+}
+
 
 _ARCH = re.compile(r"^(\d{2,4})([af]?)$")
 Variant = Literal["", "a", "f"]
@@ -77,68 +90,39 @@ def arch_sort_key(arch: str) -> tuple[int, int, str]:
     return major, minor, variant
 
 
-def sass_runs_on(arch: str, cc: CC) -> bool:
-    """SASS: same major and a lower or equal minor; an `a` build only at exactly its CC."""
-    major, minor, variant = parse_arch(arch)
-    if variant == "a":
-        return (major, minor) == cc
-    return major == cc[0] and minor <= cc[1]
-
-
-def ptx_runs_on(arch: str, cc: CC) -> bool:
-    """PTX JIT: any CC at or above it; `a` PTX only at its CC, `f` PTX only within its major."""
-    major, minor, variant = parse_arch(arch)
-    if variant == "a":
-        return (major, minor) == cc
-    if variant == "f":
-        return major == cc[0] and minor <= cc[1]
-    return (major, minor) <= cc
-
-
-def container_runs_on(container: ContainerArchs, cc: CC) -> Literal["sass", "ptx"] | None:
-    """How a container runs on a GPU of compute capability `cc`, if it does."""
-    if any(sass_runs_on(arch, cc) for arch in container.sass):
-        return "sass"
-    if any(ptx_runs_on(arch, cc) for arch in container.ptx):
-        return "ptx"
-    return None
-
-
 class ArchSummary(BaseModel):
-    """`sass`: the archs at whose CC every container runs from SASS. `ptx`: the PTX archs from
-    which on every container can be JIT-compiled. Both are intersections: a union overstates."""
+    """Every arch the given containers hold code for: `sass` (cubins), `ptx` (PTX to JIT). Facts, not
+    a verdict: where the code runs is `placement.gpu_code`'s answer."""
 
     sass: list[str] = Field(default_factory=list)
     ptx: list[str] = Field(default_factory=list)
 
 
 def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
-    """Intersect: an arch is listed only when every container can run there."""
-    if not containers:
-        return ArchSummary()
-    sass_names = {arch for c in containers for arch in c.sass}
-    ptx_names = {arch for c in containers for arch in c.ptx if parse_arch(arch)[2] != "a"}
-    sass = [
-        arch
-        for arch in sass_names
-        if all(any(sass_runs_on(own, parse_arch(arch)[:2]) for own in c.sass) for c in containers)
-    ]
-    ptx = [
-        arch
-        for arch in ptx_names
-        if all(any(ptx_runs_on(own, parse_arch(arch)[:2]) for own in c.ptx) for c in containers)
-    ]
+    """The union of the archs of the containers CUDA loads (device-link input left out)."""
+    loaded = [c for c in containers if c.section != RELOCATABLE_SECTION]
+    sass = {arch for c in loaded for arch in c.sass}
+    ptx = {arch for c in loaded for arch in c.ptx}
     return ArchSummary(sass=sorted(sass, key=arch_sort_key), ptx=sorted(ptx, key=arch_sort_key))
+
+
+def ptx_toolkit(isa: str | None) -> str | None:
+    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown."""
+    major, _, minor = (isa or "").partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    toolkit = PTX_ISA_TOOLKITS.get((int(major), int(minor)))
+    return f"{toolkit[0]}.{toolkit[1]}" if toolkit else None
 
 
 def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArchs]:
     """Collapse containers with identical contents into one with a count (order of first sight)."""
-    counts: dict[tuple[tuple[str, ...], tuple[str, ...], str | None], int] = {}
+    counts: dict[tuple[tuple[str, ...], tuple[str, ...], str | None, str], int] = {}
     for container in containers:
         counts[container.signature] = counts.get(container.signature, 0) + container.count
     return [
-        ContainerArchs(sass=sass, ptx=ptx, ptx_isa=isa, count=count)
-        for (sass, ptx, isa), count in counts.items()
+        ContainerArchs(sass=sass, ptx=ptx, ptx_isa=isa, count=count, section=section)
+        for (sass, ptx, isa, section), count in counts.items()
     ]
 
 
@@ -158,11 +142,12 @@ class _Candidate:
     done: bool = False
     error: str | None = None
 
-    def archs(self) -> ContainerArchs:
+    def archs(self, section: str) -> ContainerArchs:
         return ContainerArchs(
             sass=tuple(sorted(self.sass, key=arch_sort_key)),
             ptx=tuple(sorted(self.ptx, key=arch_sort_key)),
             ptx_isa=f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
+            section=section,
         )
 
 
@@ -271,8 +256,11 @@ class FatbinScan:
         else:
             heapq.heappush(self._requests, (next_entry, _ENTRY, candidate.start))
 
-    def chain(self, start: int, size: int, *, trailing_padding: int = 15) -> list[ContainerArchs]:
-        """The containers that tile the section [start, start+size), walked from its first byte.
+    def chain(
+        self, start: int, size: int, *, trailing_padding: int = 15, section: str = LOADED_SECTION
+    ) -> list[ContainerArchs]:
+        """The containers that tile the section [start, start+size), walked from its first byte,
+        each tagged with `section` (the section's name).
 
         Raises FatbinError naming the offset where the walk fails. Up to `trailing_padding`
         bytes after the last container are taken as alignment padding.
@@ -296,7 +284,7 @@ class FatbinScan:
                 raise FatbinError(f"container at {position:#x} runs past the end of its section")
             if not candidate.done:
                 raise FatbinError(f"container at {position:#x} is truncated")
-            found.append(candidate.archs())
+            found.append(candidate.archs(section))
             position = candidate.end
         if not found:
             raise FatbinError("empty fatbin section")

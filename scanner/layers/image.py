@@ -102,8 +102,8 @@ def _usable_cuda(evidence: CudaLayerEvidence | None) -> bool:
 class ImageAnalysis:
     """The layer analysis of one platform image. See the module docstring.
 
-    `cuda`: whether the inferred-CUDA consumer runs (the deep scan, chosen from the config's
-    GPU facts by the scanner). Layers are fed top layer first, each exactly once: through
+    `cuda`: whether the carried-CUDA and GPU-code consumer runs (GPUBADGE_DEEP_SCAN: every image by
+    default; chosen per image by the scanner). Layers are fed top layer first, each exactly once: through
     `use_cached`, `begin_layer` + `finish_layer` (or `fail_layer`), or `skip_layer`.
     """
 

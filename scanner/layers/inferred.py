@@ -17,8 +17,11 @@ Sources (see the shared cuda_inference note for the facts behind each):
 * toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
 * ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.layers.cudaelf`), which also give archs.
 
-`cuda` is the most precise version the evidence supports ("12.1", else "12"); where sources
-disagree the lowest is kept and every source is listed.
+`cuda` is the NEWEST CUDA the evidence names (the image needs the newest runtime it carries), as
+precisely as the evidence for that major allows: a major.minor (a toolkit-versioned wheel's
+dist-info, `torch/version.py`, a toolkit tree) wins over a major alone (a `-cu13` wheel name, a
+SONAME); where nothing names the minor, the PTX ISA of a runnable file's GPU code says which toolkit
+wrote it (`ptx` evidence: ISA 8.7 is CUDA 12.8). `set_by` quotes the evidence that set it; `versions` lists every source with its version.
 """
 
 from __future__ import annotations
@@ -34,20 +37,21 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
-from scanner.layers.fatbin import ArchSummary, summarise
+from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, ptx_toolkit, summarise
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
-from scanner.models import ContainerArchs, FileArchs, GpuArchs, InferredCuda
+from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, InferredCuda
 
-CUDA_EVIDENCE_SCHEMA = 1
+CUDA_EVIDENCE_SCHEMA = 2  # 2: containers carry their section
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = 64
 MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
+MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
 
-Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf"]
+Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf", "ptx"]
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
     "torch",
@@ -58,6 +62,7 @@ SOURCE_ORDER: tuple[Source, ...] = (
     "nvidia-wheel",
     "toolkit",
     "elf",
+    "ptx",  # the toolkit that wrote a file's PTX: sets the version only where nothing else names the minor
 )
 
 _TORCH_VERSION = re.compile(r"/torch/version\.py$")
@@ -138,6 +143,15 @@ def parse_torch_version(text: str) -> str | Literal[False] | None:
             if isinstance(value.value, str):
                 return _major_minor(value.value) or False
     return False
+
+
+_TORCH_RELEASE = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([0-9][0-9A-Za-z.+_-]{0,63})['"]""", re.M)
+
+
+def parse_torch_release(text: str) -> str | None:
+    """`__version__` of torch/version.py ("2.9.1+cu130"), or None."""
+    match = _TORCH_RELEASE.search(text)
+    return match.group(1) if match else None
 
 
 def parse_tf_build_info(text: str) -> dict[str, object] | None:
@@ -323,7 +337,9 @@ class CudaLayerCollector:
                     Finding(source="torch", detail="cuda = None (a CPU, ROCm or XPU build)", no_cuda=True),
                 )
             else:
-                self._finding(path, Finding(source="torch", cuda=cuda, detail=f"cuda = '{cuda}'"))
+                release = parse_torch_release(text)
+                detail = f"torch {release}, cuda = '{cuda}'" if release else f"cuda = '{cuda}'"
+                self._finding(path, Finding(source="torch", cuda=cuda, detail=detail))
         elif _TF_BUILD_INFO.search(path):
             self._add_tf(path, text)
         elif (match := _TOOLKIT_VERSION_FILE.match(path)) is not None:
@@ -502,15 +518,15 @@ def _version_key(version: str) -> tuple[int, int]:
 
 
 def choose_cuda(versions: Iterable[str]) -> tuple[str | None, bool]:
-    """The most precise version of the lowest major; `conflict` when sources disagree."""
-    found = sorted({v for v in versions}, key=_version_key)
+    """The newest major, as precisely as its evidence allows (the newest major.minor of that major,
+    else the major alone); `conflict` when sources name different versions."""
+    found = sorted(set(versions), key=_version_key)
     if not found:
         return None, False
-    lowest_major = found[0].split(".")[0]
-    same_major = [v for v in found if v.split(".")[0] == lowest_major]
-    precise = [v for v in same_major if "." in v]
-    conflict = len({v.split(".")[0] for v in found}) > 1 or len(set(precise)) > 1
-    return (precise[0] if precise else lowest_major), conflict
+    newest_major = found[-1].split(".")[0]
+    precise = [v for v in found if v.split(".")[0] == newest_major and "." in v]
+    conflict = len({v.split(".")[0] for v in found}) > 1 or len({v for v in found if "." in v}) > 1
+    return (precise[-1] if precise else newest_major), conflict
 
 
 def combine(
@@ -533,6 +549,7 @@ def combine(
             hides.delete(index, path)
         for path in layer.opaque_dirs:
             hides.cover(index, path)
+    ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
     for path, facts in elves:
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
@@ -540,6 +557,21 @@ def combine(
             findings.append(
                 (path, Finding(source="elf", detail=f"GPU code in {', '.join(facts.fatbin.sections)}"))
             )
+        if facts.fatbin is not None and facts.elf_type != 1:
+            isas = [
+                c.ptx_isa for c in facts.fatbin.containers if c.ptx_isa and c.section != RELOCATABLE_SECTION
+            ]
+            isa = max(isas, key=_version_key) if isas else None
+            toolkit = ptx_toolkit(isa)
+            if toolkit is not None:
+                ptx.append(
+                    (
+                        path,
+                        Finding(
+                            source="ptx", cuda=toolkit, detail=f"PTX ISA {isa}, written by CUDA {toolkit}"
+                        ),
+                    )
+                )
     positive = [(p, f) for p, f in findings if not f.no_cuda]
     complete = all(layer.complete for layer in layers_top_down) and (
         layers_total is None or len(layers_top_down) >= layers_total
@@ -547,9 +579,34 @@ def combine(
     if not positive:
         return None, None
     cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
+    ptx_decides = cuda is None
+    if ptx_decides:  # nothing else names a version: what wrote the PTX does
+        positive += ptx
+        cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
+    elif (
+        cuda is not None and "." not in cuda
+    ):  # only the major is named: the PTX of that major is more precise
+        same_major = [f.cuda for _, f in ptx if f.cuda and f.cuda.split(".")[0] == cuda]
+        if same_major:
+            cuda = max(same_major, key=_version_key)
     ordered = sorted(findings, key=lambda item: (item[1].no_cuda, item[1].source != "torch", item[0]))
+    named = sorted(
+        ((p, f) for p, f in (positive if ptx_decides else [*positive, *ptx]) if f.cuda),
+        key=lambda item: (
+            tuple(-part for part in _version_key(item[1].cuda or "0")),
+            SOURCE_ORDER.index(item[1].source),
+            item[0],
+        ),
+    )
+    setter = next(((p, f) for p, f in named if f.cuda == cuda), None)
     inferred = InferredCuda(
         cuda=cuda,
+        set_by=f"{setter[0]}: {setter[1].detail}" if setter else None,
+        versions=[
+            CudaSource(source=f.source, cuda=f.cuda, evidence=f"{p}: {f.detail}")
+            for p, f in named[:MAX_VERSION_SOURCES]
+            if f.cuda
+        ],
         evidence=[f"{path}: {finding.detail}" for path, finding in ordered],
         sources=sorted({f.source for _, f in positive}, key=SOURCE_ORDER.index),
         conflict=conflict,
@@ -559,10 +616,11 @@ def combine(
 
 
 def image_archs(elves: Sequence[tuple[str, ElfCudaFacts]]) -> GpuArchs | None:
-    """Per-file archs, and for the image what every container of every runnable file can run.
+    """Per-file containers and archs; for the image, every arch its runnable code holds (union).
 
-    Relocatable objects (`.o`, `-rdc`) are listed but do not run, so they are left out of the image's
-    answer.
+    Relocatable objects (`.o`) are listed but do not run, and device-link input (`__nv_relfatbin`) is
+    never loaded, so neither counts in the image's archs. Where the code runs is
+    `placement.gpu_code`'s answer.
     """
     files: list[FileArchs] = []
     runnable: list[ContainerArchs] = []
