@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sqlite3
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -542,11 +540,17 @@ ONE_GPU_FLEET = {
 
 
 class FakeClock:
+    """The fleet cache's clocks, moved only when a test says: `now` (monotonic) and `wall`, the
+    real time moved on by as much as `now` was."""
+
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
         return self.now
+
+    def wall(self) -> float:
+        return time.time() + (self.now - 1000.0)
 
 
 @dataclass
@@ -567,6 +571,11 @@ class FleetService:
             session.post(self.url + path, json=body, headers=headers) as response,
         ):
             return response.status, await response.json()
+
+    async def get(self, path: str) -> Any:
+        async with aiohttp.ClientSession() as session, session.get(self.url + path) as response:
+            assert response.status == 200
+            return await response.json()
 
     async def eligibility(self, **request: Any) -> dict[str, Any]:
         body = {"image": self.image, "explain": "all", **request}
@@ -590,7 +599,9 @@ async def fleet_service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -
     )
     app = create_app(settings)
     clock = FakeClock()
-    app[FLEET_INDEX] = FleetIndexCache(check_seconds=5.0, clock=clock)  # time moves only when a test says
+    app[FLEET_INDEX] = FleetIndexCache(
+        check_seconds=5.0, clock=clock, wall=clock.wall
+    )  # time moves only when a test says
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -650,15 +661,10 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     )
     assert status == 200
     assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
-    # The agent goes silent: its last heartbeat is now older than stale_after_seconds.
-    silent_since = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
-    # The store has no API to age a heartbeat; the test writes the file as another process would.
-    with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
-        other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [silent_since])
-        other.commit()
-    assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
-    service.clock.now += service.cache.check_seconds
+    # The agent goes silent: its last heartbeat (held in memory) is now older than stale_after_seconds.
+    service.clock.now += service.app[SERVICES].settings.stale_after_seconds + 1
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
+    assert "agent-a" not in {s["name"] for s in (await service.get("/api/servers"))["servers"]}
     status, _ = await service.post("/api/servers/agent-a/heartbeat", {}, AGENT_TOKEN)
     assert status == 200
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one", "agent-a"}  # back at once
