@@ -23,6 +23,7 @@ from pathlib import Path
 from bench import (
     deep_bench,
     export_bench,
+    fleet_bench,
     hostile_bench,
     push_burst_bench,
     real_images_bench,
@@ -55,6 +56,7 @@ SECTIONS = (
     "scale",
     "starvation",
     "export",
+    "fleet",
 )
 
 
@@ -256,6 +258,7 @@ def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
         "scale": scale_bench.run_all,
         "starvation": starvation_bench.run_all,
         "export": export_bench.run_all,
+        "fleet": fleet_bench.run_all,
     }
     for section in SECTIONS:
         if section in wanted:
