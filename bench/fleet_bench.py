@@ -283,19 +283,22 @@ class FleetProcesses:
     """N agents split over `procs` generator processes (each within its descriptor limit)."""
 
     def __init__(
-        self, url: str, count: int, procs: int, heartbeat: float, poll_wait: float, gpus: int
+        self, urls: list[str], count: int, procs: int, heartbeat: float, poll_wait: float, gpus: int
     ) -> None:
+        """Generator process i talks to `urls[i % len(urls)]` (agents spread over API processes)."""
         self.count = count
+        self.urls = urls
         bounds = [count * i // procs for i in range(procs + 1)]
         self.ranges = list(itertools.pairwise(bounds))
-        self.options = (url, heartbeat, poll_wait, gpus)
+        self.options = (heartbeat, poll_wait, gpus)
         self.children: list[asyncio.subprocess.Process] = []
         self.killed_names: list[str] = []
         self._locks: list[asyncio.Lock] = []
 
     async def start(self) -> None:
-        url, heartbeat, poll_wait, gpus = self.options
-        for first, last in self.ranges:
+        heartbeat, poll_wait, gpus = self.options
+        for index, (first, last) in enumerate(self.ranges):
+            url = self.urls[index % len(self.urls)]
             child = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.fleet_bench", "--worker", url,
                 "--range", f"{first}:{last}", "--heartbeat", f"{heartbeat:g}",
@@ -446,6 +449,7 @@ class Eligibility:
     url: str
     session: aiohttp.ClientSession
     latencies: list[float] = field(default_factory=list)
+    handler: list[float] = field(default_factory=list)
     failures: int = 0
     body: bytes = json.dumps({"image": REFERENCE, "gpus": 1, "limit": 10}).encode()
 
@@ -485,6 +489,7 @@ class Eligibility:
         found = json.loads(output)
         self.failures += found["failures"]
         self.latencies += found["latencies"]
+        self.handler += found["handler"]
         return list(found["latencies"])
 
 
@@ -494,6 +499,7 @@ def probe(url: str, seconds: float, pause: float = 0.02) -> dict[str, Any]:
     connection = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=10)
     body = Eligibility.body
     latencies: list[float] = []
+    handler: list[float] = []  # the answer's own `seconds`: index and decide, no queueing
     failures = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -501,9 +507,10 @@ def probe(url: str, seconds: float, pause: float = 0.02) -> dict[str, Any]:
         try:
             connection.request("POST", "/api/eligibility", body, {"Content-Type": "application/json"})
             response = connection.getresponse()
-            response.read()
+            data = response.read()
             if response.status == 200:
                 latencies.append(time.perf_counter() - started)
+                handler.append(float(json.loads(data)["seconds"]))
             else:
                 failures += 1
         except (OSError, http.client.HTTPException):
@@ -511,7 +518,7 @@ def probe(url: str, seconds: float, pause: float = 0.02) -> dict[str, Any]:
             connection.close()
             connection = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=10)
         time.sleep(pause)
-    return {"latencies": latencies, "failures": failures}
+    return {"latencies": latencies, "handler": handler, "failures": failures}
 
 
 def ms(seconds: float) -> str:
@@ -542,7 +549,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     }
     service = Service(workdir, env)
     service.start()
-    fleet = FleetProcesses(service.url, count, procs, args.heartbeat, args.poll_wait, args.gpus)
+    fleet = FleetProcesses([service.url], count, procs, args.heartbeat, args.poll_wait, args.gpus)
     await fleet.start()
     query_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
     eligibility = Eligibility(service.url, query_session)
@@ -594,13 +601,22 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             f"heartbeats: {beats / elapsed:.0f}/s held; service CPU {cpu / elapsed:.0%} of a core,"
             f" {out['cpu_ms_per_heartbeat']:.3f} ms per heartbeat (everything the service did, divided)"
         )
+        quiet_handler: list[float] = []
+        loaded_handler: list[float] = []
         for _ in range(args.rounds):
+            mark = len(eligibility.handler)
             loaded += await eligibility.window(args.window)
+            loaded_handler += eligibility.handler[mark:]
             await fleet.all("beating", on=False)
             await asyncio.sleep(1.0)  # beats in flight finish
+            mark = len(eligibility.handler)
             quiet += await eligibility.window(min(args.window, args.stale / 3))
+            quiet_handler += eligibility.handler[mark:]
             await fleet.all("beating", on=True)
             await asyncio.sleep(1.0)
+        out["quiet_handler_p99"] = percentile(quiet_handler, 0.99)
+        out["loaded_handler_p99"] = percentile(loaded_handler, 0.99)
+        out["load_average"] = os.getloadavg()[0]
         out["quiet_p50"], out["quiet_p99"] = percentile(quiet, 0.5), percentile(quiet, 0.99)
         out["loaded_p50"], out["loaded_p99"] = percentile(loaded, 0.5), percentile(loaded, 0.99)
         say(
@@ -609,6 +625,11 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         say(
             f"eligibility, during heartbeats: p50 {ms(out['loaded_p50'])}, p99 {ms(out['loaded_p99'])}"
             f" ({len(loaded)} queries); ratio p99 {out['loaded_p99'] / out['quiet_p99']:.2f}x"
+        )
+        say(
+            f"eligibility, the answers' own `seconds` (index and decide, no queueing): p99"
+            f" {ms(out['quiet_handler_p99'])} quiet, {ms(out['loaded_handler_p99'])} during heartbeats;"
+            f" host load average {out['load_average']:.1f} on {os.cpu_count()} cores"
         )
         stored_after = inventories(workdir / "fleet.db")
         out["inventories_rewritten"] = sum(stored_before[n] != stored_after.get(n) for n in stored_before)
@@ -698,6 +719,158 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         await query_session.close()
         await fleet.close()
         service.stop()
+
+
+async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The same fleet on PostgreSQL: two `serve` processes and one `worker`, the agents spread over
+    both APIs. Eligibility is asked of both side by side: how often, and for how long, they differ."""
+    from fixtures.postgres import run_postgres
+    from store.postgres import PostgresStore
+
+    count = args.agents
+    procs = args.procs or max(2, -(-count // 2500))
+    workdir = Path(tempfile.mkdtemp(prefix="gpubadge-fleet-pg-"))
+    report: list[str] = []
+
+    def say(line: str) -> None:
+        report.append(line)
+        print(line, flush=True)
+
+    with run_postgres() as postgres:
+        url = postgres.create_database("fleet")
+        store = PostgresStore(url)
+        gpu = gpu_report()
+        store.run(queries.save_report, gpu)
+        store.run(queries.record_tag, REGISTRY, REPOSITORY, TAG, gpu.digest or "")
+        store.close()
+        env = {
+            "GPUBADGE_DATABASE_URL": url,
+            "GPUBADGE_HEARTBEAT_SECONDS": f"{args.heartbeat:g}",
+            "GPUBADGE_STALE_AFTER_SECONDS": f"{args.stale:g}",
+            "GPUBADGE_HEARTBEAT_FLUSH_SECONDS": f"{args.flush:g}",
+            "GPUBADGE_LONG_POLL_MAX": str(count + 100),
+        }
+        apis = [Service(workdir, env), Service(workdir, env)]
+        for api in apis:
+            api.start()
+        worker_log = (workdir / "worker.log").open("ab")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "gpubadge.cli", "worker", "--log-level", "WARNING"],
+            env={**os.environ, **env},
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+        )
+        fleet = FleetProcesses(
+            [api.url for api in apis], count, procs, args.heartbeat, args.poll_wait, args.gpus
+        )
+        await fleet.start()
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for _ in apis]
+        asks = [Eligibility(api.url, session) for api, session in zip(apis, sessions, strict=True)]
+        try:
+            started = time.perf_counter()
+            await fleet.all("register")
+            say(
+                f"PostgreSQL: registered {count} agents over 2 API processes in {time.perf_counter() - started:.1f} s"
+            )
+            opened = time.monotonic()
+            await fleet.all("start")
+
+            async def all_holding(since: float) -> bool:
+                return bool((await fleet.stats(since, 0.5))["holding"] == count)
+
+            await wait_until(lambda: all_holding(opened), 120)
+            await fleet.all("beating", on=True)
+            await asyncio.sleep(args.heartbeat)
+            beats0, t0 = (await fleet.stats())["beats"], time.monotonic()
+            cpu0 = sum(api.cpu_seconds() for api in apis)
+            agree = differ = 0
+            longest = 0.0
+            differing_since: float | None = None
+            deadline = time.monotonic() + args.window
+            while time.monotonic() < deadline:
+                counts = await asyncio.gather(*(ask.once() for ask in asks))
+                now = time.monotonic()
+                if None not in counts and counts[0] == counts[1]:
+                    agree += 1
+                    differing_since = None
+                else:
+                    differ += 1
+                    differing_since = differing_since or now
+                    longest = max(longest, now - differing_since)
+                await asyncio.sleep(0.05)
+            beats, elapsed = (await fleet.stats())["beats"] - beats0, time.monotonic() - t0
+            cpu = sum(api.cpu_seconds() for api in apis) - cpu0
+            out["pg_heartbeats_per_second"] = beats / elapsed
+            out["pg_cpu_ms_per_heartbeat"] = 1000 * cpu / max(beats, 1)
+            say(
+                f"PostgreSQL: {beats / elapsed:.0f} heartbeats/s; both APIs' CPU {out['pg_cpu_ms_per_heartbeat']:.3f} ms"
+                f" per heartbeat (with the side-by-side eligibility queries); answers agreeing: {agree} of"
+                f" {agree + differ}, longest disagreement {longest:.2f} s"
+            )
+            loaded = [await asks[0].window(args.window), await asks[1].window(args.window)]
+            say(
+                "PostgreSQL: eligibility during the heartbeats, API 1 / API 2: "
+                + " / ".join(f"p50 {ms(percentile(x, 0.5))}, p99 {ms(percentile(x, 0.99))}" for x in loaded)
+            )
+            # a deployment placed through API 1 for an agent polling API 2 (NOTIFY across processes)
+            delays = []
+            async with aiohttp.ClientSession() as deploy_session:
+                for _ in range(args.deployments):
+                    async with deploy_session.post(
+                        apis[0].url + "/api/deployments", json={"image": REFERENCE, "gpus": 1}
+                    ) as response:
+                        body = await response.json()
+                        assert response.status == 201, body
+                    placed = time.monotonic()
+                    owner = fleet.owner(body["server"])
+                    delays.append(
+                        await fleet.delivered(owner, body["server"], body["id"], timeout=10) - placed
+                    )
+            out["pg_deploy_max"] = max(delays)
+            say(
+                f"PostgreSQL: deployments through API 1 reached their agent (either API) in max {ms(max(delays))}"
+            )
+            # death: both APIs drop the killed agents
+            killed = int(count * args.churn)
+            last = await fleet.kill(killed)
+            floor = count - killed
+            dropped: list[float | None] = [None, None]
+            flaps = 0
+            limit = time.monotonic() + args.stale + args.heartbeat + 20
+            while None in dropped and time.monotonic() < limit:
+                counts = await asyncio.gather(*(ask.once() for ask in asks))
+                for i, seen in enumerate(counts):
+                    if seen is not None and seen < floor:
+                        flaps += 1
+                    if seen == floor and dropped[i] is None:
+                        dropped[i] = time.monotonic() - last
+                await asyncio.sleep(0.1)
+            out["pg_drop_after_last_contact"] = dropped
+            out["pg_flaps"] = flaps
+            say(
+                f"PostgreSQL: {killed} agents killed; out of eligibility on API 1 / API 2 "
+                + " / ".join(f"{d:.1f} s" if d is not None else "never" for d in dropped)
+                + f" after their last contact (stale_after_seconds {args.stale:g}); answers below the live count: {flaps}"
+            )
+            await fleet.all("revive")
+
+            async def both_back() -> bool:
+                return all(seen == count for seen in await asyncio.gather(*(ask.once() for ask in asks)))
+
+            out["pg_return_seconds"] = await wait_until(both_back, args.heartbeat + 20, 0.05)
+            say(
+                f"PostgreSQL: revived agents eligible on both APIs again after {out['pg_return_seconds']:.2f} s"
+            )
+        finally:
+            out["pg_lines"] = report
+            for session in sessions:
+                await session.close()
+            await fleet.close()
+            for api in apis:
+                api.stop()
+            worker.terminate()
+            worker.wait(timeout=30)
+            worker_log.close()
 
 
 async def _true(value: bool) -> bool:
@@ -799,6 +972,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--long-poll-max", type=int, default=0, help="0: agents + 100")
     parser.add_argument("--storm-limit", type=float, default=120.0)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--postgres", action="store_true", help="two APIs and a worker on PostgreSQL instead")
     parser.add_argument("--procs", type=int, default=0, help="generator processes (0: one per 2,500 agents)")
     parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the latency prober's own process
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)  # a generator process
@@ -812,7 +986,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         asyncio.run(serve_commands(args.worker, first, last, args.heartbeat, args.poll_wait, args.gpus))
         return {}
     out: dict[str, Any] = {"agents": args.agents, "heartbeat": args.heartbeat, "stale": args.stale}
-    asyncio.run(run(args, out))
+    asyncio.run(run_postgres_fleet(args, out) if args.postgres else run(args, out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

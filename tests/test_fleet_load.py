@@ -8,11 +8,22 @@ eligible count); only the measuring windows are timed.
 
 from __future__ import annotations
 
+import asyncio
+import random
+from pathlib import Path
+
+import aiohttp
 import pytest
+from aiohttp import web
 
+from agent.client import Backoff
 from bench import fleet_bench
+from fixtures.registry import free_port
+from web.app import create_app
+from web.fleet import LONG_POLLS
+from web.settings import ServiceSettings
 
-AGENTS, HEARTBEAT, STALE = 500, 1.5, 4.5
+AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0
 CHECK_SECONDS = 1.0  # FleetIndexCache's timed check
 
 
@@ -67,3 +78,55 @@ def test_the_fleet_reconnects_after_a_restart(figures: dict[str, object]) -> Non
     assert float(str(figures["storm_seconds"])) <= 60, figures["lines"]
     assert figures["storm_failures"] == 0, figures["lines"]
     assert figures["storm_p99"] is not None, figures["lines"]
+
+
+# ------------------------------------------------------------------ the long-poll budget
+
+
+async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: Path) -> None:
+    settings = ServiceSettings(db=tmp_path / "polls.db", long_poll_max=1, docker_config=None)
+    app = create_app(settings, start_workers=False)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for name in ("node-a", "node-b"):
+                server = {"name": name, "gpus": []}
+                async with session.post(f"{url}/api/servers", json=server) as response:
+                    assert response.status == 200
+            held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait=30"))
+            polls = app[LONG_POLLS]
+            for _ in range(500):  # bounded: until the first poll holds the only slot
+                if polls.held == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert polls.held == 1
+            async with session.get(f"{url}/api/agents/node-b/deployments?wait=30") as response:
+                assert response.status == 503
+                assert response.headers["Retry-After"] == "5"
+                assert "GPUBADGE_LONG_POLL_MAX" in (await response.json())["error"]
+            # a poll that does not wait holds no slot and is answered as ever
+            async with session.get(f"{url}/api/agents/node-b/deployments?wait=0") as response:
+                assert response.status == 200
+            assert polls.refused == 1
+            held.cancel()
+    finally:
+        await runner.cleanup()
+
+
+async def _poll(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url) as response:
+        return response.status
+
+
+def test_the_agent_backs_off_with_jitter_and_honours_retry_after() -> None:
+    delays = [Backoff(rng=random.Random(seed)).next() for seed in range(200)]
+    assert min(delays) >= 0.125 and max(delays) <= 0.25 and len({round(d, 4) for d in delays}) > 150
+    backoff = Backoff(rng=random.Random(1))
+    ceilings = [backoff.next() for _ in range(8)]
+    assert ceilings[-1] <= 10.0 and ceilings[-1] >= 5.0  # doubled up to `most`, never past it
+    told = [Backoff(rng=random.Random(seed)).next(retry_after=5.0) for seed in range(200)]
+    assert min(told) >= 5.0 and max(told) <= 7.5 and max(told) - min(told) > 2.0  # spread, not lockstep
