@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http.client
 import itertools
 import json
 import os
@@ -39,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -493,34 +491,6 @@ class Eligibility:
         return list(found["latencies"])
 
 
-def probe(url: str, seconds: float, pause: float = 0.02) -> dict[str, Any]:
-    """Sequential eligibility queries on one keep-alive connection for `seconds` (a scheduler's view)."""
-    parsed = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=10)
-    body = Eligibility.body
-    latencies: list[float] = []
-    handler: list[float] = []  # the answer's own `seconds`: index and decide, no queueing
-    failures = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        started = time.perf_counter()
-        try:
-            connection.request("POST", "/api/eligibility", body, {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            data = response.read()
-            if response.status == 200:
-                latencies.append(time.perf_counter() - started)
-                handler.append(float(json.loads(data)["seconds"]))
-            else:
-                failures += 1
-        except (OSError, http.client.HTTPException):
-            failures += 1
-            connection.close()
-            connection = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=10)
-        time.sleep(pause)
-    return {"latencies": latencies, "handler": handler, "failures": failures}
-
-
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f} ms"
 
@@ -637,8 +607,10 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
         # death and return
         killed_count = int(count * args.churn)
+        print(f"killing {killed_count} agents", flush=True)
         last_beat = await fleet.kill(killed_count)
         killed_at = time.monotonic()
+        print(f"killed ({killed_at - last_beat:.1f} s after their last contact)", flush=True)
         floor = count - killed_count
         flaps = 0
         dropped_at = None
@@ -677,12 +649,12 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         placements: dict[str, str] = {}
         async with aiohttp.ClientSession() as deploy_session:
             for _ in range(args.deployments):
+                placed = time.monotonic()  # the deploy request sent: its placement is in the answer
                 async with deploy_session.post(
                     service.url + "/api/deployments", json={"image": REFERENCE, "gpus": 1}
                 ) as response:
                     body = await response.json()
                     assert response.status == 201, body
-                placed = time.monotonic()
                 owner, server, deployment = fleet.owner(body["server"]), body["server"], body["id"]
                 placements[deployment] = server
                 delays.append(await fleet.delivered(owner, server, deployment, timeout=10) - placed)
@@ -701,15 +673,15 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         # eligibility from the moment the service is back, for as long as the agents reconnect
         watcher = asyncio.create_task(eligibility.window(args.window))
         try:
-            out["storm_seconds"] = await wait_until(lambda: all_holding(restart_at), args.storm_limit, 0.1)
+            out["storm_seconds"] = await wait_until(lambda: all_holding(up_at), args.storm_limit, 0.1)
         finally:
             storm = await watcher
         out["storm_restart_seconds"] = up_at - restart_at
         out["storm_p99"] = percentile(storm, 0.99) if storm else None
         out["storm_failures"] = eligibility.failures - storm_failures_before
         say(
-            f"reconnect storm: service back in {out['storm_restart_seconds']:.1f} s; all {count} agents hold a poll"
-            f" again {out['storm_seconds']:.1f} s after it went down; eligibility during the storm:"
+            f"reconnect storm: service stopped and back in {out['storm_restart_seconds']:.1f} s; all {count} agents"
+            f" hold a poll on it {out['storm_seconds']:.1f} s after it answered; eligibility during the storm:"
             f" {len(storm)} answers, p99 {ms(out['storm_p99'] or 0)}, {out['storm_failures']} failed"
         )
         errors = (await fleet.stats())["errors"]
@@ -816,12 +788,12 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             delays = []
             async with aiohttp.ClientSession() as deploy_session:
                 for _ in range(args.deployments):
+                    placed = time.monotonic()
                     async with deploy_session.post(
                         apis[0].url + "/api/deployments", json={"image": REFERENCE, "gpus": 1}
                     ) as response:
                         body = await response.json()
                         assert response.status == 201, body
-                    placed = time.monotonic()
                     owner = fleet.owner(body["server"])
                     delays.append(
                         await fleet.delivered(owner, body["server"], body["id"], timeout=10) - placed
@@ -974,13 +946,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--postgres", action="store_true", help="two APIs and a worker on PostgreSQL instead")
     parser.add_argument("--procs", type=int, default=0, help="generator processes (0: one per 2,500 agents)")
-    parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the latency prober's own process
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)  # a generator process
     parser.add_argument("--range", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.probe:
-        print(json.dumps(probe(args.probe, args.window)))
-        return {}
     if args.worker:
         first, last = (int(part) for part in args.range.split(":"))
         asyncio.run(serve_commands(args.worker, first, last, args.heartbeat, args.poll_wait, args.gpus))

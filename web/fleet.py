@@ -512,15 +512,14 @@ class FleetIndexCache:
         if not self._unwritten:
             return 0
         batch, self._unwritten = self._unwritten, {}
-        stamps = [(name, datetime.fromtimestamp(heard, UTC)) for name, heard in batch.items()]
         try:
-            await store.run(queries.stamp_heartbeats, stamps)
+            await store.run(queries.stamp_heartbeats, batch)  # converted and written in the store's thread
         except BaseException:
             for name, heard in batch.items():  # kept for the next batch
                 self._unwritten.setdefault(name, heard)
             raise
         self.stamp_writes += 1
-        return len(stamps)
+        return len(batch)
 
 
 def _agent_server(text: str) -> Server:

@@ -8,8 +8,8 @@ stays in each backend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 
 from store.dialect import Db, reads, writes
 from store.events import FLEET_CHANNEL
@@ -38,13 +38,13 @@ def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
 
 
 @writes
-def stamp_heartbeats(db: Db, stamps: Sequence[tuple[str, datetime]]) -> None:
-    """Record many servers' last heartbeats at once (the service batches them; no inventory is
-    written). A stamp never moves a server's heartbeat back."""
+def stamp_heartbeats(db: Db, stamps: Mapping[str, float]) -> None:
+    """Record many servers' last heartbeats at once (server name -> seconds since the epoch; the
+    service batches them; no inventory is written). A stamp never moves a heartbeat back."""
     stamp = db.dialect.stamp_param
     db.many(
         "UPDATE servers SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
-        [{"name": name, "seen": stamp(seen)} for name, seen in stamps],
+        [{"name": name, "seen": stamp(datetime.fromtimestamp(seen, UTC))} for name, seen in stamps.items()],
     )
 
 
