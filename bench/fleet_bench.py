@@ -476,11 +476,10 @@ class Eligibility:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "bench.fleet_bench",
-            "--probe",
+            "bench.eligibility_probe",
             self.url,
-            "--window",
             f"{seconds:g}",
+            self.body.decode(),
             stdout=asyncio.subprocess.PIPE,
         )
         output, _ = await process.communicate()
