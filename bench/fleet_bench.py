@@ -667,12 +667,15 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         storm_failures_before = eligibility.failures
         restart_at = time.monotonic()
         await asyncio.to_thread(service.stop)
+        down_at = (
+            time.monotonic()
+        )  # the old process has exited: a poll sent from here on is held by the new one
         await asyncio.to_thread(service.start)
         up_at = time.monotonic()
         # eligibility from the moment the service is back, for as long as the agents reconnect
         watcher = asyncio.create_task(eligibility.window(args.window))
         try:
-            out["storm_seconds"] = await wait_until(lambda: all_holding(up_at), args.storm_limit, 0.1)
+            out["storm_seconds"] = await wait_until(lambda: all_holding(down_at), args.storm_limit, 0.1)
         finally:
             storm = await watcher
         out["storm_restart_seconds"] = up_at - restart_at
@@ -803,8 +806,10 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             )
             # death: both APIs drop the killed agents
             killed = int(count * args.churn)
+            baseline = await asks[0].once()  # all agents, less any server the deployments filled
+            assert baseline is not None
             last = await fleet.kill(killed)
-            floor = count - killed
+            floor = baseline - killed
             dropped: list[float | None] = [None, None]
             flaps = 0
             limit = time.monotonic() + args.stale + args.heartbeat + 20
@@ -826,7 +831,7 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             await fleet.all("revive")
 
             async def both_back() -> bool:
-                return all(seen == count for seen in await asyncio.gather(*(ask.once() for ask in asks)))
+                return all(seen == baseline for seen in await asyncio.gather(*(ask.once() for ask in asks)))
 
             out["pg_return_seconds"] = await wait_until(both_back, args.heartbeat + 20, 0.05)
             say(
