@@ -105,6 +105,8 @@ class Deployment(BaseModel):
 class LongPolls:
     """The agents' held long polls: at most `limit` at once, each woken only for its own server.
 
+    A new poll of a server answers its older one at once (`hold`): the agent has moved on (a dropped
+    connection, a restart), and a dead poll would otherwise keep its slot until its wait ran out.
     A deployment placed (or stopped) for a server wakes that server's poll alone, so one deploy
     costs one store read, not one per waiting agent. Which servers have work is kept as a set
     (`actionable`): a poll of a server outside it reads nothing from the store. Changes made by
@@ -121,21 +123,44 @@ class LongPolls:
         self.refused = 0  # polls answered 503 because `limit` were held
         self.closing = False
         self._generation: dict[str, int] = {}
+        self._serials: dict[str, int] = {}  # server name -> its latest poll's serial
+        self._holding: dict[str, int] = {}  # server name -> its polls holding a slot
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._actionable: set[str] = set()
         self._actionable_known = False
         self._refreshing: asyncio.Task[None] | None = None
 
-    def admit(self) -> bool:
-        """Take a slot for one held poll (give it back with `release`); False when all are held."""
-        if self.held >= self.limit:
+    def admit(self, name: str) -> bool:
+        """Take a slot for a held poll of `name` (give it back with `release`); False when all are
+        held, unless `name` already holds one, which this poll supersedes (`hold`)."""
+        if self.held >= self.limit and not self._holding.get(name):
             self.refused += 1
             return False
         self.held += 1
+        self._holding[name] = self._holding.get(name, 0) + 1
         return True
 
-    def release(self) -> None:
+    def release(self, name: str) -> None:
         self.held -= 1
+        left = self._holding.get(name, 0) - 1
+        if left > 0:
+            self._holding[name] = left
+        else:
+            self._holding.pop(name, None)
+
+    def hold(self, name: str) -> int:
+        """A poll of `name` starts holding: any older poll of it answers now (its agent has moved on to
+        this one: after a restart or a dropped connection, a dead poll would keep its slot until its
+        wait ran out). Returns this poll's serial, for `superseded`."""
+        serial = self._serials.get(name, 0) + 1
+        self._serials[name] = serial
+        for waiter in self._waiters.pop(name, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+        return serial
+
+    def superseded(self, name: str, serial: int) -> bool:
+        return self._serials.get(name, 0) != serial
 
     def generation(self, name: str) -> int:
         return self._generation.get(name, 0)
@@ -990,7 +1015,7 @@ async def agent_poll(request: web.Request) -> web.Response:
     if answer is not None:
         return answer
     polls = request.app[LONG_POLLS]
-    if wait > 0 and not polls.admit():
+    if wait > 0 and not polls.admit(name):
         retry = services.settings.long_poll_retry_seconds
         refused = json_error(
             503,
@@ -1000,6 +1025,7 @@ async def agent_poll(request: web.Request) -> web.Response:
         refused.headers["Retry-After"] = f"{math.ceil(retry)}"
         return refused
     held = wait > 0
+    serial = polls.hold(name) if held else 0
     try:
         deadline = time.monotonic() + wait
         while True:
@@ -1010,12 +1036,12 @@ async def agent_poll(request: web.Request) -> web.Response:
                 if not rows:
                     polls.settled(name, generation)
             remaining = deadline - time.monotonic()
-            if rows or remaining <= 0 or polls.closing:
+            if rows or remaining <= 0 or polls.closing or (held and polls.superseded(name, serial)):
                 break
             await polls.wait(name, generation, remaining)
     finally:
         if held:
-            polls.release()
+            polls.release(name)
     body = DeploymentsResponse(
         deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
     )
