@@ -6,6 +6,8 @@ never the token.
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -22,7 +24,45 @@ from placement.protocol import (
 
 
 class ServiceError(Exception):
-    """The service answered with an error or an unreadable body, or could not be reached."""
+    """The service answered with an error or an unreadable body, or could not be reached.
+
+    `retry_after` is the service's `Retry-After` (seconds) when it sent one (a 503 or 429)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds <= 3600 else None
+
+
+@dataclass
+class Backoff:
+    """Delays between attempts to reach the service: doubling from `first` up to `most`, each
+    drawn at random from its upper half ("equal jitter"), and never shorter than a `Retry-After`
+    the service asked for (stretched by up to half again). After the service restarts, thousands
+    of agents retry spread over the window instead of in lockstep.
+    """
+
+    first: float = 0.25
+    most: float = 10.0
+    rng: random.Random = field(default_factory=random.Random)
+    _ceiling: float = 0.0
+
+    def next(self, retry_after: float | None = None) -> float:
+        self._ceiling = self.first if self._ceiling == 0.0 else min(self._ceiling * 2, self.most)
+        delay = self.rng.uniform(self._ceiling / 2, self._ceiling)
+        if retry_after is not None:
+            delay = max(delay, retry_after * self.rng.uniform(1.0, 1.5))
+        return delay
+
+    def reset(self) -> None:
+        self._ceiling = 0.0
 
 
 class UnknownServer(ServiceError):
@@ -58,7 +98,10 @@ class ServiceClient:
                     raise UnknownServer(f"{method} {path}: 404 not found")
                 if response.status >= 400:
                     text = (await response.text())[:300]
-                    raise ServiceError(f"{method} {path}: HTTP {response.status}: {text}")
+                    raise ServiceError(
+                        f"{method} {path}: HTTP {response.status}: {text}",
+                        _retry_after(response.headers.get("Retry-After")),
+                    )
                 if response.content_type == "application/json":
                     return await response.json()
                 return None

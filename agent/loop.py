@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import docker.errors
 
-from agent.client import ServiceClient, ServiceError, UnknownServer
+from agent.client import Backoff, ServiceClient, ServiceError, UnknownServer
 from agent.runner import (
     ContainerView,
     DeploymentError,
@@ -111,9 +112,9 @@ class Agent:
             await asyncio.wait_for(self._stop.wait(), seconds)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
-        """Call the service until it answers (bounded back-off). Tries at least once; None when
-        shutdown came before an answer."""
-        delay = 0.25
+        """Call the service until it answers (bounded, jittered back-off; a Retry-After honoured).
+        Tries at least once; None when shutdown came before an answer."""
+        backoff = Backoff(most=self.settings.retry_max)
         while True:
             try:
                 return await call()
@@ -123,9 +124,9 @@ class Agent:
                 if self._stop.is_set():
                     log.warning("%s failed during shutdown: %s", what, exc)
                     return None
+                delay = backoff.next(exc.retry_after)
                 log.warning("%s failed, retrying in %.1fs: %s", what, delay, exc)
                 await self._sleep(delay)
-                delay = min(delay * 2, self.settings.retry_max)
 
     # ---- inventory -------------------------------------------------------------------------
 
@@ -156,8 +157,13 @@ class Agent:
         return True
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat at most every `heartbeat_seconds`, at a random phase (agents started or
+        restarted together do not beat in step) and a little early each time, never late."""
+        first = True
         while not self._stop.is_set():
-            await self._sleep(self.heartbeat_seconds)
+            share = random.uniform(0.5, 1.0) if first else random.uniform(0.9, 1.0)
+            first = False
+            await self._sleep(self.heartbeat_seconds * share)
             if self._stop.is_set():
                 return
             try:
@@ -174,20 +180,20 @@ class Agent:
     # ---- deployments -----------------------------------------------------------------------
 
     async def _poll_loop(self) -> None:
-        delay = 0.25
+        backoff = Backoff(most=self.settings.retry_max)
         while not self._stop.is_set():
             try:
                 deployments = await self.client.poll_deployments(
                     self.settings.name, self.settings.poll_timeout
                 )
-                delay = 0.25
+                backoff.reset()
             except UnknownServer:
                 await self._register_until_done()
                 continue
             except ServiceError as exc:
+                delay = backoff.next(exc.retry_after)
                 log.warning("polling for deployments failed, retrying in %.1fs: %s", delay, exc)
                 await self._sleep(delay)
-                delay = min(delay * 2, self.settings.retry_max)
                 continue
             for deployment in deployments:
                 if deployment.id not in self._in_flight:

@@ -23,6 +23,7 @@ from pathlib import Path
 from bench import (
     deep_bench,
     export_bench,
+    fleet_bench,
     hostile_bench,
     push_burst_bench,
     real_images_bench,
@@ -57,6 +58,7 @@ SECTIONS = (
     "starvation",
     "slowclients",
     "export",
+    "fleet",
 )
 
 
@@ -259,6 +261,7 @@ def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
         "starvation": starvation_bench.run_all,
         "slowclients": slow_clients_bench.run_all,
         "export": export_bench.run_all,
+        "fleet": fleet_bench.run_all,
     }
     for section in SECTIONS:
         if section in wanted:

@@ -53,6 +53,8 @@ class FakeNvml:
     driver_version: str = "535.104.05"
     cuda_version: int = 12020
     init_error: int | None = None
+    # nvidia-ml-py >= 11.515 decodes names to str (13.610 on a real H200 did); older ones gave bytes
+    names_as_bytes: bool = False
     calls: list[str] = field(default_factory=list)
     NVMLError: type[NVMLError] = NVMLError
 
@@ -82,8 +84,8 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
         return handle.uuid
 
-    def nvmlDeviceGetName(self, handle: FakeGpu) -> bytes:
-        return handle.name.encode()  # older nvidia-ml-py returned bytes
+    def nvmlDeviceGetName(self, handle: FakeGpu) -> str | bytes:
+        return handle.name.encode() if self.names_as_bytes else handle.name
 
     def nvmlDeviceGetBrand(self, handle: FakeGpu) -> int:
         if handle.brand is None:
@@ -91,7 +93,9 @@ class FakeNvml:
         return handle.brand
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu) -> Any:
-        return SimpleNamespace(total=handle.memory_bytes, free=handle.memory_bytes, used=0)
+        # as on a real H200: `used` at idle is the driver's reservation (~0.4% of total), not 0
+        reserved = handle.memory_bytes // 234
+        return SimpleNamespace(total=handle.memory_bytes, free=handle.memory_bytes - reserved, used=reserved)
 
     def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGpu) -> tuple[int, int]:
         return handle.compute_capability
@@ -107,6 +111,12 @@ def h100(uuid: str = "GPU-11111111-2222-3333-4444-555555555555") -> FakeGpu:
     return FakeGpu(
         uuid, "NVIDIA H100 80GB HBM3", NVML_BRAND_NVIDIA, 81559 * 1024 * 1024, (9, 0), mig_mode=(0, 0)
     )
+
+
+def h200(uuid: str = "GPU-0ce07f1d-9476-91fa-2833-b5669231b7a6") -> FakeGpu:
+    """Recorded from a real NVIDIA H200 (driver 580.159.04, CUDA 13.0, nvidia-ml-py 13.610.43):
+    brand 14 (NVIDIA), 150,754,820,096 bytes, compute capability (9, 0), MIG mode [0, 0]."""
+    return FakeGpu(uuid, "NVIDIA H200", NVML_BRAND_NVIDIA, 150_754_820_096, (9, 0), mig_mode=(0, 0))
 
 
 def a100_mig(uuid: str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee") -> FakeGpu:

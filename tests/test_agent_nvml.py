@@ -21,6 +21,7 @@ from tests.fake_pynvml import (
     FakeNvml,
     a100_mig,
     h100,
+    h200,
     rtx_4090,
     rtx_a6000,
     t4_old_driver,
@@ -43,6 +44,30 @@ def test_h100_and_a100_mig() -> None:
     )
     assert (second.index, second.compute_capability, second.memory_mib, second.mig) == (1, "8.0", 40960, True)
     assert nvml.calls == ["init", "shutdown"]
+
+
+def test_what_a_real_h200_reported() -> None:
+    """agent/nvml.py on a real H200 (driver 580.159.04, CUDA 13.0) gave exactly this; the stand-in,
+    fed the values NVML returned there, must give the same."""
+    nvml = FakeNvml(gpus=[h200()], driver_version="580.159.04", cuda_version=13000)
+    facts = read_nvml(nvml)
+    assert (facts.driver_version, facts.cuda_driver_version, facts.reason) == ("580.159.04", "13.0", None)
+    assert [gpu.model_dump() for gpu in facts.gpus] == [
+        {
+            "index": 0,
+            "uuid": "GPU-0ce07f1d-9476-91fa-2833-b5669231b7a6",
+            "name": "NVIDIA H200",
+            "brand": "Nvidia",
+            "memory_mib": 143771,
+            "compute_capability": "9.0",
+            "mig": False,
+        }
+    ]
+
+
+def test_names_as_older_nvidia_ml_py_gave_them() -> None:
+    facts = read_nvml(FakeNvml(gpus=[h100()], names_as_bytes=True))
+    assert facts.gpus[0].name == "NVIDIA H100 80GB HBM3"
 
 
 def test_gpu_without_mig_support_and_a_lost_gpu() -> None:

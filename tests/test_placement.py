@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sqlite3
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -547,11 +545,17 @@ ONE_GPU_FLEET = {
 
 
 class FakeClock:
+    """The fleet cache's clocks, moved only when a test says: `now` (monotonic) and `wall`, the
+    real time moved on by as much as `now` was."""
+
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
         return self.now
+
+    def wall(self) -> float:
+        return time.time() + (self.now - 1000.0)
 
 
 @dataclass
@@ -572,6 +576,11 @@ class FleetService:
             session.post(self.url + path, json=body, headers=headers) as response,
         ):
             return response.status, await response.json()
+
+    async def get(self, path: str) -> Any:
+        async with aiohttp.ClientSession() as session, session.get(self.url + path) as response:
+            assert response.status == 200
+            return await response.json()
 
     async def eligibility(self, **request: Any) -> dict[str, Any]:
         body = {"image": self.image, "explain": "all", **request}
@@ -595,7 +604,9 @@ async def fleet_service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -
     )
     app = create_app(settings)
     clock = FakeClock()
-    app[FLEET_INDEX] = FleetIndexCache(check_seconds=5.0, clock=clock)  # time moves only when a test says
+    app[FLEET_INDEX] = FleetIndexCache(
+        check_seconds=5.0, clock=clock, wall=clock.wall
+    )  # time moves only when a test says
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -656,25 +667,13 @@ async def test_agents_appear_change_and_drop_out(fleet_service: FleetService) ->
     assert status == 200
     assert _eligible(await service.eligibility(gpus=2)) == {"agent-a": ["GPU-a-0", "GPU-a-1"]}
     stale_after = service.app[SERVICES].settings.stale_after_seconds
-
-    def silent_for(seconds: float) -> None:
-        """The agent's last heartbeat `seconds` ago (the store has no API to age a heartbeat; the
-        test writes the file as another process would)."""
-        since = (datetime.now(UTC) - timedelta(seconds=seconds)).isoformat()
-        with contextlib.closing(sqlite3.connect(service.app[SERVICES].settings.db)) as other:
-            other.execute("UPDATE servers SET last_heartbeat = ? WHERE name = 'agent-a'", [since])
-            other.commit()
-        service.clock.now += service.cache.check_seconds  # the next timed check reads it
-
     # Both sides of the threshold: silent a little less than stale_after_seconds, it stays...
-    silent_for(stale_after - 10)
+    service.clock.now += stale_after - 10
     assert "agent-a" in _eligible(await service.eligibility(gpus=1))
-    # ...a little more, it drops out (at the next timed check, not before).
-    silent_for(stale_after + 10)
-    service.clock.now -= service.cache.check_seconds
-    assert "agent-a" in _eligible(await service.eligibility(gpus=1))  # until the next timed check
-    service.clock.now += service.cache.check_seconds
+    # ...a little more (its last heartbeat, held in memory, is now older than the threshold), it drops out.
+    service.clock.now += 20
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one"}
+    assert "agent-a" not in {s["name"] for s in (await service.get("/api/servers"))["servers"]}
     status, _ = await service.post("/api/servers/agent-a/heartbeat", {}, AGENT_TOKEN)
     assert status == 200
     assert set(_eligible(await service.eligibility(gpus=1))) == {"h100-one", "agent-a"}  # back at once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -107,6 +108,31 @@ async def _freeze_startup_objects(_: object) -> None:
     gc.freeze()
 
 
+FULL_COLLECTION_SECONDS = 300.0
+_BACKGROUND: set[asyncio.Task[None]] = set()  # the serve process's own timers, held while it runs
+
+
+async def _schedule_full_collections(app: Any) -> None:
+    """Full (generation 2) collections on a timer, not on allocation counts.
+
+    A fleet of 10,000 agents keeps about a million objects alive (their servers, the index, one
+    held request per long poll), and the polls renew every 30 s, so the collector's own rule
+    walked all of them every few seconds: pauses of 0.3-2 s on a busy host, in every request's
+    way (bench/fleet_bench.py). Young generations still collect as usual; cycles that survive
+    into the old one wait at most FULL_COLLECTION_SECONDS."""
+    import gc
+
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, 1_000_000_000)
+
+    async def collect() -> None:
+        while True:
+            await asyncio.sleep(FULL_COLLECTION_SECONDS)
+            gc.collect(2)
+
+    _BACKGROUND.add(asyncio.get_running_loop().create_task(collect()))
+
+
 def run_serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
     logging.basicConfig(
@@ -134,6 +160,8 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
     app.on_startup.append(_freeze_startup_objects)
+    app.on_startup.append(_schedule_full_collections)
+    _raise_fd_limit(settings.long_poll_max)
     run_guarded_app(
         app,
         host=settings.host,
@@ -144,6 +172,29 @@ def run_serve(argv: list[str]) -> int:
         loop=new_event_loop(),
     )
     return 0
+
+
+FD_RESERVE = 1024  # descriptors kept for everything but long polls: other clients, the store, files
+
+
+def _raise_fd_limit(long_poll_max: int) -> None:
+    """Take the hard open-file limit as this process's own (each held long poll is a socket), and
+    say so when `long_poll_max` does not fit in it beside FD_RESERVE for everything else."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if long_poll_max + FD_RESERVE > soft:
+        logging.warning(
+            "GPUBADGE_LONG_POLL_MAX=%d and %d other descriptors exceed the open-file limit (%d):"
+            " past it, new connections fail; lower the setting or raise the limit",
+            long_poll_max,
+            FD_RESERVE,
+            soft,
+        )
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,7 +40,8 @@ from placement.protocol import (
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
-from store import GpuTaken, ServerRecord, queries
+from store import AsyncStore, GpuTaken, ServerRecord, queries
+from store.events import FLEET_INVENTORY
 from web.api import find_report, require_api_token, wait_param
 from web.errors import json_error, json_http_error, read_json
 from web.security import REDACTED, bearer_token, holds_api_token, mask_values, token_matches
@@ -100,34 +102,133 @@ class Deployment(BaseModel):
         )
 
 
-class FleetEvents:
-    """Wakes long-polling agents when a deployment for them appears or must stop.
+class LongPolls:
+    """The agents' held long polls: at most `limit` at once, each woken only for its own server.
 
-    On shutdown it wakes them for good: aiohttp waits for running handlers before it
-    exits, so open long polls would otherwise hold a graceful stop for up to MAX_POLL.
+    A new poll of a server answers its older one at once (`hold`): the agent has moved on (a dropped
+    connection, a restart), and a dead poll would otherwise keep its slot until its wait ran out.
+    A deployment placed (or stopped) for a server wakes that server's poll alone, so one deploy
+    costs one store read, not one per waiting agent. Which servers have work is kept as a set
+    (`actionable`): a poll of a server outside it reads nothing from the store. Changes made by
+    other API processes arrive without a server name (PostgreSQL NOTIFY); they mark the set
+    unknown, and the next look re-reads it in one query and wakes the servers in it.
+
+    On shutdown it wakes them for good: aiohttp waits for running handlers before it exits, so
+    open long polls would otherwise hold a graceful stop for up to MAX_POLL.
     """
 
-    def __init__(self) -> None:
-        self._changed = asyncio.Condition()
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused = 0  # polls answered 503 because `limit` were held
         self.closing = False
+        self._generation: dict[str, int] = {}
+        self._serials: dict[str, int] = {}  # server name -> its latest poll's serial
+        self._holding: dict[str, int] = {}  # server name -> its polls holding a slot
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._actionable: set[str] = set()
+        self._actionable_known = False
+        self._refreshing: asyncio.Task[None] | None = None
 
-    async def notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def admit(self, name: str) -> bool:
+        """Take a slot for a held poll of `name` (give it back with `release`); False when all are
+        held, unless `name` already holds one, which this poll supersedes (`hold`)."""
+        if self.held >= self.limit and not self._holding.get(name):
+            self.refused += 1
+            return False
+        self.held += 1
+        self._holding[name] = self._holding.get(name, 0) + 1
+        return True
+
+    def release(self, name: str) -> None:
+        self.held -= 1
+        left = self._holding.get(name, 0) - 1
+        if left > 0:
+            self._holding[name] = left
+        else:
+            self._holding.pop(name, None)
+
+    def hold(self, name: str) -> int:
+        """A poll of `name` starts holding: any older poll of it answers now (its agent has moved on to
+        this one: after a restart or a dropped connection, a dead poll would keep its slot until its
+        wait ran out). Returns this poll's serial, for `superseded`."""
+        serial = self._serials.get(name, 0) + 1
+        self._serials[name] = serial
+        for waiter in self._waiters.pop(name, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+        return serial
+
+    def superseded(self, name: str, serial: int) -> bool:
+        return self._serials.get(name, 0) != serial
+
+    def generation(self, name: str) -> int:
+        return self._generation.get(name, 0)
+
+    def wake(self, names: Iterable[str]) -> None:
+        """These servers have work (a deployment placed or to stop): their polls answer now."""
+        for name in names:
+            self._generation[name] = self._generation.get(name, 0) + 1
+            self._actionable.add(name)
+            for waiter in self._waiters.pop(name, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def changed_elsewhere(self, store: AsyncStore) -> None:
+        """Another process changed deployments of servers not named: re-read who has work, wake them."""
+        self._actionable_known = False
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh(store))
+
+    async def _refresh(self, store: AsyncStore) -> None:
+        with contextlib.suppress(Exception):  # a store error leaves the set unknown: the next poll retries
+            await self.has_work(store, "")
+        self.wake(name for name in self._actionable if name in self._waiters)
+
+    async def has_work(self, store: AsyncStore, name: str) -> bool:
+        """Whether `name` may have deployments to act on (False: certainly none)."""
+        if not self._actionable_known:
+            self._actionable_known = True  # set before the read: a change during it marks it unknown again
+            try:
+                found = await store.run(queries.actionable_servers)
+            except BaseException:
+                self._actionable_known = False
+                raise
+            self._actionable |= found
+        return name in self._actionable
+
+    def settled(self, name: str, generation: int) -> None:
+        """A read found no work for `name`: drop it from the set unless it was woken since."""
+        if self._generation.get(name, 0) == generation:
+            self._actionable.discard(name)
+
+    async def wait(self, name: str, generation: int, timeout: float) -> None:
+        """Until `name` is woken (at once if it was since `generation`), `timeout` passes, or shutdown."""
+        if self.closing or self._generation.get(name, 0) != generation:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(name, []).append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, timeout)
+        finally:
+            waiters = self._waiters.get(name)
+            if waiters is not None:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[name]
 
     async def close(self) -> None:
         self.closing = True
-        await self.notify()
-
-    async def wait(self, timeout: float) -> None:
-        async with self._changed:
-            if self.closing:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout)
+        for waiters in list(self._waiters.values()):
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        self._waiters.clear()
 
 
-FLEET_EVENTS = web.AppKey("fleet_events", FleetEvents)
+LONG_POLLS = web.AppKey("long_polls", LongPolls)
 STATIC_FLEET = web.AppKey("static_fleet", list[Server])
 
 
@@ -135,14 +236,18 @@ STATIC_FLEET = web.AppKey("static_fleet", list[Server])
 
 
 async def live_servers(app: web.Application) -> list[Server]:
-    """Static servers from the inventory file plus agents heard from recently, with GPUs in use."""
+    """Static servers from the inventory file plus agents heard from recently, with GPUs in use.
+
+    An agent's last heartbeat is the later of the stored one and the one this process heard
+    and has not written yet (heartbeats are written in batches, `FleetIndexCache`)."""
     services = services_of_app(app)
-    stale_before = datetime.now(UTC) - timedelta(seconds=services.settings.stale_after_seconds)
+    cache = app[FLEET_INDEX]
+    stale_before = cache.wall_now() - timedelta(seconds=services.settings.stale_after_seconds)
     reserved = await services.store.run(queries.reserved_gpus)
     servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
     for inventory, _, last_heartbeat in await services.store.run(queries.servers):
         server = Server.model_validate_json(inventory)
-        seen = datetime.fromisoformat(last_heartbeat)
+        seen = max(datetime.fromisoformat(last_heartbeat), cache.last_heard(server.name) or _EPOCH)
         if seen < stale_before:
             continue
         servers[server.name] = server.model_copy(update={"last_heartbeat": seen, "source": "agent"})
@@ -153,38 +258,67 @@ async def live_servers(app: web.Application) -> list[Server]:
     return result
 
 
-class FleetIndexCache:
-    """The placement index kept between requests, so a query costs `decide`, not a fleet rebuild.
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
-    Building the live server list and its index per request costs ~0.5 s at 10,000 servers;
-    the query itself a few ms. Handlers that change the fleet say so: `claimed()` (a server
-    registered, reported new GPUs, or came back after going silent) makes the next query re-read
-    the servers (parsing only inventories whose JSON changed), and its GPU claims hold at once for
-    the next registration's check (`owners`), which never forces a re-read itself;
+
+class _StoredFleet(NamedTuple):
+    """The server table as one read found it (built in a thread)."""
+
+    servers: dict[str, Server]  # by name, as stored (source "agent")
+    texts: dict[str, str]  # by name: the stored inventory JSON
+    heard: dict[str, float]  # by name: last heartbeat, seconds since the epoch
+    reserved: dict[str, str]  # GPU UUID -> deployment id
+
+
+class FleetIndexCache:
+    """The live fleet kept in memory between requests: liveness, GPU owners and placement's index.
+
+    Liveness lives here, not in the store: a heartbeat that changes nothing stamps the agent
+    in memory (`heard`) and costs no SQL; the stamps are written to the store in one batch per
+    `flush_seconds` (`flush`), so a restart or another process sees them, and never touch the
+    inventory. An inventory is written only when it changed (registration, a heartbeat with
+    other GPUs). The server table is read in full once (at the first query), then only when
+    another process registered servers (PostgreSQL NOTIFY, at most once per timed check).
+
+    Handlers that change the fleet say so and the change holds at once for GPU claims:
+    `registered()` (a server registered or reported other GPUs) and `returned()` (heard from
+    again after going stale); the index itself takes the changes, batched, at the next query.
     `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
-    re-derives only the servers whose reserved GPUs changed. Agents that go silent drop out on a
-    timed check, every `check_seconds` and when the first agent is due to go stale; the same
-    check picks up changes made by another process sharing the store.
+    re-derives only the servers whose reserved GPUs changed. Agents silent for
+    `stale_after_seconds` drop out on a timed check of the in-memory stamps, every
+    `check_seconds` and when the first agent is due to go stale; with other processes sharing
+    the store (PostgreSQL) the same check reads the stamps they wrote since the last check.
     """
 
-    def __init__(self, check_seconds: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        check_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.check_seconds = check_seconds
         self._clock = clock
-        self.inventory_reads = 0  # full re-reads of the server table (tests, diagnostics)
+        self._wall = wall
+        self.inventory_reads = 0  # full reads of the server table (tests, diagnostics)
+        self.stamp_writes = 0  # batches of heartbeats written to the store
         self._index: FleetIndex | None = None
-        self._inventory_dirty = True
+        self._full_read = True  # the next query reads the whole server table
         self._reservations_dirty = True
         self._check_at = 0.0  # clock() time of the next timed check
-        self._parsed: dict[str, Server] = {}  # stored inventory JSON -> parsed agent server
-        self._base: dict[str, Server] = {}  # live servers by name, before reservations
-        self._owner: dict[str, str] = {}  # GPU UUID -> server name
-        self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
         self._static: dict[str, Server] | None = None  # the inventory file's servers, read once
-        self._agents: set[str] = set()  # live agents' names at the last read
-        # Claims made since the last read of the server table (registrations, GPU reports, servers
-        # back from silence): they hold at once, without a re-read per registration.
-        self._recent_owner: dict[str, str] = {}  # GPU UUID -> server name
-        self._recent_live: set[str] = set()  # server names
+        self._agents: dict[str, Server] = {}  # every registered agent as stored, live or not
+        self._texts: dict[str, str] = {}  # agent name -> its stored inventory JSON
+        self._heard: dict[str, float] = {}  # agent name -> last heard, seconds since the epoch
+        self._unwritten: dict[str, float] = {}  # heartbeats heard here, not yet written
+        self._live: set[str] = set()  # agents in the live fleet
+        self._base: dict[str, Server] = {}  # the live fleet by name, before reservations
+        self._owner: dict[str, str] = {}  # GPU UUID -> live server name
+        self._reserved_gpus: dict[str, str] = {}  # GPU UUID -> deployment id, as last read
+        self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
+        self._pending: set[str] = set()  # servers whose index entry must be (re)derived
+        self._stamps_read_at: float | None = None  # wall time of the last read of others' stamps
+
+    # ---- liveness, on the loop and without I/O ------------------------------------------
 
     def prime(self, static: list[Server]) -> None:
         """Index the inventory file's servers at start-up, before the first query needs them.
@@ -197,122 +331,185 @@ class FleetIndexCache:
         for name, server in self._static.items():
             self._owner.update((gpu.uuid, name) for gpu in server.gpus)
         self._index = FleetIndex.build(static)
-        self._inventory_dirty = True  # agents and reservations are read by the first query
+        self._full_read = True  # agents and reservations are read by the first query
+
+    def is_live(self, name: str) -> bool:
+        """Whether `name` is in the live fleet now (a live agent or a static server)."""
+        return name in self._base
+
+    def is_live_agent(self, name: str) -> bool:
+        return name in self._live
+
+    def heard(self, name: str) -> None:
+        """A live agent's heartbeat (or poll): a stamp in memory, written with the next batch."""
+        now = self._wall()
+        self._heard[name] = now
+        self._unwritten[name] = now
+
+    def wall_now(self) -> datetime:
+        return datetime.fromtimestamp(self._wall(), UTC)
+
+    def last_heard(self, name: str) -> datetime | None:
+        seen = self._heard.get(name)
+        return datetime.fromtimestamp(seen, UTC) if seen is not None else None
+
+    def stored(self, name: str) -> Server | None:
+        """The registered agent `name` as last stored (live or not), if this process knows it."""
+        return self._agents.get(name)
+
+    def same_gpus(self, name: str, gpus: Sequence[Gpu]) -> bool:
+        stored = self._agents.get(name)
+        return stored is not None and stored.gpus == list(gpus)
+
+    def owners(self, uuids: Sequence[str]) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static, or an agent not yet stale).
+        Current as of the last `refresh` plus every claim made since."""
+        return {gpu_uuid: self._owner[gpu_uuid] for gpu_uuid in uuids if gpu_uuid in self._owner}
+
+    def registered(self, server: Server, text: str) -> None:
+        """`server` registered (or reported other GPUs) and was stored as `text`: live at once."""
+        self._agents[server.name] = server
+        self._texts[server.name] = text
+        self._heard[server.name] = self._wall()
+        self._enter(server.name, server)
+
+    def returned(self, name: str) -> None:
+        """A stored agent heard from again after going stale (its GPUs were checked): live at once."""
+        self.heard(name)
+        self._enter(name, self._agents[name])
+
+    def learned(self, server: Server, text: str, last_heartbeat: str) -> None:
+        """A server another process registered, read from the store on its first request here."""
+        self._agents[server.name] = server
+        self._texts[server.name] = text
+        heard = datetime.fromisoformat(last_heartbeat).timestamp()
+        self._heard[server.name] = max(self._heard.get(server.name, 0.0), heard)
+
+    def _enter(self, name: str, server: Server) -> None:
+        previous = self._base.get(name)
+        if previous is not None:
+            for gpu in previous.gpus:
+                if self._owner.get(gpu.uuid) == name:
+                    del self._owner[gpu.uuid]
+        self._live.add(name)
+        self._base[name] = server
+        self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+        self._pending.add(name)
+
+    def _leave(self, name: str) -> None:
+        """`name` went stale: out of the live fleet (back to the file's entry if it has one)."""
+        self._live.discard(name)
+        previous = self._base.pop(name, None)
+        if previous is not None:
+            for gpu in previous.gpus:
+                if self._owner.get(gpu.uuid) == name:
+                    del self._owner[gpu.uuid]
+        static = (self._static or {}).get(name)
+        if static is not None:
+            self._base[name] = static
+            self._owner.update((gpu.uuid, name) for gpu in static.gpus)
+        self._pending.add(name)
 
     def reservations_changed(self) -> None:
         self._reservations_dirty = True
 
-    def claimed(self, name: str, gpus: Sequence[Gpu]) -> None:
-        """`name` is live and reports `gpus` (it registered, reported GPUs or came back): holds at once."""
-        self._inventory_dirty = True
-        self._recent_live.add(name)
-        self._recent_owner.update((gpu.uuid, name) for gpu in gpus)
+    def inventory_changed_elsewhere(self) -> None:
+        """Another process registered servers: the next timed check reads the server table."""
+        self._full_read = True
 
-    async def owners(self, app: web.Application, uuids: Sequence[str]) -> dict[str, str]:
-        """GPU UUID -> the live server that reports it (static, or an agent not yet stale)."""
-        await self._current(app)
-        found = {}
-        for gpu_uuid in uuids:
-            owner = self._recent_owner.get(gpu_uuid) or self._owner.get(gpu_uuid)
-            if owner is not None:
-                found[gpu_uuid] = owner
-        return found
+    # ---- reading the store ------------------------------------------------------------------
 
-    async def is_live(self, app: web.Application, name: str) -> bool:
-        """Whether `name` is in the live fleet now (an agent not yet stale, or a static server)."""
-        await self._current(app)
-        return name in self._base or name in self._recent_live
-
-    async def _current(self, app: web.Application) -> None:
-        """Re-read the servers when agents may have gone stale, but not for registrations alone:
-        those are in the recent claims, and a burst of N must not cost N reads of the whole table."""
-        if self._index is None or self._clock() >= self._check_at:
-            await self.index(app)
-
-    def heard_from(self, name: str) -> None:
-        """An agent heartbeat: only news when the index does not hold it (new, or back from silence)."""
-        if name not in self._base:
-            self._inventory_dirty = True
-            self._recent_live.add(name)
-
-    async def index(self, app: web.Application) -> FleetIndex:
+    async def refresh(self, app: web.Application) -> None:
+        """Bring liveness, owners and reservations up to date (cheap when nothing is due)."""
         now = self._clock()
         store = services_of_app(app).store
-        if self._index is None or self._inventory_dirty or now >= self._check_at:
-            self._inventory_dirty = False
-            # Claims made before this read are committed, so the read has them; later ones stay.
-            self._recent_owner.clear()
-            self._recent_live.clear()
-            servers, reserved = await store.run(queries.servers), await store.run(queries.reserved_gpus)
-            # Parsing inventories is the costly part (10,000 agents at start-up): a thread does it;
-            # the index itself changes here, on the loop, in one step.
-            unseen = [row.inventory_json for row in servers if row.inventory_json not in self._parsed]
-            fresh = await asyncio.to_thread(_parse_inventories, unseen) if unseen else {}
-            self._read_inventory(app, now, servers, reserved, fresh)
-        elif self._reservations_dirty:
+        if self._index is None or (self._full_read and (self.inventory_reads == 0 or now >= self._check_at)):
+            await self._read_all(app, store)
+            self._check_at = 0.0  # the stale check below runs on what was just read
+        if now >= self._check_at:
+            await self._timed_check(app, store, now)
+        if self._reservations_dirty:
             self._reservations_dirty = False
-            self._apply_reservations(await store.run(queries.reserved_gpus), ())
+            self._reserved_gpus = await store.run(queries.reserved_gpus)
+            self._apply_reservations(())
+
+    async def index(self, app: web.Application) -> FleetIndex:
+        """The live fleet indexed for `decide`, with every change heard so far."""
+        await self.refresh(app)
+        if self._pending:
+            pending, self._pending = self._pending, set()
+            assert self._index is not None
+            self._index.remove([name for name in pending if name not in self._base])
+            self._apply_reservations([name for name in pending if name in self._base])
         assert self._index is not None
         return self._index
 
-    def _read_inventory(
-        self,
-        app: web.Application,
-        now: float,
-        rows: Sequence[ServerRecord],
-        reserved: Mapping[str, str],
-        fresh: Mapping[str, Server],
-    ) -> None:
-        services = services_of_app(app)
+    async def _read_all(self, app: web.Application, store: AsyncStore) -> None:
+        if self._static is None or self._index is None:
+            self.prime(app[STATIC_FLEET])
         self.inventory_reads += 1
-        stale_after = timedelta(seconds=services.settings.stale_after_seconds)
-        wall = datetime.now(UTC)
-        if self._static is None:
-            self._static = {server.name: server for server in app[STATIC_FLEET]}
-        base = dict(self._static)  # the file's servers are parsed once; agents win over them
-        agents: set[str] = set()
-        parsed: dict[str, Server] = {}
-        first_seen: datetime | None = None
-        for inventory, _, last_heartbeat in rows:
-            seen = datetime.fromisoformat(last_heartbeat)
-            if seen < wall - stale_after:
-                continue
-            server = self._parsed.get(inventory)
-            if server is None:  # heartbeat times are not kept current here: placement ignores them
-                parsed_now = fresh.get(inventory) or Server.model_validate_json(inventory)
-                server = parsed_now.model_copy(update={"last_heartbeat": seen, "source": "agent"})
-            parsed[inventory] = base[server.name] = server
-            agents.add(server.name)
-            first_seen = seen if first_seen is None else min(first_seen, seen)
-        self._parsed = parsed
-        self._check_at = now + self.check_seconds
-        if first_seen is not None:
-            due = (first_seen + stale_after - wall).total_seconds()
-            self._check_at = min(self._check_at, now + max(due, 0.0))
-        previous, self._base = self._base, base
-        # Only agents come and go or change: the file's servers are the same objects every time.
-        previous_agents, self._agents = self._agents, agents
-        candidates = base.keys() if not previous else agents | previous_agents
-        changed = [name for name in candidates if name in base and previous.get(name) is not base[name]]
-        gone = [name for name in previous_agents if name not in base]
-        for name in (*changed, *gone):
-            if name in previous:
-                for gpu in previous[name].gpus:
-                    if self._owner.get(gpu.uuid) == name:
-                        del self._owner[gpu.uuid]
+        self._full_read = False
+        self._reservations_dirty = False
+        known = dict(self._texts)
+        rows, reserved = await store.run(queries.servers), await store.run(queries.reserved_gpus)
+        # Parsing 10,000 inventories and their stamps is the costly part: a thread does it, and
+        # only for inventories that changed; the fleet itself changes here, on the loop, in one step.
+        read = await asyncio.to_thread(_read_fleet, rows, reserved, known, dict(self._agents))
+        changed = []
+        for name, server in read.servers.items():
+            if self._agents.get(name) is not server and name in self._live:
+                changed.append(name)  # its inventory changed, through another process
+            self._agents[name] = server
+            self._texts[name] = read.texts[name]
+            self._heard[name] = max(self._heard.get(name, 0.0), read.heard[name])
+        self._reserved_gpus = read.reserved
+        self._reservations_dirty = True  # applied once the index has every server
         for name in changed:
-            self._owner.update((gpu.uuid, name) for gpu in base[name].gpus)
-        for name in gone:
-            self._reserved.pop(name, None)
-        if self._index is None:
-            self._index = FleetIndex()
-        self._index.remove(gone)
-        self._apply_reservations(reserved, changed)
+            self._enter(name, self._agents[name])
 
-    def _apply_reservations(self, reserved_gpus: Mapping[str, str], changed: Sequence[str]) -> None:
-        """Apply reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
+    async def _timed_check(self, app: web.Application, store: AsyncStore, now: float) -> None:
+        settings = services_of_app(app).settings
+        wall = self._wall()
+        if store.events.cross_process:
+            # Other processes' agents: the stamps they wrote since the last check (with the time
+            # a batch may take to be written), and any server they registered meanwhile.
+            margin = settings.heartbeat_flush_seconds + 2 * self.check_seconds + 1.0
+            since = None if self._stamps_read_at is None else self._stamps_read_at - margin
+            self._stamps_read_at = wall
+            stamps = await store.run(
+                queries.heartbeats, datetime.fromtimestamp(since, UTC) if since is not None else None
+            )
+            unknown = []
+            for name, stamp in stamps:
+                heard = datetime.fromisoformat(stamp).timestamp()
+                if heard > self._heard.get(name, 0.0):
+                    self._heard[name] = heard
+                if name not in self._agents:
+                    unknown.append(name)
+            if unknown:
+                for record in await store.run(queries.server_records, unknown):
+                    server = await asyncio.to_thread(_agent_server, record.inventory_json)
+                    self.learned(server, record.inventory_json, record.last_heartbeat)
+        cutoff = wall - settings.stale_after_seconds
+        first_due = None
+        for name in list(self._live):
+            heard = self._heard.get(name, 0.0)
+            if heard < cutoff:
+                self._leave(name)
+            elif first_due is None or heard < first_due:
+                first_due = heard
+        for name, server in self._agents.items():  # back through another process (it checked the GPUs)
+            if name not in self._live and self._heard.get(name, 0.0) >= cutoff:
+                self._enter(name, server)
+        self._check_at = now + self.check_seconds
+        if first_due is not None:
+            due = first_due + settings.stale_after_seconds - wall
+            self._check_at = min(self._check_at, now + max(due, 0.0))
+
+    def _apply_reservations(self, changed: Sequence[str]) -> None:
+        """Apply the reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
         reserved: dict[str, set[str]] = {}
-        for gpu_uuid in reserved_gpus:
+        for gpu_uuid in self._reserved_gpus:
             owner = self._owner.get(gpu_uuid)
             if owner is not None:
                 reserved.setdefault(owner, set()).add(gpu_uuid)
@@ -325,7 +522,9 @@ class FleetIndexCache:
         self._reserved = now_reserved
         placed = []
         for name in moved.union(changed):
-            server = self._base[name]
+            server = self._base.get(name)
+            if server is None:
+                continue
             taken = now_reserved.get(name)
             if taken:
                 server = server.model_copy(update={"gpus_in_use": sorted({*server.gpus_in_use, *taken})})
@@ -333,10 +532,42 @@ class FleetIndexCache:
         assert self._index is not None
         self._index.update(placed)
 
+    async def flush(self, store: AsyncStore) -> int:
+        """Write the heartbeats heard since the last flush in one batch; how many were written."""
+        if not self._unwritten:
+            return 0
+        batch, self._unwritten = self._unwritten, {}
+        try:
+            await store.run(queries.stamp_heartbeats, batch)  # converted and written in the store's thread
+        except BaseException:
+            for name, heard in batch.items():  # kept for the next batch
+                self._unwritten.setdefault(name, heard)
+            raise
+        self.stamp_writes += 1
+        return len(batch)
 
-def _parse_inventories(documents: Sequence[str]) -> dict[str, Server]:
-    """Stored inventory documents parsed, keyed by their text (run in a thread)."""
-    return {document: Server.model_validate_json(document) for document in documents}
+
+def _agent_server(text: str) -> Server:
+    return Server.model_validate_json(text).model_copy(update={"source": "agent"})
+
+
+def _read_fleet(
+    rows: Sequence[ServerRecord],
+    reserved: dict[str, str],
+    known: Mapping[str, str],
+    agents: Mapping[str, Server],
+) -> _StoredFleet:
+    """The server table's rows parsed (run in a thread): unchanged inventories keep their objects."""
+    servers: dict[str, Server] = {}
+    texts: dict[str, str] = {}
+    heard: dict[str, float] = {}
+    by_text = {text: agents[name] for name, text in known.items() if name in agents}
+    for inventory, _, last_heartbeat in rows:
+        server = by_text.get(inventory) or _agent_server(inventory)
+        servers[server.name] = server
+        texts[server.name] = inventory
+        heard[server.name] = datetime.fromisoformat(last_heartbeat).timestamp()
+    return _StoredFleet(servers, texts, heard, reserved)
 
 
 FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
@@ -385,7 +616,9 @@ async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]
     The same UUID on two servers is a cloned inventory or an impostor; either way placement must
     not hand that GPU out twice. The claim lapses once its server goes stale.
     """
-    owners = await app[FLEET_INDEX].owners(app, [gpu.uuid for gpu in gpus])
+    cache = app[FLEET_INDEX]
+    await cache.refresh(app)
+    owners = cache.owners([gpu.uuid for gpu in gpus])
     taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
     if not taken:
         return None
@@ -406,18 +639,36 @@ async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]
     )
 
 
-async def returning_conflict(app: web.Application, name: str) -> web.Response | None:
-    """For a server heard from again after going stale: a 409 if its GPUs were claimed meanwhile."""
-    if await app[FLEET_INDEX].is_live(app, name):
+async def agent_heard(app: web.Application, name: str) -> web.Response | None:
+    """An agent's heartbeat or poll: stamp it live. None when done, else the answer to give.
+
+    A live agent costs a stamp in memory (no SQL, no lock). An agent this process does not hold
+    live is looked up (once; another process may have registered it): unknown gets 404
+    ("register again"); back after going stale, it is live again at once unless another live
+    server claimed its GPUs meanwhile (409).
+    """
+    cache = app[FLEET_INDEX]
+    if cache.is_live_agent(name):
+        cache.heard(name)
         return None
-    stored = await services_of_app(app).store.run(queries.server_inventory, name)
-    if stored is None:
-        return None
-    gpus = Server.model_validate_json(stored).gpus
-    conflict = await claimed_elsewhere(app, name, gpus)
-    if conflict is None:
-        app[FLEET_INDEX].claimed(name, gpus)
-    return conflict
+    async with app[GPU_CLAIMS]:
+        await cache.refresh(app)
+        if cache.is_live_agent(name):
+            cache.heard(name)
+            return None
+        if cache.stored(name) is None:
+            found = await services_of_app(app).store.run(queries.server_records, [name])
+            if not found:
+                return json_error(404, f"unknown server {name}; register again")
+            record = found[0]
+            cache.learned(_agent_server(record.inventory_json), record.inventory_json, record.last_heartbeat)
+        stored = cache.stored(name)
+        assert stored is not None
+        conflict = await claimed_elsewhere(app, name, stored.gpus)
+        if conflict is not None:
+            return conflict
+        cache.returned(name)
+    return None
 
 
 async def list_servers(request: web.Request) -> web.Response:
@@ -434,18 +685,24 @@ async def register_server(request: web.Request) -> web.Response:
         return json_error(400, f"invalid server: {_first_error(exc)}")
     require_agent_token(request, server.name)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
+    text = stored.model_dump_json()
     async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
         conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
         if conflict is not None:
             return conflict
-        await services.store.run(queries.upsert_server, server.name, stored.model_dump_json())
-        request.app[FLEET_INDEX].claimed(server.name, server.gpus)
+        await services.store.run(queries.upsert_server, server.name, text)
+        request.app[FLEET_INDEX].registered(stored, text)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
     return web.json_response(body.model_dump())
 
 
+_OK = b'{"ok": true}'
+
+
 async def server_heartbeat(request: web.Request) -> web.Response:
+    """A heartbeat: a stamp in memory when nothing changed; the inventory is written only when the
+    GPUs reported differ from the stored ones."""
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
@@ -454,30 +711,26 @@ async def server_heartbeat(request: web.Request) -> web.Response:
         beat = Heartbeat.model_validate(data)
     except ValidationError as exc:
         return json_error(400, f"invalid heartbeat: {_first_error(exc)}")
+    cache = request.app[FLEET_INDEX]
+    if beat.gpus is None or (cache.is_live_agent(name) and cache.same_gpus(name, beat.gpus)):
+        answer = await agent_heard(request.app, name)
+        return answer or web.Response(body=_OK, content_type="application/json")
     async with request.app[GPU_CLAIMS]:
-        inventory = None
-        if beat.gpus is None:
-            conflict = await returning_conflict(request.app, name)
-            if conflict is not None:
-                return conflict
-        else:
-            conflict = await claimed_elsewhere(request.app, name, beat.gpus)
-            if conflict is not None:
-                return conflict
-            current = await services.store.run(queries.server_inventory, name)
-            if current is not None:
-                inventory = (
-                    Server.model_validate_json(current)
-                    .model_copy(update={"gpus": beat.gpus})
-                    .model_dump_json()
-                )
-        if not await services.store.run(queries.heartbeat, name, inventory):
+        conflict = await claimed_elsewhere(request.app, name, beat.gpus)
+        if conflict is not None:
+            return conflict
+        current = cache.stored(name)
+        if current is None:
+            text = await services.store.run(queries.server_inventory, name)
+            current = _agent_server(text) if text is not None else None
+        if current is None:
             return json_error(404, f"unknown server {name}; register again")
-        if inventory is not None and beat.gpus is not None:
-            request.app[FLEET_INDEX].claimed(name, beat.gpus)
-        else:
-            request.app[FLEET_INDEX].heard_from(name)
-    return web.json_response({"ok": True})
+        updated = current.model_copy(update={"gpus": beat.gpus})
+        text = updated.model_dump_json()
+        if not await services.store.run(queries.heartbeat, name, text):
+            return json_error(404, f"unknown server {name}; register again")
+        cache.registered(updated, text)
+    return web.Response(body=_OK, content_type="application/json")
 
 
 # ---------------------------------------------------------------- eligibility
@@ -676,7 +929,7 @@ async def create_deployment(request: web.Request) -> web.Response:
             request.app[FLEET_INDEX].reservations_changed()
             continue
         request.app[FLEET_INDEX].reservations_changed()
-        await request.app[FLEET_EVENTS].notify()
+        request.app[LONG_POLLS].wake([deployment.server])
         return web.json_response(
             deployment.shown(holds_api_token(request, services.settings.api_token)), status=201
         )
@@ -743,29 +996,52 @@ async def delete_deployment(request: web.Request) -> web.Response:
             state=deployment.state,
             desired="stop",
         )
-    await request.app[FLEET_EVENTS].notify()
+    request.app[LONG_POLLS].wake([deployment.server])
     return web.json_response(deployment.shown(reveal), status=202)
 
 
 async def agent_poll(request: web.Request) -> web.Response:
-    """The agent's long poll: answers at once when there is work, else after `wait` seconds."""
+    """The agent's long poll: answers at once when there is work, else after `wait` seconds.
+
+    At most `GPUBADGE_LONG_POLL_MAX` are held at once (each holds a connection, so a file
+    descriptor); past that the answer is 503 with `Retry-After`, which the agent honours with
+    jitter, so the service never runs out of descriptors for everything else.
+    """
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
     wait = wait_param(request, MAX_POLL)
-    async with request.app[GPU_CLAIMS]:
-        conflict = await returning_conflict(request.app, name)
-        if conflict is not None:
-            return conflict
-        if await services.store.run(queries.heartbeat, name):
-            request.app[FLEET_INDEX].heard_from(name)
-    deadline = time.monotonic() + wait
-    while True:
-        rows = await services.store.run(queries.actionable_deployments, name)
-        remaining = deadline - time.monotonic()
-        if rows or remaining <= 0 or request.app[FLEET_EVENTS].closing:
-            break
-        await request.app[FLEET_EVENTS].wait(remaining)
+    answer = await agent_heard(request.app, name)
+    if answer is not None:
+        return answer
+    polls = request.app[LONG_POLLS]
+    if wait > 0 and not polls.admit(name):
+        retry = services.settings.long_poll_retry_seconds
+        refused = json_error(
+            503,
+            f"this service holds its most long polls ({polls.limit}, GPUBADGE_LONG_POLL_MAX);"
+            f" retry in about {retry:g} s",
+        )
+        refused.headers["Retry-After"] = f"{math.ceil(retry)}"
+        return refused
+    held = wait > 0
+    serial = polls.hold(name) if held else 0
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            generation = polls.generation(name)
+            rows = []
+            if await polls.has_work(services.store, name):
+                rows = await services.store.run(queries.actionable_deployments, name)
+                if not rows:
+                    polls.settled(name, generation)
+            remaining = deadline - time.monotonic()
+            if rows or remaining <= 0 or polls.closing or (held and polls.superseded(name, serial)):
+                break
+            await polls.wait(name, generation, remaining)
+    finally:
+        if held:
+            polls.release(name)
     body = DeploymentsResponse(
         deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
     )
@@ -807,39 +1083,67 @@ async def deployment_status(request: web.Request) -> web.Response:
         request.app[FLEET_INDEX].reservations_changed()
     if late_start:
         log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
-        await request.app[FLEET_EVENTS].notify()
+        request.app[LONG_POLLS].wake([deployment.server])
     return web.json_response(updated.shown(token_holder=False))
 
 
+HEARTBEAT_WRITER = web.AppKey("heartbeat_writer", asyncio.Task[None])
+
+
+async def _write_heartbeats(app: web.Application) -> None:
+    """Every `heartbeat_flush_seconds`: the heartbeats heard since, in one store write."""
+    services = services_of_app(app)
+    while True:
+        await asyncio.sleep(services.settings.heartbeat_flush_seconds)
+        try:
+            await app[FLEET_INDEX].flush(services.store)
+        except Exception as exc:  # the store is down: the stamps wait for the next batch
+            log.warning("could not write agents' heartbeats (kept for the next batch): %s", exc)
+
+
+async def _start_heartbeat_writer(app: web.Application) -> None:
+    app[HEARTBEAT_WRITER] = asyncio.get_running_loop().create_task(_write_heartbeats(app))
+
+
 async def _end_long_polls(app: web.Application) -> None:
-    await app[FLEET_EVENTS].close()
+    """Shutdown: open long polls answer now, and the last heartbeats heard are written."""
+    await app[LONG_POLLS].close()
+    writer = app.get(HEARTBEAT_WRITER)
+    if writer is not None:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    try:
+        await app[FLEET_INDEX].flush(services_of_app(app).store)
+    except Exception as exc:
+        log.warning("could not write the last heartbeats on shutdown: %s", exc)
 
 
 def _follow_other_replicas(app: web.Application) -> None:
-    """On PostgreSQL, deploys and stops made through other API replicas reach this one: its
-    placement index re-reads the reservations, and its long-polling agents wake."""
-    index, events = app[FLEET_INDEX], app[FLEET_EVENTS]
-    waking: set[asyncio.Task[None]] = set()
+    """On PostgreSQL, what other API replicas change reaches this one: deploys and stops make its
+    placement index re-read the reservations and wake the long polls of the servers with work;
+    registrations make the next timed check read the server table."""
 
     def changed(kind: str) -> None:
-        # Another replica's registrations reach the index on its timed check (every few seconds,
-        # as the index is built to); its reservations are re-read now, and waiting agents wake.
-        del kind
-        index.reservations_changed()
-        task = asyncio.get_running_loop().create_task(events.notify())
-        waking.add(task)
-        task.add_done_callback(waking.discard)
+        index = app[FLEET_INDEX]
+        if kind == FLEET_INVENTORY:
+            index.inventory_changed_elsewhere()
+            index.reservations_changed()  # a resync arrives as an inventory change: re-read both
+        else:
+            index.reservations_changed()
+        app[LONG_POLLS].changed_elsewhere(services_of_app(app).store)
 
     services_of_app(app).store.events.on_fleet(changed)
 
 
 def setup_routes(app: web.Application) -> None:
-    app[FLEET_EVENTS] = FleetEvents()
+    settings = services_of_app(app).settings
+    app[LONG_POLLS] = LongPolls(settings.long_poll_max)
     app[FLEET_INDEX] = FleetIndexCache()
     app[GPU_CLAIMS] = asyncio.Lock()
+    app.on_startup.append(_start_heartbeat_writer)
     app.on_shutdown.append(_end_long_polls)
     _follow_other_replicas(app)
-    settings = services_of_app(app).settings
     inventory_file = settings.inventory_file
     app[STATIC_FLEET] = parse_inventory(inventory_file.read_text()).servers if inventory_file else []
     app[FLEET_INDEX].prime(app[STATIC_FLEET])

@@ -179,6 +179,19 @@ class ServiceSettings(ScannerSettings):
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
+    heartbeat_flush_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="agents' heartbeats are kept in memory and written to the store in one batch this often",
+    )
+    long_poll_max: int = Field(
+        default=12000,
+        ge=1,
+        description="most agent long polls held at once (one file descriptor each); past it, 503 with Retry-After",
+    )
+    long_poll_retry_seconds: float = Field(
+        default=5.0, gt=0, description="the Retry-After of a long poll refused at long_poll_max"
+    )
     eligibility_max_limit: int = Field(
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )

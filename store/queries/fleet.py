@@ -8,6 +8,9 @@ stays in each backend.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+
 from store.dialect import Db, reads, writes
 from store.events import FLEET_CHANNEL
 from store.models import DeploymentRecord, ServerRecord
@@ -32,6 +35,43 @@ def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
         {"name": name, "inventory": inventory_json},
     )
     return cursor.rowcount > 0
+
+
+@writes
+def stamp_heartbeats(db: Db, stamps: Mapping[str, float]) -> None:
+    """Record many servers' last heartbeats at once (server name -> seconds since the epoch; the
+    service batches them; no inventory is written). A stamp never moves a heartbeat back."""
+    stamp = db.dialect.stamp_param
+    db.many(
+        "UPDATE servers SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
+        [{"name": name, "seen": stamp(datetime.fromtimestamp(seen, UTC))} for name, seen in stamps.items()],
+    )
+
+
+@reads
+def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, str]]:
+    """(name, last heartbeat) of every server heard from at or after `since` (every server: None)."""
+    if since is None:
+        rows = db.all("SELECT name, last_heartbeat FROM servers")
+    else:
+        rows = db.all(
+            "SELECT name, last_heartbeat FROM servers WHERE last_heartbeat >= :since",
+            {"since": db.dialect.stamp_param(since)},
+        )
+    stamp = db.dialect.stamp
+    return [(row[0], stamp(row[1]) or "") for row in rows]
+
+
+@reads
+def server_records(db: Db, names: Sequence[str]) -> list[ServerRecord]:
+    """The stored inventories of `names` (those registered), as `servers` gives them."""
+    rows = db.all(
+        "SELECT inventory, registered_at, last_heartbeat FROM servers WHERE "
+        + db.dialect.in_list("name", "names"),
+        {"names": db.dialect.array(names)},
+    )
+    stamp = db.dialect.stamp
+    return [ServerRecord(row[0], stamp(row[1]) or "", stamp(row[2]) or "") for row in rows]
 
 
 @reads
@@ -94,13 +134,23 @@ def update_deployment(
     db.notify(FLEET_CHANNEL, "reservations")
 
 
+_ACTIONABLE = (
+    "((desired = 'run' AND state = 'pending') OR"
+    " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
+)
+
+
+@reads
+def actionable_servers(db: Db) -> set[str]:
+    """The servers with a deployment their agent must act on (`actionable_deployments`)."""
+    return {row[0] for row in db.all(f"SELECT DISTINCT server FROM deployments WHERE {_ACTIONABLE}")}
+
+
 @reads
 def actionable_deployments(db: Db, server: str) -> list[DeploymentRecord]:
     """Deployments the server's agent must act on: new ones to run, live ones to stop."""
     rows = db.all(
-        "SELECT record, state, desired FROM deployments WHERE server = :server AND ("
-        " (desired = 'run' AND state = 'pending') OR"
-        " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
+        f"SELECT record, state, desired FROM deployments WHERE server = :server AND {_ACTIONABLE}"
         " ORDER BY created_at",
         {"server": server},
     )

@@ -1,0 +1,137 @@
+"""A live fleet in CI's time: 500 simulated agents against a real `gpubadge serve` (bench/fleet_bench.py).
+
+The same run as the 10,000-agent benchmark, shortened: agents register, beat every 1.5 s and
+hold long polls over real HTTP, through the agent's own client. Every wait in it is bounded and
+ends on what it waits for (an agent holding its poll, a deployment in an agent's hands, the
+eligible count); only the measuring windows are timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agent.client import Backoff
+from bench import fleet_bench
+from fixtures.registry import free_port
+from web.app import create_app
+from web.fleet import LONG_POLLS
+from web.settings import ServiceSettings
+
+AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0
+CHECK_SECONDS = 1.0  # FleetIndexCache's timed check
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, object]:
+    return fleet_bench.main(
+        [
+            f"--agents={AGENTS}",
+            f"--heartbeat={HEARTBEAT}",
+            f"--stale={STALE}",
+            "--flush=0.5",
+            "--poll-wait=5",
+            "--window=2",
+            "--rounds=1",
+            "--deployments=5",
+            "--churn=0.1",
+            "--storm-limit=60",
+        ]
+    )
+
+
+def test_heartbeats_are_cheap_and_write_no_inventory(figures: dict[str, object]) -> None:
+    assert figures["inventories_rewritten"] == 0
+    # everything the service spent while the fleet beat, divided by the heartbeats
+    assert float(str(figures["cpu_ms_per_heartbeat"])) <= 0.4, figures["lines"]
+    assert float(str(figures["heartbeats_per_second"])) >= 0.8 * AGENTS / HEARTBEAT, figures["lines"]
+
+
+def test_a_held_long_poll_costs_at_most_20_kb(figures: dict[str, object]) -> None:
+    assert float(str(figures["bytes_per_poll"])) <= 20 * 1024, figures["lines"]
+
+
+def test_eligibility_keeps_its_pace_under_the_fleet(figures: dict[str, object]) -> None:
+    """The median, side by side with no agent traffic; the p99s are in the bench's figures (this
+    shared CI host's scheduling noise dominates a tail of a few hundred queries)."""
+    quiet, loaded = float(str(figures["quiet_p50"])), float(str(figures["loaded_p50"]))
+    assert loaded <= 2 * quiet + 0.002, figures["lines"]
+
+
+def test_deployments_reach_their_agent_within_a_second(figures: dict[str, object]) -> None:
+    assert float(str(figures["deploy_max"])) < 1.0, figures["lines"]
+
+
+def test_dead_agents_drop_out_on_time_and_come_back(figures: dict[str, object]) -> None:
+    assert figures["flaps"] == 0, figures["lines"]
+    dropped = figures["drop_after_last_beat"]
+    assert dropped is not None and float(str(dropped)) <= STALE + CHECK_SECONDS + 0.5, figures["lines"]
+    assert float(str(figures["return_seconds"])) <= HEARTBEAT, figures["lines"]
+
+
+def test_the_fleet_reconnects_after_a_restart(figures: dict[str, object]) -> None:
+    assert float(str(figures["storm_seconds"])) <= 60, figures["lines"]
+    assert figures["storm_failures"] == 0, figures["lines"]
+    assert figures["storm_p99"] is not None, figures["lines"]
+
+
+# ------------------------------------------------------------------ the long-poll budget
+
+
+async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: Path) -> None:
+    settings = ServiceSettings(db=tmp_path / "polls.db", long_poll_max=1, docker_config=None)
+    app = create_app(settings, start_workers=False)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for name in ("node-a", "node-b"):
+                server = {"name": name, "gpus": []}
+                async with session.post(f"{url}/api/servers", json=server) as response:
+                    assert response.status == 200
+            held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait=30"))
+            polls = app[LONG_POLLS]
+            for _ in range(500):  # bounded: until the first poll holds the only slot
+                if polls.held == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert polls.held == 1
+            async with session.get(f"{url}/api/agents/node-b/deployments?wait=30") as response:
+                assert response.status == 503
+                assert response.headers["Retry-After"] == "5"
+                assert "GPUBADGE_LONG_POLL_MAX" in (await response.json())["error"]
+            # a poll that does not wait holds no slot and is answered as ever
+            async with session.get(f"{url}/api/agents/node-b/deployments?wait=0") as response:
+                assert response.status == 200
+            assert polls.refused == 1
+            # node-a polls again (its first connection is gone, say): the old poll answers at once
+            # and the new one takes its slot
+            async with session.get(f"{url}/api/agents/node-a/deployments?wait=0.2") as response:
+                assert response.status == 200
+            assert await asyncio.wait_for(held, 10) == 200
+            assert polls.held == 0
+    finally:
+        await runner.cleanup()
+
+
+async def _poll(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url) as response:
+        return response.status
+
+
+def test_the_agent_backs_off_with_jitter_and_honours_retry_after() -> None:
+    delays = [Backoff(rng=random.Random(seed)).next() for seed in range(200)]
+    assert min(delays) >= 0.125 and max(delays) <= 0.25 and len({round(d, 4) for d in delays}) > 150
+    backoff = Backoff(rng=random.Random(1))
+    ceilings = [backoff.next() for _ in range(8)]
+    assert ceilings[-1] <= 10.0 and ceilings[-1] >= 5.0  # doubled up to `most`, never past it
+    told = [Backoff(rng=random.Random(seed)).next(retry_after=5.0) for seed in range(200)]
+    assert min(told) >= 5.0 and max(told) <= 7.5 and max(told) - min(told) > 2.0  # spread, not lockstep
