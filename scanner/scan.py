@@ -8,7 +8,7 @@ This is the only place that combines I/O with the pure cores, in two phases:
    `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
    multi-GB image shows within moments of its push, while its layers are still being read.
 2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
-   linux platforms a GPU fleet runs, by default), `scanner.layers.reader` streams each layer not
+   linux platforms a GPU fleet runs, by default), `scanner.layer_reader` streams each layer not
    already known once, into one walk for every consumer (libc; the CUDA and GPU code the image
    carries, for every image under the default `GPUBADGE_DEEP_SCAN=always`), under one set of bounds. Other platforms get `state: not_analysed` with the
    reason; foreign and non-distributable layers are never fetched and are named.
@@ -42,8 +42,8 @@ from scanner.settings import ScannerSettings
 
 if TYPE_CHECKING:
     from scanner.cache import ScanCache
+    from scanner.layer_reader import LayerProgress, LayerReader
     from scanner.layers.analysis import AnalysisPool
-    from scanner.layers.reader import LayerProgress, LayerReader
     from scanner.registry.client import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,8 @@ class Scanner:
     def layers(self) -> LayerReader:
         """The layer reader, built on first use: config-only scans never load the tar and analysis code."""
         if self._reader is None:
+            from scanner.layer_reader import LayerReader
             from scanner.layers.analysis import AnalysisPool
-            from scanner.layers.reader import LayerReader
 
             self._pool = AnalysisPool(self.settings.analysis_processes)
             self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
@@ -483,7 +483,7 @@ class Scanner:
 
     async def _layer_verdicts(self, reference: Reference, facts: _Facts, deadline: float) -> _Facts:
         """Phase 2 for one platform image: its layer verdicts, or its error, never an exception."""
-        from scanner.layers.reader import LayerProgress
+        from scanner.layer_reader import LayerProgress
 
         base = facts.report
         platform = Platform.parse(base.platform)
