@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fixtures.oci import file, tar_bytes
-from scanner.layers.inferred import (
+from scanner.layers.cuda_evidence import (
     CudaEntryCollector,
     CudaLayerEvidence,
     choose_cuda,
