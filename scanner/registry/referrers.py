@@ -127,27 +127,42 @@ def summary_annotations(report: ImageReport) -> dict[str, str]:
     return annotations
 
 
-def build_artifact(report: ImageReport, subject: Subject) -> ReportArtifact:
-    """The referrer manifest for one report about one manifest."""
-    report_bytes = report.model_dump_json().encode()
-    annotations = summary_annotations(report)
+def artifact_manifest(
+    artifact_type: str,
+    layer_media_type: str,
+    layer: bytes,
+    file_name: str,
+    subject: Subject,
+    annotations: dict[str, str],
+) -> bytes:
+    """An artifact's manifest bytes: the empty config, its one layer (titled `file_name`), the subject."""
     manifest = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
-        "artifactType": ARTIFACT_TYPE,
+        "artifactType": artifact_type,
         "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": EMPTY_DIGEST, "size": len(EMPTY_BLOB)},
         "layers": [
             {
-                "mediaType": ARTIFACT_TYPE,
-                "digest": compute_digest(report_bytes),
-                "size": len(report_bytes),
-                "annotations": {TITLE: REPORT_FILE_NAME},
+                "mediaType": layer_media_type,
+                "digest": compute_digest(layer),
+                "size": len(layer),
+                "annotations": {TITLE: file_name},
             }
         ],
         "subject": subject.as_json(),
         "annotations": annotations,
     }
-    return ReportArtifact(report_bytes, _serialise(manifest), annotations)
+    return _serialise(manifest)
+
+
+def build_artifact(report: ImageReport, subject: Subject) -> ReportArtifact:
+    """The referrer manifest for one report about one manifest."""
+    report_bytes = report.model_dump_json().encode()
+    annotations = summary_annotations(report)
+    manifest = artifact_manifest(
+        ARTIFACT_TYPE, ARTIFACT_TYPE, report_bytes, REPORT_FILE_NAME, subject, annotations
+    )
+    return ReportArtifact(report_bytes, manifest, annotations)
 
 
 @dataclass(frozen=True)
@@ -169,23 +184,10 @@ def build_companion_artifact(
 ) -> ReportArtifact:
     """A companion's referrer manifest: empty config, its one layer, the subject, created and generator."""
     annotations = {CREATED: created_annotation(created), GENERATOR: GENERATOR_NAME}
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": artifact_type,
-        "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": EMPTY_DIGEST, "size": len(EMPTY_BLOB)},
-        "layers": [
-            {
-                "mediaType": content.media_type,
-                "digest": compute_digest(content.data),
-                "size": len(content.data),
-                "annotations": {TITLE: content.file_name},
-            }
-        ],
-        "subject": subject.as_json(),
-        "annotations": annotations,
-    }
-    return ReportArtifact(content.data, _serialise(manifest), annotations, artifact_type, content.media_type)
+    manifest = artifact_manifest(
+        artifact_type, content.media_type, content.data, content.file_name, subject, annotations
+    )
+    return ReportArtifact(content.data, manifest, annotations, artifact_type, content.media_type)
 
 
 _RFC3339 = re.compile(r"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?(Z|[+-]\d{2}:\d{2})$")
