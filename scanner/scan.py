@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
+from scanner.layers.errors import AnalysisCrashed, LayerError
 from scanner.layers.limits import LimitExceeded, scan_too_slow
-from scanner.layers.tarstream import AnalysisCrashed, LayerError
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
 from scanner.registry.errors import RegistryError
