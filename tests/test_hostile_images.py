@@ -27,7 +27,8 @@ from fixtures.service import RunningService, run_service_process
 from scanner.layer_reader import LayerProgress, LayerReader
 from scanner.layers.analysis import AnalysisPool
 from scanner.layers.errors import AnalysisCrashed
-from scanner.layers.libc import LayerEvidence, LibcAnalysis, PathRecord
+from scanner.layers.libc import LibcAnalysis
+from scanner.layers.libc_paths import LayerEvidence, PathRecord
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
 from scanner.layers.tarstream import TarEntry
 from scanner.models import ImageReport

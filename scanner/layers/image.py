@@ -31,7 +31,8 @@ from typing import TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from scanner.layers.cuda_evidence import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence, combine
-from scanner.layers.libc import DISTRO_BUDGET, EVIDENCE_SCHEMA, LayerCollector, LayerEvidence, LibcAnalysis
+from scanner.layers.libc import DISTRO_BUDGET, LayerCollector, LibcAnalysis
+from scanner.layers.libc_paths import EVIDENCE_SCHEMA, LayerEvidence
 from scanner.layers.limits import AnalysisLimits, ScanBudget
 from scanner.layers.walk import EntryCollector, LayerWalk
 from scanner.models import GpuArchs, InferredCuda, LibcVerdict
