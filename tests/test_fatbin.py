@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from placement.gpu_code import container_runs_on, ptx_runs_on, sass_runs_on
-from scanner.layers.cuda_evidence import needed_finding
+from scanner.layers.cuda_sources import needed_finding
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.layers.fatbin import (
     FatbinError,

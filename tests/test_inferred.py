@@ -14,6 +14,8 @@ from scanner.layers.cuda_evidence import (
     choose_cuda,
     collect_layer,
     combine,
+)
+from scanner.layers.cuda_sources import (
     dist_info_finding,
     parse_tf_build_info,
     parse_torch_version,
