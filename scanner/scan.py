@@ -1,6 +1,8 @@
 """One scan, end to end: reference -> registry -> config facts, published -> layer verdicts -> report.
 
-This is the only place that combines I/O with the pure cores, in two phases:
+The scan drives the pure cores (`scanner.facts`, `scanner.layers`) with the registry client and
+the store's `ScanCache`, in two phases (the layer fetching itself is `scanner.layer_reader`;
+publishing a finished report as a referrer is `scanner.publish`, which the service calls):
 
 1. **Config facts.** HEAD for a tag the store has seen (a stored digest then costs nothing
    more; a tag never seen is fetched at once), the manifest, and for every
