@@ -164,7 +164,7 @@ def _delegate(command: str, rest: list[str]) -> int:
 
         return run_eligible(rest)
     if command == "referrers":
-        from gpubadge.referrers import main as run_referrers
+        from gpubadge.list_referrers import main as run_referrers
 
         return run_referrers(rest)
     if command == "compat":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scanner.facts.requirements import (
+from scanner.facts.require_grammar import (
     EXPR_MAX,
     KEYS,
     OPERATORS,

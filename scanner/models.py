@@ -124,7 +124,7 @@ class CudaSource(BaseModel):
 
 
 class InferredCuda(BaseModel):
-    """CUDA the image carries in its layers (declared or not). See scanner.layers.inferred."""
+    """CUDA the image carries in its layers (declared or not). See scanner.layers.cuda_evidence."""
 
     cuda: str | None = Field(
         default=None,

@@ -1,6 +1,8 @@
 """One scan, end to end: reference -> registry -> config facts, published -> layer verdicts -> report.
 
-This is the only place that combines I/O with the pure cores, in two phases:
+The scan drives the pure cores (`scanner.facts`, `scanner.layers`) with the registry client and
+the store's `ScanCache`, in two phases (the layer fetching itself is `scanner.layer_reader`;
+publishing a finished report as a referrer is `scanner.publish`, which the service calls):
 
 1. **Config facts.** HEAD for a tag the store has seen (a stored digest then costs nothing
    more; a tag never seen is fetched at once), the manifest, and for every
@@ -8,7 +10,7 @@ This is the only place that combines I/O with the pure cores, in two phases:
    `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
    multi-GB image shows within moments of its push, while its layers are still being read.
 2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
-   linux platforms a GPU fleet runs, by default), `scanner.layers.reader` streams each layer not
+   linux platforms a GPU fleet runs, by default), `scanner.layer_reader` streams each layer not
    already known once, into one walk for every consumer (libc; the CUDA and GPU code the image
    carries, for every image under the default `GPUBADGE_DEEP_SCAN=always`), under one set of bounds. Other platforms get `state: not_analysed` with the
    reason; foreign and non-distributable layers are never fetched and are named.
@@ -31,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
+from scanner.layers.errors import AnalysisCrashed, LayerError
 from scanner.layers.limits import LimitExceeded, scan_too_slow
-from scanner.layers.tarstream import AnalysisCrashed, LayerError
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
 from scanner.registry.errors import RegistryError
@@ -42,8 +44,8 @@ from scanner.settings import ScannerSettings
 
 if TYPE_CHECKING:
     from scanner.cache import ScanCache
+    from scanner.layer_reader import LayerProgress, LayerReader
     from scanner.layers.analysis import AnalysisPool
-    from scanner.layers.reader import LayerProgress, LayerReader
     from scanner.registry.client import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -151,8 +153,8 @@ class Scanner:
     def layers(self) -> LayerReader:
         """The layer reader, built on first use: config-only scans never load the tar and analysis code."""
         if self._reader is None:
+            from scanner.layer_reader import LayerReader
             from scanner.layers.analysis import AnalysisPool
-            from scanner.layers.reader import LayerReader
 
             self._pool = AnalysisPool(self.settings.analysis_processes)
             self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
@@ -483,7 +485,7 @@ class Scanner:
 
     async def _layer_verdicts(self, reference: Reference, facts: _Facts, deadline: float) -> _Facts:
         """Phase 2 for one platform image: its layer verdicts, or its error, never an exception."""
-        from scanner.layers.reader import LayerProgress
+        from scanner.layer_reader import LayerProgress
 
         base = facts.report
         platform = Platform.parse(base.platform)

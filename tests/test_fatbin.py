@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from placement.gpu_code import container_runs_on, ptx_runs_on, sass_runs_on
+from scanner.layers.cuda_sources import needed_finding
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.layers.fatbin import (
     FatbinError,
@@ -21,7 +22,6 @@ from scanner.layers.fatbin import (
     summarise,
     walk_section,
 )
-from scanner.layers.inferred import needed_finding
 from scanner.models import ContainerArchs
 from tests.conftest import skip_unless_required
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members

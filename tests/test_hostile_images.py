@@ -24,11 +24,13 @@ from fixtures.hostile import SHAPES, HostileShape
 from fixtures.oci import LAYER_MEDIA_TYPES, fake_elf
 from fixtures.registry import LocalRegistry
 from fixtures.service import RunningService, run_service_process
+from scanner.layer_reader import LayerProgress, LayerReader
 from scanner.layers.analysis import AnalysisPool
-from scanner.layers.libc import LayerEvidence, LibcAnalysis, PathRecord
+from scanner.layers.errors import AnalysisCrashed
+from scanner.layers.libc import LibcAnalysis
+from scanner.layers.libc_paths import LayerEvidence, PathRecord
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
-from scanner.layers.reader import LayerProgress, LayerReader
-from scanner.layers.tarstream import AnalysisCrashed, TarEntry
+from scanner.layers.tarstream import TarEntry
 from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
 from scanner.registry.descriptors import Descriptor

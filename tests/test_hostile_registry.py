@@ -402,7 +402,7 @@ async def test_unresolvable_host_fails_at_once_with_words() -> None:
 async def test_unresolvable_token_realm_is_not_retried() -> None:
     ref = parse_reference("registry.invalid/some/app:v1")
     async with RegistryClient(settings(retries=4)) as client:
-        client._challenges["registry.invalid"] = Challenge(
+        client._auth._challenges["registry.invalid"] = Challenge(
             "bearer", {"realm": "https://registry.invalid/token", "service": "x"}
         )
         with client.track() as stats, pytest.raises(TransportError, match="name resolution failed") as failed:

@@ -16,7 +16,7 @@ import pytest
 from fixtures.catalog import alpine_base, app_layer, ubuntu_base
 from fixtures.oci import LAYER_MEDIA_TYPES, LayerSpec, file, tar_bytes, whiteout
 from scanner.layers.image import CachedLayer, ImageAnalysis
-from scanner.layers.libc import LayerEvidence
+from scanner.layers.libc_paths import LayerEvidence
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
 
 GZIP = LAYER_MEDIA_TYPES["gzip"]

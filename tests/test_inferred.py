@@ -8,12 +8,14 @@ import json
 import pytest
 
 from fixtures.oci import file, tar_bytes
-from scanner.layers.inferred import (
+from scanner.layers.cuda_evidence import (
     CudaEntryCollector,
     CudaLayerEvidence,
     choose_cuda,
     collect_layer,
     combine,
+)
+from scanner.layers.cuda_sources import (
     dist_info_finding,
     parse_tf_build_info,
     parse_torch_version,

@@ -22,8 +22,9 @@ from fixtures.oci import (
     tar_bytes,
     whiteout,
 )
-from scanner.layers.libc import LayerEvidence, LibcAnalysis, analyse_layer, combine, parse_os_release
-from scanner.layers.tarstream import CorruptLayer
+from scanner.layers.errors import CorruptLayer
+from scanner.layers.libc import LibcAnalysis, analyse_layer, combine
+from scanner.layers.libc_paths import LayerEvidence, parse_os_release
 from scanner.models import LibcVerdict
 
 GiB = 1 << 30

@@ -27,9 +27,10 @@ from fixtures.registry import LocalRegistry
 from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
 from placement.nfd.schema import SPEC_MEDIA_TYPE
 from scanner.models import ImageReport
+from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ARTIFACT_TYPE as REPORT_TYPE
-from scanner.registry.referrers import EMPTY_DIGEST, ReportAttacher, tag_schema_tag
+from scanner.registry.referrers import EMPTY_DIGEST, tag_schema_tag
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
 from tests.test_nfd_schema import check_against_nfd_schema

@@ -1,4 +1,4 @@
-"""Reports as OCI referrers (scanner/registry/referrers.py) against the real Debian docker-registry 2.8.
+"""Reports as OCI referrers (scanner/publish.py over scanner/registry/referrers.py) against the real Debian docker-registry 2.8.
 
 That registry has no referrers API, so every attach goes through the referrers tag schema.
 Images and the foreign tag-schema index are pushed with skopeo; what we pushed is checked
@@ -22,13 +22,13 @@ from fixtures import catalog
 from fixtures.oci import ImageSpec, LayoutWriter
 from fixtures.registry import LocalRegistry, run_registry
 from scanner.models import ImageReport
+from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
 from scanner.registry.push import PushError
 from scanner.registry.referrers import (
     ARTIFACT_TYPE,
     EMPTY_DIGEST,
     EMPTY_MEDIA_TYPE,
-    ReportAttacher,
     Subject,
     build_artifact,
     tag_schema_tag,

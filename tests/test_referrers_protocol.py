@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from scanner.models import ImageReport
+from scanner.publish import ReportAttacher
 from scanner.registry.descriptors import Manifest, compute_digest
 from scanner.registry.push import Fetched, PushedManifest, PushError
-from scanner.registry.referrers import ReportAttacher, tag_schema_tag
+from scanner.registry.referrers import tag_schema_tag
 from scanner.settings import ScannerSettings
 
 HOST = "registry.test:5000"
@@ -85,7 +86,7 @@ class ScriptedPusher:
 def attach(pusher: ScriptedPusher, attempts: int = 1) -> tuple[Any, ReportAttacher]:
     settings = ScannerSettings(registries=[{"host": HOST, "push_anonymous": True}], attach_reports=True)
     attacher = ReportAttacher(settings, StoredSubject())  # type: ignore[arg-type]
-    attacher._pushers[HOST] = pusher  # type: ignore[assignment]
+    attacher.writer._pushers[HOST] = pusher  # type: ignore[assignment]
     report = ImageReport(reference=f"{HOST}/r@{SUBJECT}", digest=SUBJECT, registry=HOST, repository="r")
     return asyncio.run(attacher.attach_one(HOST, "r", SUBJECT, report)), attacher
 
@@ -101,7 +102,7 @@ def test_a_200_referrers_index_means_the_api_and_is_remembered_per_registry() ->
     pusher = ScriptedPusher(referrers_index=True)
     done, attacher = attach(pusher)
     assert done.via == "referrers-api" and not pusher.tags
-    assert attacher._referrers_api == {HOST: True}
+    assert attacher.writer._referrers_api == {HOST: True}
 
 
 def test_conditional_put_refused_reads_again_and_retries() -> None:

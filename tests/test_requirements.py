@@ -17,7 +17,7 @@ from placement.requirements import (
     legacy_cuda_requirement,
     requirement_texts,
 )
-from scanner.facts.requirements import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
+from scanner.facts.require_grammar import RequirementSyntaxError, parse_requirement, parse_requirement_lenient
 from scanner.models import GpuFacts
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -26,7 +26,7 @@ from placement.decide import ImageFacts, decide
 from placement.inventory import Server
 from placement.request import DeployRequest
 from placement.requirements import DeviceFacts, ImageRequirements, evaluate, evaluate_text
-from scanner.facts.requirements import parse_requirement_lenient
+from scanner.facts.require_grammar import parse_requirement_lenient
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

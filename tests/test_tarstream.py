@@ -17,9 +17,9 @@ import zstandard
 
 from fixtures.oci import LAYER_MEDIA_TYPES, Compression, Entry, compress, fake_elf, file, symlink, tar_bytes
 from scanner.layers.elf import parse_elf
+from scanner.layers.errors import CorruptLayer
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
 from scanner.layers.tarstream import (
-    CorruptLayer,
     StreamStats,
     TarEntry,
     TarParser,

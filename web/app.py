@@ -16,8 +16,8 @@ from aiohttp.typedefs import Middleware
 
 from placement.inventory import Server
 from scanner.models import ImageReport
+from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
-from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from web import admission, api, export, fleet, health, openapi, ui, ui_fleet
 from web.architectures import FleetArchitectures

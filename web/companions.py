@@ -1,6 +1,6 @@
 """The artifacts attached beside each report, composed here because they come from placement.
 
-scanner/ attaches what it is handed (`scanner.registry.referrers.Companion`: a media type and
+scanner/ attaches what it is handed (`scanner.publish.Companion`: a media type and
 bytes), and placement/ knows what the bytes say (`placement.exports.nfd`); web/ composes the two,
 so neither imports upward.
 """
@@ -23,7 +23,8 @@ from placement.nfd.schema import (
     spec_document,
 )
 from scanner.models import ImageReport
-from scanner.registry.referrers import Companion, CompanionContent, CompanionDocument
+from scanner.publish import Companion, CompanionDocument
+from scanner.registry.referrers import CompanionContent
 from scanner.settings import ScannerSettings
 
 NFD_KIND = "nfd"

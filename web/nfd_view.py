@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scanner.models import ImageReport
+from scanner.publish import AttachStatus, ReportAttacher
 from scanner.registry.errors import RegistryError
-from scanner.registry.referrers import AttachStatus, ReportAttacher
 from web.companions import NFD_KIND, NfdDocument
 
 log = logging.getLogger(__name__)

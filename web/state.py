@@ -17,8 +17,8 @@ from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 
 if TYPE_CHECKING:
+    from scanner.publish import ReportAttacher
     from scanner.registry.client import RegistryClient
-    from scanner.registry.referrers import ReportAttacher
     from scanner.scan import Scanner
     from web.workers import ScanWorkers
 

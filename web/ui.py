@@ -28,7 +28,7 @@ from markupsafe import Markup
 from placement import gpu_code
 from placement import inferred as placement_inferred
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
-from scanner.facts.requirements import describe_condition, parse_requirement_lenient
+from scanner.facts.require_grammar import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent, queries

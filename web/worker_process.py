@@ -16,8 +16,8 @@ import signal
 from aiohttp import web
 
 from placement.inventory import parse_inventory
+from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
-from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health

@@ -23,7 +23,7 @@ from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.request import DeployRequest
 from placement.requirements import ImageRequirements
-from scanner.facts.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
+from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, latent_error
 from scanner.models import GpuFacts
 
 Version = tuple[int, ...]

@@ -50,7 +50,7 @@ from placement.nfd.schema import (
     dump_spec,
 )
 from placement.requirements import ImageRequirements
-from scanner.facts.requirements import AllOf, Condition, latent_error
+from scanner.facts.require_grammar import AllOf, Condition, latent_error
 from scanner.models import ImageReport, PlatformReport
 
 GPU_TAG = "nvidia-gpu"

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from scanner.facts.requirements import latent_error, parse_requirement_lenient
+from scanner.facts.require_grammar import latent_error, parse_requirement_lenient
 from scanner.models import GpuFacts, RequirementIssue
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"

@@ -49,9 +49,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
+from scanner.layers.errors import AnalysisCrashed, CorruptLayer, LayerError
 from scanner.layers.image import ImageAnalysis, ImageVerdict
 from scanner.layers.limits import AnalysisLimits, LimitExceeded
-from scanner.layers.tarstream import AnalysisCrashed, CorruptLayer, LayerError
 from scanner.layers.walk import LayerWalk
 
 log = logging.getLogger(__name__)

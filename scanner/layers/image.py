@@ -1,7 +1,7 @@
 """The layer analysis of one platform image: one walk of each layer feeds every consumer. Pure.
 
 Two consumers read layers: the libc analysis (`scanner.layers.libc`), which usually decides
-in the first KiB of the top layer, and the inferred-CUDA collector (`scanner.layers.inferred`),
+in the first KiB of the top layer, and the inferred-CUDA collector (`scanner.layers.cuda_evidence`),
 which must see every entry of every layer. `ImageAnalysis` is the one place that decides, layer
 by layer (top layer first), which of them still need the layer:
 
@@ -30,8 +30,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
-from scanner.layers.inferred import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence, combine
-from scanner.layers.libc import DISTRO_BUDGET, EVIDENCE_SCHEMA, LayerCollector, LayerEvidence, LibcAnalysis
+from scanner.layers.cuda_evidence import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence, combine
+from scanner.layers.libc import DISTRO_BUDGET, LayerCollector, LibcAnalysis
+from scanner.layers.libc_paths import EVIDENCE_SCHEMA, LayerEvidence
 from scanner.layers.limits import AnalysisLimits, ScanBudget
 from scanner.layers.walk import EntryCollector, LayerWalk
 from scanner.models import GpuArchs, InferredCuda, LibcVerdict

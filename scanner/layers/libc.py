@@ -49,58 +49,44 @@ bound `LimitExceeded` propagates and the scan fails naming it.
 
 Errors from the stream (CorruptLayer, LimitExceeded) propagate after the partial evidence has been recorded as incomplete, so
 `verdict()` stays truthful (`unknown` unless already decided). `combine()` is the pure
-one-shot form over cached evidences.
+one-shot form over cached evidences. Which paths matter, what each says, and the per-layer
+`LayerEvidence` are `scanner.layers.libc_paths`.
 """
 
 from __future__ import annotations
 
 import posixpath
-import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
-
 from scanner.layers.elf import ElfInfo, parse_elf
+from scanner.layers.libc_paths import (
+    ANCESTORS,
+    BIN_DIRS,
+    EVIDENCE_SCHEMA,
+    OS_RELEASE_PATHS,
+    PROBES,
+    TRIPLET_DIR,
+    LayerEvidence,
+    PathRecord,
+    classify_interpreter,
+    is_probe,
+    is_relevant,
+    loader_flavour,
+    parse_os_release,
+)
 from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
-from scanner.layers.tarstream import EntryKind, StreamStats, TarEntry
+from scanner.layers.tarstream import StreamStats, TarEntry
 from scanner.layers.walk import LayerWalk
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import LibcFlavour, LibcVerdict
 
-EVIDENCE_SCHEMA = 1
 HEAD_BYTES = 4096
 OS_RELEASE_BYTES = 16384
 DISTRO_BUDGET = 256 << 10  # compressed bytes read past the decision while looking for os-release
 
-BIN_DIRS = frozenset({"/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"})
-# Binaries whose interpreter names the system libc; /bin/sh first (uv's order, plus multi-call tools).
-PROBES = (
-    "/bin/sh",
-    "/usr/bin/env",
-    "/bin/busybox",
-    "/bin/bash",
-    "/bin/dash",
-    "/usr/bin/python3",
-    "/usr/local/bin/python3",
-    "/bin/ls",
-    "/usr/bin/perl",
-)
-_PROBE_NAME = re.compile(
-    r"^(sh|bash|dash|ash|zsh|mksh|busybox|toybox|coreutils|env|ls|perl|python3?(\.\d+)?)$"
-)
-OS_RELEASE_PATHS = ("/etc/os-release", "/usr/lib/os-release")
-_ANCESTORS = frozenset(
-    {"/", "/etc", "/usr", "/usr/local"}
-    | BIN_DIRS
-    | {"/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32"}
-)
-_LIB_DIR = re.compile(r"^(/usr)?/lib(32|64|x32)?(/[^/]+-linux-[^/]+)?$")
-_TRIPLET_DIR = re.compile(r"^(/usr)?/lib/[^/]+-linux-[^/]+$")
-_GLIBC_LOADER = re.compile(r"^(ld-linux[^/]*\.so\.\d+|ld64\.so\.\d+)$")
-_MUSL_LOADER = re.compile(r"^ld-musl-[^/]+\.so\.1$")
 # Substrings of loader names that belong to each Docker architecture (used to pick the evidence).
 _ARCH_HINTS: dict[str, tuple[str, ...]] = {
     "amd64": ("x86-64", "x86_64"),
@@ -114,85 +100,6 @@ _ARCH_HINTS: dict[str, tuple[str, ...]] = {
 }
 
 Lookup = Literal["found", "absent", "unknown"]
-
-
-def classify_interpreter(path: str) -> Literal["glibc", "musl"] | None:
-    """The libc an ELF interpreter path names, or None for anything else."""
-    name = posixpath.basename(path)
-    if name.startswith("ld-musl-"):
-        return "musl"
-    if _GLIBC_LOADER.match(name):
-        return "glibc"
-    return None
-
-
-def loader_flavour(path: str) -> Literal["glibc", "musl"] | None:
-    """glibc/musl when `path` is a dynamic loader in a library directory."""
-    directory, name = posixpath.split(path)
-    if not _LIB_DIR.match(directory):
-        return None
-    if _MUSL_LOADER.match(name):
-        return "musl"
-    if _GLIBC_LOADER.match(name):
-        return "glibc"
-    return None
-
-
-def parse_os_release(text: str) -> str | None:
-    """PRETTY_NAME, else `ID VERSION_ID`, else NAME, from os-release text."""
-    values: dict[str, str] = {}
-    for line in text.splitlines():
-        key, equals, value = line.strip().partition("=")
-        if not equals or not key or key.startswith("#"):
-            continue
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-            value = value[1:-1]
-        values[key] = re.sub(r"\\(.)", r"\1", value)
-    if values.get("PRETTY_NAME"):
-        return values["PRETTY_NAME"]
-    if values.get("ID"):
-        return " ".join(v for v in (values["ID"], values.get("VERSION_ID", "")) if v)
-    return values.get("NAME") or None
-
-
-def _is_probe(path: str) -> bool:
-    directory, name = posixpath.split(path)
-    return directory in BIN_DIRS and bool(_PROBE_NAME.match(name))
-
-
-def _relevant(path: str) -> bool:
-    return (
-        path in _ANCESTORS
-        or bool(_TRIPLET_DIR.match(path))
-        or _is_probe(path)
-        or loader_flavour(path) is not None
-        or path in OS_RELEASE_PATHS
-    )
-
-
-class PathRecord(BaseModel):
-    """One relevant entry of a layer.
-
-    `target`: a symlink's target as stored, or the member a hardlink names. `probed`: the
-    file's head was read; then `elf` is its ELF header (None: not ELF, e.g. a script).
-    """
-
-    kind: EntryKind
-    target: str | None = None
-    probed: bool = False
-    elf: ElfInfo | None = None
-    os_release: str | None = None
-
-
-class LayerEvidence(BaseModel):
-    """What one layer contributes to the libc verdict; cacheable by layer digest."""
-
-    schema_version: int = EVIDENCE_SCHEMA
-    complete: bool = Field(default=False, description="the layer was read to its end")
-    entries: dict[str, PathRecord] = Field(default_factory=dict)
-    whiteouts: list[str] = Field(default_factory=list, description="paths deleted from lower layers")
-    opaque_dirs: list[str] = Field(default_factory=list, description="dirs whose lower content is hidden")
 
 
 @dataclass
@@ -294,7 +201,7 @@ class LayerCollector:
                 self._keep()
                 self._bin_elves[path] = elf
         wanted = path in self._wanted
-        if not (_relevant(path) or wanted):
+        if not (is_relevant(path) or wanted):
             return
         record = PathRecord(kind=entry.kind, probed=probed and entry.kind == "file", elf=elf)
         if entry.kind == "symlink":
@@ -314,18 +221,18 @@ class LayerCollector:
     def _add_whiteout(self, kind: str, path: str) -> None:
         """Keep the whiteouts and opaque dirs that can hide something the verdict looks at."""
         if kind == "opaque":
-            if path in _ANCESTORS or _TRIPLET_DIR.match(path):
+            if path in ANCESTORS or TRIPLET_DIR.match(path):
                 self._keep()
                 self._layer.opaque.add(path)
                 self._analysis._index_hide(self._index, path, opaque=True)
-        elif _relevant(path):
+        elif is_relevant(path):
             self._keep()
             self._layer.whiteouts.add(path)
             self._analysis._index_hide(self._index, path, opaque=False)
 
     def _want_target(self, path: str, target: str) -> None:
         """Remember where a probe's symlink points, so that file's head is read too."""
-        if not (_is_probe(path) or path in self._wanted) or not target:
+        if not (is_probe(path) or path in self._wanted) or not target:
             return
         absolute = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
         if absolute in self._layer.entries:

@@ -11,7 +11,7 @@ Two parts:
 
 - `iter_layer`, the async driver. It pulls compressed chunks from an async iterator,
   picks gzip, zstd or plain tar by magic bytes (falling back to the media type, since
-  registries mislabel layers), decompresses in bounded slices into the parser, and
+  registries mislabel layers; `scanner.layers.decompress`), decompresses in bounded slices into the parser, and
   yields entries. It stops pulling as soon as the tar's end marker is seen or the
   consumer stops iterating (use `contextlib.aclosing`). Corrupt input (bad gzip/zstd, a bad
   tar checksum, a truncated archive) raises `CorruptLayer`.
@@ -31,34 +31,18 @@ header larger than `max_tar_header_bytes`; and, with a `ScanBudget`, an image pa
 from __future__ import annotations
 
 import posixpath
-import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import IO, Literal, Protocol, cast
+from typing import Literal, Protocol
 
-import zstandard
-
+from scanner.layers.decompress import Compression, Decoder, decoder_for, detect_compression
+from scanner.layers.errors import CorruptLayer
 from scanner.layers.limits import AnalysisLimits, LimitExceeded, ScanBudget
 
-_inflate: ModuleType = zlib
-try:  # ISA-L's inflate: the same gzip streams, 2-3x faster than zlib (the deep scan reads whole layers)
-    from isal import isal_zlib
-
-    _inflate = isal_zlib
-except ImportError:  # pragma: no cover - isal is a dependency; zlib keeps a source install working
-    pass
-_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, _inflate.error)
-
-
 BLOCK = 512
-DECOMPRESS_SLICE = 256 * 1024
 
 EntryKind = Literal["file", "dir", "symlink", "hardlink", "other"]
-Compression = Literal["gzip", "zstd", "none"]
 
-GZIP_MAGIC = b"\x1f\x8b"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 _REGULAR_TYPES = frozenset(b"07\0")
 # Types whose size field carries no data (tarfile and Go's archive/tar agree): links, dirs, devices, fifos.
@@ -70,18 +54,6 @@ _NO_DATA_TYPES: dict[int, EntryKind] = {
     ord("4"): "other",
     ord("6"): "other",
 }
-
-
-class LayerError(Exception):
-    """A layer could not be read. Messages name the problem, never credentials."""
-
-
-class CorruptLayer(LayerError):
-    """The layer is not a valid (compressed) tar archive."""
-
-
-class AnalysisCrashed(LayerError):
-    """The analysis process reading the layer died mid-scan; scanning again may well succeed."""
 
 
 class _Stopped(Exception):
@@ -411,100 +383,6 @@ class TarParser:
         self._start_stream(rest, self._rest_after_head)
 
 
-# -- decompression
-
-
-class _Decoder(Protocol):
-    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None: ...
-
-
-class _Plain:
-    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
-        for start in range(0, len(data), DECOMPRESS_SLICE):
-            sink(data[start : start + DECOMPRESS_SLICE])
-
-
-class _Gzip:
-    """Multi-member gzip (eStargz layers are many members), output in bounded slices."""
-
-    def __init__(self) -> None:
-        self._inflater = _inflate.decompressobj(wbits=31)
-
-    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
-        pending = data
-        while True:
-            try:
-                out = self._inflater.decompress(pending, DECOMPRESS_SLICE)
-            except _INFLATE_ERRORS as exc:
-                raise CorruptLayer(f"invalid gzip data: {exc}") from None
-            if out:
-                sink(out)
-            if self._inflater.eof:
-                pending = self._inflater.unused_data
-                if pending and pending[:2] != GZIP_MAGIC:
-                    return  # trailing padding after the last member: ignore, as gzip does
-                self._inflater = _inflate.decompressobj(wbits=31)
-                if not pending:
-                    return
-                continue
-            pending = self._inflater.unconsumed_tail
-            # A full output slice may leave output inside zlib even with no input left: drain it.
-            if not pending and len(out) < DECOMPRESS_SLICE:
-                return
-
-
-class _SinkWriter:
-    def __init__(self, sink: Callable[[bytes], None]) -> None:
-        self.sink = sink
-
-    def write(self, data: bytes) -> int:
-        self.sink(bytes(data))
-        return len(data)
-
-
-class _Zstd:
-    """zstd through a stream writer, so output arrives in bounded slices (multi-frame too)."""
-
-    def __init__(self) -> None:
-        self._target = _SinkWriter(lambda _data: None)
-        self._writer = zstandard.ZstdDecompressor().stream_writer(
-            cast(IO[bytes], self._target), write_size=DECOMPRESS_SLICE, write_return_read=True
-        )
-
-    def feed(self, data: bytes, sink: Callable[[bytes], None]) -> None:
-        self._target.sink = sink
-        try:
-            self._writer.write(data)
-        except zstandard.ZstdError as exc:
-            raise CorruptLayer(f"invalid zstd data: {exc}") from None
-
-
-def detect_compression(head: bytes, media_type: str) -> Compression:
-    """Magic bytes first (registries mislabel layers), then the media type."""
-    if head.startswith(GZIP_MAGIC):
-        return "gzip"
-    if head.startswith(ZSTD_MAGIC) or (
-        len(head) >= 4 and head[0] & 0xF0 == 0x50 and head[1:4] == b"\x2a\x4d\x18"
-    ):
-        return "zstd"  # a zstd frame, or a zstd skippable frame (zstd:chunked metadata)
-    if len(head) >= 262 and head[257:262] == b"ustar":
-        return "none"
-    lowered = media_type.lower()
-    if "zstd" in lowered:
-        return "zstd"
-    if "gzip" in lowered:
-        return "gzip"
-    return "none"
-
-
-def _decoder(compression: Compression) -> _Decoder:
-    if compression == "gzip":
-        return _Gzip()
-    if compression == "zstd":
-        return _Zstd()
-    return _Plain()
-
-
 @dataclass
 class StreamStats:
     """Counters the driver updates as it goes, for reports and tests."""
@@ -543,7 +421,7 @@ class LayerFeeder:
         self._stop = stop
         self._budget = budget
         self._parser = TarParser(want, self._limits, stream)
-        self._decoder: _Decoder | None = None
+        self._decoder: Decoder | None = None
         self._sniff = b""
         self._finished = False
 
@@ -589,7 +467,7 @@ class LayerFeeder:
             if len(self._sniff) < 262:
                 return True
             self.stats.compression = detect_compression(self._sniff, self._media_type)
-            self._decoder, chunk, self._sniff = _decoder(self.stats.compression), self._sniff, b""
+            self._decoder, chunk, self._sniff = decoder_for(self.stats.compression), self._sniff, b""
         try:
             self._decoder.feed(chunk, self._sink)
         except _Stopped:
@@ -606,7 +484,7 @@ class LayerFeeder:
             if not self._sniff:
                 raise CorruptLayer("layer is empty: no data")
             self.stats.compression = detect_compression(self._sniff, self._media_type)
-            self._decoder = _decoder(self.stats.compression)
+            self._decoder = decoder_for(self.stats.compression)
             try:
                 self._decoder.feed(self._sniff, self._sink)
             except _Stopped:

@@ -1,23 +1,28 @@
-"""Registry authentication, without I/O: challenges, token requests and responses, a token cache.
+"""Registry authentication: challenges, token requests and responses, a token cache, and the
+token flow (`RegistryAuth`) that the registry client runs them through.
 
-The registry client does the HTTP; this module decides what to send. We never
-ping `/v2/`: the real request's 401 carries the challenge, and we remember each
-host's challenge so later repositories on that host get a token before their
-first request instead of after a wasted 401.
+The registry client does the HTTP (one seam: `RegistryAuth`'s `exchange`); this module decides
+what to send. We never ping `/v2/`: the real request's 401 carries the challenge, and we remember
+each host's challenge so later repositories on that host get a token before their first request
+instead of after a wasted 401.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from scanner.registry.credentials import Credentials
-from scanner.registry.reference import is_loopback, split_host
+from scanner.registry.credentials import Credentials, CredentialStore
+from scanner.registry.errors import TokenRealmRefused, Unauthorized
+from scanner.registry.reference import DOCKER_HUB_API, is_loopback, split_host
+from scanner.registry.retry import RetryPolicy
+from scanner.settings import ScannerSettings
 
 DEFAULT_TOKEN_LIFETIME = 60.0
 TOKEN_EXPIRY_MARGIN = 5.0
@@ -278,3 +283,132 @@ class TokenCache:
 
     def __repr__(self) -> str:
         return f"TokenCache({len(self._tokens)} tokens)"
+
+
+# Docker Hub's challenge is well known: asking for its token first saves a 401 per cold start.
+DOCKER_HUB_CHALLENGE = Challenge(
+    "bearer", {"realm": "https://auth.docker.io/token", "service": "registry.docker.io"}
+)
+
+TokenExchange = Callable[[str, TokenRequest, Credentials | None], Awaitable[bytes]]
+
+
+def describe_token_request(host: str, request: TokenRequest) -> str:
+    """`token from <realm host><path> for <registry>`: how errors name a token request (no secrets)."""
+    realm = urlsplit(request.url)
+    return f"token from {realm.netloc}{realm.path} for {host}"
+
+
+class RegistryAuth:
+    """The token flow of one `RegistryClient`, one step per method, as httpx's `Auth` does it.
+
+    `authorization` is what a request carries up front (a configured registry token, or what the
+    host's remembered challenge asks for); `answer_challenge` takes a 401's challenges and gets
+    what they ask for; `token` is a cached token or a fresh one, single-flight per (host, service,
+    scope); `fetch_token` builds the token request, checks its realm (`check_realm`) and parses
+    the answer. The one seam to the network is `exchange`: the client sends the token request
+    with its HTTP session, counts and observes it, and maps a refusal to a `RegistryError`.
+    """
+
+    def __init__(
+        self,
+        settings: ScannerSettings,
+        credentials: CredentialStore,
+        retry: RetryPolicy,
+        exchange: TokenExchange,
+    ) -> None:
+        self.settings = settings
+        self.credentials = credentials
+        self.retry = retry
+        self._exchange = exchange
+        self._challenges: dict[str, Challenge] = {DOCKER_HUB_API: DOCKER_HUB_CHALLENGE}
+        self._tokens = TokenCache()
+        self._token_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+
+    async def authorization(self, host: str, repository: str) -> str | None:
+        """The Authorization header to send up front, if we already know what this host wants."""
+        credentials = await self.credentials.get(host)
+        if credentials is not None and credentials.registry_token is not None:
+            return "Bearer " + credentials.registry_token.get_secret_value()
+        challenge = self._challenges.get(host)
+        if challenge is None:
+            return None
+        if challenge.scheme == "basic":
+            return basic_authorization(credentials) if credentials else None
+        token = await self.token(host, challenge, repository, credentials, rejected=None)
+        return f"Bearer {token}"
+
+    async def answer_challenge(
+        self, host: str, repository: str, challenges: list[Challenge], sent: str | None
+    ) -> bool:
+        """Remember the host's challenge and get what it asks for; False if we have nothing to offer."""
+        if not challenges and host in self._challenges:
+            challenges = [self._challenges[host]]
+        credentials = await self.credentials.get(host)
+        bearer = next((c for c in challenges if c.scheme == "bearer" and c.realm), None)
+        if bearer is not None:
+            remembered = Challenge("bearer", {k: v for k, v in bearer.params.items() if k != "scope"})
+            self._challenges[host] = remembered
+            rejected = sent.removeprefix("Bearer ") if sent and sent.startswith("Bearer ") else None
+            scope = bearer.params.get("scope")
+            await self.token(host, remembered, repository, credentials, rejected=rejected, scope=scope)
+            return True
+        basic = next((c for c in challenges if c.scheme == "basic"), None)
+        if basic is not None:
+            self._challenges[host] = basic
+            offer = basic_authorization(credentials) if credentials else None
+            return offer is not None and offer != sent
+        return False
+
+    async def token(
+        self,
+        host: str,
+        challenge: Challenge,
+        repository: str,
+        credentials: Credentials | None,
+        *,
+        rejected: str | None,
+        scope: str | None = None,
+    ) -> str:
+        """A cached or fresh token for pulling `repository`; single-flight per (host, service, scope)."""
+        key = (host, challenge.service or "", pull_scope(repository))
+        lock = self._token_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            cached = self._tokens.get(key)
+            if cached is not None and cached != rejected:
+                return cached
+            scopes = [pull_scope(repository)]
+            if scope and scope not in scopes:
+                scopes.insert(0, scope)
+            token, lifetime = await self.retry.run(
+                lambda: self.fetch_token(host, challenge, scopes, credentials), host=host
+            )
+            self._tokens.put(key, token, lifetime)
+            return token
+
+    def realm_allowlist(self) -> set[str]:
+        """Configured registries and their mirrors: hosts a token realm may name."""
+        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
+
+    async def fetch_token(
+        self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
+    ) -> tuple[str, float]:
+        try:
+            request = build_token_request(challenge, scopes, credentials)
+        except ValueError as exc:
+            raise Unauthorized(f"{host}: {exc}", host=host) from None
+        try:
+            check_realm(
+                host,
+                request.url,
+                allowlist=self.realm_allowlist(),
+                sends_credentials=request.sends_credentials,
+                insecure_hosts=[entry.host for entry in self.settings.registries if entry.insecure],
+            )
+        except RealmRefused as exc:
+            raise TokenRealmRefused(str(exc), host=host) from None
+        body = await self._exchange(host, request, credentials)
+        try:
+            return parse_token_response(body)
+        except ValueError as exc:
+            raise Unauthorized(f"{describe_token_request(host, request)}: {exc}", host=host) from None

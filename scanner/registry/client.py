@@ -1,9 +1,12 @@
-"""The OCI distribution client: the only code in gpubadge that talks to registries.
+"""The OCI distribution client that reads registries (manifests, blobs, referrers) with the
+scanner's pull credentials. Writes go through `scanner.registry.push` (oras-py, with each
+registry's push account); scanner/registry/ is the only code in gpubadge that talks to registries.
 
 What it guarantees, so callers need not think about it:
 - every manifest and blob is checked against its sha256 (streams at EOF);
 - sizes are capped by Content-Length and again while reading;
-- tokens come lazily from the 401 challenge (no `/v2/` ping) and are cached per scope;
+- tokens come lazily from the 401 challenge (no `/v2/` ping) and are cached per scope
+  (`scanner.registry.auth.RegistryAuth`; this client only sends its token requests);
 - redirects are followed here, and Authorization never crosses to another host;
 - 5xx, resets and timeouts are retried with backoff and jitter, 429 honours Retry-After;
 - a read slower than `min_transfer_rate` over `min_transfer_window` is cut off (`transfer`),
@@ -28,17 +31,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 
 from scanner.registry import mirrors, redirects
-from scanner.registry.auth import (
-    Challenge,
-    RealmRefused,
-    TokenCache,
-    basic_authorization,
-    build_token_request,
-    check_realm,
-    parse_challenges,
-    parse_token_response,
-    pull_scope,
-)
+from scanner.registry.auth import RegistryAuth, TokenRequest, describe_token_request, parse_challenges
 from scanner.registry.blobs import BlobStream
 from scanner.registry.credentials import Credentials, CredentialStore
 from scanner.registry.descriptors import (
@@ -59,7 +52,6 @@ from scanner.registry.errors import (
     RateLimited,
     RegistryError,
     ServerError,
-    TokenRealmRefused,
     TooLarge,
     TransportError,
     Unauthorized,
@@ -67,7 +59,7 @@ from scanner.registry.errors import (
     error_codes,
     transport_error,
 )
-from scanner.registry.reference import DOCKER_HUB_API, Reference, ReferenceError, is_loopback, validate_digest
+from scanner.registry.reference import Reference, ReferenceError, is_loopback, validate_digest
 from scanner.registry.retry import RETRYABLE_STATUSES, RetryPolicy, parse_rate_limit, parse_retry_after
 from scanner.registry.stats import RequestStats, count, track
 from scanner.registry.transfer import TransferGuard
@@ -75,9 +67,6 @@ from scanner.settings import ScannerSettings
 
 log = logging.getLogger(__name__)
 
-DOCKER_HUB_CHALLENGE = Challenge(
-    "bearer", {"realm": "https://auth.docker.io/token", "service": "registry.docker.io"}
-)
 ERROR_BODY_MAX = 4096
 
 T = TypeVar("T")
@@ -115,10 +104,7 @@ class RegistryClient:
         self._credentials = credentials or CredentialStore(self.settings)
         self._session: aiohttp.ClientSession | None = None
         self._semaphores: dict[str, asyncio.Semaphore] = {}
-        # Docker Hub's challenge is well known: asking for its token first saves a 401 per cold start.
-        self._challenges: dict[str, Challenge] = {DOCKER_HUB_API: DOCKER_HUB_CHALLENGE}
-        self._tokens = TokenCache()
-        self._token_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        self._auth = RegistryAuth(self.settings, self._credentials, self._retry, self._token_exchange)
         # one request's bound, the same for every small read: made once (it is immutable)
         self._request_timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
 
@@ -455,7 +441,7 @@ class RegistryClient:
             )
         answered_challenge = False
         while True:
-            authorization = await self._authorization(host, repository)
+            authorization = await self._auth.authorization(host, repository)
             response = await redirects.follow(
                 self._send,
                 method,
@@ -470,7 +456,7 @@ class RegistryClient:
             if response.status == 401 and not answered_challenge:
                 challenges = parse_challenges(response.headers.getall("WWW-Authenticate", []))
                 response.release()
-                if await self._answer_challenge(host, repository, challenges, authorization):
+                if await self._auth.answer_challenge(host, repository, challenges, authorization):
                     answered_challenge = True
                     continue
             if 200 <= response.status < 300:
@@ -528,8 +514,6 @@ class RegistryClient:
                 raise
             raise slow from None
 
-    # --- auth ----------------------------------------------------------------------------------
-
     def _refuse_schema1(self, media_type: str, ref: Reference) -> None:
         if media_type in SCHEMA1_MEDIA_TYPES:
             raise UnsupportedManifest(
@@ -537,91 +521,14 @@ class RegistryClient:
                 "re-push the image with a current Docker or skopeo"
             )
 
-    async def _authorization(self, host: str, repository: str) -> str | None:
-        """The Authorization header to send up front, if we already know what this host wants."""
-        credentials = await self._credentials.get(host)
-        if credentials is not None and credentials.registry_token is not None:
-            return "Bearer " + credentials.registry_token.get_secret_value()
-        challenge = self._challenges.get(host)
-        if challenge is None:
-            return None
-        if challenge.scheme == "basic":
-            return basic_authorization(credentials) if credentials else None
-        token = await self._token(host, challenge, repository, credentials, rejected=None)
-        return f"Bearer {token}"
-
-    async def _answer_challenge(
-        self, host: str, repository: str, challenges: list[Challenge], sent: str | None
-    ) -> bool:
-        """Remember the host's challenge and get what it asks for; False if we have nothing to offer."""
-        if not challenges and host in self._challenges:
-            challenges = [self._challenges[host]]
-        credentials = await self._credentials.get(host)
-        bearer = next((c for c in challenges if c.scheme == "bearer" and c.realm), None)
-        if bearer is not None:
-            remembered = Challenge("bearer", {k: v for k, v in bearer.params.items() if k != "scope"})
-            self._challenges[host] = remembered
-            rejected = sent.removeprefix("Bearer ") if sent and sent.startswith("Bearer ") else None
-            scope = bearer.params.get("scope")
-            await self._token(host, remembered, repository, credentials, rejected=rejected, scope=scope)
-            return True
-        basic = next((c for c in challenges if c.scheme == "basic"), None)
-        if basic is not None:
-            self._challenges[host] = basic
-            offer = basic_authorization(credentials) if credentials else None
-            return offer is not None and offer != sent
-        return False
-
-    async def _token(
-        self,
-        host: str,
-        challenge: Challenge,
-        repository: str,
-        credentials: Credentials | None,
-        *,
-        rejected: str | None,
-        scope: str | None = None,
-    ) -> str:
-        """A cached or fresh token for pulling `repository`; single-flight per (host, service, scope)."""
-        key = (host, challenge.service or "", pull_scope(repository))
-        lock = self._token_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            cached = self._tokens.get(key)
-            if cached is not None and cached != rejected:
-                return cached
-            scopes = [pull_scope(repository)]
-            if scope and scope not in scopes:
-                scopes.insert(0, scope)
-            token, lifetime = await self._retry.run(
-                lambda: self._fetch_token(host, challenge, scopes, credentials), host=host
-            )
-            self._tokens.put(key, token, lifetime)
-            return token
-
-    def _realm_allowlist(self) -> set[str]:
-        """Configured registries and their mirrors: hosts a token realm may name."""
-        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
-
-    async def _fetch_token(
-        self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
-    ) -> tuple[str, float]:
-        try:
-            request = build_token_request(challenge, scopes, credentials)
-        except ValueError as exc:
-            raise Unauthorized(f"{host}: {exc}", host=host) from None
-        try:
-            check_realm(
-                host,
-                request.url,
-                allowlist=self._realm_allowlist(),
-                sends_credentials=request.sends_credentials,
-                insecure_hosts=[entry.host for entry in self.settings.registries if entry.insecure],
-            )
-        except RealmRefused as exc:
-            raise TokenRealmRefused(str(exc), host=host) from None
+    async def _token_exchange(
+        self, host: str, request: TokenRequest, credentials: Credentials | None
+    ) -> bytes:
+        """The seam `RegistryAuth` fetches tokens through: one request to the token server, counted
+        and observed; the body of a 200, else the status mapped to a `RegistryError`."""
         realm = urlsplit(request.url)
         count(self.totals, token_requests=1)
-        what = f"token from {realm.netloc}{realm.path} for {host}"
+        what = describe_token_request(host, request)
         headers = {"Authorization": request.authorization} if request.authorization else {}
         try:
             async with self._http().request(
@@ -657,7 +564,4 @@ class RegistryClient:
             raise TransportError(
                 f"{error} (fetching a token for {host})", retryable=error.retryable, host=host
             ) from None
-        try:
-            return parse_token_response(body)
-        except ValueError as exc:
-            raise Unauthorized(f"{what}: {exc}", host=host) from None
+        return body

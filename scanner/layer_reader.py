@@ -1,7 +1,10 @@
 """Read the layers of platform images: each layer fetched once, only when its answer is used.
 
-The I/O around `scanner.layers.image.ImageAnalysis`, which runs in an analysis process
-(`scanner.layers.analysis`). For one platform image, layers go top layer first:
+The I/O around the pure layer walk: this module joins the registry client (blobs streamed by
+`RegistryClient.stream_blob`), the layer cache (`scanner.cache.ScanCache`) and the analysis
+processes (`scanner.layers.analysis`, where `scanner.layers.image.ImageAnalysis` takes bytes in
+and gives verdicts out; nothing under scanner/layers/ imports scanner/registry/). The scan
+(`scanner.scan`) drives it. For one platform image, layers go top layer first:
 
 - a layer that must never be fetched (foreign or non-distributable: `not_distributable`) is
   skipped and named; the analysis counts it unread;

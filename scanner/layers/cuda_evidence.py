@@ -6,7 +6,7 @@ cacheable `CudaLayerEvidence` (by layer digest); `combine()` merges them with ov
 an upper layer's file wins over a lower one at the same path, and whiteouts / opaque dirs hide
 lower evidence as they hide files.
 
-Sources (see the shared cuda_inference note for the facts behind each):
+Sources (read by `scanner.layers.cuda_sources`; see the shared cuda_inference note for the facts behind each):
 * `torch/version.py` (`cuda: Optional[str] = '12.1'`, or the old `cuda = '11.1'`; None = no CUDA);
 * NVIDIA wheels: `nvidia_<comp>_cu11/12-<ver>.dist-info`, `nvidia/<comp>/lib/lib*.so.N`, and CUDA 13's
   unsuffixed wheels (files under `nvidia/cu13/`); 0.0.1 placeholders are skipped; only the runtime,
@@ -26,16 +26,37 @@ wrote it (`ptx` evidence: ISA 8.7 is CUDA 12.8). `set_by` quotes the evidence th
 
 from __future__ import annotations
 
-import ast
-import json
 import posixpath
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from scanner.layers.cuda_sources import (
+    CONDA_META,
+    CONDA_PACKAGES,
+    JAX_DIR,
+    NVIDIA_LIB,
+    PYTORCH_BUILD,
+    SONAME_IS_CUDA_MAJOR,
+    TF_BUILD_INFO,
+    TOOLKIT_DIR,
+    TOOLKIT_VERSION_FILE,
+    TORCH_VERSION,
+    Finding,
+    Source,
+    dist_info_component,
+    dist_info_finding,
+    major_minor,
+    needed_finding,
+    parse_conda_meta,
+    parse_tf_build_info,
+    parse_toolkit_version,
+    parse_torch_release,
+    parse_torch_version,
+    tf_cuda_version,
+)
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, ptx_toolkit, summarise
 from scanner.layers.tarstream import TarEntry
@@ -51,7 +72,6 @@ MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
 
-Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf", "ptx"]
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
     "torch",
@@ -64,39 +84,6 @@ SOURCE_ORDER: tuple[Source, ...] = (
     "elf",
     "ptx",  # the toolkit that wrote a file's PTX: sets the version only where nothing else names the minor
 )
-
-_TORCH_VERSION = re.compile(r"/torch/version\.py$")
-_TF_BUILD_INFO = re.compile(r"/tensorflow/python/platform/build_info\.py$")
-_NVIDIA_DIST = re.compile(r"^nvidia_([a-z0-9_]+?)(?:_cu(\d{2,3}))?-([0-9][^/-]*)\.dist-info$")
-_NVIDIA_LIB = re.compile(r"/nvidia/([a-z0-9_]+)/lib/lib([A-Za-z_]+)\.so\.(\d+)")
-_JAX_DIR = re.compile(r"^(?:jax_cuda(\d+)_(?:plugin|pjrt)|xla_cuda(\d+))$")
-_JAX_DIST = re.compile(r"^jax_cuda(\d+)_(?:plugin|pjrt)-([0-9][^/-]*)\.dist-info$")
-_JAXLIB_DIST = re.compile(r"^jaxlib-[0-9][^/-]*\+cuda(\d+)[^/-]*\.dist-info$")
-_CUPY_DIST = re.compile(r"^cupy_cuda(\d+)(x?)-([0-9][^/-]*)\.dist-info$")
-_CONDA_META = re.compile(r"/conda-meta/([^/]+)-([^-/]+)-([^-/]+)\.json$")
-_TOOLKIT_DIR = re.compile(r"^/usr/local/cuda-(\d+)\.(\d+)(?:/|$)")
-_TOOLKIT_VERSION_FILE = re.compile(r"^/usr/local/cuda(?:-\d+\.\d+)?/version\.(json|txt)$")
-_DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
-_PYTORCH_BUILD = re.compile(r"cuda(\d+)\.(\d+)")
-
-# Wheels whose version is the CUDA toolkit's own (12.1.105 -> 12.1); the others version separately.
-TOOLKIT_VERSIONED_WHEELS = frozenset({"cuda_runtime", "cuda_nvrtc", "cuda_cupti", "cuda_nvcc"})
-CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytorch"})
-# SONAMEs whose number is the CUDA major (cuFFT, cuRAND, cuSOLVER, cuDNN, NCCL number their own).
-SONAME_IS_CUDA_MAJOR = frozenset(
-    {"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg", "cusparse"}
-)
-_NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d+))?")
-
-
-class Finding(BaseModel):
-    """One piece of evidence. `cuda` None: it proves CUDA is there (or, with `no_cuda`, is not)
-    without saying which version."""
-
-    source: Source
-    cuda: str | None = None
-    detail: str
-    no_cuda: bool = Field(default=False, description="says this is a CPU/ROCm/XPU build")
 
 
 class CudaLayerEvidence(BaseModel):
@@ -112,164 +99,6 @@ class CudaLayerEvidence(BaseModel):
     whiteouts: list[str] = Field(default_factory=list)
     opaque_dirs: list[str] = Field(default_factory=list)
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
-
-
-# -- parsers of small files (pure, never raise)
-
-
-def _major_minor(version: str) -> str | None:
-    match = _DOTTED.match(version.strip())
-    if not match:
-        return None
-    return f"{int(match.group(1))}.{int(match.group(2))}" if match.group(2) else str(int(match.group(1)))
-
-
-def parse_torch_version(text: str) -> str | Literal[False] | None:
-    """`cuda` of torch/version.py: "12.1", None (a CPU/ROCm/XPU build), or False when unreadable."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return False
-    for node in tree.body:
-        target: ast.expr | None = None
-        value: ast.expr | None = None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(value, ast.Constant):
-            if value.value is None:
-                return None
-            if isinstance(value.value, str):
-                return _major_minor(value.value) or False
-    return False
-
-
-_TORCH_RELEASE = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([0-9][0-9A-Za-z.+_-]{0,63})['"]""", re.M)
-
-
-def parse_torch_release(text: str) -> str | None:
-    """`__version__` of torch/version.py ("2.9.1+cu130"), or None."""
-    match = _TORCH_RELEASE.search(text)
-    return match.group(1) if match else None
-
-
-def parse_tf_build_info(text: str) -> dict[str, object] | None:
-    """The `build_info` mapping of TensorFlow's build_info.py (a dict or an OrderedDict of pairs)."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
-            continue
-        target = node.targets[0]
-        if not (isinstance(target, ast.Name) and target.id == "build_info"):
-            continue
-        value = node.value
-        if isinstance(value, ast.Call) and len(value.args) == 1:
-            value = value.args[0]  # collections.OrderedDict([(k, v), ...])
-        try:
-            literal = ast.literal_eval(value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-        if isinstance(literal, dict):
-            return {str(k): v for k, v in literal.items()}
-        if isinstance(literal, list) and all(isinstance(p, tuple) and len(p) == 2 for p in literal):
-            return {str(k): v for k, v in literal}
-    return None
-
-
-def tf_cuda_version(raw: str) -> str | None:
-    """'12.1' -> 12.1; Windows '64_112' -> 11.2; '11' -> 11."""
-    if "_" in raw:
-        digits = raw.rsplit("_", 1)[1]
-        return f"{digits[:-1]}.{digits[-1]}" if len(digits) >= 2 and digits.isdigit() else None
-    return _major_minor(raw)
-
-
-def parse_conda_meta(text: str) -> tuple[str, str] | None:
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    version = data.get("version")
-    return (data["name"], version) if isinstance(version, str) else None
-
-
-def parse_toolkit_version(kind: str, text: str) -> str | None:
-    if kind == "json":
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError):
-            return None
-        cuda = data.get("cuda") if isinstance(data, dict) else None
-        version = cuda.get("version") if isinstance(cuda, dict) else None
-        return _major_minor(version) if isinstance(version, str) else None
-    match = re.search(r"CUDA Version (\d+\.\d+)", text)
-    return match.group(1) if match else None
-
-
-def _dist_info_component(path: str) -> tuple[str, str] | None:
-    """(dist-info dir path, its name) when `path` lies in or is a `*.dist-info` directory."""
-    parts = path.split("/")
-    for index, part in enumerate(parts):
-        if part.endswith(".dist-info"):
-            return "/".join(parts[: index + 1]), part
-    return None
-
-
-def dist_info_finding(name: str) -> Finding | None:
-    """Evidence from a `*.dist-info` directory name, or None."""
-    match = _NVIDIA_DIST.match(name)
-    if match:
-        component, suffix, version = match.groups()
-        if version.startswith("0.0."):
-            return None  # placeholder packages (nvidia-*-cu13 0.0.1, nvidia-*-cu110..116 0.0.1.dev5)
-        if suffix is None:
-            major = version.split(".", 1)[0]
-            if component not in TOOLKIT_VERSIONED_WHEELS or not major.isdigit() or int(major) < 13:
-                return None  # unsuffixed: CUDA 13+ toolkit wheels only (nvidia-ml-py is not CUDA)
-            return Finding(
-                source="nvidia-wheel", cuda=_major_minor(version), detail=f"nvidia-{component} {version}"
-            )
-        major = suffix if len(suffix) == 2 else suffix[:2]
-        pip_name = f"nvidia-{component.replace('_', '-')}-cu{suffix}"
-        cuda = _major_minor(version) if component in TOOLKIT_VERSIONED_WHEELS else major
-        if cuda is not None and component in TOOLKIT_VERSIONED_WHEELS and cuda.split(".")[0] != major:
-            cuda = major
-        return Finding(source="nvidia-wheel", cuda=cuda, detail=f"{pip_name} {version}")
-    match = _JAX_DIST.match(name)
-    if match:
-        return Finding(source="jax", cuda=match.group(1), detail=f"{name.removesuffix('.dist-info')}")
-    match = _JAXLIB_DIST.match(name)
-    if match:
-        return Finding(source="jax", cuda=match.group(1), detail=f"{name.removesuffix('.dist-info')}")
-    match = _CUPY_DIST.match(name)
-    if match:
-        digits, family, version = match.groups()
-        if family:
-            cuda = digits
-        elif len(digits) == 3:
-            cuda = f"{digits[:2]}.{digits[2]}"
-        elif len(digits) == 2:
-            cuda = f"{digits[0]}.{digits[1]}"
-        else:
-            return None
-        return Finding(source="cupy", cuda=cuda, detail=f"cupy-cuda{digits}{family} {version}")
-    return None
-
-
-def needed_finding(needed: Sequence[str]) -> Finding:
-    majors = []
-    for soname in needed:
-        match = _NEEDED.match(soname)
-        if match and match.group(1) in SONAME_IS_CUDA_MAJOR and match.group(2):
-            majors.append(int(match.group(2)))
-    cuda = str(min(majors)) if majors else None
-    return Finding(source="elf", cuda=cuda, detail=f"links {', '.join(needed)}")
 
 
 # -- one layer
@@ -290,9 +119,9 @@ class CudaLayerCollector:
         if entry.kind != "file":
             return 0
         path = entry.path
-        if _TORCH_VERSION.search(path) or _TF_BUILD_INFO.search(path) or _TOOLKIT_VERSION_FILE.match(path):
+        if TORCH_VERSION.search(path) or TF_BUILD_INFO.search(path) or TOOLKIT_VERSION_FILE.match(path):
             return SMALL_FILE_BYTES
-        conda = _CONDA_META.search(path)
+        conda = CONDA_META.search(path)
         if conda and conda.group(1) in CONDA_PACKAGES:
             return CONDA_META_BYTES
         return 0
@@ -327,7 +156,7 @@ class CudaLayerCollector:
         if entry.kind != "file" or not head:
             return
         text = head.decode("utf-8", "replace")
-        if _TORCH_VERSION.search(path):
+        if TORCH_VERSION.search(path):
             cuda = parse_torch_version(text)
             if cuda is False:
                 self._shadow(path)
@@ -340,15 +169,15 @@ class CudaLayerCollector:
                 release = parse_torch_release(text)
                 detail = f"torch {release}, cuda = '{cuda}'" if release else f"cuda = '{cuda}'"
                 self._finding(path, Finding(source="torch", cuda=cuda, detail=detail))
-        elif _TF_BUILD_INFO.search(path):
+        elif TF_BUILD_INFO.search(path):
             self._add_tf(path, text)
-        elif (match := _TOOLKIT_VERSION_FILE.match(path)) is not None:
+        elif (match := TOOLKIT_VERSION_FILE.match(path)) is not None:
             version = parse_toolkit_version(match.group(1), text)
             if version:
                 self._finding(path, Finding(source="toolkit", cuda=version, detail=f"CUDA toolkit {version}"))
             else:
                 self._shadow(path)
-        elif (conda := _CONDA_META.search(path)) is not None:
+        elif (conda := CONDA_META.search(path)) is not None:
             self._add_conda(path, text, conda)
 
     def _add_tf(self, path: str, text: str) -> None:
@@ -376,7 +205,7 @@ class CudaLayerCollector:
             return
         if name == "pytorch":
             build = match.group(3)
-            found = _PYTORCH_BUILD.search(build)
+            found = PYTORCH_BUILD.search(build)
             if found is None:
                 self._finding(
                     path, Finding(source="conda", detail=f"pytorch {version} {build}", no_cuda=True)
@@ -385,17 +214,17 @@ class CudaLayerCollector:
                 cuda = f"{found.group(1)}.{found.group(2)}"
                 self._finding(path, Finding(source="conda", cuda=cuda, detail=f"pytorch {version} {build}"))
             return
-        self._finding(path, Finding(source="conda", cuda=_major_minor(version), detail=f"{name} {version}"))
+        self._finding(path, Finding(source="conda", cuda=major_minor(version), detail=f"{name} {version}"))
 
     def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
         """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees."""
-        dist = _dist_info_component(path)
+        dist = dist_info_component(path)
         if dist is not None and dist[0] not in self._dirs_seen:
             self._dirs_seen.add(dist[0])
             finding = dist_info_finding(dist[1])
             if finding is not None:
                 self._finding(dist[0], finding)
-        toolkit = _TOOLKIT_DIR.match(path)
+        toolkit = TOOLKIT_DIR.match(path)
         if toolkit is not None:
             root = f"/usr/local/cuda-{toolkit.group(1)}.{toolkit.group(2)}"
             if root not in self._dirs_seen:
@@ -406,7 +235,7 @@ class CudaLayerCollector:
                 )
         parts = path.split("/")
         for index, part in enumerate(parts[:-1] if entry.kind != "dir" else parts):
-            jax = _JAX_DIR.match(part)
+            jax = JAX_DIR.match(part)
             if jax is not None:
                 root = "/".join(parts[: index + 1])
                 if root not in self._dirs_seen:
@@ -423,7 +252,7 @@ class CudaLayerCollector:
                         root, Finding(source="nvidia-wheel", cuda="13", detail="CUDA 13 wheel files")
                     )
                 break
-        lib = _NVIDIA_LIB.search(path)
+        lib = NVIDIA_LIB.search(path)
         if lib is not None and lib.group(2) in SONAME_IS_CUDA_MAJOR and entry.kind in ("file", "symlink"):
             root = path[: lib.start()] + f"/nvidia/{lib.group(1)}/lib"
             if root not in self._dirs_seen:
