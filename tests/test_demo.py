@@ -55,7 +55,7 @@ def test_make_run_demo_shows_the_findings_and_its_tour_works(tmp_path: Path) -> 
         service, registry = found.groups()
         expected = {
             "samples/pip-torch:2.3": "cuda-12.1-inferred",  # CUDA found in the layers, none declared
-            "samples/cuda-mismatch:11.8": "cuda-mismatch",  # carried 12.4, declared 11.8
+            "samples/cuda-mismatch:11.8": "cuda-newer-inside",  # carries 12.4, declares 11.8
             "samples/bad-require:12.2": "requirement-error",
         }
         for name, badge in expected.items():

@@ -238,16 +238,18 @@ def test_listing_rows_show_what_the_layers_found() -> None:
 
     assert row(False, [], []) == ["CPU only", "glibc"]
     assert row(False, [], ["cuda-12.1-inferred", "glibc"]) == ["CUDA 12.1 inside (inferred)", "glibc"]
-    mismatch = row(
-        True, ["11.8"], ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-mismatch", "glibc"]
+    newer = row(
+        True, ["11.8"], ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-newer-inside", "glibc"]
     )
-    assert mismatch == [
+    assert newer == [
         "NVIDIA GPU",
         "CUDA 11.8",
         "CUDA 12.4 inside (inferred)",
-        "declared and inferred CUDA differ",
+        "carries a newer CUDA than declared: needs its driver",
         "glibc",
     ]
+    older = row(True, ["12.4"], ["nvidia-gpu", "cuda-12.4", "cuda-11.8-inferred", "cuda-mismatch", "glibc"])
+    assert "carries an older CUDA than declared" in older
     assert "requirement error" in row(True, ["12.2"], ["nvidia-gpu", "requirement-error"])
 
 

@@ -224,8 +224,13 @@ LEGEND = (
         "CUDA found in the layers; no NVIDIA variable declares it",
     ),
     (
-        BadgeView("declared and inferred CUDA differ", "warn"),
-        "the layers carry another CUDA than the config declares (a driver picked by the declaration may not run it)",
+        BadgeView("carries a newer CUDA than declared: needs its driver", "warn"),
+        "the layers carry a newer CUDA than the config declares (torch cu130 on a 12.8 base): the newer CUDA's"
+        " driver floor applies",
+    ),
+    (
+        BadgeView("carries an older CUDA than declared", "warn"),
+        "the layers carry an older CUDA than the config declares: the declaration decides the driver",
     ),
     (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU, and no CUDA was found in it"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
@@ -266,7 +271,14 @@ def badge_view(name: str) -> BadgeView:
 
 
 # Platform badges a listing row adds to what its columns say: the findings of the layers.
-_FINDINGS = ("cuda-mismatch", "requirement-error", "require-disabled", "musl-also", "cuda-inferred")
+_FINDINGS = (
+    "cuda-newer-inside",
+    "cuda-mismatch",
+    "requirement-error",
+    "require-disabled",
+    "musl-also",
+    "cuda-inferred",
+)
 
 
 def row_badges(row: ImageRow) -> list[BadgeView]:
