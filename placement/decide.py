@@ -21,11 +21,11 @@ from typing import TypeVar
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-from placement import inferred
+from placement import cuda_needs
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.inventory import Server
+from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
 from placement.request import DeployRequest
-from placement.requirements import DeviceFacts, ImageRequirements, Verdict, compare_version
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
 
 _GIB = 1024**3
@@ -479,8 +479,8 @@ class _Plan:
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
-    """The major of the CUDA the image needs: the newest it declares or carries (placement.inferred)."""
-    text = inferred.needed_cuda(facts) or facts.env.get("CUDA_VERSION", "")
+    """The major of the CUDA the image needs: the newest it declares or carries (placement.cuda_needs)."""
+    text = cuda_needs.needed_cuda(facts) or facts.env.get("CUDA_VERSION", "")
     head = text.lstrip("v").split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
@@ -573,8 +573,8 @@ class _Query:
                 f"CUDA {plan.cuda_major} image needs compute capability 7.5 or newer "
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
-        if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.inferred)
-            return inferred.gpu_reasons(plan.inferred, cc, gpu.driver)
+        if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.cuda_needs)
+            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver)
         return []
 
     def caveats(self) -> list[str]:
@@ -586,7 +586,7 @@ class _Query:
             for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
                 gpu = self.index.classes[class_id]
                 if usable and gpu.compute_capability:
-                    for caveat in inferred.gpu_caveats(plan.inferred, gpu.compute_capability):
+                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability):
                         found.append(f"on {gpu.name} (compute capability {gpu.compute_capability}): {caveat}")
         return found
 
@@ -799,7 +799,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     hints = [
         hint
         for hint in (
-            inferred.hint([platform.gpu for platform in image.platforms], request.gpus),
+            cuda_needs.hint([platform.gpu for platform in image.platforms], request.gpus),
             image.idle_gpus_hint(request.gpus),
         )
         if hint
@@ -888,7 +888,7 @@ class Decision:
         self._refused = refused
         self._summaries: dict[int, list[ReasonSummary]] = {}
         self.warnings = warnings
-        self.hints = hints or []  # e.g. CUDA found in the layers of a CPU request (placement.inferred)
+        self.hints = hints or []  # e.g. CUDA found in the layers of a CPU request (placement.cuda_needs)
         self.eligible_count = sum(len(bucket.names) for bucket in eligible)
         self.ineligible_count = sum(len(bucket.names) for bucket in refused)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from placement.cuda_needs import driver_floor, ptx_driver_floor
 from placement.decide import Decision, ImageFacts, decide
-from placement.inferred import driver_floor, ptx_driver_floor
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import (
