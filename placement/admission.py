@@ -28,9 +28,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from placement.cuda_needs import declared_vs_carried
-from placement.decide import ImageFacts
 from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
+from placement.image_facts import ImageFacts
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
 from scanner.models import ImageReport, Platform, PlatformReport

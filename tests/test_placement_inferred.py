@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from placement.cuda_needs import driver_floor, ptx_driver_floor
-from placement.decide import Decision, ImageFacts, decide
+from placement.decide import decide
+from placement.decision import Decision
+from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import (

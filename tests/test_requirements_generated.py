@@ -22,7 +22,8 @@ from typing import Literal
 
 import pytest
 
-from placement.decide import ImageFacts, decide
+from placement.decide import decide
+from placement.image_facts import ImageFacts
 from placement.inventory import Server
 from placement.nvidia_require import DeviceFacts, ImageRequirements, evaluate, evaluate_text
 from placement.request import DeployRequest

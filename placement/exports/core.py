@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from placement import cuda_needs
-from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
+from placement.image_facts import ImageFacts, PlatformFacts
+from placement.index import FleetIndex, GpuClass
 from placement.nvidia_require import ImageRequirements
 from placement.request import DeployRequest
 from scanner.facts.requirements import KEYS, OPERATORS, Condition, Expression, latent_error
