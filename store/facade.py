@@ -307,11 +307,11 @@ class AsyncStore:
         """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
 
         async def settled() -> bool:
-            job = await self.run(self._backend.job, job_id)
+            job = await self.run(queries.job, job_id)
             return job is None or job.state in ("done", "failed")
 
         await self.wait_until(settled, timeout, key=job_id)
-        return await self.run(self._backend.job, job_id)
+        return await self.run(queries.job, job_id)
 
     async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
         """Put a job back after its registry's Retry-After and close that registry's gate until then."""

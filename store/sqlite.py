@@ -29,9 +29,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
+from store import queries
 from store.dialect import SQLITE, Db, P, Query, T
 from store.fairness import RegistryTurn, claim_order, plan_claims
-from store.migrations import latest_version, migrations
+from store.migrations import apply_pending, latest_version
 from store.models import (
     EnqueueBatch,
     GpuTaken,
@@ -42,6 +43,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
 # queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
@@ -181,22 +183,8 @@ class SqliteStore:
     def upgrade(self) -> int:
         """Apply the migrations this file lacks; returns the schema version. Safe across processes."""
         with self._transaction() as conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-                " name TEXT NOT NULL, applied_at TEXT NOT NULL)"
-            )
-            applied = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
-            if not applied:
-                legacy = int(conn.execute("PRAGMA user_version").fetchone()[0])
-                applied = set(range(1, legacy + 1))
-            for migration in migrations("sqlite"):
-                if migration.version not in applied:
-                    for statement in migration.statements():
-                        conn.execute(statement)
-                conn.execute(
-                    "INSERT OR IGNORE INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
-                    [migration.version, migration.name, _iso(_now())],
-                )
+            legacy = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            apply_pending(conn, "sqlite", legacy=legacy)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # older gpubadge builds read this
         return SCHEMA_VERSION
 
@@ -439,7 +427,7 @@ class SqliteStore:
             )
             placeholders = ",".join("?" * len(ids))
             claimed = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
         return [Job(*row) for row in claimed]
 
@@ -473,14 +461,10 @@ class SqliteStore:
             expired: list[LeaseExpiry] = []
             for job_id, reference, owner, attempts, max_attempts in rows:
                 state: JobState = "failed" if attempts >= max_attempts else "queued"
-                error = (
-                    f"the worker {owner or '(unknown)'} stopped renewing its lease (crashed, cut off, "
-                    f"or unable to write) on attempt {attempts} of {max_attempts}"
-                )
                 conn.execute(
-                    "UPDATE jobs SET state = ?, error = ?, not_before = ?, lease_owner = NULL,"
+                    f"UPDATE jobs SET state = ?, error = {LEASE_LAPSED_ERROR}, not_before = ?, lease_owner = NULL,"
                     " lease_expires = NULL, updated_at = ? WHERE id = ?",
-                    [state, error, now, now, job_id],
+                    [state, now, now, job_id],
                 )
                 expired.append(LeaseExpiry(job_id, reference, owner or "", state))
         return expired
@@ -522,12 +506,8 @@ class SqliteStore:
             return cursor.rowcount > 0
 
     def lease_owners(self) -> list[str]:
-        """The workers holding running jobs now."""
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT DISTINCT lease_owner FROM jobs WHERE state = 'running' AND lease_owner IS NOT NULL"
-            ).fetchall()
-        return [row[0] for row in rows]
+        """The workers holding running jobs now (`queries.lease_owners`)."""
+        return self.run(queries.lease_owners)
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
@@ -583,9 +563,8 @@ class SqliteStore:
         return self.job(job_id)
 
     def job(self, job_id: str) -> Job | None:
-        with self._reading() as db:
-            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
-        return Job(*row) if row else None
+        """One job by id (`queries.job`)."""
+        return self.run(queries.job, job_id)
 
     # ----------------------------------------------------------------- fleet
     # The reservation's primary key is what makes double-booking a GPU impossible; the rest of
@@ -673,9 +652,3 @@ class SqliteStore:
         for registry, seconds in cooling.items():
             loads.setdefault(registry, RegistryLoad(registry, 0, 0, seconds))
         return [loads[name] for name in sorted(loads)]
-
-
-_JOB_COLUMNS = (
-    "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
-    " updated_at, lease_owner, lease_expires"
-)

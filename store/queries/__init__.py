@@ -18,8 +18,10 @@ from store.queries.fleet import (
     upsert_server,
 )
 from store.queries.jobs import (
+    job,
     jobs,
     latest_job_for,
+    lease_owners,
     next_job_due,
     pending_job_for,
     queue_depth,
@@ -61,9 +63,11 @@ __all__ = [
     "has_report",
     "heartbeat",
     "is_gone",
+    "job",
     "jobs",
     "latest_job_for",
     "layer_evidence",
+    "lease_owners",
     "list_images",
     "mark_gone",
     "next_job_due",
