@@ -1,11 +1,13 @@
 """The contract every store backend keeps: synchronous, thread-safe, and speaking models.
 
 `SqliteStore` (the embedded default) and `PostgresStore` (scale-out) both implement it;
-`AsyncStore` puts either behind async calls. Callers never see a row or a cursor.
+`AsyncStore` puts either behind async calls, and is what callers use. Callers never see a row
+or a cursor.
 
 The queries both engines share are written once in `store.queries` and run through `run`;
 what is listed here besides is what really differs per engine: upgrades, health, the job
-queue's claims and leases, and GPU reservations.
+queue's enqueueing, claims, leases, outcomes and registry gates, and GPU reservations (plus
+`job` and `lease_owners`, shared queries kept as methods for synchronous callers).
 """
 
 from __future__ import annotations
@@ -24,12 +26,20 @@ from store.models import (
 )
 
 
-class StoreBackend(Protocol):
-    """The engine-specific half of the store; the shared queries (`store.queries`) go through `run`."""
+class QueryRunner(Protocol):
+    """Runs the shared queries (`store.queries`) synchronously: a backend, or `AsyncStore.blocking`."""
 
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a query function of a connection: a read, or a write in one transaction."""
         ...
+
+
+class StoreBackend(QueryRunner, Protocol):
+    """The engine-specific half of the store; the shared queries (`store.queries`) go through `run`.
+
+    `job` and `lease_owners` are `queries.job` and `queries.lease_owners` through `run`, kept as
+    methods for synchronous callers (`gpubadge db`, tests).
+    """
 
     def upgrade(self) -> int: ...
     def schema_version(self) -> int: ...

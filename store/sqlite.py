@@ -1,8 +1,9 @@
-"""The SQLite backend: the embedded default store.
+"""The SQLite backend: the embedded default store, one file.
 
-It owns the schema for scan reports (keyed by manifest digest), the tag -> digest
-history, the per-layer evidence cache, the durable scan-job queue with leases, and
-the fleet (servers, deployments, GPU reservations). It is synchronous on purpose:
+The file holds scan reports (keyed by manifest digest), the tag -> digest history, the
+per-layer evidence cache, the durable scan-job queue with leases, and the fleet (servers,
+deployments, GPU reservations); the schema is `store/migrations/sqlite/`, applied by
+`store.migrations.apply_pending` (`upgrade`). It is synchronous on purpose:
 `store.facade.AsyncStore` runs every call in a thread pool, so no SQL ever runs on
 an event loop, and a locked database delays only the requests that need it.
 
@@ -13,8 +14,8 @@ job or the same GPU.
 
 The queries both engines share (reports, tags, the layer cache, job reads, the fleet) are
 written once in `store.queries` and run here through `run`; this module keeps what SQLite does
-its own way: the writer lock, claims, leases, enqueueing, outcomes, health, upgrades and GPU
-reservations.
+its own way: the writer lock, claims, leases, enqueueing, outcomes, registry gates, health, the
+upgrade's legacy `user_version`, and GPU reservations.
 """
 
 from __future__ import annotations
