@@ -400,9 +400,9 @@ def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) 
 
 
 def test_intake_commits_go_before_queued_scan_writes() -> None:
-    from store.sqlite import _WriterLock
+    from store.sqlite_access import WriterLock
 
-    lock = _WriterLock()
+    lock = WriterLock()
     order: list[str] = []
     release = threading.Event()
     holding = threading.Event()
