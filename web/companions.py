@@ -20,8 +20,8 @@ from placement.nfd.schema import (
     DocumentLimits,
     SpecError,
     load_spec,
-    spec_document,
 )
+from placement.nfd.write import spec_document
 from scanner.models import ImageReport
 from scanner.registry.referrers import Companion, CompanionContent, CompanionDocument
 from scanner.settings import ScannerSettings

@@ -47,8 +47,8 @@ from placement.nfd.schema import (
     MatchAnyElem,
     MatchExpression,
     Spec,
-    dump_spec,
 )
+from placement.nfd.write import dump_spec
 from placement.nvidia_require import ImageRequirements
 from scanner.facts.requirements import AllOf, Condition, latent_error
 from scanner.models import ImageReport, PlatformReport
