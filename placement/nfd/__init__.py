@@ -8,6 +8,7 @@
 - `match`: NFD's rule semantics (matchFeatures, matchAny, every match operator, `type: version`,
   `rule.matched` and `varsTemplate` through `template`, Go's text/template without functions),
   evaluated against those features, with the reason each rule fails.
+- `budget`: what one evaluation may spend (expressions, RE2 compilation), and `MatchError`.
 
 Anyone can attach an artifact: reading and evaluating one is bounded whatever its bytes
 (`schema.DocumentLimits`, the `nfd_*` settings), and past a bound the error names the setting.
