@@ -12,9 +12,11 @@ queue's enqueueing, claims, leases, outcomes and registry gates, and GPU reserva
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
+from store import queries
 from store.dialect import P, Query, T
 from store.models import (
     EnqueueBatch,
@@ -37,8 +39,7 @@ class QueryRunner(Protocol):
 class StoreBackend(QueryRunner, Protocol):
     """The engine-specific half of the store; the shared queries (`store.queries`) go through `run`.
 
-    `job` and `lease_owners` are `queries.job` and `queries.lease_owners` through `run`, kept as
-    methods for synchronous callers (`gpubadge db`, tests).
+    `enqueue`, `job` and `lease_owners` are written once, in `SharedMethods`, which both inherit.
     """
 
     def upgrade(self) -> int: ...
@@ -72,3 +73,40 @@ class StoreBackend(QueryRunner, Protocol):
     ) -> None: ...
     def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool: ...
     def registry_load(self) -> list[RegistryLoad]: ...
+
+
+class SharedMethods(ABC):
+    """What both backends offer the same way, written once on top of `run` and `enqueue_many`:
+    one-call conveniences for synchronous callers (`gpubadge db`, tools, tests)."""
+
+    @abstractmethod
+    def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    @abstractmethod
+    def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]: ...
+
+    def enqueue(
+        self,
+        references: Sequence[tuple[str, str] | tuple[str, str, float]],
+        *,
+        source: str | None = None,
+        max_attempts: int = 5,
+        delay: float = 0.0,
+    ) -> list[str]:
+        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
+
+        A reference that already has a queued or running job (from any process or replica) is
+        coalesced into it, so a burst of N webhooks for one index yields one scan; the partial
+        unique index on active dedupe keys decides, not a prior read. A delay (per item, else
+        `delay`) holds a job back briefly, so that digest-only child events of a multi-arch push
+        run after the index job that covers them.
+        """
+        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
+
+    def job(self, job_id: str) -> Job | None:
+        """One job by id (`queries.job`)."""
+        return self.run(queries.job, job_id)
+
+    def lease_owners(self) -> list[str]:
+        """The workers holding running jobs now (`queries.lease_owners`)."""
+        return self.run(queries.lease_owners)

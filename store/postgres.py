@@ -39,6 +39,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from store import queries
+from store.backend import SharedMethods
 from store.dialect import POSTGRES, Db, P, Query, T
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
@@ -75,7 +76,7 @@ def _job(conn: psycopg.Connection[TupleRow], row: Sequence[Any]) -> Job:
     return job_of(Db(conn, POSTGRES), row)
 
 
-class PostgresStore:
+class PostgresStore(SharedMethods):
     """A connection pool over one PostgreSQL database; safe to call from many threads."""
 
     def __init__(
@@ -197,21 +198,6 @@ class PostgresStore:
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
-
-    def enqueue(
-        self,
-        references: Sequence[tuple[str, str] | tuple[str, str, float]],
-        *,
-        source: str | None = None,
-        max_attempts: int = 5,
-        delay: float = 0.0,
-    ) -> list[str]:
-        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
-
-        A reference that already has a queued or running job, from any replica, is
-        coalesced into it (the partial unique index decides, not a prior read).
-        """
-        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch."""
@@ -381,10 +367,6 @@ class PostgresStore:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
             return cursor.rowcount > 0
 
-    def lease_owners(self) -> list[str]:
-        """The workers holding running jobs now (`queries.lease_owners`)."""
-        return self.run(queries.lease_owners)
-
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
         with self._transaction() as conn:
@@ -444,10 +426,6 @@ class PostgresStore:
                     )
                     conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
             return queries.job(Db(conn, POSTGRES), job_id)
-
-    def job(self, job_id: str) -> Job | None:
-        """One job by id (`queries.job`)."""
-        return self.run(queries.job, job_id)
 
     @staticmethod
     def _notify_settled(conn: psycopg.Connection[TupleRow], job_id: str, reference: str) -> None:

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
-from store import queries
+from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import apply_pending, latest_version
@@ -77,7 +77,7 @@ def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
 SCHEMA_VERSION = latest_version("sqlite")
 
 
-class SqliteStore:
+class SqliteStore(SharedMethods):
     """One SQLite file, safe to call from many threads (and many processes)."""
 
     def __init__(
@@ -230,23 +230,6 @@ class SqliteStore:
             return query(Db(db, SQLITE), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
-
-    def enqueue(
-        self,
-        references: Sequence[tuple[str, str] | tuple[str, str, float]],
-        *,
-        source: str | None = None,
-        max_attempts: int = 5,
-        delay: float = 0.0,
-    ) -> list[str]:
-        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
-
-        A reference that already has a queued or running job is coalesced into it,
-        so a burst of N webhooks for one index yields one scan. A delay (per item,
-        else `delay`) holds a job back briefly, so that digest-only child events of
-        a multi-arch push run after the index job that covers them.
-        """
-        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch.
@@ -441,10 +424,6 @@ class SqliteStore:
             )
             return cursor.rowcount > 0
 
-    def lease_owners(self) -> list[str]:
-        """The workers holding running jobs now (`queries.lease_owners`)."""
-        return self.run(queries.lease_owners)
-
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
         with self._transaction() as conn:
@@ -497,10 +476,6 @@ class SqliteStore:
                         [now, now, job_id],
                     )
         return self.job(job_id)
-
-    def job(self, job_id: str) -> Job | None:
-        """One job by id (`queries.job`)."""
-        return self.run(queries.job, job_id)
 
     # ----------------------------------------------------------------- fleet
     # The reservation's primary key is what makes double-booking a GPU impossible; the rest of
