@@ -35,7 +35,9 @@ from fixtures.process import stop_process
 from fixtures.registry import free_port
 from fixtures.service import wait_healthy
 from placement.answer import AnswerOptions, answer
-from placement.decide import FleetIndex, ImageFacts, decide
+from placement.decide import decide
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex
 from placement.inventory import Server
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport

@@ -47,8 +47,9 @@ def parser() -> argparse.ArgumentParser:
 async def export_locally(
     reference: str, servers: Path, fields: dict[str, Any], chosen: str
 ) -> dict[str, Any]:
-    from placement.decide import FleetIndex, ImageFacts
     from placement.exports import export_constraints, known_gpus
+    from placement.image_facts import ImageFacts
+    from placement.index import FleetIndex
     from placement.request import DeployRequest
 
     request = DeployRequest.parse_any(fields)

@@ -133,7 +133,8 @@ async def decide_locally(
     reference: str, servers: Path, fields: dict[str, Any], shape: dict[str, Any]
 ) -> dict[str, Any]:
     from placement.answer import AnswerOptions, answer
-    from placement.decide import ImageFacts, decide
+    from placement.decide import decide
+    from placement.image_facts import ImageFacts
     from placement.request import DeployRequest
 
     request = DeployRequest.parse_any(fields)

@@ -42,7 +42,8 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
-    from placement.nfd.schema import DocumentLimits, SpecError, load_spec, spec_document
+    from placement.nfd.schema import DocumentLimits, SpecError, load_spec
+    from placement.nfd.write import spec_document
     from scanner.models import Platform
     from scanner.registry.client import RegistryClient
     from scanner.registry.errors import RegistryError

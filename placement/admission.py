@@ -12,7 +12,7 @@ against the labels NVIDIA GPU Feature Discovery (GFD) writes:
 `nvidia.com/gpu.compute.{major,minor}`, plus the deprecated `nvidia.com/cuda.driver.*` /
 `cuda.runtime.*` spellings, and `kubernetes.io/arch`. A term (terms are ORed, expressions
 ANDed, as the scheduler does) is refused only when *every* value its expressions allow
-fails the image's requirement, evaluated with NVIDIA's own rules (placement.requirements):
+fails the image's requirement, evaluated with NVIDIA's own rules (placement.nvidia_require):
 a label the term does not constrain is unknown, and an unknown value satisfies the runtime,
 so the check errs towards admitting. GFD has no brand label, so `brand=` factors never deny.
 """
@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from placement.decide import ImageFacts
+from placement.cuda_needs import declared_vs_carried
 from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
-from placement.inferred import declared_vs_carried
+from placement.image_facts import ImageFacts
+from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
-from placement.requirements import DeviceFacts, ImageRequirements, Verdict
 from scanner.models import ImageReport, Platform, PlatformReport
 
 GPU_RESOURCE = "nvidia.com/gpu"

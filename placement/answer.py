@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict
 
-from placement.decide import Cursor, Decision, EligibleServer, IneligibleServer, ReasonSummary
+from placement.decision import Cursor, Decision, EligibleServer, IneligibleServer, ReasonSummary
 
 DEFAULT_LIMIT = 50
 MAX_CURSOR_CHARS = 512

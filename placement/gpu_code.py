@@ -2,13 +2,13 @@
 
 The scanner reports what the bytes say (`scanner.layers.fatbin`): per file, its fatbin containers,
 each with its SASS and PTX archs, its PTX ISA and the ELF section it sits in. This module decides
-where that code runs, for eligibility (`placement.inferred`), the exports and the UI alike.
+where that code runs, for eligibility (`placement.cuda_needs`), the exports and the UI alike.
 
 Per container, NVIDIA's rules for a GPU of compute capability X.Y:
 * SASS `sm_XZ` runs on the same major with Z <= Y; `sm_XYa` only at exactly X.Y; `sm_XYf` (a family
   build) on the same major at or above its minor;
 * PTX `compute_XZ` is JIT-compiled on any CC >= X.Z (an `a` PTX only at X.Z, an `f` PTX within its
-  major), by a driver at least as new as the toolkit that wrote the PTX (`placement.inferred`).
+  major), by a driver at least as new as the toolkit that wrote the PTX (`placement.cuda_needs`).
 
 Per file, as CUDA loads a library:
 * only containers of `.nv_fatbin` count: `__nv_relfatbin` is device-link input (`-rdc`) that nvlink

@@ -1,4 +1,6 @@
-"""The only code that speaks SQL. It returns models, and callers reach it through `AsyncStore`.
+"""The only code that speaks SQL. It returns models, and callers reach it through `AsyncStore`
+(`store.run(queries.x, ...)` for a shared query, a method for each engine-specific call) or, on a
+thread of their own, through `AsyncStore.blocking`.
 
 `open_store` picks the backend: SQLite (the embedded default, one file) unless a
 PostgreSQL URL is configured for scale-out.
@@ -9,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from store.backend import StoreBackend
-from store.facade import AsyncStore
+from store.backend import QueryRunner, StoreBackend
+from store.facade import AsyncStore, BlockingStore
 from store.models import (
     DeploymentRecord,
     EnqueueBatch,
@@ -29,6 +31,7 @@ from store.sqlite import SqliteStore
 
 __all__ = [
     "AsyncStore",
+    "BlockingStore",
     "DeploymentRecord",
     "EnqueueBatch",
     "GpuTaken",
@@ -36,6 +39,7 @@ __all__ = [
     "Job",
     "JobState",
     "LeaseExpiry",
+    "QueryRunner",
     "QueueHealth",
     "RegistryLoad",
     "ServerRecord",

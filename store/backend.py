@@ -1,18 +1,22 @@
 """The contract every store backend keeps: synchronous, thread-safe, and speaking models.
 
 `SqliteStore` (the embedded default) and `PostgresStore` (scale-out) both implement it;
-`AsyncStore` puts either behind async calls. Callers never see a row or a cursor.
+`AsyncStore` puts either behind async calls, and is what callers use. Callers never see a row
+or a cursor.
 
 The queries both engines share are written once in `store.queries` and run through `run`;
 what is listed here besides is what really differs per engine: upgrades, health, the job
-queue's claims and leases, and GPU reservations.
+queue's enqueueing, claims, leases, outcomes and registry gates, and GPU reservations (plus
+`job` and `lease_owners`, shared queries kept as methods for synchronous callers).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
+from store import queries
 from store.dialect import P, Query, T
 from store.models import (
     EnqueueBatch,
@@ -24,12 +28,19 @@ from store.models import (
 )
 
 
-class StoreBackend(Protocol):
-    """The engine-specific half of the store; the shared queries (`store.queries`) go through `run`."""
+class QueryRunner(Protocol):
+    """Runs the shared queries (`store.queries`) synchronously: a backend, or `AsyncStore.blocking`."""
 
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a query function of a connection: a read, or a write in one transaction."""
         ...
+
+
+class StoreBackend(QueryRunner, Protocol):
+    """The engine-specific half of the store; the shared queries (`store.queries`) go through `run`.
+
+    `enqueue`, `job` and `lease_owners` are written once, in `SharedMethods`, which both inherit.
+    """
 
     def upgrade(self) -> int: ...
     def schema_version(self) -> int: ...
@@ -62,3 +73,40 @@ class StoreBackend(Protocol):
     ) -> None: ...
     def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool: ...
     def registry_load(self) -> list[RegistryLoad]: ...
+
+
+class SharedMethods(ABC):
+    """What both backends offer the same way, written once on top of `run` and `enqueue_many`:
+    one-call conveniences for synchronous callers (`gpubadge db`, tools, tests)."""
+
+    @abstractmethod
+    def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    @abstractmethod
+    def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]: ...
+
+    def enqueue(
+        self,
+        references: Sequence[tuple[str, str] | tuple[str, str, float]],
+        *,
+        source: str | None = None,
+        max_attempts: int = 5,
+        delay: float = 0.0,
+    ) -> list[str]:
+        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
+
+        A reference that already has a queued or running job (from any process or replica) is
+        coalesced into it, so a burst of N webhooks for one index yields one scan; the partial
+        unique index on active dedupe keys decides, not a prior read. A delay (per item, else
+        `delay`) holds a job back briefly, so that digest-only child events of a multi-arch push
+        run after the index job that covers them.
+        """
+        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
+
+    def job(self, job_id: str) -> Job | None:
+        """One job by id (`queries.job`)."""
+        return self.run(queries.job, job_id)
+
+    def lease_owners(self) -> list[str]:
+        """The workers holding running jobs now (`queries.lease_owners`)."""
+        return self.run(queries.lease_owners)

@@ -1,12 +1,17 @@
-"""The store as the event loop sees it: one typed hop off the loop, plus what adds behaviour.
+"""The store's front door: one typed hop off the event loop, plus what adds behaviour.
 
-`run(query, ...)` runs any of `store.queries` (or a backend's own engine-specific method) in a
-thread, as datasette's `execute_fn` does: a locked or slow database then delays only the requests
-that need it; the loop keeps serving everything else. The pool is bounded (`threads`). The
-health check and webhook intake each have a thread of their own: a pool full of calls stuck
-behind a lock cannot hide that lock from /healthz, and a webhook's 202 never waits for a pool
-thread. The methods kept here add something to the hop: events fired after a commit, the
-health check's sharing and deadline, and the group commit of scan results (`scan_cache`).
+`run(query, ...)` runs any of `store.queries` in a thread, as datasette's `execute_fn` does: a
+locked or slow database then delays only the requests that need it; the loop keeps serving
+everything else. The pool is bounded (`threads`). The health check and webhook intake each have a
+thread of their own: a pool full of calls stuck behind a lock cannot hide that lock from /healthz,
+and a webhook's 202 never waits for a pool thread.
+
+Besides `run`, `AsyncStore` has a method for each engine-specific call a caller needs (claims,
+leases, outcomes, registry load, queue health, GPU reservations): some only hop, others add
+events fired after a commit, the health check's sharing and deadline, or the group commit of
+scan results (`scan_cache`). Code on a thread of its own that may block (the webhook intake's
+commit thread, an export being built) uses `blocking`, the same store without the hop. Callers
+need not reach the backend (`backend` remains for callers not yet moved).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from store.models import (
     Job,
     JobState,
     LeaseExpiry,
+    QueueHealth,
+    RegistryLoad,
     StoreUnavailable,
 )
 from store.queries.tags import TagSeen
@@ -133,8 +140,28 @@ class StoreScanCache:
                         done.set_result(None)
 
 
+class BlockingStore:
+    """The store for code that runs on a thread of its own and may block, never on the event loop:
+    the webhook intake's commit thread, an export being built. Shared queries and the intake's
+    group commit, synchronously; nothing engine-specific."""
+
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: StoreBackend) -> None:
+        self._backend = backend
+
+    def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run one of `store.queries` here, on the caller's thread: a read, or a write in one transaction."""
+        return self._backend.run(query, *args, **kwargs)
+
+    def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """Queue every delivery's jobs in one transaction; a job id per reference, per batch. The caller
+        wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
+        return self._backend.enqueue_many(batches)
+
+
 class AsyncStore:
-    """Async facade over one synchronous backend."""
+    """Async facade over one synchronous backend: the one way callers reach the store."""
 
     def __init__(self, backend: StoreBackend, *, threads: int = 8) -> None:
         self._backend = backend
@@ -145,9 +172,12 @@ class AsyncStore:
         self.events = QueueEvents()
         self._stop_listening: Callable[[], None] | None = None
         self.scan_cache = StoreScanCache(self)
+        self.blocking = BlockingStore(backend)
 
     @property
     def backend(self) -> StoreBackend:
+        """The synchronous backend behind the facade, for callers not yet moved to the methods here
+        and to `blocking`; nothing in store/ needs it."""
         return self._backend
 
     @overload
@@ -158,9 +188,8 @@ class AsyncStore:
 
     async def run(self, function: object, /, *args: object, **kwargs: object) -> object:
         """Run a query of `store.queries` (through the backend's `run`: a read, or a write in one
-        transaction), or one of the backend's own engine-specific methods
-        (`store.run(store.backend.jobs, limit=5)`), in the store's thread pool: the event loop
-        only waits. The one way off the loop for a call that adds nothing else."""
+        transaction), or any other blocking function, in the store's thread pool: the event loop
+        only waits. The one way off the loop for a shared query."""
         if isinstance(function, Query):
             call = functools.partial(self._backend.run, function, *args, **kwargs)
         else:
@@ -202,6 +231,39 @@ class AsyncStore:
         except StoreUnavailable as exc:
             return str(exc)
         return None
+
+    # ------------------------------------------------------------ engine-specific, one hop
+
+    async def queue_health(self) -> QueueHealth:
+        """What /healthz says of the scan queue: ready jobs, the oldest one's wait, the last progress."""
+        return await self.run(self._backend.queue_health)
+
+    async def registry_load(self) -> list[RegistryLoad]:
+        """Every registry with running or queued jobs, or a closed gate, by name."""
+        return await self.run(self._backend.registry_load)
+
+    async def claim_jobs(
+        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
+    ) -> list[Job]:
+        """Lease up to `limit` ready jobs to `owner`, shared fairly across registries (at most
+        `per_registry` running per registry, when given)."""
+        return await self.run(
+            self._backend.claim_jobs,
+            limit,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            per_registry=per_registry,
+        )
+
+    async def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
+        """Extend `owner`'s leases on `job_ids`; the ids it still holds."""
+        return await self.run(self._backend.renew_leases, owner, job_ids, lease_seconds)
+
+    async def create_deployment(
+        self, deployment_id: str, server: str, gpus: Sequence[str], record_json: str
+    ) -> None:
+        """Reserve `gpus` and record the deployment in one transaction, or raise GpuTaken."""
+        await self.run(self._backend.create_deployment, deployment_id, server, gpus, record_json)
 
     # ------------------------------------------------------------ writes that wake others
 
@@ -265,7 +327,7 @@ class AsyncStore:
 
     def jobs_queued(self) -> None:
         """On the loop: jobs were committed from a caller's own thread (the webhook intake calls
-        `backend.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
+        `blocking.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
         self._fire_local(QUEUED)
 
     def _fire_local(self, kind: str, payload: str = "") -> None:
@@ -307,11 +369,11 @@ class AsyncStore:
         """Wait (bounded) until a job is done or failed, whichever process runs it; its latest state."""
 
         async def settled() -> bool:
-            job = await self.run(self._backend.job, job_id)
+            job = await self.run(queries.job, job_id)
             return job is None or job.state in ("done", "failed")
 
         await self.wait_until(settled, timeout, key=job_id)
-        return await self.run(self._backend.job, job_id)
+        return await self.run(queries.job, job_id)
 
     async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
         """Put a job back after its registry's Retry-After and close that registry's gate until then."""

@@ -1,6 +1,6 @@
 """What the store hands out: plain frozen records, never database rows.
 
-Every backend (SQLite today, PostgreSQL for scale-out) returns these same types, so
+Every backend (SQLite, the embedded default; PostgreSQL for scale-out) returns these same types, so
 callers never learn which engine is behind the facade.
 """
 

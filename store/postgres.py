@@ -31,7 +31,6 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -39,10 +38,12 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from store import queries
+from store.backend import SharedMethods
 from store.dialect import POSTGRES, Db, P, Query, T
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
-from store.migrations import latest_version, migrations
+from store.migrations import apply_pending, latest_version
 from store.models import (
     EnqueueBatch,
     GpuTaken,
@@ -53,6 +54,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +71,12 @@ _CLAIM_LOCK_CLASS = 0x6770_6263  # the claim lock: (class, 0), held while a clai
 Notification = tuple[str, str]  # (channel, payload)
 
 
-def _iso(moment: datetime | None) -> str | None:
-    """The same text form the SQLite backend stores, so callers see one format."""
-    return None if moment is None else moment.astimezone(UTC).isoformat(timespec="microseconds")
+def _job(conn: psycopg.Connection[TupleRow], row: Sequence[Any]) -> Job:
+    """A row of `JOB_COLUMNS` as a Job, its times in the text form the SQLite backend stores."""
+    return job_of(Db(conn, POSTGRES), row)
 
 
-def _job(row: Sequence[Any]) -> Job:
-    values = list(row)
-    for index in (9, 10, 12):  # created_at, updated_at, lease_expires
-        values[index] = _iso(values[index])
-    return Job(*values)
-
-
-_JOB_COLUMNS = (
-    "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
-    " updated_at, lease_owner, lease_expires"
-)
-
-
-class PostgresStore:
+class PostgresStore(SharedMethods):
     """A connection pool over one PostgreSQL database; safe to call from many threads."""
 
     def __init__(
@@ -137,20 +126,7 @@ class PostgresStore:
         """Apply the pending migrations; safe when many replicas start at once (advisory lock)."""
         with self._transaction() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", [_MIGRATION_LOCK])
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-                " name TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-            )
-            applied = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
-            for migration in migrations("postgres"):
-                if migration.version in applied:
-                    continue
-                for statement in migration.statements():
-                    conn.execute(statement.encode())
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, name) VALUES (%s, %s)",
-                    [migration.version, migration.name],
-                )
+            for migration in apply_pending(conn, "postgres"):
                 log.info("PostgreSQL schema migrated to %d (%s)", migration.version, migration.name)
         return latest_version("postgres")
 
@@ -222,21 +198,6 @@ class PostgresStore:
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
-
-    def enqueue(
-        self,
-        references: Sequence[tuple[str, str] | tuple[str, str, float]],
-        *,
-        source: str | None = None,
-        max_attempts: int = 5,
-        delay: float = 0.0,
-    ) -> list[str]:
-        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
-
-        A reference that already has a queued or running job, from any replica, is
-        coalesced into it (the partial unique index decides, not a prior read).
-        """
-        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch."""
@@ -312,7 +273,7 @@ class PostgresStore:
                 " AND j.state = 'queued' AND j.not_before < g.cool_until"
             )
             turns = [
-                RegistryTurn(registry, int(ready), int(running), _iso(last))
+                RegistryTurn(registry, int(ready), int(running), POSTGRES.stamp(last))
                 for registry, ready, running, last in conn.execute(
                     "SELECT q.registry, q.ready,"
                     " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
@@ -331,10 +292,10 @@ class PostgresStore:
                     " lease_expires = now() + make_interval(secs => %s), updated_at = clock_timestamp()"
                     " WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND registry = %s"
                     "   AND not_before <= now() ORDER BY not_before, created_at LIMIT %s FOR UPDATE SKIP LOCKED)"
-                    f" RETURNING {_JOB_COLUMNS}",
+                    f" RETURNING {JOB_COLUMNS}",
                     [owner, lease_seconds, registry, plan.count(registry)],
                 ).fetchall()
-                claimed.extend(_job(row) for row in rows)
+                claimed.extend(_job(conn, row) for row in rows)
             if claimed:
                 conn.cursor().executemany(
                     "INSERT INTO registry_gates (registry, last_claimed)"
@@ -364,8 +325,7 @@ class PostgresStore:
                 "   AND (lease_expires IS NULL OR lease_expires < now()) FOR UPDATE SKIP LOCKED)"
                 " UPDATE jobs SET"
                 "   state = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END,"
-                "   error = 'the worker ' || coalesce(lease_owner, '(unknown)') || ' stopped renewing its lease"
-                " (crashed, cut off, or unable to write) on attempt ' || attempts || ' of ' || max_attempts,"
+                f"   error = {LEASE_LAPSED_ERROR},"
                 "   not_before = now(), lease_owner = NULL, lease_expires = NULL, updated_at = clock_timestamp()"
                 " FROM lapsed WHERE jobs.id = lapsed.id"
                 " RETURNING jobs.id, jobs.reference, lapsed.owner, jobs.state",
@@ -406,14 +366,6 @@ class PostgresStore:
             if cursor.rowcount:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
             return cursor.rowcount > 0
-
-    def lease_owners(self) -> list[str]:
-        """The workers holding running jobs now."""
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT DISTINCT lease_owner FROM jobs WHERE state = 'running' AND lease_owner IS NOT NULL"
-            ).fetchall()
-        return [row[0] for row in rows]
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
@@ -473,13 +425,7 @@ class PostgresStore:
                         [job_id],
                     )
                     conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
-            job = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s", [job_id]).fetchone()
-        return _job(job) if job else None
-
-    def job(self, job_id: str) -> Job | None:
-        with self._reading() as conn:
-            row = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s", [job_id]).fetchone()
-        return _job(row) if row else None
+            return queries.job(Db(conn, POSTGRES), job_id)
 
     @staticmethod
     def _notify_settled(conn: psycopg.Connection[TupleRow], job_id: str, reference: str) -> None:

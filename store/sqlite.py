@@ -1,8 +1,9 @@
-"""The SQLite backend: the embedded default store.
+"""The SQLite backend: the embedded default store, one file.
 
-It owns the schema for scan reports (keyed by manifest digest), the tag -> digest
-history, the per-layer evidence cache, the durable scan-job queue with leases, and
-the fleet (servers, deployments, GPU reservations). It is synchronous on purpose:
+The file holds scan reports (keyed by manifest digest), the tag -> digest history, the
+per-layer evidence cache, the durable scan-job queue with leases, and the fleet (servers,
+deployments, GPU reservations); the schema is `store/migrations/sqlite/`, applied by
+`store.migrations.apply_pending` (`upgrade`). It is synchronous on purpose:
 `store.facade.AsyncStore` runs every call in a thread pool, so no SQL ever runs on
 an event loop, and a locked database delays only the requests that need it.
 
@@ -13,8 +14,8 @@ job or the same GPU.
 
 The queries both engines share (reports, tags, the layer cache, job reads, the fleet) are
 written once in `store.queries` and run here through `run`; this module keeps what SQLite does
-its own way: the writer lock, claims, leases, enqueueing, outcomes, health, upgrades and GPU
-reservations.
+its own way: the writer lock, claims, leases, enqueueing, outcomes, registry gates, health, the
+upgrade's legacy `user_version`, and GPU reservations.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
+from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.fairness import RegistryTurn, claim_order, plan_claims
-from store.migrations import latest_version, migrations
+from store.migrations import apply_pending, latest_version
 from store.models import (
     EnqueueBatch,
     GpuTaken,
@@ -42,6 +44,8 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
+from store.sqlite_access import WriterLock, unwritable_hint
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
 # queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
@@ -52,49 +56,6 @@ _INSERT_JOB = (
     " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
 )
 _ACTIVE_JOB = "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')"
-
-
-class _WriterLock:
-    """The in-process writer lock, with a fast lane: webhook intake commits go before queued scan writes.
-
-    A registry waits for each webhook answer before it sends the next, so an intake commit that
-    queued behind a burst of report writes (and their fsyncs, with synchronous=FULL) would hold
-    back every push behind it. Urgent waiters are served first; the others keep FIFO-ish order.
-    """
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition(threading.Lock())
-        self._held = False
-        self._urgent_waiting = 0
-
-    def acquire(self, *, urgent: bool) -> None:
-        """Take the lock: at once when it is free (and, for a scan write, no intake commit waits)."""
-        with self._condition:
-            if not self._held and (urgent or not self._urgent_waiting):
-                self._held = True
-                return
-            if urgent:
-                self._urgent_waiting += 1
-                try:
-                    self._condition.wait_for(lambda: not self._held)
-                finally:
-                    self._urgent_waiting -= 1
-            else:
-                self._condition.wait_for(lambda: not self._held and not self._urgent_waiting)
-            self._held = True
-
-    def release(self) -> None:
-        with self._condition:
-            self._held = False
-            self._condition.notify_all()
-
-    @contextmanager
-    def hold(self, *, urgent: bool) -> Iterator[None]:
-        self.acquire(urgent=urgent)
-        try:
-            yield
-        finally:
-            self.release()
 
 
 def _now() -> datetime:
@@ -116,30 +77,7 @@ def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
 SCHEMA_VERSION = latest_version("sqlite")
 
 
-def unwritable_hint(path: Path) -> str:
-    """Why a SQLite file cannot be opened when it, or its directory, is not this process's to write:
-    SQLite says only "unable to open database file". Names the path, the user and the remedy (in a
-    container: a volume the user can write, such as a root-owned bind mount is not); "" otherwise."""
-    uid, gid = os.getuid(), os.getgid()
-    if path.exists():
-        if os.access(path, os.R_OK | os.W_OK):
-            return ""
-        blocked = path
-    else:
-        directory = path.parent
-        while not directory.exists() and directory != directory.parent:
-            directory = directory.parent
-        if os.access(directory, os.W_OK | os.X_OK):
-            return ""
-        blocked = directory
-    return (
-        f"; {blocked} is not writable by uid {uid} (gid {gid}): mount a volume at {path.parent} that uid {uid}"
-        f" can write (docker run -v gpubadge:{path.parent}, or chown {uid} the host directory), or set"
-        " GPUBADGE_DATABASE_URL to use PostgreSQL instead"
-    )
-
-
-class SqliteStore:
+class SqliteStore(SharedMethods):
     """One SQLite file, safe to call from many threads (and many processes)."""
 
     def __init__(
@@ -153,7 +91,7 @@ class SqliteStore:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
         self._synchronous = synchronous
-        self._write_lock = _WriterLock()
+        self._write_lock = WriterLock()
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
@@ -181,22 +119,8 @@ class SqliteStore:
     def upgrade(self) -> int:
         """Apply the migrations this file lacks; returns the schema version. Safe across processes."""
         with self._transaction() as conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
-                " name TEXT NOT NULL, applied_at TEXT NOT NULL)"
-            )
-            applied = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
-            if not applied:
-                legacy = int(conn.execute("PRAGMA user_version").fetchone()[0])
-                applied = set(range(1, legacy + 1))
-            for migration in migrations("sqlite"):
-                if migration.version not in applied:
-                    for statement in migration.statements():
-                        conn.execute(statement)
-                conn.execute(
-                    "INSERT OR IGNORE INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
-                    [migration.version, migration.name, _iso(_now())],
-                )
+            legacy = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            apply_pending(conn, "sqlite", legacy=legacy)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # older gpubadge builds read this
         return SCHEMA_VERSION
 
@@ -306,23 +230,6 @@ class SqliteStore:
             return query(Db(db, SQLITE), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
-
-    def enqueue(
-        self,
-        references: Sequence[tuple[str, str] | tuple[str, str, float]],
-        *,
-        source: str | None = None,
-        max_attempts: int = 5,
-        delay: float = 0.0,
-    ) -> list[str]:
-        """Queue (reference, registry[, delay]) jobs in one transaction; returns a job id per item.
-
-        A reference that already has a queued or running job is coalesced into it,
-        so a burst of N webhooks for one index yields one scan. A delay (per item,
-        else `delay`) holds a job back briefly, so that digest-only child events of
-        a multi-arch push run after the index job that covers them.
-        """
-        return self.enqueue_many([EnqueueBatch(references, source, max_attempts, delay)])[0]
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch.
@@ -439,7 +346,7 @@ class SqliteStore:
             )
             placeholders = ",".join("?" * len(ids))
             claimed = conn.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
         return [Job(*row) for row in claimed]
 
@@ -473,14 +380,10 @@ class SqliteStore:
             expired: list[LeaseExpiry] = []
             for job_id, reference, owner, attempts, max_attempts in rows:
                 state: JobState = "failed" if attempts >= max_attempts else "queued"
-                error = (
-                    f"the worker {owner or '(unknown)'} stopped renewing its lease (crashed, cut off, "
-                    f"or unable to write) on attempt {attempts} of {max_attempts}"
-                )
                 conn.execute(
-                    "UPDATE jobs SET state = ?, error = ?, not_before = ?, lease_owner = NULL,"
+                    f"UPDATE jobs SET state = ?, error = {LEASE_LAPSED_ERROR}, not_before = ?, lease_owner = NULL,"
                     " lease_expires = NULL, updated_at = ? WHERE id = ?",
-                    [state, error, now, now, job_id],
+                    [state, now, now, job_id],
                 )
                 expired.append(LeaseExpiry(job_id, reference, owner or "", state))
         return expired
@@ -520,14 +423,6 @@ class SqliteStore:
                 [now, now, job_id, owner],
             )
             return cursor.rowcount > 0
-
-    def lease_owners(self) -> list[str]:
-        """The workers holding running jobs now."""
-        with self._reading() as db:
-            rows = db.execute(
-                "SELECT DISTINCT lease_owner FROM jobs WHERE state = 'running' AND lease_owner IS NOT NULL"
-            ).fetchall()
-        return [row[0] for row in rows]
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
@@ -581,11 +476,6 @@ class SqliteStore:
                         [now, now, job_id],
                     )
         return self.job(job_id)
-
-    def job(self, job_id: str) -> Job | None:
-        with self._reading() as db:
-            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]).fetchone()
-        return Job(*row) if row else None
 
     # ----------------------------------------------------------------- fleet
     # The reservation's primary key is what makes double-booking a GPU impossible; the rest of
@@ -673,9 +563,3 @@ class SqliteStore:
         for registry, seconds in cooling.items():
             loads.setdefault(registry, RegistryLoad(registry, 0, 0, seconds))
         return [loads[name] for name in sorted(loads)]
-
-
-_JOB_COLUMNS = (
-    "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
-    " updated_at, lease_owner, lease_expires"
-)

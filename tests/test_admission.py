@@ -30,8 +30,8 @@ from fixtures.oci import ImageSpec
 from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import RunningService, run_service_process
 from placement.admission import Pod, review_pod
-from placement.decide import ImageFacts
 from placement.exports import export_constraints
+from placement.image_facts import ImageFacts
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
 from tests.conftest import Pusher

@@ -11,7 +11,8 @@ import pytest
 from agent.host import build_server, detect_runtime_modes, load_server_file, merge_runtime_modes
 from agent.main import make_discovery
 from agent.nvml import brand_name, format_cuda_version, read_nvml
-from placement.decide import ImageFacts, decide
+from placement.decide import decide
+from placement.image_facts import ImageFacts
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 from tests.fake_pynvml import (

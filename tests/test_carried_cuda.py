@@ -20,9 +20,10 @@ import pytest
 from fixtures.oci import Entry, ImageSpec, LayerSpec, file, tar_bytes
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
-from placement.decide import ImageFacts, decide
+from placement.decide import decide
 from placement.exports import FORMATS, export_constraints
 from placement.exports.nfd import artifact_yaml, compatibility_spec
+from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.nfd.features import from_server
 from placement.nfd.match import evaluate_spec

@@ -20,9 +20,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from placement.decide import FleetIndex, ImageFacts, decide
+from placement.decide import decide
 from placement.exports.core import KnownGpu, build_constraints, known_gpus
 from placement.exports.kubernetes import export
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex
 from placement.inventory import Server, parse_inventory
 from placement.request import DeployRequest
 from scanner.models import (

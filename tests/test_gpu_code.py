@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from placement import gpu_code
-from placement.inferred import compute_capability_ranges
+from placement.cuda_needs import compute_capability_ranges
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, GpuFacts
 
 APP = "/app/lib/libkernels.so"

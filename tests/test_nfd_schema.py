@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from placement.exports.nfd import artifact_yaml, compatibility_spec
-from placement.nfd.schema import SpecError, dump_spec, load_spec
+from placement.nfd.schema import SpecError, load_spec
+from placement.nfd.write import dump_spec
 from scanner.facts.gpu import gpu_facts
 from scanner.models import GpuArchs, ImageReport, InferredCuda, PlatformReport
 

@@ -3,8 +3,9 @@ says, per platform, what is pending and what it could change. Pure."""
 
 from __future__ import annotations
 
-from placement.decide import ImageFacts, PlatformFacts, decide
+from placement.decide import decide
 from placement.exports import export_constraints
+from placement.image_facts import ImageFacts, PlatformFacts
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, LibcVerdict
 from tests.test_export_kubernetes import IMAGES, KNOWN, KNOWN_FLEET

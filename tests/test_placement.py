@@ -18,8 +18,11 @@ from pydantic import ValidationError
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
 from placement.answer import AnswerOptions, EligibilityAnswer, answer
-from placement.decide import Decision, FleetIndex, ImageFacts, decide
+from placement.decide import decide
+from placement.decision import Decision
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex
 from placement.inventory import Server, parse_bytes, parse_inventory
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
@@ -751,7 +754,7 @@ def test_gpu_memory_reasons_use_one_unit_and_never_read_equal(have_mib: int, nee
 
 
 def test_sizes_never_read_equal_in_a_reason() -> None:
-    from placement.decide import _fmt_sizes
+    from placement.query import _fmt_sizes
 
     gib = 1024**3
     assert _fmt_sizes(gib * 16, gib * 64) == ("16 GiB", "64 GiB")

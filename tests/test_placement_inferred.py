@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from placement.decide import Decision, ImageFacts, decide
-from placement.inferred import driver_floor, ptx_driver_floor
+from placement.cuda_needs import driver_floor, ptx_driver_floor
+from placement.decide import decide
+from placement.decision import Decision
+from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import (

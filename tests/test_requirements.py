@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from placement.requirements import (
+from placement.nvidia_require import (
     DeviceFacts,
     ImageRequirements,
     compare_version,

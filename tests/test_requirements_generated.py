@@ -3,7 +3,7 @@
 The reference evaluator below is written in this file from the grammar as
 /work/shared/reference/nvidia_semantics.md §1.3-1.6 states it (libnvidia-container's
 `dsl_evaluate`: space = OR, comma = AND, left to right with short-circuit, a malformed factor is
-an error only when evaluation reaches it), independently of placement/requirements.py. A seeded
+an error only when evaluation reaches it), independently of placement/nvidia_require.py. A seeded
 generator builds requirement strings from valid and malformed factors (NVIDIA's real
 NVIDIA_REQUIRE_CUDA strings among them, with malformed factors spliced in) and hosts, and every
 case compares placement's decision with the reference's: per GPU, per image (several variables),
@@ -22,10 +22,11 @@ from typing import Literal
 
 import pytest
 
-from placement.decide import ImageFacts, decide
+from placement.decide import decide
+from placement.image_facts import ImageFacts
 from placement.inventory import Server
+from placement.nvidia_require import DeviceFacts, ImageRequirements, evaluate, evaluate_text
 from placement.request import DeployRequest
-from placement.requirements import DeviceFacts, ImageRequirements, evaluate, evaluate_text
 from scanner.facts.require_grammar import parse_requirement_lenient
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 

@@ -400,9 +400,9 @@ def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) 
 
 
 def test_intake_commits_go_before_queued_scan_writes() -> None:
-    from store.sqlite import _WriterLock
+    from store.sqlite_access import WriterLock
 
-    lock = _WriterLock()
+    lock = WriterLock()
     order: list[str] = []
     release = threading.Event()
     holding = threading.Event()
@@ -634,3 +634,36 @@ def test_a_listing_row_carries_every_platform_badge_once(open_backend: OpenBacke
     rows = {row.digest: row for row in store.run(queries.list_images)[0]}
     assert rows["sha256:" + "a" * 64].platform_badges == sorted(badges)
     assert rows["sha256:" + "c" * 64].platform_badges == []
+
+
+async def test_the_front_door_covers_what_callers_need(open_backend: OpenBackend) -> None:
+    """Every call web/ makes goes through `AsyncStore` (a method, `run` with a shared query, or
+    `blocking` on a thread of its own), with the same answers on both engines."""
+    from store import AsyncStore, EnqueueBatch, GpuTaken
+
+    store = AsyncStore(open_backend(), threads=2)
+    try:
+        ids = await asyncio.to_thread(
+            store.blocking.enqueue_many, [EnqueueBatch([("r.example/a:1", "r.example")], None, 5, 0.0)]
+        )
+        assert await asyncio.to_thread(store.blocking.run, queries.queued_jobs, cap=10) == 1
+        health = await store.queue_health()
+        assert (health.ready, health.running) == (1, 0)
+        claimed = await store.claim_jobs(5, owner="w1", lease_seconds=0.0, per_registry=None)
+        assert [job.id for job in claimed] == ids[0]
+        assert [(load.registry, load.running) for load in await store.registry_load()] == [("r.example", 1)]
+        assert await store.run(queries.lease_owners) == ["w1"]
+        assert await store.renew_leases("w2", ids[0], 30.0) == []  # not w2's to renew
+        await asyncio.sleep(0.01)  # the zero-second lease lapses
+        assert [entry.job_id for entry in await store.expire_leases()] == ids[0]
+        job = await store.run(queries.job, ids[0][0])
+        assert job is not None and job.state == "queued"
+        assert job.error == (  # one message, written once, on both engines
+            "the worker w1 stopped renewing its lease (crashed, cut off, or unable to write) on attempt 1 of 5"
+        )
+        assert await store.run(queries.job, "no-such-job") is None
+        await store.create_deployment("d1", "node-a", ["GPU-1"], '{"id": "d1"}')
+        with pytest.raises(GpuTaken):
+            await store.create_deployment("d2", "node-a", ["GPU-1"], '{"id": "d2"}')
+    finally:
+        await store.close()

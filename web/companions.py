@@ -20,8 +20,8 @@ from placement.nfd.schema import (
     DocumentLimits,
     SpecError,
     load_spec,
-    spec_document,
 )
+from placement.nfd.write import spec_document
 from scanner.models import ImageReport
 from scanner.publish import Companion, CompanionDocument
 from scanner.registry.referrers import CompanionContent

@@ -25,8 +25,11 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from placement.answer import ANSWER_FIELDS, AnswerBody, AnswerOptions, answer, decode_cursor
-from placement.decide import Decision, FleetIndex, ImageFacts, decide
+from placement.decide import decide
+from placement.decision import Decision
 from placement.exports import FORMATS, export_constraints, known_gpus
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex
 from placement.inventory import Gpu, Server, parse_inventory
 from placement.protocol import (
     TERMINAL_STATES,

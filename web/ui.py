@@ -25,8 +25,8 @@ import jinja2
 from aiohttp import web
 from markupsafe import Markup
 
+from placement import cuda_needs as placement_inferred
 from placement import gpu_code
-from placement import inferred as placement_inferred
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.require_grammar import describe_condition, parse_requirement_lenient
 from scanner.models import ImageReport, PlatformReport

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from placement.decide import ImageFacts
 from placement.exports import akash, dra, kubernetes, nomad
 from placement.exports.core import Constraints, KnownGpu, build_constraints, known_gpus
+from placement.image_facts import ImageFacts
 from placement.request import DeployRequest
 
 Format = Literal["kubernetes", "dra", "nomad", "akash"]

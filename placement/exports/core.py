@@ -18,11 +18,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from placement import inferred
-from placement.decide import FleetIndex, GpuClass, ImageFacts, PlatformFacts
+from placement import cuda_needs
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
+from placement.image_facts import ImageFacts, PlatformFacts
+from placement.index import FleetIndex, GpuClass
+from placement.nvidia_require import ImageRequirements
 from placement.request import DeployRequest
-from placement.requirements import ImageRequirements
 from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, latent_error
 from scanner.models import GpuFacts
 
@@ -409,7 +410,7 @@ def _platform(
     elif requirements.disabled:
         result.note(f"{platform.platform}: NVIDIA_DISABLE_REQUIRE is set; the runtime checks nothing")
     # gpubadge's own image rule: CUDA 13 dropped GPUs below compute capability 7.5.
-    cuda = inferred.needed_cuda(platform.gpu) or ""  # the newest it declares or carries
+    cuda = cuda_needs.needed_cuda(platform.gpu) or ""  # the newest it declares or carries
     major = cuda.split(".", 1)[0]
     if needed > 0 and major.isdigit() and int(major) >= 13:
         terms = conjunction(terms, [Term((("cc", Interval(low=Bound((7, 5), True))),))])
@@ -425,17 +426,17 @@ def _platform(
 
 
 def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[Term]:
-    """placement.inferred's rules for the CUDA an image carries: the driver floor of that CUDA, and the
+    """placement.cuda_needs's rules for the CUDA an image carries: the driver floor of that CUDA, and the
     compute capabilities its GPU code runs on (`placement.gpu_code`; PTX JIT adds a floor)."""
     common: list[Term] = TRUE
     cuda = gpu.inferred.cuda if gpu.inferred is not None else None
-    floor = inferred.driver_floor(cuda) if cuda else None
+    floor = cuda_needs.driver_floor(cuda) if cuda else None
     if floor is not None:
         version = parse_version(floor[0])
         assert version is not None
         common = [Term((("driver", Interval(low=Bound(version, True))),))]
         result.note(f"{platform}: {floor[1]} (CUDA {cuda} found in the layers)")
-    ranges = inferred.compute_capability_ranges(gpu)
+    ranges = cuda_needs.compute_capability_ranges(gpu)
     if ranges is None:
         return common
     alternatives = []

@@ -15,7 +15,7 @@ GPU, else two kinds of compatibility sets:
      and `driver` factors on `nvidia.com/cuda.driver-version.full`, compared with
      `type: version` (`=` is `GeLe [v, v]`); space-separated alternatives become `matchAny`;
    - CUDA inferred from the layers (torch, NVIDIA wheels, ...) as NVIDIA's driver floor for it
-     (`placement.inferred.driver_floor`), on `nvidia.com/cuda.driver-version.full`.
+     (`placement.cuda_needs.driver_floor`), on `nvidia.com/cuda.driver-version.full`.
 
 The artifact never claims more than it checks. An alternative is expressed only when every one
 of its factors is: `brand` (NFD has no brand feature), `arch` (GFD splits compute capability
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from placement import gpu_code
+from placement.cuda_needs import compute_capability_ranges, driver_floor
 from placement.exports.core import parse_version
-from placement.inferred import compute_capability_ranges, driver_floor
 from placement.nfd.schema import (
     VERSION,
     Compatibility,
@@ -47,9 +47,9 @@ from placement.nfd.schema import (
     MatchAnyElem,
     MatchExpression,
     Spec,
-    dump_spec,
 )
-from placement.requirements import ImageRequirements
+from placement.nfd.write import dump_spec
+from placement.nvidia_require import ImageRequirements
 from scanner.facts.require_grammar import AllOf, Condition, latent_error
 from scanner.models import ImageReport, PlatformReport
 
@@ -225,7 +225,7 @@ CC_MINOR_LABEL = "nvidia.com/gpu.compute.minor"
 
 
 def _gpu_code_rule(platform: PlatformReport) -> tuple[GroupRule, str] | None:
-    """Where the image's GPU code runs (`placement.inferred.compute_capability_ranges`, judged by
+    """Where the image's GPU code runs (`placement.cuda_needs.compute_capability_ranges`, judged by
     `placement.gpu_code`) as GFD's compute-capability labels, one alternative per range, each with the
     driver PTX JIT needs there; None when there is no GPU code to judge."""
     gpu = platform.gpu

@@ -1,4 +1,4 @@
-"""The store's reports as a portable SQLite file for SQL and Datasette (see `sqlite_file`)."""
+"""The store's reports and fleet as a portable SQLite file for SQL and Datasette (see `sqlite_file`)."""
 
 from store.export.sqlite_file import ExportError, ExportSummary, export_sqlite, metadata_path
 

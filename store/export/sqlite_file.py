@@ -46,7 +46,7 @@ from typing import Any
 import sqlite_utils
 
 from store import queries
-from store.backend import StoreBackend
+from store.backend import QueryRunner
 from store.export.rows import (
     COLUMNS,
     FOREIGN_KEYS,
@@ -106,7 +106,7 @@ def metadata_path(out: Path) -> Path:
 
 
 def export_sqlite(
-    backend: StoreBackend,
+    backend: QueryRunner,
     out: Path | str,
     *,
     since: datetime | None = None,
@@ -197,7 +197,7 @@ def _check_target(out: Path) -> bool:
 
 
 def _write(
-    backend: StoreBackend,
+    backend: QueryRunner,
     path: Path,
     *,
     since: datetime | None,

@@ -3,9 +3,9 @@
 `store/migrations/<engine>/NNNN_name.sql` brings a database from version NNNN-1 to
 NNNN. Both engines share the numbering, so version N means the same logical schema
 on SQLite and on PostgreSQL. Each database records what it has applied in a small
-`schema_migrations` table; the backends apply the rest at start (and `gpubadge db
-upgrade` does it on demand), each in one transaction, so a failed step leaves the
-database at the version before it.
+`schema_migrations` table; `apply_pending` (the one migration loop, for both engines)
+applies the rest inside the backend's transaction at start (and `gpubadge db upgrade` on
+demand), so a failed step leaves the database at the version before it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from functools import cache
 from importlib import resources
 from typing import Literal
 
+from store.dialect import POSTGRES, SQLITE, Connectionish, Db
+
 Engine = Literal["sqlite", "postgres"]
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+# The record of applied migrations; only the column type of its time differs per engine.
+_RECORD_TABLE = {
+    "sqlite": "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL, applied_at TEXT NOT NULL)",
+    "postgres": "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+}
 
 
 @dataclass(frozen=True)
@@ -62,3 +71,30 @@ def migrations(engine: Engine) -> tuple[Migration, ...]:
 
 def latest_version(engine: Engine) -> int:
     return len(migrations(engine))
+
+
+def apply_pending(conn: Connectionish, engine: Engine, *, legacy: int | None = None) -> list[Migration]:
+    """Bring the database on `conn` to the latest version, inside the caller's transaction.
+
+    Creates `schema_migrations` if missing, runs every migration it does not record, in order,
+    statement by statement (never through a parameter translation: the scripts are SQL as written),
+    and records each with the store's clock. `legacy` (SQLite's `PRAGMA user_version` of a file
+    versioned before the table existed) counts that many first migrations as applied when the
+    table records none; they are recorded, not run. Returns the migrations run.
+    """
+    db = Db(conn, SQLITE if engine == "sqlite" else POSTGRES)
+    db.execute(_RECORD_TABLE[engine])
+    recorded = {row[0] for row in db.all("SELECT version FROM schema_migrations")}
+    applied = set(range(1, legacy + 1)) if legacy is not None and not recorded else recorded
+    ran: list[Migration] = []
+    for migration in migrations(engine):
+        if migration.version not in applied:
+            for statement in migration.statements():
+                conn.execute(statement)
+            ran.append(migration)
+        if migration.version not in recorded:
+            db.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (:version, :name, :now)",
+                {"version": migration.version, "name": migration.name},
+            )
+    return ran

@@ -1,9 +1,11 @@
 """The store's queries written once, run on SQLite and PostgreSQL alike.
 
 Each is a function of a `store.dialect.Db`, marked as a read or a write; run one with
-`StoreBackend.run(query, ...)` (synchronous) or `await AsyncStore.run(query, ...)` (off the
-event loop, one thread hop). What really differs per engine (claims, leases, enqueueing,
-health, upgrades, GPU reservations, LISTEN) stays in `store.sqlite` and `store.postgres`.
+`await AsyncStore.run(query, ...)` (off the event loop, one thread hop), or synchronously with
+`AsyncStore.blocking.run` (on a thread of the caller's own) or `StoreBackend.run` (commands and
+tools without an event loop). What really differs per engine (claims, leases, enqueueing,
+outcomes, registry gates, health, upgrades, GPU reservations, LISTEN) stays in `store.sqlite`
+and `store.postgres`.
 """
 
 from store.queries.fleet import (
@@ -22,8 +24,10 @@ from store.queries.fleet import (
     upsert_server,
 )
 from store.queries.jobs import (
+    job,
     jobs,
     latest_job_for,
+    lease_owners,
     next_job_due,
     pending_job_for,
     queue_depth,
@@ -67,9 +71,11 @@ __all__ = [
     "heartbeat",
     "heartbeats",
     "is_gone",
+    "job",
     "jobs",
     "latest_job_for",
     "layer_evidence",
+    "lease_owners",
     "list_images",
     "mark_gone",
     "next_job_due",

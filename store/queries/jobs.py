@@ -1,7 +1,9 @@
 """Reads of the job queue: written once, run on both engines.
 
 Claims, leases, enqueueing and outcomes (what locks, and how) differ per engine and stay in
-`store.sqlite` and `store.postgres`; so does `job`, which their `retry_job` answers with.
+`store.sqlite` and `store.postgres`; what they share is here: the job column list and its row
+reader (`JOB_COLUMNS`, `job_of`), the job read their `retry_job` answers with, the lease owners,
+and the error a job whose lease lapsed is left with (`LEASE_LAPSED_ERROR`, one SQL expression).
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from store.models import JOB_STATES, Job
 JOB_COLUMNS = (
     "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
     " updated_at, lease_owner, lease_expires"
+)
+
+
+# What a running job whose lease lapsed records as its error: one SQL expression over the job's row
+# (as it was before the update clears the lease), the same on both engines.
+LEASE_LAPSED_ERROR = (
+    "'the worker ' || coalesce(lease_owner, '(unknown)') || ' stopped renewing its lease"
+    " (crashed, cut off, or unable to write) on attempt ' || attempts || ' of ' || max_attempts"
 )
 
 
@@ -37,6 +47,20 @@ def job_of(db: Db, row: Sequence[Any]) -> Job:
         row[11],
         stamp(row[12]),
     )
+
+
+@reads
+def job(db: Db, job_id: str) -> Job | None:
+    """One job by id, or None."""
+    row = db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :id", {"id": job_id})
+    return job_of(db, row) if row else None
+
+
+@reads
+def lease_owners(db: Db) -> list[str]:
+    """The workers holding running jobs now."""
+    rows = db.all("SELECT DISTINCT lease_owner FROM jobs WHERE state = 'running' AND lease_owner IS NOT NULL")
+    return [row[0] for row in rows]
 
 
 @reads

@@ -2,7 +2,7 @@
 
 The CUDA an image needs is the newest it declares or carries: a `FROM nvidia/cuda:12.8` image with
 torch cu130 on top needs CUDA 13's driver. The declared CUDA is checked as NVIDIA's runtime checks
-it (`NVIDIA_REQUIRE_CUDA`, `placement.requirements`); the carried CUDA by the rules below, for
+it (`NVIDIA_REQUIRE_CUDA`, `placement.nvidia_require`); the carried CUDA by the rules below, for
 declared images as for the others.
 
 A CUDA build is not a GPU requirement (PyPI's torch and TensorFlow are CUDA builds that also run on
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from placement import gpu_code
 from placement.gpu_code import KNOWN_COMPUTE_CAPABILITIES
-from placement.requirements import compare_version
+from placement.nvidia_require import compare_version
 from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.models import GpuFacts
 

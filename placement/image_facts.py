@@ -1,0 +1,84 @@
+"""What placement reads of an image: its runnable platforms and their GPU and libc facts.
+
+Pure: built from a scanner `ImageReport` (`ImageFacts.from_report`); the decision, the exports and
+admission all judge these facts, never the report itself.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
+
+
+class PlatformFacts(BaseModel):
+    """One platform of an image: what placement needs from its PlatformReport."""
+
+    platform: str
+    architecture: str
+    gpu: GpuFacts = Field(default_factory=GpuFacts)
+    libc: LibcVerdict = Field(default_factory=LibcVerdict)
+
+
+class ImageFacts(BaseModel):
+    """An image's per-platform facts (built from a scanner ImageReport)."""
+
+    reference: str | None = None
+    platforms: list[PlatformFacts] = Field(default_factory=list)
+
+    @classmethod
+    def from_report(cls, report: ImageReport) -> ImageFacts:
+        platforms = []
+        for item in report.platforms:
+            try:
+                platform = Platform.parse(item.platform)
+            except ValueError:
+                continue
+            if platform.os != "linux" or platform.architecture == "unknown":
+                continue  # attestation manifests and other non-runnable entries
+            platforms.append(
+                PlatformFacts(
+                    platform=item.platform, architecture=platform.architecture, gpu=item.gpu, libc=item.libc
+                )
+            )
+        return cls(reference=report.reference, platforms=platforms)
+
+    @property
+    def gpu_required(self) -> bool:
+        return any(p.gpu.required for p in self.platforms)
+
+    @property
+    def needs_gpu(self) -> bool:
+        """Whether a platform uses an NVIDIA GPU: it declares one (NVIDIA/CUDA settings in its
+        config) or CUDA was found in its layers. False for a CPU image, and for one whose layers
+        are still being read and declares none (`pending` says what could change)."""
+        return any(p.gpu.required or p.gpu.inferred is not None for p in self.platforms)
+
+    def idle_gpus_hint(self, gpus_requested: int | None) -> str | None:
+        """The hint for GPUs asked for an image that shows no sign of using one (they would idle)."""
+        if not gpus_requested or self.needs_gpu or not self.platforms:
+            return None
+        so_far = " so far (its layers are still being read)" if self.pending else ""
+        return (
+            f"shows no sign of using a GPU{so_far}: no NVIDIA or CUDA settings in its config, no CUDA"
+            f" in its layers; the {gpus_requested} GPU(s) reserved for it would sit idle (leave gpus"
+            " out to place it on any server)"
+        )
+
+    @property
+    def pending(self) -> list[str]:
+        """What is not judged yet because the image's layers are still being read, per platform.
+
+        Placement answers from the config facts meanwhile, and says what could still change: a musl
+        libc (then a GPU image also needs a server with musl GPU support) and, for an image that
+        declares no GPU, CUDA found inside (then it needs a GPU and a driver for that CUDA).
+        """
+        found = []
+        for platform in self.platforms:
+            if platform.libc.state != "pending":
+                continue
+            could = ["the libc (a musl image would also need musl GPU support)"]
+            if not platform.gpu.required:
+                could.append("CUDA inside (found CUDA would need a GPU and a driver for it)")
+            found.append(f"{platform.platform}: layers still being read: {'; '.join(could)}")
+        return found

@@ -1,0 +1,311 @@
+"""One eligibility query compiled against a fleet index: per-platform plans, GPU-class and shape verdicts.
+
+Pure. `Query` prepares what each image platform demands once (`Plan`), then judges each GPU class
+once (`class_verdict`), the GPU part once per GPU sub-shape and each server shape once (`evaluate`),
+with every reason worded for the person deploying. placement.decide runs it over an index's view.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from placement import cuda_needs
+from placement.decision import NO_KEY, ShapeResult
+from placement.gpus import matches_model, memory_satisfies, runtime_brands
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex, GpuClass, ServerEntry
+from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
+from placement.request import DeployRequest
+from scanner.models import GpuFacts
+
+_GIB = 1024**3
+# (reasons, GPU picks, rank, spare GPUs, GPU MiB assigned, score) for one GPU sub-shape and plan
+GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float]
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one image platform demands, prepared once per query."""
+
+    platform: str
+    requirements: ImageRequirements
+    gpu_image: bool
+    musl: bool
+    cuda_major: int | None
+    needed: int
+    verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
+    inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
+
+
+def _cuda_major(facts: GpuFacts) -> int | None:
+    """The major of the CUDA the image needs: the newest it declares or carries (placement.cuda_needs)."""
+    text = cuda_needs.needed_cuda(facts) or facts.env.get("CUDA_VERSION", "")
+    head = text.lstrip("v").split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _fmt_sizes(have: int, need: int) -> tuple[str, str]:
+    """`have` and `need` (bytes; have < need) in one unit, GiB from 1 GiB on, else MiB: what a
+    server has rounded down, what a request needs rounded up (2 decimals), so have < need still
+    reads so (never `40 GiB < requested 40 GiB`)."""
+    unit, size = ("GiB", _GIB) if need >= _GIB else ("MiB", 1024**2)
+    shown_have = math.floor(have * 100 / size) / 100
+    shown_need = math.ceil(need * 100 / size) / 100
+    return f"{shown_have:g} {unit}", f"{shown_need:g} {unit}"
+
+
+def _fmt_cpus(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+class Query:
+    """One image and request judged against one index: verdicts cached per GPU class, GPU sub-shape and arch."""
+
+    def __init__(self, image: ImageFacts, request: DeployRequest, index: FleetIndex) -> None:
+        self.request = request
+        self.index = index
+        self.plans: dict[str, Plan] = {}
+        for platform in image.platforms:
+            if platform.architecture in self.plans:
+                continue
+            gpu_image = platform.gpu.required
+            needed = request.gpus if request.gpus is not None else (1 if gpu_image else 0)
+            self.plans[platform.architecture] = Plan(
+                platform=platform.platform,
+                requirements=ImageRequirements.from_gpu_facts(platform.gpu),
+                gpu_image=gpu_image,
+                musl=platform.libc.flavour == "musl",
+                cuda_major=_cuda_major(platform.gpu),
+                needed=needed,
+                inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
+            )
+        self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
+        self.models = list(request.gpu_models)
+        self.ordered = request.gpu_model_order == "ordered"
+        self.arch_plans: dict[str, tuple[Plan | None, str | None]] = {}
+        self.gpu_parts: dict[tuple[str, int], GpuPart] = {}
+
+    def class_verdict(self, plan: Plan, class_id: int) -> tuple[bool, int, tuple[str, ...]]:
+        """(usable, preference rank, reasons) for one GPU class, computed once per query."""
+        cached = plan.verdicts.get(class_id)
+        if cached is not None:
+            return cached
+        gpu = self.index.classes[class_id]
+        request = self.request
+        reasons: list[str] = []
+        rank = 0
+        if self.models:
+            hits = [i for i, wanted in enumerate(self.models) if matches_model(gpu.name, wanted)]
+            if not hits:
+                reasons.append(f"model {gpu.name} is not {' or '.join(self.models)}")
+            elif self.ordered:
+                rank = hits[0]
+        if request.min_gpu_memory is not None and not memory_satisfies(
+            gpu.memory_mib, request.min_gpu_memory
+        ):
+            has, wants = _fmt_sizes(gpu.memory_mib * 1024**2, request.min_gpu_memory)
+            reasons.append(f"GPU memory {has} < requested {wants}")
+        cc = gpu.compute_capability or None
+        if request.min_compute_capability is not None:
+            if cc is None:
+                reasons.append("compute capability unknown; request needs " + request.min_compute_capability)
+            elif not compare_version(cc, ">=", request.min_compute_capability):
+                reasons.append(f"compute capability {cc} < requested {request.min_compute_capability}")
+        reasons.extend(self._gpu_rules(plan, gpu, cc))
+        reasons.extend(self._requirement_reasons(plan, gpu, cc))
+        verdict = (not reasons, rank, tuple(reasons))
+        plan.verdicts[class_id] = verdict
+        return verdict
+
+    @staticmethod
+    def _gpu_rules(plan: Plan, gpu: GpuClass, cc: str | None) -> list[str]:
+        """Image rules beyond NVIDIA_REQUIRE_* that read one GPU class (e.g. CUDA 13's arch floor).
+
+        The place for rules on what an image's CUDA needs from a GPU; evaluated once per GPU class
+        and query, so a rule may be as slow as it likes.
+        """
+        if (
+            plan.cuda_major is not None
+            and plan.cuda_major >= 13
+            and cc
+            and not compare_version(cc, ">=", "7.5")
+        ):
+            return [
+                f"CUDA {plan.cuda_major} image needs compute capability 7.5 or newer "
+                f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
+            ]
+        if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.cuda_needs)
+            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver)
+        return []
+
+    def caveats(self) -> list[str]:
+        """NVIDIA libraries of the image lacking code for a GPU class it is eligible on (placement.gpu_code)."""
+        found: list[str] = []
+        for plan in self.plans.values():
+            if plan.inferred is None:
+                continue
+            for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
+                gpu = self.index.classes[class_id]
+                if usable and gpu.compute_capability:
+                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability):
+                        found.append(f"on {gpu.name} (compute capability {gpu.compute_capability}): {caveat}")
+        return found
+
+    @staticmethod
+    def _shape_rules(plan: Plan, entry: ServerEntry) -> list[str]:
+        """Image rules beyond NVIDIA_REQUIRE_* that read a server's driver (e.g. a driver floor).
+
+        Called once per GPU sub-shape and query for a GPU image, with a representative server:
+        read only what `_gpu_key` keys on (driver, driver CUDA, musl, GPU classes and counts,
+        runtime modes).
+        """
+        return []
+
+    @staticmethod
+    def _requirement_reasons(plan: Plan, gpu: GpuClass, cc: str | None) -> list[str]:
+        if plan.requirements.error is not None or plan.requirements.disabled:
+            return []  # an unparsable image is reported once per server, not per GPU
+        brands = runtime_brands(gpu.brand) or (None,)
+        for position, brand in enumerate(brands):
+            verdict: Verdict = plan.requirements.check(DeviceFacts(gpu.cuda, gpu.driver, cc, brand))
+            if not verdict.ok:
+                suffix = ""
+                if position > 0:
+                    suffix = f" (older libnvidia-container reports brand {brand} for this {brands[0]} GPU)"
+                return [line + suffix for line in verdict.failed] or [verdict.message]
+        return []
+
+    def evaluate(self, entry: ServerEntry, gpu_shape: int) -> ShapeResult:
+        """Everything but labels for one server; valid for every server of the same shape.
+
+        The GPU part (driver, image requirements, GPU picks) is shared by every shape with the same
+        GPU sub-shape and platform plan, so it is computed once per query for all of them; only the
+        architecture, CPU and memory checks are per shape.
+        """
+        arch = self.arch_plans.get(entry.arch)
+        if arch is None:
+            arch = self.arch_plans[entry.arch] = self._arch_plan(entry.arch)
+        plan, arch_reason = arch
+        if plan is None:  # the image has no platforms at all
+            assert arch_reason is not None
+            return (arch_reason,), (), NO_KEY, "", 0.0
+        cpus = self.request.cpus
+        memory = self.request.memory
+        cpus_short = cpus is not None and entry.cpus < cpus
+        memory_short = memory is not None and entry.memory < memory
+        # Without GPUs in play the GPU part reads no plan, so every platform shares one entry.
+        key = (plan.platform if plan.gpu_image or plan.needed else "", gpu_shape)
+        gpu = self.gpu_parts.get(key)
+        if gpu is None:
+            gpu = self.gpu_parts[key] = self._gpu_part(plan, entry)
+        gpu_reasons, picks, rank, spare_gpus, memory_mib, score = gpu
+        if arch_reason is not None or cpus_short or memory_short or gpu_reasons:
+            # Decisive first: the image cannot run on this architecture at all; then what the GPU
+            # side says (itself decisive first); then the CPUs and memory a bigger server would add.
+            reasons: list[str] = []
+            if arch_reason is not None:
+                reasons.append(arch_reason)
+            reasons.extend(gpu_reasons)
+            if cpus is not None and cpus_short:
+                reasons.append(f"has {_fmt_cpus(entry.cpus)} CPUs, request needs {_fmt_cpus(cpus)}")
+            if memory is not None and memory_short:
+                has, wants = _fmt_sizes(entry.memory, memory)
+                reasons.append(f"has {has} memory, request needs {wants}")
+            return tuple(reasons), (), NO_KEY, plan.platform, 0.0
+        spare_cpus = entry.cpus - (cpus or 0)
+        return (
+            (),
+            picks,
+            (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory),
+            plan.platform,
+            score,
+        )
+
+    def _arch_plan(self, arch: str) -> tuple[Plan | None, str | None]:
+        """The plan servers of `arch` are judged by, and the reason when the image lacks that arch."""
+        plan = self.plans.get(arch)
+        if plan is not None:
+            return plan, None
+        reason = f"CPU architecture {arch} is not among the image's platforms ({self.platform_names})"
+        return next(iter(self.plans.values()), None), reason
+
+    def _gpu_part(self, plan: Plan, entry: ServerEntry) -> GpuPart:
+        """Driver, image-requirement and GPU-availability verdict, with the picks when it passes."""
+        request = self.request
+        reasons: list[str] = []
+        needed = plan.needed
+        if plan.gpu_image or needed > 0:
+            if entry.driver is None:
+                # A server without NVIDIA's driver: that says it all (no musl, requirement or
+                # GPU-count reason after it).
+                return ("no NVIDIA driver",), (), 0, 0, 0, 0.0
+            if request.min_driver is not None and not compare_version(entry.driver, ">=", request.min_driver):
+                reasons.append(f"driver {entry.driver} < requested {request.min_driver}")
+            if plan.requirements.error is not None:
+                reasons.append(f"image requirement cannot be evaluated: {plan.requirements.error}")
+            if plan.musl and plan.gpu_image and not entry.musl:
+                reasons.append("image uses musl libc with GPUs; server has no musl GPU support")
+            reasons.extend(self._shape_rules(plan, entry))
+        picks: list[tuple[int, int]] = []  # (position in entry.groups, how many GPUs to take)
+        picked = 0
+        memory_mib = 0
+        rank = 0
+        free_total = 0
+        if needed > 0:
+            usable: list[tuple[int, int, int, int]] = []  # (rank, MiB, group position, free count)
+            refused: list[tuple[int, int, tuple[str, ...]]] = []
+            available = 0
+            verdicts = plan.verdicts
+            classes = self.index.classes
+            for position, (class_id, uuids) in enumerate(entry.groups):
+                count = len(uuids)
+                free_total += count
+                judged = verdicts.get(class_id) or self.class_verdict(plan, class_id)
+                if judged[0]:
+                    usable.append((judged[1], classes[class_id].memory_mib, position, count))
+                    available += count
+                else:
+                    refused.append((class_id, count, judged[2]))
+            if available < needed:
+                free = free_total
+                detail = f"{free} free of {entry.total_gpus}"
+                if entry.busy_gpus:
+                    detail += f", {entry.busy_gpus} in use"
+                if free == available:
+                    count_reason = f"needs {needed} free GPU(s), has {detail}"
+                else:
+                    count_reason = f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+                class_reasons = [
+                    f"{count} free {self.index.classes[class_id].name}: {line}"
+                    for class_id, count, why in refused
+                    for line in why
+                ]
+                # With no suitable GPU at all, why the GPUs it has do not suit is decisive (the
+                # count follows from it); with some, too few of them is.
+                if available == 0:
+                    reasons.extend([*class_reasons, count_reason])
+                else:
+                    reasons.extend([count_reason, *class_reasons])
+            elif not reasons:
+                if len(usable) > 1:
+                    usable.sort()
+                for class_rank, mib, position, free in usable:
+                    take = min(free, needed - picked)
+                    picks.append((position, take))
+                    picked += take
+                    memory_mib += mib * take
+                    rank = max(rank, class_rank)
+                    if picked == needed:
+                        break
+        elif plan.gpu_image and entry.driver is not None and not plan.requirements.disabled:
+            # No GPU assigned: the runtime checks once without a device (arch/brand are then true).
+            verdict = plan.requirements.check(DeviceFacts(entry.cuda, entry.driver, device_visible=False))
+            if not verdict.ok:
+                reasons.extend(verdict.failed or (verdict.message,))
+        if reasons:
+            return tuple(reasons), (), 0, 0, 0, 0.0
+        if needed == 0:
+            free_total = sum(len(uuids) for _, uuids in entry.groups)
+        spare_gpus = free_total - needed
+        return (), tuple(picks), rank, spare_gpus, memory_mib, round(1.0 / (1 + rank + spare_gpus), 4)
