@@ -19,12 +19,25 @@ from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
-from web import admission, api, export, fleet, health, openapi, ui, ui_fleet
+from web import health, live_fleet
 from web.architectures import FleetArchitectures
 from web.companions import companions
 from web.errors import error_middleware
-from web.fleet import STATIC_FLEET
+from web.live_fleet import STATIC_FLEET
 from web.metrics import ServiceMetrics
+from web.routes import (
+    admission,
+    agents,
+    deployments,
+    eligibility,
+    export,
+    fleet_pages,
+    images,
+    openapi,
+    pages,
+    scans,
+    webhooks,
+)
 from web.security import private_reads
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
@@ -43,7 +56,21 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
-    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission, export):
+    live_fleet.install(app)
+    for routes in (
+        webhooks,
+        images,
+        scans,
+        health,
+        openapi,
+        agents,
+        eligibility,
+        deployments,
+        pages,
+        fleet_pages,
+        admission,
+        export,
+    ):
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     app.cleanup_ctx.append(admission.tls_listener(services))

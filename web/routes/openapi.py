@@ -15,8 +15,7 @@ from placement.inventory import Server
 from placement.protocol import DeploymentsResponse, DeploymentStatus, Heartbeat, RegisterResponse
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.api import JobView, ScanBody
-from web.fleet import Deployment, RunSpec
+from web.api_models import Deployment, JobView, RunSpec, ScanBody
 
 
 def _schema(

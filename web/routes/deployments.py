@@ -1,0 +1,148 @@
+"""Deployments: place an image on the best eligible server and reserve its GPUs, list, show, stop.
+
+Reserving GPUs is one store transaction whose primary key on the GPU UUID makes double-booking
+impossible; a deploy that loses that race decides again on the fresh inventory. A deployment
+placed or stopped wakes its server's long poll.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+from placement.decide import Decision, ImageFacts, decide
+from placement.protocol import (
+    TERMINAL_STATES,
+)
+from store import GpuTaken, queries
+from web.api_models import Deployment
+from web.errors import json_error
+from web.live_fleet import FLEET_INDEX, fleet_index
+from web.long_polls import LONG_POLLS
+from web.lookups import image_report, load_deployment, require_api_token
+from web.placement_requests import request_body
+from web.security import holds_api_token
+from web.state import services_of
+
+RESERVE_ATTEMPTS = 5
+
+
+async def create_deployment(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    image, deploy, run, _ = await request_body(request, run_fields=True)
+    report = await image_report(services, image)
+    facts = ImageFacts.from_report(report)
+    decision: Decision | None = None
+    for _ in range(RESERVE_ATTEMPTS):
+        decision = decide(facts, deploy, await fleet_index(request.app))
+        choice = decision.best
+        if choice is None:
+            break
+        platform = next(p for p in report.platforms if p.platform == choice["platform"])
+        deployment = Deployment(
+            id=uuid.uuid4().hex,
+            image=report.reference,
+            digest=platform.digest,
+            platform=platform.platform,
+            server=choice["server"],
+            gpus=list(choice["gpus"]),
+            gpu_required=bool(choice["gpus"]),
+            driver_capabilities=platform.gpu.driver_capabilities,
+            inferred_cuda=bool(choice["gpus"])
+            and not platform.gpu.required
+            and platform.gpu.inferred is not None,
+            command=run.command,
+            env=run.env,
+        )
+        try:
+            await services.store.run(
+                services.store.backend.create_deployment,
+                deployment.id,
+                deployment.server,
+                deployment.gpus,
+                deployment.model_dump_json(),
+            )
+        except GpuTaken:
+            # Another deploy (maybe another process) reserved one of these GPUs first: decide again.
+            request.app[FLEET_INDEX].reservations_changed()
+            continue
+        request.app[FLEET_INDEX].reservations_changed()
+        request.app[LONG_POLLS].wake([deployment.server])
+        return web.json_response(
+            deployment.shown(holds_api_token(request, services.settings.api_token)), status=201
+        )
+    assert decision is not None
+    return json_error(
+        409,
+        "no server can run this image with this request",
+        ineligible_count=decision.ineligible_count,
+        ineligible_by_reason=decision.ineligible_summary(),
+    )
+
+
+async def get_deployment(request: web.Request) -> web.Response:
+    services = services_of(request)
+    deployment = await load_deployment(services, request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
+
+
+async def list_deployments(request: web.Request) -> web.Response:
+    services = services_of(request)
+    reveal = holds_api_token(request, services.settings.api_token)
+    rows = await services.store.run(queries.deployments, server=request.query.get("server") or None)
+    return web.json_response(
+        {"deployments": [Deployment.model_validate_json(row.record_json).shown(reveal) for row in rows]}
+    )
+
+
+async def delete_deployment(request: web.Request) -> web.Response:
+    require_api_token(request)
+    services = services_of(request)
+    deployment = await load_deployment(services, request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    reveal = holds_api_token(request, services.settings.api_token)
+    if deployment.state in TERMINAL_STATES:
+        return web.json_response(deployment.shown(reveal))
+    now = datetime.now(UTC)
+    if deployment.state == "pending":  # the agent never saw it: stop here and free the GPUs
+        deployment = deployment.model_copy(
+            update={
+                "state": "stopped",
+                "desired": "stop",
+                "reason": "stopped before it started",
+                "updated_at": now,
+            }
+        )
+        await services.store.run(
+            queries.update_deployment,
+            deployment.id,
+            deployment.model_dump_json(),
+            state="stopped",
+            desired="stop",
+            release=True,
+        )
+        request.app[FLEET_INDEX].reservations_changed()
+    else:
+        deployment = deployment.model_copy(update={"desired": "stop", "updated_at": now})
+        await services.store.run(
+            queries.update_deployment,
+            deployment.id,
+            deployment.model_dump_json(),
+            state=deployment.state,
+            desired="stop",
+        )
+    request.app[LONG_POLLS].wake([deployment.server])
+    return web.json_response(deployment.shown(reveal), status=202)
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/api/deployments", list_deployments)
+    app.router.add_post("/api/deployments", create_deployment)
+    app.router.add_get("/api/deployments/{id}", get_deployment)
+    app.router.add_delete("/api/deployments/{id}", delete_deployment)
