@@ -25,6 +25,7 @@ from web.companions import companions
 from web.errors import error_middleware
 from web.live_fleet import STATIC_FLEET
 from web.metrics import ServiceMetrics
+from web.read_access import private_reads
 from web.routes import (
     admission,
     agents,
@@ -38,7 +39,6 @@ from web.routes import (
     scans,
     webhooks,
 )
-from web.security import private_reads
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
 from web.worker_process import worker_events, worker_settings
