@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -20,6 +21,7 @@ from scanner.registry.client import RegistryClient
 from scanner.registry.referrers import ReportAttacher
 from scanner.scan import Scanner
 from web import health, live_fleet
+from web.api_description import openapi_document as describe_api
 from web.architectures import FleetArchitectures
 from web.companions import companions
 from web.errors import error_middleware
@@ -46,6 +48,31 @@ from web.workers import ScanWorkers
 
 log = logging.getLogger(__name__)
 
+# Each adds its routes in turn; those declared with `ApiRoutes` are described in /api/openapi.json.
+ROUTE_MODULES = (
+    webhooks,
+    images,
+    scans,
+    health,
+    openapi,
+    agents,
+    eligibility,
+    deployments,
+    pages,
+    fleet_pages,
+    admission,
+    export,
+)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The document `/api/openapi.json` serves, derived from the route modules' declarations
+    without building an application (for tests and tools)."""
+    declared = [getattr(module, "ROUTES", None) for module in ROUTE_MODULES]
+    return describe_api(
+        operation for routes in declared if routes is not None for operation in routes.operations
+    )
+
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
     settings.check_consistent()
@@ -57,20 +84,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
     live_fleet.install(app)
-    for routes in (
-        webhooks,
-        images,
-        scans,
-        health,
-        openapi,
-        agents,
-        eligibility,
-        deployments,
-        pages,
-        fleet_pages,
-        admission,
-        export,
-    ):
+    for routes in ROUTE_MODULES:
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     app.cleanup_ctx.append(admission.tls_listener(services))

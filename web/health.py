@@ -16,7 +16,14 @@ from typing import Any
 from aiohttp import web
 
 from store import QueueHealth, queries
+from web.api_description import (
+    OBJECT,
+    ApiRoutes,
+    json_reply,
+)
 from web.state import Services, services_of
+
+ROUTES = ApiRoutes()
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
@@ -39,6 +46,7 @@ def stall_reason(queue: QueueHealth, stall_seconds: float) -> str | None:
     )
 
 
+@ROUTES.get("/healthz", "Liveness", responses={"200": json_reply(OBJECT, "ok")})
 async def healthz(request: web.Request) -> web.Response:
     services = services_of(request)
     settings = services.settings
@@ -74,6 +82,14 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **body})
 
 
+@ROUTES.get(
+    "/metrics",
+    "Prometheus metrics",
+    responses={
+        "200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "401": {"description": "API token required (reads are private)"},
+    },
+)
 async def metrics(request: web.Request) -> web.Response:
     services = services_of(request)
     registry = services.metrics
@@ -94,5 +110,4 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    ROUTES.setup(app)

@@ -26,6 +26,18 @@ from placement.protocol import (
     RegisterResponse,
 )
 from store import queries
+from web.api_description import (
+    AGENT_ONLY,
+    ERROR,
+    OBJECT,
+    PRIVATE,
+    TOO_LARGE,
+    ApiRoutes,
+    Model,
+    json_reply,
+    path_parameter,
+    query,
+)
 from web.api_models import Deployment
 from web.errors import json_error, json_http_error, read_json
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
@@ -36,6 +48,8 @@ from web.security import bearer_token
 from web.state import services_of, services_of_app
 
 log = logging.getLogger(__name__)
+
+ROUTES = ApiRoutes()
 
 
 def require_agent_token(request: web.Request, server_name: str) -> None:
@@ -130,11 +144,38 @@ async def agent_heard(app: web.Application, name: str) -> web.Response | None:
     return None
 
 
+@ROUTES.get(
+    "/api/servers",
+    "Live servers: the inventory file plus agents heard from recently, with GPUs in use",
+    responses={
+        "200": json_reply(
+            {
+                "type": "object",
+                "properties": {"servers": {"type": "array", "items": Model(Server, "validation")}},
+            },
+            "the fleet",
+        ),
+        **PRIVATE,
+    },
+)
 async def list_servers(request: web.Request) -> web.Response:
     servers = await live_servers(request.app)
     return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
 
 
+@ROUTES.post(
+    "/api/servers",
+    "Register a server (node agents); registering again replaces its inventory",
+    token=True,
+    body=Model(Server, "validation"),
+    responses={
+        "200": json_reply(RegisterResponse, "registered; heartbeat this often"),
+        "400": json_reply(ERROR, "invalid server"),
+        **AGENT_ONLY,
+        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **TOO_LARGE,
+    },
+)
 async def register_server(request: web.Request) -> web.Response:
     services = services_of(request)
     data = await read_json(request, services.settings.json_limits())
@@ -159,6 +200,22 @@ async def register_server(request: web.Request) -> web.Response:
 _OK = b'{"ok": true}'
 
 
+@ROUTES.post(
+    "/api/servers/{name}/heartbeat",
+    "Agent heartbeat; a `gpus` list replaces the server's GPUs",
+    token=True,
+    parameters=[path_parameter("name")],
+    body=Model(Heartbeat, "validation"),
+    body_required=False,
+    responses={
+        "200": json_reply(OBJECT, "ok"),
+        "400": json_reply(ERROR, "invalid heartbeat"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown server: register again"),
+        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **TOO_LARGE,
+    },
+)
 async def server_heartbeat(request: web.Request) -> web.Response:
     """A heartbeat: a stamp in memory when nothing changed; the inventory is written only when the
     GPUs reported differ from the stored ones."""
@@ -192,6 +249,19 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     return web.Response(body=_OK, content_type="application/json")
 
 
+@ROUTES.get(
+    "/api/agents/{name}/deployments",
+    "Agent long poll: answers at once when a deployment needs action, else after `wait`",
+    token=True,
+    parameters=[path_parameter("name"), query("wait", "seconds to wait for work (max 60)", "number")],
+    responses={
+        "200": json_reply(DeploymentsResponse, "deployments to run or stop (maybe none)"),
+        "400": json_reply(ERROR, "wait is not a number"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown server: register again"),
+        "409": json_reply(ERROR, "back from silence, but its GPUs are now reported by another server"),
+    },
+)
 async def agent_poll(request: web.Request) -> web.Response:
     """The agent's long poll: answers at once when there is work, else after `wait` seconds.
 
@@ -240,6 +310,20 @@ async def agent_poll(request: web.Request) -> web.Response:
     return web.json_response(body.model_dump(mode="json"))
 
 
+@ROUTES.post(
+    "/api/deployments/{id}/status",
+    "Agent report of a deployment's state; a terminal state frees its GPUs",
+    token=True,
+    parameters=[path_parameter("id")],
+    body=Model(DeploymentStatus, "validation"),
+    responses={
+        "200": json_reply(Deployment, "recorded"),
+        "400": json_reply(ERROR, "invalid status"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown deployment"),
+        **TOO_LARGE,
+    },
+)
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
     deployment = await load_deployment(services, request.match_info["id"])
@@ -280,8 +364,4 @@ async def deployment_status(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/api/servers", list_servers)
-    app.router.add_post("/api/servers", register_server)
-    app.router.add_post("/api/servers/{name}/heartbeat", server_heartbeat)
-    app.router.add_get("/api/agents/{name}/deployments", agent_poll)
-    app.router.add_post("/api/deployments/{id}/status", deployment_status)
+    ROUTES.setup(app)

@@ -12,12 +12,24 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from placement.answer import ReasonCount
 from placement.decide import Decision, ImageFacts, decide
 from placement.protocol import (
     TERMINAL_STATES,
 )
+from placement.request import DeployRequest
 from store import GpuTaken, queries
-from web.api_models import Deployment
+from web.api_description import (
+    ERROR,
+    NOT_PLACEABLE,
+    PRIVATE,
+    ApiRoutes,
+    ImageBody,
+    json_reply,
+    path_parameter,
+    query,
+)
+from web.api_models import Deployment, RunSpec
 from web.errors import json_error
 from web.live_fleet import FLEET_INDEX, fleet_index
 from web.long_polls import LONG_POLLS
@@ -26,9 +38,38 @@ from web.placement_requests import request_body
 from web.security import holds_api_token
 from web.state import services_of
 
+ROUTES = ApiRoutes()
+
 RESERVE_ATTEMPTS = 5
 
 
+@ROUTES.post(
+    "/api/deployments",
+    "Deploy an image: reserve GPUs on the best eligible server for its agent to run",
+    token=True,
+    body=ImageBody("DeploymentRequest", (DeployRequest, RunSpec)),
+    responses={
+        "201": json_reply(Deployment, "reserved; the server's agent will run it"),
+        **NOT_PLACEABLE,
+        "401": json_reply(ERROR, "token required"),
+        "404": json_reply(ERROR, "no stored report for the image"),
+        "409": json_reply(
+            {
+                "allOf": [
+                    ERROR,
+                    {
+                        "type": "object",
+                        "properties": {
+                            "ineligible_count": {"type": "integer"},
+                            "ineligible_by_reason": {"type": "array", "items": ReasonCount},
+                        },
+                    },
+                ]
+            },
+            "no server can run it; `ineligible_by_reason` says why",
+        ),
+    },
+)
 async def create_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
@@ -83,6 +124,16 @@ async def create_deployment(request: web.Request) -> web.Response:
     )
 
 
+@ROUTES.get(
+    "/api/deployments/{id}",
+    "A deployment's state, exit code and last log lines",
+    parameters=[path_parameter("id")],
+    responses={
+        "200": json_reply(Deployment, "the deployment"),
+        "404": json_reply(ERROR, "unknown"),
+        **PRIVATE,
+    },
+)
 async def get_deployment(request: web.Request) -> web.Response:
     services = services_of(request)
     deployment = await load_deployment(services, request.match_info["id"])
@@ -91,6 +142,18 @@ async def get_deployment(request: web.Request) -> web.Response:
     return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
 
 
+@ROUTES.get(
+    "/api/deployments",
+    "Deployments, newest first",
+    parameters=[query("server", "only this server's deployments")],
+    responses={
+        "200": json_reply(
+            {"type": "object", "properties": {"deployments": {"type": "array", "items": Deployment}}},
+            "deployments",
+        ),
+        **PRIVATE,
+    },
+)
 async def list_deployments(request: web.Request) -> web.Response:
     services = services_of(request)
     reveal = holds_api_token(request, services.settings.api_token)
@@ -100,6 +163,18 @@ async def list_deployments(request: web.Request) -> web.Response:
     )
 
 
+@ROUTES.delete(
+    "/api/deployments/{id}",
+    "Stop a deployment (at once when its agent has not picked it up yet)",
+    token=True,
+    parameters=[path_parameter("id")],
+    responses={
+        "200": json_reply(Deployment, "already finished"),
+        "202": json_reply(Deployment, "stopping"),
+        "401": json_reply(ERROR, "token required"),
+        "404": json_reply(ERROR, "unknown deployment"),
+    },
+)
 async def delete_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
@@ -142,7 +217,4 @@ async def delete_deployment(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/api/deployments", list_deployments)
-    app.router.add_post("/api/deployments", create_deployment)
-    app.router.add_get("/api/deployments/{id}", get_deployment)
-    app.router.add_delete("/api/deployments/{id}", delete_deployment)
+    ROUTES.setup(app)

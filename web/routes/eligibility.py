@@ -10,9 +10,19 @@ from typing import Any
 
 from aiohttp import web
 
-from placement.answer import ANSWER_FIELDS
+from placement.answer import ANSWER_FIELDS, AnswerOptions, EligibilityAnswer
 from placement.decide import ImageFacts
 from placement.exports import FORMATS, export_constraints, known_gpus
+from placement.request import DeployRequest
+from web.api_description import (
+    ERROR,
+    NOT_PLACEABLE,
+    NOT_SCANNED_NO_TOKEN,
+    ApiRoutes,
+    ImageBody,
+    json_reply,
+    query,
+)
 from web.errors import json_http_error
 from web.live_fleet import fleet_index
 from web.lookups import image_report
@@ -20,7 +30,59 @@ from web.placement_requests import answer_options, eligibility_answer, request_b
 from web.security import bearer_token, token_matches
 from web.state import services_of
 
+ROUTES = ApiRoutes()
+ELIGIBILITY_BODY = ImageBody("EligibilityRequest", (DeployRequest, AnswerOptions))
+ELIGIBILITY_ANSWER = {
+    "allOf": [
+        EligibilityAnswer,
+        {
+            "type": "object",
+            "properties": {
+                "image": {
+                    "type": "object",
+                    "properties": {"reference": {"type": "string"}, "digest": {"type": ["string", "null"]}},
+                },
+                "seconds": {"type": "number", "description": "time spent deciding"},
+            },
+        },
+    ]
+}
+CONSTRAINTS_ANSWER = {
+    "type": "object",
+    "properties": {
+        "format": {"enum": list(FORMATS)},
+        "satisfiable": {"type": "boolean", "description": "false: no node can be eligible"},
+        "notes": {"type": "array", "items": {"type": "string"}},
+        "affinity": {"type": "object", "description": "core/v1 Affinity (kubernetes, dra)"},
+        "resources": {"type": "object", "description": "container resources (kubernetes)"},
+        "resourceClaimTemplate": {"type": ["object", "null"], "description": "resource.k8s.io/v1 (dra)"},
+        "hcl": {"type": "string", "description": "Nomad task fragment (nomad)"},
+        "sdl": {"type": ["object", "null"], "description": "Akash SDL profiles (akash)"},
+        "image": {"type": "object"},
+    },
+    "required": ["format", "satisfiable", "notes"],
+}
 
+
+@ROUTES.post(
+    "/api/eligibility",
+    "Which servers can run an image with this request, best fit first, and why not the others",
+    description="Eligible servers come a page at a time (`limit`, default 50; pass `next_cursor` back as"
+    " `cursor`); ineligible servers are counted by reason with a few examples. `explain: all` lists"
+    " every server, with every reason. `limit`, `cursor` and `explain` may also be given in the query"
+    " string.",
+    body=ELIGIBILITY_BODY,
+    parameters=[
+        query("limit", "eligible servers per page (default 50)", "integer"),
+        query("cursor", "`next_cursor` of the previous page"),
+        query("explain", "summary (default) or all"),
+    ],
+    responses={
+        "200": json_reply(ELIGIBILITY_ANSWER, "the decision"),
+        **NOT_PLACEABLE,
+        "404": json_reply(ERROR, NOT_SCANNED_NO_TOKEN),
+    },
+)
 async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
     image, deploy, _, fields = await request_body(request, other_fields=ANSWER_FIELDS)
@@ -38,6 +100,26 @@ async def eligibility(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@ROUTES.post(
+    "/api/constraints",
+    "The eligibility of an image in a scheduler's language: kubernetes, dra, nomad or akash",
+    description="The eligibility body plus `format`. `kubernetes`: `affinity` (GPU Feature Discovery"
+    " labels, integer Gt/Lt terms) and `resources`; `dra`: `resourceClaimTemplate` (resource.k8s.io/v1,"
+    " CEL selectors) and an arch `affinity`; `nomad`: `hcl` (a task-level constraint and a device"
+    " block); `akash`: `sdl` (a compute profile, null when no known model qualifies). `notes` says"
+    " what the format cannot express or only approximates.",
+    body={
+        "allOf": [
+            ELIGIBILITY_BODY,
+            {"type": "object", "properties": {"format": {"enum": list(FORMATS)}}, "required": ["format"]},
+        ]
+    },
+    responses={
+        "200": json_reply(CONSTRAINTS_ANSWER, "the constraints"),
+        **NOT_PLACEABLE,
+        "404": json_reply(ERROR, NOT_SCANNED_NO_TOKEN),
+    },
+)
 async def constraints(request: web.Request) -> web.Response:
     """The eligibility body plus `format`: the same decision in another scheduler's language."""
     services = services_of(request)
@@ -55,5 +137,4 @@ async def constraints(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_post("/api/eligibility", eligibility)
-    app.router.add_post("/api/constraints", constraints)
+    ROUTES.setup(app)

@@ -10,11 +10,22 @@ from aiohttp import web
 from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import queries
+from web.api_description import (
+    BAD_QUERY,
+    ERROR,
+    OBJECT,
+    PRIVATE,
+    ApiRoutes,
+    json_reply,
+    query,
+)
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
 from web.lookups import MAX_PAGE, find_report, int_param, wait_param
 from web.security import redact_secrets
 from web.state import services_of
+
+ROUTES = ApiRoutes()
 
 
 def _report_json(report: ImageReport) -> dict[str, Any]:
@@ -40,6 +51,21 @@ def _ready(report: ImageReport | None, until: str) -> bool:
     return report is not None and (until == "facts" or not report.pending)
 
 
+@ROUTES.get(
+    "/api/images",
+    "List scanned images",
+    parameters=[
+        query("gpu", "true: needs an NVIDIA GPU; false: CPU only", "boolean"),
+        query("libc", "glibc, musl, none or unknown"),
+        query("cuda", "CUDA version, e.g. 12 or 12.2"),
+        query("inferred", "true: CUDA found in the layers (deep scan); false: none found", "boolean"),
+        query("registry", "registry host"),
+        query("q", "free text over repository, reference, digest and distro"),
+        query("page", "page number, from 1", "integer"),
+        query("limit", "rows per page (max 200)", "integer"),
+    ],
+    responses={"200": json_reply(OBJECT, "a page of images"), **BAD_QUERY, **PRIVATE},
+)
 async def list_images(request: web.Request) -> web.Response:
     services = services_of(request)
     query = request.query
@@ -69,6 +95,27 @@ async def list_images(request: web.Request) -> web.Response:
     )
 
 
+@ROUTES.get(
+    "/api/images/by-ref",
+    "Latest report for a tag or digest reference (the `gpubadge scan --json` shape)",
+    parameters=[
+        {**query("ref", "image reference"), "required": True},
+        query("wait", "seconds to wait for the report (max 60)", "number"),
+        {
+            "name": "until",
+            "in": "query",
+            "description": "what `wait` waits for: done (the full report, the default) or facts"
+            " (the config facts, published before the layers are read; `pending` is true then)",
+            "schema": {"type": "string", "enum": ["done", "facts"]},
+        },
+    ],
+    responses={
+        "200": json_reply(ImageReport, "the report; `pending` true while its layers are still being read"),
+        "400": json_reply(ERROR, "invalid reference, wait or until"),
+        "404": json_reply(ERROR, "not scanned; `pending` says whether a scan is queued"),
+        **PRIVATE,
+    },
+)
 async def image_by_ref(request: web.Request) -> web.Response:
     services = services_of(request)
     text = request.query.get("ref", "")
@@ -103,5 +150,4 @@ async def image_by_ref(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/api/images", list_images)
-    app.router.add_get("/api/images/by-ref", image_by_ref)
+    ROUTES.setup(app)

@@ -6,6 +6,18 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from store import queries
+from web.api_description import (
+    BAD_QUERY,
+    ERROR,
+    OBJECT,
+    PRIVATE,
+    QUEUE_FULL,
+    TOO_LARGE,
+    ApiRoutes,
+    json_reply,
+    path_parameter,
+    query,
+)
 from web.api_models import JobView, ScanBody
 from web.errors import json_error, read_json
 from web.intake import RETRY_AFTER_SECONDS
@@ -13,7 +25,23 @@ from web.lookups import MAX_PAGE, int_param, require_api_token, wait_param
 from web.scan_requests import ScanRefused, request_scan
 from web.state import services_of
 
+ROUTES = ApiRoutes()
 
+
+@ROUTES.post(
+    "/api/scans",
+    "Request a scan",
+    token=True,
+    body=ScanBody,
+    responses={
+        "202": json_reply(JobView, "queued"),
+        "400": json_reply(ERROR, "invalid reference or body"),
+        "401": json_reply(ERROR, "token required"),
+        "403": json_reply(ERROR, "registry not allowed"),
+        **TOO_LARGE,
+        "503": json_reply(ERROR, QUEUE_FULL),
+    },
+)
 async def create_scan(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
@@ -34,6 +62,20 @@ async def create_scan(request: web.Request) -> web.Response:
     return web.json_response(JobView.of(job).model_dump(), status=202)
 
 
+@ROUTES.get(
+    "/api/scans/{job_id}",
+    "A scan job's state and error",
+    parameters=[
+        path_parameter("job_id"),
+        query("wait", "seconds to wait for the job to finish (max 60)", "number"),
+    ],
+    responses={
+        "200": json_reply(JobView, "the job"),
+        "404": json_reply(ERROR, "unknown job"),
+        **BAD_QUERY,
+        **PRIVATE,
+    },
+)
 async def get_scan(request: web.Request) -> web.Response:
     services = services_of(request)
     job_id = request.match_info["job_id"]
@@ -46,6 +88,17 @@ async def get_scan(request: web.Request) -> web.Response:
     return web.json_response(JobView.of(job).model_dump())
 
 
+@ROUTES.post(
+    "/api/scans/{job_id}/retry",
+    "Retry a failed scan job",
+    token=True,
+    parameters=[path_parameter("job_id")],
+    responses={
+        "202": json_reply(JobView, "queued again"),
+        "401": json_reply(ERROR, "token required"),
+        "404": json_reply(ERROR, "unknown job"),
+    },
+)
 async def retry_scan(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
@@ -56,6 +109,15 @@ async def retry_scan(request: web.Request) -> web.Response:
     return web.json_response(JobView.of(job).model_dump(), status=202)
 
 
+@ROUTES.get(
+    "/api/scans",
+    "Recent scan jobs",
+    parameters=[
+        query("state", "comma-separated job states: queued, running, done, failed"),
+        query("limit", "rows (max 200)", "integer"),
+    ],
+    responses={"200": json_reply(OBJECT, "jobs"), **BAD_QUERY, **PRIVATE},
+)
 async def list_scans(request: web.Request) -> web.Response:
     services = services_of(request)
     states = [s for s in request.query.get("state", "").split(",") if s]
@@ -66,7 +128,4 @@ async def list_scans(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_post("/api/scans", create_scan)
-    app.router.add_get("/api/scans", list_scans)
-    app.router.add_get("/api/scans/{job_id}", get_scan)
-    app.router.add_post("/api/scans/{job_id}/retry", retry_scan)
+    ROUTES.setup(app)

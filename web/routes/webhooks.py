@@ -16,17 +16,45 @@ from aiohttp import web
 
 from store import queries
 from web import hooks
+from web.api_description import (
+    ERROR,
+    OBJECT,
+    QUEUE_FULL,
+    ApiRoutes,
+    json_reply,
+    path_parameter,
+    query,
+)
 from web.errors import json_error
 from web.intake import RETRY_AFTER_SECONDS, QueueFull
 from web.state import Services, services_of
 
 log = logging.getLogger(__name__)
 
+ROUTES = ApiRoutes()
+
 
 # Deliveries larger than this are parsed off the event loop (a 1 MiB delivery takes 100+ ms to parse).
 INLINE_PARSE_BYTES = 64 * 1024
 
 
+@ROUTES.post(
+    "/hooks/{source}",
+    "Registry webhook (distribution, dockerhub, harbor, ghcr, quay, gar, ecr, jfrog, acr)",
+    parameters=[
+        path_parameter("source"),
+        query("token", "shared secret, for senders that cannot set headers"),
+    ],
+    responses={
+        "202": json_reply(OBJECT, "jobs committed"),
+        "400": json_reply(ERROR, "malformed payload, or JSON beyond the GPUBADGE_JSON_* limits"),
+        "401": json_reply(ERROR, "bad or missing secret or signature, or no secret for this source"),
+        "403": json_reply(ERROR, "registry not on the allowlist"),
+        "404": json_reply(ERROR, "unknown source"),
+        "413": json_reply(ERROR, "body too large, or more scans than GPUBADGE_MAX_SCANS_PER_DELIVERY"),
+        "503": json_reply(ERROR, QUEUE_FULL),
+    },
+)
 async def receive_webhook(request: web.Request) -> web.Response:
     services = services_of(request)
     source = request.match_info["source"]
@@ -130,4 +158,4 @@ def _own_artifact(services: Services, event: hooks.ScanRequest) -> bool:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_post("/hooks/{source}", receive_webhook)
+    ROUTES.setup(app)
