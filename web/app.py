@@ -1,9 +1,11 @@
-"""The aiohttp application: composition only, and nothing imports this module.
+"""The aiohttp application: composition only; only entry points import this module
+(`gpubadge serve` in web/cli.py; tests and benches build applications with it too).
 
 `create_app` wires the store, the registry client, the scanner and the leased scan
-workers into an `aiohttp.web.Application`, and lets each route module add its
-routes. Shutdown (SIGTERM) stops claiming and drains running scans; what cannot
-finish goes back to the queue.
+workers into an `aiohttp.web.Application`, puts the live fleet on it (web/live_fleet.py),
+and lets each module of `ROUTE_MODULES` add its routes. `openapi_document` is the API
+description those modules declare. Shutdown (SIGTERM) stops claiming and drains running
+scans; what cannot finish goes back to the queue.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Who may see what: secret redaction, the access log that applies it, and request credentials.
+"""Secrets and credentials: redaction, the access log and log filter that apply it, and the tokens
+a request presents (bearer or HTTP Basic), compared in constant time.
 
 Webhook senders that cannot set headers put their secret in the URL (`?token=`), and
 registries answer with pre-signed URLs (`X-Amz-Signature`, `sig`). Such URLs must not reach
