@@ -176,8 +176,8 @@ class AsyncStore:
 
     @property
     def backend(self) -> StoreBackend:
-        """The synchronous backend behind the facade, for callers not yet moved to the methods here
-        and to `blocking`; nothing in store/ needs it."""
+        """The engine behind the facade, for tests that inspect it; the service (web/) goes through
+        the methods here, `run` and `blocking` (tests/test_web_layers.py holds it to that)."""
         return self._backend
 
     @overload

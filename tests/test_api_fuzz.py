@@ -23,7 +23,7 @@ from schemathesis.checks import (
 
 from fixtures.registry import free_port
 from fixtures.service import RunningService, run_service_process
-from web.openapi import openapi_document
+from web.app import openapi_document
 
 TOKEN = "fuzz-token-3b9c"  # API, agent and webhook secret at once, so every door can be opened
 FUZZ_EXAMPLES = 25

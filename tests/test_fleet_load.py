@@ -20,7 +20,7 @@ from agent.client import Backoff
 from bench import fleet_bench
 from fixtures.registry import free_port
 from web.app import create_app
-from web.fleet import LONG_POLLS
+from web.long_polls import LONG_POLLS
 from web.settings import ServiceSettings
 
 AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0

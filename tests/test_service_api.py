@@ -229,12 +229,15 @@ def test_openapi_document_lists_the_api(service: RunningService) -> None:
 
 def test_openapi_documents_every_route_and_every_schema_it_names(tmp_path: Path) -> None:
     """A route added without its OpenAPI entry, or a `$ref` to a schema never registered, fails here."""
-    from web.app import create_app
-    from web.openapi import openapi_document
+    from web.api_description import DECLARED
+    from web.api_description import openapi_document as describe_api
+    from web.app import create_app, openapi_document
     from web.settings import ServiceSettings
 
     app = create_app(ServiceSettings(db=tmp_path / "routes.db"), start_workers=False)
     document = openapi_document()
+    declared = app[DECLARED]
+    assert describe_api(declared) == document  # what the app serves is what its modules declare
     routes = {
         (route.method.lower(), route.resource.canonical)
         for route in app.router.routes()

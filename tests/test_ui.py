@@ -49,19 +49,18 @@ from store import SqliteStore as Store
 from store.backend import StoreBackend
 from tests.conftest import Pusher
 from web.app import create_app
-from web.settings import ServiceSettings
-from web.state import SERVICES, Services
-from web.ui import (
+from web.image_views import (
     ImageFilters,
-    badge_reference,
     explain_error,
-    human_bytes,
     platform_view,
     requirement_view,
     row_badges,
     short_reference,
-    time_ago,
 )
+from web.routes.pages import badge_reference
+from web.settings import ServiceSettings
+from web.state import SERVICES, Services
+from web.templating import human_bytes, time_ago
 
 XSS_SCRIPT = "<script>window.__xss=1</script>"
 XSS_IMG = '<img src=x onerror="window.__xss=2">'

@@ -1,1 +1,8 @@
-"""The aiohttp service: webhooks, JSON API, and the HTML UI."""
+"""The aiohttp service: registry webhooks, the JSON API, the HTML UI and badges, /healthz and
+/metrics, and the Kubernetes admission webhook; `gpubadge worker`'s scan workers.
+
+It reads top-down: web/app.py composes; the route modules in web/routes/ (one per resource)
+import the shared modules below them (lookups, live_fleet, long_polls, placement_requests,
+api_models, api_description, templating and the view models, state, errors, security) and
+never each other.
+"""

@@ -1,15 +1,18 @@
-"""The aiohttp application: composition only, and nothing imports this module.
+"""The aiohttp application: composition only; only entry points import this module
+(`gpubadge serve` in web/cli.py; tests and benches build applications with it too).
 
 `create_app` wires the store, the registry client, the scanner and the leased scan
-workers into an `aiohttp.web.Application`, and lets each route module add its
-routes. Shutdown (SIGTERM) stops claiming and drains running scans; what cannot
-finish goes back to the queue.
+workers into an `aiohttp.web.Application`, puts the live fleet on it (web/live_fleet.py),
+and lets each module of `ROUTE_MODULES` add its routes. `openapi_document` is the API
+description those modules declare. Shutdown (SIGTERM) stops claiming and drains running
+scans; what cannot finish goes back to the queue.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -19,19 +22,58 @@ from scanner.models import ImageReport
 from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
-from web import admission, api, export, fleet, health, openapi, ui, ui_fleet
+from web import health, live_fleet
+from web.api_description import openapi_document as describe_api
 from web.architectures import FleetArchitectures
 from web.companions import companions
 from web.errors import error_middleware
-from web.fleet import STATIC_FLEET
+from web.live_fleet import STATIC_FLEET
 from web.metrics import ServiceMetrics
-from web.security import private_reads
+from web.read_access import private_reads
+from web.routes import (
+    admission,
+    agents,
+    deployments,
+    eligibility,
+    export,
+    fleet_pages,
+    images,
+    openapi,
+    pages,
+    scans,
+    webhooks,
+)
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
 from web.worker_process import worker_events, worker_settings
 from web.workers import ScanWorkers
 
 log = logging.getLogger(__name__)
+
+# Each adds its routes in turn; those declared with `ApiRoutes` are described in /api/openapi.json.
+ROUTE_MODULES = (
+    webhooks,
+    images,
+    scans,
+    health,
+    openapi,
+    agents,
+    eligibility,
+    deployments,
+    pages,
+    fleet_pages,
+    admission,
+    export,
+)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The document `/api/openapi.json` serves, derived from the route modules' declarations
+    without building an application (for tests and tools)."""
+    declared = [getattr(module, "ROUTES", None) for module in ROUTE_MODULES]
+    return describe_api(
+        operation for routes in declared if routes is not None for operation in routes.operations
+    )
 
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
@@ -43,7 +85,8 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
-    for routes in (api, health, openapi, fleet, ui, ui_fleet, admission, export):
+    live_fleet.install(app)
+    for routes in ROUTE_MODULES:
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     app.cleanup_ctx.append(admission.tls_listener(services))

@@ -16,12 +16,19 @@ from typing import Any
 from aiohttp import web
 
 from store import QueueHealth, queries
+from web.api_description import (
+    OBJECT,
+    ApiRoutes,
+    json_reply,
+)
 from web.state import Services, services_of
+
+ROUTES = ApiRoutes()
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
     depth, queue = await asyncio.gather(
-        services.store.run(queries.queue_depth), services.store.run(services.store.backend.queue_health)
+        services.store.run(queries.queue_depth), services.store.queue_health()
     )
     return depth, queue
 
@@ -39,6 +46,7 @@ def stall_reason(queue: QueueHealth, stall_seconds: float) -> str | None:
     )
 
 
+@ROUTES.get("/healthz", "Liveness", responses={"200": json_reply(OBJECT, "ok")})
 async def healthz(request: web.Request) -> web.Response:
     services = services_of(request)
     settings = services.settings
@@ -74,6 +82,14 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **body})
 
 
+@ROUTES.get(
+    "/metrics",
+    "Prometheus metrics",
+    responses={
+        "200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "401": {"description": "API token required (reads are private)"},
+    },
+)
 async def metrics(request: web.Request) -> web.Response:
     services = services_of(request)
     registry = services.metrics
@@ -84,9 +100,7 @@ async def metrics(request: web.Request) -> web.Response:
         registry.oldest_queued.set(queue.oldest_ready_seconds or 0.0)
     with contextlib.suppress(Exception):
         store = services.store
-        loads = await asyncio.wait_for(
-            store.run(store.backend.registry_load), services.settings.health_timeout
-        )
+        loads = await asyncio.wait_for(store.registry_load(), services.settings.health_timeout)
         registry.set_registry_load(loads)
     return web.Response(
         text=registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Format": "0.0.4"}
@@ -94,5 +108,4 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    ROUTES.setup(app)

@@ -114,7 +114,7 @@ class JobIntake:
             outcome: Outcome
             try:
                 outcome = (
-                    self.store.backend.enqueue_many([batch for batch, _ in admitted]) if admitted else []
+                    self.store.blocking.enqueue_many([batch for batch, _ in admitted]) if admitted else []
                 )
             except Exception as exc:  # every delivery of the group learns its commit failed
                 outcome = exc
@@ -135,7 +135,7 @@ class JobIntake:
             or self._waiting + incoming > cap - cap // 10
         ):
             try:
-                self._waiting = self.store.backend.run(queries.queued_jobs, cap=cap + 1)
+                self._waiting = self.store.blocking.run(queries.queued_jobs, cap=cap + 1)
                 self._counted_at = now
             except Exception:
                 log.exception(

@@ -1,86 +1,63 @@
-"""A small Prometheus text-format registry: counters, gauges and histograms with labels.
+"""The service's Prometheus metrics, kept by `prometheus_client` in one registry per service.
 
-Small enough to own, so the service needs no metrics dependency, and the
-exposition stays exactly the text format Prometheus scrapes (version 0.0.4).
+`ServiceMetrics` names every metric once. Counters, gauges and histograms take their label values
+positionally (`inc(*labels)`, `set(value, *labels)`, `observe(value, *labels)`); a counter or gauge
+may instead be read from a callback at scrape time (`collect_from`, `collect=`), so counts kept
+elsewhere (the registry client's bytes) are never copied. The registry also carries the process,
+platform and garbage-collector collectors; `render` writes the text format Prometheus scrapes.
+`_created` series are off (`disable_created_metrics`): the exposition keeps its metric names.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from store.models import RegistryLoad
+
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
 
 LabelValues = tuple[str, ...]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-class Metric:
-    kind = "untyped"
+class Counter(Collector):
+    """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         self.name, self.help, self.label_names = name, help_text, tuple(labels)
-        self._lock = threading.Lock()
-
-    def samples(self) -> Iterable[str]:
-        raise NotImplementedError
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self.samples()]
-        return "\n".join(lines)
-
-
-class Counter(Metric):
-    """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[LabelValues, float] = {}
+        self._counter = prometheus_client.Counter(name, help_text, self.label_names, registry=None)
         self._collect: Callable[[], dict[LabelValues, float]] | None = None
 
     def collect_from(self, collect: Callable[[], dict[LabelValues, float]]) -> None:
         self._collect = collect
 
     def inc(self, *labels: str, amount: float = 1.0) -> None:
-        with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
+        (self._counter.labels(*labels) if labels else self._counter).inc(amount)
 
-    def value(self, *labels: str) -> float:
-        return self._values.get(labels, 0.0)
+    def collect(self) -> Iterable[Metric]:
+        if self._collect is None:
+            return self._counter.collect()
+        family = CounterMetricFamily(self.name, self.help, labels=self.label_names)
+        for key, value in sorted(self._collect().items()):
+            family.add_metric(list(key), value)
+        return [family]
 
-    def samples(self) -> Iterable[str]:
-        values = self._collect() if self._collect else dict(self._values)
-        for key, value in sorted(values.items()):
-            yield f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
 
-
-class Gauge(Metric):
+class Gauge(Collector):
     """A gauge set directly, or read from a callback at scrape time."""
-
-    kind = "gauge"
 
     def __init__(
         self,
@@ -89,22 +66,24 @@ class Gauge(Metric):
         labels: Sequence[str] = (),
         collect: Callable[[], dict[LabelValues, float]] | None = None,
     ) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[LabelValues, float] = {}
+        self.name, self.help, self.label_names = name, help_text, tuple(labels)
+        self._gauge = prometheus_client.Gauge(name, help_text, self.label_names, registry=None)
         self._collect = collect
 
     def set(self, value: float, *labels: str) -> None:
-        with self._lock:
-            self._values[labels] = value
+        (self._gauge.labels(*labels) if labels else self._gauge).set(value)
 
-    def samples(self) -> Iterable[str]:
-        values = self._collect() if self._collect else dict(self._values)
-        for key, value in sorted(values.items()):
-            yield f"{self.name}{_labels(self.label_names, key)} {_number(value)}"
+    def collect(self) -> Iterable[Metric]:
+        if self._collect is None:
+            return self._gauge.collect()
+        family = GaugeMetricFamily(self.name, self.help, labels=self.label_names)
+        for key, value in sorted(self._collect().items()):
+            family.add_metric(list(key), value)
+        return [family]
 
 
-class Histogram(Metric):
-    kind = "histogram"
+class Histogram(Collector):
+    """A histogram of seconds, by the labels given (`LATENCY_BUCKETS` unless told)."""
 
     def __init__(
         self,
@@ -113,52 +92,30 @@ class Histogram(Metric):
         labels: Sequence[str] = (),
         buckets: Sequence[float] = LATENCY_BUCKETS,
     ) -> None:
-        super().__init__(name, help_text, labels)
-        self.buckets = tuple(sorted(buckets))
-        self._counts: dict[LabelValues, list[int]] = {}
-        self._sums: dict[LabelValues, float] = {}
+        self.name, self.label_names = name, tuple(labels)
+        self._histogram = prometheus_client.Histogram(
+            name, help_text, self.label_names, registry=None, buckets=tuple(buckets)
+        )
 
     def observe(self, value: float, *labels: str) -> None:
-        with self._lock:
-            counts = self._counts.setdefault(labels, [0] * (len(self.buckets) + 1))
-            counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sums[labels] = self._sums.get(labels, 0.0) + value
+        (self._histogram.labels(*labels) if labels else self._histogram).observe(value)
 
-    def count(self, *labels: str) -> int:
-        return sum(self._counts.get(labels, []))
-
-    def samples(self) -> Iterable[str]:
-        for key, counts in sorted(self._counts.items()):
-            cumulative = 0
-            for bound, count in zip([*self.buckets, math.inf], counts, strict=True):
-                cumulative += count
-                le = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(self.label_names, key, le)} {cumulative}"
-            yield f"{self.name}_sum{_labels(self.label_names, key)} {_number(self._sums[key])}"
-            yield f"{self.name}_count{_labels(self.label_names, key)} {cumulative}"
+    def collect(self) -> Iterable[Metric]:
+        return self._histogram.collect()
 
 
-M = TypeVar("M", bound="Metric")
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list[Metric] = []
-
-    def add(self, metric: M) -> M:
-        self.metrics.append(metric)
-        return metric
-
-    def render(self) -> str:
-        return "\n".join(metric.render() for metric in self.metrics) + "\n"
+M = TypeVar("M", bound=Collector)
 
 
 class ServiceMetrics:
     """The service's metrics, named once here."""
 
     def __init__(self) -> None:
-        self.registry = Registry()
-        add = self.registry.add
+        # One registry per service: tests build many services in one process, each counting its own.
+        self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        add = self._add
         self.scans = add(Counter("gpubadge_scans_total", "Scans finished, by outcome.", ["outcome"]))
         self.scan_seconds = add(Histogram("gpubadge_scan_duration_seconds", "Wall time of one scan job."))
         self.webhooks = add(
@@ -300,5 +257,10 @@ class ServiceMetrics:
         """The store's per-registry picture, as the /metrics handler read it just now."""
         self._registry_load = loads
 
+    def _add(self, metric: M) -> M:
+        self.registry.register(metric)
+        return metric
+
     def render(self) -> str:
-        return self.registry.render()
+        """The text exposition (format 0.0.4) of every metric, the process and platform ones too."""
+        return generate_latest(self.registry).decode()

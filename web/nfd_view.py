@@ -7,7 +7,7 @@ attached it, or a restart) the artifact is read back from the registry as NFD's 
 remembered for a minute, so a page view costs at most a few small registry reads. The document
 is decoded once, in a thread, when it is read (`web.companions.parse_nfd`, within the `nfd_*`
 settings' bounds); views use that decoded, bounded form, and the page renders them off the
-event loop (`web.ui.detail_context`).
+event loop (`web.routes.pages.detail_context`).
 """
 
 from __future__ import annotations

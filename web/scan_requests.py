@@ -7,7 +7,7 @@ and coalesce into an existing job the same way, so the rule lives here once.
 from __future__ import annotations
 
 from scanner.registry.reference import ReferenceError, parse_reference
-from store import Job
+from store import Job, queries
 from web.intake import QueueFull
 from web.security import token_matches
 from web.state import Services
@@ -47,7 +47,7 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
         max_attempts=services.settings.max_attempts,
     )
     services.wake_workers()
-    job = await services.store.run(services.store.backend.job, job_id)
+    job = await services.store.run(queries.job, job_id)
     if job is None:  # pragma: no cover - enqueue committed it in the same process
         raise ScanRefused(500, f"scan job {job_id} vanished after it was queued")
     return job

@@ -1,4 +1,5 @@
-"""Who may see what: secret redaction, the access log that applies it, and request credentials.
+"""Secrets and credentials: redaction, the access log and log filter that apply it, and the tokens
+a request presents (bearer or HTTP Basic), compared in constant time.
 
 Webhook senders that cannot set headers put their secret in the URL (`?token=`), and
 registries answer with pre-signed URLs (`X-Amz-Signature`, `sig`). Such URLs must not reach
@@ -12,19 +13,15 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from urllib.parse import unquote_plus
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from aiohttp.typedefs import Middleware
 from aiohttp.web_log import AccessLogger
 from pydantic import SecretStr
-
-from web.settings import ServiceSettings
 
 REDACTED = "[redacted]"
 
@@ -187,59 +184,5 @@ def mask_values(values: dict[str, str]) -> dict[str, str]:
     return dict.fromkeys(values, REDACTED)
 
 
-# ------------------------------------------------------------------ private reads
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Open even with public_reads=false: liveness probes carry no secrets, the API description and
-# the stylesheet say nothing about the images, and agents authenticate with their own tokens.
-ALWAYS_OPEN = ("/healthz", "/api/openapi.json")
-ALWAYS_OPEN_PREFIXES = ("/static/", "/hooks/", "/api/agents/")
-# Reads done with POST: they answer from stored results like a GET does.
-POST_READS = frozenset({"/api/eligibility"})
 BASIC_CHALLENGE = 'Basic realm="gpubadge", charset="UTF-8"'
 BEARER_CHALLENGE = 'Bearer realm="gpubadge"'
-
-
-def is_read(request: web.BaseRequest) -> bool:
-    """Whether private reads guard this request: every GET, the POST reads, and every UI request.
-
-    The UI's own form POST (`/scans`) answers with the page, job list included, so it is a read
-    too; a browser signed in with HTTP Basic sends the token with it anyway. API writes are not
-    reads: they check the API (or agent) token themselves.
-    """
-    path = request.path
-    if path in ALWAYS_OPEN or path.startswith(ALWAYS_OPEN_PREFIXES):
-        return False
-    if request.method in ("GET", "HEAD") or not path.startswith("/api/"):
-        return True
-    return request.method == "POST" and path in POST_READS
-
-
-def private_reads(settings: ServiceSettings) -> Middleware:
-    """With public_reads=false, a middleware that asks every read for the API token.
-
-    The JSON API takes `Authorization: Bearer <token>`. UI pages, badges and /metrics also take
-    HTTP Basic with the token as the password, so a browser can prompt for it and Prometheus
-    can send it; the 401 of a page asks for Basic, so that the browser shows its prompt.
-    """
-
-    @web.middleware
-    async def require_token_for_reads(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if is_read(request) and not holds_api_token(request, settings.api_token):
-            if request.path.startswith("/api/"):
-                raise web.HTTPUnauthorized(
-                    text=json.dumps(
-                        {"error": "reads need the API token here (Authorization: Bearer <token>)"}
-                    ),
-                    content_type="application/json",
-                    headers={"WWW-Authenticate": BEARER_CHALLENGE},
-                )
-            raise web.HTTPUnauthorized(
-                text="This gpubadge needs the API token to be read: sign in with any user name"
-                " and the token as the password.\n",
-                headers={"WWW-Authenticate": BASIC_CHALLENGE},
-            )
-        return await handler(request)
-
-    return require_token_for_reads

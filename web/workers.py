@@ -144,9 +144,7 @@ class ScanWorkers:
         await self.store.start_events()
         try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
             dead = [
-                owner
-                for owner in await self.store.run(self.store.backend.lease_owners)
-                if _local_owner_is_dead(owner)
+                owner for owner in await self.store.run(queries.lease_owners) if _local_owner_is_dead(owner)
             ]
             if dead:
                 resumed = await self.store.release_leases(dead, refund_attempt=False)
@@ -245,8 +243,7 @@ class ScanWorkers:
                     self.events.on_lease_expiries(expired)
         free = self._free_slots()
         if free > 0 and not self._stopping:
-            claimed = await self.store.run(
-                self.store.backend.claim_jobs,
+            claimed = await self.store.claim_jobs(
                 free,
                 owner=self.owner,
                 lease_seconds=self.settings.lease_seconds,
@@ -299,7 +296,7 @@ class ScanWorkers:
         if now < self._next_wait_check:
             return
         self._next_wait_check = now + SATURATED_RECHECK
-        loads = await self.store.run(self.store.backend.registry_load)
+        loads = await self.store.registry_load()
         waiting = {
             load.registry
             for load in loads
@@ -363,11 +360,7 @@ class ScanWorkers:
         interval = self.settings.lease_seconds / 3
         ids = list(self._running)
         if ids:
-            held = set(
-                await self.store.run(
-                    self.store.backend.renew_leases, self.owner, ids, self.settings.lease_seconds
-                )
-            )
+            held = set(await self.store.renew_leases(self.owner, ids, self.settings.lease_seconds))
             for job_id in ids:
                 task = self._running.get(job_id)
                 if job_id not in held and task is not None and not task.done():

@@ -4,7 +4,7 @@ Nine senders announce pushes in nine shapes (see docs in shared/reference/webhoo
 The package is pure, with one module per sender, and each module's `SENDER` record says all
 the service knows of it: its name, how it authenticates, how it parses a body, whether it is
 refused without a secret, and which setting names the registry its payloads leave out.
-`SENDERS` below is the table of them; the route (web/api.py), the settings' secret lookup
+`SENDERS` below is the table of them; the route (web/routes/webhooks.py), the settings' secret lookup
 and the start-up log read it, and nothing else names a sender. A delivery is handed over as
 the raw body, the headers and the query, and comes back as a list of `ScanRequest` or an
 exception the route maps to a status:

@@ -11,7 +11,7 @@ reachable from Azure would let anyone on the internet queue pulls (its record `n
 Only `push` is acted on, keyed on `target.digest` (the tag is absent for pushes by
 digest). `delete`, `quarantine`, `chart_push`, `chart_delete` and the portal's
 `ping` are answered 2xx and ignored: ACR retries non-2xx deliveries. The route in
-web/api.py checks `request.host` against the allowlist before anything is queued,
+web/routes/webhooks.py checks `request.host` against the allowlist before anything is queued,
 so no pull ever goes to a registry outside it.
 """
 

@@ -1,14 +1,12 @@
-"""HTML pages for placement: the fleet (`/servers`) and the eligibility explorer (`/eligibility`).
+"""View models of the fleet pages: server rows and GPU groups (`/servers`), the eligibility form
+and its result (`/eligibility`); pure functions, no I/O.
 
-The handlers do the I/O (live inventory, finding or scanning the image) and hand plain view
-objects, built by the pure functions below, to templates rendered through web/ui.py's one
-autoescaping Jinja2 environment. The eligibility form is a GET form, so it works without
-JavaScript and a result can be bookmarked or shared as a link.
+The eligibility form is a GET form, so it works without JavaScript and a result can be
+bookmarked or shared as a link.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,12 +21,7 @@ from placement.answer import SCORE_MEANING, AnswerBody
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.fleet import answer_options, eligibility_answer, fleet_index, image_report, live_servers
-from web.security import presented_token, token_matches
-from web.state import services_of
-from web.ui import human_bytes, image_url, page, time_ago
-
-# ------------------------------------------------------------------ servers
+from web.templating import human_bytes, image_url, time_ago
 
 
 @dataclass(frozen=True)
@@ -112,8 +105,6 @@ def server_rows(servers: Sequence[Server], now: datetime | None = None) -> list[
     return [server_row_view(server, now) for server in sorted(servers, key=lambda s: s.name)]
 
 
-# -------------------------------------------------------------- eligibility
-
 # Form field -> (DeployRequest field, label the page shows); the label names the field in errors.
 FORM_FIELDS: tuple[tuple[str, str], ...] = (
     ("gpus", "GPU count"),
@@ -124,6 +115,8 @@ FORM_FIELDS: tuple[tuple[str, str], ...] = (
     ("cpus", "CPUs"),
     ("memory", "Memory"),
 )
+
+
 FIELD_LABELS = dict(FORM_FIELDS)
 
 
@@ -317,64 +310,3 @@ def result_view(
         else None,
         all_url=None if rejected is not None else form.link(explain="all", cursor=None, rank=None),
     )
-
-
-# ------------------------------------------------------------------ handlers
-
-
-async def servers_page(request: web.Request) -> web.Response:
-    rows = server_rows(await live_servers(request.app))
-    return page(request, "servers.html", title="Servers · gpubadge", active="servers", servers=rows)
-
-
-async def eligibility_page(request: web.Request) -> web.Response:
-    form = EligibilityForm.from_query(request.query)
-
-    def show(status: int = 200, error: str | None = None, result: ResultView | None = None) -> web.Response:
-        return page(
-            request,
-            "eligibility.html",
-            status=status,
-            title="Eligibility · gpubadge",
-            active="eligibility",
-            form=form,
-            fields=FORM_FIELDS,
-            error=error,
-            result=result,
-        )
-
-    if not form.submitted:
-        return show()
-    if not form.image:
-        return show(400, "Enter an image reference, such as registry.example.com/team/app:1.0.")
-    try:
-        deploy = form.deploy_request()
-    except FormError as exc:
-        return show(400, str(exc))
-    services = services_of(request)
-    # A browser sends the token as HTTP Basic; without it only stored results are shown.
-    may_scan = token_matches(services.settings.api_token, presented_token(request) or "")
-    try:
-        report = await image_report(services, form.image, may_scan=may_scan)
-    except web.HTTPException as exc:
-        if exc.status == 404 and not may_scan:
-            return show(
-                404,
-                f"{form.image} has not been scanned yet. Request a scan on the Scans page"
-                " (it needs the API token); its eligibility shows here once the scan is done.",
-            )
-        return show(page_status(exc), http_error_message(exc))
-    try:
-        options = answer_options(request, {})
-    except web.HTTPException as exc:
-        return show(400, http_error_message(exc))
-    index = await fleet_index(request.app)
-    index.view()  # built here, so the worker thread only reads the index
-    body = await asyncio.to_thread(eligibility_answer, report, deploy, index, options)
-    listed = [index.server(entry["server"]) for entry in body.get("eligible", [])]
-    return show(result=result_view(report, body, [server for server in listed if server], form))
-
-
-def setup_routes(app: web.Application) -> None:
-    app.router.add_get("/servers", servers_page)
-    app.router.add_get("/eligibility", eligibility_page)

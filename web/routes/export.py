@@ -23,11 +23,18 @@ from typing import BinaryIO
 
 from aiohttp import web
 
-from store import StoreBackend, StoreUnavailable
+from store import QueryRunner, StoreUnavailable
 from store.export import ExportError, export_sqlite
+from web.api_description import (
+    ERROR,
+    ApiRoutes,
+    json_reply,
+)
 from web.errors import json_http_error
 from web.security import BEARER_CHALLENGE, holds_api_token
 from web.state import services_of
+
+ROUTES = ApiRoutes()
 
 CHUNK = 1 << 20  # bytes read from the file per thread hop while streaming
 MAX_EXPORTS = 1  # exports built at once; each reads the whole store
@@ -36,9 +43,24 @@ _BUILDING = web.AppKey("export_building", asyncio.Semaphore)
 
 def setup_routes(app: web.Application) -> None:
     app[_BUILDING] = asyncio.Semaphore(MAX_EXPORTS)
-    app.router.add_get("/api/export.sqlite", export_file)
+    ROUTES.setup(app)
 
 
+@ROUTES.get(
+    "/api/export.sqlite",
+    "Every stored report and the fleet as a gpubadge SQLite export (Datasette-ready)",
+    token=True,
+    responses={
+        "200": {
+            "description": "the file `gpubadge export sqlite` writes",
+            "content": {"application/vnd.sqlite3": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        "401": json_reply(ERROR, "the API token is required"),
+        "403": json_reply(ERROR, "no API token is configured, so nobody may export"),
+        "429": json_reply(ERROR, "an export is being built; Retry-After says when to try again"),
+        "503": json_reply(ERROR, "the store cannot be read, or the file cannot be written"),
+    },
+)
 async def export_file(request: web.Request) -> web.StreamResponse:
     services = services_of(request)
     if not holds_api_token(request, services.settings.api_token):
@@ -61,7 +83,7 @@ async def export_file(request: web.Request) -> web.StreamResponse:
     # The build runs to its end even if the client goes away: the semaphore is released, and a
     # file nobody will read is closed, only when the thread is done.
     await building.acquire()
-    build = asyncio.ensure_future(asyncio.to_thread(_build, services.store.backend))
+    build = asyncio.ensure_future(asyncio.to_thread(_build, services.store.blocking))
     build.add_done_callback(lambda _: building.release())
     try:
         handle = await asyncio.shield(build)
@@ -94,7 +116,7 @@ def _close_unread(build: asyncio.Future[BinaryIO]) -> None:
         build.result().close()
 
 
-def _build(backend: StoreBackend) -> BinaryIO:
+def _build(backend: QueryRunner) -> BinaryIO:
     """Export into a private temporary directory; the open file outlives the directory's removal."""
     directory = Path(tempfile.mkdtemp(prefix="gpubadge-export-"))
     try:

@@ -1,0 +1,441 @@
+"""The live fleet of this process: static servers plus agents heard from, indexed for placement.
+
+`FleetIndexCache` keeps liveness (heartbeat stamps, written to the store in batches), GPU owners
+and placement's `FleetIndex` in memory between requests; `install` puts it, the long polls and
+the heartbeat writer on the application and follows other replicas' changes (PostgreSQL NOTIFY).
+The routes of agents, eligibility, deployments, admission and the fleet pages read it from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
+
+from aiohttp import web
+
+from placement.index import FleetIndex
+from placement.inventory import Gpu, Server, parse_inventory
+from store import AsyncStore, ServerRecord, queries
+from store.events import FLEET_INVENTORY
+from web.long_polls import LONG_POLLS, LongPolls
+from web.state import services_of_app
+
+log = logging.getLogger(__name__)
+
+
+STATIC_FLEET = web.AppKey("static_fleet", list[Server])
+
+
+async def live_servers(app: web.Application) -> list[Server]:
+    """Static servers from the inventory file plus agents heard from recently, with GPUs in use.
+
+    An agent's last heartbeat is the later of the stored one and the one this process heard
+    and has not written yet (heartbeats are written in batches, `FleetIndexCache`)."""
+    services = services_of_app(app)
+    cache = app[FLEET_INDEX]
+    stale_before = cache.wall_now() - timedelta(seconds=services.settings.stale_after_seconds)
+    reserved = await services.store.run(queries.reserved_gpus)
+    servers: dict[str, Server] = {server.name: server for server in app[STATIC_FLEET]}
+    for inventory, _, last_heartbeat in await services.store.run(queries.servers):
+        server = Server.model_validate_json(inventory)
+        seen = max(datetime.fromisoformat(last_heartbeat), cache.last_heard(server.name) or _EPOCH)
+        if seen < stale_before:
+            continue
+        servers[server.name] = server.model_copy(update={"last_heartbeat": seen, "source": "agent"})
+    result = []
+    for server in servers.values():
+        in_use = sorted({*server.gpus_in_use, *(gpu.uuid for gpu in server.gpus if gpu.uuid in reserved)})
+        result.append(server.model_copy(update={"gpus_in_use": in_use}))
+    return result
+
+
+_EPOCH = datetime.fromtimestamp(0, UTC)
+
+
+class _StoredFleet(NamedTuple):
+    """The server table as one read found it (built in a thread)."""
+
+    servers: dict[str, Server]  # by name, as stored (source "agent")
+    texts: dict[str, str]  # by name: the stored inventory JSON
+    heard: dict[str, float]  # by name: last heartbeat, seconds since the epoch
+    reserved: dict[str, str]  # GPU UUID -> deployment id
+
+
+class FleetIndexCache:
+    """The live fleet kept in memory between requests: liveness, GPU owners and placement's index.
+
+    Liveness lives here, not in the store: a heartbeat that changes nothing stamps the agent
+    in memory (`heard`) and costs no SQL; the stamps are written to the store in one batch per
+    `flush_seconds` (`flush`), so a restart or another process sees them, and never touch the
+    inventory. An inventory is written only when it changed (registration, a heartbeat with
+    other GPUs). The server table is read in full once (at the first query), then only when
+    another process registered servers (PostgreSQL NOTIFY, at most once per timed check).
+
+    Handlers that change the fleet say so and the change holds at once for GPU claims:
+    `registered()` (a server registered or reported other GPUs) and `returned()` (heard from
+    again after going stale); the index itself takes the changes, batched, at the next query.
+    `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
+    re-derives only the servers whose reserved GPUs changed. Agents silent for
+    `stale_after_seconds` drop out on a timed check of the in-memory stamps, every
+    `check_seconds` and when the first agent is due to go stale; with other processes sharing
+    the store (PostgreSQL) the same check reads the stamps they wrote since the last check.
+    """
+
+    def __init__(
+        self,
+        check_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.check_seconds = check_seconds
+        self._clock = clock
+        self._wall = wall
+        self.inventory_reads = 0  # full reads of the server table (tests, diagnostics)
+        self.stamp_writes = 0  # batches of heartbeats written to the store
+        self._index: FleetIndex | None = None
+        self._full_read = True  # the next query reads the whole server table
+        self._reservations_dirty = True
+        self._check_at = 0.0  # clock() time of the next timed check
+        self._static: dict[str, Server] | None = None  # the inventory file's servers, read once
+        self._agents: dict[str, Server] = {}  # every registered agent as stored, live or not
+        self._texts: dict[str, str] = {}  # agent name -> its stored inventory JSON
+        self._heard: dict[str, float] = {}  # agent name -> last heard, seconds since the epoch
+        self._unwritten: dict[str, float] = {}  # heartbeats heard here, not yet written
+        self._live: set[str] = set()  # agents in the live fleet
+        self._base: dict[str, Server] = {}  # the live fleet by name, before reservations
+        self._owner: dict[str, str] = {}  # GPU UUID -> live server name
+        self._reserved_gpus: dict[str, str] = {}  # GPU UUID -> deployment id, as last read
+        self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
+        self._pending: set[str] = set()  # servers whose index entry must be (re)derived
+        self._stamps_read_at: float | None = None  # wall time of the last read of others' stamps
+
+    # ---- liveness, on the loop and without I/O ------------------------------------------
+
+    def prime(self, static: list[Server]) -> None:
+        """Index the inventory file's servers at start-up, before the first query needs them.
+
+        Built before the service freezes its start-up heap (web.app), the index of a large fleet
+        stays out of the cyclic collector's full passes, which would otherwise land in queries.
+        """
+        self._static = {server.name: server for server in static}
+        self._base = dict(self._static)
+        for name, server in self._static.items():
+            self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+        self._index = FleetIndex.build(static)
+        self._full_read = True  # agents and reservations are read by the first query
+
+    def is_live(self, name: str) -> bool:
+        """Whether `name` is in the live fleet now (a live agent or a static server)."""
+        return name in self._base
+
+    def is_live_agent(self, name: str) -> bool:
+        return name in self._live
+
+    def heard(self, name: str) -> None:
+        """A live agent's heartbeat (or poll): a stamp in memory, written with the next batch."""
+        now = self._wall()
+        self._heard[name] = now
+        self._unwritten[name] = now
+
+    def wall_now(self) -> datetime:
+        return datetime.fromtimestamp(self._wall(), UTC)
+
+    def last_heard(self, name: str) -> datetime | None:
+        seen = self._heard.get(name)
+        return datetime.fromtimestamp(seen, UTC) if seen is not None else None
+
+    def stored(self, name: str) -> Server | None:
+        """The registered agent `name` as last stored (live or not), if this process knows it."""
+        return self._agents.get(name)
+
+    def same_gpus(self, name: str, gpus: Sequence[Gpu]) -> bool:
+        stored = self._agents.get(name)
+        return stored is not None and stored.gpus == list(gpus)
+
+    def owners(self, uuids: Sequence[str]) -> dict[str, str]:
+        """GPU UUID -> the live server that reports it (static, or an agent not yet stale).
+        Current as of the last `refresh` plus every claim made since."""
+        return {gpu_uuid: self._owner[gpu_uuid] for gpu_uuid in uuids if gpu_uuid in self._owner}
+
+    def registered(self, server: Server, text: str) -> None:
+        """`server` registered (or reported other GPUs) and was stored as `text`: live at once."""
+        self._agents[server.name] = server
+        self._texts[server.name] = text
+        self._heard[server.name] = self._wall()
+        self._enter(server.name, server)
+
+    def returned(self, name: str) -> None:
+        """A stored agent heard from again after going stale (its GPUs were checked): live at once."""
+        self.heard(name)
+        self._enter(name, self._agents[name])
+
+    def learned(self, server: Server, text: str, last_heartbeat: str) -> None:
+        """A server another process registered, read from the store on its first request here."""
+        self._agents[server.name] = server
+        self._texts[server.name] = text
+        heard = datetime.fromisoformat(last_heartbeat).timestamp()
+        self._heard[server.name] = max(self._heard.get(server.name, 0.0), heard)
+
+    def _enter(self, name: str, server: Server) -> None:
+        previous = self._base.get(name)
+        if previous is not None:
+            for gpu in previous.gpus:
+                if self._owner.get(gpu.uuid) == name:
+                    del self._owner[gpu.uuid]
+        self._live.add(name)
+        self._base[name] = server
+        self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+        self._pending.add(name)
+
+    def _leave(self, name: str) -> None:
+        """`name` went stale: out of the live fleet (back to the file's entry if it has one)."""
+        self._live.discard(name)
+        previous = self._base.pop(name, None)
+        if previous is not None:
+            for gpu in previous.gpus:
+                if self._owner.get(gpu.uuid) == name:
+                    del self._owner[gpu.uuid]
+        static = (self._static or {}).get(name)
+        if static is not None:
+            self._base[name] = static
+            self._owner.update((gpu.uuid, name) for gpu in static.gpus)
+        self._pending.add(name)
+
+    def reservations_changed(self) -> None:
+        self._reservations_dirty = True
+
+    def inventory_changed_elsewhere(self) -> None:
+        """Another process registered servers: the next timed check reads the server table."""
+        self._full_read = True
+
+    # ---- reading the store ------------------------------------------------------------------
+
+    async def refresh(self, app: web.Application) -> None:
+        """Bring liveness, owners and reservations up to date (cheap when nothing is due)."""
+        now = self._clock()
+        store = services_of_app(app).store
+        if self._index is None or (self._full_read and (self.inventory_reads == 0 or now >= self._check_at)):
+            await self._read_all(app, store)
+            self._check_at = 0.0  # the stale check below runs on what was just read
+        if now >= self._check_at:
+            await self._timed_check(app, store, now)
+        if self._reservations_dirty:
+            self._reservations_dirty = False
+            self._reserved_gpus = await store.run(queries.reserved_gpus)
+            self._apply_reservations(())
+
+    async def index(self, app: web.Application) -> FleetIndex:
+        """The live fleet indexed for `decide`, with every change heard so far."""
+        await self.refresh(app)
+        if self._pending:
+            pending, self._pending = self._pending, set()
+            assert self._index is not None
+            self._index.remove([name for name in pending if name not in self._base])
+            self._apply_reservations([name for name in pending if name in self._base])
+        assert self._index is not None
+        return self._index
+
+    async def _read_all(self, app: web.Application, store: AsyncStore) -> None:
+        if self._static is None or self._index is None:
+            self.prime(app[STATIC_FLEET])
+        self.inventory_reads += 1
+        self._full_read = False
+        self._reservations_dirty = False
+        known = dict(self._texts)
+        rows, reserved = await store.run(queries.servers), await store.run(queries.reserved_gpus)
+        # Parsing 10,000 inventories and their stamps is the costly part: a thread does it, and
+        # only for inventories that changed; the fleet itself changes here, on the loop, in one step.
+        read = await asyncio.to_thread(_read_fleet, rows, reserved, known, dict(self._agents))
+        changed = []
+        for name, server in read.servers.items():
+            if self._agents.get(name) is not server and name in self._live:
+                changed.append(name)  # its inventory changed, through another process
+            self._agents[name] = server
+            self._texts[name] = read.texts[name]
+            self._heard[name] = max(self._heard.get(name, 0.0), read.heard[name])
+        self._reserved_gpus = read.reserved
+        self._reservations_dirty = True  # applied once the index has every server
+        for name in changed:
+            self._enter(name, self._agents[name])
+
+    async def _timed_check(self, app: web.Application, store: AsyncStore, now: float) -> None:
+        settings = services_of_app(app).settings
+        wall = self._wall()
+        if store.events.cross_process:
+            # Other processes' agents: the stamps they wrote since the last check (with the time
+            # a batch may take to be written), and any server they registered meanwhile.
+            margin = settings.heartbeat_flush_seconds + 2 * self.check_seconds + 1.0
+            since = None if self._stamps_read_at is None else self._stamps_read_at - margin
+            self._stamps_read_at = wall
+            stamps = await store.run(
+                queries.heartbeats, datetime.fromtimestamp(since, UTC) if since is not None else None
+            )
+            unknown = []
+            for name, stamp in stamps:
+                heard = datetime.fromisoformat(stamp).timestamp()
+                if heard > self._heard.get(name, 0.0):
+                    self._heard[name] = heard
+                if name not in self._agents:
+                    unknown.append(name)
+            if unknown:
+                for record in await store.run(queries.server_records, unknown):
+                    server = await asyncio.to_thread(agent_server, record.inventory_json)
+                    self.learned(server, record.inventory_json, record.last_heartbeat)
+        cutoff = wall - settings.stale_after_seconds
+        first_due = None
+        for name in list(self._live):
+            heard = self._heard.get(name, 0.0)
+            if heard < cutoff:
+                self._leave(name)
+            elif first_due is None or heard < first_due:
+                first_due = heard
+        for name, server in self._agents.items():  # back through another process (it checked the GPUs)
+            if name not in self._live and self._heard.get(name, 0.0) >= cutoff:
+                self._enter(name, server)
+        self._check_at = now + self.check_seconds
+        if first_due is not None:
+            due = first_due + settings.stale_after_seconds - wall
+            self._check_at = min(self._check_at, now + max(due, 0.0))
+
+    def _apply_reservations(self, changed: Sequence[str]) -> None:
+        """Apply the reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
+        reserved: dict[str, set[str]] = {}
+        for gpu_uuid in self._reserved_gpus:
+            owner = self._owner.get(gpu_uuid)
+            if owner is not None:
+                reserved.setdefault(owner, set()).add(gpu_uuid)
+        now_reserved = {name: frozenset(uuids) for name, uuids in reserved.items()}
+        moved = {
+            name
+            for name in now_reserved.keys() | self._reserved.keys()
+            if now_reserved.get(name) != self._reserved.get(name)
+        }
+        self._reserved = now_reserved
+        placed = []
+        for name in moved.union(changed):
+            server = self._base.get(name)
+            if server is None:
+                continue
+            taken = now_reserved.get(name)
+            if taken:
+                server = server.model_copy(update={"gpus_in_use": sorted({*server.gpus_in_use, *taken})})
+            placed.append(server)
+        assert self._index is not None
+        self._index.update(placed)
+
+    async def flush(self, store: AsyncStore) -> int:
+        """Write the heartbeats heard since the last flush in one batch; how many were written."""
+        if not self._unwritten:
+            return 0
+        batch, self._unwritten = self._unwritten, {}
+        try:
+            await store.run(queries.stamp_heartbeats, batch)  # converted and written in the store's thread
+        except BaseException:
+            for name, heard in batch.items():  # kept for the next batch
+                self._unwritten.setdefault(name, heard)
+            raise
+        self.stamp_writes += 1
+        return len(batch)
+
+
+def agent_server(text: str) -> Server:
+    return Server.model_validate_json(text).model_copy(update={"source": "agent"})
+
+
+def _read_fleet(
+    rows: Sequence[ServerRecord],
+    reserved: dict[str, str],
+    known: Mapping[str, str],
+    agents: Mapping[str, Server],
+) -> _StoredFleet:
+    """The server table's rows parsed (run in a thread): unchanged inventories keep their objects."""
+    servers: dict[str, Server] = {}
+    texts: dict[str, str] = {}
+    heard: dict[str, float] = {}
+    by_text = {text: agents[name] for name, text in known.items() if name in agents}
+    for inventory, _, last_heartbeat in rows:
+        server = by_text.get(inventory) or agent_server(inventory)
+        servers[server.name] = server
+        texts[server.name] = inventory
+        heard[server.name] = datetime.fromisoformat(last_heartbeat).timestamp()
+    return _StoredFleet(servers, texts, heard, reserved)
+
+
+FLEET_INDEX = web.AppKey("fleet_index", FleetIndexCache)
+
+
+GPU_CLAIMS = web.AppKey("gpu_claims", asyncio.Lock)
+
+
+async def fleet_index(app: web.Application) -> FleetIndex:
+    """The live fleet, indexed for `decide`: what `live_servers` lists, kept between requests."""
+    return await app[FLEET_INDEX].index(app)
+
+
+HEARTBEAT_WRITER = web.AppKey("heartbeat_writer", asyncio.Task[None])
+
+
+async def _write_heartbeats(app: web.Application) -> None:
+    """Every `heartbeat_flush_seconds`: the heartbeats heard since, in one store write."""
+    services = services_of_app(app)
+    while True:
+        await asyncio.sleep(services.settings.heartbeat_flush_seconds)
+        try:
+            await app[FLEET_INDEX].flush(services.store)
+        except Exception as exc:  # the store is down: the stamps wait for the next batch
+            log.warning("could not write agents' heartbeats (kept for the next batch): %s", exc)
+
+
+async def _start_heartbeat_writer(app: web.Application) -> None:
+    app[HEARTBEAT_WRITER] = asyncio.get_running_loop().create_task(_write_heartbeats(app))
+
+
+async def _end_long_polls(app: web.Application) -> None:
+    """Shutdown: open long polls answer now, and the last heartbeats heard are written."""
+    await app[LONG_POLLS].close()
+    writer = app.get(HEARTBEAT_WRITER)
+    if writer is not None:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    try:
+        await app[FLEET_INDEX].flush(services_of_app(app).store)
+    except Exception as exc:
+        log.warning("could not write the last heartbeats on shutdown: %s", exc)
+
+
+def _follow_other_replicas(app: web.Application) -> None:
+    """On PostgreSQL, what other API replicas change reaches this one: deploys and stops make its
+    placement index re-read the reservations and wake the long polls of the servers with work;
+    registrations make the next timed check read the server table."""
+
+    def changed(kind: str) -> None:
+        index = app[FLEET_INDEX]
+        if kind == FLEET_INVENTORY:
+            index.inventory_changed_elsewhere()
+            index.reservations_changed()  # a resync arrives as an inventory change: re-read both
+        else:
+            index.reservations_changed()
+        app[LONG_POLLS].changed_elsewhere(services_of_app(app).store)
+
+    services_of_app(app).store.events.on_fleet(changed)
+
+
+def install(app: web.Application) -> None:
+    """Put the live fleet on `app`: the index cache, GPU claims lock, long polls, the static
+    inventory (GPUBADGE_INVENTORY_FILE), the heartbeat writer and the shutdown that ends polls."""
+    settings = services_of_app(app).settings
+    app[LONG_POLLS] = LongPolls(settings.long_poll_max)
+    app[FLEET_INDEX] = FleetIndexCache()
+    app[GPU_CLAIMS] = asyncio.Lock()
+    app.on_startup.append(_start_heartbeat_writer)
+    app.on_shutdown.append(_end_long_polls)
+    _follow_other_replicas(app)
+    inventory_file = settings.inventory_file
+    app[STATIC_FLEET] = parse_inventory(inventory_file.read_text()).servers if inventory_file else []
+    app[FLEET_INDEX].prime(app[STATIC_FLEET])

@@ -1,0 +1,142 @@
+"""The agents' long polls held by this process: a cap, one wake-up per server, a clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+
+from aiohttp import web
+
+from store import AsyncStore, queries
+
+MAX_POLL = 60.0
+
+
+class LongPolls:
+    """The agents' held long polls: at most `limit` at once, each woken only for its own server.
+
+    A new poll of a server answers its older one at once (`hold`): the agent has moved on (a dropped
+    connection, a restart), and a dead poll would otherwise keep its slot until its wait ran out.
+    A deployment placed (or stopped) for a server wakes that server's poll alone, so one deploy
+    costs one store read, not one per waiting agent. Which servers have work is kept as a set
+    (`actionable`): a poll of a server outside it reads nothing from the store. Changes made by
+    other API processes arrive without a server name (PostgreSQL NOTIFY); they mark the set
+    unknown, and the next look re-reads it in one query and wakes the servers in it.
+
+    On shutdown it wakes them for good: aiohttp waits for running handlers before it exits, so
+    open long polls would otherwise hold a graceful stop for up to MAX_POLL.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused = 0  # polls answered 503 because `limit` were held
+        self.closing = False
+        self._generation: dict[str, int] = {}
+        self._serials: dict[str, int] = {}  # server name -> its latest poll's serial
+        self._holding: dict[str, int] = {}  # server name -> its polls holding a slot
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._actionable: set[str] = set()
+        self._actionable_known = False
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def admit(self, name: str) -> bool:
+        """Take a slot for a held poll of `name` (give it back with `release`); False when all are
+        held, unless `name` already holds one, which this poll supersedes (`hold`)."""
+        if self.held >= self.limit and not self._holding.get(name):
+            self.refused += 1
+            return False
+        self.held += 1
+        self._holding[name] = self._holding.get(name, 0) + 1
+        return True
+
+    def release(self, name: str) -> None:
+        self.held -= 1
+        left = self._holding.get(name, 0) - 1
+        if left > 0:
+            self._holding[name] = left
+        else:
+            self._holding.pop(name, None)
+
+    def hold(self, name: str) -> int:
+        """A poll of `name` starts holding: any older poll of it answers now (its agent has moved on to
+        this one: after a restart or a dropped connection, a dead poll would keep its slot until its
+        wait ran out). Returns this poll's serial, for `superseded`."""
+        serial = self._serials.get(name, 0) + 1
+        self._serials[name] = serial
+        for waiter in self._waiters.pop(name, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+        return serial
+
+    def superseded(self, name: str, serial: int) -> bool:
+        return self._serials.get(name, 0) != serial
+
+    def generation(self, name: str) -> int:
+        return self._generation.get(name, 0)
+
+    def wake(self, names: Iterable[str]) -> None:
+        """These servers have work (a deployment placed or to stop): their polls answer now."""
+        for name in names:
+            self._generation[name] = self._generation.get(name, 0) + 1
+            self._actionable.add(name)
+            for waiter in self._waiters.pop(name, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def changed_elsewhere(self, store: AsyncStore) -> None:
+        """Another process changed deployments of servers not named: re-read who has work, wake them."""
+        self._actionable_known = False
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh(store))
+
+    async def _refresh(self, store: AsyncStore) -> None:
+        with contextlib.suppress(Exception):  # a store error leaves the set unknown: the next poll retries
+            await self.has_work(store, "")
+        self.wake(name for name in self._actionable if name in self._waiters)
+
+    async def has_work(self, store: AsyncStore, name: str) -> bool:
+        """Whether `name` may have deployments to act on (False: certainly none)."""
+        if not self._actionable_known:
+            self._actionable_known = True  # set before the read: a change during it marks it unknown again
+            try:
+                found = await store.run(queries.actionable_servers)
+            except BaseException:
+                self._actionable_known = False
+                raise
+            self._actionable |= found
+        return name in self._actionable
+
+    def settled(self, name: str, generation: int) -> None:
+        """A read found no work for `name`: drop it from the set unless it was woken since."""
+        if self._generation.get(name, 0) == generation:
+            self._actionable.discard(name)
+
+    async def wait(self, name: str, generation: int, timeout: float) -> None:
+        """Until `name` is woken (at once if it was since `generation`), `timeout` passes, or shutdown."""
+        if self.closing or self._generation.get(name, 0) != generation:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(name, []).append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, timeout)
+        finally:
+            waiters = self._waiters.get(name)
+            if waiters is not None:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[name]
+
+    async def close(self) -> None:
+        self.closing = True
+        for waiters in list(self._waiters.values()):
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        self._waiters.clear()
+
+
+LONG_POLLS = web.AppKey("long_polls", LongPolls)

@@ -1,0 +1,122 @@
+"""What several routes look up: the API token check, paging and `?wait=` parameters, an image's
+stored report (scanning it when allowed), a stored deployment.
+
+Route modules import this module and never each other.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from scanner.models import ImageReport
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
+from store import queries
+from web.api_models import Deployment
+from web.errors import json_http_error
+from web.security import bearer_token, token_matches
+from web.state import Services, services_of
+
+MAX_PAGE = 200
+
+
+MAX_WAIT = 60.0
+
+
+def require_api_token(request: web.Request) -> None:
+    """Write endpoints need the API token when one is configured (constant-time compare)."""
+    if not token_matches(services_of(request).settings.api_token, bearer_token(request) or ""):
+        raise json_http_error(
+            web.HTTPUnauthorized,
+            "a valid API token is required (Authorization: Bearer <token>)",
+            headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+        )
+
+
+def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
+    """`?wait=S`: long-poll for at most S seconds (capped), so clients sync on events, not sleeps."""
+    raw = request.query.get("wait", "")
+    try:
+        return min(cap, max(0.0, float(raw))) if raw else 0.0
+    except ValueError:
+        raise json_http_error(web.HTTPBadRequest, "wait must be a number of seconds") from None
+
+
+def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise json_http_error(web.HTTPBadRequest, f"{name} must be an integer") from None
+    return max(low, min(high, value))
+
+
+async def _stored_digest(services: Services, reference: Reference) -> str | None:
+    """The digest a tag or digest reference stands for, if the store knows it."""
+    if reference.digest:
+        return reference.digest
+    return await services.store.run(
+        queries.resolve_tag, reference.registry, reference.repository, reference.tag or ""
+    )
+
+
+async def find_report(services: Services, reference: Reference) -> ImageReport | None:
+    """The latest stored report for a tag or digest reference."""
+    store = services.store
+    digest = await _stored_digest(services, reference)
+    if digest is None:
+        return None
+    report = await store.run(queries.report, digest)
+    if report is None:
+        platform = await store.run(queries.platform_report, digest)
+        if platform is None:
+            return None
+        report = ImageReport(
+            reference=str(reference),
+            digest=digest,
+            platforms=[platform],
+            registry=reference.registry,
+            repository=reference.repository,
+        )
+    return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
+
+
+async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
+    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
+
+    A scan costs registry traffic and a worker's time, so a caller without the API token
+    (`may_scan=False`) gets a 404 that says how to ask for the scan instead.
+    """
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        raise json_http_error(web.HTTPBadRequest, str(exc)) from None
+    report = await find_report(services, reference)
+    if report is not None:
+        return report
+    if not may_scan:
+        if await services.store.run(queries.pending_job_for, str(reference)) is not None:
+            raise json_http_error(
+                web.HTTPNotFound,
+                f"{reference} has not been scanned yet; its scan is queued, ask again when it is done",
+            )
+        raise json_http_error(
+            web.HTTPNotFound,
+            f"{reference} has not been scanned, and scanning it needs the API token: send"
+            " Authorization: Bearer <token> with this request, or request the scan with"
+            f' POST /api/scans {{"ref": "{reference}"}}',
+        )
+    if not services.settings.allows(reference.registry):
+        raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
+    if services.scanner is None:
+        raise json_http_error(web.HTTPServiceUnavailable, "scanner not ready")
+    report = await services.scanner.scan(str(reference))
+    if report.error:
+        raise json_http_error(web.HTTPUnprocessableEntity, f"could not scan {reference}: {report.error}")
+    return report
+
+
+async def load_deployment(services: Services, deployment_id: str) -> Deployment | None:
+    row = await services.store.run(queries.deployment, deployment_id)
+    return Deployment.model_validate_json(row.record_json) if row else None

@@ -1,0 +1,367 @@
+"""The agents' endpoints: register, heartbeat, long-poll for deployments, report a deployment's
+status; and the list of live servers.
+
+Agents authenticate with GPUBADGE_AGENT_TOKEN or their own per-server token. A GPU UUID reported
+by two live servers is refused (409) until the first goes stale.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from placement.inventory import Gpu, Server
+from placement.protocol import (
+    TERMINAL_STATES,
+    DeploymentsResponse,
+    DeploymentStatus,
+    Heartbeat,
+    RegisterResponse,
+)
+from store import queries
+from web.api_description import (
+    AGENT_ONLY,
+    ERROR,
+    OBJECT,
+    PRIVATE,
+    TOO_LARGE,
+    ApiRoutes,
+    Model,
+    json_reply,
+    path_parameter,
+    query,
+)
+from web.api_models import Deployment
+from web.errors import json_error, json_http_error, read_json
+from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
+from web.long_polls import LONG_POLLS, MAX_POLL
+from web.lookups import load_deployment, wait_param
+from web.placement_requests import first_error
+from web.security import bearer_token
+from web.state import services_of, services_of_app
+
+log = logging.getLogger(__name__)
+
+ROUTES = ApiRoutes()
+
+
+def require_agent_token(request: web.Request, server_name: str) -> None:
+    """Agents present GPUBADGE_AGENT_TOKEN (any server), or the per-agent token of `server_name`.
+
+    A per-agent token is bound to its server: presented for another server it gets 403, so one
+    compromised node cannot register, heartbeat, poll or report as its neighbours.
+    """
+    settings = services_of(request).settings
+    if settings.agent_token is None and not settings.agent_tokens:
+        return  # no agent token configured: open (logged at startup)
+    given = (bearer_token(request) or "").encode()
+    fleet_wide = settings.agent_token is not None and hmac.compare_digest(
+        given, settings.agent_token.get_secret_value().encode()
+    )
+    owner = None
+    for name, token in settings.agent_tokens.items():  # every comparison runs, whichever matches
+        if hmac.compare_digest(given, token.get_secret_value().encode()):
+            owner = name
+    if fleet_wide or owner == server_name:
+        return
+    if owner is not None:
+        log.warning("agent token of server %s used for server %s: refused", owner, server_name)
+        raise json_http_error(
+            web.HTTPForbidden, f"this agent token belongs to server {owner}; it cannot act for {server_name}"
+        )
+    raise json_http_error(
+        web.HTTPUnauthorized,
+        "a valid agent token is required (Authorization: Bearer <token>)",
+        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+    )
+
+
+async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]) -> web.Response | None:
+    """A 409 when a live server other than `name` reports one of these GPU UUIDs, else None.
+
+    The same UUID on two servers is a cloned inventory or an impostor; either way placement must
+    not hand that GPU out twice. The claim lapses once its server goes stale.
+    """
+    cache = app[FLEET_INDEX]
+    await cache.refresh(app)
+    owners = cache.owners([gpu.uuid for gpu in gpus])
+    taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
+    if not taken:
+        return None
+    holders = sorted(set(taken.values()))
+    log.warning(
+        "server %s reports GPU(s) %s already reported by live server(s) %s: refused until %s goes stale",
+        name,
+        ", ".join(sorted(taken)),
+        ", ".join(holders),
+        " / ".join(holders),
+    )
+    stale_after = services_of_app(app).settings.stale_after_seconds
+    return json_error(
+        409,
+        f"GPU {', '.join(sorted(taken))} is already reported by live server {', '.join(holders)};"
+        f" it is released {stale_after:g} s after that server's last heartbeat",
+        claimed=taken,
+    )
+
+
+async def agent_heard(app: web.Application, name: str) -> web.Response | None:
+    """An agent's heartbeat or poll: stamp it live. None when done, else the answer to give.
+
+    A live agent costs a stamp in memory (no SQL, no lock). An agent this process does not hold
+    live is looked up (once; another process may have registered it): unknown gets 404
+    ("register again"); back after going stale, it is live again at once unless another live
+    server claimed its GPUs meanwhile (409).
+    """
+    cache = app[FLEET_INDEX]
+    if cache.is_live_agent(name):
+        cache.heard(name)
+        return None
+    async with app[GPU_CLAIMS]:
+        await cache.refresh(app)
+        if cache.is_live_agent(name):
+            cache.heard(name)
+            return None
+        if cache.stored(name) is None:
+            found = await services_of_app(app).store.run(queries.server_records, [name])
+            if not found:
+                return json_error(404, f"unknown server {name}; register again")
+            record = found[0]
+            cache.learned(agent_server(record.inventory_json), record.inventory_json, record.last_heartbeat)
+        stored = cache.stored(name)
+        assert stored is not None
+        conflict = await claimed_elsewhere(app, name, stored.gpus)
+        if conflict is not None:
+            return conflict
+        cache.returned(name)
+    return None
+
+
+@ROUTES.get(
+    "/api/servers",
+    "Live servers: the inventory file plus agents heard from recently, with GPUs in use",
+    responses={
+        "200": json_reply(
+            {
+                "type": "object",
+                "properties": {"servers": {"type": "array", "items": Model(Server, "validation")}},
+            },
+            "the fleet",
+        ),
+        **PRIVATE,
+    },
+)
+async def list_servers(request: web.Request) -> web.Response:
+    servers = await live_servers(request.app)
+    return web.json_response({"servers": [server.model_dump(mode="json") for server in servers]})
+
+
+@ROUTES.post(
+    "/api/servers",
+    "Register a server (node agents); registering again replaces its inventory",
+    token=True,
+    body=Model(Server, "validation"),
+    responses={
+        "200": json_reply(RegisterResponse, "registered; heartbeat this often"),
+        "400": json_reply(ERROR, "invalid server"),
+        **AGENT_ONLY,
+        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **TOO_LARGE,
+    },
+)
+async def register_server(request: web.Request) -> web.Response:
+    services = services_of(request)
+    data = await read_json(request, services.settings.json_limits())
+    try:
+        server = Server.model_validate(data)
+    except ValidationError as exc:
+        return json_error(400, f"invalid server: {first_error(exc)}")
+    require_agent_token(request, server.name)
+    stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
+    text = stored.model_dump_json()
+    async with request.app[GPU_CLAIMS]:  # the check and the write are one step for other registrations
+        conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
+        if conflict is not None:
+            return conflict
+        await services.store.run(queries.upsert_server, server.name, text)
+        request.app[FLEET_INDEX].registered(stored, text)
+    log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
+    body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
+    return web.json_response(body.model_dump())
+
+
+_OK = b'{"ok": true}'
+
+
+@ROUTES.post(
+    "/api/servers/{name}/heartbeat",
+    "Agent heartbeat; a `gpus` list replaces the server's GPUs",
+    token=True,
+    parameters=[path_parameter("name")],
+    body=Model(Heartbeat, "validation"),
+    body_required=False,
+    responses={
+        "200": json_reply(OBJECT, "ok"),
+        "400": json_reply(ERROR, "invalid heartbeat"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown server: register again"),
+        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **TOO_LARGE,
+    },
+)
+async def server_heartbeat(request: web.Request) -> web.Response:
+    """A heartbeat: a stamp in memory when nothing changed; the inventory is written only when the
+    GPUs reported differ from the stored ones."""
+    name = request.match_info["name"]
+    require_agent_token(request, name)
+    services = services_of(request)
+    data = await read_json(request, services.settings.json_limits(), empty={})
+    try:
+        beat = Heartbeat.model_validate(data)
+    except ValidationError as exc:
+        return json_error(400, f"invalid heartbeat: {first_error(exc)}")
+    cache = request.app[FLEET_INDEX]
+    if beat.gpus is None or (cache.is_live_agent(name) and cache.same_gpus(name, beat.gpus)):
+        answer = await agent_heard(request.app, name)
+        return answer or web.Response(body=_OK, content_type="application/json")
+    async with request.app[GPU_CLAIMS]:
+        conflict = await claimed_elsewhere(request.app, name, beat.gpus)
+        if conflict is not None:
+            return conflict
+        current = cache.stored(name)
+        if current is None:
+            text = await services.store.run(queries.server_inventory, name)
+            current = agent_server(text) if text is not None else None
+        if current is None:
+            return json_error(404, f"unknown server {name}; register again")
+        updated = current.model_copy(update={"gpus": beat.gpus})
+        text = updated.model_dump_json()
+        if not await services.store.run(queries.heartbeat, name, text):
+            return json_error(404, f"unknown server {name}; register again")
+        cache.registered(updated, text)
+    return web.Response(body=_OK, content_type="application/json")
+
+
+@ROUTES.get(
+    "/api/agents/{name}/deployments",
+    "Agent long poll: answers at once when a deployment needs action, else after `wait`",
+    token=True,
+    parameters=[path_parameter("name"), query("wait", "seconds to wait for work (max 60)", "number")],
+    responses={
+        "200": json_reply(DeploymentsResponse, "deployments to run or stop (maybe none)"),
+        "400": json_reply(ERROR, "wait is not a number"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown server: register again"),
+        "409": json_reply(ERROR, "back from silence, but its GPUs are now reported by another server"),
+    },
+)
+async def agent_poll(request: web.Request) -> web.Response:
+    """The agent's long poll: answers at once when there is work, else after `wait` seconds.
+
+    At most `GPUBADGE_LONG_POLL_MAX` are held at once (each holds a connection, so a file
+    descriptor); past that the answer is 503 with `Retry-After`, which the agent honours with
+    jitter, so the service never runs out of descriptors for everything else.
+    """
+    name = request.match_info["name"]
+    require_agent_token(request, name)
+    services = services_of(request)
+    wait = wait_param(request, MAX_POLL)
+    answer = await agent_heard(request.app, name)
+    if answer is not None:
+        return answer
+    polls = request.app[LONG_POLLS]
+    if wait > 0 and not polls.admit(name):
+        retry = services.settings.long_poll_retry_seconds
+        refused = json_error(
+            503,
+            f"this service holds its most long polls ({polls.limit}, GPUBADGE_LONG_POLL_MAX);"
+            f" retry in about {retry:g} s",
+        )
+        refused.headers["Retry-After"] = f"{math.ceil(retry)}"
+        return refused
+    held = wait > 0
+    serial = polls.hold(name) if held else 0
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            generation = polls.generation(name)
+            rows = []
+            if await polls.has_work(services.store, name):
+                rows = await services.store.run(queries.actionable_deployments, name)
+                if not rows:
+                    polls.settled(name, generation)
+            remaining = deadline - time.monotonic()
+            if rows or remaining <= 0 or polls.closing or (held and polls.superseded(name, serial)):
+                break
+            await polls.wait(name, generation, remaining)
+    finally:
+        if held:
+            polls.release(name)
+    body = DeploymentsResponse(
+        deployments=[Deployment.model_validate_json(row.record_json).for_agent() for row in rows]
+    )
+    return web.json_response(body.model_dump(mode="json"))
+
+
+@ROUTES.post(
+    "/api/deployments/{id}/status",
+    "Agent report of a deployment's state; a terminal state frees its GPUs",
+    token=True,
+    parameters=[path_parameter("id")],
+    body=Model(DeploymentStatus, "validation"),
+    responses={
+        "200": json_reply(Deployment, "recorded"),
+        "400": json_reply(ERROR, "invalid status"),
+        **AGENT_ONLY,
+        "404": json_reply(ERROR, "unknown deployment"),
+        **TOO_LARGE,
+    },
+)
+async def deployment_status(request: web.Request) -> web.Response:
+    services = services_of(request)
+    deployment = await load_deployment(services, request.match_info["id"])
+    if deployment is None:
+        return json_error(404, f"no deployment {request.match_info['id']}")
+    require_agent_token(request, deployment.server)
+    data = await read_json(request, services.settings.json_limits())
+    try:
+        status = DeploymentStatus.model_validate(data)
+    except ValidationError as exc:
+        return json_error(400, f"invalid status: {first_error(exc)}")
+    # Stopped while still pending, but the agent had already picked it up: record what runs
+    # so the next poll tells the agent to stop it (its GPUs were freed by the stop).
+    late_start = deployment.state in TERMINAL_STATES and status.state not in TERMINAL_STATES
+    updated = deployment.model_copy(
+        update={
+            "state": status.state,
+            "exit_code": status.exit_code,
+            "reason": status.reason,
+            "logs": status.logs if status.logs is not None else deployment.logs,
+            "container_id": status.container_id or deployment.container_id,
+            "updated_at": datetime.now(UTC),
+        }
+    )
+    await services.store.run(
+        queries.update_deployment,
+        deployment.id,
+        updated.model_dump_json(),
+        state=status.state,
+        release=status.state in TERMINAL_STATES,
+    )
+    if status.state in TERMINAL_STATES:
+        request.app[FLEET_INDEX].reservations_changed()
+    if late_start:
+        log.info("deployment %s was stopped before the agent started it; asking it to stop", deployment.id)
+        request.app[LONG_POLLS].wake([deployment.server])
+    return web.json_response(updated.shown(token_holder=False))
+
+
+def setup_routes(app: web.Application) -> None:
+    ROUTES.setup(app)

@@ -1,0 +1,153 @@
+"""The image API: `GET /api/images` (a filtered page of scanned images) and
+`GET /api/images/by-ref` (one image's report, optionally waiting for its scan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from scanner.models import ImageReport
+from scanner.registry.reference import ReferenceError, parse_reference
+from store import queries
+from web.api_description import (
+    BAD_QUERY,
+    ERROR,
+    OBJECT,
+    PRIVATE,
+    ApiRoutes,
+    json_reply,
+    query,
+)
+from web.api_models import JobView
+from web.errors import json_error, json_http_error
+from web.lookups import MAX_PAGE, find_report, int_param, wait_param
+from web.security import redact_secrets
+from web.state import services_of
+
+ROUTES = ApiRoutes()
+
+
+def _report_json(report: ImageReport) -> dict[str, Any]:
+    body = report.model_dump(mode="json")
+    if body.get("error"):
+        body["error"] = redact_secrets(body["error"])
+    return body
+
+
+def _bool_param(value: str | None, name: str) -> bool | None:
+    if value is None or value == "":
+        return None
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "gpu"):
+        return True
+    if lowered in ("0", "false", "no", "cpu"):
+        return False
+    raise json_http_error(web.HTTPBadRequest, f"{name} must be true or false")
+
+
+def _ready(report: ImageReport | None, until: str) -> bool:
+    """`?until=facts`: a report exists; `done` (the default): its layer verdicts are in too."""
+    return report is not None and (until == "facts" or not report.pending)
+
+
+@ROUTES.get(
+    "/api/images",
+    "List scanned images",
+    parameters=[
+        query("gpu", "true: needs an NVIDIA GPU; false: CPU only", "boolean"),
+        query("libc", "glibc, musl, none or unknown"),
+        query("cuda", "CUDA version, e.g. 12 or 12.2"),
+        query("inferred", "true: CUDA found in the layers (deep scan); false: none found", "boolean"),
+        query("registry", "registry host"),
+        query("q", "free text over repository, reference, digest and distro"),
+        query("page", "page number, from 1", "integer"),
+        query("limit", "rows per page (max 200)", "integer"),
+    ],
+    responses={"200": json_reply(OBJECT, "a page of images"), **BAD_QUERY, **PRIVATE},
+)
+async def list_images(request: web.Request) -> web.Response:
+    services = services_of(request)
+    query = request.query
+    limit = int_param(request, "limit", 50, 1, MAX_PAGE)
+    page = int_param(request, "page", 1, 1, 1_000_000)
+    libc = query.get("libc") or None
+    if libc == "no-libc":
+        libc = "none"
+    rows, total = await services.store.run(
+        queries.list_images,
+        gpu=_bool_param(query.get("gpu"), "gpu"),
+        libc=libc,
+        cuda=query.get("cuda") or None,
+        registry=query.get("registry") or None,
+        query=query.get("q") or None,
+        limit=limit,
+        offset=(page - 1) * limit,
+        inferred=_bool_param(query.get("inferred"), "inferred"),
+    )
+    return web.json_response(
+        {
+            "total": total,
+            "page": page,
+            "limit": limit,
+            "images": [row.__dict__ for row in rows],
+        }
+    )
+
+
+@ROUTES.get(
+    "/api/images/by-ref",
+    "Latest report for a tag or digest reference (the `gpubadge scan --json` shape)",
+    parameters=[
+        {**query("ref", "image reference"), "required": True},
+        query("wait", "seconds to wait for the report (max 60)", "number"),
+        {
+            "name": "until",
+            "in": "query",
+            "description": "what `wait` waits for: done (the full report, the default) or facts"
+            " (the config facts, published before the layers are read; `pending` is true then)",
+            "schema": {"type": "string", "enum": ["done", "facts"]},
+        },
+    ],
+    responses={
+        "200": json_reply(ImageReport, "the report; `pending` true while its layers are still being read"),
+        "400": json_reply(ERROR, "invalid reference, wait or until"),
+        "404": json_reply(ERROR, "not scanned; `pending` says whether a scan is queued"),
+        **PRIVATE,
+    },
+)
+async def image_by_ref(request: web.Request) -> web.Response:
+    services = services_of(request)
+    text = request.query.get("ref", "")
+    if not text:
+        return json_error(400, "missing query parameter ref")
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        return json_error(400, str(exc))
+    wait = wait_param(request)
+    until = request.query.get("until", "done")
+    if until not in ("done", "facts"):
+        return json_error(400, "until must be done (the full report) or facts (the config facts)")
+    report = await find_report(services, reference)
+    if wait and not _ready(report, until):  # the scan may run in any worker process, here or elsewhere
+
+        async def ready() -> bool:
+            return _ready(await find_report(services, reference), until)
+
+        await services.store.wait_until(ready, wait, key=str(reference))
+        report = await find_report(services, reference)
+    if report is None:
+        pending = await services.store.run(queries.pending_job_for, str(reference))
+        latest = pending or await services.store.run(queries.latest_job_for, str(reference))
+        return json_error(
+            404,
+            f"{reference} has not been scanned",
+            pending=pending is not None,
+            job=JobView.of(latest).model_dump() if latest else None,
+        )
+    return web.json_response(_report_json(report))
+
+
+def setup_routes(app: web.Application) -> None:
+    ROUTES.setup(app)

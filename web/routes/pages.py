@@ -1,0 +1,252 @@
+"""HTML pages and SVG badges of images and scans: server-rendered, usable without JavaScript.
+
+Handlers do the I/O (store reads, form posts) and hand view objects (web/image_views.py) to the
+templates through web/templating.py's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from typing import Any
+
+from aiohttp import web
+from markupsafe import Markup
+
+from scanner.models import ImageReport
+from scanner.registry.reference import Reference, ReferenceError, parse_reference
+from store import queries
+from web.badge_svg import badge_for, render_badge
+from web.image_views import (
+    LEGEND,
+    ImageFilters,
+    explain_error,
+    image_row_view,
+    job_view,
+    platform_view,
+    progress_of,
+    tag_history_view,
+)
+from web.lookups import find_report
+from web.nfd_view import nfd_views
+from web.scan_requests import ScanRefused, request_scan, token_matches
+from web.security import redact_secrets
+from web.state import Services, services_of
+from web.templating import STATIC_DIR, badge_url, environment, image_url, page, render
+
+PAGE_SIZE = 50
+
+
+RECENT_FAILURES = 5
+
+
+# A scanned image's badge changes only when a push is scanned; five minutes of staleness is fine
+# in a README, lets GitHub's image proxy and browsers cache it, and the ETag makes revalidation
+# cheap. "Not scanned" is served no-cache so the badge turns green as soon as the scan lands.
+BADGE_MAX_AGE = "max-age=300, public"
+
+
+BADGE_NO_CACHE = "no-cache"
+
+
+async def images_page(request: web.Request) -> web.Response:
+    services = services_of(request)
+    store = services.store
+    filters = ImageFilters.from_query(request.query)
+    rows, total = await store.run(
+        queries.list_images,
+        **filters.store_arguments(),
+        limit=PAGE_SIZE,
+        offset=(filters.page - 1) * PAGE_SIZE,
+    )
+    if filters.active or filters.page > 1:
+        newest, _ = await store.run(queries.list_images, limit=1)
+    else:
+        newest = rows[:1]
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    return page(
+        request,
+        "images.html",
+        title="Images · gpubadge",
+        active="images",
+        filters=filters,
+        rows=[image_row_view(row) for row in rows],
+        total=total,
+        pages=pages,
+        registries=await store.run(queries.registries),
+        last_scan=newest[0].scanned_at if newest else None,
+        failures=[
+            job_view(job) for job in await store.run(queries.jobs, states=["failed"], limit=RECENT_FAILURES)
+        ],
+        legend=LEGEND,
+        token_required=services.settings.api_token is not None,
+    )
+
+
+async def image_page(request: web.Request) -> web.Response:
+    services = services_of(request)
+    text = request.match_info["path"]
+    try:
+        reference = parse_reference(text)
+    except ReferenceError as exc:
+        return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
+    report = await find_report(services, reference)
+    if report is None:
+        store = services.store
+        pending = await store.run(queries.pending_job_for, str(reference))
+        latest = pending or await store.run(queries.latest_job_for, str(reference))
+        return page(
+            request,
+            "not_scanned.html",
+            status=404,
+            title=f"{reference} · not scanned",
+            active="images",
+            reference=str(reference),
+            pending=job_view(pending) if pending else None,
+            latest=job_view(latest) if latest else None,
+            token_required=services.settings.api_token is not None,
+        )
+    return page(
+        request,
+        "image.html",
+        title=f"{reference} · gpubadge",
+        active="images",
+        **await detail_context(services, reference, report),
+    )
+
+
+async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+    store = services.store
+    digests = {report.digest or ""} | {p.digest for p in report.platforms}
+    tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
+    history = await store.run(queries.tag_history, reference.registry, reference.repository)
+    return {
+        "reference": str(reference),
+        "report": report.model_copy(update={"error": redact_secrets(report.error)})
+        if report.error
+        else report,
+        "platforms": [platform_view(p) for p in report.platforms],
+        "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
+        "history": tag_history_view(history, reference.name, digests),
+        "badge_url": badge_url(reference),
+        "error": explain_error(report.error) if report.error else None,
+        "progress": progress_of(str(reference), services.scanner.layer_progress())
+        if report.pending and services.scanner is not None
+        else None,
+        "referrers": [
+            status
+            for digest in [report.digest or "", *(p.digest for p in report.platforms)]
+            if services.attacher is not None and (status := services.attacher.status(digest)) is not None
+        ],
+        "nfd_html": await nfd_section(services, report),
+    }
+
+
+async def nfd_section(services: Services, report: ImageReport) -> Markup:
+    """The image page's NFD section, rendered in a thread: an artifact is anyone's, so even its
+    bounded rendering stays off the event loop."""
+    views = await nfd_views(services.attacher, report)
+    if not views:
+        return Markup("")
+    return Markup(await asyncio.to_thread(render, "_nfd.html", nfd=views))
+
+
+async def scans_page(request: web.Request) -> web.Response:
+    return await scans_response(request)
+
+
+async def scans_response(
+    request: web.Request, *, status: int = 200, error: str | None = None, ref: str = ""
+) -> web.Response:
+    services = services_of(request)
+    store = services.store
+    deep = services.scanner.layer_progress() if services.scanner is not None else {}
+    return page(
+        request,
+        "scans.html",
+        status=status,
+        title="Scans · gpubadge",
+        active="scans",
+        pending=[
+            job_view(job, deep)
+            for job in await store.run(queries.jobs, states=["queued", "running"], limit=100)
+        ],
+        recent=[job_view(job) for job in await store.run(queries.jobs, limit=50)],
+        depth=await store.run(queries.queue_depth),
+        token_required=services.settings.api_token is not None,
+        form_error=error,
+        ref=ref,
+    )
+
+
+async def submit_scan(request: web.Request) -> web.Response:
+    """The scan form: same checks as POST /api/scans, then 303 back to /scans (post/redirect/get)."""
+    services = services_of(request)
+    form = await request.post()
+    ref = str(form.get("ref", "")).strip()
+    token = str(form.get("token", ""))
+    if not token_matches(services.settings.api_token, token):
+        return await scans_response(request, status=401, error="That API token is not valid.", ref=ref)
+    if not ref:
+        return await scans_response(
+            request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
+        )
+    try:
+        await request_scan(services, ref, source="ui")
+    except ScanRefused as refused:
+        return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
+    raise web.HTTPSeeOther("/scans")
+
+
+def badge_reference(path: str) -> Reference:
+    """`127.0.0.1:5000/team/app/1.0` (the badge URL without `.svg`) -> the tagged reference.
+
+    The last segment is the tag; a `sha256:...` last segment pins a digest instead.
+    """
+    name, slash, last = path.rpartition("/")
+    if not slash or not name or not last:
+        raise ReferenceError(f"badge path {path!r} must be REGISTRY/REPOSITORY/TAG.svg")
+    separator = "@" if ":" in last else ":"
+    return parse_reference(f"{name}{separator}{last}")
+
+
+async def badge(request: web.Request) -> web.Response:
+    services = services_of(request)
+    path = request.match_info["path"].removesuffix(".svg")
+    try:
+        reference = badge_reference(path)
+    except ReferenceError as exc:
+        return web.Response(status=400, text=str(exc), content_type="text/plain")
+    report = await find_report(services, reference)
+    failed, failure = False, None
+    if report is None:
+        latest = await services.store.run(queries.latest_job_for, str(reference))
+        failed = latest is not None and latest.state == "failed"
+        failure = redact_secrets(latest.error) if latest is not None and failed and latest.error else None
+    svg = render_badge(badge_for(report, last_scan_failed=failed, failure=failure))
+    etag = '"' + hashlib.sha256(svg.encode()).hexdigest()[:32] + '"'
+    headers = {
+        "Cache-Control": BADGE_MAX_AGE if report is not None else BADGE_NO_CACHE,
+        "ETag": etag,
+        "X-Content-Type-Options": "nosniff",
+    }
+    if etag in request.headers.get("If-None-Match", ""):
+        return web.Response(status=304, headers=headers)
+    return web.Response(text=svg, content_type="image/svg+xml", charset="utf-8", headers=headers)
+
+
+async def favicon(request: web.Request) -> web.FileResponse:
+    """/favicon.ico, which browsers and tools ask for on every page whatever the markup says."""
+    return web.FileResponse(STATIC_DIR / "favicon.ico", headers={"Cache-Control": "public, max-age=86400"})
+
+
+def setup_routes(app: web.Application) -> None:
+    environment()  # load and check the templates at startup, not on the first request
+    app.router.add_get("/", images_page)
+    app.router.add_get("/images/{path:.+}", image_page)
+    app.router.add_get("/scans", scans_page)
+    app.router.add_post("/scans", submit_scan)
+    app.router.add_get(r"/badge/{path:.+\.svg}", badge)
+    app.router.add_static("/static", STATIC_DIR)
+    app.router.add_get("/favicon.ico", favicon)
