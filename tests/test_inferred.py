@@ -17,6 +17,7 @@ from scanner.layers.cuda_evidence import (
 )
 from scanner.layers.cuda_sources import (
     dist_info_finding,
+    needed_finding,
     parse_tf_build_info,
     parse_torch_version,
     tf_cuda_version,
@@ -140,6 +141,40 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
     assert [v.cuda for v in both.versions][:1] == ["13"] and "12" in [v.cuda for v in both.versions]
     # the archs are what the code holds (the union); placement.gpu_code judges where it runs
     assert both_archs is not None and both_archs.sass[0] == "50" and "75" in both_archs.sass
+
+
+# DT_NEEDED of torch 2.11.0+cu130's lib/libtorch_cuda.so, read on a real H200 host (driver 580.159.04).
+TORCH_211_CU130_NEEDED = [
+    "libcublas.so.13",
+    "libcublasLt.so.13",
+    "libcudart.so.13",
+    "libcudnn.so.9",
+    "libcufft.so.12",
+    "libcufile.so.0",
+    "libcurand.so.10",
+    "libcusparse.so.12",
+    "libcusparseLt.so.0",
+    "libnccl.so.2",
+]
+
+
+def test_cusparse_soname_is_not_the_cuda_major() -> None:
+    """CUDA 13.0 ships cuSPARSE 12.x as libcusparse.so.12, so its SONAME says nothing of the CUDA major."""
+    assert needed_finding(TORCH_211_CU130_NEEDED).cuda == "13"
+    assert needed_finding(["libcusparse.so.12"]).cuda is None
+    # a CUDA 13 wheel's cuSPARSE sits beside its cuBLAS under nvidia/cu13/lib: CUDA 13 alone, no disagreement
+    inferred, _ = combine(
+        [
+            layer(
+                {
+                    f"{SITE}/nvidia/cu13/lib/libcusparse.so.12": b"",
+                    f"{SITE}/nvidia/cu13/lib/libcublas.so.13": b"",
+                }
+            )
+        ]
+    )
+    assert inferred is not None and inferred.cuda == "13" and not inferred.conflict
+    assert [v.cuda for v in inferred.versions] == ["13"] * len(inferred.versions)
 
 
 def test_tensorflow_build_info() -> None:

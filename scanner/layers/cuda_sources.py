@@ -33,10 +33,10 @@ PYTORCH_BUILD = re.compile(r"cuda(\d+)\.(\d+)")
 # Wheels whose version is the CUDA toolkit's own (12.1.105 -> 12.1); the others version separately.
 TOOLKIT_VERSIONED_WHEELS = frozenset({"cuda_runtime", "cuda_nvrtc", "cuda_cupti", "cuda_nvcc"})
 CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytorch"})
-# SONAMEs whose number is the CUDA major (cuFFT, cuRAND, cuSOLVER, cuDNN, NCCL number their own).
-SONAME_IS_CUDA_MAJOR = frozenset(
-    {"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg", "cusparse"}
-)
+# SONAMEs whose number is the CUDA major (cuFFT, cuRAND, cuSOLVER, cuDNN, NCCL number their own; so
+# does cuSPARSE since CUDA 13.0, which ships cuSPARSE 12.x as libcusparse.so.12, as torch 2.11.0+cu130's
+# libtorch_cuda.so links it beside libcudart.so.13).
+SONAME_IS_CUDA_MAJOR = frozenset({"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg"})
 _NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d+))?")
 
 
