@@ -20,7 +20,6 @@ from typing import Any, Literal, TypeVar
 
 import docker.errors
 
-from agent.client import Backoff, ServiceClient, ServiceError, UnknownServer
 from agent.runner import (
     ContainerView,
     DeploymentError,
@@ -32,6 +31,7 @@ from agent.runner import (
     finished_status,
     pull_reference,
 )
+from agent.service_client import Backoff, ServiceClient, ServiceError, UnknownServer
 from placement.inventory import Server
 from placement.protocol import AgentDeployment, DeploymentStatus
 

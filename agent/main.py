@@ -14,11 +14,11 @@ from pathlib import Path
 import aiohttp
 import docker.errors
 
-from agent.client import ServiceClient
 from agent.host import build_server, detect_runtime_modes, load_server_file, merge_runtime_modes
 from agent.loop import Agent, AgentSettings, Discovery
 from agent.nvml import read_nvml
 from agent.runner import DockerRunner
+from agent.service_client import ServiceClient
 from placement.inventory import RuntimeMode, Server
 
 log = logging.getLogger("gpubadge.agent")

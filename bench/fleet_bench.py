@@ -1,6 +1,6 @@
 """A live fleet against one `gpubadge serve` on SQLite: N agents over real HTTP, heartbeating and long-polling.
 
-One process simulates N agents with the agent's own HTTP client (`agent.client.ServiceClient`,
+One process simulates N agents with the agent's own HTTP client (`agent.service_client.ServiceClient`,
 its jittered `Backoff`): each registers with 8 GPUs, beats every `--heartbeat` seconds at a
 random phase, and holds a deployment long poll (one connection each; heartbeats share a
 keep-alive pool). It raises its own file-descriptor limit to the hard limit and refuses an N
@@ -45,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from agent.client import Backoff, ServiceClient, ServiceError
+from agent.service_client import Backoff, ServiceClient, ServiceError
 from bench.common import CLOCK_TICKS, percentile
 from bench.placement_bench import REFERENCE, REGISTRY, REPOSITORY, TAG, gpu_report
 from fixtures.registry import free_port

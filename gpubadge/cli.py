@@ -144,11 +144,11 @@ def _delegate(command: str, rest: list[str]) -> int:
         finally:
             gc.enable()
     if command == "serve":
-        from web.cli import run_serve
+        from web.commands import run_serve
 
         return run_serve(rest)
     if command == "worker":
-        from web.cli import run_worker
+        from web.commands import run_worker
 
         return run_worker(rest)
     if command == "config":
@@ -156,7 +156,7 @@ def _delegate(command: str, rest: list[str]) -> int:
 
         return run_config(rest)
     if command == "db":
-        from web.cli import run_db
+        from web.commands import run_db
 
         return run_db(rest)
     if command == "eligible":

@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from web.cli import load_settings  # the service's settings: a superset of the scanner's
+    from web.commands import load_settings  # the service's settings: a superset of the scanner's
 
     try:
         settings = load_settings(args.config)

@@ -22,10 +22,10 @@ import docker
 import pytest
 from aiohttp.test_utils import TestServer
 
-from agent.client import ServiceClient
 from agent.loop import Agent, AgentSettings
 from agent.main import make_discovery
 from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner, pull_reference
+from agent.service_client import ServiceClient
 from fixtures.busybox import busybox_image, gpu_busybox_image
 from fixtures.dockerd import LocalDockerd
 from fixtures.registry import LocalRegistry

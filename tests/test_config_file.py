@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from fixtures.service import run_service_process
 from scanner.settings import RETIRED_SETTINGS, ScannerSettings
 from tests.test_service_e2e import call
-from web.cli import load_settings
+from web.commands import load_settings
 
 TOKEN = "file-api-token-61b0"
 GHCR_SECRET = "file-ghcr-secret-0c3d"

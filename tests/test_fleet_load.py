@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.client import Backoff
+from agent.service_client import Backoff
 from bench import fleet_bench
 from fixtures.registry import free_port
 from web.app import create_app

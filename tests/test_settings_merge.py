@@ -24,7 +24,7 @@ from scanner.registry.referrers import ARTIFACT_TYPE, tag_schema_tag
 from scanner.settings_merge import Keyed, SettingsConflict
 from tests.test_referrers_service import skopeo_raw, wait_metric
 from tests.test_service_e2e import call, wait_job
-from web.cli import load_settings
+from web.commands import load_settings
 from web.settings import ServiceSettings
 
 FILE_PASSWORD = "file-registry-pw-3e7a"

@@ -1,5 +1,5 @@
 """The aiohttp application: composition only; only entry points import this module
-(`gpubadge serve` in web/cli.py; tests and benches build applications with it too).
+(`gpubadge serve` in web/commands.py; tests and benches build applications with it too).
 
 `create_app` wires the store, the registry client, the scanner and the leased scan
 workers into an `aiohttp.web.Application`, puts the live fleet on it (web/live_fleet.py),

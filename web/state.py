@@ -1,7 +1,7 @@
 """What every handler shares: the settings, the store, metrics, and the scan machinery.
 
 It lives apart from web/app.py so that route modules depend on this small module,
-and app.py only composes them: only entry points (web/cli.py) import app.py.
+and app.py only composes them: only entry points (web/commands.py) import app.py.
 """
 
 from __future__ import annotations
