@@ -342,19 +342,24 @@ class ScannerSettings(BaseSettings):
             return mirror_parts(self.docker_mirror)[0]
         return None
 
-    def mirror_hosts(self) -> set[str]:
-        """Every configured mirror's `host[:port]`."""
+    def _mirrors(self) -> list[str]:
+        """Every configured mirror setting, as written (the registries' and docker_mirror)."""
         mirrors = [entry.mirror for entry in self.registries if entry.mirror]
         if self.docker_mirror:
             mirrors.append(self.docker_mirror)
-        return {mirror_parts(mirror)[0] for mirror in mirrors}
+        return mirrors
+
+    def mirror_hosts(self) -> set[str]:
+        """Every configured mirror's `host[:port]`."""
+        return {mirror_parts(mirror)[0] for mirror in self._mirrors()}
+
+    def configured_hosts(self) -> set[str]:
+        """The configured registries and every mirror: the hosts a token realm or a redirect may name."""
+        return {entry.host for entry in self.registries} | self.mirror_hosts()
 
     def mirror_credentials(self, host: str) -> tuple[str, SecretStr] | None:
         """The user and password written into a mirror's URL (`https://user:password@host`), if any."""
-        mirrors = [entry.mirror for entry in self.registries if entry.mirror]
-        if self.docker_mirror:
-            mirrors.append(self.docker_mirror)
-        for mirror in mirrors:
+        for mirror in self._mirrors():
             mirror_host, userinfo = mirror_parts(mirror)
             if mirror_host == host and userinfo is not None:
                 user, _, password = userinfo.partition(":")

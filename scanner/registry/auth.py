@@ -388,7 +388,7 @@ class RegistryAuth:
 
     def realm_allowlist(self) -> set[str]:
         """Configured registries and their mirrors: hosts a token realm may name."""
-        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
+        return self.settings.configured_hosts()
 
     async def fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None

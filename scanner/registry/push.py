@@ -224,8 +224,7 @@ class _CheckedTokenAuth(oras.auth.TokenAuth):  # type: ignore[misc]
             check_realm(
                 pusher.host,
                 realm,
-                allowlist={entry.host for entry in pusher.settings.registries}
-                | pusher.settings.mirror_hosts(),
+                allowlist=pusher.settings.configured_hosts(),
                 sends_credentials=bool(basic),
                 insecure_hosts=[entry.host for entry in pusher.settings.registries if entry.insecure],
             )
