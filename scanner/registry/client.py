@@ -31,7 +31,13 @@ import aiohttp
 from multidict import CIMultiDictProxy
 
 from scanner.registry import mirrors, redirects
-from scanner.registry.auth import RegistryAuth, TokenRequest, describe_token_request, parse_challenges
+from scanner.registry.auth import (
+    TOKEN_RESPONSE_MAX,
+    RegistryAuth,
+    TokenRequest,
+    describe_token_request,
+    parse_challenges,
+)
 from scanner.registry.blobs import BlobStream
 from scanner.registry.credentials import Credentials, CredentialStore
 from scanner.registry.descriptors import (
@@ -557,7 +563,7 @@ class RegistryClient:
                     raise ServerError(f"{what}: status {response.status}", host=host)
                 if response.status != 200:
                     raise RegistryError(f"{what}: unexpected status {response.status}", host=host)
-                body = await response.content.read(65 * 1024)
+                body = await response.content.read(TOKEN_RESPONSE_MAX + 1)  # more is refused as too large
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = transport_error(exc, self.settings.request_timeout, url=request.url)
             self._observe(realm.netloc, None, str(error))
