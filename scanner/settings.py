@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, Settin
 
 from scanner.facts.platforms import PlatformPolicy, parse_platforms
 from scanner.layers import limits
-from scanner.problems import document_error, dotted, expected, line_of
+from scanner.problems import document_error, dotted, expected, lines_of
 from scanner.settings_merge import Keyed, Layer, MergeKind, Origin, Source, merge_layers, shown
 
 MiB = 1024 * 1024
@@ -460,12 +460,13 @@ class SettingsError(ValueError):
         self, source: str, exc: ValidationError, text: str | None = None, section: str | None = None
     ) -> None:
         lines = []
+        line_of = lines_of(text) if text else None  # the file parsed once, however many problems
         for error in exc.errors(include_url=False):
             loc = (section, *error["loc"]) if section else tuple(error["loc"])
             if source == "the environment":
                 where = f"GPUBADGE_{str(error['loc'][0]).upper()}" if error["loc"] else source
             else:
-                line = line_of(text, loc) if text else None
+                line = line_of(loc) if line_of else None
                 where = f"{source}, {'line ' + str(line) + ', ' if line else ''}{dotted(loc)}"
             lines.append(f"{where}: {expected(error, show_input=False)}")
         super().__init__("; ".join(lines))
