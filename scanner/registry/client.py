@@ -65,7 +65,7 @@ from scanner.registry.errors import (
     error_codes,
     transport_error,
 )
-from scanner.registry.reference import Reference, ReferenceError, is_loopback, validate_digest
+from scanner.registry.reference import Reference, ReferenceError, validate_digest
 from scanner.registry.retry import RETRYABLE_STATUSES, RetryPolicy, parse_rate_limit, parse_retry_after
 from scanner.registry.stats import RequestStats, count, track
 from scanner.registry.transfer import TransferGuard
@@ -373,7 +373,7 @@ class RegistryClient:
     # --- HTTP ----------------------------------------------------------------------------------
 
     def _plain_http_allowed(self, host: str) -> bool:
-        return is_loopback(host) or self.settings.is_insecure(host)
+        return redirects.plain_http_allowed(self.settings, host)
 
     def _hop_allowed(self, origin: str, target: str) -> bool:
         return redirects.hop_allowed(self.settings, origin, target)

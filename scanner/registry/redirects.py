@@ -86,6 +86,11 @@ def refuse_hop(origin: str, target: str) -> RedirectRefused:
     )
 
 
+def plain_http_allowed(settings: ScannerSettings, host: str) -> bool:
+    """May `host` be spoken to over plain HTTP? Only loopback, or a registry configured `insecure`."""
+    return is_loopback(host) or settings.is_insecure(host)
+
+
 Send = Callable[[str, str, Mapping[str, str], aiohttp.ClientTimeout], Awaitable[aiohttp.ClientResponse]]
 
 
