@@ -58,7 +58,7 @@ import requests
 import requests.adapters
 
 from scanner.registry import redirects
-from scanner.registry.auth import RealmRefused, check_realm, parse_token_response
+from scanner.registry.auth import RealmRefused, check_configured_realm, parse_token_response
 from scanner.registry.descriptors import compute_digest
 from scanner.settings import ScannerSettings
 
@@ -216,13 +216,7 @@ class _CheckedTokenAuth(oras.auth.TokenAuth):  # type: ignore[misc]
             realm = f"{self.prefix}://{realm}"
         pusher = self._pusher
         try:
-            check_realm(
-                pusher.host,
-                realm,
-                allowlist=pusher.settings.configured_hosts(),
-                sends_credentials=bool(basic),
-                insecure_hosts=[entry.host for entry in pusher.settings.registries if entry.insecure],
-            )
+            check_configured_realm(pusher.settings, pusher.host, realm, sends_credentials=bool(basic))
         except RealmRefused as exc:
             raise PushError(f"{exc} (push credentials were not sent)", status=401) from None
         checked = urlsplit(realm)
