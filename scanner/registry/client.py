@@ -563,7 +563,12 @@ class RegistryClient:
                     raise ServerError(f"{what}: status {response.status}", host=host)
                 if response.status != 200:
                     raise RegistryError(f"{what}: unexpected status {response.status}", host=host)
-                body = await response.content.read(TOKEN_RESPONSE_MAX + 1)  # more is refused as too large
+                body = b""  # to its end (a body may arrive in several reads); more is refused as too large
+                while len(body) <= TOKEN_RESPONSE_MAX:
+                    chunk = await response.content.read(TOKEN_RESPONSE_MAX + 1 - len(body))
+                    if not chunk:
+                        break
+                    body += chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = transport_error(exc, self.settings.request_timeout, url=request.url)
             self._observe(realm.netloc, None, str(error))
