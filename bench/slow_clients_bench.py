@@ -21,12 +21,12 @@ import sys
 import tempfile
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import aiohttp
 
 from bench.common import Figure, Results, ms, percentile
+from fixtures.admission import pod_admission_review
 from fixtures.registry import free_port
 from fixtures.service import run_service_process, wait_healthy
 
@@ -67,26 +67,6 @@ async def trickle(port: int, opened: list[float], closed: list[float], limit: fl
         writer.close()
 
 
-def _review() -> dict[str, object]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "operation": "CREATE",
-            "namespace": "ml",
-            "object": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "p"},
-                "spec": {"containers": [{"name": "c", "image": "registry.example/app:1"}]},
-            },
-        },
-    }
-
-
 async def hold(
     url: str, count: int, limit: float, probe: bool
 ) -> tuple[list[float], int, dict[str, list[float]]]:
@@ -102,7 +82,7 @@ async def hold(
         while probe and time.monotonic() - started < 8.0:
             for name, method, path, body in (
                 ("long poll (wait=1)", "GET", "/api/agents/bench-gpu/deployments?wait=1", None),
-                ("admission", "POST", "/k8s/admit", _review()),
+                ("admission", "POST", "/k8s/admit", pod_admission_review(["registry.example/app:1"])),
                 ("healthz", "GET", "/healthz", None),
             ):
                 began = time.monotonic()

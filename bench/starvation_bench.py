@@ -34,6 +34,7 @@ from aiohttp import web
 
 from bench.common import Figure, Results, percentile, run_section
 from fixtures import catalog
+from fixtures.loopback_http import serve_on_free_port
 from fixtures.oci import push_many
 from fixtures.registry import LocalRegistry, run_registry
 from fixtures.service import run_service_inprocess
@@ -63,11 +64,7 @@ class SlowRegistry:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_on_free_port(app)
         return self
 
     async def close(self) -> None:

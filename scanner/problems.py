@@ -9,7 +9,7 @@ that is not YAML or JSON at all. Pure: callers read the files.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -101,10 +101,11 @@ def document_error(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def line_of(text: str, loc: Sequence[int | str]) -> int | None:
-    """The 1-based line of `loc` in the YAML or JSON `text`; None where the text is no YAML (TOML)."""
+def lines_of(text: str) -> Callable[[Sequence[int | str]], int | None]:
+    """The 1-based line of a path in the YAML or JSON `text`, parsed once for every path asked
+    about; None for every path where the text is no YAML (TOML)."""
     root = _compose(text)
-    return _line(root, loc) if root is not None else None
+    return lambda loc: _line(root, loc) if root is not None else None
 
 
 def _compose(text: str) -> Any:

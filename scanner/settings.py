@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, Settin
 
 from scanner.facts.platforms import PlatformPolicy, parse_platforms
 from scanner.layers import limits
-from scanner.problems import document_error, dotted, expected, line_of
+from scanner.problems import document_error, dotted, expected, lines_of
 from scanner.settings_merge import Keyed, Layer, MergeKind, Origin, Source, merge_layers, shown
 
 MiB = 1024 * 1024
@@ -342,19 +342,24 @@ class ScannerSettings(BaseSettings):
             return mirror_parts(self.docker_mirror)[0]
         return None
 
-    def mirror_hosts(self) -> set[str]:
-        """Every configured mirror's `host[:port]`."""
+    def _mirrors(self) -> list[str]:
+        """Every configured mirror setting, as written (the registries' and docker_mirror)."""
         mirrors = [entry.mirror for entry in self.registries if entry.mirror]
         if self.docker_mirror:
             mirrors.append(self.docker_mirror)
-        return {mirror_parts(mirror)[0] for mirror in mirrors}
+        return mirrors
+
+    def mirror_hosts(self) -> set[str]:
+        """Every configured mirror's `host[:port]`."""
+        return {mirror_parts(mirror)[0] for mirror in self._mirrors()}
+
+    def configured_hosts(self) -> set[str]:
+        """The configured registries and every mirror: the hosts a token realm or a redirect may name."""
+        return {entry.host for entry in self.registries} | self.mirror_hosts()
 
     def mirror_credentials(self, host: str) -> tuple[str, SecretStr] | None:
         """The user and password written into a mirror's URL (`https://user:password@host`), if any."""
-        mirrors = [entry.mirror for entry in self.registries if entry.mirror]
-        if self.docker_mirror:
-            mirrors.append(self.docker_mirror)
-        for mirror in mirrors:
+        for mirror in self._mirrors():
             mirror_host, userinfo = mirror_parts(mirror)
             if mirror_host == host and userinfo is not None:
                 user, _, password = userinfo.partition(":")
@@ -455,12 +460,13 @@ class SettingsError(ValueError):
         self, source: str, exc: ValidationError, text: str | None = None, section: str | None = None
     ) -> None:
         lines = []
+        line_of = lines_of(text) if text else None  # the file parsed once, however many problems
         for error in exc.errors(include_url=False):
             loc = (section, *error["loc"]) if section else tuple(error["loc"])
             if source == "the environment":
                 where = f"GPUBADGE_{str(error['loc'][0]).upper()}" if error["loc"] else source
             else:
-                line = line_of(text, loc) if text else None
+                line = line_of(loc) if line_of else None
                 where = f"{source}, {'line ' + str(line) + ', ' if line else ''}{dotted(loc)}"
             lines.append(f"{where}: {expected(error, show_input=False)}")
         super().__init__("; ".join(lines))

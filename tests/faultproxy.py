@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from fixtures.hostile_registry import flood
+from fixtures.loopback_http import serve_on_free_port
 
 Action = Literal[
     "status",
@@ -101,13 +102,7 @@ class FaultProxy:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.bind, 0)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.base_events.Server)
-        self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_on_free_port(app, self.bind)
         return self
 
     async def close(self) -> None:
@@ -296,13 +291,7 @@ class TokenServer:
     async def start(self) -> TokenServer:
         app = web.Application()
         app.router.add_route("*", "/token", self._token)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.base_events.Server)
-        self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_on_free_port(app)
         return self
 
     async def close(self) -> None:

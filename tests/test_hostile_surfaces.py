@@ -14,7 +14,6 @@ import ssl
 import subprocess
 import time
 import tracemalloc
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
+from fixtures.admission import pod_admission_review
 from fixtures.busybox import busybox_image
 from fixtures.hostile_registry import BYSTANDER_SECRET, Bystander
 from fixtures.registry import LocalRegistry, free_port
@@ -292,25 +292,6 @@ def distribution_delivery(registry_host: str, first: int, count: int) -> bytes:
     return json.dumps({"events": events}).encode()
 
 
-def admission_review(images: list[str]) -> dict[str, Any]:
-    containers = [{"name": f"c{n}", "image": image} for n, image in enumerate(images)]
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "operation": "CREATE",
-            "object": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "p"},
-                "spec": {"containers": containers},
-            },
-        },
-    }
-
-
 async def _queued(session: aiohttp.ClientSession, url: str) -> int:
     async with session.get(f"{url}/metrics") as reply:
         text = await reply.text()
@@ -344,7 +325,7 @@ async def test_admission_without_the_token_answers_from_stored_reports_and_queue
         watched(service.url, session),
     ):
         for _ in range(3):
-            async with session.post(f"{service.url}/k8s/admit", json=admission_review(images)) as reply:
+            async with session.post(f"{service.url}/k8s/admit", json=pod_admission_review(images)) as reply:
                 assert reply.status == 200
                 answer = (await reply.json())["response"]
             assert answer["allowed"] is True
@@ -353,7 +334,7 @@ async def test_admission_without_the_token_answers_from_stored_reports_and_queue
             assert (await reply.json())["jobs"] == []
         headers = {"Authorization": f"Bearer {API_TOKEN}"}
         async with session.post(
-            f"{service.url}/k8s/admit", json=admission_review(images), headers=headers
+            f"{service.url}/k8s/admit", json=pod_admission_review(images), headers=headers
         ) as reply:
             answer = (await reply.json())["response"]
         assert not any("queued no scan" in warning for warning in answer["warnings"])
@@ -471,12 +452,12 @@ async def test_admission_over_tls_queues_only_for_the_configured_client_certific
         aiohttp.ClientSession() as session,
         watched(service.url, session),
     ):
-        async with session.post(admit_url, json=admission_review(images), ssl=anonymous) as reply:
+        async with session.post(admit_url, json=pod_admission_review(images), ssl=anonymous) as reply:
             answer = (await reply.json())["response"]
         assert answer["allowed"] is True and any("queued no scan" in w for w in answer["warnings"])
         async with session.get(f"{service.url}/api/scans?limit=200") as reply:
             assert (await reply.json())["jobs"] == []
-        async with session.post(admit_url, json=admission_review(images), ssl=apiserver) as reply:
+        async with session.post(admit_url, json=pod_admission_review(images), ssl=apiserver) as reply:
             answer = (await reply.json())["response"]
         assert not any("queued no scan" in w for w in answer["warnings"])
 

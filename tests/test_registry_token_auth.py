@@ -125,3 +125,16 @@ async def test_a_token_the_registry_cannot_verify_is_not_retried_forever(
                 with client.track() as stats, pytest.raises(Unauthorized, match="access denied"):
                     await client.resolve(ref)
     assert len(issuer.calls) <= 2 and stats.requests <= 3  # one fresh token after a refusal, no loop
+
+
+async def test_a_token_answer_that_arrives_in_parts_is_read_to_its_end(
+    registry: LocalRegistry, pushed: dict[str, str]
+) -> None:
+    """The token server's body comes in two writes: the client reads it whole, not its first part."""
+    issuer = TokenIssuer(allow_anonymous=True, policy=only_open_for_anonymous, split_answer=True)
+    async with issuer:
+        with token_registry(registry, issuer) as running:
+            ref = parse_reference(f"{running.host}/{OPEN}")
+            async with RegistryClient(settings(running.host)) as client:
+                descriptor = await client.resolve(ref)
+    assert descriptor.digest == pushed[OPEN] and len(issuer.calls) == 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fixtures.admission import pod_admission_review
 from fixtures.service import RunningService, run_service_inprocess
 from placement.inventory import Gpu, Server
 from web.connections import default_max_connections
@@ -233,23 +233,7 @@ async def test_long_polls_and_admission_answer_while_2000_slow_heads_are_held(tm
                 assert reply.status == 200, await reply.text()
                 assert (await reply.json())["deployments"] == []
             assert 0.9 <= time.monotonic() - started < 3.0  # the poll held its wait, and no longer
-            review = {
-                "apiVersion": "admission.k8s.io/v1",
-                "kind": "AdmissionReview",
-                "request": {
-                    "uid": str(uuid.uuid4()),
-                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                    "resource": {"group": "", "version": "v1", "resource": "pods"},
-                    "operation": "CREATE",
-                    "namespace": "ml",
-                    "object": {
-                        "apiVersion": "v1",
-                        "kind": "Pod",
-                        "metadata": {"name": "p"},
-                        "spec": {"containers": [{"name": "c", "image": "registry.example/app:1"}]},
-                    },
-                },
-            }
+            review = pod_admission_review(["registry.example/app:1"])
             started = time.monotonic()
             async with session.post(f"{service.url}/k8s/admit", json=review) as reply:
                 assert reply.status == 200, await reply.text()

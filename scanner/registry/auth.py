@@ -191,6 +191,20 @@ def check_realm(
         )
 
 
+def check_configured_realm(
+    settings: ScannerSettings, registry_host: str, realm_url: str, *, sends_credentials: bool
+) -> None:
+    """`check_realm` under the settings: a realm may name a configured registry or mirror
+    (`configured_hosts`), and anonymous plain HTTP may go to a registry configured `insecure`."""
+    check_realm(
+        registry_host,
+        realm_url,
+        allowlist=settings.configured_hosts(),
+        sends_credentials=sends_credentials,
+        insecure_hosts=[entry.host for entry in settings.registries if entry.insecure],
+    )
+
+
 def pull_scope(repository: str) -> str:
     return f"repository:{repository}:pull"
 
@@ -305,7 +319,7 @@ class RegistryAuth:
     `authorization` is what a request carries up front (a configured registry token, or what the
     host's remembered challenge asks for); `answer_challenge` takes a 401's challenges and gets
     what they ask for; `token` is a cached token or a fresh one, single-flight per (host, service,
-    scope); `fetch_token` builds the token request, checks its realm (`check_realm`) and parses
+    scope); `fetch_token` builds the token request, checks its realm (`check_configured_realm`) and parses
     the answer. The one seam to the network is `exchange`: the client sends the token request
     with its HTTP session, counts and observes it, and maps a refusal to a `RegistryError`.
     """
@@ -386,10 +400,6 @@ class RegistryAuth:
             self._tokens.put(key, token, lifetime)
             return token
 
-    def realm_allowlist(self) -> set[str]:
-        """Configured registries and their mirrors: hosts a token realm may name."""
-        return {entry.host for entry in self.settings.registries} | self.settings.mirror_hosts()
-
     async def fetch_token(
         self, host: str, challenge: Challenge, scopes: list[str], credentials: Credentials | None
     ) -> tuple[str, float]:
@@ -398,12 +408,8 @@ class RegistryAuth:
         except ValueError as exc:
             raise Unauthorized(f"{host}: {exc}", host=host) from None
         try:
-            check_realm(
-                host,
-                request.url,
-                allowlist=self.realm_allowlist(),
-                sends_credentials=request.sends_credentials,
-                insecure_hosts=[entry.host for entry in self.settings.registries if entry.insecure],
+            check_configured_realm(
+                self.settings, host, request.url, sends_credentials=request.sends_credentials
             )
         except RealmRefused as exc:
             raise TokenRealmRefused(str(exc), host=host) from None

@@ -31,7 +31,13 @@ import aiohttp
 from multidict import CIMultiDictProxy
 
 from scanner.registry import mirrors, redirects
-from scanner.registry.auth import RegistryAuth, TokenRequest, describe_token_request, parse_challenges
+from scanner.registry.auth import (
+    TOKEN_RESPONSE_MAX,
+    RegistryAuth,
+    TokenRequest,
+    describe_token_request,
+    parse_challenges,
+)
 from scanner.registry.blobs import BlobStream
 from scanner.registry.credentials import Credentials, CredentialStore
 from scanner.registry.descriptors import (
@@ -59,7 +65,7 @@ from scanner.registry.errors import (
     error_codes,
     transport_error,
 )
-from scanner.registry.reference import Reference, ReferenceError, is_loopback, validate_digest
+from scanner.registry.reference import Reference, ReferenceError, validate_digest
 from scanner.registry.retry import RETRYABLE_STATUSES, RetryPolicy, parse_rate_limit, parse_retry_after
 from scanner.registry.stats import RequestStats, count, track
 from scanner.registry.transfer import TransferGuard
@@ -367,7 +373,7 @@ class RegistryClient:
     # --- HTTP ----------------------------------------------------------------------------------
 
     def _plain_http_allowed(self, host: str) -> bool:
-        return is_loopback(host) or self.settings.is_insecure(host)
+        return redirects.plain_http_allowed(self.settings, host)
 
     def _hop_allowed(self, origin: str, target: str) -> bool:
         return redirects.hop_allowed(self.settings, origin, target)
@@ -557,7 +563,12 @@ class RegistryClient:
                     raise ServerError(f"{what}: status {response.status}", host=host)
                 if response.status != 200:
                     raise RegistryError(f"{what}: unexpected status {response.status}", host=host)
-                body = await response.content.read(65 * 1024)
+                body = b""  # to its end (a body may arrive in several reads); more is refused as too large
+                while len(body) <= TOKEN_RESPONSE_MAX:
+                    chunk = await response.content.read(TOKEN_RESPONSE_MAX + 1 - len(body))
+                    if not chunk:
+                        break
+                    body += chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = transport_error(exc, self.settings.request_timeout, url=request.url)
             self._observe(realm.netloc, None, str(error))

@@ -58,9 +58,8 @@ import requests
 import requests.adapters
 
 from scanner.registry import redirects
-from scanner.registry.auth import RealmRefused, check_realm, parse_token_response
+from scanner.registry.auth import RealmRefused, check_configured_realm, parse_token_response
 from scanner.registry.descriptors import compute_digest
-from scanner.registry.reference import is_loopback
 from scanner.settings import ScannerSettings
 
 _UNDECORATED_DO_REQUEST = oras.provider.Registry.do_request.__wrapped__
@@ -139,7 +138,7 @@ class _GuardedSession(requests.Session):
             if (
                 parts.scheme == "http"
                 and (parts.scheme, host) not in pusher.approved_realms
-                and not _plain_http_ok(pusher.settings, host)
+                and not redirects.plain_http_allowed(pusher.settings, host)
             ):
                 raise PushError(f"{pusher.host}: refusing plain HTTP to {host}")
         kwargs["allow_redirects"] = False  # with `get_redirect_target` below: no hop, no body read for one
@@ -151,10 +150,6 @@ class _GuardedSession(requests.Session):
         """None: requests would otherwise read a 3xx answer's whole body (unbounded) to follow it, even
         with redirects off. A 3xx is the answer on the push path."""
         return None
-
-
-def _plain_http_ok(settings: ScannerSettings, host: str) -> bool:
-    return is_loopback(host) or settings.is_insecure(host)
 
 
 def _read_bounded(response: requests.Response, settings: ScannerSettings, what: str) -> requests.Response:
@@ -221,14 +216,7 @@ class _CheckedTokenAuth(oras.auth.TokenAuth):  # type: ignore[misc]
             realm = f"{self.prefix}://{realm}"
         pusher = self._pusher
         try:
-            check_realm(
-                pusher.host,
-                realm,
-                allowlist={entry.host for entry in pusher.settings.registries}
-                | pusher.settings.mirror_hosts(),
-                sends_credentials=bool(basic),
-                insecure_hosts=[entry.host for entry in pusher.settings.registries if entry.insecure],
-            )
+            check_configured_realm(pusher.settings, pusher.host, realm, sends_credentials=bool(basic))
         except RealmRefused as exc:
             raise PushError(f"{exc} (push credentials were not sent)", status=401) from None
         checked = urlsplit(realm)
@@ -260,7 +248,7 @@ class RegistryPusher:
 
     @property
     def insecure(self) -> bool:
-        return is_loopback(self.host) or self.settings.is_insecure(self.host)
+        return redirects.plain_http_allowed(self.settings, self.host)
 
     def _session(self, repository: str) -> tuple[oras.provider.Registry, threading.Lock]:
         """oras keeps one token per client, so one client per repository keeps scopes apart."""

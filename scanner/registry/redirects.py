@@ -71,8 +71,7 @@ def hop_allowed(settings: ScannerSettings, origin: str, target: str) -> bool:
     then be scanned), from loopback to loopback. Everything else is refused before it is contacted."""
     if target.lower() == origin.lower():
         return True
-    configured = {entry.host for entry in settings.registries} | settings.mirror_hosts()
-    if _listed(target, configured) or _listed(target, settings.redirect_hosts):
+    if _listed(target, settings.configured_hosts()) or _listed(target, settings.redirect_hosts):
         return True
     if _listed(target, WELL_KNOWN_STORAGE_HOSTS) and not is_loopback(target):
         return True
@@ -85,6 +84,11 @@ def refuse_hop(origin: str, target: str) -> RedirectRefused:
         f"host; refusing to contact it. Add {target} to {REDIRECT_SETTING} to allow it",
         host=origin,
     )
+
+
+def plain_http_allowed(settings: ScannerSettings, host: str) -> bool:
+    """May `host` be spoken to over plain HTTP? Only loopback, or a registry configured `insecure`."""
+    return is_loopback(host) or settings.is_insecure(host)
 
 
 Send = Callable[[str, str, Mapping[str, str], aiohttp.ClientTimeout], Awaitable[aiohttp.ClientResponse]]
