@@ -107,15 +107,10 @@ def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
     own = TOOLKIT_DRIVERS.get(toolkit)
     if own is None:
         return None
-    floor = own
     return (
-        floor,
-        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {floor} is the first to JIT it",
+        own,
+        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {own} is the first to JIT it",
     )
-
-
-def _cc_pair(cc: str) -> tuple[int, int] | None:
-    return _pair(cc)
 
 
 def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
@@ -235,7 +230,7 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
                 f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source}){declared}"
             )
     archs = gpu.archs
-    cc = _cc_pair(compute_capability) if compute_capability else None
+    cc = _pair(compute_capability) if compute_capability else None
     if cc is None:
         return reasons
     if archs is None or not any(gpu_code.counted(f) for f in archs.files):
@@ -259,7 +254,7 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
 
 def gpu_caveats(gpu: GpuFacts, compute_capability: str | None) -> list[str]:
     """The NVIDIA libraries of the image that lack code for a GPU the image runs on (never a reason)."""
-    cc = _cc_pair(compute_capability) if compute_capability else None
+    cc = _pair(compute_capability) if compute_capability else None
     if cc is None or gpu.archs is None:
         return []
     verdict = gpu_code.judge(gpu.archs, cc)
