@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement import gpu_code
-from placement.gpu_code import KNOWN_COMPUTE_CAPABILITIES
+from placement.gpu_code import KNOWN_COMPUTE_CAPABILITIES, version_key
 from placement.nvidia_require import compare_version
 from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.models import GpuFacts
@@ -107,15 +107,10 @@ def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
     own = TOOLKIT_DRIVERS.get(toolkit)
     if own is None:
         return None
-    floor = own
     return (
-        floor,
-        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {floor} is the first to JIT it",
+        own,
+        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {own} is the first to JIT it",
     )
-
-
-def _cc_pair(cc: str) -> tuple[int, int] | None:
-    return _pair(cc)
 
 
 def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
@@ -136,11 +131,6 @@ def _toolkit_min_cc(cuda: str | None) -> tuple[tuple[int, int], str] | None:
 CcRange = tuple[tuple[int, int], tuple[int, int] | None, str | None]  # low, high (None: open), PTX driver
 
 
-def _version_key(version: str) -> tuple[int, int]:
-    pair = _pair(version)
-    return pair if pair is not None else (0, 0)
-
-
 def needed_cuda(gpu: GpuFacts) -> str | None:
     """The CUDA the image needs: the newest it declares (CUDA_VERSION / NVIDIA_REQUIRE_CUDA) or carries."""
     declared = gpu.cuda_version
@@ -148,7 +138,7 @@ def needed_cuda(gpu: GpuFacts) -> str | None:
     if declared and carried:
         if declared.split(".")[0] == carried and "." not in carried:
             return declared  # "13" carried agrees with "13.0" declared, and says less
-        return max(declared, carried, key=_version_key)
+        return max(declared, carried, key=version_key)
     return declared or carried
 
 
@@ -164,7 +154,7 @@ def declared_vs_carried(gpu: GpuFacts) -> str | None:
     if carried == declared or ("." not in carried and declared.split(".")[0] == carried):
         return None
     source = inferred.set_by or (inferred.evidence[0] if inferred.evidence else "its layers")
-    if _version_key(carried) > _version_key(declared):
+    if version_key(carried) > version_key(declared):
         floor = driver_floor(carried)
         need = f": needs driver >= {floor[0]} ({floor[1]}), not the declared CUDA's" if floor else ""
         return f"declares CUDA {declared}, but carries the newer CUDA {carried} ({source}){need}"
@@ -229,13 +219,13 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
         if floor is not None and not compare_version(driver, ">=", floor[0]):
             source = inferred.set_by or (inferred.evidence[0] if inferred.evidence else "the layers")
             declared = ""
-            if gpu.cuda_version and _version_key(inferred.cuda) > _version_key(gpu.cuda_version):
+            if gpu.cuda_version and version_key(inferred.cuda) > version_key(gpu.cuda_version):
                 declared = f", newer than the CUDA {gpu.cuda_version} it declares"
             reasons.append(
                 f"driver {driver}: {floor[1]}; the image carries CUDA {inferred.cuda} ({source}){declared}"
             )
     archs = gpu.archs
-    cc = _cc_pair(compute_capability) if compute_capability else None
+    cc = _pair(compute_capability) if compute_capability else None
     if cc is None:
         return reasons
     if archs is None or not any(gpu_code.counted(f) for f in archs.files):
@@ -259,7 +249,7 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
 
 def gpu_caveats(gpu: GpuFacts, compute_capability: str | None) -> list[str]:
     """The NVIDIA libraries of the image that lack code for a GPU the image runs on (never a reason)."""
-    cc = _cc_pair(compute_capability) if compute_capability else None
+    cc = _pair(compute_capability) if compute_capability else None
     if cc is None or gpu.archs is None:
         return []
     verdict = gpu_code.judge(gpu.archs, cc)

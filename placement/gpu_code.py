@@ -186,7 +186,7 @@ def judge_file(file: FileArchs, cc: CC) -> FileVerdict:
         elif (
             how == "ptx"
             and container.ptx_isa is not None
-            and (isa is None or _isa_key(container.ptx_isa) > _isa_key(isa))
+            and (isa is None or version_key(container.ptx_isa) > version_key(isa))
         ):
             isa = container.ptx_isa
     return FileVerdict(
@@ -194,8 +194,9 @@ def judge_file(file: FileArchs, cc: CC) -> FileVerdict:
     )
 
 
-def _isa_key(isa: str) -> tuple[int, int]:
-    major, _, minor = isa.partition(".")
+def version_key(version: str) -> tuple[int, int]:
+    """(major, minor) of a version ("12.8", a PTX ISA "8.5") for ordering; 0 for a part that is not a number."""
+    major, _, minor = version.partition(".")
     return (int(major) if major.isdigit() else 0, int(minor) if minor.isdigit() else 0)
 
 
@@ -237,7 +238,7 @@ def judge(archs: GpuArchs, cc: CC) -> CodeVerdict:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]
     elif deciding and all(v.ptx_isa is not None for v in deciding):
         # only libraries, each needing JIT here: the one with the oldest PTX is the floor
-        verdict.ptx = [min(deciding, key=lambda v: _isa_key(v.ptx_isa or "0"))]
+        verdict.ptx = [min(deciding, key=lambda v: version_key(v.ptx_isa or "0"))]
     return verdict
 
 

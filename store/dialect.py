@@ -262,8 +262,7 @@ class PostgresDialect(Dialect):
 
     def lock_all(self, db: Db, keys: Sequence[str]) -> None:
         if len(keys) <= 1:
-            for key in keys:
-                self.lock(db, key)
+            super().lock_all(db, keys)
             return
         # One round trip; the target list (volatile) is evaluated after the sort, so in key order.
         db.all(

@@ -338,16 +338,7 @@ class PostgresStore(SharedMethods):
         """Requeue at once every job held by `owners` (workers known to be gone, or shutting down)."""
         if not owners:
             return 0
-        with self._transaction() as conn:
-            cursor = conn.execute(
-                "UPDATE jobs SET state = 'queued', not_before = now(), lease_owner = NULL,"
-                " lease_expires = NULL, attempts = greatest(0, attempts - %s), updated_at = clock_timestamp()"
-                " WHERE state = 'running' AND lease_owner = ANY(%s)",
-                [int(refund_attempt), list(owners)],
-            )
-            if cursor.rowcount:
-                conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
-            return cursor.rowcount
+        return self._requeue_running("lease_owner = ANY(%s)", [list(owners)], refund_attempt=refund_attempt)
 
     def preempt_job(self, job_id: str, *, owner: str) -> bool:
         """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
@@ -356,16 +347,21 @@ class PostgresStore(SharedMethods):
         (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
         `owner` no longer holds its lease.
         """
+        return self._requeue_running("id = %s AND lease_owner = %s", [job_id, owner], refund_attempt=True) > 0
+
+    def _requeue_running(self, condition: str, params: list[Any], *, refund_attempt: bool) -> int:
+        """Requeue, ready now, the running jobs that also meet `condition` (and wake the workers);
+        how many."""
         with self._transaction() as conn:
             cursor = conn.execute(
                 "UPDATE jobs SET state = 'queued', not_before = now(), lease_owner = NULL,"
-                " lease_expires = NULL, attempts = greatest(0, attempts - 1), updated_at = clock_timestamp()"
-                " WHERE id = %s AND state = 'running' AND lease_owner = %s",
-                [job_id, owner],
+                " lease_expires = NULL, attempts = greatest(0, attempts - %s), updated_at = clock_timestamp()"
+                f" WHERE state = 'running' AND {condition}",
+                [int(refund_attempt), *params],
             )
             if cursor.rowcount:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
-            return cursor.rowcount > 0
+            return cursor.rowcount
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""

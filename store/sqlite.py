@@ -396,16 +396,8 @@ class SqliteStore(SharedMethods):
         """
         if not owners:
             return 0
-        now = _iso(_now())
         marks = ",".join("?" * len(owners))
-        with self._transaction() as conn:
-            cursor = conn.execute(
-                "UPDATE jobs SET state = 'queued', not_before = ?, lease_owner = NULL, lease_expires = NULL,"
-                " attempts = max(0, attempts - ?), updated_at = ?"
-                f" WHERE state = 'running' AND lease_owner IN ({marks})",
-                [now, int(refund_attempt), now, *owners],
-            )
-            return cursor.rowcount
+        return self._requeue_running(f"lease_owner IN ({marks})", list(owners), refund_attempt=refund_attempt)
 
     def preempt_job(self, job_id: str, *, owner: str) -> bool:
         """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
@@ -414,15 +406,19 @@ class SqliteStore(SharedMethods):
         (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
         `owner` no longer holds its lease.
         """
+        return self._requeue_running("id = ? AND lease_owner = ?", [job_id, owner], refund_attempt=True) > 0
+
+    def _requeue_running(self, condition: str, params: list[str], *, refund_attempt: bool) -> int:
+        """Requeue, ready now, the running jobs that also meet `condition`; how many."""
         now = _iso(_now())
         with self._transaction() as conn:
             cursor = conn.execute(
                 "UPDATE jobs SET state = 'queued', not_before = ?, lease_owner = NULL, lease_expires = NULL,"
-                " attempts = max(0, attempts - 1), updated_at = ?"
-                " WHERE id = ? AND state = 'running' AND lease_owner = ?",
-                [now, now, job_id, owner],
+                " attempts = max(0, attempts - ?), updated_at = ?"
+                f" WHERE state = 'running' AND {condition}",
+                [now, int(refund_attempt), now, *params],
             )
-            return cursor.rowcount > 0
+            return cursor.rowcount
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from placement import gpu_code
 from placement.cuda_needs import compute_capability_ranges, driver_floor
 from placement.exports.core import parse_version
+from placement.exports.kubernetes import CC_LABELS
 from placement.nfd.schema import (
     VERSION,
     Compatibility,
@@ -220,8 +221,7 @@ def _platform_checks(platform: PlatformReport) -> _Checks:
     return _Checks(tuple(rules), tuple(checked), tuple(alternatives), tuple(unchecked), tuple(notes))
 
 
-CC_MAJOR_LABEL = "nvidia.com/gpu.compute.major"
-CC_MINOR_LABEL = "nvidia.com/gpu.compute.minor"
+CC_MAJOR_LABEL, CC_MINOR_LABEL = CC_LABELS  # GFD's compute-capability labels
 
 
 def _gpu_code_rule(platform: PlatformReport) -> tuple[GroupRule, str] | None:

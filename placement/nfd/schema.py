@@ -399,16 +399,26 @@ def _mapping(children: list[_Tree]) -> dict[str, Any]:
 
 def _map_key(key: Any) -> Any:
     """A mapping key as sigs.k8s.io/yaml turns it into a JSON object key."""
-    if isinstance(key, str):
-        return key
-    if isinstance(key, bool):
-        return "true" if key else "false"
-    if isinstance(key, int):
-        return str(key)
+    text = _scalar_text(key)
+    if text is None:
+        raise SpecError(f"a mapping key of type {_go_kind(key)} (JSON objects need string keys)")
     if isinstance(key, _GoFloat):
-        text = _go_float32_text(key.value)
         return {"+Inf": ".inf", "-Inf": "-.inf", "NaN": ".nan"}.get(text, text)
-    raise SpecError(f"a mapping key of type {_go_kind(key)} (JSON objects need string keys)")
+    return text
+
+
+def _scalar_text(value: Any) -> str | None:
+    """A string, number or boolean as the string sigs.k8s.io/yaml makes of it where Go has a
+    string; None for null, mappings and lists."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, _GoFloat):
+        return _go_float32_text(value.value)
+    return None
 
 
 # The Go types the document decodes into (api/image-compatibility/v1alpha1/spec.go and the
@@ -450,15 +460,10 @@ def _decode(value: Any, target: Any, where: str, warnings: list[str], into: Any 
     if value is None:
         return into
     if target == _STR:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, int):
-            return str(value)
-        if isinstance(value, _GoFloat):
-            return _go_float32_text(value.value)
-        raise SpecError(f"{where}: cannot decode {_go_kind(value)} into a string")
+        text = _scalar_text(value)
+        if text is None:
+            raise SpecError(f"{where}: cannot decode {_go_kind(value)} into a string")
+        return text
     if target == _INT_T:
         if isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]:
             return value
@@ -558,13 +563,8 @@ def _as_strings(value: Any) -> Any:
         return {key: _as_strings(item) for key, item in value.items()}
     if isinstance(value, list):
         return [_as_strings(item) for item in value]
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, _GoFloat):
-        return _go_float32_text(value.value)
-    return value
+    text = _scalar_text(value)
+    return value if text is None else text
 
 
 def _path(location: tuple[Any, ...]) -> str:

@@ -137,6 +137,26 @@ def _declaration(tokens: list[tuple[str, str]]) -> tuple[list[str], list[tuple[s
     return [], tokens, None
 
 
+def _open_block(
+    kind: str,
+    tokens: list[tuple[str, str]],
+    action: str,
+    current: list[_Node],
+    stack: list[tuple[_Node, list[_Node]]],
+    *,
+    text: str = "",
+) -> list[_Node]:
+    """Append an if/with/range block to `current`, push it on `stack` (at most MAX_NESTING deep)
+    and return its body, the list the actions that follow fill."""
+    names, rest, _ = _declaration(tokens)
+    node = _Node(kind, operand=_operand(rest, action), names=names, text=text)
+    current.append(node)
+    stack.append((node, current))
+    if len(stack) > MAX_NESTING:
+        raise TemplateError(f"blocks nested deeper than {MAX_NESTING}")
+    return node.body
+
+
 def parse(source: str) -> list[_Node]:
     """The template's tree; TemplateError where Go's parser (or gpubadge's subset) refuses it."""
     if len(source) > MAX_TEMPLATE_SIZE:
@@ -177,13 +197,7 @@ def parse(source: str) -> list[_Node]:
             raise TemplateError("missing value for command")
         head = tokens[0][1] if tokens[0][0] == "word" else ""
         if head in ("if", "with", "range"):
-            names, rest, _ = _declaration(tokens[1:])
-            node = _Node(head, operand=_operand(rest, content), names=names)
-            current.append(node)
-            stack.append((node, current))
-            if len(stack) > MAX_NESTING:
-                raise TemplateError(f"blocks nested deeper than {MAX_NESTING}")
-            current = node.body
+            current = _open_block(head, tokens[1:], content, current, stack)
         elif head == "else":
             if not stack:
                 raise TemplateError("unexpected {{else}}")
@@ -191,19 +205,12 @@ def parse(source: str) -> list[_Node]:
             if current is node.otherwise:
                 raise TemplateError("expected end; found {{else}}")
             current = node.otherwise
-            if (
-                len(tokens) > 1
-            ):  # else if / else with: a block nested in the else branch, closed by the same end
+            # else if / else with: a block nested in the else branch, closed by the same end
+            if len(tokens) > 1:
                 chained = tokens[1][1]
                 if chained not in ("if", "with"):
                     raise TemplateError(f"unexpected {chained!r} after else")
-                names, rest, _ = _declaration(tokens[2:])
-                inner = _Node(chained, operand=_operand(rest, content), names=names, text="chained")
-                current.append(inner)
-                stack.append((inner, current))
-                if len(stack) > MAX_NESTING:
-                    raise TemplateError(f"blocks nested deeper than {MAX_NESTING}")
-                current = inner.body
+                current = _open_block(chained, tokens[2:], content, current, stack, text="chained")
         elif head == "end":
             if not stack:
                 raise TemplateError("unexpected {{end}}")
