@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from placement.inventory import Gpu, Server
 from placement.protocol import (
@@ -39,11 +38,10 @@ from web.api_description import (
     query,
 )
 from web.api_models import Deployment
-from web.errors import json_error, json_http_error, read_json
+from web.errors import json_error, json_http_error, read_model
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
 from web.long_polls import LONG_POLLS, MAX_POLL
 from web.lookups import load_deployment, wait_param
-from web.placement_requests import first_error
 from web.security import bearer_token
 from web.state import services_of, services_of_app
 
@@ -178,11 +176,7 @@ async def list_servers(request: web.Request) -> web.Response:
 )
 async def register_server(request: web.Request) -> web.Response:
     services = services_of(request)
-    data = await read_json(request, services.settings.json_limits())
-    try:
-        server = Server.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid server: {first_error(exc)}")
+    server = await read_model(request, services.settings.json_limits(), Server, "server")
     require_agent_token(request, server.name)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
     text = stored.model_dump_json()
@@ -222,11 +216,7 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
-    data = await read_json(request, services.settings.json_limits(), empty={})
-    try:
-        beat = Heartbeat.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid heartbeat: {first_error(exc)}")
+    beat = await read_model(request, services.settings.json_limits(), Heartbeat, "heartbeat", empty={})
     cache = request.app[FLEET_INDEX]
     if beat.gpus is None or (cache.is_live_agent(name) and cache.same_gpus(name, beat.gpus)):
         answer = await agent_heard(request.app, name)
@@ -330,11 +320,7 @@ async def deployment_status(request: web.Request) -> web.Response:
     if deployment is None:
         return json_error(404, f"no deployment {request.match_info['id']}")
     require_agent_token(request, deployment.server)
-    data = await read_json(request, services.settings.json_limits())
-    try:
-        status = DeploymentStatus.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid status: {first_error(exc)}")
+    status = await read_model(request, services.settings.json_limits(), DeploymentStatus, "status")
     # Stopped while still pending, but the agent had already picked it up: record what runs
     # so the next poll tells the agent to stop it (its GPUs were freed by the stop).
     late_start = deployment.state in TERMINAL_STATES and status.state not in TERMINAL_STATES
