@@ -33,6 +33,13 @@ LabelValues = tuple[str, ...]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _filled(family: CounterMetricFamily | GaugeMetricFamily, values: dict[LabelValues, float]) -> Metric:
+    """`family` with one sample per label values read at scrape time, in label order."""
+    for key, value in sorted(values.items()):
+        family.add_metric(list(key), value)
+    return family
+
+
 class Counter(Collector):
     """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
 
@@ -51,9 +58,7 @@ class Counter(Collector):
         if self._collect is None:
             return self._counter.collect()
         family = CounterMetricFamily(self.name, self.help, labels=self.label_names)
-        for key, value in sorted(self._collect().items()):
-            family.add_metric(list(key), value)
-        return [family]
+        return [_filled(family, self._collect())]
 
 
 class Gauge(Collector):
@@ -77,9 +82,7 @@ class Gauge(Collector):
         if self._collect is None:
             return self._gauge.collect()
         family = GaugeMetricFamily(self.name, self.help, labels=self.label_names)
-        for key, value in sorted(self._collect().items()):
-            family.add_metric(list(key), value)
-        return [family]
+        return [_filled(family, self._collect())]
 
 
 class Histogram(Collector):
