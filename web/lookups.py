@@ -117,6 +117,10 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
     return report
 
 
-async def load_deployment(services: Services, deployment_id: str) -> Deployment | None:
-    row = await services.store.run(queries.deployment, deployment_id)
-    return Deployment.model_validate_json(row.record_json) if row else None
+async def requested_deployment(request: web.Request) -> Deployment:
+    """The stored deployment `/{id}` names; 404 `no deployment ID` when there is none."""
+    deployment_id = request.match_info["id"]
+    row = await services_of(request).store.run(queries.deployment, deployment_id)
+    if row is None:
+        raise json_http_error(web.HTTPNotFound, f"no deployment {deployment_id}")
+    return Deployment.model_validate_json(row.record_json)

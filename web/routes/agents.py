@@ -41,7 +41,7 @@ from web.api_models import Deployment
 from web.errors import json_error, json_http_error, read_model
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
 from web.long_polls import LONG_POLLS, MAX_POLL
-from web.lookups import load_deployment, wait_param
+from web.lookups import requested_deployment, wait_param
 from web.security import bearer_token
 from web.state import services_of, services_of_app
 
@@ -316,9 +316,7 @@ async def agent_poll(request: web.Request) -> web.Response:
 )
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = await load_deployment(services, request.match_info["id"])
-    if deployment is None:
-        return json_error(404, f"no deployment {request.match_info['id']}")
+    deployment = await requested_deployment(request)
     require_agent_token(request, deployment.server)
     status = await read_model(request, services.settings.json_limits(), DeploymentStatus, "status")
     # Stopped while still pending, but the agent had already picked it up: record what runs
