@@ -13,7 +13,7 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import queries
 from web.api_models import Deployment
 from web.errors import json_http_error
-from web.security import bearer_token, token_matches
+from web.security import BEARER_CHALLENGE, bearer_token, token_matches
 from web.state import Services, services_of
 
 MAX_PAGE = 200
@@ -28,7 +28,7 @@ def require_api_token(request: web.Request) -> None:
         raise json_http_error(
             web.HTTPUnauthorized,
             "a valid API token is required (Authorization: Bearer <token>)",
-            headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+            headers={"WWW-Authenticate": BEARER_CHALLENGE},
         )
 
 

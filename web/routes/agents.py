@@ -42,7 +42,7 @@ from web.errors import json_error, json_http_error, read_model
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
 from web.long_polls import LONG_POLLS, MAX_POLL
 from web.lookups import requested_deployment, wait_param
-from web.security import bearer_token
+from web.security import BEARER_CHALLENGE, bearer_token
 from web.state import services_of, services_of_app
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def require_agent_token(request: web.Request, server_name: str) -> None:
     raise json_http_error(
         web.HTTPUnauthorized,
         "a valid agent token is required (Authorization: Bearer <token>)",
-        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+        headers={"WWW-Authenticate": BEARER_CHALLENGE},
     )
 
 
