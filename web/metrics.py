@@ -40,6 +40,11 @@ def _filled(family: CounterMetricFamily | GaugeMetricFamily, values: dict[LabelV
     return family
 
 
+def _by_host(counts: dict[str, int]) -> Callable[[], dict[LabelValues, float]]:
+    """A scrape-time reader of counts kept by host elsewhere (a snapshot, never a copy kept here)."""
+    return lambda: {(host,): float(count) for host, count in list(counts.items())}
+
+
 class Counter(Collector):
     """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
 
@@ -246,15 +251,11 @@ class ServiceMetrics:
 
     def count_registry_bytes(self, received_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running byte counts (read at scrape time, never copied)."""
-        self.registry_bytes.collect_from(
-            lambda: {(host,): float(count) for host, count in list(received_by_registry.items())}
-        )
+        self.registry_bytes.collect_from(_by_host(received_by_registry))
 
     def count_transfer_cutoffs(self, cutoffs_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running counts of slow transfers cut off (read at scrape time)."""
-        self.transfer_cutoffs.collect_from(
-            lambda: {(host,): float(count) for host, count in list(cutoffs_by_registry.items())}
-        )
+        self.transfer_cutoffs.collect_from(_by_host(cutoffs_by_registry))
 
     def set_registry_load(self, loads: list[RegistryLoad]) -> None:
         """The store's per-registry picture, as the /metrics handler read it just now."""
