@@ -10,7 +10,7 @@ from aiohttp import web
 
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
-from store import queries
+from store import Job, queries
 from web.api_models import Deployment
 from web.errors import json_http_error
 from web.security import BEARER_CHALLENGE, bearer_token, token_matches
@@ -86,6 +86,12 @@ async def find_report(services: Services, reference: Reference) -> ImageReport |
             repository=reference.repository,
         )
     return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
+
+
+async def scan_jobs_of(services: Services, reference: Reference) -> tuple[Job | None, Job | None]:
+    """The reference's queued or running scan job, and its latest job (that same one when it has one)."""
+    pending = await services.store.run(queries.pending_job_for, str(reference))
+    return pending, pending or await services.store.run(queries.latest_job_for, str(reference))
 
 
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:

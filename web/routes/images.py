@@ -21,7 +21,7 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.lookups import MAX_PAGE, find_report, int_param, wait_param
+from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
 from web.security import redact_secrets
 from web.state import services_of
 
@@ -141,8 +141,7 @@ async def image_by_ref(request: web.Request) -> web.Response:
     else:
         await ready()
     if report is None:
-        pending = await services.store.run(queries.pending_job_for, str(reference))
-        latest = pending or await services.store.run(queries.latest_job_for, str(reference))
+        pending, latest = await scan_jobs_of(services, reference)
         return json_error(
             404,
             f"{reference} has not been scanned",
