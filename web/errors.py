@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def json_error(status: int, message: str, **extra: object) -> web.Response:
@@ -65,6 +67,24 @@ async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = No
         raise json_http_error(
             web.HTTPBadRequest, f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+
+
+async def read_model(
+    request: web.Request, limits: JsonLimits, model: type[ModelT], what: str, *, empty: Any = None
+) -> ModelT:
+    """The request body (read_json within `limits`) checked as `model`; 400 `invalid {what}: ...` otherwise."""
+    data = await read_json(request, limits, empty=empty)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise json_http_error(web.HTTPBadRequest, f"invalid {what}: {first_error(exc)}") from None
+
+
+def first_error(exc: ValidationError) -> str:
+    """The first validation error as `loc: msg` (just `msg` when it has no location)."""
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
 @web.middleware

@@ -129,10 +129,6 @@ class FleetIndexCache:
         self._index = FleetIndex.build(static)
         self._full_read = True  # agents and reservations are read by the first query
 
-    def is_live(self, name: str) -> bool:
-        """Whether `name` is in the live fleet now (a live agent or a static server)."""
-        return name in self._base
-
     def is_live_agent(self, name: str) -> bool:
         return name in self._live
 

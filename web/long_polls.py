@@ -65,9 +65,7 @@ class LongPolls:
         wait ran out). Returns this poll's serial, for `superseded`."""
         serial = self._serials.get(name, 0) + 1
         self._serials[name] = serial
-        for waiter in self._waiters.pop(name, ()):
-            if not waiter.done():
-                waiter.set_result(None)
+        _answer(self._waiters.pop(name, ()))
         return serial
 
     def superseded(self, name: str, serial: int) -> bool:
@@ -81,9 +79,7 @@ class LongPolls:
         for name in names:
             self._generation[name] = self._generation.get(name, 0) + 1
             self._actionable.add(name)
-            for waiter in self._waiters.pop(name, ()):
-                if not waiter.done():
-                    waiter.set_result(None)
+            _answer(self._waiters.pop(name, ()))
 
     def changed_elsewhere(self, store: AsyncStore) -> None:
         """Another process changed deployments of servers not named: re-read who has work, wake them."""
@@ -132,11 +128,16 @@ class LongPolls:
 
     async def close(self) -> None:
         self.closing = True
-        for waiters in list(self._waiters.values()):
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+        for waiters in self._waiters.values():
+            _answer(waiters)
         self._waiters.clear()
+
+
+def _answer(waiters: Iterable[asyncio.Future[None]]) -> None:
+    """Wake these held polls (those not already answered)."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 LONG_POLLS = web.AppKey("long_polls", LongPolls)

@@ -10,10 +10,10 @@ from aiohttp import web
 
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
-from store import queries
+from store import Job, queries
 from web.api_models import Deployment
 from web.errors import json_http_error
-from web.security import bearer_token, token_matches
+from web.security import BEARER_CHALLENGE, bearer_token, token_matches
 from web.state import Services, services_of
 
 MAX_PAGE = 200
@@ -22,13 +22,19 @@ MAX_PAGE = 200
 MAX_WAIT = 60.0
 
 
+def bearer_may_write(request: web.Request) -> bool:
+    """Whether the request's bearer token passes for the API token (any does when none is
+    configured; constant-time compare)."""
+    return token_matches(services_of(request).settings.api_token, bearer_token(request) or "")
+
+
 def require_api_token(request: web.Request) -> None:
     """Write endpoints need the API token when one is configured (constant-time compare)."""
-    if not token_matches(services_of(request).settings.api_token, bearer_token(request) or ""):
+    if not bearer_may_write(request):
         raise json_http_error(
             web.HTTPUnauthorized,
             "a valid API token is required (Authorization: Bearer <token>)",
-            headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+            headers={"WWW-Authenticate": BEARER_CHALLENGE},
         )
 
 
@@ -82,6 +88,12 @@ async def find_report(services: Services, reference: Reference) -> ImageReport |
     return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
 
 
+async def scan_jobs_of(services: Services, reference: Reference) -> tuple[Job | None, Job | None]:
+    """The reference's queued or running scan job, and its latest job (that same one when it has one)."""
+    pending = await services.store.run(queries.pending_job_for, str(reference))
+    return pending, pending or await services.store.run(queries.latest_job_for, str(reference))
+
+
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
     """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
 
@@ -117,6 +129,10 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
     return report
 
 
-async def load_deployment(services: Services, deployment_id: str) -> Deployment | None:
-    row = await services.store.run(queries.deployment, deployment_id)
-    return Deployment.model_validate_json(row.record_json) if row else None
+async def requested_deployment(request: web.Request) -> Deployment:
+    """The stored deployment `/{id}` names; 404 `no deployment ID` when there is none."""
+    deployment_id = request.match_info["id"]
+    row = await services_of(request).store.run(queries.deployment, deployment_id)
+    if row is None:
+        raise json_http_error(web.HTTPNotFound, f"no deployment {deployment_id}")
+    return Deployment.model_validate_json(row.record_json)

@@ -33,6 +33,18 @@ LabelValues = tuple[str, ...]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _filled(family: CounterMetricFamily | GaugeMetricFamily, values: dict[LabelValues, float]) -> Metric:
+    """`family` with one sample per label values read at scrape time, in label order."""
+    for key, value in sorted(values.items()):
+        family.add_metric(list(key), value)
+    return family
+
+
+def _by_host(counts: dict[str, int]) -> Callable[[], dict[LabelValues, float]]:
+    """A scrape-time reader of counts kept by host elsewhere (a snapshot, never a copy kept here)."""
+    return lambda: {(host,): float(count) for host, count in list(counts.items())}
+
+
 class Counter(Collector):
     """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
 
@@ -51,9 +63,7 @@ class Counter(Collector):
         if self._collect is None:
             return self._counter.collect()
         family = CounterMetricFamily(self.name, self.help, labels=self.label_names)
-        for key, value in sorted(self._collect().items()):
-            family.add_metric(list(key), value)
-        return [family]
+        return [_filled(family, self._collect())]
 
 
 class Gauge(Collector):
@@ -77,9 +87,7 @@ class Gauge(Collector):
         if self._collect is None:
             return self._gauge.collect()
         family = GaugeMetricFamily(self.name, self.help, labels=self.label_names)
-        for key, value in sorted(self._collect().items()):
-            family.add_metric(list(key), value)
-        return [family]
+        return [_filled(family, self._collect())]
 
 
 class Histogram(Collector):
@@ -243,15 +251,11 @@ class ServiceMetrics:
 
     def count_registry_bytes(self, received_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running byte counts (read at scrape time, never copied)."""
-        self.registry_bytes.collect_from(
-            lambda: {(host,): float(count) for host, count in list(received_by_registry.items())}
-        )
+        self.registry_bytes.collect_from(_by_host(received_by_registry))
 
     def count_transfer_cutoffs(self, cutoffs_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running counts of slow transfers cut off (read at scrape time)."""
-        self.transfer_cutoffs.collect_from(
-            lambda: {(host,): float(count) for host, count in list(cutoffs_by_registry.items())}
-        )
+        self.transfer_cutoffs.collect_from(_by_host(cutoffs_by_registry))
 
     def set_registry_load(self, loads: list[RegistryLoad]) -> None:
         """The store's per-registry picture, as the /metrics handler read it just now."""

@@ -16,7 +16,7 @@ from placement.index import FleetIndex
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from web.api_models import RunSpec
-from web.errors import json_http_error, read_json
+from web.errors import first_error, json_http_error, read_json
 from web.state import services_of
 
 RUN_FIELDS = ("command", "env")
@@ -40,12 +40,6 @@ async def request_body(
     except (ValidationError, ValueError) as exc:
         detail = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise json_http_error(web.HTTPBadRequest, f"invalid request: {detail}") from None
-
-
-def first_error(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False)[0]
-    where = ".".join(str(part) for part in error.get("loc", ()))
-    return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
 def answer_options(request: web.Request, fields: dict[str, Any]) -> AnswerOptions:

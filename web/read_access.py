@@ -6,17 +6,12 @@ open; they carry no image data or authenticate with their own secrets.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable
-
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from web.errors import Handler, json_http_error
 from web.security import BASIC_CHALLENGE, BEARER_CHALLENGE, holds_api_token
 from web.settings import ServiceSettings
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 # Open even with public_reads=false: liveness probes carry no secrets, the API description and
 # the stylesheet say nothing about the images, and agents authenticate with their own tokens.
@@ -53,11 +48,9 @@ def private_reads(settings: ServiceSettings) -> Middleware:
     async def require_token_for_reads(request: web.Request, handler: Handler) -> web.StreamResponse:
         if is_read(request) and not holds_api_token(request, settings.api_token):
             if request.path.startswith("/api/"):
-                raise web.HTTPUnauthorized(
-                    text=json.dumps(
-                        {"error": "reads need the API token here (Authorization: Bearer <token>)"}
-                    ),
-                    content_type="application/json",
+                raise json_http_error(
+                    web.HTTPUnauthorized,
+                    "reads need the API token here (Authorization: Bearer <token>)",
                     headers={"WWW-Authenticate": BEARER_CHALLENGE},
                 )
             raise web.HTTPUnauthorized(

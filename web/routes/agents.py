@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from placement.inventory import Gpu, Server
 from placement.protocol import (
@@ -39,12 +38,11 @@ from web.api_description import (
     query,
 )
 from web.api_models import Deployment
-from web.errors import json_error, json_http_error, read_json
+from web.errors import json_error, json_http_error, read_model
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
 from web.long_polls import LONG_POLLS, MAX_POLL
-from web.lookups import load_deployment, wait_param
-from web.placement_requests import first_error
-from web.security import bearer_token
+from web.lookups import requested_deployment, wait_param
+from web.security import BEARER_CHALLENGE, bearer_token
 from web.state import services_of, services_of_app
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,7 @@ def require_agent_token(request: web.Request, server_name: str) -> None:
     raise json_http_error(
         web.HTTPUnauthorized,
         "a valid agent token is required (Authorization: Bearer <token>)",
-        headers={"WWW-Authenticate": 'Bearer realm="gpubadge"'},
+        headers={"WWW-Authenticate": BEARER_CHALLENGE},
     )
 
 
@@ -178,11 +176,7 @@ async def list_servers(request: web.Request) -> web.Response:
 )
 async def register_server(request: web.Request) -> web.Response:
     services = services_of(request)
-    data = await read_json(request, services.settings.json_limits())
-    try:
-        server = Server.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid server: {first_error(exc)}")
+    server = await read_model(request, services.settings.json_limits(), Server, "server")
     require_agent_token(request, server.name)
     stored = server.model_copy(update={"source": "agent", "gpus_in_use": [], "last_heartbeat": None})
     text = stored.model_dump_json()
@@ -222,11 +216,7 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     require_agent_token(request, name)
     services = services_of(request)
-    data = await read_json(request, services.settings.json_limits(), empty={})
-    try:
-        beat = Heartbeat.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid heartbeat: {first_error(exc)}")
+    beat = await read_model(request, services.settings.json_limits(), Heartbeat, "heartbeat", empty={})
     cache = request.app[FLEET_INDEX]
     if beat.gpus is None or (cache.is_live_agent(name) and cache.same_gpus(name, beat.gpus)):
         answer = await agent_heard(request.app, name)
@@ -326,15 +316,9 @@ async def agent_poll(request: web.Request) -> web.Response:
 )
 async def deployment_status(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = await load_deployment(services, request.match_info["id"])
-    if deployment is None:
-        return json_error(404, f"no deployment {request.match_info['id']}")
+    deployment = await requested_deployment(request)
     require_agent_token(request, deployment.server)
-    data = await read_json(request, services.settings.json_limits())
-    try:
-        status = DeploymentStatus.model_validate(data)
-    except ValidationError as exc:
-        return json_error(400, f"invalid status: {first_error(exc)}")
+    status = await read_model(request, services.settings.json_limits(), DeploymentStatus, "status")
     # Stopped while still pending, but the agent had already picked it up: record what runs
     # so the next poll tells the agent to stop it (its GPUs were freed by the stop).
     late_start = deployment.state in TERMINAL_STATES and status.state not in TERMINAL_STATES

@@ -35,7 +35,7 @@ from web.api_models import Deployment, RunSpec
 from web.errors import json_error
 from web.live_fleet import FLEET_INDEX, fleet_index
 from web.long_polls import LONG_POLLS
-from web.lookups import image_report, load_deployment, require_api_token
+from web.lookups import image_report, requested_deployment, require_api_token
 from web.placement_requests import request_body
 from web.security import holds_api_token
 from web.state import services_of
@@ -137,9 +137,7 @@ async def create_deployment(request: web.Request) -> web.Response:
 )
 async def get_deployment(request: web.Request) -> web.Response:
     services = services_of(request)
-    deployment = await load_deployment(services, request.match_info["id"])
-    if deployment is None:
-        return json_error(404, f"no deployment {request.match_info['id']}")
+    deployment = await requested_deployment(request)
     return web.json_response(deployment.shown(holds_api_token(request, services.settings.api_token)))
 
 
@@ -179,9 +177,7 @@ async def list_deployments(request: web.Request) -> web.Response:
 async def delete_deployment(request: web.Request) -> web.Response:
     require_api_token(request)
     services = services_of(request)
-    deployment = await load_deployment(services, request.match_info["id"])
-    if deployment is None:
-        return json_error(404, f"no deployment {request.match_info['id']}")
+    deployment = await requested_deployment(request)
     reveal = holds_api_token(request, services.settings.api_token)
     if deployment.state in TERMINAL_STATES:
         return web.json_response(deployment.shown(reveal))

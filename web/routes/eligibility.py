@@ -25,9 +25,8 @@ from web.api_description import (
 )
 from web.errors import json_http_error
 from web.live_fleet import fleet_index
-from web.lookups import image_report
+from web.lookups import bearer_may_write, image_report
 from web.placement_requests import answer_options, eligibility_answer, request_body
-from web.security import bearer_token, token_matches
 from web.state import services_of
 
 ROUTES = ApiRoutes()
@@ -87,8 +86,7 @@ async def eligibility(request: web.Request) -> web.Response:
     services = services_of(request)
     image, deploy, _, fields = await request_body(request, other_fields=ANSWER_FIELDS)
     options = answer_options(request, fields)
-    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
-    report = await image_report(services, image, may_scan=may_scan)
+    report = await image_report(services, image, may_scan=bearer_may_write(request))
     started = time.perf_counter()
     index = await fleet_index(request.app)
     index.view()  # built here, so the worker thread only reads the index
@@ -127,8 +125,7 @@ async def constraints(request: web.Request) -> web.Response:
     chosen = fields.get("format")
     if chosen not in FORMATS:
         raise json_http_error(web.HTTPBadRequest, f"invalid request: format: one of {', '.join(FORMATS)}")
-    may_scan = token_matches(services.settings.api_token, bearer_token(request) or "")
-    report = await image_report(services, image, may_scan=may_scan)
+    report = await image_report(services, image, may_scan=bearer_may_write(request))
     fleet = known_gpus(await fleet_index(request.app))
     facts = ImageFacts.from_report(report)
     body = await asyncio.to_thread(export_constraints, facts, deploy, fleet, chosen)

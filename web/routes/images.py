@@ -21,7 +21,7 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.lookups import MAX_PAGE, find_report, int_param, wait_param
+from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
 from web.security import redact_secrets
 from web.state import services_of
 
@@ -129,17 +129,19 @@ async def image_by_ref(request: web.Request) -> web.Response:
     until = request.query.get("until", "done")
     if until not in ("done", "facts"):
         return json_error(400, "until must be done (the full report) or facts (the config facts)")
-    report = await find_report(services, reference)
-    if wait and not _ready(report, until):  # the scan may run in any worker process, here or elsewhere
+    report: ImageReport | None = None
 
-        async def ready() -> bool:
-            return _ready(await find_report(services, reference), until)
-
-        await services.store.wait_until(ready, wait, key=str(reference))
+    async def ready() -> bool:
+        nonlocal report
         report = await find_report(services, reference)
+        return _ready(report, until)
+
+    if wait:  # the scan may run in any worker process, here or elsewhere; the last check's read is kept
+        await services.store.wait_until(ready, wait, key=str(reference))
+    else:
+        await ready()
     if report is None:
-        pending = await services.store.run(queries.pending_job_for, str(reference))
-        latest = pending or await services.store.run(queries.latest_job_for, str(reference))
+        pending, latest = await scan_jobs_of(services, reference)
         return json_error(
             404,
             f"{reference} has not been scanned",

@@ -28,7 +28,7 @@ from web.image_views import (
     progress_of,
     tag_history_view,
 )
-from web.lookups import find_report
+from web.lookups import find_report, scan_jobs_of
 from web.nfd_view import nfd_views
 from web.scan_requests import ScanRefused, request_scan, token_matches
 from web.security import redact_secrets
@@ -93,9 +93,7 @@ async def image_page(request: web.Request) -> web.Response:
         return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
     report = await find_report(services, reference)
     if report is None:
-        store = services.store
-        pending = await store.run(queries.pending_job_for, str(reference))
-        latest = pending or await store.run(queries.latest_job_for, str(reference))
+        pending, latest = await scan_jobs_of(services, reference)
         return page(
             request,
             "not_scanned.html",
