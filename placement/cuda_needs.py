@@ -74,6 +74,11 @@ def _pair(version: str) -> tuple[int, int] | None:
     return int(major), int(minor) if minor.isdigit() else 0
 
 
+def toolkit_driver(cuda: str) -> str | None:
+    """The driver the CUDA `cuda` toolkit ("12.8") shipped with, or None where the table has no such release."""
+    return TOOLKIT_DRIVERS.get(_pair(cuda) or (0, 0))
+
+
 def driver_floor(cuda: str) -> tuple[str, str] | None:
     """(minimum driver, the rule in words) for a CUDA runtime version ("12.1" or "12"), or None."""
     pair = _pair(cuda)

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from placement import cuda_needs as placement_inferred
-from placement import gpu_code
+from placement import cuda_needs, gpu_code
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.require_grammar import describe_condition, parse_requirement_lenient
 from scanner.models import PlatformReport
@@ -271,13 +270,13 @@ def cuda_glance(report: PlatformReport) -> str | None:
     floors: list[str] = []
     if gpu.cuda_version:
         parts.append(f"Declares CUDA {gpu.cuda_version}")
-        own = placement_inferred.TOOLKIT_DRIVERS.get(_cuda_pair(gpu.cuda_version) or (0, 0))
+        own = cuda_needs.toolkit_driver(gpu.cuda_version)
         if own and gpu.effective_requirements and not gpu.disable_require:
             floors.append(own)  # the runtime checks cuda>=X.Y against the driver's own CUDA
     if carried:
         source = _release(gpu.inferred.set_by if gpu.inferred is not None else None)
         parts.append(f"carries CUDA {carried}" + (f" ({source})" if source else ""))
-        floor = placement_inferred.driver_floor(carried)
+        floor = cuda_needs.driver_floor(carried)
         if floor is not None:
             floors.append(floor[0])
     elif gpu.inferred is not None:
@@ -289,13 +288,6 @@ def cuda_glance(report: PlatformReport) -> str | None:
         newest = max(floors, key=lambda v: tuple(int(p) if p.isdigit() else 0 for p in v.split(".")))
         text += f": needs driver ≥ {newest}"
     return text[0].upper() + text[1:]
-
-
-def _cuda_pair(version: str) -> tuple[int, int] | None:
-    major, _, minor = version.partition(".")
-    if not major.isdigit():
-        return None
-    return int(major), int(minor) if minor.isdigit() else 0
 
 
 def gpu_code_glance(report: PlatformReport) -> list[str]:
