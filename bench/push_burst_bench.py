@@ -230,6 +230,47 @@ async def measure_burst(
     return floor, badge, push_seconds, answers, breakdown
 
 
+async def measure_receivers(figures: BurstFigures, workdir: Path) -> dict[str, float]:
+    """One burst, three receivers on the same registry, each with its own delivery queue: the null
+    receiver, `gpubadge serve` with its defaults, and `gpubadge serve --workers 0` (the webhook
+    intake alone: it commits every job, and no scan shares its process). Returns, per receiver, when
+    its last delivery arrived (the null receiver) or was committed (the two services), in seconds
+    after the last push finished. What the intake alone adds over the null receiver is the cost of
+    the commit; what the full service adds over the intake alone is the scans sharing its process."""
+    receiver = NullReceiver()
+    full_port, intake_port = free_port(), free_port()
+    loop = asyncio.get_running_loop()
+    async with receiver.running() as null_url:
+        endpoints = [
+            notification_endpoint(null_url) | {"name": "null"},
+            notification_endpoint(f"http://127.0.0.1:{full_port}/hooks/distribution") | {"name": "serve"},
+            notification_endpoint(f"http://127.0.0.1:{intake_port}/hooks/distribution") | {"name": "intake"},
+        ]
+        with (
+            run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
+            run_service_process(workdir / "full.db", port=full_port),
+            run_service_process(workdir / "intake.db", env={"GPUBADGE_WORKERS": "0"}, port=intake_port),
+        ):
+            root = workdir / "layout"
+            tags = push_layout_images(root, figures.images, 0)
+            repo = f"{registry.host}/bench/receivers"
+            with ThreadPoolExecutor(figures.clients) as pool:
+                await asyncio.gather(
+                    *(loop.run_in_executor(pool, push_with_retry, root, tag, f"{repo}:{tag}") for tag in tags)
+                )
+            pushed = time.time()
+            await asyncio.wait_for(asyncio.gather(*(receiver.event(tag).wait() for tag in tags)), 120)
+            last: dict[str, float] = {"null receiver": max(receiver.arrivals[tag] for tag in tags)}
+            for name, db in (("serve", workdir / "full.db"), ("serve --workers 0", workdir / "intake.db")):
+                deadline = time.monotonic() + 120
+                while len(committed := job_times(db, dict.fromkeys(tags, 0.0))) < len(tags):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name}: {len(committed)} of {len(tags)} deliveries committed")
+                    await asyncio.sleep(0.05)
+                last[name] = max(committed.values())
+    return {name: moment - pushed for name, moment in last.items()}
+
+
 OLD_DEFAULT_CAP = {"GPUBADGE_PER_REGISTRY_SCANS": "4"}  # the default before issue 31: half of 8 workers
 PEER_TREE = "GPUBADGE_BENCH_PEER_TREE"  # a checkout of an earlier gpubadge to run as the peer
 
@@ -287,6 +328,23 @@ def run_all(results: Results, quick: bool) -> None:
                     f" {ms(percentile(pushes, 0.5))}; {breakdown.backlog_note()}",
                 )
             )
+    workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
+    try:
+        last = asyncio.run(measure_receivers(figures, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    null, intake, full = last["null receiver"], last["serve --workers 0"], last["serve"]
+    results.add(
+        Figure(
+            "burst",
+            f"{figures.images} pushes by {figures.clients} clients, three receivers on one registry: the last"
+            " delivery committed, after the last push",
+            f"serve {ms(full)}; serve --workers 0 {ms(intake)}",
+            peer=f"null receiver {ms(null)}",
+            note=f"the intake alone (its commits, no scan in its process) ends {ms(intake - null)} after the null"
+            f" receiver; the scans sharing the service's process add {ms(full - intake)}",
+        )
+    )
 
 
 def main() -> None:
