@@ -59,9 +59,12 @@ def open_store(
     busy_timeout: float = 30.0,
     threads: int = 8,
     database_url: str | None = None,
+    shared_events: bool = False,
 ) -> AsyncStore:
     """The async store, migrated to the current schema: PostgreSQL when `database_url` is given
-    (then no SQLite file is touched), else the SQLite file at `path`."""
+    (then no SQLite file is touched), else the SQLite file at `path`. `shared_events`: on SQLite,
+    tell the other processes sharing the file of each commit and hear theirs (`store.sqlite_notify`),
+    as every PostgreSQL store does."""
     return AsyncStore(
         open_backend(
             path,
@@ -69,6 +72,7 @@ def open_store(
             busy_timeout=busy_timeout,
             threads=threads,
             database_url=database_url,
+            shared_events=shared_events,
         ),
         threads=threads,
     )
@@ -82,6 +86,7 @@ def open_backend(
     threads: int = 8,
     database_url: str | None = None,
     upgrade: bool = True,
+    shared_events: bool = False,
 ) -> StoreBackend:
     """The synchronous backend (for `gpubadge db` and tools that need no event loop)."""
     if database_url:
@@ -91,4 +96,6 @@ def open_backend(
         return PostgresStore(
             database_url, pool_size=threads + 1, connect_timeout=busy_timeout, upgrade=upgrade
         )
-    return SqliteStore(path, synchronous=synchronous, busy_timeout=busy_timeout, upgrade=upgrade)
+    return SqliteStore(
+        path, synchronous=synchronous, busy_timeout=busy_timeout, upgrade=upgrade, shared_events=shared_events
+    )

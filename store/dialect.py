@@ -135,7 +135,10 @@ class Dialect:
             self.lock(db, key)
 
     def notify(self, db: Db, channel: str, payload: str) -> None:
-        """Tell every replica of this commit (PostgreSQL); a single-file store needs no telling."""
+        """Tell every replica of this commit: PostgreSQL's NOTIFY, sent at commit. On SQLite the
+        notice is kept on `db.notices`; the store sends it once the transaction has committed, to
+        the processes sharing the file (`store.sqlite_notify`), when it shares its events."""
+        db.notices.append((channel, payload[:7900]))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -282,12 +285,13 @@ POSTGRES = PostgresDialect()
 class Db:
     """One connection inside one transaction (a write) or one read, speaking neutral SQL."""
 
-    __slots__ = ("_conn", "_now", "dialect")
+    __slots__ = ("_conn", "_now", "dialect", "notices")
 
     def __init__(self, conn: Connectionish, dialect: Dialect) -> None:
         self._conn = conn
         self.dialect = dialect
         self._now: str | None = None
+        self.notices: list[tuple[str, str]] = []  # SQLite: what `notify` asked for, sent after commit
 
     def _params(self, params: Params) -> Params:
         if not self.dialect.clock_is_parameter:

@@ -338,13 +338,18 @@ class AsyncStore:
             self.events.fire(kind, payload)
 
     async def start_events(self) -> None:
-        """Deliver queue events on this loop; on PostgreSQL also every replica's (LISTEN).
+        """Deliver queue events on this loop; on PostgreSQL, and on a SQLite file whose processes
+        share their events (`store.sqlite_notify`), also every other process's (LISTEN).
 
         Idempotent. Without it, events fired by this process's own writes still reach waiters.
         """
         self.events.bind(asyncio.get_running_loop())
         listen = getattr(self._backend, "listen", None)
-        if listen is not None and self._stop_listening is None:
+        if (
+            listen is not None
+            and getattr(self._backend, "shares_events", False)
+            and self._stop_listening is None
+        ):
             relay = self.events.fire_threadsafe
             kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
 

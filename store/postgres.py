@@ -79,6 +79,8 @@ def _job(conn: psycopg.Connection[TupleRow], row: Sequence[Any]) -> Job:
 class PostgresStore(SharedMethods):
     """A connection pool over one PostgreSQL database; safe to call from many threads."""
 
+    shares_events = True  # every replica hears every commit (LISTEN/NOTIFY)
+
     def __init__(
         self,
         url: str,

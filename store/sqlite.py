@@ -24,7 +24,7 @@ import contextlib
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Literal
 
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
+from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import apply_pending, latest_version
 from store.models import (
@@ -46,6 +47,7 @@ from store.models import (
 )
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
 from store.sqlite_access import WriterLock, unwritable_hint
+from store.sqlite_notify import LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
 # queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
@@ -87,9 +89,15 @@ class SqliteStore(SharedMethods):
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
         upgrade: bool = True,
+        shared_events: bool = False,
     ) -> None:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
+        # With shared_events, each commit's notices reach every process listening on this file, and
+        # `listen` hears theirs (store.sqlite_notify): the API and worker processes of one host
+        # wake each other as PostgreSQL's replicas do. Without, one process owns the queue's events.
+        self.shares_events = shared_events
+        self._notifier = LocalNotifier(self.path) if shared_events else None
         self._synchronous = synchronous
         self._write_lock = WriterLock()
         self._local = threading.local()
@@ -136,6 +144,26 @@ class SqliteStore(SharedMethods):
             connections, self._connections = self._connections, []
         for connection in connections:
             connection.close()
+        if self._notifier is not None:
+            self._notifier.close()
+
+    # ---------------------------------------------------------------- events
+
+    def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
+        """Call `callback((channel, payload))` from a background thread for every notice a process
+        sharing this file commits (this one's too), as PostgreSQL's LISTEN does; returns a
+        function that stops listening. Only a store opened with `shared_events` listens."""
+        if self._notifier is None:
+            raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
+        return self._notifier.listen(callback)
+
+    def _announce(self, *notices: Notice) -> None:
+        """After a commit: tell the processes sharing this file (no-op unless it shares events)."""
+        if self._notifier is not None and notices:
+            self._notifier.send(notices)
+
+    def _settled(self, job_id: str, reference: str) -> Notice:
+        return (JOB_SETTLED_CHANNEL, f"{job_id} {reference}"[:7900])
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
@@ -225,9 +253,12 @@ class SqliteStore(SharedMethods):
         write in one immediate transaction on the shared writer."""
         if query.write:
             with self._transaction() as conn:
-                return query(Db(conn, SQLITE), *args, **kwargs)
-        with self._reading() as db:
-            return query(Db(db, SQLITE), *args, **kwargs)
+                writing = Db(conn, SQLITE)
+                result = query(writing, *args, **kwargs)
+            self._announce(*writing.notices)
+            return result
+        with self._reading() as connection:
+            return query(Db(connection, SQLITE), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
 
@@ -275,6 +306,7 @@ class SqliteStore(SharedMethods):
                     else:
                         ids.append(execute(_ACTIVE_JOB, (reference,)).fetchone()[0])
                 results.append(ids)
+        self._announce((JOBS_QUEUED_CHANNEL, ""))
         return results
 
     def claim_jobs(
@@ -386,6 +418,10 @@ class SqliteStore(SharedMethods):
                     [state, now, now, job_id],
                 )
                 expired.append(LeaseExpiry(job_id, reference, owner or "", state))
+        notices = [self._settled(item.job_id, item.reference) for item in expired if item.state == "failed"]
+        if any(item.state == "queued" for item in expired):
+            notices.append((JOBS_QUEUED_CHANNEL, ""))
+        self._announce(*notices)
         return expired
 
     def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
@@ -418,17 +454,22 @@ class SqliteStore(SharedMethods):
                 f" WHERE state = 'running' AND {condition}",
                 [now, int(refund_attempt), now, *params],
             )
-            return cursor.rowcount
+        if cursor.rowcount:
+            self._announce((JOBS_QUEUED_CHANNEL, ""))
+        return cursor.rowcount
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
         with self._transaction() as conn:
-            cursor = conn.execute(
+            row = conn.execute(
                 "UPDATE jobs SET state = 'done', error = NULL, result_digest = ?, lease_owner = NULL,"
-                " lease_expires = NULL, updated_at = ? WHERE id = ? AND state = 'running' AND lease_owner = ?",
+                " lease_expires = NULL, updated_at = ? WHERE id = ? AND state = 'running' AND lease_owner = ?"
+                " RETURNING dedupe_key",
                 [digest, _iso(_now()), job_id, owner],
-            )
-            return cursor.rowcount > 0
+            ).fetchone()
+        if row is not None:
+            self._announce(self._settled(job_id, row[0]))
+        return row is not None
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.
@@ -439,7 +480,8 @@ class SqliteStore(SharedMethods):
         now = _now()
         with self._transaction() as conn:
             row = conn.execute(
-                "SELECT attempts, max_attempts FROM jobs WHERE id = ? AND state = 'running' AND lease_owner = ?",
+                "SELECT attempts, max_attempts, dedupe_key FROM jobs"
+                " WHERE id = ? AND state = 'running' AND lease_owner = ?",
                 [job_id, owner],
             ).fetchone()
             if row is None:
@@ -452,6 +494,7 @@ class SqliteStore(SharedMethods):
                 " updated_at = ? WHERE id = ?",
                 [state, error, not_before, _iso(now), job_id],
             )
+        self._announce(self._settled(job_id, row[2]) if final else (JOBS_QUEUED_CHANNEL, ""))
         return state
 
     def retry_job(self, job_id: str) -> Job | None:
@@ -461,16 +504,20 @@ class SqliteStore(SharedMethods):
             row = conn.execute("SELECT state, dedupe_key FROM jobs WHERE id = ?", [job_id]).fetchone()
             if row is None:
                 return None
+            requeued = False
             if row[0] == "failed":
                 active = conn.execute(
                     "SELECT 1 FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')", [row[1]]
                 ).fetchone()
-                if not active:
+                requeued = not active
+                if requeued:
                     conn.execute(
                         "UPDATE jobs SET state = 'queued', attempts = 0, error = NULL, not_before = ?,"
                         " updated_at = ? WHERE id = ?",
                         [now, now, job_id],
                     )
+        if requeued:
+            self._announce((JOBS_QUEUED_CHANNEL, ""))
         return self.job(job_id)
 
     # ----------------------------------------------------------------- fleet
@@ -499,6 +546,7 @@ class SqliteStore(SharedMethods):
                 " VALUES (?, ?, ?, 'pending', 'run', ?, ?)",
                 [deployment_id, server, record_json, now, now],
             )
+        self._announce((FLEET_CHANNEL, "reservations"))  # other processes: the index, the agent's poll
 
     # ------------------------------------------------------ registry gates
 
@@ -534,6 +582,7 @@ class SqliteStore(SharedMethods):
                 " excluded.cool_until), cool_reason = excluded.cool_reason",
                 [row[0], until, error],
             )
+        self._announce((JOBS_QUEUED_CHANNEL, ""))
         return True
 
     def registry_load(self) -> list[RegistryLoad]:

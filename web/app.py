@@ -78,7 +78,8 @@ def openapi_document() -> dict[str, Any]:
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
     settings.check_consistent()
-    store = open_service_store(settings)
+    # the API alone: its scans run in `gpubadge worker` processes, which its commits must wake
+    store = open_service_store(settings, shared=settings.workers == 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     middlewares: list[Middleware] = [error_middleware]
     if not settings.public_reads:

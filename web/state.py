@@ -55,12 +55,17 @@ def services_of_app(app: web.Application) -> Services:
     return app[SERVICES]
 
 
-def open_service_store(settings: ServiceSettings) -> AsyncStore:
-    """The store the settings name: PostgreSQL when a database URL is set, else the SQLite file."""
+def open_service_store(settings: ServiceSettings, *, shared: bool = False) -> AsyncStore:
+    """The store the settings name: PostgreSQL when a database URL is set, else the SQLite file.
+
+    `shared`: this process shares the SQLite file with others that scan or serve it (`serve
+    --workers 0` and `gpubadge worker`), so each commit wakes them and theirs wake this one, as
+    on PostgreSQL (`store.sqlite_notify`)."""
     return open_store(
         settings.db,
         synchronous=settings.sqlite_synchronous,
         busy_timeout=settings.sqlite_busy_timeout,
         threads=settings.store_threads,
         database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+        shared_events=shared,
     )

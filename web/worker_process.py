@@ -74,7 +74,7 @@ async def run_workers(
 ) -> None:
     """Run until `stop` is set, then drain. With `metrics_port`, serve /metrics and /healthz there
     (the scan counters live in this process, not in the API replicas)."""
-    store = open_service_store(settings)
+    store = open_service_store(settings, shared=True)  # wakes and is woken by the API processes
     metrics = ServiceMetrics()
     try:
         async with RegistryClient(settings, defer_retry_after=True) as client:

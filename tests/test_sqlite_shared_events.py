@@ -1,0 +1,158 @@
+"""Processes sharing one SQLite file wake each other, as PostgreSQL's replicas do (store.sqlite_notify).
+
+The store-level tests use two stores on one file with real UNIX datagram sockets; the last one
+runs a real `gpubadge serve --workers 0` and a real `gpubadge worker` on one SQLite file, with
+images pushed by skopeo into a real registry: the API's commit wakes the worker at once (not
+at its next idle poll, 5 s), and the worker's stored badge answers the API's long-poll at once
+(not at its next re-check).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from pathlib import Path
+
+from fixtures.notifications import distribution_push
+from fixtures.oci import ImageSpec, LayerSpec, file, push_many
+from fixtures.registry import run_registry
+from fixtures.service import run_role_process, run_service_process
+from store import SqliteStore
+from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store.sqlite_notify import notify_directory
+from tests.test_service_e2e import call
+
+Heard = queue.Queue[tuple[str, str]]
+
+
+def heard_next(heard: Heard) -> tuple[str, str]:
+    return heard.get(timeout=5)
+
+
+def test_a_commit_reaches_every_process_sharing_the_file_its_own_included(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    api, worker = SqliteStore(db, shared_events=True), SqliteStore(db, shared_events=True)
+    heard_by_api: Heard = queue.Queue()
+    heard_by_worker: Heard = queue.Queue()
+    stops = [api.listen(heard_by_api.put), worker.listen(heard_by_worker.put)]
+    try:
+        [job_id] = api.enqueue([("reg.example/team/app:1", "reg.example")])
+        assert heard_next(heard_by_worker) == (JOBS_QUEUED_CHANNEL, "")
+        assert heard_next(heard_by_api) == (JOBS_QUEUED_CHANNEL, "")  # as PostgreSQL's own NOTIFY
+        [job] = worker.claim_jobs(1, owner="w1", lease_seconds=30)
+        assert job.id == job_id
+        assert worker.finish_job(job.id, digest="sha256:" + "a" * 64, owner="w1")
+        assert heard_next(heard_by_api) == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
+        assert not worker.finish_job(job.id, digest=None, owner="w1")  # nothing written, nothing told
+        assert heard_next(heard_by_worker) == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
+        assert heard_by_api.empty() and heard_by_worker.empty()
+    finally:
+        for stop in stops:
+            stop()
+        api.close()
+        worker.close()
+    assert list(notify_directory(db).iterdir()) == []  # each listener removed its socket
+
+
+def test_a_listener_whose_process_died_is_removed_and_the_others_still_hear(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    store = SqliteStore(db, shared_events=True)
+    heard: Heard = queue.Queue()
+    stop = store.listen(heard.put)
+    dead = notify_directory(db) / "4242.dead"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as gone:
+        gone.bind(str(dead))  # closed without removing its file, as a killed process leaves it
+    try:
+        store.enqueue([("reg.example/a:1", "reg.example")])
+        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")
+        assert not dead.exists()
+    finally:
+        stop()
+        store.close()
+
+
+def test_a_path_too_long_for_a_socket_listens_through_a_link(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    db = deep / "queue.db"
+    store = SqliteStore(db, shared_events=True)
+    heard: Heard = queue.Queue()
+    stop = store.listen(heard.put)
+    try:
+        [entry] = list(notify_directory(db).iterdir())
+        assert entry.is_symlink()
+        private = Path(entry.readlink()).parent
+        store.enqueue([("reg.example/a:1", "reg.example")])
+        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")
+    finally:
+        stop()
+        store.close()
+    assert not private.exists()
+    assert list(notify_directory(db).iterdir()) == []
+
+
+def test_a_store_that_does_not_share_its_events_tells_nobody(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    shared, alone = SqliteStore(db, shared_events=True), SqliteStore(db)
+    heard: Heard = queue.Queue()
+    stop = shared.listen(heard.put)
+    try:
+        alone.enqueue([("reg.example/a:1", "reg.example")])
+        shared.enqueue([("reg.example/b:1", "reg.example")])
+        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")  # the shared store's own commit
+        assert heard.empty()  # and only that one
+        try:
+            alone.listen(heard.put)
+        except RuntimeError as exc:
+            assert "shared_events" in str(exc)
+        else:
+            raise AssertionError("a store that does not share its events listened")
+    finally:
+        stop()
+        shared.close()
+        alone.close()
+
+
+SECRET = "shared-sqlite-secret"
+
+
+def test_an_api_process_and_a_worker_process_on_one_sqlite_file_wake_each_other(tmp_path: Path) -> None:
+    with run_registry() as registry:
+        specs = {
+            f"shared/app{n}": ImageSpec(
+                [LayerSpec([file("etc/os-release", f"ID=shared{n}\n")])], env={"CUDA_VERSION": "12.4.1"}
+            )
+            for n in range(3)
+        }
+        digests = push_many(specs, registry.host, tmp_path / "images")
+        db = tmp_path / "shared.db"
+        env = {
+            "GPUBADGE_REGISTRIES": registry.host,
+            "GPUBADGE_WEBHOOK_SECRET": SECRET,
+            "GPUBADGE_WORKERS": "0",
+        }
+        worker_env = {**env, "GPUBADGE_WORKERS": "2"}
+        with (
+            run_service_process(db, env=env) as api,
+            run_role_process(["worker"], db, worker_env, tmp_path / "worker.log"),
+        ):
+            for repository, digest in digests.items():
+                started = time.monotonic()
+                delivered = call(
+                    "POST",
+                    f"{api.url}/hooks/distribution",
+                    distribution_push(registry.host, repository, digest, "latest"),
+                    headers={"Authorization": f"Bearer {SECRET}"},
+                )
+                assert delivered.status == 202, delivered.text
+                reference = f"{registry.host}/{repository}:latest"
+                badge = call(
+                    "GET", f"{api.url}/api/images/by-ref?ref={reference}&wait=20&until=facts", timeout=30
+                )
+                seconds = time.monotonic() - started
+                assert badge.status == 200, badge.text
+                assert badge.body["digest"] == digest
+                # Without the shared events the worker claims at its next idle poll (every 5 s)
+                # and the API's long poll answers at its next re-check (every 1 s).
+                assert seconds < 2.0, f"{reference}: badge {seconds:.2f} s after the webhook"
