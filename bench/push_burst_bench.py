@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,7 +38,7 @@ from aiohttp import web
 from bench.common import Figure, Results, ms, percentile, push_with_retry
 from bench.service_bench import push_layout_images
 from fixtures.registry import free_port, notification_endpoint, run_registry
-from fixtures.service import run_service_process
+from fixtures.service import run_role_process, run_service_process, wait_healthy
 
 
 @dataclass
@@ -157,11 +157,21 @@ def job_times(db: Path, tags: dict[str, float]) -> dict[str, float]:
     return first
 
 
+@contextlib.contextmanager
+def running_worker(db: Path, env: dict[str, str] | None, log: Path) -> Iterator[None]:
+    """`gpubadge worker` on `db`, ready (its /healthz answers) before the pushes start."""
+    port = free_port()
+    with run_role_process(["worker", "--metrics-port", str(port)], db, env, log) as process:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        yield
+
+
 async def measure_burst(
-    figures: BurstFigures, workdir: Path, env: dict[str, str] | None = None
+    figures: BurstFigures, workdir: Path, env: dict[str, str] | None = None, *, apart: bool = False
 ) -> tuple[list[float], list[float], list[float], float, Breakdown]:
     """(null-receiver arrival latencies, push->badge latencies, skopeo push times, mean webhook answer,
-    where the badge's time went)."""
+    where the badge's time went). `apart`: the service is `serve --workers 0` beside one `gpubadge
+    worker` on the same SQLite file (they wake each other through `store.sqlite_notify`)."""
     receiver = NullReceiver()
     port = free_port()
     loop = asyncio.get_running_loop()
@@ -179,7 +189,14 @@ async def measure_burst(
         ]
         with (
             run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
-            run_service_process(workdir / "burst.db", env=env, port=port) as service,
+            run_service_process(
+                workdir / "burst.db",
+                env={**(env or {}), **({"GPUBADGE_WORKERS": "0"} if apart else {})},
+                port=port,
+            ) as service,
+            running_worker(workdir / "burst.db", env, workdir / "worker.log")
+            if apart
+            else contextlib.nullcontext(),
         ):
             root = workdir / "layout"
             tags = push_layout_images(root, figures.images, 0)
@@ -296,15 +313,21 @@ def run_all(results: Results, quick: bool) -> None:
     for label, env, workload in (
         (peer_label, env_of_peer, figures),
         ("defaults", None, figures),
+        ("apart", None, figures),
         ("light", None, light),
     ):
         workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
         try:
-            runs[label] = asyncio.run(measure_burst(workload, workdir, env))
+            runs[label] = asyncio.run(measure_burst(workload, workdir, env, apart=label == "apart"))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     old_floor, old_badge, *_ = runs[peer_label]
-    for label, workload in (("defaults", figures), ("light", light)):
+    shapes = {
+        "defaults": "",
+        "apart": " (serve --workers 0 and one gpubadge worker on one SQLite file)",
+        "light": "",
+    }
+    for label, workload in (("defaults", figures), ("apart", figures), ("light", light)):
         floor, badge, pushes, answer, breakdown = runs[label]
         for name, pick in (("p50", 0.5), ("p99", 0.99)):
             ours, peer = percentile(badge, pick), percentile(floor, pick)
@@ -315,7 +338,8 @@ def run_all(results: Results, quick: bool) -> None:
             results.add(
                 Figure(
                     "burst",
-                    f"push -> badge {name}, {workload.images} pushes by {workload.clients} clients, vs null receiver",
+                    f"push -> badge {name}, {workload.images} pushes by {workload.clients} clients{shapes[label]},"
+                    " vs null receiver",
                     ms(ours),
                     peer=f"null receiver arrival {ms(peer)}",
                     ratio=peer / ours if ours > 0 else None,
