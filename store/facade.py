@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from store.events import (
     FLEET_RESERVATIONS,
     JOB_SETTLED_CHANNEL,
     JOBS_QUEUED_CHANNEL,
+    LOCAL_RECHECK,
     QUEUED,
     REPORTED_JOB,
     RESYNC,
@@ -49,6 +51,8 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries.tags import TagSeen
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -360,7 +364,18 @@ class AsyncStore:
                 else:
                     relay(kinds.get(channel, RESYNC), payload)
 
-            self._stop_listening = await asyncio.get_running_loop().run_in_executor(None, listen, on_notify)
+            try:
+                self._stop_listening = await asyncio.get_running_loop().run_in_executor(
+                    None, listen, on_notify
+                )
+            except OSError as exc:  # a SQLite file's directory that takes no socket: polls instead
+                log.warning(
+                    "cannot listen for the other processes' commits (%s): they are seen by re-checks"
+                    " (every %.0f s) and idle polls instead",
+                    exc,
+                    LOCAL_RECHECK,
+                )
+                return
             self.events.cross_process = True
 
     async def wait_until(

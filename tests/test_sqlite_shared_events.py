@@ -14,11 +14,13 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import run_registry
 from fixtures.service import run_role_process, run_service_process
-from store import SqliteStore
+from store import AsyncStore, EnqueueBatch, SqliteStore
 from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.sqlite_notify import notify_directory
 from tests.test_service_e2e import call
@@ -156,3 +158,21 @@ def test_an_api_process_and_a_worker_process_on_one_sqlite_file_wake_each_other(
                 # Without the shared events the worker claims at its next idle poll (every 5 s)
                 # and the API's long poll answers at its next re-check (every 1 s).
                 assert seconds < 2.0, f"{reference}: badge {seconds:.2f} s after the webhook"
+
+
+async def test_a_file_beside_which_no_socket_can_be_made_falls_back_to_rechecks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = tmp_path / "queue.db"
+    notify_directory(db).write_text("not a directory")  # where the listeners' sockets would go
+    store = AsyncStore(SqliteStore(db, shared_events=True))
+    try:
+        await store.start_events()  # the service starts all the same
+        assert not store.events.cross_process
+        assert "re-checks" in caplog.text
+        [job_id] = store.blocking.enqueue_many([EnqueueBatch([("reg.example/a:1", "reg.example")], None, 5)])[
+            0
+        ]
+        assert job_id
+    finally:
+        await store.close()
