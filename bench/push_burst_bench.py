@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import shutil
 import sqlite3
-import statistics
 import tempfile
 import time
 import urllib.parse
@@ -106,41 +104,6 @@ class Breakdown:
     delivered: list[float]  # push done -> its job committed (jobs.created_at)
     scanned: list[float]  # job committed -> badge visible to the long-polling client
     complete: list[float]  # push done -> the full report (layers read) visible
-    null_queue: QueueCycle  # the registry's queue to the null receiver
-    our_queue: QueueCycle  # the registry's queue to gpubadge (arrival: the job's commit)
-
-    def backlog_note(self) -> str:
-        """What the registry's one-at-a-time delivery costs gpubadge against the null receiver."""
-        ours, null = self.our_queue, self.null_queue
-        extra = ours.waiting * (ours.cycle - null.cycle)
-        return (
-            f"while deliveries waited, the registry's queue to gpubadge moved one delivery per {ms(ours.cycle)}"
-            f" (median, {ours.waiting} deliveries waited), to the null receiver one per {ms(null.cycle)}"
-            f" ({null.waiting} waited): about {ms(extra)} more in all along gpubadge's queue"
-        )
-
-
-@dataclass
-class QueueCycle:
-    """How fast one endpoint's delivery queue drains while the registry has deliveries waiting for it.
-
-    The registry sends an endpoint's next delivery only once the one before is answered, so while
-    deliveries wait, the gap between two arrivals is that endpoint's whole cost per delivery to the
-    registry: the registry's own send, the connection, the endpoint's answer. A delivery counts as
-    waiting when its push had finished before the previous delivery arrived."""
-
-    waiting: int  # deliveries that arrived behind another (the backlog's length, summed)
-    cycle: float  # median seconds between two arrivals while deliveries waited
-
-    @classmethod
-    def of(cls, arrivals: dict[str, float], pushed: dict[str, float]) -> QueueCycle:
-        order = sorted((tag for tag in arrivals if tag in pushed), key=arrivals.__getitem__)
-        gaps = [
-            arrivals[after] - arrivals[before]
-            for before, after in itertools.pairwise(order)
-            if pushed[after] < arrivals[before]
-        ]
-        return cls(len(gaps), statistics.median(gaps) if gaps else float("nan"))
 
 
 def job_times(db: Path, tags: dict[str, float]) -> dict[str, float]:
@@ -241,8 +204,6 @@ async def measure_burst(
         [committed[tag] - pushed_at[tag] for tag in committed],
         [visible_at[tag] - committed[tag] for tag in committed if tag in visible_at],
         complete,
-        QueueCycle.of(receiver.arrivals, pushed_at),
-        QueueCycle.of(committed, pushed_at),
     )
     return floor, badge, push_seconds, answers, breakdown
 
@@ -349,7 +310,7 @@ def run_all(results: Results, quick: bool) -> None:
                     f" on average; push -> job committed {name} {ms(percentile(breakdown.delivered, pick))},"
                     f" job -> badge {name} {ms(percentile(breakdown.scanned, pick))}; the full report (layers"
                     f" read) {name} {ms(percentile(breakdown.complete, pick))}; skopeo push itself p50"
-                    f" {ms(percentile(pushes, 0.5))}; {breakdown.backlog_note()}",
+                    f" {ms(percentile(pushes, 0.5))}",
                 )
             )
     workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
