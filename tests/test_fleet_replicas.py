@@ -27,7 +27,9 @@ from web.app import create_app
 from web.settings import ServiceSettings
 
 HEARTBEAT, STALE, FLUSH = 1.0, 3.0, 0.2
-CHECK_SECONDS = 1.0  # FleetIndexCache's timed check, and the replicas' read of each other's stamps
+CHECK_SECONDS = (
+    1.0  # FleetIndexCache's timed check; the replicas read each other's stamps as often (FLUSH is below it)
+)
 
 
 class Replica:

@@ -85,9 +85,9 @@ class FleetIndexCache:
     `stale_after_seconds` drop out on a timed check of the in-memory stamps, at most
     `check_seconds` after they are due; the check is in memory, and walks the live agents only
     once the earliest stamp among them is due. With other processes sharing the store
-    (PostgreSQL), `follow`, every `check_seconds` in a task of its own (`install`), reads the
-    stamps they wrote since its last read and any server they registered: that round trip never
-    lands in a request, which finds its results in memory.
+    (PostgreSQL), `follow`, in a task of its own (`install`) every `heartbeat_flush_seconds` (as
+    often as they write them), reads the stamps they wrote since its last read and any server they
+    registered: that round trip never lands in a request, which finds its results in memory.
     """
 
     def __init__(
@@ -286,9 +286,9 @@ class FleetIndexCache:
     async def follow(self, app: web.Application) -> None:
         """Read what other processes sharing the store wrote since the last call: the heartbeats
         they heard (written in batches, so read back over the time a batch may take) and the
-        servers they registered. `install`'s task calls it every `check_seconds` on a shared store
-        (PostgreSQL); the round trip and the conversion run in the store's thread, the loop
-        compares one number per stamp. Nothing before the first query has read the fleet."""
+        servers they registered. `install`'s task calls it on a shared store (PostgreSQL) every
+        `heartbeat_flush_seconds`; the round trip and the conversion run in the store's thread,
+        the loop compares one number per stamp. Nothing before the first query has read the fleet."""
         if self.inventory_reads == 0:
             return
         services = services_of_app(app)
@@ -437,12 +437,15 @@ REPLICA_FOLLOWER = web.AppKey("replica_follower", asyncio.Task[None])
 
 
 async def _read_other_replicas(app: web.Application) -> None:
-    """Every `check_seconds` on a store shared with other processes (PostgreSQL), what they wrote
-    (`FleetIndexCache.follow`), read here so that no request waits for it. Idle on SQLite."""
-    store = services_of_app(app).store
+    """On a store shared with other processes (PostgreSQL), what they wrote
+    (`FleetIndexCache.follow`), read here so that no request waits for it: every
+    `heartbeat_flush_seconds`, the interval at which they write their stamps (reading more often
+    finds the same rows again), and at least `check_seconds` apart. Idle on SQLite."""
+    services = services_of_app(app)
+    store = services.store
     while True:
         cache = app[FLEET_INDEX]
-        await asyncio.sleep(cache.check_seconds)
+        await asyncio.sleep(max(cache.check_seconds, services.settings.heartbeat_flush_seconds))
         if not store.events.cross_process:
             continue
         try:
