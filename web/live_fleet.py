@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
@@ -22,7 +23,7 @@ from aiohttp import web
 from placement.index import FleetIndex
 from placement.inventory import Gpu, Server, parse_inventory
 from store import AsyncStore, ServerRecord, queries
-from store.events import FLEET_INVENTORY
+from store.events import FLEET_INVENTORY, FLEET_STAMPS
 from web.long_polls import LONG_POLLS, LongPolls
 from web.state import services_of_app
 
@@ -85,9 +86,10 @@ class FleetIndexCache:
     `stale_after_seconds` drop out on a timed check of the in-memory stamps, at most
     `check_seconds` after they are due; the check is in memory, and walks the live agents only
     once the earliest stamp among them is due. With other processes sharing the store
-    (PostgreSQL), `follow`, in a task of its own (`install`) every `heartbeat_flush_seconds` (as
-    often as they write them), reads the stamps they wrote since its last read and any server they
-    registered: that round trip never lands in a request, which finds its results in memory.
+    (PostgreSQL), `follow`, in a task of its own (`install`), reads the stamps they wrote since
+    its last read and any server they registered, when one of them says it wrote a batch (NOTIFY)
+    and at least every two `heartbeat_flush_seconds`: that round trip never lands in a request,
+    which finds its results in memory.
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class FleetIndexCache:
         self._earliest_live = 0.0  # no live agent was last heard before this (wall time)
         self._maybe_back: set[str] = set()  # not live, heard from elsewhere since the last check
         self._reading = asyncio.Lock()  # one full read of the server table at a time
+        self.origin = uuid.uuid4().hex[:16]  # names this process's stamp batches to the others
+        self._stamps_elsewhere = asyncio.Event()  # another process wrote stamps since the last read
 
     # ---- liveness, on the loop and without I/O ------------------------------------------
 
@@ -219,6 +223,17 @@ class FleetIndexCache:
         """Another process registered servers: the next `follow` reads the server table."""
         self._full_read = True
 
+    def stamps_written_elsewhere(self) -> None:
+        """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them."""
+        self._stamps_elsewhere.set()
+
+    async def stamps_due(self, timeout: float) -> None:
+        """Until another process wrote stamps since the last `follow`, or `timeout` passed (a
+        notification lost with the listener's connection is caught up that way)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stamps_elsewhere.wait(), timeout)
+        self._stamps_elsewhere.clear()
+
     # ---- reading the store ------------------------------------------------------------------
 
     async def refresh(self, app: web.Application) -> None:
@@ -286,9 +301,10 @@ class FleetIndexCache:
     async def follow(self, app: web.Application) -> None:
         """Read what other processes sharing the store wrote since the last call: the heartbeats
         they heard (written in batches, so read back over the time a batch may take) and the
-        servers they registered. `install`'s task calls it on a shared store (PostgreSQL) every
-        `heartbeat_flush_seconds`; the round trip and the conversion run in the store's thread,
-        the loop compares one number per stamp. Nothing before the first query has read the fleet."""
+        servers they registered. `install`'s task calls it on a shared store (PostgreSQL) when
+        another process says it wrote a batch (NOTIFY), at most every `check_seconds`; the round
+        trip and the conversion run in the store's thread, the loop compares one number per
+        stamp. Nothing before the first query has read the fleet."""
         if self.inventory_reads == 0:
             return
         services = services_of_app(app)
@@ -370,7 +386,8 @@ class FleetIndexCache:
             return 0
         batch, self._unwritten = self._unwritten, {}
         try:
-            await store.run(queries.stamp_heartbeats, batch)  # converted and written in the store's thread
+            # converted and written in the store's thread; the other replicas are told
+            await store.run(queries.stamp_heartbeats, batch, self.origin)
         except BaseException:
             for name, heard in batch.items():  # kept for the next batch
                 self._unwritten.setdefault(name, heard)
@@ -438,20 +455,20 @@ REPLICA_FOLLOWER = web.AppKey("replica_follower", asyncio.Task[None])
 
 async def _read_other_replicas(app: web.Application) -> None:
     """On a store shared with other processes (PostgreSQL), what they wrote
-    (`FleetIndexCache.follow`), read here so that no request waits for it: every
-    `heartbeat_flush_seconds`, the interval at which they write their stamps (reading more often
-    finds the same rows again), and at least `check_seconds` apart. Idle on SQLite."""
+    (`FleetIndexCache.follow`), read here so that no request waits for it: when another process
+    says it wrote a batch of stamps, at most every `check_seconds`, and at least every two
+    `heartbeat_flush_seconds` (a lost notification). Idle on SQLite."""
     services = services_of_app(app)
     store = services.store
     while True:
         cache = app[FLEET_INDEX]
-        await asyncio.sleep(max(cache.check_seconds, services.settings.heartbeat_flush_seconds))
-        if not store.events.cross_process:
-            continue
-        try:
-            await cache.follow(app)
-        except Exception as exc:  # the store is down: the next round reads from where this one began
-            log.warning("could not read the other replicas' heartbeats: %s", exc)
+        await cache.stamps_due(max(cache.check_seconds, 2 * services.settings.heartbeat_flush_seconds))
+        if store.events.cross_process:
+            try:
+                await cache.follow(app)
+            except Exception as exc:  # the store is down: the next round reads from where this one began
+                log.warning("could not read the other replicas' heartbeats: %s", exc)
+        await asyncio.sleep(cache.check_seconds)
 
 
 async def _end_long_polls(app: web.Application) -> None:
@@ -472,10 +489,15 @@ async def _end_long_polls(app: web.Application) -> None:
 def _follow_other_replicas(app: web.Application) -> None:
     """On PostgreSQL, what other API replicas change reaches this one: deploys and stops make its
     placement index re-read the reservations and wake the long polls of the servers with work;
-    registrations make the next timed check read the server table."""
+    registrations make the next `follow` read the server table, and the stamps another replica
+    wrote make it read those."""
 
-    def changed(kind: str) -> None:
+    def changed(kind: str, payload: str) -> None:
         index = app[FLEET_INDEX]
+        if kind == FLEET_STAMPS:
+            if payload != index.origin:  # this process's own batch, echoed back, is known here
+                index.stamps_written_elsewhere()
+            return
         if kind == FLEET_INVENTORY:
             index.inventory_changed_elsewhere()
             index.reservations_changed()  # a resync arrives as an inventory change: re-read both

@@ -38,14 +38,16 @@ def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
 
 
 @writes
-def stamp_heartbeats(db: Db, stamps: Mapping[str, float]) -> None:
+def stamp_heartbeats(db: Db, stamps: Mapping[str, float], origin: str = "") -> None:
     """Record many servers' last heartbeats at once (server name -> seconds since the epoch; the
-    service batches them; no inventory is written). A stamp never moves a heartbeat back."""
+    service batches them; no inventory is written). A stamp never moves a heartbeat back. Other
+    replicas are told (NOTIFY "stamps <origin>", `origin` naming the writer) and read them."""
     stamp = db.dialect.stamp_param
     db.many(
         "UPDATE servers SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
         [{"name": name, "seen": stamp(datetime.fromtimestamp(seen, UTC))} for name, seen in stamps.items()],
     )
+    db.notify(FLEET_CHANNEL, f"stamps {origin}")
 
 
 @reads
