@@ -87,7 +87,7 @@ class FleetIndexCache:
     `check_seconds` after they are due; the check is in memory, and walks the live agents only
     once the earliest stamp among them is due. With other processes sharing the store
     (PostgreSQL), `follow`, in a task of its own (`install`), reads the stamps they wrote since
-    its last read and any server they registered, when one of them says it wrote a batch (NOTIFY)
+    its last read and any server they registered, when one of them says it wrote either (NOTIFY)
     and at least every two `heartbeat_flush_seconds`: that round trip never lands in a request,
     which finds its results in memory.
     """
@@ -123,7 +123,7 @@ class FleetIndexCache:
         self._maybe_back: set[str] = set()  # not live, heard from elsewhere since the last check
         self._reading = asyncio.Lock()  # one full read of the server table at a time
         self.origin = uuid.uuid4().hex[:16]  # names this process's stamp batches to the others
-        self._stamps_elsewhere = asyncio.Event()  # another process wrote stamps since the last read
+        self._follow_due = asyncio.Event()  # another process wrote stamps or servers since `follow`
 
     # ---- liveness, on the loop and without I/O ------------------------------------------
 
@@ -220,19 +220,20 @@ class FleetIndexCache:
         self._reservations_dirty = True
 
     def inventory_changed_elsewhere(self) -> None:
-        """Another process registered servers: the next `follow` reads the server table."""
+        """Another process registered servers: `follow` reads the server table, now."""
         self._full_read = True
+        self._follow_due.set()
 
     def stamps_written_elsewhere(self) -> None:
-        """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them."""
-        self._stamps_elsewhere.set()
+        """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them, now."""
+        self._follow_due.set()
 
-    async def stamps_due(self, timeout: float) -> None:
-        """Until another process wrote stamps since the last `follow`, or `timeout` passed (a
-        notification lost with the listener's connection is caught up that way)."""
+    async def follow_due(self, timeout: float) -> None:
+        """Until another process wrote stamps or servers since the last `follow`, or `timeout`
+        passed (a notification lost with the listener's connection is caught up that way)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stamps_elsewhere.wait(), timeout)
-        self._stamps_elsewhere.clear()
+            await asyncio.wait_for(self._follow_due.wait(), timeout)
+        self._follow_due.clear()
 
     # ---- reading the store ------------------------------------------------------------------
 
@@ -302,9 +303,9 @@ class FleetIndexCache:
         """Read what other processes sharing the store wrote since the last call: the heartbeats
         they heard (written in batches, so read back over the time a batch may take) and the
         servers they registered. `install`'s task calls it on a shared store (PostgreSQL) when
-        another process says it wrote a batch (NOTIFY), at most every `check_seconds`; the round
-        trip and the conversion run in the store's thread, the loop compares one number per
-        stamp. Nothing before the first query has read the fleet."""
+        another process says it wrote stamps or servers (NOTIFY), at most every `check_seconds`;
+        the round trip and the conversion run in the store's thread, the loop compares one number
+        per stamp. Nothing before the first query has read the fleet."""
         if self.inventory_reads == 0:
             return
         services = services_of_app(app)
@@ -456,13 +457,13 @@ REPLICA_FOLLOWER = web.AppKey("replica_follower", asyncio.Task[None])
 async def _read_other_replicas(app: web.Application) -> None:
     """On a store shared with other processes (PostgreSQL), what they wrote
     (`FleetIndexCache.follow`), read here so that no request waits for it: when another process
-    says it wrote a batch of stamps, at most every `check_seconds`, and at least every two
-    `heartbeat_flush_seconds` (a lost notification). Idle on SQLite."""
+    says it wrote a batch of stamps or registered servers, at most every `check_seconds`, and at
+    least every two `heartbeat_flush_seconds` (a lost notification). Idle on SQLite."""
     services = services_of_app(app)
     store = services.store
     while True:
         cache = app[FLEET_INDEX]
-        await cache.stamps_due(max(cache.check_seconds, 2 * services.settings.heartbeat_flush_seconds))
+        await cache.follow_due(max(cache.check_seconds, 2 * services.settings.heartbeat_flush_seconds))
         if store.events.cross_process:
             try:
                 await cache.follow(app)
