@@ -9,14 +9,23 @@ the limit cannot hold. Measured, in this order:
 1. registration of N agents; the service's memory before and after N long polls are held;
 2. eligibility over HTTP with no agent traffic (polls held, no requests) and during the
    heartbeats, alternating quiet and loaded windows (side by side on the same service);
-3. the service's CPU per heartbeat in a window with heartbeats only (from /proc/<pid>/stat),
-   and whether any heartbeat wrote the inventory (the stored rows' text is compared);
+3. the service's CPU per heartbeat (from /proc/<pid>/stat): a window with heartbeats (and the
+   idle polls that end meanwhile, at random points of their wait) less the CPU of a window
+   with the heartbeats paused, divided by the heartbeats; also everything divided, and the CPU
+   per poll renewal; and whether any heartbeat wrote the inventory (the stored rows' text is
+   compared);
 4. death and return: `--churn` of the agents killed at once, time until eligibility drops
    them (from their last heartbeat, against stale_after_seconds plus one check) and whether
    any other agent flapped; revived, time until all are eligible again;
 5. deployments placed while the fleet beats: time from the 201 to the agent's poll answer;
 6. a reconnect storm: the service restarted on the same database; time until every agent
    holds a long poll again, and eligibility answers (and failures) throughout.
+
+`--postgres` runs the same fleet against two `serve` processes and one `worker` on PostgreSQL,
+the agents spread over both APIs: the two APIs' answers compared side by side, eligibility with
+and without agent traffic on each, death and return, deployments across the APIs, and the
+reconnect storm with both APIs restarted at once (every agent loses its connection, as with one
+service restarted).
 
 `--agents 10000 --heartbeat 15` is the issue's fleet; the suite runs a small one
 (tests/test_fleet_load.py).
@@ -105,6 +114,8 @@ class SimAgent:
     last_beat: float = 0.0  # monotonic time of the last heartbeat the service accepted, or poll sent
     beats: int = 0
     poll_since: float | None = None  # monotonic time the current poll was sent, while in flight
+    answered_since: float = 0.0  # monotonic time the last poll the service answered (200) was sent
+    polls: int = 0  # polls the service answered
     received: dict[str, float] = field(default_factory=dict)  # deployment id -> when the poll got it
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -198,6 +209,8 @@ class Fleet:
             agent.poll_since = agent.last_beat = time.monotonic()  # a poll stamps the agent live too
             try:
                 deployments = await self.polls.poll_deployments(name, self.poll_wait)
+                agent.answered_since = agent.poll_since or 0.0
+                agent.polls += 1
                 backoff.reset()
             except ServiceError as exc:
                 agent.poll_since = None
@@ -213,15 +226,23 @@ class Fleet:
     def total_beats(self) -> int:
         return sum(agent.beats for agent in self.agents)
 
+    def total_polls(self) -> int:
+        return sum(agent.polls for agent in self.agents)
+
     def holding(self, since: float, held_for: float = 1.0) -> int:
-        """Agents whose current poll was sent after `since` and has been held `held_for` s."""
+        """Agents whose current poll was sent after `since` and has been held `held_for` s, or
+        whose poll sent after `since` the service has answered (the service ends an idle poll
+        at a random point of its wait, so at any moment some agents are between two polls)."""
         now = time.monotonic()
         return sum(
             1
             for agent in self.agents
-            if agent.poll_since is not None
-            and agent.poll_since >= since
-            and now - agent.poll_since >= held_for
+            if agent.answered_since >= since
+            or (
+                agent.poll_since is not None
+                and agent.poll_since >= since
+                and now - agent.poll_since >= held_for
+            )
         )
 
     async def command(self, name: str, args: dict[str, Any]) -> Any:
@@ -238,6 +259,7 @@ class Fleet:
         if name == "stats":
             return {
                 "beats": self.total_beats(),
+                "polls": self.total_polls(),
                 "holding": self.holding(args["since"], args["held_for"]),
                 "errors": self.errors,
             }
@@ -332,6 +354,7 @@ class FleetProcesses:
                 errors[kind] = errors.get(kind, 0) + seen
         return {
             "beats": sum(part["beats"] for part in found),
+            "polls": sum(part["polls"] for part in found),
             "holding": sum(part["holding"] for part in found),
             "errors": errors,
         }
@@ -556,19 +579,36 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         await fleet.all("beating", on=True)
         await asyncio.sleep(args.heartbeat)  # one interval: every agent is on its own phase
         # CPU per heartbeat: a window with heartbeats only (polls held, no queries)
-        beats0, cpu0, t0 = (await fleet.stats())["beats"], service.cpu_seconds(), time.monotonic()
+        before = await fleet.stats()
+        cpu0, t0 = service.cpu_seconds(), time.monotonic()
         await asyncio.sleep(args.window)
-        beats, cpu, elapsed = (
-            (await fleet.stats())["beats"] - beats0,
-            service.cpu_seconds() - cpu0,
-            time.monotonic() - t0,
+        cpu, elapsed, after = service.cpu_seconds() - cpu0, time.monotonic() - t0, await fleet.stats()
+        beats, polls_a = after["beats"] - before["beats"], after["polls"] - before["polls"]
+        # ...and one with the heartbeats paused for a poll's wait (every idle poll renews in it): the
+        # CPU per renewal. Idle polls end at random points of their wait, so a window with heartbeats
+        # holds renewals too; theirs is taken off before dividing by the heartbeats.
+        await fleet.all("beating", on=False)
+        await asyncio.sleep(1.0)  # beats in flight finish
+        polls0, cpu_b0, t_b0 = (await fleet.stats())["polls"], service.cpu_seconds(), time.monotonic()
+        await asyncio.sleep(args.poll_wait)  # every idle poll ends once or more (and stamps its agent)
+        polls, cpu_b, elapsed_b = (
+            (await fleet.stats())["polls"] - polls0,
+            service.cpu_seconds() - cpu_b0,
+            time.monotonic() - t_b0,
         )
+        await fleet.all("beating", on=True)
+        await asyncio.sleep(1.0)
         out["heartbeats_per_second"] = beats / elapsed
-        out["cpu_ms_per_heartbeat"] = 1000 * cpu / max(beats, 1)
+        out["cpu_ms_per_heartbeat_all"] = 1000 * cpu / max(beats, 1)
+        out["cpu_ms_per_poll"] = 1000 * cpu_b / max(polls, 1)
+        out["cpu_ms_per_heartbeat"] = (1000 * cpu - polls_a * out["cpu_ms_per_poll"]) / max(beats, 1)
         out["service_cpu_share"] = cpu / elapsed
         say(
-            f"heartbeats: {beats / elapsed:.0f}/s held; service CPU {cpu / elapsed:.0%} of a core,"
-            f" {out['cpu_ms_per_heartbeat']:.3f} ms per heartbeat (everything the service did, divided)"
+            f"heartbeats: {beats / elapsed:.0f}/s held; service CPU {cpu / elapsed:.0%} of a core with"
+            f" {polls_a / elapsed:.0f} idle polls renewed/s; with the heartbeats paused {polls / elapsed_b:.0f}"
+            f" renewed/s at {out['cpu_ms_per_poll']:.3f} ms each (everything the service did, divided):"
+            f" {out['cpu_ms_per_heartbeat']:.3f} ms per heartbeat, net of the renewals"
+            f" ({out['cpu_ms_per_heartbeat_all']:.3f} ms: everything the service did, divided by the heartbeats)"
         )
         quiet_handler: list[float] = []
         loaded_handler: list[float] = []
@@ -781,10 +821,46 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                 f" per heartbeat (with the side-by-side eligibility queries); answers agreeing: {agree} of"
                 f" {agree + differ}, longest disagreement {longest:.2f} s"
             )
-            loaded = [await asks[0].window(args.window), await asks[1].window(args.window)]
+            # eligibility with and without the agents' traffic, side by side on each API
+            loaded: list[list[float]] = [[], []]
+            quiet: list[list[float]] = [[], []]
+            loaded_handler: list[list[float]] = [[], []]
+            quiet_handler: list[list[float]] = [[], []]
+            out["pg_load_average_before"] = os.getloadavg()[0]
+            for _ in range(args.rounds):
+                for i, ask in enumerate(asks):
+                    mark = len(ask.handler)
+                    loaded[i] += await ask.window(args.window)
+                    loaded_handler[i] += ask.handler[mark:]
+                await fleet.all("beating", on=False)
+                await asyncio.sleep(1.0)  # beats in flight finish
+                for i, ask in enumerate(asks):
+                    mark = len(ask.handler)
+                    quiet[i] += await ask.window(min(args.window, args.stale / 6))
+                    quiet_handler[i] += ask.handler[mark:]
+                await fleet.all("beating", on=True)
+                await asyncio.sleep(1.0)
+            out["pg_load_average_after"] = os.getloadavg()[0]
+            for key, found in (
+                ("loaded", loaded),
+                ("quiet", quiet),
+                ("loaded_handler", loaded_handler),
+                ("quiet_handler", quiet_handler),
+            ):
+                out[f"pg_{key}_p50"] = [percentile(x, 0.5) for x in found]
+                out[f"pg_{key}_p99"] = [percentile(x, 0.99) for x in found]
+            for i in range(2):
+                say(
+                    f"PostgreSQL: eligibility on API {i + 1}, no agent traffic: p50 {ms(out['pg_quiet_p50'][i])},"
+                    f" p99 {ms(out['pg_quiet_p99'][i])} ({len(quiet[i])} queries); during heartbeats: p50"
+                    f" {ms(out['pg_loaded_p50'][i])}, p99 {ms(out['pg_loaded_p99'][i])} ({len(loaded[i])} queries);"
+                    f" ratio p99 {out['pg_loaded_p99'][i] / out['pg_quiet_p99'][i]:.2f}x; the answers' own"
+                    f" `seconds` p99 {ms(out['pg_quiet_handler_p99'][i])} quiet,"
+                    f" {ms(out['pg_loaded_handler_p99'][i])} loaded"
+                )
             say(
-                "PostgreSQL: eligibility during the heartbeats, API 1 / API 2: "
-                + " / ".join(f"p50 {ms(percentile(x, 0.5))}, p99 {ms(percentile(x, 0.99))}" for x in loaded)
+                f"PostgreSQL: host load average {out['pg_load_average_before']:.1f} before these windows,"
+                f" {out['pg_load_average_after']:.1f} after, on {os.cpu_count()} cores"
             )
             # a deployment placed through API 1 for an agent polling API 2 (NOTIFY across processes)
             delays = []
@@ -837,6 +913,40 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             say(
                 f"PostgreSQL: revived agents eligible on both APIs again after {out['pg_return_seconds']:.2f} s"
             )
+
+            # reconnect storm: both APIs restarted at once, so every agent loses its connection
+            failures_before = [ask.failures for ask in asks]
+            restart_at = time.monotonic()
+            await asyncio.gather(*(asyncio.to_thread(api.stop) for api in apis))
+            down_at = time.monotonic()  # a poll sent from here on is held by a new process
+            await asyncio.gather(*(asyncio.to_thread(api.start) for api in apis))
+            up_at = time.monotonic()
+            watchers = [asyncio.create_task(ask.window(args.window)) for ask in asks]
+            try:
+                out["pg_storm_seconds"] = await wait_until(
+                    lambda: all_holding(down_at), args.storm_limit, 0.1
+                )
+            finally:
+                storm = [await watcher for watcher in watchers]
+            out["pg_storm_restart_seconds"] = up_at - restart_at
+            out["pg_storm_p99"] = [percentile(x, 0.99) if x else None for x in storm]
+            out["pg_storm_failures"] = sum(ask.failures for ask in asks) - sum(failures_before)
+            out["pg_storm_eligible"] = [
+                await ask.once() or await ask.once() for ask in asks
+            ]  # a new connection
+            say(
+                f"PostgreSQL reconnect storm: both APIs stopped and back in {out['pg_storm_restart_seconds']:.1f} s;"
+                f" all {count} agents hold a poll again {out['pg_storm_seconds']:.1f} s after they answered;"
+                " eligibility meanwhile on API 1 / API 2: "
+                + " / ".join(
+                    f"{len(x)} answers, p99 {ms(percentile(x, 0.99))}" if x else "none" for x in storm
+                )
+                + f", {out['pg_storm_failures']} failed; eligible after it: {out['pg_storm_eligible']}"
+            )
+            errors = (await fleet.stats())["errors"]
+            say(
+                f"PostgreSQL: agent-side errors seen: {dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5])}"
+            )
         finally:
             out["pg_lines"] = report
             for session in sessions:
@@ -868,7 +978,8 @@ def run_all(results: Any, quick: bool) -> None:
             section,
             f"heartbeats/s held by {agents:,} agents; service CPU per heartbeat",
             f"{f['heartbeats_per_second']:.0f}/s; {f['cpu_ms_per_heartbeat']:.3f} ms"
-            f" ({f['inventories_rewritten']} inventories rewritten)",
+            f" ({f['cpu_ms_per_heartbeat_all']:.3f} ms with the polls renewed meanwhile;"
+            f" a poll renewal {f['cpu_ms_per_poll']:.3f} ms; {f['inventories_rewritten']} inventories rewritten)",
             target="<= 0.4 ms, no inventory written",
             met=f["cpu_ms_per_heartbeat"] <= 0.4 and f["inventories_rewritten"] == 0,
         )

@@ -18,8 +18,9 @@ Kind = str  # "queued" | "settled" | "resync"
 # The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
 JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
 JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
-FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations" or "inventory"
+FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations", "inventory" or "stamps <origin>"
 FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
+FLEET_STAMPS = "fleet-stamps"  # a replica wrote a batch of heartbeat stamps; payload: its origin
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
 REPORTED_JOB = "-"  # the job id of a settle that only says "a report of this reference was stored"
 
@@ -32,7 +33,7 @@ class QueueEvents:
         self._settled = asyncio.Event()  # any settle, for waiters without a key
         self._keyed: dict[str, list[asyncio.Event]] = {}  # job id or reference -> its waiters
         self._on_queued: list[Callable[[], None]] = []
-        self._on_fleet: list[Callable[[str], None]] = []
+        self._on_fleet: list[Callable[[str, str], None]] = []
         # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
         # re-checks every second, since another process sharing a SQLite file sends no events.
         self.cross_process = False
@@ -46,8 +47,9 @@ class QueueEvents:
         self._on_queued.append(callback)
         return lambda: self._on_queued.remove(callback) if callback in self._on_queued else None
 
-    def on_fleet(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(kind)` (on the loop) when another process changed reservations or servers."""
+    def on_fleet(self, callback: Callable[[str, str], None]) -> None:
+        """Call `callback(kind, payload)` (on the loop) when a process changed reservations or
+        servers, or wrote heartbeat stamps (`FLEET_STAMPS`, the payload names the writer)."""
         self._on_fleet.append(callback)
 
     def fire(self, kind: Kind, payload: str = "") -> None:
@@ -58,9 +60,9 @@ class QueueEvents:
         stored mid-scan (its config facts, before its layers are read) comes as a settle of job
         `-`: it wakes the waiters on its reference, and frees no worker.
         """
-        if kind in (FLEET_RESERVATIONS, FLEET_INVENTORY, RESYNC):
+        if kind in (FLEET_RESERVATIONS, FLEET_INVENTORY, FLEET_STAMPS, RESYNC):
             for fleet_callback in list(self._on_fleet):
-                fleet_callback(FLEET_INVENTORY if kind == RESYNC else kind)
+                fleet_callback(FLEET_INVENTORY if kind == RESYNC else kind, payload)
             if kind != RESYNC:
                 return
         if kind in (SETTLED, RESYNC):

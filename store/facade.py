@@ -32,6 +32,7 @@ from store.events import (
     FLEET_CHANNEL,
     FLEET_INVENTORY,
     FLEET_RESERVATIONS,
+    FLEET_STAMPS,
     JOB_SETTLED_CHANNEL,
     JOBS_QUEUED_CHANNEL,
     LOCAL_RECHECK,
@@ -360,7 +361,10 @@ class AsyncStore:
             def on_notify(notification: tuple[str, str]) -> None:
                 channel, payload = notification
                 if channel == FLEET_CHANNEL:
-                    relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
+                    if payload.startswith("stamps"):
+                        relay(FLEET_STAMPS, payload.partition(" ")[2])
+                    else:
+                        relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
                 else:
                     relay(kinds.get(channel, RESYNC), payload)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +21,7 @@ from agent.service_client import Backoff
 from bench import fleet_bench
 from fixtures.registry import free_port
 from web.app import create_app
-from web.long_polls import LONG_POLLS
+from web.long_polls import LONG_POLLS, POLL_END_JITTER, held_for
 from web.settings import ServiceSettings
 
 AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0
@@ -120,6 +121,40 @@ async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: 
             assert polls.held == 0
     finally:
         await runner.cleanup()
+
+
+async def test_idle_polls_opened_together_do_not_end_together(tmp_path: Path) -> None:
+    """Agents that reconnected together (a restart) would otherwise renew their polls together for
+    as long as they run: every `wait` seconds a burst in front of every other request. An idle
+    poll ends at a random point of the last POLL_END_JITTER of its wait."""
+    settings = ServiceSettings(db=tmp_path / "polls.db", docker_config=None)
+    app = create_app(settings, start_workers=False)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    wait, count = 1.0, 12
+    try:
+        async with aiohttp.ClientSession() as session:
+            for n in range(count):
+                async with session.post(
+                    f"{url}/api/servers", json={"name": f"node-{n}", "gpus": []}
+                ) as response:
+                    assert response.status == 200
+
+            async def held(name: str) -> float:
+                started = time.monotonic()
+                assert await _poll(session, f"{url}/api/agents/{name}/deployments?wait={wait:g}") == 200
+                return time.monotonic() - started
+
+            ends = await asyncio.wait_for(asyncio.gather(*(held(f"node-{n}") for n in range(count))), 10)
+    finally:
+        await runner.cleanup()
+    assert min(ends) >= (1 - POLL_END_JITTER) * wait - 0.01, ends
+    assert max(ends) <= wait + 0.5, ends
+    assert max(ends) - min(ends) >= 0.03, ends  # 12 draws from a quarter of a second, not one moment
+    assert held_for(wait, 0.0) == wait and held_for(wait, 0.999) > (1 - POLL_END_JITTER) * wait
 
 
 async def _poll(session: aiohttp.ClientSession, url: str) -> int:

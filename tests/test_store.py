@@ -190,6 +190,24 @@ def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
     assert len(store.run(queries.deployments, server="node-a")) == 1
 
 
+def test_heartbeat_stamps_are_written_in_a_batch_and_read_back_as_seconds(open_backend: OpenBackend) -> None:
+    """What an API replica reads of the others' agents (`queries.heartbeats`): numbers, to the
+    millisecond, and only the servers heard from since the time asked."""
+    import time
+    from datetime import UTC, datetime
+
+    store = open_backend()
+    for name in ("node-a", "node-b"):
+        store.run(queries.upsert_server, name, f'{{"name": "{name}"}}')
+    now = time.time()
+    store.run(queries.stamp_heartbeats, {"node-a": now + 60.25, "node-b": now + 30.5})
+    store.run(queries.stamp_heartbeats, {"node-a": now + 10.0})  # a stamp never moves back
+    stamps = dict(store.run(queries.heartbeats))
+    assert abs(stamps["node-a"] - (now + 60.25)) < 0.002 and abs(stamps["node-b"] - (now + 30.5)) < 0.002
+    since = datetime.fromtimestamp(now + 45, UTC)
+    assert [name for name, _ in store.run(queries.heartbeats, since)] == ["node-a"]
+
+
 def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:
     store = open_backend()
     store.run(queries.save_layer_evidence, "sha256:" + "e" * 64, '{"flavour": "musl"}')

@@ -2,7 +2,8 @@
 
 `FleetIndexCache` keeps liveness (heartbeat stamps, written to the store in batches), GPU owners
 and placement's `FleetIndex` in memory between requests; `install` puts it, the long polls and
-the heartbeat writer on the application and follows other replicas' changes (PostgreSQL NOTIFY).
+the heartbeat writer on the application and follows other replicas' changes (PostgreSQL NOTIFY,
+and a timed read of the heartbeats they wrote, in a task of its own: never in a request's way).
 The routes of agents, eligibility, deployments, admission and the fleet pages read it from here.
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
@@ -21,7 +23,7 @@ from aiohttp import web
 from placement.index import FleetIndex
 from placement.inventory import Gpu, Server, parse_inventory
 from store import AsyncStore, ServerRecord, queries
-from store.events import FLEET_INVENTORY
+from store.events import FLEET_INVENTORY, FLEET_STAMPS
 from web.long_polls import LONG_POLLS, LongPolls
 from web.state import services_of_app
 
@@ -74,16 +76,20 @@ class FleetIndexCache:
     `flush_seconds` (`flush`), so a restart or another process sees them, and never touch the
     inventory. An inventory is written only when it changed (registration, a heartbeat with
     other GPUs). The server table is read in full once (at the first query), then only when
-    another process registered servers (PostgreSQL NOTIFY, at most once per timed check).
+    another process registered servers (PostgreSQL NOTIFY, read by `follow`).
 
     Handlers that change the fleet say so and the change holds at once for GPU claims:
     `registered()` (a server registered or reported other GPUs) and `returned()` (heard from
     again after going stale); the index itself takes the changes, batched, at the next query.
     `reservations_changed()` (GPUs reserved or released) re-reads only the reservations and
     re-derives only the servers whose reserved GPUs changed. Agents silent for
-    `stale_after_seconds` drop out on a timed check of the in-memory stamps, every
-    `check_seconds` and when the first agent is due to go stale; with other processes sharing
-    the store (PostgreSQL) the same check reads the stamps they wrote since the last check.
+    `stale_after_seconds` drop out on a timed check of the in-memory stamps, at most
+    `check_seconds` after they are due; the check is in memory, and walks the live agents only
+    once the earliest stamp among them is due. With other processes sharing the store
+    (PostgreSQL), `follow`, in a task of its own (`install`), reads the stamps they wrote since
+    its last read and any server they registered, when one of them says it wrote either (NOTIFY)
+    and at least every two `heartbeat_flush_seconds`: that round trip never lands in a request,
+    which finds its results in memory.
     """
 
     def __init__(
@@ -113,6 +119,11 @@ class FleetIndexCache:
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
         self._pending: set[str] = set()  # servers whose index entry must be (re)derived
         self._stamps_read_at: float | None = None  # wall time of the last read of others' stamps
+        self._earliest_live = 0.0  # no live agent was last heard before this (wall time)
+        self._maybe_back: set[str] = set()  # not live, heard from elsewhere since the last check
+        self._reading = asyncio.Lock()  # one full read of the server table at a time
+        self.origin = uuid.uuid4().hex[:16]  # names this process's stamp batches to the others
+        self._follow_due = asyncio.Event()  # another process wrote stamps or servers since `follow`
 
     # ---- liveness, on the loop and without I/O ------------------------------------------
 
@@ -176,6 +187,8 @@ class FleetIndexCache:
         self._texts[server.name] = text
         heard = datetime.fromisoformat(last_heartbeat).timestamp()
         self._heard[server.name] = max(self._heard.get(server.name, 0.0), heard)
+        if server.name not in self._live:
+            self._maybe_back.add(server.name)
 
     def _enter(self, name: str, server: Server) -> None:
         previous = self._base.get(name)
@@ -184,6 +197,7 @@ class FleetIndexCache:
                 if self._owner.get(gpu.uuid) == name:
                     del self._owner[gpu.uuid]
         self._live.add(name)
+        self._earliest_live = min(self._earliest_live, self._heard.get(name, 0.0))
         self._base[name] = server
         self._owner.update((gpu.uuid, name) for gpu in server.gpus)
         self._pending.add(name)
@@ -206,20 +220,33 @@ class FleetIndexCache:
         self._reservations_dirty = True
 
     def inventory_changed_elsewhere(self) -> None:
-        """Another process registered servers: the next timed check reads the server table."""
+        """Another process registered servers: `follow` reads the server table, now."""
         self._full_read = True
+        self._follow_due.set()
+
+    def stamps_written_elsewhere(self) -> None:
+        """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them, now."""
+        self._follow_due.set()
+
+    async def follow_due(self, timeout: float) -> None:
+        """Until another process wrote stamps or servers since the last `follow`, or `timeout`
+        passed (a notification lost with the listener's connection is caught up that way)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._follow_due.wait(), timeout)
+        self._follow_due.clear()
 
     # ---- reading the store ------------------------------------------------------------------
 
     async def refresh(self, app: web.Application) -> None:
-        """Bring liveness, owners and reservations up to date (cheap when nothing is due)."""
+        """Bring liveness, owners and reservations up to date: in memory, but for the first read of
+        the server table and a re-read of the reservations after they changed."""
         now = self._clock()
-        store = services_of_app(app).store
-        if self._index is None or (self._full_read and (self.inventory_reads == 0 or now >= self._check_at)):
-            await self._read_all(app, store)
-            self._check_at = 0.0  # the stale check below runs on what was just read
+        services = services_of_app(app)
+        if self._index is None or self.inventory_reads == 0:
+            await self._read_all(app, services.store)
         if now >= self._check_at:
-            await self._timed_check(app, store, now)
+            self._timed_check(services.settings.stale_after_seconds, now)
+        store = services.store
         if self._reservations_dirty:
             self._reservations_dirty = False
             self._reserved_gpus = await store.run(queries.reserved_gpus)
@@ -237,10 +264,21 @@ class FleetIndexCache:
         return self._index
 
     async def _read_all(self, app: web.Application, store: AsyncStore) -> None:
-        if self._static is None or self._index is None:
-            self.prime(app[STATIC_FLEET])
-        self.inventory_reads += 1
-        self._full_read = False
+        async with self._reading:
+            if self.inventory_reads > 0 and not self._full_read:
+                return  # read meanwhile, by the caller this one waited for
+            if self._static is None or self._index is None:
+                self.prime(app[STATIC_FLEET])
+            self._full_read = False
+            try:
+                await self._read_fleet(store)
+            except BaseException:
+                self._full_read = True  # read again next time
+                raise
+            self.inventory_reads += 1
+            self._check_at = 0.0  # the next check runs on what was just read
+
+    async def _read_fleet(self, store: AsyncStore) -> None:
         self._reservations_dirty = False
         known = dict(self._texts)
         rows, reserved = await store.run(queries.servers), await store.run(queries.reserved_gpus)
@@ -254,49 +292,68 @@ class FleetIndexCache:
             self._agents[name] = server
             self._texts[name] = read.texts[name]
             self._heard[name] = max(self._heard.get(name, 0.0), read.heard[name])
+            if name not in self._live:
+                self._maybe_back.add(name)
         self._reserved_gpus = read.reserved
         self._reservations_dirty = True  # applied once the index has every server
         for name in changed:
             self._enter(name, self._agents[name])
 
-    async def _timed_check(self, app: web.Application, store: AsyncStore, now: float) -> None:
-        settings = services_of_app(app).settings
+    async def follow(self, app: web.Application) -> None:
+        """Read what other processes sharing the store wrote since the last call: the heartbeats
+        they heard (written in batches, so read back over the time a batch may take) and the
+        servers they registered. `install`'s task calls it on a shared store (PostgreSQL) when
+        another process says it wrote stamps or servers (NOTIFY), at most every `check_seconds`;
+        the round trip and the conversion run in the store's thread, the loop compares one number
+        per stamp. Nothing before the first query has read the fleet."""
+        if self.inventory_reads == 0:
+            return
+        services = services_of_app(app)
+        store, settings = services.store, services.settings
+        if self._full_read:
+            await self._read_all(app, store)
         wall = self._wall()
-        if store.events.cross_process:
-            # Other processes' agents: the stamps they wrote since the last check (with the time
-            # a batch may take to be written), and any server they registered meanwhile.
-            margin = settings.heartbeat_flush_seconds + 2 * self.check_seconds + 1.0
-            since = None if self._stamps_read_at is None else self._stamps_read_at - margin
-            self._stamps_read_at = wall
-            stamps = await store.run(
-                queries.heartbeats, datetime.fromtimestamp(since, UTC) if since is not None else None
-            )
-            unknown = []
-            for name, stamp in stamps:
-                heard = datetime.fromisoformat(stamp).timestamp()
-                if heard > self._heard.get(name, 0.0):
-                    self._heard[name] = heard
-                if name not in self._agents:
-                    unknown.append(name)
-            if unknown:
-                for record in await store.run(queries.server_records, unknown):
-                    server = await asyncio.to_thread(agent_server, record.inventory_json)
-                    self.learned(server, record.inventory_json, record.last_heartbeat)
-        cutoff = wall - settings.stale_after_seconds
-        first_due = None
-        for name in list(self._live):
-            heard = self._heard.get(name, 0.0)
-            if heard < cutoff:
-                self._leave(name)
-            elif first_due is None or heard < first_due:
-                first_due = heard
-        for name, server in self._agents.items():  # back through another process (it checked the GPUs)
-            if name not in self._live and self._heard.get(name, 0.0) >= cutoff:
+        margin = settings.heartbeat_flush_seconds + 2 * self.check_seconds + 1.0
+        since = None if self._stamps_read_at is None else self._stamps_read_at - margin
+        stamps = await store.run(
+            queries.heartbeats, datetime.fromtimestamp(since, UTC) if since is not None else None
+        )
+        self._stamps_read_at = wall
+        unknown = []
+        for name, heard in stamps:
+            if heard > self._heard.get(name, 0.0):
+                self._heard[name] = heard
+                if name not in self._live:
+                    self._maybe_back.add(name)
+            if name not in self._agents:
+                unknown.append(name)
+        if unknown:
+            for record in await store.run(queries.server_records, unknown):
+                server = await asyncio.to_thread(agent_server, record.inventory_json)
+                self.learned(server, record.inventory_json, record.last_heartbeat)
+
+    def _timed_check(self, stale_after: float, now: float) -> None:
+        """Drop the agents silent for `stale_after` seconds; take back those heard from through
+        another process. In memory; the live agents are walked only once the earliest stamp
+        among them is due."""
+        wall = self._wall()
+        cutoff = wall - stale_after
+        if cutoff > self._earliest_live:
+            earliest = None
+            for name in list(self._live):
+                heard = self._heard.get(name, 0.0)
+                if heard < cutoff:
+                    self._leave(name)
+                elif earliest is None or heard < earliest:
+                    earliest = heard
+            self._earliest_live = wall if earliest is None else earliest
+        back, self._maybe_back = self._maybe_back, set()
+        for name in back:  # back through another process (it checked the GPUs)
+            server = self._agents.get(name)
+            if server is not None and name not in self._live and self._heard.get(name, 0.0) >= cutoff:
                 self._enter(name, server)
-        self._check_at = now + self.check_seconds
-        if first_due is not None:
-            due = first_due + settings.stale_after_seconds - wall
-            self._check_at = min(self._check_at, now + max(due, 0.0))
+        due = self._earliest_live + stale_after - wall
+        self._check_at = now + min(self.check_seconds, max(due, 0.0))
 
     def _apply_reservations(self, changed: Sequence[str]) -> None:
         """Apply the reserved GPUs; re-derive the servers in `changed` and those whose reservations moved."""
@@ -330,7 +387,8 @@ class FleetIndexCache:
             return 0
         batch, self._unwritten = self._unwritten, {}
         try:
-            await store.run(queries.stamp_heartbeats, batch)  # converted and written in the store's thread
+            # converted and written in the store's thread; the other replicas are told
+            await store.run(queries.stamp_heartbeats, batch, self.origin)
         except BaseException:
             for name, heard in batch.items():  # kept for the next batch
                 self._unwritten.setdefault(name, heard)
@@ -388,17 +446,41 @@ async def _write_heartbeats(app: web.Application) -> None:
 
 
 async def _start_heartbeat_writer(app: web.Application) -> None:
-    app[HEARTBEAT_WRITER] = asyncio.get_running_loop().create_task(_write_heartbeats(app))
+    loop = asyncio.get_running_loop()
+    app[HEARTBEAT_WRITER] = loop.create_task(_write_heartbeats(app))
+    app[REPLICA_FOLLOWER] = loop.create_task(_read_other_replicas(app))
+
+
+REPLICA_FOLLOWER = web.AppKey("replica_follower", asyncio.Task[None])
+
+
+async def _read_other_replicas(app: web.Application) -> None:
+    """On a store shared with other processes (PostgreSQL), what they wrote
+    (`FleetIndexCache.follow`), read here so that no request waits for it: when another process
+    says it wrote a batch of stamps or registered servers, at most every `check_seconds`, and at
+    least every two `heartbeat_flush_seconds` (a lost notification). Idle on SQLite."""
+    services = services_of_app(app)
+    store = services.store
+    while True:
+        cache = app[FLEET_INDEX]
+        await cache.follow_due(max(cache.check_seconds, 2 * services.settings.heartbeat_flush_seconds))
+        if store.events.cross_process:
+            try:
+                await cache.follow(app)
+            except Exception as exc:  # the store is down: the next round reads from where this one began
+                log.warning("could not read the other replicas' heartbeats: %s", exc)
+        await asyncio.sleep(cache.check_seconds)
 
 
 async def _end_long_polls(app: web.Application) -> None:
     """Shutdown: open long polls answer now, and the last heartbeats heard are written."""
     await app[LONG_POLLS].close()
-    writer = app.get(HEARTBEAT_WRITER)
-    if writer is not None:
-        writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await writer
+    for key in (REPLICA_FOLLOWER, HEARTBEAT_WRITER):
+        task = app.get(key)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     try:
         await app[FLEET_INDEX].flush(services_of_app(app).store)
     except Exception as exc:
@@ -408,10 +490,15 @@ async def _end_long_polls(app: web.Application) -> None:
 def _follow_other_replicas(app: web.Application) -> None:
     """On PostgreSQL, what other API replicas change reaches this one: deploys and stops make its
     placement index re-read the reservations and wake the long polls of the servers with work;
-    registrations make the next timed check read the server table."""
+    registrations make the next `follow` read the server table, and the stamps another replica
+    wrote make it read those."""
 
-    def changed(kind: str) -> None:
+    def changed(kind: str, payload: str) -> None:
         index = app[FLEET_INDEX]
+        if kind == FLEET_STAMPS:
+            if payload != index.origin:  # this process's own batch, echoed back, is known here
+                index.stamps_written_elsewhere()
+            return
         if kind == FLEET_INVENTORY:
             index.inventory_changed_elsewhere()
             index.reservations_changed()  # a resync arrives as an inventory change: re-read both

@@ -58,24 +58,18 @@ def int_param(request: web.Request, name: str, default: int, low: int, high: int
     return max(low, min(high, value))
 
 
-async def _stored_digest(services: Services, reference: Reference) -> str | None:
-    """The digest a tag or digest reference stands for, if the store knows it."""
-    if reference.digest:
-        return reference.digest
-    return await services.store.run(
-        queries.resolve_tag, reference.registry, reference.repository, reference.tag or ""
-    )
-
-
 async def find_report(services: Services, reference: Reference) -> ImageReport | None:
-    """The latest stored report for a tag or digest reference."""
-    store = services.store
-    digest = await _stored_digest(services, reference)
+    """The latest stored report for a tag or digest reference (one store read)."""
+    digest, report, platform = await services.store.run(
+        queries.reference_report,
+        reference.registry,
+        reference.repository,
+        reference.tag or "",
+        reference.digest,
+    )
     if digest is None:
         return None
-    report = await store.run(queries.report, digest)
     if report is None:
-        platform = await store.run(queries.platform_report, digest)
         if platform is None:
             return None
         report = ImageReport(

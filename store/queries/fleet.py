@@ -38,28 +38,30 @@ def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
 
 
 @writes
-def stamp_heartbeats(db: Db, stamps: Mapping[str, float]) -> None:
+def stamp_heartbeats(db: Db, stamps: Mapping[str, float], origin: str = "") -> None:
     """Record many servers' last heartbeats at once (server name -> seconds since the epoch; the
-    service batches them; no inventory is written). A stamp never moves a heartbeat back."""
+    service batches them; no inventory is written). A stamp never moves a heartbeat back. Other
+    replicas are told (NOTIFY "stamps <origin>", `origin` naming the writer) and read them."""
     stamp = db.dialect.stamp_param
     db.many(
         "UPDATE servers SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
         [{"name": name, "seen": stamp(datetime.fromtimestamp(seen, UTC))} for name, seen in stamps.items()],
     )
+    db.notify(FLEET_CHANNEL, f"stamps {origin}")
 
 
 @reads
-def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, str]]:
-    """(name, last heartbeat) of every server heard from at or after `since` (every server: None)."""
+def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, float]]:
+    """(name, last heartbeat in seconds since the epoch, to the millisecond) of every server heard
+    from at or after `since` (every server: None). An API replica reads thousands of these a
+    second: the engine converts them, so neither the store's thread nor the event loop parses a
+    date."""
+    select = f"SELECT name, {db.dialect.epoch('last_heartbeat')} FROM servers"
     if since is None:
-        rows = db.all("SELECT name, last_heartbeat FROM servers")
+        rows = db.all(select)
     else:
-        rows = db.all(
-            "SELECT name, last_heartbeat FROM servers WHERE last_heartbeat >= :since",
-            {"since": db.dialect.stamp_param(since)},
-        )
-    stamp = db.dialect.stamp
-    return [(row[0], stamp(row[1]) or "") for row in rows]
+        rows = db.all(select + " WHERE last_heartbeat >= :since", {"since": db.dialect.stamp_param(since)})
+    return [(row[0], float(row[1])) for row in rows]
 
 
 @reads

@@ -11,7 +11,7 @@ from scanner.models import ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
 from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
 from store.models import ImageRow
-from store.queries.tags import TagSeen, record_tags
+from store.queries.tags import TagSeen, record_tags, resolve_tag
 
 # Exact totals up to this many matching images; beyond, the planner's estimate where the engine
 # has one (see `_count`).
@@ -186,6 +186,28 @@ def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | No
         ImageReport.model_validate_json(image) if image else None,
         PlatformReport.model_validate_json(platform) if platform else None,
     )
+
+
+@reads
+def reference_report(
+    db: Db, registry: str, repository: str, tag: str, digest: str | None
+) -> tuple[str | None, ImageReport | None, PlatformReport | None]:
+    """What a reference stands for, in one read: its digest (`digest` itself, else what `tag` last
+    pointed at, `resolve_tag`) and that digest's stored report, as an image or else as one
+    platform of an index. (None, None, None) when the tag is unknown or deleted. One store hop
+    for the lookup every placement request starts with."""
+    digest = digest or resolve_tag(db, registry, repository, tag)
+    if digest is None:
+        return None, None, None
+    row = db.one(
+        "SELECT (SELECT report FROM reports WHERE digest = :d),"
+        " (SELECT report FROM platform_reports WHERE digest = :d)",
+        {"d": digest},
+    )
+    image, platform = row if row else (None, None)
+    if image:
+        return digest, ImageReport.model_validate_json(image), None
+    return digest, None, PlatformReport.model_validate_json(platform) if platform else None
 
 
 @reads
