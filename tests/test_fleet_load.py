@@ -9,8 +9,10 @@ eligible count); only the measuring windows are timed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -90,43 +92,48 @@ def test_the_fleet_reconnects_after_a_restart(figures: dict[str, object]) -> Non
 # ------------------------------------------------------------------ the long-poll budget
 
 
-async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: Path) -> None:
-    settings = ServiceSettings(db=tmp_path / "polls.db", long_poll_max=1, docker_config=None)
+@contextlib.asynccontextmanager
+async def serving(settings: ServiceSettings) -> AsyncIterator[tuple[web.Application, str]]:
+    """The service's app (no workers) on a free loopback port: (app, base URL)."""
     app = create_app(settings, start_workers=False)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as session:
-            for name in ("node-a", "node-b"):
-                server = {"name": name, "gpus": []}
-                async with session.post(f"{url}/api/servers", json=server) as response:
-                    assert response.status == 200
-            held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait=30"))
-            polls = app[LONG_POLLS]
-            for _ in range(500):  # bounded: until the first poll holds the only slot
-                if polls.held == 1:
-                    break
-                await asyncio.sleep(0.01)
-            assert polls.held == 1
-            async with session.get(f"{url}/api/agents/node-b/deployments?wait=30") as response:
-                assert response.status == 503
-                assert response.headers["Retry-After"] == "5"
-                assert "GPUBADGE_LONG_POLL_MAX" in (await response.json())["error"]
-            # a poll that does not wait holds no slot and is answered as ever
-            async with session.get(f"{url}/api/agents/node-b/deployments?wait=0") as response:
-                assert response.status == 200
-            assert polls.refused == 1
-            # node-a polls again (its first connection is gone, say): the old poll answers at once
-            # and the new one takes its slot
-            async with session.get(f"{url}/api/agents/node-a/deployments?wait=0.2") as response:
-                assert response.status == 200
-            assert await asyncio.wait_for(held, 10) == 200
-            assert polls.held == 0
+        yield app, f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: Path) -> None:
+    settings = ServiceSettings(db=tmp_path / "polls.db", long_poll_max=1, docker_config=None)
+    async with serving(settings) as (app, url), aiohttp.ClientSession() as session:
+        for name in ("node-a", "node-b"):
+            server = {"name": name, "gpus": []}
+            async with session.post(f"{url}/api/servers", json=server) as response:
+                assert response.status == 200
+        held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait=30"))
+        polls = app[LONG_POLLS]
+        for _ in range(500):  # bounded: until the first poll holds the only slot
+            if polls.held == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert polls.held == 1
+        async with session.get(f"{url}/api/agents/node-b/deployments?wait=30") as response:
+            assert response.status == 503
+            assert response.headers["Retry-After"] == "5"
+            assert "GPUBADGE_LONG_POLL_MAX" in (await response.json())["error"]
+        # a poll that does not wait holds no slot and is answered as ever
+        async with session.get(f"{url}/api/agents/node-b/deployments?wait=0") as response:
+            assert response.status == 200
+        assert polls.refused == 1
+        # node-a polls again (its first connection is gone, say): the old poll answers at once
+        # and the new one takes its slot
+        async with session.get(f"{url}/api/agents/node-a/deployments?wait=0.2") as response:
+            assert response.status == 200
+        assert await asyncio.wait_for(held, 10) == 200
+        assert polls.held == 0
 
 
 async def test_idle_polls_opened_together_do_not_end_together(tmp_path: Path) -> None:
@@ -134,29 +141,18 @@ async def test_idle_polls_opened_together_do_not_end_together(tmp_path: Path) ->
     as long as they run: every `wait` seconds a burst in front of every other request. An idle
     poll ends at a random point of the last POLL_END_JITTER of its wait."""
     settings = ServiceSettings(db=tmp_path / "polls.db", docker_config=None)
-    app = create_app(settings, start_workers=False)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     wait, count = 1.0, 12
-    try:
-        async with aiohttp.ClientSession() as session:
-            for n in range(count):
-                async with session.post(
-                    f"{url}/api/servers", json={"name": f"node-{n}", "gpus": []}
-                ) as response:
-                    assert response.status == 200
+    async with serving(settings) as (_, url), aiohttp.ClientSession() as session:
+        for n in range(count):
+            async with session.post(f"{url}/api/servers", json={"name": f"node-{n}", "gpus": []}) as response:
+                assert response.status == 200
 
-            async def held(name: str) -> float:
-                started = time.monotonic()
-                assert await _poll(session, f"{url}/api/agents/{name}/deployments?wait={wait:g}") == 200
-                return time.monotonic() - started
+        async def held(name: str) -> float:
+            started = time.monotonic()
+            assert await _poll(session, f"{url}/api/agents/{name}/deployments?wait={wait:g}") == 200
+            return time.monotonic() - started
 
-            ends = await asyncio.wait_for(asyncio.gather(*(held(f"node-{n}") for n in range(count))), 10)
-    finally:
-        await runner.cleanup()
+        ends = await asyncio.wait_for(asyncio.gather(*(held(f"node-{n}") for n in range(count))), 10)
     assert min(ends) >= (1 - POLL_END_JITTER) * wait - 0.01, ends
     assert max(ends) <= wait + 0.5, ends
     assert max(ends) - min(ends) >= 0.03, ends  # 12 draws from a quarter of a second, not one moment
