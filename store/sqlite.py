@@ -47,7 +47,7 @@ from store.models import (
 )
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
 from store.sqlite_access import WriterLock, unwritable_hint
-from store.sqlite_notify import LocalNotifier, Notice
+from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
 # queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
@@ -77,6 +77,11 @@ def _seconds_since(stamp: str | None, moment: datetime) -> float | None:
 # their first user_version migrations as applied; files made before any versioning hold migration
 # 1's tables, which it creates only if missing.
 SCHEMA_VERSION = latest_version("sqlite")
+
+
+def _settled(job_id: str, reference: str) -> Notice:
+    """The notice of a job that settled, as PostgreSQL's `_notify_settled` sends it."""
+    return (JOB_SETTLED_CHANNEL, f"{job_id} {reference}"[:PAYLOAD_MAX])
 
 
 class SqliteStore(SharedMethods):
@@ -161,9 +166,6 @@ class SqliteStore(SharedMethods):
         """After a commit: tell the processes sharing this file (no-op unless it shares events)."""
         if self._notifier is not None and notices:
             self._notifier.send(notices)
-
-    def _settled(self, job_id: str, reference: str) -> Notice:
-        return (JOB_SETTLED_CHANNEL, f"{job_id} {reference}"[:7900])
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
@@ -418,7 +420,7 @@ class SqliteStore(SharedMethods):
                     [state, now, now, job_id],
                 )
                 expired.append(LeaseExpiry(job_id, reference, owner or "", state))
-        notices = [self._settled(item.job_id, item.reference) for item in expired if item.state == "failed"]
+        notices = [_settled(item.job_id, item.reference) for item in expired if item.state == "failed"]
         if any(item.state == "queued" for item in expired):
             notices.append((JOBS_QUEUED_CHANNEL, ""))
         self._announce(*notices)
@@ -468,7 +470,7 @@ class SqliteStore(SharedMethods):
                 [digest, _iso(_now()), job_id, owner],
             ).fetchone()
         if row is not None:
-            self._announce(self._settled(job_id, row[0]))
+            self._announce(_settled(job_id, row[0]))
         return row is not None
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
@@ -494,7 +496,7 @@ class SqliteStore(SharedMethods):
                 " updated_at = ? WHERE id = ?",
                 [state, error, not_before, _iso(now), job_id],
             )
-        self._announce(self._settled(job_id, row[2]) if final else (JOBS_QUEUED_CHANNEL, ""))
+        self._announce(_settled(job_id, row[2]) if final else (JOBS_QUEUED_CHANNEL, ""))
         return state
 
     def retry_job(self, job_id: str) -> Job | None:

@@ -142,6 +142,7 @@ AGENT_ONLY = {
     "403": json_reply(ERROR, "a per-agent token presented for another server"),
 }
 TOO_LARGE = {"413": json_reply(ERROR, "body larger than GPUBADGE_MAX_BODY_BYTES")}
+GPU_CLAIMED = {"409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it")}
 BAD_QUERY = {"400": json_reply(ERROR, "a query parameter is not of its type")}
 NOT_PLACEABLE = {
     **PRIVATE,

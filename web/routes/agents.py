@@ -28,6 +28,7 @@ from store import queries
 from web.api_description import (
     AGENT_ONLY,
     ERROR,
+    GPU_CLAIMED,
     OBJECT,
     PRIVATE,
     TOO_LARGE,
@@ -170,7 +171,7 @@ async def list_servers(request: web.Request) -> web.Response:
         "200": json_reply(RegisterResponse, "registered; heartbeat this often"),
         "400": json_reply(ERROR, "invalid server"),
         **AGENT_ONLY,
-        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **GPU_CLAIMED,
         **TOO_LARGE,
     },
 )
@@ -206,7 +207,7 @@ _OK = b'{"ok": true}'
         "400": json_reply(ERROR, "invalid heartbeat"),
         **AGENT_ONLY,
         "404": json_reply(ERROR, "unknown server: register again"),
-        "409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it"),
+        **GPU_CLAIMED,
         **TOO_LARGE,
     },
 )
