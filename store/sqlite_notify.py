@@ -128,10 +128,11 @@ class LocalNotifier:
             if stopped.is_set():
                 return
             stopped.set()
-            with contextlib.suppress(OSError):
-                os.unlink(entry)
+            # the wake-up goes to the bound path, so before the path is unlinked
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
                 waker.sendto(b"", address)  # wakes the thread's recv; it sees `stopped` and ends
+            with contextlib.suppress(OSError):
+                os.unlink(entry)
             thread.join(timeout=5)
             receiver.close()
             if private is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -50,11 +51,16 @@ def test_a_commit_reaches_every_process_sharing_the_file_its_own_included(tmp_pa
         assert heard_next(heard_by_worker) == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
         assert heard_by_api.empty() and heard_by_worker.empty()
     finally:
+        started = time.monotonic()
         for stop in stops:
             stop()
+        stopping = time.monotonic() - started
         api.close()
         worker.close()
     assert list(notify_directory(db).iterdir()) == []  # each listener removed its socket
+    # each listener's thread woke at once (not at the join's 5 s bound), so a process stops promptly
+    assert stopping < 2.5
+    assert not [thread for thread in threading.enumerate() if thread.name == "sqlite-listen"]
 
 
 def test_a_listener_whose_process_died_is_removed_and_the_others_still_hear(tmp_path: Path) -> None:
