@@ -60,11 +60,14 @@ def open_store(
     threads: int = 8,
     database_url: str | None = None,
     shared_events: bool = False,
+    report_cache_entries: int = 512,
+    report_cache_seconds: float = 30.0,
 ) -> AsyncStore:
     """The async store, migrated to the current schema: PostgreSQL when `database_url` is given
     (then no SQLite file is touched), else the SQLite file at `path`. `shared_events`: on SQLite,
     tell the other processes sharing the file of each commit and hear theirs (`store.sqlite_notify`),
-    as every PostgreSQL store does."""
+    as every PostgreSQL store does. `report_cache_entries` and `report_cache_seconds` bound the
+    reference lookups kept in memory (`store.report_lookups`)."""
     return AsyncStore(
         open_backend(
             path,
@@ -75,6 +78,8 @@ def open_store(
             shared_events=shared_events,
         ),
         threads=threads,
+        report_cache_entries=report_cache_entries,
+        report_cache_seconds=report_cache_seconds,
     )
 
 

@@ -142,8 +142,11 @@ class Dialect:
     def notify(self, db: Db, channel: str, payload: str) -> None:
         """Tell every replica of this commit: PostgreSQL's NOTIFY, sent at commit. On SQLite the
         notice is kept on `db.notices`; the store sends it once the transaction has committed, to
-        the processes sharing the file (`store.sqlite_notify`), when it shares its events."""
-        db.notices.append((channel, payload[:7900]))
+        the processes sharing the file (`store.sqlite_notify`), when it shares its events. As
+        PostgreSQL does, a transaction sends one notice for each distinct channel and payload."""
+        notice = (channel, payload[:7900])
+        if notice not in db.notices:
+            db.notices.append(notice)
 
 
 @functools.lru_cache(maxsize=1024)

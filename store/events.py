@@ -34,6 +34,7 @@ class QueueEvents:
         self._keyed: dict[str, list[asyncio.Event]] = {}  # job id or reference -> its waiters
         self._on_queued: list[Callable[[], None]] = []
         self._on_fleet: list[Callable[[str, str], None]] = []
+        self._on_settled: list[Callable[[], None]] = []
         # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
         # re-checks every second, since another process sharing a SQLite file sends no events.
         self.cross_process = False
@@ -52,6 +53,11 @@ class QueueEvents:
         servers, or wrote heartbeat stamps (`FLEET_STAMPS`, the payload names the writer)."""
         self._on_fleet.append(callback)
 
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (on the loop) on every settle and resync: a job finished, or a report,
+        tag or deleted manifest was written (here or, with a listener, in another process)."""
+        self._on_settled.append(callback)
+
     def fire(self, kind: Kind, payload: str = "") -> None:
         """On the loop: something changed. A resync (a lost listener connection) counts as every kind.
 
@@ -66,6 +72,8 @@ class QueueEvents:
             if kind != RESYNC:
                 return
         if kind in (SETTLED, RESYNC):
+            for settled_callback in list(self._on_settled):
+                settled_callback()
             waiters, self._settled = self._settled, asyncio.Event()
             waiters.set()
             job_id, _, reference = payload.partition(" ")

@@ -52,6 +52,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries.tags import TagSeen
+from store.report_lookups import Found, ReportLookups
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,14 @@ class BlockingStore:
 class AsyncStore:
     """Async facade over one synchronous backend: the one way callers reach the store."""
 
-    def __init__(self, backend: StoreBackend, *, threads: int = 8) -> None:
+    def __init__(
+        self,
+        backend: StoreBackend,
+        *,
+        threads: int = 8,
+        report_cache_entries: int = 512,
+        report_cache_seconds: float = 30.0,
+    ) -> None:
         self._backend = backend
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store")
         self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
@@ -178,6 +186,13 @@ class AsyncStore:
         self._stop_listening: Callable[[], None] | None = None
         self.scan_cache = StoreScanCache(self)
         self.blocking = BlockingStore(backend)
+        self.report_lookups = ReportLookups(
+            self._read_reference,
+            entries=report_cache_entries,
+            reuse_seconds=report_cache_seconds,
+            cross_process=lambda: self.events.cross_process,
+        )
+        self.events.on_settled(self.report_lookups.forget)
 
     @property
     def backend(self) -> StoreBackend:
@@ -200,7 +215,19 @@ class AsyncStore:
         else:
             assert callable(function)
             call = functools.partial(function, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        finally:
+            if isinstance(function, Query) and function in queries.REPORT_WRITES:
+                self.report_lookups.forget()
+
+    async def reference_report(self, registry: str, repository: str, tag: str, digest: str | None) -> Found:
+        """`queries.reference_report`, answered from memory while nothing may have changed it
+        (`store.report_lookups`): the lookup every placement request starts with."""
+        return await self.report_lookups.reference_report(registry, repository, tag, digest)
+
+    async def _read_reference(self, registry: str, repository: str, tag: str, digest: str | None) -> Found:
+        return await self.run(queries.reference_report, registry, repository, tag, digest)
 
     async def close(self) -> None:
         """Wait for calls in flight, then close the backend's connections."""

@@ -59,13 +59,10 @@ def int_param(request: web.Request, name: str, default: int, low: int, high: int
 
 
 async def find_report(services: Services, reference: Reference) -> ImageReport | None:
-    """The latest stored report for a tag or digest reference (one store read)."""
-    digest, report, platform = await services.store.run(
-        queries.reference_report,
-        reference.registry,
-        reference.repository,
-        reference.tag or "",
-        reference.digest,
+    """The latest stored report for a tag or digest reference (one store read, or none while the
+    store's lookup of it still holds: `store.report_lookups`)."""
+    digest, report, platform = await services.store.reference_report(
+        reference.registry, reference.repository, reference.tag or "", reference.digest
     )
     if digest is None:
         return None

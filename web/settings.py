@@ -49,6 +49,17 @@ class ServiceSettings(ScannerSettings):
     store_threads: int = Field(
         default=8, ge=1, description="threads that run database calls off the event loop"
     )
+    report_cache_entries: int = Field(
+        default=512,
+        ge=0,
+        description="image lookups (reference -> report) kept in memory for placement requests; 0: none",
+    )
+    report_cache_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest reuse of a kept lookup when other processes' writes reach this one as"
+        " events (PostgreSQL, a shared SQLite file); without them at most 1 s",
+    )
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
     webhook_secret: SecretStr | None = Field(

@@ -68,4 +68,6 @@ def open_service_store(settings: ServiceSettings, *, shared: bool = False) -> As
         threads=settings.store_threads,
         database_url=settings.database_url.get_secret_value() if settings.database_url else None,
         shared_events=shared,
+        report_cache_entries=settings.report_cache_entries,
+        report_cache_seconds=settings.report_cache_seconds,
     )

@@ -62,7 +62,12 @@ from store.queries.tags import (
     tags_for_digest,
 )
 
+# The writes that change what a reference stands for (its tag, its report): run through
+# `AsyncStore.run`, each makes the process forget the references it looked up (`store.report_lookups`).
+REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save_reports, save_scan_results})
+
 __all__ = [
+    "REPORT_WRITES",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from store.dialect import Db, reads, writes
+from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
 from store.models import TagEvent
 
 TagKey = tuple[str, str, str]  # (registry, repository, tag)
@@ -31,7 +32,9 @@ def record_tag(db: Db, registry: str, repository: str, tag: str, digest: str) ->
 def record_tags(db: Db, seen: Sequence[TagSeen]) -> None:
     """`record_tag` for each of `seen`, in order, with one statement per kind for them all: the
     newest row of a tag that still points at the same digest gets a new `last_seen`; a tag that
-    moved (or is new, or was deleted) gets a new history row; the digests are no longer gone."""
+    moved (or is new, or was deleted) gets a new history row; the digests are no longer gone.
+    Each tag that moved is announced as a settle of its reference (`REPORTED_JOB`), as a stored
+    report is: its long polls wake, and every process forgets what the tag stood for."""
     if not seen:
         return
     keys = sorted({(one.registry, one.repository, one.tag) for one in seen})
@@ -61,6 +64,8 @@ def record_tags(db: Db, seen: Sequence[TagSeen]) -> None:
         " VALUES (:registry, :repository, :tag, :digest, :now, :now)",
         inserted,
     )
+    for moved in inserted:
+        _announce(db, f"{moved['registry']}/{moved['repository']}:{moved['tag']}")
     db.many(
         "DELETE FROM gone_digests WHERE registry = :registry AND repository = :repository AND digest = :digest",
         [
@@ -138,15 +143,18 @@ def tags_for_digest(db: Db, digest: str) -> list[tuple[str, str, str]]:
 
 @writes
 def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest: str | None) -> None:
-    """A registry deleted a tag or a manifest: keep the history, flag it gone."""
+    """A registry deleted a tag or a manifest: keep the history, flag it gone, and announce it
+    as a settle of the reference (every process forgets what it stood for)."""
     key = {"registry": registry, "repository": repository, "tag": tag, "digest": digest}
     if tag:
+        _announce(db, f"{registry}/{repository}:{tag}")
         db.execute(
             "UPDATE tags SET gone_at = :now WHERE id = (SELECT max(id) FROM tags WHERE registry = :registry"
             " AND repository = :repository AND tag = :tag) AND gone_at IS NULL",
             key,
         )
     if digest:
+        _announce(db, f"{registry}/{repository}@{digest}")
         db.execute(
             "UPDATE tags SET gone_at = :now WHERE registry = :registry AND repository = :repository"
             " AND digest = :digest AND gone_at IS NULL",
@@ -158,6 +166,11 @@ def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest
             " ON CONFLICT (registry, repository, digest) DO UPDATE SET gone_at = excluded.gone_at",
             key,
         )
+
+
+def _announce(db: Db, reference: str) -> None:
+    """What `reference` stands for changed: a settle notice of no job, sent after the commit."""
+    db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {reference}")
 
 
 @reads
