@@ -31,7 +31,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     """
     index = inventory if isinstance(inventory, FleetIndex) else FleetIndex.build(inventory)
     view = index.view()
-    form = (image.model_dump_json(), request.model_dump_json())
+    form = _form(image, request)
     # The same question on the same view has the same (immutable) answer.
     kept = index.kept_decision(form, view)
     if kept is not None:
@@ -77,6 +77,17 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     decision = Decision(eligible, refused, warnings, hints, image.pending, image_needs_gpu=image.needs_gpu)
     index.keep_decision(form, view, decision)
     return decision
+
+
+def kept_decision(image: ImageFacts, request: DeployRequest, index: FleetIndex) -> Decision | None:
+    """What `decide` answered to this question on the index as it is now, if the index still keeps
+    it (the same query form, no fleet change since); None otherwise. Costs the form's text only."""
+    return index.kept_decision(_form(image, request), index.view())
+
+
+def _form(image: ImageFacts, request: DeployRequest) -> tuple[str, str]:
+    """A question's form: the same form on the same view of the fleet has the same answer."""
+    return (image.model_dump_json(), request.model_dump_json())
 
 
 def _label_reasons(have: dict[str, str], wanted: list[tuple[str, str]]) -> list[str]:

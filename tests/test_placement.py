@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
 from placement.answer import AnswerOptions, EligibilityAnswer, answer
-from placement.decide import decide
+from placement.decide import decide, kept_decision
 from placement.decision import Decision
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
@@ -40,6 +40,12 @@ IMAGES = json.loads((FIXTURES / "cuda_require_strings.json").read_text())["image
 def cuda_image(
     version: str, platforms: tuple[str, ...] = ("linux/amd64",), libc: str = "glibc"
 ) -> ImageFacts:
+    return ImageFacts.from_report(cuda_report(version, platforms, libc))
+
+
+def cuda_report(
+    version: str, platforms: tuple[str, ...] = ("linux/amd64",), libc: str = "glibc"
+) -> ImageReport:
     reports = []
     for platform in platforms:
         require = next(
@@ -54,7 +60,7 @@ def cuda_image(
                 platform=platform, digest="sha256:" + "0" * 64, gpu=gpu, libc=LibcVerdict(flavour=libc)
             )
         )
-    return ImageFacts.from_report(ImageReport(reference=f"nvidia/cuda:{version}", platforms=reports))
+    return ImageReport(reference=f"nvidia/cuda:{version}", platforms=reports)
 
 
 def cpu_image(*platforms: str, libc: str = "glibc") -> ImageFacts:
@@ -465,6 +471,42 @@ def test_index_updates_match_a_fresh_build() -> None:
     assert "needs 4 free GPU(s), has 3 free of 8, 5 in use" in reasons_of(decision, "h100-a")
     assert "h100-b" in eligible_names(decision)
     assert all(item["server"] != "l4-edge" for item in [*decision.eligible, *decision.ineligible])
+
+
+async def test_a_question_asked_again_is_paged_from_the_kept_decision_without_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import web.placement_requests as placement_requests
+
+    hops: list[str] = []
+
+    async def counted(function: Any, *args: Any) -> Any:
+        hops.append(function.__name__)
+        return function(*args)
+
+    monkeypatch.setattr(placement_requests.asyncio, "to_thread", counted)
+    index, report, request = FleetIndex.build(FLEET), cuda_report("12.2.2"), DeployRequest(gpus=1)
+    assert kept_decision(ImageFacts.from_report(report), request, index) is None
+    first = await placement_requests.eligibility_answer(report, request, index, AnswerOptions(limit=2))
+    assert len(hops) == 1  # a new question: decided in a thread
+    again = await placement_requests.eligibility_answer(report, request, index, AnswerOptions(limit=2))
+    assert again == first and len(hops) == 1  # paged from the kept decision, on the loop
+    cursor = first["next_cursor"]
+    page_two = await placement_requests.eligibility_answer(
+        report, request, index, AnswerOptions(limit=2, cursor=cursor)
+    )
+    assert len(hops) == 1 and page_two["eligible"] != first["eligible"]
+    everything = await placement_requests.eligibility_answer(
+        report, request, index, AnswerOptions(explain="all")
+    )
+    large = AnswerOptions(limit=placement_requests.SMALL_PAGE + 1)
+    await placement_requests.eligibility_answer(report, request, index, large)
+    assert len(hops) == 3 and len(everything["eligible"]) == first["eligible_count"]  # O(servers): a thread
+    h100 = next(server for server in FLEET if server.name == "h100-a")
+    index.update([h100.model_copy(update={"gpus_in_use": [gpu.uuid for gpu in h100.gpus]})])
+    assert kept_decision(ImageFacts.from_report(report), request, index) is None  # the fleet changed
+    changed = await placement_requests.eligibility_answer(report, request, index, AnswerOptions(limit=2))
+    assert len(hops) == 4 and changed["eligible_count"] == first["eligible_count"] - 1
 
 
 def test_index_lists_servers_in_name_order_whatever_the_input_order() -> None:

@@ -6,8 +6,6 @@ The handlers do the I/O (live inventory, finding or scanning the image) and hand
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from web.fleet_views import (
@@ -75,8 +73,8 @@ async def eligibility_page(request: web.Request) -> web.Response:
     except web.HTTPException as exc:
         return show(400, http_error_message(exc))
     index = await fleet_index(request.app)
-    index.view()  # built here, so the worker thread only reads the index
-    body = await asyncio.to_thread(eligibility_answer, report, deploy, index, options)
+    index.view()  # built here, so a worker thread only reads the index
+    body = await eligibility_answer(report, deploy, index, options)
     listed = [index.server(entry["server"]) for entry in body.get("eligible", [])]
     return show(result=result_view(report, body, [server for server in listed if server], form))
 
