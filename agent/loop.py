@@ -108,8 +108,9 @@ class Agent:
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake at once on shutdown."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+        with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it may drop a cancel
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
         """Call the service until it answers (bounded, jittered back-off; a Retry-After honoured).

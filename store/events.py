@@ -120,9 +120,11 @@ class QueueEvents:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
+                # not wait_for: on Python 3.11 it drops a cancel that comes as the event is set
                 with contextlib.suppress(TimeoutError):
-                    recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
-                    await asyncio.wait_for(settled.wait(), min(remaining, recheck))
+                    async with asyncio.timeout(min(remaining, recheck)):
+                        await settled.wait()
             finally:
                 if key is not None and not settled.is_set():
                     waiting = self._keyed.get(key, [])

@@ -41,3 +41,27 @@ async def test_keyed_waiters_wake_on_their_job_or_reference_only(monkeypatch: py
     assert await asyncio.wait_for(tasks["other"], 5)
     assert checks == {"job": 2, "ref": 2, "other": 2}
     assert not queue._keyed  # nothing left behind
+
+
+async def test_a_wait_cancelled_as_its_event_fires_ends_cancelled() -> None:
+    """A cancel that comes in the same loop turn as the wake-up is not lost: Python 3.11's
+    `asyncio.wait_for` returned the wake-up and dropped the cancel, so the replica follower's
+    `while True` went on and the service's shutdown waited for it forever (seen once in CI)."""
+    from web.live_fleet import FleetIndexCache
+
+    queue = QueueEvents()
+
+    async def never() -> bool:
+        return False
+
+    cache = FleetIndexCache()
+    waits = {
+        "a settle waiter": (asyncio.create_task(queue.wait_until(never, 30.0)), lambda: queue.fire(SETTLED)),
+        "the replica follower": (asyncio.create_task(cache.follow_due(30.0)), cache.stamps_written_elsewhere),
+    }
+    await asyncio.sleep(0)  # each is waiting now
+    for what, (task, wake) in waits.items():
+        wake()
+        task.cancel()  # in the same turn of the loop as the wake-up
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done and task.cancelled(), f"{what} went on waiting after its cancel"

@@ -231,8 +231,11 @@ class FleetIndexCache:
     async def follow_due(self, timeout: float) -> None:
         """Until another process wrote stamps or servers since the last `follow`, or `timeout`
         passed (a notification lost with the listener's connection is caught up that way)."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes as the
+        # event is set, and this task's shutdown (`_end_long_polls`) would then wait forever
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._follow_due.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._follow_due.wait()
         self._follow_due.clear()
 
     # ---- reading the store ------------------------------------------------------------------

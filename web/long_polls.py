@@ -129,8 +129,9 @@ class LongPolls:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(name, []).append(waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, timeout)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it may drop a cancel
+                async with asyncio.timeout(timeout):
+                    await waiter
         finally:
             waiters = self._waiters.get(name)
             if waiters is not None:

@@ -222,8 +222,9 @@ class ScanWorkers:
             if wake is None:
                 await asyncio.sleep(pause)
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), pause)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it may drop a cancel
+                async with asyncio.timeout(pause):
+                    await wake.wait()
 
     async def _claim_once(self) -> float:
         """One pass: requeue lapsed leases (now and then), claim what fits; returns the idle pause."""
