@@ -527,6 +527,42 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, step:
     return time.monotonic() - started
 
 
+async def heartbeat_cost(
+    fleet: FleetProcesses, cpu_seconds: Callable[[], float], args: argparse.Namespace
+) -> dict[str, float]:
+    """The service's CPU per heartbeat (`cpu_seconds`: every API process's together), net of the idle
+    polls renewed meanwhile: a window with heartbeats only (polls held, no queries), then one with the
+    heartbeats paused for a poll's wait, in which every idle poll renews, for the CPU per renewal.
+    Idle polls end at random points of their wait, so the heartbeats' window holds renewals too;
+    theirs is taken off before dividing by the heartbeats. The heartbeats run again on return."""
+    before = await fleet.stats()
+    cpu0, t0 = cpu_seconds(), time.monotonic()
+    await asyncio.sleep(args.window)
+    cpu, elapsed, after = cpu_seconds() - cpu0, time.monotonic() - t0, await fleet.stats()
+    beats, polls_a = after["beats"] - before["beats"], after["polls"] - before["polls"]
+    await fleet.all("beating", on=False)
+    await asyncio.sleep(1.0)  # beats in flight finish
+    polls0, cpu_b0, t_b0 = (await fleet.stats())["polls"], cpu_seconds(), time.monotonic()
+    await asyncio.sleep(args.poll_wait)  # every idle poll ends once or more (and stamps its agent)
+    polls, cpu_b, elapsed_b = (
+        (await fleet.stats())["polls"] - polls0,
+        cpu_seconds() - cpu_b0,
+        time.monotonic() - t_b0,
+    )
+    await fleet.all("beating", on=True)
+    await asyncio.sleep(1.0)
+    per_poll = 1000 * cpu_b / max(polls, 1)
+    return {
+        "heartbeats_per_second": beats / elapsed,
+        "cpu_ms_per_heartbeat_all": 1000 * cpu / max(beats, 1),
+        "cpu_ms_per_poll": per_poll,
+        "cpu_ms_per_heartbeat": (1000 * cpu - polls_a * per_poll) / max(beats, 1),
+        "service_cpu_share": cpu / elapsed,
+        "polls_renewed_per_second": polls_a / elapsed,
+        "polls_renewed_paused_per_second": polls / elapsed_b,
+    }
+
+
 async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     count = args.agents
     procs = args.procs or max(1, -(-count // 2500))
@@ -578,37 +614,14 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         loaded: list[float] = []
         await fleet.all("beating", on=True)
         await asyncio.sleep(args.heartbeat)  # one interval: every agent is on its own phase
-        # CPU per heartbeat: a window with heartbeats only (polls held, no queries)
-        before = await fleet.stats()
-        cpu0, t0 = service.cpu_seconds(), time.monotonic()
-        await asyncio.sleep(args.window)
-        cpu, elapsed, after = service.cpu_seconds() - cpu0, time.monotonic() - t0, await fleet.stats()
-        beats, polls_a = after["beats"] - before["beats"], after["polls"] - before["polls"]
-        # ...and one with the heartbeats paused for a poll's wait (every idle poll renews in it): the
-        # CPU per renewal. Idle polls end at random points of their wait, so a window with heartbeats
-        # holds renewals too; theirs is taken off before dividing by the heartbeats.
-        await fleet.all("beating", on=False)
-        await asyncio.sleep(1.0)  # beats in flight finish
-        polls0, cpu_b0, t_b0 = (await fleet.stats())["polls"], service.cpu_seconds(), time.monotonic()
-        await asyncio.sleep(args.poll_wait)  # every idle poll ends once or more (and stamps its agent)
-        polls, cpu_b, elapsed_b = (
-            (await fleet.stats())["polls"] - polls0,
-            service.cpu_seconds() - cpu_b0,
-            time.monotonic() - t_b0,
-        )
-        await fleet.all("beating", on=True)
-        await asyncio.sleep(1.0)
-        out["heartbeats_per_second"] = beats / elapsed
-        out["cpu_ms_per_heartbeat_all"] = 1000 * cpu / max(beats, 1)
-        out["cpu_ms_per_poll"] = 1000 * cpu_b / max(polls, 1)
-        out["cpu_ms_per_heartbeat"] = (1000 * cpu - polls_a * out["cpu_ms_per_poll"]) / max(beats, 1)
-        out["service_cpu_share"] = cpu / elapsed
+        cost = await heartbeat_cost(fleet, service.cpu_seconds, args)
+        out.update(cost)
         say(
-            f"heartbeats: {beats / elapsed:.0f}/s held; service CPU {cpu / elapsed:.0%} of a core with"
-            f" {polls_a / elapsed:.0f} idle polls renewed/s; with the heartbeats paused {polls / elapsed_b:.0f}"
-            f" renewed/s at {out['cpu_ms_per_poll']:.3f} ms each (everything the service did, divided):"
-            f" {out['cpu_ms_per_heartbeat']:.3f} ms per heartbeat, net of the renewals"
-            f" ({out['cpu_ms_per_heartbeat_all']:.3f} ms: everything the service did, divided by the heartbeats)"
+            f"heartbeats: {cost['heartbeats_per_second']:.0f}/s held; service CPU {cost['service_cpu_share']:.0%} of a"
+            f" core with {cost['polls_renewed_per_second']:.0f} idle polls renewed/s; with the heartbeats paused"
+            f" {cost['polls_renewed_paused_per_second']:.0f} renewed/s at {cost['cpu_ms_per_poll']:.3f} ms each"
+            f" (everything the service did, divided): {cost['cpu_ms_per_heartbeat']:.3f} ms per heartbeat, net of the"
+            f" renewals ({cost['cpu_ms_per_heartbeat_all']:.3f} ms: everything the service did, divided by the heartbeats)"
         )
         quiet_handler: list[float] = []
         loaded_handler: list[float] = []
@@ -820,6 +833,15 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                 f"PostgreSQL: {beats / elapsed:.0f} heartbeats/s; both APIs' CPU {out['pg_cpu_ms_per_heartbeat']:.3f} ms"
                 f" per heartbeat (with the side-by-side eligibility queries); answers agreeing: {agree} of"
                 f" {agree + differ}, longest disagreement {longest:.2f} s"
+            )
+            cost = await heartbeat_cost(fleet, lambda: sum(api.cpu_seconds() for api in apis), args)
+            out.update({f"pg_{key}": value for key, value in cost.items()})
+            say(
+                f"PostgreSQL: heartbeats only (polls held, no queries): {cost['heartbeats_per_second']:.0f}/s; both"
+                f" APIs' CPU {cost['service_cpu_share']:.0%} of a core with {cost['polls_renewed_per_second']:.0f}"
+                f" idle polls renewed/s; a renewal {cost['cpu_ms_per_poll']:.3f} ms (heartbeats paused):"
+                f" {cost['cpu_ms_per_heartbeat']:.3f} ms per heartbeat net of the renewals"
+                f" ({cost['cpu_ms_per_heartbeat_all']:.3f} ms: everything both APIs did, divided by the heartbeats)"
             )
             # eligibility with and without the agents' traffic, side by side on each API
             loaded: list[list[float]] = [[], []]
