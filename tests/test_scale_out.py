@@ -347,7 +347,9 @@ async def test_an_agent_polling_one_api_hears_of_a_deploy_taken_by_the_other(
                 assert response.status in (200, 201), await response.text()
 
             def last_heartbeat() -> Any:
-                return sql(postgres_url, "SELECT last_heartbeat FROM servers WHERE name = 'solo'")[0][0]
+                return sql(postgres_url, "SELECT last_heartbeat FROM server_heartbeats WHERE name = 'solo'")[
+                    0
+                ][0]
 
             before = last_heartbeat()
 

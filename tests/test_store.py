@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,39 @@ def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_pa
         with store._reading() as db:
             recorded = [row[0] for row in db.execute("SELECT version FROM schema_migrations ORDER BY 1")]
         assert recorded == list(range(1, latest_version("sqlite") + 1))
+    finally:
+        store.close()
+
+
+def test_a_version_5_file_keeps_its_servers_heartbeats_in_their_own_table(tmp_path: Path) -> None:
+    """Migration 6: the last heartbeats move out of `servers` (a stamp rewrote the whole row,
+    inventory included) into `server_heartbeats`, each server's kept."""
+    import sqlite3
+
+    from store.migrations import migrations
+
+    path = tmp_path / "v5.db"
+    with sqlite3.connect(path) as old:
+        for migration in migrations("sqlite")[:5]:
+            for statement in migration.statements():
+                old.execute(statement)
+        old.execute("PRAGMA user_version = 5")
+        old.execute(
+            "INSERT INTO servers (name, inventory, registered_at, last_heartbeat)"
+            " VALUES ('gpu-1', '{}', '2026-11-01T00:00:00+00:00', '2026-11-27T10:00:00+00:00')"
+        )
+    store = Store(path)
+    try:
+        assert store.schema_version() >= 6
+        [record] = store.run(queries.servers)
+        assert record.last_heartbeat.startswith("2026-11-27T10:00:00")
+        assert store.run(queries.heartbeat, "gpu-1")  # a stamp lands in the new table
+        assert not store.run(queries.heartbeat, "unknown")
+        [(name, seen)] = store.run(queries.heartbeats)
+        assert name == "gpu-1" and seen > datetime(2026, 11, 27, 10, tzinfo=UTC).timestamp()
+        with store._reading() as db:
+            columns = [row[1] for row in db.execute("PRAGMA table_info(servers)")]
+        assert "last_heartbeat" not in columns
     finally:
         store.close()
 

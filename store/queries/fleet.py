@@ -18,21 +18,36 @@ from store.models import DeploymentRecord, ServerRecord
 
 @writes
 def upsert_server(db: Db, name: str, inventory_json: str) -> None:
+    """Register a server, or store its new inventory; either way it was heard from now."""
     db.execute(
-        "INSERT INTO servers (name, inventory, registered_at, last_heartbeat) VALUES (:name, :inventory, :now, :now)"
-        " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory,"
-        " last_heartbeat = excluded.last_heartbeat",
+        "INSERT INTO servers (name, inventory, registered_at) VALUES (:name, :inventory, :now)"
+        " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory",
         {"name": name, "inventory": inventory_json},
     )
+    _stamp_now(db, name)
     db.notify(FLEET_CHANNEL, "inventory")
+
+
+def _stamp_now(db: Db, name: str) -> None:
+    """The server's last heartbeat is now. Heartbeats live in `server_heartbeats`, a narrow table of
+    their own: a stamp rewrites a name and a time, never the server's inventory."""
+    db.execute(
+        "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES (:name, :now)"
+        " ON CONFLICT (name) DO UPDATE SET last_heartbeat = excluded.last_heartbeat",
+        {"name": name},
+    )
 
 
 @writes
 def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
     """Refresh a server's heartbeat (and inventory); False when the server is unknown."""
-    cursor = db.execute(
-        "UPDATE servers SET last_heartbeat = :now, inventory = coalesce(:inventory, inventory) WHERE name = :name",
-        {"name": name, "inventory": inventory_json},
+    if inventory_json is not None:
+        db.execute(
+            "UPDATE servers SET inventory = :inventory WHERE name = :name",
+            {"name": name, "inventory": inventory_json},
+        )
+    cursor = db.execute(  # every registered server has its row here (upsert_server)
+        "UPDATE server_heartbeats SET last_heartbeat = :now WHERE name = :name", {"name": name}
     )
     return cursor.rowcount > 0
 
@@ -44,7 +59,7 @@ def stamp_heartbeats(db: Db, stamps: Mapping[str, float], origin: str = "") -> N
     replicas are told (NOTIFY "stamps <origin>", `origin` naming the writer) and read them."""
     stamp = db.dialect.stamp_param
     db.many(
-        "UPDATE servers SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
+        "UPDATE server_heartbeats SET last_heartbeat = :seen WHERE name = :name AND last_heartbeat < :seen",
         [{"name": name, "seen": stamp(datetime.fromtimestamp(seen, UTC))} for name, seen in stamps.items()],
     )
     db.notify(FLEET_CHANNEL, f"stamps {origin}")
@@ -56,7 +71,7 @@ def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, float]]
     from at or after `since` (every server: None). An API replica reads thousands of these a
     second: the engine converts them, so neither the store's thread nor the event loop parses a
     date."""
-    select = f"SELECT name, {db.dialect.epoch('last_heartbeat')} FROM servers"
+    select = f"SELECT name, {db.dialect.epoch('last_heartbeat')} FROM server_heartbeats"
     if since is None:
         rows = db.all(select)
     else:
@@ -68,8 +83,8 @@ def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, float]]
 def server_records(db: Db, names: Sequence[str]) -> list[ServerRecord]:
     """The stored inventories of `names` (those registered), as `servers` gives them."""
     rows = db.all(
-        "SELECT inventory, registered_at, last_heartbeat FROM servers WHERE "
-        + db.dialect.in_list("name", "names"),
+        "SELECT s.inventory, s.registered_at, h.last_heartbeat FROM servers s"
+        " JOIN server_heartbeats h ON h.name = s.name WHERE " + db.dialect.in_list("s.name", "names"),
         {"names": db.dialect.array(names)},
     )
     stamp = db.dialect.stamp
@@ -79,7 +94,10 @@ def server_records(db: Db, names: Sequence[str]) -> list[ServerRecord]:
 @reads
 def servers(db: Db) -> list[ServerRecord]:
     """(inventory JSON, registered_at, last_heartbeat) for every registered server."""
-    rows = db.all("SELECT inventory, registered_at, last_heartbeat FROM servers ORDER BY name")
+    rows = db.all(
+        "SELECT s.inventory, s.registered_at, h.last_heartbeat FROM servers s"
+        " JOIN server_heartbeats h ON h.name = s.name ORDER BY s.name"
+    )
     stamp = db.dialect.stamp
     return [ServerRecord(row[0], stamp(row[1]) or "", stamp(row[2]) or "") for row in rows]
 
