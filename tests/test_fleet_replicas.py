@@ -155,13 +155,14 @@ async def test_eligibility_never_waits_for_the_read_of_other_replicas_heartbeats
         await _post(session, replica.url + "/api/servers", _server("solo"))
         assert await replica.eligible(session) == ["solo"]  # the first query reads the fleet
         with psycopg.connect(postgres_url) as locker:
-            locker.execute("LOCK TABLE servers IN ACCESS EXCLUSIVE MODE")  # held until the block ends
+            # held until the block ends: the server table and the stamps' own table
+            locker.execute("LOCK TABLE servers, server_heartbeats IN ACCESS EXCLUSIVE MODE")
 
             def stamps_read_waiting() -> bool:
                 with psycopg.connect(postgres_url, autocommit=True) as watcher:
                     row = watcher.execute(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND query LIKE 'SELECT %FROM servers%'"
+                        " AND (query LIKE 'SELECT %FROM servers%' OR query LIKE 'SELECT %FROM server_heartbeats%')"
                     ).fetchone()
                 return bool(row and row[0])
 
