@@ -534,7 +534,8 @@ async def heartbeat_cost(
     polls renewed meanwhile: a window with heartbeats only (polls held, no queries), then one with the
     heartbeats paused for a poll's wait, in which every idle poll renews, for the CPU per renewal.
     Idle polls end at random points of their wait, so the heartbeats' window holds renewals too;
-    theirs is taken off before dividing by the heartbeats. The heartbeats run again on return."""
+    theirs is taken off before dividing by the heartbeats. The heartbeats have run again for one
+    interval on return."""
     before = await fleet.stats()
     cpu0, t0 = cpu_seconds(), time.monotonic()
     await asyncio.sleep(args.window)
@@ -550,7 +551,9 @@ async def heartbeat_cost(
         time.monotonic() - t_b0,
     )
     await fleet.all("beating", on=True)
-    await asyncio.sleep(1.0)
+    # one interval: every agent beats again before what is measured next (right after the pause the
+    # APIs' loaded eligibility p99 came out about twice as high, 19-23 ms against 9-12 ms)
+    await asyncio.sleep(args.heartbeat)
     per_poll = 1000 * cpu_b / max(polls, 1)
     return {
         "heartbeats_per_second": beats / elapsed,
@@ -875,9 +878,8 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                 f"PostgreSQL: host load average {out['pg_load_average_before']:.1f} before these windows,"
                 f" {out['pg_load_average_after']:.1f} after, on {os.cpu_count()} cores"
             )
-            # CPU per heartbeat net of the poll renewals, after the eligibility windows: measured first,
-            # its 30 s pause of the heartbeats moved those windows later in the run, where API 1's loaded
-            # p99 came out about twice as high (19-23 ms against 9-10 ms; cause not found)
+            # CPU per heartbeat net of the poll renewals, after the eligibility windows (as main's baseline
+            # measured them, 25-65 s after the polls opened)
             cost = await heartbeat_cost(fleet, lambda: sum(api.cpu_seconds() for api in apis), args)
             out.update({f"pg_{key}": value for key, value in cost.items()})
             say(
