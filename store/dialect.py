@@ -144,9 +144,7 @@ class Dialect:
         notice is kept on `db.notices`; the store sends it once the transaction has committed, to
         the processes sharing the file (`store.sqlite_notify`), when it shares its events. As
         PostgreSQL does, a transaction sends one notice for each distinct channel and payload."""
-        notice = (channel, payload[:7900])
-        if notice not in db.notices:
-            db.notices.append(notice)
+        db.notices[(channel, payload[:7900])] = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -305,7 +303,8 @@ class Db:
         self._conn = conn
         self.dialect = dialect
         self._now: str | None = None
-        self.notices: list[tuple[str, str]] = []  # SQLite: what `notify` asked for, sent after commit
+        # SQLite: what `notify` asked for, sent after commit; a dict, so each distinct notice once
+        self.notices: dict[tuple[str, str], None] = {}
 
     def _params(self, params: Params) -> Params:
         if not self.dialect.clock_is_parameter:

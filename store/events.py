@@ -25,6 +25,17 @@ QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
 REPORTED_JOB = "-"  # the job id of a settle that only says "a report of this reference was stored"
 
 
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:
+    """Until `event` is set (True) or `timeout` passes (False). Not `asyncio.wait_for`: on Python
+    3.11 it returns the wake-up and drops a cancel that comes in the same turn of the loop, so a
+    task looping on it (a replica follower, a worker) could outlive its shutdown."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+            return True
+    return False
+
+
 class QueueEvents:
     """Fan-out of queue events to waiters and wake-up callbacks on one event loop."""
 
@@ -121,10 +132,7 @@ class QueueEvents:
                 if remaining <= 0:
                     return False
                 recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
-                # not wait_for: on Python 3.11 it drops a cancel that comes as the event is set
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(remaining, recheck)):
-                        await settled.wait()
+                await wait_set(settled, min(remaining, recheck))
             finally:
                 if key is not None and not settled.is_set():
                     waiting = self._keyed.get(key, [])

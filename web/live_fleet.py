@@ -23,7 +23,7 @@ from aiohttp import web
 from placement.index import FleetIndex
 from placement.inventory import Gpu, Server, parse_inventory
 from store import AsyncStore, ServerRecord, queries
-from store.events import FLEET_INVENTORY, FLEET_STAMPS
+from store.events import FLEET_INVENTORY, FLEET_STAMPS, wait_set
 from web.long_polls import LONG_POLLS, LongPolls
 from web.state import services_of_app
 
@@ -231,11 +231,7 @@ class FleetIndexCache:
     async def follow_due(self, timeout: float) -> None:
         """Until another process wrote stamps or servers since the last `follow`, or `timeout`
         passed (a notification lost with the listener's connection is caught up that way)."""
-        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that comes as the
-        # event is set, and this task's shutdown (`_end_long_polls`) would then wait forever
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._follow_due.wait()
+        await wait_set(self._follow_due, timeout)  # a cancel is never lost: shutdown ends this task
         self._follow_due.clear()
 
     # ---- reading the store ------------------------------------------------------------------
@@ -331,8 +327,11 @@ class FleetIndexCache:
             if name not in self._agents:
                 unknown.append(name)
         if unknown:
-            for record in await store.run(queries.server_records, unknown):
-                server = await asyncio.to_thread(agent_server, record.inventory_json)
+            records = await store.run(queries.server_records, unknown)
+            parsed = await asyncio.to_thread(
+                lambda: [agent_server(record.inventory_json) for record in records]
+            )
+            for server, record in zip(parsed, records, strict=True):
                 self.learned(server, record.inventory_json, record.last_heartbeat)
 
     def _timed_check(self, stale_after: float, now: float) -> None:

@@ -35,7 +35,6 @@ unset by default) still caps one registry's scans across every worker where an o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -51,6 +50,7 @@ from typing import TypeVar
 from scanner.models import ImageReport
 from scanner.scan import Scanner, ScanOptions
 from store import AsyncStore, Job, JobState, LeaseExpiry, queries
+from store.events import wait_set
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +222,7 @@ class ScanWorkers:
             if wake is None:
                 await asyncio.sleep(pause)
                 continue
-            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it may drop a cancel
-                async with asyncio.timeout(pause):
-                    await wake.wait()
+            await wait_set(wake, pause)
 
     async def _claim_once(self) -> float:
         """One pass: requeue lapsed leases (now and then), claim what fits; returns the idle pause."""

@@ -9,9 +9,8 @@ from typing import Any
 from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
-from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
 from store.models import ImageRow
-from store.queries.tags import TagSeen, record_tags, resolve_tag
+from store.queries.tags import TagSeen, announce_reference, record_tags, resolve_tag
 
 # Exact totals up to this many matching images; beyond, the planner's estimate where the engine
 # has one (see `_count`).
@@ -92,7 +91,7 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
             {"children": db.dialect.array(children)},
         )
     for report in reports:  # long polls on each reference wake, on any replica
-        db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {report.reference}")
+        announce_reference(db, report.reference)
 
 
 def _covered_children(db: Db, reports: Sequence[ImageReport]) -> frozenset[str]:
@@ -173,14 +172,14 @@ def platform_report(db: Db, digest: str) -> PlatformReport | None:
     return PlatformReport.model_validate_json(row[0]) if row else None
 
 
+# A digest's report as an image and as one platform of an index (JSON texts), in one statement.
+_BOTH_REPORTS = "SELECT (SELECT report FROM reports WHERE digest = :d), (SELECT report FROM platform_reports WHERE digest = :d)"
+
+
 @reads
 def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
     """The digest's report as an image and as one platform of an index, in one statement."""
-    row = db.one(
-        "SELECT (SELECT report FROM reports WHERE digest = :d),"
-        " (SELECT report FROM platform_reports WHERE digest = :d)",
-        {"d": digest},
-    )
+    row = db.one(_BOTH_REPORTS, {"d": digest})
     image, platform = row if row else (None, None)
     return (
         ImageReport.model_validate_json(image) if image else None,
@@ -199,13 +198,9 @@ def reference_report(
     digest = digest or resolve_tag(db, registry, repository, tag)
     if digest is None:
         return None, None, None
-    row = db.one(
-        "SELECT (SELECT report FROM reports WHERE digest = :d),"
-        " (SELECT report FROM platform_reports WHERE digest = :d)",
-        {"d": digest},
-    )
+    row = db.one(_BOTH_REPORTS, {"d": digest})
     image, platform = row if row else (None, None)
-    if image:
+    if image:  # the platform's JSON is parsed only when there is no image report
         return digest, ImageReport.model_validate_json(image), None
     return digest, None, PlatformReport.model_validate_json(platform) if platform else None
 

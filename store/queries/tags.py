@@ -65,7 +65,7 @@ def record_tags(db: Db, seen: Sequence[TagSeen]) -> None:
         inserted,
     )
     for moved in inserted:
-        _announce(db, f"{moved['registry']}/{moved['repository']}:{moved['tag']}")
+        announce_reference(db, f"{moved['registry']}/{moved['repository']}:{moved['tag']}")
     db.many(
         "DELETE FROM gone_digests WHERE registry = :registry AND repository = :repository AND digest = :digest",
         [
@@ -147,14 +147,14 @@ def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest
     as a settle of the reference (every process forgets what it stood for)."""
     key = {"registry": registry, "repository": repository, "tag": tag, "digest": digest}
     if tag:
-        _announce(db, f"{registry}/{repository}:{tag}")
+        announce_reference(db, f"{registry}/{repository}:{tag}")
         db.execute(
             "UPDATE tags SET gone_at = :now WHERE id = (SELECT max(id) FROM tags WHERE registry = :registry"
             " AND repository = :repository AND tag = :tag) AND gone_at IS NULL",
             key,
         )
     if digest:
-        _announce(db, f"{registry}/{repository}@{digest}")
+        announce_reference(db, f"{registry}/{repository}@{digest}")
         db.execute(
             "UPDATE tags SET gone_at = :now WHERE registry = :registry AND repository = :repository"
             " AND digest = :digest AND gone_at IS NULL",
@@ -168,8 +168,10 @@ def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest
         )
 
 
-def _announce(db: Db, reference: str) -> None:
-    """What `reference` stands for changed: a settle notice of no job, sent after the commit."""
+def announce_reference(db: Db, reference: str) -> None:
+    """What `reference` stands for changed (a report stored, a tag moved or deleted): a settle
+    notice of no job (`REPORTED_JOB`), sent after the commit. Its long polls wake, and every process
+    forgets what it looked up (`store.report_lookups`)."""
     db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {reference}")
 
 
