@@ -120,7 +120,7 @@ class ServiceClient:
         await self._request("POST", f"/api/servers/{name}/heartbeat", Heartbeat(gpus=gpus))
 
     async def poll_deployments(self, name: str, wait: float) -> list[AgentDeployment]:
-        """The long poll: returns when something needs action, or after `wait` seconds."""
+        """The long poll: returns when something needs action, else within `wait` seconds (empty)."""
         data = await self._request(
             "GET", f"/api/agents/{name}/deployments", params={"wait": f"{wait:g}"}, timeout=wait + 30.0
         )

@@ -23,7 +23,7 @@ from agent.service_client import Backoff
 from bench import fleet_bench
 from fixtures.registry import free_port
 from web.app import create_app
-from web.long_polls import LONG_POLLS, POLL_END_JITTER, held_for
+from web.long_polls import LONG_POLLS, idle_poll_end
 from web.settings import ServiceSettings
 
 AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0
@@ -136,10 +136,10 @@ async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: 
         assert polls.held == 0
 
 
-async def test_idle_polls_opened_together_do_not_end_together(tmp_path: Path) -> None:
+async def test_idle_polls_opened_together_end_at_their_own_phase(tmp_path: Path) -> None:
     """Agents that reconnected together (a restart) would otherwise renew their polls together for
     as long as they run: every `wait` seconds a burst in front of every other request. An idle
-    poll ends at a random point of the last POLL_END_JITTER of its wait."""
+    poll ends at its server's own point of the cycle (`idle_poll_end`), spread over the cycle."""
     settings = ServiceSettings(db=tmp_path / "polls.db", docker_config=None)
     wait, count = 1.0, 12
     async with serving(settings) as (_, url), aiohttp.ClientSession() as session:
@@ -147,16 +147,32 @@ async def test_idle_polls_opened_together_do_not_end_together(tmp_path: Path) ->
             async with session.post(f"{url}/api/servers", json={"name": f"node-{n}", "gpus": []}) as response:
                 assert response.status == 200
 
-        async def held(name: str) -> float:
-            started = time.monotonic()
+        async def held(name: str) -> tuple[float, float]:
+            opened = time.time()
             assert await _poll(session, f"{url}/api/agents/{name}/deployments?wait={wait:g}") == 200
-            return time.monotonic() - started
+            return time.time() - opened, idle_poll_end(name, wait, opened) - opened
 
         ends = await asyncio.wait_for(asyncio.gather(*(held(f"node-{n}") for n in range(count))), 10)
-    assert min(ends) >= (1 - POLL_END_JITTER) * wait - 0.01, ends
-    assert max(ends) <= wait + 0.5, ends
-    assert max(ends) - min(ends) >= 0.03, ends  # 12 draws from a quarter of a second, not one moment
-    assert held_for(wait, 0.0) == wait and held_for(wait, 0.999) > (1 - POLL_END_JITTER) * wait
+    for waited, due in ends:  # each at its own point, within its wait
+        assert 0 < due <= wait and due - 0.02 <= waited <= due + 0.3, ends
+    assert max(w for w, _ in ends) - min(w for w, _ in ends) >= 0.3, ends  # spread, not one moment
+
+
+def test_idle_poll_ends_spread_a_fleet_over_the_cycle() -> None:
+    """10,000 polls opened at one instant end evenly over one `wait`; each renewed at once is then
+    held exactly `wait`, so the fleet renews at N / wait a second, evenly, from the first round."""
+    wait, opened = 30.0, 1_800_000_000.123
+    ends = [idle_poll_end(f"gpu-node-{n:05d}", wait, opened) - opened for n in range(10_000)]
+    assert min(ends) > 0 and max(ends) <= wait
+    tenths = [0] * 10
+    for end in ends:
+        tenths[min(9, int(end / wait * 10))] += 1
+    assert all(900 <= n <= 1100 for n in tenths), tenths
+    for n in range(0, 10_000, 997):
+        first = opened + ends[n]
+        renewed = idle_poll_end(f"gpu-node-{n:05d}", wait, first + 0.004)  # the agent's next poll
+        assert abs(renewed - first - wait) < 1e-6
+        assert idle_poll_end(f"gpu-node-{n:05d}", wait, first - 0.004) == pytest.approx(first)
 
 
 async def _poll(session: aiohttp.ClientSession, url: str) -> int:

@@ -25,7 +25,7 @@ from fixtures.admission import pod_admission_review
 from fixtures.service import RunningService, run_service_inprocess
 from placement.inventory import Gpu, Server
 from web.connections import default_max_connections
-from web.long_polls import POLL_END_JITTER
+from web.long_polls import idle_poll_end
 from web.settings import ServiceSettings
 
 HEAD_TIMEOUT = 2.0
@@ -229,12 +229,12 @@ async def test_long_polls_and_admission_answer_while_2000_slow_heads_are_held(tm
                 f"{service.url}/api/servers", json=server.model_dump(mode="json")
             ) as reply:
                 assert reply.status in (200, 201), await reply.text()
-            started = time.monotonic()
+            opened = time.time()
             async with session.get(f"{service.url}/api/agents/gpu-1/deployments?wait=1") as reply:
                 assert reply.status == 200, await reply.text()
                 assert (await reply.json())["deployments"] == []
-            waited = time.monotonic() - started  # the poll held its wait (less its random end), and no longer
-            assert (1 - POLL_END_JITTER) - 0.05 <= waited < 3.0
+            waited = time.time() - opened  # the poll held to its server's point of the cycle, and no longer
+            assert idle_poll_end("gpu-1", 1.0, opened) - opened - 0.05 <= waited < 3.0
             review = pod_admission_review(["registry.example/app:1"])
             started = time.monotonic()
             async with session.post(f"{service.url}/k8s/admit", json=review) as reply:

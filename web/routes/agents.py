@@ -41,7 +41,7 @@ from web.api_description import (
 from web.api_models import Deployment
 from web.errors import json_error, json_http_error, read_model
 from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
-from web.long_polls import LONG_POLLS, MAX_POLL, held_for
+from web.long_polls import LONG_POLLS, MAX_POLL, idle_poll_end
 from web.lookups import requested_deployment, wait_param
 from web.security import BEARER_CHALLENGE, bearer_token
 from web.state import services_of, services_of_app
@@ -242,7 +242,7 @@ async def server_heartbeat(request: web.Request) -> web.Response:
 
 @ROUTES.get(
     "/api/agents/{name}/deployments",
-    "Agent long poll: answers at once when a deployment needs action, else after about `wait`",
+    "Agent long poll: answers at once when a deployment needs action, else within `wait` seconds (at the server's own point of a `wait`-long cycle)",
     token=True,
     parameters=[path_parameter("name"), query("wait", "seconds to wait for work (max 60)", "number")],
     responses={
@@ -254,8 +254,9 @@ async def server_heartbeat(request: web.Request) -> web.Response:
     },
 )
 async def agent_poll(request: web.Request) -> web.Response:
-    """The agent's long poll: answers at once when there is work, else after `wait` seconds less
-    up to POLL_END_JITTER of it, at random, so that polls opened together do not renew together.
+    """The agent's long poll: answers at once when there is work, else at the server's own point of
+    a `wait`-long cycle (`idle_poll_end`): at most `wait` seconds, exactly `wait` for a poll renewed
+    at once, and polls opened together (agents back after a restart) spread over the cycle.
 
     At most `GPUBADGE_LONG_POLL_MAX` are held at once (each holds a connection, so a file
     descriptor); past that the answer is 503 with `Retry-After`, which the agent honours with
@@ -281,7 +282,8 @@ async def agent_poll(request: web.Request) -> web.Response:
     held = wait > 0
     serial = polls.hold(name) if held else 0
     try:
-        deadline = time.monotonic() + held_for(wait)
+        wall = time.time()
+        deadline = time.monotonic() + (idle_poll_end(name, wait, wall) - wall if held else 0.0)
         while True:
             generation = polls.generation(name)
             rows = []
