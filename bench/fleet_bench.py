@@ -7,10 +7,12 @@ keep-alive pool). It raises its own file-descriptor limit to the hard limit and 
 the limit cannot hold. Measured, in this order:
 
 1. registration of N agents; the service's memory before and after N long polls are held;
-2. eligibility over HTTP with no agent traffic (polls held, no requests) and during the
-   heartbeats, alternating quiet and loaded windows (side by side on the same service);
+2. eligibility over HTTP with no agent traffic (heartbeats paused, the polls held stay held and
+   none is renewed: no agent request at all) and during the heartbeats, alternating quiet and
+   loaded windows (side by side on the same service); after each quiet window the agents whose
+   polls ended renew them at once, and the next loaded window starts `--settle` seconds later;
 3. the service's CPU per heartbeat (from /proc/<pid>/stat): a window with heartbeats (and the
-   idle polls that end meanwhile, at random points of their wait) less the CPU of a window
+   idle polls that end meanwhile, each at its server's point of the cycle) less the CPU of a window
    with the heartbeats paused, divided by the heartbeats; also everything divided, and the CPU
    per poll renewal; and whether any heartbeat wrote the inventory (the stored rows' text is
    compared);
@@ -132,6 +134,9 @@ class Fleet:
         self.agents = [SimAgent(server_of(n, gpus)) for n in range(first, last)]
         self.killed: list[SimAgent] = []
         self.beating = asyncio.Event()
+        self.polling = asyncio.Event()  # cleared: an agent whose poll ends does not renew it
+        self.polling.set()
+        self.sent = 0  # requests the agents sent (heartbeats and polls)
         self.errors: dict[str, int] = {}
         self._beat_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=HEARTBEAT_POOL), cookie_jar=aiohttp.DummyCookieJar()
@@ -195,6 +200,7 @@ class Fleet:
             delay = self.heartbeat * random.uniform(0.9, 1.0)
             if not self.beating.is_set():
                 continue  # paused: this beat is skipped, so the agents keep their spread phases
+            self.sent += 1
             try:
                 await self.beats.heartbeat(agent.server.name)
                 agent.last_beat = time.monotonic()
@@ -206,7 +212,9 @@ class Fleet:
         backoff = Backoff()
         name = agent.server.name
         while True:
+            await self.polling.wait()
             agent.poll_since = agent.last_beat = time.monotonic()  # a poll stamps the agent live too
+            self.sent += 1
             try:
                 deployments = await self.polls.poll_deployments(name, self.poll_wait)
                 agent.answered_since = agent.poll_since or 0.0
@@ -232,7 +240,7 @@ class Fleet:
     def holding(self, since: float, held_for: float = 1.0) -> int:
         """Agents whose current poll was sent after `since` and has been held `held_for` s, or
         whose poll sent after `since` the service has answered (the service ends an idle poll
-        at a random point of its wait, so at any moment some agents are between two polls)."""
+        at its server's own point of the cycle, so at any moment some agents are between two polls)."""
         now = time.monotonic()
         return sum(
             1
@@ -256,10 +264,15 @@ class Fleet:
         if name == "beating":
             (self.beating.set if args["on"] else self.beating.clear)()
             return None
+        if name == "quiet":  # no request at all: heartbeats paused, polls that end not renewed
+            for event in (self.beating, self.polling):
+                (event.clear if args["on"] else event.set)()
+            return None
         if name == "stats":
             return {
                 "beats": self.total_beats(),
                 "polls": self.total_polls(),
+                "sent": self.sent,
                 "holding": self.holding(args["since"], args["held_for"]),
                 "errors": self.errors,
             }
@@ -355,9 +368,26 @@ class FleetProcesses:
         return {
             "beats": sum(part["beats"] for part in found),
             "polls": sum(part["polls"] for part in found),
+            "sent": sum(part["sent"] for part in found),
             "holding": sum(part["holding"] for part in found),
             "errors": errors,
         }
+
+    async def go_quiet(self) -> int:
+        """No agent sends anything from here on: heartbeats paused, and an agent whose poll ends does
+        not renew it (the polls held stay held). Returns the requests sent so far, for `resume`."""
+        await self.all("quiet", on=True)
+        await asyncio.sleep(1.0)  # requests in flight finish
+        return int((await self.stats())["sent"])
+
+    async def resume(self, sent_before: int, settle: float) -> int:
+        """Heartbeats and polls again, after `go_quiet`: the agents whose polls ended meanwhile renew
+        them at once, a burst the service must absorb, so the next window starts `settle` seconds
+        later. Returns the requests sent while quiet (0 when the quiet windows had no agent traffic)."""
+        sent_quiet = int((await self.stats())["sent"]) - sent_before
+        await self.all("quiet", on=False)
+        await asyncio.sleep(settle)
+        return sent_quiet
 
     async def delivered(self, owner: int, server: str, deployment: str, timeout: float) -> float:
         """When `server`'s poll got `deployment` (monotonic); asks its process until then (bounded)."""
@@ -533,7 +563,7 @@ async def heartbeat_cost(
     """The service's CPU per heartbeat (`cpu_seconds`: every API process's together), net of the idle
     polls renewed meanwhile: a window with heartbeats only (polls held, no queries), then one with the
     heartbeats paused for a poll's wait, in which every idle poll renews, for the CPU per renewal.
-    Idle polls end at random points of their wait, so the heartbeats' window holds renewals too;
+    Idle polls end spread evenly over their wait, so the heartbeats' window holds renewals too;
     theirs is taken off before dividing by the heartbeats. The heartbeats have run again for one
     interval on return."""
     before = await fleet.stats()
@@ -628,24 +658,25 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         )
         quiet_handler: list[float] = []
         loaded_handler: list[float] = []
+        sent_quiet = 0
         for _ in range(args.rounds):
             mark = len(eligibility.handler)
             loaded += await eligibility.window(args.window)
             loaded_handler += eligibility.handler[mark:]
-            await fleet.all("beating", on=False)
-            await asyncio.sleep(1.0)  # beats in flight finish
+            sent = await fleet.go_quiet()
             mark = len(eligibility.handler)
             quiet += await eligibility.window(min(args.window, args.stale / 3))
             quiet_handler += eligibility.handler[mark:]
-            await fleet.all("beating", on=True)
-            await asyncio.sleep(1.0)
+            sent_quiet += await fleet.resume(sent, args.settle)
+        out["requests_sent_quiet"] = sent_quiet
         out["quiet_handler_p99"] = percentile(quiet_handler, 0.99)
         out["loaded_handler_p99"] = percentile(loaded_handler, 0.99)
         out["load_average"] = os.getloadavg()[0]
         out["quiet_p50"], out["quiet_p99"] = percentile(quiet, 0.5), percentile(quiet, 0.99)
         out["loaded_p50"], out["loaded_p99"] = percentile(loaded, 0.5), percentile(loaded, 0.99)
         say(
-            f"eligibility, no agent traffic: p50 {ms(out['quiet_p50'])}, p99 {ms(out['quiet_p99'])} ({len(quiet)} queries)"
+            f"eligibility, no agent traffic (heartbeats paused, polls held, none renewed: {sent_quiet} agent"
+            f" requests): p50 {ms(out['quiet_p50'])}, p99 {ms(out['quiet_p99'])} ({len(quiet)} queries)"
         )
         say(
             f"eligibility, during heartbeats: p50 {ms(out['loaded_p50'])}, p99 {ms(out['loaded_p99'])}"
@@ -843,20 +874,20 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             loaded_handler: list[list[float]] = [[], []]
             quiet_handler: list[list[float]] = [[], []]
             out["pg_load_average_before"] = os.getloadavg()[0]
+            sent_quiet = 0
             for _ in range(args.rounds):
                 for i, ask in enumerate(asks):
                     mark = len(ask.handler)
                     loaded[i] += await ask.window(args.window)
                     loaded_handler[i] += ask.handler[mark:]
-                await fleet.all("beating", on=False)
-                await asyncio.sleep(1.0)  # beats in flight finish
+                sent = await fleet.go_quiet()
                 for i, ask in enumerate(asks):
                     mark = len(ask.handler)
                     quiet[i] += await ask.window(min(args.window, args.stale / 6))
                     quiet_handler[i] += ask.handler[mark:]
-                await fleet.all("beating", on=True)
-                await asyncio.sleep(1.0)
+                sent_quiet += await fleet.resume(sent, args.settle)
             out["pg_load_average_after"] = os.getloadavg()[0]
+            out["pg_requests_sent_quiet"] = sent_quiet
             for key, found in (
                 ("loaded", loaded),
                 ("quiet", quiet),
@@ -867,7 +898,7 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                 out[f"pg_{key}_p99"] = [percentile(x, 0.99) for x in found]
             for i in range(2):
                 say(
-                    f"PostgreSQL: eligibility on API {i + 1}, no agent traffic: p50 {ms(out['pg_quiet_p50'][i])},"
+                    f"PostgreSQL: eligibility on API {i + 1}, no agent traffic ({sent_quiet} agent requests): p50 {ms(out['pg_quiet_p50'][i])},"
                     f" p99 {ms(out['pg_quiet_p99'][i])} ({len(quiet[i])} queries); during heartbeats: p50"
                     f" {ms(out['pg_loaded_p50'][i])}, p99 {ms(out['pg_loaded_p99'][i])} ({len(loaded[i])} queries);"
                     f" ratio p99 {out['pg_loaded_p99'][i] / out['pg_quiet_p99'][i]:.2f}x; the answers' own"
@@ -1082,6 +1113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--poll-wait", type=float, default=30.0, help="the agents' long-poll wait")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per measuring window")
     parser.add_argument("--rounds", type=int, default=2, help="quiet/loaded window pairs")
+    parser.add_argument(
+        "--settle", type=float, default=3.0, help="seconds after a quiet window before the next loaded one"
+    )
     parser.add_argument("--deployments", type=int, default=20)
     parser.add_argument("--long-poll-max", type=int, default=0, help="0: agents + 100")
     parser.add_argument("--storm-limit", type=float, default=120.0)
