@@ -833,6 +833,7 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             say(
                 f"PostgreSQL: registered {count} agents over 2 API processes in {time.perf_counter() - started:.1f} s"
             )
+            before = sum(api.rss_bytes() for api in apis)
             opened = time.monotonic()
             await fleet.all("start")
 
@@ -840,6 +841,13 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                 return bool((await fleet.stats(since, 0.5))["holding"] == count)
 
             await wait_until(lambda: all_holding(opened), 120)
+            await asyncio.sleep(1.0)
+            after = sum(api.rss_bytes() for api in apis)
+            out["pg_bytes_per_poll"] = (after - before) / count
+            say(
+                f"PostgreSQL: both APIs' memory {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB with {count}"
+                f" polls held: {out['pg_bytes_per_poll'] / 1024:.1f} KiB per held long poll"
+            )
             await fleet.all("beating", on=True)
             await asyncio.sleep(args.heartbeat)
             beats0, t0 = (await fleet.stats())["beats"], time.monotonic()
