@@ -316,9 +316,19 @@ class FleetProcesses:
     """N agents split over `procs` generator processes (each within its descriptor limit)."""
 
     def __init__(
-        self, urls: list[str], count: int, procs: int, heartbeat: float, poll_wait: float, gpus: int
+        self,
+        urls: list[str],
+        count: int,
+        procs: int,
+        heartbeat: float,
+        poll_wait: float,
+        gpus: int,
+        nice: int = 0,
     ) -> None:
-        """Generator process i talks to `urls[i % len(urls)]` (agents spread over API processes)."""
+        """Generator process i talks to `urls[i % len(urls)]` (agents spread over API processes).
+        `nice` lowers the generators' CPU priority: they stand in for thousands of other machines,
+        and on one small host they would otherwise take cores from the service they measure."""
+        self.nice = nice
         self.count = count
         self.urls = urls
         bounds = [count * i // procs for i in range(procs + 1)]
@@ -337,6 +347,7 @@ class FleetProcesses:
                 "--range", f"{first}:{last}", "--heartbeat", f"{heartbeat:g}",
                 "--poll-wait", f"{poll_wait:g}", "--gpus", str(gpus),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
             )  # fmt: skip
             self.children.append(child)
             self._locks.append(asyncio.Lock())
@@ -610,7 +621,9 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     }
     service = Service(workdir, env)
     service.start()
-    fleet = FleetProcesses([service.url], count, procs, args.heartbeat, args.poll_wait, args.gpus)
+    fleet = FleetProcesses(
+        [service.url], count, procs, args.heartbeat, args.poll_wait, args.gpus, args.generator_nice
+    )
     await fleet.start()
     query_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
     eligibility = Eligibility(service.url, query_session)
@@ -822,7 +835,13 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             stderr=subprocess.STDOUT,
         )
         fleet = FleetProcesses(
-            [api.url for api in apis], count, procs, args.heartbeat, args.poll_wait, args.gpus
+            [api.url for api in apis],
+            count,
+            procs,
+            args.heartbeat,
+            args.poll_wait,
+            args.gpus,
+            args.generator_nice,
         )
         await fleet.start()
         sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for _ in apis]
@@ -1130,6 +1149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--postgres", action="store_true", help="two APIs and a worker on PostgreSQL instead")
     parser.add_argument("--procs", type=int, default=0, help="generator processes (0: one per 2,500 agents)")
+    parser.add_argument(
+        "--generator-nice", type=int, default=0, help="niceness of the generator processes (0: the service's)"
+    )
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)  # a generator process
     parser.add_argument("--range", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1137,7 +1159,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         first, last = (int(part) for part in args.range.split(":"))
         asyncio.run(serve_commands(args.worker, first, last, args.heartbeat, args.poll_wait, args.gpus))
         return {}
-    out: dict[str, Any] = {"agents": args.agents, "heartbeat": args.heartbeat, "stale": args.stale}
+    out: dict[str, Any] = {
+        "agents": args.agents,
+        "heartbeat": args.heartbeat,
+        "stale": args.stale,
+        "generator_nice": args.generator_nice,
+    }
     asyncio.run(run_postgres_fleet(args, out) if args.postgres else run(args, out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
