@@ -121,6 +121,12 @@ class Dialect:
         finer): thousands of stamps read as numbers, with no date parsing in Python."""
         raise NotImplementedError
 
+    def stamp_pairs(self, stamps: Mapping[str, float]) -> tuple[str, Params]:
+        """A relation `(name, seen)` of many (name, seconds since the epoch) pairs, `seen` a
+        timestamp as the engine stores one, and its parameters: a batch of thousands joined in
+        one statement, with two list parameters, not one parameter set per row."""
+        raise NotImplementedError
+
     def estimate(self, db: Db, sql: str, params: Params) -> int | None:
         """The planner's row estimate for `sql`, where the engine has one."""
         return None
@@ -206,6 +212,14 @@ class SqliteDialect(Dialect):
     def epoch(self, column: str) -> str:
         return f"(julianday({column}) - 2440587.5) * 86400.0"  # julianday keeps milliseconds
 
+    def stamp_pairs(self, stamps: Mapping[str, float]) -> tuple[str, Params]:
+        relation = (
+            "(SELECT n.value AS name, s.value AS seen FROM json_each(:pair_names) AS n"
+            " JOIN json_each(:pair_seen) AS s ON s.key = n.key)"
+        )
+        seen = [iso(datetime.fromtimestamp(moment, UTC)) for moment in stamps.values()]
+        return relation, {"pair_names": json.dumps(list(stamps)), "pair_seen": json.dumps(seen)}
+
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
         conn.executemany(sql, rows)
 
@@ -263,6 +277,13 @@ class PostgresDialect(Dialect):
 
     def epoch(self, column: str) -> str:
         return f"EXTRACT(EPOCH FROM {column})::float8"
+
+    def stamp_pairs(self, stamps: Mapping[str, float]) -> tuple[str, Params]:
+        relation = (
+            "(SELECT name, to_timestamp(seconds) AS seen"
+            " FROM unnest(CAST(:pair_names AS text[]), CAST(:pair_seen AS float8[])) AS u(name, seconds))"
+        )
+        return relation, {"pair_names": list(stamps), "pair_seen": list(stamps.values())}
 
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
         with conn.cursor() as cursor:  # psycopg sends the batch in one pipeline

@@ -207,6 +207,15 @@ def test_heartbeat_stamps_are_written_in_a_batch_and_read_back_as_seconds(open_b
     assert abs(stamps["node-a"] - (now + 60.25)) < 0.002 and abs(stamps["node-b"] - (now + 30.5)) < 0.002
     since = datetime.fromtimestamp(now + 45, UTC)
     assert [name for name, _ in store.run(queries.heartbeats, since)] == ["node-a"]
+    # a batch as a busy replica writes one (one statement): each stamp forward, none back
+    names = [f"node-{n:03d}" for n in range(300)]
+    for name in names:
+        store.run(queries.upsert_server, name, f'{{"name": "{name}"}}')
+    store.run(queries.stamp_heartbeats, {name: now + n for n, name in enumerate(names)})
+    store.run(queries.stamp_heartbeats, {name: now + 150 - n % 2 for n, name in enumerate(names)})
+    stamps = dict(store.run(queries.heartbeats))
+    for n, name in enumerate(names):
+        assert abs(stamps[name] - max(now + n, now + 150 - n % 2)) < 0.002, (name, stamps[name] - now)
 
 
 def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:

@@ -108,6 +108,13 @@ async def _freeze_startup_objects(_: object) -> None:
     gc.freeze()
 
 
+# The interpreter lock's switch interval in `serve` (Python's default is 5 ms). The store's thread
+# converts rows in Python (a batch of heartbeat stamps, the stamps another replica wrote), and while
+# it holds the lock a request ready on the event loop waits up to a whole interval for it: with a
+# fleet's traffic that wait was a visible share of the eligibility tail. 1 ms bounds it at a cost
+# of more lock hand-overs while both threads run, which is rarely.
+GIL_SWITCH_SECONDS = 0.001
+
 FULL_COLLECTION_SECONDS = 300.0
 _BACKGROUND: set[asyncio.Task[None]] = set()  # the serve process's own timers, held while it runs
 
@@ -162,6 +169,7 @@ def run_serve(argv: list[str]) -> int:
     app.on_startup.append(_freeze_startup_objects)
     app.on_startup.append(_schedule_full_collections)
     _raise_fd_limit(settings.long_poll_max)
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     run_guarded_app(
         app,
         host=settings.host,
