@@ -68,6 +68,11 @@ class _StoredFleet(NamedTuple):
     reserved: dict[str, str]  # GPU UUID -> deployment id
 
 
+# Stamps another replica wrote are compared with this process's in chunks of this many, the
+# event loop free between two: a read of a 10,000-agent fleet's stamps held it 3-5 ms in one piece.
+FOLLOW_CHUNK = 1000
+
+
 class FleetIndexCache:
     """The live fleet kept in memory between requests: liveness, GPU owners and placement's index.
 
@@ -304,7 +309,7 @@ class FleetIndexCache:
         servers they registered. `install`'s task calls it on a shared store (PostgreSQL) when
         another process says it wrote stamps or servers (NOTIFY), at most every `check_seconds`;
         the round trip and the conversion run in the store's thread, the loop compares one number
-        per stamp. Nothing before the first query has read the fleet."""
+        per stamp, `FOLLOW_CHUNK` stamps at a time. Nothing before the first query has read the fleet."""
         if self.inventory_reads == 0:
             return
         services = services_of_app(app)
@@ -319,13 +324,16 @@ class FleetIndexCache:
         )
         self._stamps_read_at = wall
         unknown = []
-        for name, heard in stamps:
-            if heard > self._heard.get(name, 0.0):
-                self._heard[name] = heard
-                if name not in self._live:
-                    self._maybe_back.add(name)
-            if name not in self._agents:
-                unknown.append(name)
+        for start in range(0, len(stamps), FOLLOW_CHUNK):
+            if start:
+                await asyncio.sleep(0)  # requests ready meanwhile go first
+            for name, heard in stamps[start : start + FOLLOW_CHUNK]:
+                if heard > self._heard.get(name, 0.0):
+                    self._heard[name] = heard
+                    if name not in self._live:
+                        self._maybe_back.add(name)
+                if name not in self._agents:
+                    unknown.append(name)
         if unknown:
             records = await store.run(queries.server_records, unknown)
             parsed = await asyncio.to_thread(
