@@ -213,12 +213,14 @@ class SqliteDialect(Dialect):
         return f"(julianday({column}) - 2440587.5) * 86400.0"  # julianday keeps milliseconds
 
     def stamp_pairs(self, stamps: Mapping[str, float]) -> tuple[str, Params]:
+        # one JSON array of [name, stamp] pairs, walked once (two arrays joined on their keys
+        # would be a nested loop: 140 ms for 1,650 stamps)
         relation = (
-            "(SELECT n.value AS name, s.value AS seen FROM json_each(:pair_names) AS n"
-            " JOIN json_each(:pair_seen) AS s ON s.key = n.key)"
+            "(SELECT json_extract(value, '$[0]') AS name, json_extract(value, '$[1]') AS seen"
+            " FROM json_each(:pairs))"
         )
-        seen = [iso(datetime.fromtimestamp(moment, UTC)) for moment in stamps.values()]
-        return relation, {"pair_names": json.dumps(list(stamps)), "pair_seen": json.dumps(seen)}
+        pairs = [[name, iso(datetime.fromtimestamp(moment, UTC))] for name, moment in stamps.items()]
+        return relation, {"pairs": json.dumps(pairs)}
 
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
         conn.executemany(sql, rows)

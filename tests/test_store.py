@@ -218,6 +218,29 @@ def test_heartbeat_stamps_are_written_in_a_batch_and_read_back_as_seconds(open_b
         assert abs(stamps[name] - max(now + n, now + 150 - n % 2)) < 0.002, (name, stamps[name] - now)
 
 
+def test_a_batch_of_stamps_costs_in_proportion_to_its_size(open_backend: OpenBackend) -> None:
+    """A replica writes a flush's stamps in one statement; its relation of (name, stamp) pairs is
+    walked once, never matched pair by pair (that was quadratic: 140 ms for 1,650 stamps on
+    SQLite, about 1.3 s for these 5,000)."""
+    import time
+
+    from store.dialect import Db, writes
+
+    @writes
+    def register(db: Db, names: list[str]) -> None:
+        for name in names:
+            queries.upsert_server(db, name, f'{{"name": "{name}"}}')
+
+    store = open_backend()
+    names = [f"node-{n:05d}" for n in range(5_000)]
+    store.run(register, names)
+    now = time.time() + 60
+    started = time.perf_counter()
+    store.run(queries.stamp_heartbeats, {name: now for name in names})
+    assert time.perf_counter() - started < 0.5
+    assert all(abs(seen - now) < 0.002 for _, seen in store.run(queries.heartbeats))
+
+
 def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -> None:
     store = open_backend()
     store.run(queries.save_layer_evidence, "sha256:" + "e" * 64, '{"flavour": "musl"}')
