@@ -672,16 +672,20 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         quiet_handler: list[float] = []
         loaded_handler: list[float] = []
         sent_quiet = 0
+        windows: list[tuple[str, float]] = []  # each window's own p99, in order
         for _ in range(args.rounds):
             mark = len(eligibility.handler)
-            loaded += await eligibility.window(args.window)
+            loaded += (found := await eligibility.window(args.window))
+            windows.append(("loaded", percentile(found, 0.99)))
             loaded_handler += eligibility.handler[mark:]
             sent = await fleet.go_quiet()
             mark = len(eligibility.handler)
-            quiet += await eligibility.window(min(args.window, args.stale / 3))
+            quiet += (found := await eligibility.window(min(args.window, args.stale / 3)))
+            windows.append(("quiet", percentile(found, 0.99)))
             quiet_handler += eligibility.handler[mark:]
             sent_quiet += await fleet.resume(sent, args.settle)
         out["requests_sent_quiet"] = sent_quiet
+        out["window_p99s"] = windows
         out["quiet_handler_p99"] = percentile(quiet_handler, 0.99)
         out["loaded_handler_p99"] = percentile(loaded_handler, 0.99)
         out["load_average"] = os.getloadavg()[0]
@@ -693,7 +697,8 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         )
         say(
             f"eligibility, during heartbeats: p50 {ms(out['loaded_p50'])}, p99 {ms(out['loaded_p99'])}"
-            f" ({len(loaded)} queries); ratio p99 {out['loaded_p99'] / out['quiet_p99']:.2f}x"
+            f" ({len(loaded)} queries); ratio p99 {out['loaded_p99'] / out['quiet_p99']:.2f}x; each window's p99 in"
+            f" order: {', '.join(f'{kind} {ms(p99)}' for kind, p99 in windows)}"
         )
         say(
             f"eligibility, the answers' own `seconds` (index and decide, no queueing): p99"
@@ -902,19 +907,23 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
             quiet_handler: list[list[float]] = [[], []]
             out["pg_load_average_before"] = os.getloadavg()[0]
             sent_quiet = 0
+            windows: list[list[tuple[str, float]]] = [[], []]  # each window's own p99, in order
             for _ in range(args.rounds):
                 for i, ask in enumerate(asks):
                     mark = len(ask.handler)
-                    loaded[i] += await ask.window(args.window)
+                    loaded[i] += (found := await ask.window(args.window))
+                    windows[i].append(("loaded", percentile(found, 0.99)))
                     loaded_handler[i] += ask.handler[mark:]
                 sent = await fleet.go_quiet()
                 for i, ask in enumerate(asks):
                     mark = len(ask.handler)
-                    quiet[i] += await ask.window(min(args.window, args.stale / 6))
+                    quiet[i] += (found := await ask.window(min(args.window, args.stale / 6)))
+                    windows[i].append(("quiet", percentile(found, 0.99)))
                     quiet_handler[i] += ask.handler[mark:]
                 sent_quiet += await fleet.resume(sent, args.settle)
             out["pg_load_average_after"] = os.getloadavg()[0]
             out["pg_requests_sent_quiet"] = sent_quiet
+            out["pg_window_p99s"] = windows
             for key, found in (
                 ("loaded", loaded),
                 ("quiet", quiet),
@@ -930,7 +939,8 @@ async def run_postgres_fleet(args: argparse.Namespace, out: dict[str, Any]) -> N
                     f" {ms(out['pg_loaded_p50'][i])}, p99 {ms(out['pg_loaded_p99'][i])} ({len(loaded[i])} queries);"
                     f" ratio p99 {out['pg_loaded_p99'][i] / out['pg_quiet_p99'][i]:.2f}x; the answers' own"
                     f" `seconds` p99 {ms(out['pg_quiet_handler_p99'][i])} quiet,"
-                    f" {ms(out['pg_loaded_handler_p99'][i])} loaded"
+                    f" {ms(out['pg_loaded_handler_p99'][i])} loaded; each window's p99 in order:"
+                    f" {', '.join(f'{kind} {ms(p99)}' for kind, p99 in windows[i])}"
                 )
             say(
                 f"PostgreSQL: host load average {out['pg_load_average_before']:.1f} before these windows,"
