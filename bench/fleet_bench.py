@@ -570,9 +570,9 @@ class Eligibility:
 
 def warm_up(args: argparse.Namespace) -> float:
     """Seconds the heartbeats run before the first window: two intervals and a poll's whole wait,
-    so every agent beats on its own phase and has renewed its first poll. The first loaded window
-    after one interval only came out at about twice the p99 of the later ones (SQLite 10.9-11.9 ms
-    against 4.8-5.5 ms; the cause was not found)."""
+    so every agent beats on its own phase and has renewed its first poll. (The first loaded window
+    came out at about twice the p99 of the later ones after one interval, and still did after
+    this warm-up in the run that followed: bench/RESULTS.md. The cause was not found.)"""
     return max(2 * args.heartbeat, args.poll_wait)
 
 
