@@ -26,7 +26,7 @@ import pytest
 from fixtures.busybox import busybox_image, gpu_busybox_image
 from fixtures.dockerd import LocalDockerd
 from fixtures.registry import LocalRegistry, free_port
-from fixtures.service import RunningService, run_service_inprocess
+from fixtures.service import RunningService, held_wait, run_service_inprocess
 from placement.inventory import Gpu, Server
 from placement.protocol import TERMINAL_STATES
 from tests.conftest import Pusher
@@ -260,14 +260,15 @@ async def test_service_shutdown_ends_open_long_polls(tmp_path: Path) -> None:
         ) as response:
             assert response.status == 200
         registered_at = await _last_heartbeat(session, service.url)
+        wait = held_wait(SERVER, at_least=20)  # held until the shutdown ends it
         poll = asyncio.create_task(
-            session.get(f"{service.url}/api/agents/{SERVER}/deployments?wait=30", headers=headers)
+            session.get(f"{service.url}/api/agents/{SERVER}/deployments?wait={wait:g}", headers=headers)
         )
         deadline = time.monotonic() + 5
         while await _last_heartbeat(session, service.url) == registered_at:  # the poll stamps it
             assert time.monotonic() < deadline and not poll.done(), "the long poll never reached the service"
             await asyncio.sleep(0.01)
-        # A 30 s long poll is open: shutdown must end it, so the bound is a third of the poll.
+        # A long poll held 20 s more is open: shutdown must end it, so the bound is half of that.
         await asyncio.wait_for(service_context.__aexit__(None, None, None), 10)
         response = await asyncio.wait_for(poll, 10)
         async with response:
@@ -311,7 +312,8 @@ async def test_a_deployment_stopped_as_the_agent_starts_it_is_stopped_on_the_nod
         assert (await call("DELETE", f"/api/deployments/{created['id']}", user))["state"] == "stopped"
         # The agent's next long poll is already waiting when its `pulling` report arrives.
         polled_at = await _last_heartbeat(session, url)
-        poll = asyncio.create_task(call("GET", f"/api/agents/{SERVER}/deployments?wait=20", agent))
+        wait = held_wait(SERVER, at_least=10)  # held until the report wakes it
+        poll = asyncio.create_task(call("GET", f"/api/agents/{SERVER}/deployments?wait={wait:g}", agent))
         deadline = time.monotonic() + 5
         while await _last_heartbeat(session, url) == polled_at:  # the poll stamps it
             assert time.monotonic() < deadline and not poll.done(), "the long poll never reached the service"

@@ -22,6 +22,7 @@ from aiohttp import web
 from agent.service_client import Backoff
 from bench import fleet_bench
 from fixtures.registry import free_port
+from fixtures.service import held_wait
 from web.app import create_app
 from web.long_polls import LONG_POLLS, idle_poll_end
 from web.settings import ServiceSettings
@@ -115,7 +116,8 @@ async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: 
             server = {"name": name, "gpus": []}
             async with session.post(f"{url}/api/servers", json=server) as response:
                 assert response.status == 200
-        held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait=30"))
+        wait = held_wait("node-a", at_least=10)
+        held = asyncio.create_task(_poll(session, f"{url}/api/agents/node-a/deployments?wait={wait:g}"))
         polls = app[LONG_POLLS]
         for _ in range(500):  # bounded: until the first poll holds the only slot
             if polls.held == 1:

@@ -354,11 +354,16 @@ async def test_an_agent_polling_one_api_hears_of_a_deploy_taken_by_the_other(
             before = last_heartbeat()
 
             async def poll() -> Any:
-                async with session.get(
-                    f"{second.url}/api/agents/solo/deployments?wait=60", headers=agent
-                ) as reply:
-                    assert reply.status == 200
-                    return await reply.json()
+                """Poll as the agent does: again after each empty answer (an idle poll ends at its
+                server's own point of the cycle, so maybe before the deployment is placed)."""
+                while True:
+                    async with session.get(
+                        f"{second.url}/api/agents/solo/deployments?wait=60", headers=agent
+                    ) as reply:
+                        assert reply.status == 200
+                        answer = await reply.json()
+                    if answer["deployments"]:
+                        return answer
 
             polling = asyncio.create_task(poll())
             # the poll has reached the second API (it heartbeats first), and nothing is there for it yet
@@ -372,8 +377,9 @@ async def test_an_agent_polling_one_api_hears_of_a_deploy_taken_by_the_other(
             ) as response:
                 created = await response.json()
                 assert response.status == 201, created
-            # without the other replica's NOTIFY this poll would sit out its 60 s and answer empty
-            answer = await asyncio.wait_for(polling, timeout=90)
+            # without the other replica's NOTIFY no poll of the second API would hear of it: that API
+            # knows which servers have work and reads the store for no other
+            answer = await asyncio.wait_for(polling, timeout=30)
     assert [deployment["id"] for deployment in answer["deployments"]] == [created["id"]]
 
 
