@@ -6,7 +6,10 @@ The conformance tests take `open_backend`, so each runs on SQLite and on Postgre
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -264,7 +267,6 @@ def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -
 def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_path: Path) -> None:
     """Files written before `schema_migrations` existed record their steps instead of re-applying
     them (re-running 0002's ALTER TABLE would fail on the existing column)."""
-    import sqlite3
 
     from store.migrations import latest_version, migrations
 
@@ -284,19 +286,29 @@ def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_pa
         store.close()
 
 
+@contextlib.contextmanager
+def _sqlite_file_at(path: Path, version: int) -> Iterator[sqlite3.Connection]:
+    """A SQLite file as schema `version` left it (its migrations applied, none after), open for a
+    test to add rows of that schema; committed and closed on leaving."""
+    from store.migrations import migrations
+
+    old = sqlite3.connect(path)
+    try:
+        for migration in migrations("sqlite")[:version]:
+            for statement in migration.statements():
+                old.execute(statement)
+        old.execute(f"PRAGMA user_version = {version}")
+        yield old
+        old.commit()
+    finally:
+        old.close()
+
+
 def test_a_version_5_file_keeps_its_servers_heartbeats_in_their_own_table(tmp_path: Path) -> None:
     """Migration 6: the last heartbeats move out of `servers` (a stamp rewrote the whole row,
     inventory included) into `server_heartbeats`, each server's kept."""
-    import sqlite3
-
-    from store.migrations import migrations
-
     path = tmp_path / "v5.db"
-    with sqlite3.connect(path) as old:
-        for migration in migrations("sqlite")[:5]:
-            for statement in migration.statements():
-                old.execute(statement)
-        old.execute("PRAGMA user_version = 5")
+    with _sqlite_file_at(path, 5) as old:
         old.execute(
             "INSERT INTO servers (name, inventory, registered_at, last_heartbeat)"
             " VALUES ('gpu-1', '{}', '2026-11-01T00:00:00+00:00', '2026-11-27T10:00:00+00:00')"
@@ -321,16 +333,9 @@ def test_sqlite_version_4_file_gets_the_job_indexes_postgres_has(tmp_path: Path)
     """Migration 5: the latest job of a reference is found by index, not by scanning every job
     (the image page asks it for each image without a report), and a queued job's insert no longer
     writes a page of the lease index, which holds running jobs only."""
-    import sqlite3
-
-    from store.migrations import migrations
-
     path = tmp_path / "v4.db"
-    with sqlite3.connect(path) as old:
-        for migration in migrations("sqlite")[:4]:
-            for statement in migration.statements():
-                old.execute(statement)
-        old.execute("PRAGMA user_version = 4")
+    with _sqlite_file_at(path, 4):
+        pass  # the schema alone
     store = Store(path)
     try:
         assert store.schema_version() >= 5
@@ -366,8 +371,6 @@ def _age_leases(store: Any, seconds: float) -> None:
 
     past = datetime.now(UTC) - timedelta(seconds=seconds)
     if isinstance(store, Store):
-        import sqlite3
-
         with sqlite3.connect(store.path) as other:
             other.execute("UPDATE jobs SET lease_expires = ? WHERE state = 'running'", [past.isoformat()])
         return
@@ -441,7 +444,6 @@ def test_queue_health_tells_a_stall_from_a_backlog(open_backend: OpenBackend) ->
 
 
 def test_schema_migrates_a_file_from_before_versioning(tmp_path: Path) -> None:
-    import sqlite3
 
     from store.migrations import migrations
     from store.sqlite import SCHEMA_VERSION
@@ -462,7 +464,6 @@ def test_schema_migrates_a_file_from_before_versioning(tmp_path: Path) -> None:
 
 
 def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) -> None:
-    import sqlite3
 
     from store import StoreUnavailable
 
