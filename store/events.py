@@ -25,8 +25,8 @@ QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"
 REPORTED_JOB = "-"  # the job id of a settle that only says "a report of this reference was stored"
 
 
-async def wait_set(event: asyncio.Event, timeout: float) -> bool:
-    """Until `event` is set (True) or `timeout` passes (False). Not `asyncio.wait_for`: on Python
+async def wait_set(event: asyncio.Event, timeout: float | None) -> bool:
+    """Until `event` is set (True) or `timeout` passes (False; None: no timeout). Not `asyncio.wait_for`: on Python
     3.11 it returns the wake-up and drops a cancel that comes in the same turn of the loop, so a
     task looping on it (a replica follower, a worker) could outlive its shutdown."""
     with contextlib.suppress(TimeoutError):

@@ -24,6 +24,7 @@ from fixtures.registry import free_port
 from store import queries
 from store.postgres import PostgresStore
 from web.app import create_app
+from web.live_fleet import FLEET_INDEX
 from web.settings import ServiceSettings
 
 HEARTBEAT, STALE, FLUSH = 1.0, 3.0, 0.2
@@ -154,6 +155,13 @@ async def test_eligibility_never_waits_for_the_read_of_other_replicas_heartbeats
     async with aiohttp.ClientSession() as session:
         await _post(session, replica.url + "/api/servers", _server("solo"))
         assert await replica.eligible(session) == ["solo"]  # the first query reads the fleet
+        # the other replica's stamps: from then on this one reads on its timer too, not only when told
+        await _post(session, replicas[1].url + "/api/servers/solo/heartbeat", {})
+
+        async def told_of_other_stamps() -> bool:
+            return replica.app[FLEET_INDEX].stamps_elsewhere
+
+        await _until(told_of_other_stamps, FLUSH + 5.0, "the other replica's stamps heard of")
         with psycopg.connect(postgres_url) as locker:
             # held until the block ends: the server table and the stamps' own table
             locker.execute("LOCK TABLE servers, server_heartbeats IN ACCESS EXCLUSIVE MODE")

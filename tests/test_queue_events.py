@@ -65,3 +65,20 @@ async def test_a_wait_cancelled_as_its_event_fires_ends_cancelled() -> None:
         task.cancel()  # in the same turn of the loop as the wake-up
         done, _ = await asyncio.wait({task}, timeout=5)
         assert done and task.cancelled(), f"{what} went on waiting after its cancel"
+
+
+async def test_the_replica_follower_waits_on_a_timer_only_once_another_process_writes_stamps() -> None:
+    """Alone (one `serve` on a SQLite file), a timed round would read this process's own stamps
+    back: 10,000 rows every round under a fleet. Once another process has written stamps, a timed
+    round catches up a notification lost with the listener's connection."""
+    from web.live_fleet import FleetIndexCache
+
+    cache = FleetIndexCache()
+    alone = asyncio.create_task(cache.follow_due(0.01))
+    finished, _ = await asyncio.wait({alone}, timeout=0.3)  # thirty timeouts' worth
+    assert not finished, "the follower woke on its timer with no other process writing stamps"
+    cache.stamps_written_elsewhere()
+    await asyncio.wait_for(alone, 5)
+    timed = asyncio.create_task(cache.follow_due(0.01))  # no notification this time
+    finished, _ = await asyncio.wait({timed}, timeout=5)
+    assert finished, "with another process writing stamps, the timed round never came"

@@ -100,44 +100,12 @@ def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
     return settings
 
 
-async def _freeze_startup_objects(_: object) -> None:
-    """The serve process owns its interpreter: modules, schemas and settings live as long as it does,
-    so moving them out of the collector's reach keeps full GC passes (and the 202 tail) short."""
-    import gc
-
-    gc.freeze()
-
-
 # The interpreter lock's switch interval in `serve` (Python's default is 5 ms). The store's thread
 # converts rows in Python (a batch of heartbeat stamps, the stamps another replica wrote), and while
 # it holds the lock a request ready on the event loop waits up to a whole interval for it: with a
 # fleet's traffic that wait was a visible share of the eligibility tail. 1 ms bounds it at a cost
 # of more lock hand-overs while both threads run, which is rarely.
 GIL_SWITCH_SECONDS = 0.001
-
-FULL_COLLECTION_SECONDS = 300.0
-_BACKGROUND: set[asyncio.Task[None]] = set()  # the serve process's own timers, held while it runs
-
-
-async def _schedule_full_collections(app: Any) -> None:
-    """Full (generation 2) collections on a timer, not on allocation counts.
-
-    A fleet of 10,000 agents keeps about a million objects alive (their servers, the index, one
-    held request per long poll), and the polls renew every 30 s, so the collector's own rule
-    walked all of them every few seconds: pauses of 0.3-2 s on a busy host, in every request's
-    way (bench/fleet_bench.py). Young generations still collect as usual; cycles that survive
-    into the old one wait at most FULL_COLLECTION_SECONDS."""
-    import gc
-
-    gen0, gen1, _ = gc.get_threshold()
-    gc.set_threshold(gen0, gen1, 1_000_000_000)
-
-    async def collect() -> None:
-        while True:
-            await asyncio.sleep(FULL_COLLECTION_SECONDS)
-            gc.collect(2)
-
-    _BACKGROUND.add(asyncio.get_running_loop().create_task(collect()))
 
 
 def run_serve(argv: list[str]) -> int:
@@ -157,6 +125,7 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
     from store import StoreUnavailable
+    from web import garbage_collection
     from web.app import create_app
     from web.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
@@ -166,8 +135,7 @@ def run_serve(argv: list[str]) -> int:
     except StoreUnavailable as exc:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
-    app.on_startup.append(_freeze_startup_objects)
-    app.on_startup.append(_schedule_full_collections)
+    garbage_collection.install(app)
     _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     run_guarded_app(

@@ -129,6 +129,7 @@ class FleetIndexCache:
         self._reading = asyncio.Lock()  # one full read of the server table at a time
         self.origin = uuid.uuid4().hex[:16]  # names this process's stamp batches to the others
         self._follow_due = asyncio.Event()  # another process wrote stamps or servers since `follow`
+        self._stamps_elsewhere = False  # another process has written heartbeat stamps
 
     # ---- liveness, on the loop and without I/O ------------------------------------------
 
@@ -231,12 +232,23 @@ class FleetIndexCache:
 
     def stamps_written_elsewhere(self) -> None:
         """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them, now."""
+        self._stamps_elsewhere = True
         self._follow_due.set()
+
+    @property
+    def stamps_elsewhere(self) -> bool:
+        """Whether another process sharing the store has written heartbeat stamps."""
+        return self._stamps_elsewhere
 
     async def follow_due(self, timeout: float) -> None:
         """Until another process wrote stamps or servers since the last `follow`, or `timeout`
-        passed (a notification lost with the listener's connection is caught up that way)."""
-        await wait_set(self._follow_due, timeout)  # a cancel is never lost: shutdown ends this task
+        passed once another process has written stamps at all (a notification lost with the
+        listener's connection is caught up that way). While this process is the only one that
+        writes stamps (one `serve` on a SQLite file: its workers write none), only a notification
+        ends the wait: a timed round would read back this process's own stamps, every agent's
+        every round (10,000 rows a round, converted with the interpreter lock held)."""
+        timed = timeout if self._stamps_elsewhere else None
+        await wait_set(self._follow_due, timed)  # a cancel is never lost: shutdown ends this task
         self._follow_due.clear()
 
     # ---- reading the store ------------------------------------------------------------------
@@ -468,7 +480,8 @@ async def _read_other_replicas(app: web.Application) -> None:
     """On a store shared with other processes (PostgreSQL), what they wrote
     (`FleetIndexCache.follow`), read here so that no request waits for it: when another process
     says it wrote a batch of stamps or registered servers, at most every `check_seconds`, and at
-    least every two `heartbeat_flush_seconds` (a lost notification). Idle on SQLite."""
+    least every two `heartbeat_flush_seconds` (a lost notification) once another process has
+    written stamps. Idle while no other process does (one `serve` on a SQLite file)."""
     services = services_of_app(app)
     store = services.store
     while True:

@@ -1,0 +1,95 @@
+"""The serve process's garbage collection (web/garbage_collection.py): young generations on a
+timer, because the interpreter's own rule lets the youngest generation grow without bound while
+old objects are freed as fast as new ones are made (a fleet's long polls renewing)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+
+from web import garbage_collection
+from web.garbage_collection import BURST_THRESHOLD, collect_young, generation_at
+
+
+@pytest.fixture
+def own_collector() -> Iterator[None]:
+    """The interpreter's collector as it was, after the test (thresholds, frozen objects)."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
+def test_every_third_young_collection_takes_generation_one_too() -> None:
+    assert [generation_at(tick) for tick in range(1, 10)] == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+
+
+async def test_the_timer_collects_in_that_order_on_the_loop() -> None:
+    taken: list[int] = []
+    enough = asyncio.Event()
+
+    def collect(generation: int) -> None:
+        taken.append(generation)
+        if len(taken) == 6:
+            enough.set()
+
+    timer = asyncio.create_task(collect_young(0.001, collect))
+    try:
+        await asyncio.wait_for(enough.wait(), 5)
+    finally:
+        timer.cancel()
+    assert taken[:6] == [0, 0, 1, 0, 0, 1]
+
+
+async def _churn(steps: int, chunk: int = 250) -> int:
+    """Free one old (promoted) container per new one kept alive, `chunk` at a time with the loop
+    free in between, as a fleet's renewed polls do; the largest youngest generation seen."""
+    old = [[number] for number in range(steps)]
+    gc.collect()  # every one of them is in the oldest generation now
+    kept: list[list[int]] = []
+    largest = 0
+    for start in range(0, steps, chunk):
+        for number in range(start, start + chunk):
+            old.pop()  # a free: the interpreter's count goes down...
+            kept.append([number])  # ...as much as this allocation took it up
+        largest = max(largest, len(gc.get_objects(0)))
+        await asyncio.sleep(0.002)
+    return largest
+
+
+@pytest.mark.usefixtures("own_collector")
+async def test_timed_young_collections_keep_the_youngest_generation_small_while_old_objects_churn() -> None:
+    steps = 40_000
+    if sys.version_info < (3, 14):  # the counting the timer exists for (CPython 3.11 to 3.13)
+        assert await _churn(steps) > steps // 2, "the interpreter's own rule no longer lets it grow"
+    timer = asyncio.create_task(collect_young())
+    try:
+        largest = await _churn(steps)
+    finally:
+        timer.cancel()
+    # a 10 ms timer against 250 new objects every 2 ms or more: a few thousand at most
+    assert largest < 5_000
+
+
+@pytest.mark.usefixtures("own_collector")
+async def test_install_freezes_raises_the_young_threshold_and_stops_its_timers_with_the_app() -> None:
+    app = web.Application()
+    garbage_collection.install(app)
+    app.freeze()
+    await app.startup()
+    try:
+        assert gc.get_threshold()[0] == BURST_THRESHOLD
+        assert gc.get_freeze_count() > 0
+        timers = app[garbage_collection._TIMERS]
+        assert len(timers) == 2 and not any(timer.done() for timer in timers)
+    finally:
+        await app.cleanup()
+    assert all(timer.cancelled() for timer in timers)

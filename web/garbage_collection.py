@@ -1,0 +1,85 @@
+"""When `gpubadge serve` collects garbage: the young generations on a timer on the event loop, the
+old one on a slower timer, never by the interpreter's allocation count alone.
+
+Why not the interpreter's own rule: CPython (3.11) starts a young collection when the tracked
+objects allocated minus those freed pass a threshold, and every free counts, whatever generation
+the object was in. A fleet's service frees old objects as fast as it makes new ones: each of
+10,000 long polls renews every 30 s, and the poll that ends (its request, task and futures, long
+since promoted to the old generation) is freed as the new one is allocated. The count then stays
+near zero while the youngest generation grows to tens of thousands of objects, and when a
+collection finally starts it walks them all with the interpreter lock held: 40-180 ms of CPU in
+whichever thread allocated (often the store's), during which the loop answers nothing
+(bench/fleet_bench.py with a diagnostic collector hook; bench/RESULTS.md).
+
+So, once the service is up (`install`):
+- what it imported and built before serving is frozen out of the collector's reach (modules,
+  schemas and settings live as long as the process);
+- generation 0 is collected every `YOUNG_SECONDS` on the loop, and generations 0 and 1 every
+  `MIDDLE_EVERY`-th time, so each collection walks only what a few milliseconds allocated
+  (about 0.1-1 ms under the fleet's load);
+- the interpreter's own young threshold is raised to `BURST_THRESHOLD`, so it starts a collection
+  only for a burst the timer would be late for (a thread parsing thousands of inventories);
+- the old generation (a fleet's million objects: servers, the index, one held request per poll)
+  is collected every `FULL_SECONDS`, not when the collector's rule would, every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+YOUNG_SECONDS = 0.01
+MIDDLE_EVERY = 3  # every third young collection takes generation 1 too
+BURST_THRESHOLD = 5000
+FULL_SECONDS = 300.0
+
+Collect = Callable[[int], Any]
+
+_TIMERS = web.AppKey("garbage_collection_timers", list[asyncio.Task[None]])
+
+
+def generation_at(tick: int) -> int:
+    """The oldest generation the `tick`-th timed young collection takes (counting from 1)."""
+    return 1 if tick % MIDDLE_EVERY == 0 else 0
+
+
+async def collect_young(period: float = YOUNG_SECONDS, collect: Collect = gc.collect) -> None:
+    """Forever: every `period` seconds, `collect(generation_at(tick))`."""
+    tick = 0
+    while True:
+        await asyncio.sleep(period)
+        tick += 1
+        collect(generation_at(tick))
+
+
+async def collect_old(period: float = FULL_SECONDS, collect: Collect = gc.collect) -> None:
+    """Forever: every `period` seconds, a full collection."""
+    while True:
+        await asyncio.sleep(period)
+        collect(2)
+
+
+async def _start(app: web.Application) -> None:
+    gc.freeze()
+    _, middle, _ = gc.get_threshold()
+    gc.set_threshold(BURST_THRESHOLD, middle, 1_000_000_000)
+    loop = asyncio.get_running_loop()
+    app[_TIMERS].extend([loop.create_task(collect_young()), loop.create_task(collect_old())])
+
+
+async def _stop(app: web.Application) -> None:
+    for task in app.get(_TIMERS, []):
+        task.cancel()
+    await asyncio.gather(*app.get(_TIMERS, []), return_exceptions=True)
+
+
+def install(app: web.Application) -> None:
+    """Collect this process's garbage on the timers above once `app` starts (the serve process only:
+    it owns its interpreter; tests and embedders keep the interpreter's own rule)."""
+    app[_TIMERS] = []
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
