@@ -571,8 +571,9 @@ class Eligibility:
 def warm_up(args: argparse.Namespace) -> float:
     """Seconds the heartbeats run before the first window: two intervals and a poll's whole wait,
     so every agent beats on its own phase and has renewed its first poll. (The first loaded window
-    came out at about twice the p99 of the later ones after one interval, and still did after
-    this warm-up in the run that followed: bench/RESULTS.md. The cause was not found.)"""
+    used to come out at about twice the p99 of the later ones, with or without this warm-up: the
+    service's young collections, 40-180 ms each, came at random and a few fell in it. `serve`
+    now schedules them: web/garbage_collection.py, bench/RESULTS.md.)"""
     return max(2 * args.heartbeat, args.poll_wait)
 
 
