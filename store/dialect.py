@@ -124,7 +124,7 @@ class Dialect:
     def stamp_pairs(self, stamps: Mapping[str, float]) -> tuple[str, Params]:
         """A relation `(name, seen)` of many (name, seconds since the epoch) pairs, `seen` a
         timestamp as the engine stores one, and its parameters: a batch of thousands joined in
-        one statement, with two list parameters, not one parameter set per row."""
+        one statement, the whole batch in one or two parameters, not one parameter set per row."""
         raise NotImplementedError
 
     def estimate(self, db: Db, sql: str, params: Params) -> int | None:
@@ -219,7 +219,8 @@ class SqliteDialect(Dialect):
             "(SELECT json_extract(value, '$[0]') AS name, json_extract(value, '$[1]') AS seen"
             " FROM json_each(:pairs))"
         )
-        pairs = [[name, iso(datetime.fromtimestamp(moment, UTC))] for name, moment in stamps.items()]
+        stamp = self.stamp_param
+        pairs = [[name, stamp(datetime.fromtimestamp(moment, UTC))] for name, moment in stamps.items()]
         return relation, {"pairs": json.dumps(pairs)}
 
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:

@@ -100,9 +100,9 @@ async def _start(app: web.Application) -> None:
 
 
 async def _stop(app: web.Application) -> None:
-    for task in app.get(_TIMERS, []):
+    for task in app[_TIMERS]:
         task.cancel()
-    await asyncio.gather(*app.get(_TIMERS, []), return_exceptions=True)
+    await asyncio.gather(*app[_TIMERS], return_exceptions=True)
 
 
 def install(app: web.Application) -> None:

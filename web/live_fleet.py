@@ -129,7 +129,7 @@ class FleetIndexCache:
         self._reading = asyncio.Lock()  # one full read of the server table at a time
         self.origin = uuid.uuid4().hex[:16]  # names this process's stamp batches to the others
         self._follow_due = asyncio.Event()  # another process wrote stamps or servers since `follow`
-        self._stamps_elsewhere = False  # another process has written heartbeat stamps
+        self.stamps_elsewhere = False  # another process sharing the store has written stamps
 
     # ---- liveness, on the loop and without I/O ------------------------------------------
 
@@ -232,13 +232,8 @@ class FleetIndexCache:
 
     def stamps_written_elsewhere(self) -> None:
         """Another process wrote a batch of stamps (PostgreSQL NOTIFY): `follow` reads them, now."""
-        self._stamps_elsewhere = True
+        self.stamps_elsewhere = True
         self._follow_due.set()
-
-    @property
-    def stamps_elsewhere(self) -> bool:
-        """Whether another process sharing the store has written heartbeat stamps."""
-        return self._stamps_elsewhere
 
     async def follow_due(self, timeout: float) -> None:
         """Until another process wrote stamps or servers since the last `follow`, or `timeout`
@@ -247,7 +242,7 @@ class FleetIndexCache:
         writes stamps (one `serve` on a SQLite file: its workers write none), only a notification
         ends the wait: a timed round would read back this process's own stamps, every agent's
         every round (10,000 rows a round, converted with the interpreter lock held)."""
-        timed = timeout if self._stamps_elsewhere else None
+        timed = timeout if self.stamps_elsewhere else None
         await wait_set(self._follow_due, timed)  # a cancel is never lost: shutdown ends this task
         self._follow_due.clear()
 
