@@ -221,6 +221,26 @@ def test_heartbeat_stamps_are_written_in_a_batch_and_read_back_as_seconds(open_b
         assert abs(stamps[name] - max(now + n, now + 150 - n % 2)) < 0.002, (name, stamps[name] - now)
 
 
+def test_a_replica_reads_only_the_stamps_other_processes_wrote(open_backend: OpenBackend) -> None:
+    """Each row names the process whose stamp it holds; a replica following the others skips its own
+    (with two APIs that was half of every read), and reads a row again once another stamps it later."""
+    import time
+
+    store = open_backend()
+    for name in ("node-a", "node-b", "node-c"):
+        store.run(queries.upsert_server, name, f'{{"name": "{name}"}}')
+    now = time.time()
+    store.run(queries.stamp_heartbeats, {"node-a": now + 1, "node-b": now + 1}, "api-1")
+    store.run(queries.stamp_heartbeats, {"node-c": now + 2}, "api-2")
+    assert sorted(name for name, _ in store.run(queries.heartbeats, None, "api-1")) == ["node-c"]
+    assert sorted(name for name, _ in store.run(queries.heartbeats, None, "api-2")) == ["node-a", "node-b"]
+    assert len(store.run(queries.heartbeats)) == 3  # no one to skip: every row
+    store.run(queries.stamp_heartbeats, {"node-a": now + 3}, "api-2")  # node-a's agent moved to api-2
+    store.run(queries.stamp_heartbeats, {"node-b": now}, "api-2")  # older than api-1's: not written
+    assert sorted(name for name, _ in store.run(queries.heartbeats, None, "api-1")) == ["node-a", "node-c"]
+    assert sorted(name for name, _ in store.run(queries.heartbeats, None, "api-2")) == ["node-b"]
+
+
 def test_a_batch_of_stamps_costs_in_proportion_to_its_size(open_backend: OpenBackend) -> None:
     """A replica writes a flush's stamps in one statement; its relation of (name, stamp) pairs is
     walked once, never matched pair by pair (that was quadratic: 140 ms for 1,650 stamps on

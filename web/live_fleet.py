@@ -327,7 +327,9 @@ class FleetIndexCache:
         margin = settings.heartbeat_flush_seconds + 2 * self.check_seconds + 1.0
         since = None if self._stamps_read_at is None else self._stamps_read_at - margin
         stamps = await store.run(
-            queries.heartbeats, datetime.fromtimestamp(since, UTC) if since is not None else None
+            queries.heartbeats,
+            datetime.fromtimestamp(since, UTC) if since is not None else None,
+            self.origin,  # this process's own stamps: it heard them
         )
         self._stamps_read_at = wall
         unknown = []

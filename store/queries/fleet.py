@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from store.dialect import Db, reads, writes
 from store.events import FLEET_CHANNEL
@@ -56,28 +57,34 @@ def heartbeat(db: Db, name: str, inventory_json: str | None = None) -> bool:
 def stamp_heartbeats(db: Db, stamps: Mapping[str, float], origin: str = "") -> None:
     """Record many servers' last heartbeats at once (server name -> seconds since the epoch; the
     service batches them; no inventory is written). A stamp never moves a heartbeat back. Other
-    replicas are told (NOTIFY "stamps <origin>", `origin` naming the writer) and read them."""
+    replicas are told (NOTIFY "stamps <origin>", `origin` naming the writer) and read them; each
+    row keeps the name of the process whose stamp it holds, so a reader can skip its own."""
     if stamps:  # one statement for the batch: per-row parameter sets held the GIL 3-4x longer
         pairs, params = db.dialect.stamp_pairs(stamps)
         db.execute(
-            f"UPDATE server_heartbeats SET last_heartbeat = v.seen FROM {pairs} AS v"
+            f"UPDATE server_heartbeats SET last_heartbeat = v.seen, stamped_by = :origin FROM {pairs} AS v"
             " WHERE server_heartbeats.name = v.name AND server_heartbeats.last_heartbeat < v.seen",
-            params,
+            {**params, "origin": origin},
         )
     db.notify(FLEET_CHANNEL, f"stamps {origin}")
 
 
 @reads
-def heartbeats(db: Db, since: datetime | None = None) -> list[tuple[str, float]]:
+def heartbeats(db: Db, since: datetime | None = None, skip: str = "") -> list[tuple[str, float]]:
     """(name, last heartbeat in seconds since the epoch, to the millisecond) of every server heard
-    from at or after `since` (every server: None). An API replica reads thousands of these a
-    second: the engine converts them, so neither the store's thread nor the event loop parses a
-    date."""
+    from at or after `since` (every server: None), leaving out the rows whose stamp the process
+    `skip` wrote (its own: it knows them). An API replica reads thousands of these a second: the
+    engine converts them, so neither the store's thread nor the event loop parses a date."""
     select = f"SELECT name, {db.dialect.epoch('last_heartbeat')} FROM server_heartbeats"
-    if since is None:
-        rows = db.all(select)
-    else:
-        rows = db.all(select + " WHERE last_heartbeat >= :since", {"since": db.dialect.stamp_param(since)})
+    where: list[str] = []
+    params: dict[str, Any] = {}
+    if since is not None:
+        where.append("last_heartbeat >= :since")
+        params["since"] = db.dialect.stamp_param(since)
+    if skip:
+        where.append("stamped_by <> :skip")
+        params["skip"] = skip
+    rows = db.all(select + (" WHERE " + " AND ".join(where) if where else ""), params)
     return [(row[0], float(row[1])) for row in rows]
 
 
