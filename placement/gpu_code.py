@@ -14,6 +14,9 @@ Per file, as CUDA loads a library:
 * only containers of `.nv_fatbin` count: `__nv_relfatbin` is device-link input (`-rdc`) that nvlink
   reads at build time and CUDA never loads from a shared object (NCCL ships 127 of them beside its
   one runtime container); relocatable objects (`.o`) do not run at all;
+* a container that holds no kernel (`ContainerArchs.kernels`: the empty module nvcc 13 puts in
+  every program it builds) never decides: a program built for `sm_80` plus PTX ran on an H200,
+  though that module had only a kernel-free `sm_80` cubin;
 * a container built only for one architecture (`sm_90a`) or one family (`sm_100f`), beside generic
   code in the same file, is that library's fast path on that hardware (cuSPARSELt's Hopper kernels),
   not a requirement to run elsewhere: CUDA loads modules lazily and a kernel never launched is never
@@ -109,8 +112,9 @@ def nvidia_library(path: str) -> bool:
 
 def loaded_containers(file: FileArchs) -> list[ContainerArchs]:
     """The containers CUDA loads from a file, the ones that decide where it runs: device-link input
-    left out, and fast-path containers (`a` / `f` only) too where generic code sits beside them."""
-    loaded = [c for c in file.containers if c.section != RELOCATABLE_SECTION]
+    left out, containers that hold no kernel too (no launch needs them), and fast-path containers
+    (`a` / `f` only) where generic code sits beside them."""
+    loaded = [c for c in file.containers if c.section != RELOCATABLE_SECTION and c.kernels]
     generic = [c for c in loaded if not specific_only(c)]
     return generic or loaded
 
@@ -132,14 +136,14 @@ def _arch_range(archs: Iterable[str], prefix: str) -> str:
 
 
 def describe_code(containers: Sequence[ContainerArchs]) -> str:
-    """ "SASS sm_50–sm_90 + sm_90a, no PTX" for a set of containers."""
+    """ "SASS sm_50–sm_90 + sm_90a, no PTX", "SASS sm_100f, no PTX", "no SASS, PTX compute_100" for a
+    set of containers."""
     sass = {a for c in containers for a in c.sass}
     ptx = {a for c in containers for a in c.ptx}
     generic = [a for a in sass if not parse_arch(a)[2]]
-    specific = sorted((a for a in sass if parse_arch(a)[2]), key=arch_sort_key)
-    text = "SASS " + (_arch_range(generic, "sm_") or "none")
-    if specific:
-        text += " + " + ", ".join(f"sm_{a}" for a in specific)
+    specific = ", ".join(f"sm_{a}" for a in sorted((a for a in sass if parse_arch(a)[2]), key=arch_sort_key))
+    shown = [part for part in (_arch_range(generic, "sm_"), specific) if part]
+    text = "SASS " + " + ".join(shown) if shown else "no SASS"
     text += ", PTX " + _arch_range(ptx, "compute_") if ptx else ", no PTX"
     return text
 

@@ -84,10 +84,16 @@ class ContainerArchs(BaseModel):
         description="the ELF section that holds it: `.nv_fatbin` is loaded at run time; `__nv_relfatbin` is"
         " device-link input (`-rdc`), never loaded from a shared library",
     )
+    kernels: bool = Field(
+        default=True,
+        description="false when the container holds no kernel: no entries at all, or only uncompressed"
+        " cubins whose symbol tables name no kernel entry (the empty module nvcc 13 puts first in every"
+        " program's fatbin). No launch ever needs it. True where that cannot be told (compressed code, PTX)",
+    )
 
     @property
-    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str]:
-        return self.sass, self.ptx, self.ptx_isa, self.section
+    def signature(self) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str, bool]:
+        return self.sass, self.ptx, self.ptx_isa, self.section, self.kernels
 
 
 class FileArchs(BaseModel):

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import zstandard
+
+from fixtures.cuda_program import PROGRAM_SOURCE
 
 CACHE = Path(
     os.environ.get("GPUBADGE_WHEEL_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "wheels")
@@ -70,6 +74,24 @@ TORCHAO_070 = PinnedWheel(
     "torchao-0.7.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.manylinux_2_28_x86_64.whl",
     "8b0bfda3c7d9ab797eb6f419bc160e55d2b378da1dbb4565e8dc84999be190d3",
     ("manylinux_2_28_x86_64", "manylinux2014_x86_64"),
+)
+# CUDA 13.0's compiler as PyPI serves it (what `pip install nvidia-cuda-nvcc` gives): tests build real
+# programs for chosen targets with it, at set-up, into the cache (`nvcc_program`).
+NVCC_13 = PinnedWheel(
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia_cuda_nvcc-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+    "56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03",
+)
+NVVM_13 = PinnedWheel(
+    "nvidia-nvvm==13.0.88",
+    "nvidia_nvvm-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+    "c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0",
+    ("manylinux2010_x86_64", "manylinux_2_12_x86_64"),
+)
+CRT_13 = PinnedWheel(
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia_cuda_crt-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+    "2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4",
 )
 CUOBJDUMP = PinnedWheel(
     "nvidia-cuda-cuobjdump==13.5.37",
@@ -142,6 +164,60 @@ def cuobjdump() -> Path:
         partial = target.with_suffix(".partial")
         partial.write_bytes(data)
         partial.chmod(0o755)
+        partial.replace(target)
+    return target
+
+
+def nvcc() -> Path:
+    """CUDA 13.0's nvcc, unpacked with what it needs (NVVM, the CRT headers, the runtime's headers and
+    libcudart) from the pinned wheels into one tree in the cache, as `pip install` lays them out."""
+    root = CACHE / "nvcc-13.0.88"
+    target = root / "nvidia" / "cu13" / "bin" / "nvcc"
+    with _UNPACKING:
+        if not target.exists():
+            _unpack_nvcc(root)
+    return target
+
+
+_UNPACKING = threading.Lock()  # programs are built from several threads; the tree is unpacked once
+
+
+def _unpack_nvcc(root: Path) -> None:
+    partial = root.parent / f"{root.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    for wheel in (NVCC_13, NVVM_13, CRT_13, CUDA_RUNTIME_13):
+        with zipfile.ZipFile(wheel_path(wheel)) as archive:
+            archive.extractall(partial)
+    tree = partial / "nvidia" / "cu13"
+    for tool in [*(tree / "bin").iterdir(), *(tree / "nvvm" / "bin").iterdir()]:
+        if tool.is_file():
+            tool.chmod(0o755)
+    (tree / "lib" / "libcudart.so").symlink_to("libcudart.so.13")  # what `-lcudart` links
+    partial.replace(root)
+
+
+def nvcc_program(gencodes: Sequence[str]) -> Path:
+    """`PROGRAM_SOURCE` (one kernel, launched once) built by CUDA 13.0's nvcc for `gencodes` (each an
+    `arch=compute_XY,code=sm_XY` of nvcc's -gencode), linked to the shared libcudart.so.13; cached by
+    source and targets. bench/gpu_host_check.py runs the same program on a real GPU."""
+    key = hashlib.sha256("\n".join([PROGRAM_SOURCE, *gencodes]).encode()).hexdigest()[:16]
+    target = CACHE / "nvcc-13.0.88-programs" / f"program-{key}"
+    if not target.exists():
+        compiler = nvcc()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source = target.with_suffix(".cu")
+        source.write_text(PROGRAM_SOURCE)
+        partial = target.with_suffix(".partial")
+        command = [str(compiler), "-O2", "-cudart", "shared", f"-L{compiler.parent.parent / 'lib'}"]
+        for gencode in gencodes:
+            command += ["-gencode", gencode]
+        subprocess.run(
+            [*command, "-o", str(partial), str(source)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+            env={**os.environ, "PATH": f"{compiler.parent}:{os.environ.get('PATH', '')}"},
+        )
         partial.replace(target)
     return target
 

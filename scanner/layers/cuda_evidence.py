@@ -63,7 +63,7 @@ from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, InferredCuda
 
-CUDA_EVIDENCE_SCHEMA = 2  # 2: containers carry their section
+CUDA_EVIDENCE_SCHEMA = 3  # 2: containers carry their section; 3: and whether they hold kernels
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = 64

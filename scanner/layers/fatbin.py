@@ -10,6 +10,16 @@ Layout (little-endian, checked against `cuobjdump --list-elf --list-ptx` on NVID
   0x18 u16 minor, 0x1A u16 major (the PTX ISA for PTX), 0x1C u32 arch (90 = sm_90), 0x28 u64 flags
   (0x100000: an arch-specific `a` build, 0x200000: a family-specific `f` build).
 
+Whether a container holds any kernel: a container with no entries holds none, and neither does one
+whose every entry is a small uncompressed cubin (ELF) with no kernel entry in its symbol table
+(`STT_FUNC` with the CUDA entry bit, 0x10, in `st_other`; `cuobjdump -symbols` prints it as ENTRY).
+nvcc 13 puts such an empty module first in the fatbin of every program it builds, beside the module
+with the program's kernels: empty when only PTX is asked for, else a kernel-free cubin per real arch.
+CUDA never needs it for a launch, so a program built for `sm_80` plus PTX runs on a Hopper GPU
+though that module has no code for one (checked on an H200: bench/gpu_host_check.py). Those cubins
+are read as they stream past, at most `MAX_INSPECTED_CUBIN` bytes each and `MAX_INSPECTED_BYTES`
+per file; any other entry, or one past those bounds, counts as holding kernels.
+
 Why a stream scanner: a layer is read once, front to back, and an ELF file's section headers
 sit at its end, after the fatbin. `FatbinScan` therefore notes every container it meets (its
 magic at an 8-byte aligned offset) and walks each one's entry headers as the bytes pass, keeping
@@ -43,6 +53,11 @@ MAX_ENTRY_HEADER = 4096
 MAX_ENTRIES_PER_CONTAINER = 4096
 MAX_CONTAINERS_PER_FILE = 65536
 MAX_SIGNATURES_PER_FILE = 32  # distinct container contents kept per file (real libraries: 1-3)
+# nvcc 13's empty module is a 1.4-1.7 KiB cubin per arch; a kernel's cubin is larger, and so is read
+# only up to here; the per-file bound keeps a library of many small cubins from costing more.
+MAX_INSPECTED_CUBIN = 64 * 1024
+MAX_INSPECTED_BYTES = 4 * 1024 * 1024
+ELF_MAGIC = b"\x7fELF"
 KIND_PTX, KIND_ELF = 1, 2
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_FAMILY_SPECIFIC = 0x200000
@@ -117,13 +132,43 @@ def ptx_toolkit(isa: str | None) -> str | None:
 
 def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArchs]:
     """Collapse containers with identical contents into one with a count (order of first sight)."""
-    counts: dict[tuple[tuple[str, ...], tuple[str, ...], str | None, str], int] = {}
+    counts: dict[tuple[tuple[str, ...], tuple[str, ...], str | None, str, bool], int] = {}
     for container in containers:
         counts[container.signature] = counts.get(container.signature, 0) + container.count
     return [
-        ContainerArchs(sass=sass, ptx=ptx, ptx_isa=isa, count=count, section=section)
-        for (sass, ptx, isa, section), count in counts.items()
+        ContainerArchs(sass=sass, ptx=ptx, ptx_isa=isa, count=count, section=section, kernels=kernels)
+        for (sass, ptx, isa, section, kernels), count in counts.items()
     ]
+
+
+def cubin_has_kernel(cubin: bytes) -> bool:
+    """Whether an uncompressed cubin (a 64-bit little-endian ELF) names a kernel entry in its symbol
+    table. Anything unreadable counts as having one: this only ever lets an empty module off."""
+    try:
+        if cubin[:4] != ELF_MAGIC or cubin[4] != 2 or cubin[5] != 1:
+            return True
+        (section_headers,) = struct.unpack_from("<Q", cubin, 0x28)
+        header_size, count = struct.unpack_from("<HH", cubin, 0x3A)
+        if header_size < 64 or count > 4096:
+            return True
+        for index in range(count):
+            at = section_headers + index * header_size
+            kind, offset, size, entry_size = (
+                struct.unpack_from("<I", cubin, at + 4)[0],
+                *struct.unpack_from("<QQ", cubin, at + 0x18),
+                struct.unpack_from("<Q", cubin, at + 0x38)[0],
+            )
+            if kind != 2:  # SHT_SYMTAB
+                continue
+            if entry_size < 24 or offset + size > len(cubin):
+                return True
+            for symbol in range(offset, offset + size - entry_size + 1, entry_size):
+                info, other = cubin[symbol + 4], cubin[symbol + 5]
+                if info & 0xF == 2 and other & 0x10:  # STT_FUNC with the CUDA entry bit
+                    return True
+        return False
+    except (struct.error, IndexError):
+        return True
 
 
 # -- the stream scanner
@@ -139,6 +184,8 @@ class _Candidate:
     ptx: set[str] = field(default_factory=set)
     ptx_isa: tuple[int, int] | None = None
     entries: int = 0
+    may_hold_kernels: int = 0  # entries not known to be kernel-free (read, or past the bounds)
+    reading: int = 0  # cubins of this container still being read
     done: bool = False
     error: str | None = None
 
@@ -148,7 +195,26 @@ class _Candidate:
             ptx=tuple(sorted(self.ptx, key=arch_sort_key)),
             ptx_isa=f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
             section=section,
+            kernels=bool(self.may_hold_kernels or self.reading),
         )
+
+
+@dataclass
+class _Cubin:
+    """One small cubin's bytes, kept as they stream past until it is whole."""
+
+    container: int  # its container's start
+    start: int
+    size: int
+    data: bytearray = field(default_factory=bytearray)
+
+    def feed(self, window: bytes, base: int) -> bool:
+        """Take this cubin's next bytes from `window` (file offset `base`); True once it is whole."""
+        low = max(self.start + len(self.data), base)
+        high = min(self.start + self.size, base + len(window))
+        if low < high and low == self.start + len(self.data):
+            self.data += window[low - base : high - base]
+        return len(self.data) >= self.size
 
 
 _CONTAINER, _ENTRY = 0, 1
@@ -167,6 +233,8 @@ class FatbinScan:
         self._carry = b""
         self._scanned = 0  # magic searched at every offset below this
         self._position = 0  # file offset just past the last byte fed
+        self._cubins: list[_Cubin] = []  # small cubins being read, to tell kernel-free ones
+        self._inspected = 0  # cubin bytes taken for that so far
         self.overflow = False
 
     @property
@@ -188,7 +256,21 @@ class FatbinScan:
         self._position = offset + len(data)
         self._find_magic(window, base)
         self._serve(window, base)
+        if self._cubins:
+            self._read_cubins(window, base)
         self._carry = window[-_KEEP:]
+
+    def _read_cubins(self, window: bytes, base: int) -> None:
+        reading = []
+        for cubin in self._cubins:
+            if not cubin.feed(window, base):
+                reading.append(cubin)
+                continue
+            candidate = self._candidates[cubin.container]
+            candidate.reading -= 1
+            if cubin_has_kernel(bytes(cubin.data)):
+                candidate.may_hold_kernels += 1
+        self._cubins = reading
 
     def _find_magic(self, window: bytes, base: int) -> None:
         if self.overflow:
@@ -244,6 +326,17 @@ class FatbinScan:
         if not 10 <= arch <= 9999:
             candidate.error = f"entry at {offset:#x} names an implausible arch {arch}"
             return
+        start = offset + header_size
+        if (
+            entry_kind == KIND_ELF
+            and payload <= MAX_INSPECTED_CUBIN
+            and self._inspected + payload <= MAX_INSPECTED_BYTES
+        ):
+            self._inspected += payload  # read as it passes (`_read_cubins`): kernel-free or not
+            self._cubins.append(_Cubin(candidate.start, start, payload))
+            candidate.reading += 1
+        else:
+            candidate.may_hold_kernels += 1
         if entry_kind == KIND_ELF:
             candidate.sass.add(arch_name(arch, variant))
         elif entry_kind == KIND_PTX:
