@@ -1,7 +1,7 @@
 # gpubadge: `make run` starts the main job, `make test` runs every check.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql debootstrap gcc
+DEB_PACKAGES := docker-registry skopeo docker.io runc chromium busybox-static postgresql debootstrap gcc g++
 # On a shared machine another job may hold dpkg's lock: wait for it (up to 5 min) instead of failing.
 APT_LOCK_WAIT := -o DPkg::Lock::Timeout=300
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -32,7 +32,7 @@ lint:
 typecheck:
 	$(PYTHON) -m mypy
 
-pytest:  ## deps-system installed Docker, PostgreSQL and gcc: a test that cannot use them fails, not skips
+pytest:  ## deps-system installed Docker, PostgreSQL, gcc and g++: a test that cannot use them fails, not skips
 	GPUBADGE_REQUIRE_DOCKER=1 GPUBADGE_REQUIRE_SYSTEM=1 $(PYTHON) -m pytest -q
 
 test: deps-system deps-python lint typecheck pytest
