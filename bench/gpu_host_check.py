@@ -12,7 +12,9 @@ machine without them. Four parts, each compared with NVIDIA's own answer:
    the GPU, fat binaries with and without this GPU's code); each is run here, and it either
    computes or fails with CUDA's "no kernel image is available" (run with CUDA's default lazy module
    loading, and again with `CUDA_MODULE_LOADING=EAGER`). The scanner's fatbin reader must list what
-   `cuobjdump` lists, and `placement.gpu_code` must say "runs" exactly where it ran.
+   `cuobjdump` lists, and `placement.gpu_code` must say "runs" exactly where it ran (where only PTX
+   covers the GPU, with the driver floor of the toolkit that wrote it). `--prebuilt DIR` adds programs
+   built by another toolkit (a newer nvcc from PyPI, with its libcudart): the driver side of the rules.
 3. **The product's own path, end to end.** Each program becomes an image (a glibc base, CUDA 13's
    `libcudart.so.13`, the program), pushed over plain HTTP to a real registry that notifies a real
    `gpubadge serve`; the service scans it through the webhook. This host registers through the
@@ -164,6 +166,8 @@ def check_nvml(report: Report) -> NvmlFacts:
 class Kernel:
     name: str
     path: Path
+    gencode: tuple[str, ...] = ()  # nvcc's -gencode arguments it was built with
+    runtime: Path | None = None  # the libcudart it loads (None: the toolkit's)
     ran: bool = False  # with CUDA's default module loading (lazy)
     ran_eager: bool = False  # with CUDA_MODULE_LOADING=EAGER: every module loaded at start
     output: str = ""
@@ -195,7 +199,7 @@ def build(workdir: Path) -> list[Kernel]:
         if done.returncode != 0:
             print(f"  {name}: nvcc refused ({done.stderr.strip().splitlines()[-1:]}), left out", flush=True)
             return None
-        return Kernel(name, out)
+        return Kernel(name, out, gencode=TARGETS[name])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         built = list(pool.map(one, TARGETS))
@@ -245,12 +249,30 @@ def family_as_listed(archs: tuple[list[str], list[str]]) -> tuple[list[str], lis
     return sorted(sass), sorted(ptx)
 
 
-def check_kernels(report: Report, workdir: Path, cc: tuple[int, int]) -> list[Kernel]:
+def prebuilt(directory: Path) -> list[Kernel]:
+    """Programs built elsewhere (another nvcc): `programs.json` maps each file's name to the
+    -gencode list and the toolkit that built it; the `libcudart.so.*` beside them is what they load."""
+    listing = json.loads((directory / "programs.json").read_text())
+    runtime = next(iter(sorted(directory.glob("libcudart.so.*"))), None)
+    return [
+        Kernel(name, directory / name, gencode=tuple(built["gencode"]), runtime=runtime)
+        for name, built in listing.items()
+    ]
+
+
+def driver_allows(driver: str | None, floor: tuple[str, str] | None) -> bool:
+    return floor is None or driver is None or gpu_code.version_key(driver) >= gpu_code.version_key(floor[0])
+
+
+def check_kernels(
+    report: Report, workdir: Path, cc: tuple[int, int], driver: str | None, extra: Path | None
+) -> list[Kernel]:
     report.say(f"kernels: building {len(TARGETS)} targets with {tool('nvcc')}")
-    kernels = build(workdir)
-    runtime_dir = str(cudart_library().parent)
+    kernels = build(workdir) + (prebuilt(extra) if extra else [])
+    toolkit_runtime = cudart_library()
     rows = []
     for kernel in kernels:
+        runtime_dir = str((kernel.runtime or toolkit_runtime).parent)
         env = {**os.environ, "LD_LIBRARY_PATH": runtime_dir + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
         done = run([str(kernel.path)], timeout=120, env=env)
         kernel.output = (done.stdout + done.stderr).strip()
@@ -265,11 +287,13 @@ def check_kernels(report: Report, workdir: Path, cc: tuple[int, int]) -> list[Ke
         kernel.archs = read_archs(kernel.path, f"/app/{kernel.name}")
         ours = (as_sm(kernel.archs.sass), as_sm(kernel.archs.ptx)) if kernel.archs else ([], [])
         verdict = gpu_code.judge_file(kernel.archs, cc) if kernel.archs else None
-        says_runs = bool(verdict and verdict.runs)
+        # where PTX must be JIT-compiled here, the driver must know its ISA (placement.cuda_needs)
+        jit_floor = ptx_driver_floor(verdict.ptx_isa) if verdict else None
+        says_runs = bool(verdict and verdict.runs) and driver_allows(driver, jit_floor)
         report.say(
             f"  {kernel.name}: {'ran' if kernel.ran else kernel.output!r}; cuobjdump SASS"
             f" {','.join(kernel.cuobjdump[0]) or '-'} PTX {','.join(kernel.cuobjdump[1]) or '-'};"
-            f" placement: {'runs' if says_runs else 'no kernel image'} on {cc[0]}.{cc[1]}"
+            f" placement: {'runs' if says_runs else 'does not run'} on {cc[0]}.{cc[1]}"
         )
         if family_as_listed(ours) != kernel.cuobjdump:
             report.disagree(f"{kernel.name}: the scanner read {ours}, cuobjdump lists {kernel.cuobjdump}")
@@ -280,7 +304,7 @@ def check_kernels(report: Report, workdir: Path, cc: tuple[int, int]) -> list[Ke
         rows.append(
             {
                 "name": kernel.name,
-                "gencode": TARGETS[kernel.name],
+                "gencode": kernel.gencode,
                 "ran": kernel.ran,
                 "ran_eager": kernel.ran_eager,
                 "output": kernel.output,
@@ -289,7 +313,7 @@ def check_kernels(report: Report, workdir: Path, cc: tuple[int, int]) -> list[Ke
                 "placement_runs": says_runs,
                 "placement_ptx_isa": verdict.ptx_isa if verdict else None,
                 # the driver a JIT of that PTX needs (placement checks it against each server's driver)
-                "placement_ptx_driver_floor": ptx_driver_floor(verdict.ptx_isa) if verdict else None,
+                "placement_ptx_driver_floor": jit_floor,
             }
         )
     report.findings["kernels"] = rows
@@ -348,10 +372,16 @@ def runtime_modes() -> tuple[list[RuntimeMode], bool]:
 
 
 async def product_path(report: Report, facts: NvmlFacts, kernels: list[Kernel], workdir: Path) -> None:
-    cudart = cudart_library()
-    cudart_name = "libcudart.so." + cudart.name.split(".so.")[1].split(".")[0]
     base = LayerSpec(base_entries())
-    runtime = LayerSpec([file(f"usr/local/cuda/lib64/{cudart_name}", cudart.read_bytes(), 0o755)])
+    runtimes: dict[Path, LayerSpec] = {}
+
+    def runtime_layer(cudart: Path) -> LayerSpec:
+        """The CUDA runtime a program loads, where an image built from the toolkit puts it."""
+        if cudart not in runtimes:
+            soname = "libcudart.so." + cudart.name.split(".so.")[1].split(".")[0]
+            runtimes[cudart] = LayerSpec([file(f"usr/local/cuda/lib64/{soname}", cudart.read_bytes(), 0o755)])
+        return runtimes[cudart]
+
     env = {
         "GPUBADGE_WEBHOOK_SECRET": SECRET,
         "GPUBADGE_DEEP_SCAN": "always",
@@ -380,7 +410,7 @@ async def product_path(report: Report, facts: NvmlFacts, kernels: list[Kernel], 
                 for kernel in kernels:
                     app = LayerSpec([file(f"app/{kernel.name}", kernel.path.read_bytes(), 0o755)])
                     spec = ImageSpec(
-                        layers=[base, runtime, app],
+                        layers=[base, runtime_layer(kernel.runtime or cudart_library()), app],
                         env={
                             "NVIDIA_VISIBLE_DEVICES": "all",
                             "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
@@ -548,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch", type=Path, default=None, help="torch's package directory (default: python3's)"
     )
+    parser.add_argument(
+        "--prebuilt",
+        type=Path,
+        help="programs built by another nvcc (programs.json, the binaries, their libcudart)",
+    )
     parser.add_argument("--skip", action="append", default=[], choices=["kernels", "product", "torch"])
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -560,7 +595,11 @@ def main(argv: list[str] | None = None) -> int:
         major, _, minor = facts.gpus[0].compute_capability.partition(".")
         cc = (int(major), int(minor))
         with workdir_at(args.out) as workdir:
-            kernels = [] if "kernels" in args.skip else check_kernels(report, workdir, cc)
+            kernels = (
+                []
+                if "kernels" in args.skip
+                else check_kernels(report, workdir, cc, facts.driver_version, args.prebuilt)
+            )
             if kernels and "product" not in args.skip:
                 asyncio.run(product_path(report, facts, kernels, workdir))
             if "torch" not in args.skip:

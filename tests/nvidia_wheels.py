@@ -75,28 +75,59 @@ TORCHAO_070 = PinnedWheel(
     "8b0bfda3c7d9ab797eb6f419bc160e55d2b378da1dbb4565e8dc84999be190d3",
     ("manylinux_2_28_x86_64", "manylinux2014_x86_64"),
 )
-# CUDA 13.0's compiler as PyPI serves it (what `pip install nvidia-cuda-nvcc` gives): tests build real
-# programs for chosen targets with it, at set-up, into the cache (`nvcc_program`).
-NVCC_13 = PinnedWheel(
-    "nvidia-cuda-nvcc==13.0.88",
-    "nvidia_cuda_nvcc-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
-    "56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03",
-)
-NVVM_13 = PinnedWheel(
-    "nvidia-nvvm==13.0.88",
-    "nvidia_nvvm-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
-    "c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0",
-    ("manylinux2010_x86_64", "manylinux_2_12_x86_64"),
-)
-CRT_13 = PinnedWheel(
-    "nvidia-cuda-crt==13.0.88",
-    "nvidia_cuda_crt-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
-    "2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4",
-)
 CUOBJDUMP = PinnedWheel(
     "nvidia-cuda-cuobjdump==13.5.37",
     "nvidia_cuda_cuobjdump-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
     "38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58",
+)
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    """CUDA's compiler as PyPI serves it (`pip install nvidia-cuda-nvcc` and what it needs: NVVM, the
+    CRT headers, the runtime's headers and libcudart), pinned: tests build real programs with it at
+    set-up, into the cache (`nvcc_program`)."""
+
+    version: str
+    wheels: tuple[PinnedWheel, ...]
+
+
+def _toolkit(version: str, digests: dict[str, str], *also: PinnedWheel) -> Toolkit:
+    tags = {
+        "nvidia-nvvm": (
+            "manylinux2010_x86_64.manylinux_2_12_x86_64",
+            ("manylinux2010_x86_64", "manylinux_2_12_x86_64"),
+        ),
+    }
+    wheels = []
+    for name, digest in digests.items():
+        tag, platforms = tags.get(
+            name, ("manylinux2014_x86_64.manylinux_2_17_x86_64", ("manylinux2014_x86_64",))
+        )
+        filename = f"{name.replace('-', '_')}-{version}-py3-none-{tag}.whl"
+        wheels.append(PinnedWheel(f"{name}=={version}", filename, digest, platforms))
+    return Toolkit(version, (*wheels, *also))
+
+
+# CUDA 13.0 (the toolkit of a GPU host with driver 580), and 13.5, newer than that driver: its PTX (ISA
+# 9.5) cannot be JIT-compiled there, its SASS and runtime run there (minor-version compatibility).
+CUDA_13_0 = _toolkit(
+    "13.0.88",
+    {
+        "nvidia-cuda-nvcc": "56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03",
+        "nvidia-nvvm": "c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0",
+        "nvidia-cuda-crt": "2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4",
+    },
+    CUDA_RUNTIME_13,  # its runtime: 13.0.96
+)
+CUDA_13_5 = _toolkit(
+    "13.5.37",
+    {
+        "nvidia-cuda-nvcc": "f5c4f7ead5d964fb4af42bbf1e6d3ec3c1e6e9d83b53749f691d387e7fcaa3a7",
+        "nvidia-nvvm": "c41bfa362e407405163f103c2229f0765f8cc2ed7d148b754dc77f228bf7e070",
+        "nvidia-cuda-crt": "e898b7f73d3035fa89915a3f7bf3b54a73e90249746111aed295822c4729bb29",
+        "nvidia-cuda-runtime": "df2b79a8852f10d1fef8c848489c49eebb5754051bf870202a862831412b179d",
+    },
 )
 
 
@@ -168,24 +199,23 @@ def cuobjdump() -> Path:
     return target
 
 
-def nvcc() -> Path:
-    """CUDA 13.0's nvcc, unpacked with what it needs (NVVM, the CRT headers, the runtime's headers and
-    libcudart) from the pinned wheels into one tree in the cache, as `pip install` lays them out."""
-    root = CACHE / "nvcc-13.0.88"
+def nvcc(toolkit: Toolkit = CUDA_13_0) -> Path:
+    """The toolkit's nvcc, its wheels unpacked into one tree in the cache, as `pip install` lays them out."""
+    root = CACHE / f"nvcc-{toolkit.version}"
     target = root / "nvidia" / "cu13" / "bin" / "nvcc"
     with _UNPACKING:
         if not target.exists():
-            _unpack_nvcc(root)
+            _unpack(toolkit, root)
     return target
 
 
-_UNPACKING = threading.Lock()  # programs are built from several threads; the tree is unpacked once
+_UNPACKING = threading.Lock()  # programs are built from several threads; a tree is unpacked once
 
 
-def _unpack_nvcc(root: Path) -> None:
+def _unpack(toolkit: Toolkit, root: Path) -> None:
     partial = root.parent / f"{root.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    for wheel in (NVCC_13, NVVM_13, CRT_13, CUDA_RUNTIME_13):
+    for wheel in toolkit.wheels:
         with zipfile.ZipFile(wheel_path(wheel)) as archive:
             archive.extractall(partial)
     tree = partial / "nvidia" / "cu13"
@@ -196,14 +226,19 @@ def _unpack_nvcc(root: Path) -> None:
     partial.replace(root)
 
 
-def nvcc_program(gencodes: Sequence[str]) -> Path:
-    """`PROGRAM_SOURCE` (one kernel, launched once) built by CUDA 13.0's nvcc for `gencodes` (each an
+def toolkit_runtime(toolkit: Toolkit = CUDA_13_0) -> Path:
+    """The toolkit's libcudart.so.13: what its programs load."""
+    return nvcc(toolkit).parent.parent / "lib" / "libcudart.so.13"
+
+
+def nvcc_program(gencodes: Sequence[str], toolkit: Toolkit = CUDA_13_0) -> Path:
+    """`PROGRAM_SOURCE` (one kernel, launched once) built by the toolkit's nvcc for `gencodes` (each an
     `arch=compute_XY,code=sm_XY` of nvcc's -gencode), linked to the shared libcudart.so.13; cached by
-    source and targets. bench/gpu_host_check.py runs the same program on a real GPU."""
-    key = hashlib.sha256("\n".join([PROGRAM_SOURCE, *gencodes]).encode()).hexdigest()[:16]
-    target = CACHE / "nvcc-13.0.88-programs" / f"program-{key}"
+    toolkit, source and targets. bench/gpu_host_check.py runs the same program on a real GPU."""
+    key = hashlib.sha256("\n".join([toolkit.version, PROGRAM_SOURCE, *gencodes]).encode()).hexdigest()[:16]
+    target = CACHE / "nvcc-programs" / f"program-{key}"
     if not target.exists():
-        compiler = nvcc()
+        compiler = nvcc(toolkit)
         target.parent.mkdir(parents=True, exist_ok=True)
         source = target.with_suffix(".cu")
         source.write_text(PROGRAM_SOURCE)

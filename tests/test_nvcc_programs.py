@@ -17,10 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.cuda_program import H200_COMPUTE_CAPABILITY, RAN_ON_H200, TARGETS
+from fixtures.cuda_program import (
+    DRIVER_OF_THE_H200_RUN,
+    H200_COMPUTE_CAPABILITY,
+    RAN_ON_H200,
+    RAN_ON_H200_FROM_CUDA_13_5,
+    TARGETS,
+)
 from fixtures.oci import ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
+from placement.cuda_needs import ptx_driver_floor
 from placement.decide import decide
 from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
@@ -31,7 +38,7 @@ from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
-from tests.nvidia_wheels import CUDA_RUNTIME_13, cuobjdump, nvcc_program, wheel_member
+from tests.nvidia_wheels import CUDA_13_5, CUDA_RUNTIME_13, cuobjdump, nvcc_program, wheel_member
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +132,21 @@ def test_a_jit_needs_the_driver_of_the_nvcc_that_wrote_the_ptx(programs: dict[st
     verdict = gpu_code.judge_file(read(programs["fat-sm_80-ptx_80"]), (12, 0))
     assert verdict.runs and verdict.ptx_isa == "9.0"
     assert gpu_code.judge_file(read(programs["fat-sm_80-ptx_80"]), (8, 0)).ptx_isa is None  # SASS
+
+
+@pytest.mark.parametrize("name", list(RAN_ON_H200_FROM_CUDA_13_5))
+def test_a_newer_toolkits_ptx_needs_a_newer_driver_its_sass_does_not(name: str) -> None:
+    """Built by CUDA 13.5 and run on the H200's 13.0 driver: the SASS ran, the PTX (ISA 9.5) could not
+    be JIT-compiled. Placement says the same: the code runs on 9.0 only through PTX, whose floor is
+    past that driver."""
+    archs = read(nvcc_program(TARGETS[name], CUDA_13_5))
+    verdict = gpu_code.judge_file(archs, H200_COMPUTE_CAPABILITY)
+    floor = ptx_driver_floor(verdict.ptx_isa)
+    jit_allowed = floor is None or gpu_code.version_key(DRIVER_OF_THE_H200_RUN) >= gpu_code.version_key(
+        floor[0]
+    )
+    assert verdict.runs and jit_allowed == RAN_ON_H200_FROM_CUDA_13_5[name], (verdict, floor)
+    assert verdict.ptx_isa == (None if name.startswith("sass") else "9.5")
 
 
 def h200(name: str, driver: str, cuda: str) -> Server:
