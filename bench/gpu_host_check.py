@@ -64,6 +64,7 @@ from fixtures.service import run_service_process
 from placement import gpu_code
 from placement.cuda_needs import driver_floor, ptx_driver_floor
 from placement.inventory import RuntimeMode
+from scanner.layers.cuda_evidence import file_archs
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.models import FileArchs, GpuArchs
 
@@ -223,17 +224,7 @@ def read_archs(path: Path, shown_as: str) -> FileArchs | None:
             if not probe.feed(chunk):
                 break
     facts = probe.finish()
-    if facts is None or facts.fatbin is None:
-        return None
-    fatbin = facts.fatbin
-    return FileArchs(
-        path=shown_as,
-        sections=fatbin.sections,
-        sass=fatbin.archs.sass,
-        ptx=fatbin.archs.ptx,
-        containers=fatbin.containers,
-        error=fatbin.error or facts.error,
-    )
+    return None if facts is None else file_archs(shown_as, facts)
 
 
 def as_sm(archs: list[str]) -> list[str]:

@@ -257,6 +257,17 @@ def nvcc_program(gencodes: Sequence[str], toolkit: Toolkit = CUDA_13_0) -> Path:
     return target
 
 
+def cuobjdump_listing(path: Path) -> tuple[set[str], set[str]]:
+    """(SASS, PTX) archs of a file as `cuobjdump --list-elf --list-ptx` names them ("80", "90a")."""
+    listing = subprocess.run(
+        [str(cuobjdump()), "--list-elf", "--list-ptx", str(path)], capture_output=True, text=True, timeout=60
+    ).stdout
+    lines = listing.splitlines()
+    sass = {line.rsplit(".sm_", 1)[1].removesuffix(".cubin") for line in lines if ".cubin" in line}
+    ptx = {line.rsplit(".sm_", 1)[1].removesuffix(".ptx") for line in lines if ".ptx" in line}
+    return sass, ptx
+
+
 def cached_layer(name: str, wheels: Sequence[PinnedWheel], build: Callable[[], bytes]) -> tuple[bytes, str]:
     """(zstd blob, diff_id) of a layer made of real wheels' files, built by `build()` (its tar) once and
     cached beside the wheels, keyed by `name` and the wheels' pinned digests: big layers of NVIDIA's

@@ -11,7 +11,6 @@ by two images is read once.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from tests.nvidia_wheels import (
     TORCHAO_070,
     PinnedWheel,
     cached_layer,
-    cuobjdump,
+    cuobjdump_listing,
     wheel_member,
     wheel_members,
 )
@@ -172,14 +171,7 @@ def cuobjdump_archs(data: bytes, tmp: Path) -> tuple[set[str], set[str]]:
     """(SASS archs, PTX archs) as NVIDIA's cuobjdump lists them for a file."""
     path = tmp / "lib.so"
     path.write_bytes(data)
-    listing = subprocess.run(
-        [str(cuobjdump()), "--list-elf", "--list-ptx", str(path)], capture_output=True, text=True, timeout=60
-    ).stdout
-    sass = {
-        line.rsplit(".sm_", 1)[1].removesuffix(".cubin") for line in listing.splitlines() if ".cubin" in line
-    }
-    ptx = {line.rsplit(".sm_", 1)[1].removesuffix(".ptx") for line in listing.splitlines() if ".ptx" in line}
-    return sass, ptx
+    return cuobjdump_listing(path)
 
 
 async def test_a_newer_carried_cuda_on_a_declared_base_needs_its_driver(

@@ -11,7 +11,6 @@ ran there: PTX-only builds, and `sm_80` plus PTX, the usual forward-compatible b
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,13 +31,14 @@ from placement.decide import decide
 from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
+from scanner.layers.cuda_evidence import file_archs
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.models import FileArchs, ImageReport
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
-from tests.nvidia_wheels import CUDA_13_5, CUDA_RUNTIME_13, cuobjdump, nvcc_program, wheel_member
+from tests.nvidia_wheels import CUDA_13_5, CUDA_RUNTIME_13, cuobjdump_listing, nvcc_program, wheel_member
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +56,16 @@ def read(path: Path) -> FileArchs:
     for start in range(0, len(data), 4096):
         probe.feed(data[start : start + 4096])
     facts = probe.finish()
-    assert facts is not None and facts.fatbin is not None and facts.fatbin.error is None
-    fatbin = facts.fatbin
-    return FileArchs(
-        path=f"/app/{path.name}",
-        sections=fatbin.sections,
-        sass=fatbin.archs.sass,
-        ptx=fatbin.archs.ptx,
-        containers=fatbin.containers,
-    )
-
-
-def listed(path: Path) -> tuple[set[str], set[str]]:
-    """(SASS, PTX) as `cuobjdump --list-elf --list-ptx` names them: "80", "90a", ..."""
-    output = subprocess.run(
-        [str(cuobjdump()), "--list-elf", "--list-ptx", str(path)], capture_output=True, text=True, timeout=60
-    ).stdout
-    sass = {
-        line.rsplit(".sm_", 1)[1].removesuffix(".cubin") for line in output.splitlines() if ".cubin" in line
-    }
-    ptx = {line.rsplit(".sm_", 1)[1].removesuffix(".ptx") for line in output.splitlines() if ".ptx" in line}
-    return sass, ptx
+    assert facts is not None
+    archs = file_archs(f"/app/{path.name}", facts)
+    assert archs is not None and archs.error is None
+    return archs
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_the_scanner_lists_what_cuobjdump_lists(programs: dict[str, Path], name: str) -> None:
     archs = read(programs[name])
-    sass, ptx = listed(programs[name])
+    sass, ptx = cuobjdump_listing(programs[name])
     # cuobjdump names a family cubin (flag 0x200000) by its base arch; the scanner keeps the `f`
     assert {arch.removesuffix("f") for arch in archs.sass} == sass
     assert set(archs.ptx) == ptx

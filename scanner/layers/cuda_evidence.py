@@ -444,6 +444,21 @@ def combine(
     return inferred, image_archs(elves)
 
 
+def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:
+    """One ELF file's fatbin as the report lists it (None: the file has no fatbin)."""
+    fatbin = facts.fatbin
+    if fatbin is None:
+        return None
+    return FileArchs(
+        path=path,
+        sections=fatbin.sections,
+        sass=fatbin.archs.sass,
+        ptx=fatbin.archs.ptx,
+        containers=fatbin.containers,
+        error=fatbin.error or facts.error,
+    )
+
+
 def image_archs(elves: Sequence[tuple[str, ElfCudaFacts]]) -> GpuArchs | None:
     """Per-file containers and archs; for the image, every arch its runnable code holds (union).
 
@@ -454,21 +469,12 @@ def image_archs(elves: Sequence[tuple[str, ElfCudaFacts]]) -> GpuArchs | None:
     files: list[FileArchs] = []
     runnable: list[ContainerArchs] = []
     for path, facts in sorted(elves):
-        fatbin = facts.fatbin
-        if fatbin is None:
+        file = file_archs(path, facts)
+        if file is None:
             continue
-        files.append(
-            FileArchs(
-                path=path,
-                sections=fatbin.sections,
-                sass=fatbin.archs.sass,
-                ptx=fatbin.archs.ptx,
-                containers=fatbin.containers,
-                error=fatbin.error or facts.error,
-            )
-        )
-        if facts.elf_type != 1 and fatbin.error is None:
-            runnable += fatbin.containers
+        files.append(file)
+        if facts.elf_type != 1 and facts.fatbin is not None and facts.fatbin.error is None:
+            runnable += file.containers
     if not files:
         return None
     summary: ArchSummary = summarise(runnable)
