@@ -100,21 +100,42 @@ def driver_floor(cuda: str) -> tuple[str, str] | None:
 
 
 def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
-    """(minimum driver, rule) to JIT PTX of an ISA version, from the toolkit that produced it."""
+    """(minimum driver, rule) to JIT PTX of an ISA version, from the toolkit that produced it. For a
+    toolkit newer than `TOOLKIT_DRIVERS`, the newest driver there: a floor, not the whole need (the
+    server's own CUDA version settles it, `ptx_cuda_reason`)."""
     pair = _pair(isa) if isa else None
     if pair is None:
         return None
     toolkit = PTX_ISA_TOOLKITS.get(pair)
-    if toolkit is None:
-        newest = max(TOOLKIT_DRIVERS)
+    newest = max(TOOLKIT_DRIVERS)
+    if toolkit is None or (toolkit > newest and toolkit not in TOOLKIT_DRIVERS):
         floor = TOOLKIT_DRIVERS[newest]
-        return floor, f"PTX ISA {isa} is newer than this table; JIT needs at least driver {floor}"
+        written = (
+            "is newer than this table" if toolkit is None else f"comes from CUDA {toolkit[0]}.{toolkit[1]}"
+        )
+        return floor, f"PTX ISA {isa} {written}; JIT needs at least driver {floor}"
     own = TOOLKIT_DRIVERS.get(toolkit)
     if own is None:
         return None
     return (
         own,
         f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, whose driver {own} is the first to JIT it",
+    )
+
+
+def ptx_cuda_reason(isa: str | None, driver_cuda: str | None) -> str | None:
+    """Why a driver of CUDA version `driver_cuda` (NVML's, `nvidia-smi`'s "CUDA Version") cannot
+    JIT-compile PTX of ISA `isa`, or None. A driver compiles the PTX of its own CUDA and older: on an
+    H200 with CUDA 13.0's driver, PTX from nvcc 13.0 ran and PTX from nvcc 13.5 (ISA 9.5) failed with
+    "the provided PTX was compiled with an unsupported toolchain" (bench/gpu_host_check.py)."""
+    pair = _pair(isa) if isa else None
+    toolkit = PTX_ISA_TOOLKITS.get(pair) if pair else None
+    supports = _pair(driver_cuda) if driver_cuda else None
+    if toolkit is None or supports is None or toolkit <= supports:
+        return None
+    return (
+        f"PTX ISA {isa} comes from CUDA {toolkit[0]}.{toolkit[1]}, and this server's driver supports CUDA"
+        f" {supports[0]}.{supports[1]}: a driver JIT-compiles only the PTX of its own CUDA version or older"
     )
 
 
@@ -214,9 +235,11 @@ def compute_capability_ranges(gpu: GpuFacts) -> list[CcRange] | None:
     return ranges
 
 
-def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | None) -> list[str]:
-    """Why a GPU (its CC and host driver) cannot run the CUDA and GPU code an image carries; [] when
-    it can."""
+def gpu_reasons(
+    gpu: GpuFacts, compute_capability: str | None, driver: str | None, driver_cuda: str | None = None
+) -> list[str]:
+    """Why a GPU (its CC, its host's driver and that driver's CUDA version) cannot run the CUDA and
+    GPU code an image carries; [] when it can."""
     reasons: list[str] = []
     inferred = gpu.inferred
     if inferred is not None and inferred.cuda and driver:
@@ -241,14 +264,14 @@ def gpu_reasons(gpu: GpuFacts, compute_capability: str | None, driver: str | Non
         return reasons
     verdict = gpu_code.judge(archs, cc)
     reasons += verdict.reasons
-    if driver:
-        for file in verdict.ptx:
-            floor = ptx_driver_floor(file.ptx_isa)
-            if floor is not None and not compare_version(driver, ">=", floor[0]):
-                reasons.append(
-                    f"compute capability {compute_capability}: {file.path} runs here only through PTX"
-                    f" (PTX ISA {file.ptx_isa}); {floor[1]}, this server has {driver}"
-                )
+    for file in verdict.ptx:
+        through = f"compute capability {compute_capability}: {file.path} runs here only through PTX"
+        too_new = ptx_cuda_reason(file.ptx_isa, driver_cuda)
+        floor = ptx_driver_floor(file.ptx_isa) if driver else None
+        if too_new is not None:
+            reasons.append(f"{through}; {too_new}")
+        elif driver and floor is not None and not compare_version(driver, ">=", floor[0]):
+            reasons.append(f"{through} (PTX ISA {file.ptx_isa}); {floor[1]}, this server has {driver}")
     return reasons
 
 

@@ -136,7 +136,7 @@ class Query:
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
         if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.cuda_needs)
-            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver)
+            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver, gpu.cuda)
         return []
 
     def caveats(self) -> list[str]:

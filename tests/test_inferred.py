@@ -120,7 +120,9 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
 
     cu13 = {f"{SITE}/{path}": data for path, data in wheel_members(NVJPEG_CU13).items()}
     inferred13, archs13 = combine([layer(cu13)])  # type: ignore[arg-type]
-    assert inferred13 is not None and inferred13.cuda == "13"
+    # nvjpeg 13.2.3.58's PTX is ISA 9.4, which CUDA 13.4 writes (nvcc 13.4.92 from PyPI): that toolkit built it
+    assert inferred13 is not None and inferred13.cuda == "13.4"
+    assert inferred13.set_by == f"{SITE}/nvidia/cu13/lib/libnvjpeg.so.13: PTX ISA 9.4, written by CUDA 13.4"
     assert archs13 is not None and archs13.sass[0] == "75"
     # the PTX says which toolkit wrote it (ISA 8.8: CUDA 12.9): listed, but the wheel's CUDA stays the answer
     lib = f"{SITE}/nvidia/nvjpeg/lib/libnvjpeg.so.12"
@@ -136,9 +138,9 @@ def test_nvidia_wheel_files_from_the_real_wheels() -> None:
 
     # both in one image: sources disagree, the newest is kept and quoted, both listed
     both, both_archs = combine([layer(cu13), layer(cu12)])  # type: ignore[arg-type]
-    assert both is not None and both.cuda == "13" and both.conflict
-    assert both.set_by == f"{SITE}/nvidia/cu13: CUDA 13 wheel files"
-    assert [v.cuda for v in both.versions][:1] == ["13"] and "12" in [v.cuda for v in both.versions]
+    assert both is not None and both.cuda == "13.4" and both.conflict
+    assert both.set_by == f"{SITE}/nvidia/cu13/lib/libnvjpeg.so.13: PTX ISA 9.4, written by CUDA 13.4"
+    assert [v.cuda for v in both.versions][:1] == ["13.4"] and "12" in [v.cuda for v in both.versions]
     # the archs are what the code holds (the union); placement.gpu_code judges where it runs
     assert both_archs is not None and both_archs.sass[0] == "50" and "75" in both_archs.sass
 

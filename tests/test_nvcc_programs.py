@@ -38,7 +38,7 @@ from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
-from tests.nvidia_wheels import CUDA_13_5, CUDA_RUNTIME_13, cuobjdump_listing, nvcc_program, wheel_member
+from tests.nvidia_wheels import CUDA_13_0, CUDA_13_5, cuobjdump_listing, nvcc_program, toolkit_runtime
 
 
 @pytest.fixture(scope="module")
@@ -147,34 +147,83 @@ def h200(name: str, driver: str, cuda: str) -> Server:
 
 
 @pytest.fixture(scope="module")
-def forward_compatible(programs: dict[str, Path], registry: LocalRegistry, push: Pusher) -> Iterator[str]:
-    """The usual forward-compatible build (sm_80 SASS plus its PTX) in an image beside CUDA 13's runtime."""
-    path, cudart = wheel_member(CUDA_RUNTIME_13, "/libcudart.so.13")
-    spec = ImageSpec(
-        [
-            LayerSpec([file(f"usr/local/lib/python3.12/site-packages/{path}", cudart)]),
-            LayerSpec([file("app/program", programs["fat-sm_80-ptx_80"].read_bytes(), 0o755)]),
-        ],
-        env={"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
-        cmd=["/app/program"],
-    )
-    push(spec, "nvcc/forward-compatible:1")
-    yield f"{registry.host}/nvcc/forward-compatible:1"
+def forward_compatible(
+    programs: dict[str, Path], registry: LocalRegistry, push: Pusher
+) -> Iterator[dict[str, str]]:
+    """The usual forward-compatible build (sm_80 SASS plus its PTX) in an image beside its CUDA runtime:
+    built by CUDA 13.0 (`13.0`), and by CUDA 13.5 with 13.5's runtime (`13.5`)."""
+    builds = {
+        "13.0": (programs["fat-sm_80-ptx_80"], CUDA_13_0),
+        "13.5": (nvcc_program(TARGETS["fat-sm_80-ptx_80"], CUDA_13_5), CUDA_13_5),
+    }
+    references = {}
+    for version, (program, toolkit) in builds.items():
+        spec = ImageSpec(
+            [
+                LayerSpec(
+                    [file("usr/local/cuda/lib64/libcudart.so.13", toolkit_runtime(toolkit).read_bytes())]
+                ),
+                LayerSpec([file("app/program", program.read_bytes(), 0o755)]),
+            ],
+            env={"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+            cmd=["/app/program"],
+        )
+        name = f"nvcc/forward-compatible-{version}:1"
+        push(spec, name)
+        references[version] = f"{registry.host}/{name}"
+    yield references
 
 
-async def test_an_image_of_the_forward_compatible_build_is_placed_on_hopper(forward_compatible: str) -> None:
-    """Through the registry and the scanner's layer walk: eligible on an H200 with a CUDA 13 driver (it
-    ran on one), not on one whose driver is older than the CUDA 13 runtime it links."""
+async def placed(reference: str, fleet: list[Server]) -> tuple[list[str], dict[str, list[str]]]:
+    """Scanned through the registry and the layer walk, then decided: (eligible, reasons by server)."""
     settings = ScannerSettings(docker_config=None, deep_scan="always", analysis_processes=0)  # type: ignore[arg-type]
     async with RegistryClient(settings) as client:
         scanner = Scanner(client, None, settings)
-        report = await scanner.scan(forward_compatible)
+        report = await scanner.scan(reference)
         await scanner.close()
     assert report.error is None, report.error
-    facts = ImageFacts.from_report(ImageReport(reference=forward_compatible, platforms=report.platforms))
-    fleet = [h200("h200-580", "580.159.04", "13.0"), h200("h200-570", "570.86.15", "12.8")]
+    facts = ImageFacts.from_report(ImageReport(reference=reference, platforms=report.platforms))
     decision = decide(facts, DeployRequest(gpus=1), fleet)
-    assert [item["server"] for item in decision.eligible] == ["h200-580"]
-    (rejected,) = decision.ineligible
-    assert rejected["server"] == "h200-570"
-    assert any("580" in reason for reason in rejected["reasons"]), rejected["reasons"]
+    return [item["server"] for item in decision.eligible], {
+        item["server"]: list(item["reasons"]) for item in decision.ineligible
+    }
+
+
+async def test_an_image_of_the_forward_compatible_build_is_placed_on_hopper(
+    forward_compatible: dict[str, str],
+) -> None:
+    """Eligible on an H200 with a CUDA 13 driver (it ran on one), not on one whose driver is older than
+    the CUDA 13 runtime it links."""
+    fleet = [h200("h200-580", "580.159.04", "13.0"), h200("h200-570", "570.86.15", "12.8")]
+    eligible, reasons = await placed(forward_compatible["13.0"], fleet)
+    assert eligible == ["h200-580"]
+    assert list(reasons) == ["h200-570"] and any("580" in reason for reason in reasons["h200-570"])
+
+
+async def test_ptx_from_a_newer_cuda_than_the_drivers_is_refused(forward_compatible: dict[str, str]) -> None:
+    """Built by CUDA 13.5: on the H200 it ran only where SASS covers the GPU, and its PTX did not JIT
+    on CUDA 13.0's driver. On a Hopper GPU only the PTX covers it, so a server whose driver reports CUDA
+    13.0 is refused for the PTX, while one whose driver reports 13.5 takes it; an Ampere GPU (SASS
+    sm_80) runs it on either, its CUDA 13 runtime running on 580 by minor-version compatibility."""
+    fleet = [
+        h200("h200-cuda-13.0", DRIVER_OF_THE_H200_RUN, "13.0"),
+        h200("h200-cuda-13.5", "600.10", "13.5"),
+        h200("a100-cuda-13.0", DRIVER_OF_THE_H200_RUN, "13.0").model_copy(
+            update={
+                "gpus": [
+                    Gpu(
+                        index=0,
+                        uuid="GPU-a100",
+                        name="NVIDIA A100",
+                        memory_mib=81920,
+                        compute_capability="8.0",
+                    )
+                ]
+            }
+        ),
+    ]
+    eligible, reasons = await placed(forward_compatible["13.5"], fleet)
+    assert sorted(eligible) == ["a100-cuda-13.0", "h200-cuda-13.5"]
+    reason, count = reasons["h200-cuda-13.0"]
+    assert "only through PTX" in reason and "PTX ISA 9.5 comes from CUDA 13.5" in reason, reason
+    assert "supports CUDA 13.0" in reason and "has 0" in count, reason

@@ -65,15 +65,15 @@ LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared obj
 RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
 
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes).
+# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes). 9.0 and 9.2-9.5 are also
+# what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37 write (`nvcc -ptx`, `.version`).
 PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
     **{(7, minor): (11, minor) for minor in range(9)},
     **{(8, minor): (12, minor) for minor in range(6)},
     (8, 6): (12, 7),
     (8, 7): (12, 8),
     (8, 8): (12, 9),
-    (9, 0): (13, 0),
-    (9, 1): (13, 1),
+    **{(9, minor): (13, minor) for minor in range(6)},
 }
 
 
