@@ -108,7 +108,7 @@ def ptx_driver_floor(isa: str | None) -> tuple[str, str] | None:
         return None
     toolkit = PTX_ISA_TOOLKITS.get(pair)
     newest = max(TOOLKIT_DRIVERS)
-    if toolkit is None or (toolkit > newest and toolkit not in TOOLKIT_DRIVERS):
+    if toolkit is None or toolkit > newest:
         floor = TOOLKIT_DRIVERS[newest]
         written = (
             "is newer than this table" if toolkit is None else f"comes from CUDA {toolkit[0]}.{toolkit[1]}"
@@ -267,10 +267,11 @@ def gpu_reasons(
     for file in verdict.ptx:
         through = f"compute capability {compute_capability}: {file.path} runs here only through PTX"
         too_new = ptx_cuda_reason(file.ptx_isa, driver_cuda)
-        floor = ptx_driver_floor(file.ptx_isa) if driver else None
         if too_new is not None:
             reasons.append(f"{through}; {too_new}")
-        elif driver and floor is not None and not compare_version(driver, ">=", floor[0]):
+            continue
+        floor = ptx_driver_floor(file.ptx_isa) if driver else None
+        if driver and floor is not None and not compare_version(driver, ">=", floor[0]):
             reasons.append(f"{through} (PTX ISA {file.ptx_isa}); {floor[1]}, this server has {driver}")
     return reasons
 

@@ -141,7 +141,7 @@ def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArch
     ]
 
 
-def cubin_has_kernel(cubin: bytes) -> bool:
+def cubin_has_kernel(cubin: bytes | bytearray) -> bool:
     """Whether an uncompressed cubin (a 64-bit little-endian ELF) names a kernel entry in its symbol
     table. Anything unreadable counts as having one: this only ever lets an empty module off."""
     try:
@@ -153,13 +153,11 @@ def cubin_has_kernel(cubin: bytes) -> bool:
             return True
         for index in range(count):
             at = section_headers + index * header_size
-            kind, offset, size, entry_size = (
-                struct.unpack_from("<I", cubin, at + 4)[0],
-                *struct.unpack_from("<QQ", cubin, at + 0x18),
-                struct.unpack_from("<Q", cubin, at + 0x38)[0],
-            )
+            (kind,) = struct.unpack_from("<I", cubin, at + 4)
             if kind != 2:  # SHT_SYMTAB
                 continue
+            offset, size = struct.unpack_from("<QQ", cubin, at + 0x18)
+            (entry_size,) = struct.unpack_from("<Q", cubin, at + 0x38)
             if entry_size < 24 or offset + size > len(cubin):
                 return True
             for symbol in range(offset, offset + size - entry_size + 1, entry_size):
@@ -223,7 +221,8 @@ _CONTAINER, _ENTRY = 0, 1
 class FatbinScan:
     """Feed a file's bytes in order (`feed(offset, data)`); then ask `chain(start, size)`.
 
-    Memory: a few numbers per container met (at most `max_containers`) and `_KEEP` carried bytes.
+    Memory: a few numbers per container met (at most `max_containers`), `_KEEP` carried bytes, and
+    the small cubins read to tell kernel-free containers (at most `MAX_INSPECTED_BYTES` per file).
     """
 
     def __init__(self, max_containers: int = MAX_CONTAINERS_PER_FILE) -> None:
@@ -268,7 +267,7 @@ class FatbinScan:
                 continue
             candidate = self._candidates[cubin.container]
             candidate.reading -= 1
-            if cubin_has_kernel(bytes(cubin.data)):
+            if cubin_has_kernel(cubin.data):
                 candidate.may_hold_kernels += 1
         self._cubins = reading
 
