@@ -576,6 +576,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip", action="append", default=[], choices=["kernels", "product", "torch"])
     args = parser.parse_args(argv)
+    if args.prebuilt is not None and not (args.prebuilt / "programs.json").is_file():
+        parser.error(f"--prebuilt: no programs.json in {args.prebuilt}")
+    # what this host must have, named before anything runs (a host without a GPU stops here)
+    for name in ["nvidia-smi", *([] if "kernels" in args.skip else ["nvcc", "cuobjdump"])]:
+        tool(name)
+    if "product" not in args.skip and shutil.which("docker-registry") is None:
+        raise SystemExit("gpu_host_check: docker-registry not found on PATH (or pass --skip product)")
     args.out.mkdir(parents=True, exist_ok=True)
     report = Report()
     started = time.perf_counter()
