@@ -98,3 +98,14 @@ def test_ranges_carry_the_ptx_jit_driver_floor() -> None:
     assert ranges[0] == ((8, 0), (8, 9), None)  # SASS sm_80 covers the 8.x GPUs: no JIT
     assert ranges[1] == ((9, 0), (9, 0), "570.26")  # PTX ISA 8.7 comes from CUDA 12.8
     assert ranges[-1] == ((13, 0), None, "570.26")
+
+
+def test_code_is_described_by_what_it_holds() -> None:
+    """A rejection names the code a file has: only family or arch-specific SASS is that SASS, not 'none'."""
+    from placement.gpu_code import describe_code
+
+    assert describe_code([ContainerArchs(sass=("100f",))]) == "SASS sm_100f, no PTX"
+    assert describe_code([ContainerArchs(ptx=("100",))]) == "no SASS, PTX compute_100"
+    assert (
+        describe_code([ContainerArchs(sass=("80", "86", "90", "90a"))]) == "SASS sm_80–sm_90 + sm_90a, no PTX"
+    )
