@@ -18,6 +18,7 @@ mode or creates instances: gpubadge only reads them (enabling MIG needs a GPU re
 
 from __future__ import annotations
 
+import uuid as uuid_module
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -316,9 +317,9 @@ def mig_gpu(
     if sum(row.memory_slices for row in chosen) > MEMORY_SLICES:
         raise ValueError(f"{layout} needs more than {MEMORY_SLICES} memory slices")
     gpu = FakeGpu(uuid, name, NVML_BRAND_NVIDIA, memory_bytes, compute_capability, mig_mode=(1, pending))
-    tail = uuid.removeprefix("GPU-")[:8]
     for slot, row in enumerate(chosen):
-        mig_uuid = f"MIG-{tail}-{slot:04x}-5{slot:03x}-8000-{slot:012x}"
+        # NVML's MIG UUIDs are opaque (R470+: `MIG-` and a UUID): derived here from the parent and slot.
+        mig_uuid = f"MIG-{uuid_module.uuid5(uuid_module.NAMESPACE_OID, f'{uuid}/{slot}')}"
         gpu.mig_slots[slot] = FakeMigDevice(gpu, row, mig_uuid, gpu_instance_id=slot + 1)
     return gpu
 
