@@ -8,12 +8,14 @@ the known fleet (GFD has no brand label); when nothing can be eligible, one term
 matches. Node names are never used.
 
 MIG, as NVIDIA's device plugin and GFD expose it: a whole-GPU request adds
-`nvidia.com/mig.strategy NotIn [single]` (under the single strategy `nvidia.com/gpu` counts MIG
-devices; under mixed it counts only GPUs out of MIG mode). A request for MIG devices is answered
+`nvidia.com/gpu.slices.gi DoesNotExist`: under the single strategy a node whose GPUs are in MIG
+mode offers its MIG devices as `nvidia.com/gpu`, and GFD then labels their slice counts there
+(under mixed, `nvidia.com/gpu` counts only GPUs out of MIG mode). A request for MIG devices is answered
 for the mixed strategy (`resources` ask for `nvidia.com/mig-<profile>`, the terms require
 `nvidia.com/mig.strategy=mixed` and, for brand or model clauses, `nvidia.com/mig-<profile>.product`)
 and, in `single_strategy`, for the single one (`nvidia.com/gpu` on nodes labelled
-`nvidia.com/mig.strategy=single`, the profile and parent product in `nvidia.com/gpu.product`'s
+`nvidia.com/mig.strategy=single` that have MIG devices (`nvidia.com/gpu.slices.gi`), the profile
+and parent product in `nvidia.com/gpu.product`'s
 `<product>-MIG-<profile>` and the device memory in `nvidia.com/gpu.memory`). Compute capability
 and driver labels are the parent GPU's under both strategies.
 """
@@ -41,6 +43,7 @@ MEMORY_LABEL = "nvidia.com/gpu.memory"
 ARCH_LABEL = "kubernetes.io/arch"
 GPU_RESOURCE = "nvidia.com/gpu"
 MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+MIG_SLICES_LABEL = "nvidia.com/gpu.slices.gi"  # single strategy: the MIG devices' GPU-instance slices
 _LABELS = {"driver": DRIVER_LABELS, "cuda": CUDA_LABELS, "cc": CC_LABELS}
 _GFD_DROP = re.compile(r"[^A-Za-z0-9\-_. ]")
 _SPACES = re.compile(r"\s+")
@@ -145,7 +148,7 @@ def _term_alternatives(
     common: Alternative = [*extra]
     if mode == "whole":
         if platform.gpus > 0:
-            common.append({"key": MIG_STRATEGY_LABEL, "operator": "NotIn", "values": ["single"]})
+            common.append({"key": MIG_SLICES_LABEL, "operator": "DoesNotExist"})
             if platform.min_memory_mib is not None:
                 common.append(_gt(MEMORY_LABEL, platform.min_memory_mib - 1))
         if term.products is not None:
@@ -168,6 +171,7 @@ def _term_alternatives(
             common.append({"key": key, "operator": "In", "values": _mig_products(choices)})
     else:
         common.append({"key": MIG_STRATEGY_LABEL, "operator": "In", "values": ["single"]})
+        common.append({"key": MIG_SLICES_LABEL, "operator": "Exists"})
         if platform.mig_profiles or term.products is not None:
             choices = platform.choices_for(term)
             if not choices:
@@ -210,8 +214,8 @@ def export(constraints: Constraints) -> dict[str, Any]:
         if gpus > 0:
             notes.append(
                 f"{GPU_RESOURCE}: {gpus} in resources.limits enforces the GPU count; the device plugin "
-                "assigns free GPUs (nvidia.com/gpu.count counts every GPU, free or not); nodes whose "
-                "nvidia.com/mig.strategy is single are left out: their nvidia.com/gpu are MIG devices"
+                "assigns free GPUs (nvidia.com/gpu.count counts every GPU, free or not); nodes labelled "
+                f"{MIG_SLICES_LABEL} (single MIG strategy: their nvidia.com/gpu are MIG devices) are left out"
             )
     else:
         profile = _mixed_profile(constraints)
