@@ -188,7 +188,7 @@ def test_kubernetes_both_strategies_select_what_gpubadge_would(image_name: str, 
         assert selected <= wanted, (strategy, selected - wanted, body["notes"])
         # Exact where nothing is approximated; under single, only nodes with one profile can serve.
         if request_name in EXACT and strategy == "mixed":
-            assert selected == wanted or request.slices_needed and not request.mig_profiles, (
+            assert selected == wanted or (request.slices_needed and not request.mig_profiles), (
                 selected,
                 wanted,
             )
