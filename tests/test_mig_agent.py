@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from agent.nvml import read_nvml
+from agent.runner import container_options
 from placement.mig import memory_gb, profile_from_attributes, profile_from_name
+from placement.protocol import AgentDeployment
 from tests.fake_pynvml import (
     COMPUTE_SLICES,
     MIG_PROFILES,
@@ -252,3 +254,26 @@ def test_the_agent_never_changes_a_gpus_mig_mode() -> None:
     ]
     assert found == []
     assert not any(name.startswith(("nvmlDeviceSet", "nvmlDeviceCreate")) for name in dir(FakeNvml))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("runtime", {"runtime": "nvidia"}),
+        ("cdi", {"device_ids": ["nvidia.com/gpu=MIG-1", "nvidia.com/gpu=MIG-2"]}),
+    ],
+)
+def test_a_mig_deployment_names_its_devices_to_docker(mode: str, expected: dict[str, Any]) -> None:
+    """By UUID: NVIDIA_VISIBLE_DEVICES=MIG-... for the runtime, the CDI name nvidia.com/gpu=MIG-...
+    (nvidia-ctk's `uuid` device names) for CDI. The Debian Docker engine the tests run (20.10) has
+    no CDI, so the CDI form is checked here, not run."""
+    deployment = AgentDeployment(
+        id="m1", image="r/app:1", digest="sha256:" + "1" * 64, gpu_required=True, gpus=["MIG-1", "MIG-2"]
+    )
+    options = container_options(deployment, "srv", mode)  # type: ignore[arg-type]
+    assert options["environment"]["NVIDIA_VISIBLE_DEVICES"] == "MIG-1,MIG-2"
+    if mode == "runtime":
+        assert options["runtime"] == "nvidia"
+    else:
+        (request,) = options["device_requests"]
+        assert request["Driver"] == "cdi" and request["DeviceIDs"] == expected["device_ids"]
