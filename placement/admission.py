@@ -31,6 +31,7 @@ from placement.cuda_needs import declared_vs_carried
 from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
 from placement.image_facts import ImageFacts
+from placement.mig import profile_from_resource
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
 from scanner.models import ImageReport, Platform, PlatformReport
@@ -492,7 +493,9 @@ def gpu_patch(
     warnings: list[str] = []
     alternatives: list[list[dict[str, Any]]] | None = None
     for ref, report in gpu_containers:
-        exported = export_constraints(ImageFacts.from_report(report), DeployRequest(), fleet, "kubernetes")
+        exported = export_constraints(
+            ImageFacts.from_report(report), _request_of(ref.container), fleet, "kubernetes"
+        )
         container = ref.container
         if not gpu_resources(container) and gpu_count(container) == 0:
             count = exported.get("resources", {}).get("limits", {}).get(GPU_RESOURCE) or 1
@@ -528,6 +531,19 @@ def gpu_patch(
             path = "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution"
             patch.append({"op": "add", "path": path, "value": required})
     return patch, warnings
+
+
+def _request_of(container: Container) -> DeployRequest:
+    """What the container asks for, as placement's request: MIG devices of the profiles its
+    nvidia.com/mig-* resources name (the mixed strategy), else whole GPUs."""
+    profiles = [
+        profile
+        for name in sorted(gpu_resources(container))
+        if (profile := profile_from_resource(name)) is not None
+    ]
+    if not profiles:
+        return DeployRequest()
+    return DeployRequest(mig_profiles=profiles, mig_devices=max(1, gpu_count(container)))
 
 
 def _limit_operation(ref: ContainerRef, count: str) -> dict[str, Any]:

@@ -101,6 +101,21 @@ def resource_name(profile: str) -> str:
     return f"nvidia.com/mig-{kubernetes_name(profile)}"
 
 
+def profile_from_resource(name: str) -> str | None:
+    """`nvidia.com/mig-1g.10gb.me` -> `1g.10gb+me`: the profile a mixed-strategy resource names."""
+    if not name.startswith("nvidia.com/mig-"):
+        return None
+    text = name.removeprefix("nvidia.com/mig-")
+    base = re.match(r"^(?:\d{1,2}c\.)?\d{1,2}g\.\d{1,4}gb", text)
+    if base is None:
+        return None
+    rest = text[base.end() :]
+    try:
+        return normalise_profile(base.group(0) + ("+" + rest[1:] if rest.startswith(".") else rest))
+    except ValueError:
+        return None
+
+
 def sort_key(profile: str) -> tuple[int, int, int, str]:
     """Smaller first: by memory, then GPU-instance slices, then compute slices, then spelling."""
     match = PROFILE.match(profile)

@@ -24,7 +24,10 @@ import celpy
 import hcl2
 import kubernetes_validate
 import pytest
+import yaml
 
+from gpubadge.constraints import render
+from placement.admission import Pod, review_pod
 from placement.decide import decide
 from placement.exports import export_constraints
 from placement.exports.core import build_constraints, known_gpus
@@ -34,7 +37,7 @@ from placement.exports.nomad import NOT_A_MIG_DEVICE
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex
 from placement.inventory import Server, parse_inventory
-from placement.mig import kubernetes_name, resource_name
+from placement.mig import kubernetes_name, profile_from_resource, resource_name
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, PlatformReport
 from tests.test_export_kubernetes import check_schema_gaps, node_matches
@@ -369,3 +372,53 @@ def test_akash_says_it_has_no_mig() -> None:
     assert body["sdl"] is None and any("Akash has no MIG" in note for note in body["notes"])
     whole = export_constraints(IMAGES["cuda-12.2"], REQUESTS["whole"], KNOWN, "akash")
     assert whole["sdl"] is not None
+
+
+def test_admission_counts_a_mig_device_as_a_gpu_request() -> None:
+    """A pod asking for nvidia.com/mig-1g.10gb (mixed strategy) has its GPU: not denied, not patched
+    with an nvidia.com/gpu it would then also have to get."""
+    report = ImageReport(
+        reference="example/mig:1",
+        gpu_required=True,
+        platforms=[
+            PlatformReport(
+                platform="linux/amd64",
+                digest="sha256:" + "5" * 64,
+                gpu=GpuFacts(required=True, cuda_version="12.2", env={"NVIDIA_VISIBLE_DEVICES": "all"}),
+            )
+        ],
+    )
+
+    def pod(resources: dict[str, Any]) -> Pod:
+        container = {"name": "app", "image": "example/mig:1", "resources": resources}
+        return Pod.model_validate({"spec": {"containers": [container]}})
+
+    sliced = pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}})
+    review = review_pod(sliced, {"example/mig:1": report})
+    assert review.allowed and not review.denials
+    (patched,) = review_pod(sliced, {"example/mig:1": report}, mutate=True).patch  # affinity only
+    terms = patched["value"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert patched["path"] == "/spec/affinity" and terms
+    assert all(
+        {"key": "nvidia.com/mig.strategy", "operator": "In", "values": ["mixed"]} in t["matchExpressions"]
+        for t in terms
+    )
+    assert profile_from_resource("nvidia.com/mig-1g.10gb.me") == "1g.10gb+me"
+    assert profile_from_resource("nvidia.com/mig-1c.3g.40gb") == "1c.3g.40gb"
+    assert profile_from_resource("nvidia.com/gpu") is None
+    bare = review_pod(pod({}), {"example/mig:1": report})
+    assert not bare.allowed and "nvidia.com/mig-<profile>" in bare.message
+
+
+def test_the_cli_prints_both_strategies_as_yaml_documents() -> None:
+    body = export_constraints(IMAGES["cuda-12.2"], REQUESTS["profile-1g.10gb"], KNOWN, "kubernetes")
+    text = render(body)
+    comments, mixed, single = text.split("# mig.strategy: ")
+    assert comments.startswith("# ") and mixed.startswith("mixed\n") and single.startswith("single\n")
+    documents = list(yaml.safe_load_all(text))
+    assert [d["resources"]["limits"] for d in documents] == [
+        {"nvidia.com/mig-1g.10gb": 1},
+        {"nvidia.com/gpu": 1},
+    ]
