@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
 
 # "1g.10gb", "1c.3g.40gb", "1g.10gb+me", "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"
 PROFILE = re.compile(
@@ -116,6 +117,7 @@ def profile_from_resource(name: str) -> str | None:
         return None
 
 
+@lru_cache(maxsize=1024)
 def sort_key(profile: str) -> tuple[int, int, int, str]:
     """Smaller first: by memory, then GPU-instance slices, then compute slices, then spelling."""
     match = PROFILE.match(profile)
@@ -126,9 +128,10 @@ def sort_key(profile: str) -> tuple[int, int, int, str]:
     return (int(match.group("gb")), g, c, profile)
 
 
-def count_profiles(profiles: Iterable[str]) -> str:
-    """`7 × 1g.10gb, 1 × 3g.40gb` (smallest profile first); `none` when empty."""
-    counts = Counter(profiles)
+def count_profiles(profiles: Iterable[str] | Mapping[str, int]) -> str:
+    """`7 × 1g.10gb, 1 × 3g.40gb` (smallest profile first) from profiles or counts per profile;
+    `none` when empty."""
+    counts = profiles if isinstance(profiles, Mapping) else Counter(profiles)
     if not counts:
         return "none"
     return ", ".join(f"{counts[p]} × {p}" for p in sorted(counts, key=sort_key))

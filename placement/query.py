@@ -7,8 +7,9 @@ with every reason worded for the person deploying. placement.decide runs it over
 A request asks for whole GPUs or for MIG devices (`DeployRequest.slices_needed`), never both: a
 whole-GPU request never gets a GPU in MIG mode, a MIG request only the MIG devices of GPUs in MIG
 mode, judged by their parent's compute capability, brand and driver and by their own profile and
-memory. A server that has only the other kind says so ("GPU in MIG mode: 7 × 1g.10gb free, none
-whole").
+memory. A server that has only the other kind says so: "GPU in MIG mode, none whole", then
+"GPU in MIG mode: 7 × 1g.10gb free of 7 MIG device(s)" (the decisive reason stays the same from
+server to server, so summaries group them; the counts follow).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Query:
         self.profiles = frozenset(request.mig_profiles)
         self.ordered = request.gpu_model_order == "ordered"
         self.arch_plans: dict[str, tuple[Plan | None, str | None]] = {}
+        self._mig_texts: dict[tuple[tuple[tuple[str, int], ...], int, int, bool], str] = {}
         self.gpu_parts: dict[tuple[str, int], GpuPart] = {}
 
     def class_verdict(self, plan: Plan, class_id: int) -> tuple[bool, int, tuple[str, ...]]:
@@ -270,7 +272,7 @@ class Query:
         if units > 0:
             usable: list[tuple[int, int, int, int]] = []  # (rank, MiB, group position, free count)
             refused: list[tuple[int, int, tuple[str, ...]]] = []
-            mig_free: list[str] = []  # every free MIG device's profile, for the reasons
+            mig_free: list[tuple[int, int]] = []  # (class id, count) of free MIG devices, for the reasons
             available = wanted = 0  # suitable units; units of the kind (and profile) asked for
             verdicts = plan.verdicts
             classes = self.index.classes
@@ -279,7 +281,7 @@ class Query:
                 count = len(uuids)
                 profile = classes[class_id].mig_profile
                 if profile is not None:
-                    mig_free.extend([profile] * count)
+                    mig_free.append((class_id, count))
                 if (profile is not None) != slices:
                     continue
                 free_total += count
@@ -293,10 +295,10 @@ class Query:
                 else:
                     refused.append((class_id, count, judged[2]))
             if available < units:
-                count_reason = (
-                    self._slices_reason(entry, units, available, wanted, mig_free)
+                count_reasons = (
+                    self._slices_reasons(entry, units, available, wanted, mig_free)
                     if slices
-                    else self._whole_reason(entry, units, available, free_total, mig_free)
+                    else self._whole_reasons(entry, units, available, free_total, mig_free)
                 )
                 class_reasons = [
                     f"{count} free {self.index.classes[class_id].label}: {line}"
@@ -306,9 +308,9 @@ class Query:
                 # With no suitable unit at all, why the ones it has do not suit is decisive (the
                 # count follows from it); with some, too few of them is.
                 if available == 0 and class_reasons:
-                    reasons.extend([*class_reasons, count_reason])
+                    reasons.extend([*class_reasons, *count_reasons])
                 else:
-                    reasons.extend([count_reason, *class_reasons])
+                    reasons.extend([*count_reasons, *class_reasons])
             elif not reasons:
                 if len(usable) > 1:
                     usable.sort()
@@ -336,43 +338,57 @@ class Query:
         spare = free_total - units
         return (), tuple(picks), rank, spare, memory_mib, round(1.0 / (1 + rank + spare), 4)
 
-    @staticmethod
-    def _whole_reason(entry: ServerEntry, needed: int, available: int, free: int, mig_free: list[str]) -> str:
-        """Too few whole GPUs; GPUs in MIG mode are named, never counted as whole."""
+    def _mig_detail(
+        self, entry: ServerEntry, mig_free: list[tuple[int, int]], whole_too: bool = False
+    ) -> str:
+        """`GPU in MIG mode: 7 × 1g.10gb free of 7 MIG device(s)`; worded once per query for each
+        composition of free profiles (servers of many shapes share one). Kept apart from the decisive
+        reason, so that reason stays the same across servers and summaries group them."""
+        counts: dict[str, int] = {}
+        classes = self.index.classes
+        for class_id, count in mig_free:
+            profile = classes[class_id].mig_profile or ""
+            counts[profile] = counts.get(profile, 0) + count
+        key = (tuple(counts.items()), entry.mig_gpus, entry.mig_devices, whole_too)
+        text = self._mig_texts.get(key)
+        if text is None:
+            gpus = _mig_gpus(entry.mig_gpus) + (", never whole" if whole_too else "")
+            if counts:
+                text = f"{gpus}: {count_profiles(counts)} free of {entry.mig_devices} MIG device(s)"
+            elif entry.mig_devices:
+                text = f"{gpus}: all {entry.mig_devices} MIG device(s) in use"
+            else:
+                text = f"{gpus}: no MIG device configured"
+            self._mig_texts[key] = text
+        return text
+
+    def _whole_reasons(
+        self, entry: ServerEntry, needed: int, available: int, free: int, mig_free: list[tuple[int, int]]
+    ) -> list[str]:
+        """Too few whole GPUs; GPUs in MIG mode are named (in a reason of their own), never counted."""
         whole = entry.total_gpus - entry.mig_gpus
         if entry.mig_gpus and whole == 0:
-            return f"{_mig_gpus(entry.mig_gpus)}: {_mig_free(entry, mig_free)}, none whole"
+            return [f"{_mig_gpus(entry.mig_gpus)}, none whole", self._mig_detail(entry, mig_free)]
         detail = f"{free} free of {whole}"
         if entry.busy_gpus:
             detail += f", {entry.busy_gpus} in use"
-        if entry.mig_gpus:
-            detail += f"; {_mig_gpus(entry.mig_gpus)}, never whole: {_mig_free(entry, mig_free)}"
         if free == available:
-            return f"needs {needed} free GPU(s), has {detail}"
-        return f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+            decisive = f"needs {needed} free GPU(s), has {detail}"
+        else:
+            decisive = f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+        return [decisive, self._mig_detail(entry, mig_free, whole_too=True)] if entry.mig_gpus else [decisive]
 
-    def _slices_reason(
-        self, entry: ServerEntry, needed: int, available: int, wanted: int, mig_free: list[str]
-    ) -> str:
+    def _slices_reasons(
+        self, entry: ServerEntry, needed: int, available: int, wanted: int, mig_free: list[tuple[int, int]]
+    ) -> list[str]:
         """Too few MIG devices: no GPU in MIG mode, none of the profile, or too few suitable free ones."""
         if entry.mig_gpus == 0:
             whole = f"{entry.total_gpus} whole GPU(s), none in MIG mode" if entry.total_gpus else "no GPU"
-            return f"needs {needed} MIG device(s), has {whole}"
+            return [f"needs {needed} MIG device(s), has {whole}"]
         kind = f"{' or '.join(sorted(self.profiles))} MIG device(s)" if self.profiles else "MIG device(s)"
-        detail = f"{_mig_free(entry, mig_free)} of {entry.mig_devices} on {_mig_gpus(entry.mig_gpus)}"
-        if wanted == available:
-            return f"needs {needed} free {kind}, has {available} ({detail})"
-        return f"needs {needed} suitable free {kind}, has {available} ({detail})"
+        suitable = "" if wanted == available else "suitable "
+        return [f"needs {needed} {suitable}free {kind}, has {available}", self._mig_detail(entry, mig_free)]
 
 
 def _mig_gpus(count: int) -> str:
     return "GPU in MIG mode" if count == 1 else f"{count} GPUs in MIG mode"
-
-
-def _mig_free(entry: ServerEntry, free_profiles: list[str]) -> str:
-    """`7 × 1g.10gb free`, `all 7 MIG devices in use`, `no MIG device configured`."""
-    if free_profiles:
-        return f"{count_profiles(free_profiles)} free"
-    if entry.mig_devices:
-        return f"all {entry.mig_devices} MIG device(s) in use"
-    return "no MIG device configured"

@@ -67,18 +67,27 @@ def test_whole_gpus_never_come_from_a_gpu_in_mig_mode() -> None:
         "h100-half-mig": ["GPU-7c2d9100-0000-4b20-8000-000000000000"],
         "a100-40-whole": ["GPU-9a4e1040-0000-4d40-8000-000000000000"],
     }
-    why = {server: found[0] for server, found in reasons(DeployRequest(gpus=1)).items()}
+    why = reasons(DeployRequest(gpus=1))
+    # The decisive reason is the same from server to server (summaries group them); the counts follow.
     assert why == {
-        "a100-80-mig": "2 GPUs in MIG mode: 7 × 1g.10gb, 1 × 3g.40gb, 1 × 4g.40gb free, none whole",
-        "h200-mig": "GPU in MIG mode: 7 × 1g.18gb free, none whole",
-        "b200-mig": "GPU in MIG mode: 7 × 1g.23gb free, none whole",
-        "h100-mig-unconfigured": "GPU in MIG mode: no MIG device configured, none whole",
+        "a100-80-mig": [
+            "2 GPUs in MIG mode, none whole",
+            "2 GPUs in MIG mode: 7 × 1g.10gb, 1 × 3g.40gb, 1 × 4g.40gb free of 9 MIG device(s)",
+        ],
+        "h200-mig": ["GPU in MIG mode, none whole", "GPU in MIG mode: 7 × 1g.18gb free of 7 MIG device(s)"],
+        "b200-mig": ["GPU in MIG mode, none whole", "GPU in MIG mode: 7 × 1g.23gb free of 7 MIG device(s)"],
+        "h100-mig-unconfigured": ["GPU in MIG mode, none whole", "GPU in MIG mode: no MIG device configured"],
     }
     two = reasons(DeployRequest(gpus=2))["h100-half-mig"]
     assert two == [
-        "needs 2 free GPU(s), has 1 free of 1; GPU in MIG mode, never whole: "
-        "2 × 1g.10gb, 1 × 2g.20gb, 1 × 3g.40gb free"
+        "needs 2 free GPU(s), has 1 free of 1",
+        "GPU in MIG mode, never whole: 2 × 1g.10gb, 1 × 2g.20gb, 1 × 3g.40gb free of 4 MIG device(s)",
     ]
+    summary = decide(image(), DeployRequest(gpus=1), FLEET).ineligible_summary()
+    assert {item["reason"]: item["count"] for item in summary} == {
+        "GPU in MIG mode, none whole": 3,
+        "2 GPUs in MIG mode, none whole": 1,
+    }
 
 
 PROFILES = sorted({d.profile for s in FLEET for g in s.gpus for d in g.mig_devices})
@@ -100,7 +109,8 @@ def test_each_profile_goes_where_it_is_free(profile: str) -> None:
                 f"needs 1 MIG device(s), has {len(BY_NAME[server].gpus)} whole GPU(s), none in MIG mode"
             ]
         else:
-            assert why[0].startswith(f"needs 1 free {profile} MIG device(s), has 0 (")
+            assert why[0] == f"needs 1 free {profile} MIG device(s), has 0"
+            assert "MIG mode: " in why[1] and f"{profile} free" not in why[1]
 
 
 def test_minimum_memory_takes_the_smallest_device_that_suffices() -> None:
@@ -168,7 +178,8 @@ def test_reservations_are_per_mig_device_and_are_released_and_reused() -> None:
         {
             "server": "agent-a100",
             "reasons": [
-                "needs 1 free 1g.5gb MIG device(s), has 0 (all 7 MIG device(s) in use of 7 on GPU in MIG mode)"
+                "needs 1 free 1g.5gb MIG device(s), has 0",
+                "GPU in MIG mode: all 7 MIG device(s) in use",
             ],
         }
     ]
