@@ -181,7 +181,7 @@ def _read_gpu(nvml: Any, index: int) -> Gpu:
         memory_mib=total_bytes // _MIB,
         compute_capability=f"{major}.{minor}",
         mig=mig,
-        mig_devices=_read_mig_devices(nvml, handle, index, total_bytes) if mig else [],
+        mig_devices=tuple(_read_mig_devices(nvml, handle, index, total_bytes)) if mig else (),
     )
 
 

@@ -286,9 +286,7 @@ class FleetIndex:
                 mig_gpus += 1
                 parent_busy = uuid in busy
                 devices = gpu.mig_devices
-                if len(devices) > 1:
-                    devices = sorted(devices, key=_gpu_position)
-                for device in devices:
+                for device in sorted(devices, key=_gpu_position) if len(devices) > 1 else devices:
                     mig_devices += 1
                     if parent_busy or device.uuid in busy:
                         busy_mig_devices += 1

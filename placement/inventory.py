@@ -103,7 +103,8 @@ class Gpu(BaseModel):
     memory_mib: int = 0
     compute_capability: str = ""
     mig: bool = False
-    mig_devices: list[MigDevice] = Field(default_factory=list, max_length=MAX_MIG_DEVICES_PER_GPU)
+    # a tuple: no per-GPU allocation for the many GPUs without MIG devices (fleets of 100,000 servers)
+    mig_devices: tuple[MigDevice, ...] = Field(default=(), max_length=MAX_MIG_DEVICES_PER_GPU)
 
     @model_validator(mode="after")
     def _mig_devices_mean_mig_mode(self) -> Gpu:

@@ -62,7 +62,7 @@ def test_what_a_real_h200_reported() -> None:
             "memory_mib": 143771,
             "compute_capability": "9.0",
             "mig": False,
-            "mig_devices": [],
+            "mig_devices": (),
         }
     ]
 

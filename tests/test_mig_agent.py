@@ -161,7 +161,7 @@ def test_agent_reports_each_products_mig_devices(
 ) -> None:
     facts = read_nvml(FakeNvml(gpus=[h100(), gpu], driver_version="580.65.06", cuda_version=13000))
     whole, split = facts.gpus
-    assert (whole.mig, whole.mig_devices) == (False, [])
+    assert (whole.mig, whole.mig_devices) == (False, ())
     assert split.mig and split.name == gpu.name and split.memory_mib == gpu.memory_bytes // 1024**2
     assert [d.index for d in split.mig_devices] == list(range(7))
     assert {(d.profile, d.memory_mib, d.multiprocessors) for d in split.mig_devices} == {
@@ -234,8 +234,8 @@ def test_empty_slots_broken_devices_and_pending_modes(caplog: pytest.LogCaptureF
     first, second, third, fourth = facts.gpus
     assert [d.index for d in first.mig_devices] == [0, 3]
     assert second.mig and len(second.mig_devices) == 7  # the current mode counts until the reset
-    assert (third.mig, third.mig_devices) == (False, [])
-    assert (fourth.mig, fourth.mig_devices) == (True, [])
+    assert (third.mig, third.mig_devices) == (False, ())
+    assert (fourth.mig, fourth.mig_devices) == (True, ())
     text = caplog.text
     assert "skipping MIG device 2 of GPU 0" in text
     assert "GPU 1: MIG mode off is pending" in text and "GPU 2: MIG mode on is pending" in text
