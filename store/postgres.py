@@ -346,7 +346,7 @@ class PostgresStore(SharedMethods):
         """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
 
         A worker does this to hand its slot to a registry that has waited with no scan in flight
-        (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
+        (`jobs.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
         `owner` no longer holds its lease.
         """
         return self._requeue_running("id = %s AND lease_owner = %s", [job_id, owner], refund_attempt=True) > 0

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from web import garbage_collection
-from web.garbage_collection import BURST_THRESHOLD, collect_old, collect_young, generation_at, resident_bytes
+from jobs import garbage_collection
+from jobs.garbage_collection import BURST_THRESHOLD, collect_old, collect_young, generation_at, resident_bytes
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import yaml
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry
+from jobs.companions import companions
 from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
 from placement.nfd.schema import SPEC_MEDIA_TYPE
 from scanner.models import ImageReport
@@ -35,7 +36,6 @@ from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
 from tests.test_nfd_schema import check_against_nfd_schema
 from tests.test_referrers import scan, settings_for
-from web.companions import companions
 
 INDEX_TYPES = (
     "application/vnd.oci.image.index.v1+json, application/vnd.docker.distribution.manifest.list.v2+json"

@@ -17,6 +17,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from jobs.architectures import FleetArchitectures
+from jobs.companions import companions
+from jobs.worker_process import worker_events, worker_settings
+from jobs.workers import ScanWorkers
 from placement.inventory import Server
 from scanner.models import ImageReport
 from scanner.publish import ReportAttacher
@@ -24,8 +28,6 @@ from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from web import health, live_fleet
 from web.api_description import openapi_document as describe_api
-from web.architectures import FleetArchitectures
-from web.companions import companions
 from web.errors import error_middleware
 from web.live_fleet import STATIC_FLEET
 from web.metrics import ServiceMetrics
@@ -45,8 +47,6 @@ from web.routes import (
 )
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
-from web.worker_process import worker_events, worker_settings
-from web.workers import ScanWorkers
 
 log = logging.getLogger(__name__)
 

@@ -124,8 +124,8 @@ def run_serve(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
+    from jobs import garbage_collection
     from store import StoreUnavailable
-    from web import garbage_collection
     from web.app import create_app
     from web.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
@@ -198,8 +198,8 @@ def run_worker(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
         return 2
+    from jobs.worker_process import serve_workers
     from store import StoreUnavailable
-    from web.worker_process import serve_workers
 
     try:
         serve_workers(settings, args.metrics_port)

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from jobs.intake import JobIntake
 from store import AsyncStore, open_store
-from web.intake import JobIntake
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 
 if TYPE_CHECKING:
+    from jobs.workers import ScanWorkers
     from scanner.publish import ReportAttacher
     from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner
-    from web.workers import ScanWorkers
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jobs.intake import QueueFull
 from placement.admission import Pod, Review, containers_of, review_pod
 from placement.exports import known_gpus
 from placement.exports.core import KnownGpu
@@ -44,7 +45,6 @@ from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from web.connections import GuardedRunner, connection_limits
 from web.errors import read_json
-from web.intake import QueueFull
 from web.live_fleet import fleet_index
 from web.lookups import find_report
 from web.security import holds_api_token

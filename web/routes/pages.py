@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from markupsafe import Markup
 
+from jobs.scan_requests import ScanRefused, request_scan, token_matches
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
@@ -30,7 +31,6 @@ from web.image_views import (
 )
 from web.lookups import find_report, scan_jobs_of
 from web.nfd_view import nfd_views
-from web.scan_requests import ScanRefused, request_scan, token_matches
 from web.security import redact_secrets
 from web.state import Services, services_of
 from web.templating import STATIC_DIR, badge_url, environment, image_url, page, render

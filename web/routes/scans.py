@@ -5,6 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import ValidationError
 
+from jobs.intake import RETRY_AFTER_SECONDS
+from jobs.scan_requests import ScanRefused, request_scan
 from store import queries
 from web.api_description import (
     BAD_QUERY,
@@ -20,9 +22,7 @@ from web.api_description import (
 )
 from web.api_models import JobView, ScanBody
 from web.errors import json_error, read_json
-from web.intake import RETRY_AFTER_SECONDS
 from web.lookups import MAX_PAGE, int_param, require_api_token, wait_param
-from web.scan_requests import ScanRefused, request_scan
 from web.state import services_of
 
 ROUTES = ApiRoutes()

@@ -15,19 +15,19 @@ import signal
 
 from aiohttp import web
 
+from jobs.architectures import FleetArchitectures
+from jobs.companions import companions
+from jobs.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 from placement.inventory import parse_inventory
 from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health
-from web.architectures import FleetArchitectures
-from web.companions import companions
 from web.connections import GuardedRunner, connection_limits
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store
-from web.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 
 log = logging.getLogger(__name__)
 

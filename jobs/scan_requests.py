@@ -6,9 +6,9 @@ and coalesce into an existing job the same way, so the rule lives here once.
 
 from __future__ import annotations
 
+from jobs.intake import QueueFull
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import Job, queries
-from web.intake import QueueFull
 from web.security import token_matches
 from web.state import Services
 
