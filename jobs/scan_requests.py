@@ -9,7 +9,7 @@ from __future__ import annotations
 from jobs.intake import QueueFull
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import Job, queries
-from web.security import token_matches
+from web.guards.security import token_matches
 from web.state import Services
 
 __all__ = ["ScanRefused", "request_scan", "token_matches"]

@@ -24,7 +24,7 @@ from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from store import LeaseExpiry
 from web import health
-from web.connections import GuardedRunner, connection_limits
+from web.guards.connections import GuardedRunner, connection_limits
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services, open_service_store

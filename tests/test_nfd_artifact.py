@@ -422,7 +422,7 @@ def test_cli_lists_the_artifact_beside_the_report_and_checks_nodes_against_it(
 
 def test_image_page_reads_back_what_another_process_attached(registry: LocalRegistry, push: Pusher) -> None:
     """An API replica (or a restarted service) did not attach it: the page reads it as NFD does."""
-    from web.nfd_view import nfd_views
+    from web.views.nfd_view import nfd_views
 
     settings = nfd_settings(registry)
     push(catalog.multi_arch(), "nfd/page:1")

@@ -26,12 +26,13 @@ from scanner.models import ImageReport
 from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
-from web import health, live_fleet
+from web import health
 from web.api_description import openapi_document as describe_api
 from web.errors import error_middleware
-from web.live_fleet import STATIC_FLEET
+from web.fleet import live_fleet
+from web.fleet.live_fleet import STATIC_FLEET
+from web.guards.read_access import private_reads
 from web.metrics import ServiceMetrics
-from web.read_access import private_reads
 from web.routes import (
     admission,
     agents,

@@ -113,7 +113,7 @@ def run_serve(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from web.security import RedactingLogFilter
+    from web.guards.security import RedactingLogFilter
 
     for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
         handler.addFilter(RedactingLogFilter())
@@ -127,8 +127,8 @@ def run_serve(argv: list[str]) -> int:
     from jobs import garbage_collection
     from store import StoreUnavailable
     from web.app import create_app
-    from web.connections import connection_limits, run_guarded_app
-    from web.security import RedactingAccessLogger
+    from web.guards.connections import connection_limits, run_guarded_app
+    from web.guards.security import RedactingAccessLogger
 
     try:
         app = create_app(settings)

@@ -17,7 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from scanner.registry.reference import is_loopback
 from scanner.settings import ScannerSettings, default_db_path, mirror_parts
 from web import hooks
-from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
+from web.guards.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
 log = logging.getLogger(__name__)
 

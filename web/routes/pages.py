@@ -18,8 +18,11 @@ from jobs.scan_requests import ScanRefused, request_scan, token_matches
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
-from web.badge_svg import badge_for, render_badge
-from web.image_views import (
+from web.guards.security import redact_secrets
+from web.lookups import find_report, scan_jobs_of
+from web.state import Services, services_of
+from web.views.badge_svg import badge_for, render_badge
+from web.views.image_views import (
     LEGEND,
     ImageFilters,
     explain_error,
@@ -29,11 +32,8 @@ from web.image_views import (
     progress_of,
     tag_history_view,
 )
-from web.lookups import find_report, scan_jobs_of
-from web.nfd_view import nfd_views
-from web.security import redact_secrets
-from web.state import Services, services_of
-from web.templating import STATIC_DIR, badge_url, environment, image_url, page, render
+from web.views.nfd_view import nfd_views
+from web.views.templating import STATIC_DIR, badge_url, environment, image_url, page, render
 
 PAGE_SIZE = 50
 

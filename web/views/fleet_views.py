@@ -21,7 +21,7 @@ from placement.answer import SCORE_MEANING, AnswerBody
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.templating import human_bytes, image_url, time_ago
+from web.views.templating import human_bytes, image_url, time_ago
 
 
 @dataclass(frozen=True)
