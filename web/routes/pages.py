@@ -14,11 +14,11 @@ from typing import Any
 from aiohttp import web
 from markupsafe import Markup
 
-from jobs.scan_requests import ScanRefused, request_scan, token_matches
+from jobs.scan_requests import ScanRefused, request_scan
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
-from web.guards.security import redact_secrets
+from web.guards.security import redact_secrets, token_matches
 from web.lookups import find_report, scan_jobs_of
 from web.state import Services, services_of
 from web.views.badge_svg import badge_for, render_badge
@@ -191,7 +191,7 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services, ref, source="ui")
+        await request_scan(services.intake, services.settings, ref, source="ui", wake=services.wake_workers)
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -53,7 +53,9 @@ async def create_scan(request: web.Request) -> web.Response:
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
         )
     try:
-        job = await request_scan(services, body.ref, source="api")
+        job = await request_scan(
+            services.intake, services.settings, body.ref, source="api", wake=services.wake_workers
+        )
     except ScanRefused as refused:
         answer = json_error(refused.status, refused.message)
         if refused.status == 503:  # the queue is full: come back when workers have caught up
