@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 ROUTES = ROOT / "web" / "routes"
 ENTRY_POINTS = {"web/commands.py"}  # `gpubadge serve` builds the application; nothing else may
@@ -142,3 +144,41 @@ def test_gpubadge_worker_loads_no_web_module_and_no_http_server(tmp_path: Path) 
     assert "jobs.worker_process" in loaded and "jobs.workers" in loaded  # the probe saw the runtime run
     assert "aiohttp.client" in loaded  # and the registry client, which is aiohttp's
     assert [name for name in loaded if name == "web" or name.startswith(("web.", "aiohttp.web"))] == []
+
+
+def room_arrows(package: str) -> dict[str, set[str]]:
+    """Arrows between `package`'s rooms, a subpackage counting as one room (docs/architecture.md)."""
+    arrows: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        if path == ROOT / package / "__init__.py":
+            continue
+        here = ".".join(path.relative_to(ROOT).with_suffix("").parts[:2])
+        targets = {
+            ".".join(name.split(".")[:2]) for name in imported_modules(path) if name.startswith(f"{package}.")
+        }
+        arrows.setdefault(here, set()).update(targets - {here})
+    return arrows
+
+
+@pytest.mark.parametrize("package", ["web", "jobs"])
+def test_rooms_form_no_circle(package: str) -> None:
+    """Grouping modules into rooms (web/guards, web/views, web/fleet) must not make a circle between
+    rooms: each room stands on a floor above everything it imports."""
+    arrows = room_arrows(package)
+    assert len(arrows) > 5
+    done: set[str] = set()
+
+    def circle_from(room: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        if room in path:
+            return (*path[path.index(room) :], room)
+        if room in done:
+            return None
+        for target in sorted(arrows.get(room, ())):
+            found = circle_from(target, (*path, room))
+            if found:
+                return found
+        done.add(room)
+        return None
+
+    circles = [circle for room in sorted(arrows) if (circle := circle_from(room, ()))]
+    assert circles == []

@@ -14,7 +14,7 @@ from placement.protocol import (
     DeploymentState,
 )
 from store import Job
-from web.guards.security import REDACTED, mask_values, redact_secrets
+from web.security import REDACTED, mask_values, redact_secrets
 
 
 class ScanBody(BaseModel):

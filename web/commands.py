@@ -86,7 +86,7 @@ def run_serve(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from web.guards.security import RedactingLogFilter
+    from web.security import RedactingLogFilter
 
     for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
         handler.addFilter(RedactingLogFilter())
@@ -101,7 +101,7 @@ def run_serve(argv: list[str]) -> int:
     from store import StoreUnavailable
     from web.app import create_app
     from web.guards.connections import connection_limits, run_guarded_app
-    from web.guards.security import RedactingAccessLogger
+    from web.security import RedactingAccessLogger
 
     try:
         app = create_app(settings)

@@ -15,8 +15,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from store import StoreUnavailable
-from web.guards.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-from web.guards.security import redact_secrets
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.security import redact_secrets
 
 log = logging.getLogger(__name__)
 

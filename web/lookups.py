@@ -13,7 +13,7 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import Job, queries
 from web.api_models import Deployment
 from web.errors import json_http_error
-from web.guards.security import BEARER_CHALLENGE, bearer_token, token_matches
+from web.security import BEARER_CHALLENGE, bearer_token, token_matches
 from web.state import Services, services_of
 
 MAX_PAGE = 200

@@ -16,7 +16,7 @@ from pydantic import Field, SecretStr, field_validator
 
 from jobs.settings import JobSettings
 from web import hooks
-from web.guards.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
+from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from web.errors import Handler, json_http_error
-from web.guards.security import BASIC_CHALLENGE, BEARER_CHALLENGE, holds_api_token
+from web.security import BASIC_CHALLENGE, BEARER_CHALLENGE, holds_api_token
 from web.settings import ServiceSettings
 
 # Open even with public_reads=false: liveness probes carry no secrets, the API description and

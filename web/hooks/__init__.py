@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from web.guards.bounded_json import JsonLimits
+from web.bounded_json import JsonLimits
 from web.hooks import acr, distribution, dockerhub, ecr, gar, ghcr, harbor, jfrog, quay
 from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,

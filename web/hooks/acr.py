@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from web.guards.bounded_json import JsonLimits
+from web.bounded_json import JsonLimits
 from web.hooks.common import (
     MANIFEST_MEDIA_TYPES,
     Headers,

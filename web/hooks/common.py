@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from scanner.registry.reference import DOCKER_HUB, ReferenceError, parse_reference
-from web.guards.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 
 # Manifest media types worth scanning. Blobs (layers, configs) and schema1 are left out:
 # registry:3 dropped schema1 and the scanner cannot read it.

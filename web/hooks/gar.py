@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from web.guards.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
+from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 from web.hooks.common import (
     Headers,
     ScanRequest,

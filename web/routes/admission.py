@@ -46,8 +46,8 @@ from scanner.registry.reference import ReferenceError, parse_reference
 from web.errors import read_json
 from web.fleet.live_fleet import fleet_index
 from web.guards.connections import GuardedRunner, connection_limits
-from web.guards.security import holds_api_token
 from web.lookups import find_report
+from web.security import holds_api_token
 from web.state import services_of_app
 
 if TYPE_CHECKING:

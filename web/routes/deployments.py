@@ -35,9 +35,9 @@ from web.api_models import Deployment, RunSpec
 from web.errors import json_error
 from web.fleet.live_fleet import FLEET_INDEX, fleet_index
 from web.fleet.long_polls import LONG_POLLS
-from web.guards.security import holds_api_token
 from web.lookups import image_report, requested_deployment, require_api_token
 from web.placement_requests import request_body
+from web.security import holds_api_token
 from web.state import services_of
 
 ROUTES = ApiRoutes()

@@ -31,7 +31,7 @@ from web.api_description import (
     json_reply,
 )
 from web.errors import json_http_error
-from web.guards.security import BEARER_CHALLENGE, holds_api_token
+from web.security import BEARER_CHALLENGE, holds_api_token
 from web.state import services_of
 
 ROUTES = ApiRoutes()

@@ -9,9 +9,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from web.fleet.live_fleet import fleet_index, live_servers
-from web.guards.security import presented_token, token_matches
 from web.lookups import image_report
 from web.placement_requests import answer_options, eligibility_answer
+from web.security import presented_token, token_matches
 from web.state import services_of
 from web.views.fleet_views import (
     FORM_FIELDS,

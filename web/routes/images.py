@@ -21,8 +21,8 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.guards.security import redact_secrets
 from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
+from web.security import redact_secrets
 from web.state import services_of
 
 ROUTES = ApiRoutes()

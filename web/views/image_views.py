@@ -15,7 +15,7 @@ from scanner.facts.require_grammar import describe_condition, parse_requirement_
 from scanner.models import PlatformReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
-from web.guards.security import redact_secrets
+from web.security import redact_secrets
 from web.views.templating import image_url
 
 MAX_PAGE = 1_000_000
