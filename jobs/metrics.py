@@ -222,6 +222,12 @@ class JobMetrics:
                 collect=lambda: {(load.registry,): load.cool_down_seconds for load in self._registry_load},
             )
         )
+        self.jobs_deleted = add(
+            Counter(
+                "gpubadge_jobs_deleted_total",
+                "Finished scan jobs deleted by retention (GPUBADGE_JOB_RETENTION_SECONDS, _COUNT) in this process.",
+            )
+        )
         self.transfer_cutoffs = add(
             Counter(
                 "gpubadge_registry_transfer_cutoffs_total",

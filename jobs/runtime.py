@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from jobs.architectures import FleetArchitectures
 from jobs.companions import companions
 from jobs.metrics import JobMetrics
+from jobs.retention import JobRetention, RetentionPolicy
 from jobs.settings import JobSettings
 from jobs.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 from placement.inventory import Server
@@ -72,6 +73,7 @@ class ScanRuntime:
     attacher: ReportAttacher | None
     workers: ScanWorkers | None
     drain_seconds: float
+    retention: JobRetention | None = None
 
     @classmethod
     async def start(
@@ -119,11 +121,19 @@ class ScanRuntime:
                 await runtime.stop()
                 raise
             runtime.workers = workers
+            runtime.retention = JobRetention(
+                store,
+                RetentionPolicy(settings.job_retention_seconds, settings.job_retention_count),
+                on_swept=lambda deleted: metrics.jobs_deleted.inc(amount=float(deleted)),
+            )
+            runtime.retention.start()
         return runtime
 
     async def stop(self) -> None:
         """Stop claiming and drain running scans (what cannot finish goes back to the queue), then
         stop the analysis processes, the attacher's retries and the registry client."""
+        if self.retention is not None:
+            await self.retention.stop()
         if self.workers is not None:
             await self.workers.stop(drain_timeout=self.drain_seconds)
         await self.scanner.close()

@@ -91,6 +91,17 @@ class JobSettings(ScannerSettings):
         description="scans waiting in the queue; past it deliveries and scan requests are refused (503, Retry-After)"
         " until workers catch up, and nothing already queued is dropped",
     )
+    job_retention_seconds: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=0,
+        description="finished scan jobs (done or failed) last updated longer ago than this are deleted (their"
+        " reports stay); 0: kept whatever their age",
+    )
+    job_retention_count: int = Field(
+        default=100_000,
+        ge=0,
+        description="at most this many finished scan jobs are kept, the most recently finished; 0: no cap",
+    )
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
 
     @field_validator("db", mode="before")

@@ -408,6 +408,16 @@ class PostgresStore(SharedMethods):
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
         return state
 
+    def compact_job_tallies(self) -> None:
+        """Fold `job_tallies`' change rows into one row per state. One statement: the rows it deletes
+        are the ones it sums, and a change committed meanwhile stays for the next fold."""
+        with self._transaction() as conn:
+            conn.execute(
+                "WITH folded AS (DELETE FROM job_tallies RETURNING state, delta)"
+                " INSERT INTO job_tallies (state, delta)"
+                " SELECT state, sum(delta) FROM folded GROUP BY state HAVING sum(delta) <> 0"
+            )
+
     def retry_job(self, job_id: str) -> Job | None:
         """Put a failed job back in the queue by hand (attempts start again)."""
         with self._transaction() as conn:
