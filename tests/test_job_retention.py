@@ -5,6 +5,7 @@ page show read no finished job, however many there are."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import uuid
 from collections.abc import Iterable
@@ -204,3 +205,27 @@ async def test_the_runtime_sweeps_where_it_runs_workers(
         assert "gpubadge_jobs_deleted_total " + f"{float(20 - len(kept))}" in metrics.render()
     finally:
         await store.close()
+
+
+def test_on_sqlite_a_sweep_walks_the_finished_jobs_index_instead_of_sorting_them(tmp_path: Any) -> None:
+    """SQLite keeps no statistics: left to itself it found finished jobs by the state index and sorted
+    them all for each batch (2.4 s a batch at a million jobs). Each retention read walks jobs_finished."""
+    from store.dialect import SQLITE, Db
+
+    backend = SqliteStore(tmp_path / "store.db")
+    backend.close()
+    statements: list[str] = []
+    with contextlib.closing(sqlite3.connect(tmp_path / "store.db")) as conn:
+        conn.set_trace_callback(statements.append)
+        db = Db(conn, SQLITE)
+        queries.finished_beyond(db, keep=10)
+        queries.delete_finished(db, through=NOW, limit=10)
+        conn.set_trace_callback(None)
+        plans = [
+            " | ".join(str(row[3]) for row in conn.execute(f"EXPLAIN QUERY PLAN {statement}"))
+            for statement in statements
+            if statement.lstrip().upper().startswith(("SELECT", "DELETE"))
+        ]
+    assert len(plans) == 2
+    for plan in plans:
+        assert "jobs_finished" in plan and "TEMP B-TREE" not in plan, plan

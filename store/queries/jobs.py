@@ -125,8 +125,8 @@ def finished_beyond(db: Db, *, keep: int) -> datetime | None:
     """When the newest finished job past the `keep` newest finished (so the first one retention by
     count deletes), or None when no more than `keep` are finished. Reads `keep` index entries."""
     row = db.one(
-        "SELECT updated_at FROM jobs WHERE state IN ('done', 'failed')"
-        " ORDER BY updated_at DESC LIMIT 1 OFFSET :keep",
+        f"SELECT updated_at FROM {db.dialect.read_through('jobs', 'jobs_finished')}"
+        " WHERE state IN ('done', 'failed') ORDER BY updated_at DESC LIMIT 1 OFFSET :keep",
         {"keep": keep},
     )
     stamp = db.dialect.stamp(row[0]) if row else None
@@ -142,8 +142,9 @@ def delete_finished(db: Db, *, through: datetime, limit: int) -> int:
     how many. One sweeper at a time deletes (an advisory lock on PostgreSQL; SQLite's one writer)."""
     db.dialect.lock(db, RETENTION_LOCK)
     cursor = db.execute(
-        "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state IN ('done', 'failed')"
-        " AND updated_at <= :through ORDER BY updated_at LIMIT :limit)",
+        "DELETE FROM jobs WHERE id IN"
+        f" (SELECT id FROM {db.dialect.read_through('jobs', 'jobs_finished')}"
+        " WHERE state IN ('done', 'failed') AND updated_at <= :through ORDER BY updated_at LIMIT :limit)",
         {"through": db.dialect.stamp_param(through), "limit": limit},
     )
     return int(cursor.rowcount)
