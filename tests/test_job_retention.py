@@ -229,3 +229,30 @@ def test_on_sqlite_a_sweep_walks_the_finished_jobs_index_instead_of_sorting_them
     assert len(plans) == 2
     for plan in plans:
         assert "jobs_finished" in plan and "TEMP B-TREE" not in plan, plan
+
+
+async def test_a_sweep_that_deletes_nothing_still_folds_the_tallies(open_backend: OpenBackend) -> None:
+    """PostgreSQL adds a tally row per finished job; every sweep folds them, even where the settings
+    keep every job, so counting stays as cheap as the active jobs however long the service runs."""
+    backend = open_backend()
+    store = AsyncStore(backend)
+    try:
+        backend.enqueue([(f"registry.example/fold:{n}", "registry.example") for n in range(40)])
+        for job in backend.claim_jobs(40, owner="worker", lease_seconds=30):
+            backend.finish_job(job.id, digest=None, owner="worker")
+        assert await sweep(store, RetentionPolicy(max_age_seconds=0, max_count=0)) == 0
+        assert tally_rows(backend) <= 1  # one state, one row
+        assert backend.run(queries.queue_depth) == {"queued": 0, "running": 0, "done": 40, "failed": 0}
+    finally:
+        await store.close()
+
+
+def tally_rows(backend: Any) -> int:
+    if isinstance(backend, SqliteStore):
+        with contextlib.closing(sqlite3.connect(backend.path)) as peer:
+            return int(peer.execute("SELECT count(*) FROM job_tallies").fetchone()[0])
+    import psycopg
+
+    with psycopg.connect(backend._url) as peer:
+        row = peer.execute("SELECT count(*) FROM job_tallies").fetchone()
+    return int(row[0]) if row else 0
