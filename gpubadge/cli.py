@@ -148,7 +148,7 @@ def _delegate(command: str, rest: list[str]) -> int:
 
         return run_serve(rest)
     if command == "worker":
-        from web.commands import run_worker
+        from gpubadge.worker import run_worker
 
         return run_worker(rest)
     if command == "config":

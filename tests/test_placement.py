@@ -28,7 +28,7 @@ from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from tests.conftest import Pusher
 from web.app import create_app
-from web.live_fleet import FLEET_INDEX, FleetIndexCache
+from web.fleet.live_fleet import FLEET_INDEX, FleetIndexCache
 from web.settings import ServiceSettings
 from web.state import SERVICES
 

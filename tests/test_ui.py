@@ -49,7 +49,10 @@ from store import SqliteStore as Store
 from store.backend import StoreBackend
 from tests.conftest import Pusher
 from web.app import create_app
-from web.image_views import (
+from web.routes.pages import badge_reference
+from web.settings import ServiceSettings
+from web.state import SERVICES, Services
+from web.views.image_views import (
     ImageFilters,
     explain_error,
     platform_view,
@@ -57,10 +60,7 @@ from web.image_views import (
     row_badges,
     short_reference,
 )
-from web.routes.pages import badge_reference
-from web.settings import ServiceSettings
-from web.state import SERVICES, Services
-from web.templating import human_bytes, time_ago
+from web.views.templating import human_bytes, time_ago
 
 XSS_SCRIPT = "<script>window.__xss=1</script>"
 XSS_IMG = '<img src=x onerror="window.__xss=2">'

@@ -25,8 +25,8 @@ from placement.inventory import Gpu, Server
 from tests.conftest import Pusher
 from tests.test_fleet_api import FLEET
 from web.app import create_app
-from web.fleet_views import EligibilityForm, FormError, gpu_groups, server_row_view
 from web.settings import ServiceSettings
+from web.views.fleet_views import EligibilityForm, FormError, gpu_groups, server_row_view
 
 XSS = "<script>window.__xss=1</script>"
 

@@ -1,4 +1,5 @@
-"""`gpubadge serve`, `gpubadge worker` and `gpubadge db`: argument parsing around the service's roles."""
+"""`gpubadge serve` and `gpubadge db`: argument parsing around the service's roles (`gpubadge worker`,
+which runs no HTTP unless asked for a metrics port, is gpubadge/worker.py)."""
 
 from __future__ import annotations
 
@@ -36,27 +37,6 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def worker_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpubadge worker",
-        description="Run scan workers only: claim jobs from the shared store, scan, record the results."
-        " Any number may run against one PostgreSQL (GPUBADGE_DATABASE_URL).",
-        epilog="Settings are the same as `gpubadge serve --help` lists.",
-    )
-    parser.add_argument(
-        "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
-    )
-    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
-    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
-    parser.add_argument(
-        "--metrics-port",
-        type=_positive,
-        help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
-    )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    return parser
-
-
 def db_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpubadge db",
@@ -83,13 +63,6 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
     return value
 
 
@@ -124,10 +97,10 @@ def run_serve(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
+    from jobs import garbage_collection
     from store import StoreUnavailable
-    from web import garbage_collection
     from web.app import create_app
-    from web.connections import connection_limits, run_guarded_app
+    from web.guards.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
 
     try:
@@ -135,7 +108,9 @@ def run_serve(argv: list[str]) -> int:
     except StoreUnavailable as exc:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
-    garbage_collection.install(app)
+    collection = garbage_collection.TimedCollection()
+    app.on_startup.append(lambda _: collection.start())
+    app.on_cleanup.append(lambda _: collection.stop())
     _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     run_guarded_app(
@@ -186,27 +161,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
-
-
-def run_worker(argv: list[str]) -> int:
-    args = worker_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        settings = load_settings(args.config, db=args.db, workers=args.concurrency)
-    except (ValueError, OSError) as exc:
-        print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    from store import StoreUnavailable
-    from web.worker_process import serve_workers
-
-    try:
-        serve_workers(settings, args.metrics_port)
-    except StoreUnavailable as exc:
-        print(f"gpubadge worker: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def run_db(argv: list[str]) -> int:

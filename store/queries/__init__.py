@@ -24,6 +24,9 @@ from store.queries.fleet import (
     upsert_server,
 )
 from store.queries.jobs import (
+    delete_finished,
+    finished_beyond,
+    finished_jobs,
     job,
     jobs,
     latest_job_for,
@@ -71,8 +74,11 @@ __all__ = [
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
+    "delete_finished",
     "deployment",
     "deployments",
+    "finished_beyond",
+    "finished_jobs",
     "has_report",
     "heartbeat",
     "heartbeats",

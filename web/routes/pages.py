@@ -14,11 +14,15 @@ from typing import Any
 from aiohttp import web
 from markupsafe import Markup
 
+from jobs.scan_requests import ScanRefused, request_scan
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
-from web.badge_svg import badge_for, render_badge
-from web.image_views import (
+from web.lookups import find_report, scan_jobs_of
+from web.security import redact_secrets, token_matches
+from web.state import Services, services_of
+from web.views.badge_svg import badge_for, render_badge
+from web.views.image_views import (
     LEGEND,
     ImageFilters,
     explain_error,
@@ -28,12 +32,8 @@ from web.image_views import (
     progress_of,
     tag_history_view,
 )
-from web.lookups import find_report, scan_jobs_of
-from web.nfd_view import nfd_views
-from web.scan_requests import ScanRefused, request_scan, token_matches
-from web.security import redact_secrets
-from web.state import Services, services_of
-from web.templating import STATIC_DIR, badge_url, environment, image_url, page, render
+from web.views.nfd_view import nfd_views
+from web.views.templating import STATIC_DIR, badge_url, environment, image_url, page, render
 
 PAGE_SIZE = 50
 
@@ -191,7 +191,7 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services, ref, source="ui")
+        await request_scan(services.intake, services.settings, ref, source="ui", wake=services.wake_workers)
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from scanner.registry.reference import Reference
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # web/, which holds templates/ and static/
 
 
 TEMPLATE_DIR = HERE / "templates"

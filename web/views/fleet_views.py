@@ -22,7 +22,7 @@ from placement.inventory import Gpu, Server
 from placement.mig import sort_key
 from placement.request import DeployRequest
 from scanner.models import ImageReport
-from web.templating import human_bytes, image_url, time_ago
+from web.views.templating import human_bytes, image_url, time_ago
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from scanner.models import PlatformReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
 from web.security import redact_secrets
-from web.templating import image_url
+from web.views.templating import image_url
 
 MAX_PAGE = 1_000_000
 
