@@ -23,12 +23,13 @@ from pydantic import SecretStr
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
+from scanner.redaction import REDACTED, RedactingLogFilter, redact_secrets
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import create_app
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet.live_fleet import FLEET_INDEX, FleetIndexCache
-from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
+from web.security import RedactingAccessLogger
 from web.settings import ServiceSettings
 from web.state import SERVICES
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+from scanner.redaction import process_logging
 from web.settings import ServiceSettings
 
 
@@ -83,13 +84,7 @@ GIL_SWITCH_SECONDS = 0.001
 
 def run_serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from web.security import RedactingLogFilter
-
-    for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
-        handler.addFilter(RedactingLogFilter())
+    process_logging(args.log_level, "serve")
     try:
         settings = load_settings(
             args.config, host=args.host, port=args.port, db=args.db, workers=args.workers

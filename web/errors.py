@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from scanner.redaction import redact_secrets
 from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-from web.security import redact_secrets
 
 log = logging.getLogger(__name__)
 

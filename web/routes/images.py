@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from scanner.models import ImageReport
+from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import queries
 from web.api_description import (
@@ -22,7 +23,6 @@ from web.api_description import (
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
 from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
-from web.security import redact_secrets
 from web.state import services_of
 
 ROUTES = ApiRoutes()

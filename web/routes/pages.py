@@ -16,10 +16,11 @@ from markupsafe import Markup
 
 from jobs.scan_requests import ScanRefused, request_scan
 from scanner.models import ImageReport
+from scanner.redaction import redact_secrets
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
 from web.lookups import find_report, scan_jobs_of
-from web.security import redact_secrets, token_matches
+from web.security import token_matches
 from web.state import Services, services_of
 from web.views.badge_svg import badge_for, render_badge
 from web.views.image_views import (
