@@ -86,6 +86,36 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant (from /proc's children lists)."""
+    found = [pid]
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found.extend(process_tree(int(child)))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process tree so far: every live process's utime + stime, plus what each reaped of
+    its children (cutime + cstime), so a child that exits and is reaped stays counted."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(value) for value in fields[11:15])
+    return total / CLOCK_TICKS
+
+
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
