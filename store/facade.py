@@ -165,6 +165,16 @@ class BlockingStore:
         wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
         return self._backend.enqueue_many(batches)
 
+    def tidy_intake(self) -> None:
+        """Between answers, on the intake's thread: what its commits left to clean (on SQLite, the
+        journal rows already moved into the store)."""
+        self._backend.tidy_intake()
+
+    def queued_for_intake(self, cap: int) -> int:
+        """Jobs waiting to run, up to `cap`, as the intake's queue cap counts them: never waiting for
+        a writer (on SQLite, the store's queued jobs plus the intake journal's not yet moved)."""
+        return self._backend.queued_for_intake(cap)
+
 
 class AsyncStore:
     """Async facade over one synchronous backend: the one way callers reach the store."""
@@ -372,6 +382,11 @@ class AsyncStore:
         reference, so firing here as well would only wake everyone a second time."""
         if not self.events.cross_process:
             self.events.fire(kind, payload)
+
+    async def start_intake(self) -> None:
+        """Ready the webhook intake's commit path now rather than at the first delivery (on SQLite,
+        its journal and mover: what a previous run journaled and did not move is moved now)."""
+        await asyncio.get_running_loop().run_in_executor(self._intake_pool, self._backend.start_intake)
 
     async def start_events(self) -> None:
         """Deliver queue events on this loop; on PostgreSQL, and on a SQLite file whose processes

@@ -54,7 +54,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,16 @@ class PostgresStore(SharedMethods):
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
+
+    def start_intake(self) -> None:
+        """Nothing to ready: the intake inserts into `jobs` (row locks; no scan holds a lock it needs)."""
+
+    def tidy_intake(self) -> None:
+        """Nothing to tidy: the intake writes `jobs` itself."""
+
+    def queued_for_intake(self, cap: int) -> int:
+        """Queued jobs up to `cap` (`queries.queued_jobs`), for the intake's queue cap."""
+        return self.run(queued_jobs, cap=cap)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch."""

@@ -24,6 +24,7 @@ from web.api_description import (
 from web.state import Services, services_of
 
 ROUTES = ApiRoutes()
+SYNC_SECONDS = 1.0  # longest /metrics waits for the worker processes' last counts
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
@@ -31,6 +32,16 @@ async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]
         services.store.run(queries.queue_depth), services.store.queue_health()
     )
     return depth, queue
+
+
+def _workers(services: Services) -> str | list[str]:
+    """Who scans for this service: this process's workers' lease owner, its worker processes' (one
+    each, running now), or none."""
+    if services.workers is not None:
+        return services.workers.owner
+    if services.worker_processes is not None:
+        return services.worker_processes.owners()
+    return "none in this process"
 
 
 def stall_reason(queue: QueueHealth, stall_seconds: float) -> str | None:
@@ -65,7 +76,7 @@ async def healthz(request: web.Request) -> web.Response:
         body["oldest_ready_seconds"] = queue.oldest_ready_seconds
         body["last_progress_seconds"] = queue.last_progress_seconds
         stalled = stall_reason(queue, settings.stall_seconds)
-        if stalled and services.workers is None:
+        if stalled and not services.runs_scans:
             # An API-only replica (`serve --workers 0`) can still take webhooks and answer: the
             # stall is the workers' failure, reported here (and in /metrics) but not failing the
             # readiness that keeps this replica behind the load balancer.
@@ -75,8 +86,7 @@ async def healthz(request: web.Request) -> web.Response:
     written = await write_check
     if written:
         reasons.insert(0, written)
-    workers = services.workers
-    body["workers"] = "none in this process" if workers is None else workers.owner
+    body["workers"] = _workers(services)
     if reasons:
         return web.json_response({"status": "unavailable", "reasons": reasons, **body}, status=503)
     return web.json_response({"status": "ok", **body})
@@ -102,6 +112,8 @@ async def metrics(request: web.Request) -> web.Response:
         store = services.store
         loads = await asyncio.wait_for(store.registry_load(), services.settings.health_timeout)
         registry.set_registry_load(loads)
+    if services.worker_processes is not None:  # what each worker process counted before this request
+        await services.worker_processes.sync(SYNC_SECONDS)
     # In a thread: the process collector reads /proc (its fd count lists every open descriptor,
     # 4 ms at 10,000 long polls), file I/O that must not hold the loop's heartbeats and polls.
     text = await asyncio.to_thread(registry.render)

@@ -130,9 +130,7 @@ async def detail_context(services: Services, reference: Reference, report: Image
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
-        "progress": progress_of(str(reference), services.scanner.layer_progress())
-        if report.pending and services.scanner is not None
-        else None,
+        "progress": progress_of(str(reference), services.layer_progress()) if report.pending else None,
         "referrers": [
             status
             for digest in [report.digest or "", *(p.digest for p in report.platforms)]
@@ -160,7 +158,7 @@ async def scans_response(
 ) -> web.Response:
     services = services_of(request)
     store = services.store
-    deep = services.scanner.layer_progress() if services.scanner is not None else {}
+    deep = services.layer_progress()
     return page(
         request,
         "scans.html",
