@@ -116,6 +116,42 @@ def tree_cpu_seconds(pid: int) -> float:
     return total / CLOCK_TICKS
 
 
+def tree_cpu_by_process(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live process of a tree: (its command line, its CPU so far: utime + stime + what it
+    reaped of its children), by pid. Subtract two of these to split a window's CPU by process."""
+    found: dict[int, tuple[str, float]] = {}
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            command = (
+                Path(f"/proc/{member}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:
+            continue
+        found[member] = (command, sum(int(value) for value in fields[11:15]) / CLOCK_TICKS)
+    return found
+
+
+def cpu_by_role(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """A window's CPU of a gpubadge process tree by role: `serve` (the API and intake), `worker`
+    (scan processes), `analysis` (their layer parsers); a process that started meanwhile counts whole."""
+    roles: dict[str, float] = {}
+    for pid, (command, cpu) in after.items():
+        role = (
+            "analysis"
+            if "scanner.layers.analysis" in command
+            else "worker"
+            if " worker" in command
+            else "serve"
+        )
+        earlier = before.get(pid)
+        spent = cpu - (earlier[1] if earlier is not None and earlier[0] == command else 0.0)
+        roles[role] = roles.get(role, 0.0) + spent
+    return roles
+
+
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime

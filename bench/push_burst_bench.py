@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import sqlite3
@@ -29,13 +30,23 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import aiohttp
 
-from bench.common import Figure, Results, ms, percentile, push_with_retry, tree_cpu_seconds
+from bench.common import (
+    Figure,
+    Results,
+    cpu_by_role,
+    ms,
+    percentile,
+    push_with_retry,
+    tree_cpu_by_process,
+    tree_cpu_seconds,
+)
+from bench.registry_burst import put_manifests, stage_images
 from bench.service_bench import push_layout_images
 from fixtures.postgres import postgres_unavailable_reason, run_postgres
 from fixtures.registry import free_port, notification_endpoint, run_registry
@@ -184,6 +195,9 @@ class BurstRun:
     deliveries: dict[str, list[Delivery]]  # per endpoint ("null", "gpubadge"), from the timing relay
     cpu: dict[str, float]  # seconds over the burst: gpubadge (every process), null, registry, postgres
     handler_mean: float  # gpubadge's own histogram of its webhook handling, mean seconds
+    roles: dict[str, float] = field(
+        default_factory=dict
+    )  # gpubadge's CPU by process role (bench.common.cpu_by_role)
 
     def answers(self, endpoint: str) -> list[float]:
         return [delivery.seconds for delivery in self.deliveries[endpoint]]
@@ -257,10 +271,12 @@ async def measure_burst(
     *,
     apart: bool = False,
     database_url: str | None = None,
+    tree: Path | None = None,
 ) -> BurstRun:
     """One burst: the registry notifies the null receiver and `gpubadge serve`, each through the
     timing relay. `apart`: the service is `serve --workers 0` beside one `gpubadge worker` on the
-    same store. `database_url`: the service runs on that PostgreSQL database (else a SQLite file)."""
+    same store. `database_url`: the service runs on that PostgreSQL database (else a SQLite file).
+    `tree`: the service is the gpubadge checked out there (the peer), else this checkout."""
     receiver = NullReceiver()
     port = free_port()
     loop = asyncio.get_running_loop()
@@ -272,7 +288,7 @@ async def measure_burst(
     visible_at: dict[str, float] = {}
     complete: list[float] = []
     db = workdir / "burst.db"
-    service_env = {**(env or {}), **({"GPUBADGE_DATABASE_URL": database_url} if database_url else {})}
+    service_env = service_environment(env, database_url, tree)
     with receiver.running():
         relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
         with relay.running() as relayed:
@@ -284,7 +300,10 @@ async def measure_burst(
             with (
                 run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
                 run_service_process(
-                    db, env={**service_env, **({"GPUBADGE_WORKERS": "0"} if apart else {})}, port=port
+                    db,
+                    env={**service_env, **({"GPUBADGE_WORKERS": "0"} if apart else {})},
+                    port=port,
+                    cwd=tree,
                 ) as service,
                 running_worker(db, service_env, workdir / "worker.log")
                 if apart
@@ -338,10 +357,12 @@ async def measure_burst(
                     if database_url:
                         pids["postgres"] = postgres_pid(database_url)
                     cpu_before = {who: tree_cpu_seconds(pid) for who, pid in pids.items() if pid}
+                    roles_before = tree_cpu_by_process(service.process.pid)
                     with ThreadPoolExecutor(figures.clients) as pool:
                         await asyncio.gather(*(loop.run_in_executor(pool, push, tag) for tag in tags))
                     await asyncio.wait_for(asyncio.gather(*watchers), 180)
                     cpu = {who: tree_cpu_seconds(pid) - cpu_before[who] for who, pid in pids.items() if pid}
+                    roles = cpu_by_role(roles_before, tree_cpu_by_process(service.process.pid))
                     async with session.get(f"{service.url}/metrics") as response:
                         answers = webhook_answer_mean(await response.text())
                 committed = job_times(pushed_at, db, database_url)
@@ -356,6 +377,7 @@ async def measure_burst(
         deliveries=relay.deliveries,
         cpu=cpu,
         handler_mean=answers,
+        roles=roles,
     )
 
 
@@ -369,17 +391,135 @@ def postgres_pid(database_url: str) -> int:
     return int((Path(directory[0]) / "postmaster.pid").read_text().split()[0])
 
 
-OLD_DEFAULT_CAP = {"GPUBADGE_PER_REGISTRY_SCANS": "4"}  # the default before issue 31: half of 8 workers
+@dataclass
+class IntakeRun:
+    """A manifest burst (`bench.registry_burst`): every delivery as the registry saw it, per endpoint,
+    and how many scans gpubadge finished while its deliveries came."""
+
+    images: int  # in the measured burst
+    deliveries: dict[str, list[Delivery]]  # those of the measured burst
+    scans_during: int  # scans claimed (running or finished) during the measured burst
+    burst_seconds: float  # the PUTs, from the first to the last answered
+    roles: dict[str, float] = field(default_factory=dict)  # gpubadge's CPU by role until every scan was done
+    null_cpu: float = 0.0  # the null receiver's CPU over the same window
+
+    def answers(self, endpoint: str) -> list[float]:
+        return [delivery.seconds for delivery in self.deliveries[endpoint]]
+
+    def cycles(self, endpoint: str) -> list[float]:
+        return backlog_cycles(self.deliveries[endpoint])
+
+
+def service_environment(
+    env: dict[str, str] | None, database_url: str | None, tree: Path | None
+) -> dict[str, str]:
+    """The service's environment: `env`, the database, and the peer's checkout first on the path."""
+    return {
+        **(env or {}),
+        **({"GPUBADGE_DATABASE_URL": database_url} if database_url else {}),
+        **({"PYTHONPATH": str(tree)} if tree else {}),
+    }
+
+
+async def measure_intake(
+    images: int,
+    clients: int,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    database_url: str | None = None,
+    tree: Path | None = None,
+    count_cpu: bool = True,
+) -> IntakeRun:
+    """The intake beside running scans: `images` distinct images' manifests PUT by `clients` at once
+    (their blobs uploaded first), the registry notifying the null receiver and `gpubadge serve`
+    through the timing relay; each delivery queues a real scan. The first third's scans are
+    running when the rest, the measured burst, is PUT: every delivery measured arrives while the
+    service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took."""
+    receiver = NullReceiver()
+    port = free_port()
+    service_env = service_environment(env, database_url, tree)
+    loop = asyncio.get_running_loop()
+    with receiver.running():
+        relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
+        with relay.running() as relayed:
+            endpoints = [
+                notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
+                notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
+                | {"name": "gpubadge"},
+            ]
+            with (
+                run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
+                run_service_process(workdir / "intake.db", env=service_env, port=port, cwd=tree) as service,
+            ):
+                repository = "bench/intake"
+                staged = await loop.run_in_executor(
+                    None, stage_images, workdir / "layout", registry.url, repository, images
+                )
+                assert service.process is not None and receiver.process is not None
+                roles_before = tree_cpu_by_process(service.process.pid)
+                null_before = tree_cpu_seconds(receiver.process.pid)
+                # A first third queues scans; once they run, the rest is the measured burst.
+                first, rest = staged[: images // 3], staged[images // 3 :]
+                await loop.run_in_executor(None, put_manifests, registry.url, repository, first, clients)
+                await until_deliveries(relay, len(first))
+                while (await queue_of(service.url))["running"] == 0:
+                    await asyncio.sleep(0.01)
+                queue = await queue_of(service.url)
+                settled = queue["done"] + queue["failed"]
+                started = time.time()
+                await loop.run_in_executor(None, put_manifests, registry.url, repository, rest, clients)
+                burst = time.time() - started
+                await until_deliveries(relay, images)
+                queue = await queue_of(service.url)
+                during = queue["running"] + queue["done"] + queue["failed"] - settled
+                deadline = time.monotonic() + 240
+                while count_cpu and (await queue_of(service.url))["done"] < images:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("scans not done 240 s after the burst")
+                    await asyncio.sleep(0.1)
+                roles = cpu_by_role(roles_before, tree_cpu_by_process(service.process.pid))
+                null_cpu = tree_cpu_seconds(receiver.process.pid) - null_before
+    measured = {
+        name: [delivery for delivery in deliveries if delivery.started >= started]
+        for name, deliveries in relay.deliveries.items()
+    }
+    return IntakeRun(len(rest), measured, int(during), burst, roles, null_cpu)
+
+
+async def until_deliveries(relay: DeliveryRelay, count: int, timeout: float = 120.0) -> None:
+    """Until both endpoints were sent `count` deliveries (bounded)."""
+    deadline = time.monotonic() + timeout
+    while min(len(relay.deliveries["null"]), len(relay.deliveries["gpubadge"])) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"deliveries after {timeout:.0f} s: { {k: len(v) for k, v in relay.deliveries.items()} }"
+            )
+        await asyncio.sleep(0.01)
+
+
+async def queue_of(url: str) -> dict[str, int]:
+    """The service's jobs by state, as /healthz counts them."""
+    queue: dict[str, int] = json.loads(await fetch_text(f"{url}/healthz"))["queue"]
+    return queue
+
+
+async def fetch_text(url: str) -> str:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.get(url) as response,
+    ):
+        return await response.text()
+
+
 PEER_TREE = "GPUBADGE_BENCH_PEER_TREE"  # a checkout of an earlier gpubadge to run as the peer
 
 
-def peer_env() -> tuple[str, dict[str, str]] | None:
-    """The peer's label and environment: the checkout named by $GPUBADGE_BENCH_PEER_TREE (e.g. an
-    export of main) with its own defaults; None without one."""
+def peer_tree() -> Path | None:
+    """The peer: the checkout named by $GPUBADGE_BENCH_PEER_TREE (e.g. an export of main), run with its
+    own defaults; None without one."""
     tree = os.environ.get(PEER_TREE)
-    if tree:
-        return f"{Path(tree).name} with its defaults", {"PYTHONPATH": tree}
-    return None
+    return Path(tree) if tree else None
 
 
 def describe(run: BurstRun) -> str:
@@ -396,6 +536,7 @@ def describe(run: BurstRun) -> str:
         f" (max {ms(max(null, default=0))}); per delivery while backed up: gpubadge"
         f" {ms(run.per_delivery('gpubadge'))}, null {ms(run.per_delivery('null'))};"
         f" handler mean {ms(run.handler_mean)}; CPU per image: gpubadge {ms(run.cpu_per_image('gpubadge'))},"
+        f" ({', '.join(f'{role} {ms(seconds / run.images)}' for role, seconds in sorted(run.roles.items()))}),"
         f" null {ms(run.cpu_per_image('null'))}, registry {ms(run.cpu_per_image('registry'))}"
         + (f", postgres {ms(run.cpu_per_image('postgres'))}" if "postgres" in run.cpu else "")
         + f"; skopeo push p50 {ms(percentile(run.pushes, 0.5))}"
@@ -456,13 +597,13 @@ def add_figures(
 
 
 def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) -> None:
-    """On SQLite, then on PostgreSQL where it can run: the peer (`peer_env`, when named) and this
+    """On SQLite, then on PostgreSQL where it can run: the peer (`peer_tree`, when named) and this
     checkout with its defaults, each beside its own null receiver in the same run; then, on
     SQLite, this checkout with a fifth of the pushers."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
     light = BurstFigures(figures.images, max(1, figures.clients // 5))
     print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
-    peer = peer_env()
+    peer = peer_tree()
     engines: list[str] = ["SQLite"]
     if postgres_unavailable_reason() is None:
         engines.append("PostgreSQL")
@@ -471,24 +612,26 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
     for engine in engines:
         with run_postgres() if engine == "PostgreSQL" else contextlib.nullcontext() as server:
             runs: dict[str, BurstRun] = {}
-            plan: list[tuple[str, dict[str, str] | None, BurstFigures]] = []
+            plan: list[tuple[str, Path | None, BurstFigures]] = []
             if peer is not None:
-                plan.append((peer[0], peer[1], figures))
+                plan.append(("peer", peer, figures))
             plan.append(("defaults", None, figures))
             if engine == "SQLite":
                 plan.append(("light", None, light))
-            for number, (label, env, workload) in enumerate(plan):
+            for number, (label, tree, workload) in enumerate(plan):
                 workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
                 try:
                     url = server.create_database(f"burst{number}") if server is not None else None
-                    runs[label] = asyncio.run(measure_burst(workload, workdir, env, database_url=url))
+                    runs[label] = asyncio.run(measure_burst(workload, workdir, database_url=url, tree=tree))
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                 results.detail(f"burst {engine}, {label}: {describe(runs[label])}")
-            peer_run = runs.get(peer[0]) if peer is not None else None
+            peer_run = runs.get("peer")
             add_figures(results, f"{engine}, defaults", figures, runs["defaults"], peer_run)
-            if peer_run is not None:
-                add_figures(results, f"{engine}, peer {peer[0] if peer else ''}", figures, peer_run, None)
+            if peer_run is not None and peer is not None:
+                add_figures(
+                    results, f"{engine}, peer ({peer.name} with its defaults)", figures, peer_run, None
+                )
             if "light" in runs:
                 add_figures(results, f"{engine}, defaults", light, runs["light"], None)
 

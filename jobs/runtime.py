@@ -131,6 +131,7 @@ class ScanRuntime:
         elif run_workers:
             workers = ScanWorkers(store, scanner, worker_settings(settings), worker_events(metrics, attacher))
             try:
+                await scanner.start_analysis()  # before the first claim, not inside the first burst
                 await workers.start()
             except BaseException:
                 await runtime.stop()

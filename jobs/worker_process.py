@@ -26,6 +26,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from jobs.event_loop import new_event_loop
 from jobs.metrics import JobMetrics
 from jobs.runtime import ScanRuntime
 from jobs.settings import JobSettings, open_job_store
@@ -85,7 +86,8 @@ def serve_workers(
             loop.add_signal_handler(signum, stop.set)
         await run_workers(settings, stop, metrics=metrics, listener=listener)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
 
 
 def serve_supervised(sweep: bool) -> None:
@@ -126,7 +128,8 @@ def serve_supervised(sweep: bool) -> None:
             reporter.flush()
             transport.close()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
 
 
 class _Commands(asyncio.Protocol):

@@ -39,15 +39,16 @@ from scanner.publish import AttachStatus, ReportAttacher
 
 log = logging.getLogger(__name__)
 
-ALIVE_SECONDS = (
-    2.0  # a worker says it is alive this often, and sends its counts and progress when they changed
-)
+# A worker says it is alive this often, and sends its counts and progress when they changed.
+ALIVE_SECONDS = 2.0
+FLUSH_SECONDS = 0.05  # reports gather this long before they are written: `serve` wakes for a batch, not each
 LINE_LIMIT = 1 << 20  # bytes: a longer line from a worker is a fault, not a report
 
 
 class WorkerReporter:
     """In a worker process: writes its reports to `serve` over `transport` (the worker's stdout pipe),
-    buffered within one turn of the event loop and written without ever blocking it."""
+    gathered for FLUSH_SECONDS (a `sync` answer at once) and written without ever blocking the loop.
+    What `/metrics` shows waits for no timer: it asks each worker to `sync` first."""
 
     def __init__(self, transport: asyncio.WriteTransport) -> None:
         self._transport = transport
@@ -60,7 +61,7 @@ class WorkerReporter:
         self._buffer.append(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.flush)
 
     def flush(self) -> None:
         self._flush_scheduled = False

@@ -409,8 +409,10 @@ class AsyncStore:
                 if channel == FLEET_CHANNEL:
                     if payload.startswith("stamps"):
                         relay(FLEET_STAMPS, payload.partition(" ")[2])
-                    else:
-                        relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
+                    elif payload == "reservations":
+                        relay(FLEET_RESERVATIONS)
+                    else:  # "inventory [<origin>]"
+                        relay(FLEET_INVENTORY, payload.partition(" ")[2])
                 else:
                     relay(kinds.get(channel, RESYNC), payload)
 

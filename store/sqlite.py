@@ -61,6 +61,7 @@ _INSERT_JOB = (
     " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
 )
 MOVE_RECHECK = 1.0  # seconds between the mover's passes when no intake wakes it (another process's rows)
+MOVE_GATHER = 0.002  # seconds the mover waits after a wake-up before its pass
 SETTLE_SECONDS = 2.0  # longest a read of the job queue waits for this process's journaled jobs
 CHECKPOINT_SECONDS = 1.0  # the journal's WAL is folded back at most this often
 log = logging.getLogger(__name__)
@@ -357,7 +358,10 @@ class SqliteStore(SharedMethods):
         failures = 0
         checkpoint_due = 0.0
         while not self._closing:
-            self._move_wanted.wait(MOVE_RECHECK)
+            if self._move_wanted.wait(MOVE_RECHECK):
+                # Let the answer that woke us go out first (the loop and the intake's thread need the
+                # interpreter lock for it), and gather what arrives meanwhile into the same pass.
+                time.sleep(MOVE_GATHER)
             self._move_wanted.clear()
             try:
                 if self._move_journal() and time.monotonic() >= checkpoint_due:

@@ -4,7 +4,6 @@ which runs no HTTP unless asked for a metrics port, is gpubadge/worker.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import sys
@@ -77,9 +76,12 @@ def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
 # The interpreter lock's switch interval in `serve` (Python's default is 5 ms). The store's thread
 # converts rows in Python (a batch of heartbeat stamps, the stamps another replica wrote), and while
 # it holds the lock a request ready on the event loop waits up to a whole interval for it: with a
-# fleet's traffic that wait was a visible share of the eligibility tail. 1 ms bounds it at a cost
-# of more lock hand-overs while both threads run, which is rarely.
-GIL_SWITCH_SECONDS = 0.001
+# fleet's traffic that wait was a visible share of the eligibility tail. Each webhook delivery
+# crosses to the intake's commit thread and back, and each crossing waits for the lock the same
+# way while the loop serves anything else: at 1 ms the two hand-overs were 0.6 ms of a delivery's
+# answer at p50 under a push burst, at 0.2 ms 0.35 ms (bench/push_burst_bench.py). Scans no longer
+# run in this process (jobs/worker_processes.py), so the hand-overs cost little beside it.
+GIL_SWITCH_SECONDS = 0.0002
 
 
 def run_serve(argv: list[str]) -> int:
@@ -93,6 +95,7 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
     from jobs import garbage_collection
+    from jobs.event_loop import new_event_loop
     from store import StoreUnavailable
     from web.app import create_app
     from web.guards.connections import connection_limits, run_guarded_app
@@ -141,21 +144,6 @@ def _raise_fd_limit(long_poll_max: int) -> None:
             FD_RESERVE,
             soft,
         )
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (`pip install gpubadge[uvloop]`), else asyncio's.
-
-    A registry waits for each webhook answer before it sends the next delivery, so the loop's
-    own cost per request (scheduling, polling, socket writes) is paid once per push along the
-    queue; uvloop's is about a fifth of the delivery's CPU lower (bench/webhook_cpu_bench.py).
-    """
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 def run_db(argv: list[str]) -> int:

@@ -18,15 +18,16 @@ from store.models import DeploymentRecord, ServerRecord
 
 
 @writes
-def upsert_server(db: Db, name: str, inventory_json: str) -> None:
-    """Register a server, or store its new inventory; either way it was heard from now."""
+def upsert_server(db: Db, name: str, inventory_json: str, origin: str = "") -> None:
+    """Register a server, or store its new inventory; either way it was heard from now. `origin`
+    names the writing process in the notice, so its own registration, echoed back, is known."""
     db.execute(
         "INSERT INTO servers (name, inventory, registered_at) VALUES (:name, :inventory, :now)"
         " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory",
         {"name": name, "inventory": inventory_json},
     )
     _stamp_now(db, name)
-    db.notify(FLEET_CHANNEL, "inventory")
+    db.notify(FLEET_CHANNEL, f"inventory {origin}".rstrip())
 
 
 def _stamp_now(db: Db, name: str) -> None:

@@ -522,6 +522,8 @@ def _follow_other_replicas(app: web.Application) -> None:
                 index.stamps_written_elsewhere()
             return
         if kind == FLEET_INVENTORY:
+            if payload and payload == index.origin:  # this process's own registration, echoed back
+                return
             index.inventory_changed_elsewhere()
             index.reservations_changed()  # a resync arrives as an inventory change: re-read both
         else:

@@ -185,7 +185,7 @@ async def register_server(request: web.Request) -> web.Response:
         conflict = await claimed_elsewhere(request.app, server.name, server.gpus)
         if conflict is not None:
             return conflict
-        await services.store.run(queries.upsert_server, server.name, text)
+        await services.store.run(queries.upsert_server, server.name, text, request.app[FLEET_INDEX].origin)
         request.app[FLEET_INDEX].registered(stored, text)
     log.info("server %s registered with %d GPU(s)", server.name, len(server.gpus))
     body = RegisterResponse(name=server.name, heartbeat_seconds=services.settings.heartbeat_seconds)
