@@ -50,7 +50,7 @@ STACK_DEPTH = 12  # frames of the loop thread's stack kept for the log
 
 
 class LoopLagMonitor:
-    """`start()` on the loop to watch; `stop()` to end. `observe(seconds)` gets each tick's lag."""
+    """`await start()` on the loop to watch; `stop()` to end. `observe(seconds)` gets each tick's lag."""
 
     def __init__(self, stall_seconds: float, observe: Callable[[float], None] | None = None) -> None:
         self.stall_seconds = stall_seconds
@@ -63,7 +63,8 @@ class LoopLagMonitor:
         self._stall_stack: list[str] | None = None  # taken by the watchdog during the current stall
         self.stalls = 0
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start watching the running loop (its timer task and the watchdog thread)."""
         self._loop_thread = threading.get_ident()
         self._last_tick = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._tick(), name="loop-lag")

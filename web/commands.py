@@ -95,11 +95,12 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
     from jobs import garbage_collection
-    from jobs.event_loop import new_event_loop
+    from jobs.event_loop import LoopLagMonitor, new_event_loop
     from store import StoreUnavailable
     from web.app import create_app
     from web.guards.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
+    from web.state import services_of_app
 
     try:
         app = create_app(settings)
@@ -109,6 +110,9 @@ def run_serve(argv: list[str]) -> int:
     collection = garbage_collection.TimedCollection()
     app.on_startup.append(lambda _: collection.start())
     app.on_cleanup.append(lambda _: collection.stop())
+    monitor = LoopLagMonitor(settings.loop_stall_seconds, services_of_app(app).metrics.loop_lag.observe)
+    app.on_startup.append(lambda _: monitor.start())
+    app.on_cleanup.append(lambda _: monitor.stop())
     _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     run_guarded_app(

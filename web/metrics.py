@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from jobs.metrics import Counter, Histogram, JobMetrics
 
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 
 class ServiceMetrics(JobMetrics):
     """The runtime's metrics plus those only HTTP handlers count, named once here."""
@@ -27,6 +29,13 @@ class ServiceMetrics(JobMetrics):
                 "gpubadge_admission_reviews_total",
                 "POST /k8s/admit answers, by webhook (validate, mutate) and decision (allowed, warned, denied, patched).",
                 ["webhook", "decision"],
+            )
+        )
+        self.loop_lag = add(
+            Histogram(
+                "gpubadge_event_loop_lag_seconds",
+                "How late `serve`'s event loop ran a timer due every 20 ms: how long anything due waited.",
+                buckets=LAG_BUCKETS,
             )
         )
         self.admission_seconds = add(
