@@ -274,7 +274,7 @@ def run_scan(args: argparse.Namespace) -> int:
             return
         ready[position] = report
         while next_line in ready:
-            out.write(ready.pop(next_line).model_dump_json() + "\n")
+            out.write(json_line(ready.pop(next_line)) + "\n")
             next_line += 1
         if not flush_scheduled:
             flush_scheduled = True
@@ -357,23 +357,54 @@ def run_scan(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def json_line(report: ImageReport) -> str:
+    """One `--json` line: the report, and for a scanned image `needs`, placement's answer to "does it
+    need a GPU?" (placement.image_needs: gpu, carried CUDA, driver floor), as the API's by-ref has it."""
+    line = report.model_dump_json()
+    if report.error is not None:
+        return line
+    from placement.image_needs import image_needs
+
+    return f'{line[:-1]},"needs":{image_needs(report).model_dump_json()}}}'
+
+
+def cuda_cell(declared: str | None, carried: str | None) -> str:
+    """The CUDA column: what the image declares, and what its layers carry where that differs."""
+    if carried and carried != declared and not (declared or "").startswith(f"{carried}."):
+        return f"{declared} (carries {carried})" if declared else f"{carried} (carried)"
+    return declared or carried or "-"
+
+
 def print_table(reports: Sequence[ImageReport], out: TextIO | Output) -> None:
-    """A readable table: one row per platform, failures marked plainly."""
+    """A readable table: one row per platform, failures marked plainly. GPU, CUDA and DRIVER are
+    placement's answer in its one vocabulary (placement.image_needs): `required` (declares an NVIDIA
+    GPU), `optional` (carries CUDA, declares none: runs on a CPU too) or `none`; the CUDA declared
+    and carried; the lowest driver that runs it on any GPU brand (`+ brands`: older drivers on some)."""
+    from placement.image_needs import platform_needs
     from scanner.facts.badges import libc_label
 
-    header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "LIBC", "DISTRO", "BADGES")
+    header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "DRIVER", "LIBC", "DISTRO", "BADGES")
     rows: list[tuple[str, ...]] = []
     for report in reports:
         if report.error:
-            rows.append((report.reference, "-", "-", "-", "-", "-", f"error: {report.error}"))
+            rows.append((report.reference, "-", "-", "-", "-", "-", "-", f"error: {report.error}"))
             continue
         for platform in report.platforms:
+            needs = platform_needs(platform)
+            driver = "-"
+            if needs.driver is not None:
+                driver = f">={needs.driver.floor}" if needs.driver.floor else "any"
+                if not needs.driver.runs:
+                    driver = "none runs it"
+                elif needs.driver.exceptions:
+                    driver += " + brands"
             rows.append(
                 (
                     report.reference,
                     platform.platform,
-                    "yes" if platform.gpu.required else "no",
-                    platform.gpu.cuda_version or "-",
+                    needs.gpu,
+                    cuda_cell(needs.declared_cuda, needs.carried_cuda),
+                    driver,
                     libc_label(platform.libc).replace("_", " "),
                     platform.libc.distro or "-",
                     " ".join(platform.badges),

@@ -96,6 +96,8 @@ class ImageRow:
     scanned_at: str
     tags: list[str]
     platform_badges: list[str] = field(default_factory=list)  # every platform's badges, once each
+    # the other names it is tagged under (`registry/repository:tag`), e.g. after a `skopeo copy`
+    other_names: list[str] = field(default_factory=list)
 
 
 class ServerRecord(NamedTuple):

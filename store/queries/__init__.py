@@ -34,8 +34,10 @@ from store.queries.jobs import (
     queued_jobs,
 )
 from store.queries.reports import (
+    IndexOf,
     TagSeen,
     has_report,
+    index_of,
     list_images,
     platform_report,
     reference_report,
@@ -68,6 +70,7 @@ REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save
 
 __all__ = [
     "REPORT_WRITES",
+    "IndexOf",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
@@ -76,6 +79,7 @@ __all__ = [
     "has_report",
     "heartbeat",
     "heartbeats",
+    "index_of",
     "is_gone",
     "job",
     "jobs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -255,7 +256,11 @@ def list_images(
     offset: int = 0,
     inferred: bool | None = None,
 ) -> tuple[list[ImageRow], int]:
-    """Filtered, newest-first listing plus the total count for pagination."""
+    """Filtered, newest-first listing plus the total count for pagination.
+
+    `gpu`: the image declares an NVIDIA GPU (or not); `inferred`: CUDA was found in its layers (or
+    not): together they are placement.image_needs' vocabulary (required / optional / none). `cuda`
+    matches the CUDA an image declares or carries; `query` searches every name it was seen under."""
     dialect = db.dialect
     where: list[str] = []
     params: dict[str, Any] = {}
@@ -269,25 +274,35 @@ def list_images(
     if libc:
         where.append(dialect.array_has("r.libc_flavours", "libc"))
         params["libc"] = libc
-    if cuda:
-        if "." in cuda:
-            where.append(dialect.array_has("r.cuda_versions", "cuda"))
-        else:  # a major version matches its minors
-            where.append(dialect.array_any("r.cuda_versions", "v = :cuda OR v LIKE :cuda_major"))
-            params["cuda_major"] = f"{cuda}.%"
+    if cuda:  # the CUDA it declares or carries (the newest of the two sets its driver floor)
+        test = "v = :cuda" if "." in cuda else "v = :cuda OR v LIKE :cuda_major"  # a major matches its minors
+        declared = (
+            dialect.array_has("r.cuda_versions", "cuda")
+            if "." in cuda
+            else dialect.array_any("r.cuda_versions", test)
+        )
+        carried = dialect.json_text_any("r.report", "platforms", ["gpu", "inferred", "cuda"], test)
+        where.append(f"({declared} OR {carried})")
         params["cuda"] = cuda
+        if "." not in cuda:
+            params["cuda_major"] = f"{cuda}.%"
     if registry:
         where.append("r.registry = :registry")
         params["registry"] = registry
-    if query:
+    if query:  # its own name, digest and distro, or any other name a tag gives it
         columns = ["r.repository", "r.reference", "r.digest", "coalesce(r.distro, '')"]
-        where.append(dialect.search(columns, "q"))
+        named = dialect.search(["t.registry", "t.repository", "t.tag"], "q")
+        where.append(
+            f"({dialect.search(columns, 'q')} OR r.digest IN"
+            f" (SELECT t.digest FROM tags t WHERE t.gone_at IS NULL AND {named}))"
+        )
         escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         params["q"] = f"%{escaped}%"
     clause = f"WHERE {' AND '.join(where)}" if where else ""
     total = _count(db, clause, params, at_least=offset + limit)
     # The page is cut first, and only its rows look up their tags: an engine may compute the select
     # list for the rows OFFSET skips too, so a deep page would pay for every skipped row.
+    other = "t.registry || '/' || t.repository || ':' || t.tag"
     rows = db.all(
         "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
         " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
@@ -295,7 +310,11 @@ def list_images(
         "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
         "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
         "   AND t2.repository = t.repository AND t2.tag = t.tag)),"
-        f" {dialect.json_strings('r.report', 'platforms', 'badges')}"
+        f" {dialect.json_strings('r.report', 'platforms', 'badges')},"
+        f" (SELECT {dialect.agg(other)} FROM tags t WHERE t.digest = r.digest AND t.gone_at IS NULL"
+        "   AND NOT (t.registry = r.registry AND t.repository = r.repository)"
+        "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
+        "   AND t2.repository = t.repository AND t2.tag = t.tag))"
         f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
         " LIMIT :limit OFFSET :offset) AS r ORDER BY r.scanned_at DESC, r.digest",
         {**params, "limit": limit, "offset": offset},
@@ -314,6 +333,7 @@ def list_images(
             scanned_at=dialect.stamp(row[9]) or "",
             tags=sorted(dialect.array_value(row[10])),
             platform_badges=sorted(dialect.array_value(row[11])),
+            other_names=sorted(set(dialect.array_value(row[12]))),
         )
         for row in rows
     ]
@@ -343,6 +363,37 @@ def _count(db: Db, clause: str, params: dict[str, Any], at_least: int) -> int:
     return max(estimate, cap)
 
 
+@dataclass(frozen=True)
+class IndexOf:
+    """The index a platform manifest was scanned as part of (a multi-arch image's child)."""
+
+    digest: str
+    reference: str
+    platform: str
+    scanned_at: str
+
+
+@reads
+def index_of(db: Db, registry: str, repository: str, digest: str) -> IndexOf | None:
+    """The newest stored index report that lists `digest` as one of its platforms: first among the
+    repository's own reports (its index), then anywhere (a child named through another repository:
+    a scan of the reports table, for this rare case only). None when no image lists it."""
+    pattern = f'%"digest":"{digest}"%'
+    sql = (
+        "SELECT digest, reference, scanned_at, report FROM reports WHERE {where} AND digest <> :digest"
+        " AND report LIKE :pattern ORDER BY scanned_at DESC LIMIT 1"
+    )
+    params = {"registry": registry, "repository": repository, "digest": digest, "pattern": pattern}
+    row = db.one(sql.format(where="registry = :registry AND repository = :repository"), params)
+    if row is None:
+        row = db.one(sql.format(where="1 = 1"), params)
+    if row is None:
+        return None
+    report = ImageReport.model_validate_json(row[3])
+    platform = next((p.platform for p in report.platforms if p.digest == digest), "")
+    return IndexOf(row[0], row[1], platform, db.dialect.stamp(row[2]) or "")
+
+
 @reads
 def registries(db: Db) -> list[str]:
     """Distinct registries by skipping through the (registry, repository) index: one probe per
@@ -360,8 +411,10 @@ def registries(db: Db) -> list[str]:
 
 __all__ = [
     "EXACT_COUNT_LIMIT",
+    "IndexOf",
     "TagSeen",
     "has_report",
+    "index_of",
     "list_images",
     "platform_report",
     "registries",

@@ -10,10 +10,12 @@ import asyncio
 import hashlib
 import math
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from markupsafe import Markup
 
+from placement.image_needs import image_needs
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
@@ -28,7 +30,7 @@ from web.image_views import (
     progress_of,
     tag_history_view,
 )
-from web.lookups import find_report, scan_jobs_of
+from web.lookups import UNKNOWN_TIME, find_report, find_report_in_index, scan_jobs_of
 from web.nfd_view import nfd_views
 from web.scan_requests import ScanRefused, request_scan, token_matches
 from web.security import redact_secrets
@@ -91,7 +93,7 @@ async def image_page(request: web.Request) -> web.Response:
         reference = parse_reference(text)
     except ReferenceError as exc:
         return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
-    report = await find_report(services, reference)
+    report, index = await find_report_in_index(services, reference)
     if report is None:
         pending, latest = await scan_jobs_of(services, reference)
         return page(
@@ -110,17 +112,31 @@ async def image_page(request: web.Request) -> web.Response:
         "image.html",
         title=f"{reference} · gpubadge",
         active="images",
-        **await detail_context(services, reference, report),
+        **await detail_context(services, reference, report, index),
     )
 
 
-async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+def eligibility_link(reference: Reference | str, gpu: bool) -> str:
+    """The eligibility explorer for this image: with one GPU asked for where it needs or can use one."""
+    fields = {"image": str(reference), **({"gpus": "1"} if gpu else {})}
+    return "/eligibility?" + urlencode(fields)
+
+
+async def detail_context(
+    services: Services, reference: Reference, report: ImageReport, index: queries.IndexOf | None = None
+) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
     tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
     history = await store.run(queries.tag_history, reference.registry, reference.repository)
+    needs = image_needs(report)
     return {
         "reference": str(reference),
+        "needs": needs,
+        "eligibility_url": eligibility_link(reference, needs.gpu != "none"),
+        "index": index,
+        "index_url": image_url(index.reference) if index else None,
+        "scan_time_known": report.scanned_at != UNKNOWN_TIME,
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
