@@ -87,7 +87,9 @@ def server_row_view(server: Server, now: datetime | None = None) -> ServerRowVie
     ]
     # A server from the inventory file sends no heartbeat: it is listed, and judged, for as long as
     # the file lists it.
-    heartbeat = "none: from the inventory file" if server.source == "file" else time_ago(server.last_heartbeat, now)
+    heartbeat = (
+        "none: from the inventory file" if server.source == "file" else time_ago(server.last_heartbeat, now)
+    )
     return ServerRowView(
         name=server.name,
         arch=server.arch,
