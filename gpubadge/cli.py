@@ -63,11 +63,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def version() -> str:
+    """The installed package's version (its metadata), else the one pyproject.toml names."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpubadge")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+        found = next(
+            (line for line in text.splitlines() if line.startswith("version = ")), 'version = "unknown"'
+        )
+        return found.split("=", 1)[1].strip().strip('"')
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: `gpubadge --help` lists the commands; each command parses its own options."""
     parser = argparse.ArgumentParser(
         prog="gpubadge", description="Which container images need an NVIDIA GPU, and where they can run."
     )
+    parser.add_argument("--version", action="version", version=f"gpubadge {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS:
         sub = commands.add_parser(name, help=help_text, add_help=False)
