@@ -24,6 +24,7 @@ from scanner.facts.require_grammar import describe_condition, parse_requirement_
 from scanner.models import PlatformReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
+from store.queries import ScanVerdict
 from web.security import redact_secrets
 from web.templating import image_url
 
@@ -402,13 +403,29 @@ class JobView:
     error: str | None
     explanation: str | None
     progress: str | None = None  # a running scan's layer read: layers and bytes so far
+    verdict: list[BadgeView] = field(default_factory=list)  # a finished scan's answer, as the list shows it
+    index: tuple[str, str, str] | None = None  # (platform, index reference, its page) for an index's child
+    not_an_image: bool = False  # finished, with nothing to badge (an attestation, a signature)
 
     @property
     def short(self) -> str:
         return short_reference(self.reference)
 
 
-def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
+def verdict_badges(verdict: ScanVerdict) -> list[BadgeView]:
+    """A finished scan's answer: the GPU word, then what the scan named (CUDA, findings, libc)."""
+    carried = bool(_carried(verdict.badges))
+    names = [name for name in verdict.badges if name != "nvidia-gpu"]
+    return [_gpu_badge(gpu_use(verdict.gpu_required, carried)), *(badge_view(name) for name in names)]
+
+
+def job_view(
+    job: Job, progress: Mapping[str, str] | None = None, verdicts: Mapping[str, ScanVerdict] | None = None
+) -> JobView:
+    """A job as the scans page shows it; `verdicts` (`queries.scan_verdicts`) adds what a finished
+    scan found, and marks the platform manifests of an index as its children."""
+    verdict = (verdicts or {}).get(job.result_digest or "")
+    index = verdict.index if verdict is not None else None
     return JobView(
         id=job.id,
         reference=job.reference,
@@ -421,6 +438,9 @@ def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
         error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
         progress=progress_of(job.reference, progress) if progress and job.state == "running" else None,
+        verdict=verdict_badges(verdict) if verdict is not None else [],
+        index=(index.platform, index.reference, image_url(index.reference)) if index is not None else None,
+        not_an_image=job.state == "done" and job.result_digest is None,
     )
 
 

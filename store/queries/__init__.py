@@ -35,6 +35,7 @@ from store.queries.jobs import (
 )
 from store.queries.reports import (
     IndexOf,
+    ScanVerdict,
     TagSeen,
     has_report,
     index_of,
@@ -47,6 +48,7 @@ from store.queries.reports import (
     save_report,
     save_reports,
     save_scan_results,
+    scan_verdicts,
     stored,
     stored_digests,
     stored_many,
@@ -71,6 +73,7 @@ REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save
 __all__ = [
     "REPORT_WRITES",
     "IndexOf",
+    "ScanVerdict",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
@@ -106,6 +109,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_verdicts",
     "server_inventory",
     "server_records",
     "servers",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -394,6 +394,44 @@ def index_of(db: Db, registry: str, repository: str, digest: str) -> IndexOf | N
     return IndexOf(row[0], row[1], platform, db.dialect.stamp(row[2]) or "")
 
 
+@dataclass(frozen=True)
+class ScanVerdict:
+    """What a finished scan found, for the scans page: an image's (or one platform's) GPU answer and
+    badges; for a platform manifest of an index, that index."""
+
+    digest: str
+    gpu_required: bool
+    badges: list[str]  # every platform's badges, once each
+    index: IndexOf | None = None
+
+
+@reads
+def scan_verdicts(db: Db, names: Mapping[str, tuple[str, str]]) -> dict[str, ScanVerdict]:
+    """The verdicts of digests (`names`: digest -> its job's registry and repository), as images,
+    else as one platform of an index (with that index, `index_of`). Two statements, then one per
+    platform manifest (a page of jobs holds few)."""
+    if not names:
+        return {}
+    dialect = db.dialect
+    rows = db.all(
+        f"SELECT r.digest, r.gpu_required, {dialect.json_strings('r.report', 'platforms', 'badges')}"
+        f" FROM reports r WHERE {dialect.in_list('r.digest', 'digests')}",
+        {"digests": dialect.array(list(names))},
+    )
+    found = {row[0]: ScanVerdict(row[0], bool(row[1]), sorted(dialect.array_value(row[2]))) for row in rows}
+    rest = [digest for digest in names if digest not in found]
+    if rest:
+        for digest, document in db.all(
+            f"SELECT p.digest, p.report FROM platform_reports p WHERE {dialect.in_list('p.digest', 'rest')}",
+            {"rest": dialect.array(rest)},
+        ):
+            platform = PlatformReport.model_validate_json(document)
+            registry, repository = names[digest]
+            index = index_of(db, registry, repository, digest)
+            found[digest] = ScanVerdict(digest, platform.gpu.required, list(platform.badges), index)
+    return found
+
+
 @reads
 def registries(db: Db) -> list[str]:
     """Distinct registries by skipping through the (registry, repository) index: one probe per
@@ -412,6 +450,7 @@ def registries(db: Db) -> list[str]:
 __all__ = [
     "EXACT_COUNT_LIMIT",
     "IndexOf",
+    "ScanVerdict",
     "TagSeen",
     "has_report",
     "index_of",
@@ -423,6 +462,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_verdicts",
     "stored",
     "stored_many",
 ]

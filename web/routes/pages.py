@@ -7,6 +7,7 @@ templates through web/templating.py's environment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 from typing import Any
@@ -176,6 +177,14 @@ async def scans_response(
     services = services_of(request)
     store = services.store
     deep = services.scanner.layer_progress() if services.scanner is not None else {}
+    recent = await store.run(queries.jobs, limit=50)
+    names: dict[str, tuple[str, str]] = {}
+    for job in recent:
+        if job.state == "done" and job.result_digest:
+            with contextlib.suppress(ReferenceError):
+                reference = parse_reference(job.reference)
+                names[job.result_digest] = (reference.registry, reference.repository)
+    verdicts = await store.run(queries.scan_verdicts, names)
     return page(
         request,
         "scans.html",
@@ -186,7 +195,7 @@ async def scans_response(
             job_view(job, deep)
             for job in await store.run(queries.jobs, states=["queued", "running"], limit=100)
         ],
-        recent=[job_view(job) for job in await store.run(queries.jobs, limit=50)],
+        recent=[job_view(job, verdicts=verdicts) for job in recent],
         depth=await store.run(queries.queue_depth),
         token_required=services.settings.api_token is not None,
         form_error=error,
