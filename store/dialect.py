@@ -94,11 +94,6 @@ class Dialect:
         non-null object at the path `member`."""
         raise NotImplementedError
 
-    def json_text_any(self, document: str, array_key: str, member: Sequence[str], test: str) -> str:
-        """True when the text at the path `member` of some element of the JSON document's top-level
-        array `array_key` passes `test` (written over `v`; a missing value is NULL)."""
-        raise NotImplementedError
-
     def json_strings(self, document: str, array_key: str, member: str) -> str:
         """Every distinct string of the arrays at `member` of the elements of the JSON document's
         top-level array `array_key` (e.g. every platform's badges), gathered as `agg` does."""
@@ -195,13 +190,6 @@ class SqliteDialect(Dialect):
             f" WHERE json_type(p.value, '{path}') = 'object')"
         )
 
-    def json_text_any(self, document: str, array_key: str, member: Sequence[str], test: str) -> str:
-        path = "$." + ".".join(member)
-        return (
-            f"EXISTS (SELECT 1 FROM (SELECT json_extract(p.value, '{path}') AS v"
-            f" FROM json_each({document}, '$.{array_key}') p) WHERE {test})"
-        )
-
     def json_strings(self, document: str, array_key: str, member: str) -> str:
         return (
             f"(SELECT json_group_array(DISTINCT b.value) FROM json_each({document}, '$.{array_key}') p,"
@@ -268,13 +256,6 @@ class PostgresDialect(Dialect):
         return (
             f"EXISTS (SELECT 1 FROM jsonb_array_elements({document}::jsonb -> '{array_key}') p"
             f" WHERE jsonb_typeof(p -> {path}) = 'object')"
-        )
-
-    def json_text_any(self, document: str, array_key: str, member: Sequence[str], test: str) -> str:
-        path = "{" + ",".join(member) + "}"
-        return (
-            f"EXISTS (SELECT 1 FROM (SELECT p #>> '{path}' AS v"
-            f" FROM jsonb_array_elements({document}::jsonb -> '{array_key}') p) AS found WHERE {test})"
         )
 
     def json_strings(self, document: str, array_key: str, member: str) -> str:

@@ -148,9 +148,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., Demo]]:
 def test_make_run_demo_shows_the_findings_and_its_tour_works(
     tmp_path: Path, start_demo: Callable[..., Demo]
 ) -> None:
-    # Started as a background job of a non-interactive shell starts it (SIGINT ignored): the state
-    # in which the old demo slept in signal.pause() for ever, its service and registry gone unreaped.
-    demo = start_demo(preexec_fn=ignore_sigint)
+    demo = start_demo()
     printed = demo.until("Ctrl-C to stop.")
     found = re.search(r"export GPUBADGE=(\S+) REGISTRY=(\S+)", printed)
     assert found, printed
@@ -197,6 +195,19 @@ def test_make_run_demo_shows_the_findings_and_its_tour_works(
     demo.process.send_signal(signal.SIGINT)  # Ctrl-C, to the demo alone
     assert demo.stopped() == 0, demo.printed
     assert list(tmp_path.glob("gpubadge-*")) == [], list(tmp_path.iterdir())
+
+
+def test_ctrl_c_stops_a_demo_started_with_sigint_ignored(
+    tmp_path: Path, start_demo: Callable[..., Demo]
+) -> None:
+    """Started as a background job of a non-interactive shell starts it (`make run &` in CI: SIGINT
+    ignored, inherited, kept by Python): the state in which the old demo slept in signal.pause() for
+    ever, its service and registry stopped by the same Ctrl-C and never reaped."""
+    demo = start_demo(preexec_fn=ignore_sigint, start_new_session=True)
+    demo.until("Ctrl-C to stop.")
+    os.killpg(demo.process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+    assert demo.stopped() == 0, demo.printed
+    assert list(tmp_path.glob("gpubadge-*")) == []
 
 
 def test_ctrl_c_while_the_samples_are_pushed_stops_everything(

@@ -164,12 +164,13 @@ def _carried(badges: Sequence[str]) -> list[str]:
 
 def row_gpu(row: ImageRow) -> GpuUse:
     """A listing row's GPU answer: declared (the row's column) and carried (its platforms' badges)."""
-    return gpu_use(row.gpu_required, bool(_carried(row.platform_badges)))
+    return gpu_use(row.gpu_required, bool(row.carried_cuda or _carried(row.platform_badges)))
 
 
 def row_carried_cuda(row: ImageRow) -> list[str]:
-    """The CUDA versions a listing row's platforms carry (`cuda-12.1-inferred` badges)."""
-    return [
+    """The CUDA versions a listing row's platforms carry: the store's column, else (a report stored
+    before the column held them) its `cuda-12.1-inferred` badges."""
+    return row.carried_cuda or [
         name.removeprefix("cuda-").removesuffix("-inferred")
         for name in _carried(row.platform_badges)
         if name != "cuda-inferred"

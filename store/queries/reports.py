@@ -48,13 +48,25 @@ def report_row(db: Db, report: ImageReport, document: str) -> dict[str, Any]:
         "reference": report.reference,
         "media_type": report.media_type,
         "gpu_required": any(p.gpu.required for p in platforms),
-        "cuda_versions": dialect.array(sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})),
+        "cuda_versions": dialect.array(cuda_column(report)),
         "libc_flavours": dialect.array(sorted({libc_label(p.libc) for p in platforms})),
         "platforms": dialect.array([p.platform for p in platforms]),
         "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
         "scanned_at": dialect.stamp_param(report.scanned_at),
         "report": document,
     }
+
+
+CARRIED = "carried:"  # a `cuda_versions` entry for CUDA the layers carry, beside the declared versions
+
+
+def cuda_column(report: ImageReport) -> list[str]:
+    """The `cuda_versions` column: each CUDA a platform declares, then `carried:<version>` for each
+    one its layers carry, so the listing's CUDA filter matches both from the column (its GIN index
+    on PostgreSQL), not from the report's JSON."""
+    declared = {p.gpu.cuda_version for p in report.platforms if p.gpu.cuda_version}
+    carried = {p.gpu.inferred.cuda for p in report.platforms if p.gpu.inferred and p.gpu.inferred.cuda}
+    return sorted(declared) + [CARRIED + version for version in sorted(carried)]
 
 
 def report_document(report: ImageReport, platforms: Sequence[str]) -> str:
@@ -274,18 +286,22 @@ def list_images(
     if libc:
         where.append(dialect.array_has("r.libc_flavours", "libc"))
         params["libc"] = libc
-    if cuda:  # the CUDA it declares or carries (the newest of the two sets its driver floor)
-        test = "v = :cuda" if "." in cuda else "v = :cuda OR v LIKE :cuda_major"  # a major matches its minors
-        declared = (
-            dialect.array_has("r.cuda_versions", "cuda")
-            if "." in cuda
-            else dialect.array_any("r.cuda_versions", test)
-        )
-        carried = dialect.json_text_any("r.report", "platforms", ["gpu", "inferred", "cuda"], test)
-        where.append(f"({declared} OR {carried})")
-        params["cuda"] = cuda
-        if "." not in cuda:
-            params["cuda_major"] = f"{cuda}.%"
+    if cuda:  # the CUDA it declares or carries (`cuda_column`): the newer of the two sets its driver floor
+        params |= {"cuda": cuda, "carried_cuda": CARRIED + cuda}
+        if "." in cuda:
+            declared, carried = (
+                dialect.array_has("r.cuda_versions", "cuda"),
+                dialect.array_has("r.cuda_versions", "carried_cuda"),
+            )
+            where.append(f"({declared} OR {carried})")
+        else:  # a major matches its minors
+            params |= {"cuda_major": f"{cuda}.%", "carried_major": f"{CARRIED}{cuda}.%"}
+            where.append(
+                dialect.array_any(
+                    "r.cuda_versions",
+                    "v = :cuda OR v LIKE :cuda_major OR v = :carried_cuda OR v LIKE :carried_major",
+                )
+            )
     if registry:
         where.append("r.registry = :registry")
         params["registry"] = registry
@@ -326,7 +342,10 @@ def list_images(
             repository=row[2],
             reference=row[3],
             gpu_required=bool(row[4]),
-            cuda_versions=dialect.array_value(row[5]),
+            cuda_versions=[v for v in dialect.array_value(row[5]) if not v.startswith(CARRIED)],
+            carried_cuda=[
+                v.removeprefix(CARRIED) for v in dialect.array_value(row[5]) if v.startswith(CARRIED)
+            ],
             libc_flavours=dialect.array_value(row[6]),
             platforms=dialect.array_value(row[7]),
             distro=row[8],
