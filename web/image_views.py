@@ -405,7 +405,9 @@ class JobView:
     explanation: str | None
     progress: str | None = None  # a running scan's layer read: layers and bytes so far
     verdict: list[BadgeView] = field(default_factory=list)  # a finished scan's answer, as the list shows it
-    index: tuple[str, str, str] | None = None  # (platform, index reference, its page) for an index's child
+    index: tuple[str, str, str] | None = (
+        None  # (platform, index reference shortened, its page) for an index's child
+    )
     not_an_image: bool = False  # finished, with nothing to badge (an attestation, a signature)
 
     @property
@@ -440,7 +442,9 @@ def job_view(
         explanation=explain_error(job.error) if job.error else None,
         progress=progress_of(job.reference, progress) if progress and job.state == "running" else None,
         verdict=verdict_badges(verdict) if verdict is not None else [],
-        index=(index.platform, index.reference, image_url(index.reference)) if index is not None else None,
+        index=(index.platform, short_reference(index.reference), image_url(index.reference))
+        if index
+        else None,
         not_an_image=job.state == "done" and job.result_digest is None,
     )
 

@@ -151,7 +151,7 @@ async def detail_context(
         else None,
         "referrers": [
             status
-            for digest in [report.digest or "", *(p.digest for p in report.platforms)]
+            for digest in dict.fromkeys([report.digest or "", *(p.digest for p in report.platforms)])
             if services.attacher is not None and (status := services.attacher.status(digest)) is not None
         ],
         "nfd_html": await nfd_section(services, report),
