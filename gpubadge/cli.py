@@ -2,8 +2,8 @@
 healthcheck`.
 
 A thin dispatcher: each command parses its own options and imports its package lazily, so
-`gpubadge scan` never loads the web service, placement or the exporters, and the agent never
-loads web/ at all. Exit status: 0 success, 1 a failure (one clear line each), 2 usage errors
+`gpubadge scan` never loads the web service or the exporters, and loads placement's answer
+(`placement.image_needs`) only once it prints a scanned platform; the agent never loads web/ at all. Exit status: 0 success, 1 a failure (one clear line each), 2 usage errors
 (naming the option), 141 when the reader of the output went away (`| head`), as git's;
 `eligible` also uses 3 for "no server can run it".
 """
@@ -395,7 +395,6 @@ def print_table(reports: Sequence[ImageReport], out: TextIO | Output) -> None:
     placement's answer in its one vocabulary (placement.image_needs): `required` (declares an NVIDIA
     GPU), `optional` (carries CUDA, declares none: runs on a CPU too) or `none`; the CUDA declared
     and carried; the lowest driver that runs it on any GPU brand (`+ brands`: older drivers on some)."""
-    from placement.image_needs import platform_needs
     from scanner.facts.badges import libc_label
 
     header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "DRIVER", "LIBC", "DISTRO", "BADGES")
@@ -405,6 +404,8 @@ def print_table(reports: Sequence[ImageReport], out: TextIO | Output) -> None:
             rows.append((report.reference, "-", "-", "-", "-", "-", "-", f"error: {report.error}"))
             continue
         for platform in report.platforms:
+            from placement.image_needs import platform_needs  # only once a scanned platform is printed
+
             needs = platform_needs(platform)
             driver = "-"
             if needs.driver is not None:

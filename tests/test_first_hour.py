@@ -340,6 +340,23 @@ def test_a_second_name_of_a_digest_is_found_by_search(demo: Demo) -> None:
     assert [image["other_names"] for image in api] == [[f"{demo.registry}/prod/static:1"]]
 
 
+# The text before each line break inside the elements a selector names (a break: the next character's top lower).
+LINE_BREAKS = """selector => [...document.querySelectorAll(selector)].flatMap(element => {
+    const text = element.textContent, range = document.createRange(), found = [];
+    const walker = document.createTreeWalker(element, NodeFilter.SHOW_TEXT);
+    let offset = 0, lastTop = null;
+    while (walker.nextNode()) {
+        const node = walker.currentNode;
+        for (let i = 0; i < node.length; i++) {
+            range.setStart(node, i); range.setEnd(node, i + 1);
+            const top = range.getBoundingClientRect().top;
+            if (lastTop !== null && top > lastTop + 2) found.push(text.slice(0, offset + i));
+            lastTop = top;
+        }
+        offset += node.length;
+    }
+    return found;
+})"""
 PAGES = ("/", "/scans", "/servers", "/eligibility?image={tour}&gpus=1&min_gpu_memory=40Gi")
 
 
@@ -355,28 +372,14 @@ def test_pages_fit_names_wrap_at_separators_and_read_well(demo: Demo, browser: A
             page.goto(demo.service + path)
             scroll, view = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
             assert scroll <= view, f"{path} scrolls sideways at {width} px ({scroll} > {view})"
-        page.goto(demo.service + "/")
-        # image names break only after a separator, never inside a word
-        breaks = page.evaluate(
-            """() => [...document.querySelectorAll('.image-name')].flatMap(link => {
-                const text = link.textContent, range = document.createRange(), found = [];
-                const node = [...link.childNodes].map(n => n.nodeType === 3 ? n : null);
-                let offset = 0, lastTop = null;
-                const walker = document.createTreeWalker(link, NodeFilter.SHOW_TEXT);
-                while (walker.nextNode()) {
-                    const t = walker.currentNode;
-                    for (let i = 0; i < t.length; i++) {
-                        range.setStart(t, i); range.setEnd(t, i + 1);
-                        const rect = range.getBoundingClientRect();
-                        if (lastTop !== null && rect.top > lastTop + 2) found.push(text.slice(0, offset + i));
-                        lastTop = rect.top;
-                    }
-                    offset += t.length;
-                }
-                return found;
-            })"""
-        )
-        assert all(before[-1] in "/:@-" for before in breaks), breaks
+        # image names break only after a separator, never inside a word: in the list and as a page's title
+        for path, selector in (
+            ("/", ".image-name"),
+            (f"/images/{demo.ref('cuda-newer-inside:11.8')}", "h1.ref"),
+        ):
+            page.goto(demo.service + path)
+            breaks = page.evaluate(LINE_BREAKS, selector)
+            assert all(before[-1] in "/:@-" for before in breaks), (path, breaks)
         # the detail page: captions on one or two lines, one parse error said once
         page.goto(demo.service + f"/images/{demo.ref('bad-require:12.2')}")
         heights = page.evaluate(
