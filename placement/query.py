@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from placement import cuda_needs
 from placement.decision import NO_KEY, ShapeResult
-from placement.gpus import matches_model, memory_satisfies, runtime_brands
+from placement.gpus import MEMORY_TOLERANCE, matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex, GpuClass, ServerEntry
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
@@ -125,9 +125,9 @@ class Query:
             wanted = next(w for w in self.models if matches_model(gpu.name, w))
             lines.append(f"{gpu.name} is a {wanted}")
         if request.min_gpu_memory is not None:
-            lines.append(
-                f"GPU memory {size_text(gpu.memory_mib * 1024**2)} >= requested {size_text(request.min_gpu_memory, 'up')}"
-            )
+            has, wants = gpu.memory_mib * 1024**2, request.min_gpu_memory
+            compared = ">=" if has >= wants else f"within {MEMORY_TOLERANCE:.0%} of"  # NVML totals run short
+            lines.append(f"GPU memory {size_text(has)} {compared} requested {size_text(wants, 'up')}")
         if request.min_compute_capability is not None and cc:
             lines.append(f"compute capability {cc} >= requested {request.min_compute_capability}")
         if (
