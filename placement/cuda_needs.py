@@ -276,6 +276,32 @@ def gpu_reasons(
     return reasons
 
 
+def gpu_passes(gpu: GpuFacts, compute_capability: str | None, driver: str | None) -> list[str]:
+    """Why a GPU that `gpu_reasons` lets pass can run the CUDA and GPU code an image carries, in
+    words (the eligibility answer's `why`): the carried CUDA's driver floor met, and the GPU code
+    that covers the compute capability (SASS, or PTX JIT-compiled by this driver)."""
+    lines: list[str] = []
+    inferred = gpu.inferred
+    if inferred is not None and inferred.cuda and driver:
+        floor = driver_floor(inferred.cuda)
+        if floor is not None:
+            lines.append(f"driver {driver} runs the CUDA {inferred.cuda} it carries ({floor[1]})")
+    cc = _pair(compute_capability) if compute_capability else None
+    if cc is None or gpu.archs is None or not any(gpu_code.counted(f) for f in gpu.archs.files):
+        return lines
+    verdict = gpu_code.judge(gpu.archs, cc)
+    if verdict.ptx:
+        files = ", ".join(f"{v.path} (PTX ISA {v.ptx_isa})" for v in verdict.ptx)
+        lines.append(
+            f"compute capability {compute_capability}: its GPU code runs here, {files} through PTX JIT"
+        )
+    else:
+        lines.append(
+            f"compute capability {compute_capability}: its GPU code has a kernel image (SASS) for it"
+        )
+    return lines
+
+
 def gpu_caveats(gpu: GpuFacts, compute_capability: str | None) -> list[str]:
     """The NVIDIA libraries of the image that lack code for a GPU the image runs on (never a reason)."""
     cc = _pair(compute_capability) if compute_capability else None

@@ -37,8 +37,11 @@ from store.queries.jobs import (
     queued_jobs,
 )
 from store.queries.reports import (
+    IndexOf,
+    ScanVerdict,
     TagSeen,
     has_report,
+    index_of,
     list_images,
     platform_report,
     reference_report,
@@ -48,6 +51,7 @@ from store.queries.reports import (
     save_report,
     save_reports,
     save_scan_results,
+    scan_verdicts,
     stored,
     stored_digests,
     stored_many,
@@ -71,6 +75,8 @@ REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save
 
 __all__ = [
     "REPORT_WRITES",
+    "IndexOf",
+    "ScanVerdict",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
@@ -82,6 +88,7 @@ __all__ = [
     "has_report",
     "heartbeat",
     "heartbeats",
+    "index_of",
     "is_gone",
     "job",
     "jobs",
@@ -108,6 +115,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_verdicts",
     "server_inventory",
     "server_records",
     "servers",
