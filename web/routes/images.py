@@ -22,10 +22,10 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.image_views import row_carried_cuda, row_gpu
 from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
 from web.security import redact_secrets
 from web.state import services_of
+from web.views.image_views import row_carried_cuda, row_gpu
 
 ROUTES = ApiRoutes()
 
