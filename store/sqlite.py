@@ -46,7 +46,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
-from store.sqlite_access import WriterLock, unwritable_hint
+from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
@@ -109,7 +109,7 @@ class SqliteStore(SharedMethods):
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            create_private_file(self.path)
             self._writer = self._connect(busy_timeout)
             self._writer.execute("PRAGMA journal_mode=WAL")
             if upgrade:  # `gpubadge db status` looks without changing anything
