@@ -19,7 +19,16 @@ class GpuTaken(Exception):
 
 
 class StoreUnavailable(Exception):
-    """The database could not be reached or written; the message says why, in words."""
+    """The database could not be reached or written; the message says why, in words.
+
+    `public` says the same without where (no file path, host name or connection detail), for
+    answers to callers who are not operators (/healthz, an API's 503); the message is for the log
+    and for operators.
+    """
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public if public is not None else "the database is unavailable"
 
 
 @dataclass(frozen=True)

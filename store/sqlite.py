@@ -116,7 +116,8 @@ class SqliteStore(SharedMethods):
                 self.upgrade()
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(
-                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}"
+                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}",
+                "cannot open the SQLite store",
             ) from exc
 
     def _connect(self, timeout: float) -> sqlite3.Connection:
@@ -178,7 +179,10 @@ class SqliteStore(SharedMethods):
                 self._local.reader = connection
             yield connection
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be read: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be read: {exc}",
+                f"the SQLite store cannot be read: {exc}",
+            ) from exc
 
     @contextmanager
     def _transaction(self, *, urgent: bool = False) -> Iterator[sqlite3.Connection]:
@@ -201,7 +205,10 @@ class SqliteStore(SharedMethods):
                         conn.execute("ROLLBACK")
                 raise
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
         finally:
             lock.release()
 
@@ -228,7 +235,10 @@ class SqliteStore(SharedMethods):
                 raise
             connection.execute("COMMIT")
         except sqlite3.Error as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
 
     def queue_health(self) -> QueueHealth:
         moment = _now()

@@ -11,6 +11,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import socket
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from pydantic import SecretStr
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
+from fixtures.service import run_service_inprocess
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import create_app
@@ -609,3 +613,50 @@ def test_json_limits_are_exact_at_their_edges() -> None:
             loads_bounded(text, limits)
     with pytest.raises(ValueError, match="Expecting"):  # not JSON: the caller's own message
         loads_bounded(b"{", limits)
+
+
+# ------------------------------------------------------------------ /healthz
+
+
+async def test_healthz_tells_anyone_no_path_host_name_or_pid(tmp_path: Path) -> None:
+    """Open to anyone (kubelet, a load balancer): the status and the reasons in words, never where.
+    The API token's holder gets the database's path and the workers' identity, as the log has them."""
+    db = tmp_path / "where-the-database-lives" / "health.db"
+    settings = ServiceSettings(
+        db=db,
+        api_token=SecretStr(API_TOKEN),
+        workers=1,
+        health_timeout=0.5,
+        sqlite_busy_timeout=0.5,
+        docker_config=None,
+    )
+    places = [str(db.parent), socket.gethostname(), f"/{os.getpid()}/"]
+    async with run_service_inprocess(settings) as running, aiohttp.ClientSession() as session:
+
+        async def healthz(headers: dict[str, str] | None = None) -> tuple[int, str]:
+            async with session.get(f"{running.url}/healthz", headers=headers or {}) as reply:
+                return reply.status, await reply.text()
+
+        status, anyone = await healthz()
+        assert status == 200 and json.loads(anyone)["workers"] == "running in this process"
+        assert not [place for place in places if place in anyone], anyone
+        status, operator = await healthz(bearer(API_TOKEN))
+        assert status == 200 and json.loads(operator)["workers"].startswith(f"{socket.gethostname()}/")
+        # The database locked by another process: 503, the cause in SQLite's words, not the file's path.
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            status, anyone = await healthz()
+            status_operator, operator = await healthz(bearer(API_TOKEN))
+            async with session.post(
+                f"{running.url}/api/scans", json={"ref": "127.0.0.1:9/app:1"}, headers=bearer(API_TOKEN)
+            ) as reply:
+                refused = reply.status, await reply.text()
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert status == 503 and "database is locked" in anyone, anyone
+        assert not [place for place in places if place in anyone], anyone
+        assert status_operator == 503 and str(db) in operator
+        assert refused[0] == 503 and "database is locked" in refused[1], refused  # an API answer: the same
+        assert str(db.parent) not in refused[1]

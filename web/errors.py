@@ -104,8 +104,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except StoreUnavailable as exc:  # the database is locked, full or gone: the client may retry
         log.warning("%s %s: %s", request.method, request.path, exc)
-        return web.json_response(
-            {"error": f"the database is unavailable, retry later: {exc}"},
+        return web.json_response(  # the cause in words, not where (no file path, no host)
+            {"error": f"the database is unavailable, retry later: {exc.public}"},
             status=503,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
