@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.test_service_e2e import by_ref
+from tests.test_service_e2e import by_ref, call
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +79,13 @@ def test_make_run_demo_shows_the_findings_and_its_tour_works(tmp_path: Path) -> 
         assert "pip-torch" in scan and "12.1" in scan
         assert '"eligible_count"' in eligibility and '"image_needs_gpu": true' in eligibility
         assert '"accepted": 1' in hook
+        # Agents need a token (none: 401); the one the demo prints registers a server.
+        joined = re.search(r"gpubadge agent --service \S+ --token (\S+)", printed)
+        assert joined, printed
+        server = {"name": "demo-node", "gpus": []}
+        assert call("POST", f"{service}/api/servers", server).status == 401
+        registered = call("POST", f"{service}/api/servers", server, {"Authorization": f"Bearer {joined[1]}"})
+        assert registered.status == 200, registered.text
     finally:
         demo.send_signal(signal.SIGINT)  # Ctrl-C
         returncode = demo.wait(timeout=60)

@@ -39,6 +39,7 @@ from web.state import SERVICES
 API_TOKEN = "api-token-7c1e5"
 TOKEN_A = "agent-a-token-44d1"
 TOKEN_B = "agent-b-token-9e02"
+FLEET_TOKEN = "fleet-wide-token-31c7"
 HOOK_SECRET = "distribution-secret-58aa"
 
 
@@ -122,6 +123,7 @@ async def service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -> Asyn
     settings = ServiceSettings(
         db=tmp_path / "sec.db",
         api_token=SecretStr(API_TOKEN),
+        agent_token=SecretStr(FLEET_TOKEN),
         agent_tokens={"node-a": SecretStr(TOKEN_A), "node-b": SecretStr(TOKEN_B)},
         webhook_secrets={"distribution": SecretStr(HOOK_SECRET)},
         json_max_string=4096,
@@ -483,22 +485,79 @@ async def test_a_gpu_uuid_has_one_live_server(service: Service, caplog: pytest.L
     servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
     assert [g["uuid"] for g in servers["node-a"]["gpus"]] == ["GPU-shared-1"]
     assert servers["node-b"]["gpus"] == []
+    # Not even the fleet-wide token takes a GPU that a live server reports.
+    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(FLEET_TOKEN))
+    assert claim.status == 409 and claim.body["claimed"] == {"GPU-shared-1": "node-a"}, claim.text
+
+
+async def test_a_gpu_stays_with_the_server_that_reported_it_first_until_an_operator_moves_it(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 43, point 8: a silent server's GPUs (their UUIDs are listed by the open GET /api/servers)
+    are not for the taking by another agent's token; the owner, back, gets them, not a 409."""
     stale_after = service.app[SERVICES].settings.stale_after_seconds
-    # Silent a little less than the stale threshold, A keeps its claim...
-    service.advance(stale_after - 10)
-    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
-    assert claim.status == 409, claim.text
-    # ...a little more, A is stale: the claim is released, and B may report the GPU.
-    service.advance(20)
-    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
-    assert claim.status == 200, claim.text
-    # A, back from silence, cannot take it back while B is live.
+    gpus = ("GPU-owned-1", "GPU-owned-2")
+    assert (await service.call("POST", "/api/servers", agent("node-a", *gpus), bearer(TOKEN_A))).status == 200
+    assert (await service.call("POST", "/api/servers", agent("node-b"), bearer(TOKEN_B))).status == 200
+    service.advance(stale_after + 10)  # A silent: stale, out of the live fleet
+    assert (await service.call("POST", "/api/servers/node-b/heartbeat", {}, bearer(TOKEN_B))).status == 200
+    servers = {s["name"] for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert servers == {"node-b"}
+    # B's own token, by registration and by heartbeat: refused, stale owner or not, nothing written.
+    claim = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(TOKEN_B))
+    assert claim.status == 409 and claim.body["claimed"] == {gpus[0]: "node-a"}, claim.text
+    assert "gpubadge fleet release" in claim.body["error"]
+    beat = await service.call(
+        "POST", "/api/servers/node-b/heartbeat", {"gpus": agent("x", *gpus)["gpus"]}, bearer(TOKEN_B)
+    )
+    assert beat.status == 409 and beat.body["claimed"] == dict.fromkeys(gpus, "node-a"), beat.text
+    servers_now = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert servers_now["node-b"]["gpus"] == []
+    # A, back: its GPUs are still its own.
     back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
-    assert back.status == 409 and back.body["claimed"] == {"GPU-shared-1": "node-b"}
+    assert back.status == 200, back.text
     poll = await service.call("GET", "/api/agents/node-a/deployments?wait=0", headers=bearer(TOKEN_A))
-    assert poll.status == 409
-    servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
-    assert "node-a" not in servers and [g["uuid"] for g in servers["node-b"]["gpus"]] == ["GPU-shared-1"]
+    assert poll.status == 200, poll.text
+    servers_now = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert [g["uuid"] for g in servers_now["node-a"]["gpus"]] == list(gpus)
+
+    # The fleet-wide token moves a silent server's GPU (a card moved to another host), and says so.
+    service.advance(stale_after + 10)
+    assert (await service.call("POST", "/api/servers/node-b/heartbeat", {}, bearer(TOKEN_B))).status == 200
+    moved = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(FLEET_TOKEN))
+    assert moved.status == 200, moved.text
+    assert any("moved to server node-b from server(s) node-a" in r.getMessage() for r in caplog.records)
+    back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert back.status == 409 and back.body["claimed"] == {gpus[0]: "node-b"}, back.text
+
+    # An operator releases it (the fleet-wide token only), once no live server reports it.
+    path = f"/api/gpus/{gpus[0]}/release"
+    assert (await service.call("POST", path, {}, bearer(TOKEN_A))).status == 401
+    assert (await service.call("POST", path, {}, bearer(API_TOKEN))).status == 401
+    live = await service.call("POST", path, {}, bearer(FLEET_TOKEN))
+    assert live.status == 409 and "live server node-b" in live.body["error"], live.text
+    service.advance(stale_after + 10)  # B silent now
+    released = await service.call("POST", path, {}, bearer(FLEET_TOKEN))
+    assert released.status == 200 and released.body == {"released": gpus[0], "server": "node-b"}
+    assert (await service.call("POST", path, {}, bearer(FLEET_TOKEN))).status == 404
+    back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert back.status == 200, back.text  # released, so A's again
+    b_claim = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(TOKEN_B))
+    assert b_claim.status == 409 and b_claim.body["claimed"] == {gpus[0]: "node-a"}
+
+    # Removing a server that is gone releases its GPUs; a live one is refused.
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))).status == 409
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(TOKEN_A))).status == 401
+    service.advance(stale_after + 10)
+    removed = await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))
+    assert removed.status == 200 and removed.body == {"removed": "node-a", "released": list(gpus)}, (
+        removed.text
+    )
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))).status == 404
+    taken = await service.call("POST", "/api/servers", agent("node-b", *gpus), bearer(TOKEN_B))
+    assert taken.status == 200, taken.text  # free GPUs: the first to report them owns them
+    forgotten = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert forgotten.status == 404  # "register again"
 
 
 async def test_a_registration_burst_does_not_reread_the_fleet_per_registration(service: Service) -> None:
@@ -580,7 +639,8 @@ async def test_bad_deployment_bodies_are_400(service: Service, case: str) -> Non
 
 
 async def test_hostile_bodies_on_the_other_json_endpoints(service: Service) -> None:
-    hostile = b'{"name": "node-a", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    # 10,000 levels (20 KB: under GPUBADGE_MAX_SERVER_BYTES, so the servers' endpoints parse it too)
+    hostile = b'{"name": "node-a", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     cases = [
         ("/api/scans", API_TOKEN),
         ("/api/eligibility", API_TOKEN),

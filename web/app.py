@@ -97,7 +97,16 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
             "GPUBADGE_API_TOKEN is unset: anyone who reaches the service may request scans and deploys"
         )
     if settings.agent_token is None and not settings.agent_tokens:
-        log.warning("GPUBADGE_AGENT_TOKEN is unset: any client may register servers")
+        if settings.allow_agents_without_token:
+            log.warning(
+                "GPUBADGE_AGENT_TOKEN is unset and GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN is true: any client may"
+                " register servers and move their GPUs"
+            )
+        else:
+            log.warning(
+                "GPUBADGE_AGENT_TOKEN is unset: agents are refused until it (or agent_tokens) is set"
+                " (GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN=true accepts them without one)"
+            )
     if not settings.registries:
         log.warning("GPUBADGE_REGISTRIES is unset: only Docker Hub and loopback registries will be contacted")
     return app

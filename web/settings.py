@@ -77,9 +77,34 @@ class ServiceSettings(ScannerSettings):
         description="false: every /api read, UI page, badge and /metrics needs the API token"
         " (/healthz, /api/openapi.json and /static stay open)",
     )
-    agent_token: SecretStr | None = Field(default=None, description="token node agents present")
+    agent_token: SecretStr | None = Field(
+        default=None,
+        description="the fleet-wide agent token: registers any server, moves a GPU to another server,"
+        " releases GPUs and removes servers (gpubadge fleet)",
+    )
     agent_tokens: dict[str, SecretStr] = Field(
-        default_factory=dict, description="per-agent tokens by server name"
+        default_factory=dict,
+        description="per-agent tokens by server name: each acts for its own server only, and never takes"
+        " another server's GPUs",
+    )
+    allow_agents_without_token: bool = Field(
+        default=False,
+        description="with no agent token configured, accept agents (registrations, heartbeats, polls) from"
+        " anyone, each as the fleet-wide token would: only on a network where every client is trusted;"
+        " false: agents are refused (401) until agent_token or agent_tokens is set",
+    )
+    max_server_bytes: int = Field(
+        default=32 * 1024,
+        ge=1024,
+        description="largest registration or GPU report of one server, in bytes (an 8-GPU server's is about"
+        " 2 KB); a larger one is refused (413) before it is parsed",
+    )
+    max_servers_per_agent_token: int = Field(
+        default=50_000,
+        ge=1,
+        description="servers the fleet-wide agent token (or, with allow_agents_without_token, no token) may"
+        " have registered; a new one past it is refused (403) until servers are removed (gpubadge fleet"
+        " forget). A per-agent token registers its own server only",
     )
     workers: int = Field(
         default=8,
