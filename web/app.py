@@ -26,8 +26,10 @@ from web import health, live_fleet
 from web.api_description import openapi_document as describe_api
 from web.architectures import FleetArchitectures
 from web.companions import companions
+from web.connections import public_waits, reserve_middleware, service_reserved
 from web.errors import error_middleware
 from web.live_fleet import STATIC_FLEET
+from web.long_polls import PUBLIC_WAITS
 from web.metrics import ServiceMetrics
 from web.read_access import private_reads
 from web.routes import (
@@ -81,11 +83,13 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     # the API alone: its scans run in `gpubadge worker` processes, which its commits must wake
     store = open_service_store(settings, shared=settings.workers == 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
-    middlewares: list[Middleware] = [error_middleware]
+    # the reserve first: a request it refuses costs nothing more
+    middlewares: list[Middleware] = [reserve_middleware(service_reserved(settings)), error_middleware]
     if not settings.public_reads:
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
+    app[PUBLIC_WAITS] = public_waits(settings)
     live_fleet.install(app)
     for routes in ROUTE_MODULES:
         routes.setup_routes(app)

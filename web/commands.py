@@ -130,13 +130,13 @@ def run_serve(argv: list[str]) -> int:
     from web.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
 
+    _raise_fd_limit(settings.long_poll_max)  # first: the connection cap and its shares are sized from it
     try:
         app = create_app(settings)
     except StoreUnavailable as exc:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
     garbage_collection.install(app)
-    _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     run_guarded_app(
         app,

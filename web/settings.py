@@ -167,6 +167,33 @@ class ServiceSettings(ScannerSettings):
         " answered 503 at once"
         " (default: the open-file limit less a tenth of it, at least 256, kept for the store and registries)",
     )
+    connection_reserve: int | None = Field(
+        default=None,
+        ge=0,
+        description="connections under max_connections kept for /healthz, agents holding an agent token and"
+        " admission reviews: once the rest are open, any other request is answered 503 (Retry-After) and"
+        " every answer closes its connection (default: a tenth of the cap, at least 16; at most half)",
+    )
+    connection_reserve_per_peer: int | None = Field(
+        default=None,
+        ge=1,
+        description="while the reserve is in use, a peer address holding this many connections gets no new"
+        " one (503 at once), so one client cannot take the reserve (default: a quarter of the reserve,"
+        " at least 4)",
+    )
+    public_long_poll_max: int | None = Field(
+        default=None,
+        ge=1,
+        description="?wait= long polls (GET /api/images/by-ref, /api/scans/{id}) held at once for callers"
+        " without the API token; past it they are answered 503 with Retry-After (default: a quarter of"
+        " max_connections)",
+    )
+    public_long_polls_per_peer: int | None = Field(
+        default=None,
+        ge=1,
+        description="such long polls one peer address may hold at once (default: a quarter of"
+        " public_long_poll_max, at least 16)",
+    )
     json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
     json_max_number: int = Field(
         default=INTEROPERABLE_INTEGER,
