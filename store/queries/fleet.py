@@ -39,9 +39,11 @@ def upsert_server(
     other than `uncounted` (those with a per-agent token of their own) are registered."""
     if most_servers is not None:
         known = db.one("SELECT 1 FROM servers WHERE name = :name", {"name": name})
-        if known is None:
+        if known is None:  # a count of the table less the few named: no scan comparing every name
             row = db.one(
-                "SELECT count(*) FROM servers WHERE NOT " + db.dialect.in_list("name", "uncounted"),
+                "SELECT (SELECT count(*) FROM servers) - (SELECT count(*) FROM servers WHERE "
+                + db.dialect.in_list("name", "uncounted")
+                + ")",
                 {"uncounted": db.dialect.array(uncounted)},
             )
             if row is not None and int(row[0]) >= most_servers:
