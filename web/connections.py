@@ -280,6 +280,7 @@ class ConnectionGuard:
         self.tls = tls
         self.cap = limits.connection_cap
         self.reserve = limits.reserve
+        self.reserve_per_peer = limits.reserve_per_peer
         self.refused = 0  # connections refused at the cap
         self.refused_in_reserve = 0  # refused for their peer's share while the reserve is in use
         self.closed_slow_heads = 0
@@ -304,11 +305,11 @@ class ConnectionGuard:
                 f"{opened} connections open, GPUBADGE_MAX_CONNECTIONS reached: new ones are answered 503"
             )
             return False
-        if opened >= self.cap - self.reserve and held >= self.limits.reserve_per_peer:
+        if opened >= self.cap - self.reserve and held >= self.reserve_per_peer:
             self.refused_in_reserve += 1
             self._warn(
                 f"{opened} connections open, in GPUBADGE_CONNECTION_RESERVE: peers holding"
-                f" {self.limits.reserve_per_peer} or more get no new one (GPUBADGE_CONNECTION_RESERVE_PER_PEER)"
+                f" {self.reserve_per_peer} or more get no new one (GPUBADGE_CONNECTION_RESERVE_PER_PEER)"
             )
             return False
         ProcessConnections.open = opened + 1
