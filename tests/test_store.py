@@ -322,13 +322,17 @@ def test_a_gpu_belongs_to_the_server_that_reported_it_first(open_backend: OpenBa
 
 
 def test_a_version_7_file_gives_each_registered_gpu_to_the_server_heard_from_last(tmp_path: Path) -> None:
-    """Migration 8 on SQLite: the servers registered before it keep the GPUs they report."""
+    """Migration 8 on SQLite: the servers registered before it keep the GPUs (and MIG devices) they
+    report; of two reporting one, the one heard from last."""
     path = tmp_path / "v7.db"
     with _sqlite_file_at(path, 7) as old:
         for name, uuids, heard in (("old", ["G1", "G2"], "2026-11-01"), ("new", ["G2", "G3"], "2026-11-27")):
             old.execute(
                 "INSERT INTO servers (name, inventory, registered_at) VALUES (?, ?, '2026-10-01T00:00:00+00:00')",
-                [name, json.dumps({"name": name, "gpus": [{"uuid": u} for u in uuids]})],
+                [
+                    name,
+                    json.dumps({"name": name, "gpus": [{"uuid": u, "mig_devices": _mig(u)} for u in uuids]}),
+                ],
             )
             old.execute(
                 "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES (?, ?)",
@@ -343,9 +347,15 @@ def test_a_version_7_file_gives_each_registered_gpu_to_the_server_heard_from_las
         )
     store = Store(path)
     try:
-        assert store.run(queries.gpu_owners, ["G1", "G2", "G3"]) == {"G1": "old", "G2": "new", "G3": "new"}
+        owners = store.run(queries.gpu_owners, ["G1", "G2", "G3", "MIG-G1", "MIG-G2"])
+        assert owners == {"G1": "old", "G2": "new", "G3": "new", "MIG-G1": "old", "MIG-G2": "new"}
     finally:
         store.close()
+
+
+def _mig(gpu_uuid: str) -> list[dict[str, str]]:
+    """A MIG device of the GPUs G1 and G2 (the others are whole)."""
+    return [{"uuid": f"MIG-{gpu_uuid}", "profile": "1g.10gb"}] if gpu_uuid in ("G1", "G2") else []
 
 
 def test_postgres_migration_8_gives_each_registered_gpu_to_the_server_heard_from_last(
@@ -371,7 +381,10 @@ def test_postgres_migration_8_gives_each_registered_gpu_to_the_server_heard_from
         for name, uuids, heard in (("old", ["G1", "G2"], "2026-11-01"), ("new", ["G2", "G3"], "2026-11-27")):
             conn.execute(
                 "INSERT INTO servers (name, inventory, registered_at) VALUES (%s, %s, now())",
-                [name, json.dumps({"name": name, "gpus": [{"uuid": u} for u in uuids]})],
+                [
+                    name,
+                    json.dumps({"name": name, "gpus": [{"uuid": u, "mig_devices": _mig(u)} for u in uuids]}),
+                ],
             )
             conn.execute(
                 "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES (%s, %s)", [name, heard]
@@ -382,7 +395,8 @@ def test_postgres_migration_8_gives_each_registered_gpu_to_the_server_heard_from
         conn.execute("INSERT INTO server_heartbeats (name, last_heartbeat) VALUES ('cpu', now())")
     store = PostgresStore(postgres_url, pool_size=1)
     try:
-        assert store.run(queries.gpu_owners, ["G1", "G2", "G3"]) == {"G1": "old", "G2": "new", "G3": "new"}
+        owners = store.run(queries.gpu_owners, ["G1", "G2", "G3", "MIG-G1", "MIG-G2"])
+        assert owners == {"G1": "old", "G2": "new", "G3": "new", "MIG-G1": "old", "MIG-G2": "new"}
     finally:
         store.close()
 

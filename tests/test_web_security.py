@@ -560,6 +560,20 @@ async def test_a_gpu_stays_with_the_server_that_reported_it_first_until_an_opera
     assert forgotten.status == 404  # "register again"
 
 
+async def test_a_mig_device_stays_with_its_server_too(service: Service) -> None:
+    """Reservations name MIG devices by their own UUIDs: a per-agent token cannot take a silent
+    server's MIG device either, whatever parent GPU it reports it under."""
+    stale_after = service.app[SERVICES].settings.stale_after_seconds
+    owner = agent("node-a", "GPU-a-mig")
+    owner["gpus"][0]["mig_devices"] = [{"index": 0, "uuid": "MIG-a-0", "profile": "1g.10gb"}]
+    assert (await service.call("POST", "/api/servers", owner, bearer(TOKEN_A))).status == 200
+    service.advance(stale_after + 10)
+    claimer = agent("node-b", "GPU-b-own")
+    claimer["gpus"][0]["mig_devices"] = [{"index": 0, "uuid": "MIG-a-0", "profile": "1g.10gb"}]
+    claim = await service.call("POST", "/api/servers", claimer, bearer(TOKEN_B))
+    assert claim.status == 409 and claim.body["claimed"] == {"MIG-a-0": "node-a"}, claim.text
+
+
 async def test_a_registration_burst_does_not_reread_the_fleet_per_registration(service: Service) -> None:
     """Claims hold in memory at once: N registrations, no read of the server table at all."""
     cache = service.app[FLEET_INDEX]

@@ -7,8 +7,8 @@ token; with neither configured they are refused unless GPUBADGE_ALLOW_AGENTS_WIT
 (refused before it is parsed), and the fleet-wide token (or no token) registers at most
 GPUBADGE_MAX_SERVERS_PER_AGENT_TOKEN servers.
 
-A GPU UUID belongs to the server that first reported it (`store.queries.upsert_server`), live or
-stale: another server reporting it gets 409, whatever its token, until an operator releases it
+A GPU UUID (a MIG device's too: reservations name it) belongs to the server that first reported it
+(`store.queries.upsert_server`), live or stale: another server reporting it gets 409, whatever its token, until an operator releases it
 (`POST /api/gpus/{uuid}/release`, `DELETE /api/servers/{name}`, both with the fleet-wide token) or
 the fleet-wide token registers it on another server (which moves it, once its owner is stale). Two
 live servers never report one GPU.
@@ -226,7 +226,7 @@ async def agent_heard(app: web.Application, name: str) -> web.Response | None:
         conflict = await claimed_elsewhere(app, name, stored.gpus)
         if conflict is not None:
             return conflict
-        uuids = [gpu.uuid for gpu in stored.gpus]
+        uuids = [device for gpu in stored.gpus for device in gpu.device_uuids]
         store = services_of_app(app).store
         owners = await store.run(queries.gpu_owners, uuids) if uuids else {}
         taken = {gpu_uuid: owner for gpu_uuid, owner in owners.items() if owner != name}
@@ -293,7 +293,7 @@ async def register_server(request: web.Request) -> web.Response:
             queries.upsert_server,
             server.name,
             text,
-            [gpu.uuid for gpu in server.gpus],
+            server.device_uuids,
             reassign=fleet_wide,
             most_servers=settings.max_servers_per_agent_token if counted else None,
             uncounted=list(settings.agent_tokens),
@@ -373,7 +373,7 @@ async def server_heartbeat(request: web.Request) -> web.Response:
                 f"the server's inventory would be larger than {settings.max_server_bytes:,} bytes"
                 " (GPUBADGE_MAX_SERVER_BYTES)",
             )
-        uuids = [gpu.uuid for gpu in beat.gpus]
+        uuids = [device for gpu in beat.gpus for device in gpu.device_uuids]
         claims = await services.store.run(queries.replace_gpus, name, text, uuids, reassign=fleet_wide)
         if claims is None:
             return json_error(404, f"unknown server {name}; register again")

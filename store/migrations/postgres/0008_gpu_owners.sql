@@ -16,3 +16,12 @@ FROM servers s JOIN server_heartbeats h ON h.name = s.name,
     jsonb_array_elements(coalesce(s.inventory::jsonb -> 'gpus', '[]'::jsonb)) g
 WHERE g ->> 'uuid' IS NOT NULL
 ORDER BY g ->> 'uuid', h.last_heartbeat DESC;
+-- A GPU's MIG devices are named by reservations too: each belongs to the server that reports it.
+INSERT INTO gpu_owners (gpu_uuid, server, claimed_at)
+SELECT DISTINCT ON (m ->> 'uuid') m ->> 'uuid', s.name, h.last_heartbeat
+FROM servers s JOIN server_heartbeats h ON h.name = s.name,
+    jsonb_array_elements(coalesce(s.inventory::jsonb -> 'gpus', '[]'::jsonb)) g,
+    jsonb_array_elements(coalesce(g -> 'mig_devices', '[]'::jsonb)) m
+WHERE m ->> 'uuid' IS NOT NULL
+ORDER BY m ->> 'uuid', h.last_heartbeat DESC
+ON CONFLICT (gpu_uuid) DO NOTHING;
