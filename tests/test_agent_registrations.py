@@ -26,6 +26,7 @@ import pytest
 from pydantic import SecretStr
 
 from fixtures.service import RunningService, run_service_inprocess, run_service_process
+from tests.test_mig_service import agent_server as mig_server
 from tests.test_service_e2e import call
 from web.settings import ServiceSettings
 
@@ -118,7 +119,19 @@ async def test_a_registration_is_bounded_in_size_before_it_is_parsed(fleet_servi
     async with aiohttp.ClientSession() as session:
         status, body = await post(session, f"{url}/api/servers", server("hgx-1"), FLEET_TOKEN)
         assert status == 200, body
-        fake = server("fake-1", gpus=5000)  # 1 MB: under GPUBADGE_MAX_BODY_BYTES, 30 times this bound
+        mig = mig_server("mig-1", "GPU-a1234567-0000-4000-8000-000000000000")  # a GPU with 7 MIG devices
+        eight = mig.model_copy(
+            update={
+                "gpus": [mig.gpus[0].model_copy(update={"index": i, "uuid": f"GPU-m{i}"}) for i in range(8)]
+            }
+        ).model_dump(mode="json")
+        for number, gpu in enumerate(eight["gpus"]):  # each MIG device its own UUID
+            for device in gpu["mig_devices"]:
+                device["uuid"] = f"MIG-{number}-{device['index']}"
+        assert len(json.dumps(eight)) < 16 * 1024  # 8 GPUs in MIG mode: far below the bound too
+        status, body = await post(session, f"{url}/api/servers", eight, FLEET_TOKEN)
+        assert status == 200, body
+        fake = server("fake-1", gpus=5000)  # 1 MB: under GPUBADGE_MAX_BODY_BYTES, 15 times this bound
         status, body = await post(session, f"{url}/api/servers", fake, FLEET_TOKEN)
         assert status == 413 and "GPUBADGE_MAX_SERVER_BYTES" in body["error"], body
 
@@ -142,7 +155,7 @@ async def test_a_registration_is_bounded_in_size_before_it_is_parsed(fleet_servi
         assert status == 401, body
         async with session.get(f"{url}/api/servers") as reply:
             listed = {entry["name"]: entry for entry in (await reply.json())["servers"]}
-    assert list(listed) == ["hgx-1"] and len(listed["hgx-1"]["gpus"]) == 8
+    assert sorted(listed) == ["hgx-1", "mig-1"] and len(listed["hgx-1"]["gpus"]) == 8
 
 
 def fleet_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -94,10 +94,10 @@ class ServiceSettings(ScannerSettings):
         " false: agents are refused (401) until agent_token or agent_tokens is set",
     )
     max_server_bytes: int = Field(
-        default=32 * 1024,
+        default=64 * 1024,
         ge=1024,
         description="largest registration or GPU report of one server, in bytes (an 8-GPU server's is about"
-        " 2 KB); a larger one is refused (413) before it is parsed",
+        " 2 KB, 11 KB with every GPU in MIG mode at 7 devices); a larger one is refused (413) before it is parsed",
     )
     max_servers_per_agent_token: int = Field(
         default=50_000,
