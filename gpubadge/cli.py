@@ -37,6 +37,7 @@ COMMANDS = (
     ("eligible", "list the servers that can run an image"),
     ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
     ("agent", "run the node agent"),
+    ("fleet", "release GPUs and remove servers from a service's fleet (fleet-wide agent token)"),
     ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
     ("compat", "check nodes against an image's NFD image-compatibility artifact"),
     ("healthcheck", "probe this container's gpubadge role on its port (the image's HEALTHCHECK)"),
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Commands that talk to registries or a service as clients: aiohttp imported without reading the
 # trust store, read at their first TLS handshake instead (scanner/registry/tls.py). The service's
 # roles import it the ordinary way.
-CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat"})
+CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat", "fleet"})
 
 
 def _delegate(command: str, rest: list[str]) -> int:
@@ -194,6 +195,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.constraints import main as run_constraints
 
         return run_constraints(rest)
+    if command == "fleet":
+        from gpubadge.fleet import main as run_fleet
+
+        return run_fleet(rest)
     if command == "healthcheck":
         from gpubadge.healthcheck import main as run_healthcheck
 

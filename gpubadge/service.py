@@ -54,9 +54,9 @@ def service_from_env(
 
 
 async def call(
-    base: str, path: str, token: str | None, *, body: dict[str, Any] | None = None
+    base: str, path: str, token: str | None, *, body: dict[str, Any] | None = None, method: str | None = None
 ) -> dict[str, Any]:
-    """POST `body` (or GET without one) to `base + path`; the JSON object answered with 200."""
+    """POST `body` (or GET without one; or `method`) to `base + path`; the JSON object answered with 200."""
     import aiohttp
 
     url = f"{base}{path}"
@@ -65,7 +65,7 @@ async def call(
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)) as session,
             session.request(
-                "POST" if body is not None else "GET", url, json=body, headers=headers
+                method or ("POST" if body is not None else "GET"), url, json=body, headers=headers
             ) as response,
         ):
             try:

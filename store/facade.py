@@ -241,8 +241,9 @@ class AsyncStore:
         self._health_pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
 
-    async def health(self, timeout: float) -> str | None:
-        """None when the database answers and takes a write within `timeout`; else why not, in words.
+    async def health(self, timeout: float) -> StoreUnavailable | None:
+        """None when the database answers and takes a write within `timeout`; else why not, in words
+        (the message for operators, `public` for anyone).
 
         Never waits longer than `timeout`. Overlapping callers share one check in flight; a check
         stuck past its own deadline is reported as stuck, never queued behind.
@@ -251,7 +252,8 @@ class AsyncStore:
         if self._health_check is not None and not self._health_check[1].done():
             started, check = self._health_check
             if now - started > timeout:
-                return f"the database has not answered a write check for {now - started:.1f} s"
+                stuck = f"the database has not answered a write check for {now - started:.1f} s"
+                return StoreUnavailable(stuck, stuck)
         else:
             started, check = now, self._health_pool.submit(self._backend.check_writable, timeout)
             self._health_check = (started, check)
@@ -259,9 +261,10 @@ class AsyncStore:
             # shield: one caller giving up must not cancel the check the others share
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(check)), started + timeout + 0.25 - now)
         except TimeoutError:
-            return f"the database did not take a write within {timeout:.1f} s"
+            slow = f"the database did not take a write within {timeout:.1f} s"
+            return StoreUnavailable(slow, slow)
         except StoreUnavailable as exc:
-            return str(exc)
+            return exc
         return None
 
     # ------------------------------------------------------------ engine-specific, one hop

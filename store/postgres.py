@@ -106,7 +106,10 @@ class PostgresStore(SharedMethods):
                 self.upgrade()
         except (psycopg.Error, PoolTimeout) as exc:
             self._pool.close()
-            raise StoreUnavailable(f"cannot open the PostgreSQL store: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"cannot open the PostgreSQL store: {_describe(exc)}",
+                f"cannot open the PostgreSQL store: {_cause(exc)}",
+            ) from exc
         self._listeners: list[_Listener] = []
 
     # ------------------------------------------------------------ plumbing
@@ -118,9 +121,13 @@ class PostgresStore(SharedMethods):
             with self._pool.connection() as conn, conn.transaction():
                 yield conn
         except PoolTimeout as exc:
-            raise StoreUnavailable(f"no PostgreSQL connection: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
+            ) from exc
         except psycopg.OperationalError as exc:
-            raise StoreUnavailable(f"PostgreSQL is unreachable: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
+            ) from exc
 
     _reading = _transaction  # READ COMMITTED reads never wait for writers
 
@@ -172,7 +179,10 @@ class PostgresStore(SharedMethods):
                     " ON CONFLICT (id) DO UPDATE SET checked_at = excluded.checked_at"
                 )
         except (psycopg.Error, PoolTimeout) as exc:
-            raise StoreUnavailable(f"PostgreSQL cannot be written: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"PostgreSQL cannot be written: {_describe(exc)}",
+                f"PostgreSQL cannot be written: {_cause(exc)}",
+            ) from exc
 
     def queue_health(self) -> QueueHealth:
         with self._reading() as conn:
@@ -247,7 +257,8 @@ class PostgresStore(SharedMethods):
             ).fetchone()
             if existing:
                 return str(existing[0])
-        raise StoreUnavailable(f"could not queue {reference}: its active job kept changing")
+        message = f"could not queue {reference}: its active job kept changing"
+        raise StoreUnavailable(message, message)
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -533,6 +544,17 @@ def _describe(exc: BaseException) -> str:
     """An error in words, without the connection string (it may hold a password)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:300]
+
+
+def _cause(exc: BaseException) -> str:
+    """An error's kind without where it happened, for answers to anyone: the server's error class and
+    SQLSTATE (`QueryCanceled, SQLSTATE 57014`), never a host, port or message text, which can name them."""
+    state = getattr(exc, "sqlstate", None)
+    if state:
+        return f"{type(exc).__name__}, SQLSTATE {state}"
+    if isinstance(exc, PoolTimeout):
+        return "no connection within the timeout"
+    return "the connection failed"
 
 
 class _Listener:

@@ -46,7 +46,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
-from store.sqlite_access import WriterLock, unwritable_hint
+from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
@@ -109,14 +109,15 @@ class SqliteStore(SharedMethods):
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            create_private_file(self.path)
             self._writer = self._connect(busy_timeout)
             self._writer.execute("PRAGMA journal_mode=WAL")
             if upgrade:  # `gpubadge db status` looks without changing anything
                 self.upgrade()
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(
-                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}"
+                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}",
+                "cannot open the SQLite store",
             ) from exc
 
     def _connect(self, timeout: float) -> sqlite3.Connection:
@@ -178,7 +179,10 @@ class SqliteStore(SharedMethods):
                 self._local.reader = connection
             yield connection
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be read: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be read: {exc}",
+                f"the SQLite store cannot be read: {exc}",
+            ) from exc
 
     @contextmanager
     def _transaction(self, *, urgent: bool = False) -> Iterator[sqlite3.Connection]:
@@ -201,7 +205,10 @@ class SqliteStore(SharedMethods):
                         conn.execute("ROLLBACK")
                 raise
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
         finally:
             lock.release()
 
@@ -228,7 +235,10 @@ class SqliteStore(SharedMethods):
                 raise
             connection.execute("COMMIT")
         except sqlite3.Error as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
 
     def queue_health(self) -> QueueHealth:
         moment = _now()

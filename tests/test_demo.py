@@ -25,7 +25,7 @@ import pytest
 
 from fixtures.registry import free_port
 from fixtures.service import run_service_process
-from tests.test_service_e2e import by_ref
+from tests.test_service_e2e import by_ref, call
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_SECONDS = 20.0  # Ctrl-C to a stopped demo, its service and registry included
@@ -191,6 +191,13 @@ def test_make_run_demo_shows_the_findings_and_its_tour_works(
     assert "report" in referrers and "nfd" in referrers  # the demo attached both
     assert "compatible" in compat and "nvidia-gpu" in compat
     assert '"accepted": 1' in hook
+    # Agents need a token (none: 401); the one the demo prints registers a server.
+    joined = re.search(r"gpubadge agent --service \S+ --token (\S+)", printed)
+    assert joined, printed
+    server = {"name": "demo-node", "gpus": []}
+    assert call("POST", f"{service}/api/servers", server).status == 401
+    registered = call("POST", f"{service}/api/servers", server, {"Authorization": f"Bearer {joined[1]}"})
+    assert registered.status == 200, registered.text
 
     demo.process.send_signal(signal.SIGINT)  # Ctrl-C, to the demo alone
     assert demo.stopped() == 0, demo.printed

@@ -109,6 +109,7 @@ def run_serve(argv: list[str]) -> int:
     from web.guards.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
 
+    _raise_fd_limit(settings.long_poll_max)  # first: the connection cap and its shares are sized from it
     try:
         app = create_app(settings)
     except StoreUnavailable as exc:
@@ -117,7 +118,6 @@ def run_serve(argv: list[str]) -> int:
     collection = garbage_collection.TimedCollection()
     app.on_startup.append(lambda _: collection.start())
     app.on_cleanup.append(lambda _: collection.stop())
-    _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     try:
         run_guarded_app(

@@ -1,11 +1,13 @@
-"""What several routes look up: the API token check, paging and `?wait=` parameters, an image's
-stored report (scanning it when allowed), a stored deployment.
+"""What several routes look up: the API token check, paging and `?wait=` parameters (and the public
+long polls' slots), an image's stored report (scanning it when allowed), a stored deployment.
 
 Route modules import this module and never each other.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from aiohttp import web
@@ -15,13 +17,15 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import Job, queries
 from web.api_models import Deployment
 from web.errors import json_http_error
-from web.security import BEARER_CHALLENGE, bearer_token, token_matches
+from web.fleet.long_polls import PUBLIC_WAITS
+from web.security import BEARER_CHALLENGE, bearer_token, holds_api_token, token_matches
 from web.state import Services, services_of
 
 MAX_PAGE = 200
 
 
 MAX_WAIT = 60.0
+PUBLIC_WAIT_RETRY_SECONDS = 5
 
 
 def bearer_may_write(request: web.Request) -> bool:
@@ -47,6 +51,33 @@ def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
         return min(cap, max(0.0, float(raw))) if raw else 0.0
     except ValueError:
         raise json_http_error(web.HTTPBadRequest, "wait must be a number of seconds") from None
+
+
+@contextlib.asynccontextmanager
+async def public_wait(request: web.Request, wait: float) -> AsyncIterator[None]:
+    """Hold a `?wait=` long poll of `wait` seconds for its caller: one of `PublicWaits`' slots unless
+    the caller holds the API token (a pipeline of the operator's); 503 with Retry-After when none is
+    free (GPUBADGE_PUBLIC_LONG_POLL_MAX, GPUBADGE_PUBLIC_LONG_POLLS_PER_PEER)."""
+    settings = services_of(request).settings
+    if wait <= 0 or holds_api_token(request, settings.api_token):
+        yield
+        return
+    waits = request.app[PUBLIC_WAITS]
+    peer = request.remote or "local"
+    if not waits.admit(peer):
+        refused = json_http_error(
+            web.HTTPServiceUnavailable,
+            f"this service holds its most public long polls ({waits.limit:,} in all, {waits.per_peer:,} per"
+            " client: GPUBADGE_PUBLIC_LONG_POLL_MAX, GPUBADGE_PUBLIC_LONG_POLLS_PER_PEER); retry without"
+            " wait, or with the API token",
+            headers={"Retry-After": str(PUBLIC_WAIT_RETRY_SECONDS)},
+        )
+        refused.force_close()  # its connection goes too: a refused poll holds nothing
+        raise refused
+    try:
+        yield
+    finally:
+        waits.release(peer)
 
 
 def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:

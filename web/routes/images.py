@@ -22,7 +22,7 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
+from web.lookups import MAX_PAGE, find_report, int_param, public_wait, scan_jobs_of, wait_param
 from web.security import redact_secrets
 from web.state import services_of
 from web.views.image_views import row_carried_cuda, row_gpu
@@ -167,7 +167,8 @@ async def image_by_ref(request: web.Request) -> web.Response:
         return _ready(report, until)
 
     if wait:  # the scan may run in any worker process, here or elsewhere; the last check's read is kept
-        await services.store.wait_until(ready, wait, key=str(reference))
+        async with public_wait(request, wait):
+            await services.store.wait_until(ready, wait, key=str(reference))
     else:
         await ready()
     if report is None:

@@ -22,7 +22,7 @@ from web.api_description import (
 )
 from web.api_models import JobView, ScanBody
 from web.errors import json_error, read_json
-from web.lookups import MAX_PAGE, int_param, require_api_token, wait_param
+from web.lookups import MAX_PAGE, int_param, public_wait, require_api_token, wait_param
 from web.state import services_of
 
 ROUTES = ApiRoutes()
@@ -84,7 +84,8 @@ async def get_scan(request: web.Request) -> web.Response:
     wait = wait_param(request)
     job = await services.store.run(queries.job, job_id)
     if job is not None and wait:  # the job may run in any worker process, here or elsewhere
-        job = await services.store.wait_for_job(job_id, wait)
+        async with public_wait(request, wait):
+            job = await services.store.wait_for_job(job_id, wait)
     if job is None:
         return json_error(404, f"no scan job {job_id}")
     return web.json_response(JobView.of(job).model_dump())
