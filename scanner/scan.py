@@ -408,6 +408,12 @@ class Scanner:
                 raise ScanError(f"no platform {options.platform} in the index (available: {available})")
         if not children:
             raise ScanError("the index lists no runnable platform images")
+        if len(children) > self.settings.max_index_children:  # refused before any child is read
+            raise LimitExceeded(
+                f"the index lists {len(children):,} platform images",
+                self.settings.max_index_children,
+                "max_index_children",
+            )
 
         async def one(child: Descriptor) -> _Facts | PlatformReport:
             try:

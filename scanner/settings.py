@@ -119,6 +119,12 @@ class ScannerSettings(BaseSettings):
         description="decompressed bytes of one layer (CUDA layers inflate to several GB)",
     )
     max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, ge=1, description="layers per image")
+    max_index_children: int = Field(
+        default=limits.DEFAULT_MAX_INDEX_CHILDREN,
+        ge=1,
+        description="platform images of one index that a scan reads (attestations not counted); an index"
+        " listing more fails naming this setting, for good",
+    )
     max_path_bytes: int = Field(
         default=limits.DEFAULT_MAX_PATH_BYTES,
         ge=1,

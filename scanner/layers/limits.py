@@ -35,6 +35,9 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 DEFAULT_MAX_LAYERS = 256  # overlayfs mounts about 128 lower dirs; Docker refuses more than 125
+# Platform images one index may ask a scan to read: official images list 8 to 10 platforms (twice
+# that with attestations, which are never read), multi-OS Windows images a few dozen.
+DEFAULT_MAX_INDEX_CHILDREN = 256
 DEFAULT_MAX_PATH_BYTES = 4096  # Linux PATH_MAX
 DEFAULT_MAX_SYMLINK_HOPS = 40  # Linux MAXSYMLINKS
 DEFAULT_MAX_PATH_COMPONENTS = 200_000
