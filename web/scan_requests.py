@@ -24,8 +24,10 @@ class ScanRefused(Exception):
         self.message = message
 
 
-async def request_scan(services: Services, text: str, *, source: str) -> Job:
+async def request_scan(services: Services, text: str, *, source: str, rescan: bool = False) -> Job:
     """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one).
+    `rescan`: scan it again, reusing no stored report (rescans of one reference coalesce with each
+    other, never with a plain scan).
 
     Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
     registry outside the allowlist, which is then never contacted; ScanRefused(503) when the
@@ -45,6 +47,7 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
         [(str(reference), reference.registry)],
         source=source,
         max_attempts=services.settings.max_attempts,
+        rescan=rescan,
     )
     services.wake_workers()
     job = await services.store.run(queries.job, job_id)

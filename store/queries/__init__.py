@@ -32,6 +32,7 @@ from store.queries.jobs import (
     pending_job_for,
     queue_depth,
     queued_jobs,
+    scan_in_flight,
 )
 from store.queries.reports import (
     TagSeen,
@@ -102,6 +103,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_in_flight",
     "server_inventory",
     "server_records",
     "servers",

@@ -121,6 +121,8 @@ async def detail_context(services: Services, reference: Reference, report: Image
     history = await store.run(queries.tag_history, reference.registry, reference.repository)
     return {
         "reference": str(reference),
+        "token_required": services.settings.api_token is not None,
+        "interrupted": await interrupted_read(services, report),
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
@@ -139,6 +141,19 @@ async def detail_context(services: Services, reference: Reference, report: Image
         ],
         "nfd_html": await nfd_section(services, report),
     }
+
+
+async def interrupted_read(services: Services, report: ImageReport) -> bool:
+    """A pending report whose layer read no longer runs: no live scan job holds its lease (the read
+    was pre-empted, cut off or ended with its worker). The next scan of the image reads the layers
+    again; the page offers it."""
+    jobs = {p.pending_scan for p in report.platforms if p.libc.state == "pending"}
+    if not report.pending or not jobs:
+        return report.pending
+    for job in jobs:
+        if job is not None and await services.store.run(queries.scan_in_flight, job):
+            return False
+    return True
 
 
 async def nfd_section(services: Services, report: ImageReport) -> Markup:
@@ -179,11 +194,13 @@ async def scans_response(
 
 
 async def submit_scan(request: web.Request) -> web.Response:
-    """The scan form: same checks as POST /api/scans, then 303 back to /scans (post/redirect/get)."""
+    """The scan form, and the image page's Rescan button (`rescan=1`): the same checks as POST
+    /api/scans, then 303 to /scans (post/redirect/get), where the job shows."""
     services = services_of(request)
     form = await request.post()
     ref = str(form.get("ref", "")).strip()
     token = str(form.get("token", ""))
+    rescan = form.get("rescan") == "1"  # the image page's Rescan button
     if not token_matches(services.settings.api_token, token):
         return await scans_response(request, status=401, error="That API token is not valid.", ref=ref)
     if not ref:
@@ -191,7 +208,7 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services, ref, source="ui")
+        await request_scan(services, ref, source="ui", rescan=rescan)
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -31,6 +31,9 @@ ROUTES = ApiRoutes()
 @ROUTES.post(
     "/api/scans",
     "Request a scan",
+    description="Queues a scan of `ref`, or answers the queued or running one. With `rescan: true` the"
+    " image is read again whatever is stored (a report left pending by an interrupted scan is read"
+    " again in any case).",
     token=True,
     body=ScanBody,
     responses={
@@ -53,7 +56,7 @@ async def create_scan(request: web.Request) -> web.Response:
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
         )
     try:
-        job = await request_scan(services, body.ref, source="api")
+        job = await request_scan(services, body.ref, source="api", rescan=body.rescan)
     except ScanRefused as refused:
         answer = json_error(refused.status, refused.message)
         if refused.status == 503:  # the queue is full: come back when workers have caught up
