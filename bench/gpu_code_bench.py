@@ -27,7 +27,7 @@ from bench.common import REPO_ROOT, Figure, Results, run_section
 from fixtures import hostile_gpu_code as crafted
 from fixtures.oci import Entry, compress, file, tar_bytes
 
-SECTION = "gpu-code"
+SECTION = "gpucode"
 SITE = "/usr/lib/python3/dist-packages"
 
 # Runs in the child, with the tree under test first on its path: walk the layer in the file, report.
