@@ -283,6 +283,22 @@ async def test_a_5000_digit_version_in_the_config_is_no_version(
     assert platform.gpu.required and platform.gpu.cuda_version is None
 
 
+def test_a_5000_digit_requirement_reaches_placement_as_the_runtime_reads_it() -> None:
+    """Such an image now scans, so its requirement reaches placement: the runtime's comparison is an
+    error there (strtoumax saturates), exports take it for no version, and nothing raises."""
+    from placement.exports.core import parse_version
+    from placement.nvidia_require import DeviceFacts, evaluate_text, legacy_cuda_requirement
+
+    digits = crafted.long_version()
+    device = DeviceFacts(cuda="12.4", driver="550.54.15", arch="9.0", brand="tesla")
+    verdict = evaluate_text(f"cuda>={digits}.0 brand=tesla,driver>={digits},driver<{digits}", device)
+    assert verdict.outcome == "error", verdict
+    assert evaluate_text(f"cuda>={'0' * 5000}12.4", device).outcome == "satisfied"  # leading zeros: 12.4
+    assert parse_version(f"{digits}.0") is None and parse_version("12.4") == (12, 4)
+    with pytest.raises(ValueError, match="invalid CUDA_VERSION"):
+        legacy_cuda_requirement(digits)
+
+
 # ------------------------------------------------------------ a fuzz of the bounds, in seconds
 
 

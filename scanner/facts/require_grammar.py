@@ -202,10 +202,22 @@ def formatted_length(condition: Condition) -> int:
     return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
 
 
-def _too_large(digits: str) -> bool:
-    """A run of digits strtoumax saturates on, judged without int() on thousands of digits."""
+UINT_DIGITS = len(str(_UINTMAX))  # a run of more significant digits is past any uint64
+
+
+def digits_value(digits: str) -> int | None:
+    """A run of ASCII digits as a number, or None past `UINT_DIGITS` significant digits: beyond any
+    uint64 (strtoumax saturates), and never handed to int(), which refuses 4,300 digits."""
     significant = digits.lstrip("0")
-    return len(significant) > len(str(_UINTMAX)) or int(significant or "0") >= _UINTMAX
+    if len(significant) > UINT_DIGITS:
+        return None
+    return int(significant or "0")
+
+
+def _too_large(digits: str) -> bool:
+    """A run of digits strtoumax saturates on."""
+    value = digits_value(digits)
+    return value is None or value >= _UINTMAX
 
 
 def latent_error(condition: Condition) -> str | None:
