@@ -95,12 +95,14 @@ def jobs(db: Db, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
 
 @reads
 def pending_job_for(db: Db, reference: str) -> Job | None:
-    """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
+    """An active job for `reference` (a scan or a rescan), or for `reference@<digest>` (as webhooks
+    queue them)."""
     row = db.one(
         f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
-        " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
+        " AND (dedupe_key = :ref OR dedupe_key = :rescan"
+        " OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
         " ORDER BY created_at DESC LIMIT 1",
-        {"ref": reference},
+        {"ref": reference, "rescan": dedupe_key(reference, rescan=True)},
     )
     return job_of(db, row) if row else None
 
