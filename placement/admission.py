@@ -34,6 +34,7 @@ from placement.image_facts import ImageFacts
 from placement.mig import profile_from_resource
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
+from scanner.facts.require_grammar import digits_value
 from scanner.models import ImageReport, Platform, PlatformReport
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -398,8 +399,9 @@ def _thresholds(requirements: ImageRequirements) -> dict[str, list[tuple[int, ..
         for condition in expression.conditions:
             if condition.key in _COMPONENT_LABELS:
                 parts = condition.value.split(".")
-                if all(part.isdigit() for part in parts):
-                    found.setdefault(condition.key, []).append(tuple(int(part) for part in parts))
+                values = [digits_value(part) if part.isdigit() else None for part in parts]
+                if all(value is not None for value in values):
+                    found.setdefault(condition.key, []).append(tuple(value or 0 for value in values))
     return found
 
 

@@ -32,6 +32,7 @@ from scanner.facts.require_grammar import (
     AllOf,
     Condition,
     Expression,
+    digits_value,
     formatted_length,
     latent_error,
     parse_requirement_lenient,
@@ -96,8 +97,8 @@ def compare_version(host: str, op: str, wanted: str) -> bool | None:
         m2 = _DIGITS.match(wanted, j)
         if m1 is None or m2 is None:
             return None  # strtoumax found no digits (e.g. a leading '.')
-        n1, n2 = int(m1.group()), int(m2.group())
-        if n1 >= _UINTMAX or n2 >= _UINTMAX:
+        n1, n2 = digits_value(m1.group()), digits_value(m2.group())
+        if n1 is None or n2 is None or n1 >= _UINTMAX or n2 >= _UINTMAX:
             return None  # strtoumax saturates to UINTMAX_MAX, which dsl.c treats as an error
         if n1 != n2:
             if op == "=":
@@ -199,7 +200,11 @@ def _branch_of(term: AllOf) -> tuple[int, Condition, Condition] | None:
     """`driver>=N,driver<N+1` in a term is NVIDIA's idiom for "driver branch N"."""
     lower = upper = None
     for condition in term.conditions:
-        if condition.key == "driver" and condition.value.isdigit():
+        if (
+            condition.key == "driver"
+            and condition.value.isdigit()
+            and digits_value(condition.value) is not None
+        ):
             if condition.op == ">=":
                 lower = condition
             elif condition.op == "<":
@@ -326,7 +331,11 @@ def legacy_cuda_requirement(cuda_version: str) -> str:
     parts above uint32).
     """
     match = _LEGACY_CUDA.match(cuda_version)
-    if not match or any(int(part) > 2**32 - 1 for part in match.groups() if part is not None):
+    if not match or any(
+        (value := digits_value(part)) is None or value > 2**32 - 1
+        for part in match.groups()
+        if part is not None
+    ):
         raise ValueError(f"invalid CUDA_VERSION {cuda_version!r}: expected MAJOR[.MINOR[.PATCH]]")
     major, minor = match.group(1), match.group(2) or "0"
     return f"cuda>={int(major)}.{int(minor)}"

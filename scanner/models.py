@@ -252,6 +252,12 @@ class PlatformReport(BaseModel):
         default=0,
         description="compressed bytes the registry sent for this platform in this scan (config and layers)",
     )
+    pending_scan: str | None = Field(
+        default=None,
+        description="while its layers are being read (`libc.state` pending): the scan job reading them. A"
+        " pending report is trusted only while that job holds a live lease; once it does not, the read was"
+        " interrupted and the next scan of the image reads the layers again",
+    )
 
 
 class ImageReport(BaseModel):

@@ -89,6 +89,9 @@ class StoreScanCache:
     async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
         return await self._store.run(queries.stored, digest)
 
+    async def scan_in_flight(self, job_id: str) -> bool:
+        return await self._store.run(queries.scan_in_flight, job_id)
+
     async def layer_evidence(self, digest: str) -> str | None:
         return await self._store.run(queries.layer_evidence, digest)
 
@@ -313,9 +316,10 @@ class AsyncStore:
         source: str | None = None,
         max_attempts: int = 5,
         delay: float = 0.0,
+        rescan: bool = False,
     ) -> list[str]:
-        """One delivery's jobs (see `enqueue_many`)."""
-        batch = EnqueueBatch(references, source, max_attempts, delay)
+        """One delivery's jobs (see `enqueue_many`); `rescan`: scan again, reusing nothing stored."""
+        batch = EnqueueBatch(references, source, max_attempts, delay, rescan)
         return (await self.enqueue_many([batch]))[0]
 
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:

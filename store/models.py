@@ -56,6 +56,7 @@ class EnqueueBatch:
     source: str | None = None
     max_attempts: int = 5
     delay: float = 0.0
+    rescan: bool = False  # scan again whatever is stored (coalesces with rescans only)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Job:
     updated_at: str
     lease_owner: str | None = None
     lease_expires: str | None = None
+    rescan: bool = False  # a forced rescan: nothing stored is reused
 
 
 @dataclass(frozen=True)

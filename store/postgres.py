@@ -54,7 +54,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +222,12 @@ class PostgresStore(SharedMethods):
                 items.append((batch_index, item_index, item[0], item[1], float(wait), batch))
         # One lock order for every transaction (by key), so concurrent group commits that share
         # references wait for each other instead of deadlocking.
-        items.sort(key=lambda entry: entry[2])
+        items.sort(key=lambda entry: (entry[2], entry[5].rescan))
         results: list[list[str]] = [[""] * len(batch.references) for batch in batches]
         with self._transaction() as conn:
             for batch_index, item_index, reference, registry, wait, batch in items:
                 results[batch_index][item_index] = self._enqueue_one(
-                    conn, reference, registry, wait, batch.source, batch.max_attempts
+                    conn, reference, registry, wait, batch.source, batch.max_attempts, batch.rescan
                 )
             conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
         return results
@@ -240,7 +240,9 @@ class PostgresStore(SharedMethods):
         wait: float,
         source: str | None,
         max_attempts: int,
+        rescan: bool = False,
     ) -> str:
+        key = dedupe_key(reference, rescan=rescan)
         for _ in range(5):  # bounded: only a job settling between our two statements loops again
             inserted = conn.execute(
                 "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
@@ -248,12 +250,12 @@ class PostgresStore(SharedMethods):
                 " VALUES (%s, %s, %s, %s, 'queued', 0, %s, now() + make_interval(secs => %s), %s,"
                 " clock_timestamp(), clock_timestamp())"
                 " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id",
-                [uuid.uuid4().hex, reference, registry, reference, max_attempts, wait, source],
+                [uuid.uuid4().hex, reference, registry, key, max_attempts, wait, source],
             ).fetchone()
             if inserted:
                 return str(inserted[0])
             existing = conn.execute(
-                "SELECT id FROM jobs WHERE dedupe_key = %s AND state IN ('queued', 'running')", [reference]
+                "SELECT id FROM jobs WHERE dedupe_key = %s AND state IN ('queued', 'running')", [key]
             ).fetchone()
             if existing:
                 return str(existing[0])

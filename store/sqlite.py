@@ -45,7 +45,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of
 from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
@@ -295,6 +295,7 @@ class SqliteStore(SharedMethods):
                 ids: list[str] = []
                 for item in batch.references:
                     reference = item[0]
+                    key = dedupe_key(reference, rescan=batch.rescan)
                     wait = item[2] if len(item) == 3 else batch.delay
                     ready = not_before.get(wait)
                     if ready is None:
@@ -306,7 +307,7 @@ class SqliteStore(SharedMethods):
                             job_id,
                             reference,
                             item[1],
-                            reference,
+                            key,
                             batch.max_attempts,
                             ready,
                             batch.source,
@@ -316,7 +317,7 @@ class SqliteStore(SharedMethods):
                     ).rowcount:
                         ids.append(job_id)
                     else:
-                        ids.append(execute(_ACTIVE_JOB, (reference,)).fetchone()[0])
+                        ids.append(execute(_ACTIVE_JOB, (key,)).fetchone()[0])
                 results.append(ids)
         self._announce((JOBS_QUEUED_CHANNEL, ""))
         return results
@@ -392,7 +393,7 @@ class SqliteStore(SharedMethods):
             claimed = conn.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
-        return [Job(*row) for row in claimed]
+        return [job_of(Db(conn, SQLITE), row) for row in claimed]
 
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
         """Extend `owner`'s leases; returns the ids it still holds (a lost lease is not renewed)."""

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Iterator
@@ -372,6 +373,30 @@ async def test_detail_page_shows_evidence_and_escapes_image_values(
 
     by_digest = await client.get(f"/images/127.0.0.1:5000/ml/trainer@{GPU_IMAGE.digest}")
     assert by_digest.status == 200 and "driver CUDA at least 12.2" in await by_digest.text()
+
+
+async def test_a_pending_report_whose_scan_no_longer_runs_says_it_was_interrupted(
+    app_client: tuple[TestClient[Any, Any], Services],
+) -> None:
+    """While the job reading the layers holds its lease the page says they are being read; once it
+    does not (pre-empted, its worker gone), that the read was interrupted, with the Rescan button
+    (and the token field the service asks for)."""
+    client, services = app_client
+    backend = services.store.backend
+    (job_id,) = backend.enqueue([("127.0.0.1:5000/ml/pending:1", "127.0.0.1:5000")], source="test")
+    (job,) = backend.claim_jobs(1, owner="worker-a", lease_seconds=60)
+    pending = make_report("127.0.0.1:5000", "ml/pending", "1", gpu=True)
+    platform = pending.platforms[0]
+    platform.libc = LibcVerdict(state="pending", layers_total=3, bytes_total=9_876_543)
+    platform.pending_scan = job.id
+    save(backend, pending.model_copy(update={"pending": True}))
+
+    page = await (await client.get("/images/127.0.0.1:5000/ml/pending:1")).text()
+    assert "Reading the layers." in page and "interrupted" not in page
+    assert 'name="rescan" value="1"' in page and 'name="token" type="password"' in page
+    assert backend.preempt_job(job_id, owner="worker-a")
+    page = await (await client.get("/images/127.0.0.1:5000/ml/pending:1")).text()
+    assert "The layer read was interrupted." in page and "Reading the layers." not in page
 
 
 # The requirement of nvidia/cuda:12.8.1-runtime-ubuntu24.04 (21 clauses), as Docker Hub serves it.
@@ -828,6 +853,26 @@ def test_scan_form_queues_and_redirects(scanned: Scanned, page: Any, push: Pushe
     page.get_by_role("button", name="Scan").click()
     page.wait_for_url("**/scans")
     assert page.locator("table.jobs-table a", has_text=reference).first.is_visible()
+
+
+@pytest.mark.browser
+def test_the_image_page_rescans_the_image(scanned: Scanned, page: Any) -> None:
+    """The image page's Rescan button queues a rescan: the job says so, and the image is read again
+    (a new scan time) though its report was stored."""
+    reference = scanned.ref("tools/static:1")
+    lookup = f"/api/images/by-ref?ref={urllib.parse.quote(reference)}"
+    before = json.loads(scanned.service.get(lookup)[2])["scanned_at"]
+    page.goto(scanned.service.url + "/images/" + reference)
+    page.get_by_role("button", name="Rescan").click()
+    page.wait_for_url("**/scans")
+    assert page.locator("table.jobs-table a", has_text=reference).first.is_visible()
+    jobs = json.loads(scanned.service.get("/api/scans?limit=20")[2])["jobs"]
+    job = next(job for job in jobs if job["reference"] == reference and job["rescan"])
+    deadline = time.monotonic() + 60
+    while job["state"] in ("queued", "running") and time.monotonic() < deadline:
+        job = json.loads(scanned.service.get(f"/api/scans/{job['id']}?wait=10")[2])
+    assert job["state"] == "done", job
+    assert json.loads(scanned.service.get(lookup)[2])["scanned_at"] > before
 
 
 @pytest.mark.browser

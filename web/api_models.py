@@ -19,6 +19,11 @@ from web.security import REDACTED, mask_values, redact_secrets
 
 class ScanBody(BaseModel):
     ref: str = Field(description="image reference: a tag or a digest")
+    rescan: bool = Field(
+        default=False,
+        description="scan again even when a report is stored: the manifest, configs and every layer"
+        " verdict are read afresh (layers whose complete evidence is cached by digest are not fetched)",
+    )
 
 
 class JobView(BaseModel):
@@ -31,6 +36,7 @@ class JobView(BaseModel):
     source: str | None
     created_at: str
     updated_at: str
+    rescan: bool = Field(default=False, description="a forced rescan: nothing stored is reused")
 
     @classmethod
     def of(cls, job: Job) -> JobView:
@@ -44,6 +50,7 @@ class JobView(BaseModel):
             source=job.source,
             created_at=job.created_at,
             updated_at=job.updated_at,
+            rescan=job.rescan,
         )
 
 

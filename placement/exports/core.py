@@ -30,7 +30,7 @@ from placement.index import FleetIndex, GpuClass
 from placement.mig import sort_key
 from placement.nvidia_require import ImageRequirements
 from placement.request import DeployRequest
-from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, latent_error
+from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, digits_value, latent_error
 from scanner.models import GpuFacts
 
 Version = tuple[int, ...]
@@ -51,7 +51,10 @@ def parse_version(text: str) -> Version | None:
     """A requirement value as the runtime reads it; None when it is not a version."""
     if not text or text.startswith(".") or set(text) - set("0123456789."):
         return None
-    return canonical(int(part) for part in text.split(".") if part)
+    values = [digits_value(part) for part in text.split(".") if part]
+    if any(value is None for value in values):
+        return None  # past any uint64: the runtime refuses it too
+    return canonical(value or 0 for value in values)
 
 
 def compare(left: Version, right: Version) -> int:

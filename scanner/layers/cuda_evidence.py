@@ -17,6 +17,13 @@ Sources (read by `scanner.layers.cuda_sources`; see the shared cuda_inference no
 * toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
 * ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.layers.cudaelf`), which also give archs.
 
+One file never fails the layer: a parser that fails on a file (Python's parser out of memory or
+recursion on a crafted `torch/version.py`, any error reading an ELF file) makes that file's
+`problems` entry, the file hides what lower layers hold at its path (as any upper file does), and the
+walk goes on. The GPU code of a layer is read under `scanner.layers.limits.GpuCodeWork`'s bounds,
+per file and per layer; past the layer's, `gpu_code_unread` says so and the later files' fatbins are
+left unread. Both reach the report as warnings (`layer_problems`).
+
 `cuda` is the NEWEST CUDA the evidence names (the image needs the newest runtime it carries), as
 precisely as the evidence for that major allows: a major.minor (a toolkit-versioned wheel's
 dist-info, `torch/version.py`, a toolkit tree) wins over a major alone (a `-cu13` wheel name, a
@@ -59,6 +66,7 @@ from scanner.layers.cuda_sources import (
 )
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, ptx_toolkit, summarise
+from scanner.layers.limits import AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, InferredCuda
@@ -66,11 +74,13 @@ from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, Infe
 CUDA_EVIDENCE_SCHEMA = 3  # 2: containers carry their section; 3: and whether they hold kernels
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
-ELF_MIN_BYTES = 64
+ELF_MIN_BYTES = ELF_MAGIC_BYTES
 MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
+MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
+MAX_PROBLEM_CHARS = 300
 
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
@@ -99,6 +109,14 @@ class CudaLayerEvidence(BaseModel):
     whiteouts: list[str] = Field(default_factory=list)
     opaque_dirs: list[str] = Field(default_factory=list)
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
+    problems: dict[str, str] = Field(
+        default_factory=dict, description="files whose evidence could not be read, and why (path -> problem)"
+    )
+    gpu_code_unread: str | None = Field(
+        default=None,
+        description="the per-layer bound on reading GPU code, when this layer crossed it: the fatbins of"
+        " the files after that point were not read",
+    )
 
 
 # -- one layer
@@ -113,7 +131,16 @@ class CudaLayerCollector:
     """
 
     evidence: CudaLayerEvidence = field(default_factory=CudaLayerEvidence)
+    limits: AnalysisLimits = field(default_factory=AnalysisLimits)
     _dirs_seen: set[str] = field(default_factory=set)
+    _work: LayerGpuCodeWork | None = None
+
+    @property
+    def work(self) -> LayerGpuCodeWork:
+        """The layer's GPU-code work so far (`max_layer_gpu_code_steps`)."""
+        if self._work is None:
+            self._work = LayerGpuCodeWork(self.limits.max_layer_gpu_code_steps)
+        return self._work
 
     def wants(self, entry: TarEntry) -> int:
         if entry.kind != "file":
@@ -130,7 +157,20 @@ class CudaLayerCollector:
         """A probe for any regular file that may be ELF (the probe gives up after its first bytes)."""
         if entry.kind != "file" or entry.size < ELF_MIN_BYTES or self.wants(entry):
             return None
-        return ElfCudaProbe(entry.size)
+        return ElfCudaProbe(entry.size, GpuCodeWork(self.limits, self.work))
+
+    def unreadable(self, path: str, exc: BaseException) -> None:
+        """A parser failed on the file at `path`: that is the file's finding, and the walk goes on. The
+        file hides lower layers' evidence at its path, as any file there would."""
+        detail = str(exc).strip()
+        problem = f"not read: {type(exc).__name__}" + (f": {detail}" if detail else "")
+        if len(self.evidence.problems) >= MAX_FINDINGS_PER_LAYER:
+            self.evidence.truncated = True
+        else:
+            self.evidence.problems[path] = problem[:MAX_PROBLEM_CHARS]
+        self.evidence.findings.pop(path, None)
+        self.evidence.elves.pop(path, None)
+        self._shadow(path)
 
     def _finding(self, path: str, finding: Finding) -> None:
         if len(self.evidence.findings) >= MAX_FINDINGS_PER_LAYER:
@@ -152,10 +192,15 @@ class CudaLayerCollector:
             kind, target = hidden
             (self.evidence.opaque_dirs if kind == "opaque" else self.evidence.whiteouts).append(target)
             return
-        self._add_path_evidence(path, entry)
-        if entry.kind != "file" or not head:
-            return
-        text = head.decode("utf-8", "replace")
+        try:
+            self._add_path_evidence(path, entry)
+            if entry.kind == "file" and head:
+                self._add_content(path, head.decode("utf-8", "replace"))
+        except Exception as exc:  # one file's parser failing is that file's finding, never the layer's
+            self.unreadable(path, exc)
+
+    def _add_content(self, path: str, text: str) -> None:
+        """Evidence from the head of a small file (`wants`): its parser by path."""
         if TORCH_VERSION.search(path):
             cuda = parse_torch_version(text)
             if cuda is False:
@@ -274,33 +319,53 @@ class CudaLayerCollector:
 
     def finish(self, complete: bool) -> CudaLayerEvidence:
         self.evidence.complete = complete
+        if self._work is not None and self._work.exceeded is not None:
+            self.evidence.gpu_code_unread = str(self._work.exceeded)
         return self.evidence
 
 
 class _ElfSink:
-    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector."""
+    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector. A probe
+    that fails is that file's finding (`CudaLayerCollector.unreadable`), never the walk's error."""
 
     __slots__ = ("_collector", "_entry", "_probe")
 
-    def __init__(self, collector: CudaLayerCollector, entry: TarEntry) -> None:
+    def __init__(self, collector: CudaLayerCollector, entry: TarEntry, probe: ElfCudaProbe) -> None:
         self._collector = collector
         self._entry = entry
-        self._probe = ElfCudaProbe(entry.size)
+        self._probe: ElfCudaProbe | None = probe
 
-    def feed(self, data: memoryview) -> bool:
-        return self._probe.feed(data)
+    def feed(self, data: bytes | memoryview) -> bool:
+        if self._probe is None:
+            return False
+        try:
+            return self._probe.feed(data)
+        except Exception as exc:
+            self._fail(exc)
+            return False
 
     def close(self, complete: bool) -> None:
-        if self._probe.is_elf:
-            self._collector.add_elf(self._entry, self._probe.finish())
+        probe = self._probe
+        if probe is None or not probe.is_elf:
+            return
+        try:
+            facts = probe.finish()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._collector.add_elf(self._entry, facts)
+
+    def _fail(self, exc: Exception) -> None:
+        self._probe = None
+        self._collector.unreadable(self._entry.path, exc)
 
 
 class CudaEntryCollector:
     """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early:
     evidence can sit in any entry of any layer, so a walk with it attached reads the layer whole."""
 
-    def __init__(self) -> None:
-        self.layer = CudaLayerCollector()
+    def __init__(self, limits: AnalysisLimits | None = None) -> None:
+        self.layer = CudaLayerCollector(limits=limits or AnalysisLimits())
         self.position = 0  # compressed bytes read so far, kept current by the walk
 
     def wants(self, entry: TarEntry) -> int:
@@ -318,23 +383,25 @@ class CudaEntryCollector:
         return self.layer.finish(complete)
 
     def stream(self, entry: TarEntry) -> _ElfSink | None:
-        if entry.kind != "file" or entry.size < ELF_MAGIC_BYTES or self.layer.wants(entry):
-            return None
-        return _ElfSink(self.layer, entry)
+        probe = self.layer.probe(entry)
+        return _ElfSink(self.layer, entry, probe) if probe is not None else None
 
 
-def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidence:
+def collect_layer(
+    entries: Iterable[tuple[TarEntry, bytes]], limits: AnalysisLimits | None = None
+) -> CudaLayerEvidence:
     """One layer's evidence from whole entries in memory (tests, small layers)."""
-    collector = CudaLayerCollector()
+    collector = CudaLayerCollector(limits=limits or AnalysisLimits())
     for entry, content in entries:
         want = collector.wants(entry)
         collector.add(entry, content[:want] if want else b"")
         probe = collector.probe(entry)
         if probe is not None:
+            sink = _ElfSink(collector, entry, probe)
             for start in range(0, len(content), 1 << 20):
-                if not probe.feed(content[start : start + (1 << 20)]):
+                if not sink.feed(content[start : start + (1 << 20)]):
                     break
-            collector.add_elf(entry, probe.finish())
+            sink.close(True)
     return collector.finish(complete=True)
 
 
@@ -442,6 +509,25 @@ def combine(
         complete=complete,
     )
     return inferred, image_archs(elves)
+
+
+def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
+    """What could not be read, in words: each file a parser failed on, and each layer whose GPU code was
+    left partly unread by its bound (at most `MAX_PROBLEMS_SHOWN`, then how many more)."""
+    found = [
+        f"{path}: {problem}" for layer in layers_top_down for path, problem in sorted(layer.problems.items())
+    ]
+    found += [
+        f"layer {index + 1} from the top: the GPU code of its later files was not read: {layer.gpu_code_unread}"
+        for index, layer in enumerate(layers_top_down)
+        if layer.gpu_code_unread
+    ]
+    if len(found) > MAX_PROBLEMS_SHOWN:
+        found = [
+            *found[: MAX_PROBLEMS_SHOWN - 1],
+            f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more files not read",
+        ]
+    return found
 
 
 def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:

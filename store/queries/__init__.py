@@ -41,6 +41,7 @@ from store.queries.jobs import (
     pending_job_for,
     queue_depth,
     queued_jobs,
+    scan_in_flight,
 )
 from store.queries.reports import (
     IndexOf,
@@ -126,6 +127,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_in_flight",
     "scan_verdicts",
     "server_count",
     "server_inventory",

@@ -138,6 +138,8 @@ async def detail_context(
         "index": index,
         "index_url": image_url(index.reference) if index else None,
         "scan_time_known": report.scanned_at != UNKNOWN_TIME,
+        "token_required": services.settings.api_token is not None,
+        "interrupted": await interrupted_read(services, report),
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
@@ -156,6 +158,19 @@ async def detail_context(
         ],
         "nfd_html": await nfd_section(services, report),
     }
+
+
+async def interrupted_read(services: Services, report: ImageReport) -> bool:
+    """A pending report whose layer read no longer runs: no live scan job holds its lease (the read
+    was pre-empted, cut off or ended with its worker). The next scan of the image reads the layers
+    again; the page offers it."""
+    jobs = {p.pending_scan for p in report.platforms if p.libc.state == "pending"}
+    if not report.pending or not jobs:
+        return report.pending
+    for job in jobs:
+        if job is not None and await services.store.run(queries.scan_in_flight, job):
+            return False
+    return True
 
 
 async def nfd_section(services: Services, report: ImageReport) -> Markup:
@@ -204,11 +219,13 @@ async def scans_response(
 
 
 async def submit_scan(request: web.Request) -> web.Response:
-    """The scan form: same checks as POST /api/scans, then 303 back to /scans (post/redirect/get)."""
+    """The scan form, and the image page's Rescan button (`rescan=1`): the same checks as POST
+    /api/scans, then 303 to /scans (post/redirect/get), where the job shows."""
     services = services_of(request)
     form = await request.post()
     ref = str(form.get("ref", "")).strip()
     token = str(form.get("token", ""))
+    rescan = form.get("rescan") == "1"  # the image page's Rescan button
     if not token_matches(services.settings.api_token, token):
         return await scans_response(request, status=401, error="That API token is not valid.", ref=ref)
     if not ref:
@@ -216,7 +233,9 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services.intake, services.settings, ref, source="ui", wake=services.wake_workers)
+        await request_scan(
+            services.intake, services.settings, ref, source="ui", wake=services.wake_workers, rescan=rescan
+        )
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -31,6 +31,9 @@ ROUTES = ApiRoutes()
 @ROUTES.post(
     "/api/scans",
     "Request a scan",
+    description="Queues a scan of `ref`, or answers the queued or running one. With `rescan: true` the"
+    " image is read again whatever is stored (a report left pending by an interrupted scan is read"
+    " again in any case).",
     token=True,
     body=ScanBody,
     responses={
@@ -54,7 +57,12 @@ async def create_scan(request: web.Request) -> web.Response:
         )
     try:
         job = await request_scan(
-            services.intake, services.settings, body.ref, source="api", wake=services.wake_workers
+            services.intake,
+            services.settings,
+            body.ref,
+            source="api",
+            wake=services.wake_workers,
+            rescan=body.rescan,
         )
     except ScanRefused as refused:
         answer = json_error(refused.status, refused.message)
