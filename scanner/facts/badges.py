@@ -82,10 +82,17 @@ def cuda_mismatch(gpu: GpuFacts) -> str | None:
         return None
     declared, found = gpu.cuda_version, gpu.inferred.cuda
     source = gpu.inferred.set_by or "its layers"
+    if newer and declared and found and found.split(".")[0] == declared.split(".")[0]:
+        major = found.split(".")[0]
+        return (
+            f"the config declares CUDA {declared}, but the layers carry the newer CUDA {found} ({source}):"
+            f" any driver for CUDA {major} runs a CUDA {major}.x runtime (minor-version compatibility), so the"
+            " declared requirement still decides; PTX it JIT-compiles needs its own toolkit's driver"
+        )
     if newer:
         return (
             f"the config declares CUDA {declared}, but the layers carry the newer CUDA {found} ({source}):"
-            f" the image needs a driver for CUDA {found}, which NVIDIA_REQUIRE_CUDA does not check"
+            f" the image needs a driver for CUDA {found.split('.')[0]}, which NVIDIA_REQUIRE_CUDA does not check"
         )
     return (
         f"the config declares CUDA {declared}, but the layers carry the older CUDA {found} ({source}):"

@@ -65,16 +65,21 @@ LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared obj
 RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
 
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes). 9.0 and 9.2-9.5 are also
-# what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37 write (`nvcc -ptx`, `.version`).
+# PTX ISA version -> the toolkit that introduced it (the PTX ISA release history, as NVIDIA's cuda-python
+# maps it too). 9.0 and 9.2-9.5 are also what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37
+# write (`nvcc -ptx`, `.version`).
 PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    (3, 0): (4, 1), (3, 1): (5, 0), (3, 2): (5, 5), (4, 0): (6, 0), (4, 1): (6, 5), (4, 2): (7, 0),
+    (4, 3): (7, 5), (5, 0): (8, 0), (6, 0): (9, 0), (6, 1): (9, 1), (6, 2): (9, 2), (6, 3): (10, 0),
+    (6, 4): (10, 1), (6, 5): (10, 2),
     **{(7, minor): (11, minor) for minor in range(9)},
     **{(8, minor): (12, minor) for minor in range(6)},
     (8, 6): (12, 7),
     (8, 7): (12, 8),
     (8, 8): (12, 9),
     **{(9, minor): (13, minor) for minor in range(6)},
-}
+}  # fmt: skip
+NEWEST_PTX_ISA = max(PTX_ISA_TOOLKITS)
 
 
 _ARCH = re.compile(r"^(\d{2,4})([af]?)$")
@@ -122,7 +127,8 @@ def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
 
 
 def ptx_toolkit(isa: str | None) -> str | None:
-    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown."""
+    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown (older than
+    CUDA 4.1, or newer than the table: `placement.cuda_drivers` judges those)."""
     major, _, minor = (isa or "").partition(".")
     if not (major.isdigit() and minor.isdigit()):
         return None
