@@ -15,11 +15,15 @@ Per container, NVIDIA's rules for a GPU of compute capability X.Y:
 
 Which containers count, as CUDA loads a file:
 * containers of `.nv_fatbin` (what CUDA registers), of standalone module files, and of other
-  sections of a library that loads them itself through the module API (TensorFlow's generated
-  kernels in `.rodata`); never device-link input (`__nv_relfatbin`), relocatable objects, or the
-  containers NVIDIA's own libraries keep outside `.nv_fatbin` (libcupti's profiling kernels);
+  sections of a shared object or program, which the library loads itself through the module API
+  (TensorFlow's generated kernels in `.rodata`, cuFFT 12's in `.ldata`, cuBLASLt's in
+  `.cask_resource`); never device-link input (`__nv_relfatbin`), relocatable objects, or the
+  containers NVIDIA's profiling libraries keep outside `.nv_fatbin` (CUPTI's instrumentation
+  kernels, injected only under a profiler). Names cannot tell these apart: every CUDA library links
+  the runtime statically, and with it the module API's names; what the library is does;
 * never a container that holds no kernel (`ContainerArchs.kernels`: the empty module nvcc 13 puts
-  in every program it builds);
+  in every program it builds), nor one with neither SASS nor PTX (cuFFT 12 keeps 12,728 whose entries
+  are of another kind, 8, beside its kernels: no GPU runs them as they are);
 * never a file the image cannot load, or a build its package does not select.
 
 Two rules judge the counted code (`Rule`, the setting `GPUBADGE_GPU_CODE_RULE` and the request's
@@ -57,7 +61,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scanner.layers.code_loading import nvidia_library, package_of
+from scanner.layers.code_loading import nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
 from scanner.layers.gpu_modules import MODULE_FILE
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
@@ -159,21 +163,16 @@ def specific_only(container: ContainerArchs) -> bool:
     return bool(archs) and all(parse_arch(arch)[2] for arch in archs)
 
 
-def _self_loaded(container: ContainerArchs) -> bool:
-    """A container outside the sections CUDA registers, which only its library's own module-API calls
-    load."""
-    return container.section not in (*_CUDA_LOADED, RELOCATABLE_SECTION)
-
-
 def counted_containers(file: FileArchs) -> list[ContainerArchs]:
     """The containers of a file that hold code the image runs (see the module docstring)."""
-    nvidia = nvidia_library(file.path)
+    profiling = nvidia_profiling_library(file.path)
     return [
         c
         for c in file.containers
         if c.kernels
+        and (c.sass or c.ptx)
         and c.section != RELOCATABLE_SECTION
-        and (c.section in _CUDA_LOADED or (_self_loaded(c) and not nvidia))
+        and (c.section in _CUDA_LOADED or not profiling)
     ]
 
 

@@ -80,9 +80,9 @@ def cuda_mismatch(gpu: GpuFacts) -> str | None:
     newer = carried_newer(gpu)
     if newer is None or gpu.inferred is None:
         return None
-    declared, found = gpu.cuda_version, gpu.inferred.cuda
+    declared, found = gpu.cuda_version or "", gpu.inferred.cuda or ""
     source = gpu.inferred.set_by or "its layers"
-    if newer and declared and found and found.split(".")[0] == declared.split(".")[0]:
+    if newer and found.split(".")[0] == declared.split(".")[0]:
         major = found.split(".")[0]
         return (
             f"the config declares CUDA {declared}, but the layers carry the newer CUDA {found} ({source}):"

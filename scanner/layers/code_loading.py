@@ -67,14 +67,40 @@ def nvidia_library(path: str) -> bool:
     return bool(_NVIDIA_LIBRARY.match(posixpath.basename(path)) or _NVIDIA_TREE.search(path))
 
 
+_PROFILING = re.compile(r"^lib(?:cupti|nvperf_\w+|checkpoint|pcsamplingutil)(?:[-.][0-9a-f]{8})?\.so")
+
+
+def nvidia_profiling_library(path: str) -> bool:
+    """NVIDIA's profiling and checkpointing libraries (CUPTI, NVPerf): the fatbins they keep outside
+    `.nv_fatbin` are instrumentation injected under a profiler, never the application's code."""
+    return _PROFILING.match(posixpath.basename(path)) is not None
+
+
 def cuda_library_file(path: str) -> bool:
     """A file named like a CUDA library, which other files may link by that name."""
     return CUDA_LIBRARY_FILE.match(posixpath.basename(path)) is not None
 
 
-def missing_libraries(needed: Iterable[str], carried: set[str]) -> list[str]:
-    """The CUDA libraries in `needed` that the image does not carry (the driver's are the host's)."""
-    return sorted(name for name in needed if name not in carried and not DRIVER_LIBRARIES.match(name))
+def missing_libraries(
+    needed: Iterable[str], carried: set[str], links: Mapping[str, Sequence[str]] | None = None
+) -> list[str]:
+    """The CUDA libraries in `needed` the loader cannot find in the image (the driver's are the host's),
+    following what the carried ones link in turn (`links`: library name -> its CUDA DT_NEEDED):
+    "libcusparse.so.12 -> libnvJitLink.so.13" where libcusparse is there and what it links is not."""
+    missing: list[str] = []
+    seen: set[str] = set()
+    stack = [(name, name) for name in needed]
+    while stack:
+        name, shown = stack.pop()
+        if name in seen or DRIVER_LIBRARIES.match(name):
+            continue
+        seen.add(name)
+        if name not in carried:
+            missing.append(shown)
+            continue
+        for deeper in (links or {}).get(name, ()):
+            stack.append((deeper, f"{shown} -> {deeper}"))
+    return sorted(missing)
 
 
 def distribution_from_record(dist_info: str, record: bytes) -> Distribution | None:
@@ -180,9 +206,11 @@ def annotate(
     runtime_cuda: str | None,
     distributions: Mapping[str, Distribution],
     imports: Mapping[str, str],
+    links: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[list[FileArchs], list[PackageFacts]]:
     """The files with `package`, `missing`, `cuda_build`, `selected` and `imported` set, and the
-    packages they belong to (`optional` set). `imports`: extension path -> `required`/`optional`."""
+    packages they belong to (`optional` set). `imports`: extension path -> `required`/`optional`;
+    `links`: carried library name -> the CUDA libraries it links."""
     index = distribution_index(distributions)
     annotated: list[FileArchs] = []
     packages: dict[str, PackageFacts] = {}
@@ -194,7 +222,7 @@ def annotate(
             file.model_copy(
                 update={
                     "package": package.id,
-                    "missing": missing_libraries(file.needed, carried),
+                    "missing": missing_libraries(file.needed, carried, links),
                     "imported": state if state in ("required", "optional") else None,
                 }
             )

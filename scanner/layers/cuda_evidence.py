@@ -556,11 +556,12 @@ def combine(
     merged = _merge(layers_top_down)
     findings = list(merged.findings)
     runtime = runtime_cuda(findings, merged.carried)
-    archs = image_archs(merged, runtime)
+    links = _links(merged)
+    archs = image_archs(merged, runtime, links)
     dead = {f.path for f in archs.files if not f.loadable} if archs is not None else set()
     ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
     for path, facts in merged.elves:
-        if path in dead or missing_libraries(facts.needed, merged.carried):
+        if path in dead or missing_libraries(facts.needed, merged.carried, links):
             continue
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
@@ -644,7 +645,18 @@ def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:
     )
 
 
-def image_archs(merged: _Merged, runtime: str | None) -> GpuArchs | None:
+def _links(merged: _Merged) -> dict[str, list[str]]:
+    """What each carried CUDA library links in turn (its name -> CUDA DT_NEEDED), for the loader's
+    transitive resolution."""
+    links: dict[str, list[str]] = {}
+    for path, facts in merged.elves:
+        name = posixpath.basename(path)
+        if facts.needed and name in merged.carried:
+            links.setdefault(name, facts.needed)
+    return links
+
+
+def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]]) -> GpuArchs | None:
     """The image's GPU code: each file's (and each directory of module files') containers, annotated
     with its package and whether it can load (`scanner.layers.code_loading.annotate`); for the image,
     every arch its loadable code holds (union).
@@ -680,6 +692,7 @@ def image_archs(merged: _Merged, runtime: str | None) -> GpuArchs | None:
         runtime_cuda=runtime,
         distributions=merged.distributions,
         imports=merged.extensions,
+        links=links,
     )
     runnable = [
         c

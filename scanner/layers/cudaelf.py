@@ -255,7 +255,15 @@ class ElfCudaProbe:
             named = [
                 s for s in sections if s.type != SHT_NOBITS and s.size and self._scan.tiles(s.offset, s.size)
             ]
-        if not named:
+        loose: list[ContainerArchs] = []
+        if layout.elf_type != ET_REL and self._scan.met_containers:
+            hosts = [
+                (s.name or f"section at {s.offset:#x}", s.offset, s.size)
+                for s in sections
+                if s.type != SHT_NOBITS and s.size and s not in named
+            ]
+            loose = self._scan.loose(hosts)
+        if not named and not loose:
             return None
         facts = FatbinFacts(sections=[s.name or f"section at {s.offset:#x}" for s in named])
         containers: list[ContainerArchs] = []
@@ -266,6 +274,9 @@ class ElfCudaProbe:
             except FatbinError as exc:
                 facts.error = f"{section.name or 'fatbin section'}: {exc}"
                 break
+        if facts.error is None:
+            containers.extend(loose)
+            facts.sections += sorted({c.section for c in loose} - set(facts.sections))
         signatures = merge_signatures(containers)
         if len(signatures) > MAX_SIGNATURES_PER_FILE:
             facts.error = f"more than {MAX_SIGNATURES_PER_FILE} distinct container contents"

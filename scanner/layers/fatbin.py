@@ -388,6 +388,28 @@ class FatbinScan:
             raise FatbinError("empty fatbin section")
         return found
 
+    def loose(self, sections: Sequence[tuple[str, int, int]]) -> list[ContainerArchs]:
+        """Whole, well-formed containers that lie outside the fatbin sections, each tagged with the
+        section that holds it (`sections`: name, offset, size of the sections that may: not the
+        fatbin sections, not NOBITS). A library keeps such containers to load them itself through
+        CUDA's module API (TensorFlow's generated kernels in `.rodata`, cuFFT's in `.ldata`,
+        cuBLASLt's in `.cask_resource`). A container inside another is part of it, not one of its own."""
+        found: list[ContainerArchs] = []
+        end = -1
+        ordered = sorted(sections, key=lambda s: s[1])
+        for start in sorted(self._candidates):
+            candidate = self._candidates[start]
+            if start < end or not candidate.done or candidate.error is not None or candidate.end < 0:
+                continue
+            host = next(
+                (name for name, at, size in ordered if at <= start and candidate.end <= at + size), None
+            )
+            if host is None:
+                continue
+            found.append(candidate.archs(host))
+            end = candidate.end
+        return found
+
     def tiles(self, start: int, size: int) -> bool:
         """True when containers tile [start, start+size) exactly (used when section names are lost)."""
         try:
