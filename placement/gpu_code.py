@@ -262,10 +262,10 @@ class FileVerdict:
             f" ({describe_code(self.missing)})"
         )
 
-    def covered(self) -> str:
-        """ "libtorch_cuda.so: SASS sm_90" (what runs here)."""
-        sass = {a for c, how in self.covering if how == "sass" for a in c.sass}
-        ptx = {a for c, how in self.covering if how == "ptx" for a in c.ptx}
+    def covered(self, cc: CC) -> str:
+        """ "libtorch_cuda.so: SASS sm_90" (the code that runs here)."""
+        sass = {a for c, how in self.covering if how == "sass" for a in c.sass if sass_runs_on(a, cc)}
+        ptx = {a for c, how in self.covering if how == "ptx" for a in c.ptx if ptx_runs_on(a, cc)}
         parts = []
         if sass:
             parts.append("SASS " + ", ".join(f"sm_{a}" for a in sorted(sass, key=arch_sort_key)))
@@ -342,11 +342,16 @@ def _package_text(package: PackageFacts) -> str:
 
 
 def _absent(file: FileVerdict, cc: CC) -> str:
-    """Why a file has no code that runs here: none built for this GPU, or PTX the driver cannot JIT."""
+    """Why a file has no code that runs here, after its name: none built for this GPU, or PTX its
+    driver cannot JIT. "vllm/.../_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute
+    capability 10.0 (SASS sm_90a, no PTX)"."""
     if file.refused and not file.missing:
         container, why = file.refused[0]
-        return f"{library_name(file.path)} has only PTX for compute capability {cc_text(cc)} ({describe_code([container])}), and {why}"
-    return file.lacks(cc)
+        return (
+            f"{library_name(file.path)}: only PTX for compute capability {cc_text(cc)}"
+            f" ({describe_code([container])}), and {why}"
+        )
+    return f"{library_name(file.path)}: no kernel image for compute capability {cc_text(cc)} ({describe_code(file.missing)})"
 
 
 def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatch") -> CodeVerdict:
@@ -366,18 +371,22 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
         needs_it = package.kind != "nvidia" and not package.optional
         running = [f for f in files if f.runs]
         if not running:
-            lacking = "; ".join(_absent(f, cc) for f in files)
+            lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
             if needs_it:
                 verdict.reasons.append(
                     f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
                 )
             elif package.optional:
-                verdict.without.append(f"{lacking}: {_package_text(package)} runs without it")
+                verdict.without += [
+                    f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files
+                ]
             elif own:
-                verdict.without.append(f"{lacking}: calls into this NVIDIA library fail here")
+                verdict.without += [
+                    f"{_absent(f, cc)}; calls into this NVIDIA library fail here" for f in files
+                ]
             continue
         for one in running:
-            verdict.covered_by.append(one.covered())
+            verdict.covered_by.append(one.covered(cc))
             if one.ptx_isa is not None:
                 verdict.ptx.append(one)
             for container, why in one.refused:  # PTX meant for this GPU that its driver cannot compile
@@ -386,7 +395,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                     verdict.reasons.append(f"{where}: {line}")
                 else:
                     verdict.without.append(line)
-        verdict.without += [f"{_absent(f, cc)}: used on other GPUs" for f in files if not f.runs]
+        verdict.without += [f"{_absent(f, cc)}; used on other GPUs" for f in files if not f.runs]
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.runs = not verdict.reasons
@@ -426,7 +435,7 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
     verdict.without = [
         f"{v.lacks(cc)}: calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ]
-    verdict.covered_by = [v.covered() for v in deciding]
+    verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]
     elif deciding and all(v.ptx_isa is not None for v in deciding):
@@ -497,7 +506,7 @@ def caveats(archs: GpuArchs, rule: Rule = "dispatch") -> list[str]:
         if cc not in KNOWN_COMPUTE_CAPABILITIES:
             continue
         for line in verdict.without:
-            name = line.split(" has no kernel image", 1)[0].split(": ", 1)[0]
+            name = line.split(": ", 1)[0]
             lacking.setdefault(name, []).append(cc)
     return [f"runs without {name} on compute capability {cc_spans(ccs)}" for name, ccs in lacking.items()]
 

@@ -153,7 +153,9 @@ class Query:
                 gpu = self.index.classes[class_id]
                 if usable and gpu.compute_capability:
                     for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
-                        found.append(f"on {gpu.name} (compute capability {gpu.compute_capability}): {caveat}")
+                        found.append(
+                            f"on {gpu.name} (compute capability {gpu.compute_capability}): runs; without {caveat}"
+                        )
         return found
 
     @staticmethod

@@ -121,7 +121,8 @@ def distribution_from_record(dist_info: str, record: bytes) -> Distribution | No
             top.append(name)
             if len(top) >= MAX_TOP_LEVEL:
                 break
-    return Distribution(name=match.group(2), version=match.group(3), top_level=top)
+    name = re.sub(r"[-_.]+", "-", match.group(2)).lower()  # as PyPI names it (PEP 503)
+    return Distribution(name=name, version=match.group(3), top_level=top)
 
 
 def package_of(path: str, distributions: Mapping[str, Distribution]) -> PackageFacts:
