@@ -218,11 +218,10 @@ def cc_text(cc: CC) -> str:
 
 
 def library_name(path: str) -> str:
-    """A file as a reader knows it: "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (FlashAttention 3)"."""
-    shown = path.split("-packages/", 1)[1] if "-packages/" in path else path
+    """A file as a reader knows it: ".../vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (FlashAttention 3)"."""
     stem = posixpath.basename(path.rstrip("/")).split(".", 1)[0]
     known = KNOWN_LIBRARIES.get(stem)
-    return f"{shown} ({known})" if known else shown
+    return f"{path} ({known})" if known else path
 
 
 def _count(containers: Iterable[ContainerArchs]) -> int:
@@ -341,16 +340,19 @@ def _package_text(package: PackageFacts) -> str:
     return package.name
 
 
+def _ptx_text(container: ContainerArchs) -> str:
+    """ "PTX compute_80, ISA 9.5": the PTX of a container that JIT would compile."""
+    archs = ", ".join(f"compute_{a}" for a in sorted(container.ptx, key=arch_sort_key))
+    return f"PTX {archs}, ISA {container.ptx_isa}" if container.ptx_isa else f"PTX {archs}"
+
+
 def _absent(file: FileVerdict, cc: CC) -> str:
     """Why a file has no code that runs here, after its name: none built for this GPU, or PTX its
-    driver cannot JIT. "vllm/.../_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute
+    driver cannot JIT. "…/_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute
     capability 10.0 (SASS sm_90a, no PTX)"."""
     if file.refused and not file.missing:
         container, why = file.refused[0]
-        return (
-            f"{library_name(file.path)}: only PTX for compute capability {cc_text(cc)}"
-            f" ({describe_code([container])}), and {why}"
-        )
+        return f"{library_name(file.path)} runs here only through PTX ({_ptx_text(container)}), and {why}"
     return f"{library_name(file.path)}: no kernel image for compute capability {cc_text(cc)} ({describe_code(file.missing)})"
 
 
@@ -371,8 +373,10 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
         needs_it = package.kind != "nvidia" and not package.optional
         running = [f for f in files if f.runs]
         if not running:
-            lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
-            if needs_it:
+            if needs_it and all(f.refused and not f.missing for f in files):
+                verdict.reasons += [f"{where}: {_absent(f, cc)}" for f in files]
+            elif needs_it:
+                lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
                 verdict.reasons.append(
                     f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
                 )
@@ -380,7 +384,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                 verdict.without += [
                     f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files
                 ]
-            elif own:
+            else:
                 verdict.without += [
                     f"{_absent(f, cc)}; calls into this NVIDIA library fail here" for f in files
                 ]
@@ -390,7 +394,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
             if one.ptx_isa is not None:
                 verdict.ptx.append(one)
             for container, why in one.refused:  # PTX meant for this GPU that its driver cannot compile
-                line = f"{library_name(one.path)} runs here only through PTX in some kernels ({describe_code([container])}), and {why}"
+                line = f"{library_name(one.path)} runs here only through PTX in some kernels ({_ptx_text(container)}), and {why}"
                 if needs_it:
                     verdict.reasons.append(f"{where}: {line}")
                 else:
@@ -429,11 +433,11 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
                 verdict.reasons.append(f"{where}: {v.lacks(cc)}{suffix}; {RULE}")
             for container, why in v.refused:
                 verdict.reasons.append(
-                    f"{where}: {library_name(v.path)} runs here only through PTX ({describe_code([container])}): {why}"
+                    f"{where}: {library_name(v.path)} runs here only through PTX ({_ptx_text(container)}), and {why}"
                 )
         return verdict
     verdict.without = [
-        f"{v.lacks(cc)}: calls into this NVIDIA library fail here" for v in libraries if not v.runs
+        f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ]
     verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:

@@ -263,7 +263,7 @@ def test_vllm_says_what_it_runs_without_on_each_gpu(vllm: ImageFacts) -> None:
     assert "_qutlass_C" not in blackwell
     warnings = "\n".join(place(vllm).warnings)
     assert (
-        "on Tesla T4 (compute capability 7.5): runs; without vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+        f"on Tesla T4 (compute capability 7.5): runs; without {SITE}/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
         in warnings
     )
 
@@ -297,7 +297,7 @@ def test_strict_rule_is_a_request_option_and_refuses_vllm_everywhere(vllm: Image
     assert eligible(decision) == set()
     hopper = "\n".join(reasons(decision)["h100"])
     assert (
-        "compute capability 9.0: vllm/_C_stable_libtorch.abi3.so has no kernel image for compute capability 9.0"
+        f"compute capability 9.0: {SITE}/vllm/_C_stable_libtorch.abi3.so has no kernel image for compute capability 9.0"
         in hopper
     )
     assert "driver 570.86.15: CUDA 13.x needs driver >= 580" in only(decision, "l4")  # still decisive first
@@ -316,11 +316,11 @@ def test_torch_cu130_runs_on_a_t4_without_its_linear_algebra(
     t4 = gpu_code.judge(archs_of(torch), (7, 5))
     assert t4.runs and any(
         line.startswith(
-            "torch/lib/libtorch_cuda_linalg.so (torch.linalg): no kernel image for compute capability 7.5"
+            f"{SITE}/torch/lib/libtorch_cuda_linalg.so (torch.linalg): no kernel image for compute capability 7.5"
         )
         for line in t4.without
     )
-    assert "torch/lib/libtorch_cuda.so: SASS sm_75" in t4.covered_by
+    assert f"{SITE}/torch/lib/libtorch_cuda.so: SASS sm_75" in t4.covered_by
 
 
 def test_cublas_13_alone_runs_where_its_kernels_are(cuda13: CudaLayerEvidence) -> None:
@@ -374,7 +374,7 @@ def test_onnxruntime_runs_on_turing_and_hopper_not_blackwell(onnxruntime: ImageF
     assert eligible(decision) == {"t4-580", "h100"}
     b200 = only(decision, "b200")
     assert (
-        "compute capability 10.0: onnxruntime/capi/libonnxruntime_providers_cuda.so has no kernel image for compute capability 10.0"
+        f"compute capability 10.0: {SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so has no kernel image for compute capability 10.0"
         in b200
     )
     assert "no GPU code of onnxruntime-gpu 1.31.1 runs here" in b200  # no sm_100, no PTX
