@@ -191,7 +191,9 @@ def test_module_files_make_an_image_a_gpu_image_that_picks_its_kernels(built: Pa
     """Module files are kernels a package loads itself for the GPU at hand: they never block a GPU
     they lack, but they are GPU code, and the answer says what the image runs without."""
     cubins = [
-        _entry(f"/usr/lib/python3/dist-packages/fastattn/cubins/{t}.cubin", (built / f"{t}.cubin").read_bytes())
+        _entry(
+            f"/usr/lib/python3/dist-packages/fastattn/cubins/{t}.cubin", (built / f"{t}.cubin").read_bytes()
+        )
         for t in ("sm_100a", "sm_103a")
     ]
     inferred, archs = combine([collect_layer(cubins)])
