@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from fixtures.oci import ImageSpec, LayerSpec, file
+from fixtures.registry import LocalRegistry
 from placement import gpu_code
 from placement.decide import decide
 from placement.decision import Decision
@@ -24,6 +27,11 @@ from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.layers.cuda_evidence import CudaLayerEvidence, combine
 from scanner.models import GpuArchs, GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
+from scanner.registry.client import RegistryClient
+from scanner.scan import Scanner
+from scanner.settings import ScannerSettings
+from store import open_store
+from tests.conftest import Pusher
 from tests.gpu_packages import (
     BITSANDBYTES,
     CUDA12,
@@ -425,3 +433,41 @@ def test_flashinfer_is_a_gpu_package_that_picks_its_modules(flashinfer: ImageFac
 def test_one_line_summary_lists_where_it_runs_without_holes(onnxruntime: ImageFacts) -> None:
     summary = gpu_code.summary(archs_of(onnxruntime))
     assert summary.endswith("compute capability 7.5–9.0, 12.0"), summary
+
+
+# -- through a real registry: pushed by skopeo, read by the scanner's own client and walk
+
+
+async def test_flashinfer_modules_through_a_registry(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """FlashInfer's own `.ptx` files and one directory of flashinfer-cubin's (93 GEMM cubins, sm_100f),
+    pushed with skopeo as pip lays them out: the scan finds a GPU image, and placement its fleet."""
+    ptx = member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD")))
+    gemm = member_files(
+        FLASHINFER_CUBIN, lambda name: "/gemm-91e0ba0-2710384/" in name or name.endswith(".dist-info/RECORD")
+    )
+    layers = [
+        LayerSpec([file(f"{SITE}/{name}", path.read_bytes()) for name, path in sorted(files.items())])
+        for files in (ptx, gemm)
+    ]
+    reference = f"{registry.host}/pkg/flashinfer:0.7.4"
+    push(ImageSpec(layers), "pkg/flashinfer:0.7.4")
+    settings = ScannerSettings(docker_config=None, analysis_processes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            report = await scanner.scan(reference)
+            await scanner.close()
+    finally:
+        await store.close()
+    assert report.error is None, report.error
+    (platform,) = report.platforms
+    assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "13.2"
+    archs = platform.gpu.archs
+    assert archs is not None
+    cubins = [f for f in archs.files if f.kind == "modules" and "flashinfer_cubin" in f.path]
+    assert [f.files for f in cubins] == [93] and cubins[0].sass == ["100"]
+    decision = decide(ImageFacts.from_report(report), DeployRequest(gpus=1), FLEET)
+    assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
