@@ -156,7 +156,9 @@ class Scanner:
             from scanner.layer_reader import LayerReader
             from scanner.layers.analysis import AnalysisPool
 
-            self._pool = AnalysisPool(self.settings.analysis_processes)
+            self._pool = AnalysisPool(
+                self.settings.analysis_processes, memory_bytes=self.settings.analysis_memory_bytes
+            )
             self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
         return self._reader
 

@@ -23,6 +23,7 @@ from scanner.layers.fatbin import (
     summarise,
     walk_section,
 )
+from scanner.layers.limits import AnalysisLimits, GpuCodeWork
 from scanner.models import ContainerArchs, FileArchs
 from tests.conftest import skip_unless_required
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
@@ -206,9 +207,11 @@ def test_arch_specific_flag_runs_only_at_its_cc(cu12: bytes) -> None:
 
 
 def test_too_many_containers_is_bounded(cu12: bytes) -> None:
-    scan = FatbinScan(max_containers=3)
+    scan = FatbinScan(GpuCodeWork(AnalysisLimits(max_fatbin_containers=3)))
     scan.feed(0, cu12)
-    with pytest.raises(FatbinError, match="more than 3 fatbin containers"):
+    with pytest.raises(
+        FatbinError, match=r"more than 3 fatbin containers.*\(GPUBADGE_MAX_FATBIN_CONTAINERS\)"
+    ):
         scan.chain(CU12_FATBIN_OFFSET, CU12_FATBIN_SIZE)
 
 

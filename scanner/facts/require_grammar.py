@@ -202,13 +202,19 @@ def formatted_length(condition: Condition) -> int:
     return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
 
 
+def _too_large(digits: str) -> bool:
+    """A run of digits strtoumax saturates on, judged without int() on thousands of digits."""
+    significant = digits.lstrip("0")
+    return len(significant) > len(str(_UINTMAX)) or int(significant or "0") >= _UINTMAX
+
+
 def latent_error(condition: Condition) -> str | None:
     """Why a well-formed factor is still an error for nvidia-container-cli (when compared), if it is."""
     if condition.error is not None or condition.key == "brand":
         return None
     if condition.value.startswith("."):
         return f"invalid requirement term {condition.text!r}: a version cannot start with '.'"
-    if any(int(part) >= _UINTMAX for part in _DIGITS.findall(condition.value)):
+    if any(_too_large(part) for part in _DIGITS.findall(condition.value)):
         return f"invalid requirement term {condition.text!r}: a number too large for nvidia-container-cli"
     if formatted_length(condition) >= EXPR_MAX:
         return (

@@ -17,6 +17,13 @@ Sources (read by `scanner.layers.cuda_sources`; see the shared cuda_inference no
 * toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
 * ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.layers.cudaelf`), which also give archs.
 
+One file never fails the layer: a parser that fails on a file (Python's parser out of memory or
+recursion on a crafted `torch/version.py`, any error reading an ELF file) makes that file's
+`problems` entry, the file hides what lower layers hold at its path (as any upper file does), and the
+walk goes on. The GPU code of a layer is read under `scanner.layers.limits.GpuCodeWork`'s bounds,
+per file and per layer; past the layer's, `gpu_code_unread` says so and the later files' fatbins are
+left unread. Both reach the report as warnings (`layer_problems`).
+
 `cuda` is the NEWEST CUDA the evidence names (the image needs the newest runtime it carries), as
 precisely as the evidence for that major allows: a major.minor (a toolkit-versioned wheel's
 dist-info, `torch/version.py`, a toolkit tree) wins over a major alone (a `-cu13` wheel name, a
@@ -65,9 +72,10 @@ from scanner.layers.cuda_sources import (
     parse_torch_version,
     tf_cuda_version,
 )
-from scanner.layers.cudaelf import ElfCudaFacts, ElfCudaProbe
+from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
+from scanner.layers.limits import AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
@@ -77,7 +85,7 @@ CUDA_EVIDENCE_SCHEMA = 4  # 2: containers carry their section; 3: and whether th
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
-ELF_MIN_BYTES = 64
+ELF_MIN_BYTES = ELF_MAGIC_BYTES
 MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
@@ -87,6 +95,8 @@ MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubi
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
 RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
 _RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
+MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
+MAX_PROBLEM_CHARS = 300
 
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
@@ -136,6 +146,14 @@ class CudaLayerEvidence(BaseModel):
         default_factory=dict, description="how the layer's Python loads its GPU-code extension modules"
     )
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
+    problems: dict[str, str] = Field(
+        default_factory=dict, description="files whose evidence could not be read, and why (path -> problem)"
+    )
+    gpu_code_unread: str | None = Field(
+        default=None,
+        description="the per-layer bound on reading GPU code, when this layer crossed it: the fatbins of"
+        " the files after that point were not read",
+    )
 
 
 # -- one layer
@@ -151,8 +169,17 @@ class CudaLayerCollector:
     """
 
     evidence: CudaLayerEvidence = field(default_factory=CudaLayerEvidence)
+    limits: AnalysisLimits = field(default_factory=AnalysisLimits)
     _dirs_seen: set[str] = field(default_factory=set)
     _loads: LoadSites = field(default_factory=LoadSites)
+    _work: LayerGpuCodeWork | None = None
+
+    @property
+    def work(self) -> LayerGpuCodeWork:
+        """The layer's GPU-code work so far (`max_layer_gpu_code_steps`)."""
+        if self._work is None:
+            self._work = LayerGpuCodeWork(self.limits.max_layer_gpu_code_steps)
+        return self._work
 
     def wants(self, entry: TarEntry) -> int:
         if entry.kind != "file":
@@ -178,10 +205,25 @@ class CudaLayerCollector:
             return None
         kind = module_kind(entry.path)
         if kind in ("cubin", "fatbin"):
-            return _ModuleSink(self, entry.path, ModuleSink(kind, entry.size))
+            return _ModuleSink(
+                self, entry.path, ModuleSink(kind, entry.size, GpuCodeWork(self.limits, self.work))
+            )
         if entry.size < ELF_MIN_BYTES:
             return None
-        return _ElfSink(self, entry)
+        return _ElfSink(self, entry, ElfCudaProbe(entry.size, GpuCodeWork(self.limits, self.work)))
+
+    def unreadable(self, path: str, exc: BaseException) -> None:
+        """A parser failed on the file at `path`: that is the file's finding, and the walk goes on. The
+        file hides lower layers' evidence at its path, as any file there would."""
+        detail = str(exc).strip()
+        problem = f"not read: {type(exc).__name__}" + (f": {detail}" if detail else "")
+        if len(self.evidence.problems) >= MAX_FINDINGS_PER_LAYER:
+            self.evidence.truncated = True
+        else:
+            self.evidence.problems[path] = problem[:MAX_PROBLEM_CHARS]
+        self.evidence.findings.pop(path, None)
+        self.evidence.elves.pop(path, None)
+        self._shadow(path)
 
     def _finding(self, path: str, finding: Finding) -> None:
         if len(self.evidence.findings) >= MAX_FINDINGS_PER_LAYER:
@@ -203,14 +245,20 @@ class CudaLayerCollector:
             kind, target = hidden
             (self.evidence.opaque_dirs if kind == "opaque" else self.evidence.whiteouts).append(target)
             return
-        self._add_path_evidence(path, entry)
-        if entry.kind in ("file", "symlink", "hardlink") and cuda_library_file(path):
-            if len(self.evidence.libraries) < MAX_LIBRARIES_PER_LAYER:
-                self.evidence.libraries.append(path)
-            else:
-                self.evidence.truncated = True
-        if entry.kind != "file" or not head:
-            return
+        try:
+            self._add_path_evidence(path, entry)
+            if entry.kind in ("file", "symlink", "hardlink") and cuda_library_file(path):
+                if len(self.evidence.libraries) < MAX_LIBRARIES_PER_LAYER:
+                    self.evidence.libraries.append(path)
+                else:
+                    self.evidence.truncated = True
+            if entry.kind == "file" and head:
+                self._add_content(path, head)
+        except Exception as exc:  # one file's parser failing is that file's finding, never the layer's
+            self.unreadable(path, exc)
+
+    def _add_content(self, path: str, head: bytes) -> None:
+        """Evidence from the head of a file (`wants`): its parser by path."""
         if path.endswith(".py"):
             self._loads.add_source(path, head)
         if _RECORD.search(path):
@@ -375,51 +423,89 @@ class CudaLayerCollector:
                     self.evidence.extensions[path] = state
         if self._loads.truncated:
             self.evidence.truncated = True
+        if self._work is not None and self._work.exceeded is not None:
+            self.evidence.gpu_code_unread = str(self._work.exceeded)
         return self.evidence
 
 
 class _ElfSink:
-    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector."""
+    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector. A probe
+    that fails is that file's finding (`CudaLayerCollector.unreadable`), never the walk's error."""
 
     __slots__ = ("_collector", "_entry", "_probe")
 
-    def __init__(self, collector: CudaLayerCollector, entry: TarEntry) -> None:
+    def __init__(self, collector: CudaLayerCollector, entry: TarEntry, probe: ElfCudaProbe) -> None:
         self._collector = collector
         self._entry = entry
-        self._probe = ElfCudaProbe(entry.size)
+        self._probe: ElfCudaProbe | None = probe
 
-    def feed(self, data: memoryview) -> bool:
-        return self._probe.feed(data)
+    def feed(self, data: bytes | memoryview) -> bool:
+        if self._probe is None:
+            return False
+        try:
+            return self._probe.feed(data)
+        except Exception as exc:
+            self._fail(exc)
+            return False
 
     def close(self, complete: bool) -> None:
-        if self._probe.is_elf:
-            self._collector.add_elf(self._entry, self._probe.finish())
+        probe = self._probe
+        if probe is None or not probe.is_elf:
+            return
+        try:
+            facts = probe.finish()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._collector.add_elf(self._entry, facts)
+
+    def _fail(self, exc: Exception) -> None:
+        self._probe = None
+        self._collector.unreadable(self._entry.path, exc)
 
 
 class _ModuleSink:
-    """Streams one standalone module file into its reader; records it in the layer's collector."""
+    """Streams one standalone module file into its reader; records it in the layer's collector. A
+    reader that fails is that file's finding, never the walk's error."""
 
     __slots__ = ("_collector", "_path", "_reader")
 
     def __init__(self, collector: CudaLayerCollector, path: str, reader: ModuleSink) -> None:
         self._collector = collector
         self._path = path
-        self._reader = reader
+        self._reader: ModuleSink | None = reader
 
     def feed(self, data: memoryview) -> bool:
-        return self._reader.feed(data)
+        if self._reader is None:
+            return False
+        try:
+            return self._reader.feed(data)
+        except Exception as exc:
+            self._fail(exc)
+            return False
 
     def close(self, complete: bool) -> None:
-        self._reader.close(complete)
-        self._collector.add_module(self._path, self._reader.containers, self._reader.error)
+        reader = self._reader
+        if reader is None:
+            return
+        try:
+            reader.close(complete)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._collector.add_module(self._path, reader.containers, reader.error)
+
+    def _fail(self, exc: Exception) -> None:
+        self._reader = None
+        self._collector.add_module(self._path, [], f"not read: {type(exc).__name__}")
 
 
 class CudaEntryCollector:
     """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early:
     evidence can sit in any entry of any layer, so a walk with it attached reads the layer whole."""
 
-    def __init__(self) -> None:
-        self.layer = CudaLayerCollector()
+    def __init__(self, limits: AnalysisLimits | None = None) -> None:
+        self.layer = CudaLayerCollector(limits=limits or AnalysisLimits())
         self.position = 0  # compressed bytes read so far, kept current by the walk
 
     def wants(self, entry: TarEntry) -> int:
@@ -440,9 +526,11 @@ class CudaEntryCollector:
         return self.layer.sink(entry)
 
 
-def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidence:
+def collect_layer(
+    entries: Iterable[tuple[TarEntry, bytes]], limits: AnalysisLimits | None = None
+) -> CudaLayerEvidence:
     """One layer's evidence from whole entries in memory (tests, small layers)."""
-    collector = CudaLayerCollector()
+    collector = CudaLayerCollector(limits=limits or AnalysisLimits())
     for entry, content in entries:
         want = collector.wants(entry)
         collector.add(entry, content[:want] if want else b"")
@@ -627,6 +715,25 @@ def combine(
         complete=complete,
     )
     return inferred, archs
+
+
+def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
+    """What could not be read, in words: each file a parser failed on, and each layer whose GPU code was
+    left partly unread by its bound (at most `MAX_PROBLEMS_SHOWN`, then how many more)."""
+    found = [
+        f"{path}: {problem}" for layer in layers_top_down for path, problem in sorted(layer.problems.items())
+    ]
+    found += [
+        f"layer {index + 1} from the top: the GPU code of its later files was not read: {layer.gpu_code_unread}"
+        for index, layer in enumerate(layers_top_down)
+        if layer.gpu_code_unread
+    ]
+    if len(found) > MAX_PROBLEMS_SHOWN:
+        found = [
+            *found[: MAX_PROBLEMS_SHOWN - 1],
+            f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more files not read",
+        ]
+    return found
 
 
 def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:

@@ -20,7 +20,8 @@ flashinfer-cubin's 15,970 `.cubin` files (sm_100f, sm_100a, sm_103a), flashinfer
 
 A cubin is kept whole while it streams past (the section headers that locate `.nv.compat` and the
 symbol table come last), up to `MAX_MODULE_FILE_BYTES`; a larger one gives an error finding, never
-an unbounded buffer. Each file becomes one `ContainerArchs` with section `MODULE_FILE`; what
+an unbounded buffer. The symbols and containers read count in the file's and the layer's GPU-code
+work (`scanner.layers.limits.GpuCodeWork`), as in libraries. Each file becomes one `ContainerArchs` with section `MODULE_FILE`; what
 runs where is `placement.gpu_code`'s answer.
 """
 
@@ -32,6 +33,7 @@ import struct
 from typing import Literal
 
 from scanner.layers.fatbin import FatbinError, FatbinScan, arch_name, cubin_has_kernel, merge_signatures
+from scanner.layers.limits import GpuCodeWork, LimitExceeded
 from scanner.models import ContainerArchs
 
 ModuleKind = Literal["cubin", "fatbin", "ptx"]
@@ -88,9 +90,10 @@ def _compat_arch_specific(data: bytes, offset: int, size: int) -> bool:
     return False
 
 
-def parse_cubin(data: bytes) -> ContainerArchs:
+def parse_cubin(data: bytes, work: GpuCodeWork | None = None) -> ContainerArchs:
     """One whole cubin file -> its SASS arch (with `a` where it is arch-specific) and whether it holds
-    a kernel entry. Raises ModuleError where the bytes are not a 64-bit CUDA ELF."""
+    a kernel entry (its symbols counted in `work`). Raises ModuleError where the bytes are not a
+    64-bit CUDA ELF."""
     if len(data) < 64 or data[:4] != b"\x7fELF":
         raise ModuleError("not an ELF file")
     if data[4] != 2 or data[5] != 1:
@@ -110,7 +113,7 @@ def parse_cubin(data: bytes) -> ContainerArchs:
     return ContainerArchs(
         sass=(arch_name(number, "a" if specific else ""),),
         section=MODULE_FILE,
-        kernels=cubin_has_kernel(data),
+        kernels=cubin_has_kernel(data, work),
     )
 
 
@@ -146,13 +149,14 @@ class ModuleSink:
     `FatbinScan` (a few numbers per container); a `.ptx` keeps its first `PTX_HEAD_BYTES`.
     """
 
-    __slots__ = ("_data", "_kind", "_scan", "_size", "containers", "error")
+    __slots__ = ("_data", "_kind", "_scan", "_size", "_work", "containers", "error")
 
-    def __init__(self, kind: ModuleKind, size: int) -> None:
+    def __init__(self, kind: ModuleKind, size: int, work: GpuCodeWork | None = None) -> None:
         self._kind = kind
         self._size = size
+        self._work = work or GpuCodeWork()
         self._data = bytearray()
-        self._scan = FatbinScan() if kind == "fatbin" else None
+        self._scan = FatbinScan(self._work) if kind == "fatbin" else None
         self.containers: list[ContainerArchs] = []
         self.error: str | None = None
         if kind == "cubin" and size > MAX_MODULE_FILE_BYTES:
@@ -184,8 +188,8 @@ class ModuleSink:
                     for c in self._scan.chain(0, self._size, trailing_padding=15)
                 )
             else:
-                self.containers = [parse_cubin(bytes(self._data))]
-        except (ModuleError, FatbinError) as exc:
+                self.containers = [parse_cubin(bytes(self._data), self._work)]
+        except (ModuleError, FatbinError, LimitExceeded) as exc:
             self.error = str(exc)
         finally:
             self._data = bytearray()
