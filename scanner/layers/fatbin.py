@@ -429,11 +429,7 @@ class FatbinScan:
                 raise FatbinError(f"container at {position:#x} runs past the end of its section")
             if not candidate.done:
                 raise FatbinError(f"container at {position:#x} is truncated")
-            try:
-                self.work.walk_containers(1)
-            except LimitExceeded as exc:
-                self._stop(exc)
-                raise FatbinError(str(exc)) from None
+            self._walk_one()
             found.append(self._record(candidate, section))
             position = candidate.end
         if not found:
@@ -461,14 +457,19 @@ class FatbinScan:
             )
             if host is None:
                 continue
-            try:
-                self.work.walk_containers(1)
-            except LimitExceeded as exc:
-                self._stop(exc)
-                raise FatbinError(str(exc)) from None
+            self._walk_one()
             found.append(self._record(candidate, host))
             end = candidate.end
         return found
+
+    def _walk_one(self) -> None:
+        """One more container walked (`max_fatbin_containers`); past the bound the scan stops and
+        FatbinError names it."""
+        try:
+            self.work.walk_containers(1)
+        except LimitExceeded as exc:
+            self._stop(exc)
+            raise FatbinError(str(exc)) from None
 
     def _record(self, candidate: _Candidate, section: str) -> ContainerArchs:
         """The container as the report lists it: one shared record per distinct content, so however
