@@ -3,6 +3,14 @@
 The NVML module is a parameter so tests can hand in a stand-in; by default the real
 `pynvml` is imported. NVML missing, failing or seeing no GPUs is not an error: the
 server registers as a CPU server, and `NvmlFacts.reason` says why in one line.
+
+A GPU in MIG mode is reported with its MIG devices, read as NVML gives them:
+nvmlDeviceGetMaxMigDeviceCount slots, each nvmlDeviceGetMigDeviceHandleByIndex (an empty slot
+answers NOT_FOUND), and per device its UUID, nvmlDeviceGetAttributes (memory, multiprocessors,
+slice counts), its GPU and compute instance ids, and its profile from nvmlDeviceGetName
+(`NVIDIA A100-SXM4-40GB MIG 1g.5gb`), else from the attributes as go-nvlib derives it (that
+fallback cannot see a `+me` variant). The agent only reads: it never changes a GPU's MIG mode,
+which needs a GPU reset.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from placement.inventory import Gpu
+from placement.inventory import Gpu, MigDevice
+from placement.mig import MAX_MIG_DEVICES_PER_GPU, profile_from_attributes, profile_from_name
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +92,71 @@ def _import_pynvml() -> Any:
     return importlib.import_module("pynvml")
 
 
-def _mig_enabled(nvml: Any, handle: Any) -> bool:
+def _mig_enabled(nvml: Any, handle: Any, index: int) -> bool:
     try:
-        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        current, pending = nvml.nvmlDeviceGetMigMode(handle)
     except nvml.NVMLError:
         return False  # NOT_SUPPORTED on GPUs without MIG
+    if pending != current:
+        log.info(
+            "GPU %d: MIG mode %s is pending and takes effect after a GPU reset; reporting the current mode",
+            index,
+            "on" if pending == _MIG_ENABLED else "off",
+        )
     return bool(current == _MIG_ENABLED)
+
+
+def _optional_id(nvml: Any, getter: str, handle: Any) -> int | None:
+    try:
+        return int(getattr(nvml, getter)(handle))
+    except nvml.NVMLError:
+        return None
+
+
+def _read_mig_device(nvml: Any, mig: Any, index: int, parent_total_bytes: int) -> MigDevice:
+    attributes = nvml.nvmlDeviceGetAttributes(mig)
+    memory_mib = int(attributes.memorySizeMB)
+    profile = None
+    with contextlib.suppress(nvml.NVMLError):
+        profile = profile_from_name(_text(nvml.nvmlDeviceGetName(mig)))
+    if profile is None:
+        profile = profile_from_attributes(
+            int(attributes.gpuInstanceSliceCount),
+            int(attributes.computeInstanceSliceCount),
+            memory_mib,
+            parent_total_bytes,
+        )
+    return MigDevice(
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
+        profile=profile,
+        memory_mib=memory_mib,
+        multiprocessors=int(attributes.multiprocessorCount),
+        gpu_instance_id=_optional_id(nvml, "nvmlDeviceGetGpuInstanceId", mig),
+        compute_instance_id=_optional_id(nvml, "nvmlDeviceGetComputeInstanceId", mig),
+    )
+
+
+def _read_mig_devices(nvml: Any, handle: Any, gpu_index: int, parent_total_bytes: int) -> list[MigDevice]:
+    """The MIG devices of a GPU in MIG mode, in NVML's index order (slots may be empty)."""
+    try:
+        slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except nvml.NVMLError as exc:
+        log.warning("GPU %d is in MIG mode but NVML cannot count its MIG devices: %s", gpu_index, exc)
+        return []
+    devices: list[MigDevice] = []
+    for slot in range(min(slots, MAX_MIG_DEVICES_PER_GPU)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except nvml.NVMLError:
+            continue  # NOT_FOUND: no compute instance behind this slot
+        try:
+            devices.append(_read_mig_device(nvml, mig, slot, parent_total_bytes))
+        except (nvml.NVMLError, ValueError) as exc:
+            log.warning("skipping MIG device %d of GPU %d: %s", slot, gpu_index, exc)
+    if not devices:
+        log.warning("GPU %d is in MIG mode with no MIG device: nothing on it can be handed out", gpu_index)
+    return devices
 
 
 def _cuda_driver_version(nvml: Any) -> str | None:
@@ -103,14 +171,17 @@ def _cuda_driver_version(nvml: Any) -> str | None:
 def _read_gpu(nvml: Any, index: int) -> Gpu:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    mig = _mig_enabled(nvml, handle, index)
     return Gpu(
         index=index,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
         name=_text(nvml.nvmlDeviceGetName(handle)),
         brand=_brand(nvml, handle),
-        memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+        memory_mib=total_bytes // _MIB,
         compute_capability=f"{major}.{minor}",
-        mig=_mig_enabled(nvml, handle),
+        mig=mig,
+        mig_devices=tuple(_read_mig_devices(nvml, handle, index, total_bytes)) if mig else (),
     )
 
 

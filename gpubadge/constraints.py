@@ -80,6 +80,11 @@ def render(body: dict[str, Any]) -> str:
         text = body["hcl"]
     elif chosen == "kubernetes":
         text = _yaml({"affinity": body["affinity"], "resources": body["resources"]})
+        single = body.get("single_strategy")
+        if single:  # MIG devices: the mixed strategy first, then the single strategy's form
+            text = f"# mig.strategy: mixed\n{text}---\n# mig.strategy: single\n" + _yaml(
+                {"affinity": single["affinity"], "resources": single["resources"]}
+            )
     elif chosen == "dra":
         documents = [body["resourceClaimTemplate"]] if body.get("resourceClaimTemplate") else []
         text = _yaml(*documents, {"affinity": body["affinity"]})

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 # The option that sets each field of a deploy request (and of the answer's shape), for usage errors.
 OPTION_OF_FIELD = {
     "gpus": "--gpus",
+    "mig_devices": "--mig-devices",
+    "mig_profiles": "--mig-profile",
     "gpu_models": "--gpu-model",
     "min_gpu_memory": "--min-gpu-memory",
     "min_compute_capability": "--min-compute-capability",
@@ -46,11 +48,21 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--service", type=service_url, help="URL of a running gpubadge service (http://host:port)"
     )
-    p.add_argument("--gpus", type=int, help="GPUs needed (a GPU image defaults to 1)")
+    p.add_argument("--gpus", type=int, help="whole GPUs needed (a GPU image defaults to 1)")
+    p.add_argument(
+        "--mig-devices", type=int, help="MIG devices needed instead of whole GPUs (1 with --mig-profile)"
+    )
+    p.add_argument(
+        "--mig-profile",
+        action="append",
+        default=[],
+        dest="mig_profiles",
+        help="acceptable MIG profile, e.g. 1g.10gb (repeat)",
+    )
     p.add_argument(
         "--gpu-model", action="append", default=[], dest="gpu_models", help="acceptable model (repeat)"
     )
-    p.add_argument("--min-gpu-memory", help="per-GPU memory, e.g. 40Gi")
+    p.add_argument("--min-gpu-memory", help="per-GPU (or per-MIG-device) memory, e.g. 40Gi")
     p.add_argument("--min-compute-capability", help="e.g. 8.0")
     p.add_argument("--min-driver", help="e.g. 535.104.05")
     p.add_argument("--cpus", type=float, help="CPU cores")
@@ -125,6 +137,8 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
         labels[key] = value
     fields = {
         "gpus": args.gpus,
+        "mig_devices": args.mig_devices,
+        "mig_profiles": args.mig_profiles or None,
         "gpu_models": args.gpu_models or None,
         "min_gpu_memory": args.min_gpu_memory,
         "min_compute_capability": args.min_compute_capability,

@@ -32,11 +32,13 @@ from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
 from placement.gpu_code import Rule
 from placement.image_facts import ImageFacts
+from placement.mig import profile_from_resource
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
 from scanner.models import ImageReport, Platform, PlatformReport
 
 GPU_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # the device plugin's mixed strategy: nvidia.com/mig-1g.10gb
 ARCH_LABEL = "kubernetes.io/arch"
 AdmissionMode = Literal["warn", "deny"]
 
@@ -152,16 +154,32 @@ def containers_of(pod: Pod) -> list[ContainerRef]:
     ]
 
 
+def gpu_resources(container: Container) -> set[str]:
+    """The NVIDIA GPU resources a container names: nvidia.com/gpu and MIG devices under the mixed
+    strategy (nvidia.com/mig-1g.10gb, ...), in limits (where extended resources must be) or requests."""
+    resources = container.resources
+    if resources is None:
+        return set()
+    return {
+        name
+        for name in (*resources.limits, *resources.requests)
+        if name == GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+    }
+
+
 def gpu_count(container: Container) -> int:
-    """nvidia.com/gpu in limits (where extended resources must be) or requests; 0 when absent or bad."""
+    """GPUs and MIG devices the container asks for (nvidia.com/gpu, nvidia.com/mig-*); 0 when absent or bad."""
     resources = container.resources
     if resources is None:
         return 0
-    value = resources.limits.get(GPU_RESOURCE, resources.requests.get(GPU_RESOURCE))
-    try:
-        return int(str(value)) if value is not None else 0
-    except ValueError:
-        return 0
+    total = 0
+    for name in gpu_resources(container):
+        value = resources.limits.get(name, resources.requests.get(name))
+        try:
+            total += max(0, int(str(value))) if value is not None else 0
+        except ValueError:
+            continue
+    return total
 
 
 def gpu_evidence(report: ImageReport) -> str | None:
@@ -228,7 +246,7 @@ def review_pod(
         if gpu_count(ref.container) == 0 and not mutate:
             problem = (
                 f"{ref.label} runs {image}, which needs an NVIDIA GPU ({evidence}), "
-                f"but requests no {GPU_RESOURCE}"
+                f"but requests no {GPU_RESOURCE} (nor a MIG device, {MIG_RESOURCE_PREFIX}<profile>)"
             )
             if claims:
                 review.warnings.append(
@@ -471,7 +489,8 @@ def gpu_patch(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """JSONPatch from placement's `kubernetes` export: GPU limits, and node affinity for the images.
 
-    Pods that already say more are left alone: a container with any nvidia.com/gpu keeps it,
+    Pods that already say more are left alone: a container with any nvidia.com/gpu or MIG device
+    resource keeps it,
     and a pod with required node affinity, or GPU labels in its nodeSelector, keeps its placement.
     Returns the patch and warnings (when no node can run an image, no affinity is added).
     """
@@ -479,13 +498,10 @@ def gpu_patch(
     warnings: list[str] = []
     alternatives: list[list[dict[str, Any]]] | None = None
     for ref, report in gpu_containers:
-        request = DeployRequest(gpu_code_rule=gpu_code_rule)
+        request = _request_of(ref.container).model_copy(update={"gpu_code_rule": gpu_code_rule})
         exported = export_constraints(ImageFacts.from_report(report), request, fleet, "kubernetes")
         container = ref.container
-        if (
-            not (container.resources and GPU_RESOURCE in container.resources.limits)
-            and gpu_count(container) == 0
-        ):
+        if not gpu_resources(container) and gpu_count(container) == 0:
             count = exported.get("resources", {}).get("limits", {}).get(GPU_RESOURCE) or 1
             patch.append(_limit_operation(ref, str(count)))
         if not exported["satisfiable"]:
@@ -519,6 +535,19 @@ def gpu_patch(
             path = "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution"
             patch.append({"op": "add", "path": path, "value": required})
     return patch, warnings
+
+
+def _request_of(container: Container) -> DeployRequest:
+    """What the container asks for, as placement's request: MIG devices of the profiles its
+    nvidia.com/mig-* resources name (the mixed strategy), else whole GPUs."""
+    profiles = [
+        profile
+        for name in sorted(gpu_resources(container))
+        if (profile := profile_from_resource(name)) is not None
+    ]
+    if not profiles:
+        return DeployRequest()
+    return DeployRequest(mig_profiles=profiles, mig_devices=max(1, gpu_count(container)))
 
 
 def _limit_operation(ref: ContainerRef, count: str) -> dict[str, Any]:

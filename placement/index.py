@@ -1,6 +1,7 @@
 """The fleet prepared for queries: GPUs grouped into classes, servers into shapes, and its caches.
 
-Pure. `FleetIndex.build` derives each server once (GPUs grouped into classes of identical facts,
+Pure. `FleetIndex.build` derives each server once (GPUs, and the MIG devices of GPUs in MIG mode,
+grouped into classes of identical facts; a GPU in MIG mode is never a unit of its own,
 servers into shapes that get identical verdicts); `update` and `remove` keep it current server by
 server, copy-on-write, so a query already reading a view is unaffected. The index also keeps the
 last `QUERY_FORMS_KEPT` query forms' shape verdicts and decisions (placement.decide reads them).
@@ -25,7 +26,12 @@ _V = TypeVar("_V")
 
 @dataclass(frozen=True, slots=True)
 class GpuClass:
-    """GPUs that are the same for placement: same product, memory, CC, brand, and host driver."""
+    """Units that are the same for placement: whole GPUs of the same product, memory, CC, brand and
+    host driver, or MIG devices of the same profile (and memory and SMs) on such a parent GPU.
+
+    For a MIG device, `name`, `compute_capability` and `brand` are its parent's (the image's
+    requirements apply to the parent) and `memory_mib` is the device's own.
+    """
 
     name: str
     memory_mib: int
@@ -33,6 +39,14 @@ class GpuClass:
     brand: str
     driver: str | None
     cuda: str | None
+    mig_profile: str | None = None  # None: a whole GPU
+    multiprocessors: int = 0  # a MIG device's SMs (0 for a whole GPU: NVML's count is not read)
+    parent_memory_mib: int = 0  # a MIG device's parent GPU memory
+
+    @property
+    def label(self) -> str:
+        """`NVIDIA H100 80GB HBM3`, or `NVIDIA H100 80GB HBM3 MIG 1g.10gb` as NVML names a MIG device."""
+        return self.name if self.mig_profile is None else f"{self.name} MIG {self.mig_profile}"
 
 
 @dataclass(slots=True)
@@ -46,12 +60,15 @@ class ServerEntry:
     musl: bool
     driver: str | None
     cuda: str | None
-    total_gpus: int
-    busy_gpus: int
-    groups: tuple[tuple[int, tuple[str, ...]], ...]  # (GPU class id, free UUIDs in index order)
+    total_gpus: int  # every GPU, in MIG mode or not
+    busy_gpus: int  # whole GPUs (not in MIG mode) reserved or busy
+    groups: tuple[tuple[int, tuple[str, ...]], ...]  # (class id, free GPU or MIG device UUIDs in index order)
     runtime_modes: tuple[str, ...] = ()  # how Docker can hand it GPUs: nvidia runtime, --gpus, CDI
     shape: int = 0  # servers with the same shape get the same verdict; labels and names aside
     label_set: int = 0  # servers with the same labels get the same label verdict
+    mig_gpus: int = 0  # GPUs in MIG mode (never handed out whole)
+    mig_devices: int = 0  # their MIG devices
+    busy_mig_devices: int = 0  # MIG devices reserved or busy (all of a parent that is itself in use)
 
 
 @dataclass(slots=True)
@@ -101,6 +118,9 @@ def _gpu_key(entry: ServerEntry) -> tuple[object, ...]:
         entry.busy_gpus,
         tuple((class_id, len(uuids)) for class_id, uuids in entry.groups),
         entry.runtime_modes,
+        entry.mig_gpus,
+        entry.mig_devices,
+        entry.busy_mig_devices,
     )
 
 
@@ -117,7 +137,9 @@ class FleetIndex:
     classes: list[GpuClass] = field(default_factory=list)
     shape_count: int = 0  # shapes ever seen; present ones are in the view
     label_sets: list[dict[str, str]] = field(default_factory=list)
-    _class_ids: dict[tuple[str, int, str, str, str | None, str | None], int] = field(default_factory=dict)
+    _class_ids: dict[tuple[str, int, str, str, str | None, str | None, str | None, int, int], int] = field(
+        default_factory=dict
+    )
     _shape_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _label_ids: dict[tuple[tuple[str, str], ...], int] = field(default_factory=dict)
     _view: IndexView | None = None
@@ -254,15 +276,42 @@ class FleetIndex:
         if len(gpus) > 1:
             gpus = sorted(gpus, key=_gpu_position)
         busy = set(server.gpus_in_use)
-        busy_gpus = 0
+        busy_gpus = mig_gpus = mig_devices = busy_mig_devices = 0
         class_ids = self._class_ids
         grouped: dict[int, list[str]] = {}
         for gpu in gpus:
             uuid = gpu.uuid
+            if gpu.mig:
+                # Never a unit of its own: its MIG devices are (all busy while the parent is in use).
+                mig_gpus += 1
+                parent_busy = uuid in busy
+                devices = gpu.mig_devices
+                for device in sorted(devices, key=_gpu_position) if len(devices) > 1 else devices:
+                    mig_devices += 1
+                    if parent_busy or device.uuid in busy:
+                        busy_mig_devices += 1
+                        continue
+                    key: tuple[str, int, str, str, str | None, str | None, str | None, int, int] = (
+                        gpu.name,
+                        device.memory_mib,
+                        gpu.compute_capability,
+                        gpu.brand,
+                        driver,
+                        cuda,
+                        device.profile,
+                        device.multiprocessors,
+                        gpu.memory_mib,
+                    )
+                    class_id = class_ids.get(key)
+                    if class_id is None:
+                        class_id = class_ids[key] = len(self.classes)
+                        self.classes.append(GpuClass(*key))
+                    grouped.setdefault(class_id, []).append(device.uuid)
+                continue
             if uuid in busy:
                 busy_gpus += 1
                 continue
-            key = (gpu.name, gpu.memory_mib, gpu.compute_capability, gpu.brand, driver, cuda)
+            key = (gpu.name, gpu.memory_mib, gpu.compute_capability, gpu.brand, driver, cuda, None, 0, 0)
             class_id = class_ids.get(key)
             if class_id is None:
                 class_id = class_ids[key] = len(self.classes)
@@ -285,6 +334,9 @@ class FleetIndex:
             busy_gpus,
             tuple((class_id, len(uuids)) for class_id, uuids in groups),
             modes,
+            mig_gpus,
+            mig_devices,
+            busy_mig_devices,
         )
         shape = self._shape_ids.get(shape_key)
         if shape is None:
@@ -312,6 +364,9 @@ class FleetIndex:
             modes,
             shape,
             label_set,
+            mig_gpus,
+            mig_devices,
+            busy_mig_devices,
         )
 
     def view(self) -> IndexView:

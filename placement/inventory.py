@@ -13,7 +13,9 @@ from datetime import datetime
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from placement.mig import MAX_MIG_DEVICES_PER_GPU, normalise_profile
 
 RuntimeMode = Literal["runtime", "device-requests", "cdi"]
 
@@ -65,8 +67,32 @@ def parse_bytes(value: str | int | float) -> int:
     return int(size)
 
 
+class MigDevice(BaseModel):
+    """One MIG device of a GPU in MIG mode (a GPU instance and one compute instance), as NVML gives it.
+
+    The CUDA version, driver, brand and compute capability are its parent GPU's: placement judges
+    an image's requirements on the parent, and hands out the MIG device by its own UUID.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int = Field(ge=0, description="NVML's MIG device index under its parent GPU")
+    uuid: str = Field(min_length=1, description="MIG-...: what NVIDIA_VISIBLE_DEVICES and CDI take")
+    profile: str = Field(description="e.g. 1g.10gb, 1c.3g.40gb, 1g.10gb+me (a leading `MIG ` is dropped)")
+    memory_mib: int = Field(default=0, ge=0)
+    multiprocessors: int = Field(default=0, ge=0)
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile(cls, value: Any) -> str:
+        return normalise_profile(value)
+
+
 class Gpu(BaseModel):
-    """One GPU as NVML describes it."""
+    """One GPU as NVML describes it; a GPU in MIG mode (`mig`) lists its MIG devices and is never
+    handed out whole."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -77,6 +103,19 @@ class Gpu(BaseModel):
     memory_mib: int = 0
     compute_capability: str = ""
     mig: bool = False
+    # a tuple: no per-GPU allocation for the many GPUs without MIG devices (fleets of 100,000 servers)
+    mig_devices: tuple[MigDevice, ...] = Field(default=(), max_length=MAX_MIG_DEVICES_PER_GPU)
+
+    @model_validator(mode="after")
+    def _mig_devices_mean_mig_mode(self) -> Gpu:
+        if self.mig_devices and not self.mig:
+            self.mig = True  # a file that lists MIG devices and forgets `mig: true`
+        return self
+
+    @property
+    def device_uuids(self) -> list[str]:
+        """The GPU's UUID and its MIG devices' UUIDs: everything a reservation may name."""
+        return [self.uuid, *(device.uuid for device in self.mig_devices)]
 
 
 class Server(BaseModel):
@@ -94,7 +133,9 @@ class Server(BaseModel):
     musl: bool = False
     runtime_modes: list[RuntimeMode] = Field(default_factory=list)
     gpus: list[Gpu] = Field(default_factory=list)
-    gpus_in_use: list[str] = Field(default_factory=list, description="UUIDs reserved or busy")
+    gpus_in_use: list[str] = Field(
+        default_factory=list, description="GPU and MIG device UUIDs reserved or busy"
+    )
     last_heartbeat: datetime | None = None
     source: Literal["file", "agent"] = "file"
 
@@ -112,8 +153,14 @@ class Server(BaseModel):
 
     @property
     def free_gpus(self) -> list[Gpu]:
+        """Whole GPUs that may be handed out: not in use and not in MIG mode."""
         busy = set(self.gpus_in_use)
-        return [gpu for gpu in self.gpus if gpu.uuid not in busy]
+        return [gpu for gpu in self.gpus if gpu.uuid not in busy and not gpu.mig]
+
+    @property
+    def device_uuids(self) -> list[str]:
+        """Every GPU and MIG device UUID of this server, GPUs in index order."""
+        return [uuid for gpu in self.gpus for uuid in gpu.device_uuids]
 
 
 class Inventory(BaseModel):

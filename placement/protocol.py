@@ -13,8 +13,10 @@ request with `Authorization: Bearer <agent token>`:
 * `POST /api/deployments/{id}/status` — body `DeploymentStatus` -> 200. The service frees the
   GPU reservation when the state is terminal (`exited`, `failed`, `stopped`).
 
-A GPU deployment names the reserved GPU UUIDs; the agent exposes exactly those
-(NVIDIA_VISIBLE_DEVICES is never `all`). `digest` is the platform manifest to pull,
+A GPU deployment names the reserved GPU UUIDs, or MIG device UUIDs (`MIG-...`) when it asked for
+MIG devices; the agent exposes exactly those (NVIDIA_VISIBLE_DEVICES is never `all`). A server's
+`gpus` carry their MIG devices (`Gpu.mig_devices`), so registering or a heartbeat with other
+MIG devices replaces them like any other GPU change. `digest` is the platform manifest to pull,
 as `repository@digest`, so the agent runs exactly what was scanned.
 """
 
@@ -55,7 +57,7 @@ class AgentDeployment(BaseModel):
     image: str = Field(description="the reference the user asked for, e.g. registry/repo:tag")
     digest: str = Field(description="platform manifest digest; the agent pulls repository@digest")
     gpu_required: bool
-    gpus: list[str] = Field(default_factory=list, description="reserved GPU UUIDs")
+    gpus: list[str] = Field(default_factory=list, description="reserved GPU or MIG device UUIDs")
     driver_capabilities: str | None = None
     inferred_cuda: bool = Field(
         default=False,

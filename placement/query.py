@@ -3,6 +3,13 @@
 Pure. `Query` prepares what each image platform demands once (`Plan`), then judges each GPU class
 once (`class_verdict`), the GPU part once per GPU sub-shape and each server shape once (`evaluate`),
 with every reason worded for the person deploying. placement.decide runs it over an index's view.
+
+A request asks for whole GPUs or for MIG devices (`DeployRequest.slices_needed`), never both: a
+whole-GPU request never gets a GPU in MIG mode, a MIG request only the MIG devices of GPUs in MIG
+mode, judged by their parent's compute capability, brand and driver and by their own profile and
+memory. A server that has only the other kind says so: "GPU in MIG mode, none whole", then
+"GPU in MIG mode: 7 × 1g.10gb free of 7 MIG device(s)" (the decisive reason stays the same from
+server to server, so summaries group them; the counts follow).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from placement.gpu_code import Rule
 from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex, GpuClass, ServerEntry
+from placement.mig import count_profiles
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
 from placement.request import DeployRequest
 from scanner.models import GpuFacts
@@ -34,7 +42,8 @@ class Plan:
     gpu_image: bool
     musl: bool
     cuda_major: int | None
-    needed: int
+    needed: int  # whole GPUs
+    slices: int = 0  # MIG devices (a request asks for one kind or the other)
     verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
     inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
     rule: Rule = "dispatch"  # how the image's GPU code is judged (placement.gpu_code)
@@ -72,7 +81,8 @@ class Query:
             if platform.architecture in self.plans:
                 continue
             gpu_image = platform.gpu.required
-            needed = request.gpus if request.gpus is not None else (1 if gpu_image else 0)
+            slices = request.slices_needed
+            needed = request.gpus if request.gpus is not None else (1 if gpu_image and not slices else 0)
             self.plans[platform.architecture] = Plan(
                 platform=platform.platform,
                 requirements=ImageRequirements.from_gpu_facts(platform.gpu),
@@ -80,13 +90,16 @@ class Query:
                 musl=platform.libc.flavour == "musl",
                 cuda_major=_cuda_major(platform.gpu),
                 needed=needed,
+                slices=slices,
                 inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
                 rule=request.gpu_code_rule or "dispatch",
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
+        self.profiles = frozenset(request.mig_profiles)
         self.ordered = request.gpu_model_order == "ordered"
         self.arch_plans: dict[str, tuple[Plan | None, str | None]] = {}
+        self._mig_texts: dict[tuple[tuple[tuple[str, int], ...], int, int, bool], str] = {}
         self.gpu_parts: dict[tuple[str, int], GpuPart] = {}
 
     def class_verdict(self, plan: Plan, class_id: int) -> tuple[bool, int, tuple[str, ...]]:
@@ -108,7 +121,8 @@ class Query:
             gpu.memory_mib, request.min_gpu_memory
         ):
             has, wants = _fmt_sizes(gpu.memory_mib * 1024**2, request.min_gpu_memory)
-            reasons.append(f"GPU memory {has} < requested {wants}")
+            what = "GPU" if gpu.mig_profile is None else "MIG device"
+            reasons.append(f"{what} memory {has} < requested {wants}")
         cc = gpu.compute_capability or None
         if request.min_compute_capability is not None:
             if cc is None:
@@ -154,7 +168,7 @@ class Query:
                 if usable and gpu.compute_capability:
                     for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
                         found.append(
-                            f"on {gpu.name} (compute capability {gpu.compute_capability}): runs; without {caveat}"
+                            f"on {gpu.label} (compute capability {gpu.compute_capability}): runs; without {caveat}"
                         )
         return found
 
@@ -201,7 +215,7 @@ class Query:
         cpus_short = cpus is not None and entry.cpus < cpus
         memory_short = memory is not None and entry.memory < memory
         # Without GPUs in play the GPU part reads no plan, so every platform shares one entry.
-        key = (plan.platform if plan.gpu_image or plan.needed else "", gpu_shape)
+        key = (plan.platform if plan.gpu_image or plan.needed or plan.slices else "", gpu_shape)
         gpu = self.gpu_parts.get(key)
         if gpu is None:
             gpu = self.gpu_parts[key] = self._gpu_part(plan, entry)
@@ -240,8 +254,9 @@ class Query:
         """Driver, image-requirement and GPU-availability verdict, with the picks when it passes."""
         request = self.request
         reasons: list[str] = []
-        needed = plan.needed
-        if plan.gpu_image or needed > 0:
+        slices = plan.slices > 0
+        units = plan.slices if slices else plan.needed  # whole GPUs or MIG devices, never both
+        if plan.gpu_image or units > 0:
             if entry.driver is None:
                 # A server without NVIDIA's driver: that says it all (no musl, requirement or
                 # GPU-count reason after it).
@@ -253,56 +268,63 @@ class Query:
             if plan.musl and plan.gpu_image and not entry.musl:
                 reasons.append("image uses musl libc with GPUs; server has no musl GPU support")
             reasons.extend(self._shape_rules(plan, entry))
-        picks: list[tuple[int, int]] = []  # (position in entry.groups, how many GPUs to take)
+        picks: list[tuple[int, int]] = []  # (position in entry.groups, how many units to take)
         picked = 0
         memory_mib = 0
         rank = 0
-        free_total = 0
-        if needed > 0:
+        free_total = 0  # free units of the kind asked for
+        if units > 0:
             usable: list[tuple[int, int, int, int]] = []  # (rank, MiB, group position, free count)
             refused: list[tuple[int, int, tuple[str, ...]]] = []
-            available = 0
+            mig_free: list[tuple[int, int]] = []  # (class id, count) of free MIG devices, for the reasons
+            available = wanted = 0  # suitable units; units of the kind (and profile) asked for
             verdicts = plan.verdicts
             classes = self.index.classes
+            profiles = self.profiles
             for position, (class_id, uuids) in enumerate(entry.groups):
                 count = len(uuids)
+                profile = classes[class_id].mig_profile
+                if profile is not None:
+                    mig_free.append((class_id, count))
+                if (profile is not None) != slices:
+                    continue
                 free_total += count
+                if profile is not None and profiles and profile not in profiles:
+                    continue  # another profile: counted in the reasons' summary, never refused one by one
+                wanted += count
                 judged = verdicts.get(class_id) or self.class_verdict(plan, class_id)
                 if judged[0]:
                     usable.append((judged[1], classes[class_id].memory_mib, position, count))
                     available += count
                 else:
                     refused.append((class_id, count, judged[2]))
-            if available < needed:
-                free = free_total
-                detail = f"{free} free of {entry.total_gpus}"
-                if entry.busy_gpus:
-                    detail += f", {entry.busy_gpus} in use"
-                if free == available:
-                    count_reason = f"needs {needed} free GPU(s), has {detail}"
-                else:
-                    count_reason = f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+            if available < units:
+                count_reasons = (
+                    self._slices_reasons(entry, units, available, wanted, mig_free)
+                    if slices
+                    else self._whole_reasons(entry, units, available, free_total, mig_free)
+                )
                 class_reasons = [
-                    f"{count} free {self.index.classes[class_id].name}: {line}"
+                    f"{count} free {self.index.classes[class_id].label}: {line}"
                     for class_id, count, why in refused
                     for line in why
                 ]
-                # With no suitable GPU at all, why the GPUs it has do not suit is decisive (the
+                # With no suitable unit at all, why the ones it has do not suit is decisive (the
                 # count follows from it); with some, too few of them is.
-                if available == 0:
-                    reasons.extend([*class_reasons, count_reason])
+                if available == 0 and class_reasons:
+                    reasons.extend([*class_reasons, *count_reasons])
                 else:
-                    reasons.extend([count_reason, *class_reasons])
+                    reasons.extend([*count_reasons, *class_reasons])
             elif not reasons:
                 if len(usable) > 1:
                     usable.sort()
                 for class_rank, mib, position, free in usable:
-                    take = min(free, needed - picked)
+                    take = min(free, units - picked)
                     picks.append((position, take))
                     picked += take
                     memory_mib += mib * take
                     rank = max(rank, class_rank)
-                    if picked == needed:
+                    if picked == units:
                         break
         elif plan.gpu_image and entry.driver is not None and not plan.requirements.disabled:
             # No GPU assigned: the runtime checks once without a device (arch/brand are then true).
@@ -311,7 +333,66 @@ class Query:
                 reasons.extend(verdict.failed or (verdict.message,))
         if reasons:
             return tuple(reasons), (), 0, 0, 0, 0.0
-        if needed == 0:
-            free_total = sum(len(uuids) for _, uuids in entry.groups)
-        spare_gpus = free_total - needed
-        return (), tuple(picks), rank, spare_gpus, memory_mib, round(1.0 / (1 + rank + spare_gpus), 4)
+        if units == 0:
+            free_total = sum(
+                len(uuids)
+                for class_id, uuids in entry.groups
+                if self.index.classes[class_id].mig_profile is None
+            )
+        spare = free_total - units
+        return (), tuple(picks), rank, spare, memory_mib, round(1.0 / (1 + rank + spare), 4)
+
+    def _mig_detail(
+        self, entry: ServerEntry, mig_free: list[tuple[int, int]], whole_too: bool = False
+    ) -> str:
+        """`GPU in MIG mode: 7 × 1g.10gb free of 7 MIG device(s)`; worded once per query for each
+        composition of free profiles (servers of many shapes share one). Kept apart from the decisive
+        reason, so that reason stays the same across servers and summaries group them."""
+        counts: dict[str, int] = {}
+        classes = self.index.classes
+        for class_id, count in mig_free:
+            profile = classes[class_id].mig_profile or ""
+            counts[profile] = counts.get(profile, 0) + count
+        key = (tuple(counts.items()), entry.mig_gpus, entry.mig_devices, whole_too)
+        text = self._mig_texts.get(key)
+        if text is None:
+            gpus = _mig_gpus(entry.mig_gpus) + (", never whole" if whole_too else "")
+            if counts:
+                text = f"{gpus}: {count_profiles(counts)} free of {entry.mig_devices} MIG device(s)"
+            elif entry.mig_devices:
+                text = f"{gpus}: all {entry.mig_devices} MIG device(s) in use"
+            else:
+                text = f"{gpus}: no MIG device configured"
+            self._mig_texts[key] = text
+        return text
+
+    def _whole_reasons(
+        self, entry: ServerEntry, needed: int, available: int, free: int, mig_free: list[tuple[int, int]]
+    ) -> list[str]:
+        """Too few whole GPUs; GPUs in MIG mode are named (in a reason of their own), never counted."""
+        whole = entry.total_gpus - entry.mig_gpus
+        if entry.mig_gpus and whole == 0:
+            return [f"{_mig_gpus(entry.mig_gpus)}, none whole", self._mig_detail(entry, mig_free)]
+        detail = f"{free} free of {whole}"
+        if entry.busy_gpus:
+            detail += f", {entry.busy_gpus} in use"
+        if free == available:
+            decisive = f"needs {needed} free GPU(s), has {detail}"
+        else:
+            decisive = f"needs {needed} suitable free GPU(s), has {available} ({detail})"
+        return [decisive, self._mig_detail(entry, mig_free, whole_too=True)] if entry.mig_gpus else [decisive]
+
+    def _slices_reasons(
+        self, entry: ServerEntry, needed: int, available: int, wanted: int, mig_free: list[tuple[int, int]]
+    ) -> list[str]:
+        """Too few MIG devices: no GPU in MIG mode, none of the profile, or too few suitable free ones."""
+        if entry.mig_gpus == 0:
+            whole = f"{entry.total_gpus} whole GPU(s), none in MIG mode" if entry.total_gpus else "no GPU"
+            return [f"needs {needed} MIG device(s), has {whole}"]
+        kind = f"{' or '.join(sorted(self.profiles))} MIG device(s)" if self.profiles else "MIG device(s)"
+        suitable = "" if wanted == available else "suitable "
+        return [f"needs {needed} {suitable}free {kind}, has {available}", self._mig_detail(entry, mig_free)]
+
+
+def _mig_gpus(count: int) -> str:
+    return "GPU in MIG mode" if count == 1 else f"{count} GPUs in MIG mode"

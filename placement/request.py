@@ -9,12 +9,22 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from placement.inventory import parse_bytes
+from placement.mig import normalise_profile
 
 _VERSION = re.compile(r"^\d+(\.\d+)*$")
 _ZENML_KEYS = frozenset({"cpu_count", "gpu_count", "memory"})
+_WHOLE_OR_SLICES = "ask for whole GPUs (gpus) or for MIG devices (mig_devices, mig_profiles), not both"
 _ZENML_MEMORY = re.compile(r"^[0-9]+(KB|KiB|MB|MiB|GB|GiB|TB|TiB|PB|PiB)$")
 
 
@@ -37,12 +47,32 @@ class DeployRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    gpus: int | None = Field(default=None, ge=0, description="GPUs to assign; a GPU image defaults to 1")
-    gpu_models: list[str] = Field(default_factory=list, description="aliases or NVML names")
+    gpus: int | None = Field(
+        default=None,
+        ge=0,
+        description="whole GPUs to assign (never a GPU in MIG mode); a GPU image defaults to 1"
+        " unless MIG devices are asked for",
+    )
+    mig_devices: int | None = Field(
+        default=None,
+        ge=0,
+        description="MIG devices to assign instead of whole GPUs (1 when only `mig_profiles` is given)",
+    )
+    mig_profiles: list[str] = Field(
+        default_factory=list,
+        description="acceptable MIG profiles, e.g. 1g.10gb or 3g.40gb (any profile when empty);"
+        " `min_gpu_memory` then applies to each MIG device",
+    )
+    gpu_models: list[str] = Field(
+        default_factory=list, description="aliases or NVML names (of the parent GPU, for MIG devices)"
+    )
     gpu_model_order: Literal["any", "ordered"] = Field(
         default="any", description="'ordered': earlier models are preferred; 'any': all equally good"
     )
-    min_gpu_memory: int | None = Field(default=None, description="bytes per GPU; accepts 40Gi, 80GB")
+    min_gpu_memory: int | None = Field(
+        default=None,
+        description="bytes per GPU, or per MIG device when MIG devices are asked for; accepts 40Gi, 80GB",
+    )
     min_compute_capability: str | None = None
     min_driver: str | None = None
     cpus: float | None = Field(default=None, ge=0)
@@ -69,6 +99,34 @@ class DeployRequest(BaseModel):
         if not _VERSION.match(text):
             raise ValueError(f"{text!r} is not a version such as 8.0 or 535.104.05")
         return text
+
+    @field_validator("mig_devices")
+    @classmethod
+    def _devices(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("gpus"):
+            raise ValueError(_WHOLE_OR_SLICES)
+        return value
+
+    @field_validator("mig_profiles", mode="before")
+    @classmethod
+    def _profiles(cls, value: Any, info: ValidationInfo) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ValueError("expected a list of MIG profiles such as [1g.10gb]")
+        profiles = list(dict.fromkeys(normalise_profile(item) for item in value))
+        if profiles and info.data.get("gpus"):
+            raise ValueError(_WHOLE_OR_SLICES)
+        if profiles and info.data.get("mig_devices") == 0:
+            raise ValueError("MIG profiles given with mig_devices: 0")
+        return profiles
+
+    @property
+    def slices_needed(self) -> int:
+        """MIG devices asked for: `mig_devices`, else 1 when profiles are named, else 0."""
+        if self.mig_devices is not None:
+            return self.mig_devices
+        return 1 if self.mig_profiles else 0
 
     @field_validator("gpu_models", mode="before")
     @classmethod

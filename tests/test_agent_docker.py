@@ -22,8 +22,10 @@ import docker
 import pytest
 from aiohttp.test_utils import TestServer
 
+from agent.host import build_server
 from agent.loop import Agent, AgentSettings
 from agent.main import make_discovery
+from agent.nvml import read_nvml
 from agent.runner import DEPLOYMENT_LABEL, GPUS_LABEL, SERVER_LABEL, DockerRunner, pull_reference
 from agent.service_client import ServiceClient
 from fixtures.busybox import busybox_image, gpu_busybox_image
@@ -33,6 +35,7 @@ from placement.inventory import Gpu, RuntimeMode, Server
 from placement.protocol import AgentDeployment
 from tests.agent_protocol_peer import ProtocolPeer
 from tests.conftest import Pusher
+from tests.fake_pynvml import FakeNvml, a100_40gb_mig
 
 pytestmark = pytest.mark.docker
 TOKEN = "agent-secret-token"
@@ -379,3 +382,40 @@ async def test_agent_with_an_inventory_file_without_modes_runs_gpu_deployments(
     assert final.exit_code == 0, final.reason
     assert "runtime" in service.registrations[0].runtime_modes
     assert dockerd.runtime_spec(final.container_id or "") is not None  # through the nvidia runtime
+
+
+def mig_server(name: str, modes: list[RuntimeMode]) -> Server:
+    """An A100 split into seven 1g.5gb MIG devices, as the agent reads it through the NVML stand-in."""
+    facts = read_nvml(FakeNvml(gpus=[a100_40gb_mig()], driver_version="535.104.05", cuda_version=12020))
+    return build_server(name, facts, modes, arch="x86_64", cpus=2, memory=1 << 33)
+
+
+@pytest.mark.parametrize("mode", ["runtime", "device-requests"])
+async def test_a_placed_container_runs_on_its_mig_devices(
+    mode: RuntimeMode,
+    dockerd: LocalDockerd,
+    images: dict[str, tuple[str, str]],
+    peer: tuple[ProtocolPeer, str],
+) -> None:
+    """The MIG device UUIDs placement reserved reach the NVIDIA runtime (the recording stand-in) as
+    NVIDIA_VISIBLE_DEVICES, exactly those and never the parent GPU."""
+    service, url = peer
+    server = mig_server(f"mig-{mode}", [mode])
+    parent = server.gpus[0]
+    reserved = [parent.mig_devices[2].uuid, parent.mig_devices[5].uuid]
+    async with running_agent(url, dockerd, server):
+        command = ["sh", "-c", "echo visible=$NVIDIA_VISIBLE_DEVICES"]
+        await service.add(deployment(f"mig-{mode}-1", images["gpu"], reserved, command))
+        final = await service.wait_state(f"mig-{mode}-1", "exited")
+    assert final.exit_code == 0 and final.container_id, final.reason
+    assert service.registrations[0].gpus[0].mig_devices == parent.mig_devices  # reported as read
+    spec = (
+        dockerd.runtime_spec(final.container_id)
+        if mode == "runtime"
+        else dockerd.hook_spec(final.container_id)
+    )
+    assert spec is not None, f"the container did not reach the NVIDIA runtime ({mode})"
+    visible = env_of(spec)["NVIDIA_VISIBLE_DEVICES"]
+    assert visible == ",".join(reserved) and parent.uuid not in visible
+    if mode == "runtime":
+        assert final.logs == f"visible={','.join(reserved)}\n"

@@ -62,6 +62,7 @@ def test_what_a_real_h200_reported() -> None:
             "memory_mib": 143771,
             "compute_capability": "9.0",
             "mig": False,
+            "mig_devices": (),
         }
     ]
 
@@ -218,5 +219,7 @@ def test_brand_clauses_match_what_the_runtime_sees(gpu: FakeGpu, requirement: st
     """From NVML (as real hardware reports today) through the agent's server to a placement verdict."""
     facts = read_nvml(FakeNvml(gpus=[gpu], driver_version="550.54.15", cuda_version=12040))
     server = build_server("node", facts, ["runtime"], arch="x86_64", cpus=8, memory=1 << 36)
-    decision = decide(_brand_image(requirement), DeployRequest(), [server])
+    # A GPU in MIG mode is judged as the parent of the MIG device asked for (never handed out whole).
+    request = DeployRequest(mig_devices=1) if gpu.mig_slots else DeployRequest()
+    decision = decide(_brand_image(requirement), request, [server])
     assert [entry["server"] for entry in decision.eligible] == (["node"] if eligible else [])

@@ -75,6 +75,8 @@ def reader_gone(*args: str, env: dict[str, str] | None = None) -> tuple[int, str
         ("--cpus", "-2", "must be at least 0"),
         ("--label", "zone", "expected key=value, got 'zone'"),
         ("--limit", "0", "must be at least 1, got 0"),
+        ("--mig-devices", "-1", "must be at least 0, got -1"),
+        ("--mig-profile", "huge", "'huge' is not a MIG profile such as 1g.10gb"),
     ],
 )
 def test_a_bad_option_value_is_a_usage_error_naming_the_option(option: str, value: str, words: str) -> None:
@@ -82,6 +84,14 @@ def test_a_bad_option_value_is_a_usage_error_naming_the_option(option: str, valu
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("usage: gpubadge eligible")
     assert f"error: argument {option}: " in done.stderr and words in done.stderr
+
+
+def test_whole_gpus_and_mig_devices_together_is_a_usage_error() -> None:
+    done = gpubadge(
+        "eligible", "example.invalid/app:1", "--servers", str(FLEET_FILE), "--gpus", "1", "--mig-devices", "2"
+    )
+    assert done.returncode == 2, done.stderr
+    assert "error: argument --mig-devices: " in done.stderr and "not both" in done.stderr
 
 
 def test_constraints_checks_its_options_as_eligible_does() -> None:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from placement.answer import SCORE_MEANING, AnswerBody
 from placement.inventory import Gpu, Server
+from placement.mig import sort_key
 from placement.request import DeployRequest
 from scanner.models import ImageReport
 from web.templating import human_bytes, image_url, time_ago
@@ -37,8 +38,32 @@ class GpuGroupView:
 
 @dataclass(frozen=True)
 class GpuInUseView:
+    """A GPU, or a MIG device (`label` `GPU 0 · 1g.10gb`), reserved or busy."""
+
     index: int
     uuid: str
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class MigProfileUseView:
+    """The MIG devices of one profile on one GPU: how many, how many in use."""
+
+    profile: str
+    count: int
+    in_use: int
+    memory: str
+
+
+@dataclass(frozen=True)
+class MigGpuView:
+    """A GPU in MIG mode and its slices (`GPU 0 · 7 × 1g.10gb, 3 in use`)."""
+
+    index: int
+    model: str
+    profiles: list[MigProfileUseView]
+    devices: int
+    in_use: int
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,21 @@ class ServerRowView:
     heartbeat: str
     heartbeat_at: str | None
     labels: list[tuple[str, str]]
+    mig_gpus: list[MigGpuView] = field(default_factory=list)
+    whole_in_use: int = 0  # GPUs out of MIG mode reserved or busy
+
+    @property
+    def mig_in_use(self) -> int:
+        return sum(gpu.in_use for gpu in self.mig_gpus)
+
+    @property
+    def mig_devices(self) -> int:
+        return sum(gpu.devices for gpu in self.mig_gpus)
+
+    @property
+    def whole_gpus(self) -> int:
+        """GPUs that can be handed out whole (not in MIG mode)."""
+        return self.gpu_count - len(self.mig_gpus)
 
 
 def gpu_groups(gpus: Sequence[Gpu]) -> list[GpuGroupView]:
@@ -76,13 +116,53 @@ def gpu_groups(gpus: Sequence[Gpu]) -> list[GpuGroupView]:
     ]
 
 
+def mig_gpu_views(gpus: Sequence[Gpu], busy: set[str]) -> list[MigGpuView]:
+    """Each GPU in MIG mode with its MIG devices by profile (smallest first) and how many are in use."""
+    views = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        if not gpu.mig:
+            continue
+        parent_busy = gpu.uuid in busy
+        counts: dict[str, list[int]] = {}  # profile -> [count, in use, memory MiB]
+        for device in gpu.mig_devices:
+            entry = counts.setdefault(device.profile, [0, 0, device.memory_mib])
+            entry[0] += 1
+            entry[1] += parent_busy or device.uuid in busy
+        profiles = [
+            MigProfileUseView(
+                profile=profile,
+                count=count,
+                in_use=used,
+                memory=human_bytes(memory_mib * 1024 * 1024) if memory_mib else "unknown",
+            )
+            for profile, (count, used, memory_mib) in sorted(
+                counts.items(), key=lambda item: sort_key(item[0])
+            )
+        ]
+        views.append(
+            MigGpuView(
+                index=gpu.index,
+                model=gpu.name,
+                profiles=profiles,
+                devices=len(gpu.mig_devices),
+                in_use=sum(view.in_use for view in profiles),
+            )
+        )
+    return views
+
+
 def server_row_view(server: Server, now: datetime | None = None) -> ServerRowView:
     busy = set(server.gpus_in_use)
-    in_use = [
-        GpuInUseView(gpu.index, gpu.uuid)
-        for gpu in sorted(server.gpus, key=lambda g: g.index)
-        if gpu.uuid in busy
-    ]
+    in_use = []
+    whole_in_use = 0
+    for gpu in sorted(server.gpus, key=lambda g: g.index):
+        if gpu.uuid in busy:
+            in_use.append(GpuInUseView(gpu.index, gpu.uuid, f"GPU {gpu.index}"))
+            whole_in_use += not gpu.mig
+            continue
+        for device in sorted(gpu.mig_devices, key=lambda d: d.index):
+            if device.uuid in busy:
+                in_use.append(GpuInUseView(gpu.index, device.uuid, f"GPU {gpu.index} · {device.profile}"))
     heartbeat = "static" if server.source == "file" else time_ago(server.last_heartbeat, now)
     return ServerRowView(
         name=server.name,
@@ -98,6 +178,8 @@ def server_row_view(server: Server, now: datetime | None = None) -> ServerRowVie
         heartbeat=heartbeat,
         heartbeat_at=server.last_heartbeat.isoformat() if server.last_heartbeat else None,
         labels=sorted(server.labels.items()),
+        mig_gpus=mig_gpu_views(server.gpus, busy),
+        whole_in_use=whole_in_use,
     )
 
 
@@ -108,6 +190,8 @@ def server_rows(servers: Sequence[Server], now: datetime | None = None) -> list[
 # Form field -> (DeployRequest field, label the page shows); the label names the field in errors.
 FORM_FIELDS: tuple[tuple[str, str], ...] = (
     ("gpus", "GPU count"),
+    ("mig_devices", "MIG devices"),
+    ("mig_profiles", "MIG profiles"),
     ("gpu_models", "GPU models"),
     ("min_gpu_memory", "Min GPU memory"),
     ("min_compute_capability", "Min compute capability"),
@@ -170,8 +254,8 @@ class EligibilityForm:
             text = self.value(name)
             if not text:
                 continue
-            if name == "gpu_models":
-                fields[name] = [model.strip() for model in text.split(",") if model.strip()]
+            if name in ("gpu_models", "mig_profiles"):
+                fields[name] = [item.strip() for item in text.split(",") if item.strip()]
             else:
                 fields[name] = text
         return fields
@@ -267,12 +351,15 @@ def result_view(
     report: ImageReport, body: AnswerBody, servers: Sequence[Server], form: EligibilityForm
 ) -> ResultView:
     """The page for one answer (/api/eligibility's shape): a page of servers, the rest by reason."""
-    gpus_by_uuid = {gpu.uuid: gpu for server in servers for gpu in server.gpus}
+    described: dict[str, str] = {}
+    for server in servers:
+        for gpu in server.gpus:
+            described[gpu.uuid] = f"GPU {gpu.index} · {gpu.name}"
+            for device in gpu.mig_devices:
+                described[device.uuid] = f"GPU {gpu.index} · MIG {device.profile} · {gpu.name}"
 
     def assigned(uuid: str) -> AssignedGpuView:
-        gpu = gpus_by_uuid.get(uuid)
-        text = f"GPU {gpu.index} · {gpu.name}" if gpu else ""
-        return AssignedGpuView(uuid=uuid, description=text)
+        return AssignedGpuView(uuid=uuid, description=described.get(uuid, ""))
 
     first = form.first_rank if form.answer.get("cursor") else 1
     listed = body.get("eligible", [])

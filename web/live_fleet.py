@@ -51,7 +51,9 @@ async def live_servers(app: web.Application) -> list[Server]:
         servers[server.name] = server.model_copy(update={"last_heartbeat": seen, "source": "agent"})
     result = []
     for server in servers.values():
-        in_use = sorted({*server.gpus_in_use, *(gpu.uuid for gpu in server.gpus if gpu.uuid in reserved)})
+        in_use = sorted(
+            {*server.gpus_in_use, *(device for device in server.device_uuids if device in reserved)}
+        )
         result.append(server.model_copy(update={"gpus_in_use": in_use}))
     return result
 
@@ -119,7 +121,7 @@ class FleetIndexCache:
         self._unwritten: dict[str, float] = {}  # heartbeats heard here, not yet written
         self._live: set[str] = set()  # agents in the live fleet
         self._base: dict[str, Server] = {}  # the live fleet by name, before reservations
-        self._owner: dict[str, str] = {}  # GPU UUID -> live server name
+        self._owner: dict[str, str] = {}  # GPU or MIG device UUID -> live server name
         self._reserved_gpus: dict[str, str] = {}  # GPU UUID -> deployment id, as last read
         self._reserved: dict[str, frozenset[str]] = {}  # server name -> its reserved GPU UUIDs
         self._pending: set[str] = set()  # servers whose index entry must be (re)derived
@@ -142,7 +144,7 @@ class FleetIndexCache:
         self._static = {server.name: server for server in static}
         self._base = dict(self._static)
         for name, server in self._static.items():
-            self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+            self._owner.update((device, name) for device in server.device_uuids)
         self._index = FleetIndex.build(static)
         self._full_read = True  # agents and reservations are read by the first query
 
@@ -199,13 +201,13 @@ class FleetIndexCache:
     def _enter(self, name: str, server: Server) -> None:
         previous = self._base.get(name)
         if previous is not None:
-            for gpu in previous.gpus:
-                if self._owner.get(gpu.uuid) == name:
-                    del self._owner[gpu.uuid]
+            for device in previous.device_uuids:
+                if self._owner.get(device) == name:
+                    del self._owner[device]
         self._live.add(name)
         self._earliest_live = min(self._earliest_live, self._heard.get(name, 0.0))
         self._base[name] = server
-        self._owner.update((gpu.uuid, name) for gpu in server.gpus)
+        self._owner.update((device, name) for device in server.device_uuids)
         self._pending.add(name)
 
     def _leave(self, name: str) -> None:
@@ -213,13 +215,13 @@ class FleetIndexCache:
         self._live.discard(name)
         previous = self._base.pop(name, None)
         if previous is not None:
-            for gpu in previous.gpus:
-                if self._owner.get(gpu.uuid) == name:
-                    del self._owner[gpu.uuid]
+            for device in previous.device_uuids:
+                if self._owner.get(device) == name:
+                    del self._owner[device]
         static = (self._static or {}).get(name)
         if static is not None:
             self._base[name] = static
-            self._owner.update((gpu.uuid, name) for gpu in static.gpus)
+            self._owner.update((device, name) for device in static.device_uuids)
         self._pending.add(name)
 
     def reservations_changed(self) -> None:

@@ -5,6 +5,9 @@ Akash providers advertise GPUs by vendor, model (a lowercase token from Akash's 
 `{model, ram?, interface?}` alternatives; `ram` picks a memory variant (an exact size, not a
 minimum). Akash knows nothing of drivers, CUDA or compute capability, so those clauses cannot be
 enforced there; the models are the known fleet's products that the rest of the request allows.
+
+Akash has no MIG: a provider discovers its GPUs by PCI id and leases whole ones, so a request
+for MIG devices has no SDL (the notes say so).
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ def export(constraints: Constraints) -> dict[str, Any]:
     """`{"sdl", "notes"}`: `sdl` is `{"profiles": {"compute": {"app": ...}}}`, or None when nothing fits."""
     notes = list(constraints.notes)
     request = constraints.request
+    if any(platform.mig_devices for platform in constraints.platforms):
+        notes.append(
+            "Akash has no MIG: providers discover GPUs by PCI id and lease whole ones; a request for MIG "
+            "devices cannot be expressed in an SDL (ask for whole GPUs there)"
+        )
+        return {"sdl": None, "notes": notes}
     gpus = max((platform.gpus for platform in constraints.platforms), default=0)
     resources: dict[str, Any] = {
         "cpu": {"units": request.cpus if request.cpus is not None else 1},

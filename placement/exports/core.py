@@ -7,6 +7,11 @@ and the request into a disjunction of `Term`s over the facts schedulers publish:
 version, the CUDA version the driver supports, the compute capability, the GPU product (for
 brand and model clauses, which no scheduler can test directly) and per-GPU memory.
 
+A request for MIG devices keeps the same terms (they hold for a MIG device's parent GPU) and
+adds the MIG devices asked for (`PlatformConstraints.mig_devices`): the profiles named, and the
+known fleet's (parent product, profile) pairs that satisfy the request (`mig_choices`), which
+each format spells in its own way (a resource name, a product label, a device class).
+
 Versions compare as nvidia-container-cli compares them: component by component, numerically,
 missing components counting as zero (`12.2 == 12.2.0`, `470.57.02 > 470`).
 """
@@ -23,6 +28,7 @@ from placement.gpu_code import Rule
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.image_facts import ImageFacts, PlatformFacts
 from placement.index import FleetIndex, GpuClass
+from placement.mig import sort_key
 from placement.nvidia_require import ImageRequirements
 from placement.request import DeployRequest
 from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, latent_error
@@ -265,6 +271,15 @@ class _TooComplex(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class KnownMigProfile:
+    """A MIG profile gpubadge has seen on a GPU product: the device's memory and SMs."""
+
+    profile: str  # e.g. "1g.10gb"
+    memory_mib: int
+    multiprocessors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class KnownGpu:
     """A GPU product gpubadge has seen in the fleet, with what schedulers cannot label."""
 
@@ -273,10 +288,13 @@ class KnownGpu:
     memory_mib: int
     compute_capability: str
     architectures: frozenset[str] = frozenset()  # CPU architectures of servers with it (empty: unknown)
+    whole: bool = True  # seen out of MIG mode (False: only ever in MIG mode)
+    mig_profiles: tuple[KnownMigProfile, ...] = ()  # the MIG devices seen on it, smallest first
 
 
 def known_gpus(fleet: FleetIndex | Iterable[GpuClass]) -> list[KnownGpu]:
-    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on.
+    """Distinct GPU products of an indexed fleet, with the CPU architectures they were seen on and
+    the MIG profiles seen on them.
 
     Also takes bare GPU classes (`index.classes`); the architectures are then unknown.
     """
@@ -286,14 +304,46 @@ def known_gpus(fleet: FleetIndex | Iterable[GpuClass]) -> list[KnownGpu]:
         for entry in fleet.view().shape_entries:  # one server per shape: O(shapes)
             for gpu in entry.server.gpus:
                 seen_on.setdefault(gpu.name, set()).add(entry.arch)
-    found: dict[str, KnownGpu] = {}
+    products: dict[str, tuple[str, int, str]] = {}  # name -> (brand, memory, CC)
+    whole: set[str] = set()
+    profiles: dict[str, dict[str, KnownMigProfile]] = {}
     for known in classes:
-        if known.name and known.name not in found:
-            archs = frozenset(seen_on.get(known.name, ()))
-            found[known.name] = KnownGpu(
-                known.name, known.brand, known.memory_mib, known.compute_capability, archs
-            )
-    return sorted(found.values(), key=lambda gpu: gpu.name)
+        if not known.name:
+            continue
+        if known.mig_profile is None:
+            whole.add(known.name)
+            if known.name not in products or products[known.name][1] == 0:
+                products[known.name] = (known.brand, known.memory_mib, known.compute_capability)
+            continue
+        products.setdefault(known.name, (known.brand, known.parent_memory_mib, known.compute_capability))
+        profiles.setdefault(known.name, {}).setdefault(
+            known.mig_profile, KnownMigProfile(known.mig_profile, known.memory_mib, known.multiprocessors)
+        )
+    found = [
+        KnownGpu(
+            name,
+            brand,
+            memory,
+            cc,
+            frozenset(seen_on.get(name, ())),
+            whole=name in whole,
+            mig_profiles=tuple(
+                sorted(profiles.get(name, {}).values(), key=lambda known: sort_key(known.profile))
+            ),
+        )
+        for name, (brand, memory, cc) in products.items()
+    ]
+    return sorted(found, key=lambda gpu: gpu.name)
+
+
+@dataclass(frozen=True, slots=True)
+class MigChoice:
+    """A MIG device the known fleet offers that a request accepts: its parent product and profile."""
+
+    product: str  # the parent's NVML name
+    profile: str
+    memory_mib: int
+    multiprocessors: int
 
 
 # --- image + request -> constraints ------------------------------------------------------------
@@ -306,8 +356,22 @@ class PlatformConstraints:
     architecture: str
     platform: str
     terms: list[Term]
-    gpus: int
-    min_memory_mib: int | None = None  # per GPU, after placement's memory tolerance
+    gpus: int  # whole GPUs
+    min_memory_mib: int | None = None  # per GPU (or MIG device), after placement's memory tolerance
+    mig_devices: int = 0  # MIG devices instead of whole GPUs
+    mig_profiles: list[str] = field(default_factory=list)  # the profiles the request names (any: empty)
+    mig_choices: list[MigChoice] = field(default_factory=list)  # known devices it accepts, smallest first
+
+    @property
+    def wants_gpu(self) -> bool:
+        """Whole GPUs or MIG devices are asked for."""
+        return self.gpus > 0 or self.mig_devices > 0
+
+    def choices_for(self, term: Term) -> list[MigChoice]:
+        """The MIG choices a term admits (its product list, if any, names their parents)."""
+        if term.products is None:
+            return list(self.mig_choices)
+        return [choice for choice in self.mig_choices if choice.product in term.products]
 
 
 @dataclass
@@ -373,9 +437,12 @@ def _platform(
     platform: PlatformFacts, request: DeployRequest, fleet: Sequence[KnownGpu], result: Constraints
 ) -> PlatformConstraints:
     gpu_image = platform.gpu.required
-    needed = request.gpus if request.gpus is not None else (1 if gpu_image else 0)
+    slices = request.slices_needed
+    needed = request.gpus if request.gpus is not None else (1 if gpu_image and not slices else 0)
     constraints = PlatformConstraints(platform.architecture, platform.platform, TRUE, needed)
-    if not (gpu_image or needed > 0):
+    constraints.mig_devices = slices
+    constraints.mig_profiles = list(request.mig_profiles)
+    if not (gpu_image or constraints.wants_gpu):
         return constraints
     requirements = ImageRequirements.from_gpu_facts(platform.gpu)
     if requirements.error is not None:
@@ -396,7 +463,7 @@ def _platform(
         )
     terms = TRUE
     if not requirements.disabled and requirements.expressions:
-        if needed == 0:
+        if not constraints.wants_gpu:
             note = "no GPU is requested, so the runtime checks without a device: brand and arch hold"
             result.note(f"{platform.platform}: {note}")
             try:
@@ -413,18 +480,43 @@ def _platform(
     # gpubadge's own image rule: CUDA 13 dropped GPUs below compute capability 7.5.
     cuda = cuda_needs.needed_cuda(platform.gpu) or ""  # the newest it declares or carries
     major = cuda.split(".", 1)[0]
-    if needed > 0 and major.isdigit() and int(major) >= 13:
+    wants = constraints.wants_gpu
+    if wants and major.isdigit() and int(major) >= 13:
         terms = conjunction(terms, [Term((("cc", Interval(low=Bound((7, 5), True))),))])
-    if needed > 0 and (platform.gpu.inferred is not None or platform.gpu.archs is not None):
+    if wants and (platform.gpu.inferred is not None or platform.gpu.archs is not None):
         rule = request.gpu_code_rule or "dispatch"
         terms = conjunction(terms, _inferred_terms(platform.gpu, platform.platform, result, rule))
-    if needed > 0:
+    if wants:
         terms = conjunction(terms, _request_terms(request, fleet, result))
         if request.min_gpu_memory is not None:
             # placement.gpus.memory_satisfies: reported MiB >= requested bytes less the tolerance
             constraints.min_memory_mib = math.ceil(request.min_gpu_memory * (1 - MEMORY_TOLERANCE) / _MIB)
+    if slices:
+        constraints.mig_choices = _mig_choices(request, fleet, constraints.min_memory_mib)
+        if not constraints.mig_choices:
+            wanted = " or ".join(request.mig_profiles) or "any profile"
+            result.note(
+                f"{platform.platform}: the known fleet has no MIG device ({wanted}) this request accepts; "
+                "the constraints name what was asked for and select only nodes that have it"
+            )
     constraints.terms = terms
     return constraints
+
+
+def _mig_choices(
+    request: DeployRequest, fleet: Sequence[KnownGpu], min_memory_mib: int | None
+) -> list[MigChoice]:
+    """The known fleet's MIG devices the request accepts (profile, memory, model), smallest first."""
+    profiles = set(request.mig_profiles)
+    choices = [
+        MigChoice(gpu.name, known.profile, known.memory_mib, known.multiprocessors)
+        for gpu in fleet
+        for known in gpu.mig_profiles
+        if (not profiles or known.profile in profiles)
+        and (min_memory_mib is None or known.memory_mib >= min_memory_mib)
+        and (not request.gpu_models or any(matches_model(gpu.name, wanted) for wanted in request.gpu_models))
+    ]
+    return sorted(choices, key=lambda choice: (sort_key(choice.profile), choice.product))
 
 
 def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints, rule: Rule) -> list[Term]:

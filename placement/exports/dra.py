@@ -5,6 +5,11 @@ as semver attributes (`550.107.02` as `550.107.2`), `productName` and `brand` as
 memory as a device capacity. CEL's one-argument `semver()` accepts only canonical `X.Y.Z`, so
 every version is written that way. A claim cannot say which CPU architecture the node has: a
 `kubernetes.io/arch` node affinity comes with it.
+
+A request for MIG devices claims devices of class `mig.nvidia.com` (type `mig`): the driver
+publishes them with their `profile`, their parent's `productName` and version attributes, and
+their own `memory` and `multiprocessors` capacities, so the same CEL applies, plus the profiles
+named. Whole GPUs are claimed from `gpu.nvidia.com` (type `gpu`), which has no MIG device in it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from placement.exports.core import Bound, Constraints, Interval, PlatformConstra
 
 DOMAIN = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
+MIG_DEVICE_CLASS = "mig.nvidia.com"
 _ATTRIBUTE = {"driver": "driverVersion", "cuda": "cudaDriverVersion", "cc": "cudaComputeCapability"}
 _NAME = re.compile(r"[^a-z0-9-]+")
 
@@ -51,6 +57,9 @@ def term_expression(term: Term, platform: PlatformConstraints) -> str:
     if term.products is not None:
         names = ", ".join(_string(name) for name in sorted(term.products))
         parts.append(f"device.attributes['{DOMAIN}'].productName in [{names}]")
+    if platform.mig_devices and platform.mig_profiles:
+        names = ", ".join(_string(profile) for profile in platform.mig_profiles)
+        parts.append(f"device.attributes['{DOMAIN}'].profile in [{names}]")
     if platform.min_memory_mib is not None:
         parts.append(
             f"device.capacity['{DOMAIN}'].memory.compareTo(quantity('{platform.min_memory_mib}Mi')) >= 0"
@@ -61,7 +70,8 @@ def term_expression(term: Term, platform: PlatformConstraints) -> str:
 def export(constraints: Constraints) -> dict[str, Any]:
     """`{"resourceClaimTemplate", "affinity", "notes"}`; the template is None when no GPU is needed."""
     notes = list(constraints.notes)
-    gpu_platforms = [platform for platform in constraints.platforms if platform.gpus > 0]
+    gpu_platforms = [platform for platform in constraints.platforms if platform.wants_gpu]
+    mig = any(platform.mig_devices for platform in gpu_platforms)
     alternatives: list[str] = []
     for platform in gpu_platforms:
         for term in platform.terms:
@@ -90,20 +100,26 @@ def export(constraints: Constraints) -> dict[str, Any]:
             _NAME.sub("-", (constraints.image or "image").lower().rsplit("/", 1)[-1]).strip("-")[:50]
             or "image"
         )
+        kind = "mig" if mig else "gpu"
+        if mig:
+            notes.append(
+                f"MIG devices are claimed from {MIG_DEVICE_CLASS}: their productName and versions are the "
+                "parent GPU's, memory their own"
+            )
         template = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaimTemplate",
-            "metadata": {"name": f"{name}-gpu"},
+            "metadata": {"name": f"{name}-{kind}"},
             "spec": {
                 "spec": {
                     "devices": {
                         "requests": [
                             {
-                                "name": "gpu",
+                                "name": kind,
                                 "exactly": {
-                                    "deviceClassName": DEVICE_CLASS,
+                                    "deviceClassName": MIG_DEVICE_CLASS if mig else DEVICE_CLASS,
                                     "allocationMode": "ExactCount",
-                                    "count": max(p.gpus for p in gpu_platforms),
+                                    "count": max(p.mig_devices if mig else p.gpus for p in gpu_platforms),
                                     "selectors": [{"cel": {"expression": expression}}],
                                 },
                             }

@@ -6,6 +6,18 @@ and GFD writes revisions zero-padded (`02` is not `2`). Every term repeats every
 requirement it is ANDed with. Brand and model clauses become `nvidia.com/gpu.product` lists from
 the known fleet (GFD has no brand label); when nothing can be eligible, one term that no node
 matches. Node names are never used.
+
+MIG, as NVIDIA's device plugin and GFD expose it: a whole-GPU request adds
+`nvidia.com/gpu.slices.gi DoesNotExist`: under the single strategy a node whose GPUs are in MIG
+mode offers its MIG devices as `nvidia.com/gpu`, and GFD then labels their slice counts there
+(under mixed, `nvidia.com/gpu` counts only GPUs out of MIG mode). A request for MIG devices is answered
+for the mixed strategy (`resources` ask for `nvidia.com/mig-<profile>`, the terms require
+`nvidia.com/mig.strategy=mixed` and, for brand or model clauses, `nvidia.com/mig-<profile>.product`)
+and, in `single_strategy`, for the single one (`nvidia.com/gpu` on nodes labelled
+`nvidia.com/mig.strategy=single` that have MIG devices (`nvidia.com/gpu.slices.gi`), the profile
+and parent product in `nvidia.com/gpu.product`'s
+`<product>-MIG-<profile>` and the device memory in `nvidia.com/gpu.memory`). Compute capability
+and driver labels are the parent GPU's under both strategies.
 """
 
 from __future__ import annotations
@@ -16,7 +28,8 @@ from collections.abc import Sequence
 from itertools import product
 from typing import Any
 
-from placement.exports.core import Bound, Constraints, Interval, PlatformConstraints, Term
+from placement.exports.core import Bound, Constraints, Interval, MigChoice, PlatformConstraints, Term
+from placement.mig import kubernetes_name, resource_name
 
 DRIVER_LABELS = (
     "nvidia.com/cuda.driver-version.major",
@@ -29,6 +42,8 @@ PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"
 ARCH_LABEL = "kubernetes.io/arch"
 GPU_RESOURCE = "nvidia.com/gpu"
+MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+MIG_SLICES_LABEL = "nvidia.com/gpu.slices.gi"  # single strategy: the MIG devices' GPU-instance slices
 _LABELS = {"driver": DRIVER_LABELS, "cuda": CUDA_LABELS, "cc": CC_LABELS}
 _GFD_DROP = re.compile(r"[^A-Za-z0-9\-_. ]")
 _SPACES = re.compile(r"\s+")
@@ -40,6 +55,11 @@ Alternative = list[Requirement]  # one NodeSelectorTerm's matchExpressions
 def gfd_product(nvml_name: str) -> str:
     """GFD's `nvidia.com/gpu.product` for an NVML name: odd characters dropped, spaces to dashes."""
     return _SPACES.sub("-", _GFD_DROP.sub("", nvml_name).strip())
+
+
+def gfd_mig_product(parent: str, profile: str) -> str:
+    """GFD's product label for a MIG device: `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb` (`+me` as `.me`)."""
+    return f"{gfd_product(parent)}-MIG-{kubernetes_name(profile)}"
 
 
 def _gt(key: str, value: int) -> Requirement:
@@ -115,8 +135,10 @@ def _interval(dimension: str, interval: Interval) -> tuple[list[Alternative], bo
 
 
 def _term_alternatives(
-    term: Term, platform: PlatformConstraints, extra: Alternative
+    term: Term, platform: PlatformConstraints, extra: Alternative, mode: str, profile: str | None
 ) -> tuple[list[Alternative], bool]:
+    """`mode`: `whole` GPUs, or MIG devices under the `mixed` or `single` strategy (`profile`: the
+    mixed strategy's one profile)."""
     parts: list[list[Alternative]] = []
     revision = False
     for dimension, interval in term.versions:
@@ -124,16 +146,46 @@ def _term_alternatives(
         parts.append(alternatives)
         revision = revision or reads_revision
     common: Alternative = [*extra]
-    if platform.gpus > 0 and platform.min_memory_mib is not None:
-        common.append(_gt(MEMORY_LABEL, platform.min_memory_mib - 1))
-    if term.products is not None:
-        values = sorted(
-            {value for name in term.products for value in (gfd_product(name), gfd_product(name) + "-SHARED")}
-        )
-        common.append({"key": PRODUCT_LABEL, "operator": "In", "values": values})
+    if mode == "whole":
+        if platform.gpus > 0:
+            common.append({"key": MIG_SLICES_LABEL, "operator": "DoesNotExist"})
+            if platform.min_memory_mib is not None:
+                common.append(_gt(MEMORY_LABEL, platform.min_memory_mib - 1))
+        if term.products is not None:
+            values = sorted(
+                {
+                    value
+                    for name in term.products
+                    for value in (gfd_product(name), gfd_product(name) + "-SHARED")
+                }
+            )
+            common.append({"key": PRODUCT_LABEL, "operator": "In", "values": values})
+    elif mode == "mixed":
+        assert profile is not None
+        common.append({"key": MIG_STRATEGY_LABEL, "operator": "In", "values": ["mixed"]})
+        if term.products is not None:
+            choices = [c for c in platform.choices_for(term) if c.profile == profile]
+            if not choices:
+                return [], revision
+            key = f"{resource_name(profile)}.product"
+            common.append({"key": key, "operator": "In", "values": _mig_products(choices)})
+    else:
+        common.append({"key": MIG_STRATEGY_LABEL, "operator": "In", "values": ["single"]})
+        common.append({"key": MIG_SLICES_LABEL, "operator": "Exists"})
+        if platform.mig_profiles or term.products is not None:
+            choices = platform.choices_for(term)
+            if not choices:
+                return [], revision
+            common.append({"key": PRODUCT_LABEL, "operator": "In", "values": _mig_products(choices)})
+        if platform.min_memory_mib is not None:
+            common.append(_gt(MEMORY_LABEL, platform.min_memory_mib - 1))  # per MIG device here
     return [
         [*common, *(r for alternative in combo for r in alternative)] for combo in product(*parts)
     ], revision
+
+
+def _mig_products(choices: Sequence[MigChoice]) -> list[str]:
+    return sorted({gfd_mig_product(choice.product, choice.profile) for choice in choices})
 
 
 UNMATCHABLE: Alternative = [
@@ -143,45 +195,131 @@ UNMATCHABLE: Alternative = [
 
 
 def export(constraints: Constraints) -> dict[str, Any]:
-    """`{"affinity", "resources", "notes"}` for the Pod spec of a Deployment, Job or Pod."""
+    """`{"affinity", "resources", "notes"}` for the Pod spec of a Deployment, Job or Pod; a request
+    for MIG devices adds `mig_strategy: mixed` and `single_strategy: {"affinity", "resources"}`."""
     notes = list(constraints.notes)
+    gpus = max((platform.gpus for platform in constraints.platforms), default=0)
+    slices = max((platform.mig_devices for platform in constraints.platforms), default=0)
+    if not slices:
+        affinity, revision = _affinity(constraints, "whole", None)
+        body: dict[str, Any] = {
+            "affinity": affinity,
+            "resources": _resources(constraints, GPU_RESOURCE, gpus),
+        }
+        if any(term.products is not None for platform in constraints.platforms for term in platform.terms):
+            notes.append(
+                "MIG-partitioned nodes (nvidia.com/gpu.product ending in -MIG-<profile>) are not in the "
+                "product lists"
+            )
+        if gpus > 0:
+            notes.append(
+                f"{GPU_RESOURCE}: {gpus} in resources.limits enforces the GPU count; the device plugin "
+                "assigns free GPUs (nvidia.com/gpu.count counts every GPU, free or not); nodes labelled "
+                f"{MIG_SLICES_LABEL} (single MIG strategy: their nvidia.com/gpu are MIG devices) are left out"
+            )
+    else:
+        profile = _mixed_profile(constraints)
+        if profile is None:
+            mixed, revision = {"nodeAffinity": _required([UNMATCHABLE])}, False
+            notes.append(
+                "mixed strategy: no MIG profile to ask for (the known fleet has none this request "
+                "accepts, and none is named): the terms match nothing"
+            )
+            resources = _resources(constraints, None, 0)
+        else:
+            mixed, revision = _affinity(constraints, "mixed", profile)
+            resources = _resources(constraints, resource_name(profile), slices)
+            others = sorted(
+                {
+                    c.profile
+                    for platform in constraints.platforms
+                    for c in platform.mig_choices
+                    if c.profile != profile
+                }
+            )
+            also = f"; {', '.join(resource_name(p) for p in others)} would also do" if others else ""
+            notes.append(
+                f"mixed strategy: {resource_name(profile)}: {slices} in resources.limits (a pod names one "
+                f"MIG resource; the smallest that qualifies{also})"
+            )
+        single, single_revision = _affinity(constraints, "single", None)
+        revision = revision or single_revision
+        notes.append(
+            f"single strategy (single_strategy): {GPU_RESOURCE}: {slices} on nodes labelled "
+            f"{MIG_STRATEGY_LABEL}=single, the MIG profile and parent product in {PRODUCT_LABEL} "
+            "(<product>-MIG-<profile>), device memory in nvidia.com/gpu.memory"
+        )
+        body = {
+            "affinity": mixed,
+            "resources": resources,
+            "mig_strategy": "mixed",
+            "single_strategy": {
+                "affinity": single,
+                "resources": _resources(constraints, GPU_RESOURCE, slices),
+            },
+        }
+    labels = constraints.request.labels
+    if labels:
+        notes.insert(
+            len(constraints.notes),
+            "gpubadge server labels are required as node labels of the same name and value",
+        )
+    if revision:
+        notes.insert(
+            len(constraints.notes) + bool(labels),
+            "an upper bound on the driver's revision cannot match a node whose driver version has two "
+            "parts (GFD writes an empty revision label): such nodes are not selected",
+        )
+    body["notes"] = notes
+    return body
+
+
+def _mixed_profile(constraints: Constraints) -> str | None:
+    """The one MIG resource a mixed-strategy pod asks for: the smallest known device that qualifies,
+    else the first profile named."""
+    for platform in constraints.platforms:
+        if platform.mig_devices and platform.terms:
+            for choice in platform.mig_choices:
+                if any(choice in platform.choices_for(term) for term in platform.terms):
+                    return choice.profile
+    named = [profile for platform in constraints.platforms for profile in platform.mig_profiles]
+    return named[0] if named else None
+
+
+def _affinity(constraints: Constraints, mode: str, profile: str | None) -> tuple[dict[str, Any], bool]:
     terms: list[Alternative] = []
     revision = False
-    gpus = max((platform.gpus for platform in constraints.platforms), default=0)
     labels: Alternative = [
         {"key": key, "operator": "In", "values": [value]}
         for key, value in sorted(constraints.request.labels.items())
     ]
-    if labels:
-        notes.append("gpubadge server labels are required as node labels of the same name and value")
     for platform in constraints.platforms:
         extra = [{"key": ARCH_LABEL, "operator": "In", "values": [platform.architecture]}, *labels]
         for term in platform.terms:
-            alternatives, reads_revision = _term_alternatives(term, platform, extra)
-            revision = revision or reads_revision
+            alternatives, reads_revision = _term_alternatives(term, platform, extra, mode, profile)
+            revision = revision or (reads_revision and bool(alternatives))
             for alternative in alternatives:
                 if alternative not in terms:
                     terms.append(alternative)
     if not terms:
         terms = [UNMATCHABLE]
-    if revision:
-        notes.append(
-            "an upper bound on the driver's revision cannot match a node whose driver version has two "
-            "parts (GFD writes an empty revision label): such nodes are not selected"
-        )
-    if any(term.products is not None for platform in constraints.platforms for term in platform.terms):
-        notes.append(
-            "MIG-partitioned nodes (nvidia.com/gpu.product ending in -MIG-<profile>) are not in the "
-            "product lists"
-        )
-    if gpus > 0:
-        notes.append(
-            f"{GPU_RESOURCE}: {gpus} in resources.limits enforces the GPU count; the device plugin "
-            "assigns free GPUs (nvidia.com/gpu.count counts every GPU, free or not)"
-        )
+    return {"nodeAffinity": _required(terms)}, revision
+
+
+def _required(terms: list[Alternative]) -> dict[str, Any]:
+    # Fresh dicts per term: terms repeat requirements, and a shared object would come out of a
+    # YAML dump as an anchor and aliases.
+    return {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": copy.deepcopy(term)} for term in terms]
+        }
+    }
+
+
+def _resources(constraints: Constraints, resource: str | None, count: int) -> dict[str, Any]:
     resources: dict[str, Any] = {}
-    if gpus > 0:
-        resources["limits"] = {GPU_RESOURCE: gpus}
+    if resource is not None and count > 0:
+        resources["limits"] = {resource: count}
     requests = {}
     if constraints.request.cpus is not None:
         requests["cpu"] = _cpu(constraints.request.cpus)
@@ -189,19 +327,7 @@ def export(constraints: Constraints) -> dict[str, Any]:
         requests["memory"] = _quantity(constraints.request.memory)
     if requests:
         resources["requests"] = requests
-    return {
-        "affinity": {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    # Fresh dicts per term: terms repeat requirements, and a shared object would
-                    # come out of a YAML dump as an anchor and aliases.
-                    "nodeSelectorTerms": [{"matchExpressions": copy.deepcopy(term)} for term in terms]
-                }
-            }
-        },
-        "resources": resources,
-        "notes": notes,
-    }
+    return resources
 
 
 def _cpu(value: float) -> str:

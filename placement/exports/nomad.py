@@ -5,6 +5,12 @@ and `driver_version`; not compute capability, CUDA version or brand. So a CUDA f
 driver floor from NVIDIA's CUDA/driver table, and compute-capability and brand clauses become
 model lists from the known fleet. Nomad ANDs every constraint: where the image accepts several
 alternatives, the export keeps one and the notes say so.
+
+MIG: the plugin fingerprints every MIG device as a GPU of its own, named as NVML names it
+(`NVIDIA A100-SXM4-40GB MIG 1g.5gb`, its memory the device's) and skips GPUs in MIG mode. So a
+request for MIG devices selects those names (the known fleet's devices it accepts, or any
+` MIG <profile>` name), and a whole-GPU request on a fleet with MIG devices excludes them with a
+regular expression for names without ` MIG ` (RE2 has no negative look-ahead).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from placement.exports.core import Bound, Constraints, KnownGpu, Term, Version, compare
+from placement.exports.core import Bound, Constraints, KnownGpu, PlatformConstraints, Term, Version, compare
 
 # CUDA major.minor -> the first Linux x86_64 driver of that release (CUDA 13.1 release notes,
 # table 3): a driver reports a CUDA version at least X.Y from this version on.
@@ -35,6 +41,10 @@ def driver_floor(cuda: Bound) -> Version | None:
         if order > 0 or (order == 0 and cuda.inclusive):
             return driver
     return None
+
+
+# Names that do not contain " MIG " (a MIG device's name as NVML gives it), in RE2.
+NOT_A_MIG_DEVICE = "^([^ ]| [^M]| M[^I]| MI[^G]| MIG[^ ])*( | M| MI| MIG)?$"
 
 
 def _version(parts: Version) -> str:
@@ -97,6 +107,38 @@ def _term_constraints(
     return clauses, models
 
 
+def _any_of(names: set[str]) -> str:
+    return "^(" + "|".join(re.escape(name) for name in sorted(names)) + ")$" if names else "^$"
+
+
+def _whole_pattern(models: set[str] | None, fleet: list[KnownGpu], notes: list[str]) -> str | None:
+    """Whole GPUs: the allowed models, or (on a fleet with MIG devices) any name but a MIG device's."""
+    if models is not None:
+        return _any_of(models)  # whole products' names: a MIG device's name never matches
+    if any(gpu.mig_profiles for gpu in fleet):
+        notes.append(
+            "the plugin fingerprints MIG devices as GPUs named '<product> MIG <profile>': the model "
+            "constraint leaves them out of a whole-GPU request"
+        )
+        return NOT_A_MIG_DEVICE
+    return None
+
+
+def _mig_pattern(platform: PlatformConstraints, term: Term, models: set[str] | None, notes: list[str]) -> str:
+    """MIG devices: their NVML names (`<product> MIG <profile>`), from the known fleet where the
+    request or the image restricts the product or the profile."""
+    notes.append(
+        "the plugin fingerprints each MIG device as a GPU named '<product> MIG <profile>' with its own "
+        "memory: the model constraint selects MIG devices"
+    )
+    if models is None and term.products is None and not platform.mig_profiles:
+        return "^.+ MIG [^ ]+$"
+    if models is None and term.products is None:
+        return "^.+ MIG (" + "|".join(re.escape(profile) for profile in platform.mig_profiles) + ")$"
+    choices = [c for c in platform.choices_for(term) if models is None or c.product in models]
+    return _any_of({f"{choice.product} MIG {choice.profile}" for choice in choices})
+
+
 def _cc(gpu: KnownGpu) -> Version | None:
     parts = gpu.compute_capability.split(".")
     if not all(part.isdigit() for part in parts):
@@ -119,7 +161,7 @@ def export(constraints: Constraints) -> dict[str, Any]:
         lines += _constraint("", f"${{meta.{key}}}", "=", value)
     if constraints.request.labels:
         notes.append("gpubadge server labels are required as Nomad client meta of the same name and value")
-    gpu_platforms = [platform for platform in constraints.platforms if platform.gpus > 0 and platform.terms]
+    gpu_platforms = [platform for platform in constraints.platforms if platform.wants_gpu and platform.terms]
     if gpu_platforms:
         platform = gpu_platforms[0]
         if len({tuple(map(str, p.terms)) for p in gpu_platforms}) > 1:
@@ -131,20 +173,25 @@ def export(constraints: Constraints) -> dict[str, Any]:
                 "the first is kept, so some nodes that could run it are not selected"
             )
         clauses, models = _term_constraints(term, fleet, notes)
-        lines += ['device "nvidia/gpu" {', f"  count = {platform.gpus}"]
+        count = platform.mig_devices or platform.gpus
+        lines += ['device "nvidia/gpu" {', f"  count = {count}"]
         if platform.min_memory_mib is not None:
             lines += _constraint("  ", "${device.attr.memory}", ">=", f"{platform.min_memory_mib} MiB")
         if clauses:
             lines += _constraint("  ", "${device.attr.driver_version}", "version", ", ".join(clauses))
-        if models is not None:
-            if term.products is not None:
-                notes.append(
-                    "brand and model clauses became the known fleet's models: the plugin reports no brand"
-                )
-            pattern = "^(" + "|".join(re.escape(model) for model in sorted(models)) + ")$" if models else "^$"
-            lines += _constraint("  ", "${device.model}", "regexp", pattern)
+        if models is not None and term.products is not None:
+            notes.append(
+                "brand and model clauses became the known fleet's models: the plugin reports no brand"
+            )
+        model_pattern = (
+            _mig_pattern(platform, term, models, notes)
+            if platform.mig_devices
+            else _whole_pattern(models, fleet, notes)
+        )
+        if model_pattern is not None:
+            lines += _constraint("  ", "${device.model}", "regexp", model_pattern)
         lines.append("}")
-    elif any(platform.gpus > 0 for platform in constraints.platforms):
+    elif any(platform.wants_gpu for platform in constraints.platforms):
         lines += ['device "nvidia/gpu" {', "  count = 1"]
         lines += _constraint("  ", "${device.model}", "regexp", "^$")  # nothing can be eligible
         lines.append("}")

@@ -90,7 +90,7 @@ async def claimed_elsewhere(app: web.Application, name: str, gpus: Sequence[Gpu]
     """
     cache = app[FLEET_INDEX]
     await cache.refresh(app)
-    owners = cache.owners([gpu.uuid for gpu in gpus])
+    owners = cache.owners([device for gpu in gpus for device in gpu.device_uuids])
     taken = {uuid: owner for uuid, owner in owners.items() if owner != name}
     if not taken:
         return None

@@ -54,6 +54,16 @@ CONSTRAINTS_ANSWER = {
         "notes": {"type": "array", "items": {"type": "string"}},
         "affinity": {"type": "object", "description": "core/v1 Affinity (kubernetes, dra)"},
         "resources": {"type": "object", "description": "container resources (kubernetes)"},
+        "mig_strategy": {
+            "type": "string",
+            "description": "kubernetes, MIG devices asked for: the device plugin's strategy `affinity`"
+            " and `resources` are written for (mixed: nvidia.com/mig-<profile>)",
+        },
+        "single_strategy": {
+            "type": "object",
+            "description": "kubernetes, MIG devices asked for: `affinity` and `resources` for nodes whose"
+            " device plugin runs the single strategy (nvidia.com/gpu counts MIG devices)",
+        },
         "resourceClaimTemplate": {"type": ["object", "null"], "description": "resource.k8s.io/v1 (dra)"},
         "hcl": {"type": "string", "description": "Nomad task fragment (nomad)"},
         "sdl": {"type": ["object", "null"], "description": "Akash SDL profiles (akash)"},
@@ -102,7 +112,8 @@ async def eligibility(request: web.Request) -> web.Response:
     "/api/constraints",
     "The eligibility of an image in a scheduler's language: kubernetes, dra, nomad or akash",
     description="The eligibility body plus `format`. `kubernetes`: `affinity` (GPU Feature Discovery"
-    " labels, integer Gt/Lt terms) and `resources`; `dra`: `resourceClaimTemplate` (resource.k8s.io/v1,"
+    " labels, integer Gt/Lt terms) and `resources` (for MIG devices: the mixed strategy's, and"
+    " `single_strategy`); `dra`: `resourceClaimTemplate` (resource.k8s.io/v1,"
     " CEL selectors) and an arch `affinity`; `nomad`: `hcl` (a task-level constraint and a device"
     " block); `akash`: `sdl` (a compute profile, null when no known model qualifies). `notes` says"
     " what the format cannot express or only approximates.",

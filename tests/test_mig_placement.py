@@ -1,0 +1,212 @@
+"""Placement of MIG devices: a mixed fleet from an inventory file (fixtures/fleet_mig.yaml) and from
+agents (through the NVML stand-in), requests for whole GPUs and for each profile, reservations
+released and re-used, in the index and in the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from agent.host import build_server
+from agent.nvml import read_nvml
+from placement.decide import decide
+from placement.image_facts import ImageFacts
+from placement.index import FleetIndex
+from placement.inventory import Server, parse_inventory
+from placement.request import DeployRequest
+from scanner.models import GpuFacts, ImageReport, PlatformReport
+from store import GpuTaken, SqliteStore, queries
+from tests.fake_pynvml import FakeNvml, a100_40gb_mig, h100, h200_mig
+
+FLEET_FILE = Path(__file__).resolve().parent.parent / "fixtures" / "fleet_mig.yaml"
+FLEET = parse_inventory(FLEET_FILE.read_text()).servers
+BY_NAME = {server.name: server for server in FLEET}
+
+
+def image(requirement: str = "cuda>=12.2", cuda: str = "12.2") -> ImageFacts:
+    env = {"NVIDIA_VISIBLE_DEVICES": "all", "CUDA_VERSION": cuda, "NVIDIA_REQUIRE_CUDA": requirement}
+    gpu = GpuFacts(required=True, cuda_version=cuda, env=env)
+    platform = PlatformReport(platform="linux/amd64", digest="sha256:" + "7" * 64, gpu=gpu)
+    return ImageFacts.from_report(ImageReport(reference="example/mig:1", platforms=[platform]))
+
+
+def profile_of(uuid: str) -> str:
+    return next(d.profile for s in FLEET for g in s.gpus for d in g.mig_devices if d.uuid == uuid)
+
+
+def reasons(request: DeployRequest, facts: ImageFacts | None = None) -> dict[str, list[str]]:
+    decision = decide(facts or image(), request, FLEET)
+    return {entry["server"]: entry["reasons"] for entry in decision.ineligible}
+
+
+def test_the_inventory_file_describes_mig_layouts() -> None:
+    a100 = BY_NAME["a100-80-mig"]
+    assert [gpu.mig for gpu in a100.gpus] == [True, True]
+    assert [d.profile for d in a100.gpus[1].mig_devices] == ["3g.40gb", "4g.40gb"]
+    assert a100.free_gpus == []  # never handed out whole
+    half = BY_NAME["h100-half-mig"]
+    assert [gpu.uuid for gpu in half.free_gpus] == ["GPU-7c2d9100-0000-4b20-8000-000000000000"]
+    assert len(half.device_uuids) == 2 + 4
+    with pytest.raises(ValueError, match="is not a MIG profile"):
+        parse_inventory(
+            "servers: [{name: x, gpus: [{index: 0, uuid: G, name: n, mig: true, mig_devices: "
+            "[{index: 0, uuid: M, profile: huge}]}]}]"
+        )
+    too_many = [{"index": i, "uuid": f"MIG-{i}", "profile": "1g.5gb"} for i in range(17)]
+    with pytest.raises(ValidationError, match="at most 16"):
+        Server.model_validate(
+            {"name": "x", "gpus": [{"index": 0, "uuid": "G", "name": "n", "mig_devices": too_many}]}
+        )
+
+
+def test_whole_gpus_never_come_from_a_gpu_in_mig_mode() -> None:
+    decision = decide(image(), DeployRequest(gpus=1), FLEET)
+    assert {e["server"]: e["gpus"] for e in decision.eligible} == {
+        "h100-half-mig": ["GPU-7c2d9100-0000-4b20-8000-000000000000"],
+        "a100-40-whole": ["GPU-9a4e1040-0000-4d40-8000-000000000000"],
+    }
+    why = reasons(DeployRequest(gpus=1))
+    # The decisive reason is the same from server to server (summaries group them); the counts follow.
+    assert why == {
+        "a100-80-mig": [
+            "2 GPUs in MIG mode, none whole",
+            "2 GPUs in MIG mode: 7 × 1g.10gb, 1 × 3g.40gb, 1 × 4g.40gb free of 9 MIG device(s)",
+        ],
+        "h200-mig": ["GPU in MIG mode, none whole", "GPU in MIG mode: 7 × 1g.18gb free of 7 MIG device(s)"],
+        "b200-mig": ["GPU in MIG mode, none whole", "GPU in MIG mode: 7 × 1g.23gb free of 7 MIG device(s)"],
+        "h100-mig-unconfigured": ["GPU in MIG mode, none whole", "GPU in MIG mode: no MIG device configured"],
+    }
+    two = reasons(DeployRequest(gpus=2))["h100-half-mig"]
+    assert two == [
+        "needs 2 free GPU(s), has 1 free of 1",
+        "GPU in MIG mode, never whole: 2 × 1g.10gb, 1 × 2g.20gb, 1 × 3g.40gb free of 4 MIG device(s)",
+    ]
+    summary = decide(image(), DeployRequest(gpus=1), FLEET).ineligible_summary()
+    assert {item["reason"]: item["count"] for item in summary} == {
+        "GPU in MIG mode, none whole": 3,
+        "2 GPUs in MIG mode, none whole": 1,
+    }
+
+
+PROFILES = sorted({d.profile for s in FLEET for g in s.gpus for d in g.mig_devices})
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_each_profile_goes_where_it_is_free(profile: str) -> None:
+    facts = image("cuda>=12.0")
+    decision = decide(facts, DeployRequest(mig_profiles=[profile]), FLEET)
+    having = {s.name for s in FLEET for g in s.gpus for d in g.mig_devices if d.profile == profile}
+    assert {e["server"] for e in decision.eligible} == having
+    for entry in decision.eligible:
+        (uuid,) = entry["gpus"]
+        assert uuid.startswith("MIG-") and profile_of(uuid) == profile
+    for server, why in reasons(DeployRequest(mig_profiles=[profile]), facts).items():
+        assert server not in having
+        if BY_NAME[server].gpus and not any(g.mig for g in BY_NAME[server].gpus):
+            assert why == [
+                f"needs 1 MIG device(s), has {len(BY_NAME[server].gpus)} whole GPU(s), none in MIG mode"
+            ]
+        else:
+            assert why[0] == f"needs 1 free {profile} MIG device(s), has 0"
+            assert "MIG mode: " in why[1] and f"{profile} free" not in why[1]
+
+
+def test_minimum_memory_takes_the_smallest_device_that_suffices() -> None:
+    decision = decide(image(), DeployRequest(mig_devices=1, min_gpu_memory="30Gi"), FLEET)
+    picked = {e["server"]: [profile_of(u) for u in e["gpus"]] for e in decision.eligible}
+    assert picked == {"a100-80-mig": ["3g.40gb"], "h100-half-mig": ["3g.40gb"]}
+    two = decide(image(), DeployRequest(mig_devices=3, min_gpu_memory="9Gi"), FLEET)
+    best = two.best
+    assert best is not None and best["server"] == "h100-half-mig"  # fewest devices left idle
+    assert [profile_of(u) for u in best["gpus"]] == ["1g.10gb", "1g.10gb", "2g.20gb"]
+    h200 = reasons(DeployRequest(mig_devices=1, min_gpu_memory="30Gi"))["h200-mig"]
+    assert h200[0] == "7 free NVIDIA H200 MIG 1g.18gb: MIG device memory 16 GiB < requested 30 GiB"
+
+
+def test_image_requirements_apply_to_the_parent_gpu() -> None:
+    hopper = decide(image("arch>=9.0"), DeployRequest(mig_devices=1), FLEET)
+    assert {e["server"] for e in hopper.eligible} == {"h100-half-mig", "h200-mig", "b200-mig"}
+    why = reasons(DeployRequest(mig_devices=1), image("arch>=9.0"))["a100-80-mig"]
+    assert (
+        why[0]
+        == "7 free NVIDIA A100-SXM4-80GB MIG 1g.10gb: NVIDIA_REQUIRE_CUDA: compute capability 8.0 < arch>=9.0"
+    )
+    cuda13 = decide(image("cuda>=13.0", "13.0"), DeployRequest(mig_devices=1), FLEET)
+    assert {e["server"] for e in cuda13.eligible} == {"h200-mig", "b200-mig"}  # drivers with CUDA 13.0
+    h200 = decide(image(), DeployRequest(mig_devices=2, gpu_models=["h200"]), FLEET)
+    assert [e["server"] for e in h200.eligible] == ["h200-mig"]
+
+
+def test_requests_ask_for_one_kind() -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        DeployRequest(gpus=1, mig_profiles=["1g.10gb"])
+    with pytest.raises(ValidationError, match="not a MIG profile"):
+        DeployRequest(mig_profiles=["10gb"])
+    assert DeployRequest(mig_profiles=["MIG 1G.10GB", "1g.10gb"]).mig_profiles == ["1g.10gb"]
+    assert DeployRequest.parse_any({"mig_devices": 2}).slices_needed == 2
+    # A GPU image asking for MIG devices gets no whole GPU by default.
+    assert all(
+        g.startswith("MIG-")
+        for e in decide(image(), DeployRequest(mig_devices=1), FLEET).eligible
+        for g in e["gpus"]
+    )
+
+
+def agent_server(name: str, *gpus: object) -> Server:
+    facts = read_nvml(FakeNvml(gpus=list(gpus), driver_version="580.65.06", cuda_version=13000))  # type: ignore[arg-type]
+    return build_server(name, facts, ["runtime"], arch="x86_64", cpus=32, memory=1 << 38)
+
+
+def test_reservations_are_per_mig_device_and_are_released_and_reused() -> None:
+    server = agent_server(
+        "agent-a100",
+        a100_40gb_mig("GPU-a1000000-0000-4000-8000-000000000000"),
+        h100("GPU-b1000000-0000-4000-8000-000000000000"),
+    )
+    index = FleetIndex.build([server])
+    request = DeployRequest(mig_profiles=["1g.5gb"])
+    taken: list[str] = []
+    for _ in range(7):
+        best = decide(image(), request, index).best
+        assert best is not None
+        taken.extend(best["gpus"])
+        index.update([server.model_copy(update={"gpus_in_use": list(taken)})])
+    assert len(set(taken)) == 7 and set(taken) == set(server.device_uuids[1:8])
+    assert decide(image(), request, index).ineligible == [
+        {
+            "server": "agent-a100",
+            "reasons": [
+                "needs 1 free 1g.5gb MIG device(s), has 0",
+                "GPU in MIG mode: all 7 MIG device(s) in use",
+            ],
+        }
+    ]
+    # The whole H100 is still free for a whole-GPU request; the A100 in MIG mode never is.
+    whole = decide(image(), DeployRequest(gpus=1), index).best
+    assert whole is not None and whole["gpus"] == ["GPU-b1000000-0000-4000-8000-000000000000"]
+    released = taken.pop(3)
+    index.update([server.model_copy(update={"gpus_in_use": list(taken)})])
+    again = decide(image(), request, index).best
+    assert again is not None and again["gpus"] == [released]
+    # A parent in use (reserved whole before MIG mode was turned on) takes its MIG devices with it.
+    index.update([server.model_copy(update={"gpus_in_use": [server.gpus[0].uuid]})])
+    assert decide(image(), request, index).best is None
+
+
+def test_the_store_reserves_releases_and_reuses_mig_device_uuids(tmp_path: Path) -> None:
+    server = agent_server("agent-h200", h200_mig("GPU-c2000000-0000-4000-8000-000000000000"))
+    first, second = server.gpus[0].mig_devices[0].uuid, server.gpus[0].mig_devices[1].uuid
+    store = SqliteStore(tmp_path / "mig.db")
+    try:
+        store.create_deployment("d1", server.name, [first, second], '{"id": "d1"}')
+        with pytest.raises(GpuTaken, match=second):
+            store.create_deployment("d2", server.name, [second], '{"id": "d2"}')
+        assert store.run(queries.reserved_gpus) == {first: "d1", second: "d1"}
+        store.run(queries.update_deployment, "d1", '{"id": "d1"}', state="exited", release=True)
+        assert store.run(queries.reserved_gpus) == {}
+        store.create_deployment("d3", server.name, [second], '{"id": "d3"}')
+        assert store.run(queries.reserved_gpus) == {second: "d3"}
+    finally:
+        store.close()
