@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpubadge.files import load_inventory
-from gpubadge.service import call, service_url
+from gpubadge.service import SERVICE_ENV, call, service_from_env, service_url
 
 if TYPE_CHECKING:
     from scanner.models import ImageReport
@@ -43,10 +43,12 @@ EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE = 0, 1, 3
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """Where the fleet comes from and what the deploy asks for: shared by `eligible` and `constraints`."""
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()  # one of them, or $GPUBADGE (service_from_env)
     where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
     where.add_argument(
-        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port)"
+        "--service",
+        type=service_url,
+        help=f"URL of a running gpubadge service (http://host:port; default ${SERVICE_ENV})",
     )
     p.add_argument("--gpus", type=int, help="whole GPUs needed (a GPU image defaults to 1)")
     p.add_argument(
@@ -194,10 +196,25 @@ async def ask_service(
     return await call(url, path, token, body={"image": reference, **fields})
 
 
+GPU_WORDS = {  # placement.image_needs' answer, as the image page and `gpubadge scan` say it
+    "required": "needs an NVIDIA GPU (it declares one)",
+    "optional": "GPU optional (it carries CUDA, declares no GPU: runs on a CPU too)",
+    "none": "CPU only (it declares no GPU and carries no CUDA)",
+}
+
+
 def print_decision(decision: dict[str, Any]) -> None:
+    """The answer as lines: the image's GPU answer, eligible servers (why each passes with --explain
+    all), the others by reason, then warnings and hints."""
+    if decision.get("image_gpu") in GPU_WORDS:
+        print(f"image       {GPU_WORDS[decision['image_gpu']]}")
+    every = decision.get("ineligible") is not None
     for entry in decision.get("eligible", []):
         gpus = ", ".join(entry.get("gpus", [])) or "no GPUs"
         print(f"eligible    {entry['server']}  ({gpus}; score {entry.get('score')})")
+        if every:
+            for line in entry.get("why", []):
+                print(f"              because {line}")
     shown = len(decision.get("eligible", []))
     if decision.get("eligible_count", shown) > shown:
         print(
@@ -229,6 +246,7 @@ def main(argv: list[str]) -> int:
     command = parser()
     try:
         args = command.parse_args(argv)
+        service_from_env(command, args, ("servers",))
         shape = answer_fields(args)
         fields = checked_fields(command, args, shape)
     except SystemExit as exc:

@@ -71,7 +71,8 @@ def _url(host: str, port: int) -> str:
 
 def probe_for(command: Sequence[str]) -> Probe:
     """The probe for a role's command line, its port resolved as the role itself resolves it."""
-    from web.commands import load_settings, serve_parser, worker_parser
+    from gpubadge.worker import worker_parser
+    from web.commands import load_settings, serve_parser
 
     role, rest = command[0], list(command[1:])
     if role == "serve":

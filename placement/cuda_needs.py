@@ -218,16 +218,29 @@ def gpu_caveats(gpu: GpuFacts, compute_capability: str | None, rule: Rule = "dis
     return verdict.without if verdict is not None and verdict.runs else []
 
 
-def gpu_coverage(
+def gpu_passes(
     gpu: GpuFacts,
     compute_capability: str | None,
     driver: str | None,
     driver_cuda: str | None = None,
     rule: Rule = "dispatch",
 ) -> list[str]:
-    """Which of the image's GPU code covers a GPU it runs on ("libtorch_cuda.so: SASS sm_90")."""
+    """Why a GPU that `gpu_reasons` lets pass can run the CUDA and GPU code an image carries, in words
+    (the eligibility answer's `why`): the carried CUDA's driver floor met, and the code that covers the
+    compute capability ("…/libtorch_cuda.so: SASS sm_90"), PTX JIT-compiled by this driver named so."""
+    lines: list[str] = []
+    inferred = gpu.inferred
+    if inferred is not None and inferred.cuda and driver:
+        floor = driver_floor(inferred.cuda)
+        if floor is not None:
+            lines.append(f"driver {driver} runs the CUDA {inferred.cuda} it carries ({floor[1]})")
     verdict = code_verdict(gpu, compute_capability, driver, driver_cuda, rule)
-    return verdict.covered_by if verdict is not None and verdict.runs else []
+    if verdict is None or not verdict.runs:
+        return lines
+    covered = "; ".join(verdict.covered_by)
+    jit = " (its PTX JIT-compiled by this driver)" if verdict.ptx else ""
+    lines.append(f"compute capability {compute_capability}: its GPU code runs here{jit}: {covered}")
+    return lines
 
 
 def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:

@@ -61,6 +61,11 @@ class NotAnImage(ScanError):
     """The manifest is an artifact (an attestation, a signature, a Helm chart), not a runnable image."""
 
 
+class PlatformMissing(ScanError):
+    """The image has no platform that `--platform` (ScanOptions.platform) asks for: asking again
+    cannot change that."""
+
+
 @dataclass(frozen=True)
 class ScanOptions:
     platform: Platform | None = None
@@ -98,9 +103,13 @@ def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
 
 
 def _filter_platforms(report: ImageReport, wanted: Platform | None) -> ImageReport:
+    """The stored report's platforms that `wanted` asks for; PlatformMissing when it has none."""
     if wanted is None:
         return report
     kept = [p for p in report.platforms if wanted.matches(Platform.parse(p.platform))]
+    if not kept:
+        available = ", ".join(p.platform for p in report.platforms if not p.platform.startswith("unknown"))
+        raise PlatformMissing(f"no platform {wanted} in this image (it has {available or 'none'})")
     return report.model_copy(update={"platforms": kept})
 
 
@@ -212,6 +221,9 @@ class Scanner:
             except NotAnImage as exc:
                 report = self._failed(reference, str(exc))
                 report.not_an_image = True
+                report.retryable = False
+            except PlatformMissing as exc:
+                report = self._failed(reference, str(exc))
                 report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
@@ -404,8 +416,10 @@ class Scanner:
         if options.platform is not None:
             children = [c for c in children if c.platform and options.platform.matches(c.platform)]
             if not children:
-                available = ", ".join(str(c.platform) for c in index.manifests if c.platform)
-                raise ScanError(f"no platform {options.platform} in the index (available: {available})")
+                available = ", ".join(
+                    str(c.platform) for c in index.manifests if c.platform and not is_attestation(c)
+                )
+                raise PlatformMissing(f"no platform {options.platform} in this image (it has {available})")
         if not children:
             raise ScanError("the index lists no runnable platform images")
 
@@ -447,11 +461,14 @@ class Scanner:
             )
         raw = await self.client.blob(reference, config_descriptor.digest, self.settings.max_config_bytes)
         config = _parse_config(raw)
+        single = platform is None  # a single-platform image, not one child of an index
         platform = platform or Platform(
             os=str(config.get("os") or "linux"),
             architecture=str(config.get("architecture") or "amd64"),
             variant=config.get("variant") or None,
         )
+        if single and options.platform is not None and not options.platform.matches(platform):
+            raise PlatformMissing(f"no platform {options.platform} in this image (it has {platform} only)")
         gpu = gpu_facts(config)
         warnings = [f"{issue.variable} does not parse: {issue.error}" for issue in gpu.requirement_errors]
         reason = (

@@ -131,6 +131,12 @@ class Dialect:
         """The planner's row estimate for `sql`, where the engine has one."""
         return None
 
+    def read_through(self, table: str, index: str) -> str:
+        """`table` in a FROM clause, read along `index` where the planner must be told: SQLite keeps
+        no statistics, and would rather sort a million finished jobs found by the state index than
+        walk the partial index that already has them in order; PostgreSQL's planner knows better."""
+        return table
+
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
         """One translated statement over many parameter sets, as the driver batches them."""
         raise NotImplementedError
@@ -163,6 +169,9 @@ def _json_array(values: tuple[str, ...]) -> str:
 class SqliteDialect(Dialect):
     name = "sqlite"
     clock_is_parameter = True
+
+    def read_through(self, table: str, index: str) -> str:
+        return f"{table} INDEXED BY {index}"
 
     @functools.cache  # noqa: B019 - one instance per process; the cache is the point
     def translate(self, sql: str) -> str:

@@ -274,6 +274,10 @@ class AsyncStore:
         """Every registry with running or queued jobs, or a closed gate, by name."""
         return await self.run(self._backend.registry_load)
 
+    async def compact_job_tallies(self) -> None:
+        """Fold the finished-job counts' change rows (PostgreSQL; nothing to do on SQLite)."""
+        await self.run(self._backend.compact_job_tallies)
+
     async def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
     ) -> list[Job]:

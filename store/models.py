@@ -96,6 +96,9 @@ class ImageRow:
     scanned_at: str
     tags: list[str]
     platform_badges: list[str] = field(default_factory=list)  # every platform's badges, once each
+    # the other names it is tagged under (`registry/repository:tag`), e.g. after a `skopeo copy`
+    other_names: list[str] = field(default_factory=list)
+    carried_cuda: list[str] = field(default_factory=list)  # CUDA its layers carry (declared: cuda_versions)
 
 
 class ServerRecord(NamedTuple):

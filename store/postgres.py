@@ -346,7 +346,7 @@ class PostgresStore(SharedMethods):
         """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
 
         A worker does this to hand its slot to a registry that has waited with no scan in flight
-        (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
+        (`jobs.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
         `owner` no longer holds its lease.
         """
         return self._requeue_running("id = %s AND lease_owner = %s", [job_id, owner], refund_attempt=True) > 0
@@ -407,6 +407,16 @@ class PostgresStore(SharedMethods):
             else:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
         return state
+
+    def compact_job_tallies(self) -> None:
+        """Fold `job_tallies`' change rows into one row per state. One statement: the rows it deletes
+        are the ones it sums, and a change committed meanwhile stays for the next fold."""
+        with self._transaction() as conn:
+            conn.execute(
+                "WITH folded AS (DELETE FROM job_tallies RETURNING state, delta)"
+                " INSERT INTO job_tallies (state, delta)"
+                " SELECT state, sum(delta) FROM folded GROUP BY state HAVING sum(delta) <> 0"
+            )
 
     def retry_job(self, job_id: str) -> Job | None:
         """Put a failed job back in the queue by hand (attempts start again)."""

@@ -441,7 +441,7 @@ class SqliteStore(SharedMethods):
         """Put `owner`'s running job back in the queue, ready now and with its attempt refunded.
 
         A worker does this to hand its slot to a registry that has waited with no scan in flight
-        (`web.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
+        (`jobs.workers`' pre-emption): the job did nothing wrong. False (nothing written) when
         `owner` no longer holds its lease.
         """
         return self._requeue_running("id = ? AND lease_owner = ?", [job_id, owner], refund_attempt=True) > 0
@@ -498,6 +498,9 @@ class SqliteStore(SharedMethods):
             )
         self._announce(_settled(job_id, row[2]) if final else (JOBS_QUEUED_CHANNEL, ""))
         return state
+
+    def compact_job_tallies(self) -> None:
+        """Nothing to fold: SQLite's triggers keep one row per state, updated in place (one writer)."""
 
     def retry_job(self, job_id: str) -> Job | None:
         """Put a failed job back in the queue by hand (attempts start again)."""

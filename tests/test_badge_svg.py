@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
-from web.badge_svg import (
+from web.views.badge_svg import (
     CPU_COLOUR,
     ERROR_COLOUR,
     GPU_COLOUR,

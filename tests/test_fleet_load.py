@@ -24,7 +24,7 @@ from bench import fleet_bench
 from fixtures.registry import free_port
 from fixtures.service import held_wait
 from web.app import create_app
-from web.long_polls import LONG_POLLS, idle_poll_end
+from web.fleet.long_polls import LONG_POLLS, idle_poll_end
 from web.settings import ServiceSettings
 
 AGENTS, HEARTBEAT, STALE = 500, 1.5, 6.0

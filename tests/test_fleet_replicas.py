@@ -24,7 +24,7 @@ from fixtures.registry import free_port
 from store import queries
 from store.postgres import PostgresStore
 from web.app import create_app
-from web.live_fleet import FLEET_INDEX
+from web.fleet.live_fleet import FLEET_INDEX
 from web.settings import ServiceSettings
 
 HEARTBEAT, STALE, FLUSH = 1.0, 3.0, 0.2

@@ -1,4 +1,4 @@
-"""The serve process's garbage collection (web/garbage_collection.py): young generations on a
+"""The serve process's garbage collection (jobs/garbage_collection.py): young generations on a
 timer, because the interpreter's own rule lets the youngest generation grow without bound while
 old objects are freed as fast as new ones are made (a fleet's long polls renewing)."""
 
@@ -10,10 +10,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 
-from web import garbage_collection
-from web.garbage_collection import BURST_THRESHOLD, collect_old, collect_young, generation_at, resident_bytes
+from jobs import garbage_collection
+from jobs.garbage_collection import BURST_THRESHOLD, collect_old, collect_young, generation_at, resident_bytes
 
 
 @pytest.fixture
@@ -80,18 +79,16 @@ async def test_timed_young_collections_keep_the_youngest_generation_small_while_
 
 
 @pytest.mark.usefixtures("own_collector")
-async def test_install_freezes_raises_the_young_threshold_and_stops_its_timers_with_the_app() -> None:
-    app = web.Application()
-    garbage_collection.install(app)
-    app.freeze()
-    await app.startup()
+async def test_the_timed_collection_freezes_raises_the_young_threshold_and_stops_its_timers() -> None:
+    collection = garbage_collection.TimedCollection()
+    await collection.start()
     try:
         assert gc.get_threshold()[0] == BURST_THRESHOLD
         assert gc.get_freeze_count() > 0
-        timers = app[garbage_collection._TIMERS]
+        timers = collection.timers
         assert len(timers) == 2 and not any(timer.done() for timer in timers)
     finally:
-        await app.cleanup()
+        await collection.stop()
     assert all(timer.cancelled() for timer in timers)
 
 

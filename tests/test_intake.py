@@ -7,10 +7,10 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+from jobs.intake import JobIntake, QueueFull
 from store import AsyncStore, EnqueueBatch, queries
 from store import SqliteStore as Store
 from tests.conftest import OpenBackend
-from web.intake import JobIntake, QueueFull
 
 
 class CountingStore(Store):

@@ -18,7 +18,8 @@ import yaml
 
 from agent.main import parse_args as parse_agent_args
 from gpubadge.healthcheck import probe_for
-from web.commands import db_parser, serve_parser, worker_parser
+from gpubadge.worker import worker_parser
+from web.commands import db_parser, serve_parser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"

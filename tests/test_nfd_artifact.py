@@ -24,6 +24,7 @@ import yaml
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry
+from jobs.companions import companions
 from placement.nfd.schema import ARTIFACT_TYPE as NFD_TYPE
 from placement.nfd.schema import SPEC_MEDIA_TYPE
 from scanner.models import ImageReport
@@ -35,7 +36,6 @@ from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
 from tests.test_nfd_schema import check_against_nfd_schema
 from tests.test_referrers import scan, settings_for
-from web.companions import companions
 
 INDEX_TYPES = (
     "application/vnd.oci.image.index.v1+json, application/vnd.docker.distribution.manifest.list.v2+json"
@@ -422,7 +422,7 @@ def test_cli_lists_the_artifact_beside_the_report_and_checks_nodes_against_it(
 
 def test_image_page_reads_back_what_another_process_attached(registry: LocalRegistry, push: Pusher) -> None:
     """An API replica (or a restarted service) did not attach it: the page reads it as NFD does."""
-    from web.nfd_view import nfd_views
+    from web.views.nfd_view import nfd_views
 
     settings = nfd_settings(registry)
     push(catalog.multi_arch(), "nfd/page:1")

@@ -47,7 +47,7 @@ async def test_a_wait_cancelled_as_its_event_fires_ends_cancelled() -> None:
     """A cancel that comes in the same loop turn as the wake-up is not lost: Python 3.11's
     `asyncio.wait_for` returned the wake-up and dropped the cancel, so the replica follower's
     `while True` went on and the service's shutdown waited for it forever (seen once in CI)."""
-    from web.live_fleet import FleetIndexCache
+    from web.fleet.live_fleet import FleetIndexCache
 
     queue = QueueEvents()
 
@@ -71,7 +71,7 @@ async def test_the_replica_follower_waits_on_a_timer_only_once_another_process_w
     """Alone (one `serve` on a SQLite file), a timed round would read this process's own stamps
     back: 10,000 rows every round under a fleet. Once another process has written stamps, a timed
     round catches up a notification lost with the listener's connection."""
-    from web.live_fleet import FleetIndexCache
+    from web.fleet.live_fleet import FleetIndexCache
 
     cache = FleetIndexCache()
     alone = asyncio.create_task(cache.follow_due(0.01))

@@ -24,8 +24,8 @@ import pytest
 from fixtures.admission import pod_admission_review
 from fixtures.service import RunningService, run_service_inprocess
 from placement.inventory import Gpu, Server
-from web.connections import default_max_connections
-from web.long_polls import idle_poll_end
+from web.fleet.long_polls import idle_poll_end
+from web.guards.connections import default_max_connections
 from web.settings import ServiceSettings
 
 HEAD_TIMEOUT = 2.0

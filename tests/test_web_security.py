@@ -27,7 +27,7 @@ from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import create_app
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
-from web.live_fleet import FLEET_INDEX, FleetIndexCache
+from web.fleet.live_fleet import FLEET_INDEX, FleetIndexCache
 from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
 from web.settings import ServiceSettings
 from web.state import SERVICES

@@ -1,9 +1,9 @@
 """The aiohttp application: composition only; only entry points import this module
 (`gpubadge serve` in web/commands.py; tests and benches build applications with it too).
 
-`create_app` wires the store, the registry client, the scanner and the leased scan
-workers into an `aiohttp.web.Application`, puts the live fleet on it (web/live_fleet.py),
-and lets each module of `ROUTE_MODULES` add its routes. `openapi_document` is the API
+`create_app` wires the store and the job runtime (`jobs.runtime.ScanRuntime`: the registry
+client, the scanner, the attacher and the leased scan workers) into an `aiohttp.web.Application`,
+puts the live fleet on it (web/fleet/live_fleet.py), and lets each module of `ROUTE_MODULES` add its routes. `openapi_document` is the API
 description those modules declare. Shutdown (SIGTERM) stops claiming and drains running
 scans; what cannot finish goes back to the queue.
 """
@@ -17,19 +17,15 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from placement.inventory import Server
-from scanner.models import ImageReport
-from scanner.publish import ReportAttacher
-from scanner.registry.client import RegistryClient
-from scanner.scan import Scanner
-from web import health, live_fleet
+from jobs.runtime import ScanRuntime
+from jobs.settings import open_job_store
+from web import health
 from web.api_description import openapi_document as describe_api
-from web.architectures import FleetArchitectures
-from web.companions import companions
 from web.errors import error_middleware
-from web.live_fleet import STATIC_FLEET
+from web.fleet import live_fleet
+from web.fleet.live_fleet import STATIC_FLEET
+from web.guards.read_access import private_reads
 from web.metrics import ServiceMetrics
-from web.read_access import private_reads
 from web.routes import (
     admission,
     agents,
@@ -44,9 +40,7 @@ from web.routes import (
     webhooks,
 )
 from web.settings import ServiceSettings
-from web.state import SERVICES, Services, open_service_store
-from web.worker_process import worker_events, worker_settings
-from web.workers import ScanWorkers
+from web.state import SERVICES, Services
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +73,7 @@ def openapi_document() -> dict[str, Any]:
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
     settings.check_consistent()
     # the API alone: its scans run in `gpubadge worker` processes, which its commits must wake
-    store = open_service_store(settings, shared=settings.workers == 0)
+    store = open_job_store(settings, shared=settings.workers == 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     middlewares: list[Middleware] = [error_middleware]
     if not settings.public_reads:
@@ -127,53 +121,21 @@ def _log_webhook_doors(settings: ServiceSettings) -> None:
 
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        settings, metrics = services.settings, services.metrics
-        client = RegistryClient(settings, defer_retry_after=True)
-        services.client = client
-        metrics.count_registry_bytes(client.received_by_registry)
-        metrics.count_transfer_cutoffs(client.cutoffs_by_registry)
-
-        def on_result(report: ImageReport) -> None:
-            for host, remaining in client.rate_limits.items():
-                metrics.rate_limit.set(float(remaining), host)
-
-        static_fleet: list[Server] = app[STATIC_FLEET]
-        services.scanner = Scanner(
-            client,
-            services.store.scan_cache,
-            settings,
-            on_result=on_result,
-            publish_facts=True,
-            fleet_architectures=FleetArchitectures(services.store, static_fleet),
-        )
+        settings, static_fleet = services.settings, app[STATIC_FLEET]
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
-        if settings.attach_reports:
-            services.attacher = ReportAttacher(
-                settings,
-                client,
-                on_result=lambda result: metrics.referrer_attach.inc(result),
-                companions=companions(settings),
-                on_companion=lambda _, result: metrics.nfd_attach.inc(result),
-            )
-            metrics.nfd_cache_source = services.attacher.companion_bytes
-        if start_workers and settings.workers > 0:  # `serve --workers 0`: the API only
-            services.workers = ScanWorkers(
-                services.store,
-                services.scanner,
-                worker_settings(settings),
-                worker_events(metrics, services.attacher),
-            )
-            await services.workers.start()
+        runtime = await ScanRuntime.start(
+            settings,
+            services.store,
+            services.metrics,
+            static_fleet=static_fleet,
+            run_workers=start_workers and settings.workers > 0,  # `serve --workers 0`: the API only
+        )
+        services.client, services.scanner = runtime.client, runtime.scanner
+        services.attacher, services.workers = runtime.attacher, runtime.workers
         try:
             yield
         finally:
-            if services.workers is not None:
-                await services.workers.stop(drain_timeout=settings.drain_seconds)
-            if services.scanner is not None:
-                await services.scanner.close()  # stops its analysis processes
-            if services.attacher is not None:
-                await services.attacher.stop()
-            await client.close()
+            await runtime.stop()
             await services.intake.close()
             await services.store.close()
 

@@ -1,11 +1,14 @@
-"""`gpubadge serve`, `gpubadge worker` and `gpubadge db`: argument parsing around the service's roles."""
+"""`gpubadge serve` and `gpubadge db`: argument parsing around the service's roles (`gpubadge worker`,
+which runs no HTTP unless asked for a metrics port, is gpubadge/worker.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -31,27 +34,6 @@ def serve_parser() -> argparse.ArgumentParser:
         "--workers",
         type=_count,
         help="scans run at once in this process (GPUBADGE_WORKERS, default 8); 0 serves the API only",
-    )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    return parser
-
-
-def worker_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpubadge worker",
-        description="Run scan workers only: claim jobs from the shared store, scan, record the results."
-        " Any number may run against one PostgreSQL (GPUBADGE_DATABASE_URL).",
-        epilog="Settings are the same as `gpubadge serve --help` lists.",
-    )
-    parser.add_argument(
-        "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
-    )
-    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
-    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
-    parser.add_argument(
-        "--metrics-port",
-        type=_positive,
-        help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return parser
@@ -86,13 +68,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
     chosen = {key: value for key, value in overrides.items() if value is not None}
     settings = cast(ServiceSettings, ServiceSettings.load(config, **chosen))
@@ -124,10 +99,14 @@ def run_serve(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
+    taken = listen_problem(settings.host, settings.port)
+    if taken is not None:  # before anything starts: nothing to stop, one line to read
+        print(f"gpubadge serve: {taken}", file=sys.stderr)
+        return 1
+    from jobs import garbage_collection
     from store import StoreUnavailable
-    from web import garbage_collection
     from web.app import create_app
-    from web.connections import connection_limits, run_guarded_app
+    from web.guards.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
 
     try:
@@ -135,19 +114,62 @@ def run_serve(argv: list[str]) -> int:
     except StoreUnavailable as exc:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
-    garbage_collection.install(app)
+    collection = garbage_collection.TimedCollection()
+    app.on_startup.append(lambda _: collection.start())
+    app.on_cleanup.append(lambda _: collection.stop())
     _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    run_guarded_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        limits=connection_limits(settings),
-        print=lambda message: logging.info("%s", message),
-        access_log_class=RedactingAccessLogger,
-        loop=new_event_loop(),
-    )
+    try:
+        run_guarded_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            limits=connection_limits(settings),
+            print=lambda message: logging.info("%s", message),
+            access_log_class=RedactingAccessLogger,
+            loop=new_event_loop(),
+        )
+    except OSError as exc:  # taken between the check and the bind: the same one line
+        if exc.errno not in LISTEN_ERRNOS:
+            raise
+        print(f"gpubadge serve: {listen_words(settings.host, settings.port, exc)}", file=sys.stderr)
+        return 1
     return 0
+
+
+LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
+
+
+def listen_words(host: str, port: int, exc: OSError) -> str:
+    """Why `serve` cannot listen on host:port, and what to do, in one line."""
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} is already in use on {host} (another program, or another gpubadge, listens"
+            " there): stop it, or choose another port with --port or GPUBADGE_PORT"
+        )
+    if exc.errno == errno.EACCES:
+        return f"not allowed to listen on {where} (ports below 1024 need root): choose another port with --port or GPUBADGE_PORT"
+    return f"cannot listen on {where}: {exc.strerror or exc}; check --host or GPUBADGE_HOST"
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Whether `serve` could listen on host:port, tried as aiohttp binds (SO_REUSEADDR, every address
+    the host name resolves to): None when it could, else `listen_words`."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc}; check --host or GPUBADGE_HOST"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in LISTEN_ERRNOS:
+                    return listen_words(host, port, exc)
+                raise
+    return None
 
 
 FD_RESERVE = 1024  # descriptors kept for everything but long polls: other clients, the store, files
@@ -186,27 +208,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
-
-
-def run_worker(argv: list[str]) -> int:
-    args = worker_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        settings = load_settings(args.config, db=args.db, workers=args.concurrency)
-    except (ValueError, OSError) as exc:
-        print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    from store import StoreUnavailable
-    from web.worker_process import serve_workers
-
-    try:
-        serve_workers(settings, args.metrics_port)
-    except StoreUnavailable as exc:
-        print(f"gpubadge worker: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def run_db(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from scanner.problems import dotted, expected
 from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
 from web.security import redact_secrets
@@ -81,10 +82,11 @@ async def read_model(
 
 
 def first_error(exc: ValidationError) -> str:
-    """The first validation error as `loc: msg` (just `msg` when it has no location)."""
+    """The first validation error in plain words, `where: what was expected, got what`
+    (scanner.problems), never pydantic's phrasing: `gpus: expected an integer, got 'two'`."""
     error = exc.errors(include_url=False)[0]
-    where = ".".join(str(part) for part in error.get("loc", ()))
-    return f"{where}: {error['msg']}" if where else str(error["msg"])
+    where = dotted(tuple(error.get("loc", ())))
+    return f"{where}: {expected(error)}" if where else expected(error)
 
 
 @web.middleware

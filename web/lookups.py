@@ -6,6 +6,8 @@ Route modules import this module and never each other.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from aiohttp import web
 
 from scanner.models import ImageReport
@@ -61,22 +63,45 @@ def int_param(request: web.Request, name: str, default: int, low: int, high: int
 async def find_report(services: Services, reference: Reference) -> ImageReport | None:
     """The latest stored report for a tag or digest reference (one store read, or none while the
     store's lookup of it still holds: `store.report_lookups`)."""
+    report, _ = await find_report_in_index(services, reference)
+    return report
+
+
+async def find_report_in_index(
+    services: Services, reference: Reference
+) -> tuple[ImageReport | None, queries.IndexOf | None]:
+    """`find_report`, and for a platform manifest of an index reached by its digest, that index (its
+    scan is the index's, and so is its time: the report carries the index's `scanned_at`)."""
     digest, report, platform = await services.store.reference_report(
         reference.registry, reference.repository, reference.tag or "", reference.digest
     )
     if digest is None:
-        return None
+        return None, None
+    index = None
     if report is None:
         if platform is None:
-            return None
+            return None, None
+        index = await index_of(services, reference, digest)
         report = ImageReport(
             reference=str(reference),
             digest=digest,
             platforms=[platform],
             registry=reference.registry,
             repository=reference.repository,
+            scanned_at=datetime.fromisoformat(index.scanned_at) if index else UNKNOWN_TIME,
         )
-    return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
+    update = {"reference": str(reference), "tag": reference.tag, "cached": True}
+    return report.model_copy(update=update), index
+
+
+# The scan time of a platform manifest whose index report is gone: unknown, said as the epoch (the
+# page says "unknown"), never the time of the request.
+UNKNOWN_TIME = datetime.fromtimestamp(0, UTC)
+
+
+async def index_of(services: Services, reference: Reference, digest: str) -> queries.IndexOf | None:
+    """The stored index that lists `digest` as one of its platforms (None: not an index's child)."""
+    return await services.store.run(queries.index_of, reference.registry, reference.repository, digest)
 
 
 async def scan_jobs_of(services: Services, reference: Reference) -> tuple[Job | None, Job | None]:

@@ -1,7 +1,8 @@
 """Service settings: environment variables (prefix GPUBADGE_) plus an optional TOML or YAML file.
 
-They extend the scanner's settings (registries, credentials, limits) with what
-only the service needs: the store, the listen address, secrets and workers.
+They extend the job runtime's settings (`jobs.settings.JobSettings`: the scanner's registries,
+credentials and limits, the store, the queue and its workers) with what only the HTTP side reads:
+the listen address, secrets, webhooks, agents and admission.
 `gpubadge serve --help` prints every field with its variable and default.
 """
 
@@ -9,57 +10,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
 
-from scanner.registry.reference import is_loopback
-from scanner.settings import ScannerSettings, default_db_path, mirror_parts
+from jobs.settings import JobSettings
 from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
 log = logging.getLogger(__name__)
 
-DOCKER_HUB = "docker.io"
 
+class ServiceSettings(JobSettings):
+    """Everything `gpubadge serve` reads. Field descriptions become `--help` text; a rejected value is
+    never echoed (JobSettings' `hide_input_in_errors`): the tokens carry secrets."""
 
-class ServiceSettings(ScannerSettings):
-    """Everything `gpubadge serve` reads. Field descriptions become `--help` text."""
-
-    # A rejected value is never echoed: the database URL and the tokens carry secrets.
-    model_config = SettingsConfigDict(**{**ScannerSettings.model_config, "hide_input_in_errors": True})
-
-    db: Path = Field(
-        default_factory=default_db_path,
-        description="SQLite database file (default $XDG_DATA_HOME/gpubadge/gpubadge.db, as `gpubadge scan`)",
-    )
-    database_url: SecretStr | None = Field(
-        default=None,
-        description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
-        " shared by any number of API and worker processes",
-    )
-    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
-        default="NORMAL",
-        description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
-    )
-    sqlite_busy_timeout: float = Field(
-        default=30.0, description="seconds a write waits for another process's lock before it fails"
-    )
-    store_threads: int = Field(
-        default=8, ge=1, description="threads that run database calls off the event loop"
-    )
-    report_cache_entries: int = Field(
-        default=512,
-        ge=0,
-        description="image lookups (reference -> report) kept in memory for placement requests; 0: none",
-    )
-    report_cache_seconds: float = Field(
-        default=30.0,
-        gt=0,
-        description="longest reuse of a kept lookup when other processes' writes reach this one as"
-        " events (PostgreSQL, a shared SQLite file); without them at most 1 s",
-    )
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
     webhook_secret: SecretStr | None = Field(
@@ -81,38 +46,8 @@ class ServiceSettings(ScannerSettings):
     agent_tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="per-agent tokens by server name"
     )
-    workers: int = Field(
-        default=8,
-        description="scans run at once until their config facts (the badge) are published; as many again may"
-        " go on reading layers after that, per worker process",
-    )
-    per_registry_scans: int | None = Field(
-        default=None,
-        ge=1,
-        description="a hard cap on the scans run at once against one registry, across every worker; unset"
-        " (the default): none, so a registry alone in the queue gets every worker (work-conserving; fairness"
-        " and preempt_after keep one registry from starving another)",
-    )
-    preempt_after: float = Field(
-        default=5.0,
-        ge=0,
-        description="seconds a registry with ready jobs may wait with no scan in flight while every worker is"
-        " busy; past it, a saturated worker puts its longest-running scan of the busiest registry back in the"
-        " queue (no attempt spent) and the slot goes to the waiting registry (0: never pre-empt)",
-    )
-    max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
-    retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
     coalesce_seconds: float = Field(
         default=0.5, description="delay for digest-only push events, so the index job covers them"
-    )
-    drain_seconds: float = Field(
-        default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
-    )
-    lease_seconds: float = Field(
-        default=30.0,
-        gt=0,
-        description="a running job's lease; a worker renews it every third of this, and a job whose lease"
-        " lapses (crashed or cut-off worker) is claimed again",
     )
     health_timeout: float = Field(
         default=1.5, gt=0, description="/healthz gives the database this long to take a write"
@@ -173,12 +108,6 @@ class ServiceSettings(ScannerSettings):
         description="scans one webhook delivery or admission review may queue; a delivery naming more is refused"
         " (413) whole",
     )
-    max_queued_scans: int = Field(
-        default=100_000,
-        ge=1,
-        description="scans waiting in the queue; past it deliveries and scan requests are refused (503, Retry-After)"
-        " until workers catch up, and nothing already queued is dropped",
-    )
     admission_tls_port: int | None = Field(
         default=None,
         description="also serve POST /k8s/admit over HTTPS on this port (the API server calls webhooks over TLS only)",
@@ -187,7 +116,6 @@ class ServiceSettings(ScannerSettings):
         default=None, description="PEM certificate chain for admission_tls_port"
     )
     admission_tls_key: Path | None = Field(default=None, description="PEM private key for admission_tls_port")
-    inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
     heartbeat_seconds: float = Field(default=15.0, description="how often agents heartbeat")
     stale_after_seconds: float = Field(default=60.0, description="servers silent this long drop out")
     heartbeat_flush_seconds: float = Field(
@@ -206,20 +134,6 @@ class ServiceSettings(ScannerSettings):
     eligibility_max_limit: int = Field(
         default=1000, ge=1, description="most eligible servers one /api/eligibility page may ask for"
     )
-
-    @field_validator("db", mode="before")
-    @classmethod
-    def _empty_db_is_the_default(cls, value: Any) -> Any:
-        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
-        return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
-
-    @field_validator("database_url")
-    @classmethod
-    def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
-        # The message never echoes the URL: it may hold a password.
-        if value is not None and not value.get_secret_value().startswith(("postgresql://", "postgres://")):
-            raise ValueError("database_url must be a postgresql:// URL (unset means the SQLite file --db)")
-        return value
 
     @field_validator("webhook_secret", "api_token", "agent_token", mode="after")
     @classmethod
@@ -260,20 +174,6 @@ class ServiceSettings(ScannerSettings):
             max_depth=self.json_max_depth, max_number=self.json_max_number, max_string=self.json_max_string
         )
 
-    def allowlist(self) -> set[str]:
-        """Registries the service may contact. Mirrors of allowed registries are allowed too."""
-        hosts = {entry.host for entry in self.registries}
-        hosts |= {mirror_parts(entry.mirror)[0] for entry in self.registries if entry.mirror}
-        if self.docker_mirror and (not self.registries or DOCKER_HUB in hosts):
-            hosts.add(mirror_parts(self.docker_mirror)[0])
-        return hosts
-
-    def allows(self, registry: str) -> bool:
-        """The SSRF guard: with no list configured, Docker Hub and loopback registries only."""
-        if not self.registries:
-            return registry == DOCKER_HUB or is_loopback(registry)
-        return registry in self.allowlist()
-
     def webhook_secret_for(self, source: str) -> str | None:
         secret = self.webhook_secrets.get(source) or self.webhook_secret
         return secret.get_secret_value() if secret else None
@@ -303,15 +203,3 @@ class ServiceSettings(ScannerSettings):
             return None
         host: str | None = getattr(self, sender.default_registry_setting)
         return host
-
-    @classmethod
-    def describe(cls) -> str:
-        """One line per setting for `--help`: variable, default, meaning."""
-        lines = []
-        for name, info in cls.model_fields.items():
-            default: Any = info.default
-            if info.default_factory is not None:
-                default = "(computed)" if name in ("docker_config", "db") else "(empty)"
-            shown = "(unset)" if default is None else default
-            lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
-        return "\n".join(lines)

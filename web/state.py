@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from store import AsyncStore, open_store
-from web.intake import JobIntake
+from jobs.intake import JobIntake
+from store import AsyncStore
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 
 if TYPE_CHECKING:
+    from jobs.workers import ScanWorkers
     from scanner.publish import ReportAttacher
     from scanner.registry.client import RegistryClient
     from scanner.scan import Scanner
-    from web.workers import ScanWorkers
 
 
 @dataclass
@@ -53,21 +53,3 @@ def services_of(request: web.Request) -> Services:
 
 def services_of_app(app: web.Application) -> Services:
     return app[SERVICES]
-
-
-def open_service_store(settings: ServiceSettings, *, shared: bool = False) -> AsyncStore:
-    """The store the settings name: PostgreSQL when a database URL is set, else the SQLite file.
-
-    `shared`: this process shares the SQLite file with others that scan or serve it (`serve
-    --workers 0` and `gpubadge worker`), so each commit wakes them and theirs wake this one, as
-    on PostgreSQL (`store.sqlite_notify`)."""
-    return open_store(
-        settings.db,
-        synchronous=settings.sqlite_synchronous,
-        busy_timeout=settings.sqlite_busy_timeout,
-        threads=settings.store_threads,
-        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
-        shared_events=shared,
-        report_cache_entries=settings.report_cache_entries,
-        report_cache_seconds=settings.report_cache_seconds,
-    )

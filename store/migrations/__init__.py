@@ -1,6 +1,6 @@
 """Versioned schema migrations, one numbered SQL file per step and engine.
 
-`store/migrations/<engine>/NNNN_name.sql` brings a database from version NNNN-1 to
+`store/migrations/<engine>/NNNN_name.sql` brings a database from the version before it to
 NNNN. Both engines share the numbering, so version N means the same logical schema
 on SQLite and on PostgreSQL. Each database records what it has applied in a small
 `schema_migrations` table; `apply_pending` (the one migration loop, for both engines)
@@ -38,7 +38,8 @@ class Migration:
     def statements(self) -> list[str]:
         """The script split into statements (SQLite's executescript would commit mid-transaction).
 
-        A dollar-quoted block (PostgreSQL's `DO $$ ... $$`) is one statement, semicolons and all.
+        A dollar-quoted block (PostgreSQL's `DO $$ ... $$`) is one statement, semicolons and all,
+        and so is a SQLite trigger, from `CREATE TRIGGER` to the `END` of its body.
         """
         lines = [line for line in self.sql.splitlines() if not line.lstrip().startswith("--")]
         text = "\n".join(lines)
@@ -51,7 +52,19 @@ class Migration:
             if statements and not statements[-1].rstrip().endswith(";") and number:
                 statements[-1] += pieces.pop(0)
             statements.extend(pieces)
-        return [statement.strip() for statement in statements if statement.strip()]
+        whole: list[str] = []
+        for statement in (statement.strip() for statement in statements):
+            if statement and whole and _open_trigger(whole[-1]):
+                whole[-1] += f";\n{statement}"  # SQLite's trigger body: statements up to its END
+            elif statement:
+                whole.append(statement)
+        return whole
+
+
+def _open_trigger(statement: str) -> bool:
+    """A SQLite `CREATE TRIGGER ... BEGIN` whose body's `END` is still to come."""
+    words = statement.upper().split()
+    return words[:2] == ["CREATE", "TRIGGER"] and "BEGIN" in words and words[-1] != "END"
 
 
 @cache
@@ -64,13 +77,17 @@ def migrations(engine: Engine) -> tuple[Migration, ...]:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
     found.sort(key=lambda migration: migration.version)
     numbers = [migration.version for migration in found]
-    if numbers != list(range(1, len(found) + 1)):
-        raise RuntimeError(f"{engine} migrations are not numbered 1..N: {numbers}")
+    # Ascending from 1, each number once. A gap is allowed: branches developed side by side are
+    # each given their numbers up front, so one may hold 10 before 8 and 9 are merged; a database
+    # applies whatever it has not recorded, in order, whenever the missing ones arrive.
+    if not numbers or numbers[0] != 1 or len(set(numbers)) != len(numbers):
+        raise RuntimeError(f"{engine} migrations must start at 1 and use each number once: {numbers}")
     return tuple(found)
 
 
 def latest_version(engine: Engine) -> int:
-    return len(migrations(engine))
+    """The highest version of `engine`'s migrations: a database at it lacks none of them."""
+    return migrations(engine)[-1].version
 
 
 def apply_pending(conn: Connectionish, engine: Engine, *, legacy: int | None = None) -> list[Migration]:

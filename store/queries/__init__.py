@@ -24,6 +24,9 @@ from store.queries.fleet import (
     upsert_server,
 )
 from store.queries.jobs import (
+    delete_finished,
+    finished_beyond,
+    finished_jobs,
     job,
     jobs,
     latest_job_for,
@@ -34,8 +37,11 @@ from store.queries.jobs import (
     queued_jobs,
 )
 from store.queries.reports import (
+    IndexOf,
+    ScanVerdict,
     TagSeen,
     has_report,
+    index_of,
     list_images,
     platform_report,
     reference_report,
@@ -45,6 +51,7 @@ from store.queries.reports import (
     save_report,
     save_reports,
     save_scan_results,
+    scan_verdicts,
     stored,
     stored_digests,
     stored_many,
@@ -68,14 +75,20 @@ REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save
 
 __all__ = [
     "REPORT_WRITES",
+    "IndexOf",
+    "ScanVerdict",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
+    "delete_finished",
     "deployment",
     "deployments",
+    "finished_beyond",
+    "finished_jobs",
     "has_report",
     "heartbeat",
     "heartbeats",
+    "index_of",
     "is_gone",
     "job",
     "jobs",
@@ -102,6 +115,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_verdicts",
     "server_inventory",
     "server_records",
     "servers",

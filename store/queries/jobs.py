@@ -3,7 +3,8 @@
 Claims, leases, enqueueing and outcomes (what locks, and how) differ per engine and stay in
 `store.sqlite` and `store.postgres`; what they share is here: the job column list and its row
 reader (`JOB_COLUMNS`, `job_of`), the job read their `retry_job` answers with, the lease owners,
-and the error a job whose lease lapsed is left with (`LEASE_LAPSED_ERROR`, one SQL expression).
+the error a job whose lease lapsed is left with (`LEASE_LAPSED_ERROR`, one SQL expression), the
+counts by state that read no finished job (`queue_depth`), and retention's reads and deletes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from store.dialect import Db, reads
+from store.dialect import Db, reads, writes
 from store.models import JOB_STATES, Job
 
 JOB_COLUMNS = (
@@ -94,11 +95,59 @@ def latest_job_for(db: Db, reference: str) -> Job | None:
     return job_of(db, row) if row else None
 
 
+# Jobs by state without reading the finished ones: queued and running jobs are counted from their
+# indexes (as many as are active: at most the queue's cap and the workers' slots), done and failed
+# ones are the sums of `job_tallies`, kept by triggers as jobs change state (migration 0010).
+QUEUE_DEPTH = (
+    "SELECT 'queued', count(*) FROM jobs WHERE state = 'queued'"
+    " UNION ALL SELECT 'running', count(*) FROM jobs WHERE state = 'running'"
+    " UNION ALL SELECT state, sum(delta) FROM job_tallies GROUP BY state"
+)
+
+
 @reads
 def queue_depth(db: Db) -> dict[str, int]:
+    """How many jobs are in each state; its cost grows with the active jobs, not with history."""
     depth: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
-    depth.update({row[0]: int(row[1]) for row in db.all("SELECT state, count(*) FROM jobs GROUP BY state")})
+    depth.update({row[0]: int(row[1]) for row in db.all(QUEUE_DEPTH)})
     return depth
+
+
+@reads
+def finished_jobs(db: Db) -> int:
+    """How many jobs are done or failed (from `job_tallies`: no job is read)."""
+    row = db.one("SELECT coalesce(sum(delta), 0) FROM job_tallies")
+    return int(row[0]) if row else 0
+
+
+@reads
+def finished_beyond(db: Db, *, keep: int) -> datetime | None:
+    """When the newest finished job past the `keep` newest finished (so the first one retention by
+    count deletes), or None when no more than `keep` are finished. Reads `keep` index entries."""
+    row = db.one(
+        f"SELECT updated_at FROM {db.dialect.read_through('jobs', 'jobs_finished')}"
+        " WHERE state IN ('done', 'failed') ORDER BY updated_at DESC LIMIT 1 OFFSET :keep",
+        {"keep": keep},
+    )
+    stamp = db.dialect.stamp(row[0]) if row else None
+    return datetime.fromisoformat(stamp) if stamp else None
+
+
+RETENTION_LOCK = "job-retention"
+
+
+@writes
+def delete_finished(db: Db, *, through: datetime, limit: int) -> int:
+    """Delete up to `limit` finished jobs last updated at or before `through`, oldest first; returns
+    how many. One sweeper at a time deletes (an advisory lock on PostgreSQL; SQLite's one writer)."""
+    db.dialect.lock(db, RETENTION_LOCK)
+    cursor = db.execute(
+        "DELETE FROM jobs WHERE id IN"
+        f" (SELECT id FROM {db.dialect.read_through('jobs', 'jobs_finished')}"
+        " WHERE state IN ('done', 'failed') AND updated_at <= :through ORDER BY updated_at LIMIT :limit)",
+        {"through": db.dialect.stamp_param(through), "limit": limit},
+    )
+    return int(cursor.rowcount)
 
 
 @reads

@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jobs.intake import QueueFull
 from placement.admission import Pod, Review, containers_of, review_pod
 from placement.exports import known_gpus
 from placement.exports.core import KnownGpu
 from scanner.models import ImageReport
 from scanner.registry.reference import ReferenceError, parse_reference
-from web.connections import GuardedRunner, connection_limits
 from web.errors import read_json
-from web.intake import QueueFull
-from web.live_fleet import fleet_index
+from web.fleet.live_fleet import fleet_index
+from web.guards.connections import GuardedRunner, connection_limits
 from web.lookups import find_report
 from web.security import holds_api_token
 from web.state import services_of_app
@@ -186,7 +186,7 @@ async def _stored_reports(services: Services, pod: Pod) -> tuple[dict[str, Image
 
 
 async def _known_gpus(main: web.Application) -> list[KnownGpu]:
-    """The GPU products of the live fleet (kept between requests by web.live_fleet); none if unreadable."""
+    """The GPU products of the live fleet (kept between requests by web.fleet.live_fleet); none if unreadable."""
     try:
         return known_gpus(await fleet_index(main))
     except Exception:

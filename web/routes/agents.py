@@ -40,8 +40,8 @@ from web.api_description import (
 )
 from web.api_models import Deployment
 from web.errors import json_error, json_http_error, read_model
-from web.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
-from web.long_polls import LONG_POLLS, MAX_POLL, idle_poll_end
+from web.fleet.live_fleet import FLEET_INDEX, GPU_CLAIMS, agent_server, live_servers
+from web.fleet.long_polls import LONG_POLLS, MAX_POLL, idle_poll_end
 from web.lookups import requested_deployment, wait_param
 from web.security import BEARER_CHALLENGE, bearer_token
 from web.state import services_of, services_of_app

@@ -33,8 +33,8 @@ from web.api_description import (
 )
 from web.api_models import Deployment, RunSpec
 from web.errors import json_error
-from web.live_fleet import FLEET_INDEX, fleet_index
-from web.long_polls import LONG_POLLS
+from web.fleet.live_fleet import FLEET_INDEX, fleet_index
+from web.fleet.long_polls import LONG_POLLS
 from web.lookups import image_report, requested_deployment, require_api_token
 from web.placement_requests import request_body
 from web.security import holds_api_token

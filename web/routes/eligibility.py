@@ -24,7 +24,7 @@ from web.api_description import (
     query,
 )
 from web.errors import json_http_error
-from web.live_fleet import fleet_index
+from web.fleet.live_fleet import fleet_index
 from web.lookups import bearer_may_write, image_report
 from web.placement_requests import answer_options, eligibility_answer, request_body
 from web.state import services_of

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from web.fleet_views import (
+from web.fleet.live_fleet import fleet_index, live_servers
+from web.lookups import image_report
+from web.placement_requests import answer_options, eligibility_answer
+from web.security import presented_token, token_matches
+from web.state import services_of
+from web.views.fleet_views import (
     FORM_FIELDS,
     EligibilityForm,
     FormError,
@@ -18,12 +23,7 @@ from web.fleet_views import (
     result_view,
     server_rows,
 )
-from web.live_fleet import fleet_index, live_servers
-from web.lookups import image_report
-from web.placement_requests import answer_options, eligibility_answer
-from web.security import presented_token, token_matches
-from web.state import services_of
-from web.templating import page
+from web.views.templating import page
 
 
 async def servers_page(request: web.Request) -> web.Response:

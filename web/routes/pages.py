@@ -7,18 +7,25 @@ templates through web/templating.py's environment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from markupsafe import Markup
 
+from jobs.scan_requests import ScanRefused, request_scan
+from placement.image_needs import image_needs
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
-from web.badge_svg import badge_for, render_badge
-from web.image_views import (
+from web.lookups import UNKNOWN_TIME, find_report, find_report_in_index, scan_jobs_of
+from web.security import redact_secrets, token_matches
+from web.state import Services, services_of
+from web.views.badge_svg import badge_for, render_badge
+from web.views.image_views import (
     LEGEND,
     ImageFilters,
     explain_error,
@@ -28,12 +35,8 @@ from web.image_views import (
     progress_of,
     tag_history_view,
 )
-from web.lookups import find_report, scan_jobs_of
-from web.nfd_view import nfd_views
-from web.scan_requests import ScanRefused, request_scan, token_matches
-from web.security import redact_secrets
-from web.state import Services, services_of
-from web.templating import STATIC_DIR, badge_url, environment, image_url, page, render
+from web.views.nfd_view import nfd_views
+from web.views.templating import STATIC_DIR, badge_url, environment, image_url, page, render
 
 PAGE_SIZE = 50
 
@@ -91,7 +94,7 @@ async def image_page(request: web.Request) -> web.Response:
         reference = parse_reference(text)
     except ReferenceError as exc:
         return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
-    report = await find_report(services, reference)
+    report, index = await find_report_in_index(services, reference)
     if report is None:
         pending, latest = await scan_jobs_of(services, reference)
         return page(
@@ -110,17 +113,31 @@ async def image_page(request: web.Request) -> web.Response:
         "image.html",
         title=f"{reference} · gpubadge",
         active="images",
-        **await detail_context(services, reference, report),
+        **await detail_context(services, reference, report, index),
     )
 
 
-async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+def eligibility_link(reference: Reference | str, gpu: bool) -> str:
+    """The eligibility explorer for this image: with one GPU asked for where it needs or can use one."""
+    fields = {"image": str(reference), **({"gpus": "1"} if gpu else {})}
+    return "/eligibility?" + urlencode(fields)
+
+
+async def detail_context(
+    services: Services, reference: Reference, report: ImageReport, index: queries.IndexOf | None = None
+) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
     tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
     history = await store.run(queries.tag_history, reference.registry, reference.repository)
+    needs = image_needs(report)
     return {
         "reference": str(reference),
+        "needs": needs,
+        "eligibility_url": eligibility_link(reference, needs.gpu != "none"),
+        "index": index,
+        "index_url": image_url(index.reference) if index else None,
+        "scan_time_known": report.scanned_at != UNKNOWN_TIME,
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
@@ -134,7 +151,7 @@ async def detail_context(services: Services, reference: Reference, report: Image
         else None,
         "referrers": [
             status
-            for digest in [report.digest or "", *(p.digest for p in report.platforms)]
+            for digest in dict.fromkeys([report.digest or "", *(p.digest for p in report.platforms)])
             if services.attacher is not None and (status := services.attacher.status(digest)) is not None
         ],
         "nfd_html": await nfd_section(services, report),
@@ -160,6 +177,14 @@ async def scans_response(
     services = services_of(request)
     store = services.store
     deep = services.scanner.layer_progress() if services.scanner is not None else {}
+    recent = await store.run(queries.jobs, limit=50)
+    names: dict[str, tuple[str, str]] = {}
+    for job in recent:
+        if job.state == "done" and job.result_digest:
+            with contextlib.suppress(ReferenceError):
+                reference = parse_reference(job.reference)
+                names[job.result_digest] = (reference.registry, reference.repository)
+    verdicts = await store.run(queries.scan_verdicts, names)
     return page(
         request,
         "scans.html",
@@ -170,7 +195,7 @@ async def scans_response(
             job_view(job, deep)
             for job in await store.run(queries.jobs, states=["queued", "running"], limit=100)
         ],
-        recent=[job_view(job) for job in await store.run(queries.jobs, limit=50)],
+        recent=[job_view(job, verdicts=verdicts) for job in recent],
         depth=await store.run(queries.queue_depth),
         token_required=services.settings.api_token is not None,
         form_error=error,
@@ -191,7 +216,7 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services, ref, source="ui")
+        await request_scan(services.intake, services.settings, ref, source="ui", wake=services.wake_workers)
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import ValidationError
 
+from jobs.intake import RETRY_AFTER_SECONDS
+from jobs.scan_requests import ScanRefused, request_scan
 from store import queries
 from web.api_description import (
     BAD_QUERY,
@@ -20,9 +22,7 @@ from web.api_description import (
 )
 from web.api_models import JobView, ScanBody
 from web.errors import json_error, read_json
-from web.intake import RETRY_AFTER_SECONDS
 from web.lookups import MAX_PAGE, int_param, require_api_token, wait_param
-from web.scan_requests import ScanRefused, request_scan
 from web.state import services_of
 
 ROUTES = ApiRoutes()
@@ -53,7 +53,9 @@ async def create_scan(request: web.Request) -> web.Response:
             400, f"invalid body: {exc.errors(include_url=False)[0]['msg']}", expected={"ref": "REF"}
         )
     try:
-        job = await request_scan(services, body.ref, source="api")
+        job = await request_scan(
+            services.intake, services.settings, body.ref, source="api", wake=services.wake_workers
+        )
     except ScanRefused as refused:
         answer = json_error(refused.status, refused.message)
         if refused.status == 503:  # the queue is full: come back when workers have caught up

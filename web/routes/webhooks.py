@@ -14,6 +14,7 @@ import time
 
 from aiohttp import web
 
+from jobs.intake import RETRY_AFTER_SECONDS, QueueFull
 from store import queries
 from web import hooks
 from web.api_description import (
@@ -26,7 +27,6 @@ from web.api_description import (
     query,
 )
 from web.errors import json_error
-from web.intake import RETRY_AFTER_SECONDS, QueueFull
 from web.state import Services, services_of
 
 log = logging.getLogger(__name__)

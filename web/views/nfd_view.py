@@ -5,7 +5,7 @@ or left to another tool's artifact) is known from the attacher. Otherwise (anoth
 attached it, or a restart) the artifact is read back from the registry as NFD's client reads it
 (newest by `org.opencontainers.image.created`, `layers[0]`), bounded by LOOKUP_SECONDS and
 remembered for a minute, so a page view costs at most a few small registry reads. The document
-is decoded once, in a thread, when it is read (`web.companions.parse_nfd`, within the `nfd_*`
+is decoded once, in a thread, when it is read (`jobs.companions.parse_nfd`, within the `nfd_*`
 settings' bounds); views use that decoded, bounded form, and the page renders them off the
 event loop (`web.routes.pages.detail_context`).
 """
@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.companions import NFD_KIND, NfdDocument
 from scanner.models import ImageReport
 from scanner.publish import AttachStatus, ReportAttacher
 from scanner.registry.errors import RegistryError
-from web.companions import NFD_KIND, NfdDocument
 
 log = logging.getLogger(__name__)
 

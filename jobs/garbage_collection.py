@@ -11,7 +11,7 @@ collection finally starts it walks them all with the interpreter lock held: 40-1
 whichever thread allocated (often the store's), during which the loop answers nothing
 (bench/fleet_bench.py with a diagnostic collector hook; bench/RESULTS.md).
 
-So, once the service is up (`install`):
+So, once the service is up (`TimedCollection.start`):
 - what it imported and built before serving is frozen out of the collector's reach (modules,
   schemas and settings live as long as the process);
 - generation 0 is collected every `YOUNG_SECONDS` on the loop, and generations 0 and 1 every
@@ -37,8 +37,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 YOUNG_SECONDS = 0.01
 MIDDLE_EVERY = 3  # every third young collection takes generation 1 too
 BURST_THRESHOLD = 5000
@@ -46,8 +44,6 @@ FULL_CHECK_SECONDS = 60.0
 FULL_GROWTH = 1.25  # the interpreter's own rule for the old generation allows it 25% growth too
 
 Collect = Callable[[int], Any]
-
-_TIMERS = web.AppKey("garbage_collection_timers", list[asyncio.Task[None]])
 
 
 def generation_at(tick: int) -> int:
@@ -91,23 +87,23 @@ async def collect_old(
             baseline = memory()
 
 
-async def _start(app: web.Application) -> None:
-    gc.freeze()
-    _, middle, _ = gc.get_threshold()
-    gc.set_threshold(BURST_THRESHOLD, middle, 1_000_000_000)
-    loop = asyncio.get_running_loop()
-    app[_TIMERS].extend([loop.create_task(collect_young()), loop.create_task(collect_old())])
+class TimedCollection:
+    """This process's garbage collected on the timers above, from `start` until `stop` (the serve
+    process only, which owns its interpreter: `gpubadge serve` starts it with its application;
+    tests and embedders keep the interpreter's own rule)."""
 
+    def __init__(self) -> None:
+        self.timers: list[asyncio.Task[None]] = []
 
-async def _stop(app: web.Application) -> None:
-    for task in app[_TIMERS]:
-        task.cancel()
-    await asyncio.gather(*app[_TIMERS], return_exceptions=True)
+    async def start(self) -> None:
+        """Freeze what exists now, raise the young threshold, and start both timers on this loop."""
+        gc.freeze()
+        _, middle, _ = gc.get_threshold()
+        gc.set_threshold(BURST_THRESHOLD, middle, 1_000_000_000)
+        loop = asyncio.get_running_loop()
+        self.timers = [loop.create_task(collect_young()), loop.create_task(collect_old())]
 
-
-def install(app: web.Application) -> None:
-    """Collect this process's garbage on the timers above once `app` starts (the serve process only:
-    it owns its interpreter; tests and embedders keep the interpreter's own rule)."""
-    app[_TIMERS] = []
-    app.on_startup.append(_start)
-    app.on_cleanup.append(_stop)
+    async def stop(self) -> None:
+        for task in self.timers:
+            task.cancel()
+        await asyncio.gather(*self.timers, return_exceptions=True)

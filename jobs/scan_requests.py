@@ -6,13 +6,12 @@ and coalesce into an existing job the same way, so the rule lives here once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from jobs.intake import JobIntake, QueueFull
+from jobs.settings import JobSettings
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import Job, queries
-from web.intake import QueueFull
-from web.security import token_matches
-from web.state import Services
-
-__all__ = ["ScanRefused", "request_scan", "token_matches"]
 
 
 class ScanRefused(Exception):
@@ -24,8 +23,11 @@ class ScanRefused(Exception):
         self.message = message
 
 
-async def request_scan(services: Services, text: str, *, source: str) -> Job:
-    """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one).
+async def request_scan(
+    intake: JobIntake, settings: JobSettings, text: str, *, source: str, wake: Callable[[], None]
+) -> Job:
+    """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one);
+    `wake` tells this process's workers, if any, that it is committed.
 
     Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
     registry outside the allowlist, which is then never contacted; ScanRefused(503) when the
@@ -35,19 +37,19 @@ async def request_scan(services: Services, text: str, *, source: str) -> Job:
         reference = parse_reference(text.strip())
     except ReferenceError as exc:
         raise ScanRefused(400, str(exc)) from None
-    if not services.settings.allows(reference.registry):
+    if not settings.allows(reference.registry):
         raise ScanRefused(
             403, f"registry not on the allowlist: {reference.registry} (set GPUBADGE_REGISTRIES)"
         )
-    if not await services.intake.has_room():
-        raise ScanRefused(503, str(QueueFull(services.settings.max_queued_scans)))
-    (job_id,) = await services.store.enqueue(
+    if not await intake.has_room():
+        raise ScanRefused(503, str(QueueFull(settings.max_queued_scans)))
+    (job_id,) = await intake.store.enqueue(
         [(str(reference), reference.registry)],
         source=source,
-        max_attempts=services.settings.max_attempts,
+        max_attempts=settings.max_attempts,
     )
-    services.wake_workers()
-    job = await services.store.run(queries.job, job_id)
+    wake()
+    job = await intake.store.run(queries.job, job_id)
     if job is None:  # pragma: no cover - enqueue committed it in the same process
         raise ScanRefused(500, f"scan job {job_id} vanished after it was queued")
     return job

@@ -24,7 +24,7 @@ from placement.index import FleetIndex
 from placement.inventory import Gpu, Server, parse_inventory
 from store import AsyncStore, ServerRecord, queries
 from store.events import FLEET_INVENTORY, FLEET_STAMPS, wait_set
-from web.long_polls import LONG_POLLS, LongPolls
+from web.fleet.long_polls import LONG_POLLS, LongPolls
 from web.state import services_of_app
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,86 @@
+"""`gpubadge worker`: scan workers only, in a process of their own (jobs/worker_process.py).
+
+The command loads the job runtime's settings (`jobs.settings.JobSettings`) and imports nothing of
+web/ or aiohttp's server: a worker serves no HTTP. With `--metrics-port` it serves /healthz and
+/metrics there, so it then loads the service's settings (the listen address, the connection
+guard's bounds, the health check's) and web/'s listener for that port alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from gpubadge.cli import _positive
+
+if TYPE_CHECKING:
+    from jobs.metrics import JobMetrics
+    from jobs.settings import JobSettings
+    from jobs.worker_process import Listener
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpubadge worker",
+        description="Run scan workers only: claim jobs from the shared store, scan, record the results."
+        " Any number may run against one PostgreSQL (GPUBADGE_DATABASE_URL).",
+        epilog="Settings are the same as `gpubadge serve --help` lists.",
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
+    )
+    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+    parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+    parser.add_argument(
+        "--metrics-port",
+        type=_positive,
+        help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return parser
+
+
+def load_job_settings(config: Path | None, **overrides: Any) -> JobSettings:
+    """The job runtime's settings, as `serve` loads the service's: the file, the environment and
+    the command line merged by one rule (`scanner.settings_merge`)."""
+    from jobs.settings import JobSettings
+
+    chosen = {key: value for key, value in overrides.items() if value is not None}
+    return cast(JobSettings, JobSettings.load(config, **chosen))
+
+
+def run_worker(argv: list[str]) -> int:
+    args = worker_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    overrides = {"db": args.db, "workers": args.concurrency}
+    metrics: JobMetrics | None = None
+    listener: Listener | None = None
+    try:
+        if args.metrics_port:  # HTTP on that port: the service's settings, web/'s listener
+            from web.commands import load_settings
+            from web.metrics import ServiceMetrics
+            from web.worker_listener import health_listener
+
+            service_settings = load_settings(args.config, **overrides)
+            settings: JobSettings = service_settings
+            metrics = ServiceMetrics()
+            listener = health_listener(service_settings, metrics, args.metrics_port)
+        else:
+            settings = load_job_settings(args.config, **overrides)
+    except (ValueError, OSError) as exc:
+        print(f"gpubadge worker: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    from jobs.worker_process import serve_workers
+    from store import StoreUnavailable
+
+    try:
+        serve_workers(settings, metrics=metrics, listener=listener)
+    except StoreUnavailable as exc:
+        print(f"gpubadge worker: {exc}", file=sys.stderr)
+        return 1
+    return 0

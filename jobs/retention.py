@@ -1,0 +1,114 @@
+"""Retention: finished scan jobs do not grow for ever.
+
+A job's row is its history (what was asked, when, by whom, how it ended); the image's report is
+kept apart and stays. Each process that runs scan workers sweeps: at start and every
+`SWEEP_SECONDS`, it deletes finished jobs (done or failed) last updated more than
+`GPUBADGE_JOB_RETENTION_SECONDS` ago (default 7 days) and those beyond the newest
+`GPUBADGE_JOB_RETENTION_COUNT` (default 100,000), oldest first, `BATCH` jobs per transaction.
+Each batch is one store call off the event loop, and after each the sweeper waits as long as the
+batch took, so it holds SQLite's one writer at most half the time and the webhook intake's commits
+never queue behind more than one small batch; on PostgreSQL (where deletes block no insert) one
+sweeper deletes at a time, however many worker processes sweep. The count needs no scan: finished
+jobs are tallied as they change state (`store.queries.finished_jobs`), and only when there are more
+than the cap does one read find where the newest `count` end. Queued and running jobs are never
+touched. Every sweep also folds PostgreSQL's tally rows, so it runs even where the settings keep
+every job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from store import AsyncStore, queries
+
+log = logging.getLogger(__name__)
+
+SWEEP_SECONDS = 60.0  # how often a process sweeps; a cap may be passed by one interval's jobs
+BATCH = 100  # jobs deleted per transaction: about 20 ms of SQLite's writer (a million-job table, 2 cores)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """What is kept of finished jobs: `max_age_seconds` (0: any age) and `max_count` (0: any number)."""
+
+    max_age_seconds: float
+    max_count: int
+
+
+async def sweep(
+    store: AsyncStore, policy: RetentionPolicy, *, batch: int = BATCH, now: datetime | None = None
+) -> int:
+    """Delete the finished jobs `policy` no longer keeps, oldest first, `batch` per transaction;
+    returns how many went. Then fold the tallies' change rows (PostgreSQL)."""
+    cutoffs: list[datetime] = []
+    if policy.max_age_seconds > 0:
+        cutoffs.append((now or datetime.now(UTC)) - timedelta(seconds=policy.max_age_seconds))
+    if policy.max_count > 0 and await store.run(queries.finished_jobs) > policy.max_count:
+        beyond = await store.run(queries.finished_beyond, keep=policy.max_count)
+        if beyond is not None:
+            cutoffs.append(beyond)
+    deleted = 0
+    if cutoffs:
+        through = max(cutoffs)
+        while True:
+            started = time.monotonic()
+            gone = await store.run(queries.delete_finished, through=through, limit=batch)
+            deleted += gone
+            if gone < batch:
+                break
+            await asyncio.sleep(time.monotonic() - started)  # the writer is the intake's as long again
+    await store.compact_job_tallies()
+    return deleted
+
+
+class JobRetention:
+    """Sweeps at start and every `every` seconds until stopped; a failed sweep is logged and the
+    next one tries again. `on_swept(deleted)` hears of each sweep that deleted jobs."""
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        policy: RetentionPolicy,
+        *,
+        every: float = SWEEP_SECONDS,
+        on_swept: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.every = every
+        self.on_swept = on_swept
+        self.sweeps = 0  # sweeps finished, failed ones included
+        self.swept = asyncio.Event()  # set after each sweep, for whoever waits on the next one
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="job-retention")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                deleted = await sweep(self.store, self.policy)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("job retention: the sweep failed (%s); it runs again in %.0f s", exc, self.every)
+            else:
+                if deleted:
+                    log.info("job retention: deleted %d finished job(s)", deleted)
+                    if self.on_swept is not None:
+                        self.on_swept(deleted)
+            self.sweeps += 1
+            self.swept.set()
+            await asyncio.sleep(self.every)

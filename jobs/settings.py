@@ -1,0 +1,163 @@
+"""The job runtime's settings: the store, the scan queue and its workers.
+
+`JobSettings` extends the scanner's settings (registries, credentials, limits) with what the
+runtime reads: which store, how many scans at once, leases, retries, the queue's cap. It is all
+`gpubadge worker` loads; `web.settings.ServiceSettings` extends it with the HTTP side (listen
+address, secrets, webhooks, agents, admission), so every field has one name and one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from scanner.registry.reference import DOCKER_HUB, is_loopback
+from scanner.settings import ScannerSettings, default_db_path, mirror_parts
+from store import AsyncStore, open_store
+
+
+class JobSettings(ScannerSettings):
+    """What the job runtime reads. Field descriptions become `--help` text."""
+
+    # A rejected value is never echoed: the database URL carries a password.
+    model_config = SettingsConfigDict(**{**ScannerSettings.model_config, "hide_input_in_errors": True})
+
+    db: Path = Field(
+        default_factory=default_db_path,
+        description="SQLite database file (default $XDG_DATA_HOME/gpubadge/gpubadge.db, as `gpubadge scan`)",
+    )
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
+        " shared by any number of API and worker processes",
+    )
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        default="NORMAL",
+        description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
+    )
+    sqlite_busy_timeout: float = Field(
+        default=30.0, description="seconds a write waits for another process's lock before it fails"
+    )
+    store_threads: int = Field(
+        default=8, ge=1, description="threads that run database calls off the event loop"
+    )
+    report_cache_entries: int = Field(
+        default=512,
+        ge=0,
+        description="image lookups (reference -> report) kept in memory for placement requests; 0: none",
+    )
+    report_cache_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest reuse of a kept lookup when other processes' writes reach this one as"
+        " events (PostgreSQL, a shared SQLite file); without them at most 1 s",
+    )
+    workers: int = Field(
+        default=8,
+        description="scans run at once until their config facts (the badge) are published; as many again may"
+        " go on reading layers after that, per worker process",
+    )
+    per_registry_scans: int | None = Field(
+        default=None,
+        ge=1,
+        description="a hard cap on the scans run at once against one registry, across every worker; unset"
+        " (the default): none, so a registry alone in the queue gets every worker (work-conserving; fairness"
+        " and preempt_after keep one registry from starving another)",
+    )
+    preempt_after: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds a registry with ready jobs may wait with no scan in flight while every worker is"
+        " busy; past it, a saturated worker puts its longest-running scan of the busiest registry back in the"
+        " queue (no attempt spent) and the slot goes to the waiting registry (0: never pre-empt)",
+    )
+    max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
+    retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
+    drain_seconds: float = Field(
+        default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
+    )
+    lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="a running job's lease; a worker renews it every third of this, and a job whose lease"
+        " lapses (crashed or cut-off worker) is claimed again",
+    )
+    max_queued_scans: int = Field(
+        default=100_000,
+        ge=1,
+        description="scans waiting in the queue; past it deliveries and scan requests are refused (503, Retry-After)"
+        " until workers catch up, and nothing already queued is dropped",
+    )
+    job_retention_seconds: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=0,
+        description="finished scan jobs (done or failed) last updated longer ago than this are deleted (their"
+        " reports stay); 0: kept whatever their age",
+    )
+    job_retention_count: int = Field(
+        default=100_000,
+        ge=0,
+        description="at most this many finished scan jobs are kept, the most recently finished; 0: no cap",
+    )
+    inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _empty_db_is_the_default(cls, value: Any) -> Any:
+        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
+        return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
+        # The message never echoes the URL: it may hold a password.
+        if value is not None and not value.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("database_url must be a postgresql:// URL (unset means the SQLite file --db)")
+        return value
+
+    def allowlist(self) -> set[str]:
+        """Registries the service may contact. Mirrors of allowed registries are allowed too."""
+        hosts = {entry.host for entry in self.registries}
+        hosts |= {mirror_parts(entry.mirror)[0] for entry in self.registries if entry.mirror}
+        if self.docker_mirror and (not self.registries or DOCKER_HUB in hosts):
+            hosts.add(mirror_parts(self.docker_mirror)[0])
+        return hosts
+
+    def allows(self, registry: str) -> bool:
+        """The SSRF guard: with no list configured, Docker Hub and loopback registries only."""
+        if not self.registries:
+            return registry == DOCKER_HUB or is_loopback(registry)
+        return registry in self.allowlist()
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line per setting for `--help`: variable, default, meaning."""
+        lines = []
+        for name, info in cls.model_fields.items():
+            default: Any = info.default
+            if info.default_factory is not None:
+                default = "(computed)" if name in ("docker_config", "db") else "(empty)"
+            shown = "(unset)" if default is None else default
+            lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
+        return "\n".join(lines)
+
+
+def open_job_store(settings: JobSettings, *, shared: bool = False) -> AsyncStore:
+    """The store the settings name: PostgreSQL when a database URL is set, else the SQLite file.
+
+    `shared`: this process shares the SQLite file with others that scan or serve it (`serve
+    --workers 0` and `gpubadge worker`), so each commit wakes them and theirs wake this one, as
+    on PostgreSQL (`store.sqlite_notify`)."""
+    return open_store(
+        settings.db,
+        synchronous=settings.sqlite_synchronous,
+        busy_timeout=settings.sqlite_busy_timeout,
+        threads=settings.store_threads,
+        database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+        shared_events=shared,
+        report_cache_entries=settings.report_cache_entries,
+        report_cache_seconds=settings.report_cache_seconds,
+    )
