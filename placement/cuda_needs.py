@@ -22,6 +22,8 @@ first that fails, alone (the GPU code is moot where the CUDA runtime cannot star
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from placement import gpu_code
 from placement.cuda_drivers import (
@@ -241,6 +243,70 @@ def gpu_passes(
     jit = " (its PTX JIT-compiled by this driver)" if verdict.ptx else ""
     lines.append(f"compute capability {compute_capability}: its GPU code runs here{jit}: {covered}")
     return lines
+
+
+Status = Literal["runs", "runs without", "does not run"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRow:
+    """One compute capability's line of the image page: whether the image's CUDA and GPU code run
+    there, what decided it, and the driver it needs there (the CUDA runtime's floor, or PTX JIT's)."""
+
+    cc: tuple[int, int]
+    architecture: str
+    status: Status
+    decided_by: list[str]  # why not; what it runs without; or which code covers it
+    driver: str | None
+
+
+def generations(gpu: GpuFacts, rule: Rule = "dispatch", driver: str | None = None) -> list[GenerationRow]:
+    """A row per compute capability from Volta (7.0) on, judged by the rules `gpu_reasons` applies
+    with no server's driver in view. Each row's driver is the image's (`driver`: the floor its
+    requirements and carried CUDA set, `placement.image_needs`; else the carried CUDA's), raised to
+    PTX JIT's floor where its code runs through PTX."""
+    needed = needed_cuda(gpu)
+    carried = driver_floor(needed) if needed else None
+    floor = driver or (carried[0] if carried else None)
+    version = pair(needed) if needed else None
+    major = version[0] if version else None
+    support = _toolkit_min_cc(needed)
+    rows: list[GenerationRow] = []
+    for cc in KNOWN_COMPUTE_CAPABILITIES:
+        if cc < (7, 0):
+            continue
+        name = gpu_code.ARCHITECTURES.get(cc, gpu_code.GENERATIONS.get(cc[0], ""))
+        needs = floor
+        if major is not None and major >= 13 and cc < (7, 5):
+            rows.append(
+                GenerationRow(
+                    cc,
+                    name,
+                    "does not run",
+                    [f"CUDA {major} supports compute capability 7.5 and newer"],
+                    None,
+                )
+            )
+            continue
+        if not gpu_code.has_code(gpu.archs):
+            if support is not None and cc < support[0]:
+                rows.append(GenerationRow(cc, name, "does not run", [support[1]], None))
+            else:
+                said = f"CUDA {needed}: no GPU code of its own to judge" if needed else "no GPU code to judge"
+                rows.append(GenerationRow(cc, name, "runs", [said], needs))
+            continue
+        assert gpu.archs is not None
+        verdict = gpu_code.judge(gpu.archs, cc, rule=rule)
+        if not verdict.runs:
+            rows.append(GenerationRow(cc, name, "does not run", verdict.reasons, None))
+            continue
+        for file in verdict.ptx:
+            jit = ptx_driver_floor(file.ptx_isa)
+            if jit is not None and (needs is None or compare_version(jit[0], ">", needs)):
+                needs = jit[0]
+        status: Status = "runs without" if verdict.without else "runs"
+        rows.append(GenerationRow(cc, name, status, verdict.without or verdict.covered_by, needs))
+    return rows
 
 
 def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:

@@ -513,37 +513,3 @@ def caveats(archs: GpuArchs, rule: Rule = "dispatch") -> list[str]:
             name = line.split(": ", 1)[0]
             lacking.setdefault(name, []).append(cc)
     return [f"runs without {name} on compute capability {cc_spans(ccs)}" for name, ccs in lacking.items()]
-
-
-Status = Literal["runs", "runs without", "does not run"]
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRow:
-    """One GPU generation's line of the image page: how the image's GPU code fares there."""
-
-    cc: CC
-    architecture: str
-    status: Status
-    detail: list[str]  # why not, what it runs without, or which code covers it
-    ptx_floor: str | None  # the driver JIT needs there, where the code there is PTX
-
-
-def generations(archs: GpuArchs, rule: Rule = "dispatch") -> list[GenerationRow]:
-    """A row per compute capability from Volta (7.0) on: runs / runs without ... / does not run, with
-    what decided it and the driver PTX JIT needs there (`placement.cuda_needs` knows the tables)."""
-    from placement.cuda_needs import ptx_driver_floor
-
-    rows = []
-    for cc in KNOWN_COMPUTE_CAPABILITIES:
-        if cc < (7, 0):
-            continue
-        verdict = judge(archs, cc, rule=rule)
-        status: Status = "does not run" if not verdict.runs else "runs without" if verdict.without else "runs"
-        detail = verdict.reasons if not verdict.runs else (verdict.without or verdict.covered_by)
-        floors = [ptx_driver_floor(f.ptx_isa) for f in verdict.ptx]
-        floor = max((f[0] for f in floors if f), key=version_key, default=None)
-        rows.append(
-            GenerationRow(cc, ARCHITECTURES.get(cc, GENERATIONS.get(cc[0], "")), status, detail, floor)
-        )
-    return rows

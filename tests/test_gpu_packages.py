@@ -471,3 +471,16 @@ async def test_flashinfer_modules_through_a_registry(
     assert [f.files for f in cubins] == [93] and cubins[0].sass == ["100"]
     decision = decide(ImageFacts.from_report(report), DeployRequest(gpus=1), FLEET)
     assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+
+
+def test_the_image_page_rows_per_generation_for_vllm(vllm: ImageFacts) -> None:
+    from placement.cuda_needs import generations
+
+    rows = {f"{row.cc[0]}.{row.cc[1]}": row for row in generations(vllm.platforms[0].gpu)}
+    assert rows["7.0"].status == "does not run" and "7.5 and newer" in rows["7.0"].decided_by[0]
+    assert rows["7.5"].status == "runs without" and (rows["7.5"].driver or "").startswith("580")
+    assert any("FlashAttention 2" in line for line in rows["7.5"].decided_by)
+    assert rows["9.0"].status == "runs without" and not any(
+        "FlashAttention 3" in line for line in rows["9.0"].decided_by
+    )
+    assert rows["12.1"].status in ("runs", "runs without") and rows["12.1"].driver is not None
