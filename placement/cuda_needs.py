@@ -260,53 +260,69 @@ class GenerationRow:
     driver: str | None
 
 
+def _row(gpu: GpuFacts, cc: tuple[int, int], rule: Rule, floor: str | None) -> GenerationRow:
+    """One compute capability judged as `gpu_reasons` judges it with no server's driver in view."""
+    needed = needed_cuda(gpu)
+    version = pair(needed) if needed else None
+    name = gpu_code.ARCHITECTURES.get(cc, gpu_code.GENERATIONS.get(cc[0], ""))
+    if version is not None and version[0] >= 13 and cc < (7, 5):
+        return GenerationRow(
+            cc, name, "does not run", [f"CUDA {version[0]} supports compute capability 7.5 and newer"], None
+        )
+    if not gpu_code.has_code(gpu.archs):
+        support = _toolkit_min_cc(needed)
+        if support is not None and cc < support[0]:
+            return GenerationRow(cc, name, "does not run", [support[1]], None)
+        said = f"CUDA {needed}: no GPU code of its own to judge" if needed else "no GPU code to judge"
+        return GenerationRow(cc, name, "runs", [said], floor)
+    assert gpu.archs is not None
+    verdict = gpu_code.judge(gpu.archs, cc, rule=rule)
+    if not verdict.runs:
+        return GenerationRow(cc, name, "does not run", verdict.reasons, None)
+    needs = floor
+    for file in verdict.ptx:
+        jit = ptx_driver_floor(file.ptx_isa)
+        if jit is not None and (needs is None or compare_version(jit[0], ">", needs)):
+            needs = jit[0]
+    status: Status = "runs without" if verdict.without else "runs"
+    return GenerationRow(cc, name, status, verdict.without or verdict.covered_by, needs)
+
+
+def _floor(gpu: GpuFacts, driver: str | None) -> str | None:
+    needed = needed_cuda(gpu)
+    carried = driver_floor(needed) if needed else None
+    return driver or (carried[0] if carried else None)
+
+
 def generations(gpu: GpuFacts, rule: Rule = "dispatch", driver: str | None = None) -> list[GenerationRow]:
     """A row per compute capability from Volta (7.0) on, judged by the rules `gpu_reasons` applies
     with no server's driver in view. Each row's driver is the image's (`driver`: the floor its
     requirements and carried CUDA set, `placement.image_needs`; else the carried CUDA's), raised to
     PTX JIT's floor where its code runs through PTX."""
-    needed = needed_cuda(gpu)
-    carried = driver_floor(needed) if needed else None
-    floor = driver or (carried[0] if carried else None)
-    version = pair(needed) if needed else None
-    major = version[0] if version else None
-    support = _toolkit_min_cc(needed)
-    rows: list[GenerationRow] = []
-    for cc in KNOWN_COMPUTE_CAPABILITIES:
-        if cc < (7, 0):
-            continue
-        name = gpu_code.ARCHITECTURES.get(cc, gpu_code.GENERATIONS.get(cc[0], ""))
-        needs = floor
-        if major is not None and major >= 13 and cc < (7, 5):
-            rows.append(
-                GenerationRow(
-                    cc,
-                    name,
-                    "does not run",
-                    [f"CUDA {major} supports compute capability 7.5 and newer"],
-                    None,
-                )
-            )
-            continue
-        if not gpu_code.has_code(gpu.archs):
-            if support is not None and cc < support[0]:
-                rows.append(GenerationRow(cc, name, "does not run", [support[1]], None))
-            else:
-                said = f"CUDA {needed}: no GPU code of its own to judge" if needed else "no GPU code to judge"
-                rows.append(GenerationRow(cc, name, "runs", [said], needs))
-            continue
-        assert gpu.archs is not None
-        verdict = gpu_code.judge(gpu.archs, cc, rule=rule)
-        if not verdict.runs:
-            rows.append(GenerationRow(cc, name, "does not run", verdict.reasons, None))
-            continue
-        for file in verdict.ptx:
-            jit = ptx_driver_floor(file.ptx_isa)
-            if jit is not None and (needs is None or compare_version(jit[0], ">", needs)):
-                needs = jit[0]
-        status: Status = "runs without" if verdict.without else "runs"
-        rows.append(GenerationRow(cc, name, status, verdict.without or verdict.covered_by, needs))
-    return rows
+    floor = _floor(gpu, driver)
+    return [_row(gpu, cc, rule, floor) for cc in KNOWN_COMPUTE_CAPABILITIES if cc >= (7, 0)]
+
+
+def summary(gpu: GpuFacts, rule: Rule = "dispatch") -> str | None:
+    """Where the image's CUDA and GPU code run, in one line: "GPU code for sm_50–sm_90, no PTX: compute
+    capability 7.5–9.0" (a CUDA 13 image), the capabilities listed without holes; None without GPU code."""
+    if gpu.archs is None or not gpu.archs.files:
+        return None
+    code = gpu_code.summary(gpu.archs, rule).split(": compute capability", 1)[0].split(": runs on", 1)[0]
+    if not gpu_code.has_code(gpu.archs):
+        return code
+    floor = _floor(gpu, None)
+    newer = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)
+    where = [
+        cc
+        for cc in (*KNOWN_COMPUTE_CAPABILITIES, newer)
+        if _row(gpu, cc, rule, floor).status != "does not run"
+    ]
+    known = [cc for cc in where if cc != newer]
+    if not where:
+        return f"{code}: runs on no known GPU"
+    span = f"compute capability {gpu_code.cc_spans(known)}" if known else "GPUs newer than this table"
+    return f"{code}: {span}" + (" and newer GPUs" if known and newer in where else "")
 
 
 def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:

@@ -298,7 +298,7 @@ def gpu_code_glance(report: PlatformReport) -> list[str]:
     archs = report.gpu.archs
     if archs is None or not archs.files:
         return []
-    return [gpu_code.summary(archs), *gpu_code.caveats(archs)]
+    return [cuda_needs.summary(report.gpu) or gpu_code.summary(archs), *gpu_code.caveats(archs)]
 
 
 @dataclass(frozen=True)
