@@ -32,6 +32,7 @@ OPTION_OF_FIELD = {
     "cpus": "--cpus",
     "memory": "--memory",
     "labels": "--label",
+    "gpu_code_rule": "--gpu-code-rule",
     "limit": "--limit",
     "cursor": "--cursor",
     "explain": "--explain",
@@ -69,6 +70,12 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=float, help="CPU cores")
     p.add_argument("--memory", help="memory, e.g. 64Gi")
     p.add_argument("--label", action="append", default=[], help="required server label key=value (repeat)")
+    p.add_argument(
+        "--gpu-code-rule",
+        choices=("dispatch", "strict"),
+        help="judge the image's GPU code as packages load it (dispatch, the default) or every kernel everywhere"
+        " (strict); default: GPUBADGE_GPU_CODE_RULE",
+    )
     p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
 
 
@@ -141,6 +148,7 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": args.cpus,
         "memory": args.memory,
         "labels": labels or None,
+        "gpu_code_rule": args.gpu_code_rule,
     }
     return {key: value for key, value in fields.items() if value is not None}
 
@@ -152,8 +160,11 @@ async def decide_locally(
     from placement.decide import decide
     from placement.image_facts import ImageFacts
     from placement.request import DeployRequest
+    from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
+    if request.gpu_code_rule is None:
+        request = request.model_copy(update={"gpu_code_rule": ScannerSettings.load().gpu_code_rule})
     options = AnswerOptions.model_validate(shape)
     inventory = load_inventory(servers)
     report = await scan_locally(reference)

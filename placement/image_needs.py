@@ -23,7 +23,7 @@ NVIDIA shipped with each CUDA toolkit (`cuda_needs.TOOLKIT_DRIVERS`) and on the 
 image's brand exceptions name. `driver` is the lowest driver that runs it on any GPU brand;
 `exceptions` are the older drivers that run it only on some brands (NVIDIA's forward-compatibility
 clauses, `brand=tesla,driver>=470,driver<471`). Where its code runs by compute capability is
-`gpu_code.summary`. PTX JIT floors depend on the GPU, so they stay in the per-server answers.
+`cuda_needs.summary`. PTX JIT floors depend on the GPU, so they stay in the per-server answers.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from placement import cuda_needs, gpu_code
+from placement import cuda_needs
 from placement.nvidia_require import DeviceFacts, ImageRequirements, compare_version
 from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
 
@@ -292,7 +292,7 @@ def platform_needs(report: PlatformReport) -> PlatformNeeds:
     inferred = gpu.inferred
     carried_cuda = inferred.cuda if inferred is not None else None
     driver = driver_need(gpu) if use != "none" else None
-    code = gpu_code.summary(gpu.archs) if gpu.archs is not None and gpu.archs.files else None
+    code = cuda_needs.summary(gpu)
     facts = []
     if gpu.cuda_version:
         facts.append(f"declares CUDA {gpu.cuda_version}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from placement import cuda_needs
 from placement.decision import NO_KEY, ShapeResult
+from placement.gpu_code import Rule
 from placement.gpus import MEMORY_TOLERANCE, matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex, GpuClass, ServerEntry
@@ -46,6 +47,7 @@ class Plan:
     verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
     passes: dict[int, tuple[str, ...]] = field(default_factory=dict)  # why each usable GPU class suits
     inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
+    rule: Rule = "dispatch"  # how the image's GPU code is judged (placement.gpu_code)
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
@@ -86,6 +88,7 @@ class Query:
                 needed=needed,
                 slices=slices,
                 inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
+                rule=request.gpu_code_rule or "dispatch",
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
@@ -154,7 +157,7 @@ class Query:
         if plan.cuda_major is not None and plan.cuda_major >= 13 and cc:
             lines.append(f"compute capability {cc} >= 7.5, which CUDA {plan.cuda_major} needs")
         if plan.inferred is not None:
-            lines.extend(cuda_needs.gpu_passes(plan.inferred, cc, gpu.driver))
+            lines.extend(cuda_needs.gpu_passes(plan.inferred, cc, gpu.driver, gpu.cuda, plan.rule))
         return tuple(lines)
 
     @staticmethod
@@ -175,11 +178,12 @@ class Query:
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
         if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.cuda_needs)
-            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver, gpu.cuda)
+            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver, gpu.cuda, plan.rule)
         return []
 
     def caveats(self) -> list[str]:
-        """NVIDIA libraries of the image lacking code for a GPU class it is eligible on (placement.gpu_code)."""
+        """What the image runs without on each GPU class it is eligible on ("runs; without ...":
+        extensions used on other hardware, optional packages, NVIDIA libraries; placement.gpu_code)."""
         found: list[str] = []
         for plan in self.plans.values():
             if plan.inferred is None:
@@ -187,9 +191,9 @@ class Query:
             for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
                 gpu = self.index.classes[class_id]
                 if usable and gpu.compute_capability:
-                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability):
+                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
                         found.append(
-                            f"on {gpu.label} (compute capability {gpu.compute_capability}): {caveat}"
+                            f"on {gpu.label} (compute capability {gpu.compute_capability}): runs; without {caveat}"
                         )
         return found
 

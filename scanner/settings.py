@@ -208,6 +208,13 @@ class ScannerSettings(BaseSettings):
         " signal (a declared image's walk stops at its libc verdict, usually in the top layer's first KiB);"
         " never = the libc verdict only",
     )
+    gpu_code_rule: Literal["dispatch", "strict"] = Field(
+        default="dispatch",
+        description="how placement judges an image's GPU code: dispatch = as packages load it (a library runs"
+        " where some of its kernels do; extensions for other GPUs and optional packages are named, not"
+        " refused); strict = every kernel of the image's own code must run on the GPU (one application's"
+        " own kernels). A request's gpu_code_rule overrides it",
+    )
     platforms: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="platforms whose layers are read: os/arch[/variant],... or `all` (linux only);"

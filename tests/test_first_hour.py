@@ -181,6 +181,22 @@ def test_the_image_page_headline_agrees_with_placement_brand_exceptions_included
     assert all(server["why"] for server in summary["eligible"])
 
 
+def test_the_image_page_shows_where_it_runs_by_generation(demo: Demo) -> None:
+    """Issue 42: a row per compute capability from 7.0 with runs / does not run, the driver and what
+    decided it, agreeing with the headline's driver."""
+    page = demo.get(f"/images/{demo.ref('cuda-ubuntu:12.2')}")
+    table = re.search(r'<table class="generations">(.*?)</table>', page, re.S)
+    assert table, page
+    rows = re.findall(r'<tr class="gen-([a-z-]+)">\s*<th scope="row">([0-9.]+) ', table.group(1))
+    assert [cc for _, cc in rows][:3] == ["7.0", "7.2", "7.5"] and rows[-1][1] == "12.1"
+    assert all(status == "runs" for status, _ in rows)  # CUDA 12.2: no GPU code of its own to judge
+    assert table.group(1).count("≥ 535.54.03") == len(rows)  # the headline's floor, on every row
+    legacy = demo.get(f"/images/{demo.ref('legacy-cuda:10.0')}")
+    assert '<table class="generations">' in legacy
+    cpu = demo.get(f"/images/{demo.ref('plain-glibc:22.04')}")
+    assert '<table class="generations">' not in cpu  # no GPU, no table
+
+
 def test_eligible_servers_in_the_explorer_say_why(demo: Demo, browser: Any) -> None:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:

@@ -447,7 +447,7 @@ async def test_image_page_says_what_it_declares_carries_and_where_its_code_runs(
         "Needs an NVIDIA GPU with driver ≥ 580: it declares CUDA 12.8 and carries CUDA 13.0 (torch 2.9.1+cu130)"
         in body
     )
-    assert "GPU code for sm_50–sm_90, no PTX: compute capability 5.0–9.0, not Blackwell" in body
+    assert "GPU code for sm_50–sm_90, no PTX: compute capability 7.5–9.0" in body  # CUDA 13: 7.5 and newer
     assert "Needs driver CUDA at least 12.8; or, on an older driver, one of 20 brand exceptions" in body
     raw = REQUIRE_CUDA_128.replace(">", "&gt;").replace("<", "&lt;")
     assert body.count(raw) == 1  # once, inside <details>: not in the environment table too

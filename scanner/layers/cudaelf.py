@@ -265,7 +265,18 @@ class ElfCudaProbe:
             named = [
                 s for s in sections if s.type != SHT_NOBITS and s.size and self._scan.tiles(s.offset, s.size)
             ]
-        if not named:
+        loose: list[ContainerArchs] = []
+        if layout.elf_type != ET_REL and self._scan.met_containers and self._unread is None:
+            hosts = [
+                (s.name or f"section at {s.offset:#x}", s.offset, s.size)
+                for s in sections
+                if s.type != SHT_NOBITS and s.size and s not in named
+            ]
+            try:
+                loose = self._scan.loose(hosts)
+            except FatbinError as exc:
+                return FatbinFacts(error=str(exc))
+        if not named and not loose:
             return FatbinFacts(error=str(stopped)) if stopped else None
         listed = dict.fromkeys(s.name or f"section at {s.offset:#x}" for s in named)  # each name once
         facts = FatbinFacts(sections=list(listed)[:MAX_LISTED_SECTIONS])
@@ -284,6 +295,10 @@ class ElfCudaProbe:
             except FatbinError as exc:
                 facts.error = f"{section.name or 'fatbin section'}: {exc}"
                 break
+        if facts.error is None:
+            containers.extend(loose)
+            extra = sorted({c.section for c in loose} - set(facts.sections))
+            facts.sections = [*facts.sections, *extra][:MAX_LISTED_SECTIONS]
         signatures = merge_signatures(containers)
         if len(signatures) > MAX_SIGNATURES_PER_FILE:
             facts.error = f"more than {MAX_SIGNATURES_PER_FILE} distinct container contents"

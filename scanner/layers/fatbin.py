@@ -71,16 +71,21 @@ LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared obj
 RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
 
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes). 9.0 and 9.2-9.5 are also
-# what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37 write (`nvcc -ptx`, `.version`).
+# PTX ISA version -> the toolkit that introduced it (the PTX ISA release history, as NVIDIA's cuda-python
+# maps it too). 9.0 and 9.2-9.5 are also what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37
+# write (`nvcc -ptx`, `.version`).
 PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    (3, 0): (4, 1), (3, 1): (5, 0), (3, 2): (5, 5), (4, 0): (6, 0), (4, 1): (6, 5), (4, 2): (7, 0),
+    (4, 3): (7, 5), (5, 0): (8, 0), (6, 0): (9, 0), (6, 1): (9, 1), (6, 2): (9, 2), (6, 3): (10, 0),
+    (6, 4): (10, 1), (6, 5): (10, 2),
     **{(7, minor): (11, minor) for minor in range(9)},
     **{(8, minor): (12, minor) for minor in range(6)},
     (8, 6): (12, 7),
     (8, 7): (12, 8),
     (8, 8): (12, 9),
     **{(9, minor): (13, minor) for minor in range(6)},
-}
+}  # fmt: skip
+NEWEST_PTX_ISA = max(PTX_ISA_TOOLKITS)
 
 
 _ARCH = re.compile(r"^(\d{2,4})([af]?)$")
@@ -128,7 +133,8 @@ def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
 
 
 def ptx_toolkit(isa: str | None) -> str | None:
-    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown."""
+    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown (older than
+    CUDA 4.1, or newer than the table: `placement.cuda_drivers` judges those)."""
     major, _, minor = (isa or "").partition(".")
     if not (major.isdigit() and minor.isdigit()):
         return None
@@ -423,16 +429,47 @@ class FatbinScan:
                 raise FatbinError(f"container at {position:#x} runs past the end of its section")
             if not candidate.done:
                 raise FatbinError(f"container at {position:#x} is truncated")
-            try:
-                self.work.walk_containers(1)
-            except LimitExceeded as exc:
-                self._stop(exc)
-                raise FatbinError(str(exc)) from None
+            self._walk_one()
             found.append(self._record(candidate, section))
             position = candidate.end
         if not found:
             raise FatbinError("empty fatbin section")
         return found
+
+    def loose(self, sections: Sequence[tuple[str, int, int]]) -> list[ContainerArchs]:
+        """Whole, well-formed containers that lie outside the fatbin sections, each tagged with the
+        section that holds it (`sections`: name, offset, size of the sections that may: not the
+        fatbin sections, not NOBITS). A library keeps such containers to load them itself through
+        CUDA's module API (TensorFlow's generated kernels in `.rodata`, cuFFT's in `.ldata`,
+        cuBLASLt's in `.cask_resource`). A container inside another is part of it, not one of its own.
+        Each container taken counts in `work` (`max_fatbin_containers`, walked), as a section's do."""
+        if self.stopped is not None:
+            return []
+        found: list[ContainerArchs] = []
+        end = -1
+        ordered = sorted(sections, key=lambda s: s[1])
+        for start in sorted(self._candidates):
+            candidate = self._candidates[start]
+            if start < end or not candidate.done or candidate.error is not None or candidate.end < 0:
+                continue
+            host = next(
+                (name for name, at, size in ordered if at <= start and candidate.end <= at + size), None
+            )
+            if host is None:
+                continue
+            self._walk_one()
+            found.append(self._record(candidate, host))
+            end = candidate.end
+        return found
+
+    def _walk_one(self) -> None:
+        """One more container walked (`max_fatbin_containers`); past the bound the scan stops and
+        FatbinError names it."""
+        try:
+            self.work.walk_containers(1)
+        except LimitExceeded as exc:
+            self._stop(exc)
+            raise FatbinError(str(exc)) from None
 
     def _record(self, candidate: _Candidate, section: str) -> ContainerArchs:
         """The container as the report lists it: one shared record per distinct content, so however

@@ -144,7 +144,14 @@ async def _answer(
                 " a client certificate signed by GPUBADGE_ADMISSION_CLIENT_CA"
             )
     fleet = await _known_gpus(main) if mutate else []
-    outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate, fleet=fleet)
+    outcome: Review = review_pod(
+        pod,
+        reports,
+        mode=services.settings.admission,
+        mutate=mutate,
+        fleet=fleet,
+        gpu_code_rule=services.settings.gpu_code_rule,
+    )
     outcome.warnings = warnings + outcome.warnings
     response["allowed"] = outcome.allowed
     if not outcome.allowed:

@@ -130,7 +130,10 @@ async def detail_context(
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
     tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
     history = await store.run(queries.tag_history, reference.registry, reference.repository)
-    needs = image_needs(report)
+    # the verdicts judge every file of GPU code per compute capability: a thread's work, not the loop's
+    needs, platforms = await asyncio.to_thread(
+        lambda: (image_needs(report), [platform_view(p) for p in report.platforms])
+    )
     return {
         "reference": str(reference),
         "needs": needs,
@@ -143,7 +146,7 @@ async def detail_context(
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
-        "platforms": [platform_view(p) for p in report.platforms],
+        "platforms": platforms,
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),

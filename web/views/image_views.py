@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from placement import gpu_code
+from placement import cuda_needs, gpu_code
 from placement.image_needs import (
     GPU_MEANINGS,
     GPU_WORDS,
@@ -298,7 +298,30 @@ def gpu_code_glance(report: PlatformReport) -> list[str]:
     archs = report.gpu.archs
     if archs is None or not archs.files:
         return []
-    return [gpu_code.summary(archs), *gpu_code.caveats(archs)]
+    return [cuda_needs.summary(report.gpu) or gpu_code.summary(archs), *gpu_code.caveats(archs)]
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """One row of the image page's table of GPU generations."""
+
+    cc: str
+    architecture: str
+    status: str  # runs, runs without, does not run
+    decided_by: list[str]
+    driver: str | None
+
+
+def generations_view(report: PlatformReport, needs: PlatformNeeds) -> list[GenerationView]:
+    """Where the platform's CUDA and GPU code run, a row per compute capability from 7.0
+    (`placement.cuda_needs.generations`), each row's driver at least the image's own floor (the
+    headline's); none for a platform that needs no GPU."""
+    if needs.driver is None:
+        return []
+    return [
+        GenerationView(f"{row.cc[0]}.{row.cc[1]}", row.architecture, row.status, row.decided_by, row.driver)
+        for row in cuda_needs.generations(report.gpu, driver=needs.driver.floor)
+    ]
 
 
 @dataclass(frozen=True)
@@ -311,6 +334,7 @@ class PlatformView:
     needs: PlatformNeeds  # the answer in placement.image_needs' vocabulary: the card's headline
     warnings: list[str] = field(default_factory=list)
     gpu_code: list[str] = field(default_factory=list)  # where the GPU code runs, then caveats
+    generations: list[GenerationView] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # NVIDIA_/CUDA_ variables not shown as requirements
 
 
@@ -341,15 +365,17 @@ def platform_view(report: PlatformReport) -> PlatformView:
     ]
     if report.error:
         report = report.model_copy(update={"error": redact_secrets(report.error)})
+    needs = platform_needs(report)
     return PlatformView(
         report=report,
         badges=platform_badges(report),
         requirements=requirements,
         layers_read=report.libc.layers_read,
         layers_total=report.libc.layers_total or len(report.layers),
-        needs=platform_needs(report),
+        needs=needs,
         warnings=list(dict.fromkeys(warnings)),
         gpu_code=gpu_code_glance(report),
+        generations=generations_view(report, needs),
         env={name: value for name, value in gpu.env.items() if not name.startswith("NVIDIA_REQUIRE_")},
     )
 
