@@ -61,6 +61,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
+from placement.nvidia_require import compare_version
 from scanner.layers.code_loading import nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
 from scanner.layers.gpu_modules import MODULE_FILE
@@ -117,9 +119,6 @@ class Jit:
 
     def refusal(self, isa: str | None) -> str | None:
         """Why this driver cannot JIT PTX of ISA `isa`, or None when it can (or nothing says)."""
-        from placement.cuda_needs import ptx_cuda_reason, ptx_driver_floor  # the driver tables live there
-        from placement.nvidia_require import compare_version
-
         too_new = ptx_cuda_reason(isa, self.driver_cuda)
         if too_new is not None:
             return too_new

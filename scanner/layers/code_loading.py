@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pydantic import BaseModel, Field
 
 from scanner.layers.cudaelf import CUDA_LIBRARIES
-from scanner.models import FileArchs, PackageFacts, PackageKind
+from scanner.models import FileArchs, PackageFacts
 
 # The CUDA stack's libraries by name: what the image may carry for others to link.
 CUDA_LIBRARY_FILE = re.compile(r"^lib(?:" + "|".join(CUDA_LIBRARIES) + r")\.so(?:\.[0-9]{1,8}){0,4}$")
@@ -141,9 +141,8 @@ def package_of(path: str, distributions: Mapping[str, Distribution]) -> PackageF
                 id=f"python:{found.name}", name=found.name, version=found.version, kind="python"
             )
         return PackageFacts(id=f"python:{top}", name=top, kind="python")
-    directory = posixpath.dirname(path.rstrip("/")) if not path.endswith("/") else path.rstrip("/")
-    kind: PackageKind = "application"
-    return PackageFacts(id=f"app:{directory}", name=directory, kind=kind)
+    directory = path.rstrip("/") if path.endswith("/") else posixpath.dirname(path)  # a module dir is its own
+    return PackageFacts(id=f"app:{directory}", name=directory, kind="application")
 
 
 def distribution_index(distributions: Mapping[str, Distribution]) -> dict[str, Distribution]:
