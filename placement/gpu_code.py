@@ -70,7 +70,6 @@ from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
 
 CC = tuple[int, int]
 Rule = Literal["dispatch", "strict"]
-RULES: tuple[Rule, ...] = ("dispatch", "strict")
 RULE = "SASS runs only on its own major at or above its minor, an `a` build only at its exact CC, PTX at or above its arch"
 
 # Every compute capability NVIDIA has shipped (its CUDA GPUs list). A scheduler can only compare a
