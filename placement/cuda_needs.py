@@ -116,7 +116,7 @@ def declared_vs_carried(gpu: GpuFacts) -> str | None:
 def _floor_at(gpu: GpuFacts, cc: tuple[int, int], rule: Rule) -> tuple[bool, str | None]:
     """(runs, the driver PTX JIT needs there or None) for the image's GPU code on a GPU of CC `cc`."""
     assert gpu.archs is not None
-    verdict = gpu_code.judge(gpu.archs, cc, rule=rule)
+    verdict = gpu_code.verdicts(gpu.archs, rule)[cc]
     if not verdict.runs:
         return False, None
     floor: str | None = None
@@ -151,7 +151,7 @@ def compute_capability_ranges(gpu: GpuFacts, rule: Rule = "dispatch") -> list[Cc
                 ranges[-1] = (low, cc, floor)
                 continue
         ranges.append((cc, cc, floor))
-    newer = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)
+    newer = gpu_code.NEWER_THAN_KNOWN
     runs, floor = _floor_at(gpu, newer, rule)
     if runs:  # GPUs newer than this table: only PTX can reach them
         ranges.append((newer, None, floor))
@@ -276,7 +276,7 @@ def _row(gpu: GpuFacts, cc: tuple[int, int], rule: Rule, floor: str | None) -> G
         said = f"CUDA {needed}: no GPU code of its own to judge" if needed else "no GPU code to judge"
         return GenerationRow(cc, name, "runs", [said], floor)
     assert gpu.archs is not None
-    verdict = gpu_code.judge(gpu.archs, cc, rule=rule)
+    verdict = gpu_code.verdicts(gpu.archs, rule)[cc]
     if not verdict.runs:
         return GenerationRow(cc, name, "does not run", verdict.reasons, None)
     needs = floor

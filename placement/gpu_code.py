@@ -57,6 +57,7 @@ file of the image's own code must run, and NVIDIA's libraries that lack code are
 from __future__ import annotations
 
 import posixpath
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -450,15 +451,47 @@ def has_code(archs: GpuArchs | None) -> bool:
     return archs is not None and any(counted(f) for f in archs.files)
 
 
+NEWER_THAN_KNOWN: CC = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)  # what only PTX can reach
+_TABLES: OrderedDict[tuple[object, ...], dict[CC, CodeVerdict]] = OrderedDict()
+_TABLES_KEPT = 256  # images whose verdicts are kept (a vLLM image's take about 15 ms to make)
+
+
+def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
+    """The image's GPU code judged on every known compute capability and on one past the newest,
+    with no server's driver in view (PTX taken to JIT; the floors are the caller's). The summary,
+    caveats, the page's generations and the exports' ranges all read this one table, kept for the
+    last `_TABLES_KEPT` images by content, so an image is judged once however often it is shown."""
+    key = (
+        rule,
+        tuple(
+            (
+                f.path,
+                f.package,
+                f.kind,
+                f.error,
+                f.loadable,
+                tuple(f.sections),
+                tuple((c.signature, c.count) for c in f.containers),
+            )
+            for f in archs.files
+        ),
+        tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
+    )
+    table = _TABLES.get(key)
+    if table is None:
+        table = {cc: judge(archs, cc, rule=rule) for cc in (*KNOWN_COMPUTE_CAPABILITIES, NEWER_THAN_KNOWN)}
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
+
+
 def runs_at(archs: GpuArchs, rule: Rule = "dispatch") -> list[tuple[CC, CodeVerdict]]:
     """The known compute capabilities (and one past the newest, which only PTX reaches) where the
     image's GPU code runs, each with its verdict."""
-    found = []
-    for cc in (*KNOWN_COMPUTE_CAPABILITIES, (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)):
-        verdict = judge(archs, cc, rule=rule)
-        if verdict.runs:
-            found.append((cc, verdict))
-    return found
+    return [(cc, verdict) for cc, verdict in verdicts(archs, rule).items() if verdict.runs]
 
 
 def cc_spans(ccs: Sequence[CC]) -> str:

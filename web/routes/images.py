@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -179,7 +180,11 @@ async def image_by_ref(request: web.Request) -> web.Response:
             pending=pending is not None,
             job=JobView.of(latest).model_dump() if latest else None,
         )
-    return web.json_response(_report_json(report))
+    found: ImageReport = report
+    if any(p.gpu.archs is not None and p.gpu.archs.files for p in found.platforms):
+        # its GPU code is judged per compute capability (placement.gpu_code): a thread's work
+        return web.json_response(await asyncio.to_thread(_report_json, found))
+    return web.json_response(_report_json(found))
 
 
 def setup_routes(app: web.Application) -> None:
