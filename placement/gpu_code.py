@@ -57,6 +57,7 @@ file of the image's own code must run, and NVIDIA's libraries that lack code are
 from __future__ import annotations
 
 import posixpath
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -453,7 +454,8 @@ def has_code(archs: GpuArchs | None) -> bool:
 
 NEWER_THAN_KNOWN: CC = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)  # what only PTX can reach
 _TABLES: OrderedDict[tuple[object, ...], dict[CC, CodeVerdict]] = OrderedDict()
-_TABLES_KEPT = 256  # images whose verdicts are kept (a vLLM image's take about 15 ms to make)
+_TABLES_KEPT = 256  # images whose verdicts are kept (a vLLM image's take about 20 ms to make)
+_TABLES_LOCK = threading.Lock()
 
 
 def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
@@ -477,14 +479,16 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
         ),
         tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
     )
-    table = _TABLES.get(key)
-    if table is None:
-        table = {cc: judge(archs, cc, rule=rule) for cc in (*KNOWN_COMPUTE_CAPABILITIES, NEWER_THAN_KNOWN)}
+    with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = {cc: judge(archs, cc, rule=rule) for cc in (*KNOWN_COMPUTE_CAPABILITIES, NEWER_THAN_KNOWN)}
+    with _TABLES_LOCK:
         _TABLES[key] = table
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
     return table
 
 
