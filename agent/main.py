@@ -29,7 +29,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="gpubadge agent", description="Run deployments for gpubadge on this server."
     )
-    parser.add_argument("--service", required=True, help="service base URL, e.g. http://gpubadge:8080")
+    service = os.environ.get("GPUBADGE") or None  # the URL the CLI's --service defaults to as well
+    parser.add_argument(
+        "--service",
+        required=service is None,
+        default=service,
+        help="service base URL, e.g. http://gpubadge:8080 (default: $GPUBADGE)",
+    )
     parser.add_argument("--token", default=None, help=f"agent token (default: ${TOKEN_ENV})")
     parser.add_argument("--name", default=None, help="server name (default: the host name)")
     parser.add_argument("--inventory-file", type=Path, default=None, help="one Server (YAML/JSON) to report")

@@ -466,6 +466,7 @@ class Service:
             **env,
             "GPUBADGE_PORT": str(self.port),
             "GPUBADGE_DB": str(workdir / "fleet.db"),
+            "GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN": "true",  # the simulated agents present no token
         }
         self.process: subprocess.Popen[bytes] | None = None
 

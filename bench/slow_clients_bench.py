@@ -123,7 +123,9 @@ def run_all(results: Results, quick: bool) -> None:
     print(f"slow clients: {count} connections trickling a header line every {INTERVAL:g} s", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-slow-"))
     try:
-        with run_service_process(workdir / "slow.db", env={"GPUBADGE_WORKERS": "0"}) as service:
+        with run_service_process(
+            workdir / "slow.db", env={"GPUBADGE_WORKERS": "0", "GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN": "true"}
+        ) as service:
             asyncio.run(register(service.url))
             lived, still_open, latencies = asyncio.run(hold(service.url, count, 30.0, probe=True))
         port = free_port()

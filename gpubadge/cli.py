@@ -2,8 +2,8 @@
 healthcheck`.
 
 A thin dispatcher: each command parses its own options and imports its package lazily, so
-`gpubadge scan` never loads the web service, placement or the exporters, and the agent never
-loads web/ at all. Exit status: 0 success, 1 a failure (one clear line each), 2 usage errors
+`gpubadge scan` never loads the web service or the exporters, and loads placement's answer
+(`placement.image_needs`) only once it prints a scanned platform; the agent never loads web/ at all. Exit status: 0 success, 1 a failure (one clear line each), 2 usage errors
 (naming the option), 141 when the reader of the output went away (`| head`), as git's;
 `eligible` also uses 3 for "no server can run it".
 """
@@ -37,6 +37,7 @@ COMMANDS = (
     ("eligible", "list the servers that can run an image"),
     ("constraints", "export an image's eligibility as Kubernetes, DRA, Nomad or Akash constraints"),
     ("agent", "run the node agent"),
+    ("fleet", "release GPUs and remove servers from a service's fleet (fleet-wide agent token)"),
     ("referrers", "list the gpubadge reports and NFD artifacts attached to an image as OCI referrers"),
     ("compat", "check nodes against an image's NFD image-compatibility artifact"),
     ("healthcheck", "probe this container's gpubadge role on its port (the image's HEALTHCHECK)"),
@@ -63,11 +64,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def version() -> str:
+    """The installed package's version (its metadata), else the one pyproject.toml names."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpubadge")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+        found = next(
+            (line for line in text.splitlines() if line.startswith("version = ")), 'version = "unknown"'
+        )
+        return found.split("=", 1)[1].strip().strip('"')
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: `gpubadge --help` lists the commands; each command parses its own options."""
     parser = argparse.ArgumentParser(
         prog="gpubadge", description="Which container images need an NVIDIA GPU, and where they can run."
     )
+    parser.add_argument("--version", action="version", version=f"gpubadge {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS:
         sub = commands.add_parser(name, help=help_text, add_help=False)
@@ -124,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Commands that talk to registries or a service as clients: aiohttp imported without reading the
 # trust store, read at their first TLS handshake instead (scanner/registry/tls.py). The service's
 # roles import it the ordinary way.
-CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat"})
+CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat", "fleet"})
 
 
 def _delegate(command: str, rest: list[str]) -> int:
@@ -179,6 +195,10 @@ def _delegate(command: str, rest: list[str]) -> int:
         from gpubadge.constraints import main as run_constraints
 
         return run_constraints(rest)
+    if command == "fleet":
+        from gpubadge.fleet import main as run_fleet
+
+        return run_fleet(rest)
     if command == "healthcheck":
         from gpubadge.healthcheck import main as run_healthcheck
 
@@ -274,7 +294,7 @@ def run_scan(args: argparse.Namespace) -> int:
             return
         ready[position] = report
         while next_line in ready:
-            out.write(ready.pop(next_line).model_dump_json() + "\n")
+            out.write(json_line(ready.pop(next_line)) + "\n")
             next_line += 1
         if not flush_scheduled:
             flush_scheduled = True
@@ -357,23 +377,55 @@ def run_scan(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def json_line(report: ImageReport) -> str:
+    """One `--json` line: the report, and for a scanned image `needs`, placement's answer to "does it
+    need a GPU?" (placement.image_needs: gpu, carried CUDA, driver floor), as the API's by-ref has it."""
+    line = report.model_dump_json()
+    if report.error is not None:
+        return line
+    from placement.image_needs import image_needs
+
+    return f'{line[:-1]},"needs":{image_needs(report).model_dump_json()}}}'
+
+
+def cuda_cell(declared: str | None, carried: str | None) -> str:
+    """The CUDA column: what the image declares, and what its layers carry where that differs."""
+    if carried and carried != declared and not (declared or "").startswith(f"{carried}."):
+        return f"{declared} (carries {carried})" if declared else f"{carried} (carried)"
+    return declared or carried or "-"
+
+
 def print_table(reports: Sequence[ImageReport], out: TextIO | Output) -> None:
-    """A readable table: one row per platform, failures marked plainly."""
+    """A readable table: one row per platform, failures marked plainly. GPU, CUDA and DRIVER are
+    placement's answer in its one vocabulary (placement.image_needs): `required` (declares an NVIDIA
+    GPU), `optional` (carries CUDA, declares none: runs on a CPU too) or `none`; the CUDA declared
+    and carried; the lowest driver that runs it on any GPU brand (`+ brands`: older drivers on some)."""
     from scanner.facts.badges import libc_label
 
-    header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "LIBC", "DISTRO", "BADGES")
+    header = ("REFERENCE", "PLATFORM", "GPU", "CUDA", "DRIVER", "LIBC", "DISTRO", "BADGES")
     rows: list[tuple[str, ...]] = []
     for report in reports:
         if report.error:
-            rows.append((report.reference, "-", "-", "-", "-", "-", f"error: {report.error}"))
+            rows.append((report.reference, "-", "-", "-", "-", "-", "-", f"error: {report.error}"))
             continue
         for platform in report.platforms:
+            from placement.image_needs import platform_needs  # only once a scanned platform is printed
+
+            needs = platform_needs(platform)
+            driver = "-"
+            if needs.driver is not None:
+                driver = f">={needs.driver.floor}" if needs.driver.floor else "any"
+                if not needs.driver.runs:
+                    driver = "none runs it"
+                elif needs.driver.exceptions:
+                    driver += " + brands"
             rows.append(
                 (
                     report.reference,
                     platform.platform,
-                    "yes" if platform.gpu.required else "no",
-                    platform.gpu.cuda_version or "-",
+                    needs.gpu,
+                    cuda_cell(needs.declared_cuda, needs.carried_cuda),
+                    driver,
                     libc_label(platform.libc).replace("_", " "),
                     platform.libc.distro or "-",
                     " ".join(platform.badges),

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpubadge.service import service_url
+from gpubadge.service import SERVICE_ENV, service_from_env, service_url
 
 if TYPE_CHECKING:
     from placement.nfd.features import NodeFeatures
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("reference", metavar="REF", nargs="?", help="image reference: a tag or a digest")
     source.add_argument("--spec", type=Path, help="an image-compatibility YAML file instead of a registry")
-    nodes = parser.add_mutually_exclusive_group(required=True)
+    nodes = parser.add_mutually_exclusive_group()  # one of them, or $GPUBADGE (service_from_env)
     nodes.add_argument(
         "--node",
         type=Path,
@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     nodes.add_argument("--servers", type=Path, help="gpubadge inventory file ({servers: [...]})")
     nodes.add_argument(
-        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port): its fleet"
+        "--service",
+        type=service_url,
+        help=f"URL of a running gpubadge service (http://host:port; default ${SERVICE_ENV}): its fleet",
     )
     parser.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
     parser.add_argument("--platform", help="the image of this platform in an index (os/arch[/variant])")
@@ -83,6 +85,7 @@ def main(argv: Sequence[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(list(argv))
+        service_from_env(parser, args, ("node", "servers"))
     except SystemExit as exc:
         return int(exc.code or 0)
     from placement.nfd.features import FeaturesError

@@ -29,6 +29,7 @@ from gpubadge.eligible import (
     scan_locally,
 )
 from gpubadge.files import load_inventory
+from gpubadge.service import service_from_env
 
 FORMATS = ("kubernetes", "dra", "nomad", "akash")
 
@@ -97,6 +98,7 @@ def main(argv: list[str]) -> int:
     command = parser()
     try:
         args = command.parse_args(argv)
+        service_from_env(command, args, ("servers",))
         fields = checked_fields(command, args)
     except SystemExit as exc:
         return int(exc.code or 0)

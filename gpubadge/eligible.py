@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpubadge.files import load_inventory
-from gpubadge.service import call, service_url
+from gpubadge.service import SERVICE_ENV, call, service_from_env, service_url
 
 if TYPE_CHECKING:
     from scanner.models import ImageReport
@@ -32,6 +32,7 @@ OPTION_OF_FIELD = {
     "cpus": "--cpus",
     "memory": "--memory",
     "labels": "--label",
+    "gpu_code_rule": "--gpu-code-rule",
     "limit": "--limit",
     "cursor": "--cursor",
     "explain": "--explain",
@@ -42,10 +43,12 @@ EXIT_ELIGIBLE, EXIT_ERROR, EXIT_NONE = 0, 1, 3
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """Where the fleet comes from and what the deploy asks for: shared by `eligible` and `constraints`."""
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()  # one of them, or $GPUBADGE (service_from_env)
     where.add_argument("--servers", type=Path, help="inventory file (YAML or JSON, {servers: [...]})")
     where.add_argument(
-        "--service", type=service_url, help="URL of a running gpubadge service (http://host:port)"
+        "--service",
+        type=service_url,
+        help=f"URL of a running gpubadge service (http://host:port; default ${SERVICE_ENV})",
     )
     p.add_argument("--gpus", type=int, help="whole GPUs needed (a GPU image defaults to 1)")
     p.add_argument(
@@ -67,6 +70,12 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=float, help="CPU cores")
     p.add_argument("--memory", help="memory, e.g. 64Gi")
     p.add_argument("--label", action="append", default=[], help="required server label key=value (repeat)")
+    p.add_argument(
+        "--gpu-code-rule",
+        choices=("dispatch", "strict"),
+        help="judge the image's GPU code as packages load it (dispatch, the default) or every kernel everywhere"
+        " (strict); default: GPUBADGE_GPU_CODE_RULE",
+    )
     p.add_argument("--token", help="API token for --service (or GPUBADGE_API_TOKEN)")
 
 
@@ -139,6 +148,7 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": args.cpus,
         "memory": args.memory,
         "labels": labels or None,
+        "gpu_code_rule": args.gpu_code_rule,
     }
     return {key: value for key, value in fields.items() if value is not None}
 
@@ -150,8 +160,11 @@ async def decide_locally(
     from placement.decide import decide
     from placement.image_facts import ImageFacts
     from placement.request import DeployRequest
+    from scanner.settings import ScannerSettings
 
     request = DeployRequest.parse_any(fields)
+    if request.gpu_code_rule is None:
+        request = request.model_copy(update={"gpu_code_rule": ScannerSettings.load().gpu_code_rule})
     options = AnswerOptions.model_validate(shape)
     inventory = load_inventory(servers)
     report = await scan_locally(reference)
@@ -183,10 +196,25 @@ async def ask_service(
     return await call(url, path, token, body={"image": reference, **fields})
 
 
+GPU_WORDS = {  # placement.image_needs' answer, as the image page and `gpubadge scan` say it
+    "required": "needs an NVIDIA GPU (it declares one)",
+    "optional": "GPU optional (it carries CUDA, declares no GPU: runs on a CPU too)",
+    "none": "CPU only (it declares no GPU and carries no CUDA)",
+}
+
+
 def print_decision(decision: dict[str, Any]) -> None:
+    """The answer as lines: the image's GPU answer, eligible servers (why each passes with --explain
+    all), the others by reason, then warnings and hints."""
+    if decision.get("image_gpu") in GPU_WORDS:
+        print(f"image       {GPU_WORDS[decision['image_gpu']]}")
+    every = decision.get("ineligible") is not None
     for entry in decision.get("eligible", []):
         gpus = ", ".join(entry.get("gpus", [])) or "no GPUs"
         print(f"eligible    {entry['server']}  ({gpus}; score {entry.get('score')})")
+        if every:
+            for line in entry.get("why", []):
+                print(f"              because {line}")
     shown = len(decision.get("eligible", []))
     if decision.get("eligible_count", shown) > shown:
         print(
@@ -218,6 +246,7 @@ def main(argv: list[str]) -> int:
     command = parser()
     try:
         args = command.parse_args(argv)
+        service_from_env(command, args, ("servers",))
         shape = answer_fields(args)
         fields = checked_fields(command, args, shape)
     except SystemExit as exc:

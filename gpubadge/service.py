@@ -32,10 +32,31 @@ def service_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
+SERVICE_ENV = "GPUBADGE"  # the service URL where --service is not given (README's tour exports it)
+
+
+def service_from_env(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, others: tuple[str, ...]
+) -> None:
+    """Fill `args.service` from $GPUBADGE when neither --service nor another source (`others`, e.g.
+    `--servers`) was given; a usage error naming them all when $GPUBADGE is not set either, or not a
+    URL."""
+    if getattr(args, "service", None) is not None or any(getattr(args, name, None) for name in others):
+        return
+    text = os.environ.get(SERVICE_ENV, "").strip()
+    options = " or ".join(f"--{name}" for name in (*others, "service"))
+    if not text:
+        parser.error(f"one of {options} is required (or set {SERVICE_ENV} to the service's URL)")
+    try:
+        args.service = service_url(text)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"{SERVICE_ENV} (the service's URL, as --service takes it): {exc}")
+
+
 async def call(
-    base: str, path: str, token: str | None, *, body: dict[str, Any] | None = None
+    base: str, path: str, token: str | None, *, body: dict[str, Any] | None = None, method: str | None = None
 ) -> dict[str, Any]:
-    """POST `body` (or GET without one) to `base + path`; the JSON object answered with 200."""
+    """POST `body` (or GET without one; or `method`) to `base + path`; the JSON object answered with 200."""
     import aiohttp
 
     url = f"{base}{path}"
@@ -44,7 +65,7 @@ async def call(
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)) as session,
             session.request(
-                "POST" if body is not None else "GET", url, json=body, headers=headers
+                method or ("POST" if body is not None else "GET"), url, json=body, headers=headers
             ) as response,
         ):
             try:

@@ -24,10 +24,18 @@ class ScanRefused(Exception):
 
 
 async def request_scan(
-    intake: JobIntake, settings: JobSettings, text: str, *, source: str, wake: Callable[[], None]
+    intake: JobIntake,
+    settings: JobSettings,
+    text: str,
+    *,
+    source: str,
+    wake: Callable[[], None],
+    rescan: bool = False,
 ) -> Job:
     """Queue a scan of `text` (a tag or digest reference) and return its job (maybe an existing one);
-    `wake` tells this process's workers, if any, that it is committed.
+    `wake` tells this process's workers, if any, that it is committed. `rescan`: scan it again,
+    reusing no stored report (rescans of one reference coalesce with each other, never with a plain
+    scan).
 
     Raises ScanRefused(400) for a reference that does not parse and ScanRefused(403) for a
     registry outside the allowlist, which is then never contacted; ScanRefused(503) when the
@@ -47,6 +55,7 @@ async def request_scan(
         [(str(reference), reference.registry)],
         source=source,
         max_attempts=settings.max_attempts,
+        rescan=rescan,
     )
     wake()
     job = await intake.store.run(queries.job, job_id)

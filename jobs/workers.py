@@ -13,6 +13,10 @@ writes for a while delays the work; it does not end it.
 Bursts coalesce twice: the store refuses a second active job for the same reference,
 and digest-only child events wait briefly, so the index job covers them first.
 
+A scan runs as its job (`ScanOptions.job`, and `force` for a rescan): the pending report it publishes
+names the job, and is another scan's answer only while that job holds its lease, so a job run again
+after pre-emption, a lapsed lease or a shutdown reads its layers again (`scanner.scan`).
+
 A worker's slot is for a scan's config facts: once the scan has published them (the pending
 report, the badge), the slot takes the next job while the layers are read, up to as many scans
 again (`concurrency` before their facts, `2 * concurrency` in all), so the badges of a push burst
@@ -372,7 +376,9 @@ class ScanWorkers:
     async def _run(self, job: Job) -> None:
         started = time.monotonic()
         try:
-            options = ScanOptions(on_facts=functools.partial(self._facts_published, job.id))
+            options = ScanOptions(
+                force=job.rescan, job=job.id, on_facts=functools.partial(self._facts_published, job.id)
+            )
             report = await self.scanner.scan(job.reference, options)
             # Counted before the outcome is written: whoever sees the job settled sees it counted.
             if self.events.on_outcome:

@@ -30,10 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from placement.cuda_needs import declared_vs_carried
 from placement.exports import export_constraints
 from placement.exports.core import KnownGpu
+from placement.gpu_code import Rule
 from placement.image_facts import ImageFacts
 from placement.mig import profile_from_resource
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict
 from placement.request import DeployRequest
+from scanner.facts.require_grammar import digits_value
 from scanner.models import ImageReport, Platform, PlatformReport
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -210,6 +212,7 @@ def review_pod(
     mode: AdmissionMode = "deny",
     mutate: bool = False,
     fleet: Sequence[KnownGpu] = (),
+    gpu_code_rule: Rule = "dispatch",
 ) -> Review:
     """Check every container image gpubadge has a report for; `reports` maps image text -> report.
 
@@ -259,7 +262,7 @@ def review_pod(
             review.denials.append(f"{ref.label} runs {image}: {unreachable}")
     if mutate:
         review.denials.clear()  # the validating webhook decides; the mutating one only adds
-        review.patch, notes = gpu_patch(pod, gpu_containers, fleet)
+        review.patch, notes = gpu_patch(pod, gpu_containers, fleet, gpu_code_rule)
         review.warnings.extend(notes)
     review.allowed = not review.denials
     review.warnings = [_short(w) for w in review.warnings[:_MAX_WARNINGS]]
@@ -398,8 +401,9 @@ def _thresholds(requirements: ImageRequirements) -> dict[str, list[tuple[int, ..
         for condition in expression.conditions:
             if condition.key in _COMPONENT_LABELS:
                 parts = condition.value.split(".")
-                if all(part.isdigit() for part in parts):
-                    found.setdefault(condition.key, []).append(tuple(int(part) for part in parts))
+                values = [digits_value(part) if part.isdigit() else None for part in parts]
+                if all(value is not None for value in values):
+                    found.setdefault(condition.key, []).append(tuple(value or 0 for value in values))
     return found
 
 
@@ -480,7 +484,10 @@ _MAX_AFFINITY_TERMS = 64
 
 
 def gpu_patch(
-    pod: Pod, gpu_containers: Sequence[tuple[ContainerRef, ImageReport]], fleet: Sequence[KnownGpu] = ()
+    pod: Pod,
+    gpu_containers: Sequence[tuple[ContainerRef, ImageReport]],
+    fleet: Sequence[KnownGpu] = (),
+    gpu_code_rule: Rule = "dispatch",
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """JSONPatch from placement's `kubernetes` export: GPU limits, and node affinity for the images.
 
@@ -493,9 +500,8 @@ def gpu_patch(
     warnings: list[str] = []
     alternatives: list[list[dict[str, Any]]] | None = None
     for ref, report in gpu_containers:
-        exported = export_constraints(
-            ImageFacts.from_report(report), _request_of(ref.container), fleet, "kubernetes"
-        )
+        request = _request_of(ref.container).model_copy(update={"gpu_code_rule": gpu_code_rule})
+        exported = export_constraints(ImageFacts.from_report(report), request, fleet, "kubernetes")
         container = ref.container
         if not gpu_resources(container) and gpu_count(container) == 0:
             count = exported.get("resources", {}).get("limits", {}).get(GPU_RESOURCE) or 1

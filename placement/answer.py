@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict
 
 from placement.decision import Cursor, Decision, EligibleServer, IneligibleServer, ReasonSummary
+from placement.image_needs import GpuUse
 
 DEFAULT_LIMIT = 50
 MAX_CURSOR_CHARS = 512
@@ -64,6 +65,12 @@ class EligibleEntry(BaseModel):
     gpus: list[str] = Field(description="GPU UUIDs a deployment would reserve, in order")
     score: float = Field(description=SCORE_MEANING)
     platform: str = Field(description="the image platform that would run")
+    why: list[str] = Field(
+        default_factory=list,
+        description="why it passes: the platform, what was asked of its GPUs, the alternative of the"
+        " image's NVIDIA_REQUIRE_* that holds there (brand exceptions named), the carried CUDA's driver"
+        " and the GPU code that covers its compute capability",
+    )
 
 
 class IneligibleEntry(BaseModel):
@@ -77,11 +84,15 @@ class EligibilityAnswer(BaseModel):
     eligible: list[EligibleEntry] = Field(description="best fit first; one page unless explain=all")
     eligible_count: int = Field(description="all eligible servers, on every page")
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last")
+    image_gpu: GpuUse = Field(
+        default="none",
+        description="does the image need a GPU, in the one vocabulary of the images list, the image page,"
+        " the API and `gpubadge scan`: required (it declares an NVIDIA GPU), optional (it declares none"
+        " but carries CUDA: it runs on a CPU too, and on a GPU only with a driver for that CUDA) or"
+        " none (CPU only; with gpus asked for, a hint says they would sit idle)",
+    )
     image_needs_gpu: bool = Field(
-        default=False,
-        description="whether the image uses an NVIDIA GPU: it declares one (NVIDIA/CUDA settings in its"
-        " config) or CUDA was found in its layers; with gpus asked for an image that does not, a hint"
-        " says they would sit idle",
+        default=False, description="image_gpu is required: it declares an NVIDIA GPU and runs on none else"
     )
     ineligible_count: int
     ineligible_by_reason: list[ReasonCount] = Field(description="most common reason first")
@@ -107,6 +118,7 @@ class AnswerBody(TypedDict, total=False):
     eligible: list[EligibleServer]
     eligible_count: int
     next_cursor: str | None
+    image_gpu: GpuUse
     image_needs_gpu: bool
     ineligible_count: int
     ineligible_by_reason: list[ReasonSummary]
@@ -156,6 +168,7 @@ def answer(decision: Decision, options: AnswerOptions) -> AnswerBody:
         "eligible": listed,
         "eligible_count": decision.eligible_count,
         "next_cursor": encode_cursor(after) if after is not None else None,
+        "image_gpu": decision.image_gpu,
         "image_needs_gpu": decision.image_needs_gpu,
         "ineligible_count": decision.ineligible_count,
         "ineligible_by_reason": decision.ineligible_summary(EXAMPLES),

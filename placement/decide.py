@@ -74,7 +74,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
         )
         if hint
     ]
-    decision = Decision(eligible, refused, warnings, hints, image.pending, image_needs_gpu=image.needs_gpu)
+    decision = Decision(eligible, refused, warnings, hints, image.pending, image_gpu=image.gpu_use)
     index.keep_decision(form, view, decision)
     return decision
 

@@ -16,10 +16,13 @@ from operator import itemgetter
 
 from typing_extensions import TypedDict
 
+from placement.image_needs import GpuUse
+
 SortKey = tuple[int, int, int, float, int]  # rank, spare GPUs, GPU MiB assigned, spare CPUs, memory
 NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
-# (reasons, GPU picks as (group position, count), sort key, platform, score) for one server shape
-ShapeResult = tuple[tuple[str, ...], tuple[tuple[int, int], ...], SortKey, str, float]
+# (reasons, GPU picks as (group position, count), sort key, platform, score, why it passes) for one
+# server shape
+ShapeResult = tuple[tuple[str, ...], tuple[tuple[int, int], ...], SortKey, str, float, tuple[str, ...]]
 
 
 class EligibleServer(TypedDict):
@@ -27,6 +30,7 @@ class EligibleServer(TypedDict):
     gpus: list[str]
     score: float
     platform: str
+    why: list[str]
 
 
 class IneligibleServer(TypedDict):
@@ -48,10 +52,16 @@ class Bucket:
         return self.result[2]
 
     def entry(self, position: int) -> EligibleServer:
-        _, picks, _, platform, score = self.result
+        _, picks, _, platform, score, why = self.result
         free = self.groups[position]
         gpus = [uuid for group, count in picks for uuid in free[group][1][:count]]
-        return {"server": self.names[position], "gpus": gpus, "score": score, "platform": platform}
+        return {
+            "server": self.names[position],
+            "gpus": gpus,
+            "score": score,
+            "platform": platform,
+            "why": list(why),
+        }
 
 
 def _named(names: Sequence[str], number: int, start: int) -> Iterator[tuple[str, int, int]]:
@@ -88,6 +98,7 @@ class Decision:
         "_tiers",
         "eligible_count",
         "hints",
+        "image_gpu",
         "image_needs_gpu",
         "ineligible_count",
         "pending",
@@ -102,10 +113,11 @@ class Decision:
         hints: list[str] | None = None,
         pending: list[str] | None = None,
         *,
-        image_needs_gpu: bool = False,
+        image_gpu: GpuUse = "none",
     ) -> None:
         self.pending = pending or []
-        self.image_needs_gpu = image_needs_gpu  # ImageFacts.needs_gpu of the image judged
+        self.image_gpu = image_gpu  # placement.image_needs' answer for the image judged
+        self.image_needs_gpu = image_gpu == "required"
         tiers: dict[SortKey, list[Bucket]] = {}
         for bucket in eligible:
             tiers.setdefault(bucket.key, []).append(bucket)

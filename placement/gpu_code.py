@@ -1,52 +1,77 @@
-"""Which GPU code runs on which GPU, judged as CUDA loads it. Pure; the one home of these rules.
+"""Which GPU code runs on which GPU, judged as CUDA and the packages that ship it load it. Pure; the one
+home of these rules.
 
-The scanner reports what the bytes say (`scanner.layers.fatbin`): per file, its fatbin containers,
-each with its SASS and PTX archs, its PTX ISA and the ELF section it sits in. This module decides
-where that code runs, for eligibility (`placement.cuda_needs`), the exports and the UI alike.
+The scanner reports what the bytes say (`scanner.layers.fatbin`, `scanner.layers.gpu_modules`): per
+file, its fatbin containers with their SASS and PTX archs, PTX ISA and section; the package that
+ships the file; whether the image can load it (its CUDA libraries are there) and whether its package
+selects it among builds for several CUDA versions (`scanner.layers.code_loading`). This module
+decides where that code runs, for eligibility (`placement.cuda_needs`), the exports and the UI alike.
 
 Per container, NVIDIA's rules for a GPU of compute capability X.Y:
 * SASS `sm_XZ` runs on the same major with Z <= Y; `sm_XYa` only at exactly X.Y; `sm_XYf` (a family
   build) on the same major at or above its minor;
 * PTX `compute_XZ` is JIT-compiled on any CC >= X.Z (an `a` PTX only at X.Z, an `f` PTX within its
-  major), by a driver at least as new as the toolkit that wrote the PTX (`placement.cuda_needs`).
+  major), by a driver at least as new as the toolkit that wrote the PTX (`Jit`, `placement.cuda_needs`).
 
-Per file, as CUDA loads a library:
-* only containers of `.nv_fatbin` count: `__nv_relfatbin` is device-link input (`-rdc`) that nvlink
-  reads at build time and CUDA never loads from a shared object (NCCL ships 127 of them beside its
-  one runtime container); relocatable objects (`.o`) do not run at all;
-* a container that holds no kernel (`ContainerArchs.kernels`: the empty module nvcc 13 puts in
-  every program it builds) never decides: a program built for `sm_80` plus PTX ran on an H200,
-  though that module had only a kernel-free `sm_80` cubin;
-* a container built only for one architecture (`sm_90a`) or one family (`sm_100f`), beside generic
-  code in the same file, is that library's fast path on that hardware (cuSPARSELt's Hopper kernels),
-  not a requirement to run elsewhere: CUDA loads modules lazily and a kernel never launched is never
-  loaded. A file with nothing but such code needs that hardware;
-* the file runs on a GPU when every other container has a kernel image for it.
+Which containers count, as CUDA loads a file:
+* containers of `.nv_fatbin` (what CUDA registers), of standalone module files, and of other
+  sections of a shared object or program, which the library loads itself through the module API
+  (TensorFlow's generated kernels in `.rodata`, cuFFT 12's in `.ldata`, cuBLASLt's in
+  `.cask_resource`); never device-link input (`__nv_relfatbin`), relocatable objects, or the
+  containers NVIDIA's profiling libraries keep outside `.nv_fatbin` (CUPTI's instrumentation
+  kernels, injected only under a profiler). Names cannot tell these apart: every CUDA library links
+  the runtime statically, and with it the module API's names; what the library is does;
+* never a container that holds no kernel (`ContainerArchs.kernels`: the empty module nvcc 13 puts
+  in every program it builds), nor one with neither SASS nor PTX (cuFFT 12 keeps 12,728 whose entries
+  are of another kind, 8, beside its kernels: no GPU runs them as they are);
+* never a file the image cannot load, or a build its package does not select.
 
-Per image (documented in the README, "What the GPU code decides"):
-* the image's own GPU code (any file that is not an NVIDIA library: torch's `libtorch_cuda.so`, an
-  application's kernels) decides: every such file must run there, or the image is not eligible
-  (torch 2.5.1 cu124 on a CC 12.0 GPU: SASS up to sm_90 and no PTX);
-* NVIDIA's own libraries (cuBLAS, cuDNN, NCCL, cuSPARSELt, ...: recognised by file name and by
-  where NVIDIA's wheels and toolkit put them) are used for some calls only, and real images carry
-  more of them than they call (torch pins NCCL and cuSPARSELt builds that stop at Hopper, and runs
-  on Blackwell): one that lacks code for a GPU never rejects the image on its own, but every answer
-  names it and the architectures it lacks, as a caveat. Where the image has no GPU code of its own
-  (an image made of NVIDIA libraries), it runs where at least one of them runs.
+Two rules judge the counted code (`Rule`, the setting `GPUBADGE_GPU_CODE_RULE` and the request's
+`gpu_code_rule`):
+
+**`dispatch`** (the default): as packages run their code. Modules load lazily (CUDA 12.2 and
+newer), so a kernel never launched is never loaded, and packages pick kernels by compute capability
+and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`, `SCALED_MM_ARCHS
+"9.0a"`; ONNX Runtime enables flash attention on 8.x and 9.0 only).
+* A library runs on a GPU when some of its containers have a kernel image for it; its containers
+  built only for other GPUs are kernels used there.
+* A library with no code for a GPU, beside libraries of the same package that have it, is an
+  extension used on other hardware (FlashAttention 3 is Hopper-only; `libtorch_cuda_linalg.so` of
+  torch cu130 has no sm_75): the package runs, and the answer says "runs; without ..." naming it.
+* A package none of whose code runs on a GPU does not run there (torch 2.5.1 on sm_120; a library
+  built only for `sm_120a` on a 12.1 GPU), and then neither does the image, unless its GPU code is
+  optional (`PackageFacts.optional`: only guarded or on-demand imports of its extensions, or only
+  standalone module files it picks itself) or it is NVIDIA's: CUDA libraries serve some calls
+  only, and images carry more of them than they call (torch pins NCCL and cuSPARSELt builds that
+  stop at Hopper, and runs on Blackwell). Both run "without" that code, named. An image made of
+  NVIDIA libraries alone runs where one of them runs.
+* A container that covers a GPU only through PTX the server's driver cannot JIT (its toolkit is
+  newer than the driver) fails there: a reason for a package that needs it, "without" otherwise.
+
+**`strict`**: for images made of one application's own kernels, where every kernel may be launched
+anywhere: every container of a file must have a kernel image for the GPU (containers built only for
+one architecture or family, beside generic code in the same file, are its fast paths there), every
+file of the image's own code must run, and NVIDIA's libraries that lack code are caveats.
 """
 
 from __future__ import annotations
 
 import posixpath
-import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scanner.layers.fatbin import RELOCATABLE_SECTION, arch_sort_key, parse_arch
-from scanner.models import ContainerArchs, FileArchs, GpuArchs
+from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
+from placement.nvidia_require import compare_version
+from scanner.layers.code_loading import nvidia_library, nvidia_profiling_library, package_of
+from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
+from scanner.layers.gpu_modules import MODULE_FILE
+from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
 
 CC = tuple[int, int]
+Rule = Literal["dispatch", "strict"]
 RULE = "SASS runs only on its own major at or above its minor, an `a` build only at its exact CC, PTX at or above its arch"
 
 # Every compute capability NVIDIA has shipped (its CUDA GPUs list). A scheduler can only compare a
@@ -59,16 +84,49 @@ GENERATIONS: dict[int, str] = {
     3: "Kepler", 5: "Maxwell", 6: "Pascal", 7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper",
     10: "Blackwell", 11: "Blackwell", 12: "Blackwell",
 }  # fmt: skip
+# The GPUs a reader knows each compute capability by (NVIDIA's CUDA GPUs list), for tables.
+ARCHITECTURES: dict[CC, str] = {
+    (7, 0): "Volta (V100)", (7, 2): "Volta (Xavier)", (7, 5): "Turing (T4, RTX 20)",
+    (8, 0): "Ampere (A100, A30)", (8, 6): "Ampere (A10, A40, RTX 30)", (8, 7): "Ampere (Orin)",
+    (8, 9): "Ada (L4, L40S, RTX 40)", (9, 0): "Hopper (H100, H200, GH200)",
+    (10, 0): "Blackwell (B200, GB200)", (10, 1): "Blackwell (Thor, before CUDA 13)",
+    (10, 3): "Blackwell Ultra (B300, GB300)", (11, 0): "Blackwell (Thor)",
+    (12, 0): "Blackwell (RTX PRO 6000, RTX 50)", (12, 1): "Blackwell (GB10, DGX Spark)",
+}  # fmt: skip
+# What a reader knows some libraries as, for "runs; without ..." (by file name, without suffixes).
+KNOWN_LIBRARIES: dict[str, str] = {
+    "_vllm_fa2_C": "FlashAttention 2",
+    "_vllm_fa3_C": "FlashAttention 3",
+    "_flashmla_C": "FlashMLA",
+    "_flashmla_extension_C": "FlashMLA",
+    "_qutlass_C": "QuTLASS (FP4 kernels)",
+    "_deepselect_C": "DeepSeek sparse-attention top-k",
+    "_flashkda_C": "FlashKDA",
+    "libtorch_cuda_linalg": "torch.linalg",
+    "flash_attn_2_cuda": "FlashAttention 2",
+    "flash_attn_3_cuda": "FlashAttention 3",
+}
+# Sections a container may be loaded from by CUDA itself or by the package (see the module docstring).
+_CUDA_LOADED = (LOADED_SECTION, MODULE_FILE)
 
-# NVIDIA's libraries, by the name their shared objects carry (lib<name>.so...).
-_NVIDIA_LIBRARY = re.compile(
-    r"^lib(cublas|cublasLt|cudnn\w*|nccl|cusparse|cusparseLt|cufft|cufftw|curand|cusolver|cusolverMg|"
-    r"nvjpeg|npp\w*|nvrtc\w*|cupti|nvJitLink|cudart|nvblas|cufile\w*|nvinfer\w*|nvonnxparser|nvshmem\w*|"
-    r"cudss|cutensor\w*|nvperf\w*|nvToolsExt|nvjitlink|nvcomp\w*|cuda)(?:[-.][0-9a-f]{8})?\.so"
-)  # auditwheel renames the copies it bundles: libnvjpeg.02b6d700.so.12, libcudart-e409450e.so.11.0
-# Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>/lib, cusparselt/lib,
-# /usr/local/cuda[-X.Y]/.
-_NVIDIA_TREE = re.compile(r"(?:/(?:site|dist)-packages/(?:nvidia|cusparselt)/|^/usr/local/cuda[-/])")
+
+@dataclass(frozen=True, slots=True)
+class Jit:
+    """What a server's driver JIT-compiles: PTX of its own CUDA version or older (`driver_cuda`, as
+    NVML reports it), else PTX whose toolkit's own driver is not newer than `driver`."""
+
+    driver: str | None = None
+    driver_cuda: str | None = None
+
+    def refusal(self, isa: str | None) -> str | None:
+        """Why this driver cannot JIT PTX of ISA `isa`, or None when it can (or nothing says)."""
+        too_new = ptx_cuda_reason(isa, self.driver_cuda)
+        if too_new is not None:
+            return too_new
+        floor = ptx_driver_floor(isa)
+        if self.driver and floor is not None and not compare_version(self.driver, ">=", floor[0]):
+            return f"{floor[1]}, this server has {self.driver}"
+        return None
 
 
 def sass_runs_on(arch: str, cc: CC) -> bool:
@@ -105,25 +163,32 @@ def specific_only(container: ContainerArchs) -> bool:
     return bool(archs) and all(parse_arch(arch)[2] for arch in archs)
 
 
-def nvidia_library(path: str) -> bool:
-    """A library NVIDIA ships (cuBLAS, NCCL, cuSPARSELt, ...), by its file name or where it lies."""
-    return bool(_NVIDIA_LIBRARY.match(posixpath.basename(path)) or _NVIDIA_TREE.search(path))
+def counted_containers(file: FileArchs) -> list[ContainerArchs]:
+    """The containers of a file that hold code the image runs (see the module docstring)."""
+    profiling = nvidia_profiling_library(file.path)
+    return [
+        c
+        for c in file.containers
+        if c.kernels
+        and (c.sass or c.ptx)
+        and c.section != RELOCATABLE_SECTION
+        and (c.section in _CUDA_LOADED or not profiling)
+    ]
 
 
 def loaded_containers(file: FileArchs) -> list[ContainerArchs]:
-    """The containers CUDA loads from a file, the ones that decide where it runs: device-link input
-    left out, containers that hold no kernel too (no launch needs them), and fast-path containers
-    (`a` / `f` only) where generic code sits beside them."""
-    loaded = [c for c in file.containers if c.section != RELOCATABLE_SECTION and c.kernels]
+    """The strict rule's containers: the counted ones, less the fast paths (`a` / `f` only) where
+    generic code sits beside them."""
+    loaded = counted_containers(file)
     generic = [c for c in loaded if not specific_only(c)]
     return generic or loaded
 
 
 def counted(file: FileArchs) -> bool:
-    """A file whose code runs: readable, not a relocatable object, with containers CUDA loads."""
-    if file.error is not None or any("relocatable" in section for section in file.sections):
+    """A file whose code runs: readable, loadable, selected, not a relocatable object, with counted containers."""
+    if file.error is not None or not file.loadable or any("relocatable" in s for s in file.sections):
         return False
-    return bool(loaded_containers(file))
+    return bool(counted_containers(file))
 
 
 def _arch_range(archs: Iterable[str], prefix: str) -> str:
@@ -152,49 +217,88 @@ def cc_text(cc: CC) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-@dataclass(frozen=True, slots=True)
-class FileVerdict:
-    """One file on one GPU: whether CUDA finds a kernel image for each container it loads there."""
-
-    path: str
-    library: bool  # an NVIDIA library (its gaps are caveats), else the image's own code
-    missing: tuple[ContainerArchs, ...]  # containers with no kernel image for this GPU
-    total: int  # containers that count (after the rules above)
-    ptx_isa: str | None  # the newest PTX ISA that must be JIT-compiled here (None: all from SASS)
-
-    @property
-    def runs(self) -> bool:
-        return not self.missing
-
-    def lacks(self, cc: CC) -> str:
-        """ "libnccl.so.2 has no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX)"."""
-        share = "" if _count(self.missing) == self.total else f" in {_count(self.missing)} of its containers"
-        return (
-            f"{self.path} has no kernel image for compute capability {cc_text(cc)}{share}"
-            f" ({describe_code(self.missing)})"
-        )
+def library_name(path: str) -> str:
+    """A file as a reader knows it: ".../vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (FlashAttention 3)"."""
+    stem = posixpath.basename(path.rstrip("/")).split(".", 1)[0]
+    known = KNOWN_LIBRARIES.get(stem)
+    return f"{path} ({known})" if known else path
 
 
 def _count(containers: Iterable[ContainerArchs]) -> int:
     return sum(c.count for c in containers)
 
 
-def judge_file(file: FileArchs, cc: CC) -> FileVerdict:
-    containers = loaded_containers(file)
+@dataclass(frozen=True, slots=True)
+class FileVerdict:
+    """One file on one GPU: which of its counted containers have a kernel image there."""
+
+    path: str
+    package: str
+    library: bool  # an NVIDIA library (its gaps are caveats), else the image's own code
+    covering: tuple[tuple[ContainerArchs, Literal["sass", "ptx"]], ...]  # containers that run here, and how
+    missing: tuple[ContainerArchs, ...]  # containers with no kernel image here (built for other GPUs)
+    refused: tuple[tuple[ContainerArchs, str], ...]  # PTX-only here, and the driver cannot JIT it: why
+    total: int  # containers that count
+    strict: bool = False  # judged by the strict rule: every container must run
+
+    @property
+    def runs(self) -> bool:
+        if self.strict:
+            return not self.missing and not self.refused
+        return bool(self.covering)
+
+    @property
+    def ptx_isa(self) -> str | None:
+        """The newest PTX ISA among the containers that run here only through PTX (None: none do)."""
+        isas = [c.ptx_isa for c, how in self.covering if how == "ptx" and c.ptx_isa]
+        return max(isas, key=version_key) if isas else None
+
+    def lacks(self, cc: CC) -> str:
+        """ "libnccl.so.2 has no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX)"."""
+        share = "" if _count(self.missing) == self.total else f" in {_count(self.missing)} of its containers"
+        return (
+            f"{library_name(self.path)} has no kernel image for compute capability {cc_text(cc)}{share}"
+            f" ({describe_code(self.missing)})"
+        )
+
+    def covered(self, cc: CC) -> str:
+        """ "libtorch_cuda.so: SASS sm_90" (the code that runs here)."""
+        sass = {a for c, how in self.covering if how == "sass" for a in c.sass if sass_runs_on(a, cc)}
+        ptx = {a for c, how in self.covering if how == "ptx" for a in c.ptx if ptx_runs_on(a, cc)}
+        parts = []
+        if sass:
+            parts.append("SASS " + ", ".join(f"sm_{a}" for a in sorted(sass, key=arch_sort_key)))
+        if ptx:
+            parts.append("PTX " + ", ".join(f"compute_{a}" for a in sorted(ptx, key=arch_sort_key)))
+        return f"{library_name(self.path)}: {' and '.join(parts)}"
+
+
+def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatch") -> FileVerdict:
+    """Which counted containers of `file` run on a GPU of compute capability `cc` under `rule`, with
+    the server's JIT (`jit`; None: PTX is taken to JIT, and its floor reported by the caller)."""
+    containers = loaded_containers(file) if rule == "strict" else counted_containers(file)
+    covering: list[tuple[ContainerArchs, Literal["sass", "ptx"]]] = []
     missing: list[ContainerArchs] = []
-    isa: str | None = None
+    refused: list[tuple[ContainerArchs, str]] = []
     for container in containers:
         how = container_runs_on(container, cc)
         if how is None:
             missing.append(container)
-        elif (
-            how == "ptx"
-            and container.ptx_isa is not None
-            and (isa is None or version_key(container.ptx_isa) > version_key(isa))
-        ):
-            isa = container.ptx_isa
+            continue
+        why = jit.refusal(container.ptx_isa) if how == "ptx" and jit is not None else None
+        if why is not None:
+            refused.append((container, why))
+        else:
+            covering.append((container, how))
     return FileVerdict(
-        file.path, nvidia_library(file.path), tuple(missing), _count(containers), isa if not missing else None
+        file.path,
+        file.package or file.path,
+        nvidia_library(file.path),
+        tuple(covering),
+        tuple(missing),
+        tuple(refused),
+        _count(containers),
+        strict=rule == "strict",
     )
 
 
@@ -206,102 +310,241 @@ def version_key(version: str) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class CodeVerdict:
-    """The image's GPU code on one GPU: `runs`, why not (`reasons`), the NVIDIA libraries that lack
-    code there while the image runs (`caveats`), and the files that must JIT PTX there (`ptx`)."""
+    """The image's GPU code on one GPU: `runs`, why not (`reasons`), what it runs without there
+    (`without`: extensions used on other hardware, optional packages, NVIDIA libraries), which code
+    covers the GPU (`covered_by`), and the files whose code there is PTX to JIT (`ptx`)."""
 
     runs: bool
     reasons: list[str] = field(default_factory=list)
-    caveats: list[str] = field(default_factory=list)
+    without: list[str] = field(default_factory=list)
+    covered_by: list[str] = field(default_factory=list)
     ptx: list[FileVerdict] = field(default_factory=list)
 
+    @property
+    def caveats(self) -> list[str]:
+        return self.without
 
-def judge(archs: GpuArchs, cc: CC) -> CodeVerdict:
+
+def _package_of(file: FileArchs, packages: dict[str, PackageFacts]) -> PackageFacts:
+    """The package that ships a file, as the report names it (reports from before packages were
+    read: one package per file, NVIDIA's by name)."""
+    found = packages.get(file.package or "")
+    return found if found is not None else package_of(file.path, {})
+
+
+def _package_text(package: PackageFacts) -> str:
+    if package.kind == "python":
+        return f"{package.name} {package.version}" if package.version else package.name
+    if package.kind == "application":
+        return f"the application in {package.name}"
+    return package.name
+
+
+def _ptx_text(container: ContainerArchs) -> str:
+    """ "PTX compute_80, ISA 9.5": the PTX of a container that JIT would compile."""
+    archs = ", ".join(f"compute_{a}" for a in sorted(container.ptx, key=arch_sort_key))
+    return f"PTX {archs}, ISA {container.ptx_isa}" if container.ptx_isa else f"PTX {archs}"
+
+
+def _absent(file: FileVerdict, cc: CC) -> str:
+    """Why a file has no code that runs here, after its name: none built for this GPU, or PTX its
+    driver cannot JIT. "…/_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute
+    capability 10.0 (SASS sm_90a, no PTX)"."""
+    if file.refused and not file.missing:
+        container, why = file.refused[0]
+        return f"{library_name(file.path)} runs here only through PTX ({_ptx_text(container)}), and {why}"
+    return f"{library_name(file.path)}: no kernel image for compute capability {cc_text(cc)} ({describe_code(file.missing)})"
+
+
+def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatch") -> CodeVerdict:
     """Whether the image's GPU code runs on a GPU of compute capability `cc` (rules: module docstring)."""
-    verdicts = [judge_file(file, cc) for file in archs.files if counted(file)]
+    if rule == "strict":
+        return _judge_strict(archs, cc, jit)
+    packages = {package.id: package for package in archs.packages}
+    groups: dict[str, tuple[PackageFacts, list[FileVerdict]]] = {}
+    for file in archs.files:
+        if counted(file):
+            package = _package_of(file, packages)
+            groups.setdefault(package.id, (package, []))[1].append(judge_file(file, cc, jit))
+    where = f"compute capability {cc_text(cc)}"
+    verdict = CodeVerdict(runs=True)
+    own = [g for g in groups.values() if g[0].kind != "nvidia"]
+    for package, files in groups.values():
+        needs_it = package.kind != "nvidia" and not package.optional
+        running = [f for f in files if f.runs]
+        if not running:
+            if needs_it and all(f.refused and not f.missing for f in files):
+                verdict.reasons += [f"{where}: {_absent(f, cc)}" for f in files]
+            elif needs_it:
+                lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
+                verdict.reasons.append(
+                    f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
+                )
+            elif package.optional:
+                verdict.without += [
+                    f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files
+                ]
+            else:
+                verdict.without += [
+                    f"{_absent(f, cc)}; calls into this NVIDIA library fail here" for f in files
+                ]
+            continue
+        for one in running:
+            verdict.covered_by.append(one.covered(cc))
+            if one.ptx_isa is not None:
+                verdict.ptx.append(one)
+            for container, why in one.refused:  # PTX meant for this GPU that its driver cannot compile
+                line = f"{library_name(one.path)} runs here only through PTX in some kernels ({_ptx_text(container)}), and {why}"
+                if needs_it:
+                    verdict.reasons.append(f"{where}: {line}")
+                else:
+                    verdict.without.append(line)
+        verdict.without += [f"{_absent(f, cc)}; used on other GPUs" for f in files if not f.runs]
+    if not own and groups and not verdict.covered_by:
+        verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
+    verdict.runs = not verdict.reasons
+    if not verdict.runs:
+        verdict.without, verdict.covered_by, verdict.ptx = [], [], []
+    elif not own and verdict.ptx and len(verdict.ptx) == len(verdict.covered_by):
+        # only NVIDIA libraries, each needing JIT here: the one with the oldest PTX is the floor
+        verdict.ptx = [min(verdict.ptx, key=lambda f: version_key(f.ptx_isa or "0"))]
+    elif not own:
+        verdict.ptx = []  # some NVIDIA library runs here from SASS: the image needs no JIT to run
+    return verdict
+
+
+def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
+    """The strict rule: every counted container of the image's own files must run (module docstring)."""
+    verdicts = [judge_file(file, cc, jit, "strict") for file in archs.files if counted(file)]
     own = [v for v in verdicts if not v.library]
     libraries = [v for v in verdicts if v.library]
+    where = f"compute capability {cc_text(cc)}"
     if own:
         failing = [v for v in own if not v.runs]
-        runs = not failing
         deciding = own
     else:
-        runs = not libraries or any(v.runs for v in libraries)
-        failing = [] if runs else libraries
+        failing = [] if not libraries or any(v.runs for v in libraries) else libraries
         deciding = [v for v in libraries if v.runs]
-    verdict = CodeVerdict(runs=runs)
+    verdict = CodeVerdict(runs=not failing)
     if failing:
-        verdict.reasons = [
-            f"compute capability {cc_text(cc)}: {v.lacks(cc)}"
-            + (": none of the image's GPU libraries runs here" if not own else "")
-            + f"; {RULE}"
-            for v in failing
-        ]
+        for v in failing:
+            if v.missing:
+                suffix = ": none of the image's GPU libraries runs here" if not own else ""
+                verdict.reasons.append(f"{where}: {v.lacks(cc)}{suffix}; {RULE}")
+            for container, why in v.refused:
+                verdict.reasons.append(
+                    f"{where}: {library_name(v.path)} runs here only through PTX ({_ptx_text(container)}), and {why}"
+                )
         return verdict
-    verdict.caveats = [v.lacks(cc) for v in libraries if not v.runs]
+    verdict.without = [
+        f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
+    ]
+    verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]
     elif deciding and all(v.ptx_isa is not None for v in deciding):
-        # only libraries, each needing JIT here: the one with the oldest PTX is the floor
         verdict.ptx = [min(deciding, key=lambda v: version_key(v.ptx_isa or "0"))]
     return verdict
 
 
-def runs_at(archs: GpuArchs) -> list[tuple[CC, CodeVerdict]]:
+def has_code(archs: GpuArchs | None) -> bool:
+    """Whether the image carries GPU code it can load (else only its CUDA version can be judged)."""
+    return archs is not None and any(counted(f) for f in archs.files)
+
+
+NEWER_THAN_KNOWN: CC = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)  # what only PTX can reach
+_TABLES: OrderedDict[tuple[object, ...], dict[CC, CodeVerdict]] = OrderedDict()
+_TABLES_KEPT = 256  # images whose verdicts are kept (a vLLM image's take about 20 ms to make)
+_TABLES_LOCK = threading.Lock()
+
+
+def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
+    """The image's GPU code judged on every known compute capability and on one past the newest,
+    with no server's driver in view (PTX taken to JIT; the floors are the caller's). The summary,
+    caveats, the page's generations and the exports' ranges all read this one table, kept for the
+    last `_TABLES_KEPT` images by content, so an image is judged once however often it is shown."""
+    key = (
+        rule,
+        tuple(
+            (
+                f.path,
+                f.package,
+                f.kind,
+                f.error,
+                f.loadable,
+                tuple(f.sections),
+                tuple((c.signature, c.count) for c in f.containers),
+            )
+            for f in archs.files
+        ),
+        tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
+    )
+    with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = {cc: judge(archs, cc, rule=rule) for cc in (*KNOWN_COMPUTE_CAPABILITIES, NEWER_THAN_KNOWN)}
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
+
+
+def runs_at(archs: GpuArchs, rule: Rule = "dispatch") -> list[tuple[CC, CodeVerdict]]:
     """The known compute capabilities (and one past the newest, which only PTX reaches) where the
     image's GPU code runs, each with its verdict."""
-    found = []
-    for cc in (*KNOWN_COMPUTE_CAPABILITIES, (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)):
-        verdict = judge(archs, cc)
-        if verdict.runs:
-            found.append((cc, verdict))
-    return found
+    return [(cc, verdict) for cc, verdict in verdicts(archs, rule).items() if verdict.runs]
 
 
-def summary(archs: GpuArchs) -> str:
-    """Where the image's GPU code runs, in one line: "GPU code for sm_50–sm_90, no PTX: compute
-    capability 5.0–9.0, not Blackwell"."""
-    own = [f for f in archs.files if counted(f) and not nvidia_library(f.path)]
-    shown = own or [f for f in archs.files if counted(f)]
+def cc_spans(ccs: Sequence[CC]) -> str:
+    """Known compute capabilities as spans without holes: "7.5–9.0, 10.0–10.3, 12.0–12.1"."""
+    positions = sorted(KNOWN_COMPUTE_CAPABILITIES.index(cc) for cc in ccs if cc in KNOWN_COMPUTE_CAPABILITIES)
+    spans: list[tuple[int, int]] = []
+    for position in positions:
+        if spans and spans[-1][1] + 1 == position:
+            spans[-1] = (spans[-1][0], position)
+        else:
+            spans.append((position, position))
+    texts = []
+    for low, high in spans:
+        first, last = KNOWN_COMPUTE_CAPABILITIES[low], KNOWN_COMPUTE_CAPABILITIES[high]
+        texts.append(cc_text(first) if low == high else f"{cc_text(first)}–{cc_text(last)}")
+    return ", ".join(texts)
+
+
+def summary(archs: GpuArchs, rule: Rule = "dispatch") -> str:
+    """Where the image's GPU code runs, in one line: "GPU code for sm_75–sm_120, no PTX: compute
+    capability 7.5–9.0, 10.0–12.1" (the capabilities where it runs, never a range with holes)."""
+    shown = [f for f in archs.files if counted(f) and not nvidia_library(f.path)] or [
+        f for f in archs.files if counted(f)
+    ]
     if not shown:
         return "no GPU code CUDA loads"
-    containers = [c for f in shown for c in loaded_containers(f)]
+    containers = [c for f in shown for c in counted_containers(f)]
     sass = {a for c in containers for a in c.sass if not parse_arch(a)[2]}
     ptx = {a for c in containers for a in c.ptx}
     code = "GPU code for " + (_arch_range(sass, "sm_") or "no generic SASS")
     code += f", PTX {_arch_range(ptx, 'compute_')}" if ptx else ", no PTX"
-    where = runs_at(archs)
+    where = runs_at(archs, rule)
     if not where:
         return f"{code}: runs on no known GPU"
     known = [cc for cc, _ in where if cc in KNOWN_COMPUTE_CAPABILITIES]
     newer = len(known) < len(where)
-    span = f"compute capability {cc_text(known[0])}–{cc_text(known[-1])}" if known else "no known GPU"
+    span = f"compute capability {cc_spans(known)}" if known else "no known GPU"
     if newer:
-        span = f"compute capability {cc_text(known[0])} and newer" if known else "GPUs newer than this table"
-    if known and not newer:
-        later = [
-            GENERATIONS[cc[0]] for cc in KNOWN_COMPUTE_CAPABILITIES if cc > known[-1] and cc[0] > known[-1][0]
-        ]
-        gaps = list(dict.fromkeys(later))
-        if gaps:
-            return f"{code}: {span}, not {' or '.join(gaps)}"
+        span += " and newer GPUs" if known else ": GPUs newer than this table"
     return f"{code}: {span}"
 
 
-def caveats(archs: GpuArchs) -> list[str]:
-    """One line per NVIDIA library that lacks code where the image runs, naming the architectures."""
+def caveats(archs: GpuArchs, rule: Rule = "dispatch") -> list[str]:
+    """What the image runs without, by compute capability where it runs: one line per library or package."""
     lacking: dict[str, list[CC]] = {}
-    code: dict[str, str] = {}
-    for cc, _ in runs_at(archs):
+    for cc, verdict in runs_at(archs, rule):
         if cc not in KNOWN_COMPUTE_CAPABILITIES:
             continue
-        for file in archs.files:
-            if counted(file) and nvidia_library(file.path):
-                one = judge_file(file, cc)
-                if not one.runs:
-                    lacking.setdefault(file.path, []).append(cc)
-                    code[file.path] = describe_code(one.missing)
-    return [
-        f"{path} has no kernel image for compute capability {', '.join(cc_text(cc) for cc in ccs)}"
-        f" ({code[path]}): the image runs there, but calls into this NVIDIA library fail"
-        for path, ccs in lacking.items()
-    ]
+        for line in verdict.without:
+            name = line.split(": ", 1)[0]
+            lacking.setdefault(name, []).append(cc)
+    return [f"runs without {name} on compute capability {cc_spans(ccs)}" for name, ccs in lacking.items()]

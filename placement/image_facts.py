@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from placement.image_needs import GpuUse, carries_cuda, gpu_use, strongest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
 
 
@@ -48,15 +49,16 @@ class ImageFacts(BaseModel):
         return any(p.gpu.required for p in self.platforms)
 
     @property
-    def needs_gpu(self) -> bool:
-        """Whether a platform uses an NVIDIA GPU: it declares one (NVIDIA/CUDA settings in its
-        config) or CUDA was found in its layers. False for a CPU image, and for one whose layers
-        are still being read and declares none (`pending` says what could change)."""
-        return any(p.gpu.required or p.gpu.inferred is not None for p in self.platforms)
+    def gpu_use(self) -> GpuUse:
+        """placement.image_needs' answer: `required` (a platform declares an NVIDIA GPU), `optional`
+        (none declares one, and CUDA was found in the layers: it runs on a CPU too) or `none`. An
+        image whose layers are still being read and declares none is `none` so far (`pending`
+        says what could change)."""
+        return strongest(gpu_use(p.gpu.required, carries_cuda(p.gpu)) for p in self.platforms)
 
     def idle_gpus_hint(self, gpus_requested: int | None) -> str | None:
         """The hint for GPUs asked for an image that shows no sign of using one (they would idle)."""
-        if not gpus_requested or self.needs_gpu or not self.platforms:
+        if not gpus_requested or self.gpu_use != "none" or not self.platforms:
             return None
         so_far = " so far (its layers are still being read)" if self.pending else ""
         return (

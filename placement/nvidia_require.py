@@ -32,6 +32,7 @@ from scanner.facts.require_grammar import (
     AllOf,
     Condition,
     Expression,
+    digits_value,
     formatted_length,
     latent_error,
     parse_requirement_lenient,
@@ -96,8 +97,8 @@ def compare_version(host: str, op: str, wanted: str) -> bool | None:
         m2 = _DIGITS.match(wanted, j)
         if m1 is None or m2 is None:
             return None  # strtoumax found no digits (e.g. a leading '.')
-        n1, n2 = int(m1.group()), int(m2.group())
-        if n1 >= _UINTMAX or n2 >= _UINTMAX:
+        n1, n2 = digits_value(m1.group()), digits_value(m2.group())
+        if n1 is None or n2 is None or n1 >= _UINTMAX or n2 >= _UINTMAX:
             return None  # strtoumax saturates to UINTMAX_MAX, which dsl.c treats as an error
         if n1 != n2:
             if op == "=":
@@ -159,8 +160,9 @@ def _error_detail(condition: Condition, facts: DeviceFacts) -> str:
     return f"invalid requirement term {condition.text!r}: cannot compare {condition.key} {host!r}"
 
 
-def evaluate(expression: Expression, facts: DeviceFacts) -> Verdict:
-    """Evaluate one requirement on one GPU with nvidia-container-cli's exact rules."""
+def evaluate(expression: Expression, facts: DeviceFacts, *, explain: bool = True) -> Verdict:
+    """Evaluate one requirement on one GPU with nvidia-container-cli's exact rules (`explain=False`:
+    an unsatisfied verdict without the plain-words lines, for callers that only ask whether)."""
     text = expression.text
     if not expression.alternatives:
         return Verdict("satisfied", requirement=text)
@@ -183,7 +185,7 @@ def evaluate(expression: Expression, facts: DeviceFacts) -> Verdict:
     message = f"unsatisfied condition: {first}"
     if first.startswith("cuda>="):
         message += _CUDA_HINT
-    return Verdict("unsatisfied", message, explain_failures(expression, facts), text)
+    return Verdict("unsatisfied", message, explain_failures(expression, facts) if explain else (), text)
 
 
 def evaluate_text(text: str, facts: DeviceFacts) -> Verdict:
@@ -198,7 +200,11 @@ def _branch_of(term: AllOf) -> tuple[int, Condition, Condition] | None:
     """`driver>=N,driver<N+1` in a term is NVIDIA's idiom for "driver branch N"."""
     lower = upper = None
     for condition in term.conditions:
-        if condition.key == "driver" and condition.value.isdigit():
+        if (
+            condition.key == "driver"
+            and condition.value.isdigit()
+            and digits_value(condition.value) is not None
+        ):
             if condition.op == ">=":
                 lower = condition
             elif condition.op == "<":
@@ -283,6 +289,35 @@ def explain_failures(expression: Expression, facts: DeviceFacts) -> tuple[str, .
     return tuple(lines)
 
 
+def _holds(condition: Condition, facts: DeviceFacts) -> str:
+    """A condition that holds on this GPU, in words: `driver CUDA 12.4 >= 12.2`, `brand Tesla`."""
+    host = _host_value(condition.key, facts)
+    subject = _SUBJECT.get(condition.key, condition.key)
+    if host is None:
+        return f"{subject} not known (the runtime does not check {condition.text})"
+    if condition.key == "brand":
+        return f"brand {host}" if condition.op == "=" else f"brand {host}, not {condition.value}"
+    return f"{subject} {host} {condition.op} {condition.value}"
+
+
+def explain_pass(expression: Expression, facts: DeviceFacts) -> str | None:
+    """The alternative (OR-term) that lets this GPU pass, in words, as the runtime finds it (the
+    first fully-true term); a brand exception says so. None when no term holds."""
+    if not expression.alternatives:
+        return "no condition"
+    for term in expression.alternatives:
+        if all(evaluate_condition(c, facts) is True for c in term.conditions):
+            branch = _branch_of(term)
+            parts = [
+                _holds(c, facts) for c in term.conditions if not branch or c not in (branch[1], branch[2])
+            ]
+            if branch:
+                parts.append(f"driver {facts.driver} in branch {branch[0]}")
+            brand = any(c.key == "brand" and c.op == "=" for c in term.conditions)
+            return ("brand exception: " if brand else "") + ", ".join(parts)
+    return None
+
+
 # --- image-level rules -------------------------------------------------------------------------
 
 _TRUE_WORDS = frozenset({"1", "t", "T", "TRUE", "true", "True"})  # Go's strconv.ParseBool
@@ -296,7 +331,11 @@ def legacy_cuda_requirement(cuda_version: str) -> str:
     parts above uint32).
     """
     match = _LEGACY_CUDA.match(cuda_version)
-    if not match or any(int(part) > 2**32 - 1 for part in match.groups() if part is not None):
+    if not match or any(
+        (value := digits_value(part)) is None or value > 2**32 - 1
+        for part in match.groups()
+        if part is not None
+    ):
         raise ValueError(f"invalid CUDA_VERSION {cuda_version!r}: expected MAJOR[.MINOR[.PATCH]]")
     major, minor = match.group(1), match.group(2) or "0"
     return f"cuda>={int(major)}.{int(minor)}"
@@ -373,6 +412,24 @@ class ImageRequirements:
     def has_device_conditions(self) -> bool:
         """True when some factor reads arch or brand, so verdicts differ per GPU."""
         return any(c.key in ("arch", "brand") for _, e in self.expressions for c in e.conditions)
+
+    def satisfied(self, facts: DeviceFacts) -> bool:
+        """Whether every requirement holds on this GPU: `check(facts).ok`, without the explanation."""
+        if self.error is not None:
+            return False
+        return all(evaluate(expression, facts, explain=False).ok for _, expression in self.expressions)
+
+    def passes_by(self, facts: DeviceFacts) -> tuple[str, ...]:
+        """Why a GPU passes, one line per requirement (`NVIDIA_REQUIRE_CUDA: driver CUDA 12.4 >= 12.2`);
+        () where nothing is required. Call it for a GPU that `check` passes."""
+        if self.disabled:
+            return ("NVIDIA_DISABLE_REQUIRE: the runtime checks no requirement",)
+        lines = []
+        for variable, expression in self.expressions:
+            why = explain_pass(expression, facts)
+            if why is not None:
+                lines.append(f"{variable}: {why}")
+        return tuple(lines)
 
     def check(self, facts: DeviceFacts) -> Verdict:
         """All requirements must hold (they are ANDed); the first failing one decides the message."""

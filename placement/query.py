@@ -14,22 +14,23 @@ server to server, so summaries group them; the counts follow).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from placement import cuda_needs
 from placement.decision import NO_KEY, ShapeResult
-from placement.gpus import matches_model, memory_satisfies, runtime_brands
+from placement.gpu_code import Rule
+from placement.gpus import MEMORY_TOLERANCE, matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex, GpuClass, ServerEntry
 from placement.mig import count_profiles
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
 from placement.request import DeployRequest
+from placement.sizes import compared_sizes, size_text
 from scanner.models import GpuFacts
 
 _GIB = 1024**3
-# (reasons, GPU picks, rank, spare GPUs, GPU MiB assigned, score) for one GPU sub-shape and plan
-GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float]
+# (reasons, GPU picks, rank, spare GPUs, GPU MiB assigned, score, why it passes)
+GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float, tuple[str, ...]]
 
 
 @dataclass(slots=True)
@@ -44,7 +45,9 @@ class Plan:
     needed: int  # whole GPUs
     slices: int = 0  # MIG devices (a request asks for one kind or the other)
     verdicts: dict[int, tuple[bool, int, tuple[str, ...]]] = field(default_factory=dict)
+    passes: dict[int, tuple[str, ...]] = field(default_factory=dict)  # why each usable GPU class suits
     inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
+    rule: Rule = "dispatch"  # how the image's GPU code is judged (placement.gpu_code)
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
@@ -55,13 +58,8 @@ def _cuda_major(facts: GpuFacts) -> int | None:
 
 
 def _fmt_sizes(have: int, need: int) -> tuple[str, str]:
-    """`have` and `need` (bytes; have < need) in one unit, GiB from 1 GiB on, else MiB: what a
-    server has rounded down, what a request needs rounded up (2 decimals), so have < need still
-    reads so (never `40 GiB < requested 40 GiB`)."""
-    unit, size = ("GiB", _GIB) if need >= _GIB else ("MiB", 1024**2)
-    shown_have = math.floor(have * 100 / size) / 100
-    shown_need = math.ceil(need * 100 / size) / 100
-    return f"{shown_have:g} {unit}", f"{shown_need:g} {unit}"
+    """`have` and `need` (bytes; have < need) in one unit (placement.sizes.compared_sizes)."""
+    return compared_sizes(have, need)
 
 
 def _fmt_cpus(value: float) -> str:
@@ -90,6 +88,7 @@ class Query:
                 needed=needed,
                 slices=slices,
                 inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
+                rule=request.gpu_code_rule or "dispatch",
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
@@ -130,7 +129,36 @@ class Query:
         reasons.extend(self._requirement_reasons(plan, gpu, cc))
         verdict = (not reasons, rank, tuple(reasons))
         plan.verdicts[class_id] = verdict
+        if not reasons:
+            plan.passes[class_id] = self._class_passes(plan, gpu, cc)
         return verdict
+
+    def _class_passes(self, plan: Plan, gpu: GpuClass, cc: str | None) -> tuple[str, ...]:
+        """Why a usable GPU class suits, in words: what was asked of it, the image's requirement (the
+        alternative that holds, brand exceptions named), the carried CUDA's driver and GPU code."""
+        request = self.request
+        lines: list[str] = []
+        if self.models:
+            wanted = next(w for w in self.models if matches_model(gpu.name, w))
+            lines.append(f"{gpu.name} is a {wanted}")
+        if request.min_gpu_memory is not None:
+            has, wants = gpu.memory_mib * 1024**2, request.min_gpu_memory
+            compared = ">=" if has >= wants else f"within {MEMORY_TOLERANCE:.0%} of"  # NVML totals run short
+            lines.append(f"GPU memory {size_text(has)} {compared} requested {size_text(wants, 'up')}")
+        if request.min_compute_capability is not None and cc:
+            lines.append(f"compute capability {cc} >= requested {request.min_compute_capability}")
+        if (
+            plan.requirements.error is None
+            and not plan.requirements.disabled
+            and plan.requirements.expressions
+        ):
+            brand = (runtime_brands(gpu.brand) or (None,))[0]
+            lines.extend(plan.requirements.passes_by(DeviceFacts(gpu.cuda, gpu.driver, cc, brand)))
+        if plan.cuda_major is not None and plan.cuda_major >= 13 and cc:
+            lines.append(f"compute capability {cc} >= 7.5, which CUDA {plan.cuda_major} needs")
+        if plan.inferred is not None:
+            lines.extend(cuda_needs.gpu_passes(plan.inferred, cc, gpu.driver, gpu.cuda, plan.rule))
+        return tuple(lines)
 
     @staticmethod
     def _gpu_rules(plan: Plan, gpu: GpuClass, cc: str | None) -> list[str]:
@@ -150,11 +178,12 @@ class Query:
                 f"(CUDA 13 dropped Maxwell, Pascal and Volta); this GPU has {cc}"
             ]
         if plan.inferred is not None:  # the CUDA and GPU code the image carries (placement.cuda_needs)
-            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver, gpu.cuda)
+            return cuda_needs.gpu_reasons(plan.inferred, cc, gpu.driver, gpu.cuda, plan.rule)
         return []
 
     def caveats(self) -> list[str]:
-        """NVIDIA libraries of the image lacking code for a GPU class it is eligible on (placement.gpu_code)."""
+        """What the image runs without on each GPU class it is eligible on ("runs; without ...":
+        extensions used on other hardware, optional packages, NVIDIA libraries; placement.gpu_code)."""
         found: list[str] = []
         for plan in self.plans.values():
             if plan.inferred is None:
@@ -162,9 +191,9 @@ class Query:
             for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
                 gpu = self.index.classes[class_id]
                 if usable and gpu.compute_capability:
-                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability):
+                    for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
                         found.append(
-                            f"on {gpu.label} (compute capability {gpu.compute_capability}): {caveat}"
+                            f"on {gpu.label} (compute capability {gpu.compute_capability}): runs; without {caveat}"
                         )
         return found
 
@@ -205,7 +234,7 @@ class Query:
         plan, arch_reason = arch
         if plan is None:  # the image has no platforms at all
             assert arch_reason is not None
-            return (arch_reason,), (), NO_KEY, "", 0.0
+            return (arch_reason,), (), NO_KEY, "", 0.0, ()
         cpus = self.request.cpus
         memory = self.request.memory
         cpus_short = cpus is not None and entry.cpus < cpus
@@ -215,7 +244,7 @@ class Query:
         gpu = self.gpu_parts.get(key)
         if gpu is None:
             gpu = self.gpu_parts[key] = self._gpu_part(plan, entry)
-        gpu_reasons, picks, rank, spare_gpus, memory_mib, score = gpu
+        gpu_reasons, picks, rank, spare_gpus, memory_mib, score, gpu_why = gpu
         if arch_reason is not None or cpus_short or memory_short or gpu_reasons:
             # Decisive first: the image cannot run on this architecture at all; then what the GPU
             # side says (itself decisive first); then the CPUs and memory a bigger server would add.
@@ -228,14 +257,20 @@ class Query:
             if memory is not None and memory_short:
                 has, wants = _fmt_sizes(entry.memory, memory)
                 reasons.append(f"has {has} memory, request needs {wants}")
-            return tuple(reasons), (), NO_KEY, plan.platform, 0.0
+            return tuple(reasons), (), NO_KEY, plan.platform, 0.0, ()
         spare_cpus = entry.cpus - (cpus or 0)
+        why = [f"CPU architecture {entry.arch}: the image's {plan.platform}", *gpu_why]
+        if cpus is not None:
+            why.append(f"has {_fmt_cpus(entry.cpus)} CPUs, request needs {_fmt_cpus(cpus)}")
+        if memory is not None:
+            why.append(f"has {size_text(entry.memory)} memory, request needs {size_text(memory, 'up')}")
         return (
             (),
             picks,
             (rank, spare_gpus, memory_mib, float(spare_cpus), entry.memory),
             plan.platform,
             score,
+            tuple(why),
         )
 
     def _arch_plan(self, arch: str) -> tuple[Plan | None, str | None]:
@@ -250,13 +285,14 @@ class Query:
         """Driver, image-requirement and GPU-availability verdict, with the picks when it passes."""
         request = self.request
         reasons: list[str] = []
+        why: list[str] = []
         slices = plan.slices > 0
         units = plan.slices if slices else plan.needed  # whole GPUs or MIG devices, never both
         if plan.gpu_image or units > 0:
             if entry.driver is None:
                 # A server without NVIDIA's driver: that says it all (no musl, requirement or
                 # GPU-count reason after it).
-                return ("no NVIDIA driver",), (), 0, 0, 0, 0.0
+                return ("no NVIDIA driver",), (), 0, 0, 0, 0.0, ()
             if request.min_driver is not None and not compare_version(entry.driver, ">=", request.min_driver):
                 reasons.append(f"driver {entry.driver} < requested {request.min_driver}")
             if plan.requirements.error is not None:
@@ -302,8 +338,8 @@ class Query:
                 )
                 class_reasons = [
                     f"{count} free {self.index.classes[class_id].label}: {line}"
-                    for class_id, count, why in refused
-                    for line in why
+                    for class_id, count, said in refused
+                    for line in said
                 ]
                 # With no suitable unit at all, why the ones it has do not suit is decisive (the
                 # count follows from it); with some, too few of them is.
@@ -314,29 +350,48 @@ class Query:
             elif not reasons:
                 if len(usable) > 1:
                     usable.sort()
+                picked_classes: list[int] = []
                 for class_rank, mib, position, free in usable:
                     take = min(free, units - picked)
                     picks.append((position, take))
+                    picked_classes.append(entry.groups[position][0])
                     picked += take
                     memory_mib += mib * take
                     rank = max(rank, class_rank)
                     if picked == units:
                         break
+                for class_id in dict.fromkeys(picked_classes):
+                    gpu = self.index.classes[class_id]
+                    why.extend(f"{gpu.label}: {line}" for line in plan.passes.get(class_id, ()))
         elif plan.gpu_image and entry.driver is not None and not plan.requirements.disabled:
             # No GPU assigned: the runtime checks once without a device (arch/brand are then true).
-            verdict = plan.requirements.check(DeviceFacts(entry.cuda, entry.driver, device_visible=False))
+            facts = DeviceFacts(entry.cuda, entry.driver, device_visible=False)
+            verdict = plan.requirements.check(facts)
             if not verdict.ok:
                 reasons.extend(verdict.failed or (verdict.message,))
+            else:
+                why.append("no GPU asked for: the runtime checks the driver alone")
+                why.extend(plan.requirements.passes_by(facts))
+        elif units == 0:
+            why.append(
+                "no GPU asked for, and the image carries CUDA but declares no GPU: it runs on the CPUs"
+                if plan.inferred is not None and plan.inferred.inferred is not None
+                else "no GPU asked for, and the image declares none: it runs on the CPUs"
+            )
         if reasons:
-            return tuple(reasons), (), 0, 0, 0, 0.0
+            return tuple(reasons), (), 0, 0, 0, 0.0, ()
         if units == 0:
             free_total = sum(
                 len(uuids)
                 for class_id, uuids in entry.groups
                 if self.index.classes[class_id].mig_profile is None
             )
+        if units and request.min_driver is not None:
+            why.insert(0, f"driver {entry.driver} >= requested {request.min_driver}")
+        if plan.musl and plan.gpu_image:
+            why.append("the server has musl GPU support, which a musl image needs")
         spare = free_total - units
-        return (), tuple(picks), rank, spare, memory_mib, round(1.0 / (1 + rank + spare), 4)
+        return (), tuple(picks), rank, spare, memory_mib, round(1.0 / (1 + rank + spare), 4), tuple(why)
 
     def _mig_detail(
         self, entry: ServerEntry, mig_free: list[tuple[int, int]], whole_too: bool = False

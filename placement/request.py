@@ -78,6 +78,12 @@ class DeployRequest(BaseModel):
     cpus: float | None = Field(default=None, ge=0)
     memory: int | None = Field(default=None, description="bytes; accepts 16Gi")
     labels: dict[str, str] = Field(default_factory=dict)
+    gpu_code_rule: Literal["dispatch", "strict"] | None = Field(
+        default=None,
+        description="how the image's GPU code is judged (placement.gpu_code): 'dispatch' as packages load it"
+        " (a library runs where some of its kernels do), 'strict' every kernel everywhere; default: the"
+        " service's GPUBADGE_GPU_CODE_RULE",
+    )
 
     @field_validator("min_gpu_memory", "memory", mode="before")
     @classmethod

@@ -33,4 +33,9 @@ class ScanCache(Protocol):
 
     async def layer_evidence(self, digest: str) -> str | None: ...
 
+    async def scan_in_flight(self, job_id: str) -> bool:
+        """Whether scan job `job_id` runs now under a lease that has not lapsed: only then is the
+        pending report it wrote still being completed."""
+        ...
+
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None: ...

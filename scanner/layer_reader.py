@@ -8,10 +8,14 @@ and gives verdicts out; nothing under scanner/layers/ imports scanner/registry/)
 
 - a layer that must never be fetched (foreign or non-distributable: `not_distributable`) is
   skipped and named; the analysis counts it unread;
-- a layer another scan of this process is reading right now is waited for, not fetched twice;
 - the layer's cache entry (every consumer's evidence, by layer digest, in the store so it is
   shared by every image and process) is offered first; only when it does not cover every
   consumer that still needs the layer is the blob streamed, once, into one walk;
+- a layer another scan of this process is reading right now is waited for, not fetched twice:
+  the scans that need it wait for that one read, then take its cache entry all at once; one
+  that fails fails them with it (the same bytes), one cancelled hands the read to the next. So a
+  thousand platforms of one index that share a layer cost one read and a thousand cache offers,
+  not a thousand turns on it, each waking every scan still waiting;
 - the loop ends as soon as no lower layer can change a verdict (`done`).
 
 Bytes are counted as the registry sends them (`BlobStream.bytes_received`: partial reads
@@ -22,7 +26,6 @@ included, and the rest of a range asked for when a read stops), per platform ima
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -74,7 +77,7 @@ class LayerReader:
         self.limits = limits
         self.pool = pool
         self._memory_cache: dict[str, str] = {}  # cache entries by digest, when running without a store
-        self._inflight: dict[str, asyncio.Event] = {}
+        self._inflight: dict[str, _Read] = {}  # digest -> the read of it running now
 
     async def _cached(self, digest: str) -> str | None:
         if self.store is None:
@@ -87,19 +90,51 @@ class LayerReader:
         else:
             await self.store.save_layer_evidence(digest, entry_json)
 
-    @contextlib.asynccontextmanager
-    async def _reading(self, digest: str) -> AsyncIterator[None]:
-        """Hold `digest` for this scan; a concurrent scan that needs it waits for the read to end."""
-        while digest in self._inflight:
-            await self._inflight[digest].wait()
-        done = asyncio.Event()
-        self._inflight[digest] = done  # claimed before the next await
-        try:
-            yield
-        finally:
-            with contextlib.suppress(KeyError):
+    async def _offer_cached(self, digest: str, session: Session) -> bool | None:
+        """The layer's cache entry offered to `session`: True when it covers what the session needs,
+        False when it was taken but does not cover it, None when there is none."""
+        cached = await self._cached(digest)
+        if cached is None:
+            return None
+        return await session.use_cached(cached)
+
+    async def _layer(
+        self,
+        reference: Reference,
+        layer: Descriptor,
+        session: Session,
+        progress: LayerProgress,
+        *,
+        whole: bool,
+    ) -> None:
+        """Feed one layer to `session`: from the cache when it covers it, else read once (a read of the
+        same digest running now is waited for, then its entry offered)."""
+        digest = layer.digest
+        while True:
+            covered = await self._offer_cached(digest, session)
+            if covered:
+                return
+            running = self._inflight.get(digest)
+            if running is not None:
+                await running.done.wait()
+                if running.error is not None:
+                    raise running.error  # the same bytes fail the same way for every scan of them
+                if covered is None:
+                    continue  # offer the entry it wrote
+                while (running := self._inflight.get(digest)) is not None:
+                    await running.done.wait()  # the session took a partial entry: read it after that
+            read = self._inflight[digest] = _Read()
+            try:
+                await self._read(reference, layer, session, progress, whole=whole)
+            except asyncio.CancelledError:
+                raise  # this scan only: a scan waiting for the read takes it over
+            except Exception as exc:
+                read.error = exc
+                raise
+            finally:
                 del self._inflight[digest]
-            done.set()
+                read.done.set()
+            return
 
     async def analyse(
         self,
@@ -133,10 +168,7 @@ class LayerReader:
                         )
                     )
                 else:
-                    async with self._reading(layer.digest):
-                        cached = await self._cached(layer.digest)
-                        if cached is None or not await session.use_cached(cached):
-                            await self._read(reference, layer, session, progress, whole=cuda)
+                    await self._layer(reference, layer, session, progress, whole=cuda)
                 progress.layers_done += 1
             return await session.verdict(progress.bytes_fetched, progress.bytes_total)
         finally:
@@ -164,6 +196,14 @@ class LayerReader:
                 progress.bytes_fetched += stream.bytes_received - stream.bytes_read
         if outcome.evidence_json is not None:
             await self._remember(layer.digest, outcome.evidence_json)
+
+
+@dataclass
+class _Read:
+    """One layer read running now: set `done` when it ends, with `error` when it failed."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Exception | None = None
 
 
 async def _counted(stream: BlobStream, progress: LayerProgress) -> AsyncIterator[bytes]:

@@ -96,29 +96,98 @@ class ContainerArchs(BaseModel):
         return self.sass, self.ptx, self.ptx_isa, self.section, self.kernels
 
 
+FileKind = Literal["library", "modules"]
+ImportState = Literal["required", "optional"]
+PackageKind = Literal["python", "application", "nvidia"]
+
+
 class FileArchs(BaseModel):
-    """The fatbin of one file: the archs it holds code for (`sass`, `ptx`: every arch met in its loaded
-    containers), and its distinct containers, which placement (`placement.gpu_code`) judges."""
+    """The GPU code of one file (`kind: library`, an ELF shared object or program) or of one directory
+    of standalone module files a package loads itself (`kind: modules`: `.cubin`, `.fatbin`, `.ptx`),
+    with the facts placement (`placement.gpu_code`) judges it by: its distinct containers, the package
+    that ships it, whether the image can load it, and whether it is one of several builds of one
+    library for different CUDA versions."""
 
     path: str
+    kind: FileKind = "library"
     sections: list[str] = Field(default_factory=list)
     sass: list[str] = Field(default_factory=list)
     ptx: list[str] = Field(default_factory=list)
     containers: list[ContainerArchs] = Field(default_factory=list)
     error: str | None = None
+    files: int = Field(default=1, description="module files in the directory (kind `modules`)")
+    package: str | None = Field(
+        default=None, description="the `GpuArchs.packages` id of the package that ships it"
+    )
+    needed: list[str] = Field(
+        default_factory=list, description="the CUDA libraries it links (DT_NEEDED), the driver's excluded"
+    )
+    missing: list[str] = Field(
+        default_factory=list,
+        description="needed CUDA libraries the image does not carry: the dynamic loader cannot load the"
+        " file, so its code never runs and it sets no CUDA floor",
+    )
+    cuda_build: str | None = Field(
+        default=None,
+        description="the CUDA version in its name, where it is one of several builds of one library"
+        " (`libbitsandbytes_cuda128.so`: 12.8)",
+    )
+    selected: bool = Field(
+        default=True,
+        description="false for a build the package does not load: among builds of one library for"
+        " several CUDA versions, the image's CUDA runtime selects one",
+    )
+    imported: ImportState | None = Field(
+        default=None,
+        description="for a Python extension module: `required` where its package imports it at module"
+        " level unguarded, `optional` where every import is guarded (try/except, contextlib.suppress)"
+        " or made inside a function; None where no import of it was found",
+    )
+
+    @property
+    def loadable(self) -> bool:
+        """The image can load it and its package loads it: every needed library is there, and it is
+        the build the package selects."""
+        return not self.missing and self.selected
+
+
+class PackageFacts(BaseModel):
+    """A package that ships GPU code: a Python distribution, an NVIDIA library, or the directory an
+    application's libraries live in."""
+
+    id: str
+    name: str
+    version: str | None = None
+    kind: PackageKind = "application"
+    optional: bool = Field(
+        default=False,
+        description="the package runs without its GPU code: every library holding it is an extension"
+        " module imported only under a guard or on demand, or it is standalone module files the"
+        " package loads itself",
+    )
 
 
 class GpuArchs(BaseModel):
-    """GPU architectures found in the image's fatbins, as facts; where they run is placement's answer.
+    """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
-    `sass`: every SASS arch of the containers CUDA loads (`.nv_fatbin` of runnable files); `ptx`: every
-    PTX arch among them. `files` has the containers per file, which `placement.gpu_code` judges
-    (which GPUs each file, and so the image, runs on).
+    `sass`: every SASS arch of the code the image can load (`.nv_fatbin` of loadable files, module
+    files); `ptx`: every PTX arch among them. `files` has the containers per file, which
+    `placement.gpu_code` judges per package (`packages`).
     """
 
     sass: list[str] = Field(default_factory=list)
     ptx: list[str] = Field(default_factory=list)
     files: list[FileArchs] = Field(default_factory=list)
+    packages: list[PackageFacts] = Field(default_factory=list)
+    libraries: list[str] = Field(
+        default_factory=list,
+        description="the CUDA libraries the image carries (file names, e.g. libcudart.so.13)",
+    )
+    runtime_cuda: str | None = Field(
+        default=None,
+        description="the CUDA runtime the image loads (torch.version.cuda, else its CUDA runtime library or"
+        " toolkit): it selects among builds of one library for several CUDA versions",
+    )
 
 
 class CudaSource(BaseModel):
@@ -251,6 +320,12 @@ class PlatformReport(BaseModel):
     bytes_fetched: int = Field(
         default=0,
         description="compressed bytes the registry sent for this platform in this scan (config and layers)",
+    )
+    pending_scan: str | None = Field(
+        default=None,
+        description="while its layers are being read (`libc.state` pending): the scan job reading them. A"
+        " pending report is trusted only while that job holds a live lease; once it does not, the read was"
+        " interrupted and the next scan of the image reads the layers again",
     )
 
 

@@ -61,8 +61,12 @@ def expected(error: Any, *, show_input: bool = True) -> str:
         text = _EXPECTED.get(kind) or str(error.get("msg", "invalid"))
     value = error.get("input")
     if show_input and kind not in ("missing", "value_error") and isinstance(value, str | int | float | bool):
-        text += f", got {value!r}"
+        shown = repr(value)
+        text += f", got {shown if len(shown) <= MAX_SHOWN_INPUT else shown[: MAX_SHOWN_INPUT - 1] + '…'}"
     return text
+
+
+MAX_SHOWN_INPUT = 60  # a longer value is cut in a message: the reader knows what they sent
 
 
 def problems(exc: ValidationError, text: str | None = None, *, show_input: bool = True) -> list[str]:

@@ -18,6 +18,13 @@ publishing a finished report as a referrer is `scanner.publish`, which the servi
 A platform's failure stays on that platform (`PlatformReport.error`): one Windows entry, one
 hostile layer or one unreachable blob never takes the other platforms' answers with it. Only
 when no platform could be read at all does the report itself fail.
+
+A pending report names the scan job reading its layers (`PlatformReport.pending_scan`, from
+`ScanOptions.job`). Another scan of the same image takes it as its answer only while that job holds
+a live lease (`ScanCache.scan_in_flight`): the job will complete it. A read that was interrupted
+(pre-empted, its worker killed or cut off, a shutdown that ended mid-read) leaves a pending report
+whose job no longer runs, or runs again as this very scan: then the layers are read again.
+`ScanOptions.force` (a rescan) reuses nothing stored.
 """
 
 from __future__ import annotations
@@ -61,11 +68,17 @@ class NotAnImage(ScanError):
     """The manifest is an artifact (an attestation, a signature, a Helm chart), not a runnable image."""
 
 
+class PlatformMissing(ScanError):
+    """The image has no platform that `--platform` (ScanOptions.platform) asks for: asking again
+    cannot change that."""
+
+
 @dataclass(frozen=True)
 class ScanOptions:
     platform: Platform | None = None
     config_only: bool = False
-    force: bool = False  # ignore a stored report for the same digest
+    force: bool = False  # ignore a stored report for the same digest (a rescan)
+    job: str | None = None  # the scan job this scan runs as (the service's workers hold its lease)
     # called once, when the config facts are published (`publish_facts`: the pending report is
     # stored) and the layers are still to be read; the service's workers free a slot on it
     on_facts: Callable[[], None] | None = field(default=None, compare=False)
@@ -98,9 +111,13 @@ def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
 
 
 def _filter_platforms(report: ImageReport, wanted: Platform | None) -> ImageReport:
+    """The stored report's platforms that `wanted` asks for; PlatformMissing when it has none."""
     if wanted is None:
         return report
     kept = [p for p in report.platforms if wanted.matches(Platform.parse(p.platform))]
+    if not kept:
+        available = ", ".join(p.platform for p in report.platforms if not p.platform.startswith("unknown"))
+        raise PlatformMissing(f"no platform {wanted} in this image (it has {available or 'none'})")
     return report.model_copy(update={"platforms": kept})
 
 
@@ -156,7 +173,9 @@ class Scanner:
             from scanner.layer_reader import LayerReader
             from scanner.layers.analysis import AnalysisPool
 
-            self._pool = AnalysisPool(self.settings.analysis_processes)
+            self._pool = AnalysisPool(
+                self.settings.analysis_processes, memory_bytes=self.settings.analysis_memory_bytes
+            )
             self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
         return self._reader
 
@@ -219,6 +238,9 @@ class Scanner:
                 report = self._failed(reference, str(exc))
                 report.not_an_image = True
                 report.retryable = False
+            except PlatformMissing as exc:
+                report = self._failed(reference, str(exc))
+                report.retryable = False
             except ScanError as exc:
                 report = self._failed(reference, str(exc))
             except Exception as exc:  # keep the service up whatever a registry sends
@@ -275,11 +297,12 @@ class Scanner:
             return _filter_platforms(reused, options.platform)
 
         policy = await self._policy()
-        child = self._usable_platform(as_platform, options, policy, None, accept_pending=True)
+        live = await self._read_elsewhere(as_platform, options)
+        child = self._usable_platform(as_platform, options, policy, None, accept_pending=live)
         if child is not None:
-            # A platform of an index already scanned, or being scanned now (the child events of a
-            # multi-arch push, or the same image pushed under another tag): the scan that reads it
-            # gives the answer; reading it again would only repeat it. A tag still points here.
+            # A platform of an index already scanned, or being scanned now by a live scan (the child
+            # events of a multi-arch push, or the same image pushed under another tag): the scan that
+            # reads it gives the answer; reading it again would only repeat it. A tag still points here.
             await self._remember_tag(reference, digest)
             return ImageReport(
                 reference=str(reference),
@@ -323,6 +346,8 @@ class Scanner:
         storable = self.store is not None and (options.platform is None or not manifest.is_index)
         if to_read:
             report.pending = True
+            for position, _ in to_read:
+                report.platforms[position].pending_scan = options.job
             if storable and self.publish_facts:
                 await self._save(reference, report)
                 if options.on_facts is not None:
@@ -353,6 +378,17 @@ class Scanner:
         assert self.store is not None and report.digest is not None and report.tag == reference.tag
         await self.store.save_report(report)
 
+    async def _read_elsewhere(self, stored: PlatformReport | None, options: ScanOptions) -> bool:
+        """Whether the pending `stored` platform is being read right now by another scan: one whose job
+        holds a live lease. A report pending from this very job (run again after an interruption), from
+        a job whose lease lapsed or that ended, or from before reports named their job, is not."""
+        if stored is None or stored.libc.state != "pending" or self.store is None or options.force:
+            return False
+        job = stored.pending_scan
+        if job is None or job == options.job:
+            return False
+        return await self.store.scan_in_flight(job)
+
     async def _stored_platform(
         self,
         digest: str,
@@ -365,7 +401,7 @@ class Scanner:
         """A platform image already scanned (e.g. as part of its index) that answers `options`.
 
         Reused when nothing failed on it, and its layers were read if they are to be read now; one
-        whose layers are being read right now by its index's scan only with `accept_pending`. A libc
+        whose layers are being read right now by a live scan only with `accept_pending`. A libc
         flavour of `unknown` comes from layers that could not be read (or a report stored before
         layer states existed), so a scan that reads layers reads them again.
         """
@@ -410,10 +446,18 @@ class Scanner:
         if options.platform is not None:
             children = [c for c in children if c.platform and options.platform.matches(c.platform)]
             if not children:
-                available = ", ".join(str(c.platform) for c in index.manifests if c.platform)
-                raise ScanError(f"no platform {options.platform} in the index (available: {available})")
+                available = ", ".join(
+                    str(c.platform) for c in index.manifests if c.platform and not is_attestation(c)
+                )
+                raise PlatformMissing(f"no platform {options.platform} in this image (it has {available})")
         if not children:
             raise ScanError("the index lists no runnable platform images")
+        if len(children) > self.settings.max_index_children:  # refused before any child is read
+            raise LimitExceeded(
+                f"the index lists {len(children):,} platform images",
+                self.settings.max_index_children,
+                "max_index_children",
+            )
 
         async def one(child: Descriptor) -> _Facts | PlatformReport:
             try:
@@ -453,11 +497,14 @@ class Scanner:
             )
         raw = await self.client.blob(reference, config_descriptor.digest, self.settings.max_config_bytes)
         config = _parse_config(raw)
+        single = platform is None  # a single-platform image, not one child of an index
         platform = platform or Platform(
             os=str(config.get("os") or "linux"),
             architecture=str(config.get("architecture") or "amd64"),
             variant=config.get("variant") or None,
         )
+        if single and options.platform is not None and not options.platform.matches(platform):
+            raise PlatformMissing(f"no platform {options.platform} in this image (it has {platform} only)")
         gpu = gpu_facts(config)
         warnings = [f"{issue.variable} does not parse: {issue.error}" for issue in gpu.requirement_errors]
         reason = (
@@ -553,6 +600,7 @@ class Scanner:
                 "error": error,
                 "skipped_layers": progress.skipped,
                 "bytes_fetched": base.bytes_fetched + progress.bytes_fetched,
+                "pending_scan": None,
             }
         )
         return _Facts(report, facts.layers, read_layers=False, retryable=retryable)

@@ -119,6 +119,12 @@ class ScannerSettings(BaseSettings):
         description="decompressed bytes of one layer (CUDA layers inflate to several GB)",
     )
     max_layers: int = Field(default=limits.DEFAULT_MAX_LAYERS, ge=1, description="layers per image")
+    max_index_children: int = Field(
+        default=limits.DEFAULT_MAX_INDEX_CHILDREN,
+        ge=1,
+        description="platform images of one index that a scan reads (attestations not counted); an index"
+        " listing more fails naming this setting, for good",
+    )
     max_path_bytes: int = Field(
         default=limits.DEFAULT_MAX_PATH_BYTES,
         ge=1,
@@ -162,10 +168,37 @@ class ScannerSettings(BaseSettings):
     max_scan_seconds: float = Field(
         default=limits.DEFAULT_MAX_SCAN_SECONDS, gt=0, description="wall time per scan"
     )
+    max_fatbin_containers: int = Field(
+        default=limits.DEFAULT_MAX_FATBIN_CONTAINERS,
+        ge=1,
+        description="fatbin containers met in one file, and again walked over its fatbin sections",
+    )
+    max_fatbin_entries: int = Field(
+        default=limits.DEFAULT_MAX_FATBIN_ENTRIES,
+        ge=1,
+        description="fatbin entry headers read in one file (each container's chain counted)",
+    )
+    max_cubin_symbols: int = Field(
+        default=limits.DEFAULT_MAX_CUBIN_SYMBOLS,
+        ge=1,
+        description="cubin symbols read in one file to tell kernel-free containers",
+    )
+    max_layer_gpu_code_steps: int = Field(
+        default=limits.DEFAULT_MAX_LAYER_GPU_CODE_STEPS,
+        ge=1,
+        description="fatbin containers, entry headers and cubin symbols visited in one layer; past it the"
+        " GPU code of the layer's later files is not read (the report says so)",
+    )
     analysis_processes: int = Field(
         default=2,
         ge=0,
         description="processes that parse layer content off the event loop; 0 parses in the scanning process",
+    )
+    analysis_memory_bytes: int = Field(
+        default=limits.DEFAULT_ANALYSIS_MEMORY_BYTES,
+        ge=0,
+        description="address space of each analysis process (RLIMIT_AS); a layer whose analysis needs more"
+        " fails naming this setting, and is not retried; 0: no limit",
     )
     deep_scan: Literal["always", "auto", "never"] = Field(
         default="always",
@@ -174,6 +207,13 @@ class ScannerSettings(BaseSettings):
         " (cached by digest): always = every image (default); auto = only images that declare no NVIDIA"
         " signal (a declared image's walk stops at its libc verdict, usually in the top layer's first KiB);"
         " never = the libc verdict only",
+    )
+    gpu_code_rule: Literal["dispatch", "strict"] = Field(
+        default="dispatch",
+        description="how placement judges an image's GPU code: dispatch = as packages load it (a library runs"
+        " where some of its kernels do; extensions for other GPUs and optional packages are named, not"
+        " refused); strict = every kernel of the image's own code must run on the GPU (one application's"
+        " own kernels). A request's gpu_code_rule overrides it",
     )
     platforms: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -270,6 +310,14 @@ class ScannerSettings(BaseSettings):
         """`GPUBADGE_REDIRECT_HOSTS=storage.internal:9000,.blob.example.com`, or a list."""
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("analysis_memory_bytes")
+    @classmethod
+    def _room_to_start(cls, value: int) -> int:
+        """An analysis process needs about 45 MB of address space before it reads anything."""
+        if 0 < value < limits.MIN_ANALYSIS_MEMORY_BYTES:
+            raise ValueError(f"must be 0 (no limit) or at least {limits.MIN_ANALYSIS_MEMORY_BYTES:,} bytes")
         return value
 
     @field_validator("platforms", mode="before")

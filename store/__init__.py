@@ -16,6 +16,7 @@ from store.facade import AsyncStore, BlockingStore
 from store.models import (
     DeploymentRecord,
     EnqueueBatch,
+    GpuClaims,
     GpuTaken,
     ImageRow,
     Job,
@@ -34,6 +35,7 @@ __all__ = [
     "BlockingStore",
     "DeploymentRecord",
     "EnqueueBatch",
+    "GpuClaims",
     "GpuTaken",
     "ImageRow",
     "Job",

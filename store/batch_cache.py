@@ -156,6 +156,9 @@ class BatchScanCache:
     async def layer_evidence(self, digest: str) -> str | None:
         return await self._store.run(queries.layer_evidence, digest)
 
+    async def scan_in_flight(self, job_id: str) -> bool:
+        return await self._store.run(queries.scan_in_flight, job_id)
+
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
         await self._store.run(queries.save_layer_evidence, digest, evidence_json)
 

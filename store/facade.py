@@ -89,6 +89,9 @@ class StoreScanCache:
     async def stored(self, digest: str) -> tuple[ImageReport | None, PlatformReport | None]:
         return await self._store.run(queries.stored, digest)
 
+    async def scan_in_flight(self, job_id: str) -> bool:
+        return await self._store.run(queries.scan_in_flight, job_id)
+
     async def layer_evidence(self, digest: str) -> str | None:
         return await self._store.run(queries.layer_evidence, digest)
 
@@ -251,8 +254,9 @@ class AsyncStore:
         self._health_pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
 
-    async def health(self, timeout: float) -> str | None:
-        """None when the database answers and takes a write within `timeout`; else why not, in words.
+    async def health(self, timeout: float) -> StoreUnavailable | None:
+        """None when the database answers and takes a write within `timeout`; else why not, in words
+        (the message for operators, `public` for anyone).
 
         Never waits longer than `timeout`. Overlapping callers share one check in flight; a check
         stuck past its own deadline is reported as stuck, never queued behind.
@@ -261,7 +265,8 @@ class AsyncStore:
         if self._health_check is not None and not self._health_check[1].done():
             started, check = self._health_check
             if now - started > timeout:
-                return f"the database has not answered a write check for {now - started:.1f} s"
+                stuck = f"the database has not answered a write check for {now - started:.1f} s"
+                return StoreUnavailable(stuck, stuck)
         else:
             started, check = now, self._health_pool.submit(self._backend.check_writable, timeout)
             self._health_check = (started, check)
@@ -269,9 +274,10 @@ class AsyncStore:
             # shield: one caller giving up must not cancel the check the others share
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(check)), started + timeout + 0.25 - now)
         except TimeoutError:
-            return f"the database did not take a write within {timeout:.1f} s"
+            slow = f"the database did not take a write within {timeout:.1f} s"
+            return StoreUnavailable(slow, slow)
         except StoreUnavailable as exc:
-            return str(exc)
+            return exc
         return None
 
     # ------------------------------------------------------------ engine-specific, one hop
@@ -320,9 +326,10 @@ class AsyncStore:
         source: str | None = None,
         max_attempts: int = 5,
         delay: float = 0.0,
+        rescan: bool = False,
     ) -> list[str]:
-        """One delivery's jobs (see `enqueue_many`)."""
-        batch = EnqueueBatch(references, source, max_attempts, delay)
+        """One delivery's jobs (see `enqueue_many`); `rescan`: scan again, reusing nothing stored."""
+        batch = EnqueueBatch(references, source, max_attempts, delay, rescan)
         return (await self.enqueue_many([batch]))[0]
 
     async def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:

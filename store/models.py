@@ -18,8 +18,34 @@ class GpuTaken(Exception):
     """A GPU chosen for a deployment was reserved by another deployment first."""
 
 
+@dataclass(frozen=True)
+class GpuClaims:
+    """What a registration (or a report of other GPUs) did with the GPU UUIDs it reported.
+
+    `refused`: GPU UUID -> the server that owns it (nothing was written); `reassigned`: GPU UUID ->
+    the server it was taken from (the fleet-wide token's right); `full`: a new server was refused
+    because its token has registered its most servers (nothing was written)."""
+
+    refused: dict[str, str] = field(default_factory=dict)
+    reassigned: dict[str, str] = field(default_factory=dict)
+    full: bool = False
+
+    @property
+    def written(self) -> bool:
+        return not self.refused and not self.full
+
+
 class StoreUnavailable(Exception):
-    """The database could not be reached or written; the message says why, in words."""
+    """The database could not be reached or written; the message says why, in words.
+
+    `public` says the same without where (no file path, host name or connection detail), for
+    answers to callers who are not operators (/healthz, an API's 503); the message is for the log
+    and for operators.
+    """
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public if public is not None else "the database is unavailable"
 
 
 @dataclass(frozen=True)
@@ -30,6 +56,7 @@ class EnqueueBatch:
     source: str | None = None
     max_attempts: int = 5
     delay: float = 0.0
+    rescan: bool = False  # scan again whatever is stored (coalesces with rescans only)
 
 
 @dataclass(frozen=True)
@@ -49,6 +76,7 @@ class Job:
     updated_at: str
     lease_owner: str | None = None
     lease_expires: str | None = None
+    rescan: bool = False  # a forced rescan: nothing stored is reused
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,9 @@ class ImageRow:
     scanned_at: str
     tags: list[str]
     platform_badges: list[str] = field(default_factory=list)  # every platform's badges, once each
+    # the other names it is tagged under (`registry/repository:tag`), e.g. after a `skopeo copy`
+    other_names: list[str] = field(default_factory=list)
+    carried_cuda: list[str] = field(default_factory=list)  # CUDA its layers carry (declared: cuda_versions)
 
 
 class ServerRecord(NamedTuple):

@@ -54,7 +54,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of, queued_jobs
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,10 @@ class PostgresStore(SharedMethods):
                 self.upgrade()
         except (psycopg.Error, PoolTimeout) as exc:
             self._pool.close()
-            raise StoreUnavailable(f"cannot open the PostgreSQL store: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"cannot open the PostgreSQL store: {_describe(exc)}",
+                f"cannot open the PostgreSQL store: {_cause(exc)}",
+            ) from exc
         self._listeners: list[_Listener] = []
 
     # ------------------------------------------------------------ plumbing
@@ -118,9 +121,13 @@ class PostgresStore(SharedMethods):
             with self._pool.connection() as conn, conn.transaction():
                 yield conn
         except PoolTimeout as exc:
-            raise StoreUnavailable(f"no PostgreSQL connection: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
+            ) from exc
         except psycopg.OperationalError as exc:
-            raise StoreUnavailable(f"PostgreSQL is unreachable: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
+            ) from exc
 
     _reading = _transaction  # READ COMMITTED reads never wait for writers
 
@@ -172,7 +179,10 @@ class PostgresStore(SharedMethods):
                     " ON CONFLICT (id) DO UPDATE SET checked_at = excluded.checked_at"
                 )
         except (psycopg.Error, PoolTimeout) as exc:
-            raise StoreUnavailable(f"PostgreSQL cannot be written: {_describe(exc)}") from exc
+            raise StoreUnavailable(
+                f"PostgreSQL cannot be written: {_describe(exc)}",
+                f"PostgreSQL cannot be written: {_cause(exc)}",
+            ) from exc
 
     def queue_health(self) -> QueueHealth:
         with self._reading() as conn:
@@ -222,12 +232,12 @@ class PostgresStore(SharedMethods):
                 items.append((batch_index, item_index, item[0], item[1], float(wait), batch))
         # One lock order for every transaction (by key), so concurrent group commits that share
         # references wait for each other instead of deadlocking.
-        items.sort(key=lambda entry: entry[2])
+        items.sort(key=lambda entry: (entry[2], entry[5].rescan))
         results: list[list[str]] = [[""] * len(batch.references) for batch in batches]
         with self._transaction() as conn:
             for batch_index, item_index, reference, registry, wait, batch in items:
                 results[batch_index][item_index] = self._enqueue_one(
-                    conn, reference, registry, wait, batch.source, batch.max_attempts
+                    conn, reference, registry, wait, batch.source, batch.max_attempts, batch.rescan
                 )
             conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
         return results
@@ -240,7 +250,9 @@ class PostgresStore(SharedMethods):
         wait: float,
         source: str | None,
         max_attempts: int,
+        rescan: bool = False,
     ) -> str:
+        key = dedupe_key(reference, rescan=rescan)
         for _ in range(5):  # bounded: only a job settling between our two statements loops again
             inserted = conn.execute(
                 "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
@@ -248,16 +260,17 @@ class PostgresStore(SharedMethods):
                 " VALUES (%s, %s, %s, %s, 'queued', 0, %s, now() + make_interval(secs => %s), %s,"
                 " clock_timestamp(), clock_timestamp())"
                 " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id",
-                [uuid.uuid4().hex, reference, registry, reference, max_attempts, wait, source],
+                [uuid.uuid4().hex, reference, registry, key, max_attempts, wait, source],
             ).fetchone()
             if inserted:
                 return str(inserted[0])
             existing = conn.execute(
-                "SELECT id FROM jobs WHERE dedupe_key = %s AND state IN ('queued', 'running')", [reference]
+                "SELECT id FROM jobs WHERE dedupe_key = %s AND state IN ('queued', 'running')", [key]
             ).fetchone()
             if existing:
                 return str(existing[0])
-        raise StoreUnavailable(f"could not queue {reference}: its active job kept changing")
+        message = f"could not queue {reference}: its active job kept changing"
+        raise StoreUnavailable(message, message)
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -543,6 +556,17 @@ def _describe(exc: BaseException) -> str:
     """An error in words, without the connection string (it may hold a password)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:300]
+
+
+def _cause(exc: BaseException) -> str:
+    """An error's kind without where it happened, for answers to anyone: the server's error class and
+    SQLSTATE (`QueryCanceled, SQLSTATE 57014`), never a host, port or message text, which can name them."""
+    state = getattr(exc, "sqlstate", None)
+    if state:
+        return f"{type(exc).__name__}, SQLSTATE {state}"
+    if isinstance(exc, PoolTimeout):
+        return "no connection within the timeout"
+    return "the connection failed"
 
 
 class _Listener:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
@@ -47,8 +47,8 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, queued_jobs
-from store.sqlite_access import WriterLock, unwritable_hint
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
+from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
 from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
@@ -123,14 +123,15 @@ class SqliteStore(SharedMethods):
         self._mover: threading.Thread | None = None
         self._closing = False
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            create_private_file(self.path)
             self._writer = self._connect(busy_timeout)
             self._writer.execute("PRAGMA journal_mode=WAL")
             if upgrade:  # `gpubadge db status` looks without changing anything
                 self.upgrade()
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(
-                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}"
+                f"cannot open the SQLite store {self.path}: {exc}{unwritable_hint(self.path)}",
+                "cannot open the SQLite store",
             ) from exc
 
     def _connect(self, timeout: float) -> sqlite3.Connection:
@@ -193,7 +194,10 @@ class SqliteStore(SharedMethods):
                 self._local.reader = connection
             yield connection
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be read: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be read: {exc}",
+                f"the SQLite store cannot be read: {exc}",
+            ) from exc
 
     @contextmanager
     def _transaction(self, *, urgent: bool = False) -> Iterator[sqlite3.Connection]:
@@ -216,7 +220,10 @@ class SqliteStore(SharedMethods):
                         conn.execute("ROLLBACK")
                 raise
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
         finally:
             lock.release()
 
@@ -243,7 +250,10 @@ class SqliteStore(SharedMethods):
                 raise
             connection.execute("COMMIT")
         except sqlite3.Error as exc:
-            raise StoreUnavailable(f"the SQLite store {self.path} cannot be written: {exc}") from exc
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} cannot be written: {exc}",
+                f"the SQLite store cannot be written: {exc}",
+            ) from exc
 
     def queue_health(self) -> QueueHealth:
         self._settle_intake()
@@ -272,12 +282,20 @@ class SqliteStore(SharedMethods):
         waits for the jobs this process journaled (`_settle_intake`)."""
         if query in JOB_READS:
             self._settle_intake()
+            if query is job:  # a job still in the journal (the store's writer held elsewhere) is queued
+                found = self._reading_query(query, *args, **kwargs)
+                if found is None and self._journal is not None:
+                    return cast(T, self._journal.job(str(args[0] if args else kwargs["job_id"])))
+                return found
         if query.write:
             with self._transaction() as conn:
                 writing = Db(conn, SQLITE)
                 result = query(writing, *args, **kwargs)
             self._announce(*writing.notices)
             return result
+        return self._reading_query(query, *args, **kwargs)
+
+    def _reading_query(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         with self._reading() as connection:
             return query(Db(connection, SQLITE), *args, **kwargs)
 
@@ -397,7 +415,7 @@ class SqliteStore(SharedMethods):
                         job.id,
                         job.reference,
                         job.registry,
-                        job.reference,
+                        job.dedupe_key,
                         job.max_attempts,
                         job.not_before,
                         job.source,
@@ -408,7 +426,7 @@ class SqliteStore(SharedMethods):
                     conn.execute(
                         "INSERT INTO job_aliases (id, job_id) SELECT ?, id FROM jobs"
                         " WHERE dedupe_key = ? AND state IN ('queued', 'running') ON CONFLICT (id) DO NOTHING",
-                        [job.id, job.reference],
+                        [job.id, job.dedupe_key],
                     )
             conn.execute(
                 "INSERT INTO intake_moved (journal, seq) VALUES (?, ?)"
@@ -510,7 +528,7 @@ class SqliteStore(SharedMethods):
             claimed = conn.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
-        return [Job(*row) for row in claimed]
+        return [job_of(Db(conn, SQLITE), row) for row in claimed]
 
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:
         """Extend `owner`'s leases; returns the ids it still holds (a lost lease is not renewed)."""

@@ -1,5 +1,6 @@
 """How processes and threads share one SQLite file: the writer lock's fast lane for webhook intake,
-and why a file cannot be opened, in words SQLite does not give. Used by `store.sqlite`.
+how a new file and its directory are made (the service user's alone), and why a file cannot be
+opened, in words SQLite does not give. Used by `store.sqlite`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,41 @@ class WriterLock:
             yield
         finally:
             self.release()
+
+
+def create_private_file(path: Path) -> None:
+    """Make the database file, and the directories it lacks, as the service user's alone.
+
+    The store holds deployments' environment values, so a file gpubadge makes is mode 0600 (SQLite
+    gives its WAL and shared-memory files the same mode) and a directory it makes is mode 0700; it
+    is made exclusively (`O_EXCL | O_NOFOLLOW`), so a link planted under that name is never
+    followed to make a file elsewhere. A file or directory that exists is the operator's, used as
+    named (a database moved behind a link stays usable), except a link that leads nowhere:
+    SQLite would create its target, so it is refused.
+    """
+    if path.parent != path and not path.parent.exists():
+        _make_directories(path.parent)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        if path.is_symlink() and not path.exists():
+            raise FileExistsError(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: SQLite would create"
+                " the file it names; remove the link or make its target"
+            ) from None
+        return
+    os.close(descriptor)
+
+
+def _make_directories(directory: Path) -> None:
+    """`mkdir -p` with mode 0700 for each directory made (Path.mkdir gives made parents the umask's)."""
+    if directory.parent != directory and not directory.parent.exists():
+        _make_directories(directory.parent)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        if not directory.is_dir():
+            raise
 
 
 def unwritable_hint(path: Path) -> str:

@@ -32,16 +32,22 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
-from store.models import EnqueueBatch
+from store.models import EnqueueBatch, Job
+from store.queries.jobs import RESCAN_KEY, dedupe_key
+from store.sqlite_access import create_private_file
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS journal_meta (id INTEGER PRIMARY KEY CHECK (id = 1), journal TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS intake ("
     " seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, reference TEXT NOT NULL, registry TEXT NOT NULL,"
-    " max_attempts INTEGER NOT NULL, not_before TEXT NOT NULL, source TEXT, created_at TEXT NOT NULL)",
+    " max_attempts INTEGER NOT NULL, not_before TEXT NOT NULL, source TEXT, created_at TEXT NOT NULL,"
+    " dedupe_key TEXT NOT NULL)",
 )
-INSERT_ROWS = 1000  # rows per INSERT statement (7 parameters each, under SQLite's 32,766)
-_RECORD = "INSERT INTO intake (id, reference, registry, max_attempts, not_before, source, created_at)"
+INSERT_ROWS = 1000  # rows per INSERT statement (8 parameters each, under SQLite's 32,766)
+Row = tuple[str, str, str, int, str, str | None, str, str]  # a journal row as _RECORD inserts it
+_RECORD = (
+    "INSERT INTO intake (id, reference, registry, max_attempts, not_before, source, created_at, dedupe_key)"
+)
 
 
 def journal_path(store_path: Path) -> Path:
@@ -61,6 +67,7 @@ class JournaledJob:
     not_before: str
     source: str | None
     created_at: str
+    dedupe_key: str  # what it coalesces by (`store.queries.jobs.dedupe_key`: a rescan only with rescans)
 
 
 def _iso(moment: datetime) -> str:
@@ -83,6 +90,7 @@ class IntakeJournal:
     ) -> None:
         self.path = path
         self._write_lock = threading.Lock()
+        create_private_file(path)  # the service user's alone, as the store's file
         self._writer = self._connect(synchronous, busy_timeout)
         self._writer.execute("PRAGMA journal_mode=WAL")
         self._writer.execute("PRAGMA wal_autocheckpoint=0")  # the mover checkpoints, off the answer's path
@@ -100,7 +108,9 @@ class IntakeJournal:
         self.moved_through = 0  # rows up to here are in the store: trimmed after the next answer
         self.recorded_through = 0  # the last row this process recorded
         self._trimmed_through = 0
-        self._unmoved: dict[str, tuple[int, str]] = {}  # reference -> (seq, id) of rows this process recorded
+        self._unmoved: dict[
+            str, tuple[int, str]
+        ] = {}  # dedupe key -> (seq, id) of rows this process recorded
 
     def _connect(self, synchronous: str, busy_timeout: float) -> sqlite3.Connection:
         connection = sqlite3.connect(
@@ -141,18 +151,22 @@ class IntakeJournal:
         in memory: another process's duplicate row is coalesced when it moves); any other, a new
         job. Moved rows are trimmed apart (`trim`), after the answer.
         """
-        references = list(dict.fromkeys(item[0] for batch in batches for item in batch.references))
-        marks = ",".join("?" * len(references))
+        keys = list(
+            dict.fromkeys(
+                dedupe_key(item[0], rescan=batch.rescan) for batch in batches for item in batch.references
+            )
+        )
+        marks = ",".join("?" * len(keys))
         active = dict(
             store.execute(
                 f"SELECT dedupe_key, id FROM jobs WHERE dedupe_key IN ({marks}) AND state IN ('queued', 'running')",
-                references,
+                keys,
             ).fetchall()
         )
         created = _iso(now)
         not_before = {0.0: created}  # delay -> timestamp: most items share one (no delay at all)
         results: list[list[str]] = []
-        rows: list[tuple[str, str, str, int, str, str | None, str]] = []
+        rows: list[Row] = []
         with self._write_lock:
             unmoved = self._unmoved
             moving = self.moving_through  # rows up to here are (being) moved: coalesce into none of them
@@ -160,10 +174,11 @@ class IntakeJournal:
                 ids: list[str] = []
                 for item in batch.references:
                     reference = item[0]
-                    known = active.get(reference)
+                    key = dedupe_key(reference, rescan=batch.rescan)
+                    known = active.get(key)
                     if (
                         known is None
-                        and (journaled := unmoved.get(reference)) is not None
+                        and (journaled := unmoved.get(key)) is not None
                         and journaled[0] > moving
                     ):
                         known = journaled[1]
@@ -176,9 +191,9 @@ class IntakeJournal:
                         ready = not_before[wait] = _iso(now + timedelta(seconds=wait))
                     job_id = os.urandom(16).hex()  # as random as uuid4().hex, without the UUID object
                     rows.append(
-                        (job_id, reference, item[1], batch.max_attempts, ready, batch.source, created)
+                        (job_id, reference, item[1], batch.max_attempts, ready, batch.source, created, key)
                     )
-                    active[reference] = job_id  # a second mention in this commit joins the first
+                    active[key] = job_id  # a second mention in this commit joins the first
                     ids.append(job_id)
                 results.append(ids)
             if len(rows) > INSERT_ROWS:  # several statements: one transaction still
@@ -188,17 +203,17 @@ class IntakeJournal:
                 self._insert(rows)  # one statement, its own commit
         return results
 
-    def _insert(self, rows: list[tuple[str, str, str, int, str, str | None, str]]) -> None:
+    def _insert(self, rows: list[Row]) -> None:
         """INSERT `rows` (INSERT_ROWS to a statement); they take consecutive seqs (one writer)."""
         for start in range(0, len(rows), INSERT_ROWS):
             chunk = rows[start : start + INSERT_ROWS]
-            values = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+            values = ",".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
             cursor = self._writer.execute(
                 f"{_RECORD} VALUES {values}", [value for row in chunk for value in row]
             )
             last = int(cursor.lastrowid or 0)
             for offset, row in enumerate(chunk):
-                self._unmoved[row[1]] = (last - len(chunk) + 1 + offset, row[0])
+                self._unmoved[row[7]] = (last - len(chunk) + 1 + offset, row[0])
             self.recorded_through = last
 
     def trim(self) -> None:
@@ -230,11 +245,28 @@ class IntakeJournal:
         """The journaled jobs after `after` up to `through`, in journal order."""
         with self._reader_lock:
             rows = self._reader.execute(
-                "SELECT seq, id, reference, registry, max_attempts, not_before, source, created_at FROM intake"
+                "SELECT seq, id, reference, registry, max_attempts, not_before, source, created_at, dedupe_key"
+                " FROM intake"
                 " WHERE seq > ? AND seq <= ? ORDER BY seq",
                 [after, through],
             ).fetchall()
         return [JournaledJob(*row) for row in rows]
+
+    def job(self, job_id: str) -> Job | None:
+        """A job still in the journal (not moved yet), as the store will show it: queued."""
+        with self._reader_lock:
+            row = self._reader.execute(
+                "SELECT id, reference, registry, max_attempts, source, created_at, dedupe_key FROM intake WHERE id = ?"
+                " ORDER BY seq DESC LIMIT 1",
+                [job_id],
+            ).fetchone()
+        if row is None:
+            return None
+        stamp = _iso(datetime.fromisoformat(row[5]))
+        rescan = str(row[6]).startswith(RESCAN_KEY)
+        return Job(
+            row[0], row[1], row[2], "queued", 0, row[3], None, None, row[4], stamp, stamp, rescan=rescan
+        )
 
     def checkpoint(self) -> None:
         """Fold the journal's WAL into its file without waiting for (or blocking) the intake."""

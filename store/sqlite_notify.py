@@ -12,24 +12,36 @@ socket there, its own included (as PostgreSQL's listeners hear their own NOTIFY)
   notice, and waiters re-check on their own (`store.events.SAFETY_RECHECK`), so a slow reader
   delays an answer by seconds at worst and never stalls a commit.
 - A listener that is gone (its process died without cleaning up) is found at the next send
-  (the socket refuses) and its entry removed.
-- A socket path is limited to 107 bytes. When the directory's path is longer, the socket is
-  bound in a short private directory under the system's temporary directory, and the entry
-  beside the SQLite file is a symbolic link to it.
-- The directory is made with mode 0700: only the file's owner may send to its listeners.
+  (the socket refuses) and its socket removed.
+
+The directory is the service user's alone, and nothing in it is trusted before it is checked
+(the file may sit in a directory other users can write to, where they could plant a directory
+of that name, or links in it):
+
+- It is created with mode 0700. One that exists is used only when it is a real directory (not
+  a link) owned by the user this process runs as; group and other permissions on it are taken
+  away. Anything else is refused (`UnsafeDirectory`, an `OSError`: the store then goes without
+  other processes' events and says why) and left as it is.
+- It is opened once per use (`O_NOFOLLOW | O_DIRECTORY`) and every socket is bound, sent to and
+  removed through that descriptor (`/proc/self/fd/N/<name>`, `unlinkat`), so a path swapped
+  after the check is never followed, and a socket path is never longer than 107 bytes
+  whatever the directory's path.
+- Only entries that are sockets owned by this user are sent to; links, files, directories and
+  other users' sockets are skipped and never removed. A stale socket is removed by name in the
+  checked directory: no link is ever followed to find what to unlink.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
-import shutil
 import socket
-import tempfile
+import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,11 +50,80 @@ Notice = tuple[str, str]  # (channel, payload), as PostgreSQL's
 PAYLOAD_MAX = 7900  # what PostgreSQL's 8000-byte NOTIFY limit leaves, as store.postgres cuts it
 DATAGRAM_MAX = 8192
 SUN_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL
+_PROC_FD = Path("/proc/self/fd")
+
+
+class UnsafeDirectory(PermissionError):
+    """The notify directory is not this user's own private directory; the message says why."""
 
 
 def notify_directory(database: Path) -> Path:
     """Where the listeners of the SQLite file `database` bind their sockets."""
     return database.with_name(database.name + "-notify")
+
+
+def open_private_directory(directory: Path, *, create: bool) -> int:
+    """A descriptor of `directory`, checked to be a real directory owned by this process's user with
+    no group or other permissions (taken away if it had them). With `create`, made (mode 0700) when
+    it does not exist. Raises `UnsafeDirectory` for anything else, FileNotFoundError when absent."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW met a link, or a file is there
+            kind = "a symbolic link" if os.path.islink(directory) else "not a directory"
+            raise UnsafeDirectory(_refusal(directory, f"it is {kind}")) from None
+        raise
+    try:
+        found = os.fstat(descriptor)
+        user = os.geteuid()
+        if found.st_uid != user:
+            raise UnsafeDirectory(
+                _refusal(directory, f"it is owned by uid {found.st_uid}, not by this process's uid {user}")
+            )
+        if stat.S_IMODE(found.st_mode) & 0o077:
+            os.fchmod(descriptor, 0o700)  # ours: others lose access before anything in it is used
+            log.info("%s: group and other permissions removed (mode 0700)", directory)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _refusal(directory: Path, why: str) -> str:
+    return (
+        f"{directory} is not used for notices: {why}; remove it, or keep the database in a directory"
+        " only the service's user can write to"
+    )
+
+
+def _address(descriptor: int, directory: Path, name: str) -> str:
+    """A socket address for `name` in the checked directory open as `descriptor`: through the
+    descriptor (no path is looked up again, and it is short whatever the directory's path)."""
+    if _PROC_FD.is_dir():
+        return f"{_PROC_FD}/{descriptor}/{name}"
+    address = str(directory / name)  # no /proc: the path itself, where it fits
+    if len(os.fsencode(address)) > SUN_PATH_MAX:
+        raise OSError(f"{address}: longer than a socket path may be ({SUN_PATH_MAX} bytes) and no /proc")
+    return address
+
+
+def _own_sockets(descriptor: int) -> Iterator[str]:
+    """Names of the entries of the open directory that are sockets owned by this process's user;
+    nothing else (links included) is ever looked at twice."""
+    user = os.geteuid()
+    with os.scandir(descriptor) as entries:
+        for entry in entries:
+            try:
+                found = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(found.st_mode) and found.st_uid == user:
+                yield entry.name
+            else:
+                log.debug("not a listener of ours, skipped: %s", entry.name)
 
 
 class LocalNotifier:
@@ -53,57 +134,61 @@ class LocalNotifier:
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
         self._lock = threading.Lock()  # one sender socket, many store threads
+        self._refused = False  # an unsafe directory is logged once per process
 
     def send(self, notices: Sequence[Notice]) -> None:
         """Hand `notices` to every listener now; never blocks, never raises."""
         if not notices:
             return
         try:
-            entries = list(os.scandir(self.directory))
+            descriptor = open_private_directory(self.directory, create=False)
+        except UnsafeDirectory as exc:
+            if not self._refused:
+                self._refused = True
+                log.warning("%s", exc)
+            return
         except OSError:
             return  # no directory: nobody listens
-        datagrams = [f"{channel}\n{payload}".encode()[: PAYLOAD_MAX + 64] for channel, payload in notices]
-        for entry in entries:
-            target = entry.path
-            if entry.is_symlink():
+        try:
+            datagrams = [f"{channel}\n{payload}".encode()[: PAYLOAD_MAX + 64] for channel, payload in notices]
+            for name in list(_own_sockets(descriptor)):
                 try:
-                    target = os.readlink(entry.path)
+                    address = _address(descriptor, self.directory, name)
                 except OSError:
                     continue
-            for datagram in datagrams:
-                try:
-                    with self._lock:
-                        self._sender.sendto(datagram, target)
-                except BlockingIOError:
-                    break  # its queue is full: it re-checks on its own
-                except (ConnectionRefusedError, FileNotFoundError):
-                    _remove_stale(entry.path, target)
-                    break
-                except OSError as exc:
-                    log.debug("notice to %s not sent: %s", entry.path, exc)
-                    break
+                for datagram in datagrams:
+                    try:
+                        with self._lock:
+                            self._sender.sendto(datagram, address)
+                    except BlockingIOError:
+                        break  # its queue is full: it re-checks on its own
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        # nobody bound to it any more: its process is gone. Removed by name in the
+                        # checked directory (a socket, so no link is followed).
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=descriptor)
+                        log.debug("removed the socket of a listener that is gone: %s", name)
+                        break
+                    except OSError as exc:
+                        log.debug("notice to %s not sent: %s", name, exc)
+                        break
+        finally:
+            os.close(descriptor)
 
     def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
         """Call `callback((channel, payload))` from a background thread for every notice sent to this
-        file's listeners; returns a function that stops listening and removes the socket."""
-        self.directory.mkdir(mode=0o700, exist_ok=True)
+        file's listeners; returns a function that stops listening and removes the socket.
+
+        Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
+        descriptor = open_private_directory(self.directory, create=True)
         name = f"{os.getpid()}.{secrets.token_hex(4)}"
-        entry = self.directory / name
-        private: Path | None = None
-        if len(os.fsencode(entry)) <= SUN_PATH_MAX:
-            address = str(entry)
-        else:
-            private = Path(tempfile.mkdtemp(prefix="gpubadge-notify-"))
-            address = str(private / "s")
         receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
+            address = _address(descriptor, self.directory, name)
             receiver.bind(address)
-            if private is not None:
-                entry.symlink_to(address)
-        except OSError:
+        except BaseException:
             receiver.close()
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
+            os.close(descriptor)
             raise
         stopped = threading.Event()
 
@@ -128,33 +213,16 @@ class LocalNotifier:
             if stopped.is_set():
                 return
             stopped.set()
-            # the wake-up goes to the bound path, so before the path is unlinked
+            # the wake-up goes to the bound socket, so before it is unlinked
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
                 waker.sendto(b"", address)  # wakes the thread's recv; it sees `stopped` and ends
             with contextlib.suppress(OSError):
-                os.unlink(entry)
+                os.unlink(name, dir_fd=descriptor)
             thread.join(timeout=5)
             receiver.close()
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(address)
+            os.close(descriptor)
 
         return stop
 
     def close(self) -> None:
         self._sender.close()
-
-
-def _remove_stale(entry: str, target: str) -> None:
-    """A listener that no longer answers: its process is gone. Remove its entry (and its socket,
-    with the private directory it was bound in, if any)."""
-    for path in {entry, target}:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    parent = Path(target).parent
-    if target != entry and parent.name.startswith("gpubadge-notify-"):
-        with contextlib.suppress(OSError):
-            parent.rmdir()
-    log.debug("removed the socket of a listener that is gone: %s", entry)

@@ -67,6 +67,12 @@ CUDA_RUNTIME_13 = PinnedWheel(
     "nvidia_cuda_runtime-13.0.96-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
     "7f82250d7782aa23b6cfe765ecc7db554bd3c2870c43f3d1821f1d18aebf0548",
 )
+# CUDA 12.4's runtime (libcudart.so.12), what an nvidia/cuda:12.4 base carries for its programs to link.
+CUDA_RUNTIME_12_4 = PinnedWheel(
+    "nvidia-cuda-runtime-cu12==12.4.127",
+    "nvidia_cuda_runtime_cu12-12.4.127-py3-none-manylinux2014_x86_64.whl",
+    "64403288fa2136ee8e467cdc9c9427e0434110899d07c779f25b5c068934faa5",
+)
 # A real library whose kernels stop before Blackwell and carry no PTX, as torch 2.5.1's libtorch_cuda.so
 # (cuobjdump: 4 containers of SASS sm_80, sm_86, sm_90, no PTX), in a 4 MB wheel instead of 906 MB.
 TORCHAO_070 = PinnedWheel(

@@ -34,6 +34,7 @@ from scanner.settings import ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
 from tests.nvidia_wheels import (
+    CUDA_RUNTIME_12_4,
     CUDA_RUNTIME_13,
     CURAND_CU12,
     CUSPARSELT_CU12,
@@ -48,6 +49,8 @@ from tests.nvidia_wheels import (
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 TORCHAO_LIB = f"{SITE}/torchao/_C.cpython-311-x86_64-linux-gnu.so"
+APP_LIB = "/app/lib/libkernels.so"  # torchao 0.7.0's _C as an application's own kernel library
+CUDART_12_4 = "/usr/local/cuda-12.4/targets/x86_64-linux/lib/libcudart.so.12"
 NCCL_LIB = f"{SITE}/nvidia/nccl/lib/libnccl.so.2"
 CUSPARSELT_LIB = f"{SITE}/cusparselt/lib/libcusparseLt.so.0"
 CURAND_BASE_LIB = "/usr/local/cuda-12.4/targets/x86_64-linux/lib/libcurand.so.10"
@@ -104,9 +107,14 @@ def images(registry: LocalRegistry, push: Pusher) -> Iterator[dict[str, str]]:
         ]
     )
     torchao = LayerSpec(wheel_entries(TORCHAO_070))
+    _, torchao_c = next((p, d) for p, d in wheel_members(TORCHAO_070).items() if p.endswith(".so"))
+    app_kernels = LayerSpec([file(APP_LIB, torchao_c)])
+    _, cudart = wheel_member(CUDA_RUNTIME_12_4, "/libcudart.so.12")
+    base_124 = LayerSpec([*toolkit("12.4.1").entries, file(CUDART_12_4, cudart)])  # what its programs link
     specs = {
         "carried/cu130-on-128:1": ImageSpec([toolkit("12.8.1"), cu130], env=declared("12.8.1")),
-        "carried/torchao-on-124:1": ImageSpec([toolkit("12.4.1"), torchao], env=declared("12.4.1")),
+        "carried/torchao-on-124:1": ImageSpec([base_124, torchao], env=declared("12.4.1")),
+        "carried/app-kernels-on-124:1": ImageSpec([base_124, app_kernels], env=declared("12.4.1")),
         "carried/torch27-libs:1": ImageSpec([torch27_libs]),
         "carried/torch27-libs-declared:1": ImageSpec(
             [toolkit("12.8.1"), torch27_libs], env=declared("12.8.1")
@@ -213,11 +221,11 @@ async def test_a_newer_carried_cuda_on_a_declared_base_needs_its_driver(
 async def test_a_declared_base_with_kernels_that_stop_at_sm_90(
     images: dict[str, str], store_path: Path, tmp_path: Path
 ) -> None:
-    reference = images["carried/torchao-on-124:1"]
+    reference = images["carried/app-kernels-on-124:1"]
     platform = await scan(reference, store_path)
     archs = platform.gpu.archs
     assert archs is not None
-    (lib,) = [f for f in archs.files if f.path == TORCHAO_LIB]
+    (lib,) = [f for f in archs.files if f.path == APP_LIB]
     # ground truth: NVIDIA's cuobjdump on the same file
     _, data = next(
         (p, d)
@@ -226,18 +234,14 @@ async def test_a_declared_base_with_kernels_that_stop_at_sm_90(
     )
     assert (set(lib.sass), set(lib.ptx)) == cuobjdump_archs(data, tmp_path) == ({"80", "86", "90"}, set())
     assert archs.sass == ["80", "86", "90"] and archs.ptx == []  # never empty for an image that runs on A100
-    assert (
-        gpu_code.summary(archs)
-        == "GPU code for sm_80–sm_90, no PTX: compute capability 8.0–9.0, not Blackwell"
-    )
+    assert gpu_code.summary(archs) == "GPU code for sm_80–sm_90, no PTX: compute capability 8.0–9.0"
     assert not any("cuda-newer-inside" in b or "cuda-mismatch" in b for b in platform.badges)
 
     eligible, reasons, _ = answer(platform, reference)
     assert eligible == {"a100-570", "l4-575", "h100-570", "h100-580"}
     for name, cc in (("rtx5090-580", "12.0"), ("b200-580", "10.0"), ("v100-580", "7.0")):
         assert any(
-            f"{TORCHAO_LIB} has no kernel image for compute capability {cc} (SASS sm_80–sm_90, no PTX)"
-            in line
+            f"{APP_LIB} has no kernel image for compute capability {cc} (SASS sm_80–sm_90, no PTX)" in line
             for line in reasons[name]
         ), "\n".join(reasons[name])
 
@@ -264,6 +268,30 @@ async def test_a_declared_base_with_kernels_that_stop_at_sm_90(
     assert {name for name, matched in code_rule.items() if matched} == {"a100-520", *eligible}
 
 
+async def test_a_package_that_runs_without_its_kernels_is_placed_without_them(
+    images: dict[str, str], store_path: Path
+) -> None:
+    """The same bytes as torchao 0.7.0's own `_C` extension: torchao loads it with
+    `torch.ops.load_library` inside a `try:` and runs on without it, so where its kernels stop
+    (Blackwell) the image runs, and the answer says what it runs without."""
+    reference = images["carried/torchao-on-124:1"]
+    platform = await scan(reference, store_path)
+    archs = platform.gpu.archs
+    assert archs is not None
+    (lib,) = [f for f in archs.files if f.path == TORCHAO_LIB]
+    assert lib.imported == "optional" and lib.loadable  # libcudart.so.12 is in the base
+    (package,) = [p for p in archs.packages if p.id == lib.package]
+    assert package.name == "torchao" and package.version == "0.7.0" and package.optional
+    eligible, _, warnings = answer(platform, reference)
+    assert {"b200-580", "rtx5090-580", "h100-580"} <= eligible
+    assert any(
+        "(compute capability 12.0): runs; without" in w
+        and TORCHAO_LIB in w
+        and "torchao 0.7.0 runs without it" in w
+        for w in warnings
+    ), warnings
+
+
 async def test_torch_27_libraries_declared_and_undeclared(images: dict[str, str], store_path: Path) -> None:
     undeclared = await scan(images["carried/torch27-libs:1"], store_path)
     gpu = undeclared.gpu
@@ -278,7 +306,9 @@ async def test_torch_27_libraries_declared_and_undeclared(images: dict[str, str]
     assert gpu_code.judge_file(nccl, (12, 0)).total == 1 and not gpu_code.judge_file(nccl, (12, 0)).runs
     # cuSPARSELt: sm_90a-only containers are its Hopper fast path, not a requirement on A100 or L4
     (cusparselt,) = [f for f in archs.files if f.path == CUSPARSELT_LIB]
-    assert sum(c.count for c in cusparselt.containers if c.sass == ("90a",)) == 7
+    assert (
+        sum(c.count for c in cusparselt.containers if c.sass == ("90a",) and c.section == ".nv_fatbin") == 7
+    )
     assert all(gpu_code.judge_file(cusparselt, cc).runs for cc in ((8, 0), (8, 9), (9, 0)))
 
     eligible, reasons, warnings = answer(undeclared, images["carried/torch27-libs:1"])
@@ -289,7 +319,12 @@ async def test_torch_27_libraries_declared_and_undeclared(images: dict[str, str]
     assert any(
         NCCL_LIB in w and "compute capability 12.0" in w and "SASS sm_50–sm_90, no PTX" in w for w in warnings
     )
-    assert any(CUSPARSELT_LIB in w and "compute capability 10.0" in w for w in warnings)
+    # cuSPARSELt's generic kernels reach Blackwell through their PTX: a library runs where some of its
+    # containers do, so it earns no caveat there (the strict rule, every container, would name it)
+    assert not any(CUSPARSELT_LIB in w and "compute capability 10.0" in w for w in warnings)
+    assert any(CUSPARSELT_LIB in w and "(compute capability 7.0): runs; without" in w for w in warnings)
+    assert gpu_code.judge_file(cusparselt, (10, 0)).runs
+    assert not gpu_code.judge_file(cusparselt, (10, 0), rule="strict").runs
     assert not any("compute capability 9.0)" in w or "compute capability 8.0)" in w for w in warnings)
 
     declared_platform = await scan(images["carried/torch27-libs-declared:1"], store_path)

@@ -125,7 +125,7 @@ async def test_by_default_a_declared_image_is_read_and_a_newer_carried_cuda_flag
     assert "cuda-newer-inside" in platform.badges and "cuda-mismatch" not in platform.badges
     assert (
         f"the config declares CUDA 11.8, but the layers carry the newer CUDA 12.1 ({SITE}/torch/version.py:"
-        " torch 2.1.2+cu121, cuda = '12.1'): the image needs a driver for CUDA 12.1, which NVIDIA_REQUIRE_CUDA does not check"
+        " torch 2.1.2+cu121, cuda = '12.1'): the image needs a driver for CUDA 12, which NVIDIA_REQUIRE_CUDA does not check"
     ) in platform.warnings
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from placement import gpu_code
 from placement.gpu_code import container_runs_on, ptx_runs_on, sass_runs_on
 from scanner.layers.cuda_sources import needed_finding
 from scanner.layers.cudaelf import ElfCudaProbe
@@ -22,7 +23,8 @@ from scanner.layers.fatbin import (
     summarise,
     walk_section,
 )
-from scanner.models import ContainerArchs
+from scanner.layers.limits import AnalysisLimits, GpuCodeWork
+from scanner.models import ContainerArchs, FileArchs
 from tests.conftest import skip_unless_required
 from tests.nvidia_wheels import NVJPEG_CU12, NVJPEG_CU13, wheel_members
 
@@ -102,16 +104,24 @@ def test_not_elf_stops_after_the_head(cu12: bytes) -> None:
     assert elf.finish() is None
 
 
-def test_containers_outside_the_fatbin_section_are_ignored(cu12: bytes) -> None:
-    """A valid container copied into .rodata (as libcupti has) is not device code."""
+def test_containers_outside_the_fatbin_section_are_reported_with_their_section(cu12: bytes) -> None:
+    """A valid container in .rodata (TensorFlow keeps 1,149 there and loads them itself; libcupti keeps
+    instrumentation kernels there) is reported with its section: a library's own code counts, a
+    profiling library's does not (placement.gpu_code)."""
     altered = bytearray(cu12)
-    first = container_offsets(cu12)[0]
-    (size,) = struct.unpack_from("<Q", cu12, first + 8)
+    kernels = container_offsets(cu12)[2]  # the first holds no kernel; this one fits in .rodata
+    (size,) = struct.unpack_from("<Q", cu12, kernels + 8)
     rodata = 0x27A2C0  # .rodata of this file, 8-aligned
-    altered[rodata : rodata + 16 + size] = cu12[first : first + 16 + size]
+    altered[rodata : rodata + 16 + size] = cu12[kernels : kernels + 16 + size]
     facts = probe(bytes(altered))
     assert facts is not None and facts.fatbin is not None
-    assert sum(c.count for c in facts.fatbin.containers) == 11
+    assert sum(c.count for c in facts.fatbin.containers) == 12
+    assert facts.fatbin.sections == [".nv_fatbin", ".rodata"]
+    (loose,) = [c for c in facts.fatbin.containers if c.section == ".rodata"]
+    application = FileArchs(path="/app/lib/libkernels.so", containers=facts.fatbin.containers)
+    assert loose in gpu_code.counted_containers(application)
+    profiler = FileArchs(path="/usr/local/cuda/lib64/libcupti.so.12", containers=facts.fatbin.containers)
+    assert loose not in gpu_code.counted_containers(profiler)
 
 
 def test_bad_container_magic_names_the_offset(cu12: bytes) -> None:
@@ -164,7 +174,9 @@ def test_lost_section_names_fall_back_to_containers_that_tile_a_section(cu12: by
     names = cu12.rfind(b".nv_fatbin\0")
     altered[names : names + 10] = b"XXXXXXXXXX"
     facts = probe(bytes(altered))
-    assert facts is not None and facts.fatbin is None  # names are read and none matches: no claim
+    assert facts is not None and facts.fatbin is not None  # names are read: the section is not a fatbin one,
+    assert facts.fatbin.sections == ["XXXXXXXXXX"]  # so its containers are code the library loads itself
+    assert {c.section for c in facts.fatbin.containers} == {"XXXXXXXXXX"}
     struct.pack_into("<H", altered, 0x3E, 0)  # e_shstrndx = 0: no names at all
     facts = probe(bytes(altered))
     assert facts is not None and facts.fatbin is not None and facts.fatbin.error is None
@@ -195,9 +207,11 @@ def test_arch_specific_flag_runs_only_at_its_cc(cu12: bytes) -> None:
 
 
 def test_too_many_containers_is_bounded(cu12: bytes) -> None:
-    scan = FatbinScan(max_containers=3)
+    scan = FatbinScan(GpuCodeWork(AnalysisLimits(max_fatbin_containers=3)))
     scan.feed(0, cu12)
-    with pytest.raises(FatbinError, match="more than 3 fatbin containers"):
+    with pytest.raises(
+        FatbinError, match=r"more than 3 fatbin containers.*\(GPUBADGE_MAX_FATBIN_CONTAINERS\)"
+    ):
         scan.chain(CU12_FATBIN_OFFSET, CU12_FATBIN_SIZE)
 
 

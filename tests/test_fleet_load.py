@@ -110,7 +110,9 @@ async def serving(settings: ServiceSettings) -> AsyncIterator[tuple[web.Applicat
 
 
 async def test_past_the_long_poll_budget_a_poll_is_told_when_to_retry(tmp_path: Path) -> None:
-    settings = ServiceSettings(db=tmp_path / "polls.db", long_poll_max=1, docker_config=None)
+    settings = ServiceSettings(
+        db=tmp_path / "polls.db", long_poll_max=1, allow_agents_without_token=True, docker_config=None
+    )
     async with serving(settings) as (app, url), aiohttp.ClientSession() as session:
         for name in ("node-a", "node-b"):
             server = {"name": name, "gpus": []}
@@ -144,7 +146,7 @@ async def test_idle_polls_opened_together_end_at_their_own_phase(tmp_path: Path)
     """Agents that reconnected together (a restart) would otherwise renew their polls together for
     as long as they run: every `wait` seconds a burst in front of every other request. An idle
     poll ends at its server's own point of the cycle (`idle_poll_end`), spread over the cycle."""
-    settings = ServiceSettings(db=tmp_path / "polls.db", docker_config=None)
+    settings = ServiceSettings(db=tmp_path / "polls.db", allow_agents_without_token=True, docker_config=None)
     wait, count = 1.0, 12
     async with serving(settings) as (_, url), aiohttp.ClientSession() as session:
         for n in range(count):

@@ -67,6 +67,7 @@ async def replicas(postgres_url: str) -> AsyncIterator[list[Replica]]:
                 heartbeat_seconds=HEARTBEAT,
                 stale_after_seconds=STALE,
                 heartbeat_flush_seconds=FLUSH,
+                allow_agents_without_token=True,  # the agents here present no token
             )
             app = create_app(settings, start_workers=False)
             runner = web.AppRunner(app)

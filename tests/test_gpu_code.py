@@ -61,7 +61,8 @@ def test_the_images_own_code_decides_and_nvidia_libraries_are_caveats() -> None:
     # the same libraries without the image's own code: they run where any of them runs, gaps named
     libraries = gpu_code.judge(archs(cublas, nccl), (12, 0))
     assert libraries.runs and libraries.caveats == [
-        f"{NCCL} has no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX)"
+        f"{NCCL}: no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX);"
+        " calls into this NVIDIA library fail here"
     ]
     assert (
         gpu_code.nvidia_library(NCCL)
@@ -78,16 +79,16 @@ def test_summary_says_where_the_image_runs() -> None:
     torch_90a = one(
         TORCH, ContainerArchs(sass=("50", "60", "70", "75", "80", "86", "90")), ContainerArchs(sass=("90a",))
     )
-    expected = "GPU code for sm_50–sm_90, no PTX: compute capability 5.0–9.0, not Blackwell"
+    expected = "GPU code for sm_50–sm_90, no PTX: compute capability 5.0–9.0"
     assert gpu_code.summary(archs(torch)) == expected == gpu_code.summary(archs(torch_90a))
     ampere = one(APP, ContainerArchs(sass=("80", "86")))
-    assert gpu_code.summary(archs(ampere)) == (
-        "GPU code for sm_80, sm_86, no PTX: compute capability 8.0–8.9, not Hopper or Blackwell"
-    )
+    assert gpu_code.summary(archs(ampere)) == "GPU code for sm_80, sm_86, no PTX: compute capability 8.0–8.9"
+    holes = one(APP, ContainerArchs(sass=("75", "80", "89", "90a", "120a")))  # ONNX Runtime's CUDA provider
+    assert gpu_code.summary(archs(holes)).endswith(": compute capability 7.5–9.0, 12.0")
     portable = one(APP, ContainerArchs(sass=("80",), ptx=("80",), ptx_isa="8.0"))
     assert (
         gpu_code.summary(archs(portable))
-        == "GPU code for sm_80, PTX compute_80: compute capability 8.0 and newer"
+        == "GPU code for sm_80, PTX compute_80: compute capability 8.0–12.1 and newer GPUs"
     )
 
 

@@ -147,8 +147,12 @@ def test_vars_template_expands_over_the_matched_elements() -> None:
     [
         ("{{ .pci.nothing }}", 'map has no entry for key "nothing"'),  # template.go:62 missingkey=error
         ("{{ range .pci.device }}no-equals{{ end }}", "missing value in expanded template line"),  # :94
-        ("{{ .pci.device | len }}", "calls 'len'"),  # Go's builtins are functions too: not evaluated
-        ("{{ upper .x }}", "no template function"),  # sprig's: named as not evaluated, not ignored
+        ("{{ .pci.device | foo }}", 'function "foo" not defined'),  # Go's parser: an unknown function
+        ('{{ env "PATH" }}', 'function "env" not defined'),  # NFD drops sprig's host functions
+        ('{{ semverCompare ">1" "2" }}', "'semverCompare' is not evaluated"),  # named, never ignored
+        ('{{ eq "1" 1 }}', "incompatible types for comparison"),  # Go compares basic kinds only
+        ("{{ .pci 1 }}", "can't give argument to field .pci"),
+        ("{{ index .pci.device 5 }}", "index out of range: 5"),
         ("{{ if .pci.device }}x=1", "has no {{end}}"),
     ],
 )
@@ -156,6 +160,125 @@ def test_template_errors_are_errors(template: str, problem: str) -> None:
     data = {"pci": {"device": [{"vendor": "10de"}]}}
     with pytest.raises(TemplateError, match=problem):
         expand_map(template, data, TemplateBudget(max_bytes=4096))
+
+
+# NFD's own pkg/apis/nfd/nodefeaturerule/grouprule_test.go, TestGroupRuleTemplating (v0.19.0): its
+# features, its rule r1, r2 (r1's matchFeatures as its one matchAny element) and the vars both expand to.
+GROUP_TEMPLATING_FEATURES = parse_node_features(
+    """
+flags:
+  domain_1.kf_1: {elements: {key-a: {}, key-b: {}, key-c: {}}}
+  domain.mf: {elements: {key-a: {}, key-b: {}, key-c: {}}}
+attributes:
+  domain_1.vf_1: {elements: {key-1: val-1, keu-2: val-2, key-3: val-3, key-4: val-4}}
+  domain.mf: {elements: {key-d: val-d, key-e: val-e}}
+instances:
+  domain_1.if_1:
+    elements:
+    - attributes: {attr-1: "1", attr-2: val-2}
+    - attributes: {attr-1: "10", attr-2: val-20}
+    - attributes: {attr-1: "100", attr-2: val-200}
+    - attributes: {attr-1: "1000", attr-2: val-2000, attr-3: "3000"}
+"""
+).features
+GROUP_TEMPLATING_R1 = """
+name: r1
+vars: {var-1: var-val-1}
+varsTemplate: |
+
+  var-1=will-be-overridden
+  var-2=
+  {{range .domain_1.kf_1}}kf-{{.Name}}=true
+  {{end}}
+  {{range .domain_1.vf_1}}vf-{{.Name}}=vf-{{.Value}}
+  {{end}}
+  {{range .domain_1.if_1}}if-{{index . "attr-1"}}_{{index . "attr-2"}}=present
+  {{end}}
+matchFeatures: &terms
+- feature: domain_1.kf_1
+  matchExpressions: {key-a: {op: Exists}, key-c: {op: Exists}, foo: {op: DoesNotExist}}
+- feature: domain_1.vf_1
+  matchExpressions: {key-1: {op: In, value: [val-1, val-2]}, bar: {op: DoesNotExist}}
+- feature: domain_1.if_1
+  matchExpressions: {attr-1: {op: Lt, value: ["100"]}}
+- feature: domain_1.if_1
+  matchExpressions: {attr-1: {op: Exists}, attr-2: {op: Exists}, attr-3: {op: Exists}}
+"""
+GROUP_TEMPLATING_VARS = {
+    "var-1": "var-val-1",
+    "var-2": "",
+    "kf-key-a": "true",
+    "kf-key-c": "true",
+    "kf-foo": "true",
+    "vf-key-1": "vf-val-1",
+    "vf-bar": "vf-",
+    "if-1_val-2": "present",
+    "if-10_val-20": "present",
+    "if-1000_val-2000": "present",
+}
+
+
+@pytest.mark.parametrize("case", ["r1", "r2"])
+def test_nfds_own_group_rule_templating_cases(case: str) -> None:
+    import yaml
+
+    from placement.nfd.match import execute_group_rule
+    from placement.nfd.schema import GroupRule
+
+    rule = yaml.safe_load(GROUP_TEMPLATING_R1)
+    if case == "r2":  # MatchAny, empty MatchFeatures
+        rule["matchAny"] = [{"matchFeatures": rule.pop("matchFeatures")}]
+    result, variables = execute_group_rule(GroupRule.model_validate(rule), GROUP_TEMPLATING_FEATURES)
+    assert result.error is None and result.verdict == "match", result
+    assert variables == GROUP_TEMPLATING_VARS
+
+
+@pytest.mark.parametrize(
+    ("template", "expanded"),
+    [
+        # Go's built-ins, as text/template runs them
+        (
+            '{{ range .pci.device }}{{ if eq (index . "vendor") "10de" }}nvidia=yes{{ end }}{{ end }}',
+            {"nvidia": "yes"},
+        ),
+        ("devices={{ len .pci.device }}", {"devices": "2"}),
+        ("devices={{ .pci.device | len }}", {"devices": "2"}),
+        (
+            '{{ range $i, $d := .pci.device }}dev-{{ $i }}={{ printf "%s:%04d" $d.vendor 7 }}\n{{ end }}',
+            {"dev-0": "10de:0007", "dev-1": "8086:0007"},
+        ),
+        ('x={{ and (ne "a" "b") (not "") }} y={{ or "" "z" }}', {"x": "true y=z"}),
+        (
+            '{{ range .pci.device }}{{ if eq .vendor "8086" }}{{ break }}{{ end }}first={{ .vendor }}{{ end }}',
+            {"first": "10de"},
+        ),
+        ('q={{ printf "%q %v %d" "s" true }}', {"q": '"s" true %!d(MISSING)'}),
+        # sprig, as NFD rules use it
+        (
+            '{{ range .pci.device }}{{ .vendor | upper | printf "v-%s" }}={{ .class | trimPrefix "0" }}\n{{ end }}',
+            {"v-10DE": "302", "v-8086": "600"},
+        ),
+        ('major={{ (split "." "5.15.0")._0 }}', {"major": "5"}),
+        ('big={{ if gt (atoi "12") 10 }}yes{{ else }}no{{ end }}', {"big": "yes"}),
+        ('ids={{ list "a" "b" | join "," }}', {"ids": "a,b"}),
+        ('v={{ regexReplaceAll "^0+" "0302" "" }} d={{ default "none" "" }}', {"v": "302 d=none"}),
+    ],
+)
+def test_vars_templates_call_gos_builtins_and_sprigs_functions(
+    template: str, expanded: dict[str, str]
+) -> None:
+    data = {"pci": {"device": [{"vendor": "10de", "class": "0302"}, {"vendor": "8086", "class": "0600"}]}}
+    assert expand_map(template, data, TemplateBudget(max_bytes=4096)) == expanded
+
+
+def test_template_functions_are_bounded_too() -> None:
+    with pytest.raises(TemplateError, match="nfd_max_template_bytes"):  # refused before it is built
+        expand_map('x={{ repeat 1000000000 "ab" }}', {}, TemplateBudget(max_bytes=64 * 1024))
+    doubling = '{{ $s := "ab" }}{{ range .n }}{{ $s = cat $s $s }}{{ end }}x=1'
+    with pytest.raises(TemplateError, match="nfd_max_template_bytes"):  # a chain of calls stops too
+        expand_map(doubling, {"n": list(range(64))}, TemplateBudget(max_bytes=64 * 1024))
+    with pytest.raises(TemplateError, match="width or precision"):
+        expand_map('x={{ printf "%999999999d" 1 }}', {}, TemplateBudget(max_bytes=64 * 1024))
 
 
 def test_template_output_and_steps_are_bounded() -> None:

@@ -539,6 +539,12 @@ def test_servers_sharing_gpus_but_not_arch_or_size_get_their_own_verdicts() -> N
             "gpus": ["GPU-twin-big-0", "GPU-twin-big-1"],
             "score": 0.1429,
             "platform": "linux/amd64",
+            "why": [  # an eligible server says why it passes, each thing asked of it
+                "CPU architecture amd64: the image's linux/amd64",
+                f"NVIDIA H100 80GB HBM3: NVIDIA_REQUIRE_CUDA: driver CUDA {h100.cuda_driver_version} >= 12.2",
+                "has 192 CPUs, request needs 16",
+                "has 2 TiB memory, request needs 64 GiB",
+            ],
         }
     ]
     arch = "CPU architecture arm64 is not among the image's platforms (linux/amd64)"

@@ -101,7 +101,7 @@ def test_driver_floor_table(cuda: str, floor: str) -> None:
     assert found is not None and found[0] == floor
 
 
-def test_every_container_must_run_and_rejections_name_the_file() -> None:
+def test_a_library_without_code_for_the_gpu_is_refused_naming_the_file() -> None:
     containers = [
         ContainerArchs(sass=("75", "80", "90"), ptx=(), count=3),
         ContainerArchs(sass=("80", "90a"), ptx=("90",), ptx_isa="8.4"),

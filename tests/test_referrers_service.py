@@ -85,6 +85,7 @@ def stack(
             ),
             "GPUBADGE_WEBHOOK_SECRET": SECRET,
             "GPUBADGE_API_TOKEN": TOKEN,
+            "GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN": "true",  # the server below registers without one
             "GPUBADGE_ATTACH_REPORTS": "true",
             "GPUBADGE_ATTACH_ATTEMPTS": "2",
             "GPUBADGE_ATTACH_BACKOFF": "0.05",

@@ -168,11 +168,13 @@ async def test_kill_9_mid_burst_loses_no_acknowledged_push(burst: Burst, tmp_pat
     assert set(states) == {"done"}, states
     per_reference = collections.Counter(ref for (ref,) in rows(db, "SELECT dedupe_key FROM jobs"))
     assert len(per_reference) == BURST
-    # A job runs twice only if the kill caught it mid-scan (at most WORKERS of them).
+    # A job runs twice only if the kill caught it mid-scan: at most the scans in flight, 2 x WORKERS (4
+    # before their config facts, 4 more reading layers). One killed while reading layers reads them
+    # again (issue 43): its pending report is no answer once its job runs again.
     reads = config_reads(burst.registry) - reads_before
     assert set(reads) == set(burst.digests.values())
     rescanned = [digest for digest, count in reads.items() if count > 1]
-    assert len(rescanned) <= 4, rescanned
+    assert len(rescanned) <= 2 * 4, rescanned
 
 
 async def test_sigterm_drains_and_requeues(burst: Burst, tmp_path: Path) -> None:

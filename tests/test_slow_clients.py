@@ -37,6 +37,7 @@ def settings_for(tmp_path: Path, **overrides: Any) -> ServiceSettings:
         "db": tmp_path / "gpubadge.db",
         "workers": 0,
         "request_head_timeout": HEAD_TIMEOUT,
+        "allow_agents_without_token": True,  # the agents here present no token
     }
     return ServiceSettings(**(values | overrides))
 

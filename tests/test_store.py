@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -282,6 +283,122 @@ def test_layer_cache_registries_and_tags_for_digest(open_backend: OpenBackend) -
     assert total == 1 and row.tags == ["v1", "v2"] and row.digest == digest
     assert store.run(queries.has_report, digest) and store.run(queries.has_report, "sha256:" + "b" * 64)
     assert store.schema_version() == store.upgrade()  # upgrading a current database changes nothing
+
+
+def test_a_gpu_belongs_to_the_server_that_reported_it_first(open_backend: OpenBackend) -> None:
+    """Issue 43, point 8, in the store: the first reporter owns a GPU; another server's registration
+    or report of it writes nothing (`refused`), unless it may `reassign` (the fleet-wide token); an
+    operator's release or removal frees it. On both engines."""
+    store = open_backend()
+
+    def inventory(name: str, *uuids: str) -> str:
+        return json.dumps({"name": name, "gpus": [{"uuid": u} for u in uuids]})
+
+    assert store.run(queries.upsert_server, "a", inventory("a", "G1", "G2"), ["G1", "G2"]).written
+    refused = store.run(queries.upsert_server, "b", inventory("b", "G2", "G3"), ["G2", "G3"])
+    assert refused.refused == {"G2": "a"} and not refused.written
+    assert store.run(queries.server_records, ["b"]) == []  # nothing of it was written
+    assert store.run(queries.gpu_owners, ["G1", "G2", "G3"]) == {"G1": "a", "G2": "a"}
+    assert store.run(queries.upsert_server, "b", inventory("b", "G3"), ["G3"]).written
+    assert store.run(queries.replace_gpus, "b", inventory("b", "G1"), ["G1"]).refused == {"G1": "a"}
+    assert store.run(queries.replace_gpus, "nobody", inventory("nobody"), []) is None
+    moved = store.run(queries.replace_gpus, "b", inventory("b", "G1", "G3"), ["G1", "G3"], reassign=True)
+    assert moved.written and moved.reassigned == {"G1": "a"}
+    assert store.run(queries.claim_gpus, "a", ["G1", "G2"]).refused == {"G1": "b"}
+    assert store.run(queries.release_gpu, "G1") == "b" and store.run(queries.release_gpu, "G1") is None
+    assert store.run(queries.claim_gpus, "a", ["G1", "G2"]).written
+    assert store.run(queries.gpu_owners, ["G1", "G2", "G3"]) == {"G1": "a", "G2": "a", "G3": "b"}
+    assert store.run(queries.forget_server, "a") == ["G1", "G2"]
+    assert store.run(queries.gpu_owners, ["G1", "G2", "G3"]) == {"G3": "b"}
+    assert [json.loads(r.inventory_json)["name"] for r in store.run(queries.servers)] == ["b"]
+    # A token's share of servers: a new one past it is refused; one registered already is not new.
+    for name in ("c", "d"):
+        assert store.run(queries.upsert_server, name, inventory(name), [], most_servers=3).written
+    full = store.run(queries.upsert_server, "e", inventory("e"), [], most_servers=3)
+    assert full.full and not full.written
+    assert store.run(queries.upsert_server, "e", inventory("e"), [], most_servers=3, uncounted=["b"]).written
+    assert store.run(queries.upsert_server, "d", inventory("d", "G9"), ["G9"], most_servers=3).written
+    assert store.run(queries.server_count) == 4
+
+
+def test_a_version_7_file_gives_each_registered_gpu_to_the_server_heard_from_last(tmp_path: Path) -> None:
+    """Migration 8 on SQLite: the servers registered before it keep the GPUs (and MIG devices) they
+    report; of two reporting one, the one heard from last."""
+    path = tmp_path / "v7.db"
+    with _sqlite_file_at(path, 7) as old:
+        for name, uuids, heard in (("old", ["G1", "G2"], "2026-11-01"), ("new", ["G2", "G3"], "2026-11-27")):
+            old.execute(
+                "INSERT INTO servers (name, inventory, registered_at) VALUES (?, ?, '2026-10-01T00:00:00+00:00')",
+                [
+                    name,
+                    json.dumps({"name": name, "gpus": [{"uuid": u, "mig_devices": _mig(u)} for u in uuids]}),
+                ],
+            )
+            old.execute(
+                "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES (?, ?)",
+                [name, f"{heard}T00:00:00+00:00"],
+            )
+        old.execute(
+            'INSERT INTO servers (name, inventory, registered_at) VALUES (\'cpu\', \'{"name": "cpu", "gpus": []}\','
+            " '2026-10-01T00:00:00+00:00')"
+        )
+        old.execute(
+            "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES ('cpu', '2026-11-27T00:00:00+00:00')"
+        )
+    store = Store(path)
+    try:
+        owners = store.run(queries.gpu_owners, ["G1", "G2", "G3", "MIG-G1", "MIG-G2"])
+        assert owners == {"G1": "old", "G2": "new", "G3": "new", "MIG-G1": "old", "MIG-G2": "new"}
+    finally:
+        store.close()
+
+
+def _mig(gpu_uuid: str) -> list[dict[str, str]]:
+    """A MIG device of the GPUs G1 and G2 (the others are whole)."""
+    return [{"uuid": f"MIG-{gpu_uuid}", "profile": "1g.10gb"}] if gpu_uuid in ("G1", "G2") else []
+
+
+def test_postgres_migration_8_gives_each_registered_gpu_to_the_server_heard_from_last(
+    postgres_url: str,
+) -> None:
+    import psycopg
+
+    from store.migrations import migrations
+    from store.postgres import PostgresStore
+
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+        for migration in migrations("postgres")[:7]:
+            for statement in migration.statements():
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO schema_migrations (version, name) VALUES (%s, %s)",
+                [migration.version, migration.name],
+            )
+        for name, uuids, heard in (("old", ["G1", "G2"], "2026-11-01"), ("new", ["G2", "G3"], "2026-11-27")):
+            conn.execute(
+                "INSERT INTO servers (name, inventory, registered_at) VALUES (%s, %s, now())",
+                [
+                    name,
+                    json.dumps({"name": name, "gpus": [{"uuid": u, "mig_devices": _mig(u)} for u in uuids]}),
+                ],
+            )
+            conn.execute(
+                "INSERT INTO server_heartbeats (name, last_heartbeat) VALUES (%s, %s)", [name, heard]
+            )
+        conn.execute(
+            "INSERT INTO servers (name, inventory, registered_at) VALUES ('cpu', '{\"name\": \"cpu\"}', now())"
+        )
+        conn.execute("INSERT INTO server_heartbeats (name, last_heartbeat) VALUES ('cpu', now())")
+    store = PostgresStore(postgres_url, pool_size=1)
+    try:
+        owners = store.run(queries.gpu_owners, ["G1", "G2", "G3", "MIG-G1", "MIG-G2"])
+        assert owners == {"G1": "old", "G2": "new", "G3": "new", "MIG-G1": "old", "MIG-G2": "new"}
+    finally:
+        store.close()
 
 
 def test_sqlite_files_versioned_by_user_version_migrate_without_rerunning(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Iterator
@@ -174,7 +175,8 @@ async def app_client(tmp_path: Path) -> AsyncIterator[tuple[TestClient[Any, Any]
 def test_human_bytes_and_relative_times() -> None:
     assert human_bytes(0) == "0 B"
     assert human_bytes(1536) == "1.5 KiB"
-    assert human_bytes(9_876_543) == "9.4 MiB"
+    assert human_bytes(9_876_543) == "9.41 MiB"  # placement.sizes: two decimals, rounded down
+    assert human_bytes(23028 * 1024**2) == "22.48 GiB"
     now = datetime(2026, 1, 1, 12, tzinfo=UTC)
     assert time_ago((now - timedelta(seconds=5)).isoformat(), now) == "just now"
     assert time_ago((now - timedelta(minutes=3)).isoformat(), now) == "3 min ago"
@@ -236,14 +238,14 @@ def test_listing_rows_show_what_the_layers_found() -> None:
         return [badge.text for badge in row_badges(image)]
 
     assert row(False, [], []) == ["CPU only", "glibc"]
-    assert row(False, [], ["cuda-12.1-inferred", "glibc"]) == ["CUDA 12.1 inside (inferred)", "glibc"]
+    assert row(False, [], ["cuda-12.1-inferred", "glibc"]) == ["GPU optional", "CUDA 12.1 inside", "glibc"]
     newer = row(
         True, ["11.8"], ["nvidia-gpu", "cuda-11.8", "cuda-12.4-inferred", "cuda-newer-inside", "glibc"]
     )
     assert newer == [
         "NVIDIA GPU",
         "CUDA 11.8",
-        "CUDA 12.4 inside (inferred)",
+        "CUDA 12.4 inside",
         "carries a newer CUDA than declared: needs its driver",
         "glibc",
     ]
@@ -312,7 +314,7 @@ async def test_images_page_shows_badges_and_filters(
         return {
             n
             for n in ("ml/trainer", "tools/alpine-cli", "acme/static")
-            if f">127.0.0.1:5000/{n}<" in text or f">ghcr.io/{n}<" in text
+            if f'title="127.0.0.1:5000/{n}"' in text or f'title="ghcr.io/{n}"' in text
         }
 
     assert await names("gpu=gpu") == {"ml/trainer"}
@@ -360,7 +362,7 @@ async def test_detail_page_shows_evidence_and_escapes_image_values(
     assert "NVIDIA_REQUIRE_CUDA" in body and "cuda&gt;=12.2 brand=tesla,driver&gt;=470,driver&lt;471" in body
     assert "driver CUDA at least 12.2" in body and "driver below 471" in body and "Any one of:" in body
     assert "ELF interpreter /lib64/ld-linux-x86-64.so.2" in body and "Ubuntu 22.04.4 LTS" in body
-    assert "1 of 3" in body and "120.6 KiB of 9.4 MiB" in body
+    assert "1 of 3" in body and "120.56 KiB of 9.41 MiB" in body
     assert "/badge/127.0.0.1:5000/ml/trainer/12.2.svg" in body
 
     evil = await (await client.get("/images/127.0.0.1:5000/evil/app:1")).text()
@@ -371,6 +373,30 @@ async def test_detail_page_shows_evidence_and_escapes_image_values(
 
     by_digest = await client.get(f"/images/127.0.0.1:5000/ml/trainer@{GPU_IMAGE.digest}")
     assert by_digest.status == 200 and "driver CUDA at least 12.2" in await by_digest.text()
+
+
+async def test_a_pending_report_whose_scan_no_longer_runs_says_it_was_interrupted(
+    app_client: tuple[TestClient[Any, Any], Services],
+) -> None:
+    """While the job reading the layers holds its lease the page says they are being read; once it
+    does not (pre-empted, its worker gone), that the read was interrupted, with the Rescan button
+    (and the token field the service asks for)."""
+    client, services = app_client
+    backend = services.store.backend
+    (job_id,) = backend.enqueue([("127.0.0.1:5000/ml/pending:1", "127.0.0.1:5000")], source="test")
+    (job,) = backend.claim_jobs(1, owner="worker-a", lease_seconds=60)
+    pending = make_report("127.0.0.1:5000", "ml/pending", "1", gpu=True)
+    platform = pending.platforms[0]
+    platform.libc = LibcVerdict(state="pending", layers_total=3, bytes_total=9_876_543)
+    platform.pending_scan = job.id
+    save(backend, pending.model_copy(update={"pending": True}))
+
+    page = await (await client.get("/images/127.0.0.1:5000/ml/pending:1")).text()
+    assert "Reading the layers." in page and "interrupted" not in page
+    assert 'name="rescan" value="1"' in page and 'name="token" type="password"' in page
+    assert backend.preempt_job(job_id, owner="worker-a")
+    page = await (await client.get("/images/127.0.0.1:5000/ml/pending:1")).text()
+    assert "The layer read was interrupted." in page and "Reading the layers." not in page
 
 
 # The requirement of nvidia/cuda:12.8.1-runtime-ubuntu24.04 (21 clauses), as Docker Hub serves it.
@@ -416,8 +442,12 @@ async def test_image_page_says_what_it_declares_carries_and_where_its_code_runs(
     report.platforms[0] = report.platforms[0].model_copy(update={"gpu": gpu})
     save(services.store.backend, report)
     body = await (await client.get("/images/127.0.0.1:5000/ml/cu130:1")).text()
-    assert "Declares CUDA 12.8 · carries CUDA 13.0 (torch 2.9.1+cu130): needs driver ≥ 580" in body
-    assert "GPU code for sm_50–sm_90, no PTX: compute capability 5.0–9.0, not Blackwell" in body
+    # the answer in placement.image_needs' words: the carried CUDA 13.0 sets the floor, not the 12.8
+    assert (
+        "Needs an NVIDIA GPU with driver ≥ 580: it declares CUDA 12.8 and carries CUDA 13.0 (torch 2.9.1+cu130)"
+        in body
+    )
+    assert "GPU code for sm_50–sm_90, no PTX: compute capability 7.5–9.0" in body  # CUDA 13: 7.5 and newer
     assert "Needs driver CUDA at least 12.8; or, on an older driver, one of 20 brand exceptions" in body
     raw = REQUIRE_CUDA_128.replace(">", "&gt;").replace("<", "&lt;")
     assert body.count(raw) == 1  # once, inside <details>: not in the environment table too
@@ -701,6 +731,12 @@ def screenshot_path(name: str, tmp_path: Path) -> Path:
     return tmp_path / name
 
 
+def names_of(page: Any) -> list[str]:
+    """The listed images' full names (registry/repository: each row's link title)."""
+    titles: list[str] = page.locator("table.images .image-name").evaluate_all("els => els.map(e => e.title)")
+    return titles
+
+
 @pytest.mark.browser
 def test_images_page_shows_badges_and_filters_without_javascript(
     scanned: Scanned, browser: Any, tmp_path: Path
@@ -724,7 +760,7 @@ def test_images_page_shows_badges_and_filters_without_javascript(
         page.select_option("select[name=gpu]", "gpu")
         page.get_by_role("button", name="Filter").click()
         page.wait_for_url("**/?gpu=gpu**")
-        names = page.locator("table.images .image-name").all_inner_texts()
+        names = names_of(page)
         assert sorted(names) == sorted([scanned.ref("evil/app"), scanned.ref("ml/trainer")])
 
         page.goto(scanned.service.url + "/")
@@ -732,7 +768,7 @@ def test_images_page_shows_badges_and_filters_without_javascript(
         page.fill("input[name=q]", "alpine")
         page.keyboard.press("Enter")
         page.wait_for_url("**q=alpine**")
-        assert page.locator("table.images .image-name").all_inner_texts() == [scanned.ref("tools/alpine-cli")]
+        assert names_of(page) == [scanned.ref("tools/alpine-cli")]
     finally:
         context.close()
 
@@ -742,7 +778,7 @@ def test_filter_dropdown_submits_itself_with_javascript(scanned: Scanned, page: 
     page.goto(scanned.service.url + "/")
     page.select_option("select[name=libc]", "none")
     page.wait_for_url("**libc=none**")
-    names = page.locator("table.images .image-name").all_inner_texts()
+    names = names_of(page)
     assert sorted(names) == [scanned.ref("evil/app"), scanned.ref("tools/static")]
 
 
@@ -820,6 +856,26 @@ def test_scan_form_queues_and_redirects(scanned: Scanned, page: Any, push: Pushe
 
 
 @pytest.mark.browser
+def test_the_image_page_rescans_the_image(scanned: Scanned, page: Any) -> None:
+    """The image page's Rescan button queues a rescan: the job says so, and the image is read again
+    (a new scan time) though its report was stored."""
+    reference = scanned.ref("tools/static:1")
+    lookup = f"/api/images/by-ref?ref={urllib.parse.quote(reference)}"
+    before = json.loads(scanned.service.get(lookup)[2])["scanned_at"]
+    page.goto(scanned.service.url + "/images/" + reference)
+    page.get_by_role("button", name="Rescan").click()
+    page.wait_for_url("**/scans")
+    assert page.locator("table.jobs-table a", has_text=reference).first.is_visible()
+    jobs = json.loads(scanned.service.get("/api/scans?limit=20")[2])["jobs"]
+    job = next(job for job in jobs if job["reference"] == reference and job["rescan"])
+    deadline = time.monotonic() + 60
+    while job["state"] in ("queued", "running") and time.monotonic() < deadline:
+        job = json.loads(scanned.service.get(f"/api/scans/{job['id']}?wait=10")[2])
+    assert job["state"] == "done", job
+    assert json.loads(scanned.service.get(lookup)[2])["scanned_at"] > before
+
+
+@pytest.mark.browser
 def test_desktop_scans_table_fits_and_the_favicon_is_served(
     scanned: Scanned, page: Any, push: Pusher
 ) -> None:
@@ -869,7 +925,7 @@ def test_layers_from_the_cache_are_said_to_be(scanned: Scanned, page: Any, push:
 
 
 @pytest.mark.browser
-def test_phone_layout_scrolls_the_table_not_the_page(scanned: Scanned, browser: Any) -> None:
+def test_phone_layout_lists_images_as_cards_without_sideways_scroll(scanned: Scanned, browser: Any) -> None:
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
     try:
         page = context.new_page()
@@ -879,6 +935,7 @@ def test_phone_layout_scrolls_the_table_not_the_page(scanned: Scanned, browser: 
             " return [document.documentElement.scrollWidth, window.innerWidth, w.scrollWidth, w.clientWidth]; }"
         )
         page_width, viewport, table_width, wrap_width = sizes
-        assert page_width <= viewport and table_width > wrap_width
+        assert page_width <= viewport and table_width <= wrap_width  # neither the page nor the list scrolls
+        assert page.locator("table.images thead").is_hidden()  # each row is a card, each cell labelled
     finally:
         context.close()

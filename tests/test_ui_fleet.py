@@ -48,8 +48,8 @@ def test_gpus_are_grouped_by_model_and_in_use_ones_named() -> None:
     ]
     groups = gpu_groups(gpus)
     assert [(g.count, g.model, g.memory, g.compute_capability, g.mig) for g in groups] == [
-        (2, "NVIDIA H100 80GB HBM3", "79.6 GiB", "9.0", False),
-        (1, "NVIDIA A100-SXM4-40GB", "40.0 GiB", "8.0", True),
+        (2, "NVIDIA H100 80GB HBM3", "79.64 GiB", "9.0", False),  # placement.sizes' one way
+        (1, "NVIDIA A100-SXM4-40GB", "40 GiB", "8.0", True),
     ]
     now = datetime(2026, 1, 1, 12, tzinfo=UTC)
     agent = Server(
@@ -61,9 +61,9 @@ def test_gpus_are_grouped_by_model_and_in_use_ones_named() -> None:
         last_heartbeat=now - timedelta(minutes=3),
     )
     row = server_row_view(agent, now)
-    assert (row.memory, row.heartbeat, row.gpu_count) == ("512.0 GiB", "3 min ago", 3)
+    assert (row.memory, row.heartbeat, row.gpu_count) == ("512 GiB", "3 min ago", 3)
     assert [(gpu.index, gpu.uuid) for gpu in row.in_use] == [(0, "GPU-a"), (2, "GPU-c")]
-    assert server_row_view(Server(name="f"), now).heartbeat == "static"
+    assert server_row_view(Server(name="f"), now).heartbeat == "none: from the inventory file"
 
 
 def test_form_splits_models_and_names_the_bad_field() -> None:
@@ -86,7 +86,7 @@ def test_form_splits_models_and_names_the_bad_field() -> None:
     )
     with pytest.raises(FormError, match=r"^Min GPU memory: invalid quantity 'lots'"):
         EligibilityForm.from_query({"image": "r/x:1", "min_gpu_memory": "lots"}).deploy_request()
-    with pytest.raises(FormError, match=r"^GPU count: "):
+    with pytest.raises(FormError, match=r"^GPU count: expected an integer, got 'two'$"):  # no pydantic words
         EligibilityForm.from_query({"image": "r/x:1", "gpus": "two"}).deploy_request()
     with pytest.raises(FormError, match=r"^Min compute capability: 'eight' is not a version"):
         EligibilityForm.from_query({"image": "r/x:1", "min_compute_capability": "eight"}).deploy_request()
@@ -199,12 +199,13 @@ def test_servers_page_lists_the_fleet(
     h100 = page.locator("tr[data-server='h100-new']")
     assert "1 × NVIDIA H100 80GB HBM3" in h100.locator(".gpus").inner_text()
     assert "CC 9.0" in h100.inner_text()
-    assert "512.0 GiB" in h100.inner_text()
+    assert "512 GiB" in h100.inner_text()  # placement.sizes, as the explorer's reasons write sizes
     assert "550.54.15" in h100.inner_text()
     t4 = page.locator("tr[data-server='t4-old']")
     assert "Tesla T4" in t4.locator(".gpus").inner_text()
     assert "0 of 1" in t4.locator(".in-use").inner_text()
-    assert "static" in t4.inner_text() and "file" in t4.inner_text()
+    # an inventory server sends no heartbeat: the page says so, and where it comes from
+    assert "none: from the inventory file" in t4.locator("td").last.inner_text() and "file" in t4.inner_text()
     assert "CPU only" in page.locator("tr[data-server='arm-cpu']").inner_text()
     page.screenshot(path=str(screenshot_path("servers.png", tmp_path)), full_page=True)
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import socket
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from pydantic import SecretStr
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
+from fixtures.service import run_service_inprocess
 from scanner.redaction import REDACTED, RedactingLogFilter, redact_secrets
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
@@ -36,6 +40,7 @@ from web.state import SERVICES
 API_TOKEN = "api-token-7c1e5"
 TOKEN_A = "agent-a-token-44d1"
 TOKEN_B = "agent-b-token-9e02"
+FLEET_TOKEN = "fleet-wide-token-31c7"
 HOOK_SECRET = "distribution-secret-58aa"
 
 
@@ -119,6 +124,7 @@ async def service(tmp_path: Path, registry: LocalRegistry, push: Pusher) -> Asyn
     settings = ServiceSettings(
         db=tmp_path / "sec.db",
         api_token=SecretStr(API_TOKEN),
+        agent_token=SecretStr(FLEET_TOKEN),
         agent_tokens={"node-a": SecretStr(TOKEN_A), "node-b": SecretStr(TOKEN_B)},
         webhook_secrets={"distribution": SecretStr(HOOK_SECRET)},
         json_max_string=4096,
@@ -480,22 +486,93 @@ async def test_a_gpu_uuid_has_one_live_server(service: Service, caplog: pytest.L
     servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
     assert [g["uuid"] for g in servers["node-a"]["gpus"]] == ["GPU-shared-1"]
     assert servers["node-b"]["gpus"] == []
+    # Not even the fleet-wide token takes a GPU that a live server reports.
+    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(FLEET_TOKEN))
+    assert claim.status == 409 and claim.body["claimed"] == {"GPU-shared-1": "node-a"}, claim.text
+
+
+async def test_a_gpu_stays_with_the_server_that_reported_it_first_until_an_operator_moves_it(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 43, point 8: a silent server's GPUs (their UUIDs are listed by the open GET /api/servers)
+    are not for the taking by another agent's token; the owner, back, gets them, not a 409."""
     stale_after = service.app[SERVICES].settings.stale_after_seconds
-    # Silent a little less than the stale threshold, A keeps its claim...
-    service.advance(stale_after - 10)
-    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
-    assert claim.status == 409, claim.text
-    # ...a little more, A is stale: the claim is released, and B may report the GPU.
-    service.advance(20)
-    claim = await service.call("POST", "/api/servers", agent("node-b", "GPU-shared-1"), bearer(TOKEN_B))
-    assert claim.status == 200, claim.text
-    # A, back from silence, cannot take it back while B is live.
+    gpus = ("GPU-owned-1", "GPU-owned-2")
+    assert (await service.call("POST", "/api/servers", agent("node-a", *gpus), bearer(TOKEN_A))).status == 200
+    assert (await service.call("POST", "/api/servers", agent("node-b"), bearer(TOKEN_B))).status == 200
+    service.advance(stale_after + 10)  # A silent: stale, out of the live fleet
+    assert (await service.call("POST", "/api/servers/node-b/heartbeat", {}, bearer(TOKEN_B))).status == 200
+    servers = {s["name"] for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert servers == {"node-b"}
+    # B's own token, by registration and by heartbeat: refused, stale owner or not, nothing written.
+    claim = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(TOKEN_B))
+    assert claim.status == 409 and claim.body["claimed"] == {gpus[0]: "node-a"}, claim.text
+    assert "gpubadge fleet release" in claim.body["error"]
+    beat = await service.call(
+        "POST", "/api/servers/node-b/heartbeat", {"gpus": agent("x", *gpus)["gpus"]}, bearer(TOKEN_B)
+    )
+    assert beat.status == 409 and beat.body["claimed"] == dict.fromkeys(gpus, "node-a"), beat.text
+    servers_now = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert servers_now["node-b"]["gpus"] == []
+    # A, back: its GPUs are still its own.
     back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
-    assert back.status == 409 and back.body["claimed"] == {"GPU-shared-1": "node-b"}
+    assert back.status == 200, back.text
     poll = await service.call("GET", "/api/agents/node-a/deployments?wait=0", headers=bearer(TOKEN_A))
-    assert poll.status == 409
-    servers = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
-    assert "node-a" not in servers and [g["uuid"] for g in servers["node-b"]["gpus"]] == ["GPU-shared-1"]
+    assert poll.status == 200, poll.text
+    servers_now = {s["name"]: s for s in (await service.call("GET", "/api/servers")).body["servers"]}
+    assert [g["uuid"] for g in servers_now["node-a"]["gpus"]] == list(gpus)
+
+    # The fleet-wide token moves a silent server's GPU (a card moved to another host), and says so.
+    service.advance(stale_after + 10)
+    assert (await service.call("POST", "/api/servers/node-b/heartbeat", {}, bearer(TOKEN_B))).status == 200
+    moved = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(FLEET_TOKEN))
+    assert moved.status == 200, moved.text
+    assert any("moved to server node-b from server(s) node-a" in r.getMessage() for r in caplog.records)
+    back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert back.status == 409 and back.body["claimed"] == {gpus[0]: "node-b"}, back.text
+
+    # An operator releases it (the fleet-wide token only), once no live server reports it.
+    path = f"/api/gpus/{gpus[0]}/release"
+    assert (await service.call("POST", path, {}, bearer(TOKEN_A))).status == 401
+    assert (await service.call("POST", path, {}, bearer(API_TOKEN))).status == 401
+    live = await service.call("POST", path, {}, bearer(FLEET_TOKEN))
+    assert live.status == 409 and "live server node-b" in live.body["error"], live.text
+    service.advance(stale_after + 10)  # B silent now
+    released = await service.call("POST", path, {}, bearer(FLEET_TOKEN))
+    assert released.status == 200 and released.body == {"released": gpus[0], "server": "node-b"}
+    assert (await service.call("POST", path, {}, bearer(FLEET_TOKEN))).status == 404
+    back = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert back.status == 200, back.text  # released, so A's again
+    b_claim = await service.call("POST", "/api/servers", agent("node-b", gpus[0]), bearer(TOKEN_B))
+    assert b_claim.status == 409 and b_claim.body["claimed"] == {gpus[0]: "node-a"}
+
+    # Removing a server that is gone releases its GPUs; a live one is refused.
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))).status == 409
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(TOKEN_A))).status == 401
+    service.advance(stale_after + 10)
+    removed = await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))
+    assert removed.status == 200 and removed.body == {"removed": "node-a", "released": list(gpus)}, (
+        removed.text
+    )
+    assert (await service.call("DELETE", "/api/servers/node-a", None, bearer(FLEET_TOKEN))).status == 404
+    taken = await service.call("POST", "/api/servers", agent("node-b", *gpus), bearer(TOKEN_B))
+    assert taken.status == 200, taken.text  # free GPUs: the first to report them owns them
+    forgotten = await service.call("POST", "/api/servers/node-a/heartbeat", {}, bearer(TOKEN_A))
+    assert forgotten.status == 404  # "register again"
+
+
+async def test_a_mig_device_stays_with_its_server_too(service: Service) -> None:
+    """Reservations name MIG devices by their own UUIDs: a per-agent token cannot take a silent
+    server's MIG device either, whatever parent GPU it reports it under."""
+    stale_after = service.app[SERVICES].settings.stale_after_seconds
+    owner = agent("node-a", "GPU-a-mig")
+    owner["gpus"][0]["mig_devices"] = [{"index": 0, "uuid": "MIG-a-0", "profile": "1g.10gb"}]
+    assert (await service.call("POST", "/api/servers", owner, bearer(TOKEN_A))).status == 200
+    service.advance(stale_after + 10)
+    claimer = agent("node-b", "GPU-b-own")
+    claimer["gpus"][0]["mig_devices"] = [{"index": 0, "uuid": "MIG-a-0", "profile": "1g.10gb"}]
+    claim = await service.call("POST", "/api/servers", claimer, bearer(TOKEN_B))
+    assert claim.status == 409 and claim.body["claimed"] == {"MIG-a-0": "node-a"}, claim.text
 
 
 async def test_a_registration_burst_does_not_reread_the_fleet_per_registration(service: Service) -> None:
@@ -577,7 +654,8 @@ async def test_bad_deployment_bodies_are_400(service: Service, case: str) -> Non
 
 
 async def test_hostile_bodies_on_the_other_json_endpoints(service: Service) -> None:
-    hostile = b'{"name": "node-a", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    # 10,000 levels (20 KB: under GPUBADGE_MAX_SERVER_BYTES, so the servers' endpoints parse it too)
+    hostile = b'{"name": "node-a", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     cases = [
         ("/api/scans", API_TOKEN),
         ("/api/eligibility", API_TOKEN),
@@ -610,3 +688,61 @@ def test_json_limits_are_exact_at_their_edges() -> None:
             loads_bounded(text, limits)
     with pytest.raises(ValueError, match="Expecting"):  # not JSON: the caller's own message
         loads_bounded(b"{", limits)
+
+
+# ------------------------------------------------------------------ /healthz
+
+
+async def test_healthz_tells_anyone_no_path_host_name_or_pid(tmp_path: Path) -> None:
+    """Open to anyone (kubelet, a load balancer): the status and the reasons in words, never where.
+    The API token's holder gets the database's path and the workers' identity, as the log has them."""
+    db = tmp_path / "where-the-database-lives" / "health.db"
+    settings = ServiceSettings(
+        db=db,
+        api_token=SecretStr(API_TOKEN),
+        workers=1,
+        health_timeout=0.5,
+        sqlite_busy_timeout=0.5,
+        docker_config=None,
+    )
+    places = [str(db.parent), socket.gethostname(), f"/{os.getpid()}/"]
+    async with run_service_inprocess(settings) as running, aiohttp.ClientSession() as session:
+
+        async def healthz(headers: dict[str, str] | None = None) -> tuple[int, str]:
+            async with session.get(f"{running.url}/healthz", headers=headers or {}) as reply:
+                return reply.status, await reply.text()
+
+        status, anyone = await healthz()
+        assert status == 200 and json.loads(anyone)["workers"] == "running in 1 worker process"
+        assert not [place for place in places if place in anyone], anyone
+        status, operator = await healthz(bearer(API_TOKEN))
+        (owner,) = json.loads(operator)[
+            "workers"
+        ]  # the worker process's lease owner (jobs/worker_processes.py)
+        assert status == 200 and owner.startswith(f"{socket.gethostname()}/")
+        # The database locked by another process: 503, the cause in SQLite's words, not the file's path.
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            status, anyone = await healthz()
+            status_operator, operator = await healthz(bearer(API_TOKEN))
+            # A write of the store itself (a deleted image): the intake's own commits go to its journal.
+            gone = {
+                "events": [
+                    {
+                        "action": "delete",
+                        "target": {"repository": "app", "tag": "1"},
+                        "request": {"host": "127.0.0.1:9"},
+                    }
+                ]
+            }
+            async with session.post(f"{running.url}/hooks/distribution", json=gone) as reply:
+                refused = reply.status, await reply.text()
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert status == 503 and "database is locked" in anyone, anyone
+        assert not [place for place in places if place in anyone], anyone
+        assert status_operator == 503 and str(db) in operator
+        assert refused[0] == 503 and "database is locked" in refused[1], refused  # an API answer: the same
+        assert str(db.parent) not in refused[1]

@@ -141,8 +141,16 @@ AGENT_ONLY = {
     "401": json_reply(ERROR, "agent token required"),
     "403": json_reply(ERROR, "a per-agent token presented for another server"),
 }
+FLEET_ONLY = {
+    "401": json_reply(ERROR, "the fleet-wide agent token is required"),
+    "403": json_reply(ERROR, "no fleet-wide agent token is configured"),
+}
 TOO_LARGE = {"413": json_reply(ERROR, "body larger than GPUBADGE_MAX_BODY_BYTES")}
-GPU_CLAIMED = {"409": json_reply(ERROR, "a GPU UUID is reported by another live server; `claimed` names it")}
+GPU_CLAIMED = {
+    "409": json_reply(
+        ERROR, "a GPU UUID belongs to another server (or another live server reports it); `claimed` names it"
+    )
+}
 BAD_QUERY = {"400": json_reply(ERROR, "a query parameter is not of its type")}
 NOT_PLACEABLE = {
     **PRIVATE,

@@ -20,6 +20,11 @@ from web.security import mask_values
 
 class ScanBody(BaseModel):
     ref: str = Field(description="image reference: a tag or a digest")
+    rescan: bool = Field(
+        default=False,
+        description="scan again even when a report is stored: the manifest, configs and every layer"
+        " verdict are read afresh (layers whose complete evidence is cached by digest are not fetched)",
+    )
 
 
 class JobView(BaseModel):
@@ -32,6 +37,7 @@ class JobView(BaseModel):
     source: str | None
     created_at: str
     updated_at: str
+    rescan: bool = Field(default=False, description="a forced rescan: nothing stored is reused")
 
     @classmethod
     def of(cls, job: Job) -> JobView:
@@ -45,6 +51,7 @@ class JobView(BaseModel):
             source=job.source,
             created_at=job.created_at,
             updated_at=job.updated_at,
+            rescan=job.rescan,
         )
 
 

@@ -24,6 +24,8 @@ from web.api_description import openapi_document as describe_api
 from web.errors import error_middleware
 from web.fleet import live_fleet
 from web.fleet.live_fleet import STATIC_FLEET
+from web.fleet.long_polls import PUBLIC_WAITS
+from web.guards.connections import public_waits, reserve_middleware, service_reserved
 from web.guards.read_access import private_reads
 from web.metrics import ServiceMetrics
 from web.routes import (
@@ -76,11 +78,13 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     # worker processes): on SQLite, each process's commits must wake the others.
     store = open_job_store(settings, shared=settings.workers == 0 or settings.worker_process_count() > 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
-    middlewares: list[Middleware] = [error_middleware]
+    # the reserve first: a request it refuses costs nothing more
+    middlewares: list[Middleware] = [reserve_middleware(service_reserved(settings)), error_middleware]
     if not settings.public_reads:
         middlewares.append(private_reads(settings))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SERVICES] = services
+    app[PUBLIC_WAITS] = public_waits(settings)
     live_fleet.install(app)
     for routes in ROUTE_MODULES:
         routes.setup_routes(app)
@@ -92,7 +96,16 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
             "GPUBADGE_API_TOKEN is unset: anyone who reaches the service may request scans and deploys"
         )
     if settings.agent_token is None and not settings.agent_tokens:
-        log.warning("GPUBADGE_AGENT_TOKEN is unset: any client may register servers")
+        if settings.allow_agents_without_token:
+            log.warning(
+                "GPUBADGE_AGENT_TOKEN is unset and GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN is true: any client may"
+                " register servers and move their GPUs"
+            )
+        else:
+            log.warning(
+                "GPUBADGE_AGENT_TOKEN is unset: agents are refused until it (or agent_tokens) is set"
+                " (GPUBADGE_ALLOW_AGENTS_WITHOUT_TOKEN=true accepts them without one)"
+            )
     if not settings.registries:
         log.warning("GPUBADGE_REGISTRIES is unset: only Docker Hub and loopback registries will be contacted")
     return app

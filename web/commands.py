@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -94,6 +96,10 @@ def run_serve(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
         return 2
+    taken = listen_problem(settings.host, settings.port)
+    if taken is not None:  # before anything starts: nothing to stop, one line to read
+        print(f"gpubadge serve: {taken}", file=sys.stderr)
+        return 1
     from jobs import garbage_collection
     from jobs.event_loop import LoopLagMonitor, new_event_loop
     from store import StoreUnavailable
@@ -102,6 +108,7 @@ def run_serve(argv: list[str]) -> int:
     from web.security import RedactingAccessLogger
     from web.state import services_of_app
 
+    _raise_fd_limit(settings.long_poll_max)  # first: the connection cap and its shares are sized from it
     try:
         app = create_app(settings)
     except StoreUnavailable as exc:
@@ -113,18 +120,58 @@ def run_serve(argv: list[str]) -> int:
     monitor = LoopLagMonitor(settings.loop_stall_seconds, services_of_app(app).metrics.loop_lag.observe)
     app.on_startup.append(lambda _: monitor.start())
     app.on_cleanup.append(lambda _: monitor.stop())
-    _raise_fd_limit(settings.long_poll_max)
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    run_guarded_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        limits=connection_limits(settings),
-        print=lambda message: logging.info("%s", message),
-        access_log_class=RedactingAccessLogger,
-        loop=new_event_loop(),
-    )
+    try:
+        run_guarded_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            limits=connection_limits(settings),
+            print=lambda message: logging.info("%s", message),
+            access_log_class=RedactingAccessLogger,
+            loop=new_event_loop(),
+        )
+    except OSError as exc:  # taken between the check and the bind: the same one line
+        if exc.errno not in LISTEN_ERRNOS:
+            raise
+        print(f"gpubadge serve: {listen_words(settings.host, settings.port, exc)}", file=sys.stderr)
+        return 1
     return 0
+
+
+LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
+
+
+def listen_words(host: str, port: int, exc: OSError) -> str:
+    """Why `serve` cannot listen on host:port, and what to do, in one line."""
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} is already in use on {host} (another program, or another gpubadge, listens"
+            " there): stop it, or choose another port with --port or GPUBADGE_PORT"
+        )
+    if exc.errno == errno.EACCES:
+        return f"not allowed to listen on {where} (ports below 1024 need root): choose another port with --port or GPUBADGE_PORT"
+    return f"cannot listen on {where}: {exc.strerror or exc}; check --host or GPUBADGE_HOST"
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Whether `serve` could listen on host:port, tried as aiohttp binds (SO_REUSEADDR, every address
+    the host name resolves to): None when it could, else `listen_words`."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc}; check --host or GPUBADGE_HOST"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in LISTEN_ERRNOS:
+                    return listen_words(host, port, exc)
+                raise
+    return None
 
 
 FD_RESERVE = 1024  # descriptors kept for everything but long polls: other clients, the store, files

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from scanner.problems import dotted, expected
 from scanner.redaction import redact_secrets
 from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
@@ -42,11 +43,17 @@ def json_http_error(
     )
 
 
-async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = None) -> Any:
+async def read_json(
+    request: web.Request, limits: JsonLimits, *, empty: Any = None, most: tuple[int, str] | None = None
+) -> Any:
     """The request body as JSON within `limits`; 400 (or 413) with the reason otherwise.
 
-    `empty` is returned for an empty body when given (a heartbeat may have none).
+    `empty` is returned for an empty body when given (a heartbeat may have none). `most`, (bytes,
+    the setting's name), bounds this body below GPUBADGE_MAX_BODY_BYTES: a larger one is 413,
+    refused on its Content-Length before it is read where it declares one, and never parsed.
     """
+    if most is not None and (request.content_length or 0) > most[0]:
+        raise _too_large(most[0], request.content_length or 0, most[1])
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -55,6 +62,8 @@ async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = No
             text=json.dumps({"error": "body larger than the limit (GPUBADGE_MAX_BODY_BYTES)"}),
             content_type="application/json",
         ) from None
+    if most is not None and len(body) > most[0]:
+        raise _too_large(most[0], len(body), most[1])
     if not body.strip() and empty is not None:
         return empty
     try:
@@ -69,11 +78,26 @@ async def read_json(request: web.Request, limits: JsonLimits, *, empty: Any = No
         ) from None
 
 
+def _too_large(most: int, size: int, setting: str) -> web.HTTPException:
+    return web.HTTPRequestEntityTooLarge(
+        max_size=most,
+        actual_size=size,
+        text=json.dumps({"error": f"body of {size:,} bytes; at most {most:,} are accepted here ({setting})"}),
+        content_type="application/json",
+    )
+
+
 async def read_model(
-    request: web.Request, limits: JsonLimits, model: type[ModelT], what: str, *, empty: Any = None
+    request: web.Request,
+    limits: JsonLimits,
+    model: type[ModelT],
+    what: str,
+    *,
+    empty: Any = None,
+    most: tuple[int, str] | None = None,
 ) -> ModelT:
-    """The request body (read_json within `limits`) checked as `model`; 400 `invalid {what}: ...` otherwise."""
-    data = await read_json(request, limits, empty=empty)
+    """The request body (read_json within `limits` and `most`) checked as `model`; 400 `invalid {what}: ...` otherwise."""
+    data = await read_json(request, limits, empty=empty, most=most)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -81,10 +105,11 @@ async def read_model(
 
 
 def first_error(exc: ValidationError) -> str:
-    """The first validation error as `loc: msg` (just `msg` when it has no location)."""
+    """The first validation error in plain words, `where: what was expected, got what`
+    (scanner.problems), never pydantic's phrasing: `gpus: expected an integer, got 'two'`."""
     error = exc.errors(include_url=False)[0]
-    where = ".".join(str(part) for part in error.get("loc", ()))
-    return f"{where}: {error['msg']}" if where else str(error["msg"])
+    where = dotted(tuple(error.get("loc", ())))
+    return f"{where}: {expected(error)}" if where else expected(error)
 
 
 @web.middleware
@@ -104,8 +129,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except StoreUnavailable as exc:  # the database is locked, full or gone: the client may retry
         log.warning("%s %s: %s", request.method, request.path, exc)
-        return web.json_response(
-            {"error": f"the database is unavailable, retry later: {exc}"},
+        return web.json_response(  # the cause in words, not where (no file path, no host)
+            {"error": f"the database is unavailable, retry later: {exc.public}"},
             status=503,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )

@@ -1,10 +1,14 @@
-"""What several routes look up: the API token check, paging and `?wait=` parameters, an image's
-stored report (scanning it when allowed), a stored deployment.
+"""What several routes look up: the API token check, paging and `?wait=` parameters (and the public
+long polls' slots), an image's stored report (scanning it when allowed), a stored deployment.
 
 Route modules import this module and never each other.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -13,13 +17,15 @@ from scanner.registry.reference import Reference, ReferenceError, parse_referenc
 from store import Job, queries
 from web.api_models import Deployment
 from web.errors import json_http_error
-from web.security import BEARER_CHALLENGE, bearer_token, token_matches
+from web.fleet.long_polls import PUBLIC_WAITS
+from web.security import BEARER_CHALLENGE, bearer_token, holds_api_token, token_matches
 from web.state import Services, services_of
 
 MAX_PAGE = 200
 
 
 MAX_WAIT = 60.0
+PUBLIC_WAIT_RETRY_SECONDS = 5
 
 
 def bearer_may_write(request: web.Request) -> bool:
@@ -47,6 +53,33 @@ def wait_param(request: web.Request, cap: float = MAX_WAIT) -> float:
         raise json_http_error(web.HTTPBadRequest, "wait must be a number of seconds") from None
 
 
+@contextlib.asynccontextmanager
+async def public_wait(request: web.Request, wait: float) -> AsyncIterator[None]:
+    """Hold a `?wait=` long poll of `wait` seconds for its caller: one of `PublicWaits`' slots unless
+    the caller holds the API token (a pipeline of the operator's); 503 with Retry-After when none is
+    free (GPUBADGE_PUBLIC_LONG_POLL_MAX, GPUBADGE_PUBLIC_LONG_POLLS_PER_PEER)."""
+    settings = services_of(request).settings
+    if wait <= 0 or holds_api_token(request, settings.api_token):
+        yield
+        return
+    waits = request.app[PUBLIC_WAITS]
+    peer = request.remote or "local"
+    if not waits.admit(peer):
+        refused = json_http_error(
+            web.HTTPServiceUnavailable,
+            f"this service holds its most public long polls ({waits.limit:,} in all, {waits.per_peer:,} per"
+            " client: GPUBADGE_PUBLIC_LONG_POLL_MAX, GPUBADGE_PUBLIC_LONG_POLLS_PER_PEER); retry without"
+            " wait, or with the API token",
+            headers={"Retry-After": str(PUBLIC_WAIT_RETRY_SECONDS)},
+        )
+        refused.force_close()  # its connection goes too: a refused poll holds nothing
+        raise refused
+    try:
+        yield
+    finally:
+        waits.release(peer)
+
+
 def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query.get(name)
     if raw is None or raw == "":
@@ -61,22 +94,45 @@ def int_param(request: web.Request, name: str, default: int, low: int, high: int
 async def find_report(services: Services, reference: Reference) -> ImageReport | None:
     """The latest stored report for a tag or digest reference (one store read, or none while the
     store's lookup of it still holds: `store.report_lookups`)."""
+    report, _ = await find_report_in_index(services, reference)
+    return report
+
+
+async def find_report_in_index(
+    services: Services, reference: Reference
+) -> tuple[ImageReport | None, queries.IndexOf | None]:
+    """`find_report`, and for a platform manifest of an index reached by its digest, that index (its
+    scan is the index's, and so is its time: the report carries the index's `scanned_at`)."""
     digest, report, platform = await services.store.reference_report(
         reference.registry, reference.repository, reference.tag or "", reference.digest
     )
     if digest is None:
-        return None
+        return None, None
+    index = None
     if report is None:
         if platform is None:
-            return None
+            return None, None
+        index = await index_of(services, reference, digest)
         report = ImageReport(
             reference=str(reference),
             digest=digest,
             platforms=[platform],
             registry=reference.registry,
             repository=reference.repository,
+            scanned_at=datetime.fromisoformat(index.scanned_at) if index else UNKNOWN_TIME,
         )
-    return report.model_copy(update={"reference": str(reference), "tag": reference.tag, "cached": True})
+    update = {"reference": str(reference), "tag": reference.tag, "cached": True}
+    return report.model_copy(update=update), index
+
+
+# The scan time of a platform manifest whose index report is gone: unknown, said as the epoch (the
+# page says "unknown"), never the time of the request.
+UNKNOWN_TIME = datetime.fromtimestamp(0, UTC)
+
+
+async def index_of(services: Services, reference: Reference, digest: str) -> queries.IndexOf | None:
+    """The stored index that lists `digest` as one of its platforms (None: not an index's child)."""
+    return await services.store.run(queries.index_of, reference.registry, reference.repository, digest)
 
 
 async def scan_jobs_of(services: Services, reference: Reference) -> tuple[Job | None, Job | None]:

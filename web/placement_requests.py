@@ -37,7 +37,10 @@ async def request_body(
     run_data = {key: data.pop(key) for key in RUN_FIELDS if run_fields and key in data}
     others = {key: data.pop(key) for key in other_fields if key in data}
     try:
-        return image, DeployRequest.parse_any(data), RunSpec.model_validate(run_data), others
+        deploy = DeployRequest.parse_any(data)
+        if deploy.gpu_code_rule is None:  # the service's rule, where the request names none
+            deploy = deploy.model_copy(update={"gpu_code_rule": services_of(request).settings.gpu_code_rule})
+        return image, deploy, RunSpec.model_validate(run_data), others
     except (ValidationError, ValueError) as exc:
         detail = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise json_http_error(web.HTTPBadRequest, f"invalid request: {detail}") from None

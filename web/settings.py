@@ -42,9 +42,34 @@ class ServiceSettings(JobSettings):
         description="false: every /api read, UI page, badge and /metrics needs the API token"
         " (/healthz, /api/openapi.json and /static stay open)",
     )
-    agent_token: SecretStr | None = Field(default=None, description="token node agents present")
+    agent_token: SecretStr | None = Field(
+        default=None,
+        description="the fleet-wide agent token: registers any server, moves a GPU to another server,"
+        " releases GPUs and removes servers (gpubadge fleet)",
+    )
     agent_tokens: dict[str, SecretStr] = Field(
-        default_factory=dict, description="per-agent tokens by server name"
+        default_factory=dict,
+        description="per-agent tokens by server name: each acts for its own server only, and never takes"
+        " another server's GPUs",
+    )
+    allow_agents_without_token: bool = Field(
+        default=False,
+        description="with no agent token configured, accept agents (registrations, heartbeats, polls) from"
+        " anyone, each as the fleet-wide token would: only on a network where every client is trusted;"
+        " false: agents are refused (401) until agent_token or agent_tokens is set",
+    )
+    max_server_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="largest registration or GPU report of one server, in bytes (an 8-GPU server's is about"
+        " 2 KB, 11 KB with every GPU in MIG mode at 7 devices); a larger one is refused (413) before it is parsed",
+    )
+    max_servers_per_agent_token: int = Field(
+        default=50_000,
+        ge=1,
+        description="servers the fleet-wide agent token (or, with allow_agents_without_token, no token) may"
+        " have registered; a new one past it is refused (403) until servers are removed (gpubadge fleet"
+        " forget). A per-agent token registers its own server only",
     )
     coalesce_seconds: float = Field(
         default=0.5, description="delay for digest-only push events, so the index job covers them"
@@ -76,6 +101,33 @@ class ServiceSettings(JobSettings):
         description="open HTTP connections per process, every listener counted; beyond it a new connection is"
         " answered 503 at once"
         " (default: the open-file limit less a tenth of it, at least 256, kept for the store and registries)",
+    )
+    connection_reserve: int | None = Field(
+        default=None,
+        ge=0,
+        description="connections under max_connections kept for /healthz, agents holding an agent token and"
+        " admission reviews: once the rest are open, any other request is answered 503 (Retry-After) and"
+        " every answer closes its connection (default: a tenth of the cap, at least 16; at most half)",
+    )
+    connection_reserve_per_peer: int | None = Field(
+        default=None,
+        ge=1,
+        description="while the reserve is in use, a peer address holding this many connections gets no new"
+        " one (503 at once), so one client cannot take the reserve (default: a quarter of the reserve,"
+        " at least 4)",
+    )
+    public_long_poll_max: int | None = Field(
+        default=None,
+        ge=1,
+        description="?wait= long polls (GET /api/images/by-ref, /api/scans/{id}) held at once for callers"
+        " without the API token; past it they are answered 503 with Retry-After (default: a quarter of"
+        " max_connections)",
+    )
+    public_long_polls_per_peer: int | None = Field(
+        default=None,
+        ge=1,
+        description="such long polls one peer address may hold at once (default: a quarter of"
+        " public_long_poll_max, at least 16)",
     )
     json_max_depth: int = Field(default=32, ge=2, description="deepest nesting of a JSON request body")
     json_max_number: int = Field(

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from placement import cuda_needs
+from placement.gpu_code import Rule
 from placement.gpus import MEMORY_TOLERANCE, RUNTIME_BRANDS, matches_model, runtime_brands
 from placement.image_facts import ImageFacts, PlatformFacts
 from placement.index import FleetIndex, GpuClass
 from placement.mig import sort_key
 from placement.nvidia_require import ImageRequirements
 from placement.request import DeployRequest
-from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, latent_error
+from scanner.facts.require_grammar import KEYS, OPERATORS, Condition, Expression, digits_value, latent_error
 from scanner.models import GpuFacts
 
 Version = tuple[int, ...]
@@ -51,7 +52,10 @@ def parse_version(text: str) -> Version | None:
     """A requirement value as the runtime reads it; None when it is not a version."""
     if not text or text.startswith(".") or set(text) - set("0123456789."):
         return None
-    return canonical(int(part) for part in text.split(".") if part)
+    values = [digits_value(part) for part in text.split(".") if part]
+    if any(value is None for value in values):
+        return None  # past any uint64: the runtime refuses it too
+    return canonical(value or 0 for value in values)
 
 
 def compare(left: Version, right: Version) -> int:
@@ -483,7 +487,8 @@ def _platform(
     if wants and major.isdigit() and int(major) >= 13:
         terms = conjunction(terms, [Term((("cc", Interval(low=Bound((7, 5), True))),))])
     if wants and (platform.gpu.inferred is not None or platform.gpu.archs is not None):
-        terms = conjunction(terms, _inferred_terms(platform.gpu, platform.platform, result))
+        rule = request.gpu_code_rule or "dispatch"
+        terms = conjunction(terms, _inferred_terms(platform.gpu, platform.platform, result, rule))
     if wants:
         terms = conjunction(terms, _request_terms(request, fleet, result))
         if request.min_gpu_memory is not None:
@@ -517,7 +522,7 @@ def _mig_choices(
     return sorted(choices, key=lambda choice: (sort_key(choice.profile), choice.product))
 
 
-def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[Term]:
+def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints, rule: Rule) -> list[Term]:
     """placement.cuda_needs's rules for the CUDA an image carries: the driver floor of that CUDA, and the
     compute capabilities its GPU code runs on (`placement.gpu_code`; PTX JIT adds a floor)."""
     common: list[Term] = TRUE
@@ -528,7 +533,7 @@ def _inferred_terms(gpu: GpuFacts, platform: str, result: Constraints) -> list[T
         assert version is not None
         common = [Term((("driver", Interval(low=Bound(version, True))),))]
         result.note(f"{platform}: {floor[1]} (CUDA {cuda} found in the layers)")
-    ranges = cuda_needs.compute_capability_ranges(gpu)
+    ranges = cuda_needs.compute_capability_ranges(gpu, rule)
     if ranges is None:
         return common
     alternatives = []

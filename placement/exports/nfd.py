@@ -36,7 +36,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from placement import gpu_code
+from placement import cuda_needs, gpu_code
 from placement.cuda_needs import compute_capability_ranges, driver_floor
 from placement.exports.core import parse_version
 from placement.exports.kubernetes import CC_LABELS
@@ -262,7 +262,7 @@ def _gpu_code_rule(platform: PlatformReport) -> tuple[GroupRule, str] | None:
     if not alternatives:
         alternatives = [[(CC_MAJOR_LABEL, MatchExpression(op="In", value=["none"]))]]
         described = ["no known compute capability"]
-    summary = gpu_code.summary(gpu.archs)
+    summary = cuda_needs.summary(gpu) or gpu_code.summary(gpu.archs)
     text = (
         f"its GPU code ({summary}) as {CC_MAJOR_LABEL} / {CC_MINOR_LABEL}: compute capability "
         + ", ".join(described)

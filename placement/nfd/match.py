@@ -464,6 +464,14 @@ def evaluate_rule(rule: GroupRule, features: Features, budget: Budget | None = N
     return _execute_rule(rule, features, budget or Budget())[0]
 
 
+def execute_group_rule(
+    rule: GroupRule, features: Features, budget: Budget | None = None
+) -> tuple[RuleResult, dict[str, str] | None]:
+    """NFD's ExecuteGroupRule: the rule's result and its vars (`vars` over what `varsTemplate`
+    expands to; None where NFD returns none)."""
+    return _execute_rule(rule, features, budget or Budget())
+
+
 def _execute_rule(
     rule: GroupRule, features: Features, budget: Budget
 ) -> tuple[RuleResult, dict[str, str] | None]:

@@ -1,33 +1,47 @@
 """NFD's `varsTemplate`: Go's text/template over a rule's matched elements, as `key=value` lines. Pure.
 
-NFD (`pkg/apis/nfd/template/template.go`) parses the template with `missingkey=error`, runs it
-over the matched features (`{domain: {feature: [element, ...]}}`, each element a map such as
-`{Name, Value}` or an instance's attributes), and reads every non-empty line of the output as
-`key=value` (`ExpandMap`). This module evaluates text/template's language: text, `{{ pipeline }}`
-where a pipeline is one operand (`.`, `.a.b`, `$`, `$x.a`, a string, number or boolean), variable
-declarations (`$x := ...`, `$x = ...`), `if`/`with`/`range` (with `else`, `else if`, `else with`,
-`range $i, $e := ...`), comments and `{{-`/`-}}` trimming. It evaluates no function: NFD offers
-Go's builtins and sprig's, and a template that calls one is a TemplateError saying so.
+NFD (`pkg/apis/nfd/template/template.go`) parses the template with `missingkey=error` and sprig's
+functions, runs it over the matched features (`{domain: {feature: [element, ...]}}`, each element a
+map such as `{Name, Value}` or an instance's attributes), and reads every non-empty line of the
+output as `key=value` (`ExpandMap`). This module evaluates text/template's language as Go does:
+text; actions whose pipelines chain commands with `|`; a command is a function call (Go's built-ins
+and the sprig functions of `placement.nfd.template_functions`, the piped value its last argument)
+or one operand: `.`, `.a.b`, `$`, `$x.a`, a parenthesised pipeline and the fields after it
+(`(index . "a").b`), a string, raw string, character, number, boolean or `nil`; variable
+declarations and assignments (`$x := ...`, `$x = ...`); `if`/`with`/`range` with `else`,
+`else if`, `else with`, `range $i, $e := ...`, `break` and `continue`; comments and `{{-`/`-}}`
+trimming. `and` and `or` evaluate their operands lazily. `define`, `template` and `block` (other
+templates) are refused: NFD's templates are single documents.
 
-Bounded: the template is at most NFD's own 64 KiB, nested at most MAX_NESTING blocks, and the
-templates of one evaluation take at most `TemplateBudget.steps` steps (`nfd_max_evaluations`)
-and each writes at most `max_bytes` bytes (`nfd_max_template_bytes`).
+Bounded: the template is at most NFD's own 64 KiB, nested at most MAX_NESTING blocks (and
+parentheses), and the templates of one evaluation take at most `TemplateBudget.steps` steps
+(`nfd_max_evaluations`: each node run, range iteration and function call is one) and each writes,
+and each function builds, at most `max_bytes` bytes (`nfd_max_template_bytes`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from placement.nfd.template_functions import (
+    Missing,
+    TemplateError,
+    call,
+    go_text,
+    go_type,
+    known,
+    truth,
+)
+
 MAX_TEMPLATE_SIZE = 64 * 1024  # NFD's MaxTemplateSize
 MAX_NESTING = 100
 DEFAULT_STEPS = 500_000  # template steps one evaluation of a document may take (all its rules)
 
-
-class TemplateError(ValueError):
-    """The template cannot be parsed or run, or it needs what gpubadge does not evaluate."""
+__all__ = ["DEFAULT_STEPS", "MAX_TEMPLATE_SIZE", "TemplateBudget", "TemplateError", "expand_map", "parse"]
 
 
 @dataclass
@@ -43,113 +57,217 @@ class TemplateBudget:
 
 # --- parsing ------------------------------------------------------------------------------------
 
-_ACTION = re.compile(r"\{\{(-\s)?(.*?)(\s-)?\}\}", re.S)
+_ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
 _TOKEN = re.compile(
-    r"""\s*(?:(?P<string>"(?:[^"\\]|\\.)*"|`[^`]*`)|(?P<number>[+-]?[0-9][0-9a-fA-FxXoObB._]*)"""
-    r"""|(?P<var>\$[A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)|(?P<field>(?:\.[A-Za-z0-9_]+)+|\.)"""
-    r"""|(?P<assign>:=|=)|(?P<comma>,)|(?P<word>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>\S))"""
+    r"""(?P<space>\s+)|(?P<string>"(?:[^"\\\n]|\\.)*")|(?P<raw>`[^`]*`)|(?P<char>'(?:[^'\\\n]|\\.)+')"""
+    r"""|(?P<number>[+-]?(?:0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+"""
+    r"""|(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][+-]?[0-9]+)?))"""
+    r"""|(?P<var>\$[A-Za-z0-9_]*)|(?P<field>\.[A-Za-z_][A-Za-z0-9_]*)|(?P<dot>\.)"""
+    r"""|(?P<declare>:=)|(?P<assign>=)|(?P<comma>,)|(?P<pipe>\|)|(?P<open>\()|(?P<close>\))"""
+    r"""|(?P<word>[A-Za-z_][A-Za-z0-9_]*)|(?P<other>.)""",
+    re.S,
 )
 
 
 @dataclass
-class _Node:
-    kind: str  # text, print, assign, if, with, range
-    text: str = ""
-    operand: Any = None
+class _Token:
+    kind: str
+    text: str
+    spaced: bool  # whitespace before it (a field right after `)` or a variable chains onto it)
+
+
+# An operand: ("literal", value) | ("field", [names]) on dot | ("var", "$x", [names])
+# | ("func", name) | ("pipe", Pipeline, [names]) | ("nil",)
+Operand = tuple[Any, ...]
+
+
+@dataclass
+class Pipeline:
+    """`$x := a | b c`: commands (each a list of operands), the variables declared or assigned."""
+
+    commands: list[list[Operand]]
     names: list[str] = field(default_factory=list)
+    declare: bool = True
+
+
+@dataclass
+class _Node:
+    kind: str  # text, action, if, with, range, break, continue
+    text: str = ""
+    pipeline: Pipeline | None = None
     body: list[_Node] = field(default_factory=list)
     otherwise: list[_Node] = field(default_factory=list)
+    chained: bool = False  # an `else if` / `else with`, closed by its parent's `end`
 
 
-def _tokens(source: str) -> list[tuple[str, str]]:
-    found: list[tuple[str, str]] = []
-    position = 0
-    while position < len(source):
-        match = _TOKEN.match(source, position)
-        if match is None or match.end() == position:
-            if source[position:].strip() == "":
-                break
-            raise TemplateError(f"unexpected {source[position : position + 20]!r}")
+def _tokens(source: str) -> list[_Token]:
+    found: list[_Token] = []
+    spaced = True
+    for match in _TOKEN.finditer(source):
         kind = match.lastgroup or "other"
-        found.append((kind, match.group(kind)))
-        position = match.end()
+        if kind == "space":
+            spaced = True
+            continue
+        if kind == "other":
+            raise TemplateError(f"unexpected {match.group()!r} in command")
+        found.append(_Token(kind, match.group(), spaced))
+        spaced = False
     return found
 
 
-def _operand(tokens: list[tuple[str, str]], action: str) -> Any:
-    if len(tokens) != 1:
-        words = [value for kind, value in tokens if kind == "word"] or [v for k, v in tokens if k == "other"]
-        if words:
-            raise TemplateError(
-                f"{{{{{action.strip()}}}}} calls {words[0]!r}; gpubadge evaluates no template function "
-                "(NFD offers Go's and sprig's)"
-            )
-        raise TemplateError(f"{{{{{action.strip()}}}}}: a pipeline of one operand is all gpubadge evaluates")
-    kind, value = tokens[0]
-    if kind == "field":
-        return ("field", [] if value == "." else value[1:].split("."))
-    if kind == "var":
-        name, _, rest = value.partition(".")
-        return ("var", name, rest.split(".") if rest else [])
-    if kind == "string":
-        return ("literal", _unquote(value))
-    if kind == "number":
-        try:
-            return ("literal", int(value.replace("_", ""), 0))
-        except ValueError:
-            try:
-                return ("literal", float(value))
-            except ValueError:
-                raise TemplateError(f"bad number {value!r}") from None
-    if kind == "word" and value in ("true", "false"):
-        return ("literal", value == "true")
-    if kind == "word" and value == "nil":
-        raise TemplateError("nil is not a command")
-    raise TemplateError(
-        f"{{{{{action.strip()}}}}} calls {value!r}; gpubadge evaluates no template function (NFD offers Go's and sprig's)"
-    )
-
-
-def _unquote(text: str) -> str:
-    if text.startswith("`"):
-        return text[1:-1]
-    import json
-
+def _unquote(token: _Token) -> Any:
+    if token.kind == "raw":
+        return token.text[1:-1]
+    if token.kind == "char":
+        text = _unquote(_Token("string", '"' + token.text[1:-1].replace('"', '\\"') + '"', True))
+        if len(text) != 1:
+            raise TemplateError(f"malformed character constant: {token.text}")
+        return ord(text)
     try:
-        return str(json.loads(text))
+        return str(json.loads(re.sub(r"\\x([0-9a-fA-F]{2})", r"\\u00\1", token.text)))
     except ValueError:
-        raise TemplateError(f"bad string {text}") from None
+        raise TemplateError(f"bad string {token.text}") from None
 
 
-def _declaration(tokens: list[tuple[str, str]]) -> tuple[list[str], list[tuple[str, str]], str | None]:
-    """`$a, $b := rest` -> (["$a", "$b"], rest, ":="); no declaration -> ([], tokens, None)."""
-    names: list[str] = []
-    index = 0
-    while index < len(tokens) and tokens[index][0] == "var" and "." not in tokens[index][1]:
-        names.append(tokens[index][1])
-        index += 1
-        if index < len(tokens) and tokens[index][0] == "comma":
-            index += 1
-            continue
-        break
-    if names and index < len(tokens) and tokens[index][0] == "assign":
-        return names, tokens[index + 1 :], tokens[index][1]
-    return [], tokens, None
+def _number(text: str) -> int | float:
+    clean = text.replace("_", "")
+    try:
+        return int(clean, 0)
+    except ValueError:
+        try:
+            return float(clean)
+        except ValueError:
+            raise TemplateError(f"bad number syntax: {text!r}") from None
+
+
+class _Parser:
+    """One action's tokens, read as Go's parser reads a pipeline."""
+
+    def __init__(self, tokens: list[_Token], action: str) -> None:
+        self.tokens, self.position, self.action, self.depth = tokens, 0, action, 0
+
+    def peek(self) -> _Token | None:
+        return self.tokens[self.position] if self.position < len(self.tokens) else None
+
+    def take(self) -> _Token:
+        token = self.peek()
+        if token is None:
+            raise TemplateError(f"unexpected end of {{{{{self.action.strip()}}}}}")
+        self.position += 1
+        return token
+
+    def pipeline(self, *, context: str, declarations: int = 1) -> Pipeline:
+        names: list[str] = []
+        declare = True
+        start = self.position
+        while (token := self.peek()) is not None and token.kind == "var":
+            names.append(token.text)
+            self.position += 1
+            following = self.peek()
+            if following is not None and following.kind == "comma" and len(names) < declarations:
+                self.position += 1
+                continue
+            break
+        following = self.peek()
+        if names and following is not None and following.kind in ("declare", "assign"):
+            declare = following.kind == "declare"
+            self.position += 1
+        else:
+            names, self.position = [], start
+        commands = [self.command()]
+        while (token := self.peek()) is not None and token.kind == "pipe":
+            self.position += 1
+            commands.append(self.command())
+        if not commands[0]:
+            raise TemplateError(f"missing value for {context}")
+        for later in commands[1:]:
+            if later and later[0][0] != "func":
+                raise TemplateError(f"non executable command in pipeline stage {commands.index(later) + 1}")
+        return Pipeline(commands, names, declare)
+
+    def command(self) -> list[Operand]:
+        operands: list[Operand] = []
+        while (token := self.peek()) is not None and token.kind not in ("pipe", "close"):
+            if operands and not token.spaced and token.kind != "field":
+                raise TemplateError(f"missing space? {{{{{self.action.strip()}}}}}")
+            operands.append(self.operand())
+        return operands
+
+    def operand(self) -> Operand:
+        token = self.take()
+        kind = token.kind
+        if kind in ("string", "raw", "char"):
+            term: Operand = ("literal", _unquote(token))
+        elif kind == "number":
+            term = ("literal", _number(token.text))
+        elif kind == "dot":
+            term = ("field", [])
+        elif kind == "field":
+            names = [token.text[1:]]
+            names += self.chain()
+            return ("field", names)
+        elif kind == "var":
+            return ("var", token.text, self.chain())
+        elif kind == "open":
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise TemplateError(f"parentheses nested deeper than {MAX_NESTING}")
+            inner = self.pipeline(context="parenthesized pipeline")
+            if inner.names:
+                raise TemplateError("cannot declare a variable inside parentheses")
+            closing = self.take()
+            if closing.kind != "close":
+                raise TemplateError(f"unclosed left paren in {{{{{self.action.strip()}}}}}")
+            self.depth -= 1
+            return ("pipe", inner, self.chain())
+        elif kind == "word":
+            if token.text in ("true", "false"):
+                term = ("literal", token.text == "true")
+            elif token.text == "nil":
+                term = ("nil",)
+            elif known(token.text):
+                term = ("func", token.text)
+            else:
+                raise TemplateError(f'function "{token.text}" not defined')
+        else:
+            raise TemplateError(f"unexpected {token.text!r} in operand")
+        if (following := self.peek()) is not None and following.kind == "field" and not following.spaced:
+            raise TemplateError(f"unexpected . after term {token.text!r}")
+        return term
+
+    def chain(self) -> list[str]:
+        names: list[str] = []
+        while (token := self.peek()) is not None and token.kind == "field" and not token.spaced:
+            names.append(token.text[1:])
+            self.position += 1
+        return names
+
+    def end(self) -> None:
+        token = self.peek()
+        if token is not None:
+            raise TemplateError(f"unexpected {token.text!r} in {{{{{self.action.strip()}}}}}")
+
+
+def _pipeline_of(tokens: list[_Token], action: str, context: str, declarations: int = 1) -> Pipeline:
+    parser = _Parser(tokens, action)
+    pipeline = parser.pipeline(context=context, declarations=declarations)
+    parser.end()
+    return pipeline
 
 
 def _open_block(
     kind: str,
-    tokens: list[tuple[str, str]],
+    tokens: list[_Token],
     action: str,
     current: list[_Node],
     stack: list[tuple[_Node, list[_Node]]],
     *,
-    text: str = "",
+    chained: bool = False,
 ) -> list[_Node]:
     """Append an if/with/range block to `current`, push it on `stack` (at most MAX_NESTING deep)
     and return its body, the list the actions that follow fill."""
-    names, rest, _ = _declaration(tokens)
-    node = _Node(kind, operand=_operand(rest, action), names=names, text=text)
+    pipeline = _pipeline_of(tokens, action, kind, declarations=2 if kind == "range" else 1)
+    node = _Node(kind, pipeline=pipeline, chained=chained)
     current.append(node)
     stack.append((node, current))
     if len(stack) > MAX_NESTING:
@@ -158,7 +276,7 @@ def _open_block(
 
 
 def parse(source: str) -> list[_Node]:
-    """The template's tree; TemplateError where Go's parser (or gpubadge's subset) refuses it."""
+    """The template's tree; TemplateError where Go's parser refuses it."""
     if len(source) > MAX_TEMPLATE_SIZE:
         raise TemplateError(
             f"template exceeds maximum allowed size: {len(source)} bytes > {MAX_TEMPLATE_SIZE} limit"
@@ -195,7 +313,7 @@ def parse(source: str) -> list[_Node]:
         tokens = _tokens(content)
         if not tokens:
             raise TemplateError("missing value for command")
-        head = tokens[0][1] if tokens[0][0] == "word" else ""
+        head = tokens[0].text if tokens[0].kind == "word" else ""
         if head in ("if", "with", "range"):
             current = _open_block(head, tokens[1:], content, current, stack)
         elif head == "else":
@@ -207,26 +325,28 @@ def parse(source: str) -> list[_Node]:
             current = node.otherwise
             # else if / else with: a block nested in the else branch, closed by the same end
             if len(tokens) > 1:
-                chained = tokens[1][1]
-                if chained not in ("if", "with"):
+                chained = tokens[1].text
+                if chained not in ("if", "with") or (node.kind == "range" and chained == "with"):
                     raise TemplateError(f"unexpected {chained!r} after else")
-                current = _open_block(chained, tokens[2:], content, current, stack, text="chained")
+                current = _open_block(chained, tokens[2:], content, current, stack, chained=True)
         elif head == "end":
+            if len(tokens) > 1:
+                raise TemplateError("unexpected operand after end")
             if not stack:
                 raise TemplateError("unexpected {{end}}")
             while True:
                 node, parent = stack.pop()
                 current = parent
-                if node.text != "chained":
+                if not node.chained:
                     break
-        elif head in ("define", "template", "block", "break", "continue"):
-            raise TemplateError(f"{{{{{head}}}}} is not evaluated by gpubadge")
+        elif head in ("break", "continue"):
+            if not any(node.kind == "range" for node, _ in stack):
+                raise TemplateError(f"{{{{{head}}}}} outside {{{{range}}}}")
+            current.append(_Node(head))
+        elif head in ("define", "template", "block"):
+            raise TemplateError(f"{{{{{head}}}}}: NFD's templates are single documents; gpubadge refuses it")
         else:
-            names, rest, assign = _declaration(tokens)
-            if assign is not None:
-                current.append(_Node("assign", operand=_operand(rest, content), names=names, text=assign))
-            else:
-                current.append(_Node("print", operand=_operand(tokens, content)))
+            current.append(_Node("action", pipeline=_pipeline_of(tokens, content, "command")))
     if stack:
         raise TemplateError(f"unexpected EOF: {{{{{stack[-1][0].kind}}}}} has no {{{{end}}}}")
     return root
@@ -235,23 +355,12 @@ def parse(source: str) -> list[_Node]:
 # --- running -------------------------------------------------------------------------------------
 
 
-def _truth(value: Any) -> bool:
-    return bool(value) if value is not None else False
+class _Break(Exception):
+    pass
 
 
-def _go_text(value: Any) -> str:
-    """fmt.Print of a value: strings as they are, maps as `map[k:v]` (sorted keys), lists as `[a b]`."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "<no value>"
-    if isinstance(value, Mapping):
-        return "map[" + " ".join(f"{k}:{_go_text(value[k])}" for k in sorted(value)) + "]"
-    if isinstance(value, list):
-        return "[" + " ".join(_go_text(item) for item in value) + "]"
-    return str(value)
+class _Continue(Exception):
+    pass
 
 
 class _Run:
@@ -293,79 +402,158 @@ class _Run:
                 return
         raise TemplateError(f'undefined variable "{name}"')
 
-    def value(self, operand: Any, dot: Any) -> Any:
-        kind = operand[0]
-        if kind == "literal":
-            return operand[1]
-        base, path = (dot, operand[1]) if kind == "field" else (self.lookup(operand[1]), operand[2])
-        for name in path:
+    @staticmethod
+    def fields(base: Any, names: list[str]) -> Any:
+        for name in names:
             if isinstance(base, Mapping):
                 if name not in base:
                     raise TemplateError(f'map has no entry for key "{name}"')
                 base = base[name]
+            elif base is None or isinstance(base, Missing):
+                raise TemplateError(f"nil pointer evaluating interface {{}}.{name}")
             else:
-                raise TemplateError(f"can't evaluate field {name} in type {_go_type(base)}")
+                raise TemplateError(f"can't evaluate field {name} in type {go_type(base)}")
         return base
+
+    def pipeline(self, pipeline: Pipeline, dot: Any) -> Any:
+        value: Any = _UNSET
+        for command in pipeline.commands:
+            self.step()
+            value = self.command(command, dot, value)
+        for name in pipeline.names[-1:]:
+            self.assign(name, value, pipeline.declare)
+        return value
+
+    def command(self, operands: list[Operand], dot: Any, piped: Any) -> Any:
+        first = operands[0]
+        if first[0] == "func":
+            name = first[1]
+            if name in ("and", "or"):
+                return self._logic(name, operands[1:], dot, piped)
+            arguments = [self.operand(o, dot) for o in operands[1:]]
+            if piped is not _UNSET:
+                arguments.append(piped)
+            return call(name, arguments, self.budget.max_bytes)
+        if len(operands) > 1 or piped is not _UNSET:
+            described = {"field": "field", "var": "variable", "pipe": "parenthesized pipeline"}.get(
+                first[0], "non-function"
+            )
+            raise TemplateError(f"can't give argument to {described} {_spell(first)}")
+        return self.operand(first, dot)
+
+    def _logic(self, name: str, operands: list[Operand], dot: Any, piped: Any) -> Any:
+        """Go's `and`/`or`: the first operand that decides (falsy for and, truthy for or), else the last."""
+        if not operands and piped is _UNSET:
+            raise TemplateError(f"wrong number of args for {name}: want at least 1 got 0")
+        value: Any = None
+        for operand in operands:
+            value = self.operand(operand, dot)
+            if truth(value) != (name == "and"):
+                return value
+        if piped is not _UNSET:
+            value = piped
+        return value
+
+    def operand(self, operand: Operand, dot: Any) -> Any:
+        kind = operand[0]
+        if kind == "literal":
+            return operand[1]
+        if kind == "nil":
+            raise TemplateError("nil is not a command")
+        if kind == "field":
+            return self.fields(dot, operand[1])
+        if kind == "var":
+            return self.fields(self.lookup(operand[1]), operand[2])
+        if kind == "pipe":
+            return self.fields(self.pipeline(operand[1], dot), operand[2])
+        return call(operand[1], [], self.budget.max_bytes)  # a function named alone: called with no argument
 
     def run(self, nodes: list[_Node], dot: Any) -> None:
         for node in nodes:
             self.step()
             if node.kind == "text":
                 self.write(node.text)
-            elif node.kind == "print":
-                self.write(_go_text(self.value(node.operand, dot)))
-            elif node.kind == "assign":
-                self.assign(node.names[0], self.value(node.operand, dot), node.text == ":=")
+            elif node.kind == "action":
+                assert node.pipeline is not None
+                value = self.pipeline(node.pipeline, dot)
+                if not node.pipeline.names:
+                    self.write(go_text(value))
             elif node.kind in ("if", "with"):
-                value = self.value(node.operand, dot)
+                assert node.pipeline is not None
                 self.scopes.append({})
-                if node.names:
-                    self.assign(node.names[0], value, True)
-                if _truth(value):
-                    self.run(node.body, value if node.kind == "with" else dot)
-                else:
-                    self.run(node.otherwise, dot)
-                self.scopes.pop()
+                try:
+                    value = self.pipeline(node.pipeline, dot)
+                    if truth(value):
+                        self.run(node.body, value if node.kind == "with" else dot)
+                    else:
+                        self.run(node.otherwise, dot)
+                finally:
+                    self.scopes.pop()
             elif node.kind == "range":
                 self._range(node, dot)
+            elif node.kind == "break":
+                raise _Break
+            elif node.kind == "continue":
+                raise _Continue
 
     def _range(self, node: _Node, dot: Any) -> None:
-        value = self.value(node.operand, dot)
+        assert node.pipeline is not None
+        pipeline = Pipeline(node.pipeline.commands)
+        value = self.pipeline(pipeline, dot)
         if isinstance(value, Mapping):
             items: list[tuple[Any, Any]] = [(key, value[key]) for key in sorted(value)]
         elif isinstance(value, list):
             items = list(enumerate(value))
-        elif value is None:
+        elif isinstance(value, str):
+            items = list(enumerate(ord(c) for c in value))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            items = [(i, i) for i in range(value)]  # Go 1.22: range over an integer
+        elif value is None or isinstance(value, Missing):
             items = []
         else:
-            raise TemplateError(f"range can't iterate over {_go_text(value)}")
+            raise TemplateError(f"range can't iterate over {go_text(value)}")
         if not items:
             self.run(node.otherwise, dot)
             return
+        names = node.pipeline.names
         for key, item in items:
             self.step()
             self.scopes.append({})
-            if len(node.names) == 1:
-                self.assign(node.names[0], item, True)
-            elif len(node.names) == 2:
-                self.assign(node.names[0], key, True)
-                self.assign(node.names[1], item, True)
-            self.run(node.body, item)
-            self.scopes.pop()
+            try:
+                if len(names) == 1:
+                    self.assign(names[0], item, True)
+                elif len(names) == 2:
+                    self.assign(names[0], key, True)
+                    self.assign(names[1], item, True)
+                self.run(node.body, item)
+            except _Continue:
+                pass
+            except _Break:
+                break
+            finally:
+                self.scopes.pop()
 
 
-def _go_type(value: Any) -> str:
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "[]interface {}"
-    return "interface {}" if value is None else type(value).__name__
+_UNSET: Any = object()  # no piped value yet
+
+
+def _spell(operand: Operand) -> str:
+    if operand[0] == "field":
+        return "." + ".".join(operand[1])
+    if operand[0] == "var":
+        return ".".join([operand[1], *operand[2]])
+    if operand[0] == "literal":
+        return go_text(operand[1])
+    return str(operand[0])
 
 
 def execute(source: str, data: Any, budget: TemplateBudget) -> str:
     """The template's output over `data`; TemplateError on any problem or past the budget."""
     run = _Run(data, budget)
-    run.run(parse(source), data)
+    try:
+        run.run(parse(source), data)
+    except RecursionError:
+        raise TemplateError(f"nested deeper than {MAX_NESTING} levels") from None
     return "".join(run.out)
 
 

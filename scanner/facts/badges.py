@@ -80,12 +80,19 @@ def cuda_mismatch(gpu: GpuFacts) -> str | None:
     newer = carried_newer(gpu)
     if newer is None or gpu.inferred is None:
         return None
-    declared, found = gpu.cuda_version, gpu.inferred.cuda
+    declared, found = gpu.cuda_version or "", gpu.inferred.cuda or ""
     source = gpu.inferred.set_by or "its layers"
+    if newer and found.split(".")[0] == declared.split(".")[0]:
+        major = found.split(".")[0]
+        return (
+            f"the config declares CUDA {declared}, but the layers carry the newer CUDA {found} ({source}):"
+            f" any driver for CUDA {major} runs a CUDA {major}.x runtime (minor-version compatibility), so the"
+            " declared requirement still decides; PTX it JIT-compiles needs its own toolkit's driver"
+        )
     if newer:
         return (
             f"the config declares CUDA {declared}, but the layers carry the newer CUDA {found} ({source}):"
-            f" the image needs a driver for CUDA {found}, which NVIDIA_REQUIRE_CUDA does not check"
+            f" the image needs a driver for CUDA {found.split('.')[0]}, which NVIDIA_REQUIRE_CUDA does not check"
         )
     return (
         f"the config declares CUDA {declared}, but the layers carry the older CUDA {found} ({source}):"

@@ -41,7 +41,9 @@ _UINT32_MAX = 0xFFFFFFFF
 # Masterminds/semver's identifier alphabet for pre-release and build parts (ASCII only).
 _SEMVER_IDENTIFIER = re.compile(r"[0-9A-Za-z-]+", re.ASCII)
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
-_DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
+# MAJOR[.MINOR], leading zeros dropped; a part of more than 9 digits is no version (and never meets
+# int(), which refuses 4,300 digits).
+_DOTTED = re.compile(r"^0*(\d{1,9})(?:\.0*(\d{1,9}))?(?!\d)")
 
 
 def _config_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -104,7 +106,10 @@ def parse_cuda_version(cuda_version: str) -> tuple[int, int, int] | None:
     segments = text.split(".")
     if len(segments) > 3 or not all(_DIGITS.fullmatch(segment) for segment in segments):
         return None
-    numbers = [int(segment) for segment in segments] + [0] * (3 - len(segments))
+    significant = [segment.lstrip("0") or "0" for segment in segments]  # coerced, as the toolkit does
+    if any(len(segment) > len(str(_UINT32_MAX)) for segment in significant):
+        return None
+    numbers = [int(segment) for segment in significant] + [0] * (3 - len(segments))
     if any(number > _UINT32_MAX for number in numbers):
         return None
     return numbers[0], numbers[1], numbers[2]

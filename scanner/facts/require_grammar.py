@@ -202,13 +202,31 @@ def formatted_length(condition: Condition) -> int:
     return len(condition.text) + 2 + (len(condition.op) - raw_op_length)
 
 
+UINT_DIGITS = len(str(_UINTMAX))  # a run of more significant digits is past any uint64
+
+
+def digits_value(digits: str) -> int | None:
+    """A run of ASCII digits as a number, or None past `UINT_DIGITS` significant digits: beyond any
+    uint64 (strtoumax saturates), and never handed to int(), which refuses 4,300 digits."""
+    significant = digits.lstrip("0")
+    if len(significant) > UINT_DIGITS:
+        return None
+    return int(significant or "0")
+
+
+def _too_large(digits: str) -> bool:
+    """A run of digits strtoumax saturates on."""
+    value = digits_value(digits)
+    return value is None or value >= _UINTMAX
+
+
 def latent_error(condition: Condition) -> str | None:
     """Why a well-formed factor is still an error for nvidia-container-cli (when compared), if it is."""
     if condition.error is not None or condition.key == "brand":
         return None
     if condition.value.startswith("."):
         return f"invalid requirement term {condition.text!r}: a version cannot start with '.'"
-    if any(int(part) >= _UINTMAX for part in _DIGITS.findall(condition.value)):
+    if any(_too_large(part) for part in _DIGITS.findall(condition.value)):
         return f"invalid requirement term {condition.text!r}: a number too large for nvidia-container-cli"
     if formatted_length(condition) >= EXPR_MAX:
         return (

@@ -21,10 +21,13 @@ by `drain()`), and holds one `ImageAnalysis` per open session, so any number of 
 multiplex over a bounded number of processes.
 
 Bounds: a session carries the scan's `AnalysisLimits` and deadline; the walk checks them as
-it goes and the process answers `LimitExceeded` like any other error. A process that dies
-(killed, out of memory) fails its sessions with `AnalysisCrashed` (retryable) and is
-replaced on the next session; one that does not answer an abandoned request within
-`kill_grace` is killed. `analysis_processes = 0` runs the same `ImageAnalysis` in the
+it goes and the process answers `LimitExceeded` like any other error. Each process runs under an
+address-space limit (`RLIMIT_AS`, `analysis_memory_bytes`): an allocation past it raises
+`MemoryError` in the session that asked, which answers `LimitExceeded` naming that setting (the same
+bytes fail the same way, so the scan is not retried), and the process serves its other sessions on.
+A process that dies all the same (killed by a signal) fails its sessions with `AnalysisCrashed`
+(retryable: the sessions sharing it did nothing wrong) and is replaced on the next session; one that
+does not answer an abandoned request within `kill_grace` is killed. `analysis_processes = 0` runs the same `ImageAnalysis` in the
 scanning process (`LocalSession`): for tests, and for one-shot CLI runs where no one else
 waits.
 
@@ -43,6 +46,7 @@ import itertools
 import json
 import logging
 import os
+import resource
 import struct
 import sys
 from collections.abc import AsyncIterator
@@ -51,7 +55,7 @@ from typing import Any, BinaryIO, Protocol
 
 from scanner.layers.errors import AnalysisCrashed, CorruptLayer, LayerError
 from scanner.layers.image import ImageAnalysis, ImageVerdict
-from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.limits import DEFAULT_ANALYSIS_MEMORY_BYTES, AnalysisLimits, LimitExceeded
 from scanner.layers.walk import LayerWalk
 
 log = logging.getLogger(__name__)
@@ -104,7 +108,17 @@ def _raise_reply_error(error: dict[str, Any]) -> None:
     raise AnalysisCrashed(message)
 
 
+def out_of_memory(limit: int) -> LimitExceeded:
+    """The error of a layer whose analysis needed more than the process's address space."""
+    return LimitExceeded("the layer's analysis ran out of memory", limit, "analysis_memory_bytes")
+
+
+_ADDRESS_SPACE = 0  # this analysis process's RLIMIT_AS (0: none), named in its out-of-memory errors
+
+
 def _error_of(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, MemoryError):
+        exc = out_of_memory(_ADDRESS_SPACE)
     if isinstance(exc, LimitExceeded):
         return {"kind": "limit", "message": str(exc), "limit": exc.limit, "setting": exc.setting}
     if isinstance(exc, LayerError):
@@ -345,6 +359,7 @@ class AnalysisPool:
 
     processes: int
     kill_grace: float = 10.0  # seconds an abandoned request may stay unanswered before the process is killed
+    memory_bytes: int = DEFAULT_ANALYSIS_MEMORY_BYTES  # each process's address space (RLIMIT_AS); 0: none
     _workers: list[_Worker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _starting: asyncio.Lock | None = None
@@ -359,6 +374,7 @@ class AnalysisPool:
                     sys.executable,
                     "-m",
                     "scanner.layers.analysis",
+                    str(self.memory_bytes),
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     start_new_session=True,  # a terminal's Ctrl-C is for the service, which stops us
@@ -548,13 +564,25 @@ class _Server:
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
         state.analysis.fail_layer()
         state.answered = True
-        if not isinstance(exc, LayerError | LimitExceeded):
+        if isinstance(exc, MemoryError):
+            log.warning("a layer's analysis ran out of its %d bytes of address space", _ADDRESS_SPACE)
+        elif not isinstance(exc, LayerError | LimitExceeded):
             log.error("analysis failed", exc_info=exc)
         self._reply(session, {"error": _error_of(exc)})
 
 
+def limit_address_space(limit: int) -> None:
+    """Hold this process to `limit` bytes of address space (RLIMIT_AS); 0 leaves it as it is."""
+    global _ADDRESS_SPACE
+    if limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _ADDRESS_SPACE = limit
+
+
 def main() -> None:
-    """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr."""
+    """Entry point of an analysis process: frames on fd 0 and 1; anything printed goes to stderr.
+    Its one argument is its address-space limit in bytes (0: none)."""
+    limit_address_space(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     incoming = os.fdopen(os.dup(0), "rb", buffering=PIPE_BYTES)  # little read-ahead past an early stop
     outgoing = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
     os.dup2(2, 1)  # a stray print() must not corrupt the protocol

@@ -17,6 +17,13 @@ Sources (read by `scanner.layers.cuda_sources`; see the shared cuda_inference no
 * toolkit trees `/usr/local/cuda-X.Y/` (and `version.json` / `version.txt` in `/usr/local/cuda*`);
 * ELF files: DT_NEEDED CUDA SONAMEs and fatbin sections (`scanner.layers.cudaelf`), which also give archs.
 
+One file never fails the layer: a parser that fails on a file (Python's parser out of memory or
+recursion on a crafted `torch/version.py`, any error reading an ELF file) makes that file's
+`problems` entry, the file hides what lower layers hold at its path (as any upper file does), and the
+walk goes on. The GPU code of a layer is read under `scanner.layers.limits.GpuCodeWork`'s bounds,
+per file and per layer; past the layer's, `gpu_code_unread` says so and the later files' fatbins are
+left unread. Both reach the report as warnings (`layer_problems`).
+
 `cuda` is the NEWEST CUDA the evidence names (the image needs the newest runtime it carries), as
 precisely as the evidence for that major allows: a major.minor (a toolkit-versioned wheel's
 dist-info, `torch/version.py`, a toolkit tree) wins over a major alone (a `-cu13` wheel name, a
@@ -33,6 +40,14 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from scanner.layers.code_loading import (
+    DRIVER_LIBRARIES,
+    Distribution,
+    annotate,
+    cuda_library_file,
+    distribution_from_record,
+    missing_libraries,
+)
 from scanner.layers.cuda_sources import (
     CONDA_META,
     CONDA_PACKAGES,
@@ -58,19 +73,30 @@ from scanner.layers.cuda_sources import (
     tf_cuda_version,
 )
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
-from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, ptx_toolkit, summarise
+from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
+from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
+from scanner.layers.limits import AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
+from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
-from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, InferredCuda
+from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, ImportState, InferredCuda
 
-CUDA_EVIDENCE_SCHEMA = 3  # 2: containers carry their section; 3: and whether they hold kernels
+CUDA_EVIDENCE_SCHEMA = 4  # 2: containers carry their section; 3: and whether they hold kernels;
+# 4: the CUDA libraries carried, standalone module files, distributions, extension imports
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
-ELF_MIN_BYTES = 64
+ELF_MIN_BYTES = ELF_MAGIC_BYTES
 MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
+MAX_LIBRARIES_PER_LAYER = 4096  # CUDA library files and links a layer may name (a full toolkit: ~700)
+MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubin: 12)
+MAX_DISTRIBUTIONS_PER_LAYER = 4096
+RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
+_RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
+MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
+MAX_PROBLEM_CHARS = 300
 
 # Frameworks first: they name what a user installed; libraries and ELF files follow from them.
 SOURCE_ORDER: tuple[Source, ...] = (
@@ -86,6 +112,15 @@ SOURCE_ORDER: tuple[Source, ...] = (
 )
 
 
+class ModuleDir(BaseModel):
+    """The standalone module files of one directory: how many, their distinct contents, their errors."""
+
+    files: int = 0
+    containers: list[ContainerArchs] = Field(default_factory=list)
+    errors: int = 0
+    error: str | None = Field(default=None, description="the first file's error, with its name")
+
+
 class CudaLayerEvidence(BaseModel):
     """What one layer says about CUDA; cacheable by layer digest."""
 
@@ -98,7 +133,27 @@ class CudaLayerEvidence(BaseModel):
     )
     whiteouts: list[str] = Field(default_factory=list)
     opaque_dirs: list[str] = Field(default_factory=list)
+    libraries: list[str] = Field(
+        default_factory=list, description="files and links named like CUDA libraries (others link them)"
+    )
+    modules: dict[str, ModuleDir] = Field(
+        default_factory=dict, description="standalone module files (.cubin, .fatbin, .ptx) by directory"
+    )
+    distributions: dict[str, Distribution] = Field(
+        default_factory=dict, description="Python distributions by their dist-info directory"
+    )
+    extensions: dict[str, ImportState] = Field(
+        default_factory=dict, description="how the layer's Python loads its GPU-code extension modules"
+    )
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
+    problems: dict[str, str] = Field(
+        default_factory=dict, description="files whose evidence could not be read, and why (path -> problem)"
+    )
+    gpu_code_unread: str | None = Field(
+        default=None,
+        description="the per-layer bound on reading GPU code, when this layer crossed it: the fatbins of"
+        " the files after that point were not read",
+    )
 
 
 # -- one layer
@@ -109,11 +164,22 @@ class CudaLayerCollector:
     """Builds one layer's CUDA evidence from its tar entries.
 
     For each entry: `wants(entry)` says how many leading bytes to hand to `add(entry, head)`;
-    `probe(entry)` returns an `ElfCudaProbe` to feed the whole file to (then `add_elf`).
+    `sink(entry)` returns what to stream the whole file into (an ELF probe, or a module file's
+    reader), which records what it found when closed.
     """
 
     evidence: CudaLayerEvidence = field(default_factory=CudaLayerEvidence)
+    limits: AnalysisLimits = field(default_factory=AnalysisLimits)
     _dirs_seen: set[str] = field(default_factory=set)
+    _loads: LoadSites = field(default_factory=LoadSites)
+    _work: LayerGpuCodeWork | None = None
+
+    @property
+    def work(self) -> LayerGpuCodeWork:
+        """The layer's GPU-code work so far (`max_layer_gpu_code_steps`)."""
+        if self._work is None:
+            self._work = LayerGpuCodeWork(self.limits.max_layer_gpu_code_steps)
+        return self._work
 
     def wants(self, entry: TarEntry) -> int:
         if entry.kind != "file":
@@ -124,13 +190,40 @@ class CudaLayerCollector:
         conda = CONDA_META.search(path)
         if conda and conda.group(1) in CONDA_PACKAGES:
             return CONDA_META_BYTES
+        if path.endswith(".py") and PYTHON_TREES.search(path):
+            return MAX_SOURCE_BYTES
+        if _RECORD.search(path):
+            return RECORD_BYTES
+        if module_kind(path) == "ptx":
+            return PTX_HEAD_BYTES
         return 0
 
-    def probe(self, entry: TarEntry) -> ElfCudaProbe | None:
-        """A probe for any regular file that may be ELF (the probe gives up after its first bytes)."""
-        if entry.kind != "file" or entry.size < ELF_MIN_BYTES or self.wants(entry):
+    def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | None:
+        """What reads the whole file: a module file's reader (`.cubin`, `.fatbin`), else an ELF probe
+        for any regular file that may be ELF (it gives up after its first bytes)."""
+        if entry.kind != "file" or self.wants(entry):
             return None
-        return ElfCudaProbe(entry.size)
+        kind = module_kind(entry.path)
+        if kind in ("cubin", "fatbin"):
+            return _ModuleSink(
+                self, entry.path, ModuleSink(kind, entry.size, GpuCodeWork(self.limits, self.work))
+            )
+        if entry.size < ELF_MIN_BYTES:
+            return None
+        return _ElfSink(self, entry, ElfCudaProbe(entry.size, GpuCodeWork(self.limits, self.work)))
+
+    def unreadable(self, path: str, exc: BaseException) -> None:
+        """A parser failed on the file at `path`: that is the file's finding, and the walk goes on. The
+        file hides lower layers' evidence at its path, as any file there would."""
+        detail = str(exc).strip()
+        problem = f"not read: {type(exc).__name__}" + (f": {detail}" if detail else "")
+        if len(self.evidence.problems) >= MAX_FINDINGS_PER_LAYER:
+            self.evidence.truncated = True
+        else:
+            self.evidence.problems[path] = problem[:MAX_PROBLEM_CHARS]
+        self.evidence.findings.pop(path, None)
+        self.evidence.elves.pop(path, None)
+        self._shadow(path)
 
     def _finding(self, path: str, finding: Finding) -> None:
         if len(self.evidence.findings) >= MAX_FINDINGS_PER_LAYER:
@@ -152,8 +245,30 @@ class CudaLayerCollector:
             kind, target = hidden
             (self.evidence.opaque_dirs if kind == "opaque" else self.evidence.whiteouts).append(target)
             return
-        self._add_path_evidence(path, entry)
-        if entry.kind != "file" or not head:
+        try:
+            self._add_path_evidence(path, entry)
+            if entry.kind in ("file", "symlink", "hardlink") and cuda_library_file(path):
+                if len(self.evidence.libraries) < MAX_LIBRARIES_PER_LAYER:
+                    self.evidence.libraries.append(path)
+                else:
+                    self.evidence.truncated = True
+            if entry.kind == "file" and head:
+                self._add_content(path, head)
+        except Exception as exc:  # one file's parser failing is that file's finding, never the layer's
+            self.unreadable(path, exc)
+
+    def _add_content(self, path: str, head: bytes) -> None:
+        """Evidence from the head of a file (`wants`): its parser by path."""
+        if path.endswith(".py"):
+            self._loads.add_source(path, head)
+        if _RECORD.search(path):
+            self._add_distribution(path, head)
+            return
+        if module_kind(path) == "ptx":
+            try:
+                self.add_module(path, [parse_ptx_head(head)], None)
+            except ModuleError as exc:
+                self.add_module(path, [], str(exc))
             return
         text = head.decode("utf-8", "replace")
         if TORCH_VERSION.search(path):
@@ -260,6 +375,31 @@ class CudaLayerCollector:
                 detail = f"lib{lib.group(2)}.so.{lib.group(3)}"
                 self._finding(root, Finding(source="nvidia-wheel", cuda=lib.group(3), detail=detail))
 
+    def _add_distribution(self, path: str, record: bytes) -> None:
+        distribution = distribution_from_record(posixpath.dirname(path), record)
+        if distribution is None:
+            return
+        if len(self.evidence.distributions) >= MAX_DISTRIBUTIONS_PER_LAYER:
+            self.evidence.truncated = True
+            return
+        self.evidence.distributions[posixpath.dirname(path)] = distribution
+
+    def add_module(self, path: str, containers: list[ContainerArchs], error: str | None) -> None:
+        """Record one standalone module file in its directory's summary."""
+        directory = posixpath.dirname(path)
+        found = self.evidence.modules.get(directory)
+        if found is None:
+            if len(self.evidence.modules) >= MAX_MODULE_DIRS_PER_LAYER:
+                self.evidence.truncated = True
+                return
+            found = self.evidence.modules[directory] = ModuleDir()
+        found.files += 1
+        if error is not None:
+            found.errors += 1
+            found.error = found.error or f"{posixpath.basename(path)}: {error}"
+            return
+        found.containers = merge_signatures([*found.containers, *containers])
+
     def add_elf(self, entry: TarEntry, facts: ElfCudaFacts | None) -> None:
         """Record what the probe of one file found (None: not ELF)."""
         if facts is None:
@@ -273,34 +413,99 @@ class CudaLayerCollector:
         self.evidence.elves[entry.path] = facts
 
     def finish(self, complete: bool) -> CudaLayerEvidence:
+        """The layer's evidence: with how its Python loads each extension module that holds GPU code
+        (the sources and the modules of one layer are read together, in any order)."""
         self.evidence.complete = complete
+        for path, facts in self.evidence.elves.items():
+            if facts.fatbin is not None and extension_name(path) is not None:
+                state = self._loads.state(path)
+                if state is not None:
+                    self.evidence.extensions[path] = state
+        if self._loads.truncated:
+            self.evidence.truncated = True
+        if self._work is not None and self._work.exceeded is not None:
+            self.evidence.gpu_code_unread = str(self._work.exceeded)
         return self.evidence
 
 
 class _ElfSink:
-    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector."""
+    """Streams one file into an `ElfCudaProbe`; records the outcome in the layer's collector. A probe
+    that fails is that file's finding (`CudaLayerCollector.unreadable`), never the walk's error."""
 
     __slots__ = ("_collector", "_entry", "_probe")
 
-    def __init__(self, collector: CudaLayerCollector, entry: TarEntry) -> None:
+    def __init__(self, collector: CudaLayerCollector, entry: TarEntry, probe: ElfCudaProbe) -> None:
         self._collector = collector
         self._entry = entry
-        self._probe = ElfCudaProbe(entry.size)
+        self._probe: ElfCudaProbe | None = probe
 
-    def feed(self, data: memoryview) -> bool:
-        return self._probe.feed(data)
+    def feed(self, data: bytes | memoryview) -> bool:
+        if self._probe is None:
+            return False
+        try:
+            return self._probe.feed(data)
+        except Exception as exc:
+            self._fail(exc)
+            return False
 
     def close(self, complete: bool) -> None:
-        if self._probe.is_elf:
-            self._collector.add_elf(self._entry, self._probe.finish())
+        probe = self._probe
+        if probe is None or not probe.is_elf:
+            return
+        try:
+            facts = probe.finish()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._collector.add_elf(self._entry, facts)
+
+    def _fail(self, exc: Exception) -> None:
+        self._probe = None
+        self._collector.unreadable(self._entry.path, exc)
+
+
+class _ModuleSink:
+    """Streams one standalone module file into its reader; records it in the layer's collector. A
+    reader that fails is that file's finding, never the walk's error."""
+
+    __slots__ = ("_collector", "_path", "_reader")
+
+    def __init__(self, collector: CudaLayerCollector, path: str, reader: ModuleSink) -> None:
+        self._collector = collector
+        self._path = path
+        self._reader: ModuleSink | None = reader
+
+    def feed(self, data: memoryview) -> bool:
+        if self._reader is None:
+            return False
+        try:
+            return self._reader.feed(data)
+        except Exception as exc:
+            self._fail(exc)
+            return False
+
+    def close(self, complete: bool) -> None:
+        reader = self._reader
+        if reader is None:
+            return
+        try:
+            reader.close(complete)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._collector.add_module(self._path, reader.containers, reader.error)
+
+    def _fail(self, exc: Exception) -> None:
+        self._reader = None
+        self._collector.add_module(self._path, [], f"not read: {type(exc).__name__}")
 
 
 class CudaEntryCollector:
     """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early:
     evidence can sit in any entry of any layer, so a walk with it attached reads the layer whole."""
 
-    def __init__(self) -> None:
-        self.layer = CudaLayerCollector()
+    def __init__(self, limits: AnalysisLimits | None = None) -> None:
+        self.layer = CudaLayerCollector(limits=limits or AnalysisLimits())
         self.position = 0  # compressed bytes read so far, kept current by the walk
 
     def wants(self, entry: TarEntry) -> int:
@@ -317,24 +522,26 @@ class CudaEntryCollector:
     def finish(self, complete: bool) -> CudaLayerEvidence:
         return self.layer.finish(complete)
 
-    def stream(self, entry: TarEntry) -> _ElfSink | None:
-        if entry.kind != "file" or entry.size < ELF_MAGIC_BYTES or self.layer.wants(entry):
-            return None
-        return _ElfSink(self.layer, entry)
+    def stream(self, entry: TarEntry) -> _ElfSink | _ModuleSink | None:
+        return self.layer.sink(entry)
 
 
-def collect_layer(entries: Iterable[tuple[TarEntry, bytes]]) -> CudaLayerEvidence:
+def collect_layer(
+    entries: Iterable[tuple[TarEntry, bytes]], limits: AnalysisLimits | None = None
+) -> CudaLayerEvidence:
     """One layer's evidence from whole entries in memory (tests, small layers)."""
-    collector = CudaLayerCollector()
+    collector = CudaLayerCollector(limits=limits or AnalysisLimits())
     for entry, content in entries:
         want = collector.wants(entry)
         collector.add(entry, content[:want] if want else b"")
-        probe = collector.probe(entry)
-        if probe is not None:
+        sink = collector.sink(entry)
+        if sink is not None:
+            complete = True
             for start in range(0, len(content), 1 << 20):
-                if not probe.feed(content[start : start + (1 << 20)]):
+                if not sink.feed(memoryview(content)[start : start + (1 << 20)]):
+                    complete = start + (1 << 20) >= len(content)
                     break
-            collector.add_elf(entry, probe.finish())
+            sink.close(complete)
     return collector.finish(complete=True)
 
 
@@ -358,12 +565,21 @@ def choose_cuda(versions: Iterable[str]) -> tuple[str | None, bool]:
     return (precise[-1] if precise else newest_major), conflict
 
 
-def combine(
-    layers_top_down: Sequence[CudaLayerEvidence], layers_total: int | None = None
-) -> tuple[InferredCuda | None, GpuArchs | None]:
-    """Merge per-layer evidence (top layer first) into the image's inferred CUDA and archs."""
-    findings: list[tuple[str, Finding]] = []
-    elves: list[tuple[str, ElfCudaFacts]] = []
+@dataclass
+class _Merged:
+    """The evidence the layers leave visible, top layer first (an upper layer's file wins; whiteouts
+    and opaque directories hide what lies below them)."""
+
+    findings: list[tuple[str, Finding]] = field(default_factory=list)
+    elves: list[tuple[str, ElfCudaFacts]] = field(default_factory=list)
+    carried: set[str] = field(default_factory=set)  # names of the CUDA libraries the image carries
+    modules: dict[str, ModuleDir] = field(default_factory=dict)
+    distributions: dict[str, Distribution] = field(default_factory=dict)
+    extensions: dict[str, ImportState] = field(default_factory=dict)
+
+
+def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
+    merged = _Merged()
     hides = WhiteoutIndex()  # whiteouts and opaque dirs of the layers above
     occupied: set[str] = set()  # paths an upper layer has evidence at: the upper one wins
     for index, layer in enumerate(layers_top_down):
@@ -371,41 +587,98 @@ def combine(
         def visible(path: str, index: int = index) -> bool:
             return path not in occupied and not hides.hidden_above(path, index)
 
-        findings += [(p, f) for p, f in layer.findings.items() if visible(p)]
-        elves += [(p, e) for p, e in layer.elves.items() if visible(p)]
+        merged.findings += [(p, f) for p, f in layer.findings.items() if visible(p)]
+        merged.elves += [(p, e) for p, e in layer.elves.items() if visible(p)]
+        merged.carried.update(
+            posixpath.basename(p) for p in layer.libraries if not hides.hidden_above(p, index)
+        )
+        for directory, found in layer.modules.items():
+            if directory not in merged.modules and not hides.hidden_above(directory + "/", index):
+                merged.modules[directory] = found
+        for dist_info, distribution in layer.distributions.items():
+            if not hides.hidden_above(dist_info, index):
+                merged.distributions.setdefault(dist_info, distribution)
+        for path, state in layer.extensions.items():
+            merged.extensions.setdefault(path, state)
         occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows)
         for path in layer.whiteouts:
             hides.delete(index, path)
         for path in layer.opaque_dirs:
             hides.cover(index, path)
+    return merged
+
+
+def runtime_cuda(findings: Sequence[tuple[str, Finding]], carried: set[str]) -> str | None:
+    """The CUDA runtime the image uses, which picks among builds of a library for several CUDA
+    versions: torch's `torch.version.cuda`, else the CUDA runtime wheel's or the toolkit's version,
+    else the major of the `libcudart.so.N` it carries."""
+    for source, runtime in (("torch", True), ("nvidia-wheel", True), ("conda", True), ("toolkit", False)):
+        versions = [
+            f.cuda
+            for _, f in findings
+            if f.source == source and f.cuda and not f.no_cuda and (not runtime or _is_runtime(f))
+        ]
+        if versions:
+            return max(versions, key=_version_key)
+    majors = [name.split(".so.")[1].split(".")[0] for name in carried if name.startswith("libcudart.so.")]
+    return max(majors, key=_version_key) if majors else None
+
+
+def _is_runtime(finding: Finding) -> bool:
+    """Torch's own version, or a finding of the CUDA runtime package (wheel or conda)."""
+    detail = finding.detail.replace("-", "_")
+    return (
+        finding.source == "torch"
+        or "cuda_runtime" in detail
+        or "cuda_cudart" in detail
+        or "cudatoolkit" in detail
+    )
+
+
+def combine(
+    layers_top_down: Sequence[CudaLayerEvidence], layers_total: int | None = None
+) -> tuple[InferredCuda | None, GpuArchs | None]:
+    """Merge per-layer evidence (top layer first) into the image's inferred CUDA and GPU code. Only code
+    the image can load speaks: a library whose CUDA libraries the image does not carry, or a build
+    its package does not select, names no CUDA version (`scanner.layers.code_loading`)."""
+    merged = _merge(layers_top_down)
+    findings = list(merged.findings)
+    runtime = runtime_cuda(findings, merged.carried)
+    links = _links(merged)
+    archs = image_archs(merged, runtime, links)
+    dead = {f.path for f in archs.files if not f.loadable} if archs is not None else set()
     ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
-    for path, facts in elves:
+    for path, facts in merged.elves:
+        if path in dead or missing_libraries(facts.needed, merged.carried, links):
+            continue
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
         elif facts.fatbin is not None:
             findings.append(
                 (path, Finding(source="elf", detail=f"GPU code in {', '.join(facts.fatbin.sections)}"))
             )
-        if facts.fatbin is not None and facts.elf_type != 1:
-            isas = [
-                c.ptx_isa for c in facts.fatbin.containers if c.ptx_isa and c.section != RELOCATABLE_SECTION
-            ]
-            isa = max(isas, key=_version_key) if isas else None
-            toolkit = ptx_toolkit(isa)
-            if toolkit is not None:
-                ptx.append(
-                    (
-                        path,
-                        Finding(
-                            source="ptx", cuda=toolkit, detail=f"PTX ISA {isa}, written by CUDA {toolkit}"
-                        ),
-                    )
+    for file in archs.files if archs is not None else ():
+        if not file.loadable or file.error is not None or any("relocatable" in s for s in file.sections):
+            continue
+        isas = [c.ptx_isa for c in file.containers if c.ptx_isa and c.section != RELOCATABLE_SECTION]
+        isa = max(isas, key=_version_key) if isas else None
+        toolkit = ptx_toolkit(isa)
+        if toolkit is not None:
+            ptx.append(
+                (
+                    file.path,
+                    Finding(source="ptx", cuda=toolkit, detail=f"PTX ISA {isa}, written by CUDA {toolkit}"),
                 )
+            )
+        elif file.kind == "modules":
+            findings.append(
+                (file.path, Finding(source="elf", detail=f"GPU code in {file.files} module files"))
+            )
     positive = [(p, f) for p, f in findings if not f.no_cuda]
     complete = all(layer.complete for layer in layers_top_down) and (
         layers_total is None or len(layers_top_down) >= layers_total
     )
-    if not positive:
+    if not positive and not ptx:
         return None, None
     cuda, conflict = choose_cuda(f.cuda for _, f in positive if f.cuda)
     ptx_decides = cuda is None
@@ -441,7 +714,26 @@ def combine(
         conflict=conflict,
         complete=complete,
     )
-    return inferred, image_archs(elves)
+    return inferred, archs
+
+
+def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
+    """What could not be read, in words: each file a parser failed on, and each layer whose GPU code was
+    left partly unread by its bound (at most `MAX_PROBLEMS_SHOWN`, then how many more)."""
+    found = [
+        f"{path}: {problem}" for layer in layers_top_down for path, problem in sorted(layer.problems.items())
+    ]
+    found += [
+        f"layer {index + 1} from the top: the GPU code of its later files was not read: {layer.gpu_code_unread}"
+        for index, layer in enumerate(layers_top_down)
+        if layer.gpu_code_unread
+    ]
+    if len(found) > MAX_PROBLEMS_SHOWN:
+        found = [
+            *found[: MAX_PROBLEMS_SHOWN - 1],
+            f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more files not read",
+        ]
+    return found
 
 
 def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:
@@ -456,26 +748,72 @@ def file_archs(path: str, facts: ElfCudaFacts) -> FileArchs | None:
         ptx=fatbin.archs.ptx,
         containers=fatbin.containers,
         error=fatbin.error or facts.error,
+        needed=[name for name in facts.needed if not DRIVER_LIBRARIES.match(name)],
     )
 
 
-def image_archs(elves: Sequence[tuple[str, ElfCudaFacts]]) -> GpuArchs | None:
-    """Per-file containers and archs; for the image, every arch its runnable code holds (union).
+def _links(merged: _Merged) -> dict[str, list[str]]:
+    """What each carried CUDA library links in turn (its name -> CUDA DT_NEEDED), for the loader's
+    transitive resolution."""
+    links: dict[str, list[str]] = {}
+    for path, facts in merged.elves:
+        name = posixpath.basename(path)
+        if facts.needed and name in merged.carried:
+            links.setdefault(name, facts.needed)
+    return links
+
+
+def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]]) -> GpuArchs | None:
+    """The image's GPU code: each file's (and each directory of module files') containers, annotated
+    with its package and whether it can load (`scanner.layers.code_loading.annotate`); for the image,
+    every arch its loadable code holds (union).
 
     Relocatable objects (`.o`) are listed but do not run, and device-link input (`__nv_relfatbin`) is
     never loaded, so neither counts in the image's archs. Where the code runs is
     `placement.gpu_code`'s answer.
     """
     files: list[FileArchs] = []
-    runnable: list[ContainerArchs] = []
-    for path, facts in sorted(elves):
+    for path, facts in sorted(merged.elves):
         file = file_archs(path, facts)
-        if file is None:
-            continue
-        files.append(file)
-        if facts.elf_type != 1 and facts.fatbin is not None and facts.fatbin.error is None:
-            runnable += file.containers
+        if file is not None:
+            files.append(file)
+    for directory, found in sorted(merged.modules.items()):
+        held = summarise(found.containers)
+        files.append(
+            FileArchs(
+                path=directory + "/",
+                kind="modules",
+                sections=["module files"],
+                sass=held.sass,
+                ptx=held.ptx,
+                containers=found.containers,
+                files=found.files,
+                error=None if found.containers or found.error is None else found.error,
+            )
+        )
     if not files:
         return None
+    files, packages = annotate(
+        files[:MAX_ARCH_FILES],
+        carried=merged.carried,
+        runtime_cuda=runtime,
+        distributions=merged.distributions,
+        imports=merged.extensions,
+        links=links,
+    )
+    runnable = [
+        c
+        for f in files
+        if f.loadable and f.error is None and not any("relocatable" in s for s in f.sections)
+        for c in f.containers
+    ]
     summary: ArchSummary = summarise(runnable)
-    return GpuArchs(sass=summary.sass, ptx=summary.ptx, files=files[:MAX_ARCH_FILES])
+    used = {f.package for f in files}
+    return GpuArchs(
+        sass=summary.sass,
+        ptx=summary.ptx,
+        files=files,
+        packages=[p for p in packages if p.id in used],
+        libraries=sorted(merged.carried),
+        runtime_cuda=runtime,
+    )

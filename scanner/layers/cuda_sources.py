@@ -1,8 +1,12 @@
 """What each kind of file says about CUDA: the paths and names that carry evidence, and the
 parsers of the small files among them (`torch/version.py`, TensorFlow's `build_info.py`,
 conda-meta JSON, a toolkit's `version.json` / `version.txt`), of `*.dist-info` names and of ELF
-DT_NEEDED SONAMEs. Pure, bounded by the caller's read, never raise on hostile text. Each gives a
-`Finding`; `scanner.layers.cuda_evidence` collects them per layer and merges the layers.
+DT_NEEDED SONAMEs. Pure, bounded by the caller's read. Text that is not what it should be gives no
+finding (a version number of more than `VERSION_DIGITS` digits is not a CUDA version, and never
+reaches `int()`, which refuses 4,300 digits); what Python's own parser cannot take at all
+(`MemoryError`, `RecursionError` from `ast.parse`) is raised, and the collector makes it that file's
+finding. Each gives a `Finding`; `scanner.layers.cuda_evidence` collects them per layer and merges
+the layers.
 """
 
 from __future__ import annotations
@@ -19,16 +23,17 @@ Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", 
 TORCH_VERSION = re.compile(r"/torch/version\.py$")
 TF_BUILD_INFO = re.compile(r"/tensorflow/python/platform/build_info\.py$")
 _NVIDIA_DIST = re.compile(r"^nvidia_([a-z0-9_]+?)(?:_cu(\d{2,3}))?-([0-9][^/-]*)\.dist-info$")
-NVIDIA_LIB = re.compile(r"/nvidia/([a-z0-9_]+)/lib/lib([A-Za-z_]+)\.so\.(\d+)")
-JAX_DIR = re.compile(r"^(?:jax_cuda(\d+)_(?:plugin|pjrt)|xla_cuda(\d+))$")
-_JAX_DIST = re.compile(r"^jax_cuda(\d+)_(?:plugin|pjrt)-([0-9][^/-]*)\.dist-info$")
-_JAXLIB_DIST = re.compile(r"^jaxlib-[0-9][^/-]*\+cuda(\d+)[^/-]*\.dist-info$")
-_CUPY_DIST = re.compile(r"^cupy_cuda(\d+)(x?)-([0-9][^/-]*)\.dist-info$")
+NVIDIA_LIB = re.compile(r"/nvidia/([a-z0-9_]+)/lib/lib([A-Za-z_]+)\.so\.(\d{1,6})(?!\d)")
+JAX_DIR = re.compile(r"^(?:jax_cuda(\d{1,6})_(?:plugin|pjrt)|xla_cuda(\d{1,6}))$")
+_JAX_DIST = re.compile(r"^jax_cuda(\d{1,6})_(?:plugin|pjrt)-([0-9][^/-]*)\.dist-info$")
+_JAXLIB_DIST = re.compile(r"^jaxlib-[0-9][^/-]*\+cuda(\d{1,6})(?!\d)[^/-]*\.dist-info$")
+_CUPY_DIST = re.compile(r"^cupy_cuda(\d{1,6})(x?)-([0-9][^/-]*)\.dist-info$")
 CONDA_META = re.compile(r"/conda-meta/([^/]+)-([^-/]+)-([^-/]+)\.json$")
-TOOLKIT_DIR = re.compile(r"^/usr/local/cuda-(\d+)\.(\d+)(?:/|$)")
+TOOLKIT_DIR = re.compile(r"^/usr/local/cuda-(\d{1,6})\.(\d{1,6})(?:/|$)")
 TOOLKIT_VERSION_FILE = re.compile(r"^/usr/local/cuda(?:-\d+\.\d+)?/version\.(json|txt)$")
-_DOTTED = re.compile(r"^(\d+)(?:\.(\d+))?")
-PYTORCH_BUILD = re.compile(r"cuda(\d+)\.(\d+)")
+VERSION_DIGITS = 6  # digits in one part of a version: CUDA 12.9 needs 2; more is not a CUDA version
+_DOTTED = re.compile(r"^(\d{1,6})(?:\.(\d{1,6}))?(?!\d)")
+PYTORCH_BUILD = re.compile(r"cuda(\d{1,6})\.(\d{1,6})(?!\d)")
 
 # Wheels whose version is the CUDA toolkit's own (12.1.105 -> 12.1); the others version separately.
 TOOLKIT_VERSIONED_WHEELS = frozenset({"cuda_runtime", "cuda_nvrtc", "cuda_cupti", "cuda_nvcc"})
@@ -37,7 +42,7 @@ CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytor
 # does cuSPARSE since CUDA 13.0, which ships cuSPARSE 12.x as libcusparse.so.12, as torch 2.11.0+cu130's
 # libtorch_cuda.so links it beside libcudart.so.13).
 SONAME_IS_CUDA_MAJOR = frozenset({"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg"})
-_NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d+))?")
+_NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d{1,6})(?!\d))?")
 
 
 class Finding(BaseModel):
@@ -45,7 +50,7 @@ class Finding(BaseModel):
     without saying which version."""
 
     source: Source
-    cuda: str | None = None
+    cuda: str | None = Field(default=None, pattern=r"^\d{1,6}(\.\d{1,6})?$")
     detail: str
     no_cuda: bool = Field(default=False, description="says this is a CPU/ROCm/XPU build")
 
@@ -120,7 +125,7 @@ def tf_cuda_version(raw: str) -> str | None:
     """'12.1' -> 12.1; Windows '64_112' -> 11.2; '11' -> 11."""
     if "_" in raw:
         digits = raw.rsplit("_", 1)[1]
-        return f"{digits[:-1]}.{digits[-1]}" if len(digits) >= 2 and digits.isdigit() else None
+        return major_minor(f"{digits[:-1]}.{digits[-1]}") if len(digits) >= 2 and digits.isdigit() else None
     return major_minor(raw)
 
 
@@ -145,7 +150,7 @@ def parse_toolkit_version(kind: str, text: str) -> str | None:
         version = cuda.get("version") if isinstance(cuda, dict) else None
         return major_minor(version) if isinstance(version, str) else None
     match = re.search(r"CUDA Version (\d+\.\d+)", text)
-    return match.group(1) if match else None
+    return major_minor(match.group(1)) if match else None
 
 
 def dist_info_component(path: str) -> tuple[str, str] | None:
@@ -166,7 +171,12 @@ def dist_info_finding(name: str) -> Finding | None:
             return None  # placeholder packages (nvidia-*-cu13 0.0.1, nvidia-*-cu110..116 0.0.1.dev5)
         if suffix is None:
             major = version.split(".", 1)[0]
-            if component not in TOOLKIT_VERSIONED_WHEELS or not major.isdigit() or int(major) < 13:
+            if (
+                component not in TOOLKIT_VERSIONED_WHEELS
+                or not major.isdigit()
+                or len(major) > VERSION_DIGITS
+                or int(major) < 13
+            ):
                 return None  # unsuffixed: CUDA 13+ toolkit wheels only (nvidia-ml-py is not CUDA)
             return Finding(
                 source="nvidia-wheel", cuda=major_minor(version), detail=f"nvidia-{component} {version}"

@@ -8,7 +8,10 @@ table and a window before it (where linkers put `.shstrtab`), and it notes, as b
   (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
   exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`.
 Every region kept is bounded by a named limit; a file that exceeds one gets an `error`, never
-an unbounded buffer.
+an unbounded buffer. The work is bounded too (`scanner.layers.limits.GpuCodeWork`, counted by the
+fatbin scan): a file past a bound gets that bound as its fatbin's error, and sections that name the
+same bytes again are walked once; a layer past its bound leaves the fatbins of its later files unread,
+each saying so. Their DT_NEEDED names are read all the same.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from scanner.layers.elf import (
 )
 from scanner.layers.fatbin import (
     LOADED_SECTION,
-    MAX_CONTAINERS_PER_FILE,
     MAX_SIGNATURES_PER_FILE,
     RELOCATABLE_SECTION,
     ArchSummary,
@@ -39,12 +41,14 @@ from scanner.layers.fatbin import (
     merge_signatures,
     summarise,
 )
+from scanner.layers.limits import GpuCodeWork
 from scanner.models import ContainerArchs
 
 HEAD_BYTES = 4096
 ELF_MAGIC_BYTES = 64  # smaller files cannot be ELF (the ELF64 header alone is 64 bytes)
 SECTION_NAMES_WINDOW = 64 << 10
 MAX_NAME_SITES = 4096
+MAX_LISTED_SECTIONS = 16  # section names a file's report lists (real files have one or two)
 FATBIN_SECTIONS = (".nv_fatbin", "__nv_relfatbin")
 
 # The CUDA libraries whose SONAME names a CUDA major (cuDNN, NCCL and friends: the CUDA stack).
@@ -124,13 +128,14 @@ class ElfCudaProbe:
     caller can skip the rest without reading it.
     """
 
-    def __init__(self, size: int, *, max_containers: int = MAX_CONTAINERS_PER_FILE) -> None:
+    def __init__(self, size: int, work: GpuCodeWork | None = None) -> None:
         self.size = size
         self._head = bytearray()
         self._position = 0
         self._layout: ElfLayout | None = None
         self._not_elf = False
-        self._scan = FatbinScan(max_containers)
+        self._scan = FatbinScan(work)
+        self._unread = self._scan.work.exhausted  # the layer's bound, crossed before this file
         self._names: dict[int, str] = {}
         self._names_carry = b""
         self._names_overflow = False
@@ -157,7 +162,7 @@ class ElfCudaProbe:
                 self._not_elf = True
                 return False
             if len(self._head) < min(HEAD_BYTES, self.size) and self._position < self.size:
-                self._scan.feed(offset, data)
+                self._feed_scan(offset, data)
                 self._find_names(offset, data)
                 return True
             layout = parse_layout(bytes(self._head))
@@ -165,12 +170,16 @@ class ElfCudaProbe:
                 self._not_elf = True
                 return False
             self._start(layout)
-        self._scan.feed(offset, data)
+        self._feed_scan(offset, data)
         self._find_names(offset, data)
         for capture in (self._dynamic, self._table, self._section_names):
             if capture is not None:
                 capture.feed(offset, data)
         return True
+
+    def _feed_scan(self, offset: int, data: bytes | memoryview) -> None:
+        if self._unread is None:
+            self._scan.feed(offset, data)
 
     def _start(self, layout: ElfLayout) -> None:
         self._layout = layout
@@ -237,8 +246,9 @@ class ElfCudaProbe:
 
     def _fatbin(self) -> FatbinFacts | None:
         layout = self._layout
+        stopped = self._scan.stopped  # a bound crossed reading this file: its GPU code is not known
         if layout is None or self._table is None or not self._table.full:
-            return None
+            return FatbinFacts(error=str(stopped)) if stopped else None
         names = self._section_names
         try:
             sections = parse_sections(
@@ -248,24 +258,47 @@ class ElfCudaProbe:
                 names.start if names is not None else 0,
             )
         except ValueError as exc:
-            return FatbinFacts(error=str(exc)) if self._scan.met_containers else None
+            return FatbinFacts(error=str(stopped or exc)) if self._scan.met_containers or stopped else None
         named = [s for s in sections if s.name in FATBIN_SECTIONS and s.type != SHT_NOBITS and s.size]
-        if not named and not any(s.name for s in sections):
+        if not named and not any(s.name for s in sections) and self._unread is None:
             # Section names lie outside what was kept: match by contents (containers tile the section).
             named = [
                 s for s in sections if s.type != SHT_NOBITS and s.size and self._scan.tiles(s.offset, s.size)
             ]
-        if not named:
-            return None
-        facts = FatbinFacts(sections=[s.name or f"section at {s.offset:#x}" for s in named])
-        containers: list[ContainerArchs] = []
+        loose: list[ContainerArchs] = []
+        if layout.elf_type != ET_REL and self._scan.met_containers and self._unread is None:
+            hosts = [
+                (s.name or f"section at {s.offset:#x}", s.offset, s.size)
+                for s in sections
+                if s.type != SHT_NOBITS and s.size and s not in named
+            ]
+            try:
+                loose = self._scan.loose(hosts)
+            except FatbinError as exc:
+                return FatbinFacts(error=str(exc))
+        if not named and not loose:
+            return FatbinFacts(error=str(stopped)) if stopped else None
+        listed = dict.fromkeys(s.name or f"section at {s.offset:#x}" for s in named)  # each name once
+        facts = FatbinFacts(sections=list(listed)[:MAX_LISTED_SECTIONS])
+        if self._unread is not None:
+            facts.error = f"not read: {self._unread}"
+            return facts
+        containers: list[ContainerArchs] = []  # one shared record per container (see FatbinScan.chain)
+        walked: set[tuple[int, int, str]] = set()  # sections naming bytes already walked are not walked again
         for section in named:
             kind = RELOCATABLE_SECTION if section.name == RELOCATABLE_SECTION else LOADED_SECTION
+            if (section.offset, section.size, kind) in walked:
+                continue
+            walked.add((section.offset, section.size, kind))
             try:
                 containers.extend(self._scan.chain(section.offset, section.size, section=kind))
             except FatbinError as exc:
                 facts.error = f"{section.name or 'fatbin section'}: {exc}"
                 break
+        if facts.error is None:
+            containers.extend(loose)
+            extra = sorted({c.section for c in loose} - set(facts.sections))
+            facts.sections = [*facts.sections, *extra][:MAX_LISTED_SECTIONS]
         signatures = merge_signatures(containers)
         if len(signatures) > MAX_SIGNATURES_PER_FILE:
             facts.error = f"more than {MAX_SIGNATURES_PER_FILE} distinct container contents"

@@ -18,7 +18,13 @@ with the program's kernels: empty when only PTX is asked for, else a kernel-free
 CUDA never needs it for a launch, so a program built for `sm_80` plus PTX runs on a Hopper GPU
 though that module has no code for one (checked on an H200: bench/gpu_host_check.py). Those cubins
 are read as they stream past, at most `MAX_INSPECTED_CUBIN` bytes each and `MAX_INSPECTED_BYTES`
-per file; any other entry, or one past those bounds, counts as holding kernels.
+per file, each distinct cubin once however many containers name it; any other entry, or one past
+those bounds, counts as holding kernels.
+
+Bounded in work as in bytes (`scanner.layers.limits.GpuCodeWork`): every container met and walked,
+every entry header read (a chain that converges with another's is counted for each container
+walking it) and every symbol the kernel-free check reads is counted against the file's bounds and
+the layer's. Past one, the scan stops reading the file and every walk of it fails naming the bound.
 
 Why a stream scanner: a layer is read once, front to back, and an ELF file's section headers
 sit at its end, after the fatbin. `FatbinScan` therefore notes every container it meets (its
@@ -43,6 +49,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from scanner.layers.limits import GpuCodeWork, LimitExceeded
 from scanner.models import ContainerArchs
 
 CONTAINER_MAGIC = 0xBA55ED50
@@ -51,7 +58,6 @@ CONTAINER_HEADER = 16
 ENTRY_HEADER_MIN = 64  # the fields read end at 0x40
 MAX_ENTRY_HEADER = 4096
 MAX_ENTRIES_PER_CONTAINER = 4096
-MAX_CONTAINERS_PER_FILE = 65536
 MAX_SIGNATURES_PER_FILE = 32  # distinct container contents kept per file (real libraries: 1-3)
 # nvcc 13's empty module is a 1.4-1.7 KiB cubin per arch; a kernel's cubin is larger, and so is read
 # only up to here; the per-file bound keeps a library of many small cubins from costing more.
@@ -65,16 +71,21 @@ LOADED_SECTION = ".nv_fatbin"  # what CUDA registers and loads from a shared obj
 RELOCATABLE_SECTION = "__nv_relfatbin"  # device-link input (`-rdc`): nvlink reads it, CUDA never loads it
 _KEEP = ENTRY_HEADER_MIN + len(CONTAINER_PREFIX)  # bytes carried between chunks
 
-# PTX ISA version -> the toolkit that introduced it (PTX ISA release notes). 9.0 and 9.2-9.5 are also
-# what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37 write (`nvcc -ptx`, `.version`).
+# PTX ISA version -> the toolkit that introduced it (the PTX ISA release history, as NVIDIA's cuda-python
+# maps it too). 9.0 and 9.2-9.5 are also what PyPI's nvcc 13.0.88, 13.2.86, 13.3.73, 13.4.92 and 13.5.37
+# write (`nvcc -ptx`, `.version`).
 PTX_ISA_TOOLKITS: dict[tuple[int, int], tuple[int, int]] = {
+    (3, 0): (4, 1), (3, 1): (5, 0), (3, 2): (5, 5), (4, 0): (6, 0), (4, 1): (6, 5), (4, 2): (7, 0),
+    (4, 3): (7, 5), (5, 0): (8, 0), (6, 0): (9, 0), (6, 1): (9, 1), (6, 2): (9, 2), (6, 3): (10, 0),
+    (6, 4): (10, 1), (6, 5): (10, 2),
     **{(7, minor): (11, minor) for minor in range(9)},
     **{(8, minor): (12, minor) for minor in range(6)},
     (8, 6): (12, 7),
     (8, 7): (12, 8),
     (8, 8): (12, 9),
     **{(9, minor): (13, minor) for minor in range(6)},
-}
+}  # fmt: skip
+NEWEST_PTX_ISA = max(PTX_ISA_TOOLKITS)
 
 
 _ARCH = re.compile(r"^(\d{2,4})([af]?)$")
@@ -122,7 +133,8 @@ def summarise(containers: Sequence[ContainerArchs]) -> ArchSummary:
 
 
 def ptx_toolkit(isa: str | None) -> str | None:
-    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown."""
+    """The CUDA release that wrote PTX of this ISA ("8.7" -> "12.8"), or None when unknown (older than
+    CUDA 4.1, or newer than the table: `placement.cuda_drivers` judges those)."""
     major, _, minor = (isa or "").partition(".")
     if not (major.isdigit() and minor.isdigit()):
         return None
@@ -141,38 +153,49 @@ def merge_signatures(containers: Iterable[ContainerArchs]) -> list[ContainerArch
     ]
 
 
-def cubin_has_kernel(cubin: bytes | bytearray) -> bool:
+_FUNC_INFO = bytes(1 if value & 0xF == 2 else 0 for value in range(256))  # st_info says STT_FUNC
+_ENTRY_OTHER = bytes(1 if value & 0x10 else 0 for value in range(256))  # st_other has CUDA's entry bit
+
+
+def cubin_has_kernel(cubin: bytes | bytearray, work: GpuCodeWork | None = None) -> bool:
     """Whether an uncompressed cubin (a 64-bit little-endian ELF) names a kernel entry in its symbol
-    table. Anything unreadable counts as having one: this only ever lets an empty module off."""
-    try:
-        if cubin[:4] != ELF_MAGIC or cubin[4] != 2 or cubin[5] != 1:
-            return True
-        (section_headers,) = struct.unpack_from("<Q", cubin, 0x28)
-        header_size, count = struct.unpack_from("<HH", cubin, 0x3A)
-        if header_size < 64 or count > 4096:
-            return True
-        for index in range(count):
-            at = section_headers + index * header_size
-            (kind,) = struct.unpack_from("<I", cubin, at + 4)
-            if kind != 2:  # SHT_SYMTAB
-                continue
-            offset, size = struct.unpack_from("<QQ", cubin, at + 0x18)
-            (entry_size,) = struct.unpack_from("<Q", cubin, at + 0x38)
-            if entry_size < 24 or offset + size > len(cubin):
-                return True
-            for symbol in range(offset, offset + size - entry_size + 1, entry_size):
-                info, other = cubin[symbol + 4], cubin[symbol + 5]
-                if info & 0xF == 2 and other & 0x10:  # STT_FUNC with the CUDA entry bit
-                    return True
-        return False
-    except (struct.error, IndexError):
+    tables. Anything unreadable counts as having one: this only ever lets an empty module off.
+
+    Each distinct SYMTAB is read once, its symbols tested in bulk; they are counted in `work`
+    (`max_cubin_symbols`), which raises `LimitExceeded` past its bound."""
+    if cubin[:4] != ELF_MAGIC or len(cubin) < 64 or cubin[4] != 2 or cubin[5] != 1:
         return True
+    (section_headers,) = struct.unpack_from("<Q", cubin, 0x28)
+    header_size, count = struct.unpack_from("<HH", cubin, 0x3A)
+    if header_size < 64 or section_headers + count * header_size > len(cubin):
+        return True  # the section headers lie outside the cubin (e_shoff may be anything up to 2^64)
+    tables: dict[tuple[int, int, int], None] = {}
+    for index in range(count):
+        at = section_headers + index * header_size
+        (kind,) = struct.unpack_from("<I", cubin, at + 4)
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        offset, size = struct.unpack_from("<QQ", cubin, at + 0x18)
+        (entry_size,) = struct.unpack_from("<Q", cubin, at + 0x38)
+        if entry_size < 24 or offset + size > len(cubin):
+            return True
+        tables[offset, size, entry_size] = None
+    for offset, size, entry_size in tables:
+        symbols = size // entry_size
+        if work is not None:
+            work.read_symbols(symbols)
+        end = offset + symbols * entry_size
+        functions = cubin[offset + 4 : end : entry_size].translate(_FUNC_INFO)
+        entries = cubin[offset + 5 : end : entry_size].translate(_ENTRY_OTHER)
+        if int.from_bytes(functions, "little") & int.from_bytes(entries, "little"):
+            return True  # some symbol is both STT_FUNC and a CUDA entry
+    return False
 
 
 # -- the stream scanner
 
 
-@dataclass
+@dataclass(slots=True)
 class _Candidate:
     """A container met in the stream; filled in as its entry headers pass by."""
 
@@ -187,23 +210,25 @@ class _Candidate:
     done: bool = False
     error: str | None = None
 
-    def archs(self, section: str) -> ContainerArchs:
-        return ContainerArchs(
-            sass=tuple(sorted(self.sass, key=arch_sort_key)),
-            ptx=tuple(sorted(self.ptx, key=arch_sort_key)),
-            ptx_isa=f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
-            section=section,
-            kernels=bool(self.may_hold_kernels or self.reading),
+    def signature(self, section: str) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str, bool]:
+        """What `ContainerArchs.signature` of this container in `section` is."""
+        return (
+            tuple(sorted(self.sass, key=arch_sort_key)),
+            tuple(sorted(self.ptx, key=arch_sort_key)),
+            f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
+            section,
+            bool(self.may_hold_kernels or self.reading),
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Cubin:
-    """One small cubin's bytes, kept as they stream past until it is whole."""
+    """One small cubin's bytes, kept as they stream past until it is whole, and the containers whose
+    entry it is (converging chains make one cubin the entry of many)."""
 
-    container: int  # its container's start
     start: int
     size: int
+    containers: list[int] = field(default_factory=list)  # their starts
     data: bytearray = field(default_factory=bytearray)
 
     def feed(self, window: bytes, base: int) -> bool:
@@ -221,20 +246,26 @@ _CONTAINER, _ENTRY = 0, 1
 class FatbinScan:
     """Feed a file's bytes in order (`feed(offset, data)`); then ask `chain(start, size)`.
 
-    Memory: a few numbers per container met (at most `max_containers`), `_KEEP` carried bytes, and
-    the small cubins read to tell kernel-free containers (at most `MAX_INSPECTED_BYTES` per file).
+    Memory: a few numbers per container met (at most `max_fatbin_containers`), `_KEEP` carried bytes,
+    and the small cubins read to tell kernel-free containers (at most `MAX_INSPECTED_BYTES` per file).
+    Work: counted in `work` (see the module docstring); past a bound the scan stops (`stopped`).
     """
 
-    def __init__(self, max_containers: int = MAX_CONTAINERS_PER_FILE) -> None:
-        self.max_containers = max_containers
+    def __init__(self, work: GpuCodeWork | None = None) -> None:
+        self.work = work or GpuCodeWork()
         self._candidates: dict[int, _Candidate] = {}
         self._requests: list[tuple[int, int, int]] = []  # (file offset, kind, container start)
         self._carry = b""
         self._scanned = 0  # magic searched at every offset below this
         self._position = 0  # file offset just past the last byte fed
-        self._cubins: list[_Cubin] = []  # small cubins being read, to tell kernel-free ones
+        self._cubins: dict[tuple[int, int], _Cubin] = {}  # small cubins being read, by (start, size)
+        self._kernels: dict[tuple[int, int], bool] = {}  # cubins read: whether each names a kernel
         self._inspected = 0  # cubin bytes taken for that so far
-        self.overflow = False
+        self._met = False
+        self._records: dict[
+            tuple[tuple[str, ...], tuple[str, ...], str | None, str, bool], ContainerArchs
+        ] = {}
+        self.stopped: LimitExceeded | None = None  # the bound that stopped the scan, if one did
 
     @property
     def position(self) -> int:
@@ -243,44 +274,54 @@ class FatbinScan:
     @property
     def met_containers(self) -> bool:
         """A container magic was seen somewhere in the bytes fed."""
-        return bool(self._candidates)
+        return self._met
 
     def feed(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self._position:
             raise ValueError(f"fatbin scan fed at {offset}, expected {self._position}")
         if not data:
             return
+        self._position = offset + len(data)
+        if self.stopped is not None:
+            return
         window = self._carry + data
         base = offset - len(self._carry)
-        self._position = offset + len(data)
-        self._find_magic(window, base)
-        self._serve(window, base)
-        if self._cubins:
-            self._read_cubins(window, base)
+        try:
+            self._find_magic(window, base)
+            self._serve(window, base)
+            if self._cubins:
+                self._read_cubins(window, base)
+        except LimitExceeded as exc:
+            self._stop(exc)
+            return
         self._carry = window[-_KEEP:]
 
+    def _stop(self, exc: LimitExceeded) -> None:
+        """A bound was crossed: keep the error, drop what the scan held, read nothing more."""
+        self.stopped = exc
+        self._candidates.clear()
+        self._requests.clear()
+        self._cubins.clear()
+        self._carry = b""
+
     def _read_cubins(self, window: bytes, base: int) -> None:
-        reading = []
-        for cubin in self._cubins:
+        for key, cubin in list(self._cubins.items()):
             if not cubin.feed(window, base):
-                reading.append(cubin)
                 continue
-            candidate = self._candidates[cubin.container]
-            candidate.reading -= 1
-            if cubin_has_kernel(cubin.data):
-                candidate.may_hold_kernels += 1
-        self._cubins = reading
+            del self._cubins[key]
+            kernels = self._kernels[key] = cubin_has_kernel(cubin.data, self.work)
+            for start in cubin.containers:
+                candidate = self._candidates[start]
+                candidate.reading -= 1
+                candidate.may_hold_kernels += kernels
 
     def _find_magic(self, window: bytes, base: int) -> None:
-        if self.overflow:
-            return
         at = window.find(CONTAINER_PREFIX, max(self._scanned - base, 0))
         while at >= 0:
             start = base + at
             if start % 8 == 0 and start not in self._candidates:
-                if len(self._candidates) >= self.max_containers:
-                    self.overflow = True
-                    break
+                self.work.meet_container()
+                self._met = True
                 self._candidates[start] = _Candidate(start)
                 heapq.heappush(self._requests, (start, _CONTAINER, start))
             at = window.find(CONTAINER_PREFIX, at + 1)
@@ -307,6 +348,7 @@ class FatbinScan:
                 self._entry(candidate, offset, window, at)
 
     def _entry(self, candidate: _Candidate, offset: int, window: bytes, at: int) -> None:
+        self.work.read_entry()
         entry_kind, _, header_size, payload = struct.unpack_from("<HHIQ", window, at)
         minor, major, arch = struct.unpack_from("<HHI", window, at + 0x18)
         (flags,) = struct.unpack_from("<Q", window, at + 0x28)
@@ -325,15 +367,8 @@ class FatbinScan:
         if not 10 <= arch <= 9999:
             candidate.error = f"entry at {offset:#x} names an implausible arch {arch}"
             return
-        start = offset + header_size
-        if (
-            entry_kind == KIND_ELF
-            and payload <= MAX_INSPECTED_CUBIN
-            and self._inspected + payload <= MAX_INSPECTED_BYTES
-        ):
-            self._inspected += payload  # read as it passes (`_read_cubins`): kernel-free or not
-            self._cubins.append(_Cubin(candidate.start, start, payload))
-            candidate.reading += 1
+        if entry_kind == KIND_ELF:
+            self._cubin(candidate, offset + header_size, payload)
         else:
             candidate.may_hold_kernels += 1
         if entry_kind == KIND_ELF:
@@ -348,17 +383,35 @@ class FatbinScan:
         else:
             heapq.heappush(self._requests, (next_entry, _ENTRY, candidate.start))
 
+    def _cubin(self, candidate: _Candidate, start: int, size: int) -> None:
+        """A cubin entry of `candidate`: tell whether it names a kernel (once per distinct cubin)."""
+        key = (start, size)
+        known = self._kernels.get(key)
+        if known is not None:
+            candidate.may_hold_kernels += known
+            return
+        reading = self._cubins.get(key)
+        if reading is None and size <= MAX_INSPECTED_CUBIN and self._inspected + size <= MAX_INSPECTED_BYTES:
+            self._inspected += size  # read as it passes (`_read_cubins`): kernel-free or not
+            reading = self._cubins[key] = _Cubin(start, size)
+        if reading is None:
+            candidate.may_hold_kernels += 1
+            return
+        reading.containers.append(candidate.start)
+        candidate.reading += 1
+
     def chain(
         self, start: int, size: int, *, trailing_padding: int = 15, section: str = LOADED_SECTION
     ) -> list[ContainerArchs]:
         """The containers that tile the section [start, start+size), walked from its first byte,
         each tagged with `section` (the section's name).
 
-        Raises FatbinError naming the offset where the walk fails. Up to `trailing_padding`
-        bytes after the last container are taken as alignment padding.
+        Raises FatbinError naming the offset where the walk fails, or the bound that stopped the
+        scan. Up to `trailing_padding` bytes after the last container are taken as alignment padding.
+        Each container visited counts in `work` (`max_fatbin_containers`, walked).
         """
-        if self.overflow:
-            raise FatbinError(f"more than {self.max_containers} fatbin containers in one file")
+        if self.stopped is not None:
+            raise FatbinError(str(self.stopped))
         end = start + size
         if end > self._position:
             raise FatbinError(f"section ends at {end:#x}, past the {self._position} bytes read")
@@ -376,11 +429,59 @@ class FatbinScan:
                 raise FatbinError(f"container at {position:#x} runs past the end of its section")
             if not candidate.done:
                 raise FatbinError(f"container at {position:#x} is truncated")
-            found.append(candidate.archs(section))
+            self._walk_one()
+            found.append(self._record(candidate, section))
             position = candidate.end
         if not found:
             raise FatbinError("empty fatbin section")
         return found
+
+    def loose(self, sections: Sequence[tuple[str, int, int]]) -> list[ContainerArchs]:
+        """Whole, well-formed containers that lie outside the fatbin sections, each tagged with the
+        section that holds it (`sections`: name, offset, size of the sections that may: not the
+        fatbin sections, not NOBITS). A library keeps such containers to load them itself through
+        CUDA's module API (TensorFlow's generated kernels in `.rodata`, cuFFT's in `.ldata`,
+        cuBLASLt's in `.cask_resource`). A container inside another is part of it, not one of its own.
+        Each container taken counts in `work` (`max_fatbin_containers`, walked), as a section's do."""
+        if self.stopped is not None:
+            return []
+        found: list[ContainerArchs] = []
+        end = -1
+        ordered = sorted(sections, key=lambda s: s[1])
+        for start in sorted(self._candidates):
+            candidate = self._candidates[start]
+            if start < end or not candidate.done or candidate.error is not None or candidate.end < 0:
+                continue
+            host = next(
+                (name for name, at, size in ordered if at <= start and candidate.end <= at + size), None
+            )
+            if host is None:
+                continue
+            self._walk_one()
+            found.append(self._record(candidate, host))
+            end = candidate.end
+        return found
+
+    def _walk_one(self) -> None:
+        """One more container walked (`max_fatbin_containers`); past the bound the scan stops and
+        FatbinError names it."""
+        try:
+            self.work.walk_containers(1)
+        except LimitExceeded as exc:
+            self._stop(exc)
+            raise FatbinError(str(exc)) from None
+
+    def _record(self, candidate: _Candidate, section: str) -> ContainerArchs:
+        """The container as the report lists it: one shared record per distinct content, so however
+        many containers (or walks over them) there are, memory grows with what differs."""
+        signature = candidate.signature(section)
+        record = self._records.get(signature)
+        if record is None:
+            sass, ptx, isa, _, kernels = signature
+            record = self._records[signature] = ContainerArchs(
+                sass=sass, ptx=ptx, ptx_isa=isa, section=section, kernels=kernels
+            )
+        return record
 
     def tiles(self, start: int, size: int) -> bool:
         """True when containers tile [start, start+size) exactly (used when section names are lost)."""

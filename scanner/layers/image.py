@@ -30,7 +30,13 @@ from typing import TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
-from scanner.layers.cuda_evidence import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence, combine
+from scanner.layers.cuda_evidence import (
+    CUDA_EVIDENCE_SCHEMA,
+    CudaEntryCollector,
+    CudaLayerEvidence,
+    combine,
+    layer_problems,
+)
 from scanner.layers.libc import DISTRO_BUDGET, LayerCollector, LibcAnalysis
 from scanner.layers.libc_paths import EVIDENCE_SCHEMA, LayerEvidence
 from scanner.layers.limits import AnalysisLimits, ScanBudget
@@ -165,7 +171,7 @@ class ImageAnalysis:
             self._libc_collector = self.libc.begin_layer(DISTRO_BUDGET)
             collectors.append(self._libc_collector)
         if read_whole:
-            self._cuda_collector = CudaEntryCollector()
+            self._cuda_collector = CudaEntryCollector(self.limits)
             collectors.append(self._cuda_collector)
         self._walk = LayerWalk(media_type, collectors, budget=self.budget)
         return self._walk
@@ -216,4 +222,5 @@ class ImageAnalysis:
         warnings = []
         if inferred is not None and not inferred.complete:
             warnings.append("not every layer could be read; CUDA evidence may be missing")
+        warnings += layer_problems(list(reversed(self._cuda_layers)))
         return ImageVerdict(libc=libc, inferred=inferred, archs=archs, warnings=warnings)

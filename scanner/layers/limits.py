@@ -5,7 +5,15 @@ how long a path or link target, how many symlink hops and path components the li
 analysis resolves, how many tar entries and extended-header bytes a layer may hold, how
 many times a layer may inflate and how many bytes a layer and an image may decompress to,
 and how long a scan may run. Every read of a layer, whatever consumes it, is under the same
-bounds. The defaults are set where real images never reach them: NVIDIA's CUDA runtime
+bounds.
+
+Bytes are not the only cost: a few KB of fatbin headers can name the same region thousands of
+times. So the reading of GPU code is bounded in work too (`GpuCodeWork`): per file, the fatbin
+containers met and walked, the entry headers read and the cubin symbols read; per layer, all of
+those together. A file past its bound gets an error of its own (its other evidence stands); a layer
+past its bound has the GPU code of its remaining files left unread, and says so. Analysis processes
+also run under an address-space limit (`analysis_memory_bytes`): what a bound missed fails as
+`LimitExceeded` instead of taking the host's memory. The defaults are set where real images never reach them: NVIDIA's CUDA runtime
 layer inflates to about 2.5 GB and the largest NGC framework images to about 25 GB in all,
 real layers inflate 2 to 5 times (a few sparse files do more, within their first GiB),
 while a crafted layer costs a bounded, small amount of CPU and memory.
@@ -27,6 +35,9 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 DEFAULT_MAX_LAYERS = 256  # overlayfs mounts about 128 lower dirs; Docker refuses more than 125
+# Platform images one index may ask a scan to read: official images list 8 to 10 platforms (twice
+# that with attestations, which are never read), multi-OS Windows images a few dozen.
+DEFAULT_MAX_INDEX_CHILDREN = 256
 DEFAULT_MAX_PATH_BYTES = 4096  # Linux PATH_MAX
 DEFAULT_MAX_SYMLINK_HOPS = 40  # Linux MAXSYMLINKS
 DEFAULT_MAX_PATH_COMPONENTS = 200_000
@@ -38,6 +49,19 @@ DEFAULT_MAX_IMAGE_BYTES = 128 * GiB
 DEFAULT_MAX_INFLATION_RATIO = 100
 INFLATION_RATIO_FLOOR = 1 * GiB  # a layer's first GiB is never judged by its ratio
 DEFAULT_MAX_SCAN_SECONDS = 1800.0  # a 25 GB image over a slow link; slow drips are cut sooner
+# GPU code, per file: NVIDIA's libraries reach 2,513 containers met, 128 walked, 3,167 entry headers
+# read and 147 cubin symbols (nccl, cuSPARSELt, cuRAND, nvJPEG; bench/RESULTS.md, issue 43), a large
+# libtorch_cuda.so some thousands of containers; the bounds leave those 16x and more.
+DEFAULT_MAX_FATBIN_CONTAINERS = 65_536  # met in a file's bytes, and again walked over its sections
+DEFAULT_MAX_FATBIN_ENTRIES = 262_144  # entry headers read per file, each container's chain counted
+DEFAULT_MAX_CUBIN_SYMBOLS = 262_144  # symbols the kernel-free check reads per file
+# ... and per layer, all of them together: some 10 GB of CUDA libraries stay under a million.
+DEFAULT_MAX_LAYER_GPU_CODE_STEPS = 4_194_304
+# Address space of one analysis process (RLIMIT_AS): reading NVIDIA's nccl, cuRAND, cuSPARSELt and
+# nvJPEG wheels as one 660 MB layer peaks at 41 MB (gzip or zstd); a zstd frame may ask for a 128 MiB
+# window. Two processes at this bound stay inside the worker Deployment's 1 GiB with the service.
+DEFAULT_ANALYSIS_MEMORY_BYTES = 384 * MiB
+MIN_ANALYSIS_MEMORY_BYTES = 64 * MiB  # an idle analysis process maps about 45 MB
 
 
 def setting_env(name: str) -> str:
@@ -72,6 +96,10 @@ class AnalysisLimits(BaseModel):
     max_inflation_ratio: int = DEFAULT_MAX_INFLATION_RATIO  # decompressed/compressed, past the floor
     inflation_ratio_floor: int = INFLATION_RATIO_FLOOR
     max_scan_seconds: float = DEFAULT_MAX_SCAN_SECONDS
+    max_fatbin_containers: int = DEFAULT_MAX_FATBIN_CONTAINERS
+    max_fatbin_entries: int = DEFAULT_MAX_FATBIN_ENTRIES
+    max_cubin_symbols: int = DEFAULT_MAX_CUBIN_SYMBOLS
+    max_layer_gpu_code_steps: int = DEFAULT_MAX_LAYER_GPU_CODE_STEPS
 
 
 class ScanBudget:
@@ -116,3 +144,69 @@ class ScanBudget:
 
 def scan_too_slow(seconds: float) -> LimitExceeded:
     return LimitExceeded(f"the scan ran for more than {seconds:g} s", seconds, "max_scan_seconds")
+
+
+class LayerGpuCodeWork:
+    """The GPU-code work of one layer so far (containers, entry headers, symbols: steps), against
+    `max_layer_gpu_code_steps`. Once past it, `exceeded` holds the error and stays set."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_LAYER_GPU_CODE_STEPS) -> None:
+        self.limit = limit
+        self.steps = 0
+        self.exceeded: LimitExceeded | None = None
+
+    def spend(self, count: int) -> None:
+        self.steps += count
+        if self.steps > self.limit and self.exceeded is None:
+            self.exceeded = LimitExceeded(
+                f"reading this layer's GPU code took more than {self.limit:,} steps"
+                " (fatbin containers, entry headers and cubin symbols visited)",
+                self.limit,
+                "max_layer_gpu_code_steps",
+            )
+        if self.exceeded is not None:
+            raise self.exceeded
+
+
+class GpuCodeWork:
+    """The work of reading one file's GPU code, counted as it is done: fatbin containers met and
+    walked, entry headers read, cubin symbols read, each against its per-file bound, and every
+    step into the layer's total (`LayerGpuCodeWork`). A crossed bound raises `LimitExceeded`; the
+    reader makes it the file's error and does no more work on the file."""
+
+    def __init__(self, limits: AnalysisLimits | None = None, layer: LayerGpuCodeWork | None = None) -> None:
+        self.limits = limits or AnalysisLimits()
+        self.layer = layer
+        self.met = 0
+        self.walked = 0
+        self.entries = 0
+        self.symbols = 0
+
+    def meet_container(self) -> None:
+        self.met += 1
+        self._count(1, self.met, "max_fatbin_containers", "fatbin containers")
+
+    def walk_containers(self, count: int) -> None:
+        self.walked += count
+        self._count(count, self.walked, "max_fatbin_containers", "fatbin containers walked over its sections")
+
+    def read_entry(self) -> None:
+        self.entries += 1
+        self._count(1, self.entries, "max_fatbin_entries", "fatbin entry headers read")
+
+    def read_symbols(self, count: int) -> None:
+        self.symbols += count
+        self._count(count, self.symbols, "max_cubin_symbols", "cubin symbols read")
+
+    def _count(self, spent: int, total: int, setting: str, what: str) -> None:
+        """`spent` more steps, `total` of one kind in this file: past the layer's or the file's bound, raise."""
+        if self.layer is not None:
+            self.layer.spend(spent)
+        limit: int = getattr(self.limits, setting)
+        if total > limit:
+            raise LimitExceeded(f"the file has more than {limit:,} {what}", limit, setting)
+
+    @property
+    def exhausted(self) -> LimitExceeded | None:
+        """The layer's bound, when an earlier file already crossed it: no GPU code is read any more."""
+        return self.layer.exceeded if self.layer is not None else None

@@ -3,7 +3,10 @@
 Servers and deployments are stored as JSON documents: their shape belongs to placement/, which
 the store must not import. Only the reservation is relational, because its primary key is what
 makes double-booking a GPU impossible; reserving (`create_deployment`) differs per engine and
-stays in each backend.
+stays in each backend. So is a GPU's owner (`gpu_owners`, keyed by GPU UUID): the server that
+first reported the GPU keeps it, whether it is live or not, until an operator releases it
+(`release_gpu`, `forget_server`) or the fleet-wide agent token reports it on another server
+(`reassign`); each registration checks and writes its claims in the transaction that stores it.
 """
 
 from __future__ import annotations
@@ -14,13 +17,42 @@ from typing import Any
 
 from store.dialect import Db, reads, writes
 from store.events import FLEET_CHANNEL
-from store.models import DeploymentRecord, ServerRecord
+from store.models import DeploymentRecord, GpuClaims, ServerRecord
 
 
 @writes
-def upsert_server(db: Db, name: str, inventory_json: str, origin: str = "") -> None:
-    """Register a server, or store its new inventory; either way it was heard from now. `origin`
+def upsert_server(
+    db: Db,
+    name: str,
+    inventory_json: str,
+    gpu_uuids: Sequence[str] = (),
+    *,
+    reassign: bool = False,
+    most_servers: int | None = None,
+    uncounted: Sequence[str] = (),
+    origin: str = "",
+) -> GpuClaims:
+    """Register a server, or store its new inventory; either way it was heard from now.
+
+    Its GPUs (`gpu_uuids`) become its own unless another server owns one: then nothing is written
+    and `refused` names the owners, unless `reassign` (the fleet-wide agent token) takes them over.
+    With `most_servers`, a server not registered yet is refused (`full`) once that many servers
+    other than `uncounted` (those with a per-agent token of their own) are registered. `origin`
     names the writing process in the notice, so its own registration, echoed back, is known."""
+    if most_servers is not None:
+        known = db.one("SELECT 1 FROM servers WHERE name = :name", {"name": name})
+        if known is None:  # a count of the table less the few named: no scan comparing every name
+            row = db.one(
+                "SELECT (SELECT count(*) FROM servers) - (SELECT count(*) FROM servers WHERE "
+                + db.dialect.in_list("name", "uncounted")
+                + ")",
+                {"uncounted": db.dialect.array(uncounted)},
+            )
+            if row is not None and int(row[0]) >= most_servers:
+                return GpuClaims(full=True)
+    claims = _claim_gpus(db, name, gpu_uuids, reassign=reassign)
+    if not claims.written:
+        return claims
     db.execute(
         "INSERT INTO servers (name, inventory, registered_at) VALUES (:name, :inventory, :now)"
         " ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory",
@@ -28,6 +60,106 @@ def upsert_server(db: Db, name: str, inventory_json: str, origin: str = "") -> N
     )
     _stamp_now(db, name)
     db.notify(FLEET_CHANNEL, f"inventory {origin}".rstrip())
+    return claims
+
+
+def _claim_gpus(db: Db, name: str, gpu_uuids: Sequence[str], *, reassign: bool) -> GpuClaims:
+    """Make `gpu_uuids` the server `name`'s: refused (nothing written) where another server owns one,
+    unless `reassign`. One claim at a time across replicas (an advisory lock on PostgreSQL; SQLite's
+    one writer)."""
+    if not gpu_uuids:
+        return GpuClaims()
+    db.dialect.lock(db, "gpu-owners")
+    rows = db.all(
+        "SELECT gpu_uuid, server FROM gpu_owners WHERE " + db.dialect.in_list("gpu_uuid", "uuids"),
+        {"uuids": db.dialect.array(gpu_uuids)},
+    )
+    owners = {row[0]: row[1] for row in rows}
+    others = {gpu_uuid: owner for gpu_uuid, owner in owners.items() if owner != name}
+    if others and not reassign:
+        return GpuClaims(refused=others)
+    db.many(
+        "INSERT INTO gpu_owners (gpu_uuid, server, claimed_at) VALUES (:uuid, :server, :now)"
+        " ON CONFLICT (gpu_uuid) DO UPDATE SET server = excluded.server, claimed_at = excluded.claimed_at",
+        [
+            {"uuid": gpu_uuid, "server": name}
+            for gpu_uuid in dict.fromkeys(gpu_uuids)
+            if owners.get(gpu_uuid) != name
+        ],
+    )
+    return GpuClaims(reassigned=others)
+
+
+@writes
+def claim_gpus(db: Db, name: str, gpu_uuids: Sequence[str]) -> GpuClaims:
+    """The GPUs of a stored server heard from again: its own, unless another server owns one
+    (then `refused` names the owners and nothing is written)."""
+    return _claim_gpus(db, name, gpu_uuids, reassign=False)
+
+
+@writes
+def replace_gpus(
+    db: Db, name: str, inventory_json: str, gpu_uuids: Sequence[str], *, reassign: bool = False
+) -> GpuClaims | None:
+    """A registered server reports other GPUs: its new inventory, and the GPUs claimed as
+    `upsert_server` claims them. None when the server is not registered."""
+    if db.one("SELECT 1 FROM servers WHERE name = :name", {"name": name}) is None:
+        return None
+    claims = _claim_gpus(db, name, gpu_uuids, reassign=reassign)
+    if claims.written:
+        db.execute(
+            "UPDATE servers SET inventory = :inventory WHERE name = :name",
+            {"name": name, "inventory": inventory_json},
+        )
+        _stamp_now(db, name)
+        db.notify(FLEET_CHANNEL, "inventory")
+    return claims
+
+
+@reads
+def gpu_owners(db: Db, gpu_uuids: Sequence[str]) -> dict[str, str]:
+    """GPU UUID -> the server that owns it, for those of `gpu_uuids` that have an owner."""
+    rows = db.all(
+        "SELECT gpu_uuid, server FROM gpu_owners WHERE " + db.dialect.in_list("gpu_uuid", "uuids"),
+        {"uuids": db.dialect.array(gpu_uuids)},
+    )
+    return {row[0]: row[1] for row in rows}
+
+
+@writes
+def release_gpu(db: Db, gpu_uuid: str) -> str | None:
+    """An operator frees a GPU's claim: the next server to report it owns it. The server that owned
+    it, or None when it had no owner."""
+    row = db.one("SELECT server FROM gpu_owners WHERE gpu_uuid = :uuid", {"uuid": gpu_uuid})
+    if row is None:
+        return None
+    db.execute("DELETE FROM gpu_owners WHERE gpu_uuid = :uuid", {"uuid": gpu_uuid})
+    db.notify(FLEET_CHANNEL, "inventory")
+    return str(row[0])
+
+
+@writes
+def forget_server(db: Db, name: str) -> list[str]:
+    """An operator removes a registered server: its inventory, its heartbeat and its GPUs' claims
+    (returned, released). Its deployments and their reservations stay until they are stopped."""
+    released = [
+        str(row[0])
+        for row in db.all(
+            "SELECT gpu_uuid FROM gpu_owners WHERE server = :name ORDER BY gpu_uuid", {"name": name}
+        )
+    ]
+    db.execute("DELETE FROM gpu_owners WHERE server = :name", {"name": name})
+    db.execute("DELETE FROM server_heartbeats WHERE name = :name", {"name": name})
+    db.execute("DELETE FROM servers WHERE name = :name", {"name": name})
+    db.notify(FLEET_CHANNEL, "inventory")
+    return released
+
+
+@reads
+def server_count(db: Db) -> int:
+    """Registered servers (agents'; the inventory file's are not stored)."""
+    row = db.one("SELECT count(*) FROM servers")
+    return int(row[0]) if row else 0
 
 
 def _stamp_now(db: Db, name: str) -> None:

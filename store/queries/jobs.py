@@ -3,8 +3,12 @@
 Claims, leases, enqueueing and outcomes (what locks, and how) differ per engine and stay in
 `store.sqlite` and `store.postgres`; what they share is here: the job column list and its row
 reader (`JOB_COLUMNS`, `job_of`), the job read their `retry_job` answers with, the lease owners,
-the error a job whose lease lapsed is left with (`LEASE_LAPSED_ERROR`, one SQL expression), the
-counts by state that read no finished job (`queue_depth`), and retention's reads and deletes.
+whether a job runs under a live lease (`scan_in_flight`), the error a job whose lease lapsed is
+left with (`LEASE_LAPSED_ERROR`, one SQL expression), the counts by state that read no finished job
+(`queue_depth`), and retention's reads and deletes.
+
+A rescan (`EnqueueBatch.rescan`) is queued under the dedupe key `RESCAN_KEY + reference`: rescans of
+one reference coalesce with each other, never with a plain scan of it, and the job says it is one.
 """
 
 from __future__ import annotations
@@ -18,8 +22,14 @@ from store.models import JOB_STATES, Job
 
 JOB_COLUMNS = (
     "id, reference, registry, state, attempts, max_attempts, error, result_digest, source, created_at,"
-    " updated_at, lease_owner, lease_expires"
+    " updated_at, lease_owner, lease_expires, dedupe_key"
 )
+RESCAN_KEY = "rescan "  # the dedupe key's prefix of a rescan (no reference has a space)
+
+
+def dedupe_key(reference: str, *, rescan: bool) -> str:
+    """The key a queued or running job of `reference` is unique by."""
+    return f"{RESCAN_KEY}{reference}" if rescan else reference
 
 
 # What a running job whose lease lapsed records as its error: one SQL expression over the job's row
@@ -47,6 +57,7 @@ def job_of(db: Db, row: Sequence[Any]) -> Job:
         stamp(row[10]) or "",
         row[11],
         stamp(row[12]),
+        str(row[13]).startswith(RESCAN_KEY),
     )
 
 
@@ -55,6 +66,15 @@ def job(db: Db, job_id: str) -> Job | None:
     """One job by id, or None (an id a delivery was given names the job it was coalesced into)."""
     row = db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = {db.dialect.job_named('id')}", {"id": job_id})
     return job_of(db, row) if row else None
+
+
+@reads
+def scan_in_flight(db: Db, job_id: str) -> bool:
+    """Whether job `job_id` runs now under a lease that has not lapsed (its worker renews it)."""
+    row = db.one(
+        "SELECT 1 FROM jobs WHERE id = :id AND state = 'running' AND lease_expires > :now", {"id": job_id}
+    )
+    return row is not None
 
 
 @reads
@@ -76,12 +96,14 @@ def jobs(db: Db, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
 
 @reads
 def pending_job_for(db: Db, reference: str) -> Job | None:
-    """An active job for `reference`, or for `reference@<digest>` (as webhooks queue them)."""
+    """An active job for `reference` (a scan or a rescan), or for `reference@<digest>` (as webhooks
+    queue them)."""
     row = db.one(
         f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
-        " AND (dedupe_key = :ref OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
+        " AND (dedupe_key = :ref OR dedupe_key = :rescan"
+        " OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
         " ORDER BY created_at DESC LIMIT 1",
-        {"ref": reference},
+        {"ref": reference, "rescan": dedupe_key(reference, rescan=True)},
     )
     return job_of(db, row) if row else None
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -47,13 +48,25 @@ def report_row(db: Db, report: ImageReport, document: str) -> dict[str, Any]:
         "reference": report.reference,
         "media_type": report.media_type,
         "gpu_required": any(p.gpu.required for p in platforms),
-        "cuda_versions": dialect.array(sorted({p.gpu.cuda_version for p in platforms if p.gpu.cuda_version})),
+        "cuda_versions": dialect.array(cuda_column(report)),
         "libc_flavours": dialect.array(sorted({libc_label(p.libc) for p in platforms})),
         "platforms": dialect.array([p.platform for p in platforms]),
         "distro": next((p.libc.distro for p in platforms if p.libc.distro), None),
         "scanned_at": dialect.stamp_param(report.scanned_at),
         "report": document,
     }
+
+
+CARRIED = "carried:"  # a `cuda_versions` entry for CUDA the layers carry, beside the declared versions
+
+
+def cuda_column(report: ImageReport) -> list[str]:
+    """The `cuda_versions` column: each CUDA a platform declares, then `carried:<version>` for each
+    one its layers carry, so the listing's CUDA filter matches both from the column (its GIN index
+    on PostgreSQL), not from the report's JSON."""
+    declared = {p.gpu.cuda_version for p in report.platforms if p.gpu.cuda_version}
+    carried = {p.gpu.inferred.cuda for p in report.platforms if p.gpu.inferred and p.gpu.inferred.cuda}
+    return sorted(declared) + [CARRIED + version for version in sorted(carried)]
 
 
 def report_document(report: ImageReport, platforms: Sequence[str]) -> str:
@@ -255,7 +268,11 @@ def list_images(
     offset: int = 0,
     inferred: bool | None = None,
 ) -> tuple[list[ImageRow], int]:
-    """Filtered, newest-first listing plus the total count for pagination."""
+    """Filtered, newest-first listing plus the total count for pagination.
+
+    `gpu`: the image declares an NVIDIA GPU (or not); `inferred`: CUDA was found in its layers (or
+    not): together they are placement.image_needs' vocabulary (required / optional / none). `cuda`
+    matches the CUDA an image declares or carries; `query` searches every name it was seen under."""
     dialect = db.dialect
     where: list[str] = []
     params: dict[str, Any] = {}
@@ -269,25 +286,39 @@ def list_images(
     if libc:
         where.append(dialect.array_has("r.libc_flavours", "libc"))
         params["libc"] = libc
-    if cuda:
+    if cuda:  # the CUDA it declares or carries (`cuda_column`): the newer of the two sets its driver floor
+        params |= {"cuda": cuda, "carried_cuda": CARRIED + cuda}
         if "." in cuda:
-            where.append(dialect.array_has("r.cuda_versions", "cuda"))
-        else:  # a major version matches its minors
-            where.append(dialect.array_any("r.cuda_versions", "v = :cuda OR v LIKE :cuda_major"))
-            params["cuda_major"] = f"{cuda}.%"
-        params["cuda"] = cuda
+            declared, carried = (
+                dialect.array_has("r.cuda_versions", "cuda"),
+                dialect.array_has("r.cuda_versions", "carried_cuda"),
+            )
+            where.append(f"({declared} OR {carried})")
+        else:  # a major matches its minors
+            params |= {"cuda_major": f"{cuda}.%", "carried_major": f"{CARRIED}{cuda}.%"}
+            where.append(
+                dialect.array_any(
+                    "r.cuda_versions",
+                    "v = :cuda OR v LIKE :cuda_major OR v = :carried_cuda OR v LIKE :carried_major",
+                )
+            )
     if registry:
         where.append("r.registry = :registry")
         params["registry"] = registry
-    if query:
+    if query:  # its own name, digest and distro, or any other name a tag gives it
         columns = ["r.repository", "r.reference", "r.digest", "coalesce(r.distro, '')"]
-        where.append(dialect.search(columns, "q"))
+        named = dialect.search(["t.registry", "t.repository", "t.tag"], "q")
+        where.append(
+            f"({dialect.search(columns, 'q')} OR r.digest IN"
+            f" (SELECT t.digest FROM tags t WHERE t.gone_at IS NULL AND {named}))"
+        )
         escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         params["q"] = f"%{escaped}%"
     clause = f"WHERE {' AND '.join(where)}" if where else ""
     total = _count(db, clause, params, at_least=offset + limit)
     # The page is cut first, and only its rows look up their tags: an engine may compute the select
     # list for the rows OFFSET skips too, so a deep page would pay for every skipped row.
+    other = "t.registry || '/' || t.repository || ':' || t.tag"
     rows = db.all(
         "SELECT r.digest, r.registry, r.repository, r.reference, r.gpu_required, r.cuda_versions,"
         " r.libc_flavours, r.platforms, r.distro, r.scanned_at,"
@@ -295,7 +326,11 @@ def list_images(
         "   AND t.gone_at IS NULL AND t.registry = r.registry AND t.repository = r.repository"
         "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
         "   AND t2.repository = t.repository AND t2.tag = t.tag)),"
-        f" {dialect.json_strings('r.report', 'platforms', 'badges')}"
+        f" {dialect.json_strings('r.report', 'platforms', 'badges')},"
+        f" (SELECT {dialect.agg(other)} FROM tags t WHERE t.digest = r.digest AND t.gone_at IS NULL"
+        "   AND NOT (t.registry = r.registry AND t.repository = r.repository)"
+        "   AND t.id = (SELECT max(id) FROM tags t2 WHERE t2.registry = t.registry"
+        "   AND t2.repository = t.repository AND t2.tag = t.tag))"
         f" FROM (SELECT * FROM reports r {clause} ORDER BY r.scanned_at DESC, r.digest"
         " LIMIT :limit OFFSET :offset) AS r ORDER BY r.scanned_at DESC, r.digest",
         {**params, "limit": limit, "offset": offset},
@@ -307,13 +342,17 @@ def list_images(
             repository=row[2],
             reference=row[3],
             gpu_required=bool(row[4]),
-            cuda_versions=dialect.array_value(row[5]),
+            cuda_versions=[v for v in dialect.array_value(row[5]) if not v.startswith(CARRIED)],
+            carried_cuda=[
+                v.removeprefix(CARRIED) for v in dialect.array_value(row[5]) if v.startswith(CARRIED)
+            ],
             libc_flavours=dialect.array_value(row[6]),
             platforms=dialect.array_value(row[7]),
             distro=row[8],
             scanned_at=dialect.stamp(row[9]) or "",
             tags=sorted(dialect.array_value(row[10])),
             platform_badges=sorted(dialect.array_value(row[11])),
+            other_names=sorted(set(dialect.array_value(row[12]))),
         )
         for row in rows
     ]
@@ -343,6 +382,75 @@ def _count(db: Db, clause: str, params: dict[str, Any], at_least: int) -> int:
     return max(estimate, cap)
 
 
+@dataclass(frozen=True)
+class IndexOf:
+    """The index a platform manifest was scanned as part of (a multi-arch image's child)."""
+
+    digest: str
+    reference: str
+    platform: str
+    scanned_at: str
+
+
+@reads
+def index_of(db: Db, registry: str, repository: str, digest: str) -> IndexOf | None:
+    """The newest stored index report that lists `digest` as one of its platforms: first among the
+    repository's own reports (its index), then anywhere (a child named through another repository:
+    a scan of the reports table, for this rare case only). None when no image lists it."""
+    pattern = f'%"digest":"{digest}"%'
+    sql = (
+        "SELECT digest, reference, scanned_at, report FROM reports WHERE {where} AND digest <> :digest"
+        " AND report LIKE :pattern ORDER BY scanned_at DESC LIMIT 1"
+    )
+    params = {"registry": registry, "repository": repository, "digest": digest, "pattern": pattern}
+    row = db.one(sql.format(where="registry = :registry AND repository = :repository"), params)
+    if row is None:
+        row = db.one(sql.format(where="1 = 1"), params)
+    if row is None:
+        return None
+    report = ImageReport.model_validate_json(row[3])
+    platform = next((p.platform for p in report.platforms if p.digest == digest), "")
+    return IndexOf(row[0], row[1], platform, db.dialect.stamp(row[2]) or "")
+
+
+@dataclass(frozen=True)
+class ScanVerdict:
+    """What a finished scan found, for the scans page: an image's (or one platform's) GPU answer and
+    badges; for a platform manifest of an index, that index."""
+
+    digest: str
+    gpu_required: bool
+    badges: list[str]  # every platform's badges, once each
+    index: IndexOf | None = None
+
+
+@reads
+def scan_verdicts(db: Db, names: Mapping[str, tuple[str, str]]) -> dict[str, ScanVerdict]:
+    """The verdicts of digests (`names`: digest -> its job's registry and repository), as images,
+    else as one platform of an index (with that index, `index_of`). Two statements, then one per
+    platform manifest (a page of jobs holds few)."""
+    if not names:
+        return {}
+    dialect = db.dialect
+    rows = db.all(
+        f"SELECT r.digest, r.gpu_required, {dialect.json_strings('r.report', 'platforms', 'badges')}"
+        f" FROM reports r WHERE {dialect.in_list('r.digest', 'digests')}",
+        {"digests": dialect.array(list(names))},
+    )
+    found = {row[0]: ScanVerdict(row[0], bool(row[1]), sorted(dialect.array_value(row[2]))) for row in rows}
+    rest = [digest for digest in names if digest not in found]
+    if rest:
+        for digest, document in db.all(
+            f"SELECT p.digest, p.report FROM platform_reports p WHERE {dialect.in_list('p.digest', 'rest')}",
+            {"rest": dialect.array(rest)},
+        ):
+            platform = PlatformReport.model_validate_json(document)
+            registry, repository = names[digest]
+            index = index_of(db, registry, repository, digest)
+            found[digest] = ScanVerdict(digest, platform.gpu.required, list(platform.badges), index)
+    return found
+
+
 @reads
 def registries(db: Db) -> list[str]:
     """Distinct registries by skipping through the (registry, repository) index: one probe per
@@ -360,8 +468,11 @@ def registries(db: Db) -> list[str]:
 
 __all__ = [
     "EXACT_COUNT_LIMIT",
+    "IndexOf",
+    "ScanVerdict",
     "TagSeen",
     "has_report",
+    "index_of",
     "list_images",
     "platform_report",
     "registries",
@@ -370,6 +481,7 @@ __all__ = [
     "save_report",
     "save_reports",
     "save_scan_results",
+    "scan_verdicts",
     "stored",
     "stored_many",
 ]

@@ -198,6 +198,14 @@ class FleetIndexCache:
         if server.name not in self._live:
             self._maybe_back.add(server.name)
 
+    def forgot(self, name: str) -> None:
+        """The registered agent `name` was removed from the store (an operator's `forget_server`)."""
+        if name in self._live:
+            self._leave(name)
+        for known in (self._agents, self._texts, self._heard, self._unwritten):
+            known.pop(name, None)
+        self._maybe_back.discard(name)
+
     def _enter(self, name: str, server: Server) -> None:
         previous = self._base.get(name)
         if previous is not None:
@@ -307,6 +315,9 @@ class FleetIndexCache:
             self._heard[name] = max(self._heard.get(name, 0.0), read.heard[name])
             if name not in self._live:
                 self._maybe_back.add(name)
+        for name, text in known.items():  # removed through another process (not registered since)
+            if name not in read.servers and self._texts.get(name) is text:
+                self.forgot(name)
         self._reserved_gpus = read.reserved
         self._reservations_dirty = True  # applied once the index has every server
         for name in changed:

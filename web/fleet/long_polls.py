@@ -1,4 +1,5 @@
-"""The agents' long polls held by this process: a cap, one wake-up per server, a clean stop."""
+"""The long polls held by this process: the agents' (a cap, one wake-up per server, a clean stop)
+and the public `?wait=` ones (a cap, and a share per peer)."""
 
 from __future__ import annotations
 
@@ -162,3 +163,37 @@ def _answer(waiters: Iterable[asyncio.Future[None]]) -> None:
 
 
 LONG_POLLS = web.AppKey("long_polls", LongPolls)
+
+
+class PublicWaits:
+    """`?wait=` long polls of callers without the API token (`GET /api/images/by-ref`, `GET
+    /api/scans/{id}`): at most `limit` held at once, and at most `per_peer` by one peer address, so
+    polls anyone may open and renew cannot hold the connections everyone else needs. Past either,
+    the poll is refused (`admit` is False) and the route answers 503 with Retry-After."""
+
+    def __init__(self, limit: int, per_peer: int) -> None:
+        self.limit = limit
+        self.per_peer = per_peer
+        self.held = 0
+        self.refused = 0
+        self._by_peer: dict[str, int] = {}
+
+    def admit(self, peer: str) -> bool:
+        held = self._by_peer.get(peer, 0)
+        if self.held >= self.limit or held >= self.per_peer:
+            self.refused += 1
+            return False
+        self.held += 1
+        self._by_peer[peer] = held + 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.held -= 1
+        left = self._by_peer.get(peer, 0) - 1
+        if left > 0:
+            self._by_peer[peer] = left
+        else:
+            self._by_peer.pop(peer, None)
+
+
+PUBLIC_WAITS = web.AppKey("public_waits", PublicWaits)

@@ -144,7 +144,14 @@ async def _answer(
                 " a client certificate signed by GPUBADGE_ADMISSION_CLIENT_CA"
             )
     fleet = await _known_gpus(main) if mutate else []
-    outcome: Review = review_pod(pod, reports, mode=services.settings.admission, mutate=mutate, fleet=fleet)
+    outcome: Review = review_pod(
+        pod,
+        reports,
+        mode=services.settings.admission,
+        mutate=mutate,
+        fleet=fleet,
+        gpu_code_rule=services.settings.gpu_code_rule,
+    )
     outcome.warnings = warnings + outcome.warnings
     response["allowed"] = outcome.allowed
     if not outcome.allowed:
@@ -278,9 +285,11 @@ def tls_listener(services: Services) -> Callable[[web.Application], AsyncIterato
             context.verify_mode = ssl.CERT_OPTIONAL
         app = web.Application(client_max_size=settings.max_body_bytes)
         app.add_routes(routes(services, main))
-        runner = GuardedRunner(app, connection_limits(settings), access_log=None)
+        # The guard does the handshake: counted against the cap from the connection's accept, and
+        # given request_head_timeout to finish (web/connections.py).
+        runner = GuardedRunner(app, connection_limits(settings), tls=context, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.admission_tls_port, ssl_context=context)
+        site = web.TCPSite(runner, settings.host, settings.admission_tls_port)
         await site.start()
         log.info("admission webhook on https://%s:%d/k8s/admit", settings.host, settings.admission_tls_port)
         try:

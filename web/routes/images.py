@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
+from placement.image_needs import image_needs
 from scanner.models import ImageReport
 from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
-from store import queries
+from store import ImageRow, queries
 from web.api_description import (
     BAD_QUERY,
     ERROR,
@@ -22,17 +24,41 @@ from web.api_description import (
 )
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
-from web.lookups import MAX_PAGE, find_report, int_param, scan_jobs_of, wait_param
+from web.lookups import MAX_PAGE, find_report, int_param, public_wait, scan_jobs_of, wait_param
 from web.state import services_of
+from web.views.image_views import row_carried_cuda, row_gpu
 
 ROUTES = ApiRoutes()
 
 
 def _report_json(report: ImageReport) -> dict[str, Any]:
+    """The report (`gpubadge scan --json`'s shape), with `needs`: placement's answer to "does it
+    need a GPU?" in the one vocabulary (placement.image_needs)."""
     body = report.model_dump(mode="json")
     if body.get("error"):
         body["error"] = redact_secrets(body["error"])
+    else:
+        body["needs"] = image_needs(report).model_dump(mode="json")
     return body
+
+
+def _row_json(row: ImageRow) -> dict[str, Any]:
+    """A listing row with the vocabulary's answer: `gpu` (required, optional or none) and the CUDA
+    its layers carry beside the declared `cuda_versions`."""
+    return {**row.__dict__, "gpu": row_gpu(row), "carried_cuda": row_carried_cuda(row)}
+
+
+def _gpu_params(request: web.Request) -> tuple[bool | None, bool | None]:
+    """(declares a GPU, carries CUDA) filters from `gpu` (true/false, or the vocabulary's required,
+    optional, none) and `inferred`."""
+    gpu = request.query.get("gpu", "")
+    inferred = _bool_param(request.query.get("inferred"), "inferred")
+    if gpu in ("required", "optional", "none"):
+        declared = gpu == "required"
+        if gpu != "required":
+            inferred = gpu == "optional"
+        return declared, inferred
+    return _bool_param(gpu, "gpu"), inferred
 
 
 def _bool_param(value: str | None, name: str) -> bool | None:
@@ -55,10 +81,14 @@ def _ready(report: ImageReport | None, until: str) -> bool:
     "/api/images",
     "List scanned images",
     parameters=[
-        query("gpu", "true: needs an NVIDIA GPU; false: CPU only", "boolean"),
+        query(
+            "gpu",
+            "required: declares an NVIDIA GPU; optional: declares none but carries CUDA (runs on a CPU too);"
+            " none: neither (CPU only). true and false: declares a GPU or not",
+        ),
         query("libc", "glibc, musl, none or unknown"),
-        query("cuda", "CUDA version, e.g. 12 or 12.2"),
-        query("inferred", "true: CUDA found in the layers (deep scan); false: none found", "boolean"),
+        query("cuda", "CUDA version an image declares or carries, e.g. 12 or 12.2"),
+        query("inferred", "true: CUDA found in the layers (declared or not); false: none found", "boolean"),
         query("registry", "registry host"),
         query("q", "free text over repository, reference, digest and distro"),
         query("page", "page number, from 1", "integer"),
@@ -74,23 +104,24 @@ async def list_images(request: web.Request) -> web.Response:
     libc = query.get("libc") or None
     if libc == "no-libc":
         libc = "none"
+    declared, carried = _gpu_params(request)
     rows, total = await services.store.run(
         queries.list_images,
-        gpu=_bool_param(query.get("gpu"), "gpu"),
+        gpu=declared,
         libc=libc,
         cuda=query.get("cuda") or None,
         registry=query.get("registry") or None,
         query=query.get("q") or None,
         limit=limit,
         offset=(page - 1) * limit,
-        inferred=_bool_param(query.get("inferred"), "inferred"),
+        inferred=carried,
     )
     return web.json_response(
         {
             "total": total,
             "page": page,
             "limit": limit,
-            "images": [row.__dict__ for row in rows],
+            "images": [_row_json(row) for row in rows],
         }
     )
 
@@ -137,7 +168,8 @@ async def image_by_ref(request: web.Request) -> web.Response:
         return _ready(report, until)
 
     if wait:  # the scan may run in any worker process, here or elsewhere; the last check's read is kept
-        await services.store.wait_until(ready, wait, key=str(reference))
+        async with public_wait(request, wait):
+            await services.store.wait_until(ready, wait, key=str(reference))
     else:
         await ready()
     if report is None:
@@ -148,7 +180,11 @@ async def image_by_ref(request: web.Request) -> web.Response:
             pending=pending is not None,
             job=JobView.of(latest).model_dump() if latest else None,
         )
-    return web.json_response(_report_json(report))
+    found: ImageReport = report
+    if any(p.gpu.archs is not None and p.gpu.archs.files for p in found.platforms):
+        # its GPU code is judged per compute capability (placement.gpu_code): a thread's work
+        return web.json_response(await asyncio.to_thread(_report_json, found))
+    return web.json_response(_report_json(found))
 
 
 def setup_routes(app: web.Application) -> None:

@@ -7,19 +7,22 @@ templates through web/templating.py's environment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from markupsafe import Markup
 
 from jobs.scan_requests import ScanRefused, request_scan
+from placement.image_needs import image_needs
 from scanner.models import ImageReport
 from scanner.redaction import redact_secrets
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
-from web.lookups import find_report, scan_jobs_of
+from web.lookups import UNKNOWN_TIME, find_report, find_report_in_index, scan_jobs_of
 from web.security import token_matches
 from web.state import Services, services_of
 from web.views.badge_svg import badge_for, render_badge
@@ -92,7 +95,7 @@ async def image_page(request: web.Request) -> web.Response:
         reference = parse_reference(text)
     except ReferenceError as exc:
         return page(request, "error.html", status=400, title="Bad reference · gpubadge", message=str(exc))
-    report = await find_report(services, reference)
+    report, index = await find_report_in_index(services, reference)
     if report is None:
         pending, latest = await scan_jobs_of(services, reference)
         return page(
@@ -111,21 +114,40 @@ async def image_page(request: web.Request) -> web.Response:
         "image.html",
         title=f"{reference} · gpubadge",
         active="images",
-        **await detail_context(services, reference, report),
+        **await detail_context(services, reference, report, index),
     )
 
 
-async def detail_context(services: Services, reference: Reference, report: ImageReport) -> dict[str, Any]:
+def eligibility_link(reference: Reference | str, gpu: bool) -> str:
+    """The eligibility explorer for this image: with one GPU asked for where it needs or can use one."""
+    fields = {"image": str(reference), **({"gpus": "1"} if gpu else {})}
+    return "/eligibility?" + urlencode(fields)
+
+
+async def detail_context(
+    services: Services, reference: Reference, report: ImageReport, index: queries.IndexOf | None = None
+) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
     tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
     history = await store.run(queries.tag_history, reference.registry, reference.repository)
+    # the verdicts judge every file of GPU code per compute capability: a thread's work, not the loop's
+    needs, platforms = await asyncio.to_thread(
+        lambda: (image_needs(report), [platform_view(p) for p in report.platforms])
+    )
     return {
         "reference": str(reference),
+        "needs": needs,
+        "eligibility_url": eligibility_link(reference, needs.gpu != "none"),
+        "index": index,
+        "index_url": image_url(index.reference) if index else None,
+        "scan_time_known": report.scanned_at != UNKNOWN_TIME,
+        "token_required": services.settings.api_token is not None,
+        "interrupted": await interrupted_read(services, report),
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
-        "platforms": [platform_view(p) for p in report.platforms],
+        "platforms": platforms,
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
@@ -133,11 +155,24 @@ async def detail_context(services: Services, reference: Reference, report: Image
         "progress": progress_of(str(reference), services.layer_progress()) if report.pending else None,
         "referrers": [
             status
-            for digest in [report.digest or "", *(p.digest for p in report.platforms)]
+            for digest in dict.fromkeys([report.digest or "", *(p.digest for p in report.platforms)])
             if services.attacher is not None and (status := services.attacher.status(digest)) is not None
         ],
         "nfd_html": await nfd_section(services, report),
     }
+
+
+async def interrupted_read(services: Services, report: ImageReport) -> bool:
+    """A pending report whose layer read no longer runs: no live scan job holds its lease (the read
+    was pre-empted, cut off or ended with its worker). The next scan of the image reads the layers
+    again; the page offers it."""
+    jobs = {p.pending_scan for p in report.platforms if p.libc.state == "pending"}
+    if not report.pending or not jobs:
+        return report.pending
+    for job in jobs:
+        if job is not None and await services.store.run(queries.scan_in_flight, job):
+            return False
+    return True
 
 
 async def nfd_section(services: Services, report: ImageReport) -> Markup:
@@ -159,6 +194,14 @@ async def scans_response(
     services = services_of(request)
     store = services.store
     deep = services.layer_progress()
+    recent = await store.run(queries.jobs, limit=50)
+    names: dict[str, tuple[str, str]] = {}
+    for job in recent:
+        if job.state == "done" and job.result_digest:
+            with contextlib.suppress(ReferenceError):
+                reference = parse_reference(job.reference)
+                names[job.result_digest] = (reference.registry, reference.repository)
+    verdicts = await store.run(queries.scan_verdicts, names)
     return page(
         request,
         "scans.html",
@@ -169,7 +212,7 @@ async def scans_response(
             job_view(job, deep)
             for job in await store.run(queries.jobs, states=["queued", "running"], limit=100)
         ],
-        recent=[job_view(job) for job in await store.run(queries.jobs, limit=50)],
+        recent=[job_view(job, verdicts=verdicts) for job in recent],
         depth=await store.run(queries.queue_depth),
         token_required=services.settings.api_token is not None,
         form_error=error,
@@ -178,11 +221,13 @@ async def scans_response(
 
 
 async def submit_scan(request: web.Request) -> web.Response:
-    """The scan form: same checks as POST /api/scans, then 303 back to /scans (post/redirect/get)."""
+    """The scan form, and the image page's Rescan button (`rescan=1`): the same checks as POST
+    /api/scans, then 303 to /scans (post/redirect/get), where the job shows."""
     services = services_of(request)
     form = await request.post()
     ref = str(form.get("ref", "")).strip()
     token = str(form.get("token", ""))
+    rescan = form.get("rescan") == "1"  # the image page's Rescan button
     if not token_matches(services.settings.api_token, token):
         return await scans_response(request, status=401, error="That API token is not valid.", ref=ref)
     if not ref:
@@ -190,7 +235,9 @@ async def submit_scan(request: web.Request) -> web.Response:
             request, status=400, error="Enter an image reference, e.g. alpine:3.20.", ref=ref
         )
     try:
-        await request_scan(services.intake, services.settings, ref, source="ui", wake=services.wake_workers)
+        await request_scan(
+            services.intake, services.settings, ref, source="ui", wake=services.wake_workers, rescan=rescan
+        )
     except ScanRefused as refused:
         return await scans_response(request, status=refused.status, error=refused.message, ref=ref)
     raise web.HTTPSeeOther("/scans")

@@ -22,7 +22,7 @@ from web.api_description import (
 )
 from web.api_models import JobView, ScanBody
 from web.errors import json_error, read_json
-from web.lookups import MAX_PAGE, int_param, require_api_token, wait_param
+from web.lookups import MAX_PAGE, int_param, public_wait, require_api_token, wait_param
 from web.state import services_of
 
 ROUTES = ApiRoutes()
@@ -31,6 +31,9 @@ ROUTES = ApiRoutes()
 @ROUTES.post(
     "/api/scans",
     "Request a scan",
+    description="Queues a scan of `ref`, or answers the queued or running one. With `rescan: true` the"
+    " image is read again whatever is stored (a report left pending by an interrupted scan is read"
+    " again in any case).",
     token=True,
     body=ScanBody,
     responses={
@@ -54,7 +57,12 @@ async def create_scan(request: web.Request) -> web.Response:
         )
     try:
         job = await request_scan(
-            services.intake, services.settings, body.ref, source="api", wake=services.wake_workers
+            services.intake,
+            services.settings,
+            body.ref,
+            source="api",
+            wake=services.wake_workers,
+            rescan=body.rescan,
         )
     except ScanRefused as refused:
         answer = json_error(refused.status, refused.message)
@@ -84,7 +92,8 @@ async def get_scan(request: web.Request) -> web.Response:
     wait = wait_param(request)
     job = await services.store.run(queries.job, job_id)
     if job is not None and wait:  # the job may run in any worker process, here or elsewhere
-        job = await services.store.wait_for_job(job_id, wait)
+        async with public_wait(request, wait):
+            job = await services.store.wait_for_job(job_id, wait)
     if job is None:
         return json_error(404, f"no scan job {job_id}")
     return web.json_response(JobView.of(job).model_dump())

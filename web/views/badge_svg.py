@@ -65,14 +65,14 @@ class BadgeContent:
         return f"{text} ({self.reason})" if self.reason else text
 
 
-INFERRED_COLOUR = "#dfb317"  # shields' yellow: CUDA inside, but no GPU declared
+INFERRED_COLOUR = "#dfb317"  # shields' yellow: GPU optional (CUDA inside, no GPU declared)
 
 
 def badge_for(
     report: ImageReport | None, *, last_scan_failed: bool = False, failure: str | None = None
 ) -> BadgeContent:
     """The README badge for an image: `nvidia gpu | cuda 12.2`, `gpu | cpu only`, `gpu | not scanned`,
-    or `gpu | cuda 12.1 inside (inferred)` for CUDA found in the layers of an image that declares none;
+    or `gpu optional | cuda 12.1 inside` for CUDA found in the layers of an image that declares none;
     `nvidia gpu | cuda 13.0 inside (declares 12.8)` where the layers carry a newer CUDA than declared.
 
     A failed scan gives `gpu | unknown` with the error as the reason (in the title and
@@ -107,8 +107,9 @@ def badge_for(
     inferred = [p.gpu.inferred for p in report.platforms if p.gpu.inferred is not None]
     if inferred:
         found = sorted({i.cuda for i in inferred if i.cuda}, key=_version_key)
-        message = f"cuda {found[0]} inside (inferred)" if found else "cuda inside (inferred)"
-        return BadgeContent("gpu", message, INFERRED_COLOUR, reason=pending)
+        # placement.image_needs' "GPU optional": carries CUDA, declares no GPU, runs on a CPU too
+        message = f"cuda {found[-1]} inside" if found else "cuda inside"
+        return BadgeContent("gpu optional", message, INFERRED_COLOUR, reason=pending)
     if pending:  # CUDA may yet be found inside: "cpu only" would be a guess
         return BadgeContent("gpu", "checking layers", UNKNOWN_COLOUR, reason=pending)
     broken = next((p.error for p in report.platforms if p.error and p.libc.state == "analysed"), None)

@@ -18,10 +18,12 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from placement.answer import SCORE_MEANING, AnswerBody
+from placement.image_needs import GpuUse, image_needs
 from placement.inventory import Gpu, Server
 from placement.mig import sort_key
 from placement.request import DeployRequest
 from scanner.models import ImageReport
+from scanner.problems import expected
 from web.views.templating import human_bytes, image_url, time_ago
 
 
@@ -163,7 +165,11 @@ def server_row_view(server: Server, now: datetime | None = None) -> ServerRowVie
         for device in sorted(gpu.mig_devices, key=lambda d: d.index):
             if device.uuid in busy:
                 in_use.append(GpuInUseView(gpu.index, device.uuid, f"GPU {gpu.index} · {device.profile}"))
-    heartbeat = "static" if server.source == "file" else time_ago(server.last_heartbeat, now)
+    # A server from the inventory file sends no heartbeat: it is listed, and judged, for as long as
+    # the file lists it.
+    heartbeat = (
+        "none: from the inventory file" if server.source == "file" else time_ago(server.last_heartbeat, now)
+    )
     return ServerRowView(
         name=server.name,
         arch=server.arch,
@@ -271,11 +277,12 @@ class EligibilityForm:
 
 
 def validation_message(exc: ValidationError) -> str:
-    """`Min GPU memory: invalid quantity 'lots': …` for the first wrong field."""
+    """`GPU count: expected an integer, got 'two'` for the first wrong field: the form's label and
+    plain words (scanner.problems), never pydantic's."""
     error = exc.errors(include_url=False)[0]
     location = [str(part) for part in error.get("loc", ())]
     label = FIELD_LABELS.get(location[0], location[0]) if location else ""
-    message = str(error["msg"]).removeprefix("Value error, ")
+    message = expected(error)
     return f"{label}: {message}" if label else message
 
 
@@ -314,6 +321,7 @@ class EligibleView:
     platform: str
     score: str
     gpus: list[AssignedGpuView]
+    why: list[str] = field(default_factory=list)  # why it passes (placement's words)
 
 
 @dataclass(frozen=True)
@@ -334,7 +342,8 @@ class ResultView:
     reference: str
     digest: str | None
     image_url: str
-    gpu_required: bool
+    gpu: GpuUse  # placement.image_needs' answer: required, optional or none
+    headline: str  # the image page's answer, in the same words
     eligible: list[EligibleView]
     eligible_count: int
     ineligible_count: int
@@ -369,8 +378,8 @@ def result_view(
         reference=report.reference,
         digest=report.digest,
         image_url=image_url(report.reference),
-        gpu_required=bool(body.get("image_needs_gpu"))
-        or any(platform.gpu.required for platform in report.platforms),
+        gpu=body.get("image_gpu", "none"),
+        headline=image_needs(report).headline,
         eligible=[
             EligibleView(
                 rank=rank,
@@ -378,6 +387,7 @@ def result_view(
                 platform=entry["platform"],
                 score=f"{entry['score']:.3g}",
                 gpus=[assigned(uuid) for uuid in entry["gpus"]],
+                why=list(entry.get("why", [])),
             )
             for rank, entry in enumerate(listed, start=first)
         ],

@@ -10,12 +10,22 @@ from typing import Any
 from urllib.parse import urlencode
 
 from placement import cuda_needs, gpu_code
+from placement.image_needs import (
+    GPU_MEANINGS,
+    GPU_WORDS,
+    GpuUse,
+    PlatformNeeds,
+    carries_cuda,
+    gpu_use,
+    platform_needs,
+)
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.require_grammar import describe_condition, parse_requirement_lenient
 from scanner.models import PlatformReport
 from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
+from store.queries import ScanVerdict
 from web.views.templating import image_url
 
 MAX_PAGE = 1_000_000
@@ -72,12 +82,19 @@ class BadgeView:
     kind: str
 
 
+def _gpu_badge(use: GpuUse) -> BadgeView:
+    return BadgeView(GPU_WORDS[use], {"required": "gpu", "optional": "optional", "none": "cpu"}[use])
+
+
+# The vocabulary of placement.image_needs: the GPU answer first, then the CUDA declared and carried.
 LEGEND = (
-    (BadgeView("NVIDIA GPU", "gpu"), "the image asks for an NVIDIA GPU (NVIDIA_* env or labels)"),
-    (BadgeView("CUDA 12.2", "cuda"), "the CUDA version it was built for"),
+    (_gpu_badge("required"), GPU_MEANINGS["required"]),
+    (_gpu_badge("optional"), GPU_MEANINGS["optional"]),
+    (_gpu_badge("none"), GPU_MEANINGS["none"]),
+    (BadgeView("CUDA 12.2", "cuda"), "the CUDA it declares (CUDA_VERSION, NVIDIA_REQUIRE_CUDA)"),
     (
-        BadgeView("CUDA 12.1 inside (inferred)", "inferred"),
-        "CUDA found in the layers; no NVIDIA variable declares it",
+        BadgeView("CUDA 12.1 inside", "inferred"),
+        "the CUDA it carries in its layers (torch, NVIDIA wheels, toolkits, GPU code), declared or not",
     ),
     (
         BadgeView("carries a newer CUDA than declared: needs its driver", "warn"),
@@ -88,7 +105,6 @@ LEGEND = (
         BadgeView("carries an older CUDA than declared", "warn"),
         "the layers carry an older CUDA than the config declares: the declaration decides the driver",
     ),
-    (BadgeView("CPU only", "cpu"), "nothing in the image asks for a GPU, and no CUDA was found in it"),
     (BadgeView("glibc", "glibc"), "GNU C library (Debian, Ubuntu, RHEL…)"),
     (BadgeView("musl", "musl"), "musl C library (Alpine…)"),
     (BadgeView("no libc", "nolibc"), "static binaries or scratch: no C library"),
@@ -98,7 +114,7 @@ LEGEND = (
 
 
 _NAMED_BADGES = {
-    "nvidia-gpu": BadgeView("NVIDIA GPU", "gpu"),
+    "nvidia-gpu": _gpu_badge("required"),
     "require-disabled": BadgeView("require disabled", "info"),
     "requirement-error": BadgeView("requirement error", "warn"),
     "glibc": BadgeView("glibc", "glibc"),
@@ -108,7 +124,7 @@ _NAMED_BADGES = {
     "libc-pending": BadgeView("reading layers", "unknown"),
     "libc-not-analysed": BadgeView("layers not analysed", "info"),
     "musl-also": BadgeView("musl also", "musl"),
-    "cuda-inferred": BadgeView("CUDA inside (inferred)", "inferred"),
+    "cuda-inferred": BadgeView("CUDA inside", "inferred"),
     "cuda-mismatch": BadgeView("carries an older CUDA than declared", "warn"),
     "cuda-newer-inside": BadgeView("carries a newer CUDA than declared: needs its driver", "warn"),
 }
@@ -119,12 +135,16 @@ def badge_view(name: str) -> BadgeView:
     if name in _NAMED_BADGES:
         return _NAMED_BADGES[name]
     if name.startswith("cuda-") and name.endswith("-inferred"):
-        return BadgeView(
-            f"CUDA {name.removeprefix('cuda-').removesuffix('-inferred')} inside (inferred)", "inferred"
-        )
+        return BadgeView(f"CUDA {name.removeprefix('cuda-').removesuffix('-inferred')} inside", "inferred")
     if name.startswith("cuda-"):
         return BadgeView(f"CUDA {name.removeprefix('cuda-')}", "cuda")
     return _NAMED_BADGES.get(name, BadgeView(name, "info"))
+
+
+def platform_badges(report: PlatformReport) -> list[BadgeView]:
+    """A platform's badges: its GPU answer first (placement.image_needs), then what the scan named."""
+    use = gpu_use(report.gpu.required, carries_cuda(report.gpu))
+    return [_gpu_badge(use), *(badge_view(name) for name in report.badges if name != "nvidia-gpu")]
 
 
 # Platform badges a listing row adds to what its columns say: the findings of the layers.
@@ -138,28 +158,43 @@ _FINDINGS = (
 )
 
 
-def row_badges(row: ImageRow) -> list[BadgeView]:
-    """The declared GPU and CUDA, CUDA found in the layers, warnings, then the libc; "CPU only"
-    when nothing declares a GPU and no CUDA was found."""
-    inferred = [
-        name for name in row.platform_badges if name.endswith("-inferred") and name.startswith("cuda-")
+def _carried(badges: Sequence[str]) -> list[str]:
+    return [name for name in badges if name.startswith("cuda-") and name.endswith("-inferred")]
+
+
+def row_gpu(row: ImageRow) -> GpuUse:
+    """A listing row's GPU answer: declared (the row's column) and carried (its platforms' badges)."""
+    return gpu_use(row.gpu_required, bool(row.carried_cuda or _carried(row.platform_badges)))
+
+
+def row_carried_cuda(row: ImageRow) -> list[str]:
+    """The CUDA versions a listing row's platforms carry: the store's column, else (a report stored
+    before the column held them) its `cuda-12.1-inferred` badges."""
+    return row.carried_cuda or [
+        name.removeprefix("cuda-").removesuffix("-inferred")
+        for name in _carried(row.platform_badges)
+        if name != "cuda-inferred"
     ]
-    names = ["nvidia-gpu"] if row.gpu_required else []
-    names += [f"cuda-{version}" for version in row.cuda_versions]
+
+
+def row_badges(row: ImageRow) -> list[BadgeView]:
+    """The GPU answer (NVIDIA GPU, GPU optional or CPU only), the declared CUDA, the CUDA the layers
+    carry, warnings, then the libc."""
+    inferred = [name for name in _carried(row.platform_badges) if name != "cuda-inferred"]
+    names = [f"cuda-{version}" for version in row.cuda_versions]
     names += inferred or [name for name in row.platform_badges if name == "cuda-inferred"]
     names += [name for name in _FINDINGS if name in row.platform_badges and name not in names]
     names += [
         LIBC_BADGES.get(label) or LAYER_STATE_BADGES.get(label, "libc-unknown") for label in row.libc_flavours
     ]
-    views = [badge_view(name) for name in dict.fromkeys(names)]
-    if not row.gpu_required and not any(view.kind == "inferred" for view in views):
-        views.insert(0, BadgeView("CPU only", "cpu"))
-    return views
+    return [_gpu_badge(row_gpu(row)), *(badge_view(name) for name in dict.fromkeys(names))]
 
 
 @dataclass(frozen=True)
 class ImageRowView:
-    name: str
+    name: str  # registry/repository, whole (the link's title and what a copy takes)
+    registry: str
+    repository: str
     url: str
     digest: str
     tags: list[tuple[str, str]]
@@ -167,6 +202,7 @@ class ImageRowView:
     platforms: list[str]
     distro: str | None
     scanned_at: str
+    other_names: list[tuple[str, str]] = field(default_factory=list)  # (name, page) of its other names
 
 
 def image_row_view(row: ImageRow) -> ImageRowView:
@@ -174,6 +210,8 @@ def image_row_view(row: ImageRow) -> ImageRowView:
     url = image_url(f"{name}:{row.tags[0]}") if row.tags else image_url(f"{name}@{row.digest}")
     return ImageRowView(
         name=name,
+        registry=row.registry,
+        repository=row.repository,
         url=url,
         digest=row.digest,
         tags=[(tag, image_url(f"{name}:{tag}")) for tag in row.tags],
@@ -181,6 +219,7 @@ def image_row_view(row: ImageRow) -> ImageRowView:
         platforms=row.platforms,
         distro=row.distro,
         scanned_at=row.scanned_at,
+        other_names=[(other, image_url(other)) for other in row.other_names],
     )
 
 
@@ -254,48 +293,35 @@ def requirement_view(variable: str, value: str, *, derived: bool = False) -> Req
     return RequirementView(variable, value, alternatives, list(expression.errors), derived, summary)
 
 
-def _release(evidence: str | None) -> str | None:
-    """ "torch 2.9.1+cu130" from "<path>: torch 2.9.1+cu130, cuda = '13.0'"; else what the evidence says."""
-    if not evidence:
-        return None
-    said = evidence.rsplit(": ", 1)[-1]
-    return said.split(", cuda = ", 1)[0]
-
-
-def cuda_glance(report: PlatformReport) -> str | None:
-    """ "Declares CUDA 12.8 · carries CUDA 13.0 (torch 2.9.1+cu130): needs driver ≥ 580"."""
-    gpu = report.gpu
-    carried = gpu.inferred.cuda if gpu.inferred is not None else None
-    parts: list[str] = []
-    floors: list[str] = []
-    if gpu.cuda_version:
-        parts.append(f"Declares CUDA {gpu.cuda_version}")
-        own = cuda_needs.toolkit_driver(gpu.cuda_version)
-        if own and gpu.effective_requirements and not gpu.disable_require:
-            floors.append(own)  # the runtime checks cuda>=X.Y against the driver's own CUDA
-    if carried:
-        source = _release(gpu.inferred.set_by if gpu.inferred is not None else None)
-        parts.append(f"carries CUDA {carried}" + (f" ({source})" if source else ""))
-        floor = cuda_needs.driver_floor(carried)
-        if floor is not None:
-            floors.append(floor[0])
-    elif gpu.inferred is not None:
-        parts.append("carries CUDA")
-    if not parts:
-        return None
-    text = " · ".join(parts)
-    if floors:
-        newest = max(floors, key=lambda v: tuple(int(p) if p.isdigit() else 0 for p in v.split(".")))
-        text += f": needs driver ≥ {newest}"
-    return text[0].upper() + text[1:]
-
-
 def gpu_code_glance(report: PlatformReport) -> list[str]:
     """Where the image's GPU code runs (placement.gpu_code), then each NVIDIA library lacking code."""
     archs = report.gpu.archs
     if archs is None or not archs.files:
         return []
-    return [gpu_code.summary(archs), *gpu_code.caveats(archs)]
+    return [cuda_needs.summary(report.gpu) or gpu_code.summary(archs), *gpu_code.caveats(archs)]
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """One row of the image page's table of GPU generations."""
+
+    cc: str
+    architecture: str
+    status: str  # runs, runs without, does not run
+    decided_by: list[str]
+    driver: str | None
+
+
+def generations_view(report: PlatformReport, needs: PlatformNeeds) -> list[GenerationView]:
+    """Where the platform's CUDA and GPU code run, a row per compute capability from 7.0
+    (`placement.cuda_needs.generations`), each row's driver at least the image's own floor (the
+    headline's); none for a platform that needs no GPU."""
+    if needs.driver is None:
+        return []
+    return [
+        GenerationView(f"{row.cc[0]}.{row.cc[1]}", row.architecture, row.status, row.decided_by, row.driver)
+        for row in cuda_needs.generations(report.gpu, driver=needs.driver.floor)
+    ]
 
 
 @dataclass(frozen=True)
@@ -305,9 +331,10 @@ class PlatformView:
     requirements: list[RequirementView]
     layers_read: int
     layers_total: int
+    needs: PlatformNeeds  # the answer in placement.image_needs' vocabulary: the card's headline
     warnings: list[str] = field(default_factory=list)
-    cuda: str | None = None  # the CUDA line at a glance (cuda_glance)
     gpu_code: list[str] = field(default_factory=list)  # where the GPU code runs, then caveats
+    generations: list[GenerationView] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # NVIDIA_/CUDA_ variables not shown as requirements
 
 
@@ -323,19 +350,32 @@ def platform_view(report: PlatformReport) -> PlatformView:
         requirements += [
             requirement_view("CUDA_VERSION (legacy image)", text, derived=True) for text in derived
         ]
-    warnings = [f"{issue.variable}={issue.value!s}: {issue.error}" for issue in gpu.requirement_errors]
-    warnings += report.warnings
+    # A requirement's own parse errors show under it (RequirementView.errors); the warnings list
+    # keeps what is said nowhere else, each once.
+    shown = {error for r in requirements for error in r.errors}
+    warnings = [
+        f"{issue.variable}={issue.value!s}: {issue.error}"
+        for issue in gpu.requirement_errors
+        if issue.error not in shown and not any(issue.error in error for error in shown)
+    ]
+    warnings += [
+        warning
+        for warning in report.warnings
+        if not any(error in warning for error in shown) and warning not in warnings
+    ]
     if report.error:
         report = report.model_copy(update={"error": redact_secrets(report.error)})
+    needs = platform_needs(report)
     return PlatformView(
         report=report,
-        badges=[badge_view(name) for name in report.badges],
+        badges=platform_badges(report),
         requirements=requirements,
         layers_read=report.libc.layers_read,
         layers_total=report.libc.layers_total or len(report.layers),
-        warnings=warnings,
-        cuda=cuda_glance(report),
+        needs=needs,
+        warnings=list(dict.fromkeys(warnings)),
         gpu_code=gpu_code_glance(report),
+        generations=generations_view(report, needs),
         env={name: value for name, value in gpu.env.items() if not name.startswith("NVIDIA_REQUIRE_")},
     )
 
@@ -390,13 +430,31 @@ class JobView:
     error: str | None
     explanation: str | None
     progress: str | None = None  # a running scan's layer read: layers and bytes so far
+    verdict: list[BadgeView] = field(default_factory=list)  # a finished scan's answer, as the list shows it
+    index: tuple[str, str, str] | None = (
+        None  # (platform, index reference shortened, its page) for an index's child
+    )
+    not_an_image: bool = False  # finished, with nothing to badge (an attestation, a signature)
 
     @property
     def short(self) -> str:
         return short_reference(self.reference)
 
 
-def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
+def verdict_badges(verdict: ScanVerdict) -> list[BadgeView]:
+    """A finished scan's answer: the GPU word, then what the scan named (CUDA, findings, libc)."""
+    carried = bool(_carried(verdict.badges))
+    names = [name for name in verdict.badges if name != "nvidia-gpu"]
+    return [_gpu_badge(gpu_use(verdict.gpu_required, carried)), *(badge_view(name) for name in names)]
+
+
+def job_view(
+    job: Job, progress: Mapping[str, str] | None = None, verdicts: Mapping[str, ScanVerdict] | None = None
+) -> JobView:
+    """A job as the scans page shows it; `verdicts` (`queries.scan_verdicts`) adds what a finished
+    scan found, and marks the platform manifests of an index as its children."""
+    verdict = (verdicts or {}).get(job.result_digest or "")
+    index = verdict.index if verdict is not None else None
     return JobView(
         id=job.id,
         reference=job.reference,
@@ -409,6 +467,11 @@ def job_view(job: Job, progress: Mapping[str, str] | None = None) -> JobView:
         error=redact_secrets(job.error) if job.error else None,
         explanation=explain_error(job.error) if job.error else None,
         progress=progress_of(job.reference, progress) if progress and job.state == "running" else None,
+        verdict=verdict_badges(verdict) if verdict is not None else [],
+        index=(index.platform, short_reference(index.reference), image_url(index.reference))
+        if index
+        else None,
+        not_an_image=job.state == "done" and job.result_digest is None,
     )
 
 
@@ -431,7 +494,8 @@ class ImageFilters:
     q: str = ""
     page: int = 1
 
-    GPU_CHOICES = ("", "gpu", "cpu", "inferred")
+    # the vocabulary of placement.image_needs; `inferred` (any image carrying CUDA) is kept for old links
+    GPU_CHOICES = ("", "gpu", "optional", "cpu", "inferred")
     LIBC_CHOICES = ("", "glibc", "musl", "none", "unknown")
 
     @classmethod
@@ -458,8 +522,8 @@ class ImageFilters:
 
     def store_arguments(self) -> dict[str, Any]:
         return {
-            "gpu": {"gpu": True, "cpu": False}.get(self.gpu),
-            "inferred": True if self.gpu == "inferred" else None,
+            "gpu": {"gpu": True, "optional": False, "cpu": False}.get(self.gpu),
+            "inferred": {"optional": True, "cpu": False, "inferred": True}.get(self.gpu),
             "libc": self.libc or None,
             "cuda": self.cuda or None,
             "registry": self.registry or None,

@@ -8,6 +8,7 @@ text; a Content-Security-Policy without inline scripts is the second line of def
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
@@ -16,7 +17,9 @@ from urllib.parse import quote
 
 import jinja2
 from aiohttp import web
+from markupsafe import Markup
 
+from placement.sizes import size_text
 from scanner.registry.reference import Reference
 
 HERE = Path(__file__).parent.parent  # web/, which holds templates/ and static/
@@ -53,6 +56,7 @@ def environment() -> jinja2.Environment:
     env.filters["when"] = format_time
     env.filters["ago"] = time_ago
     env.filters["image_url"] = image_url
+    env.filters["breakable"] = breakable
     env.globals["nav"] = NAVIGATION
     return env
 
@@ -83,13 +87,9 @@ NAVIGATION = (
 
 
 def human_bytes(size: int | float) -> str:
-    """1536 -> `1.5 KiB`; binary units, as registries and Docker report sizes."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """1536 -> `1.5 KiB`: binary units, as registries and Docker report sizes, written as placement
+    writes them in its reasons (placement.sizes: two decimals at most, rounded down)."""
+    return size_text(size)
 
 
 def _parse_time(value: str | datetime) -> datetime:
@@ -114,6 +114,17 @@ def time_ago(value: str | datetime | None, now: datetime | None = None) -> str:
         if seconds < limit:
             return f"{int(seconds // size)} {unit} ago"
     raise AssertionError("unreachable")
+
+
+def breakable(name: str) -> Markup:
+    """A repository or reference that wraps only after its separators (`/`, `:`, `@`), never inside a
+    word: the text escaped, with a line-break opportunity (<wbr>) after each separator."""
+    return Markup("").join(
+        Markup("{}<wbr>").format(part) if part in "/:@" else part for part in _SEPARATED.split(name)
+    )
+
+
+_SEPARATED = re.compile(r"([/:@])")
 
 
 def image_url(reference: str) -> str:

@@ -1,0 +1,239 @@
+"""Which of an image's GPU code can load, and which package ships it. Pure facts about the image.
+
+`scanner.layers.cuda_evidence.combine` calls these once the layers are merged; placement
+(`placement.gpu_code`) judges the result. Four facts:
+
+* **The CUDA libraries the image carries.** Every file or symlink named like a CUDA library
+  (`libcudart.so.13`, `libcublasLt.so.12`, ...). The NVIDIA container runtime mounts the driver
+  (`libcuda.so.1`), never the toolkit's libraries, so a library that links (DT_NEEDED) a CUDA
+  library the image does not carry cannot be loaded by the dynamic loader: its code never runs and
+  it sets no CUDA floor (`libbitsandbytes_cuda130.so` links `libcudart.so.13`; beside CUDA 12.8's
+  runtime alone it is dead weight). Names are matched exactly, as the loader resolves SONAMEs.
+* **Builds of one library for several CUDA versions.** Files of one directory whose names differ
+  only in a CUDA version (`libbitsandbytes_cuda118.so` ... `_cuda132.so`, `foo_cu121.so`) are
+  alternatives: the package loads one, picked by the CUDA runtime the image uses (`runtime_cuda`:
+  `torch.version.cuda` where torch is there, else the CUDA runtime library or toolkit the image
+  carries). The rule is bitsandbytes' (`cextension.py`): the build of that version if there is one,
+  else the newest build of the same major not above it; never another major. Without a known
+  runtime, the newest build the image can load. Only loadable builds are candidates.
+* **Packages.** A file belongs to the Python distribution that installed it (`*.dist-info/RECORD`
+  names each distribution's top-level modules), to NVIDIA (its libraries, by name and by where
+  NVIDIA's wheels and toolkits put them), or to the application directory it lies in.
+* **Optional GPU code.** A package whose every GPU-code library is an extension module its Python
+  imports only under a guard or on demand (`scanner.layers.python_loads`), or that ships only
+  standalone module files it loads itself, runs without that code.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, Field
+
+from scanner.layers.cudaelf import CUDA_LIBRARIES
+from scanner.models import FileArchs, PackageFacts
+
+# The CUDA stack's libraries by name: what the image may carry for others to link.
+CUDA_LIBRARY_FILE = re.compile(r"^lib(?:" + "|".join(CUDA_LIBRARIES) + r")\.so(?:\.[0-9]{1,8}){0,4}$")
+DRIVER_LIBRARIES = re.compile(r"^lib(?:cuda|nvidia-[\w-]+|nvcuvid)\.so")  # mounted by the runtime
+# NVIDIA's libraries, by the name their shared objects carry (lib<name>.so...).
+_NVIDIA_LIBRARY = re.compile(
+    r"^lib(cublas|cublasLt|cudnn\w*|nccl|cusparse|cusparseLt|cufft|cufftw|curand|cusolver|cusolverMg|"
+    r"nvjpeg|npp\w*|nvrtc\w*|cupti|nvJitLink|cudart|nvblas|cufile\w*|nvinfer\w*|nvonnxparser|nvshmem\w*|"
+    r"cudss|cutensor\w*|nvperf\w*|nvToolsExt|nvjitlink|nvcomp\w*|cuda|checkpoint|pcsamplingutil)"
+    r"(?:[-.][0-9a-f]{8})?\.so"
+)  # auditwheel renames the copies it bundles: libnvjpeg.02b6d700.so.12, libcudart-e409450e.so.11.0
+# Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>/lib, cusparselt/lib,
+# /usr/local/cuda[-X.Y]/.
+_NVIDIA_TREE = re.compile(r"(?:/(?:site|dist)-packages/(?:nvidia|cusparselt)/|^/usr/local/cuda[-/])")
+_SITE = re.compile(r"^(.*?/(?:site|dist)-packages)/([^/]+)(?:/|$)")
+_BUILD = re.compile(r"(?<=[_.-])cu(?:da)?(\d{2,3})(?=[_.-])")
+_DIST_INFO = re.compile(r"^(.*)/([A-Za-z0-9][A-Za-z0-9_.]*)-([^/-]+)\.dist-info$")
+MAX_TOP_LEVEL = 64  # top-level names kept per distribution (torch has 3, vLLM 1)
+
+
+class Distribution(BaseModel):
+    """A Python distribution as its `*.dist-info` says: name, version, the top-level names it installs."""
+
+    name: str
+    version: str
+    top_level: list[str] = Field(default_factory=list)
+
+
+def nvidia_library(path: str) -> bool:
+    """A library NVIDIA ships (cuBLAS, NCCL, cuSPARSELt, ...), by its file name or where it lies."""
+    return bool(_NVIDIA_LIBRARY.match(posixpath.basename(path)) or _NVIDIA_TREE.search(path))
+
+
+_PROFILING = re.compile(r"^lib(?:cupti|nvperf_\w+|checkpoint|pcsamplingutil)(?:[-.][0-9a-f]{8})?\.so")
+
+
+def nvidia_profiling_library(path: str) -> bool:
+    """NVIDIA's profiling and checkpointing libraries (CUPTI, NVPerf): the fatbins they keep outside
+    `.nv_fatbin` are instrumentation injected under a profiler, never the application's code."""
+    return _PROFILING.match(posixpath.basename(path)) is not None
+
+
+def cuda_library_file(path: str) -> bool:
+    """A file named like a CUDA library, which other files may link by that name."""
+    return CUDA_LIBRARY_FILE.match(posixpath.basename(path)) is not None
+
+
+def missing_libraries(
+    needed: Iterable[str], carried: set[str], links: Mapping[str, Sequence[str]] | None = None
+) -> list[str]:
+    """The CUDA libraries in `needed` the loader cannot find in the image (the driver's are the host's),
+    following what the carried ones link in turn (`links`: library name -> its CUDA DT_NEEDED):
+    "libcusparse.so.12 -> libnvJitLink.so.13" where libcusparse is there and what it links is not."""
+    missing: list[str] = []
+    seen: set[str] = set()
+    stack = [(name, name) for name in needed]
+    while stack:
+        name, shown = stack.pop()
+        if name in seen or DRIVER_LIBRARIES.match(name):
+            continue
+        seen.add(name)
+        if name not in carried:
+            missing.append(shown)
+            continue
+        for deeper in (links or {}).get(name, ()):
+            stack.append((deeper, f"{shown} -> {deeper}"))
+    return sorted(missing)
+
+
+def distribution_from_record(dist_info: str, record: bytes) -> Distribution | None:
+    """A distribution from its dist-info directory's path and the head of its RECORD file."""
+    match = _DIST_INFO.match(dist_info)
+    if match is None:
+        return None
+    top: list[str] = []
+    for line in record.decode("utf-8", "replace").splitlines():
+        path = line.split(",", 1)[0].strip().strip('"')
+        if not path or path.startswith(("..", "/")):
+            continue
+        first = path.split("/", 1)[0]
+        if first.endswith((".dist-info", ".data")) or first == "__pycache__":
+            continue
+        name = first.split(".", 1)[0] if "/" not in path else first
+        if name and name not in top:
+            top.append(name)
+            if len(top) >= MAX_TOP_LEVEL:
+                break
+    name = re.sub(r"[-_.]+", "-", match.group(2)).lower()  # as PyPI names it (PEP 503)
+    return Distribution(name=name, version=match.group(3), top_level=top)
+
+
+def package_of(path: str, distributions: Mapping[str, Distribution]) -> PackageFacts:
+    """The package that ships the file (or module directory) at `path`. `distributions` maps a
+    site-packages directory plus a top-level name (`/usr/lib/python3/dist-packages/vllm`) to its
+    distribution."""
+    if nvidia_library(path):
+        name = posixpath.basename(path.rstrip("/"))
+        return PackageFacts(id=f"nvidia:{name}", name=name, kind="nvidia")
+    site = _SITE.match(path)
+    if site is not None:
+        top = site.group(2).split(".", 1)[0]
+        found = distributions.get(f"{site.group(1)}/{top}")
+        if found is not None:
+            return PackageFacts(
+                id=f"python:{found.name}", name=found.name, version=found.version, kind="python"
+            )
+        return PackageFacts(id=f"python:{top}", name=top, kind="python")
+    directory = path.rstrip("/") if path.endswith("/") else posixpath.dirname(path)  # a module dir is its own
+    return PackageFacts(id=f"app:{directory}", name=directory, kind="application")
+
+
+def distribution_index(distributions: Mapping[str, Distribution]) -> dict[str, Distribution]:
+    """dist-info path -> distribution, as `package_of` looks them up (site directory + top-level name)."""
+    index: dict[str, Distribution] = {}
+    for dist_info, distribution in distributions.items():
+        site = posixpath.dirname(dist_info)
+        for name in distribution.top_level:
+            index.setdefault(f"{site}/{name}", distribution)
+    return index
+
+
+def build_version(path: str) -> str | None:
+    """The CUDA version a file name carries as a build tag (`_cuda128` -> 12.8, `_cu12` -> 12), or None."""
+    match = _BUILD.search(posixpath.basename(path))
+    if match is None:
+        return None
+    digits = match.group(1)
+    if len(digits) == 3:
+        return f"{int(digits[:2])}.{int(digits[2])}"
+    value = int(digits)
+    return str(value) if 10 <= value <= 19 else f"{digits[0]}.{digits[1]}"
+
+
+def _key(version: str) -> tuple[int, int]:
+    major, _, minor = version.partition(".")
+    return int(major), int(minor) if minor else -1
+
+
+def build_groups(files: Sequence[FileArchs]) -> list[list[FileArchs]]:
+    """Groups of alternative builds among `files`: two or more libraries of one directory whose names
+    are equal but for the CUDA version they carry."""
+    groups: dict[tuple[str, str], list[FileArchs]] = {}
+    for file in files:
+        if file.kind != "library" or build_version(file.path) is None:
+            continue
+        directory, name = posixpath.split(file.path)
+        groups.setdefault((directory, _BUILD.sub("{}", name, count=1)), []).append(file)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def chosen_build(members: Sequence[FileArchs], runtime_cuda: str | None) -> FileArchs | None:
+    """The build a package loads among alternatives (see the module docstring), or None."""
+    candidates = [m for m in members if not m.missing and m.cuda_build is not None]
+    if runtime_cuda is None:
+        return max(candidates, key=lambda m: _key(m.cuda_build or "0"), default=None)
+    runtime = _key(runtime_cuda)
+    same_major = [
+        m
+        for m in candidates
+        if _key(m.cuda_build or "0")[0] == runtime[0]
+        and ("." not in runtime_cuda or _key(m.cuda_build or "0") <= runtime)
+    ]
+    return max(same_major, key=lambda m: _key(m.cuda_build or "0"), default=None)
+
+
+def annotate(
+    files: Sequence[FileArchs],
+    *,
+    carried: set[str],
+    runtime_cuda: str | None,
+    distributions: Mapping[str, Distribution],
+    imports: Mapping[str, str],
+    links: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[list[FileArchs], list[PackageFacts]]:
+    """The files with `package`, `missing`, `cuda_build`, `selected` and `imported` set, and the
+    packages they belong to (`optional` set). `imports`: extension path -> `required`/`optional`;
+    `links`: carried library name -> the CUDA libraries it links."""
+    index = distribution_index(distributions)
+    annotated: list[FileArchs] = []
+    packages: dict[str, PackageFacts] = {}
+    for file in files:
+        package = package_of(file.path, index)
+        packages.setdefault(package.id, package)
+        state = imports.get(file.path)
+        annotated.append(
+            file.model_copy(
+                update={
+                    "package": package.id,
+                    "missing": missing_libraries(file.needed, carried, links),
+                    "imported": state if state in ("required", "optional") else None,
+                }
+            )
+        )
+    position = {file.path: at for at, file in enumerate(annotated)}
+    for members in build_groups(annotated):
+        tagged = [m.model_copy(update={"cuda_build": build_version(m.path)}) for m in members]
+        chosen = chosen_build(tagged, runtime_cuda)
+        for member in tagged:
+            annotated[position[member.path]] = member.model_copy(update={"selected": member is chosen})
+    for package in packages.values():
+        own = [f for f in annotated if f.package == package.id and f.loadable and f.containers]
+        package.optional = bool(own) and all(f.kind == "modules" or f.imported == "optional" for f in own)
+    return annotated, list(packages.values())

@@ -1,0 +1,307 @@
+"""Real GPU packages from PyPI, laid out as `pip install` lays them out, for placement's ground truth.
+
+Each package layer is the members of pinned wheels that matter to where the image runs (the
+libraries with GPU code or CUDA links, the Python sources that load them, the dist-info RECORD that
+names the distribution, standalone module files), read from PyPI with range requests
+(`tests/pypi_members.py`) and cached, never committed. A layer is streamed as a tar through the
+scanner's own layer walk (`scanner.layers.walk.LayerWalk` with the CUDA collector, as an analysis
+process runs it), and its evidence is cached on disk keyed by the pins, the members and the source of
+`scanner/layers/`, so a change to the scanner reads the layers again.
+
+What each package's own dispatch does, from its source and bytes (see also
+../shared/reference/gpu_package_dispatch.md):
+* vLLM 0.33.0 imports `vllm._C_stable_libtorch` at the top of `platforms/cuda.py`, the rest
+  (FlashAttention 2 and 3, FlashMLA, QuTLASS, DeepSelect) under a `try:`/`suppress(ImportError)`, and
+  picks kernels by compute capability; it pins torch 2.14.0 (cu130), whose pins bring CUDA 13.0's
+  libraries (cuda-toolkit 13.0.3: cuBLAS 13.1.1.3, ...; cuDNN 9.24, NCCL 2.30.7, cuSPARSELt 0.8.1).
+* bitsandbytes 0.50.2 loads one `libbitsandbytes_cudaXYZ.so`, picked by `torch.version.cuda`
+  (`cextension.py`); beside torch 2.10.0+cu128 and CUDA 12.8's runtime it loads `_cuda128`.
+* ONNX Runtime GPU 1.31.1 (CUDA 13) loads `libonnxruntime_providers_cuda.so` from its C++ core; its
+  `[cuda,cudnn]` extras and cuBLAS bring the libraries it links.
+* TensorFlow 2.21.0 (CUDA 12.5.1) dlopens its CUDA libraries and loads the fatbins of its generated
+  kernels (`.rodata` of `libtensorflow_cc.so.2`) itself through `cuModuleLoadData`.
+* FlashInfer 0.7.4 JIT-compiles CUDA sources and loads flashinfer-cubin 0.6.13's prebuilt `.cubin`
+  files (sm_100f, sm_100a, sm_103a) and its own `.ptx` files (sm_103a) through the module API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from scanner.layers.cuda_evidence import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence
+from scanner.layers.limits import AnalysisLimits, ScanBudget
+from scanner.layers.walk import LayerWalk
+from tests.nvidia_wheels import CACHE
+from tests.pypi_members import RemoteWheel, member_files
+
+SITE = "/usr/local/lib/python3.11/site-packages"
+RAW_TAR = "application/vnd.oci.image.layer.v1.tar"
+_CHUNK = 4 << 20
+_SCANNER_LAYERS = Path(__file__).resolve().parent.parent / "scanner" / "layers"
+
+
+def _wheel(project: str, filename: str, sha256: str) -> RemoteWheel:
+    return RemoteWheel(project, filename, sha256)
+
+
+VLLM = _wheel(
+    "vllm",
+    "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
+)
+TORCH_214 = _wheel(
+    "torch",
+    "torch-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+    "8d9e232b6376c62f3090237889fb1cb6887c0ece9f73e6c1052e80fc1481f999",
+)
+TORCH_210 = _wheel(
+    "torch",
+    "torch-2.10.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+    "a2f9edd8dbc99f62bc4dfb78af7bf89499bca3d753423ac1b4e06592e467b763",
+)
+BITSANDBYTES = _wheel(
+    "bitsandbytes",
+    "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl",
+    "55348a9a4a21bfd99cf8c7b32fe67b4030ae5c2a05738e03c1747f65fa6ec283",
+)
+ONNXRUNTIME = _wheel(
+    "onnxruntime-gpu",
+    "onnxruntime_gpu-1.31.1-cp311-cp311-manylinux_2_28_x86_64.whl",
+    "e26c475fe361b2015f45b4b824bd13f0bb20204e59b62814e6f0acd5f3d491a6",
+)
+TENSORFLOW = _wheel(
+    "tensorflow",
+    "tensorflow-2.21.0-cp311-cp311-manylinux_2_27_x86_64.whl",
+    "9056fbc9ba04235810b71ae6cbd958a196e8804fb53bbcffbf3e23b56155f124",
+)
+FLASHINFER = _wheel(
+    "flashinfer-python",
+    "flashinfer_python-0.7.4-py3-none-any.whl",
+    "a051a62e09a2738e8b0de47a1944fd2f0f3eff01b728b662141ea660cb09dd32",
+)
+FLASHINFER_CUBIN = _wheel(
+    "flashinfer-cubin",
+    "flashinfer_cubin-0.6.13-py3-none-any.whl",
+    "41e4848c2d09d220e8394489b2fb6cfec6b6ad09f897b5ab8b39fc23055f6c24",
+)
+# CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
+CUDA13 = {
+    "cudart": _wheel(
+        "nvidia-cuda-runtime",
+        "nvidia_cuda_runtime-13.0.96-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "7f82250d7782aa23b6cfe765ecc7db554bd3c2870c43f3d1821f1d18aebf0548",
+    ),
+    "cublas": _wheel(
+        "nvidia-cublas",
+        "nvidia_cublas-13.1.1.3-py3-none-manylinux_2_27_x86_64.whl",
+        "37936a16db8fe4ac1f065c2139360608a543a09275cb1a1af612e08cfa065436",
+    ),
+    "nvrtc": _wheel(
+        "nvidia-cuda-nvrtc",
+        "nvidia_cuda_nvrtc-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575",
+    ),
+    "cufft": _wheel(
+        "nvidia-cufft",
+        "nvidia_cufft-12.0.0.61-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "6c44f692dce8fd5ffd3e3df134b6cdb9c2f72d99cf40b62c32dde45eea9ddad3",
+    ),
+    "cufile": _wheel(
+        "nvidia-cufile",
+        "nvidia_cufile-1.15.1.6-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "08a3ecefae5a01c7f5117351c64f17c7c62efa5fffdbe24fc7d298da19cd0b44",
+    ),
+    "cupti": _wheel(
+        "nvidia-cuda-cupti",
+        "nvidia_cuda_cupti-13.0.85-py3-none-manylinux_2_25_x86_64.whl",
+        "4eb01c08e859bf924d222250d2e8f8b8ff6d3db4721288cf35d14252a4d933c8",
+    ),
+    "curand": _wheel(
+        "nvidia-curand",
+        "nvidia_curand-10.4.0.35-py3-none-manylinux_2_27_x86_64.whl",
+        "1aee33a5da6e1db083fe2b90082def8915f30f3248d5896bcec36a579d941bfc",
+    ),
+    "cusolver": _wheel(
+        "nvidia-cusolver",
+        "nvidia_cusolver-12.0.4.66-py3-none-manylinux_2_27_x86_64.whl",
+        "0a759da5dea5c0ea10fd307de75cdeb59e7ea4fcb8add0924859b944babf1112",
+    ),
+    "cusparse": _wheel(
+        "nvidia-cusparse",
+        "nvidia_cusparse-12.6.3.3-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "2b3c89c88d01ee0e477cb7f82ef60a11a4bcd57b6b87c33f789350b59759360b",
+    ),
+    "nvjitlink": _wheel(
+        "nvidia-nvjitlink",
+        "nvidia_nvjitlink-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "13a74f429e23b921c1109976abefacc69835f2f433ebd323d3946e11d804e47b",
+    ),
+    "cudnn": _wheel(
+        "nvidia-cudnn-cu13",
+        "nvidia_cudnn_cu13-9.24.0.43-py3-none-manylinux_2_27_x86_64.whl",
+        "71f181cd810e90f9b6023b01186fe82d13d65f0ec098581ee201d39fad769e4b",
+    ),
+    "cusparselt": _wheel(
+        "nvidia-cusparselt-cu13",
+        "nvidia_cusparselt_cu13-0.8.1-py3-none-manylinux2014_x86_64.whl",
+        "786ce87568c303fadb5afcc7102d454cd3040d75f6f8626f5db460d1871f4dd0",
+    ),
+    "nccl": _wheel(
+        "nvidia-nccl-cu13",
+        "nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl",
+        "cefa7fdb9710efd0f39c5f1be1d61ff6fc9a996c451265bd7fbdcf9455ed4b50",
+    ),
+}
+CUDA12 = {
+    "cudart": _wheel(
+        "nvidia-cuda-runtime-cu12",
+        "nvidia_cuda_runtime_cu12-12.8.90-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "adade8dcbd0edf427b7204d480d6066d33902cab2a4707dcfc48a2d0fd44ab90",
+    ),
+    "cublas": _wheel(
+        "nvidia-cublas-cu12",
+        "nvidia_cublas_cu12-12.8.4.1-py3-none-manylinux_2_27_x86_64.whl",
+        "8ac4e771d5a348c551b2a426eda6193c19aa630236b418086020df5ba9667142",
+    ),
+    "nvjitlink": _wheel(
+        "nvidia-nvjitlink-cu12",
+        "nvidia_nvjitlink_cu12-12.8.93-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "81ff63371a7ebd6e6451970684f916be2eab07321b73c9d244dc2b4da7f73b88",
+    ),
+}
+
+
+def _libraries(*names: str) -> Callable[[str], bool]:
+    """Members named like one of `names` (`libcublasLt.so.13`) and every dist-info RECORD."""
+    pattern = re.compile(r"(?:^|/)(?:" + "|".join(re.escape(n) for n in names) + r")$")
+    return lambda member: bool(pattern.search(member)) or member.endswith(".dist-info/RECORD")
+
+
+def _python_package(*also: str) -> Callable[[str], bool]:
+    """A Python package's sources, compiled libraries and RECORD, plus members matching `also`."""
+    extra = re.compile("|".join(also)) if also else None
+    return lambda member: (
+        member.endswith((".py", ".dist-info/RECORD"))
+        or re.search(r"\.so(\.\d+)*$", member) is not None
+        or (extra is not None and extra.search(member) is not None)
+    )
+
+
+@dataclass(frozen=True)
+class Part:
+    """Members of one wheel, installed under `SITE` as pip installs them."""
+
+    wheel: RemoteWheel
+    wanted: Callable[[str], bool]
+    label: str  # names the selection in the cache key
+
+    def files(self) -> dict[str, Path]:
+        return member_files(self.wheel, self.wanted)
+
+
+def libraries(wheel: RemoteWheel, *names: str) -> Part:
+    return Part(wheel, _libraries(*names), "lib:" + ",".join(names))
+
+
+def python_package(wheel: RemoteWheel, *also: str) -> Part:
+    return Part(wheel, _python_package(*also), "py:" + ",".join(also))
+
+
+def members(wheel: RemoteWheel, wanted: Callable[[str], bool], label: str) -> Part:
+    return Part(wheel, wanted, label)
+
+
+def _tar(parts: Sequence[Part]) -> Iterator[bytes]:
+    """The layer's tar, streamed: headers and content chunks of every member under `SITE`."""
+    directories: set[str] = set()
+    for part in parts:
+        for name, path in sorted(part.files().items()):
+            target = f"{SITE}/{name}".lstrip("/")
+            parent = target.rsplit("/", 1)[0]
+            chain = parent.split("/")
+            for depth in range(1, len(chain) + 1):
+                directory = "/".join(chain[:depth])
+                if directory not in directories:
+                    directories.add(directory)
+                    info = tarfile.TarInfo(directory)
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    yield info.tobuf(format=tarfile.PAX_FORMAT)
+            info = tarfile.TarInfo(target)
+            info.size, info.mode = path.stat().st_size, 0o755 if ".so" in name else 0o644
+            yield info.tobuf(format=tarfile.PAX_FORMAT)
+            with path.open("rb") as handle:
+                yield from iter(lambda: handle.read(_CHUNK), b"")
+            if info.size % 512:
+                yield bytes(512 - info.size % 512)
+    yield bytes(1024)
+
+
+@cache
+def _scanner_source() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_SCANNER_LAYERS.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def layer_evidence(parts: Sequence[Part]) -> CudaLayerEvidence:
+    """One layer of `parts` read by the scanner's layer walk, as an analysis process reads it; cached
+    on disk by its inputs and the scanner's layer code."""
+    key = hashlib.sha256(
+        json.dumps(
+            [CUDA_EVIDENCE_SCHEMA, _scanner_source(), [(p.wheel.sha256, p.label) for p in parts]]
+        ).encode()
+    ).hexdigest()[:24]
+    cached = CACHE / "evidence" / f"{key}.json"
+    if cached.exists():
+        return CudaLayerEvidence.model_validate_json(cached.read_bytes())
+    collector = CudaEntryCollector()
+    walk = LayerWalk(RAW_TAR, [collector], budget=ScanBudget(AnalysisLimits()))
+    for chunk in _tar(parts):
+        walk.feed(chunk)
+    walk.close()
+    evidence = collector.finish(complete=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    partial.write_text(evidence.model_dump_json())
+    partial.replace(cached)
+    return evidence
+
+
+# The layers the package images are made of (each a pip install of its own, as in a Dockerfile).
+def cuda13_stack() -> list[Part]:
+    """CUDA 13.0's libraries as torch 2.14.0 pins them: the ones torch, vLLM and ONNX Runtime link."""
+    return [
+        libraries(CUDA13["cudart"], "libcudart.so.13"),
+        libraries(CUDA13["cublas"], "libcublas.so.13", "libcublasLt.so.13"),
+        libraries(CUDA13["nvrtc"], "libnvrtc.so.13"),
+        libraries(CUDA13["cufft"], "libcufft.so.12"),
+        libraries(CUDA13["cufile"], "libcufile.so.0"),
+        libraries(CUDA13["cupti"], "libcupti.so.13"),
+        libraries(CUDA13["curand"], "libcurand.so.10"),
+        libraries(CUDA13["cusolver"], "libcusolver.so.12"),
+        libraries(CUDA13["cusparse"], "libcusparse.so.12"),
+        libraries(CUDA13["nvjitlink"], "libnvJitLink.so.13"),
+        libraries(CUDA13["cudnn"], "libcudnn.so.9"),
+        libraries(CUDA13["cusparselt"], "libcusparseLt.so.0"),
+        libraries(CUDA13["nccl"], "libnccl.so.2"),
+    ]
+
+
+def torch_214() -> Part:
+    """torch 2.14.0+cu130: its CUDA libraries, version file and RECORD."""
+    return libraries(
+        TORCH_214,
+        "libtorch_cuda.so",
+        "libtorch_cuda_linalg.so",
+        "libc10_cuda.so",
+        "libtorch_nvshmem.so",
+        "version.py",
+    )

@@ -1,0 +1,273 @@
+"""The rules behind judging GPU code as packages load it (issue 42), each on its own: which extension
+imports a package can run without, which library the loader can load, which build a package selects,
+the PTX ISA table, and one decisive reason per server. Real packages: tests/test_gpu_packages.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement import gpu_code
+from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor, ptx_toolkit_of
+from placement.cuda_needs import declared_vs_carried, gpu_reasons
+from scanner.facts.badges import cuda_mismatch
+from scanner.layers import python_loads
+from scanner.layers.code_loading import (
+    build_version,
+    chosen_build,
+    distribution_from_record,
+    missing_libraries,
+    nvidia_profiling_library,
+    package_of,
+)
+from scanner.layers.cuda_evidence import collect_layer, combine
+from scanner.layers.python_loads import LoadSites, dotted_module
+from scanner.layers.tarstream import TarEntry
+from scanner.models import ContainerArchs, FileArchs, GpuArchs, GpuFacts, InferredCuda, PackageFacts
+
+SITE = "/usr/local/lib/python3.11/site-packages"
+
+# -- which extensions a package needs (scanner.layers.python_loads)
+
+
+def sites(*files: tuple[str, str]) -> LoadSites:
+    loads = LoadSites()
+    for path, text in files:
+        loads.add_source(f"{SITE}/{path}", text.encode())
+    return loads
+
+
+def test_module_level_imports_need_the_extension_guarded_and_lazy_ones_do_not() -> None:
+    loads = sites(
+        ("pkg/__init__.py", "import os\nfrom . import _core\n"),
+        (
+            "pkg/attention.py",
+            "import contextlib\ntry:\n    from . import _fa3\nexcept ImportError:\n    _fa3 = None\n"
+            "with contextlib.suppress(ImportError):\n    import pkg._fp4\n",
+        ),
+        ("pkg/models/kda.py", "def forward(x):\n    import pkg._kda\n    return x\n"),
+        ("pkg/ops/__init__.py", "from .._fused import op  # a relative import two levels up\n"),
+    )
+    assert loads.state(f"{SITE}/pkg/_core.abi3.so") == "required"
+    assert loads.state(f"{SITE}/pkg/_fa3.cpython-311-x86_64-linux-gnu.so") == "optional"
+    assert loads.state(f"{SITE}/pkg/_fp4.abi3.so") == "optional"
+    assert loads.state(f"{SITE}/pkg/_kda.so") == "optional"  # on demand, when that model runs
+    assert loads.state(f"{SITE}/pkg/_fused.abi3.so") == "required"
+    assert loads.state(f"{SITE}/pkg/_never.abi3.so") is None
+
+
+def test_a_block_closed_by_a_dedent_no_longer_guards() -> None:
+    loads = sites(
+        ("pkg/__init__.py", "try:\n    import json\nexcept ImportError:\n    pass\nimport pkg._core\n")
+    )
+    assert loads.state(f"{SITE}/pkg/_core.abi3.so") == "required"
+
+
+def test_libraries_loaded_by_path_are_named_by_their_block() -> None:
+    """torchao 0.7.0 loads `_C*.so` with torch.ops.load_library in a try: and runs on without it."""
+    loads = sites(
+        (
+            "torchao/__init__.py",
+            "import torch\ntry:\n    from pathlib import Path\n"
+            '    so_files = list(Path(__file__).parent.glob("_C*.so"))\n'
+            "    torch.ops.load_library(so_files[0])\nexcept:\n    pass\n",
+        )
+    )
+    assert loads.state(f"{SITE}/torchao/_C.cpython-311-x86_64-linux-gnu.so") == "optional"
+    assert loads.state(f"{SITE}/torchao/_C_extra.so") is None  # `_C*` names _C, not every name it starts
+
+
+def test_import_paths_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        dotted_module(f"{SITE}/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
+        == "vllm.vllm_flash_attn._vllm_fa3_C"
+    )
+    assert dotted_module(f"{SITE}/pkg/__init__.py") == "pkg"
+    assert dotted_module("/app/main.py") is None
+    monkeypatch.setattr(python_loads, "MAX_BLOCK_HEADERS", 1000)
+    loads = LoadSites()
+    for number in range(20):
+        loads.add_source(f"{SITE}/pkg/m{number}.py", b"if x:\n    import pkg._a\n" * 100)
+    assert (
+        loads.truncated and loads.headers_read <= 1100
+    )  # the layer's budget is spent: it says so, reads no more
+
+
+# -- what the loader can load, which build a package selects, which package ships a file
+
+
+def test_a_library_loads_only_when_what_it_links_is_there_all_the_way_down() -> None:
+    carried = {"libcudart.so.13", "libcusparse.so.12"}
+    links = {"libcusparse.so.12": ["libnvJitLink.so.13"]}
+    assert (
+        missing_libraries(["libcudart.so.13", "libcuda.so.1"], carried, links) == []
+    )  # the driver is the host's
+    assert missing_libraries(["libcusparse.so.12"], carried, links) == [
+        "libcusparse.so.12 -> libnvJitLink.so.13"
+    ]
+    assert missing_libraries(["libcublas.so.13"], carried, links) == ["libcublas.so.13"]
+
+
+def build(name: str, missing: tuple[str, ...] = ()) -> FileArchs:
+    path = f"{SITE}/bitsandbytes/{name}"
+    return FileArchs(path=path, missing=list(missing), cuda_build=build_version(path))
+
+
+def test_builds_for_several_cuda_versions_are_alternatives_the_runtime_picks() -> None:
+    assert build_version("libbitsandbytes_cuda128.so") == "12.8"
+    assert build_version("libbitsandbytes_cuda118.so") == "11.8"
+    assert build_version("foo_cu12.so") == "12" and build_version("libfoo.so") is None
+    cu13 = ("libcudart.so.13",)
+    builds = [build("libbitsandbytes_cuda121.so"), build("libbitsandbytes_cuda124.so"), build("libbitsandbytes_cuda128.so"),
+              build("libbitsandbytes_cuda130.so", cu13), build("libbitsandbytes_cuda132.so", cu13)]  # fmt: skip
+    name = lambda found: found.path.rsplit("_", 1)[1] if found else None  # noqa: E731
+    assert name(chosen_build(builds, "12.8")) == "cuda128.so"  # the same version
+    assert name(chosen_build(builds, "12.6")) == "cuda124.so"  # else the newest of its major below it
+    assert name(chosen_build(builds, "12.0")) is None  # never one newer than the runtime
+    assert name(chosen_build(builds, "13.0")) is None  # CUDA 13's builds cannot load: never another major
+    assert name(chosen_build(builds, None)) == "cuda128.so"  # no runtime known: the newest loadable
+
+
+def test_packages_are_distributions_nvidia_libraries_or_application_directories() -> None:
+    dist = distribution_from_record(
+        f"{SITE}/onnxruntime_gpu-1.31.1.dist-info",
+        b"onnxruntime/__init__.py,sha256=x,1\nonnxruntime_gpu-1.31.1.dist-info/RECORD,,\n",
+    )
+    assert dist is not None and (dist.name, dist.version, dist.top_level) == (
+        "onnxruntime-gpu",
+        "1.31.1",
+        ["onnxruntime"],
+    )
+    found = package_of(
+        f"{SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so", {f"{SITE}/onnxruntime": dist}
+    )
+    assert (found.id, found.kind, found.version) == ("python:onnxruntime-gpu", "python", "1.31.1")
+    assert package_of(f"{SITE}/nvidia/cu13/lib/libcublasLt.so.13", {}).kind == "nvidia"
+    assert package_of("/opt/app/lib/libkernels.so", {}).id == "app:/opt/app/lib"
+    assert nvidia_profiling_library("/usr/local/cuda/lib64/libcupti.so.12")
+    assert not nvidia_profiling_library(f"{SITE}/nvidia/cu13/lib/libcufft.so.12")
+
+
+def elf_entry(path: str, data: bytes) -> tuple[TarEntry, bytes]:
+    return TarEntry(path=path, kind="file", size=len(data), mode=0o755), data
+
+
+def test_code_the_image_cannot_load_names_no_cuda() -> None:
+    """A program linking CUDA 13's runtime sets CUDA 13 where the image carries that runtime, and
+    nothing where it does not: the loader could not load it."""
+    from tests.nvidia_wheels import CUDA_RUNTIME_13, nvcc_program, wheel_member
+
+    program = nvcc_program(["arch=compute_80,code=sm_80"]).read_bytes()  # links libcudart.so.13
+    _, cudart = wheel_member(CUDA_RUNTIME_13, "/libcudart.so.13")
+    torch = (
+        TarEntry(path=f"{SITE}/torch/version.py", kind="file", size=29, mode=0o644),
+        b"cuda: Optional[str] = '12.8'\n",
+    )
+    app = elf_entry("/app/bin/solver", program)
+    without = combine([collect_layer([torch, app])])
+    assert without[0] is not None and without[0].cuda == "12.8" and without[1] is not None
+    (solver,) = without[1].files
+    assert solver.missing == ["libcudart.so.13"] and not gpu_code.has_code(without[1])
+    with_runtime = combine(
+        [collect_layer([torch, app, elf_entry("/usr/local/cuda-13.0/lib64/libcudart.so.13", cudart)])]
+    )
+    assert with_runtime[0] is not None and with_runtime[0].cuda == "13.0"
+    assert with_runtime[1] is not None and gpu_code.has_code(with_runtime[1])
+
+
+# -- the PTX ISA table and the drivers that JIT it (placement.cuda_drivers)
+
+
+def test_the_ptx_isa_table_covers_every_toolkit_from_cuda_9() -> None:
+    assert ptx_toolkit_of("6.0") == ((9, 0), True)
+    assert ptx_toolkit_of("6.4") == ((10, 1), True)
+    assert ptx_toolkit_of("6.5") == ((10, 2), True)
+    assert ptx_toolkit_of("8.6") == ((12, 7), True)
+    assert ptx_toolkit_of("9.5") == ((13, 5), True)
+    assert ptx_toolkit_of("9.6") == ((13, 6), False)  # newer than the newest known toolkit
+    floor = ptx_driver_floor("6.4")
+    assert floor is not None and floor[0] == "418.39"
+    floor = ptx_driver_floor("8.6")
+    assert floor is not None and floor[0] == "570.26"  # no 12.7 driver: 12.8's is the first listed
+
+
+def legacy(isa: str) -> GpuFacts:
+    """An image of sm_70 SASS plus PTX, as CUDA 10.1 built them."""
+    file = FileArchs(
+        path="/app/lib/libold.so", containers=[ContainerArchs(sass=("70",), ptx=("70",), ptx_isa=isa)]
+    )
+    return GpuFacts(archs=GpuArchs(files=[file]))
+
+
+def test_legacy_ptx_runs_on_new_gpus_and_a_newer_isa_than_any_known_is_refused() -> None:
+    assert gpu_reasons(legacy("6.4"), "8.0", "535.104.05", "12.2") == []  # was: "JIT needs 590.44.01"
+    too_new = gpu_reasons(legacy("9.6"), "9.0", "580.65.06", "13.0")
+    assert len(too_new) == 1 and "PTX ISA 9.6 is newer than every toolkit known here" in too_new[0]
+    assert gpu_reasons(legacy("9.5"), "9.0", "580.65.06", "13.0")  # 9.5 is refused there too
+    assert gpu_reasons(legacy("9.6"), "9.0", "600.10", "13.6") == []  # a driver that says it is new enough
+    assert ptx_cuda_reason("9.6", "13.5") is not None and ptx_cuda_reason("9.5", "13.5") is None
+
+
+# -- one decisive reason, warnings by minor-version compatibility, summaries without holes
+
+
+def test_a_driver_floor_rejection_comes_alone() -> None:
+    file = FileArchs(path="/app/lib/libk.so", containers=[ContainerArchs(sass=("80",))])
+    gpu = GpuFacts(
+        inferred=InferredCuda(cuda="13.0", set_by="/app/lib/libk.so: links libcudart.so.13"),
+        archs=GpuArchs(files=[file]),
+    )
+    reasons = gpu_reasons(
+        gpu, "12.0", "575.51.03", "12.9"
+    )  # no code for 12.0 either, but the runtime cannot start
+    assert reasons == [
+        "driver 575.51.03: CUDA 13.x needs driver >= 580 (minor-version compatibility); the image carries CUDA 13.0"
+        " (/app/lib/libk.so: links libcudart.so.13)"
+    ]
+
+
+def test_a_newer_minor_inside_the_declared_major_is_not_a_new_driver_need() -> None:
+    gpu = GpuFacts(cuda_version="12.4", inferred=InferredCuda(cuda="12.9", set_by="x: cuda = '12.9'"))
+    said = declared_vs_carried(gpu)
+    assert said is not None and "both run on driver >= 525.60.13" in said
+    warning = cuda_mismatch(gpu)
+    assert (
+        warning is not None
+        and "minor-version compatibility" in warning
+        and "driver for CUDA 12.9" not in warning
+    )
+    other_major = cuda_mismatch(GpuFacts(cuda_version="12.8", inferred=InferredCuda(cuda="13.0", set_by="x")))
+    assert other_major is not None and "needs a driver for CUDA 13" in other_major
+
+
+@pytest.mark.parametrize("rule", ["dispatch", "strict"])
+def test_summaries_name_where_code_runs_without_holes(rule: gpu_code.Rule) -> None:
+    file = FileArchs(path="/app/lib/libk.so", containers=[ContainerArchs(sass=("80", "120"))])
+    assert gpu_code.summary(GpuArchs(files=[file]), rule).endswith("compute capability 8.0–8.9, 12.0–12.1")
+
+
+# -- packages on one GPU (placement.gpu_code, the dispatch rule)
+
+
+def archs(*files: FileArchs, packages: tuple[PackageFacts, ...] = ()) -> GpuArchs:
+    return GpuArchs(files=list(files), packages=list(packages))
+
+
+def test_a_package_runs_where_some_of_its_libraries_do_and_names_the_rest() -> None:
+    pkg = PackageFacts(id="python:pkg", name="pkg", version="1.0", kind="python")
+    main = FileArchs(path=f"{SITE}/pkg/_C.abi3.so", package=pkg.id, containers=[
+        ContainerArchs(sass=("75", "80", "90", "100", "120"), count=30), ContainerArchs(sass=("75",), count=7),
+        ContainerArchs(sass=("89", "120f"), count=5)])  # fmt: skip
+    hopper_only = FileArchs(
+        path=f"{SITE}/pkg/_fa3.abi3.so", package=pkg.id, containers=[ContainerArchs(sass=("90a",))]
+    )
+    image = archs(main, hopper_only, packages=(pkg,))
+    blackwell = gpu_code.judge(image, (10, 0))
+    assert blackwell.runs and blackwell.without == [
+        f"{SITE}/pkg/_fa3.abi3.so: no kernel image for compute capability 10.0 (SASS sm_90a, no PTX); used on other GPUs"
+    ]
+    volta = gpu_code.judge(image, (7, 0))
+    assert not volta.runs and "no GPU code of pkg 1.0 runs here" in volta.reasons[0]
+    optional = pkg.model_copy(update={"optional": True})
+    assert gpu_code.judge(archs(main, hopper_only, packages=(optional,)), (7, 0)).runs  # it runs without them
+    strict = gpu_code.judge(image, (9, 0), rule="strict")
+    assert not strict.runs  # the strict rule: its sm_75-only containers have no image for Hopper

@@ -1,0 +1,498 @@
+"""Real GPU packages placed as their own dispatch runs them (issue 42).
+
+Each image is a glibc base plus the package's files as `pip install` lays them out, no NVIDIA
+variables: members of the pinned wheels read from PyPI (`tests/gpu_packages.py`), each layer read by
+the scanner's own walk. The fleet has the GPU classes the issue measured: V100 (7.0, driver 535), T4
+(535 and 580), A100 (550), A10G and L4 (570), H100 (580, and one on 535 for TensorFlow's PTX), B200
+(580), RTX 5090 (575), GB10 (12.1, 580); each driver reports its CUDA version as NVML does. Every
+eligible set is asserted with the reason for each refused server, from the package's own source
+(its dispatch) and the containers `cuobjdump` lists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from fixtures.oci import ImageSpec, LayerSpec, file
+from fixtures.registry import LocalRegistry
+from placement import gpu_code
+from placement.decide import decide
+from placement.decision import Decision
+from placement.image_facts import ImageFacts
+from placement.inventory import Gpu, Server
+from placement.request import DeployRequest
+from scanner.layers.cuda_evidence import CudaLayerEvidence, combine
+from scanner.models import GpuArchs, GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
+from scanner.registry.client import RegistryClient
+from scanner.scan import Scanner
+from scanner.settings import ScannerSettings
+from store import open_store
+from tests.conftest import Pusher
+from tests.gpu_packages import (
+    BITSANDBYTES,
+    CUDA12,
+    CUDA13,
+    FLASHINFER,
+    FLASHINFER_CUBIN,
+    ONNXRUNTIME,
+    SITE,
+    TENSORFLOW,
+    TORCH_210,
+    VLLM,
+    cuda13_stack,
+    layer_evidence,
+    libraries,
+    members,
+    python_package,
+    torch_214,
+)
+from tests.nvidia_wheels import cuobjdump
+from tests.pypi_members import member_files
+
+pytestmark = pytest.mark.timeout(900)
+
+# (name, model, compute capability, driver, the CUDA version that driver reports)
+FLEET_SPEC = [
+    ("v100", "Tesla V100-SXM2-32GB", "7.0", "535.104.05", "12.2"),
+    ("t4-535", "Tesla T4", "7.5", "535.104.05", "12.2"),
+    ("t4-580", "Tesla T4", "7.5", "580.65.06", "13.0"),
+    ("a100", "NVIDIA A100-SXM4-80GB", "8.0", "550.54.15", "12.4"),
+    ("a10g", "NVIDIA A10G", "8.6", "570.86.15", "12.8"),
+    ("l4", "NVIDIA L4", "8.9", "570.86.15", "12.8"),
+    ("h100", "NVIDIA H100 80GB HBM3", "9.0", "580.65.06", "13.0"),
+    ("b200", "NVIDIA B200", "10.0", "580.65.06", "13.0"),
+    ("rtx5090", "NVIDIA GeForce RTX 5090", "12.0", "575.51.03", "12.9"),
+    ("gb10", "NVIDIA GB10", "12.1", "580.95.05", "13.0"),
+]
+FLEET = [
+    Server(
+        name=name,
+        cpus=32,
+        memory=1 << 40,
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        gpus=[
+            Gpu(
+                index=0,
+                uuid=f"GPU-{name}",
+                name=model,
+                brand="Tesla",
+                memory_mib=40960,
+                compute_capability=cc,
+            )
+        ],
+    )
+    for name, model, cc, driver, cuda in FLEET_SPEC
+]
+H100_535 = Server(
+    name="h100-535",
+    cpus=32,
+    memory=1 << 40,
+    driver_version="535.104.05",
+    cuda_driver_version="12.2",
+    gpus=[
+        Gpu(
+            index=0,
+            uuid="GPU-h100-535",
+            name="NVIDIA H100 80GB HBM3",
+            memory_mib=81559,
+            compute_capability="9.0",
+        )
+    ],
+)
+ALL = {name for name, *_ in FLEET_SPEC}
+DRIVER_580 = "CUDA 13.x needs driver >= 580 (minor-version compatibility)"
+
+
+def image(layers_top_down: Sequence[CudaLayerEvidence]) -> ImageFacts:
+    inferred, archs = combine(layers_top_down)
+    report = PlatformReport(
+        platform="linux/amd64",
+        digest="sha256:" + "5" * 64,
+        gpu=GpuFacts(inferred=inferred, archs=archs),
+        libc=LibcVerdict(flavour="glibc", state="analysed"),
+    )
+    return ImageFacts.from_report(ImageReport(reference="pkg/image:1", platforms=[report]))
+
+
+def archs_of(facts: ImageFacts) -> GpuArchs:
+    archs = facts.platforms[0].gpu.archs
+    assert archs is not None
+    return archs
+
+
+def inferred_of(facts: ImageFacts) -> InferredCuda:
+    inferred = facts.platforms[0].gpu.inferred
+    assert inferred is not None
+    return inferred
+
+
+def place(facts: ImageFacts, servers: Sequence[Server] = FLEET, **request: object) -> Decision:
+    return decide(facts, DeployRequest(gpus=1, **request), list(servers))  # type: ignore[arg-type]
+
+
+def eligible(decision: Decision) -> set[str]:
+    return {item["server"] for item in decision.eligible}
+
+
+def reasons(decision: Decision) -> dict[str, list[str]]:
+    return {item["server"]: item["reasons"] for item in decision.ineligible}
+
+
+def only(decision: Decision, server: str) -> str:
+    """The one reason a server's GPU is refused for: decisive, never wrong ones beside it (the count
+    of suitable GPUs that follows is its consequence)."""
+    found = [line for line in reasons(decision)[server] if not line.startswith("needs ")]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def file_of(archs: GpuArchs, suffix: str) -> gpu_code.FileArchs:
+    (found,) = [f for f in archs.files if f.path.endswith(suffix)]
+    return found
+
+
+def listing(path: str) -> tuple[set[str], set[str]]:
+    """(SASS, PTX) archs `cuobjdump -all --list-elf --list-ptx` names for a file ("80", "90a")."""
+    import subprocess
+
+    text = subprocess.run(
+        [str(cuobjdump()), "-all", "--list-elf", "--list-ptx", path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    sass = set(re.findall(r"\.sm_(\d+[a-z]?)\.cubin", text))
+    ptx = set(re.findall(r"\.sm_(\d+[a-z]?)\.ptx", text))
+    return sass, ptx
+
+
+# -- the images
+
+
+@pytest.fixture(scope="module")
+def cuda13() -> CudaLayerEvidence:
+    return layer_evidence(cuda13_stack())
+
+
+@pytest.fixture(scope="module")
+def torch14() -> CudaLayerEvidence:
+    return layer_evidence([torch_214()])
+
+
+@pytest.fixture(scope="module")
+def vllm(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
+    return image([layer_evidence([python_package(VLLM)]), torch14, cuda13])
+
+
+@pytest.fixture(scope="module")
+def bitsandbytes() -> ImageFacts:
+    cuda12 = layer_evidence(
+        [
+            libraries(CUDA12["cudart"], "libcudart.so.12"),
+            libraries(CUDA12["cublas"], "libcublas.so.12", "libcublasLt.so.12"),
+            libraries(CUDA12["nvjitlink"], "libnvJitLink.so.12"),
+        ]
+    )
+    torch_cu128 = layer_evidence([libraries(TORCH_210, "version.py")])  # torch.version.cuda = '12.8'
+    return image([layer_evidence([python_package(BITSANDBYTES)]), torch_cu128, cuda12])
+
+
+@pytest.fixture(scope="module")
+def onnxruntime() -> ImageFacts:
+    stack = layer_evidence(
+        [
+            libraries(CUDA13["cudart"], "libcudart.so.13"),
+            libraries(CUDA13["cublas"], "libcublas.so.13", "libcublasLt.so.13"),
+            libraries(CUDA13["curand"], "libcurand.so.10"),
+            libraries(CUDA13["cudnn"], "libcudnn.so.9"),
+        ]
+    )
+    return image([layer_evidence([python_package(ONNXRUNTIME)]), stack])
+
+
+@pytest.fixture(scope="module")
+def tensorflow() -> ImageFacts:
+    return image([layer_evidence([python_package(TENSORFLOW)])])
+
+
+# flashinfer-cubin's GEMM directories whole and its attention kernels built for sm_100a: every kind of
+# cubin it ships (sm_100f, sm_100a, sm_103a), 2,830 of its 15,970 files (bench/package_bench.py reads all).
+FLASHINFER_CUBIN_PART = re.compile(r"/(?:gemm-|deep-gemm/|batched_gemm-)|/fmhaSm100aKernel_[^/]*\.cubin$")
+
+
+@pytest.fixture(scope="module")
+def flashinfer() -> ImageFacts:
+    cubins = members(
+        FLASHINFER_CUBIN,
+        lambda n: (
+            (n.endswith(".cubin") and FLASHINFER_CUBIN_PART.search(n) is not None)
+            or n.endswith((".py", "RECORD"))
+        ),
+        "cubins-part",
+    )
+    return image([layer_evidence([cubins]), layer_evidence([python_package(FLASHINFER, r"\.ptx$")])])
+
+
+# -- vLLM 0.33.0 with its torch 2.14.0+cu130
+
+
+def test_vllm_runs_where_its_dispatch_runs_it(vllm: ImageFacts) -> None:
+    decision = place(vllm)
+    assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+    assert only(decision, "v100") == (
+        "1 free Tesla V100-SXM2-32GB: CUDA 13 image needs compute capability 7.5 or newer (CUDA 13 dropped"
+        " Maxwell, Pascal and Volta); this GPU has 7.0"
+    )
+    for name, driver in [("t4-535", "535.104.05"), ("a100", "550.54.15"), ("a10g", "570.86.15"),
+                         ("l4", "570.86.15"), ("rtx5090", "575.51.03")]:  # fmt: skip
+        assert only(decision, name).endswith(
+            f": driver {driver}: {DRIVER_580}; the image carries CUDA 13.0"
+            f" ({SITE}/torch/version.py: torch 2.14.0+cu130, cuda = '13.0')"
+        )
+
+
+def test_vllm_says_what_it_runs_without_on_each_gpu(vllm: ImageFacts) -> None:
+    archs = archs_of(vllm)
+    t4 = gpu_code.judge(archs, (7, 5))
+    missing = "\n".join(t4.without)
+    assert (
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so (FlashAttention 2): no kernel image for compute capability 7.5"
+        in missing
+    )
+    assert (
+        "torch/lib/libtorch_cuda_linalg.so (torch.linalg): no kernel image for compute capability 7.5"
+        in missing
+    )
+    assert "_vllm_fa3_C" in missing and "_qutlass_C" in missing
+    hopper = "\n".join(gpu_code.judge(archs, (9, 0)).without)
+    assert "_vllm_fa3_C" not in hopper and "_vllm_fa2_C" not in hopper  # FA3 on Hopper; FA2 from its PTX
+    assert (
+        "vllm/_qutlass_C.abi3.so (QuTLASS (FP4 kernels)): no kernel image for compute capability 9.0"
+        in hopper
+    )
+    blackwell = "\n".join(gpu_code.judge(archs, (10, 0)).without)
+    assert (
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute capability 10.0 (SASS sm_90a, no PTX); used on other GPUs"
+        in blackwell
+    )
+    assert "_qutlass_C" not in blackwell
+    warnings = "\n".join(place(vllm).warnings)
+    assert (
+        f"on Tesla T4 (compute capability 7.5): runs; without {SITE}/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+        in warnings
+    )
+
+
+def test_vllm_facts_match_cuobjdump_and_its_imports(vllm: ImageFacts) -> None:
+    archs = archs_of(vllm)
+    main = file_of(archs, "vllm/_C_stable_libtorch.abi3.so")
+    assert main.imported == "required"  # `import vllm._C_stable_libtorch` atop vllm/platforms/cuda.py
+    assert sum(c.count for c in main.containers) == 118
+    assert len({(c.sass, c.ptx) for c in main.containers}) == 17
+    assert file_of(archs, "_vllm_fa3_C.abi3.so").imported == "optional"  # in a try: (flash_attn_interface.py)
+    assert file_of(archs, "_qutlass_C.abi3.so").imported == "optional"  # contextlib.suppress(ImportError)
+    for suffix in ("/_vllm_fa3_C.abi3.so", "/_qutlass_C.abi3.so", "/_C_stable_libtorch.abi3.so"):
+        file = file_of(archs, suffix)
+        (local,) = member_files(VLLM, lambda name, suffix=suffix: name.endswith(suffix)).values()
+        sass, ptx = listing(str(local))
+        assert {arch.removesuffix("f") for arch in file.sass} == sass, (
+            file.path
+        )  # cuobjdump: sm_100f is sm_100
+        assert set(file.ptx) == ptx, file.path
+    packages = {p.id: p for p in archs.packages}
+    assert packages["python:vllm"].version == "0.33.0" and not packages["python:vllm"].optional
+    assert packages["python:torch"].version == "2.14.0"
+    assert archs.runtime_cuda == "13.0"
+
+
+def test_strict_rule_is_a_request_option_and_refuses_vllm_everywhere(vllm: ImageFacts) -> None:
+    """The old rule, kept for images made of one application's own kernels: vLLM's per-architecture
+    containers make it run nowhere, and each refusal names the file and the kernels it lacks."""
+    decision = place(vllm, gpu_code_rule="strict")
+    assert eligible(decision) == set()
+    hopper = "\n".join(reasons(decision)["h100"])
+    assert (
+        f"compute capability 9.0: {SITE}/vllm/_C_stable_libtorch.abi3.so has no kernel image for compute capability 9.0"
+        in hopper
+    )
+    assert "driver 570.86.15: CUDA 13.x needs driver >= 580" in only(decision, "l4")  # still decisive first
+    assert eligible(place(vllm, gpu_code_rule="dispatch")) == {"t4-580", "h100", "b200", "gb10"}
+
+
+# -- torch 2.14.0+cu130 and cuBLAS 13 alone
+
+
+def test_torch_cu130_runs_on_a_t4_without_its_linear_algebra(
+    cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence
+) -> None:
+    torch = image([torch14, cuda13])
+    decision = place(torch)
+    assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+    t4 = gpu_code.judge(archs_of(torch), (7, 5))
+    assert t4.runs and any(
+        line.startswith(
+            f"{SITE}/torch/lib/libtorch_cuda_linalg.so (torch.linalg): no kernel image for compute capability 7.5"
+        )
+        for line in t4.without
+    )
+    assert f"{SITE}/torch/lib/libtorch_cuda.so: SASS sm_75" in t4.covered_by
+
+
+def test_cublas_13_alone_runs_where_its_kernels_are(cuda13: CudaLayerEvidence) -> None:
+    cublas = image(
+        [
+            layer_evidence(
+                [
+                    libraries(CUDA13["cudart"], "libcudart.so.13"),
+                    libraries(CUDA13["cublas"], "libcublas.so.13", "libcublasLt.so.13"),
+                ]
+            )
+        ]
+    )
+    assert eligible(place(cublas)) == {"t4-580", "h100", "b200", "gb10"}
+    lt = file_of(archs_of(cublas), "libcublasLt.so.13")
+    only_75 = [c for c in lt.containers if c.sass == ("75",)]
+    assert only_75 and any(c.sass == ("100",) for c in lt.containers)  # per-architecture kernel modules
+    assert {c.section for c in lt.containers} >= {
+        ".nv_fatbin",
+        ".cask_resource",
+    }  # CASK kernels it loads itself
+
+
+# -- bitsandbytes 0.50.2 beside torch 2.10.0+cu128 and CUDA 12.8's runtime
+
+
+def test_bitsandbytes_loads_the_build_torchs_cuda_selects(bitsandbytes: ImageFacts) -> None:
+    assert eligible(place(bitsandbytes)) == ALL
+    archs = archs_of(bitsandbytes)
+    assert archs.runtime_cuda == "12.8"
+    selected = [f.path.rsplit("/", 1)[1] for f in archs.files if f.cuda_build and f.selected]
+    assert selected == ["libbitsandbytes_cuda128.so"]
+    cuda130 = file_of(archs, "libbitsandbytes_cuda130.so")
+    assert (
+        cuda130.missing == ["libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13"]
+        and not cuda130.loadable
+    )
+    assert not file_of(
+        archs, "libbitsandbytes_cuda126.so"
+    ).selected  # loadable, not the one torch's CUDA picks
+    inferred = inferred_of(bitsandbytes)
+    assert inferred.cuda == "12.8"  # never CUDA 13 from the build it cannot load
+    assert all(not v.cuda.startswith("13") for v in inferred.versions)
+
+
+# -- ONNX Runtime GPU 1.31.1 (CUDA 13)
+
+
+def test_onnxruntime_runs_on_turing_and_hopper_not_blackwell(onnxruntime: ImageFacts) -> None:
+    decision = place(onnxruntime)
+    assert eligible(decision) == {"t4-580", "h100"}
+    b200 = only(decision, "b200")
+    assert (
+        f"compute capability 10.0: {SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so has no kernel image for compute capability 10.0"
+        in b200
+    )
+    assert "no GPU code of onnxruntime-gpu 1.31.1 runs here" in b200  # no sm_100, no PTX
+    assert "has no kernel image for compute capability 12.1" in only(
+        decision, "gb10"
+    )  # sm_120a runs only at 12.0
+    assert "driver 575.51.03" in only(decision, "rtx5090")  # decisive: CUDA 13's driver floor
+    t4 = gpu_code.judge(archs_of(onnxruntime), (7, 5))
+    assert t4.runs and not any("providers_cuda" in line for line in t4.without)  # 217 containers have sm_75
+
+
+# -- TensorFlow 2.21.0 (CUDA 12.5.1): the kernels it loads itself
+
+
+def test_tensorflow_reads_the_fatbins_it_loads_itself(tensorflow: ImageFacts) -> None:
+    archs = archs_of(tensorflow)
+    lib = file_of(archs, "tensorflow/libtensorflow_cc.so.2")
+    own = [c for c in lib.containers if c.section != ".nv_fatbin"]
+    assert sum(c.count for c in own) == 1149
+    assert {(c.sass, c.ptx, c.ptx_isa) for c in own} == {(("60", "70", "80", "89"), ("90",), "8.5")}
+    decision = place(tensorflow, [*FLEET, H100_535])
+    assert eligible(decision) == ALL
+    refused = only(decision, "h100-535")  # its generated kernels exist on Hopper only as ISA 8.5 PTX
+    assert "tensorflow/libtensorflow_cc.so.2 runs here only through PTX in some kernels" in refused
+    assert "PTX ISA 8.5 comes from CUDA 12.5, and this server's driver supports CUDA 12.2" in refused
+
+
+# -- FlashInfer 0.7.4 with flashinfer-cubin 0.6.13
+
+
+def test_flashinfer_is_a_gpu_package_that_picks_its_modules(flashinfer: ImageFacts) -> None:
+    archs = archs_of(flashinfer)
+    modules = [f for f in archs.files if f.kind == "modules"]
+    assert sum(f.files for f in modules if "flashinfer_cubin" in f.path) == 2830
+    assert {a for f in modules for a in f.sass} == {"100", "100a", "103a"}  # sm_100f reads as sm_100
+    assert any(f.ptx == ["103a"] for f in modules)
+    assert inferred_of(flashinfer).cuda == "13.2"  # its PTX's ISA 9.2
+    decision = place(flashinfer)
+    assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+    assert "compute capability 7.5 or newer" in only(decision, "v100")
+    hopper = gpu_code.judge(archs, (9, 0))
+    assert hopper.runs and any("runs without it" in line for line in hopper.without)
+
+
+# -- what was wrong besides
+
+
+def test_one_line_summary_lists_where_it_runs_without_holes(onnxruntime: ImageFacts) -> None:
+    summary = gpu_code.summary(archs_of(onnxruntime))
+    assert summary.endswith("compute capability 7.5–9.0, 12.0"), summary
+
+
+# -- through a real registry: pushed by skopeo, read by the scanner's own client and walk
+
+
+async def test_flashinfer_modules_through_a_registry(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """FlashInfer's own `.ptx` files and one directory of flashinfer-cubin's (93 GEMM cubins, sm_100f),
+    pushed with skopeo as pip lays them out: the scan finds a GPU image, and placement its fleet."""
+    ptx = member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD")))
+    gemm = member_files(
+        FLASHINFER_CUBIN, lambda name: "/gemm-91e0ba0-2710384/" in name or name.endswith(".dist-info/RECORD")
+    )
+    layers = [
+        LayerSpec([file(f"{SITE}/{name}", path.read_bytes()) for name, path in sorted(files.items())])
+        for files in (ptx, gemm)
+    ]
+    reference = f"{registry.host}/pkg/flashinfer:0.7.4"
+    push(ImageSpec(layers), "pkg/flashinfer:0.7.4")
+    settings = ScannerSettings(docker_config=None, analysis_processes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            report = await scanner.scan(reference)
+            await scanner.close()
+    finally:
+        await store.close()
+    assert report.error is None, report.error
+    (platform,) = report.platforms
+    assert platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "13.2"
+    archs = platform.gpu.archs
+    assert archs is not None
+    cubins = [f for f in archs.files if f.kind == "modules" and "flashinfer_cubin" in f.path]
+    assert [f.files for f in cubins] == [93] and cubins[0].sass == ["100"]
+    decision = decide(ImageFacts.from_report(report), DeployRequest(gpus=1), FLEET)
+    assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+
+
+def test_the_image_page_rows_per_generation_for_vllm(vllm: ImageFacts) -> None:
+    from placement.cuda_needs import generations
+
+    rows = {f"{row.cc[0]}.{row.cc[1]}": row for row in generations(vllm.platforms[0].gpu)}
+    assert rows["7.0"].status == "does not run" and "7.5 and newer" in rows["7.0"].decided_by[0]
+    assert rows["7.5"].status == "runs without" and (rows["7.5"].driver or "").startswith("580")
+    assert any("FlashAttention 2" in line for line in rows["7.5"].decided_by)
+    assert rows["9.0"].status == "runs without" and not any(
+        "FlashAttention 3" in line for line in rows["9.0"].decided_by
+    )
+    assert rows["12.1"].status in ("runs", "runs without") and rows["12.1"].driver is not None
