@@ -20,28 +20,38 @@ So, once the service is up (`TimedCollection.start`):
 - the interpreter's own young threshold is raised to `BURST_THRESHOLD`, so it starts a collection
   only for a burst the timer would be late for (a thread parsing thousands of inventories);
 - the old generation (a fleet's million objects: servers, the index, one held request per poll)
-  is collected only once the process's memory has grown by `FULL_GROWTH` since the last time
-  (looked at every `FULL_CHECK_SECONDS`), not when the collector's rule would, every few seconds.
-  Under 10,000 agents a full collection walks about 900,000 objects in 0.6-0.8 s, the loop
-  stopped, and in steady state it found nothing to free (everything goes by reference counting):
-  on a 5-minute timer, as before, it stalled every answer for most of a second for nothing.
-  Garbage that only the collector frees shows up as memory, so memory is what starts it.
+  is never walked as a matter of course. Under 10,000 agents a full collection walks about
+  900,000 objects in 0.6-0.8 s, the loop stopped, and in steady state it found nothing to free
+  (everything goes by reference counting): on a 5-minute timer, as before, it stalled every answer
+  for most of a second for nothing, and started by memory growth (a quarter, `FULL_GROWTH`,
+  looked at every `FULL_CHECK_SECONDS`) it still came once, about a minute after a fleet's 10,000
+  polls opened (a 668 ms stall, jobs/event_loop.py's monitor named it). Now that growth collects
+  the young and middle generations and then freezes what survived (`gc.freeze`: the objects leave
+  the collector's reach, in one step that walks nothing), so the next full pass walks only what
+  came after. Garbage in cycles that had already reached the old generation is then left to a
+  backstop: once memory has doubled (`RECLAIM_GROWTH`) since the last full pass, everything is
+  unfrozen and collected (logged, with how long the loop waited), and frozen again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import resource
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 YOUNG_SECONDS = 0.01
 MIDDLE_EVERY = 3  # every third young collection takes generation 1 too
 BURST_THRESHOLD = 5000
 FULL_CHECK_SECONDS = 60.0
 FULL_GROWTH = 1.25  # the interpreter's own rule for the old generation allows it 25% growth too
+RECLAIM_GROWTH = 2.0  # memory doubled since the last full pass: walk and collect everything
 
 Collect = Callable[[int], Any]
 
@@ -76,14 +86,32 @@ async def collect_old(
     growth: float = FULL_GROWTH,
     memory: Callable[[], int] = resident_bytes,
     collect: Collect = gc.collect,
+    freeze: Callable[[], None] = gc.freeze,
+    unfreeze: Callable[[], None] = gc.unfreeze,
+    reclaim: float = RECLAIM_GROWTH,
 ) -> None:
-    """Forever: every `period` seconds, a full collection if `memory()` has grown by `growth` since
-    the last one (or since this started); what is left after it is the next baseline."""
-    baseline = memory()
+    """Forever: every `period` seconds, once `memory()` has grown by `growth` since the last look
+    that acted (or since this started), collect generations 0 and 1 and freeze what survived;
+    once it has grown by `reclaim` since the last full pass, unfreeze, collect everything, freeze."""
+    baseline = reclaimed = memory()
     while True:
         await asyncio.sleep(period)
-        if memory() >= baseline * growth:
+        now = memory()
+        if now >= reclaimed * reclaim:
+            started = time.monotonic()
+            unfreeze()
             collect(2)
+            freeze()
+            baseline = reclaimed = memory()
+            log.warning(
+                "memory doubled since the last full garbage collection: collected everything"
+                " (the loop waited %.0f ms); %d MiB resident now",
+                (time.monotonic() - started) * 1000,
+                baseline // 2**20,
+            )
+        elif now >= baseline * growth:
+            collect(1)
+            freeze()
             baseline = memory()
 
 

@@ -139,7 +139,9 @@ async def test_a_worker_process_logs_name_it_and_lose_their_secrets(tmp_path: Pa
             assert job["state"] == "failed", job
 
             def logged() -> list[str]:  # the worker logs the failure once it is recorded
-                return [line for line in service.log().splitlines() if "leak/app:1" in line and "failed" in line]
+                return [
+                    line for line in service.log().splitlines() if "leak/app:1" in line and "failed" in line
+                ]
 
             deadline = asyncio.get_running_loop().time() + 10
             while not (lines := logged()):
