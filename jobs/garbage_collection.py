@@ -27,31 +27,28 @@ So, once the service is up (`TimedCollection.start`):
   looked at every `FULL_CHECK_SECONDS`) it still came once, about a minute after a fleet's 10,000
   polls opened (a 668 ms stall, jobs/event_loop.py's monitor named it). Now that growth collects
   the young and middle generations and then freezes what survived (`gc.freeze`: the objects leave
-  the collector's reach, in one step that walks nothing), so the next full pass walks only what
-  came after. Garbage in cycles that had already reached the old generation is then left to a
-  backstop: once memory has doubled (`RECLAIM_GROWTH`) since the last full pass, everything is
-  unfrozen and collected (logged, with how long the loop waited), and frozen again.
+  the collector's reach, in one step that walks nothing). The trade: garbage in reference cycles
+  that reached the old generation before a step is kept until the process restarts (the young
+  timer collects cycles while they are young; a full pass under the fleet found nothing to free),
+  and memory kept for that reason shows in `gpubadge_gc_frozen_objects` and the resident memory.
+  A backstop that walked everything once memory doubled was tried: it fired on the fleet's own
+  growth (an 823 ms stall inside an eligibility window), so no full pass runs while serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import resource
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 YOUNG_SECONDS = 0.01
 MIDDLE_EVERY = 3  # every third young collection takes generation 1 too
 BURST_THRESHOLD = 5000
 FULL_CHECK_SECONDS = 60.0
 FULL_GROWTH = 1.25  # the interpreter's own rule for the old generation allows it 25% growth too
-RECLAIM_GROWTH = 2.0  # memory doubled since the last full pass: walk and collect everything
 
 Collect = Callable[[int], Any]
 
@@ -87,29 +84,13 @@ async def collect_old(
     memory: Callable[[], int] = resident_bytes,
     collect: Collect = gc.collect,
     freeze: Callable[[], None] = gc.freeze,
-    unfreeze: Callable[[], None] = gc.unfreeze,
-    reclaim: float = RECLAIM_GROWTH,
 ) -> None:
     """Forever: every `period` seconds, once `memory()` has grown by `growth` since the last look
-    that acted (or since this started), collect generations 0 and 1 and freeze what survived;
-    once it has grown by `reclaim` since the last full pass, unfreeze, collect everything, freeze."""
-    baseline = reclaimed = memory()
+    that acted (or since this started), collect generations 0 and 1 and freeze what survived."""
+    baseline = memory()
     while True:
         await asyncio.sleep(period)
-        now = memory()
-        if now >= reclaimed * reclaim:
-            started = time.monotonic()
-            unfreeze()
-            collect(2)
-            freeze()
-            baseline = reclaimed = memory()
-            log.warning(
-                "memory doubled since the last full garbage collection: collected everything"
-                " (the loop waited %.0f ms); %d MiB resident now",
-                (time.monotonic() - started) * 1000,
-                baseline // 2**20,
-            )
-        elif now >= baseline * growth:
+        if memory() >= baseline * growth:
             collect(1)
             freeze()
             baseline = memory()
