@@ -214,6 +214,10 @@ class PostgresStore(SharedMethods):
     def start_intake(self) -> None:
         """Nothing to ready: the intake inserts into `jobs` (row locks; no scan holds a lock it needs)."""
 
+    def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """The webhook intake's commit: `enqueue_many` (row locks only: nothing a scan holds)."""
+        return self.enqueue_many(batches)
+
     def tidy_intake(self) -> None:
         """Nothing to tidy: the intake writes `jobs` itself."""
 

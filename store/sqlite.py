@@ -302,14 +302,19 @@ class SqliteStore(SharedMethods):
     # ------------------------------------------------------------------ jobs
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Several deliveries' jobs in one transaction (group commit); job ids per batch.
+        """Several deliveries' jobs in one transaction (group commit); job ids per batch. They are
+        in `jobs` when this returns, for every process (unless the store's writer is held elsewhere
+        past SETTLE_SECONDS: then they wait, durable, in the journal, and move when it is free)."""
+        ids = self.record_intake(batches)
+        self._settle_intake()
+        return ids
 
-        This is the webhook's commit path (a registry waits for each answer), so it never touches
-        the store's writer: the jobs are committed to the intake's journal (`store.sqlite_intake`),
-        which no scan writes, and the mover carries them into `jobs` moments later. Every read
-        and claim of jobs in this process waits for that move first (`_settle_intake`), so the
-        journal is invisible to callers: a job is queued once this returns.
-        """
+    def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """`enqueue_many` for the webhook intake, whose answer waits for it: it never touches the
+        store's writer. The jobs are committed to the intake's journal (`store.sqlite_intake`),
+        which no scan writes, and the mover carries them into `jobs` moments later; every read and
+        claim of jobs in this process waits for that move first (`_settle_intake`), so here the
+        journal is invisible (other processes see the jobs once moved, as the mover wakes them)."""
         if not any(batch.references for batch in batches):
             return [[] for _ in batches]
         journal = self.start_intake()
