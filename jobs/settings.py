@@ -24,12 +24,20 @@ from store import AsyncStore, open_store
 MAX_AUTO_PROCESSES = 8  # `auto` stops here: each process holds connections, analysis processes, memory
 
 
-def usable_cores() -> int:
-    """The cores this process may be scheduled on (its CPU affinity; a container's cpuset)."""
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity (a container's cpuset), and no more than its
+    cgroup's CPU quota allows (`cpu.max`, a container's `--cpus`), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class JobSettings(ScannerSettings):

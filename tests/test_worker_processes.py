@@ -203,3 +203,22 @@ def test_a_workers_metrics_port_needs_the_token_when_reads_are_private(tmp_path:
         assert refused.status == 401 and "gpubadge_scans_total" not in refused.text
         allowed = call("GET", f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
         assert allowed.status == 200 and "gpubadge_scans_total" in allowed.text
+
+
+def test_auto_is_one_worker_process_per_two_usable_cores_within_the_containers_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs import settings as job_settings
+    from jobs.settings import JobSettings, usable_cores
+
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")  # `docker run --cpus 1.5`: two cores' worth, rounded up
+    assert usable_cores(quota) == min(2, len(os.sched_getaffinity(0)))
+    quota.write_text("max 100000\n")  # no quota: the affinity decides
+    assert usable_cores(quota) == len(os.sched_getaffinity(0))
+    for cores, processes in ((1, 1), (2, 1), (4, 2), (16, 8), (64, 8)):
+        monkeypatch.setattr(job_settings, "usable_cores", lambda cores=cores: cores)
+        assert JobSettings(worker_processes="auto").worker_process_count() == processes
+    assert JobSettings(worker_processes=0).worker_process_count() == 0  # scans in the API's process
+    with pytest.raises(ValueError, match="worker_processes"):
+        JobSettings(worker_processes=-1)
