@@ -86,6 +86,72 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant (from /proc's children lists)."""
+    found = [pid]
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found.extend(process_tree(int(child)))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process tree so far: every live process's utime + stime, plus what each reaped of
+    its children (cutime + cstime), so a child that exits and is reaped stays counted."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(value) for value in fields[11:15])
+    return total / CLOCK_TICKS
+
+
+def tree_cpu_by_process(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live process of a tree: (its command line, its CPU so far: utime + stime + what it
+    reaped of its children), by pid. Subtract two of these to split a window's CPU by process."""
+    found: dict[int, tuple[str, float]] = {}
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            command = (
+                Path(f"/proc/{member}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:
+            continue
+        found[member] = (command, sum(int(value) for value in fields[11:15]) / CLOCK_TICKS)
+    return found
+
+
+def cpu_by_role(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """A window's CPU of a gpubadge process tree by role: `serve` (the API and intake), `worker`
+    (scan processes), `analysis` (their layer parsers); a process that started meanwhile counts whole."""
+    roles: dict[str, float] = {}
+    for pid, (command, cpu) in after.items():
+        role = (
+            "analysis"
+            if "scanner.layers.analysis" in command
+            else "worker"
+            if " worker" in command
+            else "serve"
+        )
+        earlier = before.get(pid)
+        spent = cpu - (earlier[1] if earlier is not None and earlier[0] == command else 0.0)
+        roles[role] = roles.get(role, 0.0) + spent
+    return roles
+
+
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime

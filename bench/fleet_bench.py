@@ -58,6 +58,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from placement.inventory import Gpu, Server
 from placement.protocol import DeploymentStatus
 from store import SqliteStore, queries
 
+STALL_LOGGED = 0.025  # the service logs every event-loop stall this long, with its stack (jobs/event_loop.py)
 FD_HEADROOM = 400  # descriptors beyond one per agent's poll: heartbeat pool, eligibility, files
 HEARTBEAT_POOL = 200  # keep-alive connections the agents' heartbeats share
 
@@ -582,6 +584,32 @@ class Eligibility:
         return list(found["latencies"])
 
 
+def logged_stalls(log: Path, spans: list[tuple[float, float]]) -> list[tuple[float, str]]:
+    """The event-loop stalls the service logged (jobs/event_loop.py) that ended inside one of `spans`,
+    longest first: (seconds, the innermost frame of the loop thread's stack)."""
+    found: list[tuple[float, str]] = []
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    for number, line in enumerate(lines):
+        if "the event loop stalled for" not in line:
+            continue
+        try:
+            moment = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            seconds = float(line.split("stalled for ", 1)[1].split(" ms", 1)[0]) / 1000
+        except (ValueError, IndexError):
+            continue
+        if not any(start <= moment <= end for start, end in spans):
+            continue
+        frames = []
+        for later in lines[number + 1 :]:
+            if later.startswith("other threads:") or later[:4].isdigit():
+                break
+            if later.strip().startswith('File "'):
+                path, _, rest = later.strip()[6:].partition('", line ')
+                frames.append(f"{path.rpartition('/')[2]}:{rest.replace(', in ', ' ')}")
+        found.append((seconds, frames[-1] if frames else "?"))
+    return sorted(found, reverse=True)
+
+
 def warm_up(args: argparse.Namespace) -> float:
     """Seconds the heartbeats run before the first window: two intervals and a poll's whole wait,
     so every agent beats on its own phase and has renewed its first poll. (The first loaded window
@@ -655,6 +683,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         "GPUBADGE_STALE_AFTER_SECONDS": f"{args.stale:g}",
         "GPUBADGE_HEARTBEAT_FLUSH_SECONDS": f"{args.flush:g}",
         "GPUBADGE_LONG_POLL_MAX": str(args.long_poll_max or count + 100),
+        "GPUBADGE_LOOP_STALL_SECONDS": f"{STALL_LOGGED:g}",  # what held the loop, in the service's log
     }
     service = Service(workdir, env)
     service.start()
@@ -703,15 +732,20 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         loaded_net: list[float] = []
         sent_quiet = 0
         windows: list[tuple[str, float]] = []  # each window's own p99, in order
+        spans: list[tuple[float, float]] = []  # each window, from its start to its end (wall time)
         for _ in range(args.rounds):
             mark, net_mark = len(eligibility.handler), len(eligibility.net)
+            began = time.time()
             loaded += (found := await eligibility.window(args.window))
+            spans.append((began, time.time()))
             windows.append(("loaded", percentile(found, 0.99)))
             loaded_handler += eligibility.handler[mark:]
             loaded_net += eligibility.net[net_mark:]
             sent = await fleet.go_quiet()
             mark, net_mark = len(eligibility.handler), len(eligibility.net)
+            began = time.time()
             quiet += (found := await eligibility.window(min(args.window, args.stale / 3)))
+            spans.append((began, time.time()))
             windows.append(("quiet", percentile(found, 0.99)))
             quiet_handler += eligibility.handler[mark:]
             quiet_net += eligibility.net[net_mark:]
@@ -727,14 +761,23 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["load_average"] = os.getloadavg()[0]
         out["quiet_p50"], out["quiet_p99"] = percentile(quiet, 0.5), percentile(quiet, 0.99)
         out["loaded_p50"], out["loaded_p99"] = percentile(loaded, 0.5), percentile(loaded, 0.99)
+        out["quiet_max"], out["loaded_max"] = max(quiet, default=0.0), max(loaded, default=0.0)
         say(
             f"eligibility, no agent traffic (heartbeats paused, polls held, none renewed: {sent_quiet} agent"
-            f" requests): p50 {ms(out['quiet_p50'])}, p99 {ms(out['quiet_p99'])} ({len(quiet)} queries)"
+            f" requests): p50 {ms(out['quiet_p50'])}, p99 {ms(out['quiet_p99'])}, max {ms(out['quiet_max'])}"
+            f" ({len(quiet)} queries)"
         )
         say(
-            f"eligibility, during heartbeats: p50 {ms(out['loaded_p50'])}, p99 {ms(out['loaded_p99'])}"
-            f" ({len(loaded)} queries); ratio p99 {out['loaded_p99'] / out['quiet_p99']:.2f}x; each window's p99 in"
+            f"eligibility, during heartbeats: p50 {ms(out['loaded_p50'])}, p99 {ms(out['loaded_p99'])},"
+            f" max {ms(out['loaded_max'])} ({len(loaded)} queries); ratio p99"
+            f" {out['loaded_p99'] / out['quiet_p99']:.2f}x; each window's p99 in"
             f" order: {', '.join(f'{kind} {ms(p99)}' for kind, p99 in windows)}"
+        )
+        stalls = logged_stalls(workdir / "service.log", spans)
+        out["window_stalls"] = [(round(seconds * 1000), where) for seconds, where in stalls]
+        say(
+            f"the service's event loop in those windows: {len(stalls)} stall(s) of {STALL_LOGGED * 1000:.0f} ms or"
+            " more" + "".join(f"; {seconds * 1000:.0f} ms in {where}" for seconds, where in stalls[:3])
         )
         say(
             f"eligibility, the answers' own `seconds` (index and decide, no queueing): p99"
@@ -845,6 +888,13 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         )
         errors = (await fleet.stats())["errors"]
         say(f"agent-side errors seen: {dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5])}")
+        every = logged_stalls(workdir / "service.log", [(0.0, time.time())])
+        out["run_stalls"] = [(round(seconds * 1000), where) for seconds, where in every]
+        say(
+            f"the service's event loop over the whole run: {len(every)} stall(s) of {STALL_LOGGED * 1000:.0f} ms or"
+            " more (startup, the kill, the storm included)"
+            + "".join(f"; {seconds * 1000:.0f} ms in {where}" for seconds, where in every[:5])
+        )
     finally:
         out["lines"] = report
         await query_session.close()

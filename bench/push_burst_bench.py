@@ -17,24 +17,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
-from bench.common import Figure, Results, ms, percentile, push_with_retry
+from bench.common import (
+    Figure,
+    Results,
+    cpu_by_role,
+    ms,
+    percentile,
+    push_with_retry,
+    tree_cpu_by_process,
+    tree_cpu_seconds,
+)
+from bench.registry_burst import put_manifests, stage_images
 from bench.service_bench import push_layout_images
+from fixtures.postgres import postgres_unavailable_reason, run_postgres
 from fixtures.registry import free_port, notification_endpoint, run_registry
 from fixtures.service import run_role_process, run_service_process, wait_healthy
 
@@ -49,38 +63,110 @@ class BurstFigures:
         return cls(images=60, clients=20)
 
 
+class EndpointProcess:
+    """A helper process of the bench (the null receiver, the timing relay) that prints one record
+    per line on stdout; a thread hands each line to `on_line` as it comes."""
+
+    def __init__(self, args: list[str], on_line: Callable[[list[str]], None]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{args[0]} did not start")
+        self._reader = threading.Thread(target=self._read, args=(on_line,), daemon=True)
+        self._reader.start()
+
+    def _read(self, on_line: Callable[[list[str]], None]) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            on_line(line.split())
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(5)
+
+
 class NullReceiver:
-    """A webhook endpoint that answers 200 at once and records when each tag's push arrived."""
+    """The floor: `bench.null_receiver` in a process of its own (its CPU is its own), answering 200
+    at once; records when each tag's push arrived."""
 
     def __init__(self) -> None:
         self.arrivals: dict[str, float] = {}
         self.arrived: dict[str, asyncio.Event] = {}
         self.port = free_port()
+        self.process: EndpointProcess | None = None
 
     def event(self, tag: str) -> asyncio.Event:
         return self.arrived.setdefault(tag, asyncio.Event())
 
-    async def receive(self, request: web.Request) -> web.Response:
-        now = time.time()
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            for event in json.loads(await request.read())["events"]:
-                tag = event.get("target", {}).get("tag")
-                if event.get("action") == "push" and tag and tag not in self.arrivals:
-                    self.arrivals[tag] = now
-                    self.event(tag).set()
-        return web.Response(status=200)
+    @contextlib.contextmanager
+    def running(self) -> Iterator[str]:
+        loop = asyncio.get_running_loop()
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[str]:
-        app = web.Application()
-        app.router.add_post("/", self.receive)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        def on_line(fields: list[str]) -> None:
+            if len(fields) == 3 and fields[0] == "arrival" and fields[1] not in self.arrivals:
+                tag, moment = fields[1], float(fields[2])
+                loop.call_soon_threadsafe(self._arrived, tag, moment)
+
+        self.process = EndpointProcess(["bench.null_receiver", "--port", str(self.port)], on_line)
         try:
             yield f"http://127.0.0.1:{self.port}/"
         finally:
-            await runner.cleanup()
+            self.process.stop()
+
+    def _arrived(self, tag: str, moment: float) -> None:
+        self.arrivals.setdefault(tag, moment)
+        self.event(tag).set()
+
+
+@dataclass
+class Delivery:
+    """One webhook delivery as the registry saw it, through `bench.delivery_relay`."""
+
+    started: float  # the request's first byte reached the relay
+    answered: float  # the endpoint's answer was passed back whole
+    status: int
+
+    @property
+    def seconds(self) -> float:
+        return self.answered - self.started
+
+
+class DeliveryRelay:
+    """`bench.delivery_relay` in front of each endpoint: per endpoint, every delivery's timing."""
+
+    def __init__(self, targets: dict[str, int]) -> None:
+        self.ports = {name: free_port() for name in targets}
+        self.targets = targets
+        self.deliveries: dict[str, list[Delivery]] = {name: [] for name in targets}
+        self.process: EndpointProcess | None = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[dict[str, int]]:
+        def on_line(fields: list[str]) -> None:
+            if len(fields) == 5 and fields[0] == "delivery":
+                self.deliveries[fields[1]].append(
+                    Delivery(float(fields[2]), float(fields[3]), int(fields[4]))
+                )
+
+        relays = [f"{name}:{self.ports[name]}:{target}" for name, target in self.targets.items()]
+        self.process = EndpointProcess(
+            ["bench.delivery_relay", *(arg for relay in relays for arg in ("--relay", relay))], on_line
+        )
+        try:
+            yield self.ports
+        finally:
+            self.process.stop()
 
 
 def webhook_answer_mean(metrics: str) -> float:
@@ -96,26 +182,75 @@ def webhook_answer_mean(metrics: str) -> float:
 
 
 @dataclass
-class Breakdown:
-    """Where gpubadge's push -> badge goes, per push: until the registry's delivery is committed as
-    a job (the registry's queue to gpubadge, which waits on each answer), then until the badge
-    is visible (queue wait, claim, the scan's registry round trips, the report's commit)."""
+class BurstRun:
+    """One burst, measured: every figure per push, the deliveries as the registry saw them, CPU."""
 
-    delivered: list[float]  # push done -> its job committed (jobs.created_at)
-    scanned: list[float]  # job committed -> badge visible to the long-polling client
+    images: int
+    floor: list[float]  # push done -> its delivery at the null receiver
+    badge: list[float]  # push done -> the badge (config facts) visible to a long-polling client
     complete: list[float]  # push done -> the full report (layers read) visible
+    pushes: list[float]  # skopeo's own push times
+    delivered: list[float]  # push done -> its job committed (jobs.created_at)
+    scanned: list[float]  # job committed -> badge visible
+    deliveries: dict[str, list[Delivery]]  # per endpoint ("null", "gpubadge"), from the timing relay
+    cpu: dict[str, float]  # seconds over the burst: gpubadge (every process), null, registry, postgres
+    handler_mean: float  # gpubadge's own histogram of its webhook handling, mean seconds
+    roles: dict[str, float] = field(
+        default_factory=dict
+    )  # gpubadge's CPU by process role (bench.common.cpu_by_role)
+
+    def answers(self, endpoint: str) -> list[float]:
+        return [delivery.seconds for delivery in self.deliveries[endpoint]]
+
+    def per_delivery(self, endpoint: str) -> float:
+        """The registry's time per delivery to `endpoint` while its queue was backed up: from the
+        start of one delivery to the start of the next, over the run of deliveries that followed
+        each other with no wait for a push (the median of such cycles)."""
+        cycles = backlog_cycles(self.deliveries[endpoint])
+        return percentile(cycles, 0.5) if cycles else float("nan")
+
+    def cpu_per_image(self, who: str) -> float:
+        return self.cpu.get(who, 0.0) / self.images
 
 
-def job_times(db: Path, tags: dict[str, float]) -> dict[str, float]:
+BACKLOG_GAP = 0.002  # seconds: a next delivery sent this soon after an answer was already waiting
+
+
+def backlog_cycles(deliveries: list[Delivery]) -> list[float]:
+    """Start-to-start times of consecutive deliveries where the next was sent at once (within
+    BACKLOG_GAP of the answer): the registry's own cost per delivery plus the endpoint's answer."""
+    ordered = sorted(deliveries, key=lambda delivery: delivery.started)
+    return [
+        after.started - before.started
+        for before, after in itertools.pairwise(ordered)
+        if after.started - before.answered <= BACKLOG_GAP
+    ]
+
+
+def job_times(
+    tags: dict[str, float], db: Path | None = None, database_url: str | None = None
+) -> dict[str, float]:
     """When each tag's first job was committed (the store's clock: the same host's wall clock)."""
-    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-        rows = conn.execute("SELECT reference, created_at FROM jobs").fetchall()
+    if database_url:
+        import psycopg
+
+        with psycopg.connect(database_url, connect_timeout=10) as conn:
+            rows = [
+                (reference, created.timestamp())
+                for reference, created in conn.execute("SELECT reference, created_at FROM jobs").fetchall()
+            ]
+    else:
+        assert db is not None
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            rows = [
+                (reference, datetime.fromisoformat(created).timestamp())
+                for reference, created in conn.execute("SELECT reference, created_at FROM jobs").fetchall()
+            ]
     first: dict[str, float] = {}
-    for reference, created in rows:
+    for reference, moment in rows:
         tag = reference.rpartition("@")[0] if "@" in reference else reference
         tag = tag.rpartition(":")[2]
         if tag in tags:
-            moment = datetime.fromisoformat(created).timestamp()
             first[tag] = min(first.get(tag, moment), moment)
     return first
 
@@ -130,11 +265,18 @@ def running_worker(db: Path, env: dict[str, str] | None, log: Path) -> Iterator[
 
 
 async def measure_burst(
-    figures: BurstFigures, workdir: Path, env: dict[str, str] | None = None, *, apart: bool = False
-) -> tuple[list[float], list[float], list[float], float, Breakdown]:
-    """(null-receiver arrival latencies, push->badge latencies, skopeo push times, mean webhook answer,
-    where the badge's time went). `apart`: the service is `serve --workers 0` beside one `gpubadge
-    worker` on the same SQLite file (they wake each other through `store.sqlite_notify`)."""
+    figures: BurstFigures,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    apart: bool = False,
+    database_url: str | None = None,
+    tree: Path | None = None,
+) -> BurstRun:
+    """One burst: the registry notifies the null receiver and `gpubadge serve`, each through the
+    timing relay. `apart`: the service is `serve --workers 0` beside one `gpubadge worker` on the
+    same store. `database_url`: the service runs on that PostgreSQL database (else a SQLite file).
+    `tree`: the service is the gpubadge checked out there (the peer), else this checkout."""
     receiver = NullReceiver()
     port = free_port()
     loop = asyncio.get_running_loop()
@@ -145,189 +287,394 @@ async def measure_burst(
     pushed_at: dict[str, float] = {}
     visible_at: dict[str, float] = {}
     complete: list[float] = []
-    async with receiver.running() as null_url:
-        endpoints = [
-            notification_endpoint(null_url) | {"name": "null"},
-            notification_endpoint(f"http://127.0.0.1:{port}/hooks/distribution") | {"name": "gpubadge"},
-        ]
-        with (
-            run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
-            run_service_process(
-                workdir / "burst.db",
-                env={**(env or {}), **({"GPUBADGE_WORKERS": "0"} if apart else {})},
-                port=port,
-            ) as service,
-            running_worker(workdir / "burst.db", env, workdir / "worker.log")
-            if apart
-            else contextlib.nullcontext(),
-        ):
-            root = workdir / "layout"
-            tags = push_layout_images(root, figures.images, 0)
-            repo = f"{registry.host}/bench/burst"
-            timeout = aiohttp.ClientTimeout(total=120)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+    db = workdir / "burst.db"
+    service_env = service_environment(env, database_url, tree)
+    with receiver.running():
+        relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
+        with relay.running() as relayed:
+            endpoints = [
+                notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
+                notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
+                | {"name": "gpubadge"},
+            ]
+            with (
+                run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
+                run_service_process(
+                    db,
+                    env={**service_env, **({"GPUBADGE_WORKERS": "0"} if apart else {})},
+                    port=port,
+                    cwd=tree,
+                ) as service,
+                running_worker(db, service_env, workdir / "worker.log")
+                if apart
+                else contextlib.nullcontext(),
+            ):
+                assert service.process is not None
+                root = workdir / "layout"
+                tags = push_layout_images(root, figures.images, 0)
+                repo = f"{registry.host}/bench/burst"
+                timeout = aiohttp.ClientTimeout(total=120)
+                async with aiohttp.ClientSession(timeout=timeout) as session:
 
-                async def watch(tag: str, pushed: float) -> None:
-                    # the badge: the config facts (a pending report counts); then the full report
-                    query = urllib.parse.urlencode({"ref": f"{repo}:{tag}", "wait": "30", "until": "facts"})
-                    while True:
-                        async with session.get(f"{service.url}/api/images/by-ref?{query}") as response:
-                            await response.read()
-                            if response.status == 200:
-                                visible_at[tag] = time.time()
-                                badge.append(visible_at[tag] - pushed)
-                                break
-                    query = urllib.parse.urlencode({"ref": f"{repo}:{tag}", "wait": "30", "until": "done"})
-                    while True:
-                        async with session.get(f"{service.url}/api/images/by-ref?{query}") as response:
-                            if response.status == 200 and not (await response.json()).get("pending"):
-                                complete.append(time.time() - pushed)
-                                break
-                    await asyncio.wait_for(receiver.event(tag).wait(), 60)
-                    floor.append(receiver.arrivals[tag] - pushed)
+                    async def watch(tag: str, pushed: float) -> None:
+                        # the badge: the config facts (a pending report counts); then the full report
+                        query = urllib.parse.urlencode(
+                            {"ref": f"{repo}:{tag}", "wait": "30", "until": "facts"}
+                        )
+                        while True:
+                            async with session.get(f"{service.url}/api/images/by-ref?{query}") as response:
+                                await response.read()
+                                if response.status == 200:
+                                    visible_at[tag] = time.time()
+                                    badge.append(visible_at[tag] - pushed)
+                                    break
+                        query = urllib.parse.urlencode(
+                            {"ref": f"{repo}:{tag}", "wait": "30", "until": "done"}
+                        )
+                        while True:
+                            async with session.get(f"{service.url}/api/images/by-ref?{query}") as response:
+                                if response.status == 200 and not (await response.json()).get("pending"):
+                                    complete.append(time.time() - pushed)
+                                    break
+                        await asyncio.wait_for(receiver.event(tag).wait(), 60)
+                        floor.append(receiver.arrivals[tag] - pushed)
 
-                def push(tag: str) -> None:
-                    started = time.time()
-                    push_with_retry(root, tag, f"{repo}:{tag}")
-                    pushed = time.time()
-                    pushed_at[tag] = pushed
-                    push_seconds.append(pushed - started)
-                    loop.call_soon_threadsafe(lambda: watchers.append(loop.create_task(watch(tag, pushed))))
+                    def push(tag: str) -> None:
+                        started = time.time()
+                        push_with_retry(root, tag, f"{repo}:{tag}")
+                        pushed = time.time()
+                        pushed_at[tag] = pushed
+                        push_seconds.append(pushed - started)
+                        loop.call_soon_threadsafe(
+                            lambda: watchers.append(loop.create_task(watch(tag, pushed)))
+                        )
 
-                with ThreadPoolExecutor(figures.clients) as pool:
-                    await asyncio.gather(*(loop.run_in_executor(pool, push, tag) for tag in tags))
-                await asyncio.wait_for(asyncio.gather(*watchers), 180)
-                async with session.get(f"{service.url}/metrics") as response:
-                    answers = webhook_answer_mean(await response.text())
-            committed = job_times(workdir / "burst.db", pushed_at)
-    breakdown = Breakdown(
-        [committed[tag] - pushed_at[tag] for tag in committed],
-        [visible_at[tag] - committed[tag] for tag in committed if tag in visible_at],
-        complete,
+                    pids = {
+                        "gpubadge": service.process.pid,
+                        "null": receiver.process.pid if receiver.process else 0,
+                    }
+                    pids["registry"] = registry.process.pid
+                    if database_url:
+                        pids["postgres"] = postgres_pid(database_url)
+                    cpu_before = {who: tree_cpu_seconds(pid) for who, pid in pids.items() if pid}
+                    roles_before = tree_cpu_by_process(service.process.pid)
+                    with ThreadPoolExecutor(figures.clients) as pool:
+                        await asyncio.gather(*(loop.run_in_executor(pool, push, tag) for tag in tags))
+                    await asyncio.wait_for(asyncio.gather(*watchers), 180)
+                    cpu = {who: tree_cpu_seconds(pid) - cpu_before[who] for who, pid in pids.items() if pid}
+                    roles = cpu_by_role(roles_before, tree_cpu_by_process(service.process.pid))
+                    async with session.get(f"{service.url}/metrics") as response:
+                        answers = webhook_answer_mean(await response.text())
+                committed = job_times(pushed_at, db, database_url)
+    return BurstRun(
+        images=figures.images,
+        floor=floor,
+        badge=badge,
+        complete=complete,
+        pushes=push_seconds,
+        delivered=[committed[tag] - pushed_at[tag] for tag in committed],
+        scanned=[visible_at[tag] - committed[tag] for tag in committed if tag in visible_at],
+        deliveries=relay.deliveries,
+        cpu=cpu,
+        handler_mean=answers,
+        roles=roles,
     )
-    return floor, badge, push_seconds, answers, breakdown
 
 
-async def measure_receivers(figures: BurstFigures, workdir: Path) -> dict[str, float]:
-    """One burst, three receivers on the same registry, each with its own delivery queue: the null
-    receiver, `gpubadge serve` with its defaults, and `gpubadge serve --workers 0` (the webhook
-    intake alone: it commits every job, and no scan shares its process). Returns, per receiver, when
-    its last delivery arrived (the null receiver) or was committed (the two services), in seconds
-    after the last push finished. What the intake alone adds over the null receiver is the cost of
-    the commit; what the full service adds over the intake alone is the scans sharing its process."""
+def postgres_pid(database_url: str) -> int:
+    """The PostgreSQL postmaster serving `database_url` (its backends are its children)."""
+    import psycopg
+
+    with psycopg.connect(database_url, connect_timeout=10, autocommit=True) as conn:
+        directory = conn.execute("SHOW data_directory").fetchone()
+    assert directory is not None
+    return int((Path(directory[0]) / "postmaster.pid").read_text().split()[0])
+
+
+@dataclass
+class IntakeRun:
+    """A manifest burst (`bench.registry_burst`): every delivery as the registry saw it, per endpoint,
+    and how many scans gpubadge finished while its deliveries came."""
+
+    images: int  # in the measured burst
+    deliveries: dict[str, list[Delivery]]  # those of the measured burst
+    scans_during: int  # scans claimed (running or finished) during the measured burst
+    burst_seconds: float  # the PUTs, from the first to the last answered
+    roles: dict[str, float] = field(default_factory=dict)  # gpubadge's CPU by role until every scan was done
+    null_cpu: float = 0.0  # the null receiver's CPU over the same window
+
+    def answers(self, endpoint: str) -> list[float]:
+        return [delivery.seconds for delivery in self.deliveries[endpoint]]
+
+    def cycles(self, endpoint: str) -> list[float]:
+        return backlog_cycles(self.deliveries[endpoint])
+
+
+def service_environment(
+    env: dict[str, str] | None, database_url: str | None, tree: Path | None
+) -> dict[str, str]:
+    """The service's environment: `env`, the database, and the peer's checkout first on the path."""
+    return {
+        **(env or {}),
+        **({"GPUBADGE_DATABASE_URL": database_url} if database_url else {}),
+        **({"PYTHONPATH": str(tree)} if tree else {}),
+    }
+
+
+async def measure_intake(
+    images: int,
+    clients: int,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    database_url: str | None = None,
+    tree: Path | None = None,
+    count_cpu: bool = True,
+) -> IntakeRun:
+    """The intake beside running scans: `images` distinct images' manifests PUT by `clients` at once
+    (their blobs uploaded first), the registry notifying the null receiver and `gpubadge serve`
+    through the timing relay; each delivery queues a real scan. The first third's scans are
+    running when the rest, the measured burst, is PUT: every delivery measured arrives while the
+    service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took."""
     receiver = NullReceiver()
-    full_port, intake_port = free_port(), free_port()
+    port = free_port()
+    service_env = service_environment(env, database_url, tree)
     loop = asyncio.get_running_loop()
-    async with receiver.running() as null_url:
-        endpoints = [
-            notification_endpoint(null_url) | {"name": "null"},
-            notification_endpoint(f"http://127.0.0.1:{full_port}/hooks/distribution") | {"name": "serve"},
-            notification_endpoint(f"http://127.0.0.1:{intake_port}/hooks/distribution") | {"name": "intake"},
-        ]
-        with (
-            run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
-            run_service_process(workdir / "full.db", port=full_port),
-            run_service_process(workdir / "intake.db", env={"GPUBADGE_WORKERS": "0"}, port=intake_port),
-        ):
-            root = workdir / "layout"
-            tags = push_layout_images(root, figures.images, 0)
-            repo = f"{registry.host}/bench/receivers"
-            with ThreadPoolExecutor(figures.clients) as pool:
-                await asyncio.gather(
-                    *(loop.run_in_executor(pool, push_with_retry, root, tag, f"{repo}:{tag}") for tag in tags)
+    with receiver.running():
+        relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
+        with relay.running() as relayed:
+            endpoints = [
+                notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
+                notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
+                | {"name": "gpubadge"},
+            ]
+            with (
+                run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
+                run_service_process(workdir / "intake.db", env=service_env, port=port, cwd=tree) as service,
+            ):
+                repository = "bench/intake"
+                staged = await loop.run_in_executor(
+                    None, stage_images, workdir / "layout", registry.url, repository, images
                 )
-            pushed = time.time()
-            await asyncio.wait_for(asyncio.gather(*(receiver.event(tag).wait() for tag in tags)), 120)
-            last: dict[str, float] = {"null receiver": max(receiver.arrivals[tag] for tag in tags)}
-            for name, db in (("serve", workdir / "full.db"), ("serve --workers 0", workdir / "intake.db")):
-                deadline = time.monotonic() + 120
-                while len(committed := job_times(db, dict.fromkeys(tags, 0.0))) < len(tags):
+                assert service.process is not None and receiver.process is not None
+                roles_before = tree_cpu_by_process(service.process.pid)
+                null_before = tree_cpu_seconds(receiver.process.pid)
+                # A first third queues scans; once they run, the rest is the measured burst.
+                first, rest = staged[: images // 3], staged[images // 3 :]
+                await loop.run_in_executor(None, put_manifests, registry.url, repository, first, clients)
+                await until_deliveries(relay, len(first))
+                while (await queue_of(service.url))["running"] == 0:
+                    await asyncio.sleep(0.01)
+                queue = await queue_of(service.url)
+                settled = queue["done"] + queue["failed"]
+                started = time.time()
+                await loop.run_in_executor(None, put_manifests, registry.url, repository, rest, clients)
+                burst = time.time() - started
+                await until_deliveries(relay, images)
+                queue = await queue_of(service.url)
+                during = queue["running"] + queue["done"] + queue["failed"] - settled
+                deadline = time.monotonic() + 240
+                while count_cpu and (await queue_of(service.url))["done"] < images:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{name}: {len(committed)} of {len(tags)} deliveries committed")
-                    await asyncio.sleep(0.05)
-                last[name] = max(committed.values())
-    return {name: moment - pushed for name, moment in last.items()}
+                        raise TimeoutError("scans not done 240 s after the burst")
+                    await asyncio.sleep(0.5)  # seldom: each look costs the service a write check
+                roles = cpu_by_role(roles_before, tree_cpu_by_process(service.process.pid))
+                null_cpu = tree_cpu_seconds(receiver.process.pid) - null_before
+    measured = {
+        name: [delivery for delivery in deliveries if delivery.started >= started]
+        for name, deliveries in relay.deliveries.items()
+    }
+    return IntakeRun(len(rest), measured, int(during), burst, roles, null_cpu)
 
 
-OLD_DEFAULT_CAP = {"GPUBADGE_PER_REGISTRY_SCANS": "4"}  # the default before issue 31: half of 8 workers
+async def until_deliveries(relay: DeliveryRelay, count: int, timeout: float = 120.0) -> None:
+    """Until both endpoints were sent `count` deliveries (bounded)."""
+    deadline = time.monotonic() + timeout
+    while min(len(relay.deliveries["null"]), len(relay.deliveries["gpubadge"])) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"deliveries after {timeout:.0f} s: { {k: len(v) for k, v in relay.deliveries.items()} }"
+            )
+        await asyncio.sleep(0.01)
+
+
+async def queue_of(url: str) -> dict[str, int]:
+    """The service's jobs by state, as /healthz counts them."""
+    queue: dict[str, int] = json.loads(await fetch_text(f"{url}/healthz"))["queue"]
+    return queue
+
+
+async def fetch_text(url: str) -> str:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.get(url) as response,
+    ):
+        return await response.text()
+
+
 PEER_TREE = "GPUBADGE_BENCH_PEER_TREE"  # a checkout of an earlier gpubadge to run as the peer
 
 
-def peer_env() -> tuple[str, dict[str, str]]:
-    """The peer's label and environment: the checkout named by $GPUBADGE_BENCH_PEER_TREE (e.g. a
-    worktree of main) with its own defaults, else this checkout with the old default cap."""
+def peer_tree() -> Path | None:
+    """The peer: the checkout named by $GPUBADGE_BENCH_PEER_TREE (e.g. an export of main), run with its
+    own defaults; None without one."""
     tree = os.environ.get(PEER_TREE)
-    if tree:
-        return f"{Path(tree).name} with its defaults", {"PYTHONPATH": tree}
-    return "old default cap (4 of 8 workers)", OLD_DEFAULT_CAP
+    return Path(tree) if tree else None
 
 
-def run_all(results: Results, quick: bool) -> None:
-    """Ours (default settings: every worker on the one registry) and the peer (`peer_env`), each
-    beside its own null receiver in the same run, the peer first; then ours again with a fifth of
-    the pushers, where the registry and the pushers leave the two cores some room."""
-    figures = BurstFigures.quick() if quick else BurstFigures()
-    light = BurstFigures(figures.images, max(1, figures.clients // 5))
-    print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
-    runs = {}
-    peer_label, env_of_peer = peer_env()
-    for label, env, workload in (
-        (peer_label, env_of_peer, figures),
-        ("defaults", None, figures),
-        ("apart", None, figures),
-        ("light", None, light),
-    ):
-        workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
-        try:
-            runs[label] = asyncio.run(measure_burst(workload, workdir, env, apart=label == "apart"))
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    old_floor, old_badge, *_ = runs[peer_label]
-    shapes = {
-        "defaults": "",
-        "apart": " (serve --workers 0 and one gpubadge worker on one SQLite file)",
-        "light": "",
-    }
-    for label, workload in (("defaults", figures), ("apart", figures), ("light", light)):
-        floor, badge, pushes, answer, breakdown = runs[label]
-        for name, pick in (("p50", 0.5), ("p99", 0.99)):
-            ours, peer = percentile(badge, pick), percentile(floor, pick)
-            beside = ""
-            if label == "defaults":
-                old = percentile(old_badge, pick) - percentile(old_floor, pick)
-                beside = f" ({peer_label}, same run: {ms(old)})"
-            results.add(
-                Figure(
-                    "burst",
-                    f"push -> badge {name}, {workload.images} pushes by {workload.clients} clients{shapes[label]},"
-                    " vs null receiver",
-                    ms(ours),
-                    peer=f"null receiver arrival {ms(peer)}",
-                    ratio=peer / ours if ours > 0 else None,
-                    target="within 100 ms of the floor",
-                    met=ours - peer <= 0.100,
-                    note=f"difference {ms(ours - peer)}{beside}; gpubadge answered each delivery in {ms(answer)}"
-                    f" on average; push -> job committed {name} {ms(percentile(breakdown.delivered, pick))},"
-                    f" job -> badge {name} {ms(percentile(breakdown.scanned, pick))}; the full report (layers"
-                    f" read) {name} {ms(percentile(breakdown.complete, pick))}; skopeo push itself p50"
-                    f" {ms(percentile(pushes, 0.5))}",
-                )
+def describe(run: BurstRun) -> str:
+    """The figures of one run, in one line."""
+    ours, null = run.answers("gpubadge"), run.answers("null")
+    return (
+        f"floor p50/p99 {ms(percentile(run.floor, 0.5))} / {ms(percentile(run.floor, 0.99))};"
+        f" gpubadge {ms(percentile(run.badge, 0.5))} / {ms(percentile(run.badge, 0.99))};"
+        f" push -> job {ms(percentile(run.delivered, 0.5))} / {ms(percentile(run.delivered, 0.99))};"
+        f" job -> badge {ms(percentile(run.scanned, 0.5))} / {ms(percentile(run.scanned, 0.99))};"
+        f" full report {ms(percentile(run.complete, 0.5))} / {ms(percentile(run.complete, 0.99))};"
+        f" answers as the registry waited, gpubadge {ms(percentile(ours, 0.5))} / {ms(percentile(ours, 0.99))}"
+        f" (max {ms(max(ours, default=0))}), null {ms(percentile(null, 0.5))} / {ms(percentile(null, 0.99))}"
+        f" (max {ms(max(null, default=0))}); per delivery while backed up: gpubadge"
+        f" {ms(run.per_delivery('gpubadge'))}, null {ms(run.per_delivery('null'))};"
+        f" handler mean {ms(run.handler_mean)}; CPU per image: gpubadge {ms(run.cpu_per_image('gpubadge'))},"
+        f" ({', '.join(f'{role} {ms(seconds / run.images)}' for role, seconds in sorted(run.roles.items()))}),"
+        f" null {ms(run.cpu_per_image('null'))}, registry {ms(run.cpu_per_image('registry'))}"
+        + (f", postgres {ms(run.cpu_per_image('postgres'))}" if "postgres" in run.cpu else "")
+        + f"; skopeo push p50 {ms(percentile(run.pushes, 0.5))}"
+    )
+
+
+def add_figures(
+    results: Results, label: str, workload: BurstFigures, run: BurstRun, peer: BurstRun | None
+) -> None:
+    """The bench's figures for one run: badge latency against the floor, the answers against the
+    null receiver's, CPU per image against the null receiver's."""
+    shape = f"{workload.images} pushes by {workload.clients} clients, {label}"
+    for name, pick in (("p50", 0.5), ("p99", 0.99)):
+        ours, floor = percentile(run.badge, pick), percentile(run.floor, pick)
+        beside = ""
+        if peer is not None:
+            beside = (
+                f" (peer, same session: {ms(percentile(peer.badge, pick) - percentile(peer.floor, pick))})"
             )
-    workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
-    try:
-        last = asyncio.run(measure_receivers(figures, workdir))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    null, intake, full = last["null receiver"], last["serve --workers 0"], last["serve"]
+        results.add(
+            Figure(
+                "burst",
+                f"push -> badge {name}, {shape}, vs null receiver",
+                ms(ours),
+                peer=f"null receiver arrival {ms(floor)}",
+                ratio=floor / ours if ours > 0 else None,
+                target="within the floor + 100 ms",
+                met=ours - floor <= 0.100,
+                note=f"difference {ms(ours - floor)}{beside}",
+            )
+        )
+    for name, pick in (("p50", 0.5), ("p99", 0.99)):
+        ours, null = percentile(run.answers("gpubadge"), pick), percentile(run.answers("null"), pick)
+        results.add(
+            Figure(
+                "burst",
+                f"delivery answered {name} (as the registry waited), {shape}",
+                ms(ours),
+                peer=f"null receiver {ms(null)}",
+                ratio=null / ours if ours > 0 else None,
+                note=f"per delivery while backed up: gpubadge {ms(run.per_delivery('gpubadge'))},"
+                f" null {ms(run.per_delivery('null'))}",
+            )
+        )
+    ours_cpu, null_cpu = run.cpu_per_image("gpubadge"), run.cpu_per_image("null")
     results.add(
         Figure(
             "burst",
-            f"{figures.images} pushes by {figures.clients} clients, three receivers on one registry: the last"
-            " delivery committed, after the last push",
-            f"serve {ms(full)}; serve --workers 0 {ms(intake)}",
-            peer=f"null receiver {ms(null)}",
-            note=f"the intake alone (its commits, no scan in its process) ends {ms(intake - null)} after the null"
-            f" receiver; the scans sharing the service's process add {ms(full - intake)}",
+            f"CPU per pushed image, {shape}",
+            ms(ours_cpu),
+            peer=f"null receiver {ms(null_cpu)}",
+            ratio=null_cpu / ours_cpu if ours_cpu > 0 else None,
+            target="<= 4x the null receiver's",
+            met=ours_cpu <= 4 * null_cpu,
+            note=describe(run),
+        )
+    )
+
+
+def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) -> None:
+    """On SQLite, then on PostgreSQL where it can run: the peer (`peer_tree`, when named) and this
+    checkout with its defaults, each beside its own null receiver in the same run; then, on
+    SQLite, this checkout with a fifth of the pushers."""
+    figures = figures or (BurstFigures.quick() if quick else BurstFigures())
+    light = BurstFigures(figures.images, max(1, figures.clients // 5))
+    print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
+    peer = peer_tree()
+    engines: list[str] = ["SQLite"]
+    if postgres_unavailable_reason() is None:
+        engines.append("PostgreSQL")
+    else:
+        results.detail(f"burst on PostgreSQL skipped: {postgres_unavailable_reason()}")
+    for engine in engines:
+        with run_postgres() if engine == "PostgreSQL" else contextlib.nullcontext() as server:
+            runs: dict[str, BurstRun] = {}
+            plan: list[tuple[str, Path | None, BurstFigures]] = []
+            if peer is not None:
+                plan.append(("peer", peer, figures))
+            plan.append(("defaults", None, figures))
+            if engine == "SQLite":
+                plan.append(("light", None, light))
+            for number, (label, tree, workload) in enumerate(plan):
+                workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-burst-"))
+                try:
+                    url = server.create_database(f"burst{number}") if server is not None else None
+                    runs[label] = asyncio.run(measure_burst(workload, workdir, database_url=url, tree=tree))
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
+                results.detail(f"burst {engine}, {label}: {describe(runs[label])}")
+            peer_run = runs.get("peer")
+            add_figures(results, f"{engine}, defaults", figures, runs["defaults"], peer_run)
+            if peer_run is not None and peer is not None:
+                add_figures(
+                    results, f"{engine}, peer ({peer.name} with its defaults)", figures, peer_run, None
+                )
+            if "light" in runs:
+                add_figures(results, f"{engine}, defaults", light, runs["light"], None)
+            trees: list[Path | None] = [peer, None] if peer is not None else [None]
+            for tree in trees:
+                workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-intake-"))
+                try:
+                    url = server.create_database(f"intake{len(plan) + trees.index(tree)}") if server else None
+                    intake = asyncio.run(
+                        measure_intake(INTAKE_IMAGES, INTAKE_CLIENTS, workdir, database_url=url, tree=tree)
+                    )
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
+                add_intake_figures(
+                    results, f"{engine}, {'peer (' + tree.name + ')' if tree else 'defaults'}", intake
+                )
+
+
+INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
+
+
+def add_intake_figures(results: Results, label: str, run: IntakeRun) -> None:
+    """Point 1's figure: each delivery's answer and the registry's time per delivery, against the null
+    receiver's, while scans run; and CPU per image without the bench's long polls."""
+    ours, null = run.answers("gpubadge"), run.answers("null")
+    cycle, null_cycle = percentile(run.cycles("gpubadge"), 0.5), percentile(run.cycles("null"), 0.5)
+    cpu = sum(run.roles.values()) / run.images if run.roles else 0.0
+    null_cpu = run.null_cpu / run.images if run.null_cpu else 0.0
+    roles = ", ".join(f"{role} {ms(seconds / run.images)}" for role, seconds in sorted(run.roles.items()))
+    results.add(
+        Figure(
+            "burst",
+            f"intake beside running scans, {run.images} manifests PUT by {INTAKE_CLIENTS} clients, {label}:"
+            " the registry's time per delivery while backed up (p50)",
+            ms(cycle),
+            peer=f"null receiver {ms(null_cycle)}",
+            ratio=null_cycle / cycle if cycle > 0 else None,
+            target="<= 1.2x the null receiver's",
+            met=cycle <= 1.2 * null_cycle,
+            note=f"answers p50 {ms(percentile(ours, 0.5))} vs {ms(percentile(null, 0.5))}, p90"
+            f" {ms(percentile(ours, 0.9))} vs {ms(percentile(null, 0.9))}, p99 {ms(percentile(ours, 0.99))} vs"
+            f" {ms(percentile(null, 0.99))}, max {ms(max(ours, default=0))} vs {ms(max(null, default=0))};"
+            f" {run.scans_during} scans claimed meanwhile; CPU per image until every scan was done {ms(cpu)}"
+            f" ({roles}) vs null {ms(null_cpu)}",
         )
     )
 
@@ -335,8 +682,12 @@ def run_all(results: Results, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--images", type=int, help="images per burst")
+    parser.add_argument("--clients", type=int, help="concurrent pushers")
+    args = parser.parse_args()
     results = Results()
-    run_all(results, parser.parse_args().quick)
+    base = BurstFigures.quick() if args.quick else BurstFigures()
+    run_all(results, args.quick, BurstFigures(args.images or base.images, args.clients or base.clients))
     for figure in results.figures:
         print(f"  {figure.name}: {figure.note}")
 

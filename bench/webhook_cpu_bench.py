@@ -142,7 +142,7 @@ def post_all(url: str, bodies: list[bytes], senders: int) -> list[float]:
 NULL_RECEIVER = """
 import sys
 from aiohttp import web
-from web.commands import new_event_loop
+from jobs.event_loop import new_event_loop
 
 async def receive(request):
     await request.read()

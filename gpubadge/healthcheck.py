@@ -6,6 +6,7 @@ port the way that role does (flag, else the settings: GPUBADGE_PORT, GPUBADGE_HO
 or GPUBADGE_CONFIG), and probes it:
 
 - `serve`: GET /healthz on --port, else GPUBADGE_PORT (it fails when the store cannot be written);
+  the worker processes it starts (`worker --supervised worker-N`) are its own, never the probe's target;
 - `worker --metrics-port N`: GET /healthz on N (it fails when the store cannot be written or no
   worker makes progress on a waiting queue);
 - every other role (`agent`, `worker` without --metrics-port, `db`, `scan`, `config`, ...) serves no
@@ -50,14 +51,16 @@ def gpubadge_command(argv: Sequence[str]) -> list[str] | None:
 
 
 def main_command(processes: Iterable[tuple[int, Sequence[str]]], own_pid: int) -> list[str] | None:
-    """The container's main gpubadge command: the lowest pid running gpubadge, this probe excluded.
+    """The container's main gpubadge command: the lowest pid running gpubadge, this probe and the
+    worker processes `serve` starts (`worker --supervised`, which serve no port) excluded.
 
     The lowest, because PID 1 is the container's command (or its init, with `docker run --init`,
     whose child then has the next pid)."""
     for pid, argv in sorted(processes, key=lambda item: item[0]):
         command = gpubadge_command(argv)
-        if pid != own_pid and command and command[0] != "healthcheck":
-            return command
+        if pid == own_pid or not command or command[0] == "healthcheck" or "--supervised" in command:
+            continue
+        return command
     return None
 
 

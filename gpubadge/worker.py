@@ -9,12 +9,12 @@ guard's bounds, the health check's) and web/'s listener for that port alone.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from gpubadge.cli import _positive
+from scanner.redaction import process_logging
 
 if TYPE_CHECKING:
     from jobs.metrics import JobMetrics
@@ -40,6 +40,9 @@ def worker_parser() -> argparse.ArgumentParser:
         help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    # `serve` starts its worker processes so (jobs/worker_processes.py): settings on stdin, reports on stdout
+    parser.add_argument("--supervised", metavar="ROLE", help=argparse.SUPPRESS)
+    parser.add_argument("--no-sweep", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -54,9 +57,17 @@ def load_job_settings(config: Path | None, **overrides: Any) -> JobSettings:
 
 def run_worker(argv: list[str]) -> int:
     args = worker_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    process_logging(args.log_level, args.supervised or "worker")
+    if args.supervised:
+        from jobs.worker_process import serve_supervised
+        from store import StoreUnavailable
+
+        try:
+            serve_supervised(sweep=not args.no_sweep)
+        except StoreUnavailable as exc:
+            print(f"gpubadge worker: {exc}", file=sys.stderr)
+            return 1
+        return 0
     overrides = {"db": args.db, "workers": args.concurrency}
     metrics: JobMetrics | None = None
     listener: Listener | None = None

@@ -20,12 +20,19 @@ So, once the service is up (`TimedCollection.start`):
 - the interpreter's own young threshold is raised to `BURST_THRESHOLD`, so it starts a collection
   only for a burst the timer would be late for (a thread parsing thousands of inventories);
 - the old generation (a fleet's million objects: servers, the index, one held request per poll)
-  is collected only once the process's memory has grown by `FULL_GROWTH` since the last time
-  (looked at every `FULL_CHECK_SECONDS`), not when the collector's rule would, every few seconds.
-  Under 10,000 agents a full collection walks about 900,000 objects in 0.6-0.8 s, the loop
-  stopped, and in steady state it found nothing to free (everything goes by reference counting):
-  on a 5-minute timer, as before, it stalled every answer for most of a second for nothing.
-  Garbage that only the collector frees shows up as memory, so memory is what starts it.
+  is never walked as a matter of course. Under 10,000 agents a full collection walks about
+  900,000 objects in 0.6-0.8 s, the loop stopped, and in steady state it found nothing to free
+  (everything goes by reference counting): on a 5-minute timer, as before, it stalled every answer
+  for most of a second for nothing, and started by memory growth (a quarter, `FULL_GROWTH`,
+  looked at every `FULL_CHECK_SECONDS`) it still came once, about a minute after a fleet's 10,000
+  polls opened (a 668 ms stall, jobs/event_loop.py's monitor named it). Now that growth collects
+  the young and middle generations and then freezes what survived (`gc.freeze`: the objects leave
+  the collector's reach, in one step that walks nothing). The trade: garbage in reference cycles
+  that reached the old generation before a step is kept until the process restarts (the young
+  timer collects cycles while they are young; a full pass under the fleet found nothing to free),
+  and memory kept for that reason shows in `gpubadge_gc_frozen_objects` and the resident memory.
+  A backstop that walked everything once memory doubled was tried: it fired on the fleet's own
+  growth (an 823 ms stall inside an eligibility window), so no full pass runs while serving.
 """
 
 from __future__ import annotations
@@ -76,14 +83,16 @@ async def collect_old(
     growth: float = FULL_GROWTH,
     memory: Callable[[], int] = resident_bytes,
     collect: Collect = gc.collect,
+    freeze: Callable[[], None] = gc.freeze,
 ) -> None:
-    """Forever: every `period` seconds, a full collection if `memory()` has grown by `growth` since
-    the last one (or since this started); what is left after it is the next baseline."""
+    """Forever: every `period` seconds, once `memory()` has grown by `growth` since the last look
+    that acted (or since this started), collect generations 0 and 1 and freeze what survived."""
     baseline = memory()
     while True:
         await asyncio.sleep(period)
         if memory() >= baseline * growth:
-            collect(2)
+            collect(1)
+            freeze()
             baseline = memory()
 
 

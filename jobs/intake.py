@@ -121,6 +121,11 @@ class JobIntake:
             full = [future for index, (_, future) in enumerate(group) if index in refused]
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these answers
                 loop.call_soon_threadsafe(self._settle, loop, admitted, outcome, full)
+            if self._groups.empty():  # the answers are on their way and nothing waits: tidy up
+                try:
+                    self.store.blocking.tidy_intake()
+                except Exception:
+                    log.exception("intake: tidying after the commits failed; tried again after the next")
 
     def _over_cap(self, group: Pending) -> set[int]:
         """On the commit thread: the deliveries of `group` that would take the queue past its cap."""
@@ -135,7 +140,7 @@ class JobIntake:
             or self._waiting + incoming > cap - cap // 10
         ):
             try:
-                self._waiting = self.store.blocking.run(queries.queued_jobs, cap=cap + 1)
+                self._waiting = self.store.blocking.queued_for_intake(cap + 1)
                 self._counted_at = now
             except Exception:
                 log.exception(

@@ -46,25 +46,46 @@ def _by_host(counts: dict[str, int]) -> Callable[[], dict[LabelValues, float]]:
     return lambda: {(host,): float(count) for host, count in list(counts.items())}
 
 
+Forward = Callable[[str, str, LabelValues, float], None]
+"""Told of every change a metric takes: (metric name, "inc" | "set" | "observe", labels, value)."""
+
+
 class Counter(Collector):
-    """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts."""
+    """A counter incremented here, or (`collect_from`) read at scrape time from whoever counts; other
+    processes' counts of the same thing (`add_source`) are added at scrape time."""
 
     def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
         self.name, self.help, self.label_names = name, help_text, tuple(labels)
         self._counter = prometheus_client.Counter(name, help_text, self.label_names, registry=None)
         self._collect: Callable[[], dict[LabelValues, float]] | None = None
+        self._sources: list[Callable[[], dict[LabelValues, float]]] = []
+        self.forward: Forward | None = None
 
     def collect_from(self, collect: Callable[[], dict[LabelValues, float]]) -> None:
         self._collect = collect
 
+    def add_source(self, source: Callable[[], dict[LabelValues, float]]) -> None:
+        """Counts kept elsewhere (another process's), added to this counter's at scrape time."""
+        self._sources.append(source)
+
+    def read(self) -> dict[LabelValues, float]:
+        """This process's own counts of a `collect_from` counter, by label values."""
+        return self._collect() if self._collect is not None else {}
+
     def inc(self, *labels: str, amount: float = 1.0) -> None:
         (self._counter.labels(*labels) if labels else self._counter).inc(amount)
+        if self.forward is not None:
+            self.forward(self.name, "inc", labels, amount)
 
     def collect(self) -> Iterable[Metric]:
-        if self._collect is None:
+        if self._collect is None and not self._sources:
             return self._counter.collect()
+        totals = dict(self._collect()) if self._collect is not None else {}
+        for source in self._sources:
+            for key, value in source().items():
+                totals[key] = totals.get(key, 0.0) + value
         family = CounterMetricFamily(self.name, self.help, labels=self.label_names)
-        return [_filled(family, self._collect())]
+        return [_filled(family, totals)]
 
 
 class Gauge(Collector):
@@ -80,9 +101,12 @@ class Gauge(Collector):
         self.name, self.help, self.label_names = name, help_text, tuple(labels)
         self._gauge = prometheus_client.Gauge(name, help_text, self.label_names, registry=None)
         self._collect = collect
+        self.forward: Forward | None = None
 
     def set(self, value: float, *labels: str) -> None:
         (self._gauge.labels(*labels) if labels else self._gauge).set(value)
+        if self.forward is not None:
+            self.forward(self.name, "set", labels, value)
 
     def collect(self) -> Iterable[Metric]:
         if self._collect is None:
@@ -105,15 +129,19 @@ class Histogram(Collector):
         self._histogram = prometheus_client.Histogram(
             name, help_text, self.label_names, registry=None, buckets=tuple(buckets)
         )
+        self.forward: Forward | None = None
 
     def observe(self, value: float, *labels: str) -> None:
         (self._histogram.labels(*labels) if labels else self._histogram).observe(value)
+        if self.forward is not None:
+            self.forward(self.name, "observe", labels, value)
 
     def collect(self) -> Iterable[Metric]:
         return self._histogram.collect()
 
 
 M = TypeVar("M", bound=Collector)
+OwnMetric = Counter | Gauge | Histogram
 
 
 class JobMetrics:
@@ -122,6 +150,7 @@ class JobMetrics:
     def __init__(self) -> None:
         # One registry per service: tests build many services in one process, each counting its own.
         self.registry = CollectorRegistry()
+        self.by_name: dict[str, OwnMetric] = {}
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         add = self.add
@@ -178,6 +207,18 @@ class JobMetrics:
             Counter(
                 "gpubadge_worker_restarts_total",
                 "Faults the scan workers recovered from (store or scanner errors), after a backoff.",
+            )
+        )
+        self.worker_processes = add(
+            Gauge(
+                "gpubadge_worker_processes",
+                "Worker processes `serve` runs its scans in (GPUBADGE_WORKER_PROCESSES), running now.",
+            )
+        )
+        self.worker_process_restarts = add(
+            Counter(
+                "gpubadge_worker_process_restarts_total",
+                "Worker processes that exited or fell silent and were started again.",
             )
         )
         self.lease_expiries = add(
@@ -251,7 +292,41 @@ class JobMetrics:
     def add(self, metric: M) -> M:
         """Register `metric` in this service's registry; returns it."""
         self.registry.register(metric)
+        if isinstance(metric, Counter | Gauge | Histogram):
+            self.by_name[metric.name] = metric
         return metric
+
+    # -- several processes, one service: a worker process's metrics reach `serve`'s /metrics
+
+    def forward_to(self, forward: Forward) -> None:
+        """In a worker process `serve` supervises: tell `forward` of every metric change made here."""
+        for metric in self.by_name.values():
+            metric.forward = forward
+
+    def apply(self, name: str, change: str, labels: Sequence[str], value: float) -> None:
+        """In `serve`: a change a worker process made to one of its metrics, made here too (it counts
+        in this process's /metrics as if this process had scanned). Unknown names are ignored."""
+        metric = self.by_name.get(name)
+        if metric is None:
+            return
+        forward, metric.forward = metric.forward, None  # applied here, never sent on
+        try:
+            if isinstance(metric, Counter) and change == "inc":
+                metric.inc(*labels, amount=value)
+            elif isinstance(metric, Histogram) and change == "observe":
+                metric.observe(value, *labels)
+            elif isinstance(metric, Gauge) and change == "set":
+                metric.set(value, *labels)
+        finally:
+            metric.forward = forward
+
+    def process_counts(self) -> dict[str, dict[LabelValues, float]]:
+        """Counts this process keeps outside the metrics (read at scrape time), by metric name: what a
+        worker process sends `serve` now and then, which adds them to its own (`add_source`)."""
+        return {
+            self.registry_bytes.name: self.registry_bytes.read(),
+            self.transfer_cutoffs.name: self.transfer_cutoffs.read(),
+        }
 
     def render(self) -> str:
         """The text exposition (format 0.0.4) of every metric, the process and platform ones too."""

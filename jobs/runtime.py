@@ -2,8 +2,10 @@
 
 `ScanRuntime.start` builds the registry client, the scanner (its fleet architectures read from
 the store), the report attacher (GPUBADGE_ATTACH_REPORTS, with its companions) and, unless the
-process only serves the API, the leased scan workers, and counts what they do in the runtime's
-metrics; `stop` drains the workers (`drain_seconds`) and closes the rest in order. The one mapping
+process only serves the API, the leased scan workers: in this process, or (`worker_processes`,
+`serve`'s default) in supervised worker processes (`jobs.worker_processes`) whose reports reach
+this process's metrics, progress and attacher; `stop` drains the workers (`drain_seconds`) and
+closes the rest in order. The one mapping
 from settings to worker settings (`worker_settings`) and from outcomes to metrics and attachments
 (`worker_events`) live here, so the two roles cannot drift apart.
 """
@@ -18,6 +20,7 @@ from jobs.companions import companions
 from jobs.metrics import JobMetrics
 from jobs.retention import JobRetention, RetentionPolicy
 from jobs.settings import JobSettings
+from jobs.worker_processes import WorkerProcesses
 from jobs.workers import JobOutcome, ScanWorkers, WorkerEvents, WorkerSettings
 from placement.inventory import Server
 from scanner.models import ImageReport
@@ -74,6 +77,7 @@ class ScanRuntime:
     workers: ScanWorkers | None
     drain_seconds: float
     retention: JobRetention | None = None
+    processes: WorkerProcesses | None = None
 
     @classmethod
     async def start(
@@ -84,8 +88,12 @@ class ScanRuntime:
         *,
         static_fleet: Iterable[Server] = (),
         run_workers: bool = True,
+        worker_processes: int = 0,
+        sweep: bool = True,
     ) -> ScanRuntime:
-        """Build the machinery over `store` and, with `run_workers`, start claiming jobs."""
+        """Build the machinery over `store` and, with `run_workers`, start claiming jobs: here, or in
+        `worker_processes` supervised processes. `sweep`: this process deletes finished jobs past
+        retention (with workers here; of supervised processes, the first does)."""
         client = RegistryClient(settings, defer_retry_after=True)
         metrics.count_registry_bytes(client.received_by_registry)
         metrics.count_transfer_cutoffs(client.cutoffs_by_registry)
@@ -113,20 +121,29 @@ class ScanRuntime:
             )
             metrics.nfd_cache_source = attacher.companion_bytes
         runtime = cls(client, scanner, attacher, None, settings.drain_seconds)
-        if run_workers:
+        if run_workers and worker_processes > 0:
+            runtime.processes = WorkerProcesses(settings, metrics, attacher, count=worker_processes)
+            try:
+                await runtime.processes.start()
+            except BaseException:
+                await runtime.stop()
+                raise
+        elif run_workers:
             workers = ScanWorkers(store, scanner, worker_settings(settings), worker_events(metrics, attacher))
             try:
+                await scanner.start_analysis()  # before the first claim, not inside the first burst
                 await workers.start()
             except BaseException:
                 await runtime.stop()
                 raise
             runtime.workers = workers
-            runtime.retention = JobRetention(
-                store,
-                RetentionPolicy(settings.job_retention_seconds, settings.job_retention_count),
-                on_swept=lambda deleted: metrics.jobs_deleted.inc(amount=float(deleted)),
-            )
-            runtime.retention.start()
+            if sweep:
+                runtime.retention = JobRetention(
+                    store,
+                    RetentionPolicy(settings.job_retention_seconds, settings.job_retention_count),
+                    on_swept=lambda deleted: metrics.jobs_deleted.inc(amount=float(deleted)),
+                )
+                runtime.retention.start()
         return runtime
 
     async def stop(self) -> None:
@@ -134,6 +151,8 @@ class ScanRuntime:
         stop the analysis processes, the attacher's retries and the registry client."""
         if self.retention is not None:
             await self.retention.stop()
+        if self.processes is not None:
+            await self.processes.stop(self.drain_seconds)
         if self.workers is not None:
             await self.workers.stop(drain_timeout=self.drain_seconds)
         await self.scanner.close()

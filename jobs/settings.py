@@ -8,15 +8,36 @@ address, secrets, webhooks, agents, admission), so every field has one name and 
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
+from pydantic_core import to_jsonable_python
 from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import DOCKER_HUB, is_loopback
 from scanner.settings import ScannerSettings, default_db_path, mirror_parts
 from store import AsyncStore, open_store
+
+MAX_AUTO_PROCESSES = 8  # `auto` stops here: each process holds connections, analysis processes, memory
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity (a container's cpuset), and no more than its
+    cgroup's CPU quota allows (`cpu.max`, a container's `--cpus`), rounded up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class JobSettings(ScannerSettings):
@@ -59,6 +80,19 @@ class JobSettings(ScannerSettings):
         default=8,
         description="scans run at once until their config facts (the badge) are published; as many again may"
         " go on reading layers after that, per worker process",
+    )
+    worker_processes: int | Literal["auto"] = Field(
+        default="auto",
+        description="processes `serve` runs its scans in, each with `workers` scans at once, restarted when one"
+        " dies, so scans never share the API's interpreter or its CPU time; auto: one per two usable cores, at"
+        " least 1 and at most 8; 0: scans in the API's own process",
+    )
+    worker_nice: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="how much lower the CPU priority of those worker processes (and their analysis processes) is"
+        " than the API's, so webhook answers and API reads never wait for a core behind scans",
     )
     per_registry_scans: int | None = Field(
         default=None,
@@ -104,6 +138,27 @@ class JobSettings(ScannerSettings):
     )
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
 
+    @field_validator("worker_processes")
+    @classmethod
+    def _processes_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(
+                "worker_processes must be auto or a number of processes (0: scans in the API's process)"
+            )
+        return value
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> JobSettings:
+        """The settings `settings_payload` wrote (every field given: nothing read from the environment)."""
+        return cls.model_validate(json.loads(payload))
+
+    def worker_process_count(self) -> int:
+        """How many worker processes `serve` supervises: the setting, with `auto` resolved against
+        the cores this process may run on (one per two, at least 1, at most MAX_AUTO_PROCESSES)."""
+        if self.worker_processes != "auto":
+            return int(self.worker_processes)
+        return max(1, min(MAX_AUTO_PROCESSES, usable_cores() // 2))
+
     @field_validator("db", mode="before")
     @classmethod
     def _empty_db_is_the_default(cls, value: Any) -> Any:
@@ -143,6 +198,24 @@ class JobSettings(ScannerSettings):
             shown = "(unset)" if default is None else default
             lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
         return "\n".join(lines)
+
+
+def settings_payload(settings: JobSettings) -> bytes:
+    """`settings` as the job runtime reads them, for a worker process `serve` starts: JSON with every
+    secret in clear, so it travels only over that child's stdin pipe (never a file, the command line
+    or the environment). `JobSettings.from_payload` reads it back."""
+    data = settings.model_dump(mode="python", include=set(JobSettings.model_fields))
+    return json.dumps(_revealed(data), default=to_jsonable_python).encode()
+
+
+def _revealed(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {key: _revealed(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_revealed(item) for item in value]
+    return value
 
 
 def open_job_store(settings: JobSettings, *, shared: bool = False) -> AsyncStore:

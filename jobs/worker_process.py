@@ -9,18 +9,28 @@ back to the queue at once.
 This module imports nothing of web/: a caller that wants /healthz and /metrics on a port (the
 command's `--metrics-port`) hands in a `Listener`, started once the workers run and stopped
 after they drained.
+
+`serve_supervised` is the same process started by `serve` (`jobs.worker_processes`): its settings
+come from its stdin, whose end means `serve` is gone (it then drains and exits, as on SIGTERM); its
+stdout carries its reports to `serve` (`jobs.worker_reports`), and anything printed goes to its
+log stream instead; it runs `worker_nice` lower than `serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
+from jobs.event_loop import new_event_loop
 from jobs.metrics import JobMetrics
 from jobs.runtime import ScanRuntime
 from jobs.settings import JobSettings, open_job_store
+from jobs.worker_reports import WorkerReporter
 from placement.inventory import parse_inventory
 from store import AsyncStore
 
@@ -37,16 +47,18 @@ async def run_workers(
     *,
     metrics: JobMetrics | None = None,
     listener: Listener | None = None,
+    sweep: bool = True,
 ) -> None:
     """Run until `stop` is set, then drain. `metrics` counts what the workers do (the scan
-    counters live in this process, not in the API replicas); `listener` serves them."""
+    counters live in this process, not in the API replicas); `listener` serves them. `sweep`:
+    this process deletes finished jobs past retention (`jobs.retention`)."""
     store = open_job_store(settings, shared=True)  # wakes and is woken by the API processes
     metrics = metrics if metrics is not None else JobMetrics()
     try:
         static = (
             parse_inventory(settings.inventory_file.read_text()).servers if settings.inventory_file else []
         )
-        runtime = await ScanRuntime.start(settings, store, metrics, static_fleet=static)
+        runtime = await ScanRuntime.start(settings, store, metrics, static_fleet=static, sweep=sweep)
         stop_listener: Stop | None = None
         try:
             if listener is not None:
@@ -74,4 +86,72 @@ def serve_workers(
             loop.add_signal_handler(signum, stop.set)
         await run_workers(settings, stop, metrics=metrics, listener=listener)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
+
+
+def serve_supervised(sweep: bool) -> None:
+    """The main of a worker process `serve` started: settings from stdin, reports on stdout."""
+    channel = os.dup(1)
+    os.dup2(2, 1)  # a stray print goes to the log stream, never into the reports
+    settings = JobSettings.from_payload(sys.stdin.buffer.readline())
+    if settings.worker_nice:
+        os.nice(settings.worker_nice)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        transport, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(channel, "wb", buffering=0))
+        reporter = WorkerReporter(transport)
+        metrics = JobMetrics()
+        commands = _Commands(stop)
+        await loop.connect_read_pipe(lambda: commands, sys.stdin.buffer)
+
+        async def listen(store: AsyncStore, runtime: ScanRuntime) -> Stop:
+            owner = runtime.workers.owner if runtime.workers is not None else ""
+            progress = runtime.scanner.layer_progress
+            commands.on_sync = lambda number: reporter.synced(number, metrics, progress)
+            task = asyncio.create_task(reporter.report(owner, metrics, runtime.attacher, progress))
+
+            async def stop_reporting() -> None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            return stop_reporting
+
+        try:
+            await run_workers(settings, stop, metrics=metrics, listener=listen, sweep=sweep)
+        finally:
+            reporter.flush()
+            transport.close()
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
+
+
+class _Commands(asyncio.Protocol):
+    """This process's stdin after its settings: `sync <n>` lines from `serve` (answered by
+    `on_sync`), and its end, which means `serve` is gone, so this worker stops too."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+        self._pending = b""
+        self.on_sync: Callable[[int], None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            command, _, number = line.partition(b" ")
+            if command == b"sync" and number.isdigit() and self.on_sync is not None:
+                self.on_sync(int(number))
+        self._pending = self._pending[-64:]  # nothing longer is a command
+
+    def eof_received(self) -> bool | None:
+        self._stop.set()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop.set()

@@ -380,9 +380,10 @@ class ScanWorkers:
                 force=job.rescan, job=job.id, on_facts=functools.partial(self._facts_published, job.id)
             )
             report = await self.scanner.scan(job.reference, options)
-            await self._record(job, report)
+            # Counted before the outcome is written: whoever sees the job settled sees it counted.
             if self.events.on_outcome:
                 self.events.on_outcome(JobOutcome(job, report, time.monotonic() - started))
+            await self._record(job, report)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not kill the pool; the lease brings the job back

@@ -177,6 +177,9 @@ class ReportAttacher:
         self.on_result = on_result
         self.companions = tuple(companions)
         self.on_companion = on_companion
+        # A worker process of `serve` tells it what it pushed and how attachments stand (jobs/worker_reports.py).
+        self.on_own: Callable[[str], None] | None = None
+        self.on_status: Callable[[AttachStatus], None] | None = None
         self._own_types = frozenset(c.artifact_type for c in self.companions)
         self.writer = ReferrerWriter(settings, on_push=self._remember)
         self._companion_locks: dict[tuple[str, str, str, str], asyncio.Lock] = {}
@@ -243,8 +246,12 @@ class ReportAttacher:
         known = self._companion_status.get((digest, kind))
         if companion is None:
             return known
-        if known is not None and (
-            known.state not in ("found", "absent") or datetime.now(UTC) - known.updated_at < LOOKUP_TTL
+        # A worker process's attachment (its document stayed there): read the document back, keep its state.
+        elsewhere = known is not None and known.document is None and known.state in ("attached", "reused")
+        if (
+            known is not None
+            and not elsewhere
+            and (known.state not in ("found", "absent") or datetime.now(UTC) - known.updated_at < LOOKUP_TTL)
         ):
             return known
         reference = Reference(registry, repository, digest=digest)
@@ -256,10 +263,11 @@ class ReportAttacher:
             layer = await read_layer(self.client, reference, pick, companion.max_bytes)
             document = await asyncio.to_thread(companion.parse, layer)  # once, off the event loop
             del layer  # only the parsed, bounded document is kept
+            state: AttachState = known.state if elsewhere and known is not None else "found"
             self._set_companion_status(
                 digest,
                 kind,
-                "found",
+                state,
                 artifact=pick.digest,
                 document=document,
                 created=pick.annotations.get(CREATED),
@@ -493,18 +501,45 @@ class ReportAttacher:
     # -- bookkeeping
 
     def _remember(self, digest: str) -> None:
+        self.note_own(digest)
+        if self.on_own is not None:
+            self.on_own(digest)
+
+    def note_own(self, digest: str) -> None:
+        """`digest` is an artifact gpubadge pushed (here, or in a worker process of this service)."""
         self._own[digest] = None
         self._own.move_to_end(digest)
         while len(self._own) > _OWN_REMEMBERED:
             self._own.popitem(last=False)
 
     def _set_status(self, digest: str, state: AttachState, **fields: Any) -> None:
-        self._status[digest] = AttachStatus(digest, state, **fields)
-        self._status.move_to_end(digest)
+        status = AttachStatus(digest, state, **fields)
+        self.note_status(status)
+        if self.on_status is not None:
+            self.on_status(status)
+
+    def note_status(self, status: AttachStatus) -> None:
+        """Where a report's (or a companion's) attachment stands (here, or in a worker process of
+        this service: a companion's document stays there, and `lookup_companion` reads it back)."""
+        if status.kind != "report":
+            fields = {
+                name: getattr(status, name) for name in ("attempts", "error", "artifact", "via", "created")
+            }
+            self._keep_companion_status(status.subject, status.kind, status.state, **fields, document=None)
+            return
+        self._status[status.subject] = status
+        self._status.move_to_end(status.subject)
         while len(self._status) > _STATUS_REMEMBERED:
             self._status.popitem(last=False)
 
     def _set_companion_status(self, digest: str, kind: str, state: AttachState, **fields: Any) -> None:
+        status = self._keep_companion_status(digest, kind, state, **fields)
+        if self.on_status is not None:
+            self.on_status(status)
+
+    def _keep_companion_status(
+        self, digest: str, kind: str, state: AttachState, **fields: Any
+    ) -> AttachStatus:
         """Keep the status; the oldest go past _STATUS_REMEMBERED entries or `nfd_cache_bytes` of documents.
 
         A document larger than the whole cap is not kept (the status says so); the page then
@@ -531,6 +566,7 @@ class ReportAttacher:
             _, dropped = self._companion_status.popitem(last=False)
             if dropped.document is not None:
                 self._companion_bytes -= dropped.document.cost
+        return status
 
     def companion_bytes(self) -> int:
         """The bytes the kept companion documents hold (at most `nfd_cache_bytes`)."""

@@ -179,6 +179,14 @@ class Scanner:
             self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
         return self._reader
 
+    async def start_analysis(self) -> None:
+        """Start the analysis processes now rather than at the first layer read: a process that
+        scans all day pays their start (an interpreter and the walk's modules) before its first
+        image, not in the middle of a burst."""
+        _ = self.layers  # builds the pool
+        assert self._pool is not None
+        await self._pool.start()
+
     def layer_progress(self) -> dict[str, str]:
         """Layer reads running now, by reference: "linux/amd64: reading layers: 2 of 5, 812 of 4810 MiB"."""
         found: dict[str, list[str]] = {}

@@ -18,7 +18,7 @@ Kind = str  # "queued" | "settled" | "resync"
 # The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
 JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
 JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
-FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations", "inventory" or "stamps <origin>"
+FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations", "inventory [<origin>]" or "stamps <origin>"
 FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
 FLEET_STAMPS = "fleet-stamps"  # a replica wrote a batch of heartbeat stamps; payload: its origin
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"

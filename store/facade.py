@@ -17,12 +17,16 @@ need not reach the backend (`backend` remains for callers not yet moved).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import queue
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 from scanner.models import ImageReport, PlatformReport
 from store import queries
@@ -51,7 +55,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.tags import TagSeen
+from store.queries.tags import LayerSeen, TagSeen
 from store.report_lookups import Found, ReportLookups
 
 log = logging.getLogger(__name__)
@@ -59,9 +63,12 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
+EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a process that scans
+
 
 class StoreScanCache:
-    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes group-committed.
+    """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes (reports,
+    tags, layers' cache entries) group-committed and layers' cache entries kept in memory too.
 
     Concurrent scans each await their own tag and report writes, and each write returns only
     after its commit (the same durability as one transaction per write). While one batch
@@ -71,10 +78,16 @@ class StoreScanCache:
     write in it, each caller with the store's own error.
     """
 
-    def __init__(self, store: AsyncStore) -> None:
+    def __init__(self, store: AsyncStore, evidence_bytes: int = EVIDENCE_CACHE_BYTES) -> None:
         self._store = store
-        self._pending: list[tuple[TagSeen | ImageReport, asyncio.Future[None]]] = []
+        self._pending: list[tuple[TagSeen | ImageReport | LayerSeen, asyncio.Future[None]]] = []
         self._draining: asyncio.Task[None] | None = None
+        # Layers' cache entries read or written here, by digest: a layer's content never changes, so
+        # a base layer shared by a burst's images is read once, not once per scan. Another process's
+        # richer entry may go unseen; the layer is then read again (more work, never a wrong answer).
+        self._evidence: OrderedDict[str, str] = OrderedDict()
+        self._evidence_bytes = 0
+        self._evidence_limit = evidence_bytes
 
     @property
     def store(self) -> AsyncStore:
@@ -93,10 +106,31 @@ class StoreScanCache:
         return await self._store.run(queries.scan_in_flight, job_id)
 
     async def layer_evidence(self, digest: str) -> str | None:
-        return await self._store.run(queries.layer_evidence, digest)
+        known = self._evidence.get(digest)
+        if known is not None:
+            self._evidence.move_to_end(digest)
+            return known
+        found = await self._store.run(queries.layer_evidence, digest)
+        if found is not None:
+            self._keep_evidence(digest, found)
+        return found
 
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        await self._store.run(queries.save_layer_evidence, digest, evidence_json)
+        """Store a layer's cache entry, in the next batch of scan results (one transaction)."""
+        self._keep_evidence(digest, evidence_json)
+        await self._write(LayerSeen(digest, evidence_json))
+
+    def _keep_evidence(self, digest: str, evidence_json: str) -> None:
+        old = self._evidence.pop(digest, None)
+        if old is not None:
+            self._evidence_bytes -= len(old)
+        if len(evidence_json) > self._evidence_limit:
+            return
+        self._evidence[digest] = evidence_json
+        self._evidence_bytes += len(evidence_json)
+        while self._evidence_bytes > self._evidence_limit:
+            _, dropped = self._evidence.popitem(last=False)
+            self._evidence_bytes -= len(dropped)
 
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
         await self._write(TagSeen(registry, repository, tag, digest))
@@ -115,7 +149,7 @@ class StoreScanCache:
             await self._write(report)
         self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
 
-    async def _write(self, *writes: TagSeen | ImageReport) -> None:
+    async def _write(self, *writes: TagSeen | ImageReport | LayerSeen) -> None:
         """Queue `writes` (they go in the same batch) and wait for their commit."""
         loop = asyncio.get_running_loop()
         done: list[asyncio.Future[None]] = []
@@ -149,6 +183,73 @@ class StoreScanCache:
                         done.set_result(None)
 
 
+class StoreThreads:
+    """The store's bounded pool of threads, with one hand-over each way and nothing more.
+
+    A store call is small (a read of one row, one short transaction), and every scan and request
+    makes several, so what the hop itself costs counts: `run_in_executor` checks that the callable
+    is no coroutine function, makes a concurrent future, chains it to an asyncio future and copies
+    its state across, about a fifth of a small call's CPU (yappi, bench/RESULTS.md). Here a call
+    is one queue put, and its result one `call_soon_threadsafe` that settles the caller's future.
+    Threads start as calls need them, up to `threads`."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._limit = threads
+        self._name = name
+        self._calls: queue.SimpleQueue[
+            tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        """`call()` in one of the threads; a future of this loop that its outcome settles."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            if self._idle == 0 and len(self._threads) < self._limit:
+                thread = threading.Thread(
+                    target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._idle = max(0, self._idle - 1)
+        self._calls.put((loop, future, call))
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            loop, future, call = item
+            try:
+                outcome, failed = call(), False
+            except BaseException as exc:  # the caller's to handle, on its loop
+                outcome, failed = exc, True
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for it
+                loop.call_soon_threadsafe(_settle, future, outcome, failed)
+            del item, future, outcome  # nothing of the call outlives it here
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Let the calls handed over finish, then end the threads."""
+        for _ in self._threads:
+            self._calls.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
+    """On the loop: a store call's outcome, unless its caller gave up (cancelled)."""
+    if future.done():
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 class BlockingStore:
     """The store for code that runs on a thread of its own and may block, never on the event loop:
     the webhook intake's commit thread, an export being built. Shared queries and the intake's
@@ -164,9 +265,20 @@ class BlockingStore:
         return self._backend.run(query, *args, **kwargs)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Queue every delivery's jobs in one transaction; a job id per reference, per batch. The caller
-        wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
-        return self._backend.enqueue_many(batches)
+        """The webhook intake's commit: every delivery's jobs in one commit, a job id per reference,
+        per batch, never waiting for a scan's lock (`record_intake`; on SQLite, the intake's
+        journal). The caller wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
+        return self._backend.record_intake(batches)
+
+    def tidy_intake(self) -> None:
+        """Between answers, on the intake's thread: what its commits left to clean (on SQLite, the
+        journal rows already moved into the store)."""
+        self._backend.tidy_intake()
+
+    def queued_for_intake(self, cap: int) -> int:
+        """Jobs waiting to run, up to `cap`, as the intake's queue cap counts them: never waiting for
+        a writer (on SQLite, the store's queued jobs plus the intake journal's not yet moved)."""
+        return self._backend.queued_for_intake(cap)
 
 
 class AsyncStore:
@@ -181,7 +293,7 @@ class AsyncStore:
         report_cache_seconds: float = 30.0,
     ) -> None:
         self._backend = backend
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store")
+        self._pool = StoreThreads(threads, "store")
         self._health_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-health")
         self._intake_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-intake")
         self._health_check: tuple[float, Future[None]] | None = None
@@ -219,7 +331,7 @@ class AsyncStore:
             assert callable(function)
             call = functools.partial(function, *args, **kwargs)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+            return await self._pool.run(call)
         finally:
             if isinstance(function, Query) and function in queries.REPORT_WRITES:
                 self.report_lookups.forget()
@@ -240,7 +352,7 @@ class AsyncStore:
         if self._stop_listening is not None:
             self._stop_listening()
         self._intake_pool.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         self._health_pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
 
@@ -380,6 +492,11 @@ class AsyncStore:
         if not self.events.cross_process:
             self.events.fire(kind, payload)
 
+    async def start_intake(self) -> None:
+        """Ready the webhook intake's commit path now rather than at the first delivery (on SQLite,
+        its journal and mover: what a previous run journaled and did not move is moved now)."""
+        await asyncio.get_running_loop().run_in_executor(self._intake_pool, self._backend.start_intake)
+
     async def start_events(self) -> None:
         """Deliver queue events on this loop; on PostgreSQL, and on a SQLite file whose processes
         share their events (`store.sqlite_notify`), also every other process's (LISTEN).
@@ -401,8 +518,10 @@ class AsyncStore:
                 if channel == FLEET_CHANNEL:
                     if payload.startswith("stamps"):
                         relay(FLEET_STAMPS, payload.partition(" ")[2])
-                    else:
-                        relay(FLEET_RESERVATIONS if payload == "reservations" else FLEET_INVENTORY)
+                    elif payload == "reservations":
+                        relay(FLEET_RESERVATIONS)
+                    else:  # "inventory [<origin>]"
+                        relay(FLEET_INVENTORY, payload.partition(" ")[2])
                 else:
                     relay(kinds.get(channel, RESYNC), payload)
 

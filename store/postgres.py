@@ -54,7 +54,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of, queued_jobs
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,20 @@ class PostgresStore(SharedMethods):
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
+
+    def start_intake(self) -> None:
+        """Nothing to ready: the intake inserts into `jobs` (row locks; no scan holds a lock it needs)."""
+
+    def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """The webhook intake's commit: `enqueue_many` (row locks only: nothing a scan holds)."""
+        return self.enqueue_many(batches)
+
+    def tidy_intake(self) -> None:
+        """Nothing to tidy: the intake writes `jobs` itself."""
+
+    def queued_for_intake(self, cap: int) -> int:
+        """Queued jobs up to `cap` (`queries.queued_jobs`), for the intake's queue cap."""
+        return self.run(queued_jobs, cap=cap)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch."""

@@ -21,14 +21,15 @@ upgrade's legacy `user_version`, and GPU reservations.
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
@@ -45,8 +46,10 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of
+from store.queries import JOB_READS
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
 from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
+from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
@@ -57,7 +60,11 @@ _INSERT_JOB = (
     " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)"
     " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
 )
-_ACTIVE_JOB = "SELECT id FROM jobs WHERE dedupe_key = ? AND state IN ('queued', 'running')"
+MOVE_RECHECK = 1.0  # seconds between the mover's passes when no intake wakes it (another process's rows)
+MOVE_GATHER = 0.002  # seconds the mover waits after a wake-up before its pass
+SETTLE_SECONDS = 2.0  # longest a read of the job queue waits for this process's journaled jobs
+CHECKPOINT_SECONDS = 1.0  # the journal's WAL is folded back at most this often
+log = logging.getLogger(__name__)
 
 
 def _now() -> datetime:
@@ -108,6 +115,13 @@ class SqliteStore(SharedMethods):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
+        # The intake's journal (store.sqlite_intake), opened by the first intake, and its mover.
+        self._journal: IntakeJournal | None = None
+        self._journal_lock = threading.Lock()
+        self._move_wanted = threading.Event()
+        self._moved = threading.Condition()
+        self._mover: threading.Thread | None = None
+        self._closing = False
         try:
             create_private_file(self.path)
             self._writer = self._connect(busy_timeout)
@@ -146,6 +160,7 @@ class SqliteStore(SharedMethods):
         return int(row[0] or 0)
 
     def close(self) -> None:
+        self._stop_mover()
         with self._connections_lock:
             connections, self._connections = self._connections, []
         for connection in connections:
@@ -241,6 +256,7 @@ class SqliteStore(SharedMethods):
             ) from exc
 
     def queue_health(self) -> QueueHealth:
+        self._settle_intake()
         moment = _now()
         now = _iso(moment)
         with self._reading() as db:
@@ -262,65 +278,188 @@ class SqliteStore(SharedMethods):
 
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one of `store.queries` (or any `Query`): a read on this thread's read connection, a
-        write in one immediate transaction on the shared writer."""
+        write in one immediate transaction on the shared writer. A read of the job queue first
+        waits for the jobs this process journaled (`_settle_intake`)."""
+        if query in JOB_READS:
+            self._settle_intake()
+            if query is job:  # a job still in the journal (the store's writer held elsewhere) is queued
+                found = self._reading_query(query, *args, **kwargs)
+                if found is None and self._journal is not None:
+                    return cast(T, self._journal.job(str(args[0] if args else kwargs["job_id"])))
+                return found
         if query.write:
             with self._transaction() as conn:
                 writing = Db(conn, SQLITE)
                 result = query(writing, *args, **kwargs)
             self._announce(*writing.notices)
             return result
+        return self._reading_query(query, *args, **kwargs)
+
+    def _reading_query(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         with self._reading() as connection:
             return query(Db(connection, SQLITE), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Several deliveries' jobs in one transaction (group commit); job ids per batch.
+        """Several deliveries' jobs in one transaction (group commit); job ids per batch. They are
+        in `jobs` when this returns, for every process (unless the store's writer is held elsewhere
+        past SETTLE_SECONDS: then they wait, durable, in the journal, and move when it is free)."""
+        ids = self.record_intake(batches)
+        self._settle_intake()
+        return ids
 
-        This is the webhook's commit path (a registry waits for each answer), so it does the least
-        per job: one `INSERT ... ON CONFLICT DO NOTHING` against the partial unique index on active
-        dedupe keys, and only when that inserts nothing (a queued or running job already holds the
-        reference) a read of that job's id. The writer lock makes the pair exact. The timestamp is
-        formatted once, and once per distinct delay.
-        """
+    def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
+        """`enqueue_many` for the webhook intake, whose answer waits for it: it never touches the
+        store's writer. The jobs are committed to the intake's journal (`store.sqlite_intake`),
+        which no scan writes, and the mover carries them into `jobs` moments later; every read and
+        claim of jobs in this process waits for that move first (`_settle_intake`), so here the
+        journal is invisible (other processes see the jobs once moved, as the mover wakes them)."""
         if not any(batch.references for batch in batches):
             return [[] for _ in batches]
-        moment = _now()
-        now = _iso(moment)
-        not_before = {0.0: now}  # delay -> timestamp: most items share one (no delay at all)
-        results: list[list[str]] = []
+        journal = self.start_intake()
+        with self._reading() as store:
+            ids = journal.record(batches, store, _now())
+        self._move_wanted.set()
+        return ids
+
+    def start_intake(self) -> IntakeJournal:
+        """Open the intake's journal and start its mover (once); what an earlier process journaled
+        and did not move is moved now. `serve` calls it at start, the first enqueue otherwise."""
+        with self._journal_lock:
+            if self._closing:  # as every other call on a closed store fails
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            if self._journal is None:
+                try:
+                    self._journal = IntakeJournal(
+                        journal_path(self.path), synchronous=self._synchronous, busy_timeout=self.busy_timeout
+                    )
+                except sqlite3.Error as exc:
+                    raise StoreUnavailable(
+                        f"the intake journal {journal_path(self.path)} cannot be opened: {exc}"
+                    ) from exc
+                try:  # what an earlier run journaled, before anyone reads the queue
+                    self._move_journal()
+                except (StoreUnavailable, sqlite3.Error) as exc:
+                    log.warning("journaled jobs not moved yet (%s); the mover keeps trying", exc)
+                self._mover = threading.Thread(
+                    target=self._move_journal_forever, name="intake-mover", daemon=True
+                )
+                self._mover.start()
+            return self._journal
+
+    def tidy_intake(self) -> None:
+        """The intake's thread, between answers: delete the journal rows already moved."""
+        if self._journal is not None:
+            self._journal.trim()
+
+    def queued_for_intake(self, cap: int) -> int:
+        """Jobs waiting (up to `cap`), for the intake's queue cap, read without waiting for the mover
+        or the writer: journaled and not yet moved, plus queued in the store (read in that order, so
+        a job moving meanwhile is counted twice rather than not at all)."""
+        journaled = self._journal.pending() if self._journal is not None else 0
+        with self._reading() as db:
+            return journaled + queued_jobs(Db(db, SQLITE), cap=cap)
+
+    def _settle_intake(self) -> None:
+        """Wait until every job this process journaled is in `jobs`, at most SETTLE_SECONDS (or the
+        busy timeout): a writer held elsewhere for longer (a backup, a migration) leaves the jobs in
+        the journal, and the caller goes on without them, as a read beside that lock does.
+        Never call it holding the writer: the mover needs it."""
+        journal = self._journal
+        if journal is None or journal.moved_through >= journal.recorded_through:
+            return
+        target = journal.recorded_through
+        self._move_wanted.set()
+        with self._moved:
+            self._moved.wait_for(
+                lambda: journal.moved_through >= target, timeout=min(SETTLE_SECONDS, self.busy_timeout)
+            )
+
+    def _move_journal_forever(self) -> None:
+        """The mover thread: a pass whenever the intake journals, and every MOVE_RECHECK seconds."""
+        failures = 0
+        checkpoint_due = 0.0
+        while not self._closing:
+            if self._move_wanted.wait(MOVE_RECHECK):
+                # Let the answer that woke us go out first (the loop and the intake's thread need the
+                # interpreter lock for it), and gather what arrives meanwhile into the same pass.
+                time.sleep(MOVE_GATHER)
+            self._move_wanted.clear()
+            try:
+                if self._move_journal() and time.monotonic() >= checkpoint_due:
+                    assert self._journal is not None
+                    self._journal.checkpoint()
+                    checkpoint_due = time.monotonic() + CHECKPOINT_SECONDS
+                failures = 0
+            except Exception:
+                failures += 1
+                log.exception("moving journaled jobs into %s failed; retrying", self.path)
+                time.sleep(min(5.0, 0.05 * 2**failures))
+
+    def _move_journal(self) -> int:
+        """One pass: the journaled jobs not yet moved, into `jobs` in journal order, and how far
+        that got, in one transaction of the store; returns how many rows it moved."""
+        journal = self._journal
+        if journal is None:
+            return 0
+        through = journal.last_seq()
+        if through <= journal.moved_through:
+            self._mark_moved(journal, through)
+            return 0
+        journal.moving_through = through  # from here, the intake coalesces into none of these rows
         with self._transaction(urgent=True) as conn:
-            execute = conn.execute
-            for batch in batches:
-                ids: list[str] = []
-                for item in batch.references:
-                    reference = item[0]
-                    key = dedupe_key(reference, rescan=batch.rescan)
-                    wait = item[2] if len(item) == 3 else batch.delay
-                    ready = not_before.get(wait)
-                    if ready is None:
-                        ready = not_before[wait] = _iso(moment + timedelta(seconds=wait))
-                    job_id = os.urandom(16).hex()  # as random as uuid4().hex, without the UUID object
-                    if execute(
-                        _INSERT_JOB,
-                        (
-                            job_id,
-                            reference,
-                            item[1],
-                            key,
-                            batch.max_attempts,
-                            ready,
-                            batch.source,
-                            now,
-                            now,
-                        ),
-                    ).rowcount:
-                        ids.append(job_id)
-                    else:
-                        ids.append(execute(_ACTIVE_JOB, (key,)).fetchone()[0])
-                results.append(ids)
-        self._announce((JOBS_QUEUED_CHANNEL, ""))
-        return results
+            row = conn.execute(
+                "SELECT seq FROM intake_moved WHERE journal = ?", [journal.journal_id]
+            ).fetchone()
+            moved = journal.rows(row[0] if row else 0, through)
+            for job in moved:
+                if not conn.execute(
+                    _INSERT_JOB,
+                    (
+                        job.id,
+                        job.reference,
+                        job.registry,
+                        job.dedupe_key,
+                        job.max_attempts,
+                        job.not_before,
+                        job.source,
+                        job.created_at,
+                        job.created_at,
+                    ),
+                ).rowcount:  # an active job appeared meanwhile: this id names it
+                    conn.execute(
+                        "INSERT INTO job_aliases (id, job_id) SELECT ?, id FROM jobs"
+                        " WHERE dedupe_key = ? AND state IN ('queued', 'running') ON CONFLICT (id) DO NOTHING",
+                        [job.id, job.dedupe_key],
+                    )
+            conn.execute(
+                "INSERT INTO intake_moved (journal, seq) VALUES (?, ?)"
+                " ON CONFLICT (journal) DO UPDATE SET seq = max(seq, excluded.seq)",
+                [journal.journal_id, through],
+            )
+        self._mark_moved(journal, through)
+        if moved:
+            self._announce((JOBS_QUEUED_CHANNEL, ""))
+        return len(moved)
+
+    def _mark_moved(self, journal: IntakeJournal, through: int) -> None:
+        with self._moved:
+            journal.moved_through = max(journal.moved_through, through)
+            self._moved.notify_all()
+
+    def _stop_mover(self) -> None:
+        """Stop the mover after a last pass (a clean stop leaves the journal empty), close the journal."""
+        self._closing = True
+        mover, journal = self._mover, self._journal
+        if mover is not None:
+            self._move_wanted.set()
+            mover.join(timeout=self.busy_timeout)
+        if journal is not None:
+            with contextlib.suppress(Exception):
+                self._move_journal()
+            journal.close()
+        self._mover = self._journal = None
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -340,6 +479,7 @@ class SqliteStore(SharedMethods):
         """
         if limit <= 0:
             return []
+        self._settle_intake()
         moment = _now()
         now, expires = _iso(moment), _iso(moment + timedelta(seconds=lease_seconds))
         with self._transaction() as conn:
@@ -515,6 +655,7 @@ class SqliteStore(SharedMethods):
 
     def retry_job(self, job_id: str) -> Job | None:
         """Put a failed job back in the queue by hand (attempts start again)."""
+        self._settle_intake()
         now = _iso(_now())
         with self._transaction() as conn:
             row = conn.execute("SELECT state, dedupe_key FROM jobs WHERE id = ?", [job_id]).fetchone()
@@ -603,6 +744,7 @@ class SqliteStore(SharedMethods):
 
     def registry_load(self) -> list[RegistryLoad]:
         """Every registry with running or queued jobs, or a closed gate, by name."""
+        self._settle_intake()
         moment = _now()
         now = _iso(moment)
         with self._reading() as db:

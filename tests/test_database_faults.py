@@ -123,6 +123,11 @@ async def all_done(session: aiohttp.ClientSession, service: RunningService, job_
         assert status == 200 and job["state"] == "done", job
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (a service's worker processes)."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def stored_reports(db: Path) -> dict[str, str]:
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
         return dict(connection.execute("SELECT repository, digest FROM reports").fetchall())
@@ -137,8 +142,13 @@ async def outage_then_recovery(
     break_database: Any,
     mend_database: Any,
     cause: str,
+    intake_goes_on: bool | None = False,
 ) -> None:
-    """Scans in flight, then the database breaks for longer than a lease, then it mends."""
+    """Scans in flight, then the database breaks for longer than a lease, then it mends.
+
+    `intake_goes_on`: the outage leaves the intake's journal writable (a lock held on the store's
+    file), so a delivery meanwhile is still accepted (202) and scanned after; None: it may (a full
+    disk refuses the journal's commit unless its WAL already has the room), else 503."""
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         job_ids = await queue_webhooks(session, service, proxy, images)
         await proxy.wait_for_in_flight(len(images), timeout=20)  # every scan is claimed and running
@@ -151,7 +161,12 @@ async def outage_then_recovery(
             status, body, headers = await send(
                 session, service, payload(proxy.host, "faults/late", "sha256:" + "e" * 64)
             )
-            assert status == 503 and cause in body["error"] and headers["Retry-After"], body
+            late_jobs: list[str] = []
+            if intake_goes_on or (intake_goes_on is None and status == 202):
+                assert status == 202, body  # durable in the journal; the job reaches the store when it mends
+                late_jobs = body["jobs"]
+            else:
+                assert status == 503 and cause in body["error"] and headers["Retry-After"], body
             proxy.release.set()  # the scans finish now, and cannot record their outcome
 
             async def gave_up() -> bool:  # every outcome write outlived its lease
@@ -163,6 +178,9 @@ async def outage_then_recovery(
         finally:
             mend_database()
         await all_done(session, service, job_ids)  # every job accepted before the outage finishes
+        if late_jobs:  # and the one accepted during it is queued or scanned too (its image does not exist)
+            status, late = await get_json(session, f"{service.url}/api/scans/{late_jobs[0]}?wait=30")
+            assert status == 200 and late["reference"].startswith(f"{proxy.host}/faults/late"), late
         status, health = await get_json(session, f"{service.url}/healthz")
         assert status == 200, health
         assert await metric(session, service, "gpubadge_lease_expiries_total") >= len(images)
@@ -184,6 +202,7 @@ async def test_a_write_lock_held_past_the_lease_delays_scans_and_loses_none(
                 break_database=lambda: blocker.execute("BEGIN IMMEDIATE"),
                 mend_database=lambda: blocker.execute("ROLLBACK"),
                 cause="database is locked",
+                intake_goes_on=True,
             )
     blocker.close()
 
@@ -229,6 +248,7 @@ async def test_a_full_disk_delays_scans_and_loses_none(
                 break_database=lambda: filler.append(fill(small_filesystem)),
                 mend_database=lambda: [path.unlink() for path in filler],
                 cause="database or disk is full",
+                intake_goes_on=None,
             )
 
 
@@ -246,7 +266,12 @@ async def test_kill_9_of_a_worker_mid_scan_hands_the_job_to_another(
                 db, env=env, port=free_port(), log_path=tmp_path / "rescuer.log"
             ) as rescuer:
                 assert doomed.process is not None
+                # the service and its worker processes die at once, as in a crash of its host or container
+                workers = children(doomed.process.pid)
+                assert workers  # the scan runs in one of them
                 doomed.process.send_signal(signal.SIGKILL)
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
                 assert doomed.process.wait(timeout=10) == -signal.SIGKILL
                 proxy.release.set()
                 status, job = await get_json(session, f"{rescuer.url}/api/scans/{job_id}?wait=30")

@@ -55,6 +55,17 @@ def test_the_main_process_is_the_lowest_pid_running_a_role_never_the_probe_itsel
     assert main_command([(40, ["python3", SCRIPT, "healthcheck"])], own_pid=41) is None
 
 
+def test_serves_worker_processes_are_never_the_main_process() -> None:
+    """`serve` starts its scans' worker processes as `worker --supervised worker-N` (issue 44): the
+    container's probe is still serve's port, whatever the pids."""
+    processes = [
+        (3, ["python3", "-m", "gpubadge.cli", "worker", "--supervised", "worker-1", "--log-level", "INFO"]),
+        (5, ["python3", SCRIPT, "serve", "--port", "8085"]),
+        (6, ["python3", "-m", "gpubadge.cli", "worker", "--supervised", "worker-2", "--no-sweep"]),
+    ]
+    assert main_command(processes, own_pid=40) == ["serve", "--port", "8085"]
+
+
 def test_ports_resolve_as_each_role_resolves_them(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUBADGE_PORT", "9000")
     monkeypatch.setenv("GPUBADGE_HOST", "0.0.0.0")

@@ -27,12 +27,13 @@ from pydantic import SecretStr
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import run_service_inprocess
+from scanner.redaction import REDACTED, RedactingLogFilter, redact_secrets
 from tests.conftest import Pusher
 from tests.test_placement import FakeClock
 from web.app import create_app
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimitExceeded, JsonLimits, loads_bounded
 from web.fleet.live_fleet import FLEET_INDEX, FleetIndexCache
-from web.security import REDACTED, RedactingAccessLogger, RedactingLogFilter, redact_secrets
+from web.security import RedactingAccessLogger
 from web.settings import ServiceSettings
 from web.state import SERVICES
 
@@ -712,19 +713,30 @@ async def test_healthz_tells_anyone_no_path_host_name_or_pid(tmp_path: Path) -> 
                 return reply.status, await reply.text()
 
         status, anyone = await healthz()
-        assert status == 200 and json.loads(anyone)["workers"] == "running in this process"
+        assert status == 200 and json.loads(anyone)["workers"] == "running in 1 worker process"
         assert not [place for place in places if place in anyone], anyone
         status, operator = await healthz(bearer(API_TOKEN))
-        assert status == 200 and json.loads(operator)["workers"].startswith(f"{socket.gethostname()}/")
+        (owner,) = json.loads(operator)[
+            "workers"
+        ]  # the worker process's lease owner (jobs/worker_processes.py)
+        assert status == 200 and owner.startswith(f"{socket.gethostname()}/")
         # The database locked by another process: 503, the cause in SQLite's words, not the file's path.
         blocker = sqlite3.connect(db, isolation_level=None)
         blocker.execute("BEGIN EXCLUSIVE")
         try:
             status, anyone = await healthz()
             status_operator, operator = await healthz(bearer(API_TOKEN))
-            async with session.post(
-                f"{running.url}/api/scans", json={"ref": "127.0.0.1:9/app:1"}, headers=bearer(API_TOKEN)
-            ) as reply:
+            # A write of the store itself (a deleted image): the intake's own commits go to its journal.
+            gone = {
+                "events": [
+                    {
+                        "action": "delete",
+                        "target": {"repository": "app", "tag": "1"},
+                        "request": {"host": "127.0.0.1:9"},
+                    }
+                ]
+            }
+            async with session.post(f"{running.url}/hooks/distribution", json=gone) as reply:
                 refused = reply.status, await reply.text()
         finally:
             blocker.execute("ROLLBACK")

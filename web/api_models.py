@@ -13,8 +13,9 @@ from placement.protocol import (
     AgentDeployment,
     DeploymentState,
 )
+from scanner.redaction import REDACTED, redact_secrets
 from store import Job
-from web.security import REDACTED, mask_values, redact_secrets
+from web.security import mask_values
 
 
 class ScanBody(BaseModel):

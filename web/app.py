@@ -74,8 +74,9 @@ def openapi_document() -> dict[str, Any]:
 
 def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.Application:
     settings.check_consistent()
-    # the API alone: its scans run in `gpubadge worker` processes, which its commits must wake
-    store = open_job_store(settings, shared=settings.workers == 0)
+    # Scans in other processes (`serve --workers 0` beside `gpubadge worker`s, or this service's own
+    # worker processes): on SQLite, each process's commits must wake the others.
+    store = open_job_store(settings, shared=settings.workers == 0 or settings.worker_process_count() > 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
     # the reserve first: a request it refuses costs nothing more
     middlewares: list[Middleware] = [reserve_middleware(service_reserved(settings)), error_middleware]
@@ -136,15 +137,18 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, static_fleet = services.settings, app[STATIC_FLEET]
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
+        await services.store.start_intake()  # on SQLite: what a previous run journaled moves now
         runtime = await ScanRuntime.start(
             settings,
             services.store,
             services.metrics,
             static_fleet=static_fleet,
             run_workers=start_workers and settings.workers > 0,  # `serve --workers 0`: the API only
+            worker_processes=settings.worker_process_count(),
         )
         services.client, services.scanner = runtime.client, runtime.scanner
         services.attacher, services.workers = runtime.attacher, runtime.workers
+        services.worker_processes = runtime.processes
         try:
             yield
         finally:

@@ -4,7 +4,6 @@ which runs no HTTP unless asked for a metrics port, is gpubadge/worker.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import errno
 import logging
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+from scanner.redaction import process_logging
 from web.settings import ServiceSettings
 
 
@@ -78,20 +78,17 @@ def load_settings(config: Path | None, **overrides: Any) -> ServiceSettings:
 # The interpreter lock's switch interval in `serve` (Python's default is 5 ms). The store's thread
 # converts rows in Python (a batch of heartbeat stamps, the stamps another replica wrote), and while
 # it holds the lock a request ready on the event loop waits up to a whole interval for it: with a
-# fleet's traffic that wait was a visible share of the eligibility tail. 1 ms bounds it at a cost
-# of more lock hand-overs while both threads run, which is rarely.
-GIL_SWITCH_SECONDS = 0.001
+# fleet's traffic that wait was a visible share of the eligibility tail. Each webhook delivery
+# crosses to the intake's commit thread and back, and each crossing waits for the lock the same
+# way while the loop serves anything else: at 1 ms the two hand-overs were 0.6 ms of a delivery's
+# answer at p50 under a push burst, at 0.2 ms 0.35 ms (bench/push_burst_bench.py). Scans no longer
+# run in this process (jobs/worker_processes.py), so the hand-overs cost little beside it.
+GIL_SWITCH_SECONDS = 0.0002
 
 
 def run_serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from web.security import RedactingLogFilter
-
-    for handler in logging.getLogger().handlers:  # this process's own handlers, set up just above
-        handler.addFilter(RedactingLogFilter())
+    process_logging(args.log_level, "serve")
     try:
         settings = load_settings(
             args.config, host=args.host, port=args.port, db=args.db, workers=args.workers
@@ -104,10 +101,12 @@ def run_serve(argv: list[str]) -> int:
         print(f"gpubadge serve: {taken}", file=sys.stderr)
         return 1
     from jobs import garbage_collection
+    from jobs.event_loop import LoopLagMonitor, new_event_loop
     from store import StoreUnavailable
     from web.app import create_app
     from web.guards.connections import connection_limits, run_guarded_app
     from web.security import RedactingAccessLogger
+    from web.state import services_of_app
 
     _raise_fd_limit(settings.long_poll_max)  # first: the connection cap and its shares are sized from it
     try:
@@ -118,6 +117,9 @@ def run_serve(argv: list[str]) -> int:
     collection = garbage_collection.TimedCollection()
     app.on_startup.append(lambda _: collection.start())
     app.on_cleanup.append(lambda _: collection.stop())
+    monitor = LoopLagMonitor(settings.loop_stall_seconds, services_of_app(app).metrics.loop_lag.observe)
+    app.on_startup.append(lambda _: monitor.start())
+    app.on_cleanup.append(lambda _: monitor.stop())
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     try:
         run_guarded_app(
@@ -193,21 +195,6 @@ def _raise_fd_limit(long_poll_max: int) -> None:
             FD_RESERVE,
             soft,
         )
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (`pip install gpubadge[uvloop]`), else asyncio's.
-
-    A registry waits for each webhook answer before it sends the next delivery, so the loop's
-    own cost per request (scheduling, polling, socket writes) is paid once per push along the
-    queue; uvloop's is about a fifth of the delivery's CPU lower (bench/webhook_cpu_bench.py).
-    """
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 def run_db(argv: list[str]) -> int:

@@ -15,9 +15,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from scanner.problems import dotted, expected
+from scanner.redaction import redact_secrets
 from store import StoreUnavailable
 from web.bounded_json import JsonLimitExceeded, JsonLimits, loads_bounded
-from web.security import redact_secrets
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from web.state import Services, services_of
 log = logging.getLogger(__name__)
 
 ROUTES = ApiRoutes()
+SYNC_SECONDS = 1.0  # longest /metrics waits for the worker processes' last counts
 
 
 async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]:
@@ -38,6 +39,19 @@ async def _queue_state(services: Services) -> tuple[dict[str, int], QueueHealth]
         services.store.run(queries.queue_depth), services.store.queue_health()
     )
     return depth, queue
+
+
+def _workers(services: Services, operator: bool) -> str | list[str]:
+    """Who scans for this service: this process's workers, its worker processes (running now), or
+    none; their lease owners (host/pid) only to a request holding the API token."""
+    if services.workers is not None:
+        return services.workers.owner if operator else "running in this process"
+    if services.worker_processes is not None:
+        if operator:
+            return services.worker_processes.owners()
+        running = services.worker_processes.running()
+        return f"running in {running} worker process{'' if running == 1 else 'es'}"
+    return "none in this process"
 
 
 def stall_reason(queue: QueueHealth, stall_seconds: float) -> str | None:
@@ -84,7 +98,7 @@ async def healthz(request: web.Request) -> web.Response:
         body["oldest_ready_seconds"] = queue.oldest_ready_seconds
         body["last_progress_seconds"] = queue.last_progress_seconds
         stalled = stall_reason(queue, settings.stall_seconds)
-        if stalled and services.workers is None:
+        if stalled and not services.runs_scans:
             # An API-only replica (`serve --workers 0`) can still take webhooks and answer: the
             # stall is the workers' failure, reported here (and in /metrics) but not failing the
             # readiness that keeps this replica behind the load balancer.
@@ -96,11 +110,7 @@ async def healthz(request: web.Request) -> web.Response:
         reasons.insert(0, (written.public, str(written)))
     request.app[_HEALTH_LOG].saw([detail for _, detail in reasons])
     operator = holds_api_token(request, settings.api_token)
-    workers = services.workers
-    if workers is None:
-        body["workers"] = "none in this process"
-    else:
-        body["workers"] = workers.owner if operator else "running in this process"
+    body["workers"] = _workers(services, operator)
     if reasons:
         shown = [detail if operator else public for public, detail in reasons]
         return web.json_response({"status": "unavailable", "reasons": shown, **body}, status=503)
@@ -146,6 +156,8 @@ async def metrics(request: web.Request) -> web.Response:
         store = services.store
         loads = await asyncio.wait_for(store.registry_load(), services.settings.health_timeout)
         registry.set_registry_load(loads)
+    if services.worker_processes is not None:  # what each worker process counted before this request
+        await services.worker_processes.sync(SYNC_SECONDS)
     # In a thread: the process collector reads /proc (its fd count lists every open descriptor,
     # 4 ms at 10,000 long polls), file I/O that must not hold the loop's heartbeats and polls.
     text = await asyncio.to_thread(registry.render)

@@ -3,7 +3,11 @@ side's (webhook deliveries, admission reviews), in one registry per service."""
 
 from __future__ import annotations
 
-from jobs.metrics import Counter, Histogram, JobMetrics
+import gc
+
+from jobs.metrics import Counter, Gauge, Histogram, JobMetrics
+
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class ServiceMetrics(JobMetrics):
@@ -27,6 +31,21 @@ class ServiceMetrics(JobMetrics):
                 "gpubadge_admission_reviews_total",
                 "POST /k8s/admit answers, by webhook (validate, mutate) and decision (allowed, warned, denied, patched).",
                 ["webhook", "decision"],
+            )
+        )
+        self.gc_frozen = add(
+            Gauge(
+                "gpubadge_gc_frozen_objects",
+                "Objects `serve` froze out of the cyclic collector's reach (jobs/garbage_collection.py):"
+                " what it built before serving, and what survived each step of memory growth.",
+                collect=lambda: {(): float(gc.get_freeze_count())},
+            )
+        )
+        self.loop_lag = add(
+            Histogram(
+                "gpubadge_event_loop_lag_seconds",
+                "How late `serve`'s event loop ran a timer due every 20 ms: how long anything due waited.",
+                buckets=LAG_BUCKETS,
             )
         )
         self.admission_seconds = add(

@@ -175,6 +175,12 @@ class ServiceSettings(JobSettings):
         gt=0,
         description="agents' heartbeats are kept in memory and written to the store in one batch this often",
     )
+    loop_stall_seconds: float = Field(
+        default=0.1,
+        ge=0,
+        description="an event-loop stall this long is logged with what the loop's thread was running"
+        " (jobs/event_loop.py; every lag counts in gpubadge_event_loop_lag_seconds); 0: not logged",
+    )
     long_poll_max: int = Field(
         default=12000,
         ge=1,

@@ -3,7 +3,9 @@
 The job runtime serves nothing itself (jobs/ imports no web/); the worker command hands
 `health_listener` to `jobs.worker_process.run_workers`, which starts it once the workers run and
 stops it after they drained. The routes are web/health.py's, behind the same connection guard as
-`serve`'s listeners, over the worker's own store, metrics and workers.
+`serve`'s listeners and, with `public_reads=false`, the same private-reads middleware (/metrics
+asks for the API token; /healthz stays open for probes), over the worker's own store, metrics and
+workers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from jobs.worker_process import Listener, Stop
 from store import AsyncStore
 from web import health
 from web.guards.connections import GuardedRunner, connection_limits
+from web.guards.read_access import private_reads
 from web.metrics import ServiceMetrics
 from web.settings import ServiceSettings
 from web.state import SERVICES, Services
@@ -29,7 +32,9 @@ def health_listener(settings: ServiceSettings, metrics: ServiceMetrics, port: in
         )
         services.workers = runtime.workers
         services.attacher = runtime.attacher
-        app = web.Application()
+        # With private reads, /metrics needs the API token here as on `serve`'s port (/healthz stays open).
+        middlewares = [] if settings.public_reads else [private_reads(settings)]
+        app = web.Application(middlewares=middlewares)
         app[SERVICES] = services
         health.setup_routes(app)
         runner = GuardedRunner(app, connection_limits(settings), access_log=None)

@@ -382,6 +382,11 @@ class AnalysisPool:
                 self._workers.append(_Worker(process))
             return min(self._workers, key=lambda worker: worker.sessions)
 
+    async def start(self) -> None:
+        """Start the analysis processes (they otherwise start at the first session)."""
+        if self.processes > 0:
+            await self._worker()
+
     async def open(
         self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float, *, cuda: bool
     ) -> Session:

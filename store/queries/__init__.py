@@ -80,7 +80,24 @@ from store.queries.tags import (
 # `AsyncStore.run`, each makes the process forget the references it looked up (`store.report_lookups`).
 REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save_reports, save_scan_results})
 
+# The reads of the job queue: on SQLite, each first waits for the jobs this process's intake has
+# journaled to reach the store (`store.sqlite_intake`), so a job is visible once it is queued.
+JOB_READS = frozenset(
+    {
+        job,
+        jobs,
+        pending_job_for,
+        latest_job_for,
+        queue_depth,
+        next_job_due,
+        queued_jobs,
+        lease_owners,
+        finished_jobs,
+    }
+)
+
 __all__ = [
+    "JOB_READS",
     "REPORT_WRITES",
     "IndexOf",
     "ScanVerdict",

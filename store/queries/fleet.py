@@ -30,13 +30,15 @@ def upsert_server(
     reassign: bool = False,
     most_servers: int | None = None,
     uncounted: Sequence[str] = (),
+    origin: str = "",
 ) -> GpuClaims:
     """Register a server, or store its new inventory; either way it was heard from now.
 
     Its GPUs (`gpu_uuids`) become its own unless another server owns one: then nothing is written
     and `refused` names the owners, unless `reassign` (the fleet-wide agent token) takes them over.
     With `most_servers`, a server not registered yet is refused (`full`) once that many servers
-    other than `uncounted` (those with a per-agent token of their own) are registered."""
+    other than `uncounted` (those with a per-agent token of their own) are registered. `origin`
+    names the writing process in the notice, so its own registration, echoed back, is known."""
     if most_servers is not None:
         known = db.one("SELECT 1 FROM servers WHERE name = :name", {"name": name})
         if known is None:  # a count of the table less the few named: no scan comparing every name
@@ -57,7 +59,7 @@ def upsert_server(
         {"name": name, "inventory": inventory_json},
     )
     _stamp_now(db, name)
-    db.notify(FLEET_CHANNEL, "inventory")
+    db.notify(FLEET_CHANNEL, f"inventory {origin}".rstrip())
     return claims
 
 

@@ -11,7 +11,7 @@ from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
 from store.models import ImageRow
-from store.queries.tags import TagSeen, announce_reference, record_tags, resolve_tag
+from store.queries.tags import LayerSeen, TagSeen, announce_reference, record_tags, resolve_tag, save_layers
 
 # Exact totals up to this many matching images; beyond, the planner's estimate where the engine
 # has one (see `_count`).
@@ -139,9 +139,10 @@ def save_report(db: Db, report: ImageReport) -> None:
 
 
 @writes
-def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport]) -> None:
-    """A group commit of what concurrent scans write: tags seen, in order, then every report in
-    one batch (`save_reports`). One transaction for all of them."""
+def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport | LayerSeen]) -> None:
+    """A group commit of what concurrent scans write: layers' cache entries, tags seen, in order,
+    then every report in one batch (`save_reports`). One transaction for all of them."""
+    save_layers(db, [write for write in writes if isinstance(write, LayerSeen)])
     record_tags(db, [write for write in writes if isinstance(write, TagSeen)])
     reports = [write for write in writes if isinstance(write, ImageReport)]
     if reports:

@@ -191,10 +191,25 @@ def layer_evidence(db: Db, digest: str) -> str | None:
     return row[0] if row else None
 
 
+@dataclass(frozen=True)
+class LayerSeen:
+    """A layer's cache entry (the evidence its walk found), written with a batch (`save_layers`)."""
+
+    digest: str
+    evidence_json: str
+
+
+_SAVE_LAYER = (
+    "INSERT INTO layers (digest, evidence, stored_at) VALUES (:digest, :evidence, :now)"
+    " ON CONFLICT (digest) DO UPDATE SET evidence = excluded.evidence, stored_at = excluded.stored_at"
+)
+
+
 @writes
 def save_layer_evidence(db: Db, digest: str, evidence_json: str) -> None:
-    db.execute(
-        "INSERT INTO layers (digest, evidence, stored_at) VALUES (:digest, :evidence, :now)"
-        " ON CONFLICT (digest) DO UPDATE SET evidence = excluded.evidence, stored_at = excluded.stored_at",
-        {"digest": digest, "evidence": evidence_json},
-    )
+    save_layers(db, [LayerSeen(digest, evidence_json)])
+
+
+def save_layers(db: Db, layers: Sequence[LayerSeen]) -> None:
+    """Layers' cache entries, one statement for the batch (the last entry of a digest wins)."""
+    db.many(_SAVE_LAYER, [{"digest": layer.digest, "evidence": layer.evidence_json} for layer in layers])

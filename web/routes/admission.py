@@ -138,7 +138,7 @@ async def _answer(
     if not request.dry_run and unknown:  # queuing a scan is our one side effect: NoneOnDryRun
         if may_queue:
             _scan_unknown(services, background, unknown)
-        elif services.settings.admission_scan_unknown and services.workers is not None:
+        elif services.settings.admission_scan_unknown and services.runs_scans:
             warnings.append(
                 "gpubadge queued no scan of the unknown images: this review carries neither the API token nor"
                 " a client certificate signed by GPUBADGE_ADMISSION_CLIENT_CA"
@@ -217,7 +217,7 @@ def _scan_unknown(services: Services, background: set[asyncio.Task[Any]], images
     """Queue scans of unknown images on allowed registries, so the next pod is checked; never awaited here.
 
     At most GPUBADGE_MAX_SCANS_PER_DELIVERY of them; none when the queue is full."""
-    if not services.settings.admission_scan_unknown or services.workers is None:
+    if not services.settings.admission_scan_unknown or not services.runs_scans:
         return
     wanted = []
     for image in images:

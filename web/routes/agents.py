@@ -297,6 +297,7 @@ async def register_server(request: web.Request) -> web.Response:
             reassign=fleet_wide,
             most_servers=settings.max_servers_per_agent_token if counted else None,
             uncounted=list(settings.agent_tokens),
+            origin=request.app[FLEET_INDEX].origin,
         )
         if claims.full:
             most = settings.max_servers_per_agent_token

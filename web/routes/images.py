@@ -10,6 +10,7 @@ from aiohttp import web
 
 from placement.image_needs import image_needs
 from scanner.models import ImageReport
+from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, queries
 from web.api_description import (
@@ -24,7 +25,6 @@ from web.api_description import (
 from web.api_models import JobView
 from web.errors import json_error, json_http_error
 from web.lookups import MAX_PAGE, find_report, int_param, public_wait, scan_jobs_of, wait_param
-from web.security import redact_secrets
 from web.state import services_of
 from web.views.image_views import row_carried_cuda, row_gpu
 

@@ -19,10 +19,11 @@ from markupsafe import Markup
 from jobs.scan_requests import ScanRefused, request_scan
 from placement.image_needs import image_needs
 from scanner.models import ImageReport
+from scanner.redaction import redact_secrets
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import queries
 from web.lookups import UNKNOWN_TIME, find_report, find_report_in_index, scan_jobs_of
-from web.security import redact_secrets, token_matches
+from web.security import token_matches
 from web.state import Services, services_of
 from web.views.badge_svg import badge_for, render_badge
 from web.views.image_views import (
@@ -151,9 +152,7 @@ async def detail_context(
         "history": tag_history_view(history, reference.name, digests),
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
-        "progress": progress_of(str(reference), services.scanner.layer_progress())
-        if report.pending and services.scanner is not None
-        else None,
+        "progress": progress_of(str(reference), services.layer_progress()) if report.pending else None,
         "referrers": [
             status
             for digest in dict.fromkeys([report.digest or "", *(p.digest for p in report.platforms)])
@@ -194,7 +193,7 @@ async def scans_response(
 ) -> web.Response:
     services = services_of(request)
     store = services.store
-    deep = services.scanner.layer_progress() if services.scanner is not None else {}
+    deep = services.layer_progress()
     recent = await store.run(queries.jobs, limit=50)
     names: dict[str, tuple[str, str]] = {}
     for job in recent:

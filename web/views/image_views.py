@@ -22,10 +22,10 @@ from placement.image_needs import (
 from scanner.facts.badges import LAYER_STATE_BADGES, LIBC_BADGES
 from scanner.facts.require_grammar import describe_condition, parse_requirement_lenient
 from scanner.models import PlatformReport
+from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
 from store.queries import ScanVerdict
-from web.security import redact_secrets
 from web.views.templating import image_url
 
 MAX_PAGE = 1_000_000
