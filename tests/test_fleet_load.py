@@ -160,7 +160,11 @@ async def test_idle_polls_opened_together_end_at_their_own_phase(tmp_path: Path)
 
         ends = await asyncio.wait_for(asyncio.gather(*(held(f"node-{n}") for n in range(count))), 10)
     for waited, due in ends:  # each at its own point, within its wait
-        assert 0 < due <= wait and due - 0.02 <= waited <= due + 0.3, ends
+        assert 0 < due <= wait, ends
+        # a phase point that fell while the request was on its way is the next cycle's on the
+        # service's clock: the poll is then held one more `wait`
+        late = due < 0.3 and due + wait - 0.02 <= waited <= due + wait + 0.3
+        assert due - 0.02 <= waited <= due + 0.3 or late, ends
     assert max(w for w, _ in ends) - min(w for w, _ in ends) >= 0.3, ends  # spread, not one moment
 
 
