@@ -49,6 +49,7 @@ class QueueEvents:
         # True once another process's commits reach us too (PostgreSQL LISTEN); until then a waiter
         # re-checks every second, since another process sharing a SQLite file sends no events.
         self.cross_process = False
+        self._ending = False  # shutdown: every wait answers with what holds now
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop that threads (the PostgreSQL listener) hand their events to."""
@@ -100,6 +101,17 @@ class QueueEvents:
             for callback in list(self._on_queued):
                 callback()
 
+    def end_waits(self) -> None:
+        """Shutdown: every `wait_until`, now and from now on, checks its condition once more and
+        returns, so a held `?wait=` long poll answers at once instead of holding the exit back."""
+        self._ending = True
+        waiters, self._settled = self._settled, asyncio.Event()
+        waiters.set()
+        for events in self._keyed.values():
+            for event in events:
+                event.set()
+        self._keyed.clear()
+
     def fire_threadsafe(self, kind: Kind, payload: str = "") -> None:
         """From any thread; dropped when no loop is bound (or it is closed): nobody waits then."""
         loop = self._loop
@@ -114,8 +126,9 @@ class QueueEvents:
 
         With `key` (a job id, or a reference), only settles of that job or reference wake it: with
         many waiters, each settle then costs one re-check, not one per waiter. Bounded by
-        `timeout`; also re-checks every `SAFETY_RECHECK` seconds with a listener (only a lost or
-        differently-keyed notification would need it) and every `LOCAL_RECHECK` second without one.
+        `timeout` and by shutdown (`end_waits`); also re-checks every `SAFETY_RECHECK` seconds
+        with a listener (only a lost or differently-keyed notification would need it) and every
+        `LOCAL_RECHECK` second without one.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -129,7 +142,7 @@ class QueueEvents:
                 if await condition():
                     return True
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._ending:
                     return False
                 recheck = SAFETY_RECHECK if self.cross_process else LOCAL_RECHECK
                 await wait_set(settled, min(remaining, recheck))

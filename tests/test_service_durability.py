@@ -16,6 +16,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,3 +247,40 @@ def test_jobs_of_a_dead_local_worker_resume_at_the_next_start(
         assert wait_job(service.url, dead_job, 20.0)["state"] == "done"
         kept = wait_job(service.url, live_job, 0)
         assert kept["state"] == "running" and kept["attempts"] == 1, kept
+
+
+def test_sigterm_answers_held_long_polls_and_exits_at_once(tmp_path: Path) -> None:
+    """A caller's `?wait=60` (by-ref, public or with the token) must not hold SIGTERM back for a
+    minute: each held poll answers with what holds now, and `serve` exits at once."""
+    token = "sigterm-token"
+    env = {"GPUBADGE_WORKERS": "0", "GPUBADGE_API_TOKEN": token}
+    with run_service_process(tmp_path / "polls.db", env=env) as service:
+        process = service.process
+        assert process is not None
+        host, port = service.url.removeprefix("http://").split(":")
+        heads = [
+            "GET /api/images/by-ref?ref=127.0.0.1:9/never/scanned:1&wait=60 HTTP/1.1\r\nHost: t\r\n\r\n",
+            f"GET /api/images/by-ref?ref=127.0.0.1:9/never/scanned:2&wait=60 HTTP/1.1\r\nHost: t\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n",
+        ]
+        polls = []
+        for head in heads:
+            connection = socket.create_connection((host, int(port)), timeout=1.0)
+            connection.sendall(head.encode())
+            polls.append(connection)
+        for connection in polls:  # held: no answer within a second
+            with pytest.raises(TimeoutError):
+                connection.recv(1)
+        stopped = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        for connection in polls:
+            connection.settimeout(10.0)
+            answer = connection.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 "), answer[:80]
+            connection.close()
+        try:
+            returncode = process.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("gpubadge serve did not exit within 10 s of SIGTERM with polls held")
+        assert returncode == 0, service.log()[-2000:]
+        assert time.monotonic() - stopped < 5.0

@@ -90,6 +90,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
         routes.setup_routes(app)
     app.cleanup_ctx.append(_lifecycle(services, start_workers))
     app.cleanup_ctx.append(admission.tls_listener(services))
+    app.on_shutdown.append(_end_waits)
     _log_webhook_doors(settings)
     if settings.api_token is None:
         log.warning(
@@ -131,6 +132,12 @@ def _log_webhook_doors(settings: ServiceSettings) -> None:
         )
     else:
         log.info("webhook sources open: none; every source needs its secret")
+
+
+async def _end_waits(app: web.Application) -> None:
+    """Shutdown: held `?wait=` long polls (`by-ref`, a scan's status) answer now with what holds,
+    so that SIGTERM is not held back by a caller's wait of up to a minute."""
+    app[SERVICES].store.events.end_waits()
 
 
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
