@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,55 @@ def skip_unless_required(reason: str) -> None:
     if _set(REQUIRE_SYSTEM_ENV):
         pytest.fail(f"{REQUIRE_SYSTEM_ENV} is set (make test installs it), but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+# The modules that read NVIDIA's wheels and the GPU packages' members from PyPI (cached under
+# .cache/wheels): when any of them runs, `tests/prefetch.py` fills that cache beside the suite.
+PREFETCHED_MODULES = {
+    "test_carried_cuda",
+    "test_deep_scan",
+    "test_fatbin",
+    "test_gpu_dispatch",
+    "test_gpu_modules",
+    "test_gpu_packages",
+    "test_inferred",
+    "test_nvcc_programs",
+}
+_PREFETCH: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the cache's prefetch (`python -m tests.prefetch`, lowest priority) when the session will
+    run a test that reads PyPI's wheels, unless GPUBADGE_PREFETCH=0."""
+    if os.environ.get("GPUBADGE_PREFETCH", "1") == "0" or session.config.option.collectonly:
+        return
+    if any(
+        item.module is not None and item.module.__name__.rpartition(".")[2] in PREFETCHED_MODULES
+        for item in session.items
+        if isinstance(item, pytest.Function)
+    ):
+        root = Path(__file__).resolve().parent.parent
+        _PREFETCH.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.prefetch"],
+                cwd=root,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A prefetch still running when the tests are done is stopped (each entry it writes is whole
+    or absent: written aside, then renamed)."""
+    for process in _PREFETCH:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 @pytest.fixture(scope="session")

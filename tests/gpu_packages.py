@@ -38,7 +38,7 @@ from pathlib import Path
 from scanner.layers.cuda_evidence import CUDA_EVIDENCE_SCHEMA, CudaEntryCollector, CudaLayerEvidence
 from scanner.layers.limits import AnalysisLimits, ScanBudget
 from scanner.layers.walk import LayerWalk
-from tests.nvidia_wheels import CACHE
+from tests.nvidia_wheels import CACHE, cache_lock
 from tests.pypi_members import RemoteWheel, member_files
 
 SITE = "/usr/local/lib/python3.11/site-packages"
@@ -260,6 +260,11 @@ def layer_evidence(parts: Sequence[Part]) -> CudaLayerEvidence:
         ).encode()
     ).hexdigest()[:24]
     cached = CACHE / "evidence" / f"{key}.json"
+    with cache_lock(f"evidence-{key}"):
+        return _layer_evidence(parts, cached)
+
+
+def _layer_evidence(parts: Sequence[Part], cached: Path) -> CudaLayerEvidence:
     if cached.exists():
         return CudaLayerEvidence.model_validate_json(cached.read_bytes())
     collector = CudaEntryCollector()
@@ -305,3 +310,71 @@ def torch_214() -> Part:
         "libtorch_nvshmem.so",
         "version.py",
     )
+
+
+# The images' layers, top-down, as tests/test_gpu_packages.py reads them.
+def vllm_layer() -> list[Part]:
+    """vLLM's own package (its torch and CUDA layers: `torch_214`, `cuda13_stack`)."""
+    return [python_package(VLLM)]
+
+
+def bitsandbytes_layers() -> list[list[Part]]:
+    """bitsandbytes beside torch 2.10.0+cu128's version file and CUDA 12.8's runtime and cuBLAS."""
+    return [
+        [python_package(BITSANDBYTES)],
+        [libraries(TORCH_210, "version.py")],  # torch.version.cuda = '12.8'
+        [
+            libraries(CUDA12["cudart"], "libcudart.so.12"),
+            libraries(CUDA12["cublas"], "libcublas.so.12", "libcublasLt.so.12"),
+            libraries(CUDA12["nvjitlink"], "libnvJitLink.so.12"),
+        ],
+    ]
+
+
+def onnxruntime_layers() -> list[list[Part]]:
+    """ONNX Runtime GPU over the CUDA 13 libraries it links."""
+    return [
+        [python_package(ONNXRUNTIME)],
+        [
+            libraries(CUDA13["cudart"], "libcudart.so.13"),
+            libraries(CUDA13["cublas"], "libcublas.so.13", "libcublasLt.so.13"),
+            libraries(CUDA13["curand"], "libcurand.so.10"),
+            libraries(CUDA13["cudnn"], "libcudnn.so.9"),
+        ],
+    ]
+
+
+def tensorflow_layers() -> list[list[Part]]:
+    return [[python_package(TENSORFLOW)]]
+
+
+# flashinfer-cubin's GEMM directories whole and its attention kernels built for sm_100a: every kind of
+# cubin it ships (sm_100f, sm_100a, sm_103a), 2,830 of its 15,970 files (bench/package_bench.py reads all).
+FLASHINFER_CUBIN_PART = re.compile(r"/(?:gemm-|deep-gemm/|batched_gemm-)|/fmhaSm100aKernel_[^/]*\.cubin$")
+
+
+def _flashinfer_cubin_member(name: str) -> bool:
+    return (name.endswith(".cubin") and FLASHINFER_CUBIN_PART.search(name) is not None) or name.endswith(
+        (".py", "RECORD")
+    )
+
+
+def flashinfer_layers() -> list[list[Part]]:
+    """flashinfer-cubin's part (`FLASHINFER_CUBIN_PART`) and FlashInfer with its `.ptx` files."""
+    return [
+        [members(FLASHINFER_CUBIN, _flashinfer_cubin_member, "cubins-part")],
+        [python_package(FLASHINFER, r"\.ptx$")],
+    ]
+
+
+def package_layers() -> list[list[Part]]:
+    """Every layer the package tests read, in the order their fixtures meet them (`tests/prefetch.py`)."""
+    return [
+        cuda13_stack(),
+        [torch_214()],
+        vllm_layer(),
+        *bitsandbytes_layers(),
+        *onnxruntime_layers(),
+        *tensorflow_layers(),
+        *flashinfer_layers(),
+    ]

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import threading
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,21 @@ from fixtures.cuda_program import PROGRAM_SOURCE
 CACHE = Path(
     os.environ.get("GPUBADGE_WHEEL_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "wheels")
 )
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold the cache entry `name` alone, across threads and processes (`tests/prefetch.py` fills the
+    cache beside the suite): an flock on its own lock file, so one download or build is never made
+    twice, and a holder that dies releases it."""
+    locks = CACHE / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with (locks / f"{name}.lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,14 @@ CUOBJDUMP = PinnedWheel(
     "38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58",
 )
 
+# CUDA 12.8's compiler wheel holds ptxas alone: enough to write cubins in CUDA 12's ELF ABI.
+PTXAS_12_8 = PinnedWheel(
+    "nvidia-cuda-nvcc-cu12==12.8.93",
+    "nvidia_cuda_nvcc_cu12-12.8.93-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+    "2d6dc36fb7cb5ac9c0b8825bc13d193c35487a315664007287d0126531238011",
+    ("manylinux2010_x86_64", "manylinux_2_12_x86_64"),
+)
+
 
 @dataclass(frozen=True)
 class Toolkit:
@@ -147,6 +172,11 @@ def _sha256(path: Path) -> str:
 
 def wheel_path(wheel: PinnedWheel) -> Path:
     """The verified wheel file, downloaded from PyPI on first use."""
+    with cache_lock(wheel.filename):
+        return _wheel_path(wheel)
+
+
+def _wheel_path(wheel: PinnedWheel) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / wheel.filename
     if not path.exists() or _sha256(path) != wheel.sha256:
@@ -209,7 +239,7 @@ def nvcc(toolkit: Toolkit = CUDA_13_0) -> Path:
     """The toolkit's nvcc, its wheels unpacked into one tree in the cache, as `pip install` lays them out."""
     root = CACHE / f"nvcc-{toolkit.version}"
     target = root / "nvidia" / "cu13" / "bin" / "nvcc"
-    with _UNPACKING:
+    with _UNPACKING, cache_lock(root.name):
         if not target.exists():
             _unpack(toolkit, root)
     return target

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from tests.nvidia_wheels import CACHE
+from tests.nvidia_wheels import CACHE, cache_lock
 
 INDEX = os.environ.get("GPUBADGE_PYPI_SIMPLE", "https://pypi.org/simple")
 TIMEOUT = 120
@@ -192,7 +192,7 @@ def member_files(wheel: RemoteWheel, wanted: Callable[[str], bool]) -> dict[str,
     """Every member of `wheel` that `wanted(name)` accepts, as cached files: {name in the wheel: path}."""
     root = CACHE / "members" / wheel.key
     listing = root / ".members.json"
-    with _LOCK:
+    with _LOCK, cache_lock(f"members-{wheel.key}"):
         if listing.exists():
             names = json.loads(listing.read_text())
             chosen = [n for n in names if wanted(n)]

@@ -26,15 +26,8 @@ from scanner.layers.gpu_modules import (
     parse_ptx_head,
 )
 from scanner.layers.tarstream import TarEntry
-from tests.nvidia_wheels import CACHE, CUDA_13_0, PinnedWheel, cuobjdump, cuobjdump_listing, nvcc, wheel_path
+from tests.nvidia_wheels import CACHE, CUDA_13_0, PTXAS_12_8, cuobjdump, cuobjdump_listing, nvcc, wheel_path
 
-# CUDA 12.8's compiler wheel holds ptxas alone: enough to write cubins in CUDA 12's ELF ABI.
-PTXAS_12_8 = PinnedWheel(
-    "nvidia-cuda-nvcc-cu12==12.8.93",
-    "nvidia_cuda_nvcc_cu12-12.8.93-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
-    "2d6dc36fb7cb5ac9c0b8825bc13d193c35487a315664007287d0126531238011",
-    ("manylinux2010_x86_64", "manylinux_2_12_x86_64"),
-)
 NEW_ABI_TARGETS = [
     "sm_75",
     "sm_80",

@@ -33,22 +33,20 @@ from scanner.settings import ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
 from tests.gpu_packages import (
-    BITSANDBYTES,
-    CUDA12,
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
-    ONNXRUNTIME,
     SITE,
-    TENSORFLOW,
-    TORCH_210,
     VLLM,
+    bitsandbytes_layers,
     cuda13_stack,
+    flashinfer_layers,
     layer_evidence,
     libraries,
-    members,
-    python_package,
+    onnxruntime_layers,
+    tensorflow_layers,
     torch_214,
+    vllm_layer,
 )
 from tests.nvidia_wheels import cuobjdump
 from tests.pypi_members import member_files
@@ -186,56 +184,27 @@ def torch14() -> CudaLayerEvidence:
 
 @pytest.fixture(scope="module")
 def vllm(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
-    return image([layer_evidence([python_package(VLLM)]), torch14, cuda13])
+    return image([layer_evidence(vllm_layer()), torch14, cuda13])
 
 
 @pytest.fixture(scope="module")
 def bitsandbytes() -> ImageFacts:
-    cuda12 = layer_evidence(
-        [
-            libraries(CUDA12["cudart"], "libcudart.so.12"),
-            libraries(CUDA12["cublas"], "libcublas.so.12", "libcublasLt.so.12"),
-            libraries(CUDA12["nvjitlink"], "libnvJitLink.so.12"),
-        ]
-    )
-    torch_cu128 = layer_evidence([libraries(TORCH_210, "version.py")])  # torch.version.cuda = '12.8'
-    return image([layer_evidence([python_package(BITSANDBYTES)]), torch_cu128, cuda12])
+    return image([layer_evidence(layer) for layer in bitsandbytes_layers()])
 
 
 @pytest.fixture(scope="module")
 def onnxruntime() -> ImageFacts:
-    stack = layer_evidence(
-        [
-            libraries(CUDA13["cudart"], "libcudart.so.13"),
-            libraries(CUDA13["cublas"], "libcublas.so.13", "libcublasLt.so.13"),
-            libraries(CUDA13["curand"], "libcurand.so.10"),
-            libraries(CUDA13["cudnn"], "libcudnn.so.9"),
-        ]
-    )
-    return image([layer_evidence([python_package(ONNXRUNTIME)]), stack])
+    return image([layer_evidence(layer) for layer in onnxruntime_layers()])
 
 
 @pytest.fixture(scope="module")
 def tensorflow() -> ImageFacts:
-    return image([layer_evidence([python_package(TENSORFLOW)])])
-
-
-# flashinfer-cubin's GEMM directories whole and its attention kernels built for sm_100a: every kind of
-# cubin it ships (sm_100f, sm_100a, sm_103a), 2,830 of its 15,970 files (bench/package_bench.py reads all).
-FLASHINFER_CUBIN_PART = re.compile(r"/(?:gemm-|deep-gemm/|batched_gemm-)|/fmhaSm100aKernel_[^/]*\.cubin$")
+    return image([layer_evidence(layer) for layer in tensorflow_layers()])
 
 
 @pytest.fixture(scope="module")
 def flashinfer() -> ImageFacts:
-    cubins = members(
-        FLASHINFER_CUBIN,
-        lambda n: (
-            (n.endswith(".cubin") and FLASHINFER_CUBIN_PART.search(n) is not None)
-            or n.endswith((".py", "RECORD"))
-        ),
-        "cubins-part",
-    )
-    return image([layer_evidence([cubins]), layer_evidence([python_package(FLASHINFER, r"\.ptx$")])])
+    return image([layer_evidence(layer) for layer in flashinfer_layers()])
 
 
 # -- vLLM 0.33.0 with its torch 2.14.0+cu130
