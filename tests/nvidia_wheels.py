@@ -311,11 +311,12 @@ def cached_layer(name: str, wheels: Sequence[PinnedWheel], build: Callable[[], b
     key = hashlib.sha256("\n".join([name, *(w.sha256 for w in wheels)]).encode()).hexdigest()[:16]
     blob_path = CACHE / "layers" / f"{name}-{key}.tar.zst"
     diff_path = blob_path.with_suffix(".diffid")
-    if not (blob_path.exists() and diff_path.exists()):
-        raw = build()
-        blob_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = blob_path.with_suffix(".partial")
-        partial.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw))
-        diff_path.write_text("sha256:" + hashlib.sha256(raw).hexdigest())
-        partial.replace(blob_path)
-    return blob_path.read_bytes(), diff_path.read_text()
+    with cache_lock(f"layer-{name}-{key}"):
+        if not (blob_path.exists() and diff_path.exists()):
+            raw = build()
+            blob_path.parent.mkdir(parents=True, exist_ok=True)
+            partial = blob_path.with_suffix(".partial")
+            partial.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw))
+            diff_path.write_text("sha256:" + hashlib.sha256(raw).hexdigest())
+            partial.replace(blob_path)
+        return blob_path.read_bytes(), diff_path.read_text()

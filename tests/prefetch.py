@@ -35,6 +35,7 @@ from tests.nvidia_wheels import (
     nvcc,
     wheel_path,
 )
+from tests.test_carried_cuda import cuda_base_layer, torch27_libs_layer
 
 DISABLE = "GPUBADGE_PREFETCH"  # "0": the suite fetches what it needs as it goes
 
@@ -56,8 +57,11 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
         CUOBJDUMP,
     ]
     found: list[tuple[str, Callable[[], object]]] = [
-        (wheel.filename, lambda wheel=wheel: wheel_path(wheel)) for wheel in wheels
+        (wheel.filename, lambda wheel=wheel: wheel_path(wheel)) for wheel in wheels[:5]
     ]
+    # test_carried_cuda's two big layers (their wheels' files, tar'd and compressed once)
+    found += [("torch27-libs layer", torch27_libs_layer), ("cuda-12.4-base layer", cuda_base_layer)]
+    found += [(wheel.filename, lambda wheel=wheel: wheel_path(wheel)) for wheel in wheels[5:]]
     found += [("nvcc 13.0", lambda: nvcc(CUDA_13_0)), ("cuobjdump", cuobjdump)]
     for number, layer in enumerate(package_layers()):  # test_gpu_packages
         found.append((f"package layer {number}", lambda layer=layer: layer_evidence(layer)))

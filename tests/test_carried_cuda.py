@@ -71,6 +71,30 @@ def wheel_entries(wheel: PinnedWheel) -> list[Entry]:
     return [file(f"{SITE}/{path}", data) for path, data in wheel_members(wheel).items()]
 
 
+def torch27_libs_layer() -> LayerSpec:
+    """The libraries torch 2.7.0 pins and its version file, one zstd layer (cached; `tests/prefetch.py`)."""
+    wheels = (CUSPARSELT_CU12, NCCL_CU12, CURAND_CU12)
+
+    def tar() -> bytes:
+        entries = [entry for wheel in wheels for entry in wheel_entries(wheel)]
+        entries.append(file(f"{SITE}/torch/version.py", torch_version("2.7.0+cu128", "12.8")))
+        return tar_bytes(entries)
+
+    blob, diff_id = cached_layer("torch27-libs", wheels, tar)
+    return LayerSpec([], compression="zstd", blob=blob, diff_id=diff_id)
+
+
+def cuda_base_layer() -> LayerSpec:
+    """An nvidia/cuda 12.4 base's toolkit tree with its cuRAND, one zstd layer (cached)."""
+
+    def tar() -> bytes:
+        _, curand = wheel_member(CURAND_CU12, "/libcurand.so.10")
+        return tar_bytes([*toolkit("12.4.1").entries, file(CURAND_BASE_LIB, curand)])
+
+    blob, diff_id = cached_layer("cuda-12.4-base", (CURAND_CU12,), tar)
+    return LayerSpec([], compression="zstd", blob=blob, diff_id=diff_id)
+
+
 def declared(cuda: str) -> dict[str, str]:
     """The config of a `FROM nvidia/cuda:<cuda>` image (one brand clause, as the real ones have many)."""
     short = ".".join(cuda.split(".")[:2])
@@ -84,22 +108,7 @@ def declared(cuda: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def images(registry: LocalRegistry, push: Pusher) -> Iterator[dict[str, str]]:
-    torch27_wheels = (CUSPARSELT_CU12, NCCL_CU12, CURAND_CU12)
-
-    def torch27_tar() -> bytes:
-        entries = [entry for wheel in torch27_wheels for entry in wheel_entries(wheel)]
-        entries.append(file(f"{SITE}/torch/version.py", torch_version("2.7.0+cu128", "12.8")))
-        return tar_bytes(entries)
-
-    blob, diff_id = cached_layer("torch27-libs", torch27_wheels, torch27_tar)
-    torch27_libs = LayerSpec([], compression="zstd", blob=blob, diff_id=diff_id)
-
-    def cuda_base_tar() -> bytes:
-        _, curand = wheel_member(CURAND_CU12, "/libcurand.so.10")
-        return tar_bytes([*toolkit("12.4.1").entries, file(CURAND_BASE_LIB, curand)])
-
-    blob, diff_id = cached_layer("cuda-12.4-base", (CURAND_CU12,), cuda_base_tar)
-    cuda_base = LayerSpec([], compression="zstd", blob=blob, diff_id=diff_id)
+    torch27_libs, cuda_base = torch27_libs_layer(), cuda_base_layer()
     cu130 = LayerSpec(
         [
             *wheel_entries(CUDA_RUNTIME_13),
