@@ -48,7 +48,7 @@ from store.models import (
 )
 from store.queries import JOB_READS
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
-from store.sqlite_access import WriterLock, create_private_file, unwritable_hint
+from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
 
@@ -209,16 +209,8 @@ class SqliteStore(SharedMethods):
         lock = self._write_lock
         lock.acquire(urgent=urgent)  # not `hold`: one generator less on the webhook's commit path
         try:
-            conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate_transaction(self._writer) as conn:
                 yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
         except sqlite3.OperationalError as exc:
             raise StoreUnavailable(
                 f"the SQLite store {self.path} cannot be written: {exc}",

@@ -1,15 +1,33 @@
 """How processes and threads share one SQLite file: the writer lock's fast lane for webhook intake,
 how a new file and its directory are made (the service user's alone), and why a file cannot be
-opened, in words SQLite does not give. Used by `store.sqlite`.
+opened, in words SQLite does not give; one immediate transaction on a writer connection. Used by
+`store.sqlite` and `store.sqlite_intake`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def immediate_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """`BEGIN IMMEDIATE` on `conn` (the write lock taken at once), COMMIT when the block ends and
+    ROLLBACK when it raises. The caller holds the process's writer lock."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
 
 
 class WriterLock:

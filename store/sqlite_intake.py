@@ -34,7 +34,7 @@ from typing import Literal
 
 from store.models import EnqueueBatch, Job
 from store.queries.jobs import RESCAN_KEY, dedupe_key
-from store.sqlite_access import create_private_file
+from store.sqlite_access import create_private_file, immediate_transaction
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS journal_meta (id INTEGER PRIMARY KEY CHECK (id = 1), journal TEXT NOT NULL)",
@@ -127,16 +127,8 @@ class IntakeJournal:
     @contextlib.contextmanager
     def _transaction_held(self) -> Iterator[sqlite3.Connection]:
         """One transaction on the writer; the caller holds `_write_lock`."""
-        conn = self._writer
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with immediate_transaction(self._writer) as conn:
             yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-            raise
 
     def record(
         self, batches: Sequence[EnqueueBatch], store: sqlite3.Connection, now: datetime
