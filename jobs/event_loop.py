@@ -12,8 +12,8 @@ Every request `serve` answers waits for its one event loop; a callback that runs
 collection, a fleet's stamps compared, a decision made on the loop) or a thread that keeps the
 interpreter lock holds every answer up by as long. The monitor measures that lag where it
 happens: a timer on the loop is due every `TICK_SECONDS`, and how late it fires is the loop's
-lag, counted in `gpubadge_event_loop_lag_seconds` (a histogram). A watchdog thread looks at the
-last tick every `WATCH_SECONDS`; when the loop has not ticked for `stall_seconds`
+lag, counted in `gpubadge_event_loop_lag_seconds` (a histogram). A watchdog thread sleeps until
+the next tick is overdue; when the loop has not ticked for `stall_seconds`
 (GPUBADGE_LOOP_STALL_SECONDS) it takes, once per stall, the loop thread's stack and where every
 other thread is, and the stall is logged with them when the loop comes back, with how long it
 lasted and how much of that the loop's thread spent waiting for a core (`/proc`'s schedstat: a
@@ -45,7 +45,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 TICK_SECONDS = 0.02  # the loop's timer: its lateness is the lag
-WATCH_SECONDS = 0.005  # the watchdog looks this often
 STACK_DEPTH = 12  # frames of the loop thread's stack kept for the log
 
 
@@ -105,28 +104,36 @@ class LoopLagMonitor:
             )
 
     def _watch(self) -> None:
-        """The watchdog thread: once per stall, the loop thread's stack and where the others are."""
-        while not self._stopping.wait(WATCH_SECONDS):
-            if (
-                self._stall_stack is None
-                and time.monotonic() - self._last_tick > TICK_SECONDS + self.stall_seconds
-            ):
-                frames = sys._current_frames()
-                frame = frames.get(self._loop_thread)
-                if frame is None:
-                    continue
-                names = {thread.ident: thread.name for thread in threading.enumerate()}
-                others = [
-                    f"  thread {names.get(ident, ident)}: {other.f_code.co_name}"
-                    f" ({other.f_code.co_filename.rpartition('/')[2]}:{other.f_lineno})\n"
-                    for ident, other in frames.items()
-                    if ident not in (self._loop_thread, threading.get_ident())
-                ]
-                self._stall_stack = [
-                    *traceback.format_stack(frame, limit=STACK_DEPTH),
-                    "other threads:\n",
-                    *others,
-                ]
+        """The watchdog thread: once per stall, the loop thread's stack and where the others are.
+
+        It sleeps until the loop's next tick is `stall_seconds` overdue, so a loop that keeps time
+        wakes it a few times a second (polling every few milliseconds cost an idle `serve` 11 ms of
+        CPU a second); during a stall it looks again each tick's length until the loop is back."""
+        while True:
+            overdue_in = self._last_tick + TICK_SECONDS + self.stall_seconds - time.monotonic()
+            if overdue_in > 0:
+                if self._stopping.wait(overdue_in):
+                    return
+                continue
+            if self._stall_stack is None:
+                self._stall_stack = self._stacks()
+            if self._stopping.wait(TICK_SECONDS):
+                return
+
+    def _stacks(self) -> list[str] | None:
+        """The loop thread's stack and one line for each other thread; None if it is gone."""
+        frames = sys._current_frames()
+        frame = frames.get(self._loop_thread)
+        if frame is None:
+            return None
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        others = [
+            f"  thread {names.get(ident, ident)}: {other.f_code.co_name}"
+            f" ({other.f_code.co_filename.rpartition('/')[2]}:{other.f_lineno})\n"
+            for ident, other in frames.items()
+            if ident not in (self._loop_thread, threading.get_ident())
+        ]
+        return [*traceback.format_stack(frame, limit=STACK_DEPTH), "other threads:\n", *others]
 
 
 def _run_queue_wait(schedstat: str) -> float:

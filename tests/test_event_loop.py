@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,25 @@ async def test_no_stall_is_logged_with_stall_logging_off(caplog: pytest.LogCaptu
         await monitor.stop()
     assert max(lags) >= 0.05  # still measured and counted
     assert not [record for record in caplog.records if "stalled" in record.getMessage()]
+
+
+async def test_the_watchdog_sleeps_while_the_loop_keeps_time() -> None:
+    """The watchdog wakes once per `TICK_SECONDS + stall_seconds` of a punctual loop, not every few
+    milliseconds: an idle `serve` paid 11 ms of CPU a second for 200 wake-ups of it."""
+    import threading
+
+    monitor = LoopLagMonitor(stall_seconds=0.1)
+    await monitor.start()
+    try:
+        [watchdog] = [thread for thread in threading.enumerate() if thread.name == "loop-watchdog"]
+
+        def wakeups() -> int:
+            status = Path(f"/proc/self/task/{watchdog.native_id}/status").read_text()
+            return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+        before = wakeups()
+        await asyncio.sleep(1.0)
+        woke = wakeups() - before
+    finally:
+        await monitor.stop()
+    assert woke <= 20, woke  # about 8 a second; polling every 5 ms was 200
