@@ -15,7 +15,7 @@ Each message is an object whose `k` says what it is:
 - `counts`: counts the worker keeps outside its metrics (bytes from registries, transfers cut
   off), whole, by metric name: `s` {name: [[labels, value], ...]} (`JobMetrics.process_counts`).
 - `progress`: the layer reads in flight, whole: `s` {reference: text} (`Scanner.layer_progress`).
-- `own`: `d`, the digest of an artifact the worker's attacher pushed.
+- `own`: `d`, the digest of an artifact the worker's attacher is about to push (sent at once).
 - `status`: a report attachment's status (`scanner.publish.AttachStatus`; a companion's parsed
   document never travels: the page reads that back from the registry).
 - `synced`: `n`, the answer to `serve`'s `sync <n>` line on the worker's stdin, sent after the
@@ -69,6 +69,13 @@ class WorkerReporter:
             self._transport.write(b"".join(self._buffer))
         self._buffer.clear()
 
+    def own(self, digest: str) -> None:
+        """An artifact the attacher is about to push: written at once, not gathered, so that `serve`
+        knows it before the registry's push event reaches it (the push itself takes less than
+        FLUSH_SECONDS on a near registry, and a scan queued for our own artifact is a wrong one)."""
+        self.send({"k": "own", "d": digest})
+        self.flush()
+
     def metric(self, name: str, change: str, labels: LabelValues, value: float) -> None:
         self.send({"k": "m", "n": name, "c": change, "l": list(labels), "v": value})
 
@@ -84,7 +91,7 @@ class WorkerReporter:
         that the worker is alive. Cancelled, it sends the last counts, so nothing counted is lost."""
         metrics.forward_to(self.metric)
         if attacher is not None:
-            attacher.on_own = lambda digest: self.send({"k": "own", "d": digest})
+            attacher.on_own = self.own
             attacher.on_status = lambda status: self.send({"k": "status", **status_fields(status)})
         self.send({"k": "ready", "owner": owner})
         try:
