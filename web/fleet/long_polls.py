@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from store import AsyncStore, queries
+from web.held_counts import HeldCounts
 
 MAX_POLL = 60.0
 
@@ -51,12 +52,11 @@ class LongPolls:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held = 0
         self.refused = 0  # polls answered 503 because `limit` were held
         self.closing = False
         self._generation: dict[str, int] = {}
         self._serials: dict[str, int] = {}  # server name -> its latest poll's serial
-        self._holding: dict[str, int] = {}  # server name -> its polls holding a slot
+        self._holding = HeldCounts()  # server name -> its polls holding a slot
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._actionable: set[str] = set()
         self._actionable_known = False
@@ -65,20 +65,19 @@ class LongPolls:
     def admit(self, name: str) -> bool:
         """Take a slot for a held poll of `name` (give it back with `release`); False when all are
         held, unless `name` already holds one, which this poll supersedes (`hold`)."""
-        if self.held >= self.limit and not self._holding.get(name):
+        if self._holding.total >= self.limit and not self._holding.of(name):
             self.refused += 1
             return False
-        self.held += 1
-        self._holding[name] = self._holding.get(name, 0) + 1
+        self._holding.take(name)
         return True
 
     def release(self, name: str) -> None:
-        self.held -= 1
-        left = self._holding.get(name, 0) - 1
-        if left > 0:
-            self._holding[name] = left
-        else:
-            self._holding.pop(name, None)
+        self._holding.give_back(name)
+
+    @property
+    def held(self) -> int:
+        """Polls holding a slot now."""
+        return self._holding.total
 
     def hold(self, name: str) -> int:
         """A poll of `name` starts holding: any older poll of it answers now (its agent has moved on to
@@ -174,26 +173,23 @@ class PublicWaits:
     def __init__(self, limit: int, per_peer: int) -> None:
         self.limit = limit
         self.per_peer = per_peer
-        self.held = 0
         self.refused = 0
-        self._by_peer: dict[str, int] = {}
+        self._held = HeldCounts()
 
     def admit(self, peer: str) -> bool:
-        held = self._by_peer.get(peer, 0)
-        if self.held >= self.limit or held >= self.per_peer:
+        if self._held.total >= self.limit or self._held.of(peer) >= self.per_peer:
             self.refused += 1
             return False
-        self.held += 1
-        self._by_peer[peer] = held + 1
+        self._held.take(peer)
         return True
 
     def release(self, peer: str) -> None:
-        self.held -= 1
-        left = self._by_peer.get(peer, 0) - 1
-        if left > 0:
-            self._by_peer[peer] = left
-        else:
-            self._by_peer.pop(peer, None)
+        self._held.give_back(peer)
+
+    @property
+    def held(self) -> int:
+        """Public polls held now."""
+        return self._held.total
 
 
 PUBLIC_WAITS = web.AppKey("public_waits", PublicWaits)

@@ -62,6 +62,7 @@ from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestHandler
 
 from web.fleet.long_polls import PublicWaits
+from web.held_counts import HeldCounts
 from web.security import bearer_token
 
 if TYPE_CHECKING:
@@ -135,15 +136,14 @@ class ProcessConnections:
     """Connections open in this process, over every guarded listener (the cap is per process), by
     peer address; and the cap and reserve the last guard started applies (`reserve_middleware`)."""
 
-    open = 0
-    by_peer: dict[str, int] = {}  # noqa: RUF012 - one process-wide tally, on the loop
+    held = HeldCounts()  # by peer address; one process-wide tally, on the loop
     cap = 0  # 0: no guarded listener in this process
     reserve = 0
 
     @classmethod
     def in_reserve(cls) -> bool:
         """More than the cap less the reserve are open: only reserved requests are served."""
-        return cls.cap > 0 and cls.open > cls.cap - cls.reserve
+        return cls.cap > 0 and cls.held.total > cls.cap - cls.reserve
 
 
 def _peer(transport: asyncio.BaseTransport) -> str:
@@ -292,13 +292,13 @@ class ConnectionGuard:
 
     @property
     def open(self) -> int:
-        return ProcessConnections.open
+        return ProcessConnections.held.total
 
     def admit(self, peer: str) -> bool:
         """Count a new connection from `peer`, or refuse it: at the cap, or, while the reserve is in
         use, when `peer` already holds its share of connections."""
-        opened = ProcessConnections.open
-        held = ProcessConnections.by_peer.get(peer, 0)
+        opened = ProcessConnections.held.total
+        held = ProcessConnections.held.of(peer)
         if opened >= self.cap:
             self.refused += 1
             self._warn(
@@ -312,17 +312,11 @@ class ConnectionGuard:
                 f" {self.reserve_per_peer} or more get no new one (GPUBADGE_CONNECTION_RESERVE_PER_PEER)"
             )
             return False
-        ProcessConnections.open = opened + 1
-        ProcessConnections.by_peer[peer] = held + 1
+        ProcessConnections.held.take(peer)
         return True
 
     def release(self, peer: str) -> None:
-        ProcessConnections.open -= 1
-        left = ProcessConnections.by_peer.get(peer, 0) - 1
-        if left > 0:
-            ProcessConnections.by_peer[peer] = left
-        else:
-            ProcessConnections.by_peer.pop(peer, None)
+        ProcessConnections.held.give_back(peer)
 
     def _warn(self, message: str) -> None:
         """Once a minute at most: a flood of refusals is one line, not one per connection."""
