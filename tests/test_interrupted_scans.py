@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from scanner.settings import ScannerSettings
 from store import AsyncStore, open_store, queries
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule
+from tests.test_pending_reports import layer_digests
 from tests.test_service_e2e import Reply, call
 
 TOKEN = "api-token-interrupted"
@@ -46,15 +45,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 async def ask(method: str, url: str, body: dict[str, object] | None = None, timeout: float = 40) -> Reply:
     """An HTTP call off the loop: the proxy answers on this loop meanwhile."""
     return await asyncio.to_thread(call, method, url, body, AUTH, timeout)
-
-
-def layer_digests(registry: LocalRegistry, repository: str, tag: str) -> list[str]:
-    request = urllib.request.Request(
-        f"{registry.url}/v2/{repository}/manifests/{tag}",
-        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return [layer["digest"] for layer in json.loads(response.read())["layers"]]
 
 
 @dataclass
