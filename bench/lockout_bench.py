@@ -41,6 +41,7 @@ import aiohttp
 from fixtures.admission import pod_admission_review
 from fixtures.registry import free_port
 from fixtures.service import wait_healthy
+from fixtures.tls import self_signed_certificate
 
 ATTACKER = "127.0.0.2"
 TOKEN = "lockout-bench-token"
@@ -143,18 +144,8 @@ async def long_polls(tree: Path, workdir: Path) -> dict[str, Any]:
     }
 
 
-def _certificate(workdir: Path) -> tuple[Path, Path]:
-    cert, key = workdir / "tls.crt", workdir / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
 async def tls(tree: Path, workdir: Path) -> dict[str, Any]:
-    cert, key = _certificate(workdir)
+    cert, key = self_signed_certificate(workdir)
     tls_port = free_port()
     env = {
         "GPUBADGE_ADMISSION_TLS_PORT": str(tls_port),

@@ -13,7 +13,6 @@ import base64
 import copy
 import json
 import ssl
-import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from fixtures import catalog
 from fixtures.oci import ImageSpec
 from fixtures.registry import LocalRegistry, free_port
 from fixtures.service import RunningService, run_service_process
+from fixtures.tls import self_signed_certificate
 from placement.admission import Pod, review_pod
 from placement.exports import export_constraints
 from placement.image_facts import ImageFacts
@@ -404,12 +404,7 @@ def test_https_listener_for_the_api_server(
     registry: LocalRegistry, tmp_path: Path, images: dict[str, str]
 ) -> None:
     """The API server calls webhooks over TLS only: the admission endpoint on its own HTTPS port."""
-    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     tls_port = free_port()
     env = {
         "GPUBADGE_REGISTRIES": registry.host,

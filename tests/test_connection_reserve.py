@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ import pytest
 from fixtures.admission import pod_admission_review
 from fixtures.registry import free_port
 from fixtures.service import RunningService, run_service_process
+from fixtures.tls import self_signed_certificate
 
 ATTACKER = "127.0.0.2"
 OTHER_CLIENT = "127.0.0.3"
@@ -190,22 +190,12 @@ async def test_the_reserve_is_for_health_agents_and_admission_and_no_one_peer_ta
         assert await asyncio.wait_for(served(), 10) == 200  # the attacker gone, everything is served
 
 
-def _certificate(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
 async def test_stalled_tls_handshakes_count_against_the_cap_and_time_out_like_heads(tmp_path: Path) -> None:
     """The issue's reproduction: a process allowed 512 files, 700 connections to the admission port
     that never send a ClientHello. They are counted from the accept (a cap of 256 under that limit,
     the last 25 kept in reserve), closed after GPUBADGE_REQUEST_HEAD_TIMEOUT, and logged not once
     each; /healthz and an admission review over TLS answer throughout."""
-    cert, key = _certificate(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     tls_port = free_port()
     env = {
         "GPUBADGE_ADMISSION_TLS_PORT": str(tls_port),

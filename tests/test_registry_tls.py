@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.tls import self_signed_certificate
+
 PROBE = """
 import asyncio, json, sys
 from scanner.registry.tls import import_aiohttp
@@ -52,12 +54,7 @@ class _Ok(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(directory)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
