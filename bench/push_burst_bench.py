@@ -292,11 +292,7 @@ async def measure_burst(
     with receiver.running():
         relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
         with relay.running() as relayed:
-            endpoints = [
-                notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
-                notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
-                | {"name": "gpubadge"},
-            ]
+            endpoints = relayed_endpoints(relayed)
             with (
                 run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
                 run_service_process(
@@ -443,11 +439,7 @@ async def measure_intake(
     with receiver.running():
         relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
         with relay.running() as relayed:
-            endpoints = [
-                notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
-                notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
-                | {"name": "gpubadge"},
-            ]
+            endpoints = relayed_endpoints(relayed)
             with (
                 run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
                 run_service_process(workdir / "intake.db", env=service_env, port=port, cwd=tree) as service,
@@ -513,6 +505,16 @@ async def fetch_text(url: str) -> str:
 
 
 PEER_TREE = "GPUBADGE_BENCH_PEER_TREE"  # a checkout of an earlier gpubadge to run as the peer
+
+
+def relayed_endpoints(relayed: dict[str, int]) -> list[dict[str, object]]:
+    """The registry's two notification endpoints, each through its port of the timing relay: the
+    null receiver's and gpubadge's webhook."""
+    return [
+        notification_endpoint(f"http://127.0.0.1:{relayed['null']}/") | {"name": "null"},
+        notification_endpoint(f"http://127.0.0.1:{relayed['gpubadge']}/hooks/distribution")
+        | {"name": "gpubadge"},
+    ]
 
 
 def peer_tree() -> Path | None:
