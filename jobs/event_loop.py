@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,7 +45,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-TICK_SECONDS = 0.02  # the loop's timer: its lateness is the lag
+TICK_SECONDS = 0.05  # the loop's timer: its lateness is the lag (20 wake-ups a second)
 STACK_DEPTH = 12  # frames of the loop thread's stack kept for the log
 
 
@@ -81,8 +82,14 @@ class LoopLagMonitor:
             self._watchdog.join(timeout=1.0)
 
     async def _tick(self) -> None:
-        schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
-        waited = _run_queue_wait(schedstat)
+        run_queue = RunQueueWait(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+        try:
+            await self._keep_time(run_queue)
+        finally:
+            run_queue.close()
+
+    async def _keep_time(self, run_queue: RunQueueWait) -> None:
+        waited = run_queue.seconds()
         while True:
             due = time.monotonic() + TICK_SECONDS
             await asyncio.sleep(TICK_SECONDS)
@@ -91,7 +98,7 @@ class LoopLagMonitor:
             self._last_tick = now
             if self._observe is not None:
                 self._observe(lag)
-            before, waited = waited, _run_queue_wait(schedstat)
+            before, waited = waited, run_queue.seconds()
             stack, self._stall_stack = self._stall_stack, None
             if stack is None:
                 continue
@@ -136,10 +143,26 @@ class LoopLagMonitor:
         return [*traceback.format_stack(frame, limit=STACK_DEPTH), "other threads:\n", *others]
 
 
-def _run_queue_wait(schedstat: str) -> float:
-    """Seconds a thread has waited in a run queue for a core so far (0 where /proc does not say)."""
-    try:
-        with open(schedstat) as stats:
-            return int(stats.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
+class RunQueueWait:
+    """Seconds a thread has waited in a run queue for a core so far, from its /proc schedstat
+    file, held open and read again in place each tick (a `pread`, 0.5 us; opening it each time
+    was 10 us); 0 where /proc does not say."""
+
+    def __init__(self, schedstat: str) -> None:
+        try:
+            self._fd: int | None = os.open(schedstat, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+
+    def seconds(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -16,7 +16,12 @@ So, once the service is up (`TimedCollection.start`):
   schemas and settings live as long as the process);
 - generation 0 is collected every `YOUNG_SECONDS` on the loop, and generations 0 and 1 every
   `MIDDLE_EVERY`-th time, so each collection walks only what a few milliseconds allocated
-  (about 0.1-1 ms under the fleet's load);
+  (about 0.1-1 ms under the fleet's load); while collections find little to walk (each under
+  `BUSY_COLLECTION_SECONDS`) the wait doubles up to `IDLE_SECONDS`, and the first busy one
+  brings it back to `YOUNG_SECONDS` (`next_wait`). On a VM a timer's wake-up costs an idle
+  process 60-130 us of CPU, so a fixed 10 ms timer was 100 wake-ups and 15 ms of CPU a second
+  for nothing; the collector's own count cannot tell idle from busy (see above), the time a
+  collection took can;
 - the interpreter's own young threshold is raised to `BURST_THRESHOLD`, so it starts a collection
   only for a burst the timer would be late for (a thread parsing thousands of inventories);
 - the old generation (a fleet's million objects: servers, the index, one held request per poll)
@@ -41,10 +46,13 @@ import asyncio
 import gc
 import resource
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 YOUNG_SECONDS = 0.01
+IDLE_SECONDS = 0.16  # the longest wait between young collections, reached while they find little
+BUSY_COLLECTION_SECONDS = 50e-6  # about 2,500 young objects walked: the wait goes back to 10 ms
 MIDDLE_EVERY = 3  # every third young collection takes generation 1 too
 BURST_THRESHOLD = 5000
 FULL_CHECK_SECONDS = 60.0
@@ -58,13 +66,30 @@ def generation_at(tick: int) -> int:
     return 1 if tick % MIDDLE_EVERY == 0 else 0
 
 
-async def collect_young(period: float = YOUNG_SECONDS, collect: Collect = gc.collect) -> None:
-    """Forever: every `period` seconds, `collect(generation_at(tick))`."""
+def next_wait(
+    wait: float, spent: float, shortest: float = YOUNG_SECONDS, longest: float = IDLE_SECONDS
+) -> float:
+    """The wait before the next young collection, after one that took `spent` seconds: `shortest`
+    after a busy one, else twice `wait`, up to `longest`."""
+    return shortest if spent >= BUSY_COLLECTION_SECONDS else min(longest, wait * 2)
+
+
+async def collect_young(
+    period: float = YOUNG_SECONDS,
+    collect: Collect = gc.collect,
+    longest: float = IDLE_SECONDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Forever: `collect(generation_at(tick))`, `period` seconds apart while collections are busy,
+    up to `longest` apart while they are not (`next_wait`)."""
     tick = 0
+    wait = period
     while True:
-        await asyncio.sleep(period)
+        await asyncio.sleep(wait)
         tick += 1
+        started = clock()
         collect(generation_at(tick))
+        wait = next_wait(wait, clock() - started, period, longest)
 
 
 def resident_bytes() -> int:
