@@ -245,13 +245,16 @@ class ScanWorkers:
                 if self.events.on_lease_expiries:
                     self.events.on_lease_expiries(expired)
         free = self._free_slots()
+        due: datetime | None = None
+        looked = False  # `due` was read with the claim (one hop to the store for both)
         if free > 0 and not self._stopping:
-            claimed = await self.store.claim_jobs(
+            claimed, due = await self.store.claim_jobs_or_next_due(
                 free,
                 owner=self.owner,
                 lease_seconds=self.settings.lease_seconds,
                 per_registry=self.settings.per_registry,
             )
+            looked = len(claimed) < free
             for job in claimed:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
@@ -264,7 +267,7 @@ class ScanWorkers:
             # Every slot busy: a scan that ends wakes this loop, so there is no due time to read. In a
             # push burst each webhook commit wakes it; that read would cost a store hop per delivery.
             return min(self.settings.idle_poll, SATURATED_RECHECK)
-        return await self._idle_delay()
+        return self._idle_delay(due if looked else await self.store.run(queries.next_job_due))
 
     def _free_slots(self) -> int:
         """Slots for new claims: `concurrency` scans before their config facts are published, and
@@ -346,8 +349,8 @@ class ScanWorkers:
                 now - waited_since,
             )
 
-    async def _idle_delay(self) -> float:
-        due = await self.store.run(queries.next_job_due)
+    def _idle_delay(self, due: datetime | None) -> float:
+        """The pause before the next claim pass, with the earliest queued job due at `due`."""
         pause = self.settings.idle_poll
         if due is not None:
             pause = max(0.0, min(pause, (due - datetime.now(UTC)).total_seconds()))

@@ -893,3 +893,33 @@ async def test_the_front_door_covers_what_callers_need(open_backend: OpenBackend
             await store.create_deployment("d2", "node-a", ["GPU-1"], '{"id": "d2"}')
     finally:
         await store.close()
+
+
+async def test_a_claim_pass_learns_when_the_next_job_is_due_in_the_same_hop(
+    open_backend: OpenBackend,
+) -> None:
+    """A worker's claim pass needs the claim and, when slots stay free, when the next queued job
+    is due: one hop to the store's threads for both (each hop wakes a thread, then the loop)."""
+    from store import AsyncStore
+
+    backend = open_backend()
+    backend.enqueue([("r.example/a:1", "r.example"), ("r.example/a:2", "r.example", 60.0)])
+    store = AsyncStore(backend, threads=1)
+    hops: list[object] = []
+    hand_over = store._pool.run
+
+    def counted(call: Any) -> Any:
+        hops.append(call)
+        return hand_over(call)
+
+    store._pool.run = counted  # type: ignore[method-assign]
+    try:
+        claimed, due = await store.claim_jobs_or_next_due(2, owner="w", lease_seconds=30)
+        assert [job.reference for job in claimed] == ["r.example/a:1"]
+        assert due is not None and 50 < (due - datetime.now(UTC)).total_seconds() <= 60  # the delayed one
+        assert len(hops) == 1
+        claimed, due = await store.claim_jobs_or_next_due(1, owner="w", lease_seconds=30)
+        assert claimed == [] and due is not None  # nothing ready: still one hop, and the due time
+        assert len(hops) == 2
+    finally:
+        await store.close()
