@@ -16,6 +16,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -114,6 +115,44 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         total += sum(int(value) for value in fields[11:15])
     return total / CLOCK_TICKS
+
+
+def tree_wakeups(pid: int) -> int:
+    """How often the threads of a process tree have gone to sleep so far (the sum of their
+    voluntary context switches): each one is a wake-up later, which on a VM costs far more CPU
+    than the work many of them wake for (`wakeup_cpu_seconds`). Threads that exited are not counted."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            tasks = list(Path(f"/proc/{member}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                status = (task / "status").read_text()
+            except OSError:
+                continue
+            total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def wakeup_cpu_seconds(period: float = 0.01, seconds: float = 1.0) -> float:
+    """This host's CPU per wake-up of an idle thread: a thread sleeping `period` at a time for
+    `seconds`, its CPU (the kernel's exact runtime, /proc schedstat) over the wake-ups. Bare metal
+    gives a few microseconds; a VM that halts idle vCPUs gives hundreds."""
+    schedstat = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+    def runtime() -> int:
+        try:
+            return int(schedstat.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    wakeups = max(1, int(seconds / period))
+    before = runtime()
+    for _ in range(wakeups):
+        time.sleep(period)
+    return (runtime() - before) / 1e9 / wakeups
 
 
 def tree_cpu_by_process(pid: int) -> dict[int, tuple[str, float]]:

@@ -45,6 +45,8 @@ from bench.common import (
     push_with_retry,
     tree_cpu_by_process,
     tree_cpu_seconds,
+    tree_wakeups,
+    wakeup_cpu_seconds,
 )
 from bench.registry_burst import put_manifests, stage_images
 from bench.service_bench import push_layout_images
@@ -198,6 +200,8 @@ class BurstRun:
     roles: dict[str, float] = field(
         default_factory=dict
     )  # gpubadge's CPU by process role (bench.common.cpu_by_role)
+    wakeups: dict[str, int] = field(default_factory=dict)  # threads' sleeps over the burst: gpubadge, null
+    wakeup_cpu: float = 0.0  # this host's CPU per wake-up of an idle thread (bench.common.wakeup_cpu_seconds)
 
     def answers(self, endpoint: str) -> list[float]:
         return [delivery.seconds for delivery in self.deliveries[endpoint]]
@@ -354,11 +358,16 @@ async def measure_burst(
                         pids["postgres"] = postgres_pid(database_url)
                     cpu_before = {who: tree_cpu_seconds(pid) for who, pid in pids.items() if pid}
                     roles_before = tree_cpu_by_process(service.process.pid)
+                    sleeps = ("gpubadge", "null")
+                    wakeups_before = {who: tree_wakeups(pids[who]) for who in sleeps if pids[who]}
                     with ThreadPoolExecutor(figures.clients) as pool:
                         await asyncio.gather(*(loop.run_in_executor(pool, push, tag) for tag in tags))
                     await asyncio.wait_for(asyncio.gather(*watchers), 180)
                     cpu = {who: tree_cpu_seconds(pid) - cpu_before[who] for who, pid in pids.items() if pid}
                     roles = cpu_by_role(roles_before, tree_cpu_by_process(service.process.pid))
+                    wakeups = {
+                        who: tree_wakeups(pids[who]) - before for who, before in wakeups_before.items()
+                    }
                     async with session.get(f"{service.url}/metrics") as response:
                         answers = webhook_answer_mean(await response.text())
                 committed = job_times(pushed_at, db, database_url)
@@ -374,6 +383,8 @@ async def measure_burst(
         cpu=cpu,
         handler_mean=answers,
         roles=roles,
+        wakeups=wakeups,
+        wakeup_cpu=await asyncio.to_thread(wakeup_cpu_seconds),
     )
 
 
@@ -542,6 +553,13 @@ def describe(run: BurstRun) -> str:
         f" null {ms(run.cpu_per_image('null'))}, registry {ms(run.cpu_per_image('registry'))}"
         + (f", postgres {ms(run.cpu_per_image('postgres'))}" if "postgres" in run.cpu else "")
         + f"; skopeo push p50 {ms(percentile(run.pushes, 0.5))}"
+        + (
+            f"; threads' wake-ups per image: gpubadge {run.wakeups['gpubadge'] / run.images:.0f},"
+            f" null {run.wakeups['null'] / run.images:.0f}, at {run.wakeup_cpu * 1e6:.0f} us of CPU"
+            " per wake-up of an idle thread on this host"
+            if "gpubadge" in run.wakeups and "null" in run.wakeups
+            else ""
+        )
     )
 
 
