@@ -33,6 +33,7 @@ from bench.common import (
     gpubadge_command,
     measure,
     ms,
+    process_tree,
     push_tags,
     ratio,
     run_section,
@@ -543,26 +544,6 @@ def _status_kib(pid: int, field: str) -> int:
     return 0
 
 
-def _descendants(pid: int) -> list[int]:
-    """`pid`'s living descendants (the scan's analysis processes)."""
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        parent = stack.pop()
-        try:
-            tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            found += children
-            stack += children
-    return found
-
-
 def scan_rss(ref: str, env: dict[str, str]) -> tuple[int, dict[str, Any], float]:
     """Scan in a child process; returns the peak RSS of its process tree (KiB: the scan process and
     its analysis processes together, sampled every 20 ms from /proc), the report, and seconds.
@@ -582,7 +563,7 @@ def scan_rss(ref: str, env: dict[str, str]) -> tuple[int, dict[str, Any], float]
         )
         while process.poll() is None:
             tree = _status_kib(process.pid, "VmRSS") + sum(
-                _status_kib(child, "VmRSS") for child in _descendants(process.pid)
+                _status_kib(child, "VmRSS") for child in process_tree(process.pid)[1:]
             )
             peak_kib = max(peak_kib, tree, _status_kib(process.pid, "VmHWM"))
             time.sleep(0.02)
