@@ -62,6 +62,7 @@ T = TypeVar("T")
 
 
 SATURATED_RECHECK = 1.0  # seconds; only a lost wake-up would need it
+EMPTY_TRUST = 1.0  # seconds a claim that found no queued job is believed, with no queue event since
 MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After (even "0")
 
 
@@ -136,6 +137,8 @@ class ScanWorkers:
         self._waiting_since: dict[str, float] = {}  # registry with ready jobs and none in flight -> since
         self._next_wait_check = 0.0
         self._next_expiry_check = 0.0
+        # (the queue-event count, the time) of the last claim that found no job queued at all
+        self._empty_seen: tuple[int, float] | None = None
         self._unsubscribe: Callable[[], None] | None = None
 
     def wake(self) -> None:
@@ -248,6 +251,10 @@ class ScanWorkers:
         due: datetime | None = None
         looked = False  # `due` was read with the claim (one hop to the store for both)
         if free > 0 and not self._stopping:
+            believed = self._queue_known_empty()
+            if believed is not None:
+                return believed
+            queued_count, claiming_at = self.store.events.queued_count, time.monotonic()
             claimed, due = await self.store.claim_jobs_or_next_due(
                 free,
                 owner=self.owner,
@@ -255,6 +262,7 @@ class ScanWorkers:
                 per_registry=self.settings.per_registry,
             )
             looked = len(claimed) < free
+            self._empty_seen = (queued_count, claiming_at) if looked and due is None else None
             for job in claimed:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
@@ -268,6 +276,23 @@ class ScanWorkers:
             # push burst each webhook commit wakes it; that read would cost a store hop per delivery.
             return min(self.settings.idle_poll, SATURATED_RECHECK)
         return self._idle_delay(due if looked else await self.store.run(queries.next_job_due))
+
+    def _queue_known_empty(self) -> float | None:
+        """When the last claim found no job queued at all, less than EMPTY_TRUST ago, and no queue
+        event came since: the seconds left of that trust (the pass claims nothing and waits them
+        out, or the next queue event). Else None: claim.
+
+        In a push burst most wakes are a scan's own slot freed (its config facts published, or its
+        end): a claim then, with the queue seen empty and no job queued since, finds nothing, and
+        was two of the three claim passes per scan, each a write transaction and a store hop. A job
+        queued meanwhile always comes with a queue event (`AsyncStore` fires one for every commit
+        that queues or requeues a job; with a listener, other processes' too), and the trust is
+        short, so a lost event costs a second at most."""
+        seen = self._empty_seen
+        if seen is None or seen[0] != self.store.events.queued_count:
+            return None
+        left = EMPTY_TRUST - (time.monotonic() - seen[1])
+        return left if left > 0 else None
 
     def _free_slots(self) -> int:
         """Slots for new claims: `concurrency` scans before their config facts are published, and

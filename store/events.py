@@ -50,6 +50,10 @@ class QueueEvents:
         # re-checks every second, since another process sharing a SQLite file sends no events.
         self.cross_process = False
         self._ending = False  # shutdown: every wait answers with what holds now
+        # Jobs may have been queued (a queue event or a resync, here or, with a listener, elsewhere)
+        # this many times: a worker whose claim found no queued job at one count need not claim
+        # again, when woken by a settle or its own freed slot, until the count moves.
+        self.queued_count = 0
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop that threads (the PostgreSQL listener) hand their events to."""
@@ -96,6 +100,8 @@ class QueueEvents:
             for key in keys:
                 for event in self._keyed.pop(key, []):
                     event.set()
+        if kind in (QUEUED, RESYNC):
+            self.queued_count += 1  # before the callbacks: a worker woken by this reads the new count
         if kind in (QUEUED, SETTLED, RESYNC) and not payload.startswith(REPORTED_JOB + " "):
             # a settled job frees a worker slot and a registry slot
             for callback in list(self._on_queued):

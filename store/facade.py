@@ -461,8 +461,10 @@ class AsyncStore:
 
     async def expire_leases(self) -> list[LeaseExpiry]:
         expired = await self.run(self._backend.expire_leases)
-        if expired:
-            self._fire_local(SETTLED if any(item.state == "failed" for item in expired) else QUEUED)
+        if any(item.state == "failed" for item in expired):
+            self._fire_local(SETTLED)
+        if any(item.state != "failed" for item in expired):  # queued again: claimable
+            self._fire_local(QUEUED)
         return expired
 
     async def release_leases(self, owners: Sequence[str], *, refund_attempt: bool) -> int:
