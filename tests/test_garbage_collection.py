@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import sys
 import time
 from collections.abc import Iterator
@@ -72,7 +73,11 @@ async def test_an_idle_loop_is_woken_a_few_times_a_second_not_a_hundred() -> Non
     """On a VM each timer wake-up of an idle process costs 60-400 us of CPU: the 10 ms timer alone
     was 100 wake-ups and about 15 ms of CPU a second of an idle `serve`."""
     taken: list[float] = []
-    timer = asyncio.create_task(collect_young(collect=lambda generation: taken.append(time.monotonic())))
+    timer = asyncio.create_task(  # each collection takes no time (a host that preempts the timer between
+        collect_young(  # its clock reads would otherwise make one look busy, and reset the wait)
+            collect=lambda generation: taken.append(time.monotonic()), clock=lambda: 0.0
+        )
+    )
     try:
         await asyncio.sleep(1.0)
     finally:
@@ -101,8 +106,11 @@ async def test_a_busy_collection_brings_the_timer_back_to_its_shortest_wait() ->
             await asyncio.sleep(0.005)
     finally:
         timer.cancel()
-    late = [after - before for before, after in zip(stamps[seen:], stamps[seen + 1 :], strict=False)]
-    assert max(late) < 0.1, late  # every YOUNG_SECONDS again (with the loop's slack)
+    idle = [after - before for before, after in itertools.pairwise(stamps[3:seen])]
+    late = [after - before for before, after in itertools.pairwise(stamps[seen:])]
+    # every YOUNG_SECONDS again: well under the backed-off waits (80-160 ms), whatever a loaded host
+    # adds to every sleep alike
+    assert sum(late) / len(late) < sum(idle) / len(idle) / 2, (idle, late)
 
 
 async def _churn(steps: int, chunk: int = 250) -> int:
