@@ -20,8 +20,9 @@ So, once the service is up (`TimedCollection.start`):
   `BUSY_COLLECTION_SECONDS`) the wait doubles up to `IDLE_SECONDS`, and the first busy one
   brings it back to `YOUNG_SECONDS` (`next_wait`). On a VM a timer's wake-up costs an idle
   process 35-390 us of CPU (bench.common.wakeup_cpu_seconds), so a fixed 10 ms timer was 100
-  wake-ups and about 15 ms of CPU a second for nothing; the collector's own count cannot tell idle from busy (see above), the time a
-  collection took can;
+  wake-ups and about 15 ms of CPU a second for nothing; the collector's own count cannot tell
+  idle from busy (see above), the time a collection took can (a collection preempted midway
+  looks busy: the rule errs towards collecting);
 - the interpreter's own young threshold is raised to `BURST_THRESHOLD`, so it starts a collection
   only for a burst the timer would be late for (a thread parsing thousands of inventories);
 - the old generation (a fleet's million objects: servers, the index, one held request per poll)

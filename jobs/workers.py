@@ -248,8 +248,7 @@ class ScanWorkers:
                 if self.events.on_lease_expiries:
                     self.events.on_lease_expiries(expired)
         free = self._free_slots()
-        due: datetime | None = None
-        looked = False  # `due` was read with the claim (one hop to the store for both)
+        due: datetime | None = None  # read with the claim, when it leaves slots free (one hop for both)
         if free > 0 and not self._stopping:
             believed = self._queue_known_empty()
             if believed is not None:
@@ -261,8 +260,8 @@ class ScanWorkers:
                 lease_seconds=self.settings.lease_seconds,
                 per_registry=self.settings.per_registry,
             )
-            looked = len(claimed) < free
-            self._empty_seen = (queued_count, claiming_at) if looked and due is None else None
+            empty = len(claimed) < free and due is None
+            self._empty_seen = (queued_count, claiming_at) if empty else None
             for job in claimed:
                 task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
                 self._running[job.id] = task
@@ -275,7 +274,8 @@ class ScanWorkers:
             # Every slot busy: a scan that ends wakes this loop, so there is no due time to read. In a
             # push burst each webhook commit wakes it; that read would cost a store hop per delivery.
             return min(self.settings.idle_poll, SATURATED_RECHECK)
-        return self._idle_delay(due if looked else await self.store.run(queries.next_job_due))
+        # here the claim left slots free (a full claim leaves none), or the workers are stopping
+        return self._idle_delay(due)
 
     def _queue_known_empty(self) -> float | None:
         """When the last claim found no job queued at all, less than EMPTY_TRUST ago, and no queue
