@@ -299,7 +299,8 @@ class AsyncStore:
         self._intake_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-intake")
         self._health_check: tuple[float, Future[None]] | None = None
         self.events = QueueEvents()
-        self._stop_listening: Callable[[], None] | None = None
+        self._stop_listening: Callable[[], None] | None = None  # any thread
+        self._detach_listener: Callable[[], None] | None = None  # on the loop, before it
         self.scan_cache = StoreScanCache(self)
         self.blocking = BlockingStore(backend)
         self.report_lookups = ReportLookups(
@@ -347,6 +348,8 @@ class AsyncStore:
 
     async def close(self) -> None:
         """Wait for calls in flight, then close the backend's connections."""
+        if self._detach_listener is not None:
+            self._detach_listener()
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
@@ -523,41 +526,50 @@ class AsyncStore:
 
         Idempotent. Without it, events fired by this process's own writes still reach waiters.
         """
-        self.events.bind(asyncio.get_running_loop())
-        listen = getattr(self._backend, "listen", None)
-        if (
-            listen is not None
-            and getattr(self._backend, "shares_events", False)
-            and self._stop_listening is None
-        ):
-            relay = self.events.fire_threadsafe
-            kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
+        loop = asyncio.get_running_loop()
+        self.events.bind(loop)
+        if not getattr(self._backend, "shares_events", False) or self._stop_listening is not None:
+            return
+        kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
 
+        def notified(relay: Callable[[str, str], None]) -> Callable[[tuple[str, str]], None]:
             def on_notify(notification: tuple[str, str]) -> None:
                 channel, payload = notification
                 if channel == FLEET_CHANNEL:
                     if payload.startswith("stamps"):
                         relay(FLEET_STAMPS, payload.partition(" ")[2])
                     elif payload == "reservations":
-                        relay(FLEET_RESERVATIONS)
+                        relay(FLEET_RESERVATIONS, "")
                     else:  # "inventory [<origin>]"
                         relay(FLEET_INVENTORY, payload.partition(" ")[2])
                 else:
                     relay(kinds.get(channel, RESYNC), payload)
 
-            try:
-                self._stop_listening = await asyncio.get_running_loop().run_in_executor(
-                    None, listen, on_notify
+            return on_notify
+
+        bind_listener = getattr(self._backend, "bind_listener", None)
+        try:
+            if bind_listener is not None:
+                # A SQLite file's socket, read on this loop: no thread wakes between a notice and
+                # its waiters, and the notices that came together are taken in one turn.
+                listener = await loop.run_in_executor(None, bind_listener)
+                listener.attach(loop, notified(self.events.fire))
+                self._detach_listener = listener.detach
+                self._stop_listening = listener.close
+            else:  # PostgreSQL's LISTEN connection, read by its own thread
+                listen = self._backend.listen  # type: ignore[attr-defined]
+                self._stop_listening = await loop.run_in_executor(
+                    None, listen, notified(self.events.fire_threadsafe)
                 )
-            except OSError as exc:  # a SQLite file's directory that takes no socket: polls instead
-                log.warning(
-                    "cannot listen for the other processes' commits (%s): they are seen by re-checks"
-                    " (every %.0f s) and idle polls instead",
-                    exc,
-                    LOCAL_RECHECK,
-                )
-                return
-            self.events.cross_process = True
+        except OSError as exc:  # a SQLite file's directory that takes no socket: polls instead
+            log.warning(
+                "cannot listen for the other processes' commits (%s): they are seen by re-checks"
+                " (every %.0f s) and idle polls instead",
+                exc,
+                LOCAL_RECHECK,
+            )
+            return
+        self.events.cross_process = True
 
     async def wait_until(
         self, condition: Callable[[], Awaitable[bool]], timeout: float, key: str | None = None

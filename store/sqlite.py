@@ -50,7 +50,7 @@ from store.queries import JOB_READS
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
 from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_intake import IntakeJournal, journal_path
-from store.sqlite_notify import PAYLOAD_MAX, LocalNotifier, Notice
+from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
 
 # The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
 # queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
@@ -177,6 +177,13 @@ class SqliteStore(SharedMethods):
         if self._notifier is None:
             raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
         return self._notifier.listen(callback)
+
+    def bind_listener(self) -> BoundListener:
+        """A listener's socket for an event loop to read (`BoundListener.attach`): what `listen` hears,
+        with no thread between the socket and the loop. Only a store opened with `shared_events`."""
+        if self._notifier is None:
+            raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
+        return self._notifier.bind()
 
     def _announce(self, *notices: Notice) -> None:
         """After a commit: tell the processes sharing this file (no-op unless it shares events)."""

@@ -33,6 +33,7 @@ of that name, or links in it):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 Notice = tuple[str, str]  # (channel, payload), as PostgreSQL's
 PAYLOAD_MAX = 7900  # what PostgreSQL's 8000-byte NOTIFY limit leaves, as store.postgres cuts it
 DATAGRAM_MAX = 8192
+READ_BATCH = 256  # datagrams read per turn of the loop at most: a flood cannot hold the loop
 SUN_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL
 _PROC_FD = Path("/proc/self/fd")
 
@@ -175,9 +177,9 @@ class LocalNotifier:
         finally:
             os.close(descriptor)
 
-    def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
-        """Call `callback((channel, payload))` from a background thread for every notice sent to this
-        file's listeners; returns a function that stops listening and removes the socket.
+    def bind(self) -> BoundListener:
+        """A socket of this file's listeners, bound in the checked directory; read it on an event loop
+        (`BoundListener.attach`) or let a thread do it (`listen`).
 
         Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
         descriptor = open_private_directory(self.directory, create=True)
@@ -190,21 +192,30 @@ class LocalNotifier:
             receiver.close()
             os.close(descriptor)
             raise
+        return BoundListener(receiver, descriptor, name, address)
+
+    def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
+        """Call `callback((channel, payload))` from a background thread for every notice sent to this
+        file's listeners; returns a function that stops listening and removes the socket. (The
+        service reads its socket on its event loop instead: `bind`, then `BoundListener.attach`.)
+
+        Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
+        listener = self.bind()
         stopped = threading.Event()
 
         def receive() -> None:
             while not stopped.is_set():
                 try:
-                    datagram = receiver.recv(DATAGRAM_MAX)
+                    datagram = listener.receiver.recv(DATAGRAM_MAX)
                 except OSError:
                     return  # closed by stop()
-                if not datagram:
+                notice = _notice(datagram)
+                if notice is None:
                     continue
-                channel, _, payload = datagram.decode(errors="replace").partition("\n")
                 try:
-                    callback((channel, payload))
+                    callback(notice)
                 except Exception:
-                    log.exception("listener callback failed on %s", channel)
+                    log.exception("listener callback failed on %s", notice[0])
 
         thread = threading.Thread(target=receive, name="sqlite-listen", daemon=True)
         thread.start()
@@ -215,14 +226,85 @@ class LocalNotifier:
             stopped.set()
             # the wake-up goes to the bound socket, so before it is unlinked
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
-                waker.sendto(b"", address)  # wakes the thread's recv; it sees `stopped` and ends
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=descriptor)
+                waker.sendto(b"", listener.address)  # wakes the thread's recv; it sees `stopped` and ends
+            listener.unbind()
             thread.join(timeout=5)
-            receiver.close()
-            os.close(descriptor)
+            listener.close()
 
         return stop
 
     def close(self) -> None:
         self._sender.close()
+
+
+def _notice(datagram: bytes) -> Notice | None:
+    if not datagram:
+        return None  # a stopping listener's own wake-up
+    channel, _, payload = datagram.decode(errors="replace").partition("\n")
+    return channel, payload
+
+
+class BoundListener:
+    """One listener's socket in the notify directory (`LocalNotifier.bind`).
+
+    `attach` reads it on an asyncio loop: the loop wakes when a notice arrives and takes every
+    datagram queued by then in one turn, with no thread between the socket and the loop (a thread
+    would add a wake-up and a hand-over per notice; a scan commits several). `detach` on the loop,
+    then `close` (in any thread) removes the socket.
+    """
+
+    def __init__(self, receiver: socket.socket, descriptor: int, name: str, address: str) -> None:
+        self.receiver = receiver
+        self.address = address
+        self._descriptor = descriptor
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unbound = False
+        self._closed = False
+
+    def attach(self, loop: asyncio.AbstractEventLoop, callback: Callable[[Notice], None]) -> None:
+        """On `loop`: call `callback((channel, payload))` there for every notice, in the order sent."""
+        self.receiver.setblocking(False)
+        receiver = self.receiver
+
+        def readable() -> None:
+            for _ in range(READ_BATCH):
+                try:
+                    datagram = receiver.recv(DATAGRAM_MAX)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return  # closed under us: detach follows
+                notice = _notice(datagram)
+                if notice is None:
+                    continue
+                try:
+                    callback(notice)
+                except Exception:
+                    log.exception("listener callback failed on %s", notice[0])
+
+        loop.add_reader(receiver.fileno(), readable)
+        self._loop = loop
+
+    def detach(self) -> None:
+        """On the loop it was attached to: stop reading (idempotent)."""
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.receiver.fileno())
+
+    def unbind(self) -> None:
+        """Remove the socket's name from the directory: senders skip it from now on."""
+        if self._unbound:
+            return
+        self._unbound = True
+        with contextlib.suppress(OSError):
+            os.unlink(self._name, dir_fd=self._descriptor)
+
+    def close(self) -> None:
+        """Remove the socket and close it (after `detach`, when attached); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.unbind()
+        self.receiver.close()
+        os.close(self._descriptor)

@@ -9,6 +9,7 @@ at its next idle poll, 5 s), and the worker's stored badge answers the API's lon
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import socket
 import stat
@@ -120,6 +121,37 @@ def test_a_store_that_does_not_share_its_events_tells_nobody(tmp_path: Path) -> 
         stop()
         shared.close()
         alone.close()
+
+
+async def test_the_service_reads_other_processes_notices_on_its_event_loop_with_no_thread(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "queue.db"
+    store = AsyncStore(SqliteStore(db, shared_events=True))
+    other = SqliteStore(db, shared_events=True)  # another process's commits, as far as the socket can tell
+    try:
+        await store.start_events()
+        assert store.events.cross_process
+        # a thread between the socket and the loop would cost a wake-up and a hand-over per notice
+        assert not [thread for thread in threading.enumerate() if thread.name == "sqlite-listen"]
+        queued = asyncio.Event()
+        store.events.on_queued(queued.set)
+        settled: list[str] = []
+        store.events.on_settled(lambda: settled.append("settled"))
+        before = store.events.queued_count
+        [job_id] = await asyncio.to_thread(other.enqueue, [("reg.example/team/app:1", "reg.example")])
+        async with asyncio.timeout(5):
+            await queued.wait()
+        assert store.events.queued_count == before + 1
+        [job] = await asyncio.to_thread(other.claim_jobs, 1, owner="w1", lease_seconds=30)
+        assert await asyncio.to_thread(other.finish_job, job.id, digest="sha256:" + "a" * 64, owner="w1")
+        done = await store.wait_for_job(job_id, timeout=5)  # keyed by the job: only its settle wakes it
+        assert done is not None and done.state == "done"
+        assert settled == ["settled"]
+    finally:
+        await store.close()
+        other.close()
+    assert list(notify_directory(db).iterdir()) == []  # the listener removed its socket
 
 
 SECRET = "shared-sqlite-secret"
