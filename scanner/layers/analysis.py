@@ -32,9 +32,15 @@ scanning process (`LocalSession`): for tests, and for one-shot CLI runs where no
 waits.
 
 Frames: `<length:u32><kind:u8><session:u32>` then `length` payload bytes (JSON, raw layer
-bytes for CHUNK, a byte count for ACK). The analysis process ACKs every chunk it parsed,
-and the scanning process stays at most `WINDOW_BYTES` ahead: an early stop then reads
-little more than the verdict needed, even while a process is starting or busy.
+bytes for CHUNK, a byte count for ACK). The scanning process stays at most `WINDOW_BYTES` ahead
+of what the analysis process has ACKed as parsed: an early stop then reads little more than the
+verdict needed, even while a process is starting or busy. The process ACKs each time it has
+parsed another half window (`ACK_EVERY`), not every chunk: the sender can still never be held
+with its window full of parsed bytes, and a layer smaller than that costs no ACK at all.
+
+The reply that feeds a session's last layer (or leaves it done) carries the image's verdict, so
+`Session.verdict` costs no further round trip; a verdict that failed to compute there is asked
+for again with VERDICT, whose reply carries the error.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ HEADER = struct.Struct("<IBI")
 OPEN, CACHED, LAYER, CHUNK, END, VERDICT, CLOSE, REPLY, ACK, SKIP = range(1, 11)
 ACK_BODY = struct.Struct("<Q")
 WINDOW_BYTES = 256 << 10  # layer bytes sent but not yet parsed: bounds what is read past an early stop
+ACK_EVERY = WINDOW_BYTES // 2  # parsed bytes between two ACKs of one layer
 PIPE_BYTES = 256 << 10
 ANALYSIS_NICENESS = 10
 MAX_CONTROL_FRAME = 64 << 20  # cache entries are bounded by max_layer_records; this is a sanity cap
@@ -276,6 +283,7 @@ class RemoteSession:
         self._closed = False
         self._kill_grace = kill_grace
         self._awaiting: asyncio.Future[dict[str, Any]] | None = None  # a reply owed by the process
+        self._verdict: str | None = None  # the verdict that came with the last layer's reply (JSON)
 
     @property
     def done(self) -> bool:
@@ -286,10 +294,15 @@ class RemoteSession:
         self._worker.send(kind, self._id, payload)
         await self._worker.drain()
         reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
+        self._took(reply)
+        return reply
+
+    def _took(self, reply: dict[str, Any]) -> None:
         self._done = bool(reply.get("done", self._done))
         if reply.get("error"):
             _raise_reply_error(reply["error"])
-        return reply
+        if isinstance(reply.get("verdict"), str):
+            self._verdict = reply["verdict"]
 
     async def use_cached(self, evidence_json: str) -> bool:
         return bool((await self._ask(CACHED, evidence_json.encode()))["covered"])
@@ -322,12 +335,14 @@ class RemoteSession:
                 worker.send(END, self._id)
         await worker.drain()
         reply = await asyncio.shield(future)  # a cancelled scan leaves the reply owed (see close)
-        self._done = bool(reply.get("done", self._done))
-        if reply.get("error"):
-            _raise_reply_error(reply["error"])
+        self._took(reply)
         return LayerOutcome(reply.get("evidence"), bool(reply.get("complete")), sent)
 
     async def verdict(self, bytes_read: int, bytes_total: int) -> ImageVerdict:
+        if self._verdict is not None:  # it came with the last layer's reply; the byte counts are ours
+            verdict = ImageVerdict.model_validate_json(self._verdict)
+            verdict.libc.bytes_read, verdict.libc.bytes_total = bytes_read, bytes_total
+            return verdict
         reply = await self._ask(
             VERDICT, json.dumps({"bytes_read": bytes_read, "bytes_total": bytes_total}).encode()
         )
@@ -435,6 +450,7 @@ class _ServerSession:
     analysis: ImageAnalysis
     walk: LayerWalk | None = None
     answered: bool = True  # the current layer's reply was sent (early stop or error)
+    acked: int = 0  # the current layer's parsed bytes as last ACKed
 
 
 class _Server:
@@ -497,9 +513,10 @@ class _Server:
             self._chunk(session, state, payload)
         elif kind == LAYER:
             try:
-                state.walk, state.answered = (
+                state.walk, state.answered, state.acked = (
                     state.analysis.begin_layer(json.loads(payload)["media_type"]),
                     False,
+                    0,
                 )
             except Exception as exc:  # a bound crossed deciding what to attach: the layer's answer
                 state.walk = None
@@ -525,7 +542,22 @@ class _Server:
             body["done"] = analysis.done  # may cross a bound (path components)
         except Exception as exc:
             body = {"error": _error_of(exc)}
+        else:
+            if kind != VERDICT:
+                self._attach_verdict(state, body)
         self._reply(session, body)
+
+    @staticmethod
+    def _attach_verdict(state: _ServerSession, body: dict[str, Any]) -> None:
+        """The image's verdict, in the reply after which nothing more will be fed (its byte counts are
+        the scanning process's to fill in). One that fails here is left out: VERDICT asks again and
+        gets the error in its own reply."""
+        if not state.analysis.finished:
+            return
+        try:
+            body["verdict"] = state.analysis.verdict(bytes_read=0, bytes_total=0).model_dump_json()
+        except Exception:
+            return
 
     def _chunk(self, session: int, state: _ServerSession, payload: bytes) -> None:
         if state.answered or state.walk is None:
@@ -537,8 +569,11 @@ class _Server:
             return
         if not wanted:
             self._finish_layer(session, state)
-        else:
-            self._ack(session, state.walk.stats.compressed_bytes)
+            return
+        parsed = state.walk.stats.compressed_bytes
+        if parsed - state.acked >= ACK_EVERY:
+            state.acked = parsed
+            self._ack(session, parsed)
 
     def _end_layer(self, session: int, state: _ServerSession) -> None:
         if not state.answered and state.walk is not None:
@@ -557,9 +592,13 @@ class _Server:
             self._fail_layer(session, state, exc)
             return
         state.answered = True
-        self._reply(
-            session, {"evidence": reply.evidence_json, "complete": reply.complete, "done": reply.done}
-        )
+        body: dict[str, Any] = {
+            "evidence": reply.evidence_json,
+            "complete": reply.complete,
+            "done": reply.done,
+        }
+        self._attach_verdict(state, body)
+        self._reply(session, body)
 
     def _fail_layer(self, session: int, state: _ServerSession, exc: BaseException) -> None:
         state.analysis.fail_layer()

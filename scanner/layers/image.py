@@ -130,11 +130,17 @@ class ImageAnalysis:
         self._libc_collector: LayerCollector | None = None
         self._cuda_collector: CudaEntryCollector | None = None
         self._walk: LayerWalk | None = None
+        self.layers_fed = 0  # layers taken so far, by any of the three ways
 
     @property
     def done(self) -> bool:
         """No lower layer can change a verdict: libc is decided and CUDA is not looked for."""
         return not self.cuda and self.libc.decided
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will be fed: the image is done, or every one of its layers was taken."""
+        return self.done or self.layers_fed >= self.layers_total
 
     # -- one layer
 
@@ -151,6 +157,7 @@ class ImageAnalysis:
             self._cuda_layers.append(entry.cuda)
         covered = (self._libc_from_cache or self.libc.decided) and (not self.cuda or self._cuda_from_cache)
         if covered:
+            self.layers_fed += 1
             self._reset()  # this layer is done; the next one starts clean
         return covered
 
@@ -184,6 +191,7 @@ class ImageAnalysis:
         complete = walk.stats.reached_end
         libc, cuda = self._close_collectors(complete)
         entry = CachedLayer(libc=_better(self._cached.libc, libc), cuda=_better(self._cached.cuda, cuda))
+        self.layers_fed += 1
         self._reset()
         return LayerReply(entry.model_dump_json(exclude_none=True), complete, self.done)
 
@@ -191,6 +199,7 @@ class ImageAnalysis:
         """The layer could not be read to its end (an error): every consumer counts it unread."""
         if self._walk is not None:
             self._close_collectors(False)
+        self.layers_fed += 1
         self._reset()
 
     def skip_layer(self) -> None:
