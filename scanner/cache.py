@@ -22,9 +22,10 @@ class ScanCache(Protocol):
         """`report(digest)` and `platform_report(digest)` in one read."""
         ...
 
-    async def save_report(self, report: ImageReport) -> None:
+    async def save_report(self, report: ImageReport, *, with_next_write: bool = False) -> None:
         """Store the report and, when it names a tag, remember that the tag points at its digest:
-        one write, committed before this returns."""
+        one write, committed before this returns; with `with_next_write`, committed with the
+        caller's next write instead (a scan job's end: the service's workers)."""
         ...
 
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None: ...
@@ -38,4 +39,7 @@ class ScanCache(Protocol):
         pending report it wrote still being completed."""
         ...
 
-    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None: ...
+    async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
+        """Keep a layer's cache entry; `layer_evidence` answers with it from now on, in this
+        process at least (the store may commit it with its next write)."""
+        ...

@@ -366,17 +366,19 @@ class Scanner:
         failed = [entry for entry in entries if isinstance(entry, _Facts) and entry.report.error]
         report.retryable = any(entry.retryable for entry in failed) if failed else True
         report.requests, report.bytes_fetched = run.stats.requests, run.stats.bytes_received
-        if storable:
-            await self._save(reference, report)
+        if storable:  # a job's report commits with the job's end, which its worker writes next
+            await self._save(reference, report, with_next_write=options.job is not None)
         elif self.store is not None:
             await self._remember_tag(reference, manifest.digest)
         return report
 
-    async def _save(self, reference: Reference, report: ImageReport) -> None:
+    async def _save(
+        self, reference: Reference, report: ImageReport, *, with_next_write: bool = False
+    ) -> None:
         """Store the report; the store remembers its tag in the same write, so the long polls that
         storing it wakes find the tag pointing at it."""
         assert self.store is not None and report.digest is not None and report.tag == reference.tag
-        await self.store.save_report(report)
+        await self.store.save_report(report, with_next_write=with_next_write)
 
     async def _read_elsewhere(self, stored: PlatformReport | None, options: ScanOptions) -> bool:
         """Whether the pending `stored` platform is being read right now by another scan: one whose job

@@ -167,8 +167,9 @@ class BatchScanCache:
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
         self._queue(TagSeen(registry, repository, tag, digest))
 
-    async def save_report(self, report: ImageReport) -> None:
-        """Queue the report (and its tag) for the next batch; `when_committed` says when it is stored."""
+    async def save_report(self, report: ImageReport, *, with_next_write: bool = False) -> None:
+        """Queue the report (and its tag) for the next batch; `when_committed` says when it is stored
+        (every write here waits for its batch, so `with_next_write` changes nothing)."""
         if report.error is not None or report.digest is None:
             raise ValueError("only successful reports are stored")  # before it can fail a batch
         if report.registry and report.repository and report.tag:

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -56,6 +57,8 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.queries.jobs import JobEnd
+from store.queries.reports import ScanWrite
 from store.queries.tags import LayerSeen, TagSeen
 from store.report_lookups import Found, ReportLookups
 
@@ -67,9 +70,15 @@ T = TypeVar("T")
 EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a process that scans
 
 
+LINGER_SECONDS = 0.05  # a write no caller waits for joins the next batch, or goes on its own this soon
+LINGER_RETRY_SECONDS = 1.0  # a batch failed: its unawaited writes are tried again this soon, or with the next
+LINGER_ATTEMPTS = 5  # batches an unawaited write may fail with before it is given up (and logged)
+
+
 class StoreScanCache:
     """The scanner's `ScanCache` (scanner/cache.py) over an `AsyncStore`, with its writes (reports,
-    tags, layers' cache entries) group-committed and layers' cache entries kept in memory too.
+    tags, layers' cache entries, the ends of scan jobs) group-committed and layers' cache entries
+    kept in memory too.
 
     Concurrent scans each await their own tag and report writes, and each write returns only
     after its commit (the same durability as one transaction per write). While one batch
@@ -77,12 +86,24 @@ class StoreScanCache:
     transaction (`queries.save_scan_results`): one thread hop, one commit and one prepared
     statement per kind for the batch, however many scans wrote. A batch that fails fails every
     write in it, each caller with the store's own error.
+
+    Two writes wait for no commit; they join the next batch:
+    - a layer's cache entry (`save_layer_evidence`): this process answers from memory at once,
+      and a crash before its commit costs a read of the layer, never an answer;
+    - a scan job's final report (`save_report(..., with_next_write=True)`): the job's end follows at
+      once (`finish_job`, `AsyncStore.finish_job`), and the two commit in one transaction, so a job
+      is never done without its report. Any other outcome of the job (`fail_job`, `defer_job`)
+      first flushes what is queued.
+    Nothing waits for them, so they are never lost to a batch that fails: they are tried again
+    with the next batch, or on their own after `LINGER_RETRY_SECONDS`, up to `LINGER_ATTEMPTS`
+    batches; one that no write follows commits after `LINGER_SECONDS`.
     """
 
     def __init__(self, store: AsyncStore, evidence_bytes: int = EVIDENCE_CACHE_BYTES) -> None:
         self._store = store
-        self._pending: list[tuple[TagSeen | ImageReport | LayerSeen, asyncio.Future[None]]] = []
+        self._pending: list[_Queued] = []
         self._draining: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         # Layers' cache entries read or written here, by digest: a layer's content never changes, so
         # a base layer shared by a burst's images is read once, not once per scan. Another process's
         # richer entry may go unseen; the layer is then read again (more work, never a wrong answer).
@@ -117,21 +138,26 @@ class StoreScanCache:
         return found
 
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
-        """Store a layer's cache entry, in the next batch of scan results (one transaction)."""
-        self._keep_evidence(digest, evidence_json)
-        await self._write(LayerSeen(digest, evidence_json))
+        """Store a layer's cache entry with the next batch of scan results; this process answers
+        from memory meanwhile. An entry too big to keep in memory is awaited (another scan of
+        this process then finds it stored)."""
+        if self._keep_evidence(digest, evidence_json):
+            self._linger(LayerSeen(digest, evidence_json))
+        else:
+            await self._write(LayerSeen(digest, evidence_json))
 
-    def _keep_evidence(self, digest: str, evidence_json: str) -> None:
+    def _keep_evidence(self, digest: str, evidence_json: str) -> bool:
         old = self._evidence.pop(digest, None)
         if old is not None:
             self._evidence_bytes -= len(old)
         if len(evidence_json) > self._evidence_limit:
-            return
+            return False
         self._evidence[digest] = evidence_json
         self._evidence_bytes += len(evidence_json)
         while self._evidence_bytes > self._evidence_limit:
             _, dropped = self._evidence.popitem(last=False)
             self._evidence_bytes -= len(dropped)
+        return True
 
     async def record_tag(self, registry: str, repository: str, tag: str, digest: str) -> None:
         await self._write(TagSeen(registry, repository, tag, digest))
@@ -139,49 +165,126 @@ class StoreScanCache:
     async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None:
         return await self._store.run(queries.resolve_tag, registry, repository, tag)
 
-    async def save_report(self, report: ImageReport) -> None:
+    async def save_report(self, report: ImageReport, *, with_next_write: bool = False) -> None:
         """Store a report (also a pending one) and the tag it was scanned by, in one transaction;
-        then wake the long polls on its reference (they find the tag pointing at the report)."""
+        at its commit the long polls on its reference wake (they find the tag pointing at it).
+        `with_next_write`: return at once; the report commits with the next write (a scan job's
+        end), see the class's docstring."""
         if report.error is not None or report.digest is None:
             raise ValueError("only successful reports are stored")  # before it can fail a batch
+        writes: tuple[ScanWrite, ...] = (report,)
         if report.registry and report.repository and report.tag:
-            await self._write(TagSeen(report.registry, report.repository, report.tag, report.digest), report)
+            writes = (TagSeen(report.registry, report.repository, report.tag, report.digest), report)
+        if with_next_write:
+            self._linger(*writes)
         else:
-            await self._write(report)
-        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {report.reference}")
+            await self._write(*writes)
 
-    async def _write(self, *writes: TagSeen | ImageReport | LayerSeen) -> None:
-        """Queue `writes` (they go in the same batch) and wait for their commit."""
+    async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
+        """Mark a running job done, in one transaction with the scan results queued before it (its
+        final report); False (and nothing written) when `owner` no longer holds its lease."""
+        [finished] = await self._write(JobEnd(job_id, digest, owner))
+        return bool(finished)
+
+    async def flush(self) -> None:
+        """Commit what is queued now, in one try; a failure leaves the unawaited writes queued."""
+        if not self._pending:
+            return
+        with contextlib.suppress(Exception):
+            await self._write()
+
+    def _linger(self, *writes: ScanWrite) -> None:
+        self._pending.extend(_Queued(write, None) for write in writes)
+        self._wake_drain(LINGER_SECONDS)
+
+    def _wake_drain(self, delay: float) -> None:
+        """Start a drain in `delay` seconds, unless one runs (it takes what is queued) or is due."""
+        if (self._draining is None or self._draining.done()) and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._pending and (self._draining is None or self._draining.done()):
+            self._draining = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _write(self, *writes: ScanWrite) -> list[Any]:
+        """Queue `writes` (they go in the same batch, with whatever is queued) and wait for their
+        commit; each one's result (a `JobEnd`: whether its lease held)."""
         loop = asyncio.get_running_loop()
-        done: list[asyncio.Future[None]] = []
+        done: list[asyncio.Future[Any]] = []
         for write in writes:
             done.append(loop.create_future())
-            self._pending.append((write, done[-1]))
-        if self._draining is None or self._draining.done():
-            self._draining = loop.create_task(self._drain())
-        for outcome in await asyncio.gather(*done, return_exceptions=True):
+            self._pending.append(_Queued(write, done[-1]))
+        if not writes:  # a flush: wait for the batch that takes what is queued now
+            done.append(loop.create_future())
+            self._pending.append(_Queued(None, done[-1]))
+        self._start_drain()
+        outcomes = await asyncio.gather(*done, return_exceptions=True)
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome  # the same error for each write of a failed batch
+        return outcomes[: len(writes)]
 
     async def _drain(self) -> None:
         """Commit what has gathered, batch after batch, until nothing waits."""
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                await self._store.run(queries.save_scan_results, [write for write, _ in batch])
+                finished = await self._store.run(
+                    queries.save_scan_results, [item.write for item in batch if item.write is not None]
+                )
             except Exception as exc:
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(exc)
+                for item in batch:
+                    if item.done is not None:
+                        if not item.done.done():
+                            item.done.set_exception(exc)
+                    elif item.attempts + 1 < LINGER_ATTEMPTS:
+                        self._pending.append(_Queued(item.write, None, item.attempts + 1))
+                    else:
+                        log.error(
+                            "a queued scan result was not stored after %d tries (%s): %s",
+                            LINGER_ATTEMPTS,
+                            exc,
+                            _describe_write(item.write),
+                        )
+                if all(item.done is None for item in self._pending):
+                    break  # only unawaited writes are left: not again at once, the store just failed
             except BaseException:  # cancelled (the loop is closing): no writer waits forever
-                for _, done in [*batch, *self._pending]:
-                    done.cancel()
+                for item in [*batch, *self._pending]:
+                    if item.done is not None:
+                        item.done.cancel()
                 self._pending = []
                 raise
             else:
-                for _, done in batch:
-                    if not done.done():
-                        done.set_result(None)
+                for item in batch:
+                    if isinstance(item.write, ImageReport):  # long polls here wake on its commit
+                        self._store._fire_local(SETTLED, f"{REPORTED_JOB} {item.write.reference}")
+                    if item.done is not None and not item.done.done():
+                        result = item.write.job_id in finished if isinstance(item.write, JobEnd) else None
+                        item.done.set_result(result)
+        if self._pending:
+            self._draining = None
+            self._wake_drain(LINGER_RETRY_SECONDS)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """A write waiting for its batch: `done` settles with its outcome, None when nobody waits (it is
+    then tried again when a batch fails, `attempts` counting); a `write` of None is a flush's marker."""
+
+    write: ScanWrite | None
+    done: asyncio.Future[Any] | None
+    attempts: int = 0
+
+
+def _describe_write(write: ScanWrite | None) -> str:
+    if isinstance(write, ImageReport):
+        return f"the report of {write.reference} (its job's lease brings the scan back)"
+    if isinstance(write, LayerSeen):
+        return f"the cache entry of layer {write.digest} (the layer is read again when needed)"
+    return repr(write)
 
 
 class StoreThreads:
@@ -347,7 +450,9 @@ class AsyncStore:
         return await self.run(queries.reference_report, registry, repository, tag, digest)
 
     async def close(self) -> None:
-        """Wait for calls in flight, then close the backend's connections."""
+        """Commit the scan results still queued, wait for calls in flight, then close the backend's
+        connections."""
+        await self.scan_cache.flush()
         if self._detach_listener is not None:
             self._detach_listener()
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
@@ -484,13 +589,16 @@ class AsyncStore:
         return preempted
 
     async def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        finished = await self.run(self._backend.finish_job, job_id, digest=digest, owner=owner)
+        """Mark a job done, in one transaction with the scan results queued before it (its final
+        report: `StoreScanCache`); False (and nothing written) when `owner` no longer holds its lease."""
+        finished = await self.scan_cache.finish_job(job_id, digest=digest, owner=owner)
         self._fire_local(SETTLED)
         return finished
 
     async def fail_job(
         self, job_id: str, error: str, *, retry_in: float | None, owner: str
     ) -> JobState | None:
+        await self.scan_cache.flush()  # the scan's report, queued, commits first
         state = await self.run(self._backend.fail_job, job_id, error, retry_in=retry_in, owner=owner)
         self._fire_local(QUEUED if state == "queued" else SETTLED)
         return state
@@ -590,6 +698,7 @@ class AsyncStore:
 
     async def defer_job(self, job_id: str, error: str, *, retry_in: float, owner: str) -> bool:
         """Put a job back after its registry's Retry-After and close that registry's gate until then."""
+        await self.scan_cache.flush()  # the scan's report, queued, commits first
         deferred = await self.run(self._backend.defer_job, job_id, error, retry_in=retry_in, owner=owner)
         self._fire_local(QUEUED)
         return deferred

@@ -394,16 +394,7 @@ class PostgresStore(SharedMethods):
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
-        with self._transaction() as conn:
-            row = conn.execute(
-                "UPDATE jobs SET state = 'done', error = NULL, result_digest = %s, lease_owner = NULL,"
-                " lease_expires = NULL, updated_at = clock_timestamp()"
-                " WHERE id = %s AND state = 'running' AND lease_owner = %s RETURNING dedupe_key",
-                [digest, job_id, owner],
-            ).fetchone()
-            if row is not None:
-                self._notify_settled(conn, job_id, row[0])
-            return row is not None
+        return self.run(queries.finish_job, job_id, digest=digest, owner=owner)
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.

@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal, cast
 
+from store import queries
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
@@ -612,16 +613,7 @@ class SqliteStore(SharedMethods):
 
     def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
         """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
-        with self._transaction() as conn:
-            row = conn.execute(
-                "UPDATE jobs SET state = 'done', error = NULL, result_digest = ?, lease_owner = NULL,"
-                " lease_expires = NULL, updated_at = ? WHERE id = ? AND state = 'running' AND lease_owner = ?"
-                " RETURNING dedupe_key",
-                [digest, _iso(_now()), job_id, owner],
-            ).fetchone()
-        if row is not None:
-            self._announce(_settled(job_id, row[0]))
-        return row is not None
+        return self.run(queries.finish_job, job_id, digest=digest, owner=owner)
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.

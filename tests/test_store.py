@@ -837,6 +837,74 @@ async def test_concurrent_scan_writes_share_commits_and_return_only_once_committ
         reader.close()
 
 
+async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses_neither(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's scan queues its layer's cache entry and its final report; the job's end commits
+    them in its own transaction (one hop, one commit). A batch that fails takes the report along
+    to the worker's retry of the end: the job is never done without its report."""
+    from store import AsyncStore, StoreUnavailable
+
+    backend = open_backend()
+    batches: list[set[str]] = []
+    fail_next = threading.Event()
+    committed = threading.Event()
+    run = backend.run
+
+    def counting(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query is queries.save_scan_results:
+            if fail_next.is_set():
+                fail_next.clear()
+                raise StoreUnavailable("the disk is full")
+            batches.append({type(write).__name__ for write in args[0]})
+            outcome = run(query, *args, **kwargs)
+            committed.set()
+            return outcome
+        return run(query, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "run", counting)
+    store = AsyncStore(backend)
+    cache = store.scan_cache
+    reader = open_backend()  # another process's view: it sees only what was committed
+    layer, first, second, lone = ("sha256:" + n * 64 for n in "1234")
+    try:
+        backend.enqueue(
+            [("127.0.0.1:5000/app:one", "127.0.0.1:5000"), ("127.0.0.1:5000/app:two", "127.0.0.1:5000")]
+        )
+        one, two = backend.claim_jobs(2, owner="w1", lease_seconds=30)
+
+        await cache.save_layer_evidence(layer, '{"schema_version": 2}')
+        await cache.save_report(_report(first), with_next_write=True)
+        assert await cache.layer_evidence(layer) == '{"schema_version": 2}'  # this process: from memory
+        assert reader.run(queries.report, first) is None  # nothing committed yet: the end is to follow
+        assert await store.finish_job(one.id, digest=first, owner="w1")
+        assert batches == [{"LayerSeen", "ImageReport", "JobEnd"}]  # one transaction for all three
+        assert reader.run(queries.report, first) is not None
+        assert reader.run(queries.layer_evidence, layer) == '{"schema_version": 2}'
+        job_one = reader.run(queries.job, one.id)
+        assert job_one is not None and (job_one.state, job_one.result_digest) == ("done", first)
+
+        await cache.save_report(_report(second), with_next_write=True)
+        fail_next.set()
+        with pytest.raises(StoreUnavailable):
+            await store.finish_job(two.id, digest=second, owner="w1")
+        assert reader.run(queries.report, second) is None
+        assert await store.finish_job(two.id, digest=second, owner="w1")  # the worker's retry
+        assert batches[-1] == {"ImageReport", "JobEnd"}  # the report came along
+        assert reader.run(queries.report, second) is not None
+        job_two = reader.run(queries.job, two.id)
+        assert job_two is not None and job_two.state == "done"
+        assert not await store.finish_job(two.id, digest=second, owner="w1")  # its lease is gone
+
+        committed.clear()
+        await cache.save_layer_evidence(lone, '{"schema_version": 2}')  # no write follows it
+        assert await asyncio.to_thread(committed.wait, 5)  # it commits on its own, soon
+        assert reader.run(queries.layer_evidence, lone) == '{"schema_version": 2}'
+    finally:
+        await store.close()
+        reader.close()
+
+
 def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
     from store.dialect import POSTGRES, SQLITE
 

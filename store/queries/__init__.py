@@ -30,7 +30,9 @@ from store.queries.fleet import (
     upsert_server,
 )
 from store.queries.jobs import (
+    JobEnd,
     delete_finished,
+    finish_job,
     finished_beyond,
     finished_jobs,
     job,
@@ -46,6 +48,7 @@ from store.queries.jobs import (
 from store.queries.reports import (
     IndexOf,
     ScanVerdict,
+    ScanWrite,
     TagSeen,
     has_report,
     index_of,
@@ -100,7 +103,9 @@ __all__ = [
     "JOB_READS",
     "REPORT_WRITES",
     "IndexOf",
+    "JobEnd",
     "ScanVerdict",
+    "ScanWrite",
     "TagSeen",
     "actionable_deployments",
     "actionable_servers",
@@ -108,6 +113,7 @@ __all__ = [
     "delete_finished",
     "deployment",
     "deployments",
+    "finish_job",
     "finished_beyond",
     "finished_jobs",
     "forget_server",

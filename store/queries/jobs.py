@@ -1,7 +1,8 @@
 """Reads of the job queue: written once, run on both engines.
 
-Claims, leases, enqueueing and outcomes (what locks, and how) differ per engine and stay in
-`store.sqlite` and `store.postgres`; what they share is here: the job column list and its row
+Claims, leases, enqueueing and the other outcomes (what locks, and how) differ per engine and
+stay in `store.sqlite` and `store.postgres`; what they share is here: a job's end (`finish_job`:
+one conditional update, also written in the batch of its scan's results as a `JobEnd`), the job column list and its row
 reader (`JOB_COLUMNS`, `job_of`), the job read their `retry_job` answers with, the lease owners,
 whether a job runs under a live lease (`scan_in_flight`), the error a job whose lease lapsed is
 left with (`LEASE_LAPSED_ERROR`, one SQL expression), the counts by state that read no finished job
@@ -14,10 +15,12 @@ one reference coalesce with each other, never with a plain scan of it, and the j
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from store.dialect import Db, reads, writes
+from store.events import JOB_SETTLED_CHANNEL
 from store.models import JOB_STATES, Job
 
 JOB_COLUMNS = (
@@ -38,6 +41,32 @@ LEASE_LAPSED_ERROR = (
     "'the worker ' || coalesce(lease_owner, '(unknown)') || ' stopped renewing its lease"
     " (crashed, cut off, or unable to write) on attempt ' || attempts || ' of ' || max_attempts"
 )
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """A scan job done, written in the batch of its scan's results (`reports.save_scan_results`), so
+    that the job's end and its final report commit together."""
+
+    job_id: str
+    digest: str | None
+    owner: str
+
+
+@writes
+def finish_job(db: Db, job_id: str, *, digest: str | None, owner: str) -> bool:
+    """Mark a running job done; False (and nothing written) when `owner` no longer holds its lease.
+    At commit every process hears the settle, keyed by the job and its reference."""
+    row = db.one(
+        "UPDATE jobs SET state = 'done', error = NULL, result_digest = :digest, lease_owner = NULL,"
+        " lease_expires = NULL, updated_at = :now WHERE id = :id AND state = 'running' AND lease_owner = :owner"
+        " RETURNING dedupe_key",
+        {"digest": digest, "id": job_id, "owner": owner},
+    )
+    if row is None:
+        return False
+    db.notify(JOB_SETTLED_CHANNEL, f"{job_id} {row[0]}")
+    return True
 
 
 def job_of(db: Db, row: Sequence[Any]) -> Job:

@@ -11,6 +11,7 @@ from scanner.facts.badges import libc_label
 from scanner.models import ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
 from store.models import ImageRow
+from store.queries.jobs import JobEnd, finish_job
 from store.queries.tags import LayerSeen, TagSeen, announce_reference, record_tags, resolve_tag, save_layers
 
 # Exact totals up to this many matching images; beyond, the planner's estimate where the engine
@@ -138,15 +139,23 @@ def save_report(db: Db, report: ImageReport) -> None:
     save_reports(db, [report])
 
 
+ScanWrite = TagSeen | ImageReport | LayerSeen | JobEnd
+
+
 @writes
-def save_scan_results(db: Db, writes: Sequence[TagSeen | ImageReport | LayerSeen]) -> None:
+def save_scan_results(db: Db, writes: Sequence[ScanWrite]) -> frozenset[str]:
     """A group commit of what concurrent scans write: layers' cache entries, tags seen, in order,
-    then every report in one batch (`save_reports`). One transaction for all of them."""
+    then every report in one batch (`save_reports`), then the jobs that ended (`finish_job`). One
+    transaction for all of them; the ids of the ended jobs whose worker still held the lease."""
     save_layers(db, [write for write in writes if isinstance(write, LayerSeen)])
     record_tags(db, [write for write in writes if isinstance(write, TagSeen)])
     reports = [write for write in writes if isinstance(write, ImageReport)]
     if reports:
         save_reports(db, reports)
+    ends = [write for write in writes if isinstance(write, JobEnd)]
+    return frozenset(
+        end.job_id for end in ends if finish_job(db, end.job_id, digest=end.digest, owner=end.owner)
+    )
 
 
 @reads
