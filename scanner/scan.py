@@ -8,7 +8,9 @@ publishing a finished report as a referrer is `scanner.publish`, which the servi
    more; a tag never seen is fetched at once), the manifest, and for every
    platform its manifest and config: GPU signals, requirements, environment, platform. With
    `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
-   multi-GB image shows within moments of its push, while its layers are still being read.
+   multi-GB image shows within moments of its push, while its layers are still being read (a
+   job's, with the store's next write: `StoreScanCache`, within 50 ms; a small image's final
+   report, when it comes first, takes its place, and the scan commits once).
 2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
    linux platforms a GPU fleet runs, by default), `scanner.layer_reader` streams each layer not
    already known once, into one walk for every consumer (libc; the CUDA and GPU code the image
@@ -80,7 +82,8 @@ class ScanOptions:
     force: bool = False  # ignore a stored report for the same digest (a rescan)
     job: str | None = None  # the scan job this scan runs as (the service's workers hold its lease)
     # called once, when the config facts are published (`publish_facts`: the pending report is
-    # stored) and the layers are still to be read; the service's workers free a slot on it
+    # stored, or for a job queued to commit with the store's next write, within moments) and the
+    # layers are still to be read; the service's workers free a slot on it
     on_facts: Callable[[], None] | None = field(default=None, compare=False)
 
 
@@ -349,7 +352,10 @@ class Scanner:
             for position, _ in to_read:
                 report.platforms[position].pending_scan = options.job
             if storable and self.publish_facts:
-                await self._save(reference, report)
+                # A job's facts commit with its next write (the layers' cache entries, or the final
+                # report that supersedes them); the report goes on changing here, so a copy goes.
+                facts = report.model_copy(update={"platforms": list(report.platforms)})
+                await self._save(reference, facts, with_next_write=options.job is not None)
                 if options.on_facts is not None:
                     options.on_facts()
             results = await asyncio.gather(

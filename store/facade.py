@@ -87,13 +87,15 @@ class StoreScanCache:
     statement per kind for the batch, however many scans wrote. A batch that fails fails every
     write in it, each caller with the store's own error.
 
-    Two writes wait for no commit; they join the next batch:
+    Some writes wait for no commit; they join the next batch:
     - a layer's cache entry (`save_layer_evidence`): this process answers from memory at once,
       and a crash before its commit costs a read of the layer, never an answer;
-    - a scan job's final report (`save_report(..., with_next_write=True)`): the job's end follows at
-      once (`finish_job`, `AsyncStore.finish_job`), and the two commit in one transaction, so a job
-      is never done without its report. Any other outcome of the job (`fail_job`, `defer_job`)
-      first flushes what is queued.
+    - a scan job's reports (`save_report(..., with_next_write=True)`): its config facts, which a
+      final report still queued supersedes (a small image's scan commits once), and its final
+      report, which the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two
+      commit in one transaction, so a job is never done without its report. Any other outcome of
+      the job (`fail_job`, `defer_job`) first flushes what is queued. A queued report is the
+      caller's no more: it must not be changed after the call.
     Nothing waits for them, so they are never lost to a batch that fails: they are tried again
     with the next batch, or on their own after `LINGER_RETRY_SECONDS`, up to `LINGER_ATTEMPTS`
     batches; one that no write follows commits after `LINGER_SECONDS`.
@@ -194,6 +196,20 @@ class StoreScanCache:
             await self._write()
 
     def _linger(self, *writes: ScanWrite) -> None:
+        """Queue `writes` for the next batch, nobody waiting. A report supersedes a queued report of
+        the same digest (a scan's config facts, when its final report comes before they commit),
+        and a tag seen again the queued sighting."""
+        digests = {write.digest for write in writes if isinstance(write, ImageReport)}
+        if digests:
+            self._pending = [
+                item
+                for item in self._pending
+                if item.done is not None
+                or not (
+                    (isinstance(item.write, ImageReport) and item.write.digest in digests)
+                    or (isinstance(item.write, TagSeen) and item.write in writes)
+                )
+            ]
         self._pending.extend(_Queued(write, None) for write in writes)
         self._wake_drain(LINGER_SECONDS)
 

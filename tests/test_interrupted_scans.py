@@ -135,10 +135,11 @@ async def scanner_and_store(tmp_path: Path, held: Held) -> AsyncIterator[tuple[S
 
 
 async def start_and_interrupt(scanner: Scanner, store: AsyncStore, reference: str, job: str) -> None:
-    """Scan `reference` as `job` until its config facts are published, then cancel it mid-read."""
+    """Scan `reference` as `job` until its config facts are stored, then cancel it mid-read."""
     published = asyncio.Event()
     task = asyncio.create_task(scanner.scan(reference, ScanOptions(job=job, on_facts=published.set)))
     await asyncio.wait_for(published.wait(), 30)
+    await store.scan_cache.flush()  # a job's facts commit with the store's next write, or within moments
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -840,13 +840,14 @@ async def test_concurrent_scan_writes_share_commits_and_return_only_once_committ
 async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses_neither(
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker's scan queues its layer's cache entry and its final report; the job's end commits
-    them in its own transaction (one hop, one commit). A batch that fails takes the report along
-    to the worker's retry of the end: the job is never done without its report."""
+    """A worker's scan queues its config facts, its layer's cache entry and its final report; the
+    final report supersedes the facts, and the job's end commits the rest in its own transaction
+    (one hop, one commit). A batch that fails takes the report along to the worker's retry of the
+    end: the job is never done without its report."""
     from store import AsyncStore, StoreUnavailable
 
     backend = open_backend()
-    batches: list[set[str]] = []
+    batches: list[list[str]] = []
     fail_next = threading.Event()
     committed = threading.Event()
     run = backend.run
@@ -856,7 +857,7 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
             if fail_next.is_set():
                 fail_next.clear()
                 raise StoreUnavailable("the disk is full")
-            batches.append({type(write).__name__ for write in args[0]})
+            batches.append(sorted(type(write).__name__ for write in args[0]))
             outcome = run(query, *args, **kwargs)
             committed.set()
             return outcome
@@ -873,13 +874,15 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
         )
         one, two = backend.claim_jobs(2, owner="w1", lease_seconds=30)
 
+        await cache.save_report(_report(first).model_copy(update={"pending": True}), with_next_write=True)
         await cache.save_layer_evidence(layer, '{"schema_version": 2}')
         await cache.save_report(_report(first), with_next_write=True)
         assert await cache.layer_evidence(layer) == '{"schema_version": 2}'  # this process: from memory
         assert reader.run(queries.report, first) is None  # nothing committed yet: the end is to follow
         assert await store.finish_job(one.id, digest=first, owner="w1")
-        assert batches == [{"LayerSeen", "ImageReport", "JobEnd"}]  # one transaction for all three
-        assert reader.run(queries.report, first) is not None
+        assert batches == [["ImageReport", "JobEnd", "LayerSeen"]]  # one transaction, the facts superseded
+        stored = reader.run(queries.report, first)
+        assert stored is not None and not stored.pending
         assert reader.run(queries.layer_evidence, layer) == '{"schema_version": 2}'
         job_one = reader.run(queries.job, one.id)
         assert job_one is not None and (job_one.state, job_one.result_digest) == ("done", first)
@@ -890,7 +893,7 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
             await store.finish_job(two.id, digest=second, owner="w1")
         assert reader.run(queries.report, second) is None
         assert await store.finish_job(two.id, digest=second, owner="w1")  # the worker's retry
-        assert batches[-1] == {"ImageReport", "JobEnd"}  # the report came along
+        assert batches[-1] == ["ImageReport", "JobEnd"]  # the report came along
         assert reader.run(queries.report, second) is not None
         job_two = reader.run(queries.job, two.id)
         assert job_two is not None and job_two.state == "done"
