@@ -55,6 +55,7 @@ from scanner.models import ImageReport
 from scanner.scan import Scanner, ScanOptions
 from store import AsyncStore, Job, JobState, LeaseExpiry, queries
 from store.events import wait_set
+from store.models import Stored
 
 log = logging.getLogger(__name__)
 
@@ -254,16 +255,17 @@ class ScanWorkers:
             if believed is not None:
                 return believed
             queued_count, claiming_at = self.store.events.queued_count, time.monotonic()
-            claimed, due = await self.store.claim_jobs_or_next_due(
+            claim = await self.store.claim_jobs_or_next_due(
                 free,
                 owner=self.owner,
                 lease_seconds=self.settings.lease_seconds,
                 per_registry=self.settings.per_registry,
             )
-            empty = len(claimed) < free and due is None
+            due = claim.due
+            empty = len(claim.jobs) < free and due is None
             self._empty_seen = (queued_count, claiming_at) if empty else None
-            for job in claimed:
-                task = asyncio.create_task(self._run(job), name=f"scan-{job.id}")
+            for job in claim.jobs:
+                task = asyncio.create_task(self._run(job, claim.stored.get(job.id)), name=f"scan-{job.id}")
                 self._running[job.id] = task
                 self._started[job.id] = (job, time.monotonic())
                 self._before_facts.add(job.id)
@@ -401,11 +403,16 @@ class ScanWorkers:
 
     # --------------------------------------------------------------- one job
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, stored: Stored | None = None) -> None:
+        """Scan one claimed job and record its outcome; `stored`: what the store held for the job's
+        digest when the claim read it (the scan then does not read it again)."""
         started = time.monotonic()
         try:
             options = ScanOptions(
-                force=job.rescan, job=job.id, on_facts=functools.partial(self._facts_published, job.id)
+                force=job.rescan,
+                job=job.id,
+                on_facts=functools.partial(self._facts_published, job.id),
+                stored=stored,
             )
             report = await self.scanner.scan(job.reference, options)
             # Counted before the outcome is written: whoever sees the job settled sees it counted.

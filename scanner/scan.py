@@ -85,6 +85,9 @@ class ScanOptions:
     # stored, or for a job queued to commit with the store's next write, within moments) and the
     # layers are still to be read; the service's workers free a slot on it
     on_facts: Callable[[], None] | None = field(default=None, compare=False)
+    # what the store held for the reference's digest (as an image, as a platform), read by the caller
+    # just before (the service's workers read it with the job's claim); None: the scan reads it
+    stored: tuple[ImageReport | None, PlatformReport | None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -290,8 +293,11 @@ class Scanner:
         if digest is None:
             head = await self.client.resolve(reference)
             digest, media_type = head.digest, head.media_type
-        # one read: the digest stored as an image, and as one platform of an index
-        stored, as_platform = await self.store.stored(digest) if self.store else (None, None)
+        # one read: the digest stored as an image, and as one platform of an index (or the caller's)
+        if options.stored is not None and digest == reference.digest:
+            stored, as_platform = options.stored
+        else:
+            stored, as_platform = await self.store.stored(digest) if self.store else (None, None)
         if stored is not None and _reusable(stored, options):
             await self._remember_tag(reference, digest)
             reused = stored.model_copy(

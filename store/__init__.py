@@ -14,6 +14,7 @@ from typing import Literal
 from store.backend import QueryRunner, StoreBackend
 from store.facade import AsyncStore, BlockingStore
 from store.models import (
+    ClaimPass,
     DeploymentRecord,
     EnqueueBatch,
     GpuClaims,
@@ -33,6 +34,7 @@ from store.sqlite import SqliteStore
 __all__ = [
     "AsyncStore",
     "BlockingStore",
+    "ClaimPass",
     "DeploymentRecord",
     "EnqueueBatch",
     "GpuClaims",

@@ -27,10 +27,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, ParamSpec, TypeVar, overload
 
 from scanner.models import ImageReport, PlatformReport
+from scanner.registry.reference import ReferenceError, parse_reference
 from store import queries
 from store.backend import StoreBackend
 from store.dialect import Query
@@ -49,6 +49,7 @@ from store.events import (
     QueueEvents,
 )
 from store.models import (
+    ClaimPass,
     EnqueueBatch,
     Job,
     JobState,
@@ -360,6 +361,14 @@ class StoreThreads:
             thread.join()
 
 
+def _digest_of(job: Job) -> str | None:
+    """The digest a job's reference names, if it names one (a webhook's job does)."""
+    try:
+        return parse_reference(job.reference).digest
+    except ReferenceError:
+        return None
+
+
 def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
     """On the loop: a store call's outcome, unless its caller gave up (cancelled)."""
     if future.done():
@@ -536,18 +545,22 @@ class AsyncStore:
 
     async def claim_jobs_or_next_due(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
-    ) -> tuple[list[Job], datetime | None]:
-        """`claim_jobs`, and when it leaves slots free, when the earliest queued job is due
-        (`queries.next_job_due`; None when none is queued, or when every slot was filled): both in
-        one hop to the store's threads, as a worker's claim pass needs both and each hop wakes a
-        thread and then the loop (a few hundred microseconds of CPU each on a VM)."""
+    ) -> ClaimPass:
+        """`claim_jobs`; when it leaves slots free, when the earliest queued job is due
+        (`queries.next_job_due`); and what the store holds for the claimed jobs' digests
+        (`queries.stored_many`, which each scan would otherwise read first): all in one hop to the
+        store's threads, as a worker's claim pass needs them and each hop wakes a thread and then
+        the loop (a few hundred microseconds of CPU each on a VM)."""
         backend = self._backend
 
-        def claim_then_look() -> tuple[list[Job], datetime | None]:
+        def claim_then_look() -> ClaimPass:
             claimed = backend.claim_jobs(
                 limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
             )
-            return claimed, backend.run(queries.next_job_due) if len(claimed) < limit else None
+            due = backend.run(queries.next_job_due) if len(claimed) < limit else None
+            digests = {job.id: digest for job in claimed if not job.rescan and (digest := _digest_of(job))}
+            found = backend.run(queries.stored_many, sorted(set(digests.values()))) if digests else {}
+            return ClaimPass(claimed, due, {job_id: found[digest] for job_id, digest in digests.items()})
 
         return await self.run(claim_then_look)
 

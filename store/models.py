@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from datetime import datetime
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from scanner.models import ImageReport, PlatformReport
 
 JobState = Literal["queued", "running", "done", "failed"]
 JOB_STATES: tuple[JobState, ...] = ("queued", "running", "done", "failed")
@@ -77,6 +81,21 @@ class Job:
     lease_owner: str | None = None
     lease_expires: str | None = None
     rescan: bool = False  # a forced rescan: nothing stored is reused
+
+
+Stored = tuple["ImageReport | None", "PlatformReport | None"]  # a digest as an image, and as a platform
+
+
+@dataclass(frozen=True)
+class ClaimPass:
+    """A worker's claim pass, read in one hop (`AsyncStore.claim_jobs_or_next_due`): the jobs it
+    claimed; when the earliest queued job is due (None when none is queued, or when every slot
+    was filled); and, by job id, what the store holds for the digest of each claimed job that names
+    one (a webhook's job does; a job by tag, or a rescan, is not in it), as `queries.stored` reads it."""
+
+    jobs: list[Job]
+    due: datetime | None
+    stored: dict[str, Stored]
 
 
 @dataclass(frozen=True)

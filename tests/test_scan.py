@@ -166,6 +166,31 @@ async def test_large_layer_stops_early(scanner: Scanner, registry: LocalRegistry
     assert platform.bytes_fetched >= libc.bytes_read and report.bytes_fetched >= platform.bytes_fetched
 
 
+async def test_what_the_caller_read_for_the_digest_is_not_read_again(
+    scanner: Scanner, registry: LocalRegistry, push: Pusher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's workers read what the store holds for a job's digest with the job's claim
+    (`ScanOptions.stored`): the scan takes it, with no read of its own, and reuses the report."""
+    push(ImageSpec([catalog.ubuntu_base()]), "samples/given:1")
+    first = await scanner.scan(f"{registry.host}/samples/given:1")
+    assert first.error is None and first.digest is not None
+    assert scanner.store is not None
+    stored = await scanner.store.stored(first.digest)
+    reads: list[str] = []
+    read = scanner.store.stored
+
+    async def counted(digest: str) -> tuple[ImageReport | None, object]:
+        reads.append(digest)
+        return await read(digest)
+
+    monkeypatch.setattr(scanner.store, "stored", counted)
+    by_digest = f"{registry.host}/samples/given:1@{first.digest}"
+    again = await scanner.scan(by_digest, ScanOptions(stored=stored))
+    assert again.cached and again.digest == first.digest and reads == []
+    fresh = await scanner.scan(by_digest)  # nothing given: the scan reads it itself
+    assert fresh.cached and reads == [first.digest]
+
+
 async def test_shared_base_layer_is_read_once(
     scanner: Scanner, registry: LocalRegistry, push: Pusher
 ) -> None:

@@ -985,12 +985,24 @@ async def test_a_claim_pass_learns_when_the_next_job_is_due_in_the_same_hop(
 
     store._pool.run = counted  # type: ignore[method-assign]
     try:
-        claimed, due = await store.claim_jobs_or_next_due(2, owner="w", lease_seconds=30)
-        assert [job.reference for job in claimed] == ["r.example/a:1"]
+        claim = await store.claim_jobs_or_next_due(2, owner="w", lease_seconds=30)
+        assert [job.reference for job in claim.jobs] == ["r.example/a:1"]
+        due = claim.due
         assert due is not None and 50 < (due - datetime.now(UTC)).total_seconds() <= 60  # the delayed one
+        assert claim.stored == {}  # a job by tag: the scan resolves its digest first
         assert len(hops) == 1
-        claimed, due = await store.claim_jobs_or_next_due(1, owner="w", lease_seconds=30)
-        assert claimed == [] and due is not None  # nothing ready: still one hop, and the due time
+        claim = await store.claim_jobs_or_next_due(1, owner="w", lease_seconds=30)
+        assert claim.jobs == [] and claim.due is not None  # nothing ready: still one hop, and the due time
         assert len(hops) == 2
+        # a webhook's job names its digest: what the store holds for it comes with the claim
+        known, unknown = "sha256:" + "a" * 64, "sha256:" + "c" * 64
+        backend.run(queries.save_report, _report(known))
+        backend.enqueue([(f"r.example/b:1@{known}", "r.example"), (f"r.example/b:2@{unknown}", "r.example")])
+        claim = await store.claim_jobs_or_next_due(5, owner="w", lease_seconds=30)
+        by_reference = {job.reference.rpartition("@")[2]: claim.stored[job.id] for job in claim.jobs}
+        image, platform = by_reference[known]
+        assert image is not None and image.digest == known and platform is None
+        assert by_reference[unknown] == (None, None)
+        assert len(hops) == 3
     finally:
         await store.close()
