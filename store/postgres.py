@@ -96,7 +96,13 @@ class PostgresStore(SharedMethods):
             min_size=1,
             max_size=max(1, pool_size),
             timeout=connect_timeout,
-            kwargs={"connect_timeout": max(1, int(connect_timeout)), "application_name": "gpubadge"},
+            # autocommit: a read is its statements, one round trip each; a write says where its
+            # transaction begins and ends (`_transaction`)
+            kwargs={
+                "connect_timeout": max(1, int(connect_timeout)),
+                "application_name": "gpubadge",
+                "autocommit": True,
+            },
             open=False,
             name="gpubadge",
         )
@@ -129,7 +135,23 @@ class PostgresStore(SharedMethods):
                 f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
             ) from exc
 
-    _reading = _transaction  # READ COMMITTED reads never wait for writers
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[psycopg.Connection[TupleRow]]:
+        """One pooled connection for reads, with no transaction around them: each statement is one
+        round trip, where BEGIN and COMMIT would add two. Under READ COMMITTED a transaction gives
+        its statements no snapshot in common anyway (each sees what was committed when it began),
+        and a read never waits for writers either way."""
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except PoolTimeout as exc:
+            raise StoreUnavailable(
+                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(
+                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
+            ) from exc
 
     def upgrade(self) -> int:
         """Apply the pending migrations; safe when many replicas start at once (advisory lock)."""
@@ -204,9 +226,9 @@ class PostgresStore(SharedMethods):
     # ---------------------------------------------------------------- queries
 
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run one of `store.queries` (or any `Query`) on one pooled connection, in one transaction
-        (READ COMMITTED: a read never waits for writers)."""
-        with self._transaction() as conn:
+        """Run one of `store.queries` (or any `Query`) on one pooled connection: a write in one
+        transaction, a read statement by statement (`_reading`)."""
+        with self._transaction() if query.write else self._reading() as conn:
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs

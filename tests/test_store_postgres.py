@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from store import queries
+from store.dialect import Db, reads, writes
 from store.migrations import latest_version, migrations
 from store.models import GpuTaken, StoreUnavailable
 from store.postgres import JOB_SETTLED, JOBS_QUEUED, Notification, PostgresStore
@@ -243,3 +244,27 @@ async def test_a_wait_on_one_replica_wakes_when_another_process_finishes_the_job
     finally:
         worker.close()
         await api.close()
+
+
+@reads
+def _in_its_own_statement(db: Db) -> bool:
+    """True when the statement is its own transaction: no BEGIN came before it (now() is the
+    transaction's start, statement_timestamp() this statement's)."""
+    row = db.one("SELECT now() = statement_timestamp()")
+    return bool(row and row[0])
+
+
+@writes
+def _in_a_transaction(db: Db) -> bool:
+    return not _in_its_own_statement(db)
+
+
+def test_a_read_is_its_statements_with_no_begin_or_commit_and_a_write_one_transaction(
+    replicas: list[PostgresStore],
+) -> None:
+    """A read costs one round trip a statement, where BEGIN and COMMIT would add two (READ
+    COMMITTED gives a transaction's statements no snapshot in common); a write is one transaction."""
+    store = replicas[0]
+    assert all(store.run(_in_its_own_statement) for _ in range(5))
+    assert all(store.run(_in_a_transaction) for _ in range(5))
+    assert store.run(queries.job, "no-such-job") is None  # the shared reads run the same way
