@@ -190,8 +190,9 @@ class StoreScanCache:
         return bool(finished)
 
     async def flush(self) -> None:
-        """Commit what is queued now, in one try; a failure leaves the unawaited writes queued."""
-        if not self._pending:
+        """Commit what is queued or committing now, in one try; a failure leaves the unawaited writes
+        queued."""
+        if not self._pending and (self._draining is None or self._draining.done()):
             return
         with contextlib.suppress(Exception):
             await self._write()
@@ -248,10 +249,9 @@ class StoreScanCache:
         """Commit what has gathered, batch after batch, until nothing waits."""
         while self._pending:
             batch, self._pending = self._pending, []
+            writes = [item.write for item in batch if item.write is not None]
             try:
-                finished = await self._store.run(
-                    queries.save_scan_results, [item.write for item in batch if item.write is not None]
-                )
+                finished = await self._store.run(queries.save_scan_results, writes) if writes else frozenset()
             except Exception as exc:
                 for item in batch:
                     if item.done is not None:

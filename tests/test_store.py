@@ -867,7 +867,7 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
     store = AsyncStore(backend)
     cache = store.scan_cache
     reader = open_backend()  # another process's view: it sees only what was committed
-    layer, first, second, lone = ("sha256:" + n * 64 for n in "1234")
+    layer, first, second, third, lone = ("sha256:" + n * 64 for n in "12345")
     try:
         backend.enqueue(
             [("127.0.0.1:5000/app:one", "127.0.0.1:5000"), ("127.0.0.1:5000/app:two", "127.0.0.1:5000")]
@@ -898,6 +898,13 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
         job_two = reader.run(queries.job, two.id)
         assert job_two is not None and job_two.state == "done"
         assert not await store.finish_job(two.id, digest=second, owner="w1")  # its lease is gone
+
+        # a job that fails: its queued report commits before the failure does
+        backend.enqueue([("127.0.0.1:5000/app:three", "127.0.0.1:5000")])
+        [three] = backend.claim_jobs(1, owner="w1", lease_seconds=30)
+        await cache.save_report(_report(third), with_next_write=True)
+        assert await store.fail_job(three.id, "a platform failed", retry_in=None, owner="w1") == "failed"
+        assert reader.run(queries.report, third) is not None
 
         committed.clear()
         await cache.save_layer_evidence(lone, '{"schema_version": 2}')  # no write follows it
