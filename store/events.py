@@ -1,10 +1,12 @@
 """Queue events as the event loop sees them: jobs queued, jobs settled.
 
 Two sources feed them. Writes made through this process's `AsyncStore` fire them
-directly (that is all SQLite needs: one process owns the file's queue). On
-PostgreSQL a listener thread also relays every replica's `NOTIFY`, so an idle worker
-wakes when any API process queues a job, and a long-poll (`?wait=`) on any replica
-answers when any worker finishes the job. Nobody polls the database to find out.
+directly (all one process needs when it owns the file's queue). On PostgreSQL, and on a
+SQLite file whose processes share their events, the process also hears every process's
+commits (`NOTIFY`, read on the event loop itself: no thread between a notice and its
+waiters), so an idle worker wakes when any API process queues a job, and a long-poll
+(`?wait=`) on any replica answers when any worker finishes the job. Nobody polls the
+database to find out.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ class QueueEvents:
     """Fan-out of queue events to waiters and wake-up callbacks on one event loop."""
 
     def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._settled = asyncio.Event()  # any settle, for waiters without a key
         self._keyed: dict[str, list[asyncio.Event]] = {}  # job id or reference -> its waiters
         self._on_queued: list[Callable[[], None]] = []
@@ -54,10 +55,6 @@ class QueueEvents:
         # this many times: a worker whose claim found no queued job at one count need not claim
         # again, when woken by a settle or its own freed slot, until the count moves.
         self.queued_count = 0
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The loop that threads (the PostgreSQL listener) hand their events to."""
-        self._loop = loop
 
     def on_queued(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` (on the loop) whenever jobs may have become claimable; returns an unsubscribe."""
@@ -117,13 +114,6 @@ class QueueEvents:
             for event in events:
                 event.set()
         self._keyed.clear()
-
-    def fire_threadsafe(self, kind: Kind, payload: str = "") -> None:
-        """From any thread; dropped when no loop is bound (or it is closed): nobody waits then."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
-                loop.call_soon_threadsafe(self.fire, kind, payload)
 
     async def wait_until(
         self, condition: Callable[[], Awaitable[bool]], timeout: float, key: str | None = None

@@ -47,6 +47,7 @@ from store.events import (
     RESYNC,
     SETTLED,
     QueueEvents,
+    wait_set,
 )
 from store.models import (
     ClaimPass,
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
+LISTEN_READY_SECONDS = 10.0  # `start_events` waits this long at most for PostgreSQL's LISTEN to be in place
 EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a process that scans
 
 
@@ -429,6 +431,7 @@ class AsyncStore:
         self.events = QueueEvents()
         self._stop_listening: Callable[[], None] | None = None  # any thread
         self._detach_listener: Callable[[], None] | None = None  # on the loop, before it
+        self._relay_task: asyncio.Task[None] | None = None  # PostgreSQL's notices, relayed on the loop
         self.scan_cache = StoreScanCache(self)
         self.blocking = BlockingStore(backend)
         self.report_lookups = ReportLookups(
@@ -480,6 +483,10 @@ class AsyncStore:
         await self.scan_cache.flush()
         if self._detach_listener is not None:
             self._detach_listener()
+        if self._relay_task is not None:
+            self._relay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relay_task
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
@@ -664,25 +671,25 @@ class AsyncStore:
         Idempotent. Without it, events fired by this process's own writes still reach waiters.
         """
         loop = asyncio.get_running_loop()
-        self.events.bind(loop)
-        if not getattr(self._backend, "shares_events", False) or self._stop_listening is not None:
+        if not getattr(self._backend, "shares_events", False):
+            return
+        if self._stop_listening is not None or self._relay_task is not None:
             return
         kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
 
-        def notified(relay: Callable[[str, str], None]) -> Callable[[tuple[str, str]], None]:
-            def on_notify(notification: tuple[str, str]) -> None:
-                channel, payload = notification
-                if channel == FLEET_CHANNEL:
-                    if payload.startswith("stamps"):
-                        relay(FLEET_STAMPS, payload.partition(" ")[2])
-                    elif payload == "reservations":
-                        relay(FLEET_RESERVATIONS, "")
-                    else:  # "inventory [<origin>]"
-                        relay(FLEET_INVENTORY, payload.partition(" ")[2])
-                else:
-                    relay(kinds.get(channel, RESYNC), payload)
+        fire = self.events.fire
 
-            return on_notify
+        def on_notify(notification: tuple[str, str]) -> None:  # on this loop
+            channel, payload = notification
+            if channel == FLEET_CHANNEL:
+                if payload.startswith("stamps"):
+                    fire(FLEET_STAMPS, payload.partition(" ")[2])
+                elif payload == "reservations":
+                    fire(FLEET_RESERVATIONS, "")
+                else:  # "inventory [<origin>]"
+                    fire(FLEET_INVENTORY, payload.partition(" ")[2])
+            else:
+                fire(kinds.get(channel, RESYNC), payload)
 
         bind_listener = getattr(self._backend, "bind_listener", None)
         try:
@@ -690,14 +697,16 @@ class AsyncStore:
                 # A SQLite file's socket, read on this loop: no thread wakes between a notice and
                 # its waiters, and the notices that came together are taken in one turn.
                 listener = await loop.run_in_executor(None, bind_listener)
-                listener.attach(loop, notified(self.events.fire))
+                listener.attach(loop, on_notify)
                 self._detach_listener = listener.detach
                 self._stop_listening = listener.close
-            else:  # PostgreSQL's LISTEN connection, read by its own thread
-                listen = self._backend.listen  # type: ignore[attr-defined]
-                self._stop_listening = await loop.run_in_executor(
-                    None, listen, notified(self.events.fire_threadsafe)
-                )
+            else:  # PostgreSQL's LISTEN connection, read on this loop (an async connection)
+                relay = self._backend.relay_notifications  # type: ignore[attr-defined]
+                listening = asyncio.Event()
+                task = loop.create_task(relay(on_notify, listening), name="store-listen")
+                self._relay_task = task
+                # bounded, as the first connection may take: one that cannot connect yet keeps trying
+                await wait_set(listening, LISTEN_READY_SECONDS)
         except OSError as exc:  # a SQLite file's directory that takes no socket: polls instead
             log.warning(
                 "cannot listen for the other processes' commits (%s): they are seen by re-checks"

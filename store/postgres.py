@@ -26,9 +26,9 @@ connection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -69,6 +69,8 @@ _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
 _CLAIM_LOCK_CLASS = 0x6770_6263  # the claim lock: (class, 0), held while a claim picks its jobs
 
 Notification = tuple[str, str]  # (channel, payload)
+LISTENER_NAME = "gpubadge-listen"  # the listening connection's application_name (pg_stat_activity)
+RECONNECT_SECONDS = 1.0  # a lost listening connection is opened again this often
 
 
 def _job(conn: psycopg.Connection[TupleRow], row: Sequence[Any]) -> Job:
@@ -116,7 +118,6 @@ class PostgresStore(SharedMethods):
                 f"cannot open the PostgreSQL store: {_describe(exc)}",
                 f"cannot open the PostgreSQL store: {_cause(exc)}",
             ) from exc
-        self._listeners: list[_Listener] = []
 
     # ------------------------------------------------------------ plumbing
 
@@ -170,22 +171,41 @@ class PostgresStore(SharedMethods):
         return int(row[0]) if row else 0
 
     def close(self) -> None:
-        for listener in self._listeners:
-            listener.stop()
-        self._listeners.clear()
         self._pool.close()
 
-    def listen(self, callback: Callable[[Notification], None]) -> Callable[[], None]:
-        """Call `callback((channel, payload))` from a background thread for every queue NOTIFY.
+    async def relay_notifications(
+        self, callback: Callable[[Notification], None], listening: asyncio.Event | None = None
+    ) -> None:
+        """On the running loop until cancelled: LISTEN on a connection of its own and call
+        `callback((channel, payload))` there for every queue and fleet NOTIFY, in order.
 
-        One dedicated connection per listener; it reconnects after a lost connection
-        (then reports ("", "") once, so the caller re-reads whatever it waits on).
-        Returns a function that stops the listener.
-        """
-        listener = _Listener(self._url, callback, self._connect_timeout)
-        self._listeners.append(listener)
-        listener.start()
-        return listener.stop
+        psycopg's async connection: the loop itself waits on the connection's socket, with no thread
+        between a notice and its waiters. `listening` is set once the LISTENs are in place. A lost
+        connection is opened again every RECONNECT_SECONDS; once it is back, `("", "")` is reported
+        once, so the caller re-reads whatever it waits on (notices may have been missed)."""
+        lost = False
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url,
+                    autocommit=True,
+                    connect_timeout=max(1, int(self._connect_timeout)),
+                    application_name=LISTENER_NAME,
+                ) as conn:
+                    for channel in CHANNELS:
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    if listening is not None:
+                        listening.set()
+                    if lost:
+                        _relay(callback, ("", ""))
+                    async for notice in conn.notifies():
+                        _relay(callback, (notice.channel, notice.payload))
+            except psycopg.Error as exc:
+                log.warning("PostgreSQL listener lost its connection (%s); reconnecting", _describe(exc))
+            except Exception:  # whatever it was, notices must go on arriving
+                log.exception("PostgreSQL listener failed; reconnecting")
+            lost = True
+            await asyncio.sleep(RECONNECT_SECONDS)
 
     # ---------------------------------------------------------------- health
 
@@ -586,49 +606,8 @@ def _cause(exc: BaseException) -> str:
     return "the connection failed"
 
 
-class _Listener:
-    """A thread holding one connection in LISTEN; hands each NOTIFY to `callback`."""
-
-    RECONNECT_DELAY = 1.0
-
-    def __init__(self, url: str, callback: Callable[[Notification], None], connect_timeout: float) -> None:
-        self._url = url
-        self._callback = callback
-        self._connect_timeout = connect_timeout
-        self._stopping = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gpubadge-listen", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        # bounded: a listener that cannot connect yet keeps retrying in the background
-        self._ready.wait(self._connect_timeout)
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        first = True
-        while not self._stopping.is_set():
-            try:
-                with psycopg.connect(
-                    self._url, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
-                ) as conn:
-                    for channel in CHANNELS:
-                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                    self._ready.set()
-                    if not first:
-                        self._callback(("", ""))  # notifications may have been missed: re-check
-                    first = False
-                    while not self._stopping.is_set():
-                        for notice in conn.notifies(timeout=0.5, stop_after=64):
-                            self._callback((notice.channel, notice.payload))
-            except psycopg.Error as exc:
-                if self._stopping.is_set():
-                    return
-                log.warning("PostgreSQL listener lost its connection (%s); reconnecting", _describe(exc))
-                self._stopping.wait(self.RECONNECT_DELAY)
-            except Exception:  # the callback's bug must not silence every later notification
-                log.exception("PostgreSQL listener callback failed")
+def _relay(callback: Callable[[Notification], None], notice: Notification) -> None:
+    try:
+        callback(notice)
+    except Exception:  # the callback's bug must not silence every later notification
+        log.exception("PostgreSQL listener callback failed on %s", notice[0])

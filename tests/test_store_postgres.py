@@ -7,7 +7,9 @@ race. (The behaviour both engines share is in tests/test_store.py, run on both.)
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from store import queries
 from store.dialect import Db, reads, writes
 from store.migrations import latest_version, migrations
 from store.models import GpuTaken, StoreUnavailable
-from store.postgres import JOB_SETTLED, JOBS_QUEUED, Notification, PostgresStore
+from store.postgres import JOB_SETTLED, JOBS_QUEUED, LISTENER_NAME, Notification, PostgresStore
 
 T = TypeVar("T")
 REPLICAS = 4
@@ -137,29 +139,66 @@ def test_two_replicas_never_reserve_one_gpu_twice(replicas: list[PostgresStore])
     ) == len(won)
 
 
-def test_notifications_cross_replicas(replicas: list[PostgresStore]) -> None:
+async def _heard(heard: asyncio.Queue[Notification], wanted: Notification) -> None:
+    async with asyncio.timeout(10):
+        while await heard.get() != wanted:
+            pass
+
+
+async def test_notifications_cross_replicas_on_the_event_loop(replicas: list[PostgresStore]) -> None:
     api, worker = replicas[0], replicas[1]
-    heard: list[Notification] = []
-    arrived = threading.Condition()
-
-    def on_notify(notification: Notification) -> None:
-        with arrived:
-            heard.append(notification)
-            arrived.notify_all()
-
-    def wait_for(wanted: Notification) -> None:
-        with arrived:
-            assert arrived.wait_for(lambda: wanted in heard, timeout=10), heard
-
-    stop_api = api.listen(on_notify)
+    heard: asyncio.Queue[Notification] = asyncio.Queue()
+    listening = asyncio.Event()
+    relay = asyncio.create_task(api.relay_notifications(heard.put_nowait, listening))
     try:
-        (job_id,) = worker.enqueue([("r.example/app:1", "r.example")])  # a job queued elsewhere wakes us
-        wait_for((JOBS_QUEUED, ""))
-        (job,) = worker.claim_jobs(1, owner="w", lease_seconds=60)
-        assert worker.finish_job(job.id, digest="sha256:" + "1" * 64, owner="w")
-        wait_for((JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= on this replica learns it at once
+        async with asyncio.timeout(10):
+            await listening.wait()
+        # a thread between the connection and the loop would cost a wake-up and a hand-over a notice
+        assert not [thread for thread in threading.enumerate() if "listen" in thread.name]
+        [job_id] = await asyncio.to_thread(worker.enqueue, [("r.example/app:1", "r.example")])
+        await _heard(heard, (JOBS_QUEUED, ""))  # a job queued elsewhere wakes us
+        [job] = await asyncio.to_thread(worker.claim_jobs, 1, owner="w", lease_seconds=60)
+        assert await asyncio.to_thread(worker.finish_job, job.id, digest="sha256:" + "1" * 64, owner="w")
+        await _heard(heard, (JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= here learns it at once
     finally:
-        stop_api()
+        relay.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relay
+
+
+async def test_a_listener_whose_connection_is_cut_reconnects_and_says_to_look_again(
+    replicas: list[PostgresStore],
+) -> None:
+    api, worker = replicas[0], replicas[1]
+    heard: asyncio.Queue[Notification] = asyncio.Queue()
+    listening = asyncio.Event()
+    relay = asyncio.create_task(api.relay_notifications(heard.put_nowait, listening))
+    try:
+        async with asyncio.timeout(10):
+            await listening.wait()
+        listening.clear()
+        cut = await asyncio.to_thread(
+            worker.run, _terminate_backends, LISTENER_NAME
+        )  # as a failover or an idle-connection reaper does
+        assert cut == 1
+        async with asyncio.timeout(10):
+            await listening.wait()  # listening again
+        await _heard(heard, ("", ""))  # notices may have been missed meanwhile: look again
+        await asyncio.to_thread(worker.enqueue, [("r.example/app:2", "r.example")])
+        await _heard(heard, (JOBS_QUEUED, ""))
+    finally:
+        relay.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relay
+
+
+@writes
+def _terminate_backends(db: Db, application_name: str) -> int:
+    rows = db.all(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :name",
+        {"name": application_name},
+    )
+    return sum(1 for row in rows if row[0])
 
 
 def test_expired_leases_return_to_the_queue_once(replicas: list[PostgresStore]) -> None:
