@@ -8,6 +8,7 @@ event loop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from scanner.models import ImageReport, PlatformReport
@@ -33,6 +34,10 @@ class ScanCache(Protocol):
     async def resolve_tag(self, registry: str, repository: str, tag: str) -> str | None: ...
 
     async def layer_evidence(self, digest: str) -> str | None: ...
+
+    async def layer_evidences(self, digests: Sequence[str]) -> dict[str, str]:
+        """`layer_evidence` of each of `digests`, in one read: those it holds, by digest."""
+        ...
 
     async def scan_in_flight(self, job_id: str) -> bool:
         """Whether scan job `job_id` runs now under a lease that has not lapsed: only then is the

@@ -9,8 +9,9 @@ and gives verdicts out; nothing under scanner/layers/ imports scanner/registry/)
 - a layer that must never be fetched (foreign or non-distributable: `not_distributable`) is
   skipped and named; the analysis counts it unread;
 - the layer's cache entry (every consumer's evidence, by layer digest, in the store so it is
-  shared by every image and process) is offered first; only when it does not cover every
-  consumer that still needs the layer is the blob streamed, once, into one walk;
+  shared by every image and process) is offered first, the entries of all the image's layers
+  read in one go before the first; only when it does not cover every consumer that still needs
+  the layer is the blob streamed, once, into one walk;
 - a layer another scan of this process is reading right now is waited for, not fetched twice:
   the scans that need it wait for that one read, then take its cache entry all at once; one
   that fails fails them with it (the same bytes), one cancelled hands the read to the next. So a
@@ -84,16 +85,24 @@ class LayerReader:
             return self._memory_cache.get(digest)
         return await self.store.layer_evidence(digest)
 
+    async def _cached_all(self, layers: Sequence[Descriptor]) -> dict[str, str]:
+        """The cache entries of every layer that may be fetched, in one read of the store."""
+        digests = [layer.digest for layer in layers if not_distributable(layer) is None]
+        if self.store is None:
+            return {digest: self._memory_cache[digest] for digest in digests if digest in self._memory_cache}
+        return await self.store.layer_evidences(digests) if digests else {}
+
     async def _remember(self, digest: str, entry_json: str) -> None:
         if self.store is None:
             self._memory_cache[digest] = entry_json
         else:
             await self.store.save_layer_evidence(digest, entry_json)
 
-    async def _offer_cached(self, digest: str, session: Session) -> bool | None:
+    async def _offer_cached(self, digest: str, session: Session, known: dict[str, str] | None) -> bool | None:
         """The layer's cache entry offered to `session`: True when it covers what the session needs,
-        False when it was taken but does not cover it, None when there is none."""
-        cached = await self._cached(digest)
+        False when it was taken but does not cover it, None when there is none. `known`: the
+        entries read for the whole image a moment ago (absent there is absent), else the cache is read."""
+        cached = known.get(digest) if known is not None else await self._cached(digest)
         if cached is None:
             return None
         return await session.use_cached(cached)
@@ -106,12 +115,16 @@ class LayerReader:
         progress: LayerProgress,
         *,
         whole: bool,
+        known: dict[str, str],
     ) -> None:
-        """Feed one layer to `session`: from the cache when it covers it, else read once (a read of the
-        same digest running now is waited for, then its entry offered)."""
+        """Feed one layer to `session`: from the cache when it covers it (`known`: the image's entries
+        as read before its first layer), else read once (a read of the same digest running now is
+        waited for, then its entry offered, read afresh)."""
         digest = layer.digest
+        first: dict[str, str] | None = known
         while True:
-            covered = await self._offer_cached(digest, session)
+            covered = await self._offer_cached(digest, session, first)
+            first = None
             if covered:
                 return
             running = self._inflight.get(digest)
@@ -154,6 +167,7 @@ class LayerReader:
         """
         if len(layers) > self.limits.max_layers:
             raise LimitExceeded(f"image has {len(layers):,} layers", self.limits.max_layers, "max_layers")
+        known = await self._cached_all(layers)  # one read for the image, not one per layer
         session = await self.pool.open(arch, len(layers), self.limits, deadline, cuda=cuda)
         try:
             for layer in reversed(layers):  # manifests list layers bottom-up
@@ -168,7 +182,7 @@ class LayerReader:
                         )
                     )
                 else:
-                    await self._layer(reference, layer, session, progress, whole=cuda)
+                    await self._layer(reference, layer, session, progress, whole=cuda, known=known)
                 progress.layers_done += 1
             return await session.verdict(progress.bytes_fetched, progress.bytes_total)
         finally:

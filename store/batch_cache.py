@@ -156,6 +156,9 @@ class BatchScanCache:
     async def layer_evidence(self, digest: str) -> str | None:
         return await self._store.run(queries.layer_evidence, digest)
 
+    async def layer_evidences(self, digests: Sequence[str]) -> dict[str, str]:
+        return await self._store.run(queries.layer_evidences, digests)
+
     async def scan_in_flight(self, job_id: str) -> bool:
         return await self._store.run(queries.scan_in_flight, job_id)
 

@@ -142,6 +142,22 @@ class StoreScanCache:
             self._keep_evidence(digest, found)
         return found
 
+    async def layer_evidences(self, digests: Sequence[str]) -> dict[str, str]:
+        """The cache entries of those of `digests` held here or in the store: one read at most."""
+        found: dict[str, str] = {}
+        for digest in digests:
+            known = self._evidence.get(digest)
+            if known is not None:
+                self._evidence.move_to_end(digest)
+                found[digest] = known
+        missing = [digest for digest in digests if digest not in found]
+        if missing:
+            stored = await self._store.run(queries.layer_evidences, missing)
+            for digest, entry in stored.items():
+                self._keep_evidence(digest, entry)
+            found.update(stored)
+        return found
+
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
         """Store a layer's cache entry with the next batch of scan results; this process answers
         from memory meanwhile. An entry too big to keep in memory is awaited (another scan of

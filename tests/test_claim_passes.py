@@ -58,7 +58,9 @@ async def test_a_job_queued_while_the_queue_is_believed_empty_is_claimed_at_once
     workers = ScanWorkers(store, scanner=cast(Scanner, None))
     started: list[str] = []
 
-    async def run(job: Any, stored: Any = None) -> None:  # stands in for the scan: the claim is what is tested
+    async def run(
+        job: Any, stored: Any = None
+    ) -> None:  # stands in for the scan: the claim is what is tested
         started.append(job.reference)
 
     workers._run = run  # type: ignore[method-assign]

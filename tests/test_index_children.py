@@ -14,7 +14,7 @@ import contextlib
 import cProfile
 import pstats
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
 from fixtures.registry import LocalRegistry
@@ -97,6 +97,10 @@ class _Store:
     async def layer_evidence(self, digest: str) -> str | None:
         await asyncio.sleep(0)
         return self.entries.get(digest)
+
+    async def layer_evidences(self, digests: Sequence[str]) -> dict[str, str]:
+        await asyncio.sleep(0)
+        return {digest: self.entries[digest] for digest in digests if digest in self.entries}
 
     async def save_layer_evidence(self, digest: str, evidence_json: str) -> None:
         await asyncio.sleep(0)

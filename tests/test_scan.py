@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from scanner.models import ImageReport, Platform
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner, ScanOptions
 from scanner.settings import ScannerSettings
-from store import open_store
+from store import open_store, queries
 from tests.conftest import Pusher
 
 
@@ -203,6 +204,49 @@ async def test_shared_base_layer_is_read_once(
     assert first.libc.bytes_read >= base_size
     assert second.libc.bytes_read < base_size  # only its own top layer was fetched
     assert second.libc.flavour == "glibc"
+
+
+async def test_the_cache_entries_of_an_images_layers_are_read_in_one_go(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deep scan needs every layer: an image whose lower layers another process has read asks the
+    store for their entries once, not once per layer, and fetches only its own top layer."""
+    base = [catalog.ubuntu_base(), LayerSpec([file("opt/one/a", "1")]), LayerSpec([file("opt/two/b", "2")])]
+    push(ImageSpec([*base, catalog.app_layer("first")]), "samples/layered-a:1")
+    push(ImageSpec([*base, catalog.app_layer("second")]), "samples/layered-b:1")
+    settings = ScannerSettings(docker_config=None, deep_scan="always", analysis_processes=0)
+    database = tmp_path / "scan.db"
+    async with RegistryClient(settings) as client:
+        store = open_store(database)
+        try:
+            first = await Scanner(client, store.scan_cache, settings).scan(
+                f"{registry.host}/samples/layered-a:1"
+            )
+        finally:
+            await store.close()  # commits the layers' entries
+        other = open_store(database)  # another process: nothing of them in its memory
+        reads: list[str] = []
+        run = other.run
+
+        async def counted(query: Any, *args: Any, **kwargs: Any) -> Any:
+            if query is queries.layer_evidence:
+                reads.append("one layer")
+            elif query is queries.layer_evidences:
+                reads.append("the image's layers")
+            return await run(query, *args, **kwargs)
+
+        monkeypatch.setattr(other, "run", counted)
+        try:
+            second = await Scanner(client, other.scan_cache, settings).scan(
+                f"{registry.host}/samples/layered-b:1"
+            )
+        finally:
+            await other.close()
+    assert first.error is None and second.error is None, (first.error, second.error)
+    assert second.platforms[0].libc.flavour == "glibc"
+    assert reads == ["the image's layers"]  # one read for four layers
+    platform = second.platforms[0]
+    assert platform.libc.bytes_read == platform.layers[-1].size  # only its own top layer was fetched
 
 
 async def test_real_cuda_require_strings_parse(

@@ -69,6 +69,7 @@ from store.queries.reports import (
 from store.queries.tags import (
     is_gone,
     layer_evidence,
+    layer_evidences,
     mark_gone,
     record_tag,
     record_tags,
@@ -127,6 +128,7 @@ __all__ = [
     "jobs",
     "latest_job_for",
     "layer_evidence",
+    "layer_evidences",
     "lease_owners",
     "list_images",
     "mark_gone",

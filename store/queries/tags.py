@@ -191,6 +191,18 @@ def layer_evidence(db: Db, digest: str) -> str | None:
     return row[0] if row else None
 
 
+@reads
+def layer_evidences(db: Db, digests: Sequence[str]) -> dict[str, str]:
+    """The cached evidence JSON of those of `digests` the cache holds, by digest, in one statement."""
+    if not digests:
+        return {}
+    rows = db.all(
+        f"SELECT digest, evidence FROM layers WHERE {db.dialect.in_list('digest', 'digests')}",
+        {"digests": db.dialect.array(sorted(set(digests)))},
+    )
+    return {row[0]: row[1] for row in rows}
+
+
 @dataclass(frozen=True)
 class LayerSeen:
     """A layer's cache entry (the evidence its walk found), written with a batch (`save_layers`)."""
