@@ -273,8 +273,12 @@ class BoundListener:
                     datagram = receiver.recv(DATAGRAM_MAX)
                 except (BlockingIOError, InterruptedError):
                     return
-                except OSError:
-                    return  # closed under us: detach follows
+                except OSError as exc:  # not readable any more: stop, rather than spin on it
+                    log.warning(
+                        "the notice socket failed (%s); other processes' commits are seen by re-checks", exc
+                    )
+                    self.detach()
+                    return
                 notice = _notice(datagram)
                 if notice is None:
                     continue
