@@ -122,11 +122,16 @@ class PostgresStore(SharedMethods):
     # ------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[psycopg.Connection[TupleRow]]:
-        """One pooled connection inside one transaction (committed on success, rolled back on error)."""
+    def _connection(self, *, transaction: bool) -> Iterator[psycopg.Connection[TupleRow]]:
+        """One pooled connection (autocommit), inside one transaction when asked; a pool that gives
+        none in time, or a server out of reach, is `StoreUnavailable`."""
         try:
-            with self._pool.connection() as conn, conn.transaction():
-                yield conn
+            with self._pool.connection() as conn:
+                if transaction:
+                    with conn.transaction():
+                        yield conn
+                else:
+                    yield conn
         except PoolTimeout as exc:
             raise StoreUnavailable(
                 f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
@@ -136,23 +141,16 @@ class PostgresStore(SharedMethods):
                 f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
             ) from exc
 
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[psycopg.Connection[TupleRow]]:
+    def _transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[TupleRow]]:
+        """One pooled connection inside one transaction (committed on success, rolled back on error)."""
+        return self._connection(transaction=True)
+
+    def _reading(self) -> contextlib.AbstractContextManager[psycopg.Connection[TupleRow]]:
         """One pooled connection for reads, with no transaction around them: each statement is one
         round trip, where BEGIN and COMMIT would add two. Under READ COMMITTED a transaction gives
         its statements no snapshot in common anyway (each sees what was committed when it began),
         and a read never waits for writers either way."""
-        try:
-            with self._pool.connection() as conn:
-                yield conn
-        except PoolTimeout as exc:
-            raise StoreUnavailable(
-                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
-            ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailable(
-                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
-            ) from exc
+        return self._connection(transaction=False)
 
     def upgrade(self) -> int:
         """Apply the pending migrations; safe when many replicas start at once (advisory lock)."""

@@ -209,13 +209,7 @@ class LocalNotifier:
                     datagram = listener.receiver.recv(DATAGRAM_MAX)
                 except OSError:
                     return  # closed by stop()
-                notice = _notice(datagram)
-                if notice is None:
-                    continue
-                try:
-                    callback(notice)
-                except Exception:
-                    log.exception("listener callback failed on %s", notice[0])
+                _deliver(callback, datagram)
 
         thread = threading.Thread(target=receive, name="sqlite-listen", daemon=True)
         thread.start()
@@ -237,11 +231,16 @@ class LocalNotifier:
         self._sender.close()
 
 
-def _notice(datagram: bytes) -> Notice | None:
+def _deliver(callback: Callable[[Notice], None], datagram: bytes) -> None:
+    """Hand one datagram's notice to `callback`; an empty one (a stopping listener's own wake-up) is
+    none, and the callback's failure is logged, never raised into the reader."""
     if not datagram:
-        return None  # a stopping listener's own wake-up
+        return
     channel, _, payload = datagram.decode(errors="replace").partition("\n")
-    return channel, payload
+    try:
+        callback((channel, payload))
+    except Exception:
+        log.exception("listener callback failed on %s", channel)
 
 
 class BoundListener:
@@ -279,13 +278,7 @@ class BoundListener:
                     )
                     self.detach()
                     return
-                notice = _notice(datagram)
-                if notice is None:
-                    continue
-                try:
-                    callback(notice)
-                except Exception:
-                    log.exception("listener callback failed on %s", notice[0])
+                _deliver(callback, datagram)
 
         loop.add_reader(receiver.fileno(), readable)
         self._loop = loop

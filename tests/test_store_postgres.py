@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -145,14 +145,25 @@ async def _heard(heard: asyncio.Queue[Notification], wanted: Notification) -> No
             pass
 
 
-async def test_notifications_cross_replicas_on_the_event_loop(replicas: list[PostgresStore]) -> None:
-    api, worker = replicas[0], replicas[1]
+@contextlib.asynccontextmanager
+async def _relaying(store: PostgresStore) -> AsyncIterator[tuple[asyncio.Queue[Notification], asyncio.Event]]:
+    """`store.relay_notifications` running on this loop, listening: what it hears, and its `listening`."""
     heard: asyncio.Queue[Notification] = asyncio.Queue()
     listening = asyncio.Event()
-    relay = asyncio.create_task(api.relay_notifications(heard.put_nowait, listening))
+    relay = asyncio.create_task(store.relay_notifications(heard.put_nowait, listening))
     try:
         async with asyncio.timeout(10):
             await listening.wait()
+        yield heard, listening
+    finally:
+        relay.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relay
+
+
+async def test_notifications_cross_replicas_on_the_event_loop(replicas: list[PostgresStore]) -> None:
+    api, worker = replicas[0], replicas[1]
+    async with _relaying(api) as (heard, _):
         # a thread between the connection and the loop would cost a wake-up and a hand-over a notice
         assert not [thread for thread in threading.enumerate() if "listen" in thread.name]
         [job_id] = await asyncio.to_thread(worker.enqueue, [("r.example/app:1", "r.example")])
@@ -160,36 +171,21 @@ async def test_notifications_cross_replicas_on_the_event_loop(replicas: list[Pos
         [job] = await asyncio.to_thread(worker.claim_jobs, 1, owner="w", lease_seconds=60)
         assert await asyncio.to_thread(worker.finish_job, job.id, digest="sha256:" + "1" * 64, owner="w")
         await _heard(heard, (JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= here learns it at once
-    finally:
-        relay.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await relay
 
 
 async def test_a_listener_whose_connection_is_cut_reconnects_and_says_to_look_again(
     replicas: list[PostgresStore],
 ) -> None:
     api, worker = replicas[0], replicas[1]
-    heard: asyncio.Queue[Notification] = asyncio.Queue()
-    listening = asyncio.Event()
-    relay = asyncio.create_task(api.relay_notifications(heard.put_nowait, listening))
-    try:
-        async with asyncio.timeout(10):
-            await listening.wait()
+    async with _relaying(api) as (heard, listening):
         listening.clear()
-        cut = await asyncio.to_thread(
-            worker.run, _terminate_backends, LISTENER_NAME
-        )  # as a failover or an idle-connection reaper does
-        assert cut == 1
+        # as a failover or an idle-connection reaper does
+        assert await asyncio.to_thread(worker.run, _terminate_backends, LISTENER_NAME) == 1
         async with asyncio.timeout(10):
             await listening.wait()  # listening again
         await _heard(heard, ("", ""))  # notices may have been missed meanwhile: look again
         await asyncio.to_thread(worker.enqueue, [("r.example/app:2", "r.example")])
         await _heard(heard, (JOBS_QUEUED, ""))
-    finally:
-        relay.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await relay
 
 
 @writes
