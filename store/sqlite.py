@@ -25,7 +25,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -107,7 +107,7 @@ class SqliteStore(SharedMethods):
         self.path = Path(path)
         self.busy_timeout = busy_timeout
         # With shared_events, each commit's notices reach every process listening on this file, and
-        # `listen` hears theirs (store.sqlite_notify): the API and worker processes of one host
+        # `bind_listener` hears theirs (store.sqlite_notify): the API and worker processes of one host
         # wake each other as PostgreSQL's replicas do. Without, one process owns the queue's events.
         self.shares_events = shared_events
         self._notifier = LocalNotifier(self.path) if shared_events else None
@@ -171,17 +171,10 @@ class SqliteStore(SharedMethods):
 
     # ---------------------------------------------------------------- events
 
-    def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
-        """Call `callback((channel, payload))` from a background thread for every notice a process
-        sharing this file commits (this one's too), as PostgreSQL's LISTEN does; returns a
-        function that stops listening. Only a store opened with `shared_events` listens."""
-        if self._notifier is None:
-            raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
-        return self._notifier.listen(callback)
-
     def bind_listener(self) -> BoundListener:
-        """A listener's socket for an event loop to read (`BoundListener.attach`): what `listen` hears,
-        with no thread between the socket and the loop. Only a store opened with `shared_events`."""
+        """A listener's socket for an event loop to read (`BoundListener.attach`): every notice a process
+        sharing this file commits (this one's too), as PostgreSQL's LISTEN hears them, with no thread
+        between the socket and the loop. Only a store opened with `shared_events`."""
         if self._notifier is None:
             raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
         return self._notifier.bind()

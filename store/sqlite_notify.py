@@ -129,7 +129,7 @@ def _own_sockets(descriptor: int) -> Iterator[str]:
 
 
 class LocalNotifier:
-    """The listeners of one SQLite file: send notices to all of them, or become one."""
+    """The listeners of one SQLite file: send notices to all of them, or become one (`bind`)."""
 
     def __init__(self, database: Path) -> None:
         self.directory = notify_directory(database)
@@ -178,8 +178,8 @@ class LocalNotifier:
             os.close(descriptor)
 
     def bind(self) -> BoundListener:
-        """A socket of this file's listeners, bound in the checked directory; read it on an event loop
-        (`BoundListener.attach`) or let a thread do it (`listen`).
+        """A socket of this file's listeners, bound in the checked directory, for an event loop to read
+        (`BoundListener.attach`), or any reader of its `receiver`.
 
         Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
         descriptor = open_private_directory(self.directory, create=True)
@@ -193,39 +193,6 @@ class LocalNotifier:
             os.close(descriptor)
             raise
         return BoundListener(receiver, descriptor, name, address)
-
-    def listen(self, callback: Callable[[Notice], None]) -> Callable[[], None]:
-        """Call `callback((channel, payload))` from a background thread for every notice sent to this
-        file's listeners; returns a function that stops listening and removes the socket. (The
-        service reads its socket on its event loop instead: `bind`, then `BoundListener.attach`.)
-
-        Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
-        listener = self.bind()
-        stopped = threading.Event()
-
-        def receive() -> None:
-            while not stopped.is_set():
-                try:
-                    datagram = listener.receiver.recv(DATAGRAM_MAX)
-                except OSError:
-                    return  # closed by stop()
-                _deliver(callback, datagram)
-
-        thread = threading.Thread(target=receive, name="sqlite-listen", daemon=True)
-        thread.start()
-
-        def stop() -> None:
-            if stopped.is_set():
-                return
-            stopped.set()
-            # the wake-up goes to the bound socket, so before it is unlinked
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
-                waker.sendto(b"", listener.address)  # wakes the thread's recv; it sees `stopped` and ends
-            listener.unbind()
-            thread.join(timeout=5)
-            listener.close()
-
-        return stop
 
     def close(self) -> None:
         self._sender.close()

@@ -95,7 +95,7 @@ def test_a_link_in_place_of_the_directory_is_refused(tmp_path: Path) -> None:
     store = SqliteStore(db, shared_events=True)
     try:
         with pytest.raises(PermissionError, match="symbolic link"):
-            store.listen(lambda notice: None)
+            store.bind_listener()
         store.enqueue([("reg.example/app:1", "reg.example")])
     finally:
         store.close()
@@ -111,14 +111,13 @@ def test_links_files_and_other_users_sockets_in_its_own_directory_are_skipped_ne
     for name in planted:  # their entries, in a directory of the service's user left open to all
         os.lchown(notify_directory(db) / name, OTHER_USER, OTHER_USER)
     store = SqliteStore(db, shared_events=True)
-    heard: list[tuple[str, str]] = []
-    stop = store.listen(heard.append)
+    listener = store.bind_listener()
     try:
         assert stat.S_IMODE(os.stat(notify_directory(db)).st_mode) == 0o700  # closed to others first
         for number in range(3):
             store.enqueue([(f"reg.example/app:{number}", "reg.example")])
     finally:
-        stop()
+        listener.close()
         store.close()
     assert all(victim.read_text() == "private key\n" for victim in victims)
     assert db.exists() and db.stat().st_size > 0

@@ -10,7 +10,6 @@ at its next idle poll, 5 s), and the worker's stored badge answers the API's lon
 from __future__ import annotations
 
 import asyncio
-import queue
 import socket
 import stat
 import threading
@@ -25,60 +24,72 @@ from fixtures.registry import run_registry
 from fixtures.service import run_role_process, run_service_process
 from store import AsyncStore, EnqueueBatch, SqliteStore
 from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
-from store.sqlite_notify import notify_directory
+from store.sqlite_notify import DATAGRAM_MAX, notify_directory
 from tests.test_service_e2e import call
 
-Heard = queue.Queue[tuple[str, str]]
 
+class Heard:
+    """A listener's socket (`SqliteStore.bind_listener`), read by the test itself, each read bounded."""
 
-def heard_next(heard: Heard) -> tuple[str, str]:
-    return heard.get(timeout=5)
+    def __init__(self, store: SqliteStore) -> None:
+        self.listener = store.bind_listener()
+        self.listener.receiver.settimeout(5)
+
+    def next(self) -> tuple[str, str]:
+        channel, _, payload = self.listener.receiver.recv(DATAGRAM_MAX).decode().partition("\n")
+        return channel, payload
+
+    def empty(self) -> bool:
+        """Nothing more was sent to it (a sender's datagram is queued here by the time sendto returns)."""
+        self.listener.receiver.setblocking(False)
+        try:
+            self.listener.receiver.recv(DATAGRAM_MAX)
+        except BlockingIOError:
+            return True
+        finally:
+            self.listener.receiver.settimeout(5)
+        return False
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def test_a_commit_reaches_every_process_sharing_the_file_its_own_included(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     api, worker = SqliteStore(db, shared_events=True), SqliteStore(db, shared_events=True)
-    heard_by_api: Heard = queue.Queue()
-    heard_by_worker: Heard = queue.Queue()
-    stops = [api.listen(heard_by_api.put), worker.listen(heard_by_worker.put)]
+    heard_by_api, heard_by_worker = Heard(api), Heard(worker)
     try:
         [job_id] = api.enqueue([("reg.example/team/app:1", "reg.example")])
-        assert heard_next(heard_by_worker) == (JOBS_QUEUED_CHANNEL, "")
-        assert heard_next(heard_by_api) == (JOBS_QUEUED_CHANNEL, "")  # as PostgreSQL's own NOTIFY
+        assert heard_by_worker.next() == (JOBS_QUEUED_CHANNEL, "")
+        assert heard_by_api.next() == (JOBS_QUEUED_CHANNEL, "")  # as PostgreSQL's own NOTIFY
         [job] = worker.claim_jobs(1, owner="w1", lease_seconds=30)
         assert job.id == job_id
         assert worker.finish_job(job.id, digest="sha256:" + "a" * 64, owner="w1")
-        assert heard_next(heard_by_api) == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
+        assert heard_by_api.next() == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
         assert not worker.finish_job(job.id, digest=None, owner="w1")  # nothing written, nothing told
-        assert heard_next(heard_by_worker) == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
+        assert heard_by_worker.next() == (JOB_SETTLED_CHANNEL, f"{job_id} reg.example/team/app:1")
         assert heard_by_api.empty() and heard_by_worker.empty()
     finally:
-        started = time.monotonic()
-        for stop in stops:
-            stop()
-        stopping = time.monotonic() - started
+        heard_by_api.close()
+        heard_by_worker.close()
         api.close()
         worker.close()
     assert list(notify_directory(db).iterdir()) == []  # each listener removed its socket
-    # each listener's thread woke at once (not at the join's 5 s bound), so a process stops promptly
-    assert stopping < 2.5
-    assert not [thread for thread in threading.enumerate() if thread.name == "sqlite-listen"]
 
 
 def test_a_listener_whose_process_died_is_removed_and_the_others_still_hear(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     store = SqliteStore(db, shared_events=True)
-    heard: Heard = queue.Queue()
-    stop = store.listen(heard.put)
+    heard = Heard(store)
     dead = notify_directory(db) / "4242.dead"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as gone:
         gone.bind(str(dead))  # closed without removing its file, as a killed process leaves it
     try:
         store.enqueue([("reg.example/a:1", "reg.example")])
-        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")
+        assert heard.next() == (JOBS_QUEUED_CHANNEL, "")
         assert not dead.exists()
     finally:
-        stop()
+        heard.close()
         store.close()
 
 
@@ -88,15 +99,14 @@ def test_a_path_too_long_for_a_socket_path_listens_through_the_directorys_descri
     db = deep / "queue.db"
     assert len(str(notify_directory(db) / "4242.0123abcd")) > 107  # too long for sun_path
     store = SqliteStore(db, shared_events=True)
-    heard: Heard = queue.Queue()
-    stop = store.listen(heard.put)
+    heard = Heard(store)
     try:
         [entry] = list(notify_directory(db).iterdir())
         assert stat.S_ISSOCK(entry.lstat().st_mode)  # the socket itself, no link to elsewhere
         store.enqueue([("reg.example/a:1", "reg.example")])
-        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")
+        assert heard.next() == (JOBS_QUEUED_CHANNEL, "")
     finally:
-        stop()
+        heard.close()
         store.close()
     assert list(notify_directory(db).iterdir()) == []
 
@@ -104,21 +114,16 @@ def test_a_path_too_long_for_a_socket_path_listens_through_the_directorys_descri
 def test_a_store_that_does_not_share_its_events_tells_nobody(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     shared, alone = SqliteStore(db, shared_events=True), SqliteStore(db)
-    heard: Heard = queue.Queue()
-    stop = shared.listen(heard.put)
+    heard = Heard(shared)
     try:
         alone.enqueue([("reg.example/a:1", "reg.example")])
         shared.enqueue([("reg.example/b:1", "reg.example")])
-        assert heard_next(heard) == (JOBS_QUEUED_CHANNEL, "")  # the shared store's own commit
+        assert heard.next() == (JOBS_QUEUED_CHANNEL, "")  # the shared store's own commit
         assert heard.empty()  # and only that one
-        try:
-            alone.listen(heard.put)
-        except RuntimeError as exc:
-            assert "shared_events" in str(exc)
-        else:
-            raise AssertionError("a store that does not share its events listened")
+        with pytest.raises(RuntimeError, match="shared_events"):
+            alone.bind_listener()
     finally:
-        stop()
+        heard.close()
         shared.close()
         alone.close()
 
