@@ -69,6 +69,27 @@ _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
 _CLAIM_LOCK_CLASS = 0x6770_6263  # the claim lock: (class, 0), held while a claim picks its jobs
 
 Notification = tuple[str, str]  # (channel, payload)
+# The intake's one statement: every new job, in key order, and the NOTIFY that wakes the workers
+# (sent also when every job coalesced into an active one). A row per job inserted, and one
+# (NULL, NULL) row from the NOTIFY.
+_ENQUEUE = (
+    "WITH items AS ("
+    "  SELECT * FROM unnest(%(ids)s::text[], %(references)s::text[], %(registries)s::text[],"
+    "    %(waits)s::float8[], %(keys)s::text[], %(attempts)s::int[], %(sources)s::text[])"
+    "    AS item(id, reference, registry, wait, dedupe_key, max_attempts, source)),"
+    " inserted AS ("
+    "  INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts, not_before, source,"
+    "    created_at, updated_at)"
+    "  SELECT id, reference, registry, dedupe_key, 'queued', 0, max_attempts, now() + make_interval(secs => wait),"
+    "    source, clock_timestamp(), clock_timestamp() FROM items ORDER BY dedupe_key"
+    "  ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id, dedupe_key)"
+    " SELECT id, dedupe_key FROM inserted"
+    " UNION ALL SELECT NULL, NULL FROM (SELECT pg_notify(%(channel)s, '')) AS told"
+)
+# The active job of each key that coalesced.
+_ACTIVE = (
+    "SELECT id, dedupe_key FROM jobs WHERE dedupe_key = ANY(%(keys)s) AND state IN ('queued', 'running')"
+)
 LISTENER_NAME = "gpubadge-listen"  # the listening connection's application_name (pg_stat_activity)
 RECONNECT_SECONDS = 1.0  # a lost listening connection is opened again this often
 
@@ -266,55 +287,57 @@ class PostgresStore(SharedMethods):
         return self.run(queued_jobs, cap=cap)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Several deliveries' jobs in one transaction (group commit); job ids per batch."""
-        if not any(batch.references for batch in batches):
-            return [[] for _ in batches]
-        items: list[tuple[int, int, str, str, float, EnqueueBatch]] = []
-        for batch_index, batch in enumerate(batches):
-            for item_index, item in enumerate(batch.references):
-                wait = item[2] if len(item) == 3 else batch.delay
-                items.append((batch_index, item_index, item[0], item[1], float(wait), batch))
-        # One lock order for every transaction (by key), so concurrent group commits that share
-        # references wait for each other instead of deadlocking.
-        items.sort(key=lambda entry: (entry[2], entry[5].rescan))
-        results: list[list[str]] = [[""] * len(batch.references) for batch in batches]
-        with self._transaction() as conn:
-            for batch_index, item_index, reference, registry, wait, batch in items:
-                results[batch_index][item_index] = self._enqueue_one(
-                    conn, reference, registry, wait, batch.source, batch.max_attempts, batch.rescan
-                )
-            conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
-        return results
+        """Several deliveries' jobs in one statement (group commit); job ids per batch.
 
-    @staticmethod
-    def _enqueue_one(
-        conn: psycopg.Connection[TupleRow],
-        reference: str,
-        registry: str,
-        wait: float,
-        source: str | None,
-        max_attempts: int,
-        rescan: bool = False,
-    ) -> str:
-        key = dedupe_key(reference, rescan=rescan)
-        for _ in range(5):  # bounded: only a job settling between our two statements loops again
-            inserted = conn.execute(
-                "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
-                " not_before, source, created_at, updated_at)"
-                " VALUES (%s, %s, %s, %s, 'queued', 0, %s, now() + make_interval(secs => %s), %s,"
-                " clock_timestamp(), clock_timestamp())"
-                " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id",
-                [uuid.uuid4().hex, reference, registry, key, max_attempts, wait, source],
-            ).fetchone()
-            if inserted:
-                return str(inserted[0])
-            existing = conn.execute(
-                "SELECT id FROM jobs WHERE dedupe_key = %s AND state IN ('queued', 'running')", [key]
-            ).fetchone()
-            if existing:
-                return str(existing[0])
-        message = f"could not queue {reference}: its active job kept changing"
-        raise StoreUnavailable(message, message)
+        One round trip, where a transaction took four (BEGIN, the insert, NOTIFY, COMMIT), each a
+        wake-up of the intake's thread: the insert of every new job and the NOTIFY are one
+        statement, committed on its own (`_ENQUEUE`). A reference whose job is already queued or
+        running coalesces into it, read after (`_ACTIVE`); only a job that settles between the two
+        makes a reference go round again (bounded)."""
+        wanted: dict[str, tuple[str, str, float, EnqueueBatch]] = {}  # dedupe key -> its first item
+        keys: list[list[str]] = []
+        for batch in batches:
+            keys.append([])
+            for item in batch.references:
+                key = dedupe_key(item[0], rescan=batch.rescan)
+                keys[-1].append(key)
+                wait = item[2] if len(item) == 3 else batch.delay
+                wanted.setdefault(key, (item[0], item[1], float(wait), batch))
+        if not wanted:
+            return [[] for _ in batches]
+        found: dict[str, str] = {}
+        for _ in range(5):  # bounded: only a job settling between the two statements goes round again
+            # One order for every statement (by key), so concurrent group commits that share
+            # references wait for each other instead of deadlocking.
+            missing = sorted(key for key in wanted if key not in found)
+            if not missing:
+                break
+            rows = [(uuid.uuid4().hex, *wanted[key][:3], key, wanted[key][3]) for key in missing]
+            with self._reading() as conn:  # each statement commits on its own
+                inserted = conn.execute(
+                    _ENQUEUE,
+                    {
+                        "ids": [row[0] for row in rows],
+                        "references": [row[1] for row in rows],
+                        "registries": [row[2] for row in rows],
+                        "waits": [row[3] for row in rows],
+                        "keys": [row[4] for row in rows],
+                        "attempts": [row[5].max_attempts for row in rows],
+                        "sources": [row[5].source for row in rows],
+                        "channel": JOBS_QUEUED,
+                    },
+                ).fetchall()
+                found.update({key: str(job_id) for job_id, key in inserted if key is not None})
+                coalesced = [key for key in missing if key not in found]
+                if coalesced:
+                    active = conn.execute(_ACTIVE, {"keys": coalesced}).fetchall()
+                    found.update({key: str(job_id) for job_id, key in active})
+        else:
+            lost = sorted(key for key in wanted if key not in found)
+            if lost:
+                message = f"could not queue {wanted[lost[0]][0]}: its active job kept changing"
+                raise StoreUnavailable(message, message)
+        return [[found[key] for key in batch_keys] for batch_keys in keys]
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None

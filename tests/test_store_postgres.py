@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -303,3 +303,33 @@ def test_a_read_is_its_statements_with_no_begin_or_commit_and_a_write_one_transa
     assert all(store.run(_in_its_own_statement) for _ in range(5))
     assert all(store.run(_in_a_transaction) for _ in range(5))
     assert store.run(queries.job, "no-such-job") is None  # the shared reads run the same way
+
+
+def test_a_delivery_is_queued_in_one_statement_with_no_transaction_around_it(
+    replicas: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intake's commit is one round trip (the insert and its NOTIFY), where BEGIN, the insert,
+    NOTIFY and COMMIT took four; a reference already queued coalesces with one read more."""
+    store = replicas[0]
+    statements: list[str] = []
+    transactions = 0
+    execute, transaction = psycopg.Connection.execute, psycopg.Connection.transaction
+
+    def counted_execute(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query)[:30])
+        return execute(self, query, *args, **kwargs)
+
+    def counted_transaction(self: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> Any:
+        nonlocal transactions
+        transactions += 1
+        return transaction(self, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counted_execute)
+    monkeypatch.setattr(psycopg.Connection, "transaction", counted_transaction)
+    first = store.enqueue([("r.example/one:1", "r.example"), ("r.example/two:1", "r.example")])
+    assert (len(statements), transactions) == (1, 0)
+    again = store.enqueue([("r.example/one:1", "r.example"), ("r.example/three:1", "r.example")])
+    assert (len(statements), transactions) == (3, 0)  # the insert, and the read of the coalesced one
+    assert again[0] == first[0] and len({*first, *again}) == 3
+    monkeypatch.undo()
+    assert store.run(queries.queue_depth)["queued"] == 3
