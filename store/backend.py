@@ -82,7 +82,8 @@ class StoreBackend(QueryRunner, Protocol):
 
 class SharedMethods(ABC):
     """What both backends offer the same way, written once on top of `run` and `enqueue_many`:
-    one-call conveniences for synchronous callers (`gpubadge db`, tools, tests)."""
+    one-call conveniences for synchronous callers (`gpubadge db`, tools, tests), and a job's end
+    (the service's workers write it in the batch of their scan results instead)."""
 
     @abstractmethod
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
@@ -115,3 +116,8 @@ class SharedMethods(ABC):
     def lease_owners(self) -> list[str]:
         """The workers holding running jobs now (`queries.lease_owners`)."""
         return self.run(queries.lease_owners)
+
+    def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
+        """Mark a job done; False (and nothing written) when `owner` no longer holds its lease
+        (`queries.finish_job`)."""
+        return self.run(queries.finish_job, job_id, digest=digest, owner=owner)

@@ -312,18 +312,18 @@ class PostgresStore(SharedMethods):
             missing = sorted(key for key in wanted if key not in found)
             if not missing:
                 break
-            rows = [(uuid.uuid4().hex, *wanted[key][:3], key, wanted[key][3]) for key in missing]
-            with self._reading() as conn:  # each statement commits on its own
+            items = [wanted[key] for key in missing]
+            with self._connection(transaction=False) as conn:  # each statement commits on its own
                 inserted = conn.execute(
                     _ENQUEUE,
                     {
-                        "ids": [row[0] for row in rows],
-                        "references": [row[1] for row in rows],
-                        "registries": [row[2] for row in rows],
-                        "waits": [row[3] for row in rows],
-                        "keys": [row[4] for row in rows],
-                        "attempts": [row[5].max_attempts for row in rows],
-                        "sources": [row[5].source for row in rows],
+                        "ids": [uuid.uuid4().hex for _ in missing],
+                        "references": [item[0] for item in items],
+                        "registries": [item[1] for item in items],
+                        "waits": [item[2] for item in items],
+                        "keys": missing,
+                        "attempts": [item[3].max_attempts for item in items],
+                        "sources": [item[3].source for item in items],
                         "channel": JOBS_QUEUED,
                     },
                 ).fetchall()
@@ -332,11 +332,10 @@ class PostgresStore(SharedMethods):
                 if coalesced:
                     active = conn.execute(_ACTIVE, {"keys": coalesced}).fetchall()
                     found.update({key: str(job_id) for job_id, key in active})
-        else:
-            lost = sorted(key for key in wanted if key not in found)
-            if lost:
-                message = f"could not queue {wanted[lost[0]][0]}: its active job kept changing"
-                raise StoreUnavailable(message, message)
+        lost = sorted(key for key in wanted if key not in found)
+        if lost:
+            message = f"could not queue {wanted[lost[0]][0]}: its active job kept changing"
+            raise StoreUnavailable(message, message)
         return [[found[key] for key in batch_keys] for batch_keys in keys]
 
     def claim_jobs(
@@ -454,10 +453,6 @@ class PostgresStore(SharedMethods):
             if cursor.rowcount:
                 conn.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(JOBS_QUEUED)))
             return cursor.rowcount
-
-    def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
-        return self.run(queries.finish_job, job_id, digest=digest, owner=owner)
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.

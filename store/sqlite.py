@@ -31,7 +31,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal, cast
 
-from store import queries
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
@@ -603,10 +602,6 @@ class SqliteStore(SharedMethods):
         if cursor.rowcount:
             self._announce((JOBS_QUEUED_CHANNEL, ""))
         return cursor.rowcount
-
-    def finish_job(self, job_id: str, *, digest: str | None, owner: str) -> bool:
-        """Mark a job done; False (and nothing written) when `owner` no longer holds its lease."""
-        return self.run(queries.finish_job, job_id, digest=digest, owner=owner)
 
     def fail_job(self, job_id: str, error: str, *, retry_in: float | None, owner: str) -> JobState | None:
         """Record a failure: `queued` again after `retry_in` seconds, or `failed` for good.
