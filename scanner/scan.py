@@ -8,9 +8,10 @@ publishing a finished report as a referrer is `scanner.publish`, which the servi
    more; a tag never seen is fetched at once), the manifest, and for every
    platform its manifest and config: GPU signals, requirements, environment, platform. With
    `publish_facts` the report is stored at once with `pending=True`, so the GPU badge of a
-   multi-GB image shows within moments of its push, while its layers are still being read (a
-   job's, with the store's next write: `StoreScanCache`, within 50 ms; a small image's final
-   report, when it comes first, takes its place, and the scan commits once).
+   multi-GB image shows within moments of its push, while its layers are still being read. A job
+   whose layers are small (`QUICK_READ_BYTES`) stores its facts with the store's next write
+   instead (`StoreScanCache`, within 50 ms): its final report usually comes first and takes their
+   place, and the scan commits once.
 2. **Layer verdicts.** For the platforms whose layers are read (`scanner.facts.platforms`:
    linux platforms a GPU fleet runs, by default), `scanner.layer_reader` streams each layer not
    already known once, into one walk for every consumer (libc; the CUDA and GPU code the image
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FleetArchitectures = Callable[[], Awaitable[Collection[str]]]
+# A job's layers up to this size (compressed, all platforms) are read in moments: its config facts
+# then wait for the store's next write rather than a commit of their own (`_scan_manifest`).
+QUICK_READ_BYTES = 16 << 20
 
 
 class ScanError(Exception):
@@ -82,7 +86,7 @@ class ScanOptions:
     force: bool = False  # ignore a stored report for the same digest (a rescan)
     job: str | None = None  # the scan job this scan runs as (the service's workers hold its lease)
     # called once, when the config facts are published (`publish_facts`: the pending report is
-    # stored, or for a job queued to commit with the store's next write, within moments) and the
+    # stored, or for a job with small layers queued to commit with the store's next write) and the
     # layers are still to be read; the service's workers free a slot on it
     on_facts: Callable[[], None] | None = field(default=None, compare=False)
     # what the store held for the reference's digest (as an image, as a platform), read by the caller
@@ -358,10 +362,14 @@ class Scanner:
             for position, _ in to_read:
                 report.platforms[position].pending_scan = options.job
             if storable and self.publish_facts:
-                # A job's facts commit with its next write (the layers' cache entries, or the final
-                # report that supersedes them); the report goes on changing here, so a copy goes.
-                facts = report.model_copy(update={"platforms": list(report.platforms)})
-                await self._save(reference, facts, with_next_write=options.job is not None)
+                to_fetch = sum(entry.report.libc.bytes_total for _, entry in to_read)
+                if options.job is not None and to_fetch <= QUICK_READ_BYTES:
+                    # Layers read in moments: the facts go with the store's next write, and the final
+                    # report usually takes their place. The report goes on changing here: a copy goes.
+                    facts = report.model_copy(update={"platforms": list(report.platforms)})
+                    await self._save(reference, facts, with_next_write=True)
+                else:  # the pending badge is what users see while the layers are read: stored now
+                    await self._save(reference, report)
                 if options.on_facts is not None:
                     options.on_facts()
             results = await asyncio.gather(

@@ -17,9 +17,10 @@ from fixtures.oci import ImageSpec, LayerSpec, LayoutWriter, file, push_layout
 from fixtures.registry import LocalRegistry
 from scanner.models import ImageReport, Platform
 from scanner.registry.client import RegistryClient
+from scanner.registry.reference import parse_reference
 from scanner.scan import Scanner, ScanOptions
 from scanner.settings import ScannerSettings
-from store import open_store, queries
+from store import SqliteStore, open_store, queries
 from tests.conftest import Pusher
 
 
@@ -204,6 +205,44 @@ async def test_shared_base_layer_is_read_once(
     assert first.libc.bytes_read >= base_size
     assert second.libc.bytes_read < base_size  # only its own top layer was fetched
     assert second.libc.flavour == "glibc"
+
+
+async def test_a_jobs_facts_are_stored_at_once_when_its_layers_take_a_while_and_wait_when_they_are_small(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pending badge is what users see while a big image's layers are read: stored before the
+    read starts. A small image's facts wait for the store's next write (its final report, moments
+    later, takes their place)."""
+    from scanner import scan as scan_module
+
+    push(ImageSpec([catalog.ubuntu_base()]), "samples/facts-big:1")
+    push(ImageSpec([catalog.alpine_base()]), "samples/facts-small:1")
+    settings = ScannerSettings(docker_config=None, analysis_processes=0)
+    database = tmp_path / "scan.db"
+    store = open_store(database)
+    other = SqliteStore(database)  # another process's view: only what is committed
+    stored_when_published: dict[str, bool] = {}
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings, publish_facts=True)
+            for name in ("facts-big", "facts-small"):
+                reference = f"{registry.host}/samples/{name}:1"
+                digest = (await client.resolve(parse_reference(reference))).digest
+                size = (await client.manifest(parse_reference(reference), digest)).layers[0].size
+                # the big image's one layer is past the bound, the small one's within it
+                monkeypatch.setattr(
+                    scan_module, "QUICK_READ_BYTES", size - 1 if name == "facts-big" else size
+                )
+
+                def published(name: str = name, digest: str = digest) -> None:
+                    stored_when_published[name] = other.run(queries.report, digest) is not None
+
+                report = await scanner.scan(reference, ScanOptions(job=f"job-{name}", on_facts=published))
+                assert report.error is None and not report.pending
+    finally:
+        other.close()
+        await store.close()
+    assert stored_when_published == {"facts-big": True, "facts-small": False}
 
 
 async def test_the_cache_entries_of_an_images_layers_are_read_in_one_go(
