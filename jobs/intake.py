@@ -1,24 +1,29 @@
-"""Group commit for incoming scan jobs, on a commit thread of the intake's own.
+"""Group commit for incoming scan jobs: on the event loop where the engine allows it, else on a
+commit thread of the intake's own.
 
-Each delivery must be durable before its 202, but one SQLite commit per request
-caps the intake rate and lengthens the queue behind it. Deliveries are instead
-committed in groups: the first delivery hands a commit to the intake's thread at
-once, and everything that arrives while that commit (and its fsync, with
-synchronous=FULL) is in flight joins the next one. The event loop keeps accepting
-requests the whole time, and each caller still answers only after its own commit.
+Each delivery must be durable before its 202, but one commit per request caps the intake rate
+and lengthens the queue behind it. Deliveries are instead committed in groups: the first
+delivery starts a commit at once, and everything that arrives while that commit (and its fsync)
+is in flight joins the next one. The event loop keeps accepting requests the whole time, and
+each caller still answers only after its own commit.
 
-The registry waits for each answer before it sends its next delivery, so the hop to
-the commit thread is the cheapest there is: one queue put to wake the thread, one
-`call_soon_threadsafe` to come back, and the callers' futures settled directly on the
-loop, with no executor future, no chained callbacks and no task per group.
+Where the commit runs:
 
-The queue has a cap (GPUBADGE_MAX_QUEUED_SCANS). The commit thread knows how many jobs wait: it
-counts them (an index range, stopped at the cap) at most once a second, adds what each group
-queues, and counts again whenever a group would bring that figure within a tenth of the cap,
-so near the cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot
-by what they queue within one count). A delivery that would pass the cap is not committed: its
-caller gets `QueueFull` (the route answers 503 with Retry-After), the others in its group are
-committed as usual, and nothing already queued is touched.
+- **On PostgreSQL, on the loop** (`AsyncStore.loop_intake`): one statement on a connection of
+  the intake's own, read by the loop, so no thread stands between a delivery and its record.
+- **On SQLite, on the intake's thread** (the journal, `store.sqlite_intake`): sqlite3 has no
+  async driver. The registry waits for each answer before it sends its next delivery, so the hop
+  is the cheapest there is: one queue put to wake the thread, one `call_soon_threadsafe` to come
+  back, and the callers' futures settled directly on the loop, with no executor future, no
+  chained callbacks and no task per group.
+
+The queue has a cap (GPUBADGE_MAX_QUEUED_SCANS). The intake knows how many jobs wait: it counts
+them (an index range, stopped at the cap) at most once a second, adds what each group queues,
+and counts again whenever a group would bring that figure within a tenth of the cap, so near the
+cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot by what they
+queue within one count). A delivery that would pass the cap is not committed: its caller gets
+`QueueFull` (the route answers 503 with Retry-After), the others in its group are committed as
+usual, and nothing already queued is touched.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from store import AsyncStore, EnqueueBatch, queries
+from store import AsyncStore, EnqueueBatch, LoopCommits, queries
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,8 @@ class JobIntake:
         )
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once, whichever loop asks first
+        self._on_loop: LoopCommits | None = store.loop_intake()
+        self._commits: set[asyncio.Task[None]] = set()  # the loop's commit in flight, if any
 
     async def enqueue(
         self,
@@ -88,7 +95,12 @@ class JobIntake:
         return await future
 
     async def close(self) -> None:
-        """Let the commits handed over finish, then stop the commit thread (before the store closes)."""
+        """Let the commits started finish, then close the loop's connection or stop the commit thread
+        (before the store closes)."""
+        while self._commits:
+            await asyncio.gather(*self._commits, return_exceptions=True)
+        if self._on_loop is not None:
+            await self._on_loop.close()
         thread = self._thread
         if thread is not None:
             self._groups.put(None)
@@ -96,8 +108,13 @@ class JobIntake:
             self._thread = None
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the loop: hand every pending delivery to the commit thread as one group."""
+        """On the loop: commit every pending delivery as one group, there or on the commit thread."""
         group, self._pending = self._pending, []
+        if self._on_loop is not None:
+            task = loop.create_task(self._commit_on_loop(self._on_loop, loop, group))
+            self._commits.add(task)
+            task.add_done_callback(self._commits.discard)
+            return
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -105,11 +122,36 @@ class JobIntake:
                     self._thread.start()
         self._groups.put((loop, group))
 
+    async def _commit_on_loop(
+        self, commits: LoopCommits, loop: asyncio.AbstractEventLoop, group: Pending
+    ) -> None:
+        """On the loop: the group's one commit, then its answers (`_settle`)."""
+        if self._must_count(group):
+            try:
+                self._counted(await self.store.run(self.store.blocking.queued_for_intake, self._count_cap()))
+            except Exception:
+                self._count_failed()
+        refused = self._refusals(group)
+        admitted = [entry for index, entry in enumerate(group) if index not in refused]
+        outcome: Outcome
+        try:
+            outcome = await commits.record([batch for batch, _ in admitted]) if admitted else []
+        except Exception as exc:  # every delivery of the group learns its commit failed
+            outcome = exc
+        self._settle(
+            loop, admitted, outcome, [future for index, (_, future) in enumerate(group) if index in refused]
+        )
+
     def _commit_groups(self) -> None:
         """The commit thread: one transaction per group, then back to the loop with the outcome."""
         while (item := self._groups.get()) is not None:
             loop, group = item
-            refused = self._over_cap(group)
+            if self._must_count(group):
+                try:
+                    self._counted(self.store.blocking.queued_for_intake(self._count_cap()))
+                except Exception:
+                    self._count_failed()
+            refused = self._refusals(group)
             admitted = [entry for index, entry in enumerate(group) if index not in refused]
             outcome: Outcome
             try:
@@ -127,27 +169,37 @@ class JobIntake:
                 except Exception:
                     log.exception("intake: tidying after the commits failed; tried again after the next")
 
-    def _over_cap(self, group: Pending) -> set[int]:
-        """On the commit thread: the deliveries of `group` that would take the queue past its cap."""
+    # The queue's cap: where the commit runs (the loop or the thread), it asks `_must_count`, counts
+    # if so (`_counted`, or `_count_failed`), then takes `_refusals`.
+
+    def _must_count(self, group: Pending) -> bool:
+        """Whether the jobs waiting must be counted before `group` is judged against the cap: never
+        counted yet, counted over a second ago, or `group` would bring the figure near the cap."""
         cap = self.max_queued
         if cap is None:
-            return set()
+            return False
         incoming = sum(len(batch.references) for batch, _ in group)
-        now = time.monotonic()
-        if (
+        return (
             self._waiting is None
-            or now - self._counted_at >= RECOUNT_SECONDS
+            or time.monotonic() - self._counted_at >= RECOUNT_SECONDS
             or self._waiting + incoming > cap - cap // 10
-        ):
-            try:
-                self._waiting = self.store.blocking.queued_for_intake(cap + 1)
-                self._counted_at = now
-            except Exception:
-                log.exception(
-                    "intake: counting the queued jobs failed; the cap is checked with the last count"
-                )
-                if self._waiting is None:
-                    return set()
+        )
+
+    def _count_cap(self) -> int:
+        return (self.max_queued or 0) + 1
+
+    def _counted(self, waiting: int) -> None:
+        self._waiting = waiting
+        self._counted_at = time.monotonic()
+
+    def _count_failed(self) -> None:
+        log.exception("intake: counting the queued jobs failed; the cap is checked with the last count")
+
+    def _refusals(self, group: Pending) -> set[int]:
+        """The deliveries of `group` that would take the queue past its cap (none while never counted)."""
+        cap = self.max_queued
+        if cap is None or self._waiting is None:
+            return set()
         refused = set()
         for index, (batch, _) in enumerate(group):
             if self._waiting + len(batch.references) > cap:

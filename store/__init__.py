@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from store.backend import QueryRunner, StoreBackend
+from store.backend import LoopCommits, QueryRunner, StoreBackend
 from store.facade import AsyncStore, BlockingStore
 from store.models import (
     ClaimPass,
@@ -43,6 +43,7 @@ __all__ = [
     "Job",
     "JobState",
     "LeaseExpiry",
+    "LoopCommits",
     "QueryRunner",
     "QueueHealth",
     "RegistryLoad",

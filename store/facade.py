@@ -32,7 +32,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 from scanner.models import ImageReport, PlatformReport
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import queries
-from store.backend import StoreBackend
+from store.backend import LoopCommits, StoreBackend
 from store.dialect import Query
 from store.events import (
     FLEET_CHANNEL,
@@ -667,6 +667,13 @@ class AsyncStore:
         """On the loop: jobs were committed from a caller's own thread (the webhook intake calls
         `blocking.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
         self._fire_local(QUEUED)
+
+    def loop_intake(self) -> LoopCommits | None:
+        """The webhook intake's commits on the event loop, on a connection of their own, where the
+        engine has an async driver (PostgreSQL); None where it has not (SQLite: `blocking.enqueue_many`
+        on the intake's thread). The caller closes it, and wakes the loop's workers and waiters after
+        each commit (`jobs_queued`)."""
+        return self._backend.loop_intake()
 
     def _fire_local(self, kind: str, payload: str = "") -> None:
         """This process's own write, for its own waiters and workers. With a PostgreSQL listener the

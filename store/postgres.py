@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,7 +53,10 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, dedupe_key, job_of, queued_jobs
+from store.postgres_intake import LoopIntake, enqueue_plan
+from store.postgres_intake import describe_error as _describe
+from store.postgres_intake import error_cause as _cause
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +71,6 @@ _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
 _CLAIM_LOCK_CLASS = 0x6770_6263  # the claim lock: (class, 0), held while a claim picks its jobs
 
 Notification = tuple[str, str]  # (channel, payload)
-# The intake's one statement: every new job, in key order, and the NOTIFY that wakes the workers
-# (sent also when every job coalesced into an active one). A row per job inserted, and one
-# (NULL, NULL) row from the NOTIFY.
-_ENQUEUE = (
-    "WITH items AS ("
-    "  SELECT * FROM unnest(%(ids)s::text[], %(references)s::text[], %(registries)s::text[],"
-    "    %(waits)s::float8[], %(keys)s::text[], %(attempts)s::int[], %(sources)s::text[])"
-    "    AS item(id, reference, registry, wait, dedupe_key, max_attempts, source)),"
-    " inserted AS ("
-    "  INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts, not_before, source,"
-    "    created_at, updated_at)"
-    "  SELECT id, reference, registry, dedupe_key, 'queued', 0, max_attempts, now() + make_interval(secs => wait),"
-    "    source, clock_timestamp(), clock_timestamp() FROM items ORDER BY dedupe_key"
-    "  ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id, dedupe_key)"
-    " SELECT id, dedupe_key FROM inserted"
-    " UNION ALL SELECT NULL, NULL FROM (SELECT pg_notify(%(channel)s, '')) AS told"
-)
-# The active job of each key that coalesced.
-_ACTIVE = (
-    "SELECT id, dedupe_key FROM jobs WHERE dedupe_key = ANY(%(keys)s) AND state IN ('queued', 'running')"
-)
 LISTENER_NAME = "gpubadge-listen"  # the listening connection's application_name (pg_stat_activity)
 RECONNECT_SECONDS = 1.0  # a lost listening connection is opened again this often
 
@@ -287,56 +268,27 @@ class PostgresStore(SharedMethods):
         return self.run(queued_jobs, cap=cap)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """Several deliveries' jobs in one statement (group commit); job ids per batch.
+        """Several deliveries' jobs in one statement (group commit); job ids per batch
+        (`store.postgres_intake.enqueue_plan`, on one pooled connection)."""
+        plan = enqueue_plan(batches)
+        try:
+            statement = next(plan)
+        except StopIteration as nothing:  # nothing to queue: no connection taken
+            ids: list[list[str]] = nothing.value
+            return ids
+        with self._connection(transaction=False) as conn:  # each statement commits on its own
+            while True:
+                rows = conn.execute(*statement).fetchall()
+                try:
+                    statement = plan.send(rows)
+                except StopIteration as done:
+                    queued: list[list[str]] = done.value
+                    return queued
 
-        One round trip, where a transaction took four (BEGIN, the insert, NOTIFY, COMMIT), each a
-        wake-up of the intake's thread: the insert of every new job and the NOTIFY are one
-        statement, committed on its own (`_ENQUEUE`). A reference whose job is already queued or
-        running coalesces into it, read after (`_ACTIVE`); only a job that settles between the two
-        makes a reference go round again (bounded)."""
-        wanted: dict[str, tuple[str, str, float, EnqueueBatch]] = {}  # dedupe key -> its first item
-        keys: list[list[str]] = []
-        for batch in batches:
-            keys.append([])
-            for item in batch.references:
-                key = dedupe_key(item[0], rescan=batch.rescan)
-                keys[-1].append(key)
-                wait = item[2] if len(item) == 3 else batch.delay
-                wanted.setdefault(key, (item[0], item[1], float(wait), batch))
-        if not wanted:
-            return [[] for _ in batches]
-        found: dict[str, str] = {}
-        for _ in range(5):  # bounded: only a job settling between the two statements goes round again
-            # One order for every statement (by key), so concurrent group commits that share
-            # references wait for each other instead of deadlocking.
-            missing = sorted(key for key in wanted if key not in found)
-            if not missing:
-                break
-            items = [wanted[key] for key in missing]
-            with self._connection(transaction=False) as conn:  # each statement commits on its own
-                inserted = conn.execute(
-                    _ENQUEUE,
-                    {
-                        "ids": [uuid.uuid4().hex for _ in missing],
-                        "references": [item[0] for item in items],
-                        "registries": [item[1] for item in items],
-                        "waits": [item[2] for item in items],
-                        "keys": missing,
-                        "attempts": [item[3].max_attempts for item in items],
-                        "sources": [item[3].source for item in items],
-                        "channel": JOBS_QUEUED,
-                    },
-                ).fetchall()
-                found.update({key: str(job_id) for job_id, key in inserted if key is not None})
-                coalesced = [key for key in missing if key not in found]
-                if coalesced:
-                    active = conn.execute(_ACTIVE, {"keys": coalesced}).fetchall()
-                    found.update({key: str(job_id) for job_id, key in active})
-        lost = sorted(key for key in wanted if key not in found)
-        if lost:
-            message = f"could not queue {wanted[lost[0]][0]}: its active job kept changing"
-            raise StoreUnavailable(message, message)
-        return [[found[key] for key in batch_keys] for batch_keys in keys]
+    def loop_intake(self) -> LoopIntake:
+        """The webhook intake's commits on the event loop, on a connection of their own
+        (`store.postgres_intake.LoopIntake`), bounded by the connect timeout."""
+        return LoopIntake(self._url, timeout=self._connect_timeout)
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
@@ -603,23 +555,6 @@ class PostgresStore(SharedMethods):
         return [
             RegistryLoad(name, int(running), int(ready), float(cool)) for name, running, ready, cool in rows
         ]
-
-
-def _describe(exc: BaseException) -> str:
-    """An error in words, without the connection string (it may hold a password)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:300]
-
-
-def _cause(exc: BaseException) -> str:
-    """An error's kind without where it happened, for answers to anyone: the server's error class and
-    SQLSTATE (`QueryCanceled, SQLSTATE 57014`), never a host, port or message text, which can name them."""
-    state = getattr(exc, "sqlstate", None)
-    if state:
-        return f"{type(exc).__name__}, SQLSTATE {state}"
-    if isinstance(exc, PoolTimeout):
-        return "no connection within the timeout"
-    return "the connection failed"
 
 
 def _relay(callback: Callable[[Notification], None], notice: Notification) -> None:

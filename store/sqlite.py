@@ -340,6 +340,11 @@ class SqliteStore(SharedMethods):
                 self._mover.start()
             return self._journal
 
+    def loop_intake(self) -> None:
+        """None: the intake's commits are the journal's, on a thread of their own (`record_intake`);
+        sqlite3 has no async driver to run them on the loop."""
+        return None
+
     def tidy_intake(self) -> None:
         """The intake's thread, between answers: delete the journal rows already moved."""
         if self._journal is not None:

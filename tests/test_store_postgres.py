@@ -18,11 +18,13 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 
-from store import queries
+from jobs.intake import JobIntake
+from store import AsyncStore, EnqueueBatch, queries
 from store.dialect import Db, reads, writes
 from store.migrations import latest_version, migrations
 from store.models import GpuTaken, StoreUnavailable
 from store.postgres import JOB_SETTLED, JOBS_QUEUED, LISTENER_NAME, Notification, PostgresStore
+from store.postgres_intake import INTAKE_NAME, LoopIntake
 
 T = TypeVar("T")
 REPLICAS = 4
@@ -333,3 +335,84 @@ def test_a_delivery_is_queued_in_one_statement_with_no_transaction_around_it(
     assert again[0] == first[0] and len({*first, *again}) == 3
     monkeypatch.undo()
     assert store.run(queries.queue_depth)["queued"] == 3
+
+
+async def test_the_webhook_intake_commits_on_the_loop_in_one_statement_with_no_thread(
+    replicas: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread stands between a delivery and its record: the intake's statement runs on a
+    connection the loop reads, one statement per group, committed when the caller is answered."""
+    api, other = replicas[0], replicas[1]
+    intake = JobIntake(AsyncStore(api))
+    statements: list[str] = []
+    execute = psycopg.AsyncConnection.execute
+
+    async def counted(self: psycopg.AsyncConnection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        statements.append(str(query)[:30])
+        return await execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)
+    try:
+        before = {thread.name for thread in threading.enumerate()}
+        results = await asyncio.gather(
+            *(
+                intake.enqueue([(f"r.example/app:{n}", "r.example")], source="test", max_attempts=3)
+                for n in range(20)
+            )
+        )
+        assert not {thread.name for thread in threading.enumerate()} - before  # no commit thread started
+        assert 0 < len(statements) < 20  # grouped: deliveries that came together share one statement
+        # committed when answered: another replica sees every job
+        assert all(other.job(ids[0]) is not None for ids in results)
+        again = await intake.enqueue([("r.example/app:3", "r.example")], source="test", max_attempts=3)
+        assert again == results[3]  # a reference already queued coalesces into its job
+    finally:
+        await intake.close()
+
+
+async def test_the_loop_intake_survives_a_cut_connection_and_reports_an_unreachable_server(
+    replicas: list[PostgresStore], postgres_server: object
+) -> None:
+    """A connection cut between deliveries (a failover, an idle reaper) costs no delivery: it is
+    tried once more on a new connection. A server out of reach is StoreUnavailable (the 503),
+    within the connect timeout and without the password."""
+    api, other = replicas[0], replicas[1]
+    intake = JobIntake(AsyncStore(api))
+    try:
+        [first] = await intake.enqueue([("r.example/cut:1", "r.example")], source="test", max_attempts=3)
+        assert await asyncio.to_thread(other.run, _terminate_backends, INTAKE_NAME) == 1
+        [second] = await intake.enqueue([("r.example/cut:2", "r.example")], source="test", max_attempts=3)
+        assert other.job(second) is not None and second != first
+    finally:
+        await intake.close()
+
+    from fixtures.registry import free_port
+
+    nowhere = LoopIntake(f"postgresql://gpubadge:s3cret-pw@127.0.0.1:{free_port()}/gpubadge", timeout=2)
+    async with asyncio.timeout(10):
+        with pytest.raises(StoreUnavailable) as caught:
+            await nowhere.record([EnqueueBatch([("r.example/app:1", "r.example")])])
+    assert "unreachable" in str(caught.value) and "s3cret-pw" not in str(caught.value)
+    assert "s3cret-pw" not in caught.value.public
+
+
+async def test_a_delivery_the_database_does_not_take_in_time_is_refused_and_the_next_goes_through(
+    replicas: list[PostgresStore], postgres_url: str
+) -> None:
+    """Every cost of a delivery is bounded: a statement held up (here by a lock on the jobs table)
+    is given up after the store's connect timeout, as StoreUnavailable; once the lock is gone, the
+    next delivery is taken on a new connection."""
+    other = replicas[1]
+    intake = LoopIntake(postgres_url, timeout=1)
+    blocker = await psycopg.AsyncConnection.connect(postgres_url)
+    try:
+        await blocker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        async with asyncio.timeout(10):
+            with pytest.raises(StoreUnavailable, match="did not take the delivery within 1 s"):
+                await intake.record([EnqueueBatch([("r.example/held:1", "r.example")])])
+        await blocker.rollback()
+        [[job_id]] = await intake.record([EnqueueBatch([("r.example/held:2", "r.example")])])
+        assert other.job(job_id) is not None
+    finally:
+        await blocker.close()
+        await intake.close()
