@@ -149,7 +149,9 @@ class ScanWorkers:
     async def start(self) -> None:
         # Jobs queued by any process (and slots freed by any worker) wake the claim loop at once.
         self._unsubscribe = self.store.events.on_queued(self.wake)
-        await self.store.start_events()
+        # Only the queue's notices: a process that serves long polls (`serve`) started its own
+        # listener, for every channel, before its workers; a worker process hears no report stored.
+        await self.store.start_events(jobs_only=True)
         try:  # jobs of a process on this host that died (kill -9) resume now, not when leases lapse
             dead = [
                 owner for owner in await self.store.run(queries.lease_owners) if _local_owner_is_dead(owner)

@@ -19,8 +19,15 @@ from collections.abc import Awaitable, Callable
 Kind = str  # "queued" | "settled" | "resync"
 # The PostgreSQL backend's NOTIFY channels (named here, so that SQLite users never import psycopg).
 JOBS_QUEUED_CHANNEL = "gpubadge_jobs_queued"
-JOB_SETTLED_CHANNEL = "gpubadge_job_settled"
+JOB_SETTLED_CHANNEL = "gpubadge_job_settled"  # payload: "<job id> <dedupe key>"
+REFERENCE_CHANNEL = "gpubadge_reference_changed"  # payload: a reference whose report or tag changed
 FLEET_CHANNEL = "gpubadge_fleet"  # payload: "reservations", "inventory [<origin>]" or "stamps <origin>"
+# What a process hears. A process that serves HTTP hears every channel. One that only runs scan
+# workers (`gpubadge worker`, `serve`'s worker processes) hears only the queue's: it holds no long
+# poll, no reference lookups and no fleet, and every notice it heard would wake its loop for
+# nothing, once per process, for each report and tag written.
+ALL_CHANNELS = (JOBS_QUEUED_CHANNEL, JOB_SETTLED_CHANNEL, REFERENCE_CHANNEL, FLEET_CHANNEL)
+JOB_CHANNELS = (JOBS_QUEUED_CHANNEL, JOB_SETTLED_CHANNEL)
 FLEET_RESERVATIONS, FLEET_INVENTORY = "fleet-reservations", "fleet-inventory"
 FLEET_STAMPS = "fleet-stamps"  # a replica wrote a batch of heartbeat stamps; payload: its origin
 QUEUED, SETTLED, RESYNC = "queued", "settled", "resync"

@@ -35,14 +35,17 @@ from store import queries
 from store.backend import LoopCommits, StoreBackend
 from store.dialect import Query
 from store.events import (
+    ALL_CHANNELS,
     FLEET_CHANNEL,
     FLEET_INVENTORY,
     FLEET_RESERVATIONS,
     FLEET_STAMPS,
+    JOB_CHANNELS,
     JOB_SETTLED_CHANNEL,
     JOBS_QUEUED_CHANNEL,
     LOCAL_RECHECK,
     QUEUED,
+    REFERENCE_CHANNEL,
     REPORTED_JOB,
     RESYNC,
     SETTLED,
@@ -687,24 +690,31 @@ class AsyncStore:
         its journal and mover: what a previous run journaled and did not move is moved now)."""
         await asyncio.get_running_loop().run_in_executor(self._intake_pool, self._backend.start_intake)
 
-    async def start_events(self) -> None:
+    async def start_events(self, *, jobs_only: bool = False) -> None:
         """Deliver queue events on this loop; on PostgreSQL, and on a SQLite file whose processes
         share their events (`store.sqlite_notify`), also every other process's (LISTEN).
 
-        Idempotent. Without it, events fired by this process's own writes still reach waiters.
+        `jobs_only`: hear only the queue's channels (`store.events.JOB_CHANNELS`: jobs queued, jobs
+        settled), for a process that only runs scan workers; not the references whose report or
+        tag changed, nor the fleet's. Idempotent: the first call decides (`serve` makes its own
+        before its in-process workers start theirs). Without it, events fired by this process's
+        own writes still reach waiters.
         """
         loop = asyncio.get_running_loop()
         if not getattr(self._backend, "shares_events", False):
             return
         if self._stop_listening is not None or self._relay_task is not None:
             return
+        channels = JOB_CHANNELS if jobs_only else ALL_CHANNELS
         kinds = {JOBS_QUEUED_CHANNEL: QUEUED, JOB_SETTLED_CHANNEL: SETTLED}
 
         fire = self.events.fire
 
         def on_notify(notification: tuple[str, str]) -> None:  # on this loop
             channel, payload = notification
-            if channel == FLEET_CHANNEL:
+            if channel == REFERENCE_CHANNEL:
+                fire(SETTLED, f"{REPORTED_JOB} {payload}")
+            elif channel == FLEET_CHANNEL:
                 if payload.startswith("stamps"):
                     fire(FLEET_STAMPS, payload.partition(" ")[2])
                 elif payload == "reservations":
@@ -719,14 +729,14 @@ class AsyncStore:
             if bind_listener is not None:
                 # A SQLite file's socket, read on this loop: no thread wakes between a notice and
                 # its waiters, and the notices that came together are taken in one turn.
-                listener = await loop.run_in_executor(None, bind_listener)
+                listener = await loop.run_in_executor(None, bind_listener, channels)
                 listener.attach(loop, on_notify)
                 self._detach_listener = listener.detach
                 self._stop_listening = listener.close
             else:  # PostgreSQL's LISTEN connection, read on this loop (an async connection)
                 relay = self._backend.relay_notifications  # type: ignore[attr-defined]
                 listening = asyncio.Event()
-                task = loop.create_task(relay(on_notify, listening), name="store-listen")
+                task = loop.create_task(relay(on_notify, listening, channels), name="store-listen")
                 self._relay_task = task
                 # bounded, as the first connection may take: one that cannot connect yet keeps trying
                 await wait_set(listening, LISTEN_READY_SECONDS)

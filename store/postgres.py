@@ -40,7 +40,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from store import queries
 from store.backend import SharedMethods
 from store.dialect import POSTGRES, Db, P, Query, T
-from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import apply_pending, latest_version
 from store.models import (
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 # into other tenants' listeners) and never more than PostgreSQL's 8000-byte payload limit.
 JOBS_QUEUED = JOBS_QUEUED_CHANNEL
 JOB_SETTLED = JOB_SETTLED_CHANNEL
-CHANNELS = (JOBS_QUEUED, JOB_SETTLED, FLEET_CHANNEL)
 
 # Arbitrary constants naming gpubadge's advisory locks (one 64-bit key space per database).
 _MIGRATION_LOCK = 0x67707562_61646765  # "gpubadge"
@@ -174,10 +173,13 @@ class PostgresStore(SharedMethods):
         self._pool.close()
 
     async def relay_notifications(
-        self, callback: Callable[[Notification], None], listening: asyncio.Event | None = None
+        self,
+        callback: Callable[[Notification], None],
+        listening: asyncio.Event | None = None,
+        channels: Sequence[str] = ALL_CHANNELS,
     ) -> None:
         """On the running loop until cancelled: LISTEN on a connection of its own and call
-        `callback((channel, payload))` there for every queue and fleet NOTIFY, in order.
+        `callback((channel, payload))` there for every NOTIFY on `channels`, in order.
 
         psycopg's async connection: the loop itself waits on the connection's socket, with no thread
         between a notice and its waiters. `listening` is set once the LISTENs are in place. A lost
@@ -192,7 +194,7 @@ class PostgresStore(SharedMethods):
                     connect_timeout=max(1, int(self._connect_timeout)),
                     application_name=LISTENER_NAME,
                 ) as conn:
-                    for channel in CHANNELS:
+                    for channel in channels:
                         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     if listening is not None:
                         listening.set()

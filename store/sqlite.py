@@ -33,7 +33,7 @@ from typing import Literal, cast
 
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
-from store.events import FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_CHANNELS, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
 from store.migrations import apply_pending, latest_version
 from store.models import (
@@ -170,13 +170,16 @@ class SqliteStore(SharedMethods):
 
     # ---------------------------------------------------------------- events
 
-    def bind_listener(self) -> BoundListener:
-        """A listener's socket for an event loop to read (`BoundListener.attach`): every notice a process
-        sharing this file commits (this one's too), as PostgreSQL's LISTEN hears them, with no thread
-        between the socket and the loop. Only a store opened with `shared_events`."""
+    def bind_listener(self, channels: Sequence[str] = ALL_CHANNELS) -> BoundListener:
+        """A listener's socket for an event loop to read (`BoundListener.attach`): every notice on
+        `channels` a process sharing this file commits (this one's too), as PostgreSQL's LISTEN hears
+        them, with no thread between the socket and the loop. `channels` is every channel, or the
+        queue's alone (`JOB_CHANNELS`). Only a store opened with `shared_events`."""
         if self._notifier is None:
             raise RuntimeError("this SQLite store does not share its events (shared_events=False)")
-        return self._notifier.bind()
+        if set(channels) not in (set(ALL_CHANNELS), set(JOB_CHANNELS)):
+            raise ValueError(f"a SQLite listener hears every channel or the queue's alone, not {channels}")
+        return self._notifier.bind(jobs_only=set(channels) == set(JOB_CHANNELS))
 
     def _announce(self, *notices: Notice) -> None:
         """After a commit: tell the processes sharing this file (no-op unless it shares events)."""

@@ -13,6 +13,9 @@ socket there, its own included (as PostgreSQL's listeners hear their own NOTIFY)
   delays an answer by seconds at worst and never stalls a commit.
 - A listener that is gone (its process died without cleaning up) is found at the next send
   (the socket refuses) and its socket removed.
+- A listener that hears only the queue's channels (`store.events.JOB_CHANNELS`: a process that
+  only runs scan workers) says so in its socket's name (`JOBS_ONLY_SUFFIX`); it is sent nothing
+  else, so a report stored wakes only the processes that serve long polls.
 
 The directory is the service user's alone, and nothing in it is trusted before it is checked
 (the file may sit in a directory other users can write to, where they could plant a directory
@@ -45,6 +48,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from store.events import JOB_CHANNELS
+
 log = logging.getLogger(__name__)
 
 Notice = tuple[str, str]  # (channel, payload), as PostgreSQL's
@@ -52,6 +57,7 @@ PAYLOAD_MAX = 7900  # what PostgreSQL's 8000-byte NOTIFY limit leaves, as store.
 DATAGRAM_MAX = 8192
 READ_BATCH = 256  # datagrams read per turn of the loop at most: a flood cannot hold the loop
 SUN_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL
+JOBS_ONLY_SUFFIX = ".jobs"  # a socket so named hears only JOB_CHANNELS
 _PROC_FD = Path("/proc/self/fd")
 
 
@@ -152,13 +158,21 @@ class LocalNotifier:
         except OSError:
             return  # no directory: nobody listens
         try:
-            datagrams = [f"{channel}\n{payload}".encode()[: PAYLOAD_MAX + 64] for channel, payload in notices]
+            datagrams = [
+                (channel in JOB_CHANNELS, f"{channel}\n{payload}".encode()[: PAYLOAD_MAX + 64])
+                for channel, payload in notices
+            ]
             for name in list(_own_sockets(descriptor)):
+                wanted = [
+                    datagram for queue, datagram in datagrams if queue or not name.endswith(JOBS_ONLY_SUFFIX)
+                ]
+                if not wanted:
+                    continue
                 try:
                     address = _address(descriptor, self.directory, name)
                 except OSError:
                     continue
-                for datagram in datagrams:
+                for datagram in wanted:
                     try:
                         with self._lock:
                             self._sender.sendto(datagram, address)
@@ -177,13 +191,14 @@ class LocalNotifier:
         finally:
             os.close(descriptor)
 
-    def bind(self) -> BoundListener:
+    def bind(self, *, jobs_only: bool = False) -> BoundListener:
         """A socket of this file's listeners, bound in the checked directory, for an event loop to read
-        (`BoundListener.attach`), or any reader of its `receiver`.
+        (`BoundListener.attach`), or any reader of its `receiver`. `jobs_only`: it is sent only the
+        notices on `JOB_CHANNELS`.
 
         Raises `UnsafeDirectory` (an OSError) when the directory is not this user's own."""
         descriptor = open_private_directory(self.directory, create=True)
-        name = f"{os.getpid()}.{secrets.token_hex(4)}"
+        name = f"{os.getpid()}.{secrets.token_hex(4)}{JOBS_ONLY_SUFFIX if jobs_only else ''}"
         receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             address = _address(descriptor, self.directory, name)

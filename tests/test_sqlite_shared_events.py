@@ -14,6 +14,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,14 @@ from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import run_registry
 from fixtures.service import run_role_process, run_service_process
-from store import AsyncStore, EnqueueBatch, SqliteStore
-from store.events import JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
+from store import AsyncStore, EnqueueBatch, SqliteStore, queries
+from store.events import (
+    ALL_CHANNELS,
+    JOB_CHANNELS,
+    JOB_SETTLED_CHANNEL,
+    JOBS_QUEUED_CHANNEL,
+    REFERENCE_CHANNEL,
+)
 from store.sqlite_notify import DATAGRAM_MAX, notify_directory
 from tests.test_service_e2e import call
 
@@ -31,8 +38,8 @@ from tests.test_service_e2e import call
 class Heard:
     """A listener's socket (`SqliteStore.bind_listener`), read by the test itself, each read bounded."""
 
-    def __init__(self, store: SqliteStore) -> None:
-        self.listener = store.bind_listener()
+    def __init__(self, store: SqliteStore, channels: Sequence[str] = ALL_CHANNELS) -> None:
+        self.listener = store.bind_listener(channels)
         self.listener.receiver.settimeout(5)
 
     def next(self) -> tuple[str, str]:
@@ -75,6 +82,29 @@ def test_a_commit_reaches_every_process_sharing_the_file_its_own_included(tmp_pa
         api.close()
         worker.close()
     assert list(notify_directory(db).iterdir()) == []  # each listener removed its socket
+
+
+def test_a_process_that_only_scans_hears_the_queue_and_no_stored_report(tmp_path: Path) -> None:
+    """A worker process holds no long poll: a reference's change (a report stored, a tag moved) would
+    only wake its loop, once per worker process, for each one written."""
+    db = tmp_path / "queue.db"
+    api, worker = SqliteStore(db, shared_events=True), SqliteStore(db, shared_events=True)
+    heard_by_api, heard_by_worker = Heard(api), Heard(worker, JOB_CHANNELS)
+    try:
+        assert sum(entry.name.endswith(".jobs") for entry in notify_directory(db).iterdir()) == 1
+        worker.run(queries.mark_gone, "reg.example", "team/app", tag="1", digest=None)
+        assert heard_by_api.next() == (REFERENCE_CHANNEL, "reg.example/team/app:1")
+        assert heard_by_worker.empty()
+        api.enqueue([("reg.example/team/app:2", "reg.example")])
+        assert heard_by_worker.next() == (JOBS_QUEUED_CHANNEL, "")
+        assert heard_by_api.next() == (JOBS_QUEUED_CHANNEL, "")
+        with pytest.raises(ValueError, match="every channel or the queue's alone"):
+            worker.bind_listener([REFERENCE_CHANNEL])
+    finally:
+        heard_by_api.close()
+        heard_by_worker.close()
+        api.close()
+        worker.close()
 
 
 def test_a_listener_whose_process_died_is_removed_and_the_others_still_hear(tmp_path: Path) -> None:

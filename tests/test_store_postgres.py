@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ import pytest
 from jobs.intake import JobIntake
 from store import AsyncStore, EnqueueBatch, queries
 from store.dialect import Db, reads, writes
+from store.events import ALL_CHANNELS, JOB_CHANNELS, REFERENCE_CHANNEL
 from store.migrations import latest_version, migrations
 from store.models import GpuTaken, StoreUnavailable
 from store.postgres import JOB_SETTLED, JOBS_QUEUED, LISTENER_NAME, Notification, PostgresStore
@@ -148,11 +149,13 @@ async def _heard(heard: asyncio.Queue[Notification], wanted: Notification) -> No
 
 
 @contextlib.asynccontextmanager
-async def _relaying(store: PostgresStore) -> AsyncIterator[tuple[asyncio.Queue[Notification], asyncio.Event]]:
+async def _relaying(
+    store: PostgresStore, channels: Sequence[str] = ALL_CHANNELS
+) -> AsyncIterator[tuple[asyncio.Queue[Notification], asyncio.Event]]:
     """`store.relay_notifications` running on this loop, listening: what it hears, and its `listening`."""
     heard: asyncio.Queue[Notification] = asyncio.Queue()
     listening = asyncio.Event()
-    relay = asyncio.create_task(store.relay_notifications(heard.put_nowait, listening))
+    relay = asyncio.create_task(store.relay_notifications(heard.put_nowait, listening, channels))
     try:
         async with asyncio.timeout(10):
             await listening.wait()
@@ -173,6 +176,22 @@ async def test_notifications_cross_replicas_on_the_event_loop(replicas: list[Pos
         [job] = await asyncio.to_thread(worker.claim_jobs, 1, owner="w", lease_seconds=60)
         assert await asyncio.to_thread(worker.finish_job, job.id, digest="sha256:" + "1" * 64, owner="w")
         await _heard(heard, (JOB_SETTLED, f"{job_id} r.example/app:1"))  # ?wait= here learns it at once
+
+
+async def test_a_process_that_only_scans_hears_the_queue_and_no_stored_report(
+    replicas: list[PostgresStore],
+) -> None:
+    """A worker process holds no long poll: a reference's change (a report stored, a tag moved) would
+    only wake its loop, once per worker process, for each one written."""
+    api, writer = replicas[0], replicas[1]
+    async with _relaying(api) as (everything, _), _relaying(api, JOB_CHANNELS) as (queue_only, _):
+        await asyncio.to_thread(writer.run, queries.mark_gone, "r.example", "app", tag="1", digest=None)
+        await _heard(everything, (REFERENCE_CHANNEL, "r.example/app:1"))
+        await asyncio.to_thread(writer.enqueue, [("r.example/app:2", "r.example")])
+        async with asyncio.timeout(10):
+            assert await queue_only.get() == (JOBS_QUEUED, "")  # the first it heard: no reference before it
+        await _heard(everything, (JOBS_QUEUED, ""))
+        assert queue_only.empty() and everything.empty()
 
 
 async def test_a_listener_whose_connection_is_cut_reconnects_and_says_to_look_again(

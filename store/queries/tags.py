@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from store.dialect import Db, reads, writes
-from store.events import JOB_SETTLED_CHANNEL, REPORTED_JOB
+from store.events import REFERENCE_CHANNEL
 from store.models import TagEvent
 
 TagKey = tuple[str, str, str]  # (registry, repository, tag)
@@ -33,8 +33,8 @@ def record_tags(db: Db, seen: Sequence[TagSeen]) -> None:
     """`record_tag` for each of `seen`, in order, with one statement per kind for them all: the
     newest row of a tag that still points at the same digest gets a new `last_seen`; a tag that
     moved (or is new, or was deleted) gets a new history row; the digests are no longer gone.
-    Each tag that moved is announced as a settle of its reference (`REPORTED_JOB`), as a stored
-    report is: its long polls wake, and every process forgets what the tag stood for."""
+    Each tag that moved is announced (`announce_reference`), as a stored report is: its long polls
+    wake, and every process that serves them forgets what the tag stood for."""
     if not seen:
         return
     keys = sorted({(one.registry, one.repository, one.tag) for one in seen})
@@ -169,10 +169,11 @@ def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest
 
 
 def announce_reference(db: Db, reference: str) -> None:
-    """What `reference` stands for changed (a report stored, a tag moved or deleted): a settle
-    notice of no job (`REPORTED_JOB`), sent after the commit. Its long polls wake, and every process
-    forgets what it looked up (`store.report_lookups`)."""
-    db.notify(JOB_SETTLED_CHANNEL, f"{REPORTED_JOB} {reference}")
+    """What `reference` stands for changed (a report stored, a tag moved or deleted): a notice on
+    `REFERENCE_CHANNEL`, sent after the commit, which each listening process takes as a settle of
+    no job (`store.events.REPORTED_JOB`). Its long polls wake, and every process that serves them
+    forgets what it looked up (`store.report_lookups`); processes that only scan do not hear it."""
+    db.notify(REFERENCE_CHANNEL, reference)
 
 
 @reads
