@@ -127,32 +127,22 @@ class JobIntake:
     ) -> None:
         """On the loop: the group's one commit, then its answers (`_settle`)."""
         if self._must_count(group):
-            try:
-                self._counted(await self.store.run(self.store.blocking.queued_for_intake, self._count_cap()))
-            except Exception:
-                self._count_failed()
-        refused = self._refusals(group)
-        admitted = [entry for index, entry in enumerate(group) if index not in refused]
+            await self.store.run(self._recount)
+        admitted, full = self._admit(group)
         outcome: Outcome
         try:
             outcome = await commits.record([batch for batch, _ in admitted]) if admitted else []
         except Exception as exc:  # every delivery of the group learns its commit failed
             outcome = exc
-        self._settle(
-            loop, admitted, outcome, [future for index, (_, future) in enumerate(group) if index in refused]
-        )
+        self._settle(loop, admitted, outcome, full)
 
     def _commit_groups(self) -> None:
         """The commit thread: one transaction per group, then back to the loop with the outcome."""
         while (item := self._groups.get()) is not None:
             loop, group = item
             if self._must_count(group):
-                try:
-                    self._counted(self.store.blocking.queued_for_intake(self._count_cap()))
-                except Exception:
-                    self._count_failed()
-            refused = self._refusals(group)
-            admitted = [entry for index, entry in enumerate(group) if index not in refused]
+                self._recount()
+            admitted, full = self._admit(group)
             outcome: Outcome
             try:
                 outcome = (
@@ -160,7 +150,6 @@ class JobIntake:
                 )
             except Exception as exc:  # every delivery of the group learns its commit failed
                 outcome = exc
-            full = [future for index, (_, future) in enumerate(group) if index in refused]
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these answers
                 loop.call_soon_threadsafe(self._settle, loop, admitted, outcome, full)
             if self._groups.empty():  # the answers are on their way and nothing waits: tidy up
@@ -169,8 +158,8 @@ class JobIntake:
                 except Exception:
                     log.exception("intake: tidying after the commits failed; tried again after the next")
 
-    # The queue's cap: where the commit runs (the loop or the thread), it asks `_must_count`, counts
-    # if so (`_counted`, or `_count_failed`), then takes `_refusals`.
+    # The queue's cap: where the commit runs (the loop or the thread), it counts the waiting jobs
+    # when `_must_count` says so (`_recount`, on a thread), then `_admit`s the group.
 
     def _must_count(self, group: Pending) -> bool:
         """Whether the jobs waiting must be counted before `group` is judged against the cap: never
@@ -185,28 +174,30 @@ class JobIntake:
             or self._waiting + incoming > cap - cap // 10
         )
 
-    def _count_cap(self) -> int:
-        return (self.max_queued or 0) + 1
+    def _recount(self) -> None:
+        """On a thread (the commit thread, or the store's for a commit on the loop): count the jobs
+        waiting, up to the cap; a count that fails leaves the last one."""
+        try:
+            self._waiting = self.store.blocking.queued_for_intake((self.max_queued or 0) + 1)
+            self._counted_at = time.monotonic()
+        except Exception:
+            log.exception("intake: counting the queued jobs failed; the cap is checked with the last count")
 
-    def _counted(self, waiting: int) -> None:
-        self._waiting = waiting
-        self._counted_at = time.monotonic()
-
-    def _count_failed(self) -> None:
-        log.exception("intake: counting the queued jobs failed; the cap is checked with the last count")
-
-    def _refusals(self, group: Pending) -> set[int]:
-        """The deliveries of `group` that would take the queue past its cap (none while never counted)."""
+    def _admit(self, group: Pending) -> tuple[Pending, list[asyncio.Future[list[str]]]]:
+        """`group` split into the deliveries to commit and the futures of those that would take the
+        queue past its cap (none refused while never counted)."""
         cap = self.max_queued
         if cap is None or self._waiting is None:
-            return set()
-        refused = set()
-        for index, (batch, _) in enumerate(group):
+            return group, []
+        admitted: Pending = []
+        refused: list[asyncio.Future[list[str]]] = []
+        for batch, future in group:
             if self._waiting + len(batch.references) > cap:
-                refused.add(index)
+                refused.append(future)
             else:
                 self._waiting += len(batch.references)  # coalesced ones too: an over-estimate until recounted
-        return refused
+                admitted.append((batch, future))
+        return admitted, refused
 
     def _settle(
         self,
