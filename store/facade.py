@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
+CLAIM_TRIES = 5  # claim passes in a row that give way to another process's claim, then one waits its turn
 LISTEN_READY_SECONDS = 10.0  # `start_events` waits this long at most for PostgreSQL's LISTEN to be in place
 EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a process that scans
 
@@ -570,19 +571,43 @@ class AsyncStore:
         )
 
     async def claim_jobs_or_next_due(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
+        self,
+        limit: int,
+        *,
+        owner: str,
+        lease_seconds: float,
+        per_registry: int | None = None,
+        contended_before: int = 0,
     ) -> ClaimPass:
         """`claim_jobs`; when it leaves slots free, when the earliest queued job is due
         (`queries.next_job_due`); and what the store holds for the claimed jobs' digests
         (`queries.stored_many`, which each scan would otherwise read first): all in one hop to the
         store's threads, as a worker's claim pass needs them and each hop wakes a thread and then
-        the loop (a few hundred microseconds of CPU each on a VM)."""
+        the loop (a few hundred microseconds of CPU each on a VM).
+
+        A job queued wakes every worker process at once, and one claim takes it. So a pass first
+        reads whether a job is due at all (`queries.job_ready`, an index probe): the processes that
+        come after the claim that took it write nothing. And it does not queue for the claimers'
+        turn (`claim_jobs_if_free`): when another process holds it, the pass is `contended`, claims
+        nothing, and is tried again shortly. `contended_before`: how many passes in a row were;
+        after CLAIM_TRIES it waits for its turn (`claim_jobs`), so a busy store cannot starve a
+        worker."""
         backend = self._backend
 
         def claim_then_look() -> ClaimPass:
-            claimed = backend.claim_jobs(
-                limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
-            )
+            if not backend.run(queries.job_ready):  # none due (another process's claim took it): no write
+                return ClaimPass([], backend.run(queries.next_job_due), {})
+            claimed: list[Job] | None
+            if contended_before >= CLAIM_TRIES:
+                claimed = backend.claim_jobs(
+                    limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
+                )
+            else:
+                claimed = backend.claim_jobs_if_free(
+                    limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
+                )
+                if claimed is None:
+                    return ClaimPass([], None, {}, contended=True)
             due = backend.run(queries.next_job_due) if len(claimed) < limit else None
             digests = {job.id: digest for job in claimed if not job.rescan and (digest := _digest_of(job))}
             found = backend.run(queries.stored_many, sorted(set(digests.values()))) if digests else {}

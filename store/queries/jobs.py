@@ -202,6 +202,12 @@ def delete_finished(db: Db, *, through: datetime, limit: int) -> int:
 
 
 @reads
+def job_ready(db: Db) -> bool:
+    """Whether a queued job is due now, by the store's clock (an index probe)."""
+    return db.one("SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= :now LIMIT 1") is not None
+
+
+@reads
 def next_job_due(db: Db) -> datetime | None:
     row = db.one("SELECT min(not_before) FROM jobs WHERE state = 'queued'")
     due = db.dialect.stamp(row[0]) if row else None
