@@ -64,7 +64,6 @@ T = TypeVar("T")
 
 SATURATED_RECHECK = 1.0  # seconds; only a lost wake-up would need it
 EMPTY_TRUST = 1.0  # seconds a claim that found no queued job is believed, with no queue event since
-CONTENDED_RETRY = 0.004  # seconds, at most, before a pass that gave way to another claim looks again
 MIN_DEFER = 1.0  # seconds a job waits at least after its registry's Retry-After (even "0")
 
 
@@ -141,7 +140,6 @@ class ScanWorkers:
         self._next_expiry_check = 0.0
         # (the queue-event count, the time) of the last claim that found no job queued at all
         self._empty_seen: tuple[int, float] | None = None
-        self._contended = 0  # claim passes in a row that gave way to another process's claim
         self._unsubscribe: Callable[[], None] | None = None
 
     def wake(self) -> None:
@@ -264,13 +262,7 @@ class ScanWorkers:
                 owner=self.owner,
                 lease_seconds=self.settings.lease_seconds,
                 per_registry=self.settings.per_registry,
-                contended_before=self._contended,
             )
-            if claim.contended:  # another process was claiming, likely the same job: look again shortly
-                self._contended += 1
-                self._empty_seen = None
-                return random.uniform(CONTENDED_RETRY / 2, CONTENDED_RETRY)
-            self._contended = 0
             due = claim.due
             empty = len(claim.jobs) < free and due is None
             self._empty_seen = (queued_count, claiming_at) if empty else None

@@ -72,7 +72,6 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
-CLAIM_TRIES = 5  # claim passes in a row that give way to another process's claim, then one waits its turn
 LISTEN_READY_SECONDS = 10.0  # `start_events` waits this long at most for PostgreSQL's LISTEN to be in place
 EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a process that scans
 
@@ -571,13 +570,7 @@ class AsyncStore:
         )
 
     async def claim_jobs_or_next_due(
-        self,
-        limit: int,
-        *,
-        owner: str,
-        lease_seconds: float,
-        per_registry: int | None = None,
-        contended_before: int = 0,
+        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
     ) -> ClaimPass:
         """`claim_jobs`; when it leaves slots free, when the earliest queued job is due
         (`queries.next_job_due`); and what the store holds for the claimed jobs' digests
@@ -585,29 +578,18 @@ class AsyncStore:
         store's threads, as a worker's claim pass needs them and each hop wakes a thread and then
         the loop (a few hundred microseconds of CPU each on a VM).
 
-        A job queued wakes every worker process at once, and one claim takes it. So a pass first
-        reads whether a job is due at all (`queries.job_ready`, an index probe): the processes that
-        come after the claim that took it write nothing. And it does not queue for the claimers'
-        turn (`claim_jobs_if_free`): when another process holds it, the pass is `contended`, claims
-        nothing, and is tried again shortly. `contended_before`: how many passes in a row were;
-        after CLAIM_TRIES it waits for its turn (`claim_jobs`), so a busy store cannot starve a
-        worker."""
+        A queued job wakes every worker process, and one claim takes it. So a pass first reads
+        whether any job is due (`queries.job_ready`, an index probe): the passes that come after the
+        claim that took it write nothing and ask for no turn (the backends' `claim_jobs` probes again
+        once it has the turn, for the passes that asked meanwhile)."""
         backend = self._backend
 
         def claim_then_look() -> ClaimPass:
             if not backend.run(queries.job_ready):  # none due (another process's claim took it): no write
                 return ClaimPass([], backend.run(queries.next_job_due), {})
-            claimed: list[Job] | None
-            if contended_before >= CLAIM_TRIES:
-                claimed = backend.claim_jobs(
-                    limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
-                )
-            else:
-                claimed = backend.claim_jobs_if_free(
-                    limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
-                )
-                if claimed is None:
-                    return ClaimPass([], None, {}, contended=True)
+            claimed = backend.claim_jobs(
+                limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry
+            )
             due = backend.run(queries.next_job_due) if len(claimed) < limit else None
             digests = {job.id: digest for job in claimed if not job.rescan and (digest := _digest_of(job))}
             found = backend.run(queries.stored_many, sorted(set(digests.values()))) if digests else {}

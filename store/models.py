@@ -91,14 +91,11 @@ class ClaimPass:
     """A worker's claim pass, read in one hop (`AsyncStore.claim_jobs_or_next_due`): the jobs it
     claimed; when the earliest queued job is due (None when none is queued, or when every slot
     was filled); and, by job id, what the store holds for the digest of each claimed job that names
-    one (a webhook's job does; a job by tag, or a rescan, is not in it), as `queries.stored` reads it.
-    `contended`: another process held the claimers' turn, so nothing was claimed or read; look again
-    shortly."""
+    one (a webhook's job does; a job by tag, or a rescan, is not in it), as `queries.stored` reads it."""
 
     jobs: list[Job]
     due: datetime | None
     stored: dict[str, Stored]
-    contended: bool = False
 
 
 @dataclass(frozen=True)

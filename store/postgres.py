@@ -295,27 +295,6 @@ class PostgresStore(SharedMethods):
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
     ) -> list[Job]:
-        """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them
-        (`_claim`), waiting for the claim lock."""
-        claimed = self._claim(
-            limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry, wait=True
-        )
-        assert claimed is not None  # only a claim that does not wait gives up
-        return claimed
-
-    def claim_jobs_if_free(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
-    ) -> list[Job] | None:
-        """`claim_jobs`, or None (nothing claimed) when another claimer holds the claim lock now
-        (`pg_try_advisory_xact_lock`): when a queued job wakes every worker process, only one claims
-        it, and the others neither queue for the lock nor choose again after it."""
-        return self._claim(
-            limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry, wait=False
-        )
-
-    def _claim(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None, wait: bool
-    ) -> list[Job] | None:
         """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
         Claims are fair across registries (`store.fairness`): each slot goes to the registry with
@@ -325,19 +304,22 @@ class PostgresStore(SharedMethods):
         gets none (its queued jobs move to the end of the cool-down); with `per_registry`, none
         gets more than that many running. Claimers take
         turns on one advisory lock for the few milliseconds of the choice, so counts and turns are
-        exact across processes; rows are still locked with SKIP LOCKED against other writers.
+        exact across processes; rows are still locked with SKIP LOCKED against other writers. A claim
+        that finds no job due once it has its turn (another's claim took it) ends its turn at once.
         """
         if limit <= 0:
             return []
         with self._transaction() as conn:
-            if wait:
-                conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
-            else:
-                taken = conn.execute(
-                    "SELECT pg_try_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS]
+            conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
+            # Another replica's claim may have taken every due job while this one waited its turn
+            # (a queued job wakes every worker process): then there is nothing to choose or write.
+            if (
+                conn.execute(
+                    "SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= now() LIMIT 1"
                 ).fetchone()
-                if not taken or not taken[0]:
-                    return None
+                is None
+            ):
+                return []
             # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
             # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
             conn.execute(

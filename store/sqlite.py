@@ -48,13 +48,7 @@ from store.models import (
 )
 from store.queries import JOB_READS
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
-from store.sqlite_access import (
-    WriterBusy,
-    WriterLock,
-    create_private_file,
-    immediate_transaction,
-    unwritable_hint,
-)
+from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
 
@@ -69,10 +63,6 @@ _INSERT_JOB = (
 MOVE_RECHECK = 1.0  # seconds between the mover's passes when no intake wakes it (another process's rows)
 MOVE_GATHER = 0.002  # seconds the mover waits after a wake-up before its pass
 SETTLE_SECONDS = 2.0  # longest a read of the job queue waits for this process's journaled jobs
-# How long a worker's claim waits for another process's write lock before it gives up and is tried
-# again shortly (`claim_jobs_if_free`): SQLite's busy handler sleeps 1 ms, then 2 ms, so this is
-# two tries, where the busy timeout would sleep on for seconds.
-CLAIM_PATIENCE = 0.003
 CHECKPOINT_SECONDS = 1.0  # the journal's WAL is folded back at most this often
 log = logging.getLogger(__name__)
 
@@ -213,20 +203,16 @@ class SqliteStore(SharedMethods):
             ) from exc
 
     @contextmanager
-    def _transaction(
-        self, *, urgent: bool = False, patience: float | None = None
-    ) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, *, urgent: bool = False) -> Iterator[sqlite3.Connection]:
         """One immediate transaction on the shared writer: writers serialise here, readers never block.
 
         A lock held too long elsewhere, a full disk or a read-only file becomes StoreUnavailable,
-        with SQLite's own words for the cause. `patience`: seconds to wait for another process's
-        lock instead of the busy timeout; past them, `WriterBusy`.
+        with SQLite's own words for the cause.
         """
         lock = self._write_lock
         lock.acquire(urgent=urgent)  # not `hold`: one generator less on the webhook's commit path
-        waits = None if patience is None else (int(patience * 1000), int(self.busy_timeout * 1000))
         try:
-            with immediate_transaction(self._writer, patience=waits) as conn:
+            with immediate_transaction(self._writer) as conn:
                 yield conn
         except sqlite3.OperationalError as exc:
             raise StoreUnavailable(
@@ -478,35 +464,6 @@ class SqliteStore(SharedMethods):
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
     ) -> list[Job]:
-        """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them
-        (`_claim`), waiting for the write lock as every write does."""
-        claimed = self._claim(limit, owner=owner, lease_seconds=lease_seconds, per_registry=per_registry)
-        assert claimed is not None  # only a claim with patience gives up
-        return claimed
-
-    def claim_jobs_if_free(
-        self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None
-    ) -> list[Job] | None:
-        """`claim_jobs`, or None (nothing claimed, nothing written) when another process holds the
-        write lock for over CLAIM_PATIENCE: when a queued job wakes every worker process, only one
-        claims it and the others' claims neither wait for the lock nor take it after."""
-        return self._claim(
-            limit,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            per_registry=per_registry,
-            patience=CLAIM_PATIENCE,
-        )
-
-    def _claim(
-        self,
-        limit: int,
-        *,
-        owner: str,
-        lease_seconds: float,
-        per_registry: int | None,
-        patience: float | None = None,
-    ) -> list[Job] | None:
         """Atomically move up to `limit` ready jobs to `running`, leased to `owner`, and return them.
 
         The lease must be renewed (`renew_leases`) before it expires, or the job is claimed
@@ -518,80 +475,75 @@ class SqliteStore(SharedMethods):
         registry ends up with more than that many running jobs across every worker sharing the
         store; a registry cooling down after a Retry-After (`defer_job`) gets none until then, and
         its queued jobs are moved to the end of the cool-down.
-        The whole choice is one `BEGIN IMMEDIATE` transaction, so it is exact across processes.
+        The whole choice is one `BEGIN IMMEDIATE` transaction, so it is exact across processes. A
+        claim that finds no job due once it holds the lock (another process's claim took it) writes
+        nothing and holds the lock for that one probe.
         """
         if limit <= 0:
             return []
         self._settle_intake()
         moment = _now()
         now, expires = _iso(moment), _iso(moment + timedelta(seconds=lease_seconds))
-        try:
-            with self._transaction(patience=patience) as conn:
-                return self._claim_in(conn, limit, owner, per_registry, moment, now, expires)
-        except WriterBusy:
-            return None
-
-    def _claim_in(
-        self,
-        conn: sqlite3.Connection,
-        limit: int,
-        owner: str,
-        per_registry: int | None,
-        moment: datetime,
-        now: str,
-        expires: str,
-    ) -> list[Job]:
-        """`_claim`'s choice and writes, in its transaction."""
-        # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
-        # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
-        conn.execute(
-            "UPDATE jobs SET not_before = (SELECT g.cool_until FROM registry_gates g"
-            "   WHERE g.registry = jobs.registry)"
-            " WHERE state = 'queued' AND not_before <= :now"
-            " AND registry IN (SELECT registry FROM registry_gates WHERE cool_until > :now)",
-            {"now": now},
-        )
-        turns = [
-            RegistryTurn(*row)
-            for row in conn.execute(
-                "SELECT q.registry, q.ready,"
-                " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
-                " g.last_claimed"
-                " FROM (SELECT registry, count(*) AS ready FROM jobs"
-                "   WHERE state = 'queued' AND not_before <= :now GROUP BY registry) q"
-                " LEFT JOIN registry_gates g ON g.registry = q.registry"
-                " WHERE g.cool_until IS NULL OR g.cool_until <= :now",
+        with self._transaction() as conn:
+            # Another process's claim may have taken every due job while this one waited its turn
+            # (a queued job wakes every worker process): then there is nothing to choose or write.
+            if (
+                conn.execute(
+                    "SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= :now LIMIT 1", {"now": now}
+                ).fetchone()
+                is None
+            ):
+                return []
+            # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
+            # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
+            conn.execute(
+                "UPDATE jobs SET not_before = (SELECT g.cool_until FROM registry_gates g"
+                "   WHERE g.registry = jobs.registry)"
+                " WHERE state = 'queued' AND not_before <= :now"
+                " AND registry IN (SELECT registry FROM registry_gates WHERE cool_until > :now)",
                 {"now": now},
             )
-        ]
-        plan = plan_claims(turns, limit, per_registry)
-        ids: list[str] = []
-        for registry in dict.fromkeys(plan):
-            rows = conn.execute(
-                "SELECT id FROM jobs WHERE state = 'queued' AND registry = ? AND not_before <= ?"
-                " ORDER BY not_before, created_at LIMIT ?",
-                [registry, now, plan.count(registry)],
+            turns = [
+                RegistryTurn(*row)
+                for row in conn.execute(
+                    "SELECT q.registry, q.ready,"
+                    " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
+                    " g.last_claimed"
+                    " FROM (SELECT registry, count(*) AS ready FROM jobs"
+                    "   WHERE state = 'queued' AND not_before <= :now GROUP BY registry) q"
+                    " LEFT JOIN registry_gates g ON g.registry = q.registry"
+                    " WHERE g.cool_until IS NULL OR g.cool_until <= :now",
+                    {"now": now},
+                )
+            ]
+            plan = plan_claims(turns, limit, per_registry)
+            ids: list[str] = []
+            for registry in dict.fromkeys(plan):
+                rows = conn.execute(
+                    "SELECT id FROM jobs WHERE state = 'queued' AND registry = ? AND not_before <= ?"
+                    " ORDER BY not_before, created_at LIMIT ?",
+                    [registry, now, plan.count(registry)],
+                ).fetchall()
+                ids.extend(row[0] for row in rows)
+            if not ids:
+                return []
+            conn.executemany(
+                "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = ?,"
+                " lease_expires = ?, updated_at = ? WHERE id = ?",
+                [(owner, expires, now, job_id) for job_id in ids],
+            )
+            conn.executemany(
+                "INSERT INTO registry_gates (registry, last_claimed) VALUES (?, ?)"
+                " ON CONFLICT(registry) DO UPDATE SET last_claimed = excluded.last_claimed",
+                [
+                    (registry, _iso(moment + timedelta(microseconds=position)))
+                    for position, registry in enumerate(claim_order(plan))
+                ],
+            )
+            placeholders = ",".join("?" * len(ids))
+            claimed = conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
             ).fetchall()
-            ids.extend(row[0] for row in rows)
-        if not ids:
-            return []
-        conn.executemany(
-            "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = ?,"
-            " lease_expires = ?, updated_at = ? WHERE id = ?",
-            [(owner, expires, now, job_id) for job_id in ids],
-        )
-        conn.executemany(
-            "INSERT INTO registry_gates (registry, last_claimed) VALUES (?, ?)"
-            " ON CONFLICT(registry) DO UPDATE SET last_claimed = excluded.last_claimed",
-            [
-                (registry, _iso(moment + timedelta(microseconds=position)))
-                for position, registry in enumerate(claim_order(plan))
-            ],
-        )
-        placeholders = ",".join("?" * len(ids))
-        claimed = conn.execute(
-            f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({placeholders}) ORDER BY created_at, id", ids
-        ).fetchall()
         return [job_of(Db(conn, SQLITE), row) for row in claimed]
 
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_seconds: float) -> list[str]:

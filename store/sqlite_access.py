@@ -15,32 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-class WriterBusy(Exception):
-    """Another process held the file's write lock for all of a transaction's patience."""
-
-
 @contextmanager
-def immediate_transaction(
-    conn: sqlite3.Connection, *, patience: tuple[int, int] | None = None
-) -> Iterator[sqlite3.Connection]:
+def immediate_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """`BEGIN IMMEDIATE` on `conn` (the write lock taken at once), COMMIT when the block ends and
-    ROLLBACK when it raises. The caller holds the process's writer lock.
-
-    `patience` (milliseconds to wait for the lock, and the connection's usual wait, restored once
-    the lock is taken or given up): a lock another process holds longer is `WriterBusy`, and no
-    transaction is begun."""
-    if patience is None:
-        conn.execute("BEGIN IMMEDIATE")
-    else:
-        conn.execute(f"PRAGMA busy_timeout = {int(patience[0])}")
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                raise WriterBusy(str(exc)) from exc
-            raise
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {int(patience[1])}")
+    ROLLBACK when it raises. The caller holds the process's writer lock."""
+    conn.execute("BEGIN IMMEDIATE")
     try:
         yield conn
         conn.execute("COMMIT")

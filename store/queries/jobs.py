@@ -203,7 +203,8 @@ def delete_finished(db: Db, *, through: datetime, limit: int) -> int:
 
 @reads
 def job_ready(db: Db) -> bool:
-    """Whether a queued job is due now, by the store's clock (an index probe)."""
+    """Whether a queued job is due now, by the store's clock (an index probe): a claim pass asks
+    first, so the worker processes that come after the claim that took a job write nothing."""
     return db.one("SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= :now LIMIT 1") is not None
 
 
