@@ -53,9 +53,9 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.postgres_errors import describe_error as _describe
+from store.postgres_errors import error_cause as _cause
 from store.postgres_intake import LoopIntake, enqueue_plan
-from store.postgres_intake import describe_error as _describe
-from store.postgres_intake import error_cause as _cause
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 import psycopg
-from psycopg_pool import PoolTimeout
 
 from store.events import JOBS_QUEUED_CHANNEL
 from store.models import EnqueueBatch, StoreUnavailable
+from store.postgres_errors import describe_error, error_cause
 from store.queries.jobs import dedupe_key
 
 # The intake's one statement: every new job, in key order, and the NOTIFY that wakes the workers
@@ -103,23 +103,6 @@ def enqueue_plan(batches: Sequence[EnqueueBatch]) -> EnqueuePlan:
         message = f"could not queue {wanted[lost[0]][0]}: its active job kept changing"
         raise StoreUnavailable(message, message)
     return [[found[key] for key in batch_keys] for batch_keys in keys]
-
-
-def describe_error(exc: BaseException) -> str:
-    """An error in words, without the connection string (it may hold a password)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:300]
-
-
-def error_cause(exc: BaseException) -> str:
-    """An error's kind without where it happened, for answers to anyone: the server's error class and
-    SQLSTATE (`QueryCanceled, SQLSTATE 57014`), never a host, port or message text, which can name them."""
-    state = getattr(exc, "sqlstate", None)
-    if state:
-        return f"{type(exc).__name__}, SQLSTATE {state}"
-    if isinstance(exc, PoolTimeout):
-        return "no connection within the timeout"
-    return "the connection failed"
 
 
 class LoopIntake:
