@@ -94,6 +94,13 @@ class JobSettings(ScannerSettings):
         description="how much lower the CPU priority of those worker processes (and their analysis processes) is"
         " than the API's, so webhook answers and API reads never wait for a core behind scans",
     )
+    worker_scheduling: Literal["nice", "idle"] = Field(
+        default="nice",
+        description="how those worker processes share the CPU with the API: nice, worker_nice below it (the"
+        " default); idle, Linux's SCHED_IDLE: scans run only on CPU time nothing else on the host wants, so a"
+        " webhook's answer (and a registry on the same host) never waits for a core behind a scan, at the cost of"
+        " slower scans while the host is busy",
+    )
     per_registry_scans: int | None = Field(
         default=None,
         ge=1,

@@ -13,7 +13,8 @@ after they drained.
 `serve_supervised` is the same process started by `serve` (`jobs.worker_processes`): its settings
 come from its stdin, whose end means `serve` is gone (it then drains and exits, as on SIGTERM); its
 stdout carries its reports to `serve` (`jobs.worker_reports`), and anything printed goes to its
-log stream instead; it runs `worker_nice` lower than `serve`.
+log stream instead; it runs below `serve`'s CPU priority (`worker_scheduling`: `worker_nice` steps
+nicer, or SCHED_IDLE).
 """
 
 from __future__ import annotations
@@ -90,13 +91,31 @@ def serve_workers(
         runner.run(main())
 
 
+def yield_cpu_to_the_api(settings: JobSettings) -> None:
+    """Lower this worker process's CPU priority below `serve`'s, as `worker_scheduling` says (its
+    analysis processes inherit it): `worker_nice` steps of niceness, or SCHED_IDLE. Where SCHED_IDLE
+    is refused (not Linux, a seccomp profile), niceness instead, and a warning says so."""
+    if settings.worker_scheduling == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError) as exc:
+            log.warning(
+                "GPUBADGE_WORKER_SCHEDULING=idle is not available here (%s); running %d steps nicer instead"
+                " (GPUBADGE_WORKER_NICE)",
+                exc,
+                settings.worker_nice,
+            )
+    if settings.worker_nice:
+        os.nice(settings.worker_nice)
+
+
 def serve_supervised(sweep: bool) -> None:
     """The main of a worker process `serve` started: settings from stdin, reports on stdout."""
     channel = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to the log stream, never into the reports
     settings = JobSettings.from_payload(sys.stdin.buffer.readline())
-    if settings.worker_nice:
-        os.nice(settings.worker_nice)
+    yield_cpu_to_the_api(settings)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

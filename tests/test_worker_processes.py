@@ -222,3 +222,44 @@ def test_auto_is_one_worker_process_per_two_usable_cores_within_the_containers_q
     assert JobSettings(worker_processes=0).worker_process_count() == 0  # scans in the API's process
     with pytest.raises(ValueError, match="worker_processes"):
         JobSettings(worker_processes=-1)
+
+
+def test_idle_scheduling_runs_scans_and_their_analysis_only_on_cpu_time_nothing_else_wants(
+    registry: LocalRegistry, tmp_path: Path
+) -> None:
+    staged = stage_images(tmp_path / "layout", registry.url, "idle/app", 2)
+    put_manifests(registry.url, "idle/app", staged, 2)
+    env = {"GPUBADGE_WORKER_PROCESSES": "1", "GPUBADGE_WORKER_SCHEDULING": "idle"}
+    with run_service_process(tmp_path / "idle.db", env=env) as service:
+        assert service.process is not None
+        [child] = worker_processes(service.process.pid)
+        assert os.sched_getscheduler(service.process.pid) == os.SCHED_OTHER  # the API keeps its share
+        assert os.sched_getscheduler(child) == os.SCHED_IDLE
+        jobs = [scan_request(service, f"{registry.host}/idle/app:{image.tag}") for image in staged]
+        assert all(wait_job(service, job)["state"] == "done" for job in jobs)  # an idle host runs them
+        analysis = Path(f"/proc/{child}/task/{child}/children").read_text().split()
+        assert analysis, "the worker's analysis processes are started before its first claim"
+        assert all(os.sched_getscheduler(int(pid)) == os.SCHED_IDLE for pid in analysis)
+
+
+def test_idle_scheduling_refused_by_the_host_falls_back_to_niceness_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from jobs import worker_process
+    from jobs.settings import JobSettings
+
+    def refused(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    niced: list[int] = []
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    monkeypatch.setattr(os, "nice", niced.append)  # never lower the test process itself
+    with caplog.at_level("WARNING"):
+        worker_process.yield_cpu_to_the_api(JobSettings(worker_scheduling="idle", worker_nice=7))
+    assert niced == [7]
+    assert "GPUBADGE_WORKER_SCHEDULING=idle is not available here" in caplog.text
+    niced.clear()
+    worker_process.yield_cpu_to_the_api(JobSettings())  # the default: niceness, SCHED_IDLE never asked
+    assert niced == [5]
+    with pytest.raises(ValueError, match="worker_scheduling"):
+        JobSettings(worker_scheduling="fast")
