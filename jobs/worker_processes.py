@@ -6,7 +6,8 @@ intake is too; in one process they share one interpreter lock and one process's 
 registry waiting on each answer pays for every scan running beside the intake. So `serve` runs
 its scans in `worker_processes` children (`gpubadge worker`, the image's worker role, as
 `--supervised worker-N`), each with `workers` scans at once, below the API's CPU priority
-(`worker_scheduling`: `worker_nice` steps nicer, or SCHED_IDLE): they share the store (and, on SQLite, its events) as any `gpubadge worker` does.
+(`worker_scheduling`: `worker_nice` steps nicer, or SCHED_IDLE): they share the store (and, on
+SQLite, its events) as any `gpubadge worker` does.
 
 Each child reads its settings from its stdin (`jobs.settings.settings_payload`: secrets in
 clear, so they travel only over that pipe, never a file, the command line or the environment),

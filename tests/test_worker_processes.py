@@ -248,7 +248,10 @@ def test_idle_scheduling_refused_by_the_host_falls_back_to_niceness_and_says_so(
     from jobs import worker_process
     from jobs.settings import JobSettings
 
-    def refused(*args: object) -> None:
+    asked: list[int] = []
+
+    def refused(pid: int, policy: int, parameters: object) -> None:
+        asked.append(policy)
         raise PermissionError(1, "Operation not permitted")
 
     niced: list[int] = []
@@ -256,10 +259,11 @@ def test_idle_scheduling_refused_by_the_host_falls_back_to_niceness_and_says_so(
     monkeypatch.setattr(os, "nice", niced.append)  # never lower the test process itself
     with caplog.at_level("WARNING"):
         worker_process.yield_cpu_to_the_api(JobSettings(worker_scheduling="idle", worker_nice=7))
-    assert niced == [7]
+    assert (asked, niced) == ([os.SCHED_IDLE], [7])
     assert "GPUBADGE_WORKER_SCHEDULING=idle is not available here" in caplog.text
+    asked.clear()
     niced.clear()
     worker_process.yield_cpu_to_the_api(JobSettings())  # the default: niceness, SCHED_IDLE never asked
-    assert niced == [5]
+    assert (asked, niced) == ([], [5])
     with pytest.raises(ValueError, match="worker_scheduling"):
         JobSettings(worker_scheduling="fast")
