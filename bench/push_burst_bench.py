@@ -619,7 +619,8 @@ def add_figures(
 def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) -> None:
     """On SQLite, then on PostgreSQL where it can run: the peer (`peer_tree`, when named) and this
     checkout with its defaults, each beside its own null receiver in the same run; then, on
-    SQLite, this checkout with a fifth of the pushers."""
+    SQLite, this checkout with a fifth of the pushers; then the intake beside running scans for
+    the peer, the defaults, and scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`)."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
     light = BurstFigures(figures.images, max(1, figures.clients // 5))
     print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
@@ -654,19 +655,23 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
                 )
             if "light" in runs:
                 add_figures(results, f"{engine}, defaults", light, runs["light"], None)
-            trees: list[Path | None] = [peer, None] if peer is not None else [None]
-            for tree in trees:
+            intakes: list[tuple[str, Path | None, dict[str, str] | None]] = []
+            if peer is not None:
+                intakes.append((f"peer ({peer.name})", peer, None))
+            intakes.append(("defaults", None, None))
+            intakes.append(("scans at SCHED_IDLE", None, {"GPUBADGE_WORKER_SCHEDULING": "idle"}))
+            for number, (label, tree, env) in enumerate(intakes, start=len(plan)):
                 workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-intake-"))
                 try:
-                    url = server.create_database(f"intake{len(plan) + trees.index(tree)}") if server else None
+                    url = server.create_database(f"intake{number}") if server else None
                     intake = asyncio.run(
-                        measure_intake(INTAKE_IMAGES, INTAKE_CLIENTS, workdir, database_url=url, tree=tree)
+                        measure_intake(
+                            INTAKE_IMAGES, INTAKE_CLIENTS, workdir, env, database_url=url, tree=tree
+                        )
                     )
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
-                add_intake_figures(
-                    results, f"{engine}, {'peer (' + tree.name + ')' if tree else 'defaults'}", intake
-                )
+                add_intake_figures(results, f"{engine}, {label}", intake)
 
 
 INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
