@@ -313,12 +313,7 @@ class PostgresStore(SharedMethods):
             conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
             # Another replica's claim may have taken every due job while this one waited its turn
             # (a queued job wakes every worker process): then there is nothing to choose or write.
-            if (
-                conn.execute(
-                    "SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= now() LIMIT 1"
-                ).fetchone()
-                is None
-            ):
+            if not queries.job_ready(Db(conn, POSTGRES)):
                 return []
             # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
             # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.

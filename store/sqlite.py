@@ -47,7 +47,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, job_ready, queued_jobs
 from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
@@ -487,12 +487,7 @@ class SqliteStore(SharedMethods):
         with self._transaction() as conn:
             # Another process's claim may have taken every due job while this one waited its turn
             # (a queued job wakes every worker process): then there is nothing to choose or write.
-            if (
-                conn.execute(
-                    "SELECT 1 FROM jobs WHERE state = 'queued' AND not_before <= :now LIMIT 1", {"now": now}
-                ).fetchone()
-                is None
-            ):
+            if not job_ready(Db(conn, SQLITE)):
                 return []
             # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
             # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
