@@ -12,7 +12,7 @@ its rows. Two drivers run it:
   event loop that answers the deliveries. Between a delivery and its durable record there is no
   thread: no hand-over to wake one, no wake-up of the loop to come back, no interpreter lock to
   share with the threads that serve reads. Measured beside running scans on two cores, the
-  registry waited 3.5-3.7 ms for an answer (p50) where it waited 4.1-4.8 ms with a commit thread.
+  registry waited 3.4-3.5 ms for an answer (p50) where it waited 4.1-4.8 ms with a commit thread.
 """
 
 from __future__ import annotations
