@@ -51,8 +51,9 @@ from bench.common import (
 from bench.registry_burst import put_manifests, stage_images
 from bench.service_bench import push_layout_images
 from fixtures.postgres import postgres_unavailable_reason, run_postgres
+from fixtures.process import stop_process
 from fixtures.registry import free_port, notification_endpoint, run_registry
-from fixtures.service import run_role_process, run_service_process, wait_healthy
+from fixtures.service import RunningService, run_role_process, run_service_process, wait_healthy
 
 
 @dataclass
@@ -409,6 +410,9 @@ class IntakeRun:
     burst_seconds: float  # the PUTs, from the first to the last answered
     roles: dict[str, float] = field(default_factory=dict)  # gpubadge's CPU by role until every scan was done
     null_cpu: float = 0.0  # the null receiver's CPU over the same window
+    counted: int = (
+        0  # the images whose deliveries and scans that CPU covers: all of them, the first third too
+    )
 
     def answers(self, endpoint: str) -> list[float]:
         return [delivery.seconds for delivery in self.deliveries[endpoint]]
@@ -428,6 +432,23 @@ def service_environment(
     }
 
 
+@contextlib.contextmanager
+def run_bare_scanner(db: Path, port: int, log: Path) -> Iterator[RunningService]:
+    """`bench.bare_scanner` on `port` with its jobs in `db`, ready (its /healthz answers)."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.bare_scanner", "--port", str(port), "--db", str(db)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        service = RunningService(f"http://127.0.0.1:{port}", process, log)
+        wait_healthy(service.url, process)
+        yield service
+    finally:
+        stop_process(process, grace=20)
+
+
 async def measure_intake(
     images: int,
     clients: int,
@@ -437,12 +458,14 @@ async def measure_intake(
     database_url: str | None = None,
     tree: Path | None = None,
     count_cpu: bool = True,
+    bare: bool = False,
 ) -> IntakeRun:
     """The intake beside running scans: `images` distinct images' manifests PUT by `clients` at once
     (their blobs uploaded first), the registry notifying the null receiver and `gpubadge serve`
     through the timing relay; each delivery queues a real scan. The first third's scans are
     running when the rest, the measured burst, is PUT: every delivery measured arrives while the
-    service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took."""
+    service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took.
+    `bare`: the endpoint is `bench.bare_scanner` (the least a durable scanning service does), not gpubadge."""
     receiver = NullReceiver()
     port = free_port()
     service_env = service_environment(env, database_url, tree)
@@ -453,7 +476,11 @@ async def measure_intake(
             endpoints = relayed_endpoints(relayed)
             with (
                 run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
-                run_service_process(workdir / "intake.db", env=service_env, port=port, cwd=tree) as service,
+                run_bare_scanner(workdir / "bare.db", port, workdir / "bare.log")
+                if bare
+                else run_service_process(
+                    workdir / "intake.db", env=service_env, port=port, cwd=tree
+                ) as service,
             ):
                 repository = "bench/intake"
                 staged = await loop.run_in_executor(
@@ -487,7 +514,7 @@ async def measure_intake(
         name: [delivery for delivery in deliveries if delivery.started >= started]
         for name, deliveries in relay.deliveries.items()
     }
-    return IntakeRun(len(rest), measured, int(during), burst, roles, null_cpu)
+    return IntakeRun(len(rest), measured, int(during), burst, roles, null_cpu, len(staged))
 
 
 async def until_deliveries(relay: DeliveryRelay, count: int, timeout: float = 120.0) -> None:
@@ -620,7 +647,8 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
     """On SQLite, then on PostgreSQL where it can run: the peer (`peer_tree`, when named) and this
     checkout with its defaults, each beside its own null receiver in the same run; then, on
     SQLite, this checkout with a fifth of the pushers; then the intake beside running scans for
-    the peer, the defaults, and scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`)."""
+    the peer, the defaults, scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`) and, on SQLite,
+    `bench.bare_scanner`: the least a durable scanning service does, CPU per image's second floor."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
     light = BurstFigures(figures.images, max(1, figures.clients // 5))
     print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
@@ -660,13 +688,21 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
                 intakes.append((f"peer ({peer.name})", peer, None))
             intakes.append(("defaults", None, None))
             intakes.append(("scans at SCHED_IDLE", None, {"GPUBADGE_WORKER_SCHEDULING": "idle"}))
+            if engine == "SQLite":  # the least a durable scanning service does, not gpubadge
+                intakes.append((BARE, None, None))
             for number, (label, tree, env) in enumerate(intakes, start=len(plan)):
                 workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-intake-"))
                 try:
                     url = server.create_database(f"intake{number}") if server else None
                     intake = asyncio.run(
                         measure_intake(
-                            INTAKE_IMAGES, INTAKE_CLIENTS, workdir, env, database_url=url, tree=tree
+                            INTAKE_IMAGES,
+                            INTAKE_CLIENTS,
+                            workdir,
+                            env,
+                            database_url=url,
+                            tree=tree,
+                            bare=label == BARE,
                         )
                     )
                 finally:
@@ -675,6 +711,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
 
 
 INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
+BARE = "bare scanner (bench.bare_scanner, not gpubadge)"
 
 
 def add_intake_figures(results: Results, label: str, run: IntakeRun) -> None:
@@ -682,9 +719,9 @@ def add_intake_figures(results: Results, label: str, run: IntakeRun) -> None:
     receiver's, while scans run; and CPU per image without the bench's long polls."""
     ours, null = run.answers("gpubadge"), run.answers("null")
     cycle, null_cycle = percentile(run.cycles("gpubadge"), 0.5), percentile(run.cycles("null"), 0.5)
-    cpu = sum(run.roles.values()) / run.images if run.roles else 0.0
-    null_cpu = run.null_cpu / run.images if run.null_cpu else 0.0
-    roles = ", ".join(f"{role} {ms(seconds / run.images)}" for role, seconds in sorted(run.roles.items()))
+    cpu = sum(run.roles.values()) / run.counted if run.roles else 0.0
+    null_cpu = run.null_cpu / run.counted if run.null_cpu else 0.0
+    roles = ", ".join(f"{role} {ms(seconds / run.counted)}" for role, seconds in sorted(run.roles.items()))
     results.add(
         Figure(
             "burst",
