@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 
@@ -432,12 +433,24 @@ def service_environment(
     }
 
 
+BareHow = Literal["together", "apart", "commit-on-loop", "intake-thread"]
+BARE_FLAGS: dict[BareHow, list[str]] = {
+    "together": [],
+    "apart": ["--apart"],
+    "commit-on-loop": ["--apart", "--commit-on-loop"],
+    "intake-thread": ["--apart", "--intake-thread"],
+}
+
+
 @contextlib.contextmanager
-def run_bare_scanner(db: Path, port: int, log: Path) -> Iterator[RunningService]:
-    """`bench.bare_scanner` on `port` with its jobs in `db`, ready (its /healthz answers)."""
+def run_bare_scanner(db: Path, port: int, log: Path, how: BareHow) -> Iterator[RunningService]:
+    """`bench.bare_scanner` on `port` with its jobs in `db`, ready (its /healthz answers); `how`: its
+    scans in its own process (`together`) or in a child (`apart`), and its intake's commit on a
+    thread, on its event loop (`commit-on-loop`), or on a listener of a thread's own (`intake-thread`)."""
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bench.bare_scanner", "--port", str(port), "--db", str(db)],
+            [sys.executable, "-m", "bench.bare_scanner", "--port", str(port), "--db", str(db)]
+            + BARE_FLAGS[how],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -458,14 +471,15 @@ async def measure_intake(
     database_url: str | None = None,
     tree: Path | None = None,
     count_cpu: bool = True,
-    bare: bool = False,
+    bare: BareHow | None = None,
 ) -> IntakeRun:
     """The intake beside running scans: `images` distinct images' manifests PUT by `clients` at once
     (their blobs uploaded first), the registry notifying the null receiver and `gpubadge serve`
     through the timing relay; each delivery queues a real scan. The first third's scans are
     running when the rest, the measured burst, is PUT: every delivery measured arrives while the
     service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took.
-    `bare`: the endpoint is `bench.bare_scanner` (the least a durable scanning service does), not gpubadge."""
+    `bare`: the endpoint is `bench.bare_scanner` (the least a durable scanning service does), not
+    gpubadge, run as `bare` says (`run_bare_scanner`)."""
     receiver = NullReceiver()
     port = free_port()
     service_env = service_environment(env, database_url, tree)
@@ -476,7 +490,7 @@ async def measure_intake(
             endpoints = relayed_endpoints(relayed)
             with (
                 run_registry(extra_config={"notifications": {"endpoints": endpoints}}) as registry,
-                run_bare_scanner(workdir / "bare.db", port, workdir / "bare.log")
+                run_bare_scanner(workdir / "bare.db", port, workdir / "bare.log", bare)
                 if bare
                 else run_service_process(
                     workdir / "intake.db", env=service_env, port=port, cwd=tree
@@ -493,9 +507,14 @@ async def measure_intake(
                 first, rest = staged[: images // 3], staged[images // 3 :]
                 await loop.run_in_executor(None, put_manifests, registry.url, repository, first, clients)
                 await until_deliveries(relay, len(first))
-                while (await queue_of(service.url))["running"] == 0:
+                deadline = time.monotonic() + 120
+                while True:  # until the first scans run (a fast service may have finished them all)
+                    queue = await queue_of(service.url)
+                    if queue["running"] or queue["done"] + queue["failed"] >= len(first):
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no scan of the first {len(first)} started within 120 s")
                     await asyncio.sleep(0.01)
-                queue = await queue_of(service.url)
                 settled = queue["done"] + queue["failed"]
                 started = time.time()
                 await loop.run_in_executor(None, put_manifests, registry.url, repository, rest, clients)
@@ -648,7 +667,8 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
     checkout with its defaults, each beside its own null receiver in the same run; then, on
     SQLite, this checkout with a fifth of the pushers; then the intake beside running scans for
     the peer, the defaults, scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`) and, on SQLite,
-    `bench.bare_scanner`: the least a durable scanning service does, CPU per image's second floor."""
+    `bench.bare_scanner` three ways (`BARE`): the least a durable scanning service does, CPU per
+    image's second floor, and where a durable intake's answer waits."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
     light = BurstFigures(figures.images, max(1, figures.clients // 5))
     print(f"push burst: {figures.images} images by {figures.clients} concurrent skopeo clients", flush=True)
@@ -689,7 +709,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
             intakes.append(("defaults", None, None))
             intakes.append(("scans at SCHED_IDLE", None, {"GPUBADGE_WORKER_SCHEDULING": "idle"}))
             if engine == "SQLite":  # the least a durable scanning service does, not gpubadge
-                intakes.append((BARE, None, None))
+                intakes.extend((label, None, None) for label in BARE)
             for number, (label, tree, env) in enumerate(intakes, start=len(plan)):
                 workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-intake-"))
                 try:
@@ -702,7 +722,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
                             env,
                             database_url=url,
                             tree=tree,
-                            bare=label == BARE,
+                            bare=BARE.get(label),
                         )
                     )
                 finally:
@@ -711,7 +731,12 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
 
 
 INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
-BARE = "bare scanner (bench.bare_scanner, not gpubadge)"
+BARE: dict[str, BareHow] = {  # the intake bench's other peers on SQLite: bench.bare_scanner, not gpubadge
+    "bare scanner (bench.bare_scanner)": "together",
+    "bare scanner, its scans in a second process (--apart)": "apart",
+    "bare scanner, its scans apart, its intake's commit on its event loop (--commit-on-loop)": "commit-on-loop",
+    "bare scanner, its scans apart, its intake a thread's own listener (--intake-thread)": "intake-thread",
+}
 
 
 def add_intake_figures(results: Results, label: str, run: IntakeRun) -> None:
