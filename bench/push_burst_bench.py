@@ -411,9 +411,8 @@ class IntakeRun:
     burst_seconds: float  # the PUTs, from the first to the last answered
     roles: dict[str, float] = field(default_factory=dict)  # gpubadge's CPU by role until every scan was done
     null_cpu: float = 0.0  # the null receiver's CPU over the same window
-    counted: int = (
-        0  # the images whose deliveries and scans that CPU covers: all of them, the first third too
-    )
+    # the images whose deliveries and scans that CPU covers: all of them, the first third too
+    counted: int = 0
 
     def answers(self, endpoint: str) -> list[float]:
         return [delivery.seconds for delivery in self.deliveries[endpoint]]
@@ -667,7 +666,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
     checkout with its defaults, each beside its own null receiver in the same run; then, on
     SQLite, this checkout with a fifth of the pushers; then the intake beside running scans for
     the peer, the defaults, scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`) and, on SQLite,
-    `bench.bare_scanner` three ways (`BARE`): the least a durable scanning service does, CPU per
+    `bench.bare_scanner` four ways (`BARE`): the least a durable scanning service does, CPU per
     image's second floor, and where a durable intake's answer waits."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
     light = BurstFigures(figures.images, max(1, figures.clients // 5))
