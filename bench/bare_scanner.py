@@ -105,15 +105,9 @@ class BareScanner:
         return await asyncio.get_running_loop().run_in_executor(self.sql, function, *args)
 
     async def receive(self, request: web.Request) -> web.Response:
-        try:
-            events = json.loads(await request.read())["events"]
-        except (ValueError, KeyError, TypeError):
+        urls = manifest_urls(await request.read())
+        if urls is None:
             return web.Response(status=400)
-        urls = [
-            event["target"]["url"]
-            for event in events
-            if event.get("action") == "push" and event.get("target", {}).get("mediaType") in MANIFEST_TYPES
-        ]
         if urls:
             jobs = self._insert(urls) if self.commit_on_loop else await self._sql(self._insert, urls)
             for job, url in zip(jobs, urls, strict=True):
