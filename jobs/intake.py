@@ -11,6 +11,10 @@ Where the commit runs:
 
 - **On PostgreSQL, on the loop** (`AsyncStore.loop_intake`): one statement on a connection of
   the intake's own, read by the loop, so no thread stands between a delivery and its record.
+- **On the caller's own thread** (`enqueue_here`): the intake port's listener
+  (`web/intake_listener.py`) reads, commits and answers each delivery on one thread of its own, on
+  either engine, so its answer never waits for the event loop to take a turn. One commit per
+  delivery there: the registries wait for each answer, so few are ever in flight at once.
 - **On SQLite, on the intake's thread** (the journal, `store.sqlite_intake`): sqlite3 has no
   async driver. The registry waits for each answer before it sends its next delivery, so the hop
   is the cheapest there is: one queue put to wake the thread, one `call_soon_threadsafe` to come
@@ -21,7 +25,8 @@ The queue has a cap (GPUBADGE_MAX_QUEUED_SCANS). The intake knows how many jobs 
 them (an index range, stopped at the cap) at most once a second, adds what each group queues,
 and counts again whenever a group would bring that figure within a tenth of the cap, so near the
 cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot by what they
-queue within one count). A delivery that would pass the cap is not committed: its caller gets
+queue within one count; the figure is shared by the loop's commits and `enqueue_here`'s threads,
+under a lock held for arithmetic only). A delivery that would pass the cap is not committed: its caller gets
 `QueueFull` (the route answers 503 with Retry-After), the others in its group are committed as
 usual, and nothing already queued is touched.
 """
@@ -71,6 +76,9 @@ class JobIntake:
         )
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once, whichever loop asks first
+        self._count_lock = (
+            threading.Lock()
+        )  # `_waiting` and `_counted_at`, for the loop and the listener's threads
         self._on_loop: LoopCommits | None = store.loop_intake()
         self._commits: set[asyncio.Task[None]] = set()  # the loop's commit in flight, if any
 
@@ -93,6 +101,38 @@ class JobIntake:
             self._committing = True
             self._dispatch(loop)
         return await future
+
+    @property
+    def journaled(self) -> bool:
+        """Whether `enqueue_here` commits to SQLite's intake journal, which only intakes write (so it
+        never waits for a scan's write); False on PostgreSQL (a pooled connection's round trip)."""
+        return self._on_loop is None
+
+    def enqueue_here(
+        self,
+        references: Sequence[tuple[str, str] | tuple[str, str, float]],
+        *,
+        source: str | None,
+        max_attempts: int,
+    ) -> list[str]:
+        """Queue one delivery's jobs from a thread that may block, never the event loop: commit them
+        on this thread and return their ids once committed. Raises `QueueFull` (nothing queued) when
+        they would pass the queue's cap. The caller wakes the loop's workers and waiters afterwards
+        (`AsyncStore.jobs_queued`, on the loop), and tidies between answers (`tidy_here`)."""
+        if not references:
+            return []
+        if self._must_count(len(references)):
+            self._recount()
+        if not self._admit_sizes([len(references)])[0]:
+            raise QueueFull(self.max_queued or 0)
+        return self.store.blocking.enqueue_many([EnqueueBatch(references, source, max_attempts)])[0]
+
+    def tidy_here(self) -> None:
+        """After an answer of `enqueue_here`, on the same thread: what its commits left to clean."""
+        try:
+            self.store.blocking.tidy_intake()
+        except Exception:
+            log.exception("intake: tidying after the commits failed; tried again after the next")
 
     async def close(self) -> None:
         """Let the commits started finish, then close the loop's connection or stop the commit thread
@@ -126,7 +166,7 @@ class JobIntake:
         self, commits: LoopCommits, loop: asyncio.AbstractEventLoop, group: Pending
     ) -> None:
         """On the loop: the group's one commit, then its answers (`_settle`)."""
-        if self._must_count(group):
+        if self._must_count(_size(group)):
             await self.store.run(self._recount)
         admitted, full = self._admit(group)
         outcome: Outcome
@@ -140,7 +180,7 @@ class JobIntake:
         """The commit thread: one transaction per group, then back to the loop with the outcome."""
         while (item := self._groups.get()) is not None:
             loop, group = item
-            if self._must_count(group):
+            if self._must_count(_size(group)):
                 self._recount()
             admitted, full = self._admit(group)
             outcome: Outcome
@@ -161,13 +201,12 @@ class JobIntake:
     # The queue's cap: where the commit runs (the loop or the thread), it counts the waiting jobs
     # when `_must_count` says so (`_recount`, on a thread), then `_admit`s the group.
 
-    def _must_count(self, group: Pending) -> bool:
-        """Whether the jobs waiting must be counted before `group` is judged against the cap: never
-        counted yet, counted over a second ago, or `group` would bring the figure near the cap."""
+    def _must_count(self, incoming: int) -> bool:
+        """Whether the jobs waiting must be counted before `incoming` more are judged against the
+        cap: never counted yet, counted over a second ago, or they would bring the figure near it."""
         cap = self.max_queued
         if cap is None:
             return False
-        incoming = sum(len(batch.references) for batch, _ in group)
         return (
             self._waiting is None
             or time.monotonic() - self._counted_at >= RECOUNT_SECONDS
@@ -178,26 +217,42 @@ class JobIntake:
         """On a thread (the commit thread, or the store's for a commit on the loop): count the jobs
         waiting, up to the cap; a count that fails leaves the last one."""
         try:
-            self._waiting = self.store.blocking.queued_for_intake((self.max_queued or 0) + 1)
-            self._counted_at = time.monotonic()
+            waiting = self.store.blocking.queued_for_intake((self.max_queued or 0) + 1)
         except Exception:
             log.exception("intake: counting the queued jobs failed; the cap is checked with the last count")
+            return
+        with self._count_lock:
+            self._waiting, self._counted_at = waiting, time.monotonic()
 
     def _admit(self, group: Pending) -> tuple[Pending, list[asyncio.Future[list[str]]]]:
         """`group` split into the deliveries to commit and the futures of those that would take the
         queue past its cap (none refused while never counted)."""
-        cap = self.max_queued
-        if cap is None or self._waiting is None:
-            return group, []
         admitted: Pending = []
         refused: list[asyncio.Future[list[str]]] = []
-        for batch, future in group:
-            if self._waiting + len(batch.references) > cap:
-                refused.append(future)
+        for delivery, fits in zip(
+            group, self._admit_sizes([len(batch.references) for batch, _ in group]), strict=True
+        ):
+            if fits:
+                admitted.append(delivery)
             else:
-                self._waiting += len(batch.references)  # coalesced ones too: an over-estimate until recounted
-                admitted.append((batch, future))
+                refused.append(delivery[1])
         return admitted, refused
+
+    def _admit_sizes(self, sizes: list[int]) -> list[bool]:
+        """Whether each delivery of `sizes` jobs fits under the cap, counting in those that fit before
+        it (all fit while never counted)."""
+        cap = self.max_queued
+        fits: list[bool] = []
+        with self._count_lock:
+            for size in sizes:
+                if cap is None or self._waiting is None:
+                    fits.append(True)
+                elif self._waiting + size > cap:
+                    fits.append(False)
+                else:
+                    self._waiting += size  # coalesced ones too: an over-estimate until recounted
+                    fits.append(True)
+        return fits
 
     def _settle(
         self,
@@ -231,3 +286,7 @@ class JobIntake:
             return True
         waiting = await self.store.run(queries.queued_jobs, cap=self.max_queued + 1)
         return waiting + count <= self.max_queued
+
+
+def _size(group: Pending) -> int:
+    return sum(len(batch.references) for batch, _ in group)
