@@ -3,7 +3,7 @@
 #   make image-airgapped    no registry: a Debian base made by debootstrap (deploy/airgapped/base.sh),
 #                           wheels resolved on the host into build/wheelhouse, `docker build --network none`
 # Roles (the same image; see README for the flags each needs):
-#   docker run -p 8080:8080 -v gpubadge:/data -e GPUBADGE_WEBHOOK_SECRET=... gpubadge   # serve (SQLite on /data)
+#   docker run -p 8080:8080 -p 8081:8081 -v gpubadge:/data -e GPUBADGE_WEBHOOK_SECRET=... gpubadge   # serve
 #   docker run -e GPUBADGE_DATABASE_URL=postgresql://... gpubadge db upgrade            # migrations
 #   docker run -e GPUBADGE_DATABASE_URL=postgresql://... gpubadge serve --workers 0     # API only
 #   docker run -e GPUBADGE_DATABASE_URL=postgresql://... gpubadge worker --metrics-port 9090
@@ -53,9 +53,10 @@ ENV PATH=/opt/gpubadge/bin:$PATH \
     GPUBADGE_DB=/data/gpubadge.db \
     GPUBADGE_HOST=0.0.0.0 \
     GPUBADGE_PORT=8080 \
+    GPUBADGE_INTAKE_PORT=8081 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
-EXPOSE 8080
+EXPOSE 8080 8081
 # `gpubadge healthcheck` finds this container's gpubadge process and probes what that role serves,
 # on the port its settings and flags say: serve -> /healthz on GPUBADGE_PORT (or --port),
 # worker --metrics-port N -> /healthz on N; roles with no port (agent, worker without

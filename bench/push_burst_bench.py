@@ -278,13 +278,16 @@ async def measure_burst(
     apart: bool = False,
     database_url: str | None = None,
     tree: Path | None = None,
+    hooks: Hooks | None = None,
 ) -> BurstRun:
     """One burst: the registry notifies the null receiver and `gpubadge serve`, each through the
     timing relay. `apart`: the service is `serve --workers 0` beside one `gpubadge worker` on the
     same store. `database_url`: the service runs on that PostgreSQL database (else a SQLite file).
-    `tree`: the service is the gpubadge checked out there (the peer), else this checkout."""
+    `tree`: the service is the gpubadge checked out there (the peer), else this checkout. `hooks`:
+    the port the registry notifies (default: the intake port, or the main port for a peer)."""
     receiver = NullReceiver()
-    port = free_port()
+    port, intake_port = free_port(), free_port()
+    notified = intake_port if (hooks or default_hooks(tree)) == "intake" else port
     loop = asyncio.get_running_loop()
     floor: list[float] = []
     badge: list[float] = []
@@ -296,7 +299,7 @@ async def measure_burst(
     db = workdir / "burst.db"
     service_env = service_environment(env, database_url, tree)
     with receiver.running():
-        relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
+        relay = DeliveryRelay({"null": receiver.port, "gpubadge": notified})
         with relay.running() as relayed:
             endpoints = relayed_endpoints(relayed)
             with (
@@ -306,6 +309,7 @@ async def measure_burst(
                     env={**service_env, **({"GPUBADGE_WORKERS": "0"} if apart else {})},
                     port=port,
                     cwd=tree,
+                    intake_port=intake_port,
                 ) as service,
                 running_worker(db, service_env, workdir / "worker.log")
                 if apart
@@ -432,6 +436,15 @@ def service_environment(
     }
 
 
+Hooks = Literal["intake", "main"]  # which of serve's ports the registry notifies
+
+
+def default_hooks(tree: Path | None) -> Hooks:
+    """The intake port (GPUBADGE_INTAKE_PORT), as the docs tell registries; a peer checkout may
+    predate it, so the main port there."""
+    return "main" if tree is not None else "intake"
+
+
 BareHow = Literal["together", "apart", "commit-on-loop", "intake-thread"]
 BARE_FLAGS: dict[BareHow, list[str]] = {
     "together": [],
@@ -471,6 +484,7 @@ async def measure_intake(
     tree: Path | None = None,
     count_cpu: bool = True,
     bare: BareHow | None = None,
+    hooks: Hooks | None = None,
 ) -> IntakeRun:
     """The intake beside running scans: `images` distinct images' manifests PUT by `clients` at once
     (their blobs uploaded first), the registry notifying the null receiver and `gpubadge serve`
@@ -478,13 +492,15 @@ async def measure_intake(
     running when the rest, the measured burst, is PUT: every delivery measured arrives while the
     service scans. `count_cpu`: wait for every scan to finish and count the CPU it all took.
     `bare`: the endpoint is `bench.bare_scanner` (the least a durable scanning service does), not
-    gpubadge, run as `bare` says (`run_bare_scanner`)."""
+    gpubadge, run as `bare` says (`run_bare_scanner`). `hooks`: the port of `serve` the registry
+    notifies (default: the intake port, or the main port for a peer)."""
     receiver = NullReceiver()
-    port = free_port()
+    port, intake_port = free_port(), free_port()
+    notified = intake_port if (hooks or default_hooks(tree)) == "intake" and not bare else port
     service_env = service_environment(env, database_url, tree)
     loop = asyncio.get_running_loop()
     with receiver.running():
-        relay = DeliveryRelay({"null": receiver.port, "gpubadge": port})
+        relay = DeliveryRelay({"null": receiver.port, "gpubadge": notified})
         with relay.running() as relayed:
             endpoints = relayed_endpoints(relayed)
             with (
@@ -492,7 +508,7 @@ async def measure_intake(
                 run_bare_scanner(workdir / "bare.db", port, workdir / "bare.log", bare)
                 if bare
                 else run_service_process(
-                    workdir / "intake.db", env=service_env, port=port, cwd=tree
+                    workdir / "intake.db", env=service_env, port=port, cwd=tree, intake_port=intake_port
                 ) as service,
             ):
                 repository = "bench/intake"
@@ -706,6 +722,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
             if peer is not None:
                 intakes.append((f"peer ({peer.name})", peer, None))
             intakes.append(("defaults", None, None))
+            intakes.append((MAIN_PORT, None, None))
             intakes.append(("scans at SCHED_IDLE", None, {"GPUBADGE_WORKER_SCHEDULING": "idle"}))
             if engine == "SQLite":  # the least a durable scanning service does, not gpubadge
                 intakes.extend((label, None, None) for label in BARE)
@@ -722,6 +739,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
                             database_url=url,
                             tree=tree,
                             bare=BARE.get(label),
+                            hooks="main" if label == MAIN_PORT else None,
                         )
                     )
                 finally:
@@ -729,6 +747,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
                 add_intake_figures(results, f"{engine}, {label}", intake)
 
 
+MAIN_PORT = "defaults, webhooks to the main port (GPUBADGE_PORT)"
 INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
 BARE: dict[str, BareHow] = {  # the intake bench's other peers on SQLite: bench.bare_scanner, not gpubadge
     "bare scanner (bench.bare_scanner)": "together",

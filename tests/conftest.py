@@ -25,6 +25,10 @@ REQUIRE_DOCKER_ENV = "GPUBADGE_REQUIRE_DOCKER"
 # The same promise for the rest of what `make deps-system` installs (PostgreSQL, gcc): a test that
 # needs one of them fails, naming what is missing, instead of skipping quietly.
 REQUIRE_SYSTEM_ENV = "GPUBADGE_REQUIRE_SYSTEM"
+# A `gpubadge serve` a test starts itself has no intake port unless it asks for one (the default,
+# 8081, is one port for the whole host): `fixtures.service.run_service_process` gives each service a
+# free one, and tests/test_intake_port.py runs the default.
+os.environ.setdefault("GPUBADGE_INTAKE_PORT", "0")
 
 
 def _set(name: str) -> bool:

@@ -221,6 +221,7 @@ def test_serve_read_only_on_a_volume_turns_healthy_answers_and_scans_its_own_ima
     url = f"http://127.0.0.1:{port}"
     env = [
         *("-e", f"GPUBADGE_PORT={port}"),  # not the image's 8080: the health check must follow it
+        *("-e", f"GPUBADGE_INTAKE_PORT={free_port()}"),  # nor its 8081 (the host's network)
         # reports attached as referrers: the push path writes its blob under the tmpfs /tmp
         *("-e", f'GPUBADGE_REGISTRIES=[{{"host": "{registry.host}", "push_anonymous": true}}]'),
         *("-e", "GPUBADGE_ATTACH_REPORTS=true"),
@@ -352,7 +353,7 @@ def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
         *("-e", f"GPUBADGE_REGISTRIES={registry.host}"),
         *("-e", f"GPUBADGE_WEBHOOK_SECRET={WEBHOOK_SECRET}"),
     ]
-    api_port, metrics_port = free_port(), free_port()
+    api_port, metrics_port, intake_port = free_port(), free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}"
     with (
         container(
@@ -372,6 +373,8 @@ def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
             *env,
             "-e",
             f"GPUBADGE_PORT={api_port}",
+            "-e",
+            f"GPUBADGE_INTAKE_PORT={intake_port}",
             built.image,
             "serve",
             "--workers",
@@ -381,9 +384,9 @@ def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
         docker_cli.wait_healthy(f"worker{metrics_port}")  # probes the metrics port, not 8080
         docker_cli.wait_healthy(f"api{api_port}")
         digest = push(busybox_image(), "image-test/busybox:1")
-        hook = call(
+        hook = call(  # to the intake port, as registries are told to send
             "POST",
-            f"{api}/hooks/distribution",
+            f"http://127.0.0.1:{intake_port}/hooks/distribution",
             distribution_push(registry.host, "image-test/busybox", digest, "1"),
             headers={
                 "Authorization": f"Bearer {WEBHOOK_SECRET}",

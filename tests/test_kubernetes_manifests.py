@@ -112,6 +112,11 @@ def test_api_is_replicated_ready_on_healthz_and_behind_the_service() -> None:
     assert service["spec"]["selector"].items() <= pod_labels.items()
     port_names = {port["name"] for port in container["ports"]}
     assert {port["targetPort"] for port in service["spec"]["ports"]} <= port_names
+    # the pod's ports are the ones its settings listen on: the API's, and the intake port registries send to
+    settings = _by_kind("ConfigMap", "gpubadge-settings")["data"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports["http"] == int(settings["GPUBADGE_PORT"])
+    assert ports["intake"] == int(settings["GPUBADGE_INTAKE_PORT"])
     (upgrade,) = api["spec"]["template"]["spec"]["initContainers"]
     assert upgrade["args"][0] == "db"
     db_parser().parse_args(upgrade["args"][1:])

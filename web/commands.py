@@ -9,11 +9,17 @@ import errno
 import logging
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from scanner.redaction import process_logging
 from web.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from web.intake_listener import IntakeListener
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -26,6 +32,11 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", help="listen address (GPUBADGE_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
+    parser.add_argument(
+        "--intake-port",
+        type=int,
+        help="registries' webhooks, answered on threads of their own (GPUBADGE_INTAKE_PORT, default 8081; 0: none)",
+    )
     parser.add_argument(
         "--db", type=Path, help="SQLite file (GPUBADGE_DB, default ~/.local/share/gpubadge/gpubadge.db)"
     )
@@ -91,7 +102,12 @@ def run_serve(argv: list[str]) -> int:
     process_logging(args.log_level, "serve")
     try:
         settings = load_settings(
-            args.config, host=args.host, port=args.port, db=args.db, workers=args.workers
+            args.config,
+            host=args.host,
+            port=args.port,
+            intake_port=args.intake_port,
+            db=args.db,
+            workers=args.workers,
         )
     except (ValueError, OSError) as exc:
         print(f"gpubadge serve: invalid settings: {exc}", file=sys.stderr)
@@ -100,6 +116,19 @@ def run_serve(argv: list[str]) -> int:
     if taken is not None:  # before anything starts: nothing to stop, one line to read
         print(f"gpubadge serve: {taken}", file=sys.stderr)
         return 1
+    from web.intake_listener import IntakeListener
+
+    intake: IntakeListener | None = None
+    if settings.intake_port:
+        intake = IntakeListener(settings)
+        try:
+            intake.bind(settings.host, settings.intake_port)
+        except OSError as exc:
+            if exc.errno not in LISTEN_ERRNOS:
+                raise
+            words = listen_words(settings.host, settings.intake_port, exc, INTAKE_PORT_SETTING)
+            print(f"gpubadge serve: the intake port: {words}", file=sys.stderr)
+            return 1
     from jobs import garbage_collection
     from jobs.event_loop import LoopLagMonitor, new_event_loop
     from store import StoreUnavailable
@@ -114,6 +143,9 @@ def run_serve(argv: list[str]) -> int:
     except StoreUnavailable as exc:
         print(f"gpubadge serve: {exc}", file=sys.stderr)
         return 1
+    if intake is not None:
+        app.on_startup.append(_starting(intake))
+        app.on_shutdown.append(_stopping(intake))
     collection = garbage_collection.TimedCollection()
     app.on_startup.append(lambda _: collection.start())
     app.on_cleanup.append(lambda _: collection.stop())
@@ -142,16 +174,37 @@ def run_serve(argv: list[str]) -> int:
 LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
 
 
-def listen_words(host: str, port: int, exc: OSError) -> str:
-    """Why `serve` cannot listen on host:port, and what to do, in one line."""
+INTAKE_PORT_SETTING = "GPUBADGE_INTAKE_PORT (0: no intake port)"
+
+
+def _starting(intake: IntakeListener) -> Callable[[web.Application], Awaitable[None]]:
+    async def start(app: web.Application) -> None:
+        from web.state import services_of_app
+
+        intake.start(services_of_app(app))
+
+    return start
+
+
+def _stopping(intake: IntakeListener) -> Callable[[web.Application], Awaitable[None]]:
+    async def stop(_: web.Application) -> None:  # on_shutdown: before the store closes (on_cleanup)
+        import asyncio
+
+        await asyncio.to_thread(intake.close)
+
+    return stop
+
+
+def listen_words(host: str, port: int, exc: OSError, setting: str = "--port or GPUBADGE_PORT") -> str:
+    """Why `serve` cannot listen on host:port, and what to do, in one line (`setting` chooses the port)."""
     where = f"{host}:{port}"
     if exc.errno == errno.EADDRINUSE:
         return (
             f"port {port} is already in use on {host} (another program, or another gpubadge, listens"
-            " there): stop it, or choose another port with --port or GPUBADGE_PORT"
+            f" there): stop it, or choose another port with {setting}"
         )
     if exc.errno == errno.EACCES:
-        return f"not allowed to listen on {where} (ports below 1024 need root): choose another port with --port or GPUBADGE_PORT"
+        return f"not allowed to listen on {where} (ports below 1024 need root): choose another port with {setting}"
     return f"cannot listen on {where}: {exc.strerror or exc}; check --host or GPUBADGE_HOST"
 
 

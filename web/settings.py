@@ -27,6 +27,26 @@ class ServiceSettings(JobSettings):
 
     host: str = Field(default="127.0.0.1", description="listen address")
     port: int = Field(default=8080, description="listen port")
+    intake_port: int = Field(
+        default=8081,
+        ge=0,
+        le=65535,
+        description="the intake port: POST /hooks/{source} on threads of its own, answered without waiting"
+        " for the event loop; point registries' webhooks here (the main port answers them too, more slowly"
+        " under load). 0: no intake port",
+    )
+    intake_threads: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="threads serving the intake port: deliveries judged and committed at once",
+    )
+    intake_max_connections: int = Field(
+        default=256,
+        ge=1,
+        description="open connections on the intake port (apart from max_connections); past it a new"
+        " connection is answered 503 with Retry-After and closed",
+    )
     webhook_secret: SecretStr | None = Field(
         default=None, description="shared webhook secret (Bearer header, ?token=, or HMAC key)"
     )
@@ -226,6 +246,11 @@ class ServiceSettings(JobSettings):
         """Combinations no single field can check (the environment and the file are merged first)."""
         if not self.public_reads and self.api_token is None:
             raise ValueError("public_reads=false needs an api_token: nobody could read anything")
+        if self.intake_port and self.intake_port == self.port:
+            raise ValueError(
+                f"intake_port and port are both {self.port}: the intake port needs one of its own"
+                " (GPUBADGE_INTAKE_PORT; 0: no intake port)"
+            )
 
     def json_limits(self) -> JsonLimits:
         return JsonLimits(
