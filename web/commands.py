@@ -174,7 +174,7 @@ def run_serve(argv: list[str]) -> int:
 LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
 
 
-INTAKE_PORT_SETTING = "GPUBADGE_INTAKE_PORT (0: no intake port)"
+INTAKE_PORT_SETTING = "--intake-port or GPUBADGE_INTAKE_PORT (0: no intake port)"
 
 
 def _starting(intake: IntakeListener) -> Callable[[web.Application], Awaitable[None]]:

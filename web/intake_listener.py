@@ -68,6 +68,7 @@ KEEPALIVE_SECONDS = 75.0  # an idle keep-alive connection is closed after this (
 MAX_HEAD_BYTES = 16 * 1024  # a request head larger than this is 431
 READ_BYTES = 64 * 1024  # one recv() of a connection's bytes
 SWEEP_SECONDS = 0.5  # how often the leader looks for connections past their deadlines
+ACCEPT_PAUSE_SECONDS = 0.1  # accepting rests this long after accept() fails (out of descriptors)
 PATH_PREFIX = "/hooks/"
 # A request with a body up to this size is served by the thread that read it without handing the
 # lead on first (when no other request is ready): waking another thread to wait on the selector
@@ -194,6 +195,9 @@ class IntakeListener:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_sweep = 0.0
+        self._paused: list[socket.socket] = []  # listening sockets not accepting until _accept_again_at
+        self._accept_again_at = 0.0
+        self._accept_logged_at = -60.0
 
     @property
     def ports(self) -> list[int]:
@@ -304,6 +308,10 @@ class IntakeListener:
         while self._returned:
             self._resume(self._returned.popleft())
         now = time.monotonic()
+        if self._paused and now >= self._accept_again_at:
+            for listening in self._paused:
+                self._selector.register(listening, selectors.EVENT_READ, None)
+            self._paused.clear()
         if now >= self._next_sweep:
             self._sweep(now)
             self._next_sweep = now + SWEEP_SECONDS
@@ -326,8 +334,8 @@ class IntakeListener:
                 sock, address = listening.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors, or the like: the backlog waits
-                log.warning("intake port: accept failed: %s", exc)
+            except OSError as exc:  # out of descriptors, or the like: the backlog waits a moment
+                self._pause_accepting(listening, exc)
                 return
             sock.setblocking(False)
             with contextlib.suppress(OSError):
@@ -345,6 +353,21 @@ class IntakeListener:
                 )
                 continue
             self._selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _pause_accepting(self, listening: socket.socket, exc: OSError) -> None:
+        """The leader: stop accepting on `listening` for ACCEPT_PAUSE_SECONDS (its backlog waits),
+        rather than retry at once in a loop; said once a minute, not once per attempt."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(listening)
+        self._paused.append(listening)
+        self._accept_again_at = time.monotonic() + ACCEPT_PAUSE_SECONDS
+        if time.monotonic() >= self._accept_logged_at + 60:
+            self._accept_logged_at = time.monotonic()
+            log.warning(
+                "intake port: accept failed (%s); paused %.1f s, said again in a minute",
+                exc,
+                ACCEPT_PAUSE_SECONDS,
+            )
 
     def _read(self, connection: _Connection) -> None:
         """The leader: what has arrived on `connection`, fed to its parser; a whole request is ready."""
