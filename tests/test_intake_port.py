@@ -47,6 +47,7 @@ class Ports:
     intake_port: int
     services: Services
     session: aiohttp.ClientSession
+    listener: IntakeListener
 
     async def post(self, base: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any, Any]:
         async with self.session.post(f"{base}{path}", data=body, headers=headers) as reply:
@@ -73,6 +74,7 @@ async def ports(tmp_path: Path, **settings: Any) -> AsyncIterator[Ports]:
                 port,
                 services_of_app(app),
                 session,
+                listener,
             )
     finally:
         await asyncio.to_thread(listener.close)
@@ -337,7 +339,10 @@ async def test_a_deletion_waiting_for_the_stores_writer_holds_one_thread_while_t
             deletion = asyncio.create_task(
                 at.post(at.intake, "/hooks/distribution", fixture("distribution_delete"), V2)
             )
-            await asyncio.sleep(0)  # sent first
+            deadline = asyncio.get_running_loop().time() + WAIT
+            while not any(connection.serving for connection in list(at.listener._open)):  # being served
+                assert asyncio.get_running_loop().time() < deadline, "the deletion was never read"
+                await asyncio.sleep(0.01)
             status, body, _ = await at.post(
                 at.intake, "/hooks/distribution", fixture("distribution_push_v2"), V2
             )
