@@ -31,6 +31,7 @@ from aiohttp.test_utils import TestServer
 from fixtures.registry import free_port
 from store import queries
 from web.app import create_app
+from web.commands import load_settings, serve_parser
 from web.intake_listener import IntakeListener
 from web.settings import ServiceSettings
 from web.state import Services, services_of_app
@@ -292,9 +293,9 @@ async def test_connections_past_the_cap_are_answered_503_and_closed(tmp_path: Pa
         assert status == 202
 
 
-def run_serve(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def run_serve(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpubadge.cli", "serve", "--db", str(tmp_path / "x.db"), *args],
+        [sys.executable, "-m", "gpubadge.cli", "serve", "--db", str(tmp_path / "x.db")],
         env={**__import__("os").environ, **env},
         capture_output=True,
         text=True,
@@ -315,15 +316,17 @@ def test_serve_on_a_taken_intake_port_says_so_in_one_line(tmp_path: Path) -> Non
     assert time.monotonic() - started < 20
 
 
-def test_the_intake_port_needs_a_port_of_its_own(tmp_path: Path) -> None:
-    port = str(free_port())
-    done = run_serve(tmp_path, {"GPUBADGE_PORT": port, "GPUBADGE_INTAKE_PORT": port})
-    assert done.returncode == 2 and "intake_port and port are both" in done.stderr, done.stderr
-    flag = run_serve(
-        tmp_path, {"GPUBADGE_PORT": port}, "--intake-port", port
-    )  # the flag wins over the env's 0
-    assert flag.returncode == 2 and "intake_port and port are both" in flag.stderr, flag.stderr
+def test_the_intake_port_needs_a_port_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `serve` loads its settings (a ValueError there is its exit 2, tests/test_config_file.py)."""
+    with pytest.raises(ValueError, match="intake_port and port are both 9000"):
+        load_settings(None, port=9000, intake_port=9000)  # --port and --intake-port
+    monkeypatch.setenv("GPUBADGE_INTAKE_PORT", "9000")
+    with pytest.raises(ValueError, match="intake_port and port are both 9000"):
+        load_settings(None, port=9000)
+    monkeypatch.setenv("GPUBADGE_INTAKE_PORT", "0")  # no intake port: nothing to collide with
+    assert load_settings(None, port=9000).intake_port == 0
     assert ServiceSettings.model_fields["intake_port"].default == 8081  # beside the API's 8080
+    assert serve_parser().parse_args(["--intake-port", "9001"]).intake_port == 9001
 
 
 async def test_a_deletion_waiting_for_the_stores_writer_holds_one_thread_while_the_others_answer(
