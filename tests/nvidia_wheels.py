@@ -1,7 +1,8 @@
 """Real NVIDIA wheels for fatbin tests, downloaded at set-up and never committed (NVIDIA's licence).
 
-`pip download --no-deps` into a cache under the repository (`/.cache/`, ignored by git) or
-`$GPUBADGE_WHEEL_CACHE`; every file is checked against its pinned sha256 before use.
+`pip download --no-deps` into a cache outside the repository (`$GPUBADGE_CACHE/test-wheels`, default
+~/.cache/gpubadge/test-wheels), or `$GPUBADGE_WHEEL_CACHE`; every file is checked against its pinned sha256
+before use.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ import zstandard
 
 from fixtures.cuda_program import PROGRAM_SOURCE
 
+# Outside the clone, beside the image's wheelhouse (Makefile: $GPUBADGE_CACHE), so every clone on a
+# machine shares one copy (about 10 GB): a fresh clone's suite would otherwise fetch, hash and build it
+# all again while its tests run. Each entry is checked against its pinned sha256 before use.
 CACHE = Path(
-    os.environ.get("GPUBADGE_WHEEL_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "wheels")
+    os.environ.get("GPUBADGE_WHEEL_CACHE")
+    or Path(os.environ.get("GPUBADGE_CACHE") or Path.home() / ".cache" / "gpubadge") / "test-wheels"
 )
 
 
