@@ -76,9 +76,8 @@ class JobIntake:
         )
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once, whichever loop asks first
-        self._count_lock = (
-            threading.Lock()
-        )  # `_waiting` and `_counted_at`, for the loop and the listener's threads
+        # `_waiting` and `_counted_at`, shared by the loop's commits and `enqueue_here`'s threads
+        self._count_lock = threading.Lock()
         self._on_loop: LoopCommits | None = store.loop_intake()
         self._commits: set[asyncio.Task[None]] = set()  # the loop's commit in flight, if any
 
