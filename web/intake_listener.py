@@ -81,7 +81,6 @@ Answer = tuple[int, dict[str, object], dict[str, str]]  # status, JSON body, ext
 class _Request:
     """One whole request, as the parser read it (header names lower-cased)."""
 
-    method: str
     target: str
     headers: list[tuple[str, str]]
     body: bytes
@@ -149,9 +148,8 @@ class _Connection:
             raise _Refused(413, f"body larger than {self.settings.max_body_bytes} bytes")
 
     def on_message_complete(self) -> None:
-        method = self.parser.get_method().decode("latin-1")
         target = self._target.decode("latin-1")
-        request = _Request(method, target, self._headers, bytes(self._body), self.parser.should_keep_alive())
+        request = _Request(target, self._headers, bytes(self._body), self.parser.should_keep_alive())
         self.requests.append(request)
         self.phase = "idle"
         self.continue_wanted = False
@@ -507,10 +505,7 @@ class IntakeListener:
     def _told(self, source: str, status: int, seconds: float | None, queued: bool) -> None:
         """On the loop, after an answer: the webhook metrics, and this process's workers woken."""
         services = self.services
-        label = source if source in hooks.SENDERS else "unknown"
-        services.metrics.webhooks.inc(label, str(status))
-        if seconds is not None:
-            services.metrics.webhook_seconds.observe(seconds, label)
+        services.metrics.count_webhook(source, status, seconds)
         if queued:
             services.store.jobs_queued()
             services.wake_workers()

@@ -63,9 +63,7 @@ async def receive_webhook(request: web.Request) -> web.Response:
         status = response.status
         return response
     finally:
-        label = source if source in hooks.SENDERS else "unknown"
-        services.metrics.webhooks.inc(label, str(status))
-        services.metrics.webhook_seconds.observe(time.perf_counter() - started, label)
+        services.metrics.count_webhook(source, status, time.perf_counter() - started)
 
 
 async def _receive_webhook(request: web.Request, services: Services, source: str) -> web.Response:
