@@ -17,7 +17,11 @@ and gives verdicts out; nothing under scanner/layers/ imports scanner/registry/)
   that fails fails them with it (the same bytes), one cancelled hands the read to the next. So a
   thousand platforms of one index that share a layer cost one read and a thousand cache offers,
   not a thousand turns on it, each waking every scan still waiting;
-- the loop ends as soon as no lower layer can change a verdict (`done`).
+- the loop ends as soon as no lower layer can change a verdict (`done`);
+- an image whose cache entries and layers still to read are small is analysed inline, on this
+  process's event loop within `inline_analysis_bytes` and `inline_analysis_ms` (`InlineBudget`),
+  not handed to an analysis process; one that reaches that budget starts over in one, its layers
+  read whole so far taken from the cache then.
 
 Bytes are counted as the registry sends them (`BlobStream.bytes_received`: partial reads
 included, and the rest of a range asked for when a read stops), per platform image in its
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from scanner.layers.analysis import AnalysisPool, Session
 from scanner.layers.image import ImageVerdict
-from scanner.layers.limits import AnalysisLimits, LimitExceeded
+from scanner.layers.limits import AnalysisLimits, InlineBudget, InlineBudgetSpent, LimitExceeded
 from scanner.models import SkippedLayer
 from scanner.registry.descriptors import Descriptor, not_distributable
 
@@ -44,6 +48,8 @@ if TYPE_CHECKING:  # the registry client is only passed in; importing it costs T
     from scanner.registry.reference import Reference
 
 MiB = 1 << 20
+# A layer inflates 2 to 5 times: the compressed size counts this much against the inline budget.
+INLINE_INFLATION = 4
 
 
 @dataclass
@@ -72,11 +78,15 @@ class LayerReader:
         store: ScanCache | None,
         limits: AnalysisLimits,
         pool: AnalysisPool,
+        inline: InlineBudget | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.limits = limits
         self.pool = pool
+        self.inline = inline  # None: every image's analysis goes to the pool as it is
+        self.analysed_inline = 0  # images whose verdict came inline
+        self.handed_over = 0  # inline analyses that reached their budget and started over in the pool
         self._memory_cache: dict[str, str] = {}  # cache entries by digest, when running without a store
         self._inflight: dict[str, _Read] = {}  # digest -> the read of it running now
 
@@ -130,6 +140,8 @@ class LayerReader:
             running = self._inflight.get(digest)
             if running is not None:
                 await running.done.wait()
+                if isinstance(running.error, InlineBudgetSpent):
+                    continue  # that scan's image went to an analysis process: read the layer here
                 if running.error is not None:
                     raise running.error  # the same bytes fail the same way for every scan of them
                 if covered is None:
@@ -168,7 +180,45 @@ class LayerReader:
         if len(layers) > self.limits.max_layers:
             raise LimitExceeded(f"image has {len(layers):,} layers", self.limits.max_layers, "max_layers")
         known = await self._cached_all(layers)  # one read for the image, not one per layer
-        session = await self.pool.open(arch, len(layers), self.limits, deadline, cuda=cuda)
+        inline = self._inline_budget(layers, known)
+        if inline is not None:
+            try:
+                verdict = await self._analyse(
+                    reference, layers, arch, cuda, deadline, progress, known, inline
+                )
+                self.analysed_inline += 1
+                return verdict
+            except InlineBudgetSpent:
+                self.handed_over += 1
+                progress.layers_done = 0  # the bytes fetched stay counted: the registry sent them
+                progress.skipped.clear()
+                known = await self._cached_all(layers)  # with what the inline walk read whole
+        return await self._analyse(reference, layers, arch, cuda, deadline, progress, known, None)
+
+    def _inline_budget(self, layers: Sequence[Descriptor], known: dict[str, str]) -> InlineBudget | None:
+        """The inline budget, when the image's cache entries and the layers it may still read (their
+        compressed sizes, `INLINE_INFLATION` times) fit in its bytes; else None."""
+        budget = self.inline
+        if budget is None or self.pool.processes <= 0:
+            return None
+        cost = sum(len(entry) for entry in known.values())
+        for layer in layers:
+            if layer.digest not in known and not_distributable(layer) is None:
+                cost += INLINE_INFLATION * max(layer.size, 0)
+        return budget if cost <= budget.bytes else None
+
+    async def _analyse(
+        self,
+        reference: Reference,
+        layers: Sequence[Descriptor],
+        arch: str,
+        cuda: bool,
+        deadline: float,
+        progress: LayerProgress,
+        known: dict[str, str],
+        inline: InlineBudget | None,
+    ) -> ImageVerdict:
+        session = await self.pool.open(arch, len(layers), self.limits, deadline, cuda=cuda, inline=inline)
         try:
             for layer in reversed(layers):  # manifests list layers bottom-up
                 if session.done:

@@ -186,7 +186,13 @@ class Scanner:
             self._pool = AnalysisPool(
                 self.settings.analysis_processes, memory_bytes=self.settings.analysis_memory_bytes
             )
-            self._reader = LayerReader(self.client, self.store, self.settings.analysis_limits(), self._pool)
+            self._reader = LayerReader(
+                self.client,
+                self.store,
+                self.settings.analysis_limits(),
+                self._pool,
+                self.settings.inline_budget(),
+            )
         return self._reader
 
     async def start_analysis(self) -> None:

@@ -194,6 +194,20 @@ class ScannerSettings(BaseSettings):
         ge=0,
         description="processes that parse layer content off the event loop; 0 parses in the scanning process",
     )
+    inline_analysis_bytes: int = Field(
+        default=limits.DEFAULT_INLINE_ANALYSIS_BYTES,
+        ge=0,
+        description="an image whose cache entries and layers still to read come to at most this many bytes"
+        " (compressed layers counted 4x) is analysed in the scanning process, not handed to an analysis"
+        " process; past this many bytes taken or decompressed, or inline_analysis_ms of CPU, its analysis"
+        " starts over in one; 0: never",
+    )
+    inline_analysis_ms: float = Field(
+        default=limits.DEFAULT_INLINE_ANALYSIS_MS,
+        gt=0,
+        description="CPU milliseconds an inline analysis (inline_analysis_bytes) may spend on the scanning"
+        " process's event loop before it starts over in an analysis process",
+    )
     analysis_memory_bytes: int = Field(
         default=limits.DEFAULT_ANALYSIS_MEMORY_BYTES,
         ge=0,
@@ -359,6 +373,12 @@ class ScannerSettings(BaseSettings):
         if isinstance(value, list):
             return [{"host": item} if isinstance(item, str) else item for item in value]
         return value
+
+    def inline_budget(self) -> limits.InlineBudget | None:
+        """What an image's analysis may cost in the scanning process (None: never analysed there)."""
+        if self.inline_analysis_bytes <= 0:
+            return None
+        return limits.InlineBudget(self.inline_analysis_bytes, self.inline_analysis_ms / 1000)
 
     def analysis_limits(self) -> limits.AnalysisLimits:
         """The content bounds, as the analysis (possibly in another process) needs them."""

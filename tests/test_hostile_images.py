@@ -169,7 +169,7 @@ async def test_a_killed_analysis_process_fails_the_scan_as_retryable(
     """A process that dies mid-layer (OOM killer, kill -9) fails only that scan, retryably; the next works."""
     push(catalog.plain_glibc(), "hostile/victim:1")
     reference = f"{registry.host}/hostile/victim:1"
-    settings = scanner_settings(analysis_processes=1)
+    settings = scanner_settings(analysis_processes=1, inline_analysis_bytes=0)  # the process, always
     async with RegistryClient(settings) as client:
         scanner = Scanner(client, None, settings)
         try:
@@ -198,7 +198,7 @@ async def test_a_stuck_analysis_process_is_killed_after_the_scan_deadline(
     wall-time bound, is killed once the grace after it passes, and a fresh one serves the next scan."""
     push(catalog.plain_glibc(), "hostile/stuck:1")
     reference = f"{registry.host}/hostile/stuck:1"
-    settings = scanner_settings(analysis_processes=1, max_scan_seconds=2.0)
+    settings = scanner_settings(analysis_processes=1, inline_analysis_bytes=0, max_scan_seconds=2.0)
     async with RegistryClient(settings) as client:
         scanner = Scanner(client, None, settings)
         try:

@@ -519,6 +519,11 @@ class CudaEntryCollector:
     def satisfied(self) -> bool:
         return False
 
+    @property
+    def gpu_code_exceeded(self) -> bool:
+        """Whether the layer's GPU code crossed `max_layer_gpu_code_steps` so far."""
+        return self.layer.work.exceeded is not None
+
     def finish(self, complete: bool) -> CudaLayerEvidence:
         return self.layer.finish(complete)
 

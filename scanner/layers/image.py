@@ -18,7 +18,9 @@ by layer (top layer first), which of them still need the layer:
   consumers count it as unread, so their verdicts say so instead of guessing.
 
 Every walk runs under the one `ScanBudget` of the image, so every consumer is bounded alike
-(`scanner.layers.limits`). The session protocol (`scanner.layers.analysis`) runs this in an
+(`scanner.layers.limits`). An analysis run inline (on the scanning process's event loop) is also
+held to its `InlineBudget`: cache entries count their bytes, and a layer whose GPU code needs more
+than `INLINE_GPU_CODE_STEPS` raises `InlineBudgetSpent` when it ends, its entry never returned. The session protocol (`scanner.layers.analysis`) runs this in an
 analysis process, or in the scanning process when it has none.
 """
 
@@ -39,7 +41,13 @@ from scanner.layers.cuda_evidence import (
 )
 from scanner.layers.libc import DISTRO_BUDGET, LayerCollector, LibcAnalysis
 from scanner.layers.libc_paths import EVIDENCE_SCHEMA, LayerEvidence
-from scanner.layers.limits import AnalysisLimits, ScanBudget
+from scanner.layers.limits import (
+    INLINE_GPU_CODE_STEPS,
+    AnalysisLimits,
+    InlineBudget,
+    InlineBudgetSpent,
+    ScanBudget,
+)
 from scanner.layers.walk import EntryCollector, LayerWalk
 from scanner.models import GpuArchs, InferredCuda, LibcVerdict
 
@@ -115,11 +123,24 @@ class ImageAnalysis:
     """
 
     def __init__(
-        self, arch: str, layers_total: int, limits: AnalysisLimits, deadline: float, *, cuda: bool
+        self,
+        arch: str,
+        layers_total: int,
+        limits: AnalysisLimits,
+        deadline: float,
+        *,
+        cuda: bool,
+        inline: InlineBudget | None = None,
     ) -> None:
         self.limits = limits
         self.layers_total = layers_total
-        self.budget = ScanBudget(limits, deadline)
+        self.budget = ScanBudget(limits, deadline, inline)
+        # Inline, a layer's GPU code is read within INLINE_GPU_CODE_STEPS (checked in `finish_layer`).
+        self._walk_limits = (
+            limits
+            if inline is None or limits.max_layer_gpu_code_steps <= INLINE_GPU_CODE_STEPS
+            else limits.model_copy(update={"max_layer_gpu_code_steps": INLINE_GPU_CODE_STEPS})
+        )
         self.libc = LibcAnalysis(arch, layers_total, limits)
         self.libc.budget = self.budget
         self.cuda = cuda
@@ -146,6 +167,7 @@ class ImageAnalysis:
 
     def use_cached(self, entry_json: str) -> bool:
         """Take the cached evidence of the next layer; True when no consumer needs it read."""
+        self.budget.spend_inline_bytes(len(entry_json))
         entry = CachedLayer.parse(entry_json)
         self._cached = entry
         self._libc_from_cache = False
@@ -178,7 +200,7 @@ class ImageAnalysis:
             self._libc_collector = self.libc.begin_layer(DISTRO_BUDGET)
             collectors.append(self._libc_collector)
         if read_whole:
-            self._cuda_collector = CudaEntryCollector(self.limits)
+            self._cuda_collector = CudaEntryCollector(self._walk_limits)
             collectors.append(self._cuda_collector)
         self._walk = LayerWalk(media_type, collectors, budget=self.budget)
         return self._walk
@@ -189,6 +211,9 @@ class ImageAnalysis:
         if walk is None:
             raise RuntimeError("no layer is being read")
         complete = walk.stats.reached_end
+        collector = self._cuda_collector
+        if self._walk_limits is not self.limits and collector is not None and collector.gpu_code_exceeded:
+            raise InlineBudgetSpent(f"a layer's GPU code needs more than {INLINE_GPU_CODE_STEPS:,} steps")
         libc, cuda = self._close_collectors(complete)
         entry = CachedLayer(libc=_better(self._cached.libc, libc), cuda=_better(self._cached.cuda, cuda))
         self.layers_fed += 1

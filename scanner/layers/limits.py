@@ -28,6 +28,9 @@ the scan ends failed, for good (retrying the same bytes cannot pass), and the ba
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
@@ -62,6 +65,15 @@ DEFAULT_MAX_LAYER_GPU_CODE_STEPS = 4_194_304
 # window. Two processes at this bound stay inside the worker Deployment's 1 GiB with the service.
 DEFAULT_ANALYSIS_MEMORY_BYTES = 384 * MiB
 MIN_ANALYSIS_MEMORY_BYTES = 64 * MiB  # an idle analysis process maps about 45 MB
+# An image whose layers still to be read are this small is analysed in the scanning process, within
+# both bounds; past either the analysis starts over in an analysis process (`InlineBudget`). The top
+# layer most pushes add (an app's files, a config file, an ENV) is a few KiB; a 64 KiB walk costs
+# well under a millisecond, where the hand-over to an analysis process costs about 1.5 ms per image.
+DEFAULT_INLINE_ANALYSIS_BYTES = 64 * 1024
+DEFAULT_INLINE_ANALYSIS_MS = 5.0
+# GPU-code steps of one layer read inline: a file's GPU-code reader keeps its bound as the file's
+# finding, so this one is checked when the layer ends, and the image goes to an analysis process.
+INLINE_GPU_CODE_STEPS = 1024
 
 
 def setting_env(name: str) -> str:
@@ -102,22 +114,76 @@ class AnalysisLimits(BaseModel):
     max_layer_gpu_code_steps: int = DEFAULT_MAX_LAYER_GPU_CODE_STEPS
 
 
+class InlineBudgetSpent(Exception):
+    """An analysis in the scanning process reached its `InlineBudget`: not an error of the image.
+    The scan starts the image's analysis over in an analysis process, where only `AnalysisLimits` hold."""
+
+
+@dataclass(frozen=True)
+class InlineBudget:
+    """What an image's analysis may cost in the scanning process, on its event loop, before it is
+    handed to an analysis process: `bytes` of cached entries taken and layer bytes decompressed;
+    `cpu_seconds` of the loop thread's CPU spent in the analysis (checked with the deadline, at every
+    decompressed slice and every 4,096 path components, and after every step); and
+    `INLINE_GPU_CODE_STEPS` of GPU-code work per layer."""
+
+    bytes: int = DEFAULT_INLINE_ANALYSIS_BYTES
+    cpu_seconds: float = DEFAULT_INLINE_ANALYSIS_MS / 1000
+
+
 class ScanBudget:
     """What one platform image's analysis has spent so far, against its `AnalysisLimits`.
 
     Shared by every layer of one image, so the per-image bounds (bytes decompressed, path
     components resolved, wall time) hold however the work is spread over layers.
     `deadline` is a `time.monotonic()` value; on Linux that clock is system-wide, so an
-    analysis process can check a deadline set by the scanning process.
+    analysis process can check a deadline set by the scanning process. `inline`: the analysis
+    runs on the scanning process's event loop, within that budget too (`InlineBudgetSpent`);
+    `running_inline` brackets each step it takes there, so only the analysis's own CPU counts.
     """
 
-    def __init__(self, limits: AnalysisLimits, deadline: float | None = None) -> None:
+    def __init__(
+        self, limits: AnalysisLimits, deadline: float | None = None, inline: InlineBudget | None = None
+    ) -> None:
         self.limits = limits
         self.deadline = deadline if deadline is not None else time.monotonic() + limits.max_scan_seconds
         self.decompressed_bytes = 0
         self.path_components = 0
+        self.inline = inline
+        self.inline_bytes = 0  # cached entries taken and bytes decompressed, when inline
+        self.inline_cpu = 0.0  # the loop thread's CPU spent in finished steps, when inline
+        self._step_started: float | None = None  # thread CPU time at the start of the running step
+
+    @contextmanager
+    def running_inline(self) -> Iterator[None]:
+        """One step of an inline analysis (a chunk fed, a cache entry taken, the verdict): its CPU
+        counts against the inline budget, and the budget is checked at its end."""
+        if self.inline is None:
+            yield
+            return
+        self._step_started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.inline_cpu += time.thread_time() - self._step_started
+            self._step_started = None
+        self._check_inline_cpu(0.0)
+
+    def spend_inline_bytes(self, count: int) -> None:
+        """`count` more bytes handled inline (a cache entry, decompressed layer bytes)."""
+        if self.inline is None:
+            return
+        self.inline_bytes += count
+        if self.inline_bytes > self.inline.bytes:
+            raise InlineBudgetSpent(f"more than {self.inline.bytes:,} bytes")
+
+    def _check_inline_cpu(self, running: float) -> None:
+        assert self.inline is not None
+        if self.inline_cpu + running > self.inline.cpu_seconds:
+            raise InlineBudgetSpent(f"more than {self.inline.cpu_seconds * 1000:g} ms of CPU")
 
     def spend_bytes(self, count: int) -> None:
+        self.spend_inline_bytes(count)
         self.decompressed_bytes += count
         if self.decompressed_bytes > self.limits.max_image_bytes:
             raise LimitExceeded(
@@ -140,6 +206,8 @@ class ScanBudget:
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise scan_too_slow(self.limits.max_scan_seconds)
+        if self._step_started is not None:
+            self._check_inline_cpu(time.thread_time() - self._step_started)
 
 
 def scan_too_slow(seconds: float) -> LimitExceeded:
