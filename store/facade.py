@@ -96,9 +96,10 @@ class StoreScanCache:
     Some writes wait for no commit; they join the next batch:
     - a layer's cache entry (`save_layer_evidence`): this process answers from memory at once,
       and a crash before its commit costs a read of the layer, never an answer;
-    - a scan job's reports (`save_report(..., with_next_write=True)`): its config facts, which a
-      final report still queued supersedes (a small image's scan commits once), and its final
-      report, which the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two
+    - a scan job's reports (`save_report(..., with_next_write=True)`): its config facts, held back
+      for `LINGER_SECONDS` before they join a batch, so that the final report, which supersedes
+      them, usually comes first (a small image's scan commits once, even while other scans' batches
+      commit), and its final report, which the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two
       commit in one transaction, so a job is never done without its report. Any other outcome of
       the job (`fail_job`, `defer_job`) first flushes what is queued. A queued report is the
       caller's no more: it must not be changed after the call.
@@ -112,6 +113,8 @@ class StoreScanCache:
         self._pending: list[_Queued] = []
         self._draining: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # A scan job's config facts held back by digest, and the timer that queues them (`_hold`).
+        self._held: dict[str, tuple[tuple[ScanWrite, ...], asyncio.TimerHandle]] = {}
         # Layers' cache entries read or written here, by digest: a layer's content never changes, so
         # a base layer shared by a burst's images is read once, not once per scan. Another process's
         # richer entry may go unseen; the layer is then read again (more work, never a wrong answer).
@@ -199,7 +202,9 @@ class StoreScanCache:
         writes: tuple[ScanWrite, ...] = (report,)
         if report.registry and report.repository and report.tag:
             writes = (TagSeen(report.registry, report.repository, report.tag, report.digest), report)
-        if with_next_write:
+        if with_next_write and report.pending:
+            self._hold(report.digest, writes)
+        elif with_next_write:
             self._linger(*writes)
         else:
             await self._write(*writes)
@@ -211,18 +216,41 @@ class StoreScanCache:
         return bool(finished)
 
     async def flush(self) -> None:
-        """Commit what is queued or committing now, in one try; a failure leaves the unawaited writes
-        queued."""
+        """Commit what is queued or committing now, held facts included, in one try; a failure leaves
+        the unawaited writes queued."""
+        for digest in list(self._held):
+            self._release(digest)
         if not self._pending and (self._draining is None or self._draining.done()):
             return
         with contextlib.suppress(Exception):
             await self._write()
 
+    def _hold(self, digest: str, writes: tuple[ScanWrite, ...]) -> None:
+        """Hold a scan job's config facts back for `LINGER_SECONDS`, then queue them (`_release`),
+        unless a report of the same digest comes first and supersedes them."""
+        self._drop_held(digest)
+        timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self._release, digest)
+        self._held[digest] = (writes, timer)
+
+    def _release(self, digest: str) -> None:
+        held = self._held.pop(digest, None)
+        if held is not None:
+            held[1].cancel()
+            self._linger(*held[0])
+
+    def _drop_held(self, digest: str) -> None:
+        held = self._held.pop(digest, None)
+        if held is not None:
+            held[1].cancel()
+
     def _linger(self, *writes: ScanWrite) -> None:
-        """Queue `writes` for the next batch, nobody waiting. A report supersedes a queued report of
-        the same digest (a scan's config facts, when its final report comes before they commit),
-        and a tag seen again the queued sighting."""
+        """Queue `writes` for the next batch, nobody waiting. A report supersedes a queued or held
+        report of the same digest (a scan's config facts, when its final report comes before they
+        commit), and a tag seen again the queued sighting."""
         digests = {write.digest for write in writes if isinstance(write, ImageReport)}
+        for digest in digests:
+            if digest is not None:
+                self._drop_held(digest)
         if digests:
             self._pending = [
                 item
@@ -254,6 +282,8 @@ class StoreScanCache:
         loop = asyncio.get_running_loop()
         done: list[asyncio.Future[Any]] = []
         for write in writes:
+            if isinstance(write, ImageReport) and write.digest is not None:
+                self._drop_held(write.digest)  # held facts must never land after the report
             done.append(loop.create_future())
             self._pending.append(_Queued(write, done[-1]))
         if not writes:  # a flush: wait for the batch that takes what is queued now

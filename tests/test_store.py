@@ -922,6 +922,63 @@ async def test_a_jobs_final_report_commits_with_its_end_and_a_failed_batch_loses
         reader.close()
 
 
+async def test_a_jobs_config_facts_wait_for_its_final_report_while_other_batches_commit(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a burst a batch is nearly always committing; the config facts of a scan whose layers
+    read in moments are held back `LINGER_SECONDS` rather than joining it, so the final report
+    supersedes them and the image commits once. Facts no report follows commit on their own, and a
+    job's failure commits them first."""
+    from store import AsyncStore
+
+    backend = open_backend()
+    batches: list[list[str]] = []
+    committed = threading.Event()
+    run = backend.run
+
+    def counting(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query is queries.save_scan_results:
+            batches.append(sorted(f"{type(w).__name__}:{getattr(w, 'pending', '')}" for w in args[0]))
+            outcome = run(query, *args, **kwargs)
+            committed.set()
+            return outcome
+        return run(query, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "run", counting)
+    store = AsyncStore(backend)
+    cache = store.scan_cache
+    reader = open_backend()
+    first, other, lone, failing = ("sha256:" + n * 64 for n in "6789")
+    try:
+        backend.enqueue(
+            [("127.0.0.1:5000/app:one", "127.0.0.1:5000"), ("127.0.0.1:5000/app:two", "127.0.0.1:5000")]
+        )
+        one, two = backend.claim_jobs(2, owner="w1", lease_seconds=30)
+        await cache.save_report(_report(first).model_copy(update={"pending": True}), with_next_write=True)
+        await cache.save_report(_report(other))  # another scan's write commits meanwhile
+        assert batches == [["ImageReport:False"]]  # without the held facts
+        assert reader.run(queries.report, first) is None
+        await cache.save_report(_report(first), with_next_write=True)
+        assert await store.finish_job(one.id, digest=first, owner="w1")
+        assert batches[-1] == ["ImageReport:False", "JobEnd:"]  # the facts were superseded
+        stored = reader.run(queries.report, first)
+        assert stored is not None and not stored.pending
+
+        committed.clear()
+        await cache.save_report(_report(lone).model_copy(update={"pending": True}), with_next_write=True)
+        assert await asyncio.to_thread(committed.wait, 5)  # no report follows: they commit on their own
+        held = reader.run(queries.report, lone)
+        assert held is not None and held.pending
+
+        await cache.save_report(_report(failing).model_copy(update={"pending": True}), with_next_write=True)
+        assert await store.fail_job(two.id, "a platform failed", retry_in=None, owner="w1") == "failed"
+        failed = reader.run(queries.report, failing)  # committed before the failure
+        assert failed is not None and failed.pending
+    finally:
+        await store.close()
+        reader.close()
+
+
 def test_the_postgres_dialect_spells_parameters_and_the_clock() -> None:
     from store.dialect import POSTGRES, SQLITE
 
