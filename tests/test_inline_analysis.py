@@ -10,19 +10,37 @@ scans with a real analysis process beside; the verdicts are the ones an analysis
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gzip
-from collections.abc import Callable, Iterator
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
 from fixtures import catalog
 from fixtures import hostile_gpu_code as crafted
-from fixtures.oci import ImageSpec, LayerSpec, file, tar_bytes
+from fixtures.oci import LAYER_MEDIA_TYPES, Entry, ImageSpec, LayerSpec, file, tar_bytes
 from fixtures.registry import LocalRegistry
+from scanner import layer_reader
+from scanner.layer_reader import LayerProgress, LayerReader
 from scanner.layers import image
-from scanner.layers.limits import DEFAULT_INLINE_ANALYSIS_BYTES, INLINE_GPU_CODE_STEPS
+from scanner.layers.analysis import AnalysisPool
+from scanner.layers.image import ImageVerdict
+from scanner.layers.limits import (
+    DEFAULT_INLINE_ANALYSIS_BYTES,
+    INLINE_GPU_CODE_STEPS,
+    AnalysisLimits,
+    InlineBudget,
+)
 from scanner.models import ImageReport
 from scanner.registry.client import RegistryClient
+from scanner.registry.descriptors import Descriptor
+from scanner.registry.reference import parse_reference
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
 from tests.conftest import Pusher
@@ -145,3 +163,106 @@ async def test_a_big_cache_entry_keeps_the_image_in_an_analysis_process(
         finally:
             await scanner.close()
     assert verdicts(first) == verdicts(again)
+
+
+class _WatchedEvent(asyncio.Event):
+    """An event that says when someone starts waiting for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = asyncio.Event()
+
+    async def wait(self) -> Literal[True]:
+        self.awaited.set()
+        return await super().wait()
+
+
+class _Blobs:
+    """The registry client's one call the layer reader makes, over blobs in memory; the reads of
+    `gated` stop after their first chunk until `gate` is set."""
+
+    def __init__(self, blobs: dict[str, bytes], gated: str) -> None:
+        self.blobs, self.gated, self.gate = blobs, gated, asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def stream_blob(self, ref: object, digest: str, **_: object) -> AsyncIterator[_Stream]:
+        yield _Stream(self.blobs[digest], self.gate if digest == self.gated else None)
+
+
+class _Stream:
+    def __init__(self, data: bytes, gate: asyncio.Event | None) -> None:
+        self.data, self.gate, self.bytes_received, self.bytes_read = data, gate, 0, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        step = 16 if self.gate is not None else 4096  # 16 bytes of gzipped zeros: a few KiB whole
+        for start in range(0, len(self.data), step):
+            chunk = self.data[start : start + step]
+            self.bytes_received += len(chunk)
+            self.bytes_read += len(chunk)
+            yield chunk
+            if self.gate is not None:
+                await asyncio.wait_for(self.gate.wait(), 30)
+
+
+async def test_a_scan_waiting_for_an_inline_read_that_was_handed_over_reads_the_layer_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two images share a layer that looks small and is not. The small image reads it inline; the
+    other, too big to go inline, waits for that read instead of fetching the layer twice. When the
+    inline read reaches its budget, that is no error of the layer: the waiting scan reads it in its
+    analysis process, and both get their verdicts (the small one from an analysis process too)."""
+    watched: list[_WatchedEvent] = []
+
+    def watched_event() -> asyncio.Event:
+        watched.append(_WatchedEvent())
+        return watched[-1]
+
+    @dataclass
+    class Read:
+        done: asyncio.Event = field(default_factory=watched_event)
+        error: Exception | None = None
+
+    monkeypatch.setattr(layer_reader, "_Read", Read)
+
+    def layer(*entries: Entry) -> tuple[Descriptor, bytes]:
+        data = gzip.compress(tar_bytes(entries), compresslevel=6)
+        return Descriptor(
+            LAYER_MEDIA_TYPES["gzip"], "sha256:" + hashlib.sha256(data).hexdigest(), len(data)
+        ), data
+
+    base, base_data = layer(*catalog.ubuntu_base().entries)
+    zeros, zeros_data = layer(file("opt/app/zeros.bin", bytes(1 << 20)))  # 1 KiB gzipped, 1 MiB whole
+    big, big_data = layer(file("opt/data.bin", os.urandom(DEFAULT_INLINE_ANALYSIS_BYTES)))
+    blobs = _Blobs(
+        {d.digest: data for d, data in ((base, base_data), (zeros, zeros_data), (big, big_data))},
+        zeros.digest,
+    )
+    pool = AnalysisPool(1)
+    reader = LayerReader(blobs, None, AnalysisLimits(), pool, InlineBudget())  # type: ignore[arg-type]
+    reference = parse_reference("r.example/app:1")
+
+    async def analyse(layers: list[Descriptor]) -> ImageVerdict:
+        progress = LayerProgress(len(layers), sum(d.size for d in layers))
+        return await reader.analyse(
+            reference, layers, "amd64", cuda=True, deadline=time.monotonic() + 60, progress=progress
+        )
+
+    try:
+        await pool.start()
+        small = asyncio.create_task(analyse([base, zeros]))  # inline, reads `zeros` first (top layer first)
+        await asyncio.wait_for(blobs_started(reader, zeros.digest), 30)
+        large = asyncio.create_task(analyse([big, zeros]))  # to a process; waits for that read
+        await asyncio.wait_for(watched[0].awaited.wait(), 30)
+        blobs.gate.set()
+        small_verdict, large_verdict = await asyncio.wait_for(asyncio.gather(small, large), 60)
+    finally:
+        await pool.close()
+    assert (reader.analysed_inline, reader.handed_over) == (0, 1)
+    assert small_verdict.libc.flavour == "glibc"
+    assert large_verdict.libc.flavour == "none" and large_verdict.libc.layers_read == 2
+
+
+async def blobs_started(reader: LayerReader, digest: str) -> None:
+    """Until a read of `digest` is in flight (bounded by the caller)."""
+    while digest not in reader._inflight:
+        await asyncio.sleep(0.001)
