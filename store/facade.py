@@ -77,6 +77,10 @@ EVIDENCE_CACHE_BYTES = 8 << 20  # layers' cache entries kept in memory by a proc
 
 
 LINGER_SECONDS = 0.05  # a write no caller waits for joins the next batch, or goes on its own this soon
+# A scan job's config facts, when its layers read in moments (`scanner.scan.QUICK_READ_BYTES`), wait
+# this long for the final report that supersedes them: under a burst a quick scan's layers take tens
+# of milliseconds of wall time behind the other scans, and a 50 ms hold still stored half of them.
+FACTS_HOLD_SECONDS = 0.5
 LINGER_RETRY_SECONDS = 1.0  # a batch failed: its unawaited writes are tried again this soon, or with the next
 LINGER_ATTEMPTS = 5  # batches an unawaited write may fail with before it is given up (and logged)
 
@@ -97,7 +101,7 @@ class StoreScanCache:
     - a layer's cache entry (`save_layer_evidence`): this process answers from memory at once,
       and a crash before its commit costs a read of the layer, never an answer;
     - a scan job's reports (`save_report(..., with_next_write=True)`): its config facts, held back
-      for `LINGER_SECONDS` before they join a batch, so that the final report, which supersedes
+      for `FACTS_HOLD_SECONDS` before they join a batch, so that the final report, which supersedes
       them, usually comes first (a small image's scan commits once, even while other scans' batches
       commit), and its final report, which the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two
       commit in one transaction, so a job is never done without its report. Any other outcome of
@@ -226,10 +230,10 @@ class StoreScanCache:
             await self._write()
 
     def _hold(self, digest: str, writes: tuple[ScanWrite, ...]) -> None:
-        """Hold a scan job's config facts back for `LINGER_SECONDS`, then queue them (`_release`),
+        """Hold a scan job's config facts back for `FACTS_HOLD_SECONDS`, then queue them (`_release`),
         unless a report of the same digest comes first and supersedes them."""
         self._drop_held(digest)
-        timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self._release, digest)
+        timer = asyncio.get_running_loop().call_later(FACTS_HOLD_SECONDS, self._release, digest)
         self._held[digest] = (writes, timer)
 
     def _release(self, digest: str) -> None:

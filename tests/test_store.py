@@ -926,7 +926,7 @@ async def test_a_jobs_config_facts_wait_for_its_final_report_while_other_batches
     open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under a burst a batch is nearly always committing; the config facts of a scan whose layers
-    read in moments are held back `LINGER_SECONDS` rather than joining it, so the final report
+    read in moments are held back `FACTS_HOLD_SECONDS` rather than joining it, so the final report
     supersedes them and the image commits once. Facts no report follows commit on their own, and a
     job's failure commits them first."""
     from store import AsyncStore
