@@ -232,7 +232,7 @@ class StoreScanCache:
     def _hold(self, digest: str, writes: tuple[ScanWrite, ...]) -> None:
         """Hold a scan job's config facts back for `FACTS_HOLD_SECONDS`, then queue them (`_release`),
         unless a report of the same digest comes first and supersedes them."""
-        self._drop_held(digest)
+        self._queue_unawaited(self._supersede_held(digest, writes))
         timer = asyncio.get_running_loop().call_later(FACTS_HOLD_SECONDS, self._release, digest)
         self._held[digest] = (writes, timer)
 
@@ -242,10 +242,17 @@ class StoreScanCache:
             held[1].cancel()
             self._linger(*held[0])
 
-    def _drop_held(self, digest: str) -> None:
+    def _supersede_held(self, digest: str, writes: Sequence[ScanWrite]) -> list[ScanWrite]:
+        """Drop the facts held for `digest`, which `writes` supersede; the tag sightings held with
+        them that `writes` do not repeat are returned, to be stored all the same."""
         held = self._held.pop(digest, None)
-        if held is not None:
-            held[1].cancel()
+        if held is None:
+            return []
+        held[1].cancel()
+        return [write for write in held[0] if isinstance(write, TagSeen) and write not in writes]
+
+    def _queue_unawaited(self, writes: Sequence[ScanWrite]) -> None:
+        self._pending.extend(_Queued(write, None) for write in writes)
 
     def _linger(self, *writes: ScanWrite) -> None:
         """Queue `writes` for the next batch, nobody waiting. A report supersedes a queued or held
@@ -254,7 +261,7 @@ class StoreScanCache:
         digests = {write.digest for write in writes if isinstance(write, ImageReport)}
         for digest in digests:
             if digest is not None:
-                self._drop_held(digest)
+                self._queue_unawaited(self._supersede_held(digest, writes))
         if digests:
             self._pending = [
                 item
@@ -286,8 +293,8 @@ class StoreScanCache:
         loop = asyncio.get_running_loop()
         done: list[asyncio.Future[Any]] = []
         for write in writes:
-            if isinstance(write, ImageReport) and write.digest is not None:
-                self._drop_held(write.digest)  # held facts must never land after the report
+            if isinstance(write, ImageReport) and write.digest is not None:  # never land after it
+                self._queue_unawaited(self._supersede_held(write.digest, writes))
             done.append(loop.create_future())
             self._pending.append(_Queued(write, done[-1]))
         if not writes:  # a flush: wait for the batch that takes what is queued now

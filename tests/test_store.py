@@ -974,6 +974,19 @@ async def test_a_jobs_config_facts_wait_for_its_final_report_while_other_batches
         assert await store.fail_job(two.id, "a platform failed", retry_in=None, owner="w1") == "failed"
         failed = reader.run(queries.report, failing)  # committed before the failure
         assert failed is not None and failed.pending
+
+        # facts held for one tag, superseded by the same image's report under another: both tags stored
+        shared = "sha256:" + "5" * 64
+        tagged = {"pending": True, "tag": "one", "reference": "127.0.0.1:5000/app:one"}
+        await cache.save_report(_report(shared).model_copy(update=tagged), with_next_write=True)
+        await cache.save_report(
+            _report(shared).model_copy(update={"tag": "two", "reference": "127.0.0.1:5000/app:two"})
+        )
+        await cache.flush()
+        assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", "two") == shared
+        assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", "one") == shared
+        stored_shared = reader.run(queries.report, shared)
+        assert stored_shared is not None and not stored_shared.pending
     finally:
         await store.close()
         reader.close()
