@@ -151,31 +151,31 @@ class LocalSession:
 
     def __init__(self, analysis: ImageAnalysis) -> None:
         self.analysis = analysis
-        self._step = analysis.budget.running_inline  # a no-op unless inline
+        self._step = analysis.budget.running_inline  # a no-op unless inline; reused for every step
 
     @property
     def done(self) -> bool:
         return self.analysis.done
 
     async def use_cached(self, evidence_json: str) -> bool:
-        with self._step():
+        with self._step:
             return self.analysis.use_cached(evidence_json)
 
     async def read_layer(self, chunks: AsyncIterator[bytes], media_type: str) -> LayerOutcome:
         walk = self.analysis.begin_layer(media_type)
         try:
             async for chunk in chunks:
-                with self._step():
+                with self._step:
                     wanted = walk.feed(chunk)
                 if not wanted:
                     break
             else:
-                with self._step():
+                with self._step:
                     walk.close()
         except BaseException:
             self.analysis.fail_layer()
             raise
-        with self._step():
+        with self._step:
             reply = self.analysis.finish_layer()
         return LayerOutcome(reply.evidence_json, reply.complete, walk.stats.compressed_bytes)
 
@@ -183,7 +183,7 @@ class LocalSession:
         self.analysis.skip_layer()
 
     async def verdict(self, bytes_read: int, bytes_total: int) -> ImageVerdict:
-        with self._step():
+        with self._step:
             return self.analysis.verdict(bytes_read=bytes_read, bytes_total=bytes_total)
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ analysis process, or in the scanning process when it has none.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import TypeVar
@@ -114,6 +115,14 @@ def _usable_cuda(evidence: CudaLayerEvidence | None) -> bool:
     return evidence is not None and evidence.complete and evidence.schema_version == CUDA_EVIDENCE_SCHEMA
 
 
+@functools.lru_cache(maxsize=8)
+def _inline_walk_limits(limits: AnalysisLimits, steps: int) -> AnalysisLimits:
+    """`limits` with a layer's GPU code bounded by `steps` (one copy per limits and steps)."""
+    if limits.max_layer_gpu_code_steps <= steps:
+        return limits
+    return limits.model_copy(update={"max_layer_gpu_code_steps": steps})
+
+
 class ImageAnalysis:
     """The layer analysis of one platform image. See the module docstring.
 
@@ -136,11 +145,7 @@ class ImageAnalysis:
         self.layers_total = layers_total
         self.budget = ScanBudget(limits, deadline, inline)
         # Inline, a layer's GPU code is read within INLINE_GPU_CODE_STEPS (checked in `finish_layer`).
-        self._walk_limits = (
-            limits
-            if inline is None or limits.max_layer_gpu_code_steps <= INLINE_GPU_CODE_STEPS
-            else limits.model_copy(update={"max_layer_gpu_code_steps": INLINE_GPU_CODE_STEPS})
-        )
+        self._walk_limits = limits if inline is None else _inline_walk_limits(limits, INLINE_GPU_CODE_STEPS)
         self.libc = LibcAnalysis(arch, layers_total, limits)
         self.libc.budget = self.budget
         self.cuda = cuda

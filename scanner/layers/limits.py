@@ -28,8 +28,7 @@ the scan ends failed, for good (retrying the same bytes cannot pass), and the ba
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
@@ -131,6 +130,21 @@ class InlineBudget:
     cpu_seconds: float = DEFAULT_INLINE_ANALYSIS_MS / 1000
 
 
+class _InlineStep:
+    """`ScanBudget.running_inline` of an inline budget."""
+
+    __slots__ = ("_budget",)
+
+    def __init__(self, budget: ScanBudget) -> None:
+        self._budget = budget
+
+    def __enter__(self) -> None:
+        self._budget._begin_step()
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self._budget._end_step(failed=kind is not None)
+
+
 class ScanBudget:
     """What one platform image's analysis has spent so far, against its `AnalysisLimits`.
 
@@ -153,21 +167,24 @@ class ScanBudget:
         self.inline_bytes = 0  # cached entries taken and bytes decompressed, when inline
         self.inline_cpu = 0.0  # the loop thread's CPU spent in finished steps, when inline
         self._step_started: float | None = None  # thread CPU time at the start of the running step
+        self._inline_step: AbstractContextManager[None] = _InlineStep(self) if inline else nullcontext()
 
-    @contextmanager
-    def running_inline(self) -> Iterator[None]:
-        """One step of an inline analysis (a chunk fed, a cache entry taken, the verdict): its CPU
-        counts against the inline budget, and the budget is checked at its end."""
-        if self.inline is None:
-            yield
-            return
+    @property
+    def running_inline(self) -> AbstractContextManager[None]:
+        """A context for one step of an inline analysis (a chunk fed, a cache entry taken, the
+        verdict): its CPU counts against the inline budget, checked at its end. A no-op otherwise.
+        One object per budget, reused: a step costs two reads of the thread's CPU clock."""
+        return self._inline_step
+
+    def _begin_step(self) -> None:
         self._step_started = time.thread_time()
-        try:
-            yield
-        finally:
-            self.inline_cpu += time.thread_time() - self._step_started
-            self._step_started = None
-        self._check_inline_cpu(0.0)
+
+    def _end_step(self, failed: bool) -> None:
+        assert self._step_started is not None
+        self.inline_cpu += time.thread_time() - self._step_started
+        self._step_started = None
+        if not failed:
+            self._check_inline_cpu(0.0)
 
     def spend_inline_bytes(self, count: int) -> None:
         """`count` more bytes handled inline (a cache entry, decompressed layer bytes)."""
