@@ -20,8 +20,9 @@ by layer (top layer first), which of them still need the layer:
 Every walk runs under the one `ScanBudget` of the image, so every consumer is bounded alike
 (`scanner.layers.limits`). An analysis run inline (on the scanning process's event loop) is also
 held to its `InlineBudget`: cache entries count their bytes, and a layer whose GPU code needs more
-than `INLINE_GPU_CODE_STEPS` raises `InlineBudgetSpent` when it ends, its entry never returned. The session protocol (`scanner.layers.analysis`) runs this in an
-analysis process, or in the scanning process when it has none.
+than `INLINE_GPU_CODE_STEPS` raises `InlineBudgetSpent` when it ends, its entry never returned.
+The session protocol (`scanner.layers.analysis`) runs this in an analysis process, or in the
+scanning process when it has none.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ DEFAULT_MAX_LAYER_GPU_CODE_STEPS = 4_194_304
 DEFAULT_ANALYSIS_MEMORY_BYTES = 384 * MiB
 MIN_ANALYSIS_MEMORY_BYTES = 64 * MiB  # an idle analysis process maps about 45 MB
 # An image whose layers still to be read are this small is analysed in the scanning process, within
-# both bounds; past either the analysis starts over in an analysis process (`InlineBudget`). The top
+# its `InlineBudget`; past any part of it the analysis starts over in an analysis process. The top
 # layer most pushes add (an app's files, a config file, an ENV) is a few KiB; a 64 KiB walk costs
 # well under a millisecond, where the hand-over to an analysis process costs about 1.5 ms per image.
 DEFAULT_INLINE_ANALYSIS_BYTES = 64 * 1024
