@@ -103,8 +103,9 @@ class StoreScanCache:
     - a scan job's reports (`save_report(..., with_next_write=True)`): its config facts, held back
       for `FACTS_HOLD_SECONDS` before they join a batch, so that the final report, which supersedes
       them, usually comes first (a small image's scan commits once, even while other scans' batches
-      commit), and its final report, which the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two
-      commit in one transaction, so a job is never done without its report. Any other outcome of
+      commit; a tag sighting held with them is stored all the same); and its final report, which
+      the job's end follows at once (`finish_job`, `AsyncStore.finish_job`): the two commit in one
+      transaction, so a job is never done without its report. Any other outcome of
       the job (`fail_job`, `defer_job`) first flushes what is queued. A queued report is the
       caller's no more: it must not be changed after the call.
     Nothing waits for them, so they are never lost to a batch that fails: they are tried again
@@ -252,7 +253,10 @@ class StoreScanCache:
         return [write for write in held[0] if isinstance(write, TagSeen) and write not in writes]
 
     def _queue_unawaited(self, writes: Sequence[ScanWrite]) -> None:
-        self._pending.extend(_Queued(write, None) for write in writes)
+        """Queue `writes` for the next batch, nobody waiting (a batch starts within `LINGER_SECONDS`)."""
+        if writes:
+            self._pending.extend(_Queued(write, None) for write in writes)
+            self._wake_drain(LINGER_SECONDS)
 
     def _linger(self, *writes: ScanWrite) -> None:
         """Queue `writes` for the next batch, nobody waiting. A report supersedes a queued or held

@@ -987,6 +987,19 @@ async def test_a_jobs_config_facts_wait_for_its_final_report_while_other_batches
         assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", "one") == shared
         stored_shared = reader.run(queries.report, shared)
         assert stored_shared is not None and not stored_shared.pending
+
+        # facts for one tag, then the same image's facts for another: the first sighting commits soon
+        from store import facade
+
+        monkeypatch.setattr(facade, "FACTS_HOLD_SECONDS", 30.0)
+        again = "sha256:" + "4" * 64
+        committed.clear()
+        for tag in ("three", "four"):
+            update = {"pending": True, "tag": tag, "reference": f"127.0.0.1:5000/app:{tag}"}
+            await cache.save_report(_report(again).model_copy(update=update), with_next_write=True)
+        assert await asyncio.to_thread(committed.wait, 5)
+        assert reader.run(queries.resolve_tag, "127.0.0.1:5000", "app", "three") == again
+        assert reader.run(queries.report, again) is None  # the facts under "four" are still held
     finally:
         await store.close()
         reader.close()
