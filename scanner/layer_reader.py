@@ -204,7 +204,7 @@ class LayerReader:
         cost = sum(len(entry) for entry in known.values())
         for layer in layers:
             if layer.digest not in known and not_distributable(layer) is None:
-                cost += INLINE_INFLATION * max(layer.size, 0)
+                cost += INLINE_INFLATION * layer.size  # sizes are never negative (Descriptor)
         return budget if cost <= budget.bytes else None
 
     async def _analyse(

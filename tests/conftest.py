@@ -47,7 +47,8 @@ def skip_unless_required(reason: str) -> None:
 
 
 # The modules that read NVIDIA's wheels and the GPU packages' members from PyPI (cached under
-# ~/.cache/gpubadge/test-wheels, tests/nvidia_wheels.py): when any of them runs, `tests/prefetch.py` fills that cache beside the suite.
+# ~/.cache/gpubadge/test-wheels, tests/nvidia_wheels.py): when any of them runs, `tests/prefetch.py`
+# fills that cache beside the suite.
 PREFETCHED_MODULES = {
     "test_carried_cuda",
     "test_deep_scan",

@@ -14,14 +14,6 @@ LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 class ServiceMetrics(JobMetrics):
     """The runtime's metrics plus those only HTTP handlers count, named once here."""
 
-    def count_webhook(self, source: str, status: int, seconds: float | None) -> None:
-        """One delivery's answer, on either port: counted by source (`unknown` for a source no sender
-        is named) and status; its handling time where it was handled (None: refused from its head)."""
-        label = source if source in SOURCES else "unknown"
-        self.webhooks.inc(label, str(status))
-        if seconds is not None:
-            self.webhook_seconds.observe(seconds, label)
-
     def __init__(self) -> None:
         super().__init__()
         add = self.add
@@ -60,3 +52,11 @@ class ServiceMetrics(JobMetrics):
         self.admission_seconds = add(
             Histogram("gpubadge_admission_duration_seconds", "Admission review handling time.", ["webhook"])
         )
+
+    def count_webhook(self, source: str, status: int, seconds: float | None) -> None:
+        """One delivery's answer, on either port: counted by source (`unknown` for a source no sender
+        is named) and status; its handling time where it was handled (None: refused from its head)."""
+        label = source if source in SOURCES else "unknown"
+        self.webhooks.inc(label, str(status))
+        if seconds is not None:
+            self.webhook_seconds.observe(seconds, label)
