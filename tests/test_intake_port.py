@@ -18,6 +18,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,11 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psycopg
 import pytest
 from aiohttp.test_utils import TestServer
 
 from fixtures.registry import free_port
 from store import queries
+from store.models import EnqueueBatch
+from store.postgres_intake import enqueue_plan
 from web.app import create_app
 from web.commands import load_settings, serve_parser
 from web.intake_listener import IntakeListener
@@ -366,3 +370,70 @@ async def test_the_intake_port_commits_on_postgresql(tmp_path: Path, postgres_ur
         assert all(job is not None and job.state == "queued" for job in jobs), jobs
         again = await at.post(at.main, "/hooks/distribution", many_pushes(3), V2)
         assert again[0] == 202 and sorted(again[1]["jobs"]) == sorted(body["jobs"])  # coalesced
+
+
+def tagged_push(tag: str) -> bytes:
+    event = json.loads(fixture("distribution_push_v2"))
+    event["events"] = [{**item, "target": {**item["target"], "tag": tag}} for item in event["events"]]
+    return json.dumps(event).encode()
+
+
+async def test_one_registrys_deliveries_on_postgresql_are_served_by_one_thread(
+    tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one connection open, the thread that reads a delivery keeps the lead through
+    PostgreSQL's round trip: no second thread is woken only to wait on the selector."""
+    async with ports(tmp_path, database_url=postgres_url) as at:
+        committers: list[int] = []
+        enqueue_here = at.services.intake.enqueue_here
+
+        def counted(*args: Any, **kwargs: Any) -> list[str]:
+            committers.append(threading.get_ident())
+            return enqueue_here(*args, **kwargs)
+
+        monkeypatch.setattr(at.services.intake, "enqueue_here", counted)
+        for n in range(12):
+            status, body, _ = await at.post(at.intake, "/hooks/distribution", tagged_push(f"t{n}"), V2)
+            assert status == 202 and len(body["jobs"]) == 1
+        assert len(at.listener._open) == 1  # one kept-alive connection served them all
+        assert len(set(committers)) == 1, committers
+
+
+async def test_a_postgresql_commit_that_waits_hands_the_lead_to_another_open_connection(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A delivery whose commit waits on PostgreSQL (here a row lock: another transaction queued the same
+    reference and has not committed) holds its thread; with another connection open the lead was handed
+    on first, so that connection's push is answered meanwhile."""
+    async with ports(tmp_path, database_url=postgres_url) as at:
+        timeout = aiohttp.ClientTimeout(total=WAIT)
+        async with aiohttp.ClientSession(timeout=timeout) as other:
+            async with other.post(
+                f"{at.intake}/hooks/distribution", data=tagged_push("t0"), headers=V2
+            ) as reply:
+                assert reply.status == 202  # the other connection, open and idle now
+                first_job = (await reply.json())["jobs"][0]
+            job = await at.services.store.run(queries.job, first_job)
+            assert job is not None and ":t0@" in job.reference
+            blocked = job.reference.replace(":t0@", ":blocked@")
+            holder = await psycopg.AsyncConnection.connect(postgres_url)
+            try:
+                plan = enqueue_plan([EnqueueBatch([(blocked, job.registry)], "test", 3)])
+                await holder.execute(*next(plan))  # its row inserted, uncommitted: the unique key waits
+                waiting = asyncio.create_task(
+                    at.post(at.intake, "/hooks/distribution", tagged_push("blocked"), V2)
+                )
+                deadline = asyncio.get_running_loop().time() + WAIT
+                while not any(connection.serving for connection in list(at.listener._open)):
+                    assert asyncio.get_running_loop().time() < deadline, "the delivery was never read"
+                    await asyncio.sleep(0.01)
+                async with other.post(
+                    f"{at.intake}/hooks/distribution", data=tagged_push("t1"), headers=V2
+                ) as reply:
+                    assert reply.status == 202 and len((await reply.json())["jobs"]) == 1
+                assert not waiting.done()  # still waiting for the row lock
+            finally:
+                await holder.rollback()
+                await holder.close()
+            status, body, _ = await asyncio.wait_for(waiting, WAIT)
+            assert status == 202 and len(body["jobs"]) == 1

@@ -15,11 +15,12 @@ on the selector for every open connection and the listening sockets, accepts, re
 arrived and feeds it to each connection's HTTP/1.1 parser (httptools: llhttp, Node's parser). A
 connection with a whole request in is taken out of the selector, and the leader serves that
 request itself. It keeps the lead while it does when nothing else is ready and the request is
-quick (a body up to QUICK_BODY_BYTES, committed to SQLite's intake journal), then polls again:
-under one registry's deliveries one thread does everything and the others sleep. Otherwise it
-hands the lead on first, so other requests are read and served meanwhile (by as many threads),
-and a served connection goes back to the selector through the leader. No thread ever waits on
-one client: requests are read without blocking, so a slow client holds a buffer, never a thread.
+quick (a body up to QUICK_BODY_BYTES, committed to SQLite's intake journal, or to PostgreSQL
+while no other connection is open), then polls again: under one registry's deliveries one thread
+does everything and the others sleep. Otherwise it hands the lead on first, so other requests are
+read and served meanwhile (by as many threads), and a served connection goes back to the selector
+through the leader. No thread ever waits on one client: requests are read without blocking, so a
+slow client holds a buffer, never a thread.
 
 Bounds, the main port's where they apply:
 
@@ -502,6 +503,11 @@ class IntakeListener:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._told, source, status, seconds, queued)
 
+    def _others_may_wait(self) -> bool:
+        """Whether anyone could be served while this thread waits on a commit: a request already
+        read, or another open connection (a listening socket's new one waits in its backlog)."""
+        return bool(self._ready) or len(self._open) > 1
+
     def _told(self, source: str, status: int, seconds: float | None, queued: bool) -> None:
         """On the loop, after an answer: the webhook metrics, and this process's workers woken."""
         services = self.services
@@ -512,8 +518,11 @@ class IntakeListener:
 
     def _answer(self, request: _Request, peer: str, lead: _Lead) -> tuple[str, Answer]:
         """The delivery's source and its answer: judged, then its deletions and jobs committed. A
-        commit that may wait for another writer (a deletion, or any commit but to SQLite's intake
-        journal, which only intakes write) first releases `lead`."""
+        deletion (it waits for the store's writer) first releases `lead`, and so does a commit that
+        waits for a server (PostgreSQL's round trip) while another connection could be served
+        meanwhile; with none open, waking a second thread only to wait on the selector would cost
+        the answer more than it could save (a new connection waits in the backlog for that
+        round trip, bounded by the store's timeout)."""
         path, _, query_text = request.target.partition("?")
         source = _source_of(request.target) or ""
         services, settings = self.services, self.settings
@@ -522,7 +531,7 @@ class IntakeListener:
         judged = judge_delivery(source, request.body, dict(request.headers), query, settings, is_own, peer)
         if isinstance(judged, Refusal):
             return source, (judged.status, judged.body(), {})
-        if judged.deletes or not services.intake.journaled:
+        if judged.deletes or (not services.intake.journaled and self._others_may_wait()):
             lead.release()
         try:
             for event in judged.deletes:
