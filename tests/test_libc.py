@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from fixtures.oci import (
 from scanner.layers.errors import CorruptLayer
 from scanner.layers.libc import LibcAnalysis, analyse_layer, combine
 from scanner.layers.libc_paths import LayerEvidence, parse_os_release
+from scanner.layers.tarstream import TarEntry
 from scanner.models import LibcVerdict
 
 GiB = 1 << 30
@@ -329,3 +331,121 @@ def test_os_release_parsing() -> None:
     )
     assert parse_os_release("ID='rocky'\nVERSION_ID=\"9.3\"\n") == "rocky 9.3"
     assert parse_os_release("garbage\n\0\n") is None
+
+
+# ------------------------------------------------------------------ incremental = from scratch
+
+# A small vocabulary of paths and entries, so random stacks of layers keep hitting the probes, their
+# directories, links between them, whiteouts and opaque directories.
+_DIRS = ["/bin", "/usr/bin", "/lib", "/lib64", "/usr/lib", "/etc", "/usr"]
+_FILES = [
+    "/bin/sh",
+    "/bin/busybox",
+    "/bin/bash",
+    "/usr/bin/env",
+    "/usr/bin/python3",
+    "/usr/bin/busybox",
+    MUSL_X86,
+    GLIBC_X86,
+    "/usr/lib/ld-musl-x86_64.so.1",
+    "/etc/os-release",
+    "/usr/lib/os-release",
+]
+_TARGETS = [
+    "busybox",
+    "bash",
+    "/bin/busybox",
+    "../usr/bin/python3",
+    "sh",
+    "usr/bin",
+    "/usr/lib",
+    "../usr/lib/os-release",
+]
+_HEADS = {
+    "glibc": fake_elf(GLIBC_X86),
+    "musl": fake_elf(MUSL_X86),
+    "static": fake_elf(None),
+    "text": b"#!/bin/sh\n",
+    "alpine": b"ID=alpine\nVERSION_ID=3.20.1\n",
+    "debian": b"ID=debian\nVERSION_ID=12\n",
+}
+
+
+def _random_entry(rng: random.Random, earlier: list[str]) -> tuple[TarEntry, bytes]:
+    roll = rng.random()
+    if roll < 0.12:
+        directory_path = rng.choice(_DIRS)
+        return TarEntry(f"{directory_path}/.wh..wh..opq", "file", 0, 0o644), b""
+    if roll < 0.27:
+        path = rng.choice(_DIRS + _FILES)
+        parent, name = path.rsplit("/", 1)
+        return TarEntry(f"{parent}/.wh.{name}", "file", 0, 0o644), b""
+    if roll < 0.37:
+        return TarEntry(rng.choice(_DIRS), "dir", 0, 0o755), b""
+    path = rng.choice(_DIRS + _FILES)
+    if roll < 0.55:
+        return TarEntry(path, "symlink", 0, 0o777, rng.choice(_TARGETS)), b""
+    if roll < 0.62 and earlier:
+        return TarEntry(path, "hardlink", 0, 0o755, rng.choice(earlier)), b""
+    head = _HEADS[rng.choice(list(_HEADS))]
+    return TarEntry(path, "file", len(head), 0o755), head
+
+
+def _decision(analysis: LibcAnalysis) -> tuple[object, str | None]:
+    decision = analysis._current_decision()
+    return (decision.flavour, decision.evidence) if decision else None, analysis._distro_found
+
+
+def _replayed(
+    total: int, layers: list[list[tuple[TarEntry, bytes]]], open_layer: list[tuple[TarEntry, bytes]] | None
+) -> LibcAnalysis:
+    """The same entries into a fresh analysis, with no decision taken along the way."""
+    analysis = LibcAnalysis("amd64", layers_total=total)
+    for layer in layers:
+        collector = analysis.begin_layer()
+        for entry, head in layer:
+            collector.add(entry, head)
+        collector.finish(complete=True)
+    if open_layer is not None:
+        collector = analysis.begin_layer()
+        for entry, head in open_layer:
+            collector.add(entry, head)
+    return analysis
+
+
+def test_the_incremental_verdict_is_always_the_one_decided_from_scratch() -> None:
+    """The verdict is re-decided only when a change touches a path the last decision looked at. Over
+    random stacks of layers (probes, links, loops, hardlinks, whiteouts, opaque directories), streamed
+    or taken from the cache, asked after every entry and every layer's end, it always equals a fresh analysis of the same entries
+    decided once, and so does the final verdict; and asking costs fewer decisions than entries."""
+    rng = random.Random(44)
+    asked = decided = 0
+    for _ in range(400):
+        analysis = LibcAnalysis("amd64", layers_total=rng.randint(2, 5))
+        done: list[list[tuple[TarEntry, bytes]]] = []
+        for _layer in range(analysis.layers_total):
+            entries: list[tuple[TarEntry, bytes]] = []
+            for _entry in range(rng.randint(0, 7)):
+                earlier = [e.path for e, _ in entries if e.kind == "file"]
+                entries.append(_random_entry(rng, earlier))
+            if rng.random() < 0.3:  # the layer's evidence from the cache, as a scan of another image left it
+                alone = LibcAnalysis("amd64", layers_total=1).begin_layer()
+                for entry, head in entries:
+                    alone.add(entry, head)
+                assert analysis.layer_from_cache(alone.finish(complete=True))
+            else:
+                collector = analysis.begin_layer()
+                for n, (entry, head) in enumerate(entries, 1):
+                    collector.add(entry, head)
+                    asked += 1
+                    replayed = _replayed(analysis.layers_total, done, entries[:n])
+                    assert _decision(analysis) == _decision(replayed), (done, entries[:n])
+                collector.finish(complete=True)
+            done.append(entries)
+            asked += 1
+            assert _decision(analysis) == _decision(_replayed(analysis.layers_total, done, None)), done
+        decided += analysis.decisions
+        cached = {"layers_cached"}  # the one field that says how the layers came
+        final = _replayed(analysis.layers_total, done, None).verdict()
+        assert analysis.verdict().model_dump(exclude=cached) == final.model_dump(exclude=cached)
+    assert decided < asked

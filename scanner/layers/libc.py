@@ -321,7 +321,6 @@ class LibcAnalysis:
             self._index_hide(index, path, opaque=True)
         for path, record in layer.entries.items():
             self._index_record(index, path, record)
-        self._dirty = True
 
     def forget_last_layer(self) -> None:
         """Undo the last `layer_from_cache`, so the same layer can be streamed instead."""
@@ -362,10 +361,11 @@ class LibcAnalysis:
             self._dirty = True
 
     def _end_layer(self, complete: bool) -> None:
+        # Not a change of the merged view: the decision stands (it reads only what is found, and a
+        # layer's end turns lookups from unknown to absent at most).
         self._open = None
         if complete:
             self._incomplete -= 1
-        self._dirty = True
 
     # -- state
 
