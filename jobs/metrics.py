@@ -41,9 +41,9 @@ def _filled(family: CounterMetricFamily | GaugeMetricFamily, values: dict[LabelV
     return family
 
 
-def _by_host(counts: dict[str, int]) -> Callable[[], dict[LabelValues, float]]:
-    """A scrape-time reader of counts kept by host elsewhere (a snapshot, never a copy kept here)."""
-    return lambda: {(host,): float(count) for host, count in list(counts.items())}
+def _by_label(counts: dict[str, int]) -> Callable[[], dict[LabelValues, float]]:
+    """A scrape-time reader of counts kept elsewhere by one label (a snapshot, never a copy kept here)."""
+    return lambda: {(label,): float(count) for label, count in list(counts.items())}
 
 
 Forward = Callable[[str, str, LabelValues, float], None]
@@ -276,14 +276,27 @@ class JobMetrics:
                 ["registry"],
             )
         )
+        self.inline_analyses = add(
+            Counter(
+                "gpubadge_inline_analyses_total",
+                "Images whose layers were small enough to analyse on the scanning process's loop"
+                " (GPUBADGE_INLINE_ANALYSIS_BYTES), by outcome: finished there, or handed_over to an analysis"
+                " process at the inline budget.",
+                ["outcome"],
+            )
+        )
+
+    def count_inline_analyses(self, by_outcome: dict[str, int]) -> None:
+        """Serve the layer reader's running counts of images analysed inline (read at scrape time)."""
+        self.inline_analyses.collect_from(_by_label(by_outcome))
 
     def count_registry_bytes(self, received_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running byte counts (read at scrape time, never copied)."""
-        self.registry_bytes.collect_from(_by_host(received_by_registry))
+        self.registry_bytes.collect_from(_by_label(received_by_registry))
 
     def count_transfer_cutoffs(self, cutoffs_by_registry: dict[str, int]) -> None:
         """Serve the registry client's running counts of slow transfers cut off (read at scrape time)."""
-        self.transfer_cutoffs.collect_from(_by_host(cutoffs_by_registry))
+        self.transfer_cutoffs.collect_from(_by_label(cutoffs_by_registry))
 
     def set_registry_load(self, loads: list[RegistryLoad]) -> None:
         """The store's per-registry picture, as the /metrics handler read it just now."""
@@ -326,6 +339,7 @@ class JobMetrics:
         return {
             self.registry_bytes.name: self.registry_bytes.read(),
             self.transfer_cutoffs.name: self.transfer_cutoffs.read(),
+            self.inline_analyses.name: self.inline_analyses.read(),
         }
 
     def render(self) -> str:

@@ -110,6 +110,7 @@ class ScanRuntime:
             publish_facts=True,
             fleet_architectures=FleetArchitectures(store, static_fleet),
         )
+        metrics.count_inline_analyses(scanner.inline_analyses)
         attacher = None
         if settings.attach_reports:
             attacher = ReportAttacher(

@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING
 
 from scanner.layers.analysis import AnalysisPool, Session
 from scanner.layers.image import ImageVerdict
-from scanner.layers.limits import AnalysisLimits, InlineBudget, InlineBudgetSpent, LimitExceeded
+from scanner.layers.limits import (
+    INLINE_FINISHED,
+    INLINE_HANDED_OVER,
+    INLINE_OUTCOMES,
+    AnalysisLimits,
+    InlineBudget,
+    InlineBudgetSpent,
+    LimitExceeded,
+)
 from scanner.models import SkippedLayer
 from scanner.registry.descriptors import Descriptor, not_distributable
 
@@ -79,16 +87,28 @@ class LayerReader:
         limits: AnalysisLimits,
         pool: AnalysisPool,
         inline: InlineBudget | None = None,
+        inline_counts: dict[str, int] | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.limits = limits
         self.pool = pool
         self.inline = inline  # None: every image's analysis goes to the pool as it is
-        self.analysed_inline = 0  # images whose verdict came inline
-        self.handed_over = 0  # inline analyses that reached their budget and started over in the pool
+        # Images analysed inline, by outcome (`INLINE_OUTCOMES`); the caller's dict, when given, so
+        # that /metrics reads it (`gpubadge_inline_analyses_total`).
+        self.inline_counts = inline_counts if inline_counts is not None else dict.fromkeys(INLINE_OUTCOMES, 0)
         self._memory_cache: dict[str, str] = {}  # cache entries by digest, when running without a store
         self._inflight: dict[str, _Read] = {}  # digest -> the read of it running now
+
+    @property
+    def analysed_inline(self) -> int:
+        """Images whose verdict came inline."""
+        return self.inline_counts[INLINE_FINISHED]
+
+    @property
+    def handed_over(self) -> int:
+        """Inline analyses that reached their budget and started over in the pool."""
+        return self.inline_counts[INLINE_HANDED_OVER]
 
     async def _cached(self, digest: str) -> str | None:
         if self.store is None:
@@ -186,10 +206,10 @@ class LayerReader:
                 verdict = await self._analyse(
                     reference, layers, arch, cuda, deadline, progress, known, inline
                 )
-                self.analysed_inline += 1
+                self.inline_counts[INLINE_FINISHED] += 1
                 return verdict
             except InlineBudgetSpent:
-                self.handed_over += 1
+                self.inline_counts[INLINE_HANDED_OVER] += 1
                 progress.layers_done = 0  # the bytes fetched stay counted: the registry sent them
                 progress.skipped.clear()
                 known = await self._cached_all(layers)  # with what the inline walk read whole

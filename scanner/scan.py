@@ -44,7 +44,7 @@ from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
 from scanner.layers.errors import AnalysisCrashed, LayerError
-from scanner.layers.limits import LimitExceeded, scan_too_slow
+from scanner.layers.limits import INLINE_OUTCOMES, LimitExceeded, scan_too_slow
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
 from scanner.registry.errors import RegistryError
@@ -171,6 +171,8 @@ class Scanner:
         self.fleet_architectures = fleet_architectures
         self._reader: LayerReader | None = None
         self._pool: AnalysisPool | None = None
+        # Images analysed inline, by outcome, counted by the layer reader (read by /metrics).
+        self.inline_analyses = dict.fromkeys(INLINE_OUTCOMES, 0)
         self.on_result = on_result
         self.progress: dict[
             tuple[str, str], LayerProgress
@@ -192,6 +194,7 @@ class Scanner:
                 self.settings.analysis_limits(),
                 self._pool,
                 self.settings.inline_budget(),
+                self.inline_analyses,
             )
         return self._reader
 

@@ -118,6 +118,12 @@ class InlineBudgetSpent(Exception):
     The scan starts the image's analysis over in an analysis process, where only `AnalysisLimits` hold."""
 
 
+# What became of an image analysed inline (`scanner.layer_reader`, `gpubadge_inline_analyses_total`):
+# its verdict came inline, or it reached the inline budget and started over in an analysis process.
+INLINE_FINISHED, INLINE_HANDED_OVER = "finished", "handed_over"
+INLINE_OUTCOMES = (INLINE_FINISHED, INLINE_HANDED_OVER)
+
+
 @dataclass(frozen=True)
 class InlineBudget:
     """What an image's analysis may cost in the scanning process, on its event loop, before it is
