@@ -521,8 +521,8 @@ class IntakeListener:
         deletion (it waits for the store's writer) first releases `lead`, and so does a commit that
         waits for a server (PostgreSQL's round trip) while another connection could be served
         meanwhile; with none open, waking a second thread only to wait on the selector would cost
-        the answer more than it could save (a new connection waits in the backlog for that
-        round trip, as every delivery on it would wait for the server anyway)."""
+        the answer more than it could save (a new connection waits in the backlog for that round
+        trip)."""
         path, _, query_text = request.target.partition("?")
         source = _source_of(request.target) or ""
         services, settings = self.services, self.settings
