@@ -20,7 +20,7 @@ import pytest
 
 from fixtures import catalog
 from fixtures.oci import ImageSpec, LayoutWriter
-from fixtures.registry import LocalRegistry, run_registry
+from fixtures.registry import LocalRegistry, htpasswd, run_registry
 from scanner.models import ImageReport
 from scanner.publish import ReportAttacher
 from scanner.registry.client import RegistryClient
@@ -323,14 +323,8 @@ def test_own_events_are_recognised() -> None:
 @pytest.fixture(scope="module")
 def locked_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
     """A registry with htpasswd accounts: `reader` (gpubadge's pull account) and `pusher` (its push account)."""
-    import crypt
-
     root = tmp_path_factory.mktemp("locked-registry")
-    users = {
-        name: crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
-        for name, password in ACCOUNTS.items()
-    }
-    (root / "htpasswd").write_text("".join(f"{name}:{digest}\n" for name, digest in users.items()))
+    (root / "htpasswd").write_text(htpasswd(ACCOUNTS))
     auth = {"htpasswd": {"realm": "gpubadge-test", "path": str(root / "htpasswd")}}
     with run_registry(root=root, extra_config={"auth": auth}) as running:
         yield running

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file
-from fixtures.registry import LocalRegistry, run_registry
+from fixtures.registry import LocalRegistry, htpasswd, run_registry
 from scanner.registry.auth import Challenge, TokenCache, parse_challenges, parse_token_response
 from scanner.registry.client import RegistryClient
 from scanner.registry.descriptors import OCI_INDEX, OCI_MANIFEST
@@ -175,26 +174,13 @@ async def test_size_caps_refuse_by_content_length(registry: LocalRegistry, pushe
 # --- Basic auth: a second real registry with htpasswd over the same storage -----------------------
 
 
-def bcrypt_hash(password: str) -> str:
-    try:
-        import bcrypt
-
-        return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()
-    except ImportError:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import crypt
-
-        return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=32))
-
-
 @pytest.fixture(scope="module")
 def basic_registry(registry: LocalRegistry, pushed: dict[str, str]) -> Iterator[LocalRegistry]:
     root = Path(tempfile.mkdtemp(prefix="gpubadge-basic-"))
     (root / "data").symlink_to(registry.root / "data")
-    htpasswd = root / "htpasswd"
-    htpasswd.write_text(f"scanner:{bcrypt_hash('hunter2-secret')}\n")
-    auth = {"auth": {"htpasswd": {"realm": "gpubadge-test", "path": str(htpasswd)}}}
+    accounts = root / "htpasswd"
+    accounts.write_text(htpasswd({"scanner": "hunter2-secret"}))
+    auth = {"auth": {"htpasswd": {"realm": "gpubadge-test", "path": str(accounts)}}}
     try:
         with run_registry(extra_config=auth, root=root) as running:
             yield running
