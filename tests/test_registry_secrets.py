@@ -15,7 +15,7 @@ import pytest
 from pydantic import SecretStr
 
 from fixtures.busybox import busybox_image
-from fixtures.registry import LocalRegistry, free_port, run_registry
+from fixtures.registry import LocalRegistry, free_port, htpasswd, run_registry
 from fixtures.service import run_service_inprocess
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
@@ -23,7 +23,6 @@ from scanner.settings import RegistryConfig, ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, TokenServer
-from tests.test_registry_client import bcrypt_hash
 from web.settings import ServiceSettings
 
 BASIC_PASSWORD = "basic-PW-7f3a9c"
@@ -41,9 +40,9 @@ def pushed(push: Pusher) -> str:
 def basic_registry(registry: LocalRegistry, pushed: str) -> Iterator[LocalRegistry]:
     root = Path(tempfile.mkdtemp(prefix="gpubadge-secrets-"))
     (root / "data").symlink_to(registry.root / "data")
-    htpasswd = root / "htpasswd"
-    htpasswd.write_text(f"scanner:{bcrypt_hash(BASIC_PASSWORD)}\n")
-    auth = {"auth": {"htpasswd": {"realm": "gpubadge-secrets", "path": str(htpasswd)}}}
+    accounts = root / "htpasswd"
+    accounts.write_text(htpasswd({"scanner": BASIC_PASSWORD}))
+    auth = {"auth": {"htpasswd": {"realm": "gpubadge-secrets", "path": str(accounts)}}}
     try:
         with run_registry(extra_config=auth, root=root) as running:
             yield running
