@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from store.models import (
 )
 from store.postgres_errors import describe_error as _describe
 from store.postgres_errors import error_cause as _cause
-from store.postgres_intake import LoopIntake, enqueue_plan
+from store.postgres_intake import INTAKE_NAME, LoopIntake, enqueue_plan
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class PostgresStore(SharedMethods):
     ) -> None:
         self._url = url
         self._connect_timeout = connect_timeout
+        self._pool_size = max(1, pool_size)
+        self._intake_pool: ConnectionPool[psycopg.Connection[TupleRow]] | None = None  # `enqueue_many`'s
+        self._intake_pool_lock = threading.Lock()
         self._pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
             url,
             min_size=1,
@@ -142,6 +146,57 @@ class PostgresStore(SharedMethods):
                 f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
             ) from exc
 
+    @contextlib.contextmanager
+    def _intake_connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
+        """One connection of the intake's own pool (autocommit), opened at the first commit. Its
+        statements are bounded by the connect timeout (`statement_timeout`, lock waits included), as
+        the loop intake's are (`LoopIntake`): a commit that waits longer is `StoreUnavailable`, the
+        sender's 503, never a thread held for as long as a lock is."""
+        pool = self._intake_pool or self._open_intake_pool()
+        try:
+            with pool.connection() as conn:
+                yield conn
+        except psycopg.errors.QueryCanceled as exc:
+            message = f"PostgreSQL did not take the jobs within {self._connect_timeout:g} s"
+            raise StoreUnavailable(message, message) from exc
+        except PoolTimeout as exc:
+            raise StoreUnavailable(
+                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(
+                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
+            ) from exc
+
+    def _open_intake_pool(self) -> ConnectionPool[psycopg.Connection[TupleRow]]:
+        with self._intake_pool_lock:
+            if self._intake_pool is None:
+                timeout = self._connect_timeout
+                bound = sql.SQL("SET statement_timeout = {}").format(
+                    sql.Literal(max(1, round(timeout * 1000)))
+                )
+
+                def bounded(conn: psycopg.Connection[TupleRow]) -> None:
+                    # a session setting, not a startup option, which poolers such as PgBouncer refuse
+                    conn.execute(bound)
+
+                self._intake_pool = ConnectionPool(
+                    self._url,
+                    min_size=1,
+                    max_size=self._pool_size,
+                    timeout=timeout,
+                    kwargs={
+                        "connect_timeout": max(1, int(timeout)),
+                        "application_name": INTAKE_NAME,
+                        "autocommit": True,
+                    },
+                    configure=bounded,
+                    open=False,
+                    name="gpubadge-intake",
+                )
+                self._intake_pool.open(wait=False)
+            return self._intake_pool
+
     def _transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[TupleRow]]:
         """One pooled connection inside one transaction (committed on success, rolled back on error)."""
         return self._connection(transaction=True)
@@ -171,6 +226,8 @@ class PostgresStore(SharedMethods):
 
     def close(self) -> None:
         self._pool.close()
+        if self._intake_pool is not None:
+            self._intake_pool.close()
 
     async def relay_notifications(
         self,
@@ -271,14 +328,15 @@ class PostgresStore(SharedMethods):
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one statement (group commit); job ids per batch
-        (`store.postgres_intake.enqueue_plan`, on one pooled connection)."""
+        (`store.postgres_intake.enqueue_plan`, on a connection of the intake's pool, each statement
+        bounded by the connect timeout: past it, `StoreUnavailable`)."""
         plan = enqueue_plan(batches)
         try:
             statement = next(plan)
         except StopIteration as nothing:  # nothing to queue: no connection taken
             ids: list[list[str]] = nothing.value
             return ids
-        with self._connection(transaction=False) as conn:  # each statement commits on its own
+        with self._intake_connection() as conn:  # each statement commits on its own
             while True:
                 rows = conn.execute(*statement).fetchall()
                 try:

@@ -437,3 +437,31 @@ async def test_a_postgresql_commit_that_waits_hands_the_lead_to_another_open_con
                 await holder.close()
             status, body, _ = await asyncio.wait_for(waiting, WAIT)
             assert status == 202 and len(body["jobs"]) == 1
+
+
+async def test_a_postgresql_commit_held_past_the_store_timeout_is_answered_503(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The intake port's commit is bounded as the main port's is: a row lock held past the store's
+    timeout (here 1 s) gets the sender a 503 with Retry-After, and its retry, once the lock is gone, a 202."""
+    async with ports(tmp_path, database_url=postgres_url, sqlite_busy_timeout=1) as at:
+        status, body, _ = await at.post(at.intake, "/hooks/distribution", tagged_push("t0"), V2)
+        assert status == 202
+        job = await at.services.store.run(queries.job, body["jobs"][0])
+        assert job is not None and ":t0@" in job.reference
+        holder = await psycopg.AsyncConnection.connect(postgres_url)
+        try:
+            plan = enqueue_plan(
+                [EnqueueBatch([(job.reference.replace(":t0@", ":held@"), job.registry)], "test", 3)]
+            )
+            await holder.execute(*next(plan))  # uncommitted: the intake's insert of that key waits on it
+            started = time.monotonic()
+            status, body, headers = await at.post(at.intake, "/hooks/distribution", tagged_push("held"), V2)
+            waited = time.monotonic() - started
+            assert status == 503 and "within 1 s" in body["error"], body
+            assert headers["Retry-After"] and 0.9 < waited < WAIT, waited
+        finally:
+            await holder.rollback()
+            await holder.close()
+        status, body, _ = await at.post(at.intake, "/hooks/distribution", tagged_push("held"), V2)
+        assert status == 202 and len(body["jobs"]) == 1

@@ -522,7 +522,7 @@ class IntakeListener:
         waits for a server (PostgreSQL's round trip) while another connection could be served
         meanwhile; with none open, waking a second thread only to wait on the selector would cost
         the answer more than it could save (a new connection waits in the backlog for that round
-        trip)."""
+        trip, which the store bounds by its timeout: `PostgresStore.enqueue_many`)."""
         path, _, query_text = request.target.partition("?")
         source = _source_of(request.target) or ""
         services, settings = self.services, self.settings
