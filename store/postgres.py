@@ -152,8 +152,8 @@ class PostgresStore(SharedMethods):
         statements are bounded by the connect timeout (`statement_timeout`, lock waits included), as
         the loop intake's are (`LoopIntake`): a commit that waits longer is `StoreUnavailable`, the
         sender's 503, never a thread held for as long as a lock is."""
-        pool = self._intake_pool or self._open_intake_pool()
         try:
+            pool = self._intake_pool or self._open_intake_pool()
             with pool.connection() as conn:
                 yield conn
         except psycopg.errors.QueryCanceled as exc:
@@ -169,6 +169,7 @@ class PostgresStore(SharedMethods):
             ) from exc
 
     def _open_intake_pool(self) -> ConnectionPool[psycopg.Connection[TupleRow]]:
+        """The intake's pool, opened with its first connection ready (PoolTimeout when none comes)."""
         with self._intake_pool_lock:
             if self._intake_pool is None:
                 timeout = self._connect_timeout
@@ -180,7 +181,7 @@ class PostgresStore(SharedMethods):
                     # a session setting, not a startup option, which poolers such as PgBouncer refuse
                     conn.execute(bound)
 
-                self._intake_pool = ConnectionPool(
+                pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
                     self._url,
                     min_size=1,
                     max_size=self._pool_size,
@@ -194,7 +195,13 @@ class PostgresStore(SharedMethods):
                     open=False,
                     name="gpubadge-intake",
                 )
-                self._intake_pool.open(wait=False)
+                pool.open(wait=False)
+                try:
+                    pool.wait(timeout=timeout)
+                except PoolTimeout:
+                    pool.close()  # tried afresh at the next commit
+                    raise
+                self._intake_pool = pool
             return self._intake_pool
 
     def _transaction(self) -> contextlib.AbstractContextManager[psycopg.Connection[TupleRow]]:
