@@ -80,6 +80,51 @@ def _job(conn: psycopg.Connection[TupleRow], row: Sequence[Any]) -> Job:
     return job_of(Db(conn, POSTGRES), row)
 
 
+Pool = ConnectionPool[psycopg.Connection[TupleRow]]
+
+
+def _new_pool(
+    url: str, size: int, timeout: float, name: str, *, statement_timeout: float | None = None
+) -> Pool:
+    """A pool (not yet open) of autocommit connections named `name` (their `application_name`).
+    `statement_timeout` bounds each statement, set per connection as a session setting, not as a
+    startup option, which poolers such as PgBouncer refuse."""
+    configure = None
+    if statement_timeout is not None:
+        bound = sql.SQL("SET statement_timeout = {}").format(
+            sql.Literal(max(1, round(statement_timeout * 1000)))
+        )
+
+        def configure(conn: psycopg.Connection[TupleRow]) -> None:
+            conn.execute(bound)
+
+    return ConnectionPool(
+        url,
+        min_size=1,
+        max_size=size,
+        timeout=timeout,
+        kwargs={"connect_timeout": max(1, int(timeout)), "application_name": name, "autocommit": True},
+        configure=configure,
+        open=False,
+        name=name,
+    )
+
+
+@contextlib.contextmanager
+def _unavailable_on_failure() -> Iterator[None]:
+    """A pool that gives no connection in time, or a server out of reach, as `StoreUnavailable`."""
+    try:
+        yield
+    except PoolTimeout as exc:
+        raise StoreUnavailable(
+            f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
+        ) from exc
+    except psycopg.OperationalError as exc:
+        raise StoreUnavailable(
+            f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
+        ) from exc
+
+
 class PostgresStore(SharedMethods):
     """A connection pool over one PostgreSQL database; safe to call from many threads."""
 
@@ -96,23 +141,11 @@ class PostgresStore(SharedMethods):
         self._url = url
         self._connect_timeout = connect_timeout
         self._pool_size = max(1, pool_size)
-        self._intake_pool: ConnectionPool[psycopg.Connection[TupleRow]] | None = None  # `enqueue_many`'s
+        self._intake_pool: Pool | None = None  # `enqueue_many`'s
         self._intake_pool_lock = threading.Lock()
-        self._pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
-            url,
-            min_size=1,
-            max_size=max(1, pool_size),
-            timeout=connect_timeout,
-            # autocommit: a read is its statements, one round trip each; a write says where its
-            # transaction begins and ends (`_transaction`)
-            kwargs={
-                "connect_timeout": max(1, int(connect_timeout)),
-                "application_name": "gpubadge",
-                "autocommit": True,
-            },
-            open=False,
-            name="gpubadge",
-        )
+        # autocommit: a read is its statements, one round trip each; a write says where its transaction
+        # begins and ends (`_transaction`)
+        self._pool = _new_pool(url, self._pool_size, connect_timeout, "gpubadge")
         try:
             self._pool.open(wait=True, timeout=connect_timeout)
             if upgrade:
@@ -130,21 +163,12 @@ class PostgresStore(SharedMethods):
     def _connection(self, *, transaction: bool) -> Iterator[psycopg.Connection[TupleRow]]:
         """One pooled connection (autocommit), inside one transaction when asked; a pool that gives
         none in time, or a server out of reach, is `StoreUnavailable`."""
-        try:
-            with self._pool.connection() as conn:
-                if transaction:
-                    with conn.transaction():
-                        yield conn
-                else:
+        with _unavailable_on_failure(), self._pool.connection() as conn:
+            if transaction:
+                with conn.transaction():
                     yield conn
-        except PoolTimeout as exc:
-            raise StoreUnavailable(
-                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
-            ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailable(
-                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
-            ) from exc
+            else:
+                yield conn
 
     @contextlib.contextmanager
     def _intake_connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
@@ -152,49 +176,21 @@ class PostgresStore(SharedMethods):
         statements are bounded by the connect timeout (`statement_timeout`, lock waits included), as
         the loop intake's are (`LoopIntake`): a commit that waits longer is `StoreUnavailable`, the
         sender's 503, never a thread held for as long as a lock is."""
-        try:
-            pool = self._intake_pool or self._open_intake_pool()
-            with pool.connection() as conn:
-                yield conn
-        except psycopg.errors.QueryCanceled as exc:
-            message = f"PostgreSQL did not take the jobs within {self._connect_timeout:g} s"
-            raise StoreUnavailable(message, message) from exc
-        except PoolTimeout as exc:
-            raise StoreUnavailable(
-                f"no PostgreSQL connection: {_describe(exc)}", f"no PostgreSQL connection: {_cause(exc)}"
-            ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailable(
-                f"PostgreSQL is unreachable: {_describe(exc)}", f"PostgreSQL is unreachable: {_cause(exc)}"
-            ) from exc
+        with _unavailable_on_failure():
+            try:
+                with (self._intake_pool or self._open_intake_pool()).connection() as conn:
+                    yield conn
+            except psycopg.errors.QueryCanceled as exc:
+                message = f"PostgreSQL did not take the jobs within {self._connect_timeout:g} s"
+                raise StoreUnavailable(message, message) from exc
 
-    def _open_intake_pool(self) -> ConnectionPool[psycopg.Connection[TupleRow]]:
-        """The intake's pool, opened with its first connection ready (PoolTimeout when none comes)."""
+    def _open_intake_pool(self) -> Pool:
+        """The intake's pool, opened with its first connection ready (PoolTimeout when none comes);
+        each connection's statements bounded by the connect timeout."""
         with self._intake_pool_lock:
             if self._intake_pool is None:
                 timeout = self._connect_timeout
-                bound = sql.SQL("SET statement_timeout = {}").format(
-                    sql.Literal(max(1, round(timeout * 1000)))
-                )
-
-                def bounded(conn: psycopg.Connection[TupleRow]) -> None:
-                    # a session setting, not a startup option, which poolers such as PgBouncer refuse
-                    conn.execute(bound)
-
-                pool: ConnectionPool[psycopg.Connection[TupleRow]] = ConnectionPool(
-                    self._url,
-                    min_size=1,
-                    max_size=self._pool_size,
-                    timeout=timeout,
-                    kwargs={
-                        "connect_timeout": max(1, int(timeout)),
-                        "application_name": INTAKE_NAME,
-                        "autocommit": True,
-                    },
-                    configure=bounded,
-                    open=False,
-                    name="gpubadge-intake",
-                )
+                pool = _new_pool(self._url, self._pool_size, timeout, INTAKE_NAME, statement_timeout=timeout)
                 pool.open(wait=False)
                 try:
                     pool.wait(timeout=timeout)
