@@ -681,7 +681,8 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
     """On SQLite, then on PostgreSQL where it can run: the peer (`peer_tree`, when named) and this
     checkout with its defaults, each beside its own null receiver in the same run; then, on
     SQLite, this checkout with a fifth of the pushers; then the intake beside running scans for
-    the peer, the defaults, scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`) and, on SQLite,
+    the peer, the defaults, scans at SCHED_IDLE (`GPUBADGE_WORKER_SCHEDULING=idle`), on PostgreSQL
+    the intake's local journal (`GPUBADGE_INTAKE_JOURNAL`) and, on SQLite,
     `bench.bare_scanner` four ways (`BARE`): the least a durable scanning service does, CPU per
     image's second floor, and where a durable intake's answer waits."""
     figures = figures or (BurstFigures.quick() if quick else BurstFigures())
@@ -724,12 +725,16 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
             intakes.append(("defaults", None, None))
             intakes.append((MAIN_PORT, None, None))
             intakes.append(("scans at SCHED_IDLE", None, {"GPUBADGE_WORKER_SCHEDULING": "idle"}))
+            if engine == "PostgreSQL":
+                intakes.append((JOURNALED, None, None))
             if engine == "SQLite":  # the least a durable scanning service does, not gpubadge
                 intakes.extend((label, None, None) for label in BARE)
             for number, (label, tree, env) in enumerate(intakes, start=len(plan)):
                 workdir = Path(tempfile.mkdtemp(prefix="gpubadge-bench-intake-"))
                 try:
                     url = server.create_database(f"intake{number}") if server else None
+                    if label == JOURNALED:
+                        env = {"GPUBADGE_INTAKE_JOURNAL": str(workdir / "intake-journal")}
                     intake = asyncio.run(
                         measure_intake(
                             INTAKE_IMAGES,
@@ -748,6 +753,7 @@ def run_all(results: Results, quick: bool, figures: BurstFigures | None = None) 
 
 
 MAIN_PORT = "defaults, webhooks to the main port (GPUBADGE_PORT)"
+JOURNALED = "webhooks journaled locally, then moved (GPUBADGE_INTAKE_JOURNAL)"
 INTAKE_IMAGES, INTAKE_CLIENTS = 300, 8  # a manifest burst: 100 to start the scans, then 200 measured
 BARE: dict[str, BareHow] = {  # the intake bench's other peers on SQLite: bench.bare_scanner, not gpubadge
     "bare scanner (bench.bare_scanner)": "together",

@@ -15,7 +15,7 @@ Where the commit runs:
   (`web/intake_listener.py`) reads, commits and answers each delivery on one thread of its own, on
   either engine, so its answer never waits for the event loop to take a turn. One commit per
   delivery there: the registries wait for each answer, so few are ever in flight at once.
-- **On SQLite, on the intake's thread** (the journal, `store.sqlite_intake`): sqlite3 has no
+- **On SQLite, on the intake's thread** (the journal, `store.intake_journal`): sqlite3 has no
   async driver. The registry waits for each answer before it sends its next delivery, so the hop
   is the cheapest there is: one queue put to wake the thread, one `call_soon_threadsafe` to come
   back, and the callers' futures settled directly on the loop, with no executor future, no
@@ -103,8 +103,9 @@ class JobIntake:
 
     @property
     def journaled(self) -> bool:
-        """Whether `enqueue_here` commits to SQLite's intake journal, which only intakes write (so it
-        never waits for a scan's write); False on PostgreSQL (a pooled connection's round trip)."""
+        """Whether `enqueue_here` commits to an intake journal, which only intakes write (so it never
+        waits for a scan's write or a round trip): on SQLite, and on PostgreSQL with `intake_journal`;
+        False on PostgreSQL without one (a pooled connection's round trip)."""
         return self._on_loop is None
 
     def enqueue_here(

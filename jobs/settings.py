@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 from pydantic_settings import SettingsConfigDict
 
@@ -54,6 +54,13 @@ class JobSettings(ScannerSettings):
         default=None,
         description="postgresql://user:password@host:port/db selects PostgreSQL (no SQLite file is written);"
         " shared by any number of API and worker processes",
+    )
+    intake_journal: Path | None = Field(
+        default=None,
+        description="PostgreSQL only: a local file the webhook intake commits each delivery to before its 202,"
+        " moved into PostgreSQL moments later, so the answer waits for no round trip and deliveries are taken"
+        " while the server is away; its jobs reach other replicas once moved, and it must be on a disk that"
+        " outlives the process (SQLite's journal is always <db>-intake)",
     )
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         default="NORMAL",
@@ -172,6 +179,14 @@ class JobSettings(ScannerSettings):
         """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
         return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
 
+    @model_validator(mode="after")
+    def _journal_needs_postgres(self) -> JobSettings:
+        if self.intake_journal is not None and self.database_url is None:
+            raise ValueError(
+                "intake_journal is for PostgreSQL (database_url); SQLite's intake journal is always <db>-intake"
+            )
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, value: SecretStr | None) -> SecretStr | None:
@@ -240,4 +255,5 @@ def open_job_store(settings: JobSettings, *, shared: bool = False) -> AsyncStore
         shared_events=shared,
         report_cache_entries=settings.report_cache_entries,
         report_cache_seconds=settings.report_cache_seconds,
+        intake_journal=settings.intake_journal,
     )

@@ -67,12 +67,14 @@ def open_store(
     shared_events: bool = False,
     report_cache_entries: int = 512,
     report_cache_seconds: float = 30.0,
+    intake_journal: Path | None = None,
 ) -> AsyncStore:
     """The async store, migrated to the current schema: PostgreSQL when `database_url` is given
     (then no SQLite file is touched), else the SQLite file at `path`. `shared_events`: on SQLite,
     tell the other processes sharing the file of each commit and hear theirs (`store.sqlite_notify`),
     as every PostgreSQL store does. `report_cache_entries` and `report_cache_seconds` bound the
-    reference lookups kept in memory (`store.report_lookups`)."""
+    reference lookups kept in memory (`store.report_lookups`). `intake_journal`: on PostgreSQL, the
+    local file the webhook intake commits to (`store.intake_mover`); SQLite's is beside its file."""
     return AsyncStore(
         open_backend(
             path,
@@ -81,6 +83,7 @@ def open_store(
             threads=threads,
             database_url=database_url,
             shared_events=shared_events,
+            intake_journal=intake_journal,
         ),
         threads=threads,
         report_cache_entries=report_cache_entries,
@@ -97,6 +100,7 @@ def open_backend(
     database_url: str | None = None,
     upgrade: bool = True,
     shared_events: bool = False,
+    intake_journal: Path | None = None,
 ) -> StoreBackend:
     """The synchronous backend (for `gpubadge db` and tools that need no event loop)."""
     if database_url:
@@ -104,7 +108,11 @@ def open_backend(
 
         # one connection per store thread, plus the health check's own
         return PostgresStore(
-            database_url, pool_size=threads + 1, connect_timeout=busy_timeout, upgrade=upgrade
+            database_url,
+            pool_size=threads + 1,
+            connect_timeout=busy_timeout,
+            upgrade=upgrade,
+            intake_journal=intake_journal,
         )
     return SqliteStore(
         path, synchronous=synchronous, busy_timeout=busy_timeout, upgrade=upgrade, shared_events=shared_events

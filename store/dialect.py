@@ -137,11 +137,6 @@ class Dialect:
         walk the partial index that already has them in order; PostgreSQL's planner knows better."""
         return table
 
-    def job_named(self, param: str) -> str:
-        """The id of the job a job id names: itself, or on SQLite the job a journaled delivery was
-        coalesced into when it moved (`store.sqlite_intake`: `job_aliases`)."""
-        return f":{param}"
-
     def execute_many(self, conn: Any, sql: str, rows: Sequence[Params]) -> None:
         """One translated statement over many parameter sets, as the driver batches them."""
         raise NotImplementedError
@@ -177,9 +172,6 @@ class SqliteDialect(Dialect):
 
     def read_through(self, table: str, index: str) -> str:
         return f"{table} INDEXED BY {index}"
-
-    def job_named(self, param: str) -> str:
-        return f"coalesce((SELECT job_id FROM job_aliases WHERE id = :{param}), :{param})"
 
     @functools.cache  # noqa: B019 - one instance per process; the cache is the point
     def translate(self, sql: str) -> str:

@@ -461,18 +461,18 @@ class BlockingStore:
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """The webhook intake's commit: every delivery's jobs in one commit, a job id per reference,
-        per batch, never waiting for a scan's lock (`record_intake`; on SQLite, the intake's
-        journal). The caller wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
+        per batch, never waiting for a scan's lock (`record_intake`; on SQLite, and on PostgreSQL
+        with `intake_journal`, the intake's journal). The caller wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
         return self._backend.record_intake(batches)
 
     def tidy_intake(self) -> None:
-        """Between answers, on the intake's thread: what its commits left to clean (on SQLite, the
-        journal rows already moved into the store)."""
+        """Between answers, on the intake's thread: what its commits left to clean (the journal's
+        rows already moved into the store)."""
         self._backend.tidy_intake()
 
     def queued_for_intake(self, cap: int) -> int:
         """Jobs waiting to run, up to `cap`, as the intake's queue cap counts them: never waiting for
-        a writer (on SQLite, the store's queued jobs plus the intake journal's not yet moved)."""
+        a writer (the store's queued jobs plus, with a journal, its rows not yet moved)."""
         return self._backend.queued_for_intake(cap)
 
 
@@ -725,8 +725,8 @@ class AsyncStore:
 
     def loop_intake(self) -> LoopCommits | None:
         """The webhook intake's commits on the event loop, on a connection of their own, where the
-        engine has an async driver (PostgreSQL); None where it has not (SQLite: `blocking.enqueue_many`
-        on the intake's thread). The caller closes it, and wakes the loop's workers and waiters after
+        engine has an async driver (PostgreSQL); None where it has not, or where the intake journals
+        (SQLite, PostgreSQL with `intake_journal`: `blocking.enqueue_many` on the intake's thread). The caller closes it, and wakes the loop's workers and waiters after
         each commit (`jobs_queued`)."""
         return self._backend.loop_intake()
 
@@ -739,7 +739,8 @@ class AsyncStore:
 
     async def start_intake(self) -> None:
         """Ready the webhook intake's commit path now rather than at the first delivery (on SQLite,
-        its journal and mover: what a previous run journaled and did not move is moved now)."""
+        its journal and mover, and on PostgreSQL with `intake_journal`: what a previous run journaled
+        and did not move is moved now)."""
         await asyncio.get_running_loop().run_in_executor(self._intake_pool, self._backend.start_intake)
 
     async def start_events(self, *, jobs_only: bool = False) -> None:

@@ -31,7 +31,8 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import psycopg
 from psycopg import sql
@@ -43,6 +44,8 @@ from store.backend import SharedMethods
 from store.dialect import POSTGRES, Db, P, Query, T
 from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
+from store.intake_journal import JournaledJob
+from store.intake_mover import IntakeMover
 from store.migrations import apply_pending, latest_version
 from store.models import (
     EnqueueBatch,
@@ -57,7 +60,9 @@ from store.models import (
 from store.postgres_errors import describe_error as _describe
 from store.postgres_errors import error_cause as _cause
 from store.postgres_intake import INTAKE_NAME, LoopIntake, enqueue_plan
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
+from store.queries import JOB_READS
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
+from store.queries.journal_moves import move_journaled, queued_beside_journal
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +142,21 @@ class PostgresStore(SharedMethods):
         pool_size: int = 10,
         connect_timeout: float = 10.0,
         upgrade: bool = True,
+        intake_journal: Path | None = None,
     ) -> None:
         self._url = url
         self._connect_timeout = connect_timeout
         self._pool_size = max(1, pool_size)
         self._intake_pool: Pool | None = None  # `enqueue_many`'s
         self._intake_pool_lock = threading.Lock()
+        # The webhook intake's local journal and its mover, where one is configured (store.intake_mover)
+        self._intake = (
+            IntakeMover(
+                intake_journal, self._move_journaled, busy_timeout=connect_timeout, store="PostgreSQL"
+            )
+            if intake_journal is not None
+            else None
+        )
         # autocommit: a read is its statements, one round trip each; a write says where its transaction
         # begins and ends (`_transaction`)
         self._pool = _new_pool(url, self._pool_size, connect_timeout, "gpubadge")
@@ -228,6 +242,8 @@ class PostgresStore(SharedMethods):
         return int(row[0]) if row else 0
 
     def close(self) -> None:
+        if self._intake is not None:
+            self._intake.close()  # its last pass needs the pool
         self._pool.close()
         if self._intake_pool is not None:
             self._intake_pool.close()
@@ -289,6 +305,7 @@ class PostgresStore(SharedMethods):
             ) from exc
 
     def queue_health(self) -> QueueHealth:
+        self._settle_intake()
         with self._reading() as conn:
             row = conn.execute(
                 "SELECT (SELECT count(*) FROM jobs WHERE state = 'queued' AND not_before <= now()),"
@@ -309,25 +326,69 @@ class PostgresStore(SharedMethods):
 
     def run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one of `store.queries` (or any `Query`) on one pooled connection: a write in one
-        transaction, a read statement by statement (`_reading`)."""
+        transaction, a read statement by statement (`_reading`). With an intake journal, a read of
+        the job queue first waits for the jobs this process journaled (`_settle_intake`), and a job
+        still in the journal is shown queued."""
+        if self._intake is not None and query in JOB_READS:
+            self._settle_intake()
+            if query is job:
+                found = self._run(query, *args, **kwargs)
+                if found is None:
+                    return cast(T, self._intake.job(str(args[0] if args else kwargs["job_id"])))
+                return found
+        return self._run(query, *args, **kwargs)
+
+    def _run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         with self._transaction() if query.write else self._reading() as conn:
             return query(Db(conn, POSTGRES), *args, **kwargs)
 
     # ------------------------------------------------------------------ jobs
 
     def start_intake(self) -> None:
-        """Nothing to ready: the intake inserts into `jobs` (row locks; no scan holds a lock it needs)."""
+        """With a journal, open it and start its mover (what an earlier run journaled and did not
+        move is moved now); without, nothing to ready: the intake inserts into `jobs`."""
+        if self._intake is not None:
+            self._intake.start()
 
     def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
-        """The webhook intake's commit: `enqueue_many` (row locks only: nothing a scan holds)."""
-        return self.enqueue_many(batches)
+        """The webhook intake's commit. With a journal (`intake_journal`), a local commit and no
+        round trip: the mover carries the jobs into `jobs` moments later (`store.intake_mover`);
+        the journal reads nothing of the server, so a reference with an active job there gets an
+        id of its own, which becomes an alias of that job when it moves. Without, `enqueue_many`."""
+        if self._intake is None:
+            return self.enqueue_many(batches)
+        if not any(batch.references for batch in batches):
+            return [[] for _ in batches]
+        return self._intake.record(batches, None)
 
     def tidy_intake(self) -> None:
-        """Nothing to tidy: the intake writes `jobs` itself."""
+        """With a journal, delete its rows already moved; without, nothing to tidy."""
+        if self._intake is not None:
+            self._intake.trim()
 
     def queued_for_intake(self, cap: int) -> int:
-        """Queued jobs up to `cap` (`queries.queued_jobs`), for the intake's queue cap."""
-        return self.run(queued_jobs, cap=cap)
+        """Queued jobs up to `cap`, for the intake's queue cap; with a journal, plus its rows past
+        this server's mark of it (`IntakeMover.waiting`: each job counted once while a move commits)."""
+        if self._intake is None:
+            return self._run(queued_jobs, cap=cap)
+        return self._intake.waiting(
+            lambda journal_id: (
+                (0, self._run(queued_jobs, cap=cap))
+                if journal_id is None
+                else self._run(queued_beside_journal, journal_id, cap=cap)
+            )
+        )
+
+    def _settle_intake(self) -> None:
+        """With a journal, wait until what this process journaled is in `jobs` (bounded)."""
+        if self._intake is not None:
+            self._intake.settle(self._connect_timeout)
+
+    def _move_journaled(
+        self, journal_id: str, rows_after: Callable[[int], Sequence[JournaledJob]], through: int
+    ) -> int:
+        """The journal mover's pass (`store.queries.journal_moves`), in one transaction."""
+        return self.run(move_journaled, journal_id, rows_after, through)
 
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one statement (group commit); job ids per batch
@@ -348,9 +409,12 @@ class PostgresStore(SharedMethods):
                     queued: list[list[str]] = done.value
                     return queued
 
-    def loop_intake(self) -> LoopIntake:
+    def loop_intake(self) -> LoopIntake | None:
         """The webhook intake's commits on the event loop, on a connection of their own
-        (`store.postgres_intake.LoopIntake`), bounded by the connect timeout."""
+        (`store.postgres_intake.LoopIntake`), bounded by the connect timeout; None with a journal
+        (its local commits run on the intake's thread, as SQLite's)."""
+        if self._intake is not None:
+            return None
         return LoopIntake(self._url, timeout=self._connect_timeout)
 
     def claim_jobs(
@@ -370,6 +434,7 @@ class PostgresStore(SharedMethods):
         """
         if limit <= 0:
             return []
+        self._settle_intake()
         with self._transaction() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", [_CLAIM_LOCK_CLASS])
             # Another replica's claim may have taken every due job while this one waited its turn

@@ -20,12 +20,10 @@ upgrade's legacy `user_version`, and GPU reservations.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sqlite3
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,6 +33,8 @@ from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_CHANNELS, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
 from store.fairness import RegistryTurn, claim_order, plan_claims
+from store.intake_journal import JournaledJob, journal_path
+from store.intake_mover import IntakeMover
 from store.migrations import apply_pending, latest_version
 from store.models import (
     EnqueueBatch,
@@ -48,22 +48,10 @@ from store.models import (
 )
 from store.queries import JOB_READS
 from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, job_ready, queued_jobs
+from store.queries.journal_moves import move_journaled, queued_beside_journal
 from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
-from store.sqlite_intake import IntakeJournal, journal_path
 from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
 
-# The job-enqueue statements (the webhook's commit path): a new reference inserts, one with a
-# queued or running job hits the partial unique index `jobs_active_key` and inserts nothing.
-_INSERT_JOB = (
-    "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts,"
-    " not_before, source, created_at, updated_at)"
-    " VALUES (?, ?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
-)
-MOVE_RECHECK = 1.0  # seconds between the mover's passes when no intake wakes it (another process's rows)
-MOVE_GATHER = 0.002  # seconds the mover waits after a wake-up before its pass
-SETTLE_SECONDS = 2.0  # longest a read of the job queue waits for this process's journaled jobs
-CHECKPOINT_SECONDS = 1.0  # the journal's WAL is folded back at most this often
 log = logging.getLogger(__name__)
 
 
@@ -115,13 +103,14 @@ class SqliteStore(SharedMethods):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
-        # The intake's journal (store.sqlite_intake), opened by the first intake, and its mover.
-        self._journal: IntakeJournal | None = None
-        self._journal_lock = threading.Lock()
-        self._move_wanted = threading.Event()
-        self._moved = threading.Condition()
-        self._mover: threading.Thread | None = None
-        self._closing = False
+        # The intake's journal (store.intake_journal) and its mover, opened by the first intake.
+        self._intake = IntakeMover(
+            journal_path(self.path),
+            self._move_journaled,
+            synchronous=synchronous,
+            busy_timeout=busy_timeout,
+            store=str(self.path),
+        )
         try:
             create_private_file(self.path)
             self._writer = self._connect(busy_timeout)
@@ -160,7 +149,7 @@ class SqliteStore(SharedMethods):
         return int(row[0] or 0)
 
     def close(self) -> None:
-        self._stop_mover()
+        self._intake.close()
         with self._connections_lock:
             connections, self._connections = self._connections, []
         for connection in connections:
@@ -279,8 +268,8 @@ class SqliteStore(SharedMethods):
             self._settle_intake()
             if query is job:  # a job still in the journal (the store's writer held elsewhere) is queued
                 found = self._reading_query(query, *args, **kwargs)
-                if found is None and self._journal is not None:
-                    return cast(T, self._journal.job(str(args[0] if args else kwargs["job_id"])))
+                if found is None:
+                    return cast(T, self._intake.job(str(args[0] if args else kwargs["job_id"])))
                 return found
         if query.write:
             with self._transaction() as conn:
@@ -299,49 +288,26 @@ class SqliteStore(SharedMethods):
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """Several deliveries' jobs in one transaction (group commit); job ids per batch. They are
         in `jobs` when this returns, for every process (unless the store's writer is held elsewhere
-        past SETTLE_SECONDS: then they wait, durable, in the journal, and move when it is free)."""
+        past `store.intake_mover.SETTLE_SECONDS`: then they wait, durable, in the journal, and move when it is free)."""
         ids = self.record_intake(batches)
         self._settle_intake()
         return ids
 
     def record_intake(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """`enqueue_many` for the webhook intake, whose answer waits for it: it never touches the
-        store's writer. The jobs are committed to the intake's journal (`store.sqlite_intake`),
+        store's writer. The jobs are committed to the intake's journal (`store.intake_journal`),
         which no scan writes, and the mover carries them into `jobs` moments later; every read and
         claim of jobs in this process waits for that move first (`_settle_intake`), so here the
         journal is invisible (other processes see the jobs once moved, as the mover wakes them)."""
         if not any(batch.references for batch in batches):
             return [[] for _ in batches]
-        journal = self.start_intake()
         with self._reading() as store:
-            ids = journal.record(batches, store, _now())
-        self._move_wanted.set()
-        return ids
+            return self._intake.record(batches, store)
 
-    def start_intake(self) -> IntakeJournal:
+    def start_intake(self) -> None:
         """Open the intake's journal and start its mover (once); what an earlier process journaled
         and did not move is moved now. `serve` calls it at start, the first enqueue otherwise."""
-        with self._journal_lock:
-            if self._closing:  # as every other call on a closed store fails
-                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
-            if self._journal is None:
-                try:
-                    self._journal = IntakeJournal(
-                        journal_path(self.path), synchronous=self._synchronous, busy_timeout=self.busy_timeout
-                    )
-                except sqlite3.Error as exc:
-                    raise StoreUnavailable(
-                        f"the intake journal {journal_path(self.path)} cannot be opened: {exc}"
-                    ) from exc
-                try:  # what an earlier run journaled, before anyone reads the queue
-                    self._move_journal()
-                except (StoreUnavailable, sqlite3.Error) as exc:
-                    log.warning("journaled jobs not moved yet (%s); the mover keeps trying", exc)
-                self._mover = threading.Thread(
-                    target=self._move_journal_forever, name="intake-mover", daemon=True
-                )
-                self._mover.start()
-            return self._journal
+        self._intake.start()
 
     def loop_intake(self) -> None:
         """None: the intake's commits are the journal's, on a thread of their own (`record_intake`);
@@ -350,116 +316,35 @@ class SqliteStore(SharedMethods):
 
     def tidy_intake(self) -> None:
         """The intake's thread, between answers: delete the journal rows already moved."""
-        if self._journal is not None:
-            self._journal.trim()
+        self._intake.trim()
 
     def queued_for_intake(self, cap: int) -> int:
         """Jobs waiting (up to `cap`), for the intake's queue cap, read without waiting for the mover
-        or the writer: journaled and not yet moved, plus queued in the store (read in that order, so
-        a job moving meanwhile is counted twice rather than not at all)."""
-        journaled = self._journal.pending() if self._journal is not None else 0
-        with self._reading() as db:
-            return journaled + queued_jobs(Db(db, SQLITE), cap=cap)
+        or the writer: queued in the store, and journaled past the store's mark of this journal
+        (`IntakeMover.waiting`: each job counted once while a move commits)."""
+
+        def read(journal_id: str | None) -> tuple[int, int]:
+            with self._reading() as db:
+                if journal_id is None:
+                    return 0, queued_jobs(Db(db, SQLITE), cap=cap)
+                return queued_beside_journal(Db(db, SQLITE), journal_id, cap=cap)
+
+        return self._intake.waiting(read)
 
     def _settle_intake(self) -> None:
-        """Wait until every job this process journaled is in `jobs`, at most SETTLE_SECONDS (or the
-        busy timeout): a writer held elsewhere for longer (a backup, a migration) leaves the jobs in
-        the journal, and the caller goes on without them, as a read beside that lock does.
-        Never call it holding the writer: the mover needs it."""
-        journal = self._journal
-        if journal is None or journal.moved_through >= journal.recorded_through:
-            return
-        target = journal.recorded_through
-        self._move_wanted.set()
-        with self._moved:
-            self._moved.wait_for(
-                lambda: journal.moved_through >= target, timeout=min(SETTLE_SECONDS, self.busy_timeout)
-            )
+        """Wait until every job this process journaled is in `jobs` (`IntakeMover.settle`, bounded
+        by the busy timeout too). Never call it holding the writer: the mover needs it."""
+        self._intake.settle(self.busy_timeout)
 
-    def _move_journal_forever(self) -> None:
-        """The mover thread: a pass whenever the intake journals, and every MOVE_RECHECK seconds."""
-        failures = 0
-        checkpoint_due = 0.0
-        while not self._closing:
-            if self._move_wanted.wait(MOVE_RECHECK):
-                # Let the answer that woke us go out first (the loop and the intake's thread need the
-                # interpreter lock for it), and gather what arrives meanwhile into the same pass.
-                time.sleep(MOVE_GATHER)
-            self._move_wanted.clear()
-            try:
-                if self._move_journal() and time.monotonic() >= checkpoint_due:
-                    assert self._journal is not None
-                    self._journal.checkpoint()
-                    checkpoint_due = time.monotonic() + CHECKPOINT_SECONDS
-                failures = 0
-            except Exception:
-                failures += 1
-                log.exception("moving journaled jobs into %s failed; retrying", self.path)
-                time.sleep(min(5.0, 0.05 * 2**failures))
-
-    def _move_journal(self) -> int:
-        """One pass: the journaled jobs not yet moved, into `jobs` in journal order, and how far
-        that got, in one transaction of the store; returns how many rows it moved."""
-        journal = self._journal
-        if journal is None:
-            return 0
-        through = journal.last_seq()
-        if through <= journal.moved_through:
-            self._mark_moved(journal, through)
-            return 0
-        journal.moving_through = through  # from here, the intake coalesces into none of these rows
+    def _move_journaled(
+        self, journal_id: str, rows_after: Callable[[int], Sequence[JournaledJob]], through: int
+    ) -> int:
+        """The mover's pass (`store.queries.journal_moves`), on the writer ahead of waiting claims."""
         with self._transaction(urgent=True) as conn:
-            row = conn.execute(
-                "SELECT seq FROM intake_moved WHERE journal = ?", [journal.journal_id]
-            ).fetchone()
-            moved = journal.rows(row[0] if row else 0, through)
-            for job in moved:
-                if not conn.execute(
-                    _INSERT_JOB,
-                    (
-                        job.id,
-                        job.reference,
-                        job.registry,
-                        job.dedupe_key,
-                        job.max_attempts,
-                        job.not_before,
-                        job.source,
-                        job.created_at,
-                        job.created_at,
-                    ),
-                ).rowcount:  # an active job appeared meanwhile: this id names it
-                    conn.execute(
-                        "INSERT INTO job_aliases (id, job_id) SELECT ?, id FROM jobs"
-                        " WHERE dedupe_key = ? AND state IN ('queued', 'running') ON CONFLICT (id) DO NOTHING",
-                        [job.id, job.dedupe_key],
-                    )
-            conn.execute(
-                "INSERT INTO intake_moved (journal, seq) VALUES (?, ?)"
-                " ON CONFLICT (journal) DO UPDATE SET seq = max(seq, excluded.seq)",
-                [journal.journal_id, through],
-            )
-        self._mark_moved(journal, through)
-        if moved:
-            self._announce((JOBS_QUEUED_CHANNEL, ""))
-        return len(moved)
-
-    def _mark_moved(self, journal: IntakeJournal, through: int) -> None:
-        with self._moved:
-            journal.moved_through = max(journal.moved_through, through)
-            self._moved.notify_all()
-
-    def _stop_mover(self) -> None:
-        """Stop the mover after a last pass (a clean stop leaves the journal empty), close the journal."""
-        self._closing = True
-        mover, journal = self._mover, self._journal
-        if mover is not None:
-            self._move_wanted.set()
-            mover.join(timeout=self.busy_timeout)
-        if journal is not None:
-            with contextlib.suppress(Exception):
-                self._move_journal()
-            journal.close()
-        self._mover = self._journal = None
+            writing = Db(conn, SQLITE)
+            moved = move_journaled(writing, journal_id, rows_after, through)
+        self._announce(*writing.notices)
+        return moved
 
     def claim_jobs(
         self, limit: int, *, owner: str, lease_seconds: float, per_registry: int | None = None

@@ -1,7 +1,7 @@
 """How processes and threads share one SQLite file: the writer lock's fast lane for webhook intake,
 how a new file and its directory are made (the service user's alone), and why a file cannot be
 opened, in words SQLite does not give; one immediate transaction on a writer connection. Used by
-`store.sqlite` and `store.sqlite_intake`.
+`store.sqlite` and `store.intake_journal`.
 """
 
 from __future__ import annotations

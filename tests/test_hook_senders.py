@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from fixtures.service import run_service_inprocess, run_service_process
-from store.sqlite_intake import journal_path
+from store.intake_journal import journal_path
 from tests.test_service_e2e import call
 from web import hooks
 from web.hooks.common import Sender
@@ -179,7 +179,7 @@ def test_the_202_is_sent_only_after_the_commit(tmp_path: Path) -> None:
             replies.append(call("POST", url, json.dumps(event).encode(), headers, timeout=60))
             answered.set()
 
-        with write_lock_held(journal_path(db)):  # the intake's journal (store.sqlite_intake)
+        with write_lock_held(journal_path(db)):  # the intake's journal (store.intake_journal)
             sender = threading.Thread(target=deliver)
             sender.start()
             # The commit cannot happen while the lock is held, so neither may the answer.

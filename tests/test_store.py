@@ -610,7 +610,7 @@ def test_a_held_write_lock_becomes_store_unavailable_not_a_hang(tmp_path: Path) 
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # a backup tool or a migration holding the write lock
     try:
-        # the intake commits to its own journal (store.sqlite_intake): it never waits for this lock
+        # the intake commits to its own journal (store.intake_journal): it never waits for this lock
         (job_id,) = store.enqueue([("r/app:1", "r")])
         with pytest.raises(StoreUnavailable, match="database is locked"):
             store.claim_jobs(1, owner="w", lease_seconds=30)

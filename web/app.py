@@ -144,7 +144,7 @@ def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Applica
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, static_fleet = services.settings, app[STATIC_FLEET]
         await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
-        await services.store.start_intake()  # on SQLite: what a previous run journaled moves now
+        await services.store.start_intake()  # with a journal: what a previous run journaled moves now
         runtime = await ScanRuntime.start(
             settings,
             services.store,

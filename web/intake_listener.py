@@ -15,7 +15,7 @@ on the selector for every open connection and the listening sockets, accepts, re
 arrived and feeds it to each connection's HTTP/1.1 parser (httptools: llhttp, Node's parser). A
 connection with a whole request in is taken out of the selector, and the leader serves that
 request itself. It keeps the lead while it does when nothing else is ready and the request is
-quick (a body up to QUICK_BODY_BYTES, committed to SQLite's intake journal, or to PostgreSQL
+quick (a body up to QUICK_BODY_BYTES, committed to an intake journal, or to PostgreSQL itself
 while no other connection is open), then polls again: under one registry's deliveries one thread
 does everything and the others sleep. Otherwise it hands the lead on first, so other requests are
 read and served meanwhile (by as many threads), and a served connection goes back to the selector

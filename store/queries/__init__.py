@@ -86,7 +86,7 @@ from store.queries.tags import (
 REPORT_WRITES = frozenset({record_tag, record_tags, mark_gone, save_report, save_reports, save_scan_results})
 
 # The reads of the job queue: on SQLite, each first waits for the jobs this process's intake has
-# journaled to reach the store (`store.sqlite_intake`), so a job is visible once it is queued.
+# journaled to reach the store (`store.intake_journal`), so a job is visible once it is queued.
 JOB_READS = frozenset(
     {
         job,

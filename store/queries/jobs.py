@@ -93,7 +93,12 @@ def job_of(db: Db, row: Sequence[Any]) -> Job:
 @reads
 def job(db: Db, job_id: str) -> Job | None:
     """One job by id, or None (an id a delivery was given names the job it was coalesced into)."""
-    row = db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = {db.dialect.job_named('id')}", {"id": job_id})
+    # an id a journaled delivery was given names the job it was coalesced into when it moved
+    # (`store.queries.journal_moves`: `job_aliases`)
+    row = db.one(
+        f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = coalesce((SELECT job_id FROM job_aliases WHERE id = :id), :id)",
+        {"id": job_id},
+    )
     return job_of(db, row) if row else None
 
 

@@ -5,7 +5,7 @@ one SQLite file that record shares the single writer lock with every scan's writ
 outcomes, reports, in several processes) and with the WAL's checkpoints: a delivery waits for
 whatever holds the lock, and on a busy host for the holder to get a core again. So the intake
 commits its jobs to this journal (`<db>-intake`), whose only writers are intakes, and a mover
-thread (`IntakeMover`, in `store.sqlite`) carries them into the store's `jobs` table in journal
+thread (`store.intake_mover.IntakeMover`) carries them into the store's `jobs` table in journal
 order, moments later, off the answer's path: one transaction per pass, recording how far it got
 in that same transaction (`intake_moved`), so a crash anywhere moves each job exactly once.
 
@@ -131,30 +131,35 @@ class IntakeJournal:
             yield conn
 
     def record(
-        self, batches: Sequence[EnqueueBatch], store: sqlite3.Connection, now: datetime
+        self, batches: Sequence[EnqueueBatch], store: sqlite3.Connection | None, now: datetime
     ) -> list[list[str]]:
         """Several deliveries' jobs in one journal commit; a job id per reference, per batch.
 
         The answer waits for this, so it runs as few statements as there are (each hands the
         interpreter lock over and takes it back): one read of the store's active jobs for the
-        references (`store`, a read connection that never waits for the store's writer), and one
-        INSERT of every new row, which commits on its own. A reference with an active job gets
-        that job's id; one this process journaled that is not yet moving gets its row's id (kept
-        in memory: another process's duplicate row is coalesced when it moves); any other, a new
-        job. Moved rows are trimmed apart (`trim`), after the answer.
+        references (`store`, a read connection to a SQLite store that never waits for its writer;
+        None for a store whose read is a round trip away), and one INSERT of every new row, which
+        commits on its own. A reference with an active job gets that job's id; one this process
+        journaled that is not yet moving gets its row's id (kept in memory: another process's
+        duplicate row, or one whose active job the store was not asked about, is coalesced when it
+        moves, and its id becomes an alias); any other, a new job. Moved rows are trimmed apart
+        (`trim`), after the answer.
         """
-        keys = list(
-            dict.fromkeys(
-                dedupe_key(item[0], rescan=batch.rescan) for batch in batches for item in batch.references
+        active: dict[str, str] = {}
+        if store is not None:
+            keys = list(
+                dict.fromkeys(
+                    dedupe_key(item[0], rescan=batch.rescan) for batch in batches for item in batch.references
+                )
             )
-        )
-        marks = ",".join("?" * len(keys))
-        active = dict(
-            store.execute(
-                f"SELECT dedupe_key, id FROM jobs WHERE dedupe_key IN ({marks}) AND state IN ('queued', 'running')",
-                keys,
-            ).fetchall()
-        )
+            marks = ",".join("?" * len(keys))
+            active = dict(
+                store.execute(
+                    f"SELECT dedupe_key, id FROM jobs WHERE dedupe_key IN ({marks})"
+                    " AND state IN ('queued', 'running')",
+                    keys,
+                ).fetchall()
+            )
         created = _iso(now)
         not_before = {0.0: created}  # delay -> timestamp: most items share one (no delay at all)
         results: list[list[str]] = []
@@ -220,13 +225,12 @@ class IntakeJournal:
                 reference: entry for reference, entry in self._unmoved.items() if entry[0] > moved
             }
 
-    def pending(self) -> int:
-        """Rows recorded and not yet known to be moved (an upper bound: trimmed rows are gone)."""
+    def high_seq(self) -> int:
+        """The last seq this journal ever gave (rows trimmed or not): seqs are consecutive, so the
+        rows recorded after a mark number this minus the mark."""
         with self._reader_lock:
-            row = self._reader.execute(
-                "SELECT count(*) FROM intake WHERE seq > ?", [self.moved_through]
-            ).fetchone()
-        return int(row[0])
+            row = self._reader.execute("SELECT seq FROM sqlite_sequence WHERE name = 'intake'").fetchone()
+        return int(row[0]) if row else 0
 
     def last_seq(self) -> int:
         with self._reader_lock:

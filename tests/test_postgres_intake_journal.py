@@ -1,0 +1,198 @@
+"""PostgreSQL's webhook intake through a local journal (GPUBADGE_INTAKE_JOURNAL, store/intake_mover.py).
+
+Against a real PostgreSQL: a delivery is committed to the journal and answered without waiting for
+the server (here a move held up by a lock the test takes), its jobs reach `jobs` exactly once
+whatever stops where (a journal left by a process that died before its move, or after it), an id
+given to a delivery whose reference already had an active job names that job, and the service's
+intake port and main port both commit there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from jobs.intake import JobIntake, QueueFull
+from store import AsyncStore, EnqueueBatch, queries
+from store.intake_journal import IntakeJournal
+from store.postgres import PostgresStore
+from tests.test_intake_port import ports
+
+WAIT = 10.0  # seconds any one step may take here
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "webhooks"
+V2 = {"Content-Type": "application/vnd.docker.distribution.events.v2+json"}
+
+
+@pytest.fixture
+def journaled(postgres_url: str, tmp_path: Path) -> Iterator[Any]:
+    """journaled() -> a PostgreSQL store whose intake journals to this test's file; each call
+    opens it again, as another process on the same host would."""
+    opened: list[PostgresStore] = []
+
+    def open_store() -> PostgresStore:
+        opened.append(
+            PostgresStore(
+                postgres_url, pool_size=4, connect_timeout=WAIT, intake_journal=tmp_path / "journal"
+            )
+        )
+        return opened[-1]
+
+    try:
+        yield open_store
+    finally:
+        for store in opened:
+            store.close()
+
+
+def hold_the_move(holder: psycopg.Connection[Any], journal: Path) -> None:
+    """Take the lock a mover of `journal` takes for its pass (`queries.journal_moves`), in
+    `holder`'s transaction: its passes wait until that ends; readers never do."""
+    with sqlite3.connect(journal) as conn:
+        (journal_id,) = conn.execute("SELECT journal FROM journal_meta").fetchone()
+    holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"intake journal {journal_id}"])
+
+
+def rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def batch(*tags: str) -> EnqueueBatch:
+    return EnqueueBatch([(f"registry.test/app:{tag}", "registry.test") for tag in tags], "test", 3)
+
+
+def test_deliveries_are_answered_while_the_move_waits_and_move_once_it_can(
+    journaled: Any, postgres_url: str, tmp_path: Path
+) -> None:
+    store = journaled()
+    store.start_intake()
+    with psycopg.connect(postgres_url) as holder:
+        hold_the_move(holder, tmp_path / "journal")
+        started = time.monotonic()
+        ids = [store.record_intake([batch(f"t{n}")])[0][0] for n in range(20)]
+        answered = time.monotonic() - started
+        assert answered < 2.0, answered  # twenty local commits; no round trip, no wait for the lock
+        assert holder.execute("SELECT count(*) FROM jobs").fetchone() == (0,)  # not moved yet
+        assert store.queued_for_intake(100) == 20  # the queue's cap counts them meanwhile
+        holder.rollback()
+    # every read of the queue in this process waits for the move first
+    assert all((job := store.job(job_id)) is not None and job.state == "queued" for job_id in ids)
+    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(20,)]
+    assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(ids)
+
+
+def test_a_journal_left_unmoved_by_a_dead_process_moves_once_at_the_next_start(
+    journaled: Any, postgres_url: str, tmp_path: Path
+) -> None:
+    store = journaled()  # the schema is in place; its journal opens at its intake's start
+    # what a process that died between its 202 and its mover's pass leaves: rows in its journal
+    journal = IntakeJournal(tmp_path / "journal")
+    ids = [
+        job_id
+        for batch_ids in journal.record([batch("a", "b"), batch("c")], None, datetime.now(UTC))
+        for job_id in batch_ids
+    ]
+    journal.close()
+    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(0,)]
+    store.start_intake()  # moved before anyone reads the queue
+    assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(ids)
+    store.close()
+    # the rows are still in the file (trimmed only between answers), but marked moved in PostgreSQL
+    assert len(IntakeJournal(tmp_path / "journal").rows(0, 100)) == 3
+    again = journaled()
+    again.start_intake()
+    again.record_intake([batch("d")])
+    assert again.job(ids[0]) is not None
+    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(4,)]  # a, b, c once each, and d
+    assert rows(postgres_url, "SELECT seq FROM intake_moved") == [(4,)]
+
+
+def test_an_id_given_beside_an_active_job_names_that_job(journaled: Any, postgres_url: str) -> None:
+    store = journaled()
+    [[active]] = store.enqueue_many([batch("busy")])  # an API scan request: straight to PostgreSQL
+    [[given]] = store.record_intake([batch("busy")])  # the journal does not ask the server
+    assert given != active
+    job = store.job(given)  # moved by now: an alias of the active job
+    assert job is not None and job.id == active
+    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(1,)]
+    assert rows(postgres_url, f"SELECT job_id FROM job_aliases WHERE id = '{given}'") == [(active,)]
+    # the alias goes with its job (retention's deletes)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM jobs")
+    assert rows(postgres_url, "SELECT count(*) FROM job_aliases") == [(0,)]
+
+
+def test_a_reference_delivered_twice_before_its_move_is_one_job(
+    journaled: Any, postgres_url: str, tmp_path: Path
+) -> None:
+    store = journaled()
+    store.start_intake()
+    with psycopg.connect(postgres_url) as holder:
+        hold_the_move(holder, tmp_path / "journal")
+        [[first]] = store.record_intake([batch("x")])
+        [[second]] = store.record_intake([batch("x")])
+        holder.rollback()
+    assert first == second
+    assert store.job(first) is not None
+    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(1,)]
+
+
+async def test_the_queue_cap_counts_journaled_jobs(journaled: Any) -> None:
+    intake = JobIntake(AsyncStore(journaled()), max_queued=25)
+    outcomes = await asyncio.gather(
+        *(
+            intake.enqueue([(f"r/app-{n}:{i}", "r") for i in range(3)], source="test", max_attempts=3)
+            for n in range(12)
+        ),
+        return_exceptions=True,
+    )
+    accepted = [ids for ids in outcomes if isinstance(ids, list)]
+    assert len(accepted) == 8 and sum(isinstance(outcome, QueueFull) for outcome in outcomes) == 4
+    assert intake.journaled  # committed on the intake's thread, to the journal
+    assert await intake.store.run(queries.queued_jobs, cap=100) == 24
+    await intake.close()
+
+
+def push(tag: str) -> bytes:
+    event = json.loads((FIXTURES / "distribution_push_v2.json").read_bytes())
+    event["events"] = [{**item, "target": {**item["target"], "tag": tag}} for item in event["events"]]
+    return json.dumps(event).encode()
+
+
+async def test_the_service_journals_webhooks_on_both_ports(tmp_path: Path, postgres_url: str) -> None:
+    async with ports(tmp_path, database_url=postgres_url, intake_journal=tmp_path / "journal") as at:
+        assert at.services.intake.journaled
+        found: list[str] = []
+        for base in (at.intake, at.main):
+            status, body, _ = await at.post(base, "/hooks/distribution", push(f"t{len(found)}"), V2)
+            assert status == 202
+            found += body["jobs"]
+        for job_id in found:  # `/api/scans/{id}` answers for them at once (moved, or read from the journal)
+            async with at.session.get(f"{at.main}/api/scans/{job_id}") as reply:
+                assert reply.status == 200 and (await reply.json())["state"] == "queued"
+        assert (tmp_path / "journal").exists()
+    # a clean stop leaves nothing unmoved
+    assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(found)
+
+
+def test_a_journal_without_postgresql_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "serve", "--db", str(tmp_path / "x.db")],
+        env={"GPUBADGE_INTAKE_JOURNAL": str(tmp_path / "journal"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "intake_journal is for PostgreSQL" in done.stderr and "Traceback" not in done.stderr
