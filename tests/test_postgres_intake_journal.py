@@ -141,11 +141,18 @@ def test_a_reference_delivered_twice_before_its_move_is_one_job(
     with psycopg.connect(postgres_url) as holder:
         hold_the_move(holder, tmp_path / "journal")
         [[first]] = store.record_intake([batch("x")])
-        [[second]] = store.record_intake([batch("x")])
+        [[second]] = store.record_intake([batch("x")])  # this process knows its own row
+        other = IntakeJournal(tmp_path / "journal")  # another process on the same journal does not
+        [[third]] = other.record([batch("x")], None, datetime.now(UTC))
+        other.close()
         holder.rollback()
-    assert first == second
-    assert store.job(first) is not None
-    assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(1,)]
+    assert first == second != third
+    store.record_intake([batch("y")])  # journaled after the third: once this process reads it, both moved
+    job = store.job(first)
+    assert job is not None and job.id == first
+    moved = store.job(third)  # moved after the first: an alias of it
+    assert moved is not None and moved.id == first
+    assert rows(postgres_url, "SELECT count(*) FROM jobs WHERE reference LIKE '%:x'") == [(1,)]
 
 
 async def test_the_queue_cap_counts_journaled_jobs(journaled: Any) -> None:

@@ -18,13 +18,17 @@ from store.events import JOBS_QUEUED_CHANNEL
 from store.intake_journal import JournaledJob
 
 ROUNDS = 5  # a row goes round again only when the active job it met settled before its alias was written
+INSERT_ROWS = 1000  # rows per INSERT statement (8 parameters each: under SQLite's 32,766)
 
+_COLUMNS = "id, reference, registry, dedupe_key, max_attempts, not_before, source, created_at"
 _INSERT = (
     "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts, not_before, source,"
-    " created_at, updated_at)"
-    " VALUES (:id, :reference, :registry, :dedupe_key, 'queued', 0, :max_attempts, :not_before, :source,"
-    " :created_at, :created_at)"
-    " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING"
+    " created_at, updated_at) VALUES {values}"
+    " ON CONFLICT (dedupe_key) WHERE state IN ('queued', 'running') DO NOTHING RETURNING id"
+)
+_ROW = (
+    "(:id{n}, :reference{n}, :registry{n}, :dedupe_key{n}, 'queued', 0, :max_attempts{n}, :not_before{n},"
+    " :source{n}, :created_at{n}, :created_at{n})"
 )
 _ALIAS = (
     "INSERT INTO job_aliases (id, job_id) SELECT :id, id FROM jobs"
@@ -34,6 +38,21 @@ _MARK = (
     "INSERT INTO intake_moved (journal, seq) VALUES (:journal, :through) ON CONFLICT (journal) DO UPDATE"
     " SET seq = CASE WHEN excluded.seq > intake_moved.seq THEN excluded.seq ELSE intake_moved.seq END"
 )
+
+
+def _insert(db: Db, jobs: Sequence[JournaledJob]) -> set[str]:
+    """INSERT `jobs` in order, INSERT_ROWS to a statement; the ids inserted (the others met an
+    active job of their reference, or an earlier row of this pass)."""
+    inserted: set[str] = set()
+    for start in range(0, len(jobs), INSERT_ROWS):
+        chunk = jobs[start : start + INSERT_ROWS]
+        params: dict[str, object] = {}
+        for n, job in enumerate(chunk):
+            for column in _COLUMNS.split(", "):
+                params[f"{column}{n}"] = getattr(job, column)
+        values = ", ".join(_ROW.format(n=n) for n in range(len(chunk)))
+        inserted.update(str(row[0]) for row in db.all(_INSERT.format(values=values), params))
+    return inserted
 
 
 @writes
@@ -47,19 +66,14 @@ def move_journaled(
     db.dialect.lock(db, f"intake journal {journal_id}")
     row = db.one("SELECT seq FROM intake_moved WHERE journal = :journal", {"journal": journal_id})
     moved = rows_after(int(row[0]) if row else 0)
+    inserted = _insert(db, moved)
     for job in moved:
-        params = {
-            "id": job.id,
-            "reference": job.reference,
-            "registry": job.registry,
-            "dedupe_key": job.dedupe_key,
-            "max_attempts": job.max_attempts,
-            "not_before": job.not_before,
-            "source": job.source,
-            "created_at": job.created_at,
-        }
-        for _ in range(ROUNDS):
-            if db.execute(_INSERT, params).rowcount or db.execute(_ALIAS, params).rowcount:
+        if job.id in inserted:
+            continue
+        for _ in range(ROUNDS):  # its id names the active job it met (rare: a second mention of a reference)
+            if db.execute(_ALIAS, {"id": job.id, "dedupe_key": job.dedupe_key}).rowcount or _insert(
+                db, [job]
+            ):
                 break
     db.execute(_MARK, {"journal": journal_id, "through": through})
     if moved:
