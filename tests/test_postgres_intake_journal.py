@@ -10,11 +10,15 @@ intake port and main port both commit there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -203,3 +207,80 @@ def test_a_journal_without_postgresql_is_refused_naming_the_setting(tmp_path: Pa
     )
     assert done.returncode != 0
     assert "intake_journal is for PostgreSQL" in done.stderr and "Traceback" not in done.stderr
+
+
+class TcpRelay:
+    """A TCP relay to `upstream` on a free loopback port that a test can cut (every connection
+    closed, new ones closed at once: the server out of reach) and mend."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut_off = threading.Event()
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut_off.is_set():
+                client.close()
+                continue
+            server = socket.create_connection(self.upstream)
+            with self.lock:
+                self.open |= {client, server}
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.cut_off.set()
+        with self.lock:
+            ends, self.open = self.open, set()
+        for end in ends:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def mend(self) -> None:
+        self.cut_off.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_deliveries_are_taken_while_postgresql_is_out_of_reach_and_move_once_it_is_back(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    server = urllib.parse.urlsplit(postgres_url)
+    relay = TcpRelay((server.hostname or "127.0.0.1", server.port or 5432))
+    through_relay = postgres_url.replace(f"{server.hostname}:{server.port}", f"127.0.0.1:{relay.port}")
+    store = PostgresStore(through_relay, pool_size=2, connect_timeout=2, intake_journal=tmp_path / "journal")
+    try:
+        store.start_intake()
+        relay.cut()
+        started = time.monotonic()
+        ids = [store.record_intake([batch(f"away{n}")])[0][0] for n in range(5)]
+        assert time.monotonic() - started < 2.0  # answered from the journal, not after a timeout
+        assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(0,)]
+        relay.mend()
+        deadline = time.monotonic() + 60  # the pool's reconnection and the mover's back-off, bounded
+        while rows(postgres_url, "SELECT count(*) FROM jobs") != [(5,)]:
+            assert time.monotonic() < deadline, "the journaled jobs never reached PostgreSQL"
+            time.sleep(0.05)
+        assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(ids)
+    finally:
+        store.close()
+        relay.close()
