@@ -462,7 +462,8 @@ class BlockingStore:
     def enqueue_many(self, batches: Sequence[EnqueueBatch]) -> list[list[str]]:
         """The webhook intake's commit: every delivery's jobs in one commit, a job id per reference,
         per batch, never waiting for a scan's lock (`record_intake`; on SQLite, and on PostgreSQL
-        with `intake_journal`, the intake's journal). The caller wakes the loop's workers and waiters afterwards (`AsyncStore.jobs_queued`)."""
+        with `intake_journal`, the intake's journal). The caller wakes the loop's workers and
+        waiters afterwards (`AsyncStore.jobs_queued`)."""
         return self._backend.record_intake(batches)
 
     def tidy_intake(self) -> None:
@@ -722,6 +723,11 @@ class AsyncStore:
         """On the loop: jobs were committed from a caller's own thread (the webhook intake calls
         `blocking.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
         self._fire_local(QUEUED)
+
+    def intake_unmoved(self) -> int:
+        """Jobs this process's intake journaled that are not in the store's queue yet (0 without a
+        journal); read from memory, so safe on the loop."""
+        return self._backend.intake_unmoved()
 
     def loop_intake(self) -> LoopCommits | None:
         """The webhook intake's commits on the event loop, on a connection of their own, where the

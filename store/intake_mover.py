@@ -123,6 +123,11 @@ class IntakeMover:
         moved, queued = read(journal.journal_id)
         return queued + max(0, journal.high_seq() - moved)
 
+    def unmoved(self) -> int:
+        """Jobs this process journaled that are not in the store yet (in memory: no I/O)."""
+        journal = self._journal
+        return max(0, journal.recorded_through - journal.moved_through) if journal is not None else 0
+
     def job(self, job_id: str) -> Job | None:
         """A job still in the journal, as the store will show it (queued); None if not there."""
         return self._journal.job(job_id) if self._journal is not None else None

@@ -366,6 +366,10 @@ class PostgresStore(SharedMethods):
         if self._intake is not None:
             self._intake.trim()
 
+    def intake_unmoved(self) -> int:
+        """With a journal, jobs this process journaled that are not in PostgreSQL yet (no I/O); else 0."""
+        return self._intake.unmoved() if self._intake is not None else 0
+
     def queued_for_intake(self, cap: int) -> int:
         """Queued jobs up to `cap`, for the intake's queue cap; with a journal, plus its rows past
         this server's mark of it (`IntakeMover.waiting`: each job counted once while a move commits)."""

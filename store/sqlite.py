@@ -318,6 +318,10 @@ class SqliteStore(SharedMethods):
         """The intake's thread, between answers: delete the journal rows already moved."""
         self._intake.trim()
 
+    def intake_unmoved(self) -> int:
+        """Jobs this process journaled that the mover has not carried into `jobs` yet (no I/O)."""
+        return self._intake.unmoved()
+
     def queued_for_intake(self, cap: int) -> int:
         """Jobs waiting (up to `cap`), for the intake's queue cap, read without waiting for the mover
         or the writer: queued in the store, and journaled past the store's mark of this journal

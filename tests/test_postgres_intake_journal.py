@@ -193,6 +193,8 @@ async def test_the_service_journals_webhooks_on_both_ports(tmp_path: Path, postg
             async with at.session.get(f"{at.main}/api/scans/{job_id}") as reply:
                 assert reply.status == 200 and (await reply.json())["state"] == "queued"
         assert (tmp_path / "journal").exists()
+        async with at.session.get(f"{at.main}/metrics") as reply:
+            assert "\ngpubadge_intake_journal_unmoved_jobs 0.0\n" in await reply.text()
     # a clean stop leaves nothing unmoved
     assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(found)
 
@@ -275,12 +277,15 @@ def test_deliveries_are_taken_while_postgresql_is_out_of_reach_and_move_once_it_
         ids = [store.record_intake([batch(f"away{n}")])[0][0] for n in range(5)]
         assert time.monotonic() - started < 2.0  # answered from the journal, not after a timeout
         assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(0,)]
+        assert store.intake_unmoved() == 5  # what /metrics shows (gpubadge_intake_journal_unmoved_jobs)
         relay.mend()
         deadline = time.monotonic() + 60  # the pool's reconnection and the mover's back-off, bounded
         while rows(postgres_url, "SELECT count(*) FROM jobs") != [(5,)]:
             assert time.monotonic() < deadline, "the journaled jobs never reached PostgreSQL"
             time.sleep(0.05)
         assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(ids)
+        store.job(ids[0])  # the mover's mark follows its commit: this waits for it
+        assert store.intake_unmoved() == 0
     finally:
         store.close()
         relay.close()

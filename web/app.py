@@ -78,6 +78,7 @@ def create_app(settings: ServiceSettings, *, start_workers: bool = True) -> web.
     # worker processes): on SQLite, each process's commits must wake the others.
     store = open_job_store(settings, shared=settings.workers == 0 or settings.worker_process_count() > 0)
     services = Services(settings=settings, store=store, metrics=ServiceMetrics())
+    services.metrics.intake_unmoved_source = store.intake_unmoved
     # the reserve first: a request it refuses costs nothing more
     middlewares: list[Middleware] = [reserve_middleware(service_reserved(settings)), error_middleware]
     if not settings.public_reads:

@@ -4,6 +4,7 @@ side's (webhook deliveries, admission reviews), in one registry per service."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 from jobs.metrics import Counter, Gauge, Histogram, JobMetrics
 from web.hooks import SOURCES
@@ -40,6 +41,15 @@ class ServiceMetrics(JobMetrics):
                 "Objects `serve` froze out of the cyclic collector's reach (jobs/garbage_collection.py):"
                 " what it built before serving, and what survived each step of memory growth.",
                 collect=lambda: {(): float(gc.get_freeze_count())},
+            )
+        )
+        self.intake_unmoved_source: Callable[[], int] = lambda: 0
+        self.intake_unmoved = add(
+            Gauge(
+                "gpubadge_intake_journal_unmoved_jobs",
+                "Jobs this process's webhook intake journaled that are not in the store's queue yet: a few while"
+                " the mover keeps up, growing while the store is out of reach (store/intake_mover.py).",
+                collect=lambda: {(): float(self.intake_unmoved_source())},
             )
         )
         self.loop_lag = add(
