@@ -59,12 +59,19 @@ def journaled(postgres_url: str, tmp_path: Path) -> Iterator[Any]:
             store.close()
 
 
-def hold_the_move(holder: psycopg.Connection[Any], journal: Path) -> None:
-    """Take the lock a mover of `journal` takes for its pass (`queries.journal_moves`), in
-    `holder`'s transaction: its passes wait until that ends; readers never do."""
+@contextlib.contextmanager
+def moves_held(store: PostgresStore, url: str, journal: Path) -> Iterator[psycopg.Connection[Any]]:
+    """`store`'s intake started, and the lock its mover takes for a pass (`queries.journal_moves`)
+    held by another connection until the block ends: passes wait meanwhile; readers never do."""
+    store.start_intake()
     with sqlite3.connect(journal) as conn:
         (journal_id,) = conn.execute("SELECT journal FROM journal_meta").fetchone()
-    holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"intake journal {journal_id}"])
+    with psycopg.connect(url) as holder:
+        holder.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"intake journal {journal_id}"]
+        )
+        yield holder
+        holder.rollback()
 
 
 def rows(url: str, sql: str) -> list[tuple[Any, ...]]:
@@ -80,16 +87,13 @@ def test_deliveries_are_answered_while_the_move_waits_and_move_once_it_can(
     journaled: Any, postgres_url: str, tmp_path: Path
 ) -> None:
     store = journaled()
-    store.start_intake()
-    with psycopg.connect(postgres_url) as holder:
-        hold_the_move(holder, tmp_path / "journal")
+    with moves_held(store, postgres_url, tmp_path / "journal") as holder:
         started = time.monotonic()
         ids = [store.record_intake([batch(f"t{n}")])[0][0] for n in range(20)]
         answered = time.monotonic() - started
         assert answered < 2.0, answered  # twenty local commits; no round trip, no wait for the lock
         assert holder.execute("SELECT count(*) FROM jobs").fetchone() == (0,)  # not moved yet
         assert store.queued_for_intake(100) == 20  # the queue's cap counts them meanwhile
-        holder.rollback()
     # every read of the queue in this process waits for the move first
     assert all((job := store.job(job_id)) is not None and job.state == "queued" for job_id in ids)
     assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(20,)]
@@ -141,15 +145,12 @@ def test_a_reference_delivered_twice_before_its_move_is_one_job(
     journaled: Any, postgres_url: str, tmp_path: Path
 ) -> None:
     store = journaled()
-    store.start_intake()
-    with psycopg.connect(postgres_url) as holder:
-        hold_the_move(holder, tmp_path / "journal")
+    with moves_held(store, postgres_url, tmp_path / "journal"):
         [[first]] = store.record_intake([batch("x")])
         [[second]] = store.record_intake([batch("x")])  # this process knows its own row
         other = IntakeJournal(tmp_path / "journal")  # another process on the same journal does not
         [[third]] = other.record([batch("x")], None, datetime.now(UTC))
         other.close()
-        holder.rollback()
     assert first == second != third
     store.record_intake([batch("y")])  # journaled after the third: once this process reads it, both moved
     job = store.job(first)
