@@ -26,7 +26,10 @@ them (an index range, stopped at the cap) at most once a second, adds what each 
 and counts again whenever a group would bring that figure within a tenth of the cap, so near the
 cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot by what they
 queue within one count; the figure is shared by the loop's commits and `enqueue_here`'s threads,
-under a lock held for arithmetic only). A delivery that would pass the cap is not committed: its caller gets
+under a lock held for arithmetic only). Where the intake journals, the once-a-second count runs
+on a thread of its own while the queue is not near its cap, so a journaled delivery's answer
+waits for no read of the store (on PostgreSQL, a round trip, or its timeout while the server is
+away); the first count and those near the cap stay in front of the commit. A delivery that would pass the cap is not committed: its caller gets
 `QueueFull` (the route answers 503 with Retry-After), the others in its group are committed as
 usual, and nothing already queued is touched.
 """
@@ -41,7 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from store import AsyncStore, EnqueueBatch, LoopCommits, queries
+from store import AsyncStore, EnqueueBatch, LoopCommits, StoreUnavailable, queries
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class JobIntake:
         self._lock = threading.Lock()  # starts the thread once, whichever loop asks first
         # `_waiting` and `_counted_at`, shared by the loop's commits and `enqueue_here`'s threads
         self._count_lock = threading.Lock()
+        self._counting = False  # a recount beside the answers is running (`_count_before`)
+        self._admitted = 0  # jobs admitted so far: what a recount beside the answers adds to its count
         self._on_loop: LoopCommits | None = store.loop_intake()
         self._commits: set[asyncio.Task[None]] = set()  # the loop's commit in flight, if any
 
@@ -121,8 +126,7 @@ class JobIntake:
         (`AsyncStore.jobs_queued`, on the loop), and tidies between answers (`tidy_here`)."""
         if not references:
             return []
-        if self._must_count(len(references)):
-            self._recount()
+        self._count_before(len(references))
         if not self._admit_sizes([len(references)])[0]:
             raise QueueFull(self.max_queued or 0)
         return self.store.blocking.enqueue_many([EnqueueBatch(references, source, max_attempts)])[0]
@@ -180,8 +184,7 @@ class JobIntake:
         """The commit thread: one transaction per group, then back to the loop with the outcome."""
         while (item := self._groups.get()) is not None:
             loop, group = item
-            if self._must_count(_size(group)):
-                self._recount()
+            self._count_before(_size(group))
             admitted, full = self._admit(group)
             outcome: Outcome
             try:
@@ -213,16 +216,54 @@ class JobIntake:
             or self._waiting + incoming > cap - cap // 10
         )
 
-    def _recount(self) -> None:
-        """On a thread (the commit thread, or the store's for a commit on the loop): count the jobs
-        waiting, up to the cap; a count that fails leaves the last one."""
+    def _near_cap(self, incoming: int) -> bool:
+        cap = self.max_queued
+        return cap is not None and self._waiting is not None and self._waiting + incoming > cap - cap // 10
+
+    def _count_before(self, incoming: int) -> None:
+        """On a thread that commits: count the waiting jobs when `_must_count` says so. Where the
+        intake journals and the queue is not near its cap, the count runs on a thread of its own,
+        beside the answers: a journaled delivery's answer then waits for no read of the store (on
+        PostgreSQL a round trip, and while the server is away, the store's timeout)."""
+        if not self._must_count(incoming):
+            return
+        if self.journaled and self._waiting is not None and not self._near_cap(incoming):
+            with self._count_lock:
+                if self._counting:
+                    return
+                self._counting = True
+                admitted = self._admitted
+            threading.Thread(
+                target=self._recount, args=(admitted,), name="intake-recount", daemon=True
+            ).start()
+            return
+        self._recount()
+
+    def _recount(self, admitted: int | None = None) -> None:
+        """On a thread (the commit thread, a recount's own, or the store's for a commit on the loop):
+        count the jobs waiting, up to the cap. A recount beside the answers (`admitted`: the jobs
+        admitted when it began) adds those admitted since, which its read may have missed (an
+        over-estimate until the next count, never an under-count). A count that fails leaves the
+        last one, and the next is tried a second later, not at every delivery."""
         try:
             waiting = self.store.blocking.queued_for_intake((self.max_queued or 0) + 1)
-        except Exception:
-            log.exception("intake: counting the queued jobs failed; the cap is checked with the last count")
+        except Exception as exc:
+            if isinstance(exc, StoreUnavailable):  # the store's own words; no traceback each second
+                log.warning(
+                    "intake: counting the queued jobs failed (%s); the cap is checked with the last count",
+                    exc,
+                )
+            else:
+                log.exception(
+                    "intake: counting the queued jobs failed; the cap is checked with the last count"
+                )
+            with self._count_lock:
+                self._counted_at, self._counting = time.monotonic(), False
             return
         with self._count_lock:
-            self._waiting, self._counted_at = waiting, time.monotonic()
+            if admitted is not None:
+                waiting += self._admitted - admitted
+            self._waiting, self._counted_at, self._counting = waiting, time.monotonic(), False
 
     def _admit(self, group: Pending) -> tuple[Pending, list[asyncio.Future[list[str]]]]:
         """`group` split into the deliveries to commit and the futures of those that would take the
@@ -251,6 +292,7 @@ class JobIntake:
                     fits.append(False)
                 else:
                     self._waiting += size  # coalesced ones too: an over-estimate until recounted
+                    self._admitted += size
                     fits.append(True)
         return fits
 

@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import jobs.intake
 from jobs.intake import JobIntake, QueueFull
 from store import AsyncStore, EnqueueBatch, queries
 from store.intake_journal import IntakeJournal
@@ -289,4 +290,34 @@ def test_deliveries_are_taken_while_postgresql_is_out_of_reach_and_move_once_it_
         assert store.intake_unmoved() == 0
     finally:
         store.close()
+        relay.close()
+
+
+async def test_the_service_answers_webhooks_at_once_while_postgresql_is_out_of_reach(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue cap's recount, the one read of the server left on a journaled delivery's path, runs
+    beside the answers while the server is away, not in front of them."""
+    monkeypatch.setattr(jobs.intake, "RECOUNT_SECONDS", 0.0)  # every delivery finds the count stale
+    server = urllib.parse.urlsplit(postgres_url)
+    relay = TcpRelay((server.hostname or "127.0.0.1", server.port or 5432))
+    through_relay = postgres_url.replace(f"{server.hostname}:{server.port}", f"127.0.0.1:{relay.port}")
+    try:
+        async with ports(
+            tmp_path, database_url=through_relay, intake_journal=tmp_path / "journal", sqlite_busy_timeout=5
+        ) as at:
+            status, _, _ = await at.post(at.intake, "/hooks/distribution", push("before"), V2)
+            assert status == 202
+            relay.cut()
+            for n in range(3):
+                started = time.monotonic()
+                status, body, _ = await at.post(at.intake, "/hooks/distribution", push(f"away{n}"), V2)
+                assert status == 202 and len(body["jobs"]) == 1
+                assert time.monotonic() - started < 2.0  # not the store's 5 s timeout
+            relay.mend()
+            deadline = time.monotonic() + 60
+            while rows(postgres_url, "SELECT count(*) FROM jobs WHERE reference LIKE '%:away%'") != [(3,)]:
+                assert time.monotonic() < deadline, "the journaled jobs never reached PostgreSQL"
+                await asyncio.sleep(0.05)
+    finally:
         relay.close()
