@@ -26,10 +26,10 @@ them (an index range, stopped at the cap) at most once a second, adds what each 
 and counts again whenever a group would bring that figure within a tenth of the cap, so near the
 cap the figure is exact for this process (replicas sharing PostgreSQL may overshoot by what they
 queue within one count; the figure is shared by the loop's commits and `enqueue_here`'s threads,
-under a lock held for arithmetic only). Where the intake journals, the once-a-second count runs
-on a thread of its own while the queue is not near its cap, so a journaled delivery's answer
-waits for no read of the store (on PostgreSQL, a round trip, or its timeout while the server is
-away); the first count and those near the cap stay in front of the commit. A delivery that would pass the cap is not committed: its caller gets
+under a lock held for arithmetic only). Where the intake journals to PostgreSQL, the
+once-a-second count runs on a thread of its own while the queue is not near its cap, so a
+journaled delivery's answer waits for no read of the server (a round trip, or the store's
+timeout while the server is away); the first count and those near the cap stay in front of the commit. A delivery that would pass the cap is not committed: its caller gets
 `QueueFull` (the route answers 503 with Retry-After), the others in its group are committed as
 usual, and nothing already queued is touched.
 """
@@ -84,6 +84,9 @@ class JobIntake:
         self._counting = False  # a recount beside the answers is running (`_count_before`)
         self._admitted = 0  # jobs admitted so far: what a recount beside the answers adds to its count
         self._on_loop: LoopCommits | None = store.loop_intake()
+        # where the intake journals and the store's count is a round trip away (PostgreSQL with a
+        # journal), the once-a-second count runs beside the answers (`_count_before`)
+        self._count_aside = self._on_loop is None and not store.local_reads
         self._commits: set[asyncio.Task[None]] = set()  # the loop's commit in flight, if any
 
     async def enqueue(
@@ -222,12 +225,14 @@ class JobIntake:
 
     def _count_before(self, incoming: int) -> None:
         """On a thread that commits: count the waiting jobs when `_must_count` says so. Where the
-        intake journals and the queue is not near its cap, the count runs on a thread of its own,
-        beside the answers: a journaled delivery's answer then waits for no read of the store (on
-        PostgreSQL a round trip, and while the server is away, the store's timeout)."""
+        intake journals to a store whose reads are a round trip away (PostgreSQL with a journal) and
+        the queue is not near its cap, the count runs on a thread of its own, beside the answers: a
+        journaled delivery's answer then waits for no read of the server (nor, while it is away,
+        for the store's timeout). On SQLite the count is a local read that waits for no writer, and
+        runs in line, as it always did."""
         if not self._must_count(incoming):
             return
-        if self.journaled and self._waiting is not None and not self._near_cap(incoming):
+        if self._count_aside and self._waiting is not None and not self._near_cap(incoming):
             with self._count_lock:
                 if self._counting:
                     return

@@ -724,6 +724,12 @@ class AsyncStore:
         `blocking.enqueue_many` there); wake this process's workers and waiters as `enqueue_many` does."""
         self._fire_local(QUEUED)
 
+    @property
+    def local_reads(self) -> bool:
+        """Whether a read is this host's own (SQLite: a file that never waits for a writer) rather
+        than a round trip to a server (PostgreSQL)."""
+        return self._backend.local_reads
+
     def intake_unmoved(self) -> int:
         """Jobs this process's intake journaled that are not in the store's queue yet (0 without a
         journal); read from memory, so safe on the loop."""

@@ -134,6 +134,7 @@ class PostgresStore(SharedMethods):
     """A connection pool over one PostgreSQL database; safe to call from many threads."""
 
     shares_events = True  # every replica hears every commit (LISTEN/NOTIFY)
+    local_reads = False  # every read is a round trip to the server
 
     def __init__(
         self,

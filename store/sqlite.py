@@ -82,6 +82,8 @@ def _settled(job_id: str, reference: str) -> Notice:
 class SqliteStore(SharedMethods):
     """One SQLite file, safe to call from many threads (and many processes)."""
 
+    local_reads = True  # a read is a local file's, and never waits for a writer (WAL)
+
     def __init__(
         self,
         path: Path | str,
