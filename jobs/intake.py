@@ -210,16 +210,16 @@ class JobIntake:
     def _must_count(self, incoming: int) -> bool:
         """Whether the jobs waiting must be counted before `incoming` more are judged against the
         cap: never counted yet, counted over a second ago, or they would bring the figure near it."""
-        cap = self.max_queued
-        if cap is None:
+        if self.max_queued is None:
             return False
         return (
             self._waiting is None
             or time.monotonic() - self._counted_at >= RECOUNT_SECONDS
-            or self._waiting + incoming > cap - cap // 10
+            or self._near_cap(incoming)
         )
 
     def _near_cap(self, incoming: int) -> bool:
+        """Whether `incoming` more would bring the last count within a tenth of the cap."""
         cap = self.max_queued
         return cap is not None and self._waiting is not None and self._waiting + incoming > cap - cap // 10
 

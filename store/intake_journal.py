@@ -1,4 +1,5 @@
-"""The intake's journal: a SQLite file of its own beside the store's, which no scan ever writes.
+"""The intake's journal: a SQLite file of its own, which no scan ever writes (beside a SQLite store's
+file; on PostgreSQL, where `GPUBADGE_INTAKE_JOURNAL` says).
 
 A registry waits for each webhook answer, and a 202 must follow a durable record of the job. In
 one SQLite file that record shares the single writer lock with every scan's writes (claims,
@@ -226,16 +227,11 @@ class IntakeJournal:
             }
 
     def high_seq(self) -> int:
-        """The last seq this journal ever gave (rows trimmed or not): seqs are consecutive, so the
-        rows recorded after a mark number this minus the mark."""
+        """The last seq this journal ever gave (rows trimmed or not; trimming deletes only the lowest):
+        seqs are consecutive, so the rows recorded after a mark number this minus the mark."""
         with self._reader_lock:
             row = self._reader.execute("SELECT seq FROM sqlite_sequence WHERE name = 'intake'").fetchone()
         return int(row[0]) if row else 0
-
-    def last_seq(self) -> int:
-        with self._reader_lock:
-            row = self._reader.execute("SELECT max(seq) FROM intake").fetchone()
-        return int(row[0] or 0)
 
     def rows(self, after: int, through: int) -> list[JournaledJob]:
         """The journaled jobs after `after` up to `through`, in journal order."""

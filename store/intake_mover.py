@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
+from store.dialect import P, Query, T
 from store.intake_journal import IntakeJournal, JournaledJob
 from store.models import EnqueueBatch, Job, StoreUnavailable
+from store.queries.jobs import job
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +115,14 @@ class IntakeMover:
 
     def waiting(self, read: Callable[[str | None], tuple[int, int]]) -> int:
         """Jobs waiting, for the queue's cap: `read(journal_id)` gives how far the store has moved
-        this journal and its queued jobs, in one snapshot (`queries.journal_moves.queued_beside_journal`);
-        the journal's rows past that mark are added, read after it. So a job moving meanwhile is
-        counted once, as queued or as journaled, never twice and never not at all (only a row that
-        will coalesce into another job is counted too). Never waits for the mover or the store's writer."""
+        this journal (0 for None, before it opens) and its queued jobs, in one snapshot
+        (`queries.journal_moves.queued_beside_journal`); the journal's rows past that mark are
+        added, read after it. So a job moving meanwhile is counted once, as queued or as journaled,
+        never twice and never not at all (only a row that will coalesce into another job is counted
+        too). Never waits for the mover or the store's writer."""
         journal = self._journal
-        if journal is None:
-            return read(None)[1]
-        moved, queued = read(journal.journal_id)
-        return queued + max(0, journal.high_seq() - moved)
+        moved, queued = read(journal.journal_id if journal is not None else None)
+        return queued + (max(0, journal.high_seq() - moved) if journal is not None else 0)
 
     def unmoved(self) -> int:
         """Jobs this process journaled that are not in the store yet (in memory: no I/O)."""
@@ -132,10 +133,10 @@ class IntakeMover:
         """A job still in the journal, as the store will show it (queued); None if not there."""
         return self._journal.job(job_id) if self._journal is not None else None
 
-    def settle(self, timeout: float) -> None:
-        """Wait until every job this process journaled is moved, at most `timeout` (and at most
-        SETTLE_SECONDS): a store that does not take them leaves them in the journal, and the caller
-        goes on without them. Never call it holding what the mover's transaction needs."""
+    def settle(self) -> None:
+        """Wait until every job this process journaled is moved, at most SETTLE_SECONDS (and at
+        most the store's timeout): a store that does not take them leaves them in the journal, and
+        the caller goes on without them. Never call it holding what the mover's transaction needs."""
         journal = self._journal
         if journal is None or journal.moved_through >= journal.recorded_through:
             return
@@ -143,8 +144,18 @@ class IntakeMover:
         self._wanted.set()
         with self._moved:
             self._moved.wait_for(
-                lambda: journal.moved_through >= target, timeout=min(SETTLE_SECONDS, timeout)
+                lambda: journal.moved_through >= target, timeout=min(SETTLE_SECONDS, self._busy_timeout)
             )
+
+    def read_queue(self, query: Query[P, T], read: Callable[[], T], job_id: object) -> T:
+        """A read of the job queue (`queries.JOB_READS`), `read()`, once what this process journaled
+        has moved (`settle`); `queries.job` of an id still in the journal (the store out of reach,
+        or its writer held elsewhere) reads it there, queued."""
+        self.settle()
+        found = read()
+        if query is job and found is None:
+            return cast(T, self.job(str(job_id)))
+        return found
 
     def close(self) -> None:
         """Stop the mover after a last pass (a clean stop leaves the journal empty), close the journal."""
@@ -190,7 +201,7 @@ class IntakeMover:
         journal = self._journal
         if journal is None:
             return 0
-        through = journal.last_seq()
+        through = journal.high_seq()
         if through > journal.moved_through:
             journal.moving_through = through  # from here, the intake coalesces into none of these rows
             moved = self._commit(journal.journal_id, lambda after: journal.rows(after, through), through)

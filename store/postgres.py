@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -61,7 +61,7 @@ from store.postgres_errors import describe_error as _describe
 from store.postgres_errors import error_cause as _cause
 from store.postgres_intake import INTAKE_NAME, LoopIntake, enqueue_plan
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, queued_jobs
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
 from store.queries.journal_moves import move_journaled, queued_beside_journal
 
 log = logging.getLogger(__name__)
@@ -331,12 +331,9 @@ class PostgresStore(SharedMethods):
         the job queue first waits for the jobs this process journaled (`_settle_intake`), and a job
         still in the journal is shown queued."""
         if self._intake is not None and query in JOB_READS:
-            self._settle_intake()
-            if query is job:
-                found = self._run(query, *args, **kwargs)
-                if found is None:
-                    return cast(T, self._intake.job(str(args[0] if args else kwargs["job_id"])))
-                return found
+            return self._intake.read_queue(
+                query, lambda: self._run(query, *args, **kwargs), args[0] if args else kwargs.get("job_id")
+            )
         return self._run(query, *args, **kwargs)
 
     def _run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -376,18 +373,12 @@ class PostgresStore(SharedMethods):
         this server's mark of it (`IntakeMover.waiting`: each job counted once while a move commits)."""
         if self._intake is None:
             return self._run(queued_jobs, cap=cap)
-        return self._intake.waiting(
-            lambda journal_id: (
-                (0, self._run(queued_jobs, cap=cap))
-                if journal_id is None
-                else self._run(queued_beside_journal, journal_id, cap=cap)
-            )
-        )
+        return self._intake.waiting(lambda journal_id: self._run(queued_beside_journal, journal_id, cap=cap))
 
     def _settle_intake(self) -> None:
         """With a journal, wait until what this process journaled is in `jobs` (bounded)."""
         if self._intake is not None:
-            self._intake.settle(self._connect_timeout)
+            self._intake.settle()
 
     def _move_journaled(
         self, journal_id: str, rows_after: Callable[[int], Sequence[JournaledJob]], through: int

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
@@ -47,7 +47,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job, job_of, job_ready, queued_jobs
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, job_ready
 from store.queries.journal_moves import move_journaled, queued_beside_journal
 from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
@@ -267,12 +267,11 @@ class SqliteStore(SharedMethods):
         write in one immediate transaction on the shared writer. A read of the job queue first
         waits for the jobs this process journaled (`_settle_intake`)."""
         if query in JOB_READS:
-            self._settle_intake()
-            if query is job:  # a job still in the journal (the store's writer held elsewhere) is queued
-                found = self._reading_query(query, *args, **kwargs)
-                if found is None:
-                    return cast(T, self._intake.job(str(args[0] if args else kwargs["job_id"])))
-                return found
+            return self._intake.read_queue(
+                query,
+                lambda: self._reading_query(query, *args, **kwargs),
+                args[0] if args else kwargs.get("job_id"),
+            )
         if query.write:
             with self._transaction() as conn:
                 writing = Db(conn, SQLITE)
@@ -331,8 +330,6 @@ class SqliteStore(SharedMethods):
 
         def read(journal_id: str | None) -> tuple[int, int]:
             with self._reading() as db:
-                if journal_id is None:
-                    return 0, queued_jobs(Db(db, SQLITE), cap=cap)
                 return queued_beside_journal(Db(db, SQLITE), journal_id, cap=cap)
 
         return self._intake.waiting(read)
@@ -340,7 +337,7 @@ class SqliteStore(SharedMethods):
     def _settle_intake(self) -> None:
         """Wait until every job this process journaled is in `jobs` (`IntakeMover.settle`, bounded
         by the busy timeout too). Never call it holding the writer: the mover needs it."""
-        self._intake.settle(self.busy_timeout)
+        self._intake.settle()
 
     def _move_journaled(
         self, journal_id: str, rows_after: Callable[[int], Sequence[JournaledJob]], through: int

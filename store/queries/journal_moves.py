@@ -82,8 +82,8 @@ def move_journaled(
 
 
 @reads
-def queued_beside_journal(db: Db, journal_id: str, *, cap: int) -> tuple[int, int]:
-    """How far journal `journal_id` was moved, and the jobs waiting to run (up to `cap`), read in
+def queued_beside_journal(db: Db, journal_id: str | None, *, cap: int) -> tuple[int, int]:
+    """How far journal `journal_id` was moved (0 for one never moved, or None), and the jobs waiting to run (up to `cap`), read in
     one statement, so in one snapshot: with the journal's rows past that mark, every waiting job
     counted once, even while a move commits (`IntakeMover.waiting`)."""
     row = db.one(
