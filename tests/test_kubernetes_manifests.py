@@ -8,6 +8,7 @@ own command-line parsers, the agent only on GPU nodes.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from agent.main import parse_args as parse_agent_args
 from gpubadge.healthcheck import probe_for
 from gpubadge.worker import worker_parser
 from web.commands import db_parser, serve_parser
+from web.settings import ServiceSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
@@ -245,3 +247,76 @@ def test_the_agent_uses_the_docker_socket_through_its_group_not_root() -> None:
     assert environment["DOCKER_HOST"] == f"unix://{socket_mount['mountPath']}"
     (volume,) = [volume for volume in pod["volumes"] if volume["name"] == "docker-socket"]
     assert volume["hostPath"]["type"] == "Socket"
+
+
+JOURNALED = REPO_ROOT / "deploy" / "kubernetes-journaled-intake"
+
+
+def _journaled_resources() -> list[dict[str, Any]]:
+    """What `kubectl apply -k deploy/kubernetes-journaled-intake/` applies, composed as kustomize does
+    for this overlay: the base's resources less what its patches delete, then its own. (Rendered with
+    `kubectl kustomize` (kustomize v5.5) when written; CI has no kustomize, so the composition is ours.)"""
+    overlay = _documents(JOURNALED / "kustomization.yaml")[0]
+    base_dir, *own = overlay["resources"]
+    assert (JOURNALED / base_dir).resolve() == MANIFESTS
+    base = _documents(MANIFESTS / "kustomization.yaml")[0]
+    deleted = []
+    for entry in overlay["patches"]:
+        patch = yaml.safe_load(entry["patch"])
+        assert patch.pop("$patch") == "delete"
+        deleted.append((patch["kind"], patch["metadata"]["name"], patch["metadata"]["namespace"]))
+    composed = []
+    for filename in base["resources"]:
+        for doc in _documents(MANIFESTS / filename):
+            key = (doc["kind"], doc["metadata"]["name"], doc["metadata"].get("namespace", base["namespace"]))
+            if key in deleted:
+                deleted.remove(key)
+                continue
+            composed.append(doc)
+    assert not deleted, f"a patch deletes what the base does not have: {deleted}"
+    assert overlay["images"] == base["images"]  # the StatefulSet runs the base's pinned image
+    for filename in own:
+        composed.extend(_documents(JOURNALED / filename))
+    return composed
+
+
+def test_the_journaled_intake_overlay_validates_strictly_offline() -> None:
+    resources = _journaled_resources()
+    kinds = [(doc["kind"], doc["metadata"]["name"]) for doc in resources]
+    assert ("Deployment", "gpubadge-api") not in kinds  # replaced, not doubled
+    assert ("StatefulSet", "gpubadge-api") in kinds
+    assert len(kinds) == len(set(kinds))
+    for doc in resources:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_journaled_api_is_the_base_api_with_a_journal_on_a_volume_of_its_own() -> None:
+    """The StatefulSet's pod is the base Deployment's plus the journal (its setting, its mount, the
+    fsGroup that lets the image's user write it), so the two never drift apart; and `serve` accepts
+    that setting beside the database URL the pod reads."""
+    (stateful,) = [doc for doc in _journaled_resources() if doc["kind"] == "StatefulSet"]
+    deployment = _by_kind("Deployment", "gpubadge-api")
+    template = copy.deepcopy(stateful["spec"]["template"])
+    pod = template["spec"]
+    assert pod["securityContext"].pop("fsGroup") == _dockerfile_user()[1]
+    (container,) = [each for each in pod["containers"] if each["name"] == "api"]
+    (journal_env,) = [env for env in container["env"] if env["name"] == "GPUBADGE_INTAKE_JOURNAL"]
+    container["env"].remove(journal_env)
+    (claim,) = stateful["spec"]["volumeClaimTemplates"]
+    (mount,) = [mount for mount in container["volumeMounts"] if mount["name"] == claim["metadata"]["name"]]
+    container["volumeMounts"].remove(mount)
+    assert template == deployment["spec"]["template"]
+    assert Path(journal_env["value"]).parent == Path(mount["mountPath"])  # on the claim, not the tmpfs
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # a journal per replica
+    assert stateful["spec"]["replicas"] == deployment["spec"]["replicas"]
+    assert stateful["spec"]["selector"] == deployment["spec"]["selector"]
+    (headless,) = [
+        doc for doc in _journaled_resources() if doc["metadata"]["name"] == stateful["spec"]["serviceName"]
+    ]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= stateful["spec"]["template"]["metadata"]["labels"].items()
+    settings = ServiceSettings(
+        database_url="postgresql://gpubadge@db.example/gpubadge", intake_journal=journal_env["value"]
+    )
+    assert settings.intake_journal == Path(journal_env["value"])
