@@ -37,6 +37,7 @@ from store.dialect import P, Query, T
 from store.intake_journal import IntakeJournal, JournaledJob
 from store.models import EnqueueBatch, Job, StoreUnavailable
 from store.queries.jobs import job
+from store.sqlite_access import POSTGRES_INSTEAD, unwritable_hint
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,14 @@ class IntakeMover:
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
         store: str = "the store",
+        otherwise: str = POSTGRES_INSTEAD,
     ) -> None:
         self.path = path
         self._commit = commit
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = busy_timeout
         self._store = store  # how the mover's log names where it moves to (never a URL)
+        self._otherwise = otherwise  # the remedy besides a writable directory, where it cannot open
         self._journal: IntakeJournal | None = None
         self._lock = threading.Lock()
         self._wanted = threading.Event()
@@ -87,7 +90,10 @@ class IntakeMover:
                         self.path, synchronous=self._synchronous, busy_timeout=self._busy_timeout
                     )
                 except (OSError, sqlite3.Error) as exc:
-                    raise StoreUnavailable(f"the intake journal {self.path} cannot be opened: {exc}") from exc
+                    hint = unwritable_hint(self.path, self._otherwise)
+                    raise StoreUnavailable(
+                        f"the intake journal {self.path} cannot be opened: {exc}{hint}"
+                    ) from exc
                 try:  # what an earlier run journaled, before anyone reads the queue
                     self._move()
                 except (StoreUnavailable, sqlite3.Error) as exc:

@@ -153,7 +153,11 @@ class PostgresStore(SharedMethods):
         # The webhook intake's local journal and its mover, where one is configured (store.intake_mover)
         self._intake = (
             IntakeMover(
-                intake_journal, self._move_journaled, busy_timeout=connect_timeout, store="PostgreSQL"
+                intake_journal,
+                self._move_journaled,
+                busy_timeout=connect_timeout,
+                store="PostgreSQL",
+                otherwise="unset GPUBADGE_INTAKE_JOURNAL to commit each delivery on PostgreSQL instead",
             )
             if intake_journal is not None
             else None

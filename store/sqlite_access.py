@@ -108,10 +108,14 @@ def _make_directories(directory: Path) -> None:
             raise
 
 
-def unwritable_hint(path: Path) -> str:
+POSTGRES_INSTEAD = "set GPUBADGE_DATABASE_URL to use PostgreSQL instead"
+
+
+def unwritable_hint(path: Path, otherwise: str = POSTGRES_INSTEAD) -> str:
     """Why a SQLite file cannot be opened when it, or its directory, is not this process's to write:
     SQLite says only "unable to open database file". Names the path, the user and the remedy (in a
-    container: a volume the user can write, such as a root-owned bind mount is not); "" otherwise."""
+    container: a volume the user can write, such as a root-owned bind mount is not; or `otherwise`);
+    "" otherwise."""
     uid, gid = os.getuid(), os.getgid()
     if path.exists():
         if os.access(path, os.R_OK | os.W_OK):
@@ -126,6 +130,5 @@ def unwritable_hint(path: Path) -> str:
         blocked = directory
     return (
         f"; {blocked} is not writable by uid {uid} (gid {gid}): mount a volume at {path.parent} that uid {uid}"
-        f" can write (docker run -v gpubadge:{path.parent}, or chown {uid} the host directory), or set"
-        " GPUBADGE_DATABASE_URL to use PostgreSQL instead"
+        f" can write (docker run -v gpubadge:{path.parent}, or chown {uid} the host directory), or {otherwise}"
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fixtures.busybox import busybox_image, busybox_unavailable_reason, gpu_busybox_image
 from fixtures.dockerd import LocalDockerd, dockerd_unavailable_reason, run_dockerd
@@ -338,6 +339,17 @@ def test_an_unwritable_data_directory_names_the_path_the_user_and_the_remedy(
         assert "mount a volume at /data" in done.stderr and "GPUBADGE_DATABASE_URL" in done.stderr
 
 
+def journaled_api_settings() -> tuple[str, str]:
+    """The intake journal's file and the directory its volume is mounted on, as the journaled
+    overlay's StatefulSet gives them to the API container."""
+    manifest = REPO_ROOT / "deploy" / "kubernetes-journaled-intake" / "api-statefulset.yaml"
+    (stateful,) = [doc for doc in yaml.safe_load_all(manifest.read_text()) if doc]
+    (api,) = [each for each in stateful["spec"]["template"]["spec"]["containers"] if each["name"] == "api"]
+    (journal,) = [env["value"] for env in api["env"] if env["name"] == "GPUBADGE_INTAKE_JOURNAL"]
+    (mounted,) = [mount["mountPath"] for mount in api["volumeMounts"] if mount["name"] == "intake-journal"]
+    return journal, mounted
+
+
 def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
     docker_cli: Docker, built: Built, registry: LocalRegistry, push: Pusher, postgres_url: str
 ) -> None:
@@ -355,6 +367,19 @@ def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
     ]
     api_port, metrics_port, intake_port = free_port(), free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}"
+    # A second API replica as deploy/kubernetes-journaled-intake/ runs it: its intake journal on a
+    # volume of its own (here a tmpfs owned by the image's user, as the claim's fsGroup makes it).
+    journal_env, journal_dir = journaled_api_settings()
+    # Without that volume (the read-only root): one line naming the path, the user and the remedies.
+    unmounted = run_once(
+        docker_cli, *env, "-e", f"GPUBADGE_INTAKE_JOURNAL={journal_env}", built.image, "serve", timeout=60
+    )
+    assert unmounted.returncode == 1, unmounted.stderr
+    (line,) = [line for line in unmounted.stderr.splitlines() if line.startswith("gpubadge serve:")]
+    assert f"the intake journal {journal_env} cannot be opened" in line
+    assert f"is not writable by uid 999 (gid 999): mount a volume at {journal_dir}" in line
+    assert "unset GPUBADGE_INTAKE_JOURNAL" in line and "Traceback" not in unmounted.stderr
+    journaled_port, journaled_intake = free_port(), free_port()
     with (
         container(
             docker_cli,
@@ -380,22 +405,42 @@ def test_postgres_roles_db_upgrade_worker_api_scan_config_and_export(
             "--workers",
             "0",
         ),
+        container(
+            docker_cli,
+            f"api{journaled_port}",
+            *HEALTH,
+            *env,
+            *("--tmpfs", f"{journal_dir}:uid=999,gid=999,mode=0750"),
+            *("-e", f"GPUBADGE_INTAKE_JOURNAL={journal_env}"),
+            *("-e", f"GPUBADGE_PORT={journaled_port}", "-e", f"GPUBADGE_INTAKE_PORT={journaled_intake}"),
+            built.image,
+            "serve",
+            "--workers",
+            "0",
+        ),
     ):
         docker_cli.wait_healthy(f"worker{metrics_port}")  # probes the metrics port, not 8080
         docker_cli.wait_healthy(f"api{api_port}")
+        docker_cli.wait_healthy(f"api{journaled_port}")
         digest = push(busybox_image(), "image-test/busybox:1")
-        hook = call(  # to the intake port, as registries are told to send
-            "POST",
-            f"http://127.0.0.1:{intake_port}/hooks/distribution",
-            distribution_push(registry.host, "image-test/busybox", digest, "1"),
-            headers={
-                "Authorization": f"Bearer {WEBHOOK_SECRET}",
-                "Content-Type": "application/vnd.docker.distribution.events.v1+json",
-            },
-        )
-        assert hook.status == 202, hook.text
-        # the API runs no workers: only the worker container can finish the job
-        assert finished(api, hook.body["jobs"][0], 60)["state"] == "done"
+        for replica, port, tag in (
+            (api_port, intake_port, "1"),
+            (journaled_port, journaled_intake, "journaled"),
+        ):
+            hook = call(  # to the intake port, as registries are told to send
+                "POST",
+                f"http://127.0.0.1:{port}/hooks/distribution",
+                distribution_push(registry.host, "image-test/busybox", digest, tag),
+                headers={
+                    "Authorization": f"Bearer {WEBHOOK_SECRET}",
+                    "Content-Type": "application/vnd.docker.distribution.events.v1+json",
+                },
+            )
+            assert hook.status == 202, hook.text
+            # the APIs run no workers: only the worker container can finish the job (the journaled
+            # replica's once its mover has carried it into PostgreSQL, where the other replica reads it too)
+            assert finished(f"http://127.0.0.1:{replica}", hook.body["jobs"][0], 60)["state"] == "done"
+            assert finished(api, hook.body["jobs"][0], 0)["state"] == "done"
         report = by_ref(api, f"{registry.host}/image-test/busybox:1").body
         assert report["digest"] == digest and report["platforms"][0]["badges"] == ["no-libc"]
 

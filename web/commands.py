@@ -168,6 +168,9 @@ def run_serve(argv: list[str]) -> int:
             raise
         print(f"gpubadge serve: {listen_words(settings.host, settings.port, exc)}", file=sys.stderr)
         return 1
+    except StoreUnavailable as exc:  # at start-up (the intake's journal, the store's first reads): one line
+        print(f"gpubadge serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

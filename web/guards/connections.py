@@ -495,7 +495,11 @@ def run_guarded_app(
 
     async def serve() -> None:
         runner = GuardedRunner(app, limits, handle_signals=True, **runner_kwargs)
-        await runner.setup()
+        try:
+            await runner.setup()
+        except BaseException:  # a start-up step failed: what the steps before it started stops
+            await runner.cleanup()
+            raise
         try:
             site = web.TCPSite(runner, host, port)
             await site.start()
