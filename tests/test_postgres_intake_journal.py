@@ -28,6 +28,7 @@ import psycopg
 import pytest
 
 import jobs.intake
+from fixtures.registry import free_port
 from jobs.intake import JobIntake, QueueFull
 from store import AsyncStore, EnqueueBatch, queries
 from store.intake_journal import IntakeJournal
@@ -211,6 +212,31 @@ def test_a_journal_without_postgresql_is_refused_naming_the_setting(tmp_path: Pa
     )
     assert done.returncode != 0
     assert "intake_journal is for PostgreSQL" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_journal_that_cannot_be_opened_stops_serve_in_one_line(tmp_path: Path, postgres_url: str) -> None:
+    """Start-up fails on the journal (here its directory is a file, which stops root too): one line
+    naming the path and the remedy, no traceback, and nothing left running."""
+    (tmp_path / "not-a-directory").write_text("")
+    journal = tmp_path / "not-a-directory" / "journal.sqlite"
+    api, intake = free_port(), free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "serve", "--port", str(api), "--intake-port", str(intake)],
+        env={
+            "GPUBADGE_DATABASE_URL": postgres_url,
+            "GPUBADGE_INTAKE_JOURNAL": str(journal),
+            "GPUBADGE_WORKERS": "1",
+            "PATH": "/usr/bin:/bin",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,  # the store and the workers started before the journal stop too: it exits
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"gpubadge serve: the intake journal {journal} cannot be opened"
+    )
+    assert "Traceback" not in done.stderr
 
 
 class TcpRelay:

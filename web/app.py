@@ -144,16 +144,21 @@ async def _end_waits(app: web.Application) -> None:
 def _lifecycle(services: Services, start_workers: bool) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         settings, static_fleet = services.settings, app[STATIC_FLEET]
-        await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
-        await services.store.start_intake()  # with a journal: what a previous run journaled moves now
-        runtime = await ScanRuntime.start(
-            settings,
-            services.store,
-            services.metrics,
-            static_fleet=static_fleet,
-            run_workers=start_workers and settings.workers > 0,  # `serve --workers 0`: the API only
-            worker_processes=settings.worker_process_count(),
-        )
+        try:
+            await services.store.start_events()  # ?wait= hears of jobs finished by any worker process
+            await services.store.start_intake()  # with a journal: what a previous run journaled moves now
+            runtime = await ScanRuntime.start(
+                settings,
+                services.store,
+                services.metrics,
+                static_fleet=static_fleet,
+                run_workers=start_workers and settings.workers > 0,  # `serve --workers 0`: the API only
+                worker_processes=settings.worker_process_count(),
+            )
+        except BaseException:  # `serve` says why in one line; what opened meanwhile closes first
+            await services.intake.close()
+            await services.store.close()
+            raise
         services.client, services.scanner = runtime.client, runtime.scanner
         services.attacher, services.workers = runtime.attacher, runtime.workers
         services.worker_processes = runtime.processes
