@@ -57,6 +57,7 @@ from store.models import (
     RegistryLoad,
     StoreUnavailable,
 )
+from store.postgres_connect import wait_for_server
 from store.postgres_errors import describe_error as _describe
 from store.postgres_errors import error_cause as _cause
 from store.postgres_intake import INTAKE_NAME, LoopIntake, enqueue_plan
@@ -166,6 +167,8 @@ class PostgresStore(SharedMethods):
         # begins and ends (`_transaction`)
         self._pool = _new_pool(url, self._pool_size, connect_timeout, "gpubadge")
         try:
+            # one connection first: a refused URL fails at once, in the server's words (not the pool's)
+            wait_for_server(url, connect_timeout, "gpubadge")
             self._pool.open(wait=True, timeout=connect_timeout)
             if upgrade:
                 self.upgrade()

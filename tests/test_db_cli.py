@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,30 @@ def test_an_unreachable_database_is_a_clear_error_without_its_password(tmp_path:
     done = gpubadge_db("upgrade", env={"GPUBADGE_DATABASE_URL": url, "GPUBADGE_SQLITE_BUSY_TIMEOUT": "2"})
     assert done.returncode == 1
     assert "cannot open the PostgreSQL store" in done.stderr and "hunter2-secret" not in done.stderr
+    # a server that may yet start is waited for, said once, and the last try's words end it
+    assert done.stderr.count("PostgreSQL does not answer yet") == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("Connection refused"), done.stderr
+
+
+def test_a_url_the_server_refuses_fails_at_once_in_its_words(postgres_url: str) -> None:
+    """An unknown database or role is not waited for (the store's timeout is 30 s here): the
+    server's own words, at once, without the password."""
+    parts = urllib.parse.urlsplit(postgres_url)
+    wrong = {
+        'database "nosuchdb" does not exist': parts._replace(path="/nosuchdb"),
+        'role "nosuchrole" does not exist': parts._replace(
+            netloc=f"nosuchrole:hunter2-secret@{parts.hostname}:{parts.port}"
+        ),
+    }
+    for words, url in wrong.items():
+        started = time.monotonic()
+        done = gpubadge_db(
+            "status", env={"GPUBADGE_DATABASE_URL": url.geturl(), "GPUBADGE_SQLITE_BUSY_TIMEOUT": "30"}
+        )
+        assert done.returncode == 1
+        assert time.monotonic() - started < 15  # one try, not the 30 s wait
+        assert words in done.stderr and "hunter2-secret" not in done.stderr
+        assert "does not answer yet" not in done.stderr
 
 
 def test_upgrade_needs_a_database_named_by_the_user_not_a_default(tmp_path: Path) -> None:
