@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 
 def worker_parser() -> argparse.ArgumentParser:
+    from jobs.settings import port_argument
+
     parser = argparse.ArgumentParser(
         prog="gpubadge worker",
         description="Run scan workers only: claim jobs from the shared store, scan, record the results."
@@ -36,7 +38,7 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     parser.add_argument(
         "--metrics-port",
-        type=_positive,
+        type=port_argument(1),
         help="serve /metrics (scan counters) and /healthz on this port, at GPUBADGE_HOST (default: none)",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")

@@ -8,8 +8,10 @@ address, secrets, webhooks, agents, admission), so every field has one name and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,6 +222,23 @@ class JobSettings(ScannerSettings):
             shown = "(unset)" if default is None else default
             lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
         return "\n".join(lines)
+
+
+def port_argument(lowest: int) -> Callable[[str], int]:
+    """The argparse type of a command line's TCP port option: `lowest` (0 where the option takes 0 to
+    mean any free port, or none) to 65535, so that a port past it is a usage error naming the option,
+    never a port the kernel wraps round (99999 would listen on 34463)."""
+
+    def port(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+        if not lowest <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be {lowest} to 65535")
+        return value
+
+    return port
 
 
 def settings_payload(settings: JobSettings) -> bytes:

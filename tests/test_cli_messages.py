@@ -86,6 +86,29 @@ def test_a_bad_option_value_is_a_usage_error_naming_the_option(option: str, valu
     assert f"error: argument {option}: " in done.stderr and words in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "option", "words"),
+    [
+        (("serve", "--port", "99999"), "--port", "must be 0 to 65535"),  # not a port the kernel wraps round
+        (("serve", "--port", "http"), "--port", "not a port number: 'http'"),
+        (("serve", "--intake-port", "-1"), "--intake-port", "must be 0 to 65535"),
+        (("worker", "--metrics-port", "65536"), "--metrics-port", "must be 1 to 65535"),
+    ],
+)
+def test_a_port_past_65535_is_a_usage_error_naming_the_option(
+    args: tuple[str, ...], option: str, words: str
+) -> None:
+    done = gpubadge(*args)
+    assert done.returncode == 2, done.stderr
+    assert f"error: argument {option}: {words}" in done.stderr
+
+
+def test_a_port_setting_past_65535_is_refused_naming_it() -> None:
+    done = gpubadge("serve", env={"GPUBADGE_PORT": "70000"})
+    assert done.returncode == 2, done.stderr
+    assert "GPUBADGE_PORT: must be at most 65535" in done.stderr
+
+
 def test_whole_gpus_and_mig_devices_together_is_a_usage_error() -> None:
     done = gpubadge(
         "eligible", "example.invalid/app:1", "--servers", str(FLEET_FILE), "--gpus", "1", "--mig-devices", "2"

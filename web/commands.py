@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from jobs.settings import port_argument
 from scanner.redaction import process_logging
 from web.settings import ServiceSettings
 
@@ -31,10 +32,10 @@ def serve_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", help="listen address (GPUBADGE_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="listen port (GPUBADGE_PORT, default 8080)")
+    parser.add_argument("--port", type=port_argument(0), help="listen port (GPUBADGE_PORT, default 8080)")
     parser.add_argument(
         "--intake-port",
-        type=int,
+        type=port_argument(0),
         help="registries' webhooks, answered on threads of their own (GPUBADGE_INTAKE_PORT, default 8081; 0: none)",
     )
     parser.add_argument(

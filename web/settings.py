@@ -26,7 +26,7 @@ class ServiceSettings(JobSettings):
     never echoed (JobSettings' `hide_input_in_errors`): the tokens carry secrets."""
 
     host: str = Field(default="127.0.0.1", description="listen address")
-    port: int = Field(default=8080, description="listen port")
+    port: int = Field(default=8080, ge=0, le=65535, description="listen port (0: any free port)")
     intake_port: int = Field(
         default=8081,
         ge=0,
@@ -182,6 +182,8 @@ class ServiceSettings(JobSettings):
     )
     admission_tls_port: int | None = Field(
         default=None,
+        ge=1,
+        le=65535,
         description="also serve POST /k8s/admit over HTTPS on this port (the API server calls webhooks over TLS only)",
     )
     admission_tls_cert: Path | None = Field(
