@@ -143,7 +143,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat", "fleet"})
 
 
+# The commands that read the settings: a GPUBADGE_ variable none of them knows is named once, at
+# start (not again by the worker processes `serve` starts, which get the same environment).
+SETTINGS_COMMANDS = frozenset({"scan", "serve", "worker", "config", "db", "agent", "export"})
+
+
+def _warn_unknown_settings(command: str, rest: list[str]) -> None:
+    if command not in SETTINGS_COMMANDS or "--supervised" in rest:
+        return
+    if not any(name.startswith("GPUBADGE_") for name in os.environ):
+        return  # nothing to look at: the settings' modules are not imported for it
+    from web.settings import unknown_settings
+
+    for sentence in unknown_settings(os.environ):
+        print(f"gpubadge {command}: warning: {sentence}", file=sys.stderr)
+
+
 def _delegate(command: str, rest: list[str]) -> int:
+    _warn_unknown_settings(command, rest)
     if command in CLIENT_COMMANDS:
         from scanner.registry.tls import import_aiohttp
 

@@ -69,7 +69,7 @@ class JobSettings(ScannerSettings):
         description="NORMAL survives a crash or kill -9; FULL also survives power loss (an fsync per commit)",
     )
     sqlite_busy_timeout: float = Field(
-        default=30.0, description="seconds a write waits for another process's lock before it fails"
+        default=30.0, gt=0, description="seconds a write waits for another process's lock before it fails"
     )
     store_threads: int = Field(
         default=8, ge=1, description="threads that run database calls off the event loop"
@@ -87,6 +87,7 @@ class JobSettings(ScannerSettings):
     )
     workers: int = Field(
         default=8,
+        ge=0,
         description="scans run at once until their config facts (the badge) are published; as many again may"
         " go on reading layers after that, per worker process",
     )
@@ -124,10 +125,14 @@ class JobSettings(ScannerSettings):
         " busy; past it, a saturated worker puts its longest-running scan of the busiest registry back in the"
         " queue (no attempt spent) and the slot goes to the waiting registry (0: never pre-empt)",
     )
-    max_attempts: int = Field(default=5, description="scan attempts before a job is marked failed")
-    retry_backoff: float = Field(default=2.0, description="seconds before the first scan retry; doubles")
+    max_attempts: int = Field(default=5, ge=1, description="scan attempts before a job is marked failed")
+    retry_backoff: float = Field(
+        default=2.0, ge=0, description="seconds before the first scan retry; doubles"
+    )
     drain_seconds: float = Field(
-        default=30.0, description="on SIGTERM, how long running scans may finish before they are requeued"
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, how long running scans may finish before they are requeued",
     )
     lease_seconds: float = Field(
         default=30.0,

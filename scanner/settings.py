@@ -111,8 +111,8 @@ class ScannerSettings(BaseSettings):
         default_factory=default_docker_config,
         description="Docker client config for credentials (auths, credsStore, credHelpers); default $DOCKER_CONFIG/config.json or ~/.docker/config.json",
     )
-    max_manifest_bytes: int = Field(default=4 * MiB, description="largest manifest or index read")
-    max_config_bytes: int = Field(default=8 * MiB, description="largest image config read")
+    max_manifest_bytes: int = Field(default=4 * MiB, ge=1, description="largest manifest or index read")
+    max_config_bytes: int = Field(default=8 * MiB, ge=1, description="largest image config read")
     max_layer_bytes: int = Field(
         default=limits.DEFAULT_MAX_LAYER_BYTES,
         ge=1,
@@ -234,13 +234,17 @@ class ScannerSettings(BaseSettings):
         description="platforms whose layers are read: os/arch[/variant],... or `all` (linux only);"
         " default linux/amd64, linux/arm64 and every architecture a known server reports",
     )
-    concurrency_per_registry: int = Field(default=8, description="HTTP requests in flight to one registry")
-    request_timeout: float = Field(default=30.0, description="seconds per request (per read for streams)")
-    retries: int = Field(default=4, description="attempts per request, including the first")
-    backoff_base: float = Field(default=0.5, description="seconds before the first retry; doubles")
-    backoff_max: float = Field(default=8.0, description="longest wait between retries, in seconds")
+    concurrency_per_registry: int = Field(
+        default=8, ge=1, description="HTTP requests in flight to one registry"
+    )
+    request_timeout: float = Field(
+        default=30.0, gt=0, description="seconds per request (per read for streams)"
+    )
+    retries: int = Field(default=4, ge=1, description="attempts per request, including the first")
+    backoff_base: float = Field(default=0.5, ge=0, description="seconds before the first retry; doubles")
+    backoff_max: float = Field(default=8.0, ge=0, description="longest wait between retries, in seconds")
     retry_after_max: float = Field(
-        default=60.0, description="longest Retry-After we wait; longer ones fail as RateLimited"
+        default=60.0, ge=0, description="longest Retry-After we wait; longer ones fail as RateLimited"
     )
     min_transfer_rate: int = Field(
         default=16 * 1024,
@@ -253,14 +257,14 @@ class ScannerSettings(BaseSettings):
         gt=0,
         description="seconds of waiting on a registry over which min_transfer_rate is judged",
     )
-    max_redirects: int = Field(default=5, description="redirects followed per request (blob CDNs)")
+    max_redirects: int = Field(default=5, ge=0, description="redirects followed per request (blob CDNs)")
     redirect_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="hosts a registry's redirect may lead to besides the registries, their mirrors and the"
         " well-known storage of public registries: host[:port] or .domain (with its subdomains),...",
     )
     credential_helper_timeout: float = Field(
-        default=10.0, description="seconds a docker-credential-* helper may take"
+        default=10.0, gt=0, description="seconds a docker-credential-* helper may take"
     )
     docker_mirror: str | None = Field(default=None, description="host[:port] of a Docker Hub mirror")
     attach_reports: bool = Field(

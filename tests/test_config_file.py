@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import annotated_types
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from fixtures.service import run_service_process
 from scanner.settings import RETIRED_SETTINGS, ScannerSettings
 from tests.test_service_e2e import call
 from web.commands import load_settings
+from web.settings import ServiceSettings, unknown_settings
 
 TOKEN = "file-api-token-61b0"
 GHCR_SECRET = "file-ghcr-secret-0c3d"
@@ -209,3 +211,84 @@ def test_serve_refuses_a_retired_setting_in_its_environment(tmp_path: Path) -> N
     assert result.returncode == 2, result.stderr
     assert "deep_scan_seconds (GPUBADGE_DEEP_SCAN_SECONDS) was removed" in result.stderr
     assert "set max_scan_seconds" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_is_near(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUBADGE_")}
+    env |= {
+        "GPUBADGE_MAX_QUEUED_JOBS": "5",  # max_queued_scans
+        "GPUBADGE_AGENT_TOKENS__NODE_A": "x",  # an entry of a setting that takes keys
+        "GPUBADGE_BENCH_PEER_TREE": "/x",  # the project's tooling
+        "GPUBADGE_DB": str(tmp_path / "x.db"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "gpubadge config: warning: GPUBADGE_MAX_QUEUED_JOBS is not a gpubadge setting"
+        " (did you mean GPUBADGE_MAX_QUEUED_SCANS?); it is ignored"
+    ]
+
+
+# A name that stands for any setting in a docstring.
+PLACEHOLDERS = {"GPUBADGE_X", "GPUBADGE_X__KEY"}
+
+
+def test_every_variable_the_repository_names_is_one_a_role_reads() -> None:
+    """Docs, manifests and code name only settings (or the tooling's own variables): a renamed or
+    misspelt one in the README would otherwise send a user to a variable nothing reads."""
+    root = Path(__file__).resolve().parent.parent
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True)
+    named: dict[str, str] = {}
+    for path in tracked.stdout.split():
+        if path.startswith("tests/") or path.endswith(".png"):
+            continue
+        text = (root / path).read_text(errors="replace")
+        for name in re.findall(r"GPUBADGE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])", text):
+            named.setdefault(name, path)
+    assert len(named) > 50
+    unknown = {
+        name: path
+        for name, path in named.items()
+        if name not in PLACEHOLDERS and unknown_settings({name: ""})
+    }
+    assert not unknown
+
+
+def test_every_number_a_setting_takes_is_bounded() -> None:
+    """A negative timeout, no retries or a zero-byte cap is refused at start, naming the setting,
+    never run with: each numeric setting declares the range it means."""
+    validated_elsewhere = {"worker_processes"}  # `auto` or 0 or more: its own validator
+    unbounded = [
+        name
+        for name, field in ServiceSettings.model_fields.items()
+        if re.search(r"\b(int|float)\b", str(field.annotation))
+        and name not in validated_elsewhere
+        and not [m for m in field.metadata if isinstance(m, (annotated_types.Ge, annotated_types.Gt))]
+    ]
+    assert not unbounded
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("GPUBADGE_SQLITE_BUSY_TIMEOUT", "-5", "must be more than 0"),
+        ("GPUBADGE_RETRIES", "0", "must be at least 1"),
+        ("GPUBADGE_WORKERS", "-1", "must be at least 0"),
+    ],
+)
+def test_serve_refuses_a_number_out_of_its_range(
+    tmp_path: Path, variable: str, value: str, words: str
+) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUBADGE_")}
+    env |= {variable: value, "GPUBADGE_DB": str(tmp_path / "x.db")}
+    result = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", "serve"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{variable}: {words}" in result.stderr and "Traceback" not in result.stderr
