@@ -235,8 +235,8 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_is_near(tmp_path: Path
     ]
 
 
-# A name that stands for any setting in a docstring.
-PLACEHOLDERS = {"GPUBADGE_X", "GPUBADGE_X__KEY"}
+# A name that stands for any setting in a docstring, and the README's example of a misspelt one.
+PLACEHOLDERS = {"GPUBADGE_X", "GPUBADGE_X__KEY", "GPUBADGE_MAX_QUEUED_JOBS"}
 
 
 def test_every_variable_the_repository_names_is_one_a_role_reads() -> None:
