@@ -143,16 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 CLIENT_COMMANDS = frozenset({"scan", "eligible", "constraints", "referrers", "compat", "fleet"})
 
 
-# The commands that read the settings: a GPUBADGE_ variable none of them knows is named once, at
-# start (not again by the worker processes `serve` starts, which get the same environment).
-SETTINGS_COMMANDS = frozenset({"scan", "serve", "worker", "config", "db", "agent", "export"})
+# The commands that load the service's settings name each GPUBADGE_ variable that no role reads, once,
+# at start. `scan`, `worker` and `agent` load no web module (start-up cost; the agent reaches the
+# service over HTTP only), so they do not know the service's settings: the API beside them, fed the
+# same variables, names them, and so does `gpubadge config`.
+SETTINGS_COMMANDS = frozenset({"serve", "config", "db"})
 
 
-def _warn_unknown_settings(command: str, rest: list[str]) -> None:
-    if command not in SETTINGS_COMMANDS or "--supervised" in rest:
+def _warn_unknown_settings(command: str) -> None:
+    if command not in SETTINGS_COMMANDS:
         return
-    if not any(name.startswith("GPUBADGE_") for name in os.environ):
-        return  # nothing to look at: the settings' modules are not imported for it
     from web.settings import unknown_settings
 
     for sentence in unknown_settings(os.environ):
@@ -160,7 +160,7 @@ def _warn_unknown_settings(command: str, rest: list[str]) -> None:
 
 
 def _delegate(command: str, rest: list[str]) -> int:
-    _warn_unknown_settings(command, rest)
+    _warn_unknown_settings(command)
     if command in CLIENT_COMMANDS:
         from scanner.registry.tls import import_aiohttp
 

@@ -8,8 +8,10 @@ adds entries, the file's stay, and an ambiguous merge is refused.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 from urllib.parse import unquote
@@ -594,3 +596,37 @@ def mirror_parts(mirror: str) -> tuple[str, str | None]:
     rest = mirror.split("://", 1)[-1].rstrip("/")
     userinfo, at, host = rest.rpartition("@")
     return (host, userinfo) if at else (rest, None)
+
+
+# GPUBADGE_ variables read besides the settings: by the programs (the settings file, the demo's
+# directory) and by the project's own tooling (caches, the air-gapped image's base, the tests' and
+# benches' switches). tests/test_config_file.py holds every name the repository mentions to a
+# setting or one of these.
+NOT_SETTINGS = frozenset({CONFIG_ENV, "GPUBADGE_DEMO_DIR", "GPUBADGE_CACHE"})
+TOOLING_PREFIXES = (
+    "GPUBADGE_BENCH_",
+    "GPUBADGE_TEST_",
+    "GPUBADGE_REQUIRE_",
+    "GPUBADGE_WHEEL_",
+    "GPUBADGE_PYPI_",
+)
+TOOLING_NAMES = frozenset({"GPUBADGE_PREFETCH", "GPUBADGE_BASE_SUITE", "GPUBADGE_DEBIAN_MIRROR"})
+
+
+def unknown_variables(environ: Mapping[str, str], settings: Iterable[str]) -> list[str]:
+    """A sentence for each GPUBADGE_ variable of `environ` that names none of `settings` (field
+    names), nor an entry of one (`NAME__KEY`), nor a variable read besides them: a misspelt setting
+    is otherwise ignored in silence. The nearest setting is named where one is near. Retired
+    settings are not among them: loading the settings refuses those, naming their successor."""
+    known = {f"GPUBADGE_{name.upper()}" for name in settings}
+    skipped = known | {f"GPUBADGE_{name.upper()}" for name in RETIRED_SETTINGS} | NOT_SETTINGS | TOOLING_NAMES
+    found = []
+    for name in sorted(environ):
+        if not name.startswith("GPUBADGE_") or name in skipped or name.startswith(TOOLING_PREFIXES):
+            continue
+        if name.split("__", 1)[0] in known:
+            continue
+        near = difflib.get_close_matches(name, sorted(known | NOT_SETTINGS), n=1, cutoff=0.75)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        found.append(f"{name} is not a gpubadge setting{hint}; it is ignored")
+    return found

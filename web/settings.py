@@ -8,7 +8,6 @@ the listen address, secrets, webhooks, agents and admission.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 
 from jobs.settings import JobSettings
-from scanner.settings import RETIRED_SETTINGS
+from scanner.settings import unknown_variables
 from web import hooks
 from web.bounded_json import INTEROPERABLE_INTEGER, JsonLimits
 
@@ -293,35 +292,7 @@ class ServiceSettings(JobSettings):
         return host
 
 
-# GPUBADGE_ variables read besides the settings: by the programs (the settings file, the demo's
-# directory) and by the project's own tooling (caches, the air-gapped image's base, the tests' and
-# benches' switches). tests/test_config_file.py holds every name the repository mentions to a
-# setting or one of these.
-NOT_SETTINGS = frozenset({"GPUBADGE_CONFIG", "GPUBADGE_DEMO_DIR", "GPUBADGE_CACHE"})
-TOOLING_PREFIXES = (
-    "GPUBADGE_BENCH_",
-    "GPUBADGE_TEST_",
-    "GPUBADGE_REQUIRE_",
-    "GPUBADGE_WHEEL_",
-    "GPUBADGE_PYPI_",
-)
-TOOLING_NAMES = frozenset({"GPUBADGE_PREFETCH", "GPUBADGE_BASE_SUITE", "GPUBADGE_DEBIAN_MIRROR"})
-
-
 def unknown_settings(environ: Mapping[str, str]) -> list[str]:
-    """A sentence for each GPUBADGE_ variable of `environ` that no role reads (a misspelt setting is
-    otherwise ignored in silence), with the nearest setting's name where one is near. Every role's
-    settings count (one ConfigMap feeds them all), and `NAME__KEY` for a setting that takes keys.
-    Retired settings are not among them: loading the settings refuses those, naming their successor."""
-    settings = {f"GPUBADGE_{name.upper()}" for name in ServiceSettings.model_fields}
-    retired = {f"GPUBADGE_{name.upper()}" for name in RETIRED_SETTINGS}
-    found = []
-    for name in sorted(environ):
-        if not name.startswith("GPUBADGE_") or name in settings | retired | NOT_SETTINGS | TOOLING_NAMES:
-            continue
-        if name.startswith(TOOLING_PREFIXES) or name.split("__", 1)[0] in settings:
-            continue
-        near = difflib.get_close_matches(name, sorted(settings | NOT_SETTINGS), n=1, cutoff=0.75)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        found.append(f"{name} is not a gpubadge setting{hint}; it is ignored")
-    return found
+    """`scanner.settings.unknown_variables` against every role's settings (ServiceSettings holds them
+    all: one ConfigMap feeds every role)."""
+    return unknown_variables(environ, ServiceSettings.model_fields)
