@@ -4,7 +4,8 @@ answering yet is waited for, one that refuses what the URL asks is reported at o
 A pool told to wait for its first connection retries in silence and then says only that it timed
 out (and psycopg's pool logs every failed try). Here each try's own error is kept: a server that
 refuses the connection outright (an unknown role or database, a wrong password, no `pg_hba.conf`
-entry for this client, a malformed URL) fails on the first try, in the server's words; any other
+entry for this client, a malformed URL, TLS required of a server without it or a certificate that
+does not verify) fails on the first try, in the server's words; any other
 failure (connection refused, no answer, a name not resolved yet, a server starting up) is tried
 again every RETRY_SECONDS until the timeout, with one warning when the wait begins, and then fails
 with the last try's words. The words never carry the URL (it may hold a password).
@@ -30,6 +31,8 @@ REFUSED_OUTRIGHT = (
     "no pg_hba.conf entry",
     "invalid",  # a malformed URL or option
     "unsupported",
+    "does not support ssl",  # sslmode=require against a server without TLS
+    "certificate",  # a server certificate that does not verify
 )
 
 

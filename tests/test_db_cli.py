@@ -68,6 +68,7 @@ def test_a_url_the_server_refuses_fails_at_once_in_its_words(postgres_url: str) 
         'role "nosuchrole" does not exist': parts._replace(
             netloc=f"nosuchrole:hunter2-secret@{parts.hostname}:{parts.port}"
         ),
+        "server does not support SSL": parts._replace(query="sslmode=require"),
     }
     for words, url in wrong.items():
         started = time.monotonic()
