@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import annotated_types
 from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 from pydantic_settings import SettingsConfigDict
 
@@ -225,8 +227,22 @@ class JobSettings(ScannerSettings):
             if info.default_factory is not None:
                 default = "(computed)" if name in ("docker_config", "db") else "(empty)"
             shown = "(unset)" if default is None else default
-            lines.append(f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}]")
+            lines.append(
+                f"  GPUBADGE_{name.upper():<28} {info.description or ''} [default: {shown}{_range(info)}]"
+            )
         return "\n".join(lines)
+
+
+def _range(info: FieldInfo) -> str:
+    """A numeric setting's range as `--help` shows it after its default: `; at least 1`, `; 0 to 65535`."""
+    low = next((f"at least {m.ge}" for m in info.metadata if isinstance(m, annotated_types.Ge)), None)
+    low = low or next((f"more than {m.gt}" for m in info.metadata if isinstance(m, annotated_types.Gt)), None)
+    high = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
+    if low is None:
+        return ""
+    if high is not None and low.startswith("at least "):
+        return f"; {low.removeprefix('at least ')} to {high}"
+    return f"; {low}" + (f", at most {high}" if high is not None else "")
 
 
 def port_argument(lowest: int) -> Callable[[str], int]:

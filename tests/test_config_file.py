@@ -272,6 +272,10 @@ def test_every_number_a_setting_takes_is_bounded() -> None:
         and not [m for m in field.metadata if isinstance(m, (annotated_types.Ge, annotated_types.Gt))]
     ]
     assert not unbounded
+    shown = {line.split()[0]: line for line in ServiceSettings.describe().splitlines()}
+    assert shown["GPUBADGE_RETRIES"].endswith("[default: 4; at least 1]")  # `serve --help` says the range
+    assert shown["GPUBADGE_PORT"].endswith("[default: 8080; 0 to 65535]")
+    assert shown["GPUBADGE_SQLITE_BUSY_TIMEOUT"].endswith("[default: 30.0; more than 0]")
 
 
 @pytest.mark.parametrize(
