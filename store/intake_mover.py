@@ -94,8 +94,18 @@ class IntakeMover:
                     raise StoreUnavailable(
                         f"the intake journal {self.path} cannot be opened: {exc}{hint}"
                     ) from exc
+                log.info(
+                    "intake journal %s: each webhook delivery committed here before its answer, moved into %s",
+                    self.path,
+                    self._store,
+                )
                 try:  # what an earlier run journaled, before anyone reads the queue
-                    self._move()
+                    if left := self._move():
+                        log.info(
+                            "moved %d jobs an earlier run left in the intake journal into %s",
+                            left,
+                            self._store,
+                        )
                 except (StoreUnavailable, sqlite3.Error) as exc:
                     log.warning("journaled jobs not moved yet (%s); the mover keeps trying", exc)
                 self._thread = threading.Thread(target=self._move_forever, name="intake-mover", daemon=True)

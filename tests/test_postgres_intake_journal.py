@@ -103,7 +103,7 @@ def test_deliveries_are_answered_while_the_move_waits_and_move_once_it_can(
 
 
 def test_a_journal_left_unmoved_by_a_dead_process_moves_once_at_the_next_start(
-    journaled: Any, postgres_url: str, tmp_path: Path
+    journaled: Any, postgres_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = journaled()  # the schema is in place; its journal opens at its intake's start
     # what a process that died between its 202 and its mover's pass leaves: rows in its journal
@@ -115,8 +115,10 @@ def test_a_journal_left_unmoved_by_a_dead_process_moves_once_at_the_next_start(
     ]
     journal.close()
     assert rows(postgres_url, "SELECT count(*) FROM jobs") == [(0,)]
-    store.start_intake()  # moved before anyone reads the queue
+    with caplog.at_level("INFO", logger="store.intake_mover"):
+        store.start_intake()  # moved before anyone reads the queue
     assert sorted(row[0] for row in rows(postgres_url, "SELECT id FROM jobs")) == sorted(ids)
+    assert "moved 3 jobs an earlier run left in the intake journal into PostgreSQL" in caplog.messages
     store.close()
     # the rows are still in the file (trimmed only between answers), but marked moved in PostgreSQL
     assert len(IntakeJournal(tmp_path / "journal").rows(0, 100)) == 3
