@@ -29,7 +29,8 @@ queue within one count; the figure is shared by the loop's commits and `enqueue_
 under a lock held for arithmetic only). Where the intake journals to PostgreSQL, the
 once-a-second count runs on a thread of its own while the queue is not near its cap, so a
 journaled delivery's answer waits for no read of the server (a round trip, or the store's
-timeout while the server is away); the first count and those near the cap stay in front of the commit. A delivery that would pass the cap is not committed: its caller gets
+timeout while the server is away); the first count and those near the cap stay in front of the
+commit. A delivery that would pass the cap is not committed: its caller gets
 `QueueFull` (the route answers 503 with Retry-After), the others in its group are committed as
 usual, and nothing already queued is touched.
 """

@@ -235,14 +235,14 @@ class JobSettings(ScannerSettings):
 
 def _range(info: FieldInfo) -> str:
     """A numeric setting's range as `--help` shows it after its default: `; at least 1`, `; 0 to 65535`."""
-    low = next((f"at least {m.ge}" for m in info.metadata if isinstance(m, annotated_types.Ge)), None)
-    low = low or next((f"more than {m.gt}" for m in info.metadata if isinstance(m, annotated_types.Gt)), None)
-    high = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
-    if low is None:
-        return ""
-    if high is not None and low.startswith("at least "):
-        return f"; {low.removeprefix('at least ')} to {high}"
-    return f"; {low}" + (f", at most {high}" if high is not None else "")
+    ge = next((m.ge for m in info.metadata if isinstance(m, annotated_types.Ge)), None)
+    gt = next((m.gt for m in info.metadata if isinstance(m, annotated_types.Gt)), None)
+    le = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
+    if ge is not None:
+        return f"; {ge} to {le}" if le is not None else f"; at least {ge}"
+    if gt is not None:
+        return f"; more than {gt}" + (f", at most {le}" if le is not None else "")
+    return ""
 
 
 def port_argument(lowest: int) -> Callable[[str], int]:

@@ -163,14 +163,16 @@ class IntakeMover:
                 lambda: journal.moved_through >= target, timeout=min(SETTLE_SECONDS, self._busy_timeout)
             )
 
-    def read_queue(self, query: Query[P, T], read: Callable[[], T], job_id: object) -> T:
-        """A read of the job queue (`queries.JOB_READS`), `read()`, once what this process journaled
-        has moved (`settle`); `queries.job` of an id still in the journal (the store out of reach,
-        or its writer held elsewhere) reads it there, queued."""
+    def read_queue(
+        self, run: Callable[..., T], query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """A read of the job queue (`queries.JOB_READS`), `run(query, ...)`, once what this process
+        journaled has moved (`settle`); `queries.job` of an id still in the journal (the store out of
+        reach, or its writer held elsewhere) reads it there, queued."""
         self.settle()
-        found = read()
+        found: T = run(query, *args, **kwargs)
         if query is job and found is None:
-            return cast(T, self.job(str(job_id)))
+            return cast(T, self.job(str(args[0] if args else kwargs["job_id"])))
         return found
 
     def close(self) -> None:

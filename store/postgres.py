@@ -338,9 +338,7 @@ class PostgresStore(SharedMethods):
         the job queue first waits for the jobs this process journaled (`_settle_intake`), and a job
         still in the journal is shown queued."""
         if self._intake is not None and query in JOB_READS:
-            return self._intake.read_queue(
-                query, lambda: self._run(query, *args, **kwargs), args[0] if args else kwargs.get("job_id")
-            )
+            return self._intake.read_queue(self._run, query, *args, **kwargs)
         return self._run(query, *args, **kwargs)
 
     def _run(self, query: Query[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:

@@ -267,11 +267,7 @@ class SqliteStore(SharedMethods):
         write in one immediate transaction on the shared writer. A read of the job queue first
         waits for the jobs this process journaled (`_settle_intake`)."""
         if query in JOB_READS:
-            return self._intake.read_queue(
-                query,
-                lambda: self._reading_query(query, *args, **kwargs),
-                args[0] if args else kwargs.get("job_id"),
-            )
+            return self._intake.read_queue(self._reading_query, query, *args, **kwargs)
         if query.write:
             with self._transaction() as conn:
                 writing = Db(conn, SQLITE)

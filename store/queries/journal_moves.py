@@ -20,7 +20,7 @@ from store.intake_journal import JournaledJob
 ROUNDS = 5  # a row goes round again only when the active job it met settled before its alias was written
 INSERT_ROWS = 1000  # rows per INSERT statement (8 parameters each: under SQLite's 32,766)
 
-_COLUMNS = "id, reference, registry, dedupe_key, max_attempts, not_before, source, created_at"
+_COLUMNS = ("id", "reference", "registry", "dedupe_key", "max_attempts", "not_before", "source", "created_at")
 _INSERT = (
     "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts, not_before, source,"
     " created_at, updated_at) VALUES {values}"
@@ -48,7 +48,7 @@ def _insert(db: Db, jobs: Sequence[JournaledJob]) -> set[str]:
         chunk = jobs[start : start + INSERT_ROWS]
         params: dict[str, object] = {}
         for n, job in enumerate(chunk):
-            for column in _COLUMNS.split(", "):
+            for column in _COLUMNS:
                 params[f"{column}{n}"] = getattr(job, column)
         values = ", ".join(_ROW.format(n=n) for n in range(len(chunk)))
         inserted.update(str(row[0]) for row in db.all(_INSERT.format(values=values), params))
@@ -83,9 +83,9 @@ def move_journaled(
 
 @reads
 def queued_beside_journal(db: Db, journal_id: str | None, *, cap: int) -> tuple[int, int]:
-    """How far journal `journal_id` was moved (0 for one never moved, or None), and the jobs waiting to run (up to `cap`), read in
-    one statement, so in one snapshot: with the journal's rows past that mark, every waiting job
-    counted once, even while a move commits (`IntakeMover.waiting`)."""
+    """How far journal `journal_id` was moved (0 for one never moved, or None), and the jobs waiting
+    to run (up to `cap`), read in one statement, so in one snapshot: with the journal's rows past that
+    mark, every waiting job counted once, even while a move commits (`IntakeMover.waiting`)."""
     row = db.one(
         "SELECT coalesce((SELECT seq FROM intake_moved WHERE journal = :journal), 0),"
         " (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' LIMIT :cap) AS waiting)",
