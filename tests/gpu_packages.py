@@ -22,6 +22,14 @@ What each package's own dispatch does, from its source and bytes (see also
   kernels (`.rodata` of `libtensorflow_cc.so.2`) itself through `cuModuleLoadData`.
 * FlashInfer 0.7.4 JIT-compiles CUDA sources and loads flashinfer-cubin 0.6.13's prebuilt `.cubin`
   files (sm_100f, sm_100a, sm_103a) and its own `.ptx` files (sm_103a) through the module API.
+* torchao 0.18.0 globs its `_C*.so` files in a `try:` and loads each with `torch.ops.load_library` in
+  a `try:` of its own (`__init__.py`): `_C_cutlass_90a.abi3.so` (sm_90a only) and `_C_mxfp8...so`
+  (sm_100, PTX compute_120) are accelerators; the rest of torchao is Python and Triton.
+* sglang-kernel 0.4.10 (CUDA 13, torch 2.14) loads `sm90/common_ops.abi3.so` on compute capability
+  9.0 and `sm100/common_ops.abi3.so` on every other GPU, by path, at the top of `sgl_kernel/__init__.py`
+  (`load_utils._load_architecture_specific_ops`): both built for sm_80, sm_89, sm_90, sm_90a,
+  sm_100f and sm_120a, no PTX. FlashMLA (sm_90a, sm_100f, sm_103a) loads in a `try:`. Its
+  FlashAttention 3 library (`flash_ops.abi3.so`, 1.1 GB) is left out of the layer.
 """
 
 from __future__ import annotations
@@ -90,6 +98,16 @@ FLASHINFER_CUBIN = _wheel(
     "flashinfer-cubin",
     "flashinfer_cubin-0.6.13-py3-none-any.whl",
     "41e4848c2d09d220e8394489b2fb6cfec6b6ad09f897b5ab8b39fc23055f6c24",
+)
+TORCHAO_018 = _wheel(
+    "torchao",
+    "torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+    "6540b148e40ba81cbd4de86392225a076a1591146e9cebb099b3b234ba9feebe",
+)
+SGLANG_KERNEL = _wheel(
+    "sglang-kernel",
+    "sglang_kernel-0.4.10-cp310-abi3-manylinux2014_x86_64.whl",
+    "043cbe4a10e7887ea1b25599b729ff1ce115a0d5217b2c177aff9f9ae5327724",
 )
 # CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
 CUDA13 = {
@@ -367,12 +385,28 @@ def flashinfer_layers() -> list[list[Part]]:
     ]
 
 
+def torchao_layer() -> list[Part]:
+    """torchao's own package (over `torch_214` and `cuda13_stack`)."""
+    return [python_package(TORCHAO_018)]
+
+
+def _sglang_kernel_member(name: str) -> bool:
+    return _python_package()(name) and not name.endswith("/flash_ops.abi3.so")
+
+
+def sglang_kernel_layer() -> list[Part]:
+    """sglang-kernel's package but its FlashAttention 3 (over `torch_214` and `cuda13_stack`)."""
+    return [members(SGLANG_KERNEL, _sglang_kernel_member, "py:no-flash_ops")]
+
+
 def package_layers() -> list[list[Part]]:
     """Every layer the package tests read, in the order their fixtures meet them (`tests/prefetch.py`)."""
     return [
         cuda13_stack(),
         [torch_214()],
         vllm_layer(),
+        torchao_layer(),
+        sglang_kernel_layer(),
         *bitsandbytes_layers(),
         *onnxruntime_layers(),
         *tensorflow_layers(),

@@ -73,7 +73,35 @@ def test_libraries_loaded_by_path_are_named_by_their_block() -> None:
         )
     )
     assert loads.state(f"{SITE}/torchao/_C.cpython-311-x86_64-linux-gnu.so") == "optional"
-    assert loads.state(f"{SITE}/torchao/_C_extra.so") is None  # `_C*` names _C, not every name it starts
+    assert loads.state(f"{SITE}/torchao/_C_extra.abi3.so") == "optional"  # `_C*.so` matches it, as glob does
+    assert loads.state(f"{SITE}/torchao/_D.abi3.so") is None  # neither named nor matched
+    assert loads.state(f"{SITE}/other/_C_other.abi3.so") is None  # torchao's glob is of its own files
+
+
+def test_a_glob_in_an_outer_block_names_what_an_inner_load_loads() -> None:
+    """torchao 0.18: the glob in one `try:`, each match loaded in a `try:` of its own inside a loop, all
+    under an `else:`; a function's loads are named by the whole function up to the call."""
+    loads = sites(
+        (
+            "torchao/__init__.py",
+            "import torch\nif skip:\n    pass\nelse:\n    try:\n        from pathlib import Path\n"
+            '        so_files = list(Path(__file__).parent.glob("_C*.so"))\n'
+            "        if len(so_files) > 0:\n            for file in so_files:\n"
+            "                try:\n                    torch.ops.load_library(str(file))\n"
+            "                except Exception as e:\n                    pass\n"
+            "    except Exception as e:\n        pass\n",
+        ),
+        (
+            "pkg/loader.py",
+            'def load():\n    name = "libpkg_kernels*.so"\n    if True:\n'
+            "        for found in glob.glob(name):\n            ctypes.CDLL(found)\n",
+        ),
+        ("pkg/__init__.py", 'import ctypes\nctypes.CDLL(path_of("_core"))\n'),
+    )
+    assert loads.state(f"{SITE}/torchao/_C_cutlass_90a.abi3.so") == "optional"
+    assert loads.state(f"{SITE}/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so") == "optional"
+    assert loads.state(f"{SITE}/pkg/libpkg_kernels_sm90.so") == "optional"  # loaded on demand
+    assert loads.state(f"{SITE}/pkg/_core.abi3.so") == "required"  # a module-level call, named on its line
 
 
 def test_import_paths_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:

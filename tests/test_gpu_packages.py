@@ -36,7 +36,9 @@ from tests.gpu_packages import (
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
+    SGLANG_KERNEL,
     SITE,
+    TORCHAO_018,
     VLLM,
     bitsandbytes_layers,
     cuda13_stack,
@@ -44,12 +46,14 @@ from tests.gpu_packages import (
     layer_evidence,
     libraries,
     onnxruntime_layers,
+    sglang_kernel_layer,
     tensorflow_layers,
     torch_214,
+    torchao_layer,
     vllm_layer,
 )
 from tests.nvidia_wheels import cuobjdump
-from tests.pypi_members import member_files
+from tests.pypi_members import RemoteWheel, member_files
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -291,6 +295,91 @@ def test_strict_rule_is_a_request_option_and_refuses_vllm_everywhere(vllm: Image
     )
     assert "driver 570.86.15: CUDA 13.x needs driver >= 580" in only(decision, "l4")  # still decisive first
     assert eligible(place(vllm, gpu_code_rule="dispatch")) == {"t4-580", "h100", "b200", "gb10"}
+
+
+# -- torchao 0.18.0 and sglang-kernel 0.4.10, each beside torch 2.14.0+cu130
+
+FLEET_580 = [  # the fleet on driver 580, which runs CUDA 13: only the GPU code decides
+    server.model_copy(update={"driver_version": "580.65.06", "cuda_driver_version": "13.0"})
+    for server in FLEET
+]
+
+
+@pytest.fixture(scope="module")
+def torchao(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
+    return image([layer_evidence(torchao_layer()), torch14, cuda13])
+
+
+@pytest.fixture(scope="module")
+def sglang(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
+    return image([layer_evidence(sglang_kernel_layer()), torch14, cuda13])
+
+
+def assert_matches_cuobjdump(archs: GpuArchs, wheel: RemoteWheel, suffix: str) -> None:
+    file = file_of(archs, suffix)
+    (local,) = member_files(wheel, lambda name: f"/{name}".endswith(suffix)).values()
+    sass, ptx = listing(str(local))
+    assert {arch.removesuffix("f") for arch in file.sass} == sass, file.path  # cuobjdump: sm_100f is sm_100
+    assert set(file.ptx) == ptx, file.path
+
+
+def test_torchao_runs_wherever_torch_does_and_names_its_accelerators(torchao: ImageFacts) -> None:
+    """torchao's `_C*.so` are loaded by a glob in a `try:` (no Hopper or Blackwell, no kernels of
+    its own are needed): an A100 runs it without either, a Hopper without the Blackwell one."""
+    archs = archs_of(torchao)
+    cutlass, mxfp8 = "/torchao/_C_cutlass_90a.abi3.so", "/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    for suffix in (cutlass, mxfp8):
+        assert_matches_cuobjdump(archs, TORCHAO_018, suffix)
+        assert file_of(archs, suffix).imported == "optional"
+    assert file_of(archs, cutlass).sass == ["90a"] and file_of(archs, mxfp8).ptx == ["120"]
+    (package,) = [p for p in archs.packages if p.name == "torchao"]
+    assert package.version == "0.18.0" and package.optional
+    decision = place(torchao, FLEET_580)
+    assert eligible(decision) == ALL - {"v100"}  # wherever torch 2.14.0+cu130 runs
+    warnings = "\n".join(decision.warnings)
+    assert (
+        f"on NVIDIA A100-SXM4-80GB (compute capability 8.0): runs; without {SITE}{cutlass}: no kernel"
+        " image for compute capability 8.0 (SASS sm_90a, no PTX); torchao 0.18.0 runs without it"
+    ) in warnings
+    hopper = [line for line in gpu_code.judge(archs, (9, 0)).without if "torchao" in line]
+    assert hopper == [
+        f"{SITE}{mxfp8}: no kernel image for compute capability 9.0 (SASS sm_100, PTX compute_120);"
+        " used on other GPUs"
+    ]
+
+
+def test_sglang_kernel_runs_where_the_common_ops_it_loads_by_path_have_code(sglang: ImageFacts) -> None:
+    """sgl_kernel loads `sm90/` or `sm100/common_ops` by path at import, both built for sm_80 to
+    sm_120a without PTX: no Turing, and no GB10, whose 12.1 an `sm_120a` build does not run on."""
+    archs = archs_of(sglang)
+    for suffix in (
+        "/sm90/common_ops.abi3.so",
+        "/sm100/common_ops.abi3.so",
+        "/flashmla_ops.abi3.so",
+        "/infllm_ops.cpython-310-x86_64-linux-gnu.so",
+    ):
+        assert_matches_cuobjdump(archs, SGLANG_KERNEL, suffix)
+    assert file_of(archs, "/sm100/common_ops.abi3.so").imported is None  # no import names it: needed
+    assert file_of(archs, "/flashmla_ops.abi3.so").imported == "optional"  # in a try: (flash_mla.py)
+    (package,) = [p for p in archs.packages if p.name == "sglang-kernel"]
+    assert package.version == "0.4.10" and not package.optional
+    decision = place(sglang, FLEET_580)
+    assert eligible(decision) == {"a100", "a10g", "l4", "h100", "b200", "rtx5090"}
+    for name in ("t4-535", "t4-580", "gb10"):
+        assert only(decision, name).endswith(
+            "no GPU code of sglang-kernel 0.4.10 runs here; SASS runs only on its own major at or above"
+            " its minor, an `a` build only at its exact CC, PTX at or above its arch"
+        ), name
+    assert (
+        f"{SITE}/sgl_kernel/sm100/common_ops.abi3.so has no kernel image for compute capability 12.1"
+        " (SASS sm_80–sm_90 + sm_90a, sm_100f, sm_120a, no PTX)"
+    ) in only(decision, "gb10")
+    assert gpu_code.judge(archs, (9, 0)).without == []
+    blackwell = [line for line in gpu_code.judge(archs, (10, 0)).without if "sgl_kernel" in line]
+    assert blackwell == [
+        f"{SITE}/sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so: no kernel image for compute"
+        " capability 10.0 (SASS sm_80, sm_90 + sm_120a, no PTX); used on other GPUs"
+    ]
 
 
 # -- torch 2.14.0+cu130 and cuBLAS 13 alone

@@ -16,8 +16,13 @@ how it runs:
 
 A load site is an `import`/`from ... import` statement (relative imports resolved against the
 file's package), `importlib.import_module("...")`, or a call that loads a library by path
-(`torch.ops.load_library`, `ctypes.CDLL`, `cdll.LoadLibrary`): for those, the names in the
-enclosing block's text stand for what is loaded (torchao globs `"_C*.so"` in its `try:`).
+(`torch.ops.load_library`, `ctypes.CDLL`, `cdll.LoadLibrary`). For a call, the text of its scope
+up to the call stands for what is loaded: the enclosing function, or else the outermost block
+around it (its last `MAX_BLOCK_TEXT` bytes), or else its own line. An extension is named there by
+its module name as a word, or, in its own package's code, by a quoted glob pattern that matches
+its file name as `glob` would: torchao 0.18 globs `"_C*.so"` in a `try:` and loads each match in
+a `try:` of its own, inside a loop, so `_C_cutlass_90a.abi3.so` (Hopper only) and
+`_C_mxfp8...so` (Blackwell) are both optional.
 
 `LoadSites.state(extension)` answers for one extension module file: `required` when any
 module-level site loads it, `optional` when only guarded or lazy sites do, None when none was
@@ -32,6 +37,7 @@ layer's remaining sources are not read, and `truncated` says so.
 
 from __future__ import annotations
 
+import fnmatch
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -43,14 +49,14 @@ Guard = Literal["module", "guarded", "lazy"]
 MAX_SOURCE_BYTES = 512 * 1024  # vLLM's largest module is 120 KiB
 MAX_BLOCK_HEADERS = 2_000_000  # block headers read per layer (vLLM's sources hold 144,000)
 MAX_SITES_PER_LAYER = 200_000
-MAX_BLOCK_TEXT = 2048  # text of an enclosing block kept for a load-by-path call
+MAX_BLOCK_TEXT = 2048  # text of a load-by-path call's scope kept, up to the call
 PYTHON_TREES = re.compile(r"/(?:site|dist)-packages/|^/(?:app|opt|srv|workspace|home|root|usr/src)/")
 _EXTENSION = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.(?:cpython-[^/]*|abi3|pypy[^/]*))?\.so$")
 _STATEMENT = re.compile(
     rb"\n([ \t]*)(?:from[ \t]+([.\w]+)[ \t]+import[ \t]+\(?([^#\n]*)|import[ \t]+([^#\n]*))"
 )
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
-_QUOTED = re.compile(rb"""['"]([\w./*-]{1,200})['"]""")
+_GLOB = re.compile(r"""['"]([\w.*?-]*[*?][\w.*?-]*)['"]""")  # a quoted file-name pattern
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 
@@ -81,6 +87,7 @@ class _Site:
     target: str  # a dotted module name, or the text of a block that loads a library by path
     guard: Guard
     by_path: bool
+    top: str = ""  # the top-level package of the file the site is in
 
 
 @dataclass
@@ -117,7 +124,7 @@ class LoadSites:
         found.sort(key=lambda site: site[0])
         headers = _HEADER.finditer(text) if any(indent for _, indent, _ in found) else iter(())
         header = next(headers, None)
-        stack: list[tuple[int, Guard, int]] = []  # open blocks: (indent, guard inside, header offset)
+        stack: list[tuple[int, Guard, int, bool]] = []  # open blocks: (indent, guard inside, offset, a def)
         for at, indent, targets in found:
             while header is not None and header.start() < at:
                 depth, word = len(header.group(1)), header.group(2)
@@ -125,7 +132,8 @@ class LoadSites:
                     stack.pop()
                 outer: Guard = stack[-1][1] if stack else "module"
                 inner = outer
-                if word == b"def" or (word == b"async" and text.startswith(b"def", header.end() + 1)):
+                function = word == b"def" or (word == b"async" and text.startswith(b"def", header.end() + 1))
+                if function:
                     inner = "lazy"
                 elif outer == "module" and (
                     word == b"try"
@@ -134,17 +142,19 @@ class LoadSites:
                     )
                 ):
                     inner = "guarded"
-                stack.append((depth, inner, header.start()))
+                stack.append((depth, inner, header.start(), function))
                 self.headers_read += 1
                 header = next(headers, None)
             while stack and stack[-1][0] >= indent:
                 stack.pop()
             guard: Guard = stack[-1][1] if stack else "module"
-            if targets is None:  # a library loaded by path: the names around it stand for it
-                block_start = stack[-1][2] if stack else at
+            if targets is None:  # a library loaded by path: the names in its scope stand for it
+                block_start = _scope_start(stack, at)
                 end = text.find(b"\n", at + 1)
                 block = text[block_start : end if end >= 0 else len(text)][-MAX_BLOCK_TEXT:]
-                self.sites.append(_Site(block.decode("utf-8", "replace"), guard, True))
+                self.sites.append(
+                    _Site(block.decode("utf-8", "replace"), guard, True, module.partition(".")[0])
+                )
             else:
                 self.sites.extend(_Site(target, guard, False) for target in targets)
         if self.headers_read > MAX_BLOCK_HEADERS:
@@ -157,11 +167,16 @@ class LoadSites:
         if name is None:
             return None
         dotted = dotted_module(extension_path)
+        basename = posixpath.basename(extension_path)
+        top = dotted.partition(".")[0] if dotted else None
         token = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
         found: ImportState | None = None
         for site in self.sites:
             if site.by_path:
-                hit = token.search(site.target) is not None
+                hit = token.search(site.target) is not None or (
+                    site.top == top  # a glob names files of its own package
+                    and any(fnmatch.fnmatchcase(basename, pattern) for pattern in _GLOB.findall(site.target))
+                )
             else:
                 hit = site.target == dotted if dotted else site.target.rpartition(".")[2] == name
             if not hit:
@@ -170,6 +185,15 @@ class LoadSites:
                 return "required"
             found = "optional"
         return found
+
+
+def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
+    """Where a load-by-path call's scope starts: its innermost enclosing function, else the outermost
+    block around it, else its own line (`at`)."""
+    for _, _, offset, function in reversed(stack):
+        if function:
+            return offset
+    return stack[0][2] if stack else at
 
 
 def _targets(match: re.Match[bytes], package: str) -> list[str]:
