@@ -15,6 +15,7 @@ from scanner.layers.code_loading import (
     build_version,
     chosen_build,
     distribution_from_record,
+    distribution_index,
     missing_libraries,
     nvidia_profiling_library,
     package_of,
@@ -171,6 +172,15 @@ def test_packages_are_distributions_nvidia_libraries_or_application_directories(
     assert (found.id, found.kind, found.version) == ("python:onnxruntime-gpu", "python", "1.31.1")
     assert package_of(f"{SITE}/nvidia/cu13/lib/libcublasLt.so.13", {}).kind == "nvidia"
     assert package_of("/opt/app/lib/libkernels.so", {}).id == "app:/opt/app/lib"
+    faiss = distribution_from_record(  # auditwheel vendors its libraries in `<name>.libs`
+        f"{SITE}/faiss_gpu_cu12-1.14.1.post1.dist-info",
+        b"faiss/__init__.py,sha256=x,1\nfaiss_gpu_cu12.libs/libfaiss-6b43fd57.so,sha256=y,2\n",
+    )
+    assert faiss is not None and faiss.top_level == ["faiss", "faiss_gpu_cu12.libs"]
+    index = distribution_index({f"{SITE}/faiss_gpu_cu12-1.14.1.post1.dist-info": faiss})
+    vendored = package_of(f"{SITE}/faiss_gpu_cu12.libs/libfaiss-6b43fd57.so", index)
+    assert (vendored.id, vendored.version) == ("python:faiss-gpu-cu12", "1.14.1.post1")
+    assert package_of(f"{SITE}/faiss/_swigfaiss.so", index).id == "python:faiss-gpu-cu12"  # one package
     assert nvidia_profiling_library("/usr/local/cuda/lib64/libcupti.so.12")
     assert not nvidia_profiling_library(f"{SITE}/nvidia/cu13/lib/libcufft.so.12")
 

@@ -134,8 +134,9 @@ def package_of(path: str, distributions: Mapping[str, Distribution]) -> PackageF
         return PackageFacts(id=f"nvidia:{name}", name=name, kind="nvidia")
     site = _SITE.match(path)
     if site is not None:
-        top = site.group(2).split(".", 1)[0]
-        found = distributions.get(f"{site.group(1)}/{top}")
+        first = site.group(2)  # a directory (`faiss_gpu_cu12.libs`, as auditwheel names it) or a module file
+        top = first.split(".", 1)[0]
+        found = distributions.get(f"{site.group(1)}/{first}") or distributions.get(f"{site.group(1)}/{top}")
         if found is not None:
             return PackageFacts(
                 id=f"python:{found.name}", name=found.name, version=found.version, kind="python"
