@@ -192,6 +192,32 @@ async def test_the_layer_bound_leaves_later_files_unread_and_says_so(
     assert warnings and "was not read" in warnings[0], platform.warnings
 
 
+async def test_thousands_of_extensions_and_load_sites_cost_lookups(
+    pushed: Callable[[str, ImageSpec], str],
+) -> None:
+    """4,000 extension modules with a fatbin each, beside 100,000 import statements: how each is loaded
+    was a pass over every site per module (4 x 10^8 comparisons, minutes of CPU, past a 20 s scan);
+    now the sites are indexed as they are read and each module's state is a few lookups."""
+    extension = crafted.smallest_gpu_library()
+    imports = b"".join(b"import pkg.m%d\n" % n for n in range(20_000))
+    files = [file(f"{SITE}/pkg/{name}.abi3.so", extension) for name in ("_a", "_b", "_c")]
+    files += [file(f"{SITE}/pkg/_e{n}.abi3.so", extension) for n in range(3997)]
+    files += [file(f"{SITE}/pkg/imports{n}.py", imports) for n in range(5)]
+    files.append(
+        file(
+            f"{SITE}/pkg/__init__.py",
+            b"from . import _a\ntry:\n    from . import _b\nexcept ImportError:\n    pass\n",
+        )
+    )
+    reference = pushed("load-sites", image(*files))
+    report, _ = await scan(reference, analysis_processes=1, max_scan_seconds=20.0)
+    platform = only_platform(report)
+    assert_honest_evidence_stands(platform)
+    assert gpu_file(platform, f"{SITE}/pkg/_a.abi3.so").imported == "required"
+    assert gpu_file(platform, f"{SITE}/pkg/_b.abi3.so").imported == "optional"
+    assert gpu_file(platform, f"{SITE}/pkg/_c.abi3.so").imported is None
+
+
 # ------------------------------------------------------------ point 2: address space
 
 

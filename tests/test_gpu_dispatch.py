@@ -4,6 +4,8 @@ the PTX ISA table, and one decisive reason per server. Real packages: tests/test
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from placement import gpu_code
@@ -119,6 +121,27 @@ def test_import_paths_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (
         loads.truncated and loads.headers_read <= 1100
     )  # the layer's budget is spent: it says so, reads no more
+
+
+def test_where_extensions_load_is_read_in_bounded_work() -> None:
+    """A hostile layer: 100,000 imports, load-by-path calls with long scopes and a thousand globs,
+    and 4,096 extension modules with GPU code. Each extension's state is a few lookups and at most
+    `MAX_GLOBS_PER_LAYER` glob matches, never a pass over every site (that took 261 s of CPU here)."""
+    loads = sites(("pkg/__init__.py", "from . import _core\n"))
+    imports = b"".join(b"import pkg.m%d\n" % n for n in range(20_000))
+    by_path = b"".join(
+        b"try:\n    ctypes.CDLL('lib%d_*.so', '%s')\nexcept OSError:\n    pass\n" % (n, b"x" * 1400)
+        for n in range(300)
+    )
+    for n in range(5):
+        loads.add_source(f"{SITE}/pkg/imports{n}.py", imports)
+        loads.add_source(f"{SITE}/pkg/by_path{n}.py", by_path)
+    assert loads.truncated and loads.globs_read == python_loads.MAX_GLOBS_PER_LAYER  # and it says so
+    started = time.process_time()
+    states = [loads.state(f"{SITE}/pkg/lib{n}_kernels.abi3.so") for n in range(4096)]
+    assert time.process_time() - started < 2.0
+    assert states[:256] == ["optional"] * 256 and states[300:] == [None] * (4096 - 300)
+    assert loads.state(f"{SITE}/pkg/_core.abi3.so") == "required"
 
 
 # -- what the loader can load, which build a package selects, which package ships a file

@@ -30,9 +30,11 @@ found. The scan reads lines, it does not parse Python: one regular expression fi
 statements, another the block headers (`try`, `def`, `with`, `if`, ...), and a stack of the open
 headers by indentation says what encloses each statement (a header-like line inside a
 triple-quoted string can mislead it; real packages' sources were read right, `tests/test_gpu_packages.py`).
-Work is bounded: each file is read up to `MAX_SOURCE_BYTES`, and a layer's block headers and load
-sites are counted against `MAX_BLOCK_HEADERS` and `MAX_SITES_PER_LAYER`; past either bound the
-layer's remaining sources are not read, and `truncated` says so.
+Work is bounded: each file is read up to `MAX_SOURCE_BYTES`, and a layer's block headers, load
+sites, load-by-path calls and globs are counted against `MAX_BLOCK_HEADERS`, `MAX_SITES_PER_LAYER`,
+`MAX_PATH_LOADS_PER_LAYER` and `MAX_GLOBS_PER_LAYER`; past any bound the layer's remaining sources
+are not read, and `truncated` says so. Sites are indexed as they are read, so the state of each
+extension is a few lookups, whatever the number of sites and extensions.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ Guard = Literal["module", "guarded", "lazy"]
 MAX_SOURCE_BYTES = 512 * 1024  # vLLM's largest module is 120 KiB
 MAX_BLOCK_HEADERS = 2_000_000  # block headers read per layer (vLLM's sources hold 144,000)
 MAX_SITES_PER_LAYER = 200_000
+MAX_PATH_LOADS_PER_LAYER = 4096  # load-by-path calls per layer (FlashInfer 0.7.4 has 327, vLLM 87)
+MAX_GLOBS_PER_LAYER = 256  # distinct quoted globs in their scopes (vLLM has 4, torchao 1)
 MAX_BLOCK_TEXT = 2048  # text of a load-by-path call's scope kept, up to the call
 PYTHON_TREES = re.compile(r"/(?:site|dist)-packages/|^/(?:app|opt|srv|workspace|home|root|usr/src)/")
 _EXTENSION = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.(?:cpython-[^/]*|abi3|pypy[^/]*))?\.so$")
@@ -57,6 +61,7 @@ _STATEMENT = re.compile(
 )
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
 _GLOB = re.compile(r"""['"]([\w.*?-]*[*?][\w.*?-]*)['"]""")  # a quoted file-name pattern
+_WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 
@@ -82,21 +87,25 @@ def dotted_module(path: str) -> str | None:
     return ".".join(names) if all(n.isidentifier() for n in names) else None
 
 
-@dataclass(slots=True)
-class _Site:
-    target: str  # a dotted module name, or the text of a block that loads a library by path
-    guard: Guard
-    by_path: bool
-    top: str = ""  # the top-level package of the file the site is in
-
-
 @dataclass
 class LoadSites:
-    """One layer's load sites (`add_source` per Python file), then `state(extension path)`."""
+    """One layer's load sites (`add_source` per Python file), then `state(extension path)`.
 
-    sites: list[_Site] = field(default_factory=list)
+    Sites are indexed as they are read, each key noting whether some site of it is at module level:
+    the dotted modules imported (and their last names), the words in each load-by-path call's scope,
+    and the quoted globs there per top-level package. `state` is then a few lookups and at most
+    `MAX_GLOBS_PER_LAYER` glob matches, however many sites and extensions the layer holds.
+    """
+
     headers_read: int = 0
+    sites_read: int = 0
+    path_loads: int = 0
+    globs_read: int = 0
     truncated: bool = False
+    _modules: dict[str, bool] = field(default_factory=dict, repr=False)  # dotted target -> at module level
+    _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
+    _words: dict[str, bool] = field(default_factory=dict, repr=False)  # a word in a by-path scope -> same
+    _globs: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> glob -> same
 
     def add_source(self, path: str, text: bytes) -> None:
         """Record the load sites of one Python file (its first `MAX_SOURCE_BYTES`)."""
@@ -118,9 +127,15 @@ class LoadSites:
                 at = text.find(call, at + 1)
         if not found:
             return
-        if len(self.sites) + len(found) > MAX_SITES_PER_LAYER:
+        by_path = sum(1 for site in found if site[2] is None)
+        if (
+            self.sites_read + len(found) > MAX_SITES_PER_LAYER
+            or self.path_loads + by_path > MAX_PATH_LOADS_PER_LAYER
+        ):
             self.truncated = True
             return
+        self.sites_read += len(found)
+        self.path_loads += by_path
         found.sort(key=lambda site: site[0])
         headers = _HEADER.finditer(text) if any(indent for _, indent, _ in found) else iter(())
         header = next(headers, None)
@@ -147,18 +162,29 @@ class LoadSites:
                 header = next(headers, None)
             while stack and stack[-1][0] >= indent:
                 stack.pop()
-            guard: Guard = stack[-1][1] if stack else "module"
+            at_module = not stack or stack[-1][1] == "module"
             if targets is None:  # a library loaded by path: the names in its scope stand for it
-                block_start = _scope_start(stack, at)
                 end = text.find(b"\n", at + 1)
-                block = text[block_start : end if end >= 0 else len(text)][-MAX_BLOCK_TEXT:]
-                self.sites.append(
-                    _Site(block.decode("utf-8", "replace"), guard, True, module.partition(".")[0])
-                )
+                scope = text[_scope_start(stack, at) : end if end >= 0 else len(text)][-MAX_BLOCK_TEXT:]
+                self._add_scope(scope.decode("utf-8", "replace"), module.partition(".")[0], at_module)
             else:
-                self.sites.extend(_Site(target, guard, False) for target in targets)
+                for target in targets:
+                    _note(self._modules, target, at_module)
+                    _note(self._names, target.rpartition(".")[2], at_module)
         if self.headers_read > MAX_BLOCK_HEADERS:
             self.truncated = True
+
+    def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
+        for word in _WORD.findall(scope):
+            _note(self._words, word, at_module)
+        globs = self._globs.setdefault(top, {})
+        for pattern in _GLOB.findall(scope):
+            if pattern not in globs:
+                if self.globs_read >= MAX_GLOBS_PER_LAYER:
+                    self.truncated = True
+                    return
+                self.globs_read += 1
+            _note(globs, pattern, at_module)
 
     def state(self, extension_path: str) -> ImportState | None:
         """`required`, `optional` or None for the extension module at `extension_path` (see the module
@@ -167,24 +193,18 @@ class LoadSites:
         if name is None:
             return None
         dotted = dotted_module(extension_path)
-        basename = posixpath.basename(extension_path)
-        top = dotted.partition(".")[0] if dotted else None
-        token = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
-        found: ImportState | None = None
-        for site in self.sites:
-            if site.by_path:
-                hit = token.search(site.target) is not None or (
-                    site.top == top  # a glob names files of its own package
-                    and any(fnmatch.fnmatchcase(basename, pattern) for pattern in _GLOB.findall(site.target))
-                )
-            else:
-                hit = site.target == dotted if dotted else site.target.rpartition(".")[2] == name
-            if not hit:
-                continue
-            if site.guard == "module":
-                return "required"
-            found = "optional"
-        return found
+        hits = [self._modules.get(dotted) if dotted else self._names.get(name), self._words.get(name)]
+        if dotted:  # a glob names files of its own package
+            basename = posixpath.basename(extension_path)
+            globs = self._globs.get(dotted.partition(".")[0], {})
+            hits += [module for pattern, module in globs.items() if fnmatch.fnmatchcase(basename, pattern)]
+        if any(hits):
+            return "required"
+        return "optional" if any(hit is not None for hit in hits) else None
+
+
+def _note(index: dict[str, bool], key: str, at_module: bool) -> None:
+    index[key] = index.get(key, False) or at_module
 
 
 def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
