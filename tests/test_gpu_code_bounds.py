@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import struct
+import subprocess
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ import pytest
 
 from fixtures import hostile_gpu_code as crafted
 from fixtures.hostile import member, raw_layer
-from fixtures.oci import Entry, ImageSpec, file
+from fixtures.oci import Entry, ImageSpec, LayerSpec, file
 from fixtures.registry import LocalRegistry
 from scanner.layers import analysis
 from scanner.layers.analysis import AnalysisPool
@@ -37,7 +39,7 @@ from scanner.models import FileArchs, ImageReport, PlatformReport
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
-from tests.conftest import Pusher
+from tests.conftest import Pusher, skip_unless_required
 
 SITE = "/usr/lib/python3/dist-packages"
 RUNTIME_WHEEL = f"{SITE}/nvidia_cuda_runtime_cu12-12.4.127.dist-info/METADATA"  # honest evidence: CUDA 12.4
@@ -216,6 +218,55 @@ async def test_thousands_of_extensions_and_load_sites_cost_lookups(
     assert gpu_file(platform, f"{SITE}/pkg/_a.abi3.so").imported == "required"
     assert gpu_file(platform, f"{SITE}/pkg/_b.abi3.so").imported == "optional"
     assert gpu_file(platform, f"{SITE}/pkg/_c.abi3.so").imported is None
+
+
+def chained_library(template: bytes, number: int) -> bytes:
+    """`libcudart.so.1.<number>`, linking (DT_NEEDED) `libcudart.so.1.<number + 1>`: the names of a
+    library gcc built, patched in place (five digits each, so every offset stands)."""
+    return template.replace(b"libcudart.so.1.10001", b"libcudart.so.1.%05d" % (number + 1)).replace(
+        b"libcudart.so.1.10000", b"libcudart.so.1.%05d" % number
+    )
+
+
+@pytest.fixture(scope="module")
+def link_template(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A 4.8 KB shared object named `libcudart.so.1.10000` that links `libcudart.so.1.10001`."""
+    if shutil.which("gcc") is None:
+        skip_unless_required("gcc is not installed (make deps-system installs it)")
+    work: Path = tmp_path_factory.mktemp("chain")
+    (work / "empty.c").write_text("\n")
+    flags = ["gcc", "-shared", "-nostdlib", "-s", "-fPIC", "-Wl,--no-as-needed"]
+    for name, needs in (("libcudart.so.1.10001", []), ("libcudart.so.1.10000", ["libcudart.so.1.10001"])):
+        command = [*flags, f"-Wl,-soname,{name}", "-o", str(work / name), str(work / "empty.c")]
+        subprocess.run([*command, *[str(work / need) for need in needs]], check=True)
+    return (work / "libcudart.so.1.10000").read_bytes()
+
+
+async def test_a_long_chain_of_linked_libraries_is_resolved_once(
+    pushed: Callable[[str, ImageSpec], str], link_template: bytes
+) -> None:
+    """Two layers of 4,000 libraries named like CUDA's runtime, each linking the next, the last linking
+    one the image lacks: each file's way to the missing one was walked and spelt out anew (31 s of CPU
+    per merge of the layers, cubic in the chain's length); now every library's way is known after one
+    walk back from the missing one, and shown to its fourth hop."""
+    layers = [
+        LayerSpec(
+            [
+                file(f"/usr/lib/libcudart.so.1.{n:05d}", chained_library(link_template, n))
+                for n in range(start, start + 4000)
+            ]
+        )
+        for start in (10000, 14000)
+    ]
+    spec = image()
+    spec.layers += layers
+    reference = pushed("chain", spec)
+    report, _ = await scan(reference, analysis_processes=1, max_scan_seconds=20.0)
+    platform = only_platform(report)
+    assert_honest_evidence_stands(platform)
+    assert (
+        platform.gpu.inferred is not None and platform.gpu.inferred.cuda == "12.4"
+    )  # no dead library speaks
 
 
 # ------------------------------------------------------------ point 2: address space

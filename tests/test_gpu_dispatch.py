@@ -4,6 +4,7 @@ the PTX ISA table, and one decisive reason per server. Real packages: tests/test
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from placement.cuda_needs import declared_vs_carried, gpu_reasons
 from scanner.facts.badges import cuda_mismatch
 from scanner.layers import python_loads
 from scanner.layers.code_loading import (
+    MissingLinks,
     build_version,
     chosen_build,
     distribution_from_record,
@@ -157,6 +159,34 @@ def test_a_library_loads_only_when_what_it_links_is_there_all_the_way_down() -> 
         "libcusparse.so.12 -> libnvJitLink.so.13"
     ]
     assert missing_libraries(["libcublas.so.13"], carried, links) == ["libcublas.so.13"]
+
+
+def test_a_way_to_a_missing_library_is_found_once_and_shown_short() -> None:
+    """Every carried library's way to a missing one comes from one walk back from it, cycles too; a
+    long way is shown to its fourth library and its end."""
+    chain = [f"libcudart.so.1.{n}" for n in range(8)]
+    links = {name: [after] for name, after in itertools.pairwise(chain)}
+    links[chain[-1]] = ["libcublas.so.13", "libcuda.so.1"]  # missing; the driver's is the host's
+    links["libcufft.so.12"] = ["libcurand.so.10"]
+    links["libcurand.so.10"] = ["libcufft.so.12", chain[5]]  # a cycle that also reaches the chain
+    resolve = MissingLinks({*chain, "libcufft.so.12", "libcurand.so.10"}, links)
+    assert resolve.of([chain[0]]) == [
+        "libcudart.so.1.0 -> libcudart.so.1.1 -> libcudart.so.1.2 -> libcudart.so.1.3 -> ... -> libcublas.so.13"
+    ]
+    assert resolve.of([chain[4]]) == [
+        "libcudart.so.1.4 -> libcudart.so.1.5 -> libcudart.so.1.6 -> libcudart.so.1.7 -> libcublas.so.13"
+    ]
+    assert resolve.of(["libcufft.so.12", "libnpp.so.13"]) == [
+        "libcufft.so.12 -> libcurand.so.10 -> libcudart.so.1.5 -> libcudart.so.1.6 -> ... -> libcublas.so.13",
+        "libnpp.so.13",
+    ]
+    assert (
+        MissingLinks(
+            {"libcufft.so.12", "libcurand.so.10"},
+            {"libcufft.so.12": ["libcurand.so.10"], "libcurand.so.10": ["libcufft.so.12"]},
+        ).of(["libcufft.so.12"])
+        == []
+    )
 
 
 def build(name: str, missing: tuple[str, ...] = ()) -> FileArchs:

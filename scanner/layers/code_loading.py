@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, Field
@@ -81,26 +82,74 @@ def cuda_library_file(path: str) -> bool:
     return CUDA_LIBRARY_FILE.match(posixpath.basename(path)) is not None
 
 
+class MissingLinks:
+    """Which CUDA libraries the loader cannot find, for any file of one image (the driver's are the
+    host's): a needed library the image does not carry, or a carried one that links, in turn, one it
+    does not ("libcusparse.so.12 -> libnvJitLink.so.13"). `links`: carried library name -> the CUDA
+    libraries it links (DT_NEEDED).
+
+    Built once per image in time linear in the links (a breadth-first walk back from every missing
+    library marks each carried library that reaches one, with its next hop on a shortest way there),
+    so each file's answer costs only its own DT_NEEDED list, however long the chains an image's
+    author made: a chain of 4,000 libraries, each a file whose way was walked and spelt out anew, cost
+    seconds per layer, and cubically more for longer ones. A way is shown to its `SHOWN_HOPS`th library
+    and its end.
+    """
+
+    SHOWN_HOPS = 4
+
+    def __init__(self, carried: set[str], links: Mapping[str, Sequence[str]] | None = None) -> None:
+        self._carried = carried
+        self._next: dict[str, str] = {}  # a carried library -> its next hop toward a missing one
+        self._end: dict[str, str] = {}  # ... and the missing one that way reaches
+        linked_by: dict[str, list[str]] = {}
+        queue: deque[str] = deque()
+        for name, deeper in (links or {}).items():
+            if name not in carried:
+                continue
+            for hop in deeper:
+                if DRIVER_LIBRARIES.match(hop):
+                    continue
+                if hop in carried:
+                    linked_by.setdefault(hop, []).append(name)
+                elif name not in self._next:
+                    self._next[name] = self._end[name] = hop
+                    queue.append(name)
+        while queue:
+            hop = queue.popleft()
+            for name in linked_by.get(hop, ()):
+                if name not in self._next:
+                    self._next[name], self._end[name] = hop, self._end[hop]
+                    queue.append(name)
+
+    def of(self, needed: Iterable[str]) -> list[str]:
+        """The missing libraries of a file that needs `needed`, each shown from what the file names."""
+        missing: set[str] = set()
+        for name in needed:
+            if DRIVER_LIBRARIES.match(name):
+                continue
+            if name not in self._carried:
+                missing.add(name)
+            elif name in self._next:
+                missing.add(self._way(name))
+        return sorted(missing)
+
+    def _way(self, name: str) -> str:
+        way, at = [name], name
+        while at in self._carried:
+            at = self._next[at]
+            if len(way) == self.SHOWN_HOPS and at in self._carried:  # the rest of a long way: its end
+                way += ["...", self._end[name]]
+                break
+            way.append(at)
+        return " -> ".join(way)
+
+
 def missing_libraries(
     needed: Iterable[str], carried: set[str], links: Mapping[str, Sequence[str]] | None = None
 ) -> list[str]:
-    """The CUDA libraries in `needed` the loader cannot find in the image (the driver's are the host's),
-    following what the carried ones link in turn (`links`: library name -> its CUDA DT_NEEDED):
-    "libcusparse.so.12 -> libnvJitLink.so.13" where libcusparse is there and what it links is not."""
-    missing: list[str] = []
-    seen: set[str] = set()
-    stack = [(name, name) for name in needed]
-    while stack:
-        name, shown = stack.pop()
-        if name in seen or DRIVER_LIBRARIES.match(name):
-            continue
-        seen.add(name)
-        if name not in carried:
-            missing.append(shown)
-            continue
-        for deeper in (links or {}).get(name, ()):
-            stack.append((deeper, f"{shown} -> {deeper}"))
-    return sorted(missing)
+    """The CUDA libraries in `needed` the loader cannot find in the image (`MissingLinks`, for one file)."""
+    return MissingLinks(carried, links).of(needed)
 
 
 def distribution_from_record(dist_info: str, record: bytes) -> Distribution | None:
@@ -213,6 +262,7 @@ def annotate(
     packages they belong to (`optional` set). `imports`: extension path -> `required`/`optional`;
     `links`: carried library name -> the CUDA libraries it links."""
     index = distribution_index(distributions)
+    resolve = MissingLinks(carried, links)
     annotated: list[FileArchs] = []
     packages: dict[str, PackageFacts] = {}
     for file in files:
@@ -223,7 +273,7 @@ def annotate(
             file.model_copy(
                 update={
                     "package": package.id,
-                    "missing": missing_libraries(file.needed, carried, links),
+                    "missing": resolve.of(file.needed),
                     "imported": state if state in ("required", "optional") else None,
                 }
             )

@@ -43,10 +43,10 @@ from pydantic import BaseModel, Field
 from scanner.layers.code_loading import (
     DRIVER_LIBRARIES,
     Distribution,
+    MissingLinks,
     annotate,
     cuda_library_file,
     distribution_from_record,
-    missing_libraries,
 )
 from scanner.layers.cuda_sources import (
     CONDA_META,
@@ -654,8 +654,9 @@ def combine(
     archs = image_archs(merged, runtime, links)
     dead = {f.path for f in archs.files if not f.loadable} if archs is not None else set()
     ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
+    resolve = MissingLinks(merged.carried, links)
     for path, facts in merged.elves:
-        if path in dead or missing_libraries(facts.needed, merged.carried, links):
+        if path in dead or resolve.of(facts.needed):
             continue
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
