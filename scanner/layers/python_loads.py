@@ -165,7 +165,8 @@ class LoadSites:
             at_module = not stack or stack[-1][1] == "module"
             if targets is None:  # a library loaded by path: the names in its scope stand for it
                 end = text.find(b"\n", at + 1)
-                scope = text[_scope_start(stack, at) : end if end >= 0 else len(text)][-MAX_BLOCK_TEXT:]
+                end = end if end >= 0 else len(text)
+                scope = text[max(_scope_start(stack, at), end - MAX_BLOCK_TEXT) : end]
                 self._add_scope(scope.decode("utf-8", "replace"), module.partition(".")[0], at_module)
             else:
                 for target in targets:
