@@ -9,6 +9,7 @@ import pytest
 
 from fixtures.oci import file, tar_bytes
 from scanner.layers.cuda_evidence import (
+    MAX_EVIDENCE_LINES,
     CudaEntryCollector,
     CudaLayerEvidence,
     choose_cuda,
@@ -246,6 +247,24 @@ def test_upper_layer_wins_and_whiteouts_hide() -> None:
     opaque = collect_layer([(entry(f"{SITE}/.wh..wh..opq"), b"")])
     assert combine([opaque, lower]) == (None, None)
     assert combine([lower, opaque])[0] is not None  # an opaque dir hides only what lies below it
+
+
+def test_evidence_listed_per_image_is_bounded() -> None:
+    """256 layers of 4,096 findings would list a million lines in the report: past
+    `MAX_EVIDENCE_LINES`, the rest is counted."""
+    layers = [
+        CudaLayerEvidence(
+            findings={
+                f"/usr/lib/layer{n}/libkernels{i}.so": needed_finding(["libcudart.so.12"])
+                for i in range(1000)
+            }
+        )
+        for n in range(3)
+    ]
+    inferred, _ = combine(layers)
+    assert inferred is not None and inferred.cuda == "12"
+    assert len(inferred.evidence) == MAX_EVIDENCE_LINES + 1
+    assert inferred.evidence[-1] == f"... and {3000 - MAX_EVIDENCE_LINES:,} more"
 
 
 def test_choose_cuda() -> None:

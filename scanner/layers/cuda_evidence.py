@@ -91,6 +91,9 @@ MAX_FINDINGS_PER_LAYER = 4096
 MAX_SHADOWS_PER_LAYER = 100_000
 MAX_ARCH_FILES = 512
 MAX_VERSION_SOURCES = 64  # pieces of versioned evidence listed per image
+# Lines of evidence listed per image, then how many more: a CUDA toolkit's tree gives a few hundred,
+# and 256 layers of 4,096 findings each would otherwise make a report of a million lines.
+MAX_EVIDENCE_LINES = 2000
 MAX_LIBRARIES_PER_LAYER = 4096  # CUDA library files and links a layer may name (a full toolkit: ~700)
 MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubin: 12)
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
@@ -716,7 +719,12 @@ def combine(
             for p, f in named[:MAX_VERSION_SOURCES]
             if f.cuda
         ],
-        evidence=[f"{path}: {finding.detail}" for path, finding in ordered],
+        evidence=[f"{path}: {finding.detail}" for path, finding in ordered[:MAX_EVIDENCE_LINES]]
+        + (
+            [f"... and {len(ordered) - MAX_EVIDENCE_LINES:,} more"]
+            if len(ordered) > MAX_EVIDENCE_LINES
+            else []
+        ),
         sources=sorted({f.source for _, f in positive}, key=SOURCE_ORDER.index),
         conflict=conflict,
         complete=complete,
