@@ -26,6 +26,7 @@ from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from scanner.layers.cuda_evidence import CudaLayerEvidence, combine
+from scanner.layers.python_loads import LoadSites
 from scanner.models import GpuArchs, GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
@@ -33,11 +34,15 @@ from scanner.settings import ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
 from tests.gpu_packages import (
+    BITSANDBYTES,
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
+    ONNXRUNTIME,
     SGLANG_KERNEL,
     SITE,
+    TENSORFLOW,
+    TORCH_214,
     TORCHAO_018,
     VLLM,
     bitsandbytes_layers,
@@ -503,6 +508,31 @@ def test_flashinfer_is_a_gpu_package_that_picks_its_modules(flashinfer: ImageFac
 def test_one_line_summary_lists_where_it_runs_without_holes(onnxruntime: ImageFacts) -> None:
     summary = gpu_code.summary(archs_of(onnxruntime))
     assert summary.endswith("compute capability 7.5–9.0, 12.0"), summary
+
+
+def test_a_whole_environment_in_one_layer_is_read_whole() -> None:
+    """One `pip install` layer of torch 2.14.0 and every package here holds 238,000 load sites, past
+    the 200,000 the layer bound once was: the sources after it (vLLM's, torchao's) went unread, and
+    torchao's accelerators counted as needed again. Each extension's state is what its own package
+    alone gives."""
+    wheels = (BITSANDBYTES, FLASHINFER, ONNXRUNTIME, SGLANG_KERNEL, TENSORFLOW, TORCH_214, TORCHAO_018, VLLM)
+    everything, alone = LoadSites(), {}
+    for wheel in wheels:
+        sources = sorted(member_files(wheel, lambda name: name.endswith(".py")).items())
+        alone[wheel] = LoadSites()
+        for name, path in sources:
+            text = path.read_bytes()
+            everything.add_source(f"{SITE}/{name}", text)
+            alone[wheel].add_source(f"{SITE}/{name}", text)
+    assert not everything.truncated and everything.sites_read > 200_000
+    for wheel, extension in [
+        (VLLM, "vllm/_C_stable_libtorch.abi3.so"),
+        (VLLM, "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"),
+        (TORCHAO_018, "torchao/_C_cutlass_90a.abi3.so"),
+        (ONNXRUNTIME, "onnxruntime/capi/onnxruntime_pybind11_state.so"),
+    ]:
+        assert everything.state(f"{SITE}/{extension}") == alone[wheel].state(f"{SITE}/{extension}"), extension
+    assert everything.state(f"{SITE}/torchao/_C_cutlass_90a.abi3.so") == "optional"
 
 
 # -- through a real registry: pushed by skopeo, read by the scanner's own client and walk

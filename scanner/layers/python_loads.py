@@ -31,9 +31,9 @@ statements, another the block headers (`try`, `def`, `with`, `if`, ...), and a s
 headers by indentation says what encloses each statement (a header-like line inside a
 triple-quoted string can mislead it; real packages' sources were read right, `tests/test_gpu_packages.py`).
 Work is bounded: each file is read up to `MAX_SOURCE_BYTES`, and a layer's block headers, load
-sites, load-by-path calls and globs are counted against `MAX_BLOCK_HEADERS`, `MAX_SITES_PER_LAYER`,
-`MAX_PATH_LOADS_PER_LAYER` and `MAX_GLOBS_PER_LAYER`; past any bound the layer's remaining sources
-are not read, and `truncated` says so. Sites are indexed as they are read, so the state of each
+sites, load-by-path calls, globs and the distinct names kept are counted against `MAX_BLOCK_HEADERS`,
+`MAX_SITES_PER_LAYER`, `MAX_PATH_LOADS_PER_LAYER`, `MAX_GLOBS_PER_LAYER` and `MAX_LOAD_NAMES`; past
+any bound the layer's remaining sources are not read, and `truncated` says so. Sites are indexed as they are read, so the state of each
 extension is a few lookups, whatever the number of sites and extensions.
 """
 
@@ -49,8 +49,12 @@ from scanner.models import ImportState
 
 Guard = Literal["module", "guarded", "lazy"]
 MAX_SOURCE_BYTES = 512 * 1024  # vLLM's largest module is 120 KiB
-MAX_BLOCK_HEADERS = 2_000_000  # block headers read per layer (vLLM's sources hold 144,000)
-MAX_SITES_PER_LAYER = 200_000
+# One layer may hold a whole environment: torch, transformers, vLLM, FlashInfer, TensorFlow and 20 more
+# GPU packages' 17,838 sources hold 312,000 block headers, 338,000 load sites (each imported name
+# counts) and 85,000 distinct names; reading them costs 2.6 s of CPU (about 1.6 us a site).
+MAX_BLOCK_HEADERS = 8_000_000  # block headers read per layer
+MAX_SITES_PER_LAYER = 4_000_000  # load sites read per layer
+MAX_LOAD_NAMES = 500_000  # distinct names the sites' index keeps per layer (its memory)
 MAX_PATH_LOADS_PER_LAYER = 4096  # load-by-path calls per layer (FlashInfer 0.7.4 has 327, vLLM 87)
 MAX_GLOBS_PER_LAYER = 256  # distinct quoted globs in their scopes (vLLM has 4, torchao 1)
 MAX_BLOCK_TEXT = 2048  # text of a load-by-path call's scope kept, up to the call
@@ -101,6 +105,7 @@ class LoadSites:
     sites_read: int = 0
     path_loads: int = 0
     globs_read: int = 0
+    names_kept: int = 0
     truncated: bool = False
     _modules: dict[str, bool] = field(default_factory=dict, repr=False)  # dotted target -> at module level
     _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
@@ -128,13 +133,14 @@ class LoadSites:
         if not found:
             return
         by_path = sum(1 for site in found if site[2] is None)
+        sites = sum(1 if targets is None else len(targets) for _, _, targets in found)  # each name counts
         if (
-            self.sites_read + len(found) > MAX_SITES_PER_LAYER
+            self.sites_read + sites > MAX_SITES_PER_LAYER
             or self.path_loads + by_path > MAX_PATH_LOADS_PER_LAYER
         ):
             self.truncated = True
             return
-        self.sites_read += len(found)
+        self.sites_read += sites
         self.path_loads += by_path
         found.sort(key=lambda site: site[0])
         headers = _HEADER.finditer(text) if any(indent for _, indent, _ in found) else iter(())
@@ -170,14 +176,14 @@ class LoadSites:
                 self._add_scope(scope.decode("utf-8", "replace"), module.partition(".")[0], at_module)
             else:
                 for target in targets:
-                    _note(self._modules, target, at_module)
-                    _note(self._names, target.rpartition(".")[2], at_module)
-        if self.headers_read > MAX_BLOCK_HEADERS:
+                    self._note(self._modules, target, at_module)
+                    self._note(self._names, target.rpartition(".")[2], at_module)
+        if self.headers_read > MAX_BLOCK_HEADERS or self.names_kept > MAX_LOAD_NAMES:
             self.truncated = True
 
     def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
         for word in _WORD.findall(scope):
-            _note(self._words, word, at_module)
+            self._note(self._words, word, at_module)
         globs = self._globs.setdefault(top, {})
         for pattern in _GLOB.findall(scope):
             if pattern not in globs:
@@ -185,7 +191,14 @@ class LoadSites:
                     self.truncated = True
                     return
                 self.globs_read += 1
-            _note(globs, pattern, at_module)
+            self._note(globs, pattern, at_module)
+
+    def _note(self, index: dict[str, bool], key: str, at_module: bool) -> None:
+        """Key `key` in `index`, noting whether a site of it is at module level."""
+        known = index.get(key)
+        if known is None:
+            self.names_kept += 1
+        index[key] = bool(known) or at_module
 
     def state(self, extension_path: str) -> ImportState | None:
         """`required`, `optional` or None for the extension module at `extension_path` (see the module
@@ -202,10 +215,6 @@ class LoadSites:
         if any(hits):
             return "required"
         return "optional" if any(hit is not None for hit in hits) else None
-
-
-def _note(index: dict[str, bool], key: str, at_module: bool) -> None:
-    index[key] = index.get(key, False) or at_module
 
 
 def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
