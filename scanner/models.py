@@ -178,6 +178,11 @@ class GpuArchs(BaseModel):
     sass: list[str] = Field(default_factory=list)
     ptx: list[str] = Field(default_factory=list)
     files: list[FileArchs] = Field(default_factory=list)
+    files_not_listed: int = Field(
+        default=0,
+        description="files with GPU code past the report's bound (`MAX_ARCH_FILES`, in path order):"
+        " neither listed nor judged, and the report warns",
+    )
     packages: list[PackageFacts] = Field(default_factory=list)
     libraries: list[str] = Field(
         default_factory=list,

@@ -218,6 +218,11 @@ async def test_thousands_of_extensions_and_load_sites_cost_lookups(
     assert gpu_file(platform, f"{SITE}/pkg/_a.abi3.so").imported == "required"
     assert gpu_file(platform, f"{SITE}/pkg/_b.abi3.so").imported == "optional"
     assert gpu_file(platform, f"{SITE}/pkg/_c.abi3.so").imported is None
+    assert platform.gpu.archs is not None and platform.gpu.archs.files_not_listed == 4000 - 512
+    assert (
+        "deep scan: 3,488 more files with GPU code were neither listed nor judged (the report keeps 512, in path order)"
+        in platform.warnings
+    )
 
 
 def chained_library(template: bytes, number: int) -> bytes:

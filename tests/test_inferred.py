@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fixtures.oci import file, tar_bytes
+from scanner.layers import cuda_evidence
 from scanner.layers.cuda_evidence import (
     MAX_EVIDENCE_LINES,
     CudaEntryCollector,
@@ -15,6 +16,7 @@ from scanner.layers.cuda_evidence import (
     choose_cuda,
     collect_layer,
     combine,
+    layer_problems,
 )
 from scanner.layers.cuda_sources import (
     dist_info_finding,
@@ -247,6 +249,18 @@ def test_upper_layer_wins_and_whiteouts_hide() -> None:
     opaque = collect_layer([(entry(f"{SITE}/.wh..wh..opq"), b"")])
     assert combine([opaque, lower]) == (None, None)
     assert combine([lower, opaque])[0] is not None  # an opaque dir hides only what lies below it
+
+
+def test_a_layer_past_a_per_layer_bound_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evidence past a per-layer bound is dropped, and the report's warnings name the bound."""
+    monkeypatch.setattr(cuda_evidence, "MAX_FINDINGS_PER_LAYER", 2)
+    wheels = {f"{SITE}/nvidia_cuda_runtime_cu12-12.{n}.0.dist-info/METADATA": "x" for n in range(1, 4)}
+    crowded = layer(wheels)
+    assert crowded.truncated and crowded.bounds_reached == ["MAX_FINDINGS_PER_LAYER"]
+    assert layer_problems([layer({}), crowded]) == [
+        "layer 2 from the top: more than 2 files with CUDA evidence (MAX_FINDINGS_PER_LAYER); evidence past"
+        " it was not kept, and placement judges what was"
+    ]
 
 
 def test_evidence_listed_per_image_is_bounded() -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from scanner.layers import python_loads
 from scanner.layers.code_loading import (
     DRIVER_LIBRARIES,
     Distribution,
@@ -150,6 +151,9 @@ class CudaLayerEvidence(BaseModel):
         default_factory=dict, description="how the layer's Python loads its GPU-code extension modules"
     )
     truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
+    bounds_reached: list[str] = Field(
+        default_factory=list, description="the per-layer bounds hit, by name (`MAX_FINDINGS_PER_LAYER`, ...)"
+    )
     problems: dict[str, str] = Field(
         default_factory=dict, description="files whose evidence could not be read, and why (path -> problem)"
     )
@@ -222,22 +226,28 @@ class CudaLayerCollector:
         detail = str(exc).strip()
         problem = f"not read: {type(exc).__name__}" + (f": {detail}" if detail else "")
         if len(self.evidence.problems) >= MAX_FINDINGS_PER_LAYER:
-            self.evidence.truncated = True
+            self._bound_reached("MAX_FINDINGS_PER_LAYER")
         else:
             self.evidence.problems[path] = problem[:MAX_PROBLEM_CHARS]
         self.evidence.findings.pop(path, None)
         self.evidence.elves.pop(path, None)
         self._shadow(path)
 
+    def _bound_reached(self, bound: str) -> None:
+        """A per-layer bound was hit: evidence past it is dropped, and the report will say which."""
+        self.evidence.truncated = True
+        if bound not in self.evidence.bounds_reached:
+            self.evidence.bounds_reached.append(bound)
+
     def _finding(self, path: str, finding: Finding) -> None:
         if len(self.evidence.findings) >= MAX_FINDINGS_PER_LAYER:
-            self.evidence.truncated = True
+            self._bound_reached("MAX_FINDINGS_PER_LAYER")
             return
         self.evidence.findings[path] = finding
 
     def _shadow(self, path: str) -> None:
         if len(self.evidence.shadows) >= MAX_SHADOWS_PER_LAYER:
-            self.evidence.truncated = True
+            self._bound_reached("MAX_SHADOWS_PER_LAYER")
             return
         self.evidence.shadows.append(path)
 
@@ -255,7 +265,7 @@ class CudaLayerCollector:
                 if len(self.evidence.libraries) < MAX_LIBRARIES_PER_LAYER:
                     self.evidence.libraries.append(path)
                 else:
-                    self.evidence.truncated = True
+                    self._bound_reached("MAX_LIBRARIES_PER_LAYER")
             if entry.kind == "file" and head:
                 self._add_content(path, head)
         except Exception as exc:  # one file's parser failing is that file's finding, never the layer's
@@ -384,7 +394,7 @@ class CudaLayerCollector:
         if distribution is None:
             return
         if len(self.evidence.distributions) >= MAX_DISTRIBUTIONS_PER_LAYER:
-            self.evidence.truncated = True
+            self._bound_reached("MAX_DISTRIBUTIONS_PER_LAYER")
             return
         self.evidence.distributions[posixpath.dirname(path)] = distribution
 
@@ -394,7 +404,7 @@ class CudaLayerCollector:
         found = self.evidence.modules.get(directory)
         if found is None:
             if len(self.evidence.modules) >= MAX_MODULE_DIRS_PER_LAYER:
-                self.evidence.truncated = True
+                self._bound_reached("MAX_MODULE_DIRS_PER_LAYER")
                 return
             found = self.evidence.modules[directory] = ModuleDir()
         found.files += 1
@@ -412,7 +422,7 @@ class CudaLayerCollector:
             self._shadow(entry.path)
             return
         if len(self.evidence.elves) >= MAX_FINDINGS_PER_LAYER:
-            self.evidence.truncated = True
+            self._bound_reached("MAX_FINDINGS_PER_LAYER")
             return
         self.evidence.elves[entry.path] = facts
 
@@ -426,7 +436,7 @@ class CudaLayerCollector:
                 if state is not None:
                     self.evidence.extensions[path] = state
         if self._loads.truncated:
-            self.evidence.truncated = True
+            self._bound_reached(self._loads.truncated_by or "python_loads")
         if self._work is not None and self._work.exceeded is not None:
             self.evidence.gpu_code_unread = str(self._work.exceeded)
         return self.evidence
@@ -732,9 +742,26 @@ def combine(
     return inferred, archs
 
 
+def _bounds_text() -> dict[str, str]:
+    """What each per-layer bound counts, with its value, as a warning names it."""
+    return {
+        "MAX_FINDINGS_PER_LAYER": f"{MAX_FINDINGS_PER_LAYER:,} files with CUDA evidence",
+        "MAX_SHADOWS_PER_LAYER": f"{MAX_SHADOWS_PER_LAYER:,} files that hide lower layers' evidence",
+        "MAX_LIBRARIES_PER_LAYER": f"{MAX_LIBRARIES_PER_LAYER:,} files named like CUDA libraries",
+        "MAX_DISTRIBUTIONS_PER_LAYER": f"{MAX_DISTRIBUTIONS_PER_LAYER:,} Python distributions",
+        "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
+        "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
+        "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
+        "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
+        "MAX_GLOBS_PER_LAYER": f"{python_loads.MAX_GLOBS_PER_LAYER:,} globs naming libraries",
+        "MAX_LOAD_NAMES": f"{python_loads.MAX_LOAD_NAMES:,} names Python loads",
+    }
+
+
 def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
-    """What could not be read, in words: each file a parser failed on, and each layer whose GPU code was
-    left partly unread by its bound (at most `MAX_PROBLEMS_SHOWN`, then how many more)."""
+    """What could not be read, in words: each file a parser failed on, each layer whose GPU code was
+    left partly unread by its bound, and each layer that held more evidence than a per-layer bound
+    keeps (at most `MAX_PROBLEMS_SHOWN`, then how many more)."""
     found = [
         f"{path}: {problem}" for layer in layers_top_down for path, problem in sorted(layer.problems.items())
     ]
@@ -742,6 +769,13 @@ def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
         f"layer {index + 1} from the top: the GPU code of its later files was not read: {layer.gpu_code_unread}"
         for index, layer in enumerate(layers_top_down)
         if layer.gpu_code_unread
+    ]
+    bounds = _bounds_text()
+    found += [
+        f"layer {index + 1} from the top: more than {bounds.get(bound, bound)} ({bound}); evidence past it was"
+        " not kept, and placement judges what was"
+        for index, layer in enumerate(layers_top_down)
+        for bound in layer.bounds_reached or (["a per-layer bound"] if layer.truncated else [])
     ]
     if len(found) > MAX_PROBLEMS_SHOWN:
         found = [
@@ -808,6 +842,7 @@ def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]
         )
     if not files:
         return None
+    listed = len(files)
     files, packages = annotate(
         files[:MAX_ARCH_FILES],
         carried=merged.carried,
@@ -828,6 +863,7 @@ def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]
         sass=summary.sass,
         ptx=summary.ptx,
         files=files,
+        files_not_listed=max(0, listed - MAX_ARCH_FILES),
         packages=[p for p in packages if p.id in used],
         libraries=sorted(merged.carried),
         runtime_cuda=runtime,

@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from scanner.layers.cuda_evidence import (
     CUDA_EVIDENCE_SCHEMA,
+    MAX_ARCH_FILES,
     CudaEntryCollector,
     CudaLayerEvidence,
     combine,
@@ -263,4 +264,9 @@ class ImageAnalysis:
         if inferred is not None and not inferred.complete:
             warnings.append("not every layer could be read; CUDA evidence may be missing")
         warnings += layer_problems(list(reversed(self._cuda_layers)))
+        if archs is not None and archs.files_not_listed:
+            warnings.append(
+                f"{archs.files_not_listed:,} more files with GPU code were neither listed nor judged (the"
+                f" report keeps {MAX_ARCH_FILES:,}, in path order)"
+            )
         return ImageVerdict(libc=libc, inferred=inferred, archs=archs, warnings=warnings)

@@ -106,11 +106,15 @@ class LoadSites:
     path_loads: int = 0
     globs_read: int = 0
     names_kept: int = 0
-    truncated: bool = False
+    truncated_by: str | None = None  # the bound past which the layer's remaining sources were not read
     _modules: dict[str, bool] = field(default_factory=dict, repr=False)  # dotted target -> at module level
     _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
     _words: dict[str, bool] = field(default_factory=dict, repr=False)  # a word in a by-path scope -> same
     _globs: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> glob -> same
+
+    @property
+    def truncated(self) -> bool:
+        return self.truncated_by is not None
 
     def add_source(self, path: str, text: bytes) -> None:
         """Record the load sites of one Python file (its first `MAX_SOURCE_BYTES`)."""
@@ -134,11 +138,11 @@ class LoadSites:
             return
         by_path = sum(1 for site in found if site[2] is None)
         sites = sum(1 if targets is None else len(targets) for _, _, targets in found)  # each name counts
-        if (
-            self.sites_read + sites > MAX_SITES_PER_LAYER
-            or self.path_loads + by_path > MAX_PATH_LOADS_PER_LAYER
-        ):
-            self.truncated = True
+        if self.sites_read + sites > MAX_SITES_PER_LAYER:
+            self.truncated_by = "MAX_SITES_PER_LAYER"
+            return
+        if self.path_loads + by_path > MAX_PATH_LOADS_PER_LAYER:
+            self.truncated_by = "MAX_PATH_LOADS_PER_LAYER"
             return
         self.sites_read += sites
         self.path_loads += by_path
@@ -178,8 +182,10 @@ class LoadSites:
                 for target in targets:
                     self._note(self._modules, target, at_module)
                     self._note(self._names, target.rpartition(".")[2], at_module)
-        if self.headers_read > MAX_BLOCK_HEADERS or self.names_kept > MAX_LOAD_NAMES:
-            self.truncated = True
+        if self.headers_read > MAX_BLOCK_HEADERS:
+            self.truncated_by = "MAX_BLOCK_HEADERS"
+        elif self.names_kept > MAX_LOAD_NAMES:
+            self.truncated_by = "MAX_LOAD_NAMES"
 
     def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
         for word in _WORD.findall(scope):
@@ -188,7 +194,7 @@ class LoadSites:
         for pattern in _GLOB.findall(scope):
             if pattern not in globs:
                 if self.globs_read >= MAX_GLOBS_PER_LAYER:
-                    self.truncated = True
+                    self.truncated_by = "MAX_GLOBS_PER_LAYER"
                     return
                 self.globs_read += 1
             self._note(globs, pattern, at_module)
