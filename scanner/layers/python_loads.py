@@ -64,7 +64,7 @@ _STATEMENT = re.compile(
     rb"\n([ \t]*)(?:from[ \t]+([.\w]+)[ \t]+import[ \t]+\(?([^#\n]*)|import[ \t]+([^#\n]*))"
 )
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
-_GLOB = re.compile(r"""['"]([\w.*?-]*[*?][\w.*?-]*)['"]""")  # a quoted file-name pattern
+_QUOTED_NAME = re.compile(r"""['"]([\w.*?-]{1,200})['"]""")  # a quoted file name or pattern: linear
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
@@ -191,7 +191,9 @@ class LoadSites:
         for word in _WORD.findall(scope):
             self._note(self._words, word, at_module)
         globs = self._globs.setdefault(top, {})
-        for pattern in _GLOB.findall(scope):
+        for pattern in _QUOTED_NAME.findall(scope):
+            if "*" not in pattern and "?" not in pattern:
+                continue
             if pattern not in globs:
                 if self.globs_read >= MAX_GLOBS_PER_LAYER:
                     self.truncated_by = "MAX_GLOBS_PER_LAYER"
