@@ -390,6 +390,9 @@ class LibcAnalysis:
         return self._distro_found is not None
 
     def _current_decision(self) -> _Decision | None:
+        if self._dirty and not self._records:  # nothing read yet: nothing to find, and still to decide
+            self._decision = self._distro_found = None
+            return None
         if self._dirty:
             self.decisions += 1
             self._watched = set()
