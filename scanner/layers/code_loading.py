@@ -123,7 +123,9 @@ class MissingLinks:
                     queue.append(name)
 
     def of(self, needed: Iterable[str]) -> list[str]:
-        """The missing libraries of a file that needs `needed`, each shown from what the file names."""
+        """The missing libraries of a file that needs `needed`: each it names and the image lacks, and
+        for each it names that reaches a missing one, one shortest way there (the loader stops at the
+        first library it cannot find, so one is reason enough)."""
         missing: set[str] = set()
         for name in needed:
             if DRIVER_LIBRARIES.match(name):
