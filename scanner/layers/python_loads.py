@@ -33,8 +33,9 @@ triple-quoted string can mislead it; real packages' sources were read right, `te
 Work is bounded: each file is read up to `MAX_SOURCE_BYTES`, and a layer's block headers, load
 sites, load-by-path calls, globs and the distinct names kept are counted against `MAX_BLOCK_HEADERS`,
 `MAX_SITES_PER_LAYER`, `MAX_PATH_LOADS_PER_LAYER`, `MAX_GLOBS_PER_LAYER` and `MAX_LOAD_NAMES`; past
-any bound the layer's remaining sources are not read, and `truncated` says so. Sites are indexed as they are read, so the state of each
-extension is a few lookups, whatever the number of sites and extensions.
+any bound the layer's remaining sources are not read, and `truncated_by` names the bound. Sites are
+indexed as they are read, so the state of each extension is a few lookups, whatever the number of
+sites and extensions.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ from scanner.models import ImportState
 
 Guard = Literal["module", "guarded", "lazy"]
 MAX_SOURCE_BYTES = 512 * 1024  # vLLM's largest module is 120 KiB
-# One layer may hold a whole environment: torch, transformers, vLLM, FlashInfer, TensorFlow and 20 more
-# GPU packages' 17,838 sources hold 312,000 block headers, 338,000 load sites (each imported name
-# counts) and 85,000 distinct names; reading them costs 2.6 s of CPU (about 1.6 us a site).
+# One layer may hold a whole environment. The sources of 24 GPU packages (torch, transformers, vLLM,
+# FlashInfer, TensorFlow, ...; 17,838 files, bench/RESULTS.md) hold 312,000 block headers, 338,000
+# load sites (each imported name counts) and 85,000 distinct names, read in 2.6 s of CPU (1.6 us a site).
 MAX_BLOCK_HEADERS = 8_000_000  # block headers read per layer
 MAX_SITES_PER_LAYER = 4_000_000  # load sites read per layer
 MAX_LOAD_NAMES = 500_000  # distinct names the sites' index keeps per layer (its memory)
