@@ -20,7 +20,6 @@ from scanner.layers.code_loading import (
     chosen_build,
     distribution_from_record,
     distribution_index,
-    missing_libraries,
     nvidia_profiling_library,
     package_of,
 )
@@ -162,12 +161,12 @@ def test_a_library_loads_only_when_what_it_links_is_there_all_the_way_down() -> 
     carried = {"libcudart.so.13", "libcusparse.so.12"}
     links = {"libcusparse.so.12": ["libnvJitLink.so.13"]}
     assert (
-        missing_libraries(["libcudart.so.13", "libcuda.so.1"], carried, links) == []
+        MissingLinks(carried, links).of(["libcudart.so.13", "libcuda.so.1"]) == []
     )  # the driver is the host's
-    assert missing_libraries(["libcusparse.so.12"], carried, links) == [
+    assert MissingLinks(carried, links).of(["libcusparse.so.12"]) == [
         "libcusparse.so.12 -> libnvJitLink.so.13"
     ]
-    assert missing_libraries(["libcublas.so.13"], carried, links) == ["libcublas.so.13"]
+    assert MissingLinks(carried, links).of(["libcublas.so.13"]) == ["libcublas.so.13"]
 
 
 def test_a_way_to_a_missing_library_is_found_once_and_shown_short() -> None:

@@ -147,13 +147,6 @@ class MissingLinks:
         return " -> ".join(way)
 
 
-def missing_libraries(
-    needed: Iterable[str], carried: set[str], links: Mapping[str, Sequence[str]] | None = None
-) -> list[str]:
-    """The CUDA libraries in `needed` the loader cannot find in the image (`MissingLinks`, for one file)."""
-    return MissingLinks(carried, links).of(needed)
-
-
 def distribution_from_record(dist_info: str, record: bytes) -> Distribution | None:
     """A distribution from its dist-info directory's path and the head of its RECORD file."""
     match = _DIST_INFO.match(dist_info)
@@ -254,17 +247,15 @@ def chosen_build(members: Sequence[FileArchs], runtime_cuda: str | None) -> File
 def annotate(
     files: Sequence[FileArchs],
     *,
-    carried: set[str],
+    missing: MissingLinks,
     runtime_cuda: str | None,
     distributions: Mapping[str, Distribution],
     imports: Mapping[str, str],
-    links: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[list[FileArchs], list[PackageFacts]]:
     """The files with `package`, `missing`, `cuda_build`, `selected` and `imported` set, and the
-    packages they belong to (`optional` set). `imports`: extension path -> `required`/`optional`;
-    `links`: carried library name -> the CUDA libraries it links."""
+    packages they belong to (`optional` set). `missing`: the image's CUDA libraries resolved
+    (`MissingLinks`); `imports`: extension path -> `required`/`optional`."""
     index = distribution_index(distributions)
-    resolve = MissingLinks(carried, links)
     annotated: list[FileArchs] = []
     packages: dict[str, PackageFacts] = {}
     for file in files:
@@ -275,7 +266,7 @@ def annotate(
             file.model_copy(
                 update={
                     "package": package.id,
-                    "missing": resolve.of(file.needed),
+                    "missing": missing.of(file.needed),
                     "imported": state if state in ("required", "optional") else None,
                 }
             )

@@ -150,9 +150,9 @@ class CudaLayerEvidence(BaseModel):
     extensions: dict[str, ImportState] = Field(
         default_factory=dict, description="how the layer's Python loads its GPU-code extension modules"
     )
-    truncated: bool = Field(default=False, description="a per-layer bound was hit; some evidence was dropped")
     bounds_reached: list[str] = Field(
-        default_factory=list, description="the per-layer bounds hit, by name (`MAX_FINDINGS_PER_LAYER`, ...)"
+        default_factory=list,
+        description="the per-layer bounds hit, by name (`MAX_FINDINGS_PER_LAYER`, ...): evidence past each was dropped",
     )
     problems: dict[str, str] = Field(
         default_factory=dict, description="files whose evidence could not be read, and why (path -> problem)"
@@ -162,6 +162,11 @@ class CudaLayerEvidence(BaseModel):
         description="the per-layer bound on reading GPU code, when this layer crossed it: the fatbins of"
         " the files after that point were not read",
     )
+
+    @property
+    def truncated(self) -> bool:
+        """A per-layer bound was hit; some evidence was dropped."""
+        return bool(self.bounds_reached)
 
 
 # -- one layer
@@ -235,7 +240,6 @@ class CudaLayerCollector:
 
     def _bound_reached(self, bound: str) -> None:
         """A per-layer bound was hit: evidence past it is dropped, and the report will say which."""
-        self.evidence.truncated = True
         if bound not in self.evidence.bounds_reached:
             self.evidence.bounds_reached.append(bound)
 
@@ -435,8 +439,8 @@ class CudaLayerCollector:
                 state = self._loads.state(path)
                 if state is not None:
                     self.evidence.extensions[path] = state
-        if self._loads.truncated:
-            self._bound_reached(self._loads.truncated_by or "python_loads")
+        if self._loads.truncated_by is not None:
+            self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:
             self.evidence.gpu_code_unread = str(self._work.exceeded)
         return self.evidence
@@ -663,13 +667,12 @@ def combine(
     merged = _merge(layers_top_down)
     findings = list(merged.findings)
     runtime = runtime_cuda(findings, merged.carried)
-    links = _links(merged)
-    archs = image_archs(merged, runtime, links)
+    missing = MissingLinks(merged.carried, _links(merged))
+    archs = image_archs(merged, runtime, missing)
     dead = {f.path for f in archs.files if not f.loadable} if archs is not None else set()
     ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
-    resolve = MissingLinks(merged.carried, links)
     for path, facts in merged.elves:
-        if path in dead or resolve.of(facts.needed):
+        if path in dead or missing.of(facts.needed):
             continue
         if facts.needed:
             findings.append((path, needed_finding(facts.needed)))
@@ -772,10 +775,10 @@ def layer_problems(layers_top_down: Sequence[CudaLayerEvidence]) -> list[str]:
     ]
     bounds = _bounds_text()
     found += [
-        f"layer {index + 1} from the top: more than {bounds.get(bound, bound)} ({bound}); evidence past it was"
+        f"layer {index + 1} from the top: more than {bounds[bound]} ({bound}); evidence past it was"
         " not kept, and placement judges what was"
         for index, layer in enumerate(layers_top_down)
-        for bound in layer.bounds_reached or (["a per-layer bound"] if layer.truncated else [])
+        for bound in layer.bounds_reached
     ]
     if len(found) > MAX_PROBLEMS_SHOWN:
         found = [
@@ -812,7 +815,7 @@ def _links(merged: _Merged) -> dict[str, list[str]]:
     return links
 
 
-def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]]) -> GpuArchs | None:
+def image_archs(merged: _Merged, runtime: str | None, missing: MissingLinks) -> GpuArchs | None:
     """The image's GPU code: each file's (and each directory of module files') containers, annotated
     with its package and whether it can load (`scanner.layers.code_loading.annotate`); for the image,
     every arch its loadable code holds (union).
@@ -845,11 +848,10 @@ def image_archs(merged: _Merged, runtime: str | None, links: dict[str, list[str]
     listed = len(files)
     files, packages = annotate(
         files[:MAX_ARCH_FILES],
-        carried=merged.carried,
+        missing=missing,
         runtime_cuda=runtime,
         distributions=merged.distributions,
         imports=merged.extensions,
-        links=links,
     )
     runnable = [
         c
