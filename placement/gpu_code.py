@@ -38,6 +38,12 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
 * A library with no code for a GPU, beside libraries of the same package that have it, is an
   extension used on other hardware (FlashAttention 3 is Hopper-only; `libtorch_cuda_linalg.so` of
   torch cu130 has no sm_75): the package runs, and the answer says "runs; without ..." naming it.
+* Unless no SASS of the package was built for the GPU, so that its code runs there only through PTX.
+  Then nothing it lacks there is a build for other GPUs that it picks instead: a library it loads at
+  import (`FileArchs.imported` "required") with generic code and no kernel image there fails there,
+  a reason. gpu4pyscf-cuda12x 1.9.0 is built for sm_70 to sm_90; on Blackwell its `libcupy_helper.so`
+  JITs PTX compute_80, and its `libgint.so`, whose PTX is device-link input only, has nothing. Its
+  `a` / `f`-only builds (vLLM's FlashMLA for sm_90a and sm_100a) stay extensions for other hardware.
 * A package none of whose code runs on a GPU does not run there (torch 2.5.1 on sm_120; a library
   built only for `sm_120a` on a 12.1 GPU), and then neither does the image, unless its GPU code is
   optional (`PackageFacts.optional`: only guarded or on-demand imports of its extensions, or only
@@ -72,6 +78,10 @@ from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
 
 CC = tuple[int, int]
 Rule = Literal["dispatch", "strict"]
+NOT_BUILT_FOR = (
+    "loads it at import, and none of its code was built for this GPU: its other libraries run here only"
+    " through PTX"
+)
 RULE = "SASS runs only on its own major at or above its minor, an `a` build only at its exact CC, PTX at or above its arch"
 
 # Every compute capability NVIDIA has shipped (its CUDA GPUs list). A scheduler can only compare a
@@ -240,12 +250,19 @@ class FileVerdict:
     refused: tuple[tuple[ContainerArchs, str], ...]  # PTX-only here, and the driver cannot JIT it: why
     total: int  # containers that count
     strict: bool = False  # judged by the strict rule: every container must run
+    at_import: bool = False  # its package loads it at import, unguarded (`FileArchs.imported` "required")
+    generic: bool = True  # some container built for a range of GPUs, not only an `a` / `f` fast path
 
     @property
     def runs(self) -> bool:
         if self.strict:
             return not self.missing and not self.refused
         return bool(self.covering)
+
+    @property
+    def through_ptx_only(self) -> bool:
+        """Runs here, and only through PTX: no SASS of it was built for this GPU."""
+        return bool(self.covering) and all(how == "ptx" for _, how in self.covering)
 
     @property
     def ptx_isa(self) -> str | None:
@@ -299,6 +316,8 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
         tuple(refused),
         _count(containers),
         strict=rule == "strict",
+        at_import=file.kind == "library" and file.imported == "required",
+        generic=not all(specific_only(c) for c in containers),
     )
 
 
@@ -389,6 +408,13 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                     f"{_absent(f, cc)}; calls into this NVIDIA library fail here" for f in files
                 ]
             continue
+        if needs_it and all(one.through_ptx_only for one in running):
+            # No SASS of the package was built for this GPU, so nothing it lacks here is a build for
+            # other GPUs that it picks instead: what it loads at import without code here fails.
+            gaps = [f for f in files if not f.runs and not f.refused and f.at_import and f.generic]
+            verdict.reasons += [
+                f"{where}: {f.lacks(cc)}: {_package_text(package)} {NOT_BUILT_FOR}" for f in gaps
+            ]
         for one in running:
             verdict.covered_by.append(one.covered(cc))
             if one.ptx_isa is not None:
@@ -472,6 +498,7 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
                 f.kind,
                 f.error,
                 f.loadable,
+                f.imported,
                 tuple(f.sections),
                 tuple((c.signature, c.count) for c in f.containers),
             )

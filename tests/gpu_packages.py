@@ -109,6 +109,11 @@ SGLANG_KERNEL = _wheel(
     "sglang_kernel-0.4.10-cp310-abi3-manylinux2014_x86_64.whl",
     "043cbe4a10e7887ea1b25599b729ff1ce115a0d5217b2c177aff9f9ae5327724",
 )
+GPU4PYSCF = _wheel(
+    "gpu4pyscf-cuda12x",
+    "gpu4pyscf_cuda12x-1.9.0-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+    "8b79e3a68be8b7fedf371f8d6d402ab3577012b4f611c4c4a58599b2409f5f26",
+)
 # CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
 CUDA13 = {
     "cudart": _wheel(
@@ -399,6 +404,19 @@ def sglang_kernel_layer() -> list[Part]:
     return [members(SGLANG_KERNEL, _sglang_kernel_member, "py:no-flash_ops")]
 
 
+GPU4PYSCF_LIBRARIES = ("libcupy_helper.so", "libgint.so", "libgvhf.so", "libsolvent.so")
+
+
+def _gpu4pyscf_member(name: str) -> bool:
+    return name.endswith((".py", ".dist-info/RECORD")) or name.rpartition("/")[2] in GPU4PYSCF_LIBRARIES
+
+
+def gpu4pyscf_layer() -> list[Part]:
+    """gpu4pyscf's sources and four of its eleven libraries: two with PTX compute_80 (one loaded at
+    import, one by the solvent models on demand), two built for sm_70 to sm_90 without PTX."""
+    return [members(GPU4PYSCF, _gpu4pyscf_member, "py:four-libs")]
+
+
 def package_layers() -> list[list[Part]]:
     """Every layer the package tests read, in the order their fixtures meet them (`tests/prefetch.py`)."""
     return [
@@ -407,6 +425,7 @@ def package_layers() -> list[list[Part]]:
         vllm_layer(),
         torchao_layer(),
         sglang_kernel_layer(),
+        gpu4pyscf_layer(),
         *bitsandbytes_layers(),
         *onnxruntime_layers(),
         *tensorflow_layers(),

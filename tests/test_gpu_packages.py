@@ -38,6 +38,7 @@ from tests.gpu_packages import (
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
+    GPU4PYSCF,
     ONNXRUNTIME,
     SGLANG_KERNEL,
     SITE,
@@ -48,6 +49,7 @@ from tests.gpu_packages import (
     bitsandbytes_layers,
     cuda13_stack,
     flashinfer_layers,
+    gpu4pyscf_layer,
     layer_evidence,
     libraries,
     onnxruntime_layers,
@@ -385,6 +387,42 @@ def test_sglang_kernel_runs_where_the_common_ops_it_loads_by_path_have_code(sgla
         f"{SITE}/sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so: no kernel image for compute"
         " capability 10.0 (SASS sm_80, sm_90 + sm_120a, no PTX); used on other GPUs"
     ]
+
+
+# -- gpu4pyscf-cuda12x 1.9.0: built for sm_70 to sm_90, PTX compute_80 in some libraries only
+
+
+def test_gpu4pyscf_is_refused_where_only_some_of_its_libraries_have_ptx() -> None:
+    """gpu4pyscf's wheel is built for sm_70, sm_80 and sm_90. `libcupy_helper.so` also carries PTX
+    compute_80; `libgint.so` carries its PTX only as device-link input, which CUDA never loads, and
+    `gpu4pyscf/gto/int3c1e.py` loads it at import. On Blackwell the
+    package has no code built for the GPU, so what lacks PTX there is not a build for other GPUs it
+    picks instead: it fails (its users' report: pyscf/gpu4pyscf#440, "failed in block_diag kernel"
+    on an RTX 5090)."""
+    facts = image([layer_evidence(gpu4pyscf_layer())])
+    archs = archs_of(facts)
+    gint = file_of(archs, "/gpu4pyscf/lib/libgint.so")
+    (local,) = member_files(GPU4PYSCF, lambda name: name.endswith("/libgint.so")).values()
+    assert listing(str(local)) == ({"70", "80", "90"}, {"80"})  # cuobjdump lists every section
+    assert (gint.sass, gint.ptx) == (["70", "80", "90"], [])
+    assert {arch for c in gint.containers if c.section == "__nv_relfatbin" for arch in c.ptx} == {"80"}
+    gvhf = file_of(archs, "/libgvhf.so")  # host code, loaded at import; its linked module has no kernel
+    assert gvhf.imported == "required" and not gpu_code.counted(gvhf)
+    helper, solvent = file_of(archs, "/libcupy_helper.so"), file_of(archs, "/libsolvent.so")
+    assert helper.ptx == ["80"] and helper.imported == "required"
+    assert solvent.ptx == ["80"] and solvent.imported == "optional"  # inside the solvent models' functions
+    decision = place(facts, FLEET_580)
+    assert eligible(decision) == ALL - {"b200", "rtx5090", "gb10"}
+    for name, cc in (("b200", "10.0"), ("rtx5090", "12.0"), ("gb10", "12.1")):
+        refused = only(decision, name)
+        assert (
+            f"{SITE}/gpu4pyscf/lib/libgint.so has no kernel image for compute capability {cc}"
+            " (SASS sm_70–sm_90, no PTX): gpu4pyscf-cuda12x 1.9.0 loads it at import, and none of its"
+            " code was built for this GPU: its other libraries run here only through PTX"
+        ) in refused, name
+        assert not any(library in refused for library in ("libgvhf", "libsolvent", "libcupy_helper")), name
+    hopper = gpu_code.judge(archs, (9, 0))
+    assert hopper.runs and hopper.without == [] and hopper.ptx == []
 
 
 # -- torch 2.14.0+cu130 and cuBLAS 13 alone
