@@ -114,6 +114,11 @@ GPU4PYSCF = _wheel(
     "gpu4pyscf_cuda12x-1.9.0-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
     "8b79e3a68be8b7fedf371f8d6d402ab3577012b4f611c4c4a58599b2409f5f26",
 )
+PYNVVIDEOCODEC = _wheel(
+    "pynvvideocodec",
+    "pynvvideocodec-2.2.4-cp311-cp311-manylinux_2_28_x86_64.whl",
+    "fa19da4df068341863c651ae72c1a29557bfd3b68f2e8297ccbce7c391d148d6",
+)
 # CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
 CUDA13 = {
     "cudart": _wheel(
@@ -417,6 +422,24 @@ def gpu4pyscf_layer() -> list[Part]:
     return [members(GPU4PYSCF, _gpu4pyscf_member, "py:four-libs")]
 
 
+BUNDLED_RUNTIME = "libcudart-c64a25f3.so.12.3.101"  # as auditwheel renamed it in PyNvVideoCodec 2.2.4
+
+
+def pynvvideocodec_layer(runtime: bool = True) -> list[Part]:
+    """PyNvVideoCodec's `__init__.py`, its NVENC 13 extension and, with `runtime`, the CUDA runtime
+    its wheel bundles under auditwheel's name (in a directory the wheel names `pynvvideocodec.`)."""
+    kept = (
+        "__init__.py",
+        "PyNvVideoCodec_130.cpython-311-x86_64-linux-gnu.so",
+        *([BUNDLED_RUNTIME] * runtime),
+    )
+
+    def wanted(name: str) -> bool:
+        return name.endswith(".dist-info/RECORD") or name.rpartition("/")[2] in kept
+
+    return [members(PYNVVIDEOCODEC, wanted, f"py:nvenc13{'+runtime' if runtime else ''}")]
+
+
 def package_layers() -> list[list[Part]]:
     """Every layer the package tests read, in the order their fixtures meet them (`tests/prefetch.py`)."""
     return [
@@ -426,6 +449,8 @@ def package_layers() -> list[list[Part]]:
         torchao_layer(),
         sglang_kernel_layer(),
         gpu4pyscf_layer(),
+        pynvvideocodec_layer(),
+        pynvvideocodec_layer(runtime=False),
         *bitsandbytes_layers(),
         *onnxruntime_layers(),
         *tensorflow_layers(),

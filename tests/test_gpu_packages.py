@@ -35,11 +35,13 @@ from store import open_store
 from tests.conftest import Pusher
 from tests.gpu_packages import (
     BITSANDBYTES,
+    BUNDLED_RUNTIME,
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
     GPU4PYSCF,
     ONNXRUNTIME,
+    PYNVVIDEOCODEC,
     SGLANG_KERNEL,
     SITE,
     TENSORFLOW,
@@ -53,6 +55,7 @@ from tests.gpu_packages import (
     layer_evidence,
     libraries,
     onnxruntime_layers,
+    pynvvideocodec_layer,
     sglang_kernel_layer,
     tensorflow_layers,
     torch_214,
@@ -423,6 +426,32 @@ def test_gpu4pyscf_is_refused_where_only_some_of_its_libraries_have_ptx() -> Non
         assert not any(library in refused for library in ("libgvhf", "libsolvent", "libcupy_helper")), name
     hopper = gpu_code.judge(archs, (9, 0))
     assert hopper.runs and hopper.without == [] and hopper.ptx == []
+
+
+# -- PyNvVideoCodec 2.2.4: a CUDA runtime that auditwheel bundled and renamed
+
+
+def test_a_runtime_bundled_by_auditwheel_is_linked_by_the_name_auditwheel_gave_it() -> None:
+    """PyNvVideoCodec's extensions link `libcudart-c64a25f3.so.12.3.101`, the CUDA 12.3 runtime its
+    wheel carries under auditwheel's name: that is CUDA 12's runtime, carried, so the extension loads.
+    Without the file, the loader could not load the extension, and its code counts for nothing."""
+    suffix = "/PyNvVideoCodec/PyNvVideoCodec_130.cpython-311-x86_64-linux-gnu.so"
+    facts = image([layer_evidence(pynvvideocodec_layer())])
+    archs = archs_of(facts)
+    extension = file_of(archs, suffix)
+    assert_matches_cuobjdump(archs, PYNVVIDEOCODEC, suffix)
+    assert (extension.needed, extension.missing, extension.loadable) == ([BUNDLED_RUNTIME], [], True)
+    assert BUNDLED_RUNTIME in archs.libraries
+    inferred = inferred_of(facts)
+    assert inferred.cuda == "12.3"  # the PTX's ISA 8.3 names the minor
+    assert [(v.source, v.cuda) for v in inferred.versions if BUNDLED_RUNTIME in v.evidence] == [("elf", "12")]
+    assert gpu_code.judge(archs, (12, 0)).runs  # PTX compute_86
+
+    alone = image([layer_evidence(pynvvideocodec_layer(runtime=False))])
+    gpu = alone.platforms[0].gpu
+    assert gpu.archs is None or not gpu_code.has_code(gpu.archs)
+    if gpu.archs is not None:
+        assert file_of(gpu.archs, suffix).missing == [BUNDLED_RUNTIME]
 
 
 # -- torch 2.14.0+cu130 and cuBLAS 13 alone

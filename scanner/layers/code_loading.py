@@ -33,11 +33,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, Field
 
-from scanner.layers.cudaelf import CUDA_LIBRARIES
+from scanner.layers.cudaelf import AUDITWHEEL_HASH, CUDA_LIBRARIES
 from scanner.models import FileArchs, PackageFacts
 
 # The CUDA stack's libraries by name: what the image may carry for others to link.
-CUDA_LIBRARY_FILE = re.compile(r"^lib(?:" + "|".join(CUDA_LIBRARIES) + r")\.so(?:\.[0-9]{1,8}){0,4}$")
+CUDA_LIBRARY_FILE = re.compile(
+    r"^lib(?:" + "|".join(CUDA_LIBRARIES) + r")" + AUDITWHEEL_HASH + r"\.so(?:\.[0-9]{1,8}){0,4}$"
+)
 DRIVER_LIBRARIES = re.compile(r"^lib(?:cuda|nvidia-[\w-]+|nvcuvid)\.so")  # mounted by the runtime
 # NVIDIA's libraries, by the name their shared objects carry (lib<name>.so...).
 _NVIDIA_LIBRARY = re.compile(

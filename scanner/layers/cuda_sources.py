@@ -42,7 +42,7 @@ CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytor
 # does cuSPARSE since CUDA 13.0, which ships cuSPARSE 12.x as libcusparse.so.12, as torch 2.11.0+cu130's
 # libtorch_cuda.so links it beside libcudart.so.13).
 SONAME_IS_CUDA_MAJOR = frozenset({"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg"})
-_NEEDED = re.compile(r"^lib([A-Za-z_]+)\.so(?:\.(\d{1,6})(?!\d))?")
+_NEEDED = re.compile(r"^lib([A-Za-z_]+)(?:[-.][0-9a-f]{8})?\.so(?:\.(\d{1,6})(?!\d))?")  # auditwheel's too
 
 
 class Finding(BaseModel):

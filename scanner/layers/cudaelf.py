@@ -4,7 +4,8 @@ Pure and streaming: a layer is read once, front to back, so the probe never seek
 the first `HEAD_BYTES` (ELF and program headers), the PT_DYNAMIC segment, the section header
 table and a window before it (where linkers put `.shstrtab`), and it notes, as bytes pass:
 * every fatbin container (see `scanner.layers.fatbin.FatbinScan`);
-* every place a CUDA library name (`libcudart.so.12\\0`, ...) occurs, so that DT_NEEDED entries
+* every place a CUDA library name (`libcudart.so.12\\0`, or as auditwheel renames its bundled copy,
+  `libcudart-c64a25f3.so.12.3.101\\0`) occurs, so that DT_NEEDED entries
   (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
   exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`.
 Every region kept is bounded by a named limit; a file that exceeds one gets an `error`, never
@@ -75,7 +76,16 @@ CUDA_LIBRARIES = (
     "cudnn_[a-z_]{1,64}",
     "cuda",
 )
-_NAME = re.compile(rb"lib(?:" + "|".join(CUDA_LIBRARIES).encode() + rb")\.so(?:\.[0-9]{1,8}){0,4}\x00")
+# auditwheel renames the copies of libraries it bundles into a wheel's `<name>.libs/` with 8 hex digits
+# of their hash (`libcudart-c64a25f3.so.12.3.101`), and the files that link them name them so.
+AUDITWHEEL_HASH = r"(?:[-.][0-9a-f]{8})?"
+_NAME = re.compile(
+    rb"lib(?:"
+    + "|".join(CUDA_LIBRARIES).encode()
+    + rb")"
+    + AUDITWHEEL_HASH.encode()
+    + rb"\.so(?:\.[0-9]{1,8}){0,4}\x00"
+)
 _NAME_KEEP = 128  # longer than any name the pattern matches, so a name split across chunks is found
 
 
