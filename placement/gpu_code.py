@@ -39,11 +39,13 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
   extension used on other hardware (FlashAttention 3 is Hopper-only; `libtorch_cuda_linalg.so` of
   torch cu130 has no sm_75): the package runs, and the answer says "runs; without ..." naming it.
 * Unless no SASS of the package was built for the GPU, so that its code runs there only through PTX.
-  Then nothing it lacks there is a build for other GPUs that it picks instead: a library it loads at
-  import (`FileArchs.imported` "required") with generic code and no kernel image there fails there,
-  a reason. gpu4pyscf-cuda12x 1.9.0 is built for sm_70 to sm_90; on Blackwell its `libcupy_helper.so`
-  JITs PTX compute_80, and its `libgint.so`, whose PTX is device-link input only, has nothing. Its
-  `a` / `f`-only builds (vLLM's FlashMLA for sm_90a and sm_100a) stay extensions for other hardware.
+  Then a library it loads at import (`FileArchs.imported` "required"), built like the rest (generic
+  SASS up to the newest that its files running there have) but with no kernel image there, is not a
+  build for other GPUs that it picks instead: it fails there, a reason. gpu4pyscf-cuda12x 1.9.0 is
+  built for sm_70 to sm_90; on Blackwell its `libcupy_helper.so` JITs PTX compute_80, and its
+  `libgint.so`, whose PTX is device-link input only, has nothing. Builds for one architecture or
+  family only (vLLM's FlashMLA, sm_90a and sm_100a) and builds for older GPUs only stay extensions
+  used on other hardware.
 * A package none of whose code runs on a GPU does not run there (torch 2.5.1 on sm_120; a library
   built only for `sm_120a` on a 12.1 GPU), and then neither does the image, unless its GPU code is
   optional (`PackageFacts.optional`: only guarded or on-demand imports of its extensions, or only
@@ -251,7 +253,7 @@ class FileVerdict:
     total: int  # containers that count
     strict: bool = False  # judged by the strict rule: every container must run
     at_import: bool = False  # its package loads it at import, unguarded (`FileArchs.imported` "required")
-    generic: bool = True  # some container built for a range of GPUs, not only an `a` / `f` fast path
+    newest_generic: CC | None = None  # its newest SASS built for a range of GPUs (not `a` / `f` only)
 
     @property
     def runs(self) -> bool:
@@ -317,7 +319,9 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
         _count(containers),
         strict=rule == "strict",
         at_import=file.kind == "library" and file.imported == "required",
-        generic=not all(specific_only(c) for c in containers),
+        newest_generic=max(
+            (parse_arch(a)[:2] for c in containers for a in c.sass if not parse_arch(a)[2]), default=None
+        ),
     )
 
 
@@ -411,7 +415,18 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
         if needs_it and all(one.through_ptx_only for one in running):
             # No SASS of the package was built for this GPU, so nothing it lacks here is a build for
             # other GPUs that it picks instead: what it loads at import without code here fails.
-            gaps = [f for f in files if not f.runs and not f.refused and f.at_import and f.generic]
+            # A gap is built like the rest: for GPUs up to the newest the running files were built for.
+            # One built only for older GPUs (Marlin's sm_75) is an extension used there.
+            newest = max((one.newest_generic for one in running if one.newest_generic), default=None)
+            gaps = [
+                f
+                for f in files
+                if not f.runs
+                and not f.refused
+                and f.at_import
+                and f.newest_generic is not None
+                and (newest is None or f.newest_generic >= newest)
+            ]
             verdict.reasons += [
                 f"{where}: {f.lacks(cc)}: {_package_text(package)} {NOT_BUILT_FOR}" for f in gaps
             ]

@@ -370,3 +370,49 @@ def test_a_package_runs_where_some_of_its_libraries_do_and_names_the_rest() -> N
     assert gpu_code.judge(archs(main, hopper_only, packages=(optional,)), (7, 0)).runs  # it runs without them
     strict = gpu_code.judge(image, (9, 0), rule="strict")
     assert not strict.runs  # the strict rule: its sm_75-only containers have no image for Hopper
+
+
+def test_where_a_package_runs_only_through_ptx_what_it_loads_at_import_without_code_fails() -> None:
+    """Built for sm_70 to sm_90, with PTX compute_80 in one library only (gpu4pyscf-cuda12x 1.9.0's
+    shape): on Blackwell the package runs only through that PTX, so a library built like it and loaded
+    at import, with nothing for Blackwell, fails there. Builds only for older GPUs or for one
+    architecture, and libraries loaded on demand, are extensions used elsewhere; where the package has
+    SASS for the GPU, its gaps are too."""
+    pkg = PackageFacts(id="python:pkg", name="pkg", version="1.0", kind="python")
+
+    def library(name: str, *containers: ContainerArchs, imported: str | None = "required") -> FileArchs:
+        return FileArchs(path=f"{SITE}/pkg/lib/{name}", package=pkg.id, containers=list(containers),
+                         imported=imported)  # type: ignore[arg-type]  # fmt: skip
+
+    helper = library("libhelper.so", ContainerArchs(sass=("70", "80", "90"), ptx=("80",)))
+    gint = library("libgint.so", ContainerArchs(sass=("70", "80", "90")))
+    turing = library("libturing.so", ContainerArchs(sass=("75",)))
+    hopper = library("libhopper.so", ContainerArchs(sass=("90a",)))
+    solvent = library("libsolvent.so", ContainerArchs(sass=("70", "80", "90")), imported="optional")
+    unknown = library("libunknown.so", ContainerArchs(sass=("70", "80", "90")), imported=None)
+    blackwell = gpu_code.judge(
+        archs(helper, gint, turing, hopper, solvent, unknown, packages=(pkg,)), (10, 0)
+    )
+    assert blackwell.reasons == [
+        f"compute capability 10.0: {SITE}/pkg/lib/libgint.so has no kernel image for compute capability 10.0"
+        " (SASS sm_70–sm_90, no PTX): pkg 1.0 loads it at import, and none of its code was built for this"
+        " GPU: its other libraries run here only through PTX"
+    ]
+    others = archs(helper, turing, hopper, solvent, unknown, packages=(pkg,))
+    fine = gpu_code.judge(others, (10, 0))
+    assert (
+        fine.runs
+        and len(fine.without) == 4
+        and all(line.endswith("used on other GPUs") for line in fine.without)
+    )
+    ampere = gpu_code.judge(
+        archs(helper, gint, library("lib86.so", ContainerArchs(sass=("86",))), packages=(pkg,)), (8, 0)
+    )
+    assert ampere.runs  # SASS sm_80 was built for it: lib86.so is a build for other GPUs
+    newer = library("libnewer.so", ContainerArchs(sass=("70", "80", "90", "100")))
+    assert (
+        gpu_code.judge(archs(helper, gint, newer, packages=(pkg,)), (12, 0)).reasons != []
+    )  # sm_100 is not 12.0
+    assert gpu_code.judge(
+        archs(helper, gint, newer, packages=(pkg,)), (10, 3)
+    ).runs  # SASS sm_100 runs on 10.3
