@@ -34,7 +34,10 @@ newer), so a kernel never launched is never loaded, and packages pick kernels by
 and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`, `SCALED_MM_ARCHS
 "9.0a"`; ONNX Runtime enables flash attention on 8.x and 9.0 only).
 * A library runs on a GPU when some of its containers have a kernel image for it; its containers
-  built only for other GPUs are kernels used there.
+  built only for other GPUs are kernels used there. Unless it was not built for that GPU: none of
+  the code that covers it is built for it alone (`sm_90a`), and under 1 in `BUILT_FOR_SHARE` of its
+  generic containers cover it. The same holds for a package over all its libraries: PaddlePaddle
+  2.6.2 reaches an H100 in 4 odd objects of its 819 containers, the rest built for sm_61 to sm_86.
 * A library with no code for a GPU, beside libraries of the same package that have it, is an
   extension used on other hardware (FlashAttention 3 is Hopper-only; `libtorch_cuda_linalg.so` of
   torch cu130 has no sm_75): the package runs, and the answer says "runs; without ..." naming it.
@@ -80,6 +83,12 @@ from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
 
 CC = tuple[int, int]
 Rule = Literal["dispatch", "strict"]
+# A library (and a package) runs on a GPU when it has code built for that GPU only (`sm_90a`), or when at
+# least 1 in BUILT_FOR_SHARE of its generic containers has code for it. PaddlePaddle 2.6.2 has 815
+# generic containers built for sm_61 to sm_86 and 4 odd objects built for sm_35 to sm_90: it was not
+# built for Hopper. Every other package read here (33, vLLM's included) covers at least 30 % of its
+# generic containers wherever any of its code runs.
+BUILT_FOR_SHARE = 20
 NOT_BUILT_FOR = (
     "loads it at import, and none of its code was built for this GPU: its other libraries run here only"
     " through PTX"
@@ -254,12 +263,18 @@ class FileVerdict:
     strict: bool = False  # judged by the strict rule: every container must run
     at_import: bool = False  # its package loads it at import, unguarded (`FileArchs.imported` "required")
     newest_generic: CC | None = None  # its newest SASS built for a range of GPUs (not `a` / `f` only)
+    thin: bool = False  # code here in too few of its generic containers to be built for this GPU
+    generic: int = 0  # its generic containers (not `a` / `f` only), each counted
+
+    @property
+    def generic_covering(self) -> int:
+        return _count(c for c, _ in self.covering if not specific_only(c))
 
     @property
     def runs(self) -> bool:
         if self.strict:
             return not self.missing and not self.refused
-        return bool(self.covering)
+        return bool(self.covering) and not self.thin
 
     @property
     def through_ptx_only(self) -> bool:
@@ -274,10 +289,22 @@ class FileVerdict:
 
     def lacks(self, cc: CC) -> str:
         """ "libnccl.so.2 has no kernel image for compute capability 12.0 (SASS sm_50–sm_90, no PTX)"."""
+        if self.thin:
+            return f"{library_name(self.path)} {self.thin_text(cc)}"
         share = "" if _count(self.missing) == self.total else f" in {_count(self.missing)} of its containers"
         return (
             f"{library_name(self.path)} has no kernel image for compute capability {cc_text(cc)}{share}"
             f" ({describe_code(self.missing)})"
+        )
+
+    def thin_text(self, cc: CC) -> str:
+        """ "was not built for compute capability 9.0: 1 of its 655 containers has a kernel image for it
+        (the rest: SASS sm_61–sm_86, no PTX)"."""
+        generic = self.generic_covering + _count(c for c in self.missing if not specific_only(c))
+        return (
+            f"was not built for compute capability {cc_text(cc)}: {self.generic_covering} of its {generic}"
+            f" containers {'has' if self.generic_covering == 1 else 'have'} a kernel image for it"
+            f" (the rest: {describe_code(self.missing)})"
         )
 
     def covered(self, cc: CC) -> str:
@@ -309,10 +336,20 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
             refused.append((container, why))
         else:
             covering.append((container, how))
+    library = nvidia_library(file.path)
+    generic = _count(c for c in containers if not specific_only(c))
+    thin = (
+        rule == "dispatch"
+        and file.kind == "library"
+        and not library
+        and bool(covering)
+        and not any(specific_only(c) for c, _ in covering)
+        and _count(c for c, _ in covering if not specific_only(c)) * BUILT_FOR_SHARE < generic
+    )
     return FileVerdict(
         file.path,
         file.package or file.path,
-        nvidia_library(file.path),
+        library,
         tuple(covering),
         tuple(missing),
         tuple(refused),
@@ -322,6 +359,8 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
         newest_generic=max(
             (parse_arch(a)[:2] for c in containers for a in c.sass if not parse_arch(a)[2]), default=None
         ),
+        thin=thin,
+        generic=generic,
     )
 
 
@@ -373,10 +412,23 @@ def _absent(file: FileVerdict, cc: CC) -> str:
     """Why a file has no code that runs here, after its name: none built for this GPU, or PTX its
     driver cannot JIT. "…/_vllm_fa3_C.abi3.so (FlashAttention 3): no kernel image for compute
     capability 10.0 (SASS sm_90a, no PTX)"."""
+    if file.thin:
+        return f"{library_name(file.path)} {file.thin_text(cc)}"
     if file.refused and not file.missing:
         container, why = file.refused[0]
         return f"{library_name(file.path)} runs here only through PTX ({_ptx_text(container)}), and {why}"
     return f"{library_name(file.path)}: no kernel image for compute capability {cc_text(cc)} ({describe_code(file.missing)})"
+
+
+def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered: int, generic: int) -> str:
+    """ "paddlepaddle-gpu 2.6.2 was not built for this GPU: 4 of its 819 containers have a kernel image
+    for it (in .../libphi.so, .../libwarpctc.so); the rest: SASS sm_61–sm_86, no PTX"."""
+    where = ", ".join(library_name(f.path) for f in files if f.generic_covering)
+    rest = describe_code([c for f in files for c in f.missing if not specific_only(c)])
+    return (
+        f"{_package_text(package)} was not built for this GPU: {covered} of its {generic} containers"
+        f" {'has' if covered == 1 else 'have'} a kernel image for it (in {where}); the rest: {rest}"
+    )
 
 
 def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatch") -> CodeVerdict:
@@ -395,6 +447,16 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     for package, files in groups.values():
         needs_it = package.kind != "nvidia" and not package.optional
         running = [f for f in files if f.runs]
+        generic = sum(f.generic for f in files)
+        covered = sum(f.generic_covering for f in files)
+        fast_paths = any(specific_only(c) for f in files for c, _ in f.covering)  # built for this GPU
+        if running and package.kind != "nvidia" and not fast_paths and covered * BUILT_FOR_SHARE < generic:
+            line = _not_built_for(package, files, covered, generic)
+            if needs_it:
+                verdict.reasons.append(f"{where}: {line}")
+            else:
+                verdict.without.append(f"{line}; it runs without them")
+            continue
         if not running:
             if needs_it and all(f.refused and not f.missing for f in files):
                 verdict.reasons += [f"{where}: {_absent(f, cc)}" for f in files]

@@ -416,3 +416,39 @@ def test_where_a_package_runs_only_through_ptx_what_it_loads_at_import_without_c
     assert gpu_code.judge(
         archs(helper, gint, newer, packages=(pkg,)), (10, 3)
     ).runs  # SASS sm_100 runs on 10.3
+
+
+def test_a_package_with_code_for_a_gpu_in_a_few_odd_objects_only_was_not_built_for_it() -> None:
+    """PaddlePaddle 2.6.2's shape, its containers as the scan read them from its wheel: `libphi.so` has
+    654 containers built for sm_61 to sm_86 and one odd object built for sm_35 to sm_90, and
+    warp-ctc's libraries three more of those. On an H100 4 of its 819 generic containers have code:
+    the package was not built for Hopper, and is refused there. A build for that GPU alone (an
+    `sm_90a` fast path) is code built for it, and so is a share of 1 in 20."""
+    pkg = PackageFacts(id="python:paddle", name="paddle", version="2.6.2", kind="python")
+    odd = ContainerArchs(sass=("35", "50", "52", "60", "61", "70", "90"))
+    phi = FileArchs(path=f"{SITE}/paddle/libs/libphi.so", package=pkg.id, containers=[
+        ContainerArchs(sass=("61", "70", "75", "80", "86"), count=654), odd])  # fmt: skip
+    core = FileArchs(path=f"{SITE}/paddle/base/libpaddle.so", package=pkg.id,
+                     containers=[ContainerArchs(sass=("61", "70", "75", "80", "86"), count=122)])  # fmt: skip
+    ctc = FileArchs(path=f"{SITE}/paddle/libs/libwarpctc.so", package=pkg.id,
+                    containers=[odd.model_copy(update={"count": 3})])  # fmt: skip
+    hopper = gpu_code.judge(archs(phi, core, ctc, packages=(pkg,)), (9, 0))
+    assert hopper.reasons == [
+        "compute capability 9.0: paddle 2.6.2 was not built for this GPU: 4 of its 780 containers have a"
+        f" kernel image for it (in {SITE}/paddle/libs/libphi.so, {SITE}/paddle/libs/libwarpctc.so); the rest:"
+        " SASS sm_61–sm_86, no PTX"
+    ]
+    assert gpu_code.judge(archs(phi, core, ctc, packages=(pkg,)), (8, 6)).runs
+    alone = gpu_code.judge_file(phi, (9, 0))
+    assert not alone.runs and alone.lacks((9, 0)) == (
+        f"{SITE}/paddle/libs/libphi.so was not built for compute capability 9.0: 1 of its 655 containers"
+        " has a kernel image for it (the rest: SASS sm_61–sm_86, no PTX)"
+    )
+    fast = FileArchs(path=f"{SITE}/paddle/libs/libhopper.so", package=pkg.id,
+                     containers=[ContainerArchs(sass=("90a",))])  # fmt: skip
+    assert gpu_code.judge(archs(phi, core, ctc, fast, packages=(pkg,)), (9, 0)).runs  # built for Hopper
+    wide = ctc.model_copy(update={"containers": [odd.model_copy(update={"count": 41})]})  # 42 of 818
+    assert gpu_code.judge(archs(phi, core, wide, packages=(pkg,)), (9, 0)).runs
+    optional = pkg.model_copy(update={"optional": True})
+    unneeded = gpu_code.judge(archs(phi, core, ctc, packages=(optional,)), (9, 0))
+    assert unneeded.runs and unneeded.without[0].endswith("; it runs without them")
