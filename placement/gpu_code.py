@@ -89,6 +89,7 @@ Rule = Literal["dispatch", "strict"]
 # built for Hopper. Every other package read here (33, vLLM's included) covers at least 30 % of its
 # generic containers wherever any of its code runs.
 BUILT_FOR_SHARE = 20
+NAMED_FILES = 4  # files a reason names before "and N more"
 NOT_BUILT_FOR = (
     "loads it at import, and none of its code was built for this GPU: its other libraries run here only"
     " through PTX"
@@ -423,7 +424,11 @@ def _absent(file: FileVerdict, cc: CC) -> str:
 def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered: int, generic: int) -> str:
     """ "paddlepaddle-gpu 2.6.2 was not built for this GPU: 4 of its 819 containers have a kernel image
     for it (in .../libphi.so, .../libwarpctc.so); the rest: SASS sm_61–sm_86, no PTX"."""
-    where = ", ".join(library_name(f.path) for f in files if f.generic_covering)
+    covering = [library_name(f.path) for f in files if f.generic_covering]
+    shown = covering[:NAMED_FILES]
+    where = ", ".join(shown) + (
+        f" and {len(covering) - len(shown)} more" if len(covering) > len(shown) else ""
+    )
     rest = describe_code([c for f in files for c in f.missing if not specific_only(c)])
     return (
         f"{_package_text(package)} was not built for this GPU: {covered} of its {generic} containers"
