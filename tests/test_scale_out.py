@@ -181,9 +181,20 @@ async def test_two_apis_two_workers_one_killed_every_image_scanned_once(
                 )
                 return bool(held[0][0])
 
+            def stopped_holding_jobs() -> bool:
+                """Stops the victim, and leaves it stopped only if it holds jobs then: its jobs cannot
+                end between this look and the kill."""
+                if done_count() < IMAGES // 3 or not victim_holds_jobs():
+                    return False
+                victim.send_signal(signal.SIGSTOP)
+                if victim_holds_jobs():
+                    return True
+                victim.send_signal(signal.SIGCONT)
+                return False
+
             # a third of the way through, with scans of its own under way, one worker dies with SIGKILL
             await asyncio.to_thread(
-                wait_until, lambda: done_count() >= IMAGES // 3 and victim_holds_jobs(), 90, "a third scanned"
+                wait_until, stopped_holding_jobs, 90, "a third scanned, the victim holding jobs"
             )
             victim.send_signal(signal.SIGKILL)
             assert victim.wait(timeout=10) == -signal.SIGKILL
