@@ -184,6 +184,47 @@ def test_lost_section_names_fall_back_to_containers_that_tile_a_section(cu12: by
     assert facts.fatbin.archs.sass == CU12_SASS
 
 
+def far_names(data: bytes, fatbin_name: str, gap: int = 256 << 10) -> bytes:
+    """A copy with `gap` bytes between the section name table and the section header table, as lld
+    lays files out (its `.strtab` lies between them), and its fatbin section named `fatbin_name`: a
+    name added at the start of the gap, the name table grown over it."""
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    entry, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+    table = bytearray(data[shoff:])
+    (names_at,) = struct.unpack_from("<Q", table, names_index * entry + 0x18)
+    name = fatbin_name.encode() + b"\0"
+    struct.pack_into("<Q", table, names_index * entry + 0x20, shoff + len(name) - names_at)
+    for index in range(count):
+        if struct.unpack_from("<Q", table, index * entry + 0x18)[0] == CU12_FATBIN_OFFSET:
+            struct.pack_into("<I", table, index * entry, shoff - names_at)
+    head = bytearray(data[:shoff])
+    struct.pack_into("<Q", head, 0x28, shoff + gap)
+    return bytes(head) + name + bytes(gap - len(name)) + bytes(table)
+
+
+def test_fatbin_sections_are_named_wherever_the_name_table_lies(cu12: bytes) -> None:
+    """lld puts the symbol names between the section name table and the section header table, often
+    hundreds of MB (TensorFlow 2.15's `libtensorflow_cc.so.2`): the fatbin sections are named all the
+    same, so device-link input is never taken for code CUDA loads; a name split across two reads too."""
+    (shoff,) = struct.unpack_from("<Q", cu12, 0x28)
+    relocatable = far_names(cu12, "__nv_relfatbin")
+    for facts in (probe(relocatable), split_probe(relocatable, shoff + 5)):
+        assert facts is not None and facts.fatbin is not None
+        assert facts.fatbin.sections == ["__nv_relfatbin"]
+        assert {c.section for c in facts.fatbin.containers} == {"__nv_relfatbin"}
+        assert facts.fatbin.archs.sass == [] and facts.fatbin.archs.ptx == []
+    loaded = probe(far_names(cu12, ".nv_fatbin"))
+    assert loaded is not None and loaded.fatbin is not None and loaded.fatbin.sections == [".nv_fatbin"]
+    assert loaded.fatbin.archs.sass == CU12_SASS
+
+
+def split_probe(data: bytes, at: int):  # type: ignore[no-untyped-def]
+    elf = ElfCudaProbe(len(data))
+    elf.feed(data[:at])
+    elf.feed(data[at:])
+    return elf.finish()
+
+
 def test_arch_specific_flag_runs_only_at_its_cc(cu12: bytes) -> None:
     """Set the `a` flag on every sm_90 entry of a real copy: 90a, which only a CC 9.0 GPU runs."""
     altered = bytearray(cu12)

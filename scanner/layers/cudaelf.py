@@ -2,12 +2,16 @@
 
 Pure and streaming: a layer is read once, front to back, so the probe never seeks. It keeps
 the first `HEAD_BYTES` (ELF and program headers), the PT_DYNAMIC segment, the section header
-table and a window before it (where linkers put `.shstrtab`), and it notes, as bytes pass:
+table and a window before it (where GNU ld puts `.shstrtab`), and it notes, as bytes pass:
 * every fatbin container (see `scanner.layers.fatbin.FatbinScan`);
 * every place a CUDA library name (`libcudart.so.12\\0`, or as auditwheel renames its bundled copy,
   `libcudart-c64a25f3.so.12.3.101\\0`) occurs, so that DT_NEEDED entries
   (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
-  exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`.
+  exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`;
+* every place past the loaded segments where a fatbin section's name (`.nv_fatbin`, `__nv_relfatbin`)
+  occurs, so those sections are named even where the section name table lies outside the window
+  (lld puts the symbol names, often hundreds of MB, between it and the section header table), and
+  device-link input is never taken for code CUDA loads.
 Every region kept is bounded by a named limit; a file that exceeds one gets an `error`, never
 an unbounded buffer. The work is bounded too (`scanner.layers.limits.GpuCodeWork`, counted by the
 fatbin scan): a file past a bound gets that bound as its fatbin's error, and sections that name the
@@ -26,6 +30,7 @@ from scanner.layers.elf import (
     MAX_DYNAMIC_BYTES,
     MAX_SECTION_HEADER_SIZE,
     MAX_SECTION_HEADERS,
+    PT_LOAD,
     SHT_NOBITS,
     ElfLayout,
     parse_dynamic,
@@ -87,6 +92,12 @@ _NAME = re.compile(
     + rb"\.so(?:\.[0-9]{1,8}){0,4}\x00"
 )
 _NAME_KEEP = 128  # longer than any name the pattern matches, so a name split across chunks is found
+# The fatbin sections' names, as the section name table holds them: where they stream past after the
+# loaded segments (the table is never loaded) is kept, so a section is named even when that table lies
+# far before the section header table (lld puts `.strtab`, often the file's largest section, between
+# them: TensorFlow 2.15's `libtensorflow_cc.so.2`, 140 MB).
+_SECTION_NAMES = tuple(name.encode() + b"\0" for name in (".nv_fatbin", "__nv_relfatbin"))
+MAX_SECTION_NAME_SITES = 256  # places those names are kept (a real file has one of each)
 
 
 class FatbinFacts(BaseModel):
@@ -147,8 +158,10 @@ class ElfCudaProbe:
         self._scan = FatbinScan(work)
         self._unread = self._scan.work.exhausted  # the layer's bound, crossed before this file
         self._names: dict[int, str] = {}
-        self._names_carry = b""
+        self._carry = b""  # the last bytes seen, so a name split across chunks is found
         self._names_overflow = False
+        self._section_names_at: dict[int, str] = {}  # file offset -> fatbin section name there
+        self._unloaded_from = 0  # where the loaded segments end: the section name table lies after them
         self._dynamic: _Capture | None = None
         self._table: _Capture | None = None
         self._section_names: _Capture | None = None
@@ -173,7 +186,7 @@ class ElfCudaProbe:
                 return False
             if len(self._head) < min(HEAD_BYTES, self.size) and self._position < self.size:
                 self._feed_scan(offset, data)
-                self._find_names(offset, data)
+                self._find_strings(offset, data)
                 return True
             layout = parse_layout(bytes(self._head))
             if layout is None:
@@ -181,7 +194,7 @@ class ElfCudaProbe:
                 return False
             self._start(layout)
         self._feed_scan(offset, data)
-        self._find_names(offset, data)
+        self._find_strings(offset, data)
         for capture in (self._dynamic, self._table, self._section_names):
             if capture is not None:
                 capture.feed(offset, data)
@@ -193,6 +206,9 @@ class ElfCudaProbe:
 
     def _start(self, layout: ElfLayout) -> None:
         self._layout = layout
+        self._unloaded_from = max(
+            (s.offset + s.filesz for s in layout.segments if s.type == PT_LOAD), default=0
+        )
         head = bytes(self._head)
         dynamic = layout.dynamic
         if dynamic is not None:
@@ -209,11 +225,20 @@ class ElfCudaProbe:
             if capture is not None:
                 capture.feed(0, head)
 
-    def _find_names(self, offset: int, data: bytes | memoryview) -> None:
-        if self._names_overflow:
+    def _find_strings(self, offset: int, data: bytes | memoryview) -> None:
+        """Note where CUDA library names and fatbin section names stream past (resolved in `finish`)."""
+        names_full = len(self._section_names_at) >= MAX_SECTION_NAME_SITES
+        if self._names_overflow and names_full:
             return
-        window = self._names_carry + data
-        base = offset - len(self._names_carry)
+        window = self._carry + data
+        base = offset - len(self._carry)
+        if not self._names_overflow:
+            self._find_names(window, base)
+        if not names_full and offset + len(data) > self._unloaded_from:
+            self._find_section_names(window, base, max(self._unloaded_from - base, 0))
+        self._carry = window[-_NAME_KEEP:]
+
+    def _find_names(self, window: bytes, base: int) -> None:
         for match in _NAME.finditer(window):
             at = base + match.start()
             if at in self._names:
@@ -222,7 +247,15 @@ class ElfCudaProbe:
                 self._names_overflow = True
                 return
             self._names[at] = match.group()[:-1].decode("ascii")
-        self._names_carry = window[-_NAME_KEEP:]
+
+    def _find_section_names(self, window: bytes, base: int, start: int) -> None:
+        for name in _SECTION_NAMES:
+            at = window.find(name, start)
+            while at >= 0:
+                self._section_names_at[base + at] = name[:-1].decode("ascii")
+                if len(self._section_names_at) >= MAX_SECTION_NAME_SITES:
+                    return
+                at = window.find(name, at + 1)
 
     def finish(self) -> ElfCudaFacts | None:
         """None when the file is not ELF; else what it says about CUDA."""
@@ -266,6 +299,7 @@ class ElfCudaProbe:
                 bytes(self._table.data),
                 bytes(names.data) if names is not None else None,
                 names.start if names is not None else 0,
+                self._section_names_at,
             )
         except ValueError as exc:
             return FatbinFacts(error=str(stopped or exc)) if self._scan.met_containers or stopped else None

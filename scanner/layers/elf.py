@@ -9,6 +9,7 @@ interpreter path is what names the C library: `/lib/ld-musl-x86_64.so.1` is musl
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -245,12 +246,20 @@ def parse_layout(head: bytes) -> ElfLayout | None:
     return layout.model_copy(update={"segments": tuple(segments)})
 
 
-def parse_sections(layout: ElfLayout, table: bytes, names: bytes | None, names_offset: int) -> list[Section]:
+def parse_sections(
+    layout: ElfLayout,
+    table: bytes,
+    names: bytes | None,
+    names_offset: int,
+    known: Mapping[int, str] | None = None,
+) -> list[Section]:
     """The section headers in `table` (the whole table), named from `names`.
 
     `names` holds file bytes starting at `names_offset` that should contain the section name
-    string table; a name that lies outside them comes back as "" (the caller may still match a
-    section by its contents). Raises ValueError on a table that does not fit its own header.
+    string table; `known` maps file offsets to names seen there as the file streamed past (the
+    fatbin sections' names, wherever the string table lies). A name found in neither comes back as
+    "" (the caller may still match a section by its contents). Raises ValueError on a table that
+    does not fit its own header.
     """
     if len(table) != layout.shnum * layout.shentsize:
         raise ValueError("section header table truncated")
@@ -277,6 +286,8 @@ def parse_sections(layout: ElfLayout, table: bytes, names: bytes | None, names_o
                 end = names.find(b"\0", start, start + MAX_SECTION_NAME)
                 if end >= 0:
                     name = names[start:end].decode("ascii", "replace")
+        if not name and strtab is not None and known and name_index < strtab[1]:
+            name = known.get(strtab[0] + name_index, "")
         sections.append(Section(name=name, type=kind, offset=offset, size=size))
     return sections
 
