@@ -16,7 +16,8 @@ import pytest
 from placement import gpu_code
 from placement.gpu_code import container_runs_on, ptx_runs_on, sass_runs_on
 from scanner.layers.cuda_sources import needed_finding
-from scanner.layers.cudaelf import ElfCudaProbe
+from scanner.layers.cudaelf import ElfCudaProbe, unloaded_ranges
+from scanner.layers.elf import PT_DYNAMIC, PT_LOAD, ElfLayout, Segment
 from scanner.layers.fatbin import (
     FatbinError,
     FatbinScan,
@@ -216,6 +217,21 @@ def test_fatbin_sections_are_named_wherever_the_name_table_lies(cu12: bytes) -> 
     loaded = probe(far_names(cu12, ".nv_fatbin"))
     assert loaded is not None and loaded.fatbin is not None and loaded.fatbin.sections == [".nv_fatbin"]
     assert loaded.fatbin.archs.sass == CU12_SASS
+
+
+def test_the_name_table_is_looked_for_where_no_segment_is_loaded() -> None:
+    """patchelf appends loaded segments after the section name table (auditwheel's libcuml.so):
+    the gaps between segments are looked in, as well as the file's tail."""
+    segments = (
+        Segment(type=PT_LOAD, offset=200, vaddr=0, filesz=100),
+        Segment(type=PT_LOAD, offset=0, vaddr=0, filesz=150),
+        Segment(type=PT_DYNAMIC, offset=500, vaddr=0, filesz=10),
+        Segment(type=PT_LOAD, offset=250, vaddr=0, filesz=10),
+    )
+    layout = ElfLayout(bits=64, endian="little", elf_type=3, machine=62, segments=segments)
+    assert unloaded_ranges(layout, 1000) == [(150, 200), (300, 1000)]
+    assert unloaded_ranges(layout, 280) == [(150, 200)]
+    assert unloaded_ranges(layout.model_copy(update={"segments": ()}), 1000) == [(0, 1000)]
 
 
 def split_probe(data: bytes, at: int):  # type: ignore[no-untyped-def]

@@ -8,10 +8,11 @@ table and a window before it (where GNU ld puts `.shstrtab`), and it notes, as b
   `libcudart-c64a25f3.so.12.3.101\\0`) occurs, so that DT_NEEDED entries
   (offsets into `.dynstr`, which lies *before* `.dynamic` in linkers' output) can be resolved
   exactly at the end. Names are matched exactly: `libcuda.so.1` (the driver) is not `libcudart`;
-* every place past the loaded segments where a fatbin section's name (`.nv_fatbin`, `__nv_relfatbin`)
-  occurs, so those sections are named even where the section name table lies outside the window
-  (lld puts the symbol names, often hundreds of MB, between it and the section header table), and
-  device-link input is never taken for code CUDA loads.
+* every place outside the loaded segments where a fatbin section's name (`.nv_fatbin`,
+  `__nv_relfatbin`) occurs, so those sections are named even where the section name table lies
+  outside the window (lld puts the symbol names, often hundreds of MB, between it and the section
+  header table; patchelf moves the table past segments it appends), and device-link input is never
+  taken for code CUDA loads.
 Every region kept is bounded by a named limit; a file that exceeds one gets an `error`, never
 an unbounded buffer. The work is bounded too (`scanner.layers.limits.GpuCodeWork`, counted by the
 fatbin scan): a file past a bound gets that bound as its fatbin's error, and sections that name the
@@ -92,11 +93,13 @@ _NAME = re.compile(
     + rb"\.so(?:\.[0-9]{1,8}){0,4}\x00"
 )
 _NAME_KEEP = 128  # longer than any name the pattern matches, so a name split across chunks is found
-# The fatbin sections' names, as the section name table holds them: where they stream past after the
+# The fatbin sections' names, as the section name table holds them: where they stream past outside the
 # loaded segments (the table is never loaded) is kept, so a section is named even when that table lies
 # far before the section header table (lld puts `.strtab`, often the file's largest section, between
-# them: TensorFlow 2.15's `libtensorflow_cc.so.2`, 140 MB).
-_SECTION_NAMES = tuple(name.encode() + b"\0" for name in (".nv_fatbin", "__nv_relfatbin"))
+# them: TensorFlow 2.15's `libtensorflow_cc.so.2`, 140 MB; patchelf appends segments between them).
+# Found by their last word, one pass over the unloaded bytes (most of them symbol names), then checked
+# whole. (Naming `.rodata` and its kind too, for reports, would cost the probe 10 % more on torch.)
+_SECTION_NAME_ENDS = {b"fatbin\0": (".nv_fatbin", "__nv_relfatbin")}
 MAX_SECTION_NAME_SITES = 256  # places those names are kept (a real file has one of each)
 
 
@@ -142,6 +145,19 @@ class _Capture:
             self.data += data[low - offset : high - offset]
 
 
+def unloaded_ranges(layout: ElfLayout, size: int) -> list[tuple[int, int]]:
+    """The file ranges [low, high) of a file of `size` bytes that no PT_LOAD segment maps: where the
+    section name table, never loaded, lies (patchelf appends segments after it)."""
+    ranges, position = [], 0
+    for low, high in sorted((s.offset, s.offset + s.filesz) for s in layout.segments if s.type == PT_LOAD):
+        if low > position:
+            ranges.append((position, min(low, size)))
+        position = max(position, high)
+    if position < size:
+        ranges.append((position, size))
+    return [(low, high) for low, high in ranges if low < high]
+
+
 class ElfCudaProbe:
     """Feed `feed(data)` with consecutive bytes of one file, then call `finish()`.
 
@@ -161,7 +177,7 @@ class ElfCudaProbe:
         self._carry = b""  # the last bytes seen, so a name split across chunks is found
         self._names_overflow = False
         self._section_names_at: dict[int, str] = {}  # file offset -> fatbin section name there
-        self._unloaded_from = 0  # where the loaded segments end: the section name table lies after them
+        self._unloaded: list[tuple[int, int]] = [(0, size)]  # file ranges no PT_LOAD segment maps
         self._dynamic: _Capture | None = None
         self._table: _Capture | None = None
         self._section_names: _Capture | None = None
@@ -206,9 +222,7 @@ class ElfCudaProbe:
 
     def _start(self, layout: ElfLayout) -> None:
         self._layout = layout
-        self._unloaded_from = max(
-            (s.offset + s.filesz for s in layout.segments if s.type == PT_LOAD), default=0
-        )
+        self._unloaded = unloaded_ranges(layout, self.size)
         head = bytes(self._head)
         dynamic = layout.dynamic
         if dynamic is not None:
@@ -234,8 +248,10 @@ class ElfCudaProbe:
         base = offset - len(self._carry)
         if not self._names_overflow:
             self._find_names(window, base)
-        if not names_full and offset + len(data) > self._unloaded_from:
-            self._find_section_names(window, base, max(self._unloaded_from - base, 0))
+        if not names_full:
+            for low, high in self._unloaded:  # the section name table is never loaded
+                if low < base + len(window) and high > base:
+                    self._find_section_names(window, base, max(low - base, 0), min(high - base, len(window)))
         self._carry = window[-_NAME_KEEP:]
 
     def _find_names(self, window: bytes, base: int) -> None:
@@ -248,14 +264,17 @@ class ElfCudaProbe:
                 return
             self._names[at] = match.group()[:-1].decode("ascii")
 
-    def _find_section_names(self, window: bytes, base: int, start: int) -> None:
-        for name in _SECTION_NAMES:
-            at = window.find(name, start)
+    def _find_section_names(self, window: bytes, base: int, start: int, end: int) -> None:
+        for last, names in _SECTION_NAME_ENDS.items():
+            at = window.find(last, start, end)
             while at >= 0:
-                self._section_names_at[base + at] = name[:-1].decode("ascii")
-                if len(self._section_names_at) >= MAX_SECTION_NAME_SITES:
-                    return
-                at = window.find(name, at + 1)
+                for name in names:
+                    begin = at + len(last) - 1 - len(name)
+                    if begin >= start and window[begin : at + len(last) - 1] == name.encode():
+                        self._section_names_at[base + begin] = name
+                        if len(self._section_names_at) >= MAX_SECTION_NAME_SITES:
+                            return
+                at = window.find(last, at + 1, end)
 
     def finish(self) -> ElfCudaFacts | None:
         """None when the file is not ELF; else what it says about CUDA."""
