@@ -460,7 +460,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
             if needs_it:
                 verdict.reasons.append(f"{where}: {line}")
             else:
-                verdict.without.append(f"{line}; it runs without them")
+                verdict.without.append(f"{line}; the image runs without {_package_text(package)}")
             continue
         if not running:
             if needs_it and all(f.refused and not f.missing for f in files):
@@ -483,7 +483,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
             # No SASS of the package was built for this GPU, so nothing it lacks here is a build for
             # other GPUs that it picks instead: what it loads at import without code here fails.
             # A gap is built like the rest: for GPUs up to the newest the running files were built for.
-            # One built only for older GPUs (Marlin's sm_75) is an extension used there.
+            # One built only for older GPUs (a Turing-only library) is an extension used there.
             newest = max((one.newest_generic for one in running if one.newest_generic), default=None)
             gaps = [
                 f
