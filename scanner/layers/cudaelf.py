@@ -330,11 +330,11 @@ class ElfCudaProbe:
             ]
         loose: list[ContainerArchs] = []
         if layout.elf_type != ET_REL and self._scan.met_containers and self._unread is None:
-            walked = {id(s) for s in named}  # by identity: comparing models pairwise was quadratic
+            fatbin_sections = {id(s) for s in named}  # by identity: comparing models pairwise was quadratic
             hosts = [
                 (s.name or f"section at {s.offset:#x}", s.offset, s.size)
                 for s in sections
-                if s.type != SHT_NOBITS and s.size and id(s) not in walked
+                if s.type != SHT_NOBITS and s.size and id(s) not in fatbin_sections
             ]
             try:
                 loose = self._scan.loose(hosts)
