@@ -266,10 +266,7 @@ class FileVerdict:
     newest_generic: CC | None = None  # its newest SASS built for a range of GPUs (not `a` / `f` only)
     thin: bool = False  # code here in too few of its generic containers to be built for this GPU
     generic: int = 0  # its generic containers (not `a` / `f` only), each counted
-
-    @property
-    def generic_covering(self) -> int:
-        return _count(c for c, _ in self.covering if not specific_only(c))
+    generic_covering: int = 0  # ... of which have code here
 
     @property
     def runs(self) -> bool:
@@ -339,13 +336,14 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
             covering.append((container, how))
     library = nvidia_library(file.path)
     generic = _count(c for c in containers if not specific_only(c))
+    generic_covering = _count(c for c, _ in covering if not specific_only(c))
     thin = (
         rule == "dispatch"
         and file.kind == "library"
         and not library
         and bool(covering)
         and not any(specific_only(c) for c, _ in covering)
-        and _count(c for c, _ in covering if not specific_only(c)) * BUILT_FOR_SHARE < generic
+        and generic_covering * BUILT_FOR_SHARE < generic
     )
     return FileVerdict(
         file.path,
@@ -362,6 +360,7 @@ def judge_file(file: FileArchs, cc: CC, jit: Jit | None = None, rule: Rule = "di
         ),
         thin=thin,
         generic=generic,
+        generic_covering=generic_covering,
     )
 
 

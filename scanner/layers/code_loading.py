@@ -46,7 +46,8 @@ _NVIDIA_LIBRARY = re.compile(
     r"^lib(cublas|cublasLt|cudnn\w*|nccl|cusparse|cusparseLt|cufft|cufftw|curand|cusolver|cusolverMg|"
     r"nvjpeg|npp\w*|nvrtc\w*|cupti|nvJitLink|cudart|nvblas|cufile\w*|nvinfer\w*|nvonnxparser|nvshmem\w*|"
     r"cudss|cutensor\w*|nvperf\w*|nvToolsExt|nvjitlink|nvcomp\w*|cuda|checkpoint|pcsamplingutil)"
-    r"(?:[-.][0-9a-f]{8})?\.so"
+    + AUDITWHEEL_HASH
+    + r"\.so"
 )  # auditwheel renames the copies it bundles: libnvjpeg.02b6d700.so.12, libcudart-e409450e.so.11.0
 # Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>/lib, cusparselt/lib,
 # /usr/local/cuda[-X.Y]/.
@@ -70,7 +71,7 @@ def nvidia_library(path: str) -> bool:
     return bool(_NVIDIA_LIBRARY.match(posixpath.basename(path)) or _NVIDIA_TREE.search(path))
 
 
-_PROFILING = re.compile(r"^lib(?:cupti|nvperf_\w+|checkpoint|pcsamplingutil)(?:[-.][0-9a-f]{8})?\.so")
+_PROFILING = re.compile(r"^lib(?:cupti|nvperf_\w+|checkpoint|pcsamplingutil)" + AUDITWHEEL_HASH + r"\.so")
 
 
 def nvidia_profiling_library(path: str) -> bool:

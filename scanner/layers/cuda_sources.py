@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from scanner.layers.cudaelf import AUDITWHEEL_HASH
+
 Source = Literal["torch", "nvidia-wheel", "jax", "tensorflow", "cupy", "conda", "toolkit", "elf", "ptx"]
 TORCH_VERSION = re.compile(r"/torch/version\.py$")
 TF_BUILD_INFO = re.compile(r"/tensorflow/python/platform/build_info\.py$")
@@ -42,7 +44,7 @@ CONDA_PACKAGES = frozenset({"cudatoolkit", "cuda-cudart", "cuda-version", "pytor
 # does cuSPARSE since CUDA 13.0, which ships cuSPARSE 12.x as libcusparse.so.12, as torch 2.11.0+cu130's
 # libtorch_cuda.so links it beside libcudart.so.13).
 SONAME_IS_CUDA_MAJOR = frozenset({"cudart", "cublas", "cublasLt", "nvrtc", "cupti", "nvJitLink", "nvjpeg"})
-_NEEDED = re.compile(r"^lib([A-Za-z_]+)(?:[-.][0-9a-f]{8})?\.so(?:\.(\d{1,6})(?!\d))?")  # auditwheel's too
+_NEEDED = re.compile(r"^lib([A-Za-z_]+)" + AUDITWHEEL_HASH + r"\.so(?:\.(\d{1,6})(?!\d))?")
 
 
 class Finding(BaseModel):
