@@ -78,13 +78,13 @@ def version() -> str:
         return found.split("=", 1)[1].strip().strip('"')
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, require_command: bool = True) -> argparse.ArgumentParser:
     """The top-level parser: `gpubadge --help` lists the commands; each command parses its own options."""
     parser = argparse.ArgumentParser(
         prog="gpubadge", description="Which container images need an NVIDIA GPU, and where they can run."
     )
     parser.add_argument("--version", action="version", version=f"gpubadge {version()}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=require_command, metavar="COMMAND")
     for name, help_text in COMMANDS:
         sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -131,7 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] in dict(COMMANDS):
         return _delegate(args_list[0], args_list[1:])
     try:
-        build_parser().parse_args(args_list)  # --help, or a usage error: no command, or an unknown one
+        # --help, --version, or a usage error: an unknown option (named, as git names it, before the
+        # missing command is mentioned), no command, or an unknown one.
+        lenient = build_parser(require_command=False)
+        _, unknown = lenient.parse_known_args(args_list)
+        if unknown:
+            lenient.error(f"unrecognized arguments: {' '.join(unknown)}")
+        build_parser().parse_args(args_list)
     except SystemExit as exc:
         return int(exc.code or 0)
     return 2

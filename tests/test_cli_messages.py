@@ -131,6 +131,18 @@ def test_constraints_checks_its_options_as_eligible_does() -> None:
     assert done.returncode == 2 and "argument --gpus: must be at least 0, got -1" in done.stderr
 
 
+def test_an_unknown_option_before_any_command_is_named() -> None:
+    """As git names `--bogus` ("unknown option"), not the command that did not follow it."""
+    done = gpubadge("--bogus")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("usage: gpubadge ") and done.stderr.rstrip().endswith(
+        "gpubadge: error: unrecognized arguments: --bogus"
+    )
+    assert "required" not in done.stderr
+    alone = gpubadge()
+    assert alone.returncode == 2 and "the following arguments are required: COMMAND" in alone.stderr
+
+
 def test_scan_prints_its_own_usage_for_an_unknown_option() -> None:
     done = gpubadge("scan", "--frobnicate", "alpine")
     assert done.returncode == 2
