@@ -76,7 +76,7 @@ from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.nvidia_require import compare_version
-from scanner.layers.code_loading import nvidia_library, nvidia_profiling_library, package_of
+from scanner.layers.code_loading import build_groups, nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
 from scanner.layers.gpu_modules import MODULE_FILE
 from scanner.models import ContainerArchs, FileArchs, GpuArchs, PackageFacts
@@ -435,6 +435,31 @@ def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered:
     )
 
 
+def unselected_builds(archs: GpuArchs) -> list[str]:
+    """Builds of one library for several CUDA versions of which the package loads none, though the
+    image could load some: none is for the image's CUDA runtime, and the package loads that or none
+    (`scanner.layers.code_loading.exact_builds_only`: bitsandbytes 0.45.5 beside torch cu126). One
+    line per library, its builds named; the package runs without them on every GPU."""
+    if archs.runtime_cuda is None:
+        return []
+    packages = {package.id: package for package in archs.packages}
+    lines = []
+    for members in build_groups(archs.files):
+        if any(m.selected for m in members) or all(m.missing for m in members):
+            continue
+        ordered = sorted(members, key=lambda m: version_key(m.cuda_build or "0"))
+        names = [posixpath.basename(m.path) for m in ordered]
+        shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        versions = ", ".join(dict.fromkeys(m.cuda_build or "?" for m in ordered))
+        package = _package_text(_package_of(ordered[0], packages))
+        lines.append(
+            f"{posixpath.dirname(ordered[0].path)}/{{{shown}}} ({package}): no build for CUDA"
+            f" {archs.runtime_cuda}, the image's CUDA runtime (builds for {versions}); {package} loads"
+            " only the build of that version, so none"
+        )
+    return lines
+
+
 def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatch") -> CodeVerdict:
     """Whether the image's GPU code runs on a GPU of compute capability `cc` (rules: module docstring)."""
     if rule == "strict":
@@ -509,6 +534,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
         verdict.without += [f"{_absent(f, cc)}; used on other GPUs" for f in files if not f.runs]
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
+    verdict.without += unselected_builds(archs)
     verdict.runs = not verdict.reasons
     if not verdict.runs:
         verdict.without, verdict.covered_by, verdict.ptx = [], [], []
@@ -545,7 +571,7 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
         return verdict
     verdict.without = [
         f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
-    ]
+    ] + unselected_builds(archs)
     verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]

@@ -15,11 +15,14 @@ from placement.cuda_needs import declared_vs_carried, gpu_reasons
 from scanner.facts.badges import cuda_mismatch
 from scanner.layers import python_loads
 from scanner.layers.code_loading import (
+    Distribution,
     MissingLinks,
+    annotate,
     build_version,
     chosen_build,
     distribution_from_record,
     distribution_index,
+    exact_builds_only,
     nvidia_profiling_library,
     package_of,
 )
@@ -212,9 +215,74 @@ def test_builds_for_several_cuda_versions_are_alternatives_the_runtime_picks() -
     name = lambda found: found.path.rsplit("_", 1)[1] if found else None  # noqa: E731
     assert name(chosen_build(builds, "12.8")) == "cuda128.so"  # the same version
     assert name(chosen_build(builds, "12.6")) == "cuda124.so"  # else the newest of its major below it
-    assert name(chosen_build(builds, "12.0")) is None  # never one newer than the runtime
+    assert name(chosen_build(builds, "12.0")) == "cuda121.so"  # else the oldest of its major above it
     assert name(chosen_build(builds, "13.0")) is None  # CUDA 13's builds cannot load: never another major
     assert name(chosen_build(builds, None)) == "cuda128.so"  # no runtime known: the newest loadable
+    assert name(chosen_build(builds, "12")) == "cuda128.so"  # only the major known: its newest
+    # bitsandbytes before 0.50.0 loads the build of torch's CUDA version or none
+    assert name(chosen_build(builds, "12.4", exact=True)) == "cuda124.so"
+    assert name(chosen_build(builds, "12.6", exact=True)) is None
+    assert name(chosen_build(builds, "12.0", exact=True)) is None
+    versions = {
+        "0.43.1": True,
+        "0.49.2": True,
+        "0.50.0": False,
+        "0.50.2": False,
+        "1.0": False,
+        "0.45.0.dev0": True,
+    }
+    for version, exact in versions.items():
+        package = PackageFacts(id="python:bitsandbytes", name="bitsandbytes", version=version, kind="python")
+        assert exact_builds_only(package) is exact, version
+    other = PackageFacts(id="python:foo", name="foo", version="0.1", kind="python")
+    assert not exact_builds_only(other) and not exact_builds_only(None)
+
+
+def test_a_package_with_no_build_for_the_runtime_runs_without_them_and_says_so() -> None:
+    """bitsandbytes 0.45.5 beside torch cu126 loads `libbitsandbytes_cuda126.so` or nothing; shipping
+    only builds up to 12.4 here, it loads none (its `cextension.py` then falls back to its CPU library),
+    so none of its builds counts, sets a CUDA floor, or stops the image: each GPU's answer says so.
+    0.50.0 and later take the newest build of the same major below the runtime instead."""
+    code = [ContainerArchs(sass=("50", "60", "70", "75", "80", "86", "89", "90"))]
+    builds = [
+        FileArchs(path=f"{SITE}/bitsandbytes/libbitsandbytes_cuda{v}.so", containers=code, needed=["libcudart.so.12"])
+        for v in ("121", "124")
+    ]  # fmt: skip
+    torch = FileArchs(
+        path=f"{SITE}/torch/lib/libtorch_cuda.so", containers=[ContainerArchs(sass=("80", "90", "120"))]
+    )
+
+    def annotated(version: str) -> GpuArchs:
+        distributions = {
+            f"{SITE}/bitsandbytes-{version}.dist-info": Distribution(name="bitsandbytes", version=version, top_level=["bitsandbytes"]),
+            f"{SITE}/torch-2.7.1.dist-info": Distribution(name="torch", version="2.7.1", top_level=["torch"]),
+        }  # fmt: skip
+        files, packages = annotate(
+            [*builds, torch], missing=MissingLinks({"libcudart.so.12"}), runtime_cuda="12.6",
+            distributions=distributions, imports={},
+        )  # fmt: skip
+        return GpuArchs(files=files, packages=packages, runtime_cuda="12.6")
+
+    old = annotated("0.45.5")
+    assert [f.selected for f in old.files[:2]] == [False, False]
+    line = (
+        f"{SITE}/bitsandbytes/{{libbitsandbytes_cuda121.so … libbitsandbytes_cuda124.so}} (bitsandbytes 0.45.5):"
+        " no build for CUDA 12.6, the image's CUDA runtime (builds for 12.1, 12.4); bitsandbytes 0.45.5 loads"
+        " only the build of that version, so none"
+    )
+    hopper = gpu_code.judge(old, (9, 0))
+    assert hopper.runs and hopper.without == [line]
+    assert gpu_code.judge(old, (9, 0), rule="strict").without == [line]
+    assert (
+        f"runs without {SITE}/bitsandbytes/{{libbitsandbytes_cuda121.so … libbitsandbytes_cuda124.so}}"
+        " (bitsandbytes 0.45.5) on compute capability 8.0–9.0, 12.0–12.1"
+    ) in gpu_code.caveats(old)
+    new = annotated("0.50.0")
+    assert [f.selected for f in new.files[:2]] == [False, True]
+    assert gpu_code.judge(new, (9, 0)).without == []
+    unloadable = GpuArchs(files=[f.model_copy(update={"missing": ["libcudart.so.12"]}) for f in old.files[:2]] + [old.files[2]],
+                          packages=old.packages, runtime_cuda="12.6")  # fmt: skip
+    assert gpu_code.judge(unloadable, (9, 0)).without == []  # the loader could load none of them anyway
 
 
 def test_packages_are_distributions_nvidia_libraries_or_application_directories() -> None:

@@ -13,9 +13,13 @@
   only in a CUDA version (`libbitsandbytes_cuda118.so` ... `_cuda132.so`, `foo_cu121.so`) are
   alternatives: the package loads one, picked by the CUDA runtime the image uses (`runtime_cuda`:
   `torch.version.cuda` where torch is there, else the CUDA runtime library or toolkit the image
-  carries). The rule is bitsandbytes' (`cextension.py`): the build of that version if there is one,
-  else the newest build of the same major not above it; never another major. Without a known
-  runtime, the newest build the image can load. Only loadable builds are candidates.
+  carries). The rule is bitsandbytes' (`cextension.py`, `get_cuda_bnb_library_path`), as each
+  version wrote it. From 0.50.0: the build of that version if there is one, else the newest build
+  of the same major below it, else the oldest of the same major above it; never another major.
+  Before 0.50.0 (`EXACT_BUILD_PACKAGES`): the build of that version or none (0.43 to 0.45 then load
+  their CPU library, 0.46 to 0.49 fail to load any; either way the package runs without its GPU
+  code). Other packages follow the newer rule. Without a known runtime, the newest build the image
+  can load. Only loadable builds are candidates.
 * **Packages.** A file belongs to the Python distribution that installed it (`*.dist-info/RECORD`
   names each distribution's top-level modules), to NVIDIA (its libraries, by name and by where
   NVIDIA's wheels and toolkits put them), or to the application directory it lies in.
@@ -232,19 +236,42 @@ def build_groups(files: Sequence[FileArchs]) -> list[list[FileArchs]]:
     return [members for members in groups.values() if len(members) > 1]
 
 
-def chosen_build(members: Sequence[FileArchs], runtime_cuda: str | None) -> FileArchs | None:
-    """The build a package loads among alternatives (see the module docstring), or None."""
+# Packages that load only the build of the runtime's exact version, before the version named: the
+# same name and version bound as `python_loads` and `*.dist-info` give them.
+EXACT_BUILD_PACKAGES = {"bitsandbytes": (0, 50)}
+
+
+def exact_builds_only(package: PackageFacts | None) -> bool:
+    """Whether `package` loads the build of the runtime's exact CUDA version or none (bitsandbytes
+    before 0.50.0, whose `cextension.py` looks for `libbitsandbytes_cuda{torch.version.cuda}` alone)."""
+    if package is None or package.version is None or package.name not in EXACT_BUILD_PACKAGES:
+        return False
+    numbers = re.match(r"^(\d{1,6})\.(\d{1,6})", package.version)
+    return numbers is not None and (int(numbers[1]), int(numbers[2])) < EXACT_BUILD_PACKAGES[package.name]
+
+
+def chosen_build(
+    members: Sequence[FileArchs], runtime_cuda: str | None, *, exact: bool = False
+) -> FileArchs | None:
+    """The build a package loads among alternatives (see the module docstring), or None. `exact`: the
+    package loads the build of the runtime's version or none (`exact_builds_only`)."""
     candidates = [m for m in members if not m.missing and m.cuda_build is not None]
+
+    def by_version(member: FileArchs) -> tuple[int, int]:
+        return _key(member.cuda_build or "0")
+
     if runtime_cuda is None:
-        return max(candidates, key=lambda m: _key(m.cuda_build or "0"), default=None)
+        return max(candidates, key=by_version, default=None)
     runtime = _key(runtime_cuda)
-    same_major = [
-        m
-        for m in candidates
-        if _key(m.cuda_build or "0")[0] == runtime[0]
-        and ("." not in runtime_cuda or _key(m.cuda_build or "0") <= runtime)
-    ]
-    return max(same_major, key=lambda m: _key(m.cuda_build or "0"), default=None)
+    same_major = [m for m in candidates if by_version(m)[0] == runtime[0]]
+    if "." not in runtime_cuda:  # only the major is known: the newest of it
+        return max(same_major, key=by_version, default=None)
+    if exact:
+        return next((m for m in same_major if by_version(m) == runtime), None)
+    below = [m for m in same_major if by_version(m) <= runtime]
+    if below:
+        return max(below, key=by_version)
+    return min(same_major, key=by_version, default=None)
 
 
 def annotate(
@@ -277,7 +304,8 @@ def annotate(
     position = {file.path: at for at, file in enumerate(annotated)}
     for members in build_groups(annotated):
         tagged = [m.model_copy(update={"cuda_build": build_version(m.path)}) for m in members]
-        chosen = chosen_build(tagged, runtime_cuda)
+        exact = exact_builds_only(packages.get(tagged[0].package or ""))
+        chosen = chosen_build(tagged, runtime_cuda, exact=exact)
         for member in tagged:
             annotated[position[member.path]] = member.model_copy(update={"selected": member is chosen})
     for package in packages.values():
