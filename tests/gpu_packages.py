@@ -119,6 +119,19 @@ PYNVVIDEOCODEC = _wheel(
     "pynvvideocodec-2.2.4-cp311-cp311-manylinux_2_28_x86_64.whl",
     "fa19da4df068341863c651ae72c1a29557bfd3b68f2e8297ccbce7c391d148d6",
 )
+# bitsandbytes 0.43.3: builds for CUDA 11.7 to 12.5 by CUDA's own toolkits of those versions, loaded
+# only for torch's exact CUDA version; cuobjdump 13.5 stops at the fifth cubin of its CUDA 12.0-12.2
+# builds ("Invalid ELF"), so its ground truth is cuobjdump 12.4, as triton 3.1.0's wheel ships it.
+BITSANDBYTES_043 = _wheel(
+    "bitsandbytes",
+    "bitsandbytes-0.43.3-py3-none-manylinux_2_24_x86_64.whl",
+    "cc99507c352be0715098b2c7577b690dd158972dc4ea10c7495bac104c7c79f0",
+)
+TRITON_31 = _wheel(
+    "triton",
+    "triton-3.1.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+    "0f34f6e7885d1bf0eaaf7ba875a5f0ce6f3c13ba98f9503651c1e6dc6757ed5c",
+)
 # CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
 CUDA13 = {
     "cudart": _wheel(
@@ -438,6 +451,22 @@ def pynvvideocodec_layer(runtime: bool = True) -> list[Part]:
         return name.endswith(".dist-info/RECORD") or name.rpartition("/")[2] in kept
 
     return [members(PYNVVIDEOCODEC, wanted, f"py:nvenc13{'+runtime' if runtime else ''}")]
+
+
+def bitsandbytes_043_cuda121() -> Path:
+    """bitsandbytes 0.43.3's CUDA 12.1 build, `libbitsandbytes_cuda121.so`, cached."""
+    (path,) = member_files(
+        BITSANDBYTES_043, lambda name: name.endswith("/libbitsandbytes_cuda121.so")
+    ).values()
+    return path
+
+
+def cuobjdump_12_4() -> Path:
+    """NVIDIA's cuobjdump of CUDA 12.4, as triton 3.1.0's wheel ships it (`backends/nvidia/bin`)."""
+    (path,) = member_files(TRITON_31, lambda name: name.endswith("/bin/cuobjdump")).values()
+    if not path.stat().st_mode & 0o100:
+        path.chmod(0o755)
+    return path
 
 
 def package_layers() -> list[list[Part]]:

@@ -17,7 +17,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from tests.gpu_packages import layer_evidence, package_layers
+from tests.gpu_packages import bitsandbytes_043_cuda121, cuobjdump_12_4, layer_evidence, package_layers
 from tests.nvidia_wheels import (
     CUDA_13_0,
     CUDA_13_5,
@@ -63,7 +63,9 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
     found += [("torch27-libs layer", torch27_libs_layer), ("cuda-12.4-base layer", cuda_base_layer)]
     found += [(wheel.filename, lambda wheel=wheel: wheel_path(wheel)) for wheel in wheels[5:]]
     found += [("nvcc 13.0", lambda: nvcc(CUDA_13_0)), ("cuobjdump", cuobjdump)]
-    for number, layer in enumerate(package_layers()):  # test_gpu_packages
+    found.append(("cuobjdump 12.4", cuobjdump_12_4))  # test_gpu_packages
+    found.append(("bitsandbytes 0.43.3's CUDA 12.1 build", bitsandbytes_043_cuda121))
+    for number, layer in enumerate(package_layers()):
         found.append((f"package layer {number}", lambda layer=layer: layer_evidence(layer)))
     found.append(("nvcc 13.5", lambda: nvcc(CUDA_13_5)))  # test_nvcc_programs
     return found

@@ -12,6 +12,7 @@ eligible set is asserted with the reason for each refused server, from the packa
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from placement.decision import Decision
 from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
-from scanner.layers.cuda_evidence import CudaLayerEvidence, combine
+from scanner.layers.cuda_evidence import CudaLayerEvidence, combine, file_archs
+from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.layers.python_loads import LoadSites
 from scanner.models import GpuArchs, GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
 from scanner.registry.client import RegistryClient
@@ -48,8 +50,10 @@ from tests.gpu_packages import (
     TORCH_214,
     TORCHAO_018,
     VLLM,
+    bitsandbytes_043_cuda121,
     bitsandbytes_layers,
     cuda13_stack,
+    cuobjdump_12_4,
     flashinfer_layers,
     gpu4pyscf_layer,
     layer_evidence,
@@ -492,6 +496,48 @@ def test_cublas_13_alone_runs_where_its_kernels_are(cuda13: CudaLayerEvidence) -
         ".nv_fatbin",
         ".cask_resource",
     }  # CASK kernels it loads itself
+
+
+# -- bitsandbytes 0.43.3: a CUDA 12.1 build, read where cuobjdump 13.5 stops
+
+
+def test_a_cuda_12_1_build_is_read_as_cuda_12_4s_cuobjdump_lists_it() -> None:
+    """bitsandbytes 0.43.3's `libbitsandbytes_cuda121.so`, built by CUDA 12.1: cuobjdump 13.5 lists
+    four of its cubins, then stops ("Invalid ELF"); cuobjdump 12.4 lists what CUDA loads, SASS sm_50
+    to sm_90 and no PTX, and with `-all` its device-link input too, which carries PTX compute_90. The
+    file is read as a layer's walk reads it (the library alone: it links CUDA 12's cuSPARSE, which
+    this image lacks, so it would not load; the reading is what is checked)."""
+    local = bitsandbytes_043_cuda121()
+    data = local.read_bytes()
+    probe = ElfCudaProbe(len(data))
+    for start in range(0, len(data), 1 << 20):
+        probe.feed(memoryview(data)[start : start + (1 << 20)])
+    facts = probe.finish()
+    assert facts is not None
+    found = file_archs(f"{SITE}/bitsandbytes/libbitsandbytes_cuda121.so", facts)
+    assert found is not None
+    tool = str(cuobjdump_12_4())
+    loaded = subprocess.run(
+        [tool, "--list-elf", "--list-ptx", str(local)], capture_output=True, text=True, timeout=300
+    )
+    every = subprocess.run(
+        [tool, "-all", "--list-elf", "--list-ptx", str(local)], capture_output=True, text=True, timeout=300
+    )
+    assert (
+        "release 12.4"
+        in subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+    )
+    sass = {"50", "52", "60", "61", "70", "75", "80", "86", "89", "90"}
+    assert set(re.findall(r"\.sm_(\d+[a-z]?)\.cubin", loaded.stdout)) == sass
+    assert ".ptx" not in loaded.stdout
+    assert set(re.findall(r"\.sm_(\d+[a-z]?)\.ptx", every.stdout)) == {"90"}
+    assert (set(found.sass), found.ptx, found.error) == (sass, [], None)
+    assert found.needed == ["libcublas.so.12", "libcublasLt.so.12", "libcudart.so.12", "libcusparse.so.12"]
+    relocatable = [c for c in found.containers if c.section == "__nv_relfatbin"]
+    assert relocatable and {arch for c in relocatable for arch in c.ptx} == {"90"}
+    alone = GpuArchs(files=[found])
+    assert gpu_code.judge(alone, (9, 0)).runs
+    assert not gpu_code.judge(alone, (10, 0)).runs  # no sm_100 and no PTX that CUDA loads
 
 
 # -- bitsandbytes 0.50.2 beside torch 2.10.0+cu128 and CUDA 12.8's runtime
