@@ -76,6 +76,7 @@ from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.nvidia_require import compare_version
+from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
 from scanner.layers.code_loading import build_groups, nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
 from scanner.layers.gpu_modules import MODULE_FILE
@@ -438,10 +439,9 @@ def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered:
 def unselected_builds(archs: GpuArchs) -> list[str]:
     """Builds of one library for several CUDA versions of which the package loads none, though the
     image could load some: none is for the image's CUDA runtime, and the package loads that or none
-    (`scanner.layers.code_loading.exact_builds_only`: bitsandbytes 0.45.5 beside torch cu126). One
-    line per library, its builds named; the package runs without them on every GPU."""
-    if archs.runtime_cuda is None:
-        return []
+    (`scanner.layers.code_loading.exact_builds_only`: bitsandbytes 0.45.5 beside torch cu126), or
+    none is the one a variable of the image's config names (`GpuArchs.build_overrides`). One line per
+    library, its builds named; the package runs without them on every GPU."""
     packages = {package.id: package for package in archs.packages}
     lines = []
     for members in build_groups(archs.files):
@@ -451,11 +451,18 @@ def unselected_builds(archs: GpuArchs) -> list[str]:
         names = [posixpath.basename(m.path) for m in ordered]
         shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
         versions = ", ".join(dict.fromkeys(m.cuda_build or "?" for m in ordered))
-        package = _package_text(_package_of(ordered[0], packages))
+        shipper = _package_of(ordered[0], packages)
+        package = _package_text(shipper)
+        forced = archs.build_overrides.get(shipper.name)
+        if forced is not None:
+            why = f"the image's {BUILD_OVERRIDE_VARIABLES[shipper.name]} names CUDA {forced}'s build"
+        elif archs.runtime_cuda is not None:
+            why = f"no build for CUDA {archs.runtime_cuda}, the image's CUDA runtime"
+        else:
+            continue
         lines.append(
-            f"{posixpath.dirname(ordered[0].path)}/{{{shown}}} ({package}): no build for CUDA"
-            f" {archs.runtime_cuda}, the image's CUDA runtime (builds for {versions}); {package} loads"
-            " only the build of that version, so none"
+            f"{posixpath.dirname(ordered[0].path)}/{{{shown}}} ({package}): {why} (builds for {versions});"
+            f" {package} loads only the build of that version, so none"
         )
     return lines
 

@@ -31,7 +31,7 @@ included, and the rest of a range asked for when a read stops), per platform ima
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -190,8 +190,10 @@ class LayerReader:
         cuda: bool,
         deadline: float,
         progress: LayerProgress,
+        overrides: Mapping[str, str] | None = None,
     ) -> ImageVerdict:
-        """Every layer verdict of one platform image (layers as the manifest lists them).
+        """Every layer verdict of one platform image (layers as the manifest lists them). `overrides`:
+        the builds its config makes packages load (`GpuFacts.build_overrides`).
 
         Raises `LimitExceeded` past a content bound, `LayerError` for a layer that is not a valid
         archive, `RegistryError` when a blob cannot be fetched; `progress` still says what was
@@ -204,7 +206,7 @@ class LayerReader:
         if inline is not None:
             try:
                 verdict = await self._analyse(
-                    reference, layers, arch, cuda, deadline, progress, known, inline
+                    reference, layers, arch, cuda, deadline, progress, known, inline, overrides
                 )
                 self.inline_counts[INLINE_FINISHED] += 1
                 return verdict
@@ -213,7 +215,7 @@ class LayerReader:
                 progress.layers_done = 0  # the bytes fetched stay counted: the registry sent them
                 progress.skipped.clear()
                 known = await self._cached_all(layers)  # with what the inline walk read whole
-        return await self._analyse(reference, layers, arch, cuda, deadline, progress, known, None)
+        return await self._analyse(reference, layers, arch, cuda, deadline, progress, known, None, overrides)
 
     def _inline_budget(self, layers: Sequence[Descriptor], known: dict[str, str]) -> InlineBudget | None:
         """The inline budget, when the image's cache entries and the layers it may still read (their
@@ -237,8 +239,11 @@ class LayerReader:
         progress: LayerProgress,
         known: dict[str, str],
         inline: InlineBudget | None,
+        overrides: Mapping[str, str] | None = None,
     ) -> ImageVerdict:
-        session = await self.pool.open(arch, len(layers), self.limits, deadline, cuda=cuda, inline=inline)
+        session = await self.pool.open(
+            arch, len(layers), self.limits, deadline, cuda=cuda, inline=inline, overrides=overrides
+        )
         try:
             for layer in reversed(layers):  # manifests list layers bottom-up
                 if session.done:

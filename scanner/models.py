@@ -193,6 +193,11 @@ class GpuArchs(BaseModel):
         description="the CUDA runtime the image loads (torch.version.cuda, else its CUDA runtime library or"
         " toolkit): it selects among builds of one library for several CUDA versions",
     )
+    build_overrides: dict[str, str] = Field(
+        default_factory=dict,
+        description="package -> the CUDA version whose build a config variable makes it load instead"
+        " (`GpuFacts.build_overrides`)",
+    )
 
 
 class CudaSource(BaseModel):
@@ -253,6 +258,11 @@ class GpuFacts(BaseModel):
     )
     runtime_gpu_request: bool = Field(
         default=False, description="the NVIDIA runtime would inject GPUs from this env alone (not void/none)"
+    )
+    build_overrides: dict[str, str] = Field(
+        default_factory=dict,
+        description="package -> the CUDA version whose build it loads, as a variable of the config forces"
+        " it (`BNB_CUDA_VERSION=124`: bitsandbytes loads `libbitsandbytes_cuda124.so`)",
     )
     inferred: InferredCuda | None = Field(
         default=None,

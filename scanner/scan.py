@@ -592,6 +592,7 @@ class Scanner:
                     cuda=deep,
                     deadline=deadline,
                     progress=progress,
+                    overrides=gpu.build_overrides,
                 )
         except TimeoutError:
             error, verdict = str(scan_too_slow(self.settings.max_scan_seconds)), None

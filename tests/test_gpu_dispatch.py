@@ -13,6 +13,7 @@ from placement import gpu_code
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor, ptx_toolkit_of
 from placement.cuda_needs import declared_vs_carried, gpu_reasons
 from scanner.facts.badges import cuda_mismatch
+from scanner.facts.gpu import build_overrides, gpu_facts
 from scanner.layers import python_loads
 from scanner.layers.code_loading import (
     Distribution,
@@ -283,6 +284,46 @@ def test_a_package_with_no_build_for_the_runtime_runs_without_them_and_says_so()
     unloadable = GpuArchs(files=[f.model_copy(update={"missing": ["libcudart.so.12"]}) for f in old.files[:2]] + [old.files[2]],
                           packages=old.packages, runtime_cuda="12.6")  # fmt: skip
     assert gpu_code.judge(unloadable, (9, 0)).without == []  # the loader could load none of them anyway
+
+
+def test_a_config_variable_names_the_build_a_package_loads() -> None:
+    """`BNB_CUDA_VERSION=124` makes bitsandbytes load `libbitsandbytes_cuda124.so` whatever its runtime
+    (every version's `cextension.py`): that build is the one selected, loadable or not; a value naming
+    no build it ships leaves none, and every GPU's answer says which variable chose what."""
+    assert build_overrides({"BNB_CUDA_VERSION": "124"}) == {"bitsandbytes": "12.4"}
+    assert build_overrides({"BNB_CUDA_VERSION": "130"}) == {"bitsandbytes": "13.0"}
+    for ignored in ("", " ", "12.4", "1240", "cuda124", "١٢٤"):
+        assert build_overrides({"BNB_CUDA_VERSION": ignored}) == {}, ignored
+    assert gpu_facts({"config": {"Env": ["BNB_CUDA_VERSION=121"]}}).build_overrides == {
+        "bitsandbytes": "12.1"
+    }
+    code = [ContainerArchs(sass=("75", "80", "90"))]
+    builds = [
+        FileArchs(path=f"{SITE}/bitsandbytes/libbitsandbytes_cuda{v}.so", containers=code, needed=["libcudart.so.12"])
+        for v in ("124", "128")
+    ]  # fmt: skip
+    distributions = {
+        f"{SITE}/bitsandbytes-0.50.2.dist-info": Distribution(name="bitsandbytes", version="0.50.2", top_level=["bitsandbytes"])
+    }  # fmt: skip
+
+    def chosen(overrides: dict[str, str]) -> tuple[list[bool], GpuArchs]:
+        files, packages = annotate(
+            builds, missing=MissingLinks({"libcudart.so.12"}), runtime_cuda="12.8",
+            distributions=distributions, imports={}, overrides=overrides,
+        )  # fmt: skip
+        archs = GpuArchs(files=files, packages=packages, runtime_cuda="12.8", build_overrides=overrides)
+        return [f.selected for f in files], archs
+
+    assert chosen({})[0] == [False, True]
+    assert chosen({"bitsandbytes": "12.4"})[0] == [True, False]
+    assert chosen({"other": "12.4"})[0] == [False, True]
+    selected, archs = chosen({"bitsandbytes": "12.1"})
+    assert selected == [False, False]
+    assert gpu_code.judge(archs, (9, 0)).without == [
+        f"{SITE}/bitsandbytes/{{libbitsandbytes_cuda124.so … libbitsandbytes_cuda128.so}} (bitsandbytes 0.50.2):"
+        " the image's BNB_CUDA_VERSION names CUDA 12.1's build (builds for 12.4, 12.8); bitsandbytes 0.50.2"
+        " loads only the build of that version, so none"
+    ]
 
 
 def test_packages_are_distributions_nvidia_libraries_or_application_directories() -> None:

@@ -38,6 +38,7 @@ from tests.conftest import Pusher
 from tests.gpu_packages import (
     BITSANDBYTES,
     BUNDLED_RUNTIME,
+    CUDA12,
     CUDA13,
     FLASHINFER,
     FLASHINFER_CUBIN,
@@ -47,6 +48,7 @@ from tests.gpu_packages import (
     SGLANG_KERNEL,
     SITE,
     TENSORFLOW,
+    TORCH_210,
     TORCH_214,
     TORCHAO_018,
     VLLM,
@@ -60,6 +62,7 @@ from tests.gpu_packages import (
     libraries,
     onnxruntime_layers,
     pynvvideocodec_layer,
+    python_package,
     sglang_kernel_layer,
     tensorflow_layers,
     torch_214,
@@ -684,6 +687,56 @@ async def test_flashinfer_modules_through_a_registry(
     assert [f.files for f in cubins] == [93] and cubins[0].sass == ["100"]
     decision = decide(ImageFacts.from_report(report), DeployRequest(gpus=1), FLEET)
     assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
+
+
+async def test_a_config_variable_that_names_a_build_reaches_the_analysis_process(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """bitsandbytes 0.50.2's CUDA 12.6 and 12.8 builds beside torch 2.10.0+cu128's version file and
+    CUDA 12.8's runtime (not its cuBLAS, so neither build can load), pushed with skopeo twice: as is,
+    and with `BNB_CUDA_VERSION=126` in the config, which makes bitsandbytes load `_cuda126.so` and no
+    other. The variable crosses into the analysis process that walks the layers."""
+    bnb = python_package(BITSANDBYTES).files()
+    kept = {
+        n: p for n, p in bnb.items() if not n.endswith(".so") or n.endswith(("_cuda126.so", "_cuda128.so"))
+    }
+    parts = [
+        kept,
+        libraries(TORCH_210, "version.py").files(),
+        libraries(CUDA12["cudart"], "libcudart.so.12").files(),
+    ]
+    layer = LayerSpec(
+        [
+            file(f"{SITE}/{name}", path.read_bytes())
+            for files in parts
+            for name, path in sorted(files.items())
+        ],
+        compression="zstd",
+    )
+    plain, forced = f"{registry.host}/pkg/bnb:plain", f"{registry.host}/pkg/bnb:forced"
+    push(ImageSpec([layer]), "pkg/bnb:plain")
+    push(ImageSpec([layer], env={"BNB_CUDA_VERSION": "126"}), "pkg/bnb:forced")
+    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            reports = [await scanner.scan(plain), await scanner.scan(forced)]
+            await scanner.close()
+    finally:
+        await store.close()
+    chosen: list[list[str]] = []
+    for report in reports:
+        assert report.error is None, report.error
+        archs = report.platforms[0].gpu.archs
+        assert archs is not None and archs.runtime_cuda == "12.8"
+        chosen.append([f.path.rsplit("/", 1)[1] for f in archs.files if f.selected and "_cuda" in f.path])
+        assert all(
+            f.missing == ["libcublas.so.12", "libcublasLt.so.12"] for f in archs.files if "_cuda" in f.path
+        )
+    assert chosen == [[], ["libbitsandbytes_cuda126.so"]]  # loadable builds only, unless named
+    assert reports[1].platforms[0].gpu.build_overrides == {"bitsandbytes": "12.6"}
+    assert reports[0].platforms[0].gpu.build_overrides == {}
 
 
 def test_the_image_page_rows_per_generation_for_vllm(vllm: ImageFacts) -> None:

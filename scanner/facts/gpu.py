@@ -142,6 +142,24 @@ def _selects_devices(visible_devices: str) -> bool:
     return items[0] != "none"
 
 
+# Variables of an image's config that name the build of a library a package loads among its builds
+# for several CUDA versions, bypassing its own choice: package -> variable. bitsandbytes 0.43 to 0.50
+# (`cextension.py`) then loads `libbitsandbytes_cuda{value}.so`, and no other.
+BUILD_OVERRIDE_VARIABLES = {"bitsandbytes": "BNB_CUDA_VERSION"}
+
+
+def build_overrides(env: Mapping[str, str]) -> dict[str, str]:
+    """package -> the CUDA version ("12.4") whose build a config variable makes it load. A value of
+    two or three digits names one ("124": 12.4, "13": 13); an empty value is no override, as
+    bitsandbytes reads it; anything else names no build a wheel ships and is left out."""
+    found: dict[str, str] = {}
+    for package, variable in BUILD_OVERRIDE_VARIABLES.items():
+        value = env.get(variable, "").strip()
+        if value.isascii() and value.isdigit() and len(value) in (2, 3):
+            found[package] = f"{int(value[:2])}.{value[2]}" if len(value) == 3 else str(int(value))
+    return found
+
+
 def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
     """What the image config says about NVIDIA GPUs. Never raises on odd input."""
     section = _config_section(config)
@@ -228,4 +246,5 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
         legacy=legacy,
         effective_requirements=effective,
         runtime_gpu_request=runtime_gpu_request,
+        build_overrides=build_overrides(env),
     )

@@ -63,7 +63,7 @@ import os
 import resource
 import struct
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
@@ -428,11 +428,17 @@ class AnalysisPool:
         *,
         cuda: bool,
         inline: InlineBudget | None = None,
+        overrides: Mapping[str, str] | None = None,
     ) -> Session:
         """A session for one platform image; `cuda`: look for inferred CUDA too (reads layers whole).
-        `inline`: in this process within that budget, though there are analysis processes."""
+        `inline`: in this process within that budget, though there are analysis processes.
+        `overrides`: the builds the image's config makes packages load (`GpuFacts.build_overrides`)."""
         if self.processes <= 0 or inline is not None:
-            return LocalSession(ImageAnalysis(arch, layers_total, limits, deadline, cuda=cuda, inline=inline))
+            return LocalSession(
+                ImageAnalysis(
+                    arch, layers_total, limits, deadline, cuda=cuda, inline=inline, overrides=overrides
+                )
+            )
         worker = await self._worker()
         session = next(self._ids)
         payload = {
@@ -441,6 +447,7 @@ class AnalysisPool:
             "limits": limits.model_dump(),
             "deadline": deadline,
             "cuda": cuda,
+            "overrides": dict(overrides or {}),
         }
         worker.send(OPEN, session, json.dumps(payload).encode())
         worker.sessions += 1
@@ -523,6 +530,7 @@ class _Server:
                 AnalysisLimits.model_validate(body["limits"]),
                 float(body["deadline"]),
                 cuda=bool(body.get("cuda")),
+                overrides={str(k): str(v) for k, v in dict(body.get("overrides") or {}).items()},
             )
             self._sessions[session] = _ServerSession(analysis)
             return

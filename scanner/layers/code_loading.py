@@ -281,10 +281,12 @@ def annotate(
     runtime_cuda: str | None,
     distributions: Mapping[str, Distribution],
     imports: Mapping[str, str],
+    overrides: Mapping[str, str] | None = None,
 ) -> tuple[list[FileArchs], list[PackageFacts]]:
     """The files with `package`, `missing`, `cuda_build`, `selected` and `imported` set, and the
     packages they belong to (`optional` set). `missing`: the image's CUDA libraries resolved
-    (`MissingLinks`); `imports`: extension path -> `required`/`optional`."""
+    (`MissingLinks`); `imports`: extension path -> `required`/`optional`; `overrides`: package name ->
+    the CUDA version whose build a config variable makes it load (`scanner.facts.gpu.build_overrides`)."""
     index = distribution_index(distributions)
     annotated: list[FileArchs] = []
     packages: dict[str, PackageFacts] = {}
@@ -304,8 +306,12 @@ def annotate(
     position = {file.path: at for at, file in enumerate(annotated)}
     for members in build_groups(annotated):
         tagged = [m.model_copy(update={"cuda_build": build_version(m.path)}) for m in members]
-        exact = exact_builds_only(packages.get(tagged[0].package or ""))
-        chosen = chosen_build(tagged, runtime_cuda, exact=exact)
+        shipper = packages.get(tagged[0].package or "")
+        forced = (overrides or {}).get(shipper.name) if shipper is not None else None
+        if forced is not None:  # the build named, loadable or not: the package looks for no other
+            chosen = next((m for m in tagged if m.cuda_build == forced), None)
+        else:
+            chosen = chosen_build(tagged, runtime_cuda, exact=exact_builds_only(shipper))
         for member in tagged:
             annotated[position[member.path]] = member.model_copy(update={"selected": member is chosen})
     for package in packages.values():

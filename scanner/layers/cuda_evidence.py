@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
@@ -661,16 +661,19 @@ def _is_runtime(finding: Finding) -> bool:
 
 
 def combine(
-    layers_top_down: Sequence[CudaLayerEvidence], layers_total: int | None = None
+    layers_top_down: Sequence[CudaLayerEvidence],
+    layers_total: int | None = None,
+    overrides: Mapping[str, str] | None = None,
 ) -> tuple[InferredCuda | None, GpuArchs | None]:
     """Merge per-layer evidence (top layer first) into the image's inferred CUDA and GPU code. Only code
     the image can load speaks: a library whose CUDA libraries the image does not carry, or a build
-    its package does not select, names no CUDA version (`scanner.layers.code_loading`)."""
+    its package does not select, names no CUDA version (`scanner.layers.code_loading`). `overrides`:
+    the builds the config's variables make packages load (`code_loading.build_overrides`)."""
     merged = _merge(layers_top_down)
     findings = list(merged.findings)
     runtime = runtime_cuda(findings, merged.carried)
     missing = MissingLinks(merged.carried, _links(merged))
-    archs = image_archs(merged, runtime, missing)
+    archs = image_archs(merged, runtime, missing, overrides)
     dead = {f.path for f in archs.files if not f.loadable} if archs is not None else set()
     ptx: list[tuple[str, Finding]] = []  # what wrote the PTX: a version only where nothing else names one
     for path, facts in merged.elves:
@@ -817,7 +820,9 @@ def _links(merged: _Merged) -> dict[str, list[str]]:
     return links
 
 
-def image_archs(merged: _Merged, runtime: str | None, missing: MissingLinks) -> GpuArchs | None:
+def image_archs(
+    merged: _Merged, runtime: str | None, missing: MissingLinks, overrides: Mapping[str, str] | None = None
+) -> GpuArchs | None:
     """The image's GPU code: each file's (and each directory of module files') containers, annotated
     with its package and whether it can load (`scanner.layers.code_loading.annotate`); for the image,
     every arch its loadable code holds (union).
@@ -854,6 +859,7 @@ def image_archs(merged: _Merged, runtime: str | None, missing: MissingLinks) -> 
         runtime_cuda=runtime,
         distributions=merged.distributions,
         imports=merged.extensions,
+        overrides=overrides,
     )
     runnable = [
         c
@@ -871,4 +877,5 @@ def image_archs(merged: _Merged, runtime: str | None, missing: MissingLinks) -> 
         packages=[p for p in packages if p.id in used],
         libraries=sorted(merged.carried),
         runtime_cuda=runtime,
+        build_overrides=dict(overrides or {}),
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -129,7 +130,8 @@ class ImageAnalysis:
     """The layer analysis of one platform image. See the module docstring.
 
     `cuda`: whether the carried-CUDA and GPU-code consumer runs (GPUBADGE_DEEP_SCAN: every image by
-    default; chosen per image by the scanner). Layers are fed top layer first, each exactly once: through
+    default; chosen per image by the scanner). `overrides`: package -> the CUDA version of the build
+    its config makes it load (`GpuFacts.build_overrides`). Layers are fed top layer first, each exactly once: through
     `use_cached`, `begin_layer` + `finish_layer` (or `fail_layer`), or `skip_layer`.
     """
 
@@ -142,8 +144,10 @@ class ImageAnalysis:
         *,
         cuda: bool,
         inline: InlineBudget | None = None,
+        overrides: Mapping[str, str] | None = None,
     ) -> None:
         self.limits = limits
+        self.overrides = dict(overrides or {})  # the builds the config makes packages load
         self.layers_total = layers_total
         self.budget = ScanBudget(limits, deadline, inline)
         # Inline, a layer's GPU code is read within INLINE_GPU_CODE_STEPS (checked in `finish_layer`).
@@ -259,7 +263,7 @@ class ImageAnalysis:
         libc = self.libc.verdict(bytes_read=bytes_read, bytes_total=bytes_total)
         if not self.cuda:
             return ImageVerdict(libc=libc)
-        inferred, archs = combine(self._cuda_layers, layers_total=self.layers_total)
+        inferred, archs = combine(self._cuda_layers, layers_total=self.layers_total, overrides=self.overrides)
         warnings = []
         if inferred is not None and not inferred.complete:
             warnings.append("not every layer could be read; CUDA evidence may be missing")
