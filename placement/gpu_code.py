@@ -619,6 +619,8 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
             for f in archs.files
         ),
         tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
+        archs.runtime_cuda,  # and what chose the builds, which `unselected_builds` names
+        tuple(sorted(archs.build_overrides.items())),
     )
     with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads
         table = _TABLES.get(key)

@@ -19,7 +19,9 @@
   Before 0.50.0 (`EXACT_BUILD_PACKAGES`): the build of that version or none (0.43 to 0.45 then load
   their CPU library, 0.46 to 0.49 fail to load any; either way the package runs without its GPU
   code). Other packages follow the newer rule. Without a known runtime, the newest build the image
-  can load. Only loadable builds are candidates.
+  can load. Only loadable builds are candidates. A variable of the image's config that names a
+  build (`BNB_CUDA_VERSION=124`, `scanner.facts.gpu.build_overrides`) picks it instead, loadable
+  or not: the package looks for no other.
 * **Packages.** A file belongs to the Python distribution that installed it (`*.dist-info/RECORD`
   names each distribution's top-level modules), to NVIDIA (its libraries, by name and by where
   NVIDIA's wheels and toolkits put them), or to the application directory it lies in.
@@ -236,8 +238,8 @@ def build_groups(files: Sequence[FileArchs]) -> list[list[FileArchs]]:
     return [members for members in groups.values() if len(members) > 1]
 
 
-# Packages that load only the build of the runtime's exact version, before the version named: the
-# same name and version bound as `python_loads` and `*.dist-info` give them.
+# Packages that load only the build of the runtime's exact CUDA version before a release: their name
+# as `*.dist-info` spells it -> the first (major, minor) that falls back to a nearby build instead.
 EXACT_BUILD_PACKAGES = {"bitsandbytes": (0, 50)}
 
 
