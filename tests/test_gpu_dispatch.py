@@ -24,6 +24,7 @@ from scanner.layers.code_loading import (
     distribution_from_record,
     distribution_index,
     exact_builds_only,
+    nvidia_library,
     nvidia_profiling_library,
     package_of,
 )
@@ -353,6 +354,34 @@ def test_packages_are_distributions_nvidia_libraries_or_application_directories(
     assert package_of(f"{SITE}/faiss/_swigfaiss.so", index).id == "python:faiss-gpu-cu12"  # one package
     assert nvidia_profiling_library("/usr/local/cuda/lib64/libcupti.so.12")
     assert not nvidia_profiling_library(f"{SITE}/nvidia/cu13/lib/libcufft.so.12")
+
+
+def test_nvidia_packages_with_a_python_front_end_are_packages_not_cuda_libraries() -> None:
+    """`nvidia/` is a namespace several distributions share: CUDA's libraries lie in a `lib/` below it
+    (`nvidia/cu13/lib`, `nvidia/cublas/lib`, `nvidia/cublasmp/cu13/lib`), NVIDIA's wheels with a
+    Python front end do not (DALI's `nvidia/dali/libdali.so`), and those belong to their distribution,
+    judged like any package, not exempt as a CUDA library an image carries more of than it calls."""
+    dali = distribution_from_record(
+        f"{SITE}/nvidia_dali_cuda130-2.4.0.dist-info",
+        b"nvidia/__init__.py,a,1\nnvidia/dali/__init__.py,b,2\nnvidia/dali/libdali.so,c,3\n"
+        b"nvidia/dali/.libs/libcvcuda-90d2d242.so.0,d,4\n",
+    )
+    cublas = distribution_from_record(
+        f"{SITE}/nvidia_cublas-13.1.0.3.dist-info", b"nvidia/cu13/lib/libcublas.so.13,a,1\n"
+    )
+    assert dali is not None and dali.top_level == ["nvidia/dali"]
+    assert cublas is not None and cublas.top_level == ["nvidia/cu13"]
+    index = distribution_index({f"{SITE}/{d.name}.dist-info": d for d in (cublas, dali)})
+    for path in ("nvidia/dali/libdali.so", "nvidia/dali/.libs/libcvcuda-90d2d242.so.0", "nvidia/dali/"):
+        found = package_of(f"{SITE}/{path}", index)
+        assert (found.id, found.kind, found.version) == ("python:nvidia-dali-cuda130", "python", "2.4.0"), (
+            path
+        )
+        assert not nvidia_library(f"{SITE}/{path}"), path
+    for path in ("nvidia/cu13/lib/libcublas.so.13", "nvidia/cublasmp/cu13/lib/libcublasmp.so.0",
+                 "nvidia/cu13/nvvm/lib64/libnvvm.so", "cusparselt/lib/libcusparseLt.so.0"):  # fmt: skip
+        assert nvidia_library(f"{SITE}/{path}") and package_of(f"{SITE}/{path}", index).kind == "nvidia", path
+    assert nvidia_library("/usr/local/cuda-12.4/targets/x86_64-linux/lib/libnvrtc-builtins.so.12.4")
 
 
 def elf_entry(path: str, data: bytes) -> tuple[TarEntry, bytes]:

@@ -55,9 +55,15 @@ _NVIDIA_LIBRARY = re.compile(
     + AUDITWHEEL_HASH
     + r"\.so"
 )  # auditwheel renames the copies it bundles: libnvjpeg.02b6d700.so.12, libcudart-e409450e.so.11.0
-# Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>/lib, cusparselt/lib,
-# /usr/local/cuda[-X.Y]/.
-_NVIDIA_TREE = re.compile(r"(?:/(?:site|dist)-packages/(?:nvidia|cusparselt)/|^/usr/local/cuda[-/])")
+# Where NVIDIA's wheels and toolkits put them: {site,dist}-packages/nvidia/<component>[/<cuda>]/lib,
+# cusparselt/lib, /usr/local/cuda[-X.Y]/. NVIDIA's packages with a Python front end of their own
+# (DALI's `nvidia/dali/libdali.so`, nvImageCodec's `nvidia/nvimgcodec/`) are packages like any other.
+_NVIDIA_TREE = re.compile(
+    r"(?:/(?:site|dist)-packages/(?:nvidia/(?:[^/]+/){1,3}|cusparselt/)lib(?:64)?/|^/usr/local/cuda[-/])"
+)
+# Top-level directories that several distributions share (PEP 420 namespace packages): a file under one
+# belongs to the distribution that installed its next directory (`nvidia/dali`: nvidia-dali-cuda130).
+NAMESPACE_PACKAGES = frozenset({"nvidia"})
 _SITE = re.compile(r"^(.*?/(?:site|dist)-packages)/([^/]+)(?:/|$)")
 _BUILD = re.compile(r"(?<=[_.-])cu(?:da)?(\d{2,3})(?=[_.-])")
 _DIST_INFO = re.compile(r"^(.*)/([A-Za-z0-9][A-Za-z0-9_.]*)-([^/-]+)\.dist-info$")
@@ -170,6 +176,10 @@ def distribution_from_record(dist_info: str, record: bytes) -> Distribution | No
         if first.endswith((".dist-info", ".data")) or first == "__pycache__":
             continue
         name = first.split(".", 1)[0] if "/" not in path else first
+        if name in NAMESPACE_PACKAGES and path.count("/") >= 2:
+            name = "/".join(path.split("/", 2)[:2])  # `nvidia/dali`, never the shared `nvidia`
+        elif name in NAMESPACE_PACKAGES:
+            continue
         if name and name not in top:
             top.append(name)
             if len(top) >= MAX_TOP_LEVEL:
@@ -189,6 +199,9 @@ def package_of(path: str, distributions: Mapping[str, Distribution]) -> PackageF
     if site is not None:
         first = site.group(2)  # a directory (`faiss_gpu_cu12.libs`, as auditwheel names it) or a module file
         top = first.split(".", 1)[0]
+        if first in NAMESPACE_PACKAGES:
+            inner = path[site.end() :].split("/", 1)[0]
+            first = top = f"{first}/{inner}" if inner else first
         found = distributions.get(f"{site.group(1)}/{first}") or distributions.get(f"{site.group(1)}/{top}")
         if found is not None:
             return PackageFacts(
