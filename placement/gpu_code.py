@@ -49,13 +49,17 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
   `libgint.so`, whose PTX is device-link input only, has nothing. Builds for one architecture or
   family only (vLLM's FlashMLA, sm_90a and sm_100a) and builds for older GPUs only stay extensions
   used on other hardware.
+* A package whose every kernel is built for one architecture or family alone (`sm_90a`, `sm_100f`) is
+  fast paths, picked on those GPUs only: where none of it runs but the image's other code does, the
+  image runs without it (cuEquivariance's torch extension, built for sm_90a to sm_120a, beside
+  cuequivariance-ops' library with its generic kernels, which the extension links).
 * A package none of whose code runs on a GPU does not run there (torch 2.5.1 on sm_120; a library
-  built only for `sm_120a` on a 12.1 GPU), and then neither does the image, unless its GPU code is
-  optional (`PackageFacts.optional`: only guarded or on-demand imports of its extensions, or only
-  standalone module files it picks itself) or it is NVIDIA's: CUDA libraries serve some calls
-  only, and images carry more of them than they call (torch pins NCCL and cuSPARSELt builds that
-  stop at Hopper, and runs on Blackwell). Both run "without" that code, named. An image made of
-  NVIDIA libraries alone runs where one of them runs.
+  built only for `sm_120a` on a 12.1 GPU, with nothing else there), and then neither does the image,
+  unless its GPU code is optional (`PackageFacts.optional`: only guarded or on-demand imports of its
+  extensions, or only standalone module files it picks itself) or it is NVIDIA's: CUDA libraries
+  serve some calls only, and images carry more of them than they call (torch pins NCCL and
+  cuSPARSELt builds that stop at Hopper, and runs on Blackwell). Both run "without" that code,
+  named. An image made of NVIDIA libraries alone runs where one of them runs.
 * A container that covers a GPU only through PTX the server's driver cannot JIT (its toolkit is
   newer than the driver) fails there: a reason for a package that needs it, "without" otherwise.
 
@@ -436,6 +440,9 @@ def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered:
     )
 
 
+FAST_PATHS_ONLY = "is built for some GPUs alone: used on other GPUs"
+
+
 def unselected_builds(archs: GpuArchs) -> list[str]:
     """Builds of one library for several CUDA versions of which the package loads none, though the
     image could load some: none is for the image's CUDA runtime, and the package loads that or none
@@ -480,9 +487,12 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     where = f"compute capability {cc_text(cc)}"
     verdict = CodeVerdict(runs=True)
     own = [g for g in groups.values() if g[0].kind != "nvidia"]
+    own_runs = False  # some code of the image's own packages runs here
+    fast_path_packages: list[tuple[PackageFacts, list[FileVerdict]]] = []  # decided once that is known
     for package, files in groups.values():
         needs_it = package.kind != "nvidia" and not package.optional
         running = [f for f in files if f.runs]
+        own_runs = own_runs or (bool(running) and package.kind != "nvidia")
         generic = sum(f.generic for f in files)
         covered = sum(f.generic_covering for f in files)
         fast_paths = any(specific_only(c) for f in files for c, _ in f.covering)  # built for this GPU
@@ -494,7 +504,9 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                 verdict.without.append(f"{line}; the image runs without {_package_text(package)}")
             continue
         if not running:
-            if needs_it and all(f.refused and not f.missing for f in files):
+            if needs_it and all(not f.refused and all(specific_only(c) for c in f.missing) for f in files):
+                fast_path_packages.append((package, files))  # built for some GPUs alone
+            elif needs_it and all(f.refused and not f.missing for f in files):
                 verdict.reasons += [f"{where}: {_absent(f, cc)}" for f in files]
             elif needs_it:
                 lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
@@ -539,6 +551,20 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                 else:
                     verdict.without.append(line)
         verdict.without += [f"{_absent(f, cc)}; used on other GPUs" for f in files if not f.runs]
+    for package, files in fast_path_packages:
+        # Every kernel of the package is built for one architecture or family alone (`sm_90a`,
+        # `sm_100f`): fast paths, which it and its callers pick on those GPUs only (cuEquivariance's
+        # torch extension beside the library with its generic kernels). Used on other GPUs where the
+        # image's other code runs; where none does, nothing runs.
+        if own_runs:
+            verdict.without += [
+                f"{_absent(f, cc)}; {_package_text(package)} {FAST_PATHS_ONLY}" for f in files
+            ]
+        else:
+            lacking = "; ".join(f.lacks(cc) for f in files)
+            verdict.reasons.append(
+                f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
+            )
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)

@@ -510,6 +510,40 @@ def test_a_package_runs_where_some_of_its_libraries_do_and_names_the_rest() -> N
     assert not strict.runs  # the strict rule: its sm_75-only containers have no image for Hopper
 
 
+def test_a_package_built_for_some_gpus_alone_is_fast_paths_where_other_code_runs() -> None:
+    """cuequivariance-ops-torch-cu13 0.13.0's extension, loaded at import, is built for sm_90a, sm_100a,
+    sm_103a and sm_120a alone; it links cuequivariance-ops-cu13's `libcue_ops.so`, whose generic kernels
+    run from sm_75 on, and its Python picks its fast paths by compute capability. On an A100 the image
+    runs without them. An image with nothing else to run there does not run."""
+    ops = PackageFacts(
+        id="python:cuequivariance-ops-cu13", name="cuequivariance-ops-cu13", version="0.13.0", kind="python"
+    )
+    ext = PackageFacts(
+        id="python:cuequivariance-ops-torch-cu13",
+        name="cuequivariance-ops-torch-cu13",
+        version="0.13.0",
+        kind="python",
+    )
+    library = FileArchs(path=f"{SITE}/cuequivariance_ops/lib/libcue_ops.so", package=ops.id, containers=[
+        ContainerArchs(sass=("75", "80", "86", "89", "90", "100", "103", "120", "121a"), ptx=("120",)),
+        ContainerArchs(sass=("100f",))])  # fmt: skip
+    extension = FileArchs(path=f"{SITE}/cuequivariance_ops_torch/_ext/ext.so", package=ext.id, imported="required",
+                          containers=[ContainerArchs(sass=("90a", "100a", "103a", "120a"))])  # fmt: skip
+    ampere = gpu_code.judge(archs(library, extension, packages=(ops, ext)), (8, 0))
+    assert ampere.runs and ampere.without == [
+        f"{SITE}/cuequivariance_ops_torch/_ext/ext.so: no kernel image for compute capability 8.0 (SASS sm_90a,"
+        " sm_100a, sm_103a, sm_120a, no PTX); cuequivariance-ops-torch-cu13 0.13.0 is built for some GPUs alone:"
+        " used on other GPUs"
+    ]
+    assert gpu_code.judge(archs(library, extension, packages=(ops, ext)), (9, 0)).without == []
+    alone = gpu_code.judge(archs(extension, packages=(ext,)), (8, 0))
+    assert (
+        not alone.runs and "no GPU code of cuequivariance-ops-torch-cu13 0.13.0 runs here" in alone.reasons[0]
+    )
+    generic = extension.model_copy(update={"containers": [ContainerArchs(sass=("90",))]})  # not fast paths
+    assert not gpu_code.judge(archs(library, generic, packages=(ops, ext)), (8, 0)).runs
+
+
 def test_where_a_package_runs_only_through_ptx_what_it_loads_at_import_without_code_fails() -> None:
     """Built for sm_70 to sm_90, with PTX compute_80 in one library only (gpu4pyscf-cuda12x 1.9.0's
     shape): on Blackwell the package runs only through that PTX, so a library built like it and loaded
