@@ -443,6 +443,12 @@ def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered:
 FAST_PATHS_ONLY = "is built for some GPUs alone: used on other GPUs"
 
 
+def _no_code_here(package: PackageFacts, files: Sequence[FileVerdict], cc: CC) -> str:
+    """The reason a package that needs its code does not run on a GPU where none of it runs."""
+    lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
+    return f"compute capability {cc_text(cc)}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
+
+
 def unselected_builds(archs: GpuArchs) -> list[str]:
     """Builds of one library for several CUDA versions of which the package loads none, though the
     image could load some: none is for the image's CUDA runtime, and the package loads that or none
@@ -509,10 +515,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
             elif needs_it and all(f.refused and not f.missing for f in files):
                 verdict.reasons += [f"{where}: {_absent(f, cc)}" for f in files]
             elif needs_it:
-                lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
-                verdict.reasons.append(
-                    f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
-                )
+                verdict.reasons.append(_no_code_here(package, files, cc))
             elif package.optional:
                 verdict.without += [
                     f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files
@@ -561,10 +564,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                 f"{_absent(f, cc)}; {_package_text(package)} {FAST_PATHS_ONLY}" for f in files
             ]
         else:
-            lacking = "; ".join(f.lacks(cc) for f in files)
-            verdict.reasons.append(
-                f"{where}: {lacking}: no GPU code of {_package_text(package)} runs here; {RULE}"
-            )
+            verdict.reasons.append(_no_code_here(package, files, cc))
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)
