@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scanner.facts.require_grammar import latent_error, parse_requirement_lenient
+from scanner.layers.code_loading import build_digits_version
 from scanner.models import GpuFacts, RequirementIssue
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
@@ -150,13 +151,14 @@ BUILD_OVERRIDE_VARIABLES = {"bitsandbytes": "BNB_CUDA_VERSION"}
 
 def build_overrides(env: Mapping[str, str]) -> dict[str, str]:
     """package -> the CUDA version ("12.4") whose build a config variable makes it load. A value of
-    two or three digits names one ("124": 12.4, "13": 13); an empty value is no override, as
-    bitsandbytes reads it; anything else names no build a wheel ships and is left out."""
+    two or three digits names one, read as a build's file name tags it ("124": 12.4, "13": 13); an
+    empty value is no override, as bitsandbytes reads it; anything else names no build a wheel ships
+    and is left out."""
     found: dict[str, str] = {}
     for package, variable in BUILD_OVERRIDE_VARIABLES.items():
         value = env.get(variable, "").strip()
         if value.isascii() and value.isdigit() and len(value) in (2, 3):
-            found[package] = f"{int(value[:2])}.{value[2]}" if len(value) == 3 else str(int(value))
+            found[package] = build_digits_version(value)  # as the build's own file name tags it
     return found
 
 

@@ -225,9 +225,11 @@ def distribution_index(distributions: Mapping[str, Distribution]) -> dict[str, D
 def build_version(path: str) -> str | None:
     """The CUDA version a file name carries as a build tag (`_cuda128` -> 12.8, `_cu12` -> 12), or None."""
     match = _BUILD.search(posixpath.basename(path))
-    if match is None:
-        return None
-    digits = match.group(1)
+    return build_digits_version(match.group(1)) if match is not None else None
+
+
+def build_digits_version(digits: str) -> str:
+    """The CUDA version two or three digits of a build tag name: "128" -> 12.8, "12" -> 12, "92" -> 9.2."""
     if len(digits) == 3:
         return f"{int(digits[:2])}.{int(digits[2])}"
     value = int(digits)
