@@ -127,6 +127,11 @@ BITSANDBYTES_043 = _wheel(
     "bitsandbytes-0.43.3-py3-none-manylinux_2_24_x86_64.whl",
     "cc99507c352be0715098b2c7577b690dd158972dc4ea10c7495bac104c7c79f0",
 )
+CUDA_CCCL = _wheel(
+    "cuda-cccl",
+    "cuda_cccl-1.2.1-cp311-cp311-manylinux_2_26_x86_64.whl",
+    "c1b8293c1b9dedbc0b3877c1fbb8265db293c7945371791a3dc69ca99db4a541",
+)
 TRITON_31 = _wheel(
     "triton",
     "triton-3.1.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
@@ -458,6 +463,12 @@ def bitsandbytes_043_cuda121() -> Path:
     (path,) = member_files(
         BITSANDBYTES_043, lambda name: name.endswith("/libbitsandbytes_cuda121.so")
     ).values()
+    return path
+
+
+def cccl_parallel_cu13() -> Path:
+    """cuda-cccl 1.2.1's `cuda/compute/cu13/cccl/libcccl.c.parallel.so` (CUDA 13.1), cached."""
+    (path,) = member_files(CUDA_CCCL, lambda name: name.endswith("/cu13/cccl/libcccl.c.parallel.so")).values()
     return path
 
 

@@ -17,7 +17,13 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from tests.gpu_packages import bitsandbytes_043_cuda121, cuobjdump_12_4, layer_evidence, package_layers
+from tests.gpu_packages import (
+    bitsandbytes_043_cuda121,
+    cccl_parallel_cu13,
+    cuobjdump_12_4,
+    layer_evidence,
+    package_layers,
+)
 from tests.nvidia_wheels import (
     CUDA_13_0,
     CUDA_13_5,
@@ -65,6 +71,7 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
     found += [("nvcc 13.0", lambda: nvcc(CUDA_13_0)), ("cuobjdump", cuobjdump)]
     found.append(("cuobjdump 12.4", cuobjdump_12_4))  # test_gpu_packages
     found.append(("bitsandbytes 0.43.3's CUDA 12.1 build", bitsandbytes_043_cuda121))
+    found.append(("cuda-cccl 1.2.1's libcccl.c.parallel.so", cccl_parallel_cu13))
     for number, layer in enumerate(package_layers()):
         found.append((f"package layer {number}", lambda layer=layer: layer_evidence(layer)))
     found.append(("nvcc 13.5", lambda: nvcc(CUDA_13_5)))  # test_nvcc_programs

@@ -54,6 +54,7 @@ from tests.gpu_packages import (
     VLLM,
     bitsandbytes_043_cuda121,
     bitsandbytes_layers,
+    cccl_parallel_cu13,
     cuda13_stack,
     cuobjdump_12_4,
     flashinfer_layers,
@@ -541,6 +542,41 @@ def test_a_cuda_12_1_build_is_read_as_cuda_12_4s_cuobjdump_lists_it() -> None:
     alone = GpuArchs(files=[found])
     assert gpu_code.judge(alone, (9, 0)).runs
     assert not gpu_code.judge(alone, (10, 0)).runs  # no sm_100 and no PTX that CUDA loads
+
+
+def test_modules_with_no_kernel_set_no_floor_though_they_carry_ptx(tmp_path: Path) -> None:
+    """cuda-cccl 1.2.1's `libcccl.c.parallel.so` (cuda.compute, CUDA 13.1) carries 13 fatbin
+    containers, each SASS sm_75 and PTX compute_75 (ISA 9.1) of libcu++'s global objects and no
+    kernel: cuobjdump prints 13 symbol tables with no ENTRY and extracts 13 PTX files with no
+    `.entry`. Read as code, they asked every GPU past Turing for CUDA 13.1's driver to JIT them, and
+    cuda-cccl was refused on all of them on driver 580.65 (CUDA 13.0); the package's kernels are the
+    ones it compiles at run time with NVRTC."""
+    local = cccl_parallel_cu13()
+    data = local.read_bytes()
+    probe = ElfCudaProbe(len(data))
+    for start in range(0, len(data), 1 << 20):
+        probe.feed(memoryview(data)[start : start + (1 << 20)])
+    facts = probe.finish()
+    assert facts is not None
+    found = file_archs(f"{SITE}/cuda/compute/cu13/cccl/libcccl.c.parallel.so", facts)
+    assert found is not None and found.error is None
+    tool = str(cuobjdump())
+    elf = subprocess.run([tool, "-elf", str(local)], capture_output=True, text=True, timeout=300).stdout
+    assert elf.count(".section .symtab") == 13 and " ENTRY " not in elf
+    subprocess.run(
+        [tool, "-xptx", "all", str(local)], cwd=tmp_path, check=True, capture_output=True, timeout=300
+    )
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert len(ptx) == 13 and not any(".entry" in path.read_text() for path in ptx)
+    assert (found.sass, found.ptx) == (["75"], ["75"])
+    assert [(c.sass, c.ptx, c.ptx_isa, c.count, c.kernels) for c in found.containers] == [
+        (("75",), ("75",), "9.1", 13, False)
+    ]
+    assert not gpu_code.counted(found)
+    alone = GpuArchs(files=[found])
+    for cc in [(7, 5), (8, 0), (9, 0), (10, 0), (12, 0)]:
+        verdict = gpu_code.judge(alone, cc)
+        assert verdict.runs and verdict.ptx == [], (cc, verdict)  # nothing to JIT: no driver floor
 
 
 # -- bitsandbytes 0.50.2 beside torch 2.10.0+cu128 and CUDA 12.8's runtime

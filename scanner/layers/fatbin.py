@@ -11,8 +11,14 @@ Layout (little-endian, checked against `cuobjdump --list-elf --list-ptx` on NVID
   (0x100000: an arch-specific `a` build, 0x200000: a family-specific `f` build).
 
 Whether a container holds any kernel: a container with no entries holds none, and neither does one
-whose every entry is a small uncompressed cubin (ELF) with no kernel entry in its symbol table
-(`STT_FUNC` with the CUDA entry bit, 0x10, in `st_other`; `cuobjdump -symbols` prints it as ENTRY).
+whose every cubin (ELF) entry is small, uncompressed and has no kernel entry in its symbol table
+(`STT_FUNC` with the CUDA entry bit, 0x10, in `st_other`; `cuobjdump -symbols` prints it as ENTRY),
+and whose every PTX entry is of an arch one of those cubins is built for: nvcc assembles a real
+arch's SASS from that arch's PTX, so both hold the same kernels. PTX is often compressed, so it is
+never read for this; a PTX of an arch with no cubin beside it counts as holding kernels. cuda-cccl
+1.2.1's `libcccl.c.parallel.so` (CUDA 13.1) carries 13 such containers, SASS and PTX for sm_75
+holding libcu++'s global objects and no kernel (cuobjdump extracts no `.entry` from them); read as
+code, their PTX ISA 9.1 asked every GPU past Turing for CUDA 13.1's driver.
 nvcc 13 puts such an empty module first in the fatbin of every program it builds, beside the module
 with the program's kernels: empty when only PTX is asked for, else a kernel-free cubin per real arch.
 CUDA never needs it for a launch, so a program built for `sm_80` plus PTX runs on a Hopper GPU
@@ -217,7 +223,7 @@ class _Candidate:
             tuple(sorted(self.ptx, key=arch_sort_key)),
             f"{self.ptx_isa[0]}.{self.ptx_isa[1]}" if self.ptx_isa else None,
             section,
-            bool(self.may_hold_kernels or self.reading),
+            bool(self.may_hold_kernels or self.reading or not self.ptx <= self.sass),
         )
 
 
@@ -369,7 +375,7 @@ class FatbinScan:
             return
         if entry_kind == KIND_ELF:
             self._cubin(candidate, offset + header_size, payload)
-        else:
+        elif entry_kind != KIND_PTX:  # a PTX entry holds what its arch's cubin holds (`signature`)
             candidate.may_hold_kernels += 1
         if entry_kind == KIND_ELF:
             candidate.sass.add(arch_name(arch, variant))
