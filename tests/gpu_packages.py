@@ -127,6 +127,17 @@ BITSANDBYTES_043 = _wheel(
     "bitsandbytes-0.43.3-py3-none-manylinux_2_24_x86_64.whl",
     "cc99507c352be0715098b2c7577b690dd158972dc4ea10c7495bac104c7c79f0",
 )
+# vLLM 0.6.1 and the FlashAttention package it pins (sources only: how its imports chain)
+VLLM_061 = _wheel(
+    "vllm",
+    "vllm-0.6.1-cp38-abi3-manylinux1_x86_64.whl",
+    "aa93a20d9ba9fa21f0c72d28d225a1b97485a81ab539f1da9226e303736248d3",
+)
+VLLM_FLASH_ATTN_261 = _wheel(
+    "vllm-flash-attn",
+    "vllm_flash_attn-2.6.1-cp311-cp311-manylinux1_x86_64.whl",
+    "2ce0a1ca09bc07dca4b59a56f0db98f5f6a93f8392377fbfd2979e639bc91e88",
+)
 CUDA_CCCL = _wheel(
     "cuda-cccl",
     "cuda_cccl-1.2.1-cp311-cp311-manylinux_2_26_x86_64.whl",
@@ -464,6 +475,14 @@ def bitsandbytes_043_cuda121() -> Path:
         BITSANDBYTES_043, lambda name: name.endswith("/libbitsandbytes_cuda121.so")
     ).values()
     return path
+
+
+def python_sources(*wheels: RemoteWheel) -> list[tuple[str, Path]]:
+    """Every `.py` file of `wheels`, (its path in site-packages, the cached file), in name order."""
+    found: list[tuple[str, Path]] = []
+    for wheel in wheels:
+        found += sorted(member_files(wheel, lambda name: name.endswith(".py")).items())
+    return found
 
 
 def cccl_parallel_cu13() -> Path:

@@ -18,11 +18,14 @@ import traceback
 from collections.abc import Callable
 
 from tests.gpu_packages import (
+    VLLM_061,
+    VLLM_FLASH_ATTN_261,
     bitsandbytes_043_cuda121,
     cccl_parallel_cu13,
     cuobjdump_12_4,
     layer_evidence,
     package_layers,
+    python_sources,
 )
 from tests.nvidia_wheels import (
     CUDA_13_0,
@@ -72,6 +75,12 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
     found.append(("cuobjdump 12.4", cuobjdump_12_4))  # test_gpu_packages
     found.append(("bitsandbytes 0.43.3's CUDA 12.1 build", bitsandbytes_043_cuda121))
     found.append(("cuda-cccl 1.2.1's libcccl.c.parallel.so", cccl_parallel_cu13))
+    found.append(
+        (
+            "vLLM 0.6.1's and vllm-flash-attn 2.6.1's sources",
+            lambda: python_sources(VLLM_061, VLLM_FLASH_ATTN_261),
+        )
+    )
     for number, layer in enumerate(package_layers()):
         found.append((f"package layer {number}", lambda layer=layer: layer_evidence(layer)))
     found.append(("nvcc 13.5", lambda: nvcc(CUDA_13_5)))  # test_nvcc_programs

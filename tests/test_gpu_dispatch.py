@@ -71,6 +71,66 @@ def test_a_block_closed_by_a_dedent_no_longer_guards() -> None:
     assert loads.state(f"{SITE}/pkg/_core.abi3.so") == "required"
 
 
+def test_a_module_level_import_needs_the_extension_only_where_its_module_runs_at_import() -> None:
+    """vLLM 0.6.1's shape: a backend imports a separate package at its top, and the backend is imported
+    only inside a function (the selector's). The package's extension loads on demand: optional. A
+    module nothing imports runs at import (a user or a script may import it), and so does a script
+    outside any package: importing the backend there needs the extension."""
+    layer = [
+        ("pkg/__init__.py", "from . import api\nfrom . import _core  # its own package: runs anyway\n"),
+        ("pkg/api.py", "import pkg\ndef select():\n    from pkg.backends import fast\n    return fast\n"),
+        ("pkg/backends/__init__.py", "from pkg import api\n"),
+        ("pkg/backends/fast.py", "import fastlib\n"),
+        ("fastlib/__init__.py", "from fastlib.interface import run\n"),
+        ("fastlib/interface.py", "import fastlib_cuda  # the extension, at module level\n"),
+    ]
+    fast = f"{SITE}/fastlib_cuda.cpython-311-x86_64-linux-gnu.so"
+    assert sites(*layer).state(fast) == "optional"
+    assert sites(*layer).state(f"{SITE}/pkg/_core.abi3.so") == "required"
+    assert sites(*layer[4:]).state(fast) == "required"  # the package alone: nothing imports it
+    runner = ("pkg/runner.py", "from pkg.backends import fast\n")  # imported by nothing: it runs
+    assert sites(*layer, runner).state(fast) == "required"
+    loads = sites(*layer)
+    loads.add_source("/app/main.py", b"import pkg.backends.fast\n")  # the image's own script
+    assert loads.state(fast) == "required"
+    guarded = ("pkg/warm.py", "try:\n    import pkg.backends.fast\nexcept ImportError:\n    pass\n")
+    assert sites(*layer, guarded).state(fast) == "optional"  # run, but written to go on without it
+
+
+def test_a_layer_not_read_whole_needs_what_any_module_level_site_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past a bound, the modules that import a module may be the ones not read: the graph is not
+    trusted, and a module-level site needs its extension, as before the graph was read."""
+    monkeypatch.setattr(python_loads, "MAX_SITES_PER_LAYER", 3)
+    loads = sites(
+        ("pkg/api.py", "def select():\n    import pkg.fast\n"),
+        ("pkg/fast.py", "import fastlib_cuda\n"),
+        ("pkg/more.py", "import a, b, c, d\n"),
+    )
+    assert loads.truncated_by == "MAX_SITES_PER_LAYER"
+    assert loads.state(f"{SITE}/fastlib_cuda.abi3.so") == "required"
+
+
+def test_the_import_graph_costs_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crafted layer: a chain of 60,000 modules 20 names deep, each importing the next at its top
+    and itself in a function, the last the extension, and the first again. What runs at import is
+    one walk of the graph, once per layer, however many extensions ask."""
+    deep = ".".join(f"p{n}" for n in range(20))
+    extension = f"{SITE}/{deep.replace('.', '/')}/_ext.abi3.so"
+    for top in ("import", "def main():\n    import"):  # the chain runs at import, or on demand
+        loads = LoadSites()
+        for n in range(60_000):
+            after = f"{deep}._ext\nimport {deep}.m0" if n == 59_999 else f"{deep}.m{n + 1}"
+            text = f"import {after}\ndef f():\n    import {deep}.m{n}\n".encode()
+            loads.add_source(f"{SITE}/{deep.replace('.', '/')}/m{n}.py", text)
+        loads.add_source(f"{SITE}/top.py", f"{top} {deep}.m0\n".encode())
+        started = time.process_time()
+        states = {loads.state(extension) for _ in range(4096)}
+        assert time.process_time() - started < 2.0 and not loads.truncated
+        assert states == ({"required"} if top == "import" else {"optional"})
+
+
 def test_libraries_loaded_by_path_are_named_by_their_block() -> None:
     """torchao 0.7.0 loads `_C*.so` with torch.ops.load_library in a try: and runs on without it."""
     loads = sites(

@@ -52,6 +52,8 @@ from tests.gpu_packages import (
     TORCH_214,
     TORCHAO_018,
     VLLM,
+    VLLM_061,
+    VLLM_FLASH_ATTN_261,
     bitsandbytes_043_cuda121,
     bitsandbytes_layers,
     cccl_parallel_cu13,
@@ -64,6 +66,7 @@ from tests.gpu_packages import (
     onnxruntime_layers,
     pynvvideocodec_layer,
     python_package,
+    python_sources,
     sglang_kernel_layer,
     tensorflow_layers,
     torch_214,
@@ -685,6 +688,30 @@ def test_a_whole_environment_in_one_layer_is_read_whole() -> None:
     ]:
         assert everything.state(f"{SITE}/{extension}") == alone[wheel].state(f"{SITE}/{extension}"), extension
     assert everything.state(f"{SITE}/torchao/_C_cutlass_90a.abi3.so") == "optional"
+
+
+def test_vllm_0_6_1_loads_flash_attention_only_where_its_selector_picks_it() -> None:
+    """vLLM 0.5.5 to 0.6.1 pin vllm-flash-attn 2.6.1, whose extension (SASS sm_80 and sm_90 only) its
+    own `flash_attn_interface` imports at module level, and its `__init__` imports that. vLLM imports
+    `vllm_flash_attn` at the top of its FlashAttention backend alone, and that backend is imported
+    only inside functions: by the attention selector, which picks it on compute capability 8.0 and
+    up and XFormers below, and by three other modules. Read from both wheels' sources in one layer,
+    as pip installs them, the extension loads on demand, so vLLM runs on a T4 without it; it was a
+    needed package there, and the T4 and V100 were refused. Alone in a layer, where nothing imports
+    the package (so its user may), the extension is needed."""
+    extension = f"{SITE}/vllm_flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so"
+    together, alone = LoadSites(), LoadSites()
+    for name, path in python_sources(VLLM_061, VLLM_FLASH_ATTN_261):
+        text = path.read_bytes()
+        together.add_source(f"{SITE}/{name}", text)
+        if name.startswith("vllm_flash_attn/"):
+            alone.add_source(f"{SITE}/{name}", text)
+    assert not together.truncated and together.sites_read > 8000
+    assert together.state(extension) == "optional"
+    assert alone.state(extension) == "required"
+    backend = (VLLM_061, "vllm/attention/backends/flash_attn.py")
+    (path,) = member_files(backend[0], lambda name: name == backend[1]).values()
+    assert re.search(r"^from vllm_flash_attn import", path.read_text(), re.MULTILINE)  # at its top
 
 
 # -- through a real registry: pushed by skopeo, read by the scanner's own client and walk

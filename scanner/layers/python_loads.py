@@ -24,9 +24,21 @@ its file name as `glob` would: torchao 0.18 globs `"_C*.so"` in a `try:` and loa
 a `try:` of its own, inside a loop, so `_C_cutlass_90a.abi3.so` (Hopper only) and
 `_C_mxfp8...so` (Blackwell) are both optional.
 
-`LoadSites.state(extension)` answers for one extension module file: `required` when any
-module-level site loads it, `optional` when only guarded or lazy sites do, None when none was
-found. The scan reads lines, it does not parse Python: one regular expression finds the
+A module-level import only runs when its own module does. The imports are also a graph: each
+module's unguarded module-level imports (and its parent packages, which Python imports first) are
+what importing it runs. A module runs at import when nothing in the layer imports it (a package's
+top, a script, a module resolved by name, what the image's own code or its user imports), or when a
+module that runs imports it at module level. vLLM 0.6.1 imports `vllm_flash_attn` at the top of its
+FlashAttention backend, a module its attention selector imports inside a function, on GPUs of
+compute capability 8.0 and up; so vllm-flash-attn's extension (sm_80 and sm_90 only) is optional,
+and vLLM runs on a T4 with XFormers, as its selector picks. A name a module gives its own package or
+itself (`from . import _C`) does not count as importing it: that package runs first anyway.
+
+`LoadSites.state(extension)` answers for one extension module file: `required` when a module that
+runs at import loads it at module level (or, for a library loaded by path or a file outside a
+package, when any module-level site does), `optional` when only guarded or lazy sites, or modules
+that run on demand, do; None when none was found. A layer whose sources were not all read (a bound)
+answers by the sites alone: any module-level site needs the extension. The scan reads lines, it does not parse Python: one regular expression finds the
 statements, another the block headers (`try`, `def`, `with`, `if`, ...), and a stack of the open
 headers by indentation says what encloses each statement (a header-like line inside a
 triple-quoted string can mislead it; real packages' sources were read right, `tests/test_gpu_packages.py`).
@@ -43,6 +55,7 @@ from __future__ import annotations
 import fnmatch
 import posixpath
 import re
+from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,6 +125,14 @@ class LoadSites:
     _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
     _words: dict[str, bool] = field(default_factory=dict, repr=False)  # a word in a by-path scope -> same
     _globs: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> glob -> same
+    # the import graph: dotted names as numbers, what each module read imports at module level
+    # (unguarded), the modules read, and the names imported from outside their own package line
+    _nodes: dict[str, int] = field(default_factory=dict, repr=False)
+    _edges: dict[int, array[int]] = field(default_factory=dict, repr=False)
+    _read: set[int] = field(default_factory=set, repr=False)
+    _named: set[int] = field(default_factory=set, repr=False)
+    _named_whole: set[int] = field(default_factory=set, repr=False)  # named with all their prefixes
+    _runs: set[int] | None = field(default=None, repr=False)  # what runs at import (`_at_import`)
 
     @property
     def truncated(self) -> bool:
@@ -124,6 +145,7 @@ class LoadSites:
         text = b"\n" + text[:MAX_SOURCE_BYTES]  # every line, the first too, follows a newline
         module = dotted_module(path) or ""
         package = module if path.endswith("/__init__.py") else module.rpartition(".")[0]
+        self._runs = None
         found: list[tuple[int, int, list[str] | None]] = []  # (offset, indent, targets; None: by path)
         for match in _STATEMENT.finditer(text):
             found.append((match.start(), len(match.group(1)), _targets(match, package)))
@@ -147,6 +169,12 @@ class LoadSites:
             return
         self.sites_read += sites
         self.path_loads += by_path
+        source = self._node(module or path)  # a file outside a package is never imported by name
+        self._read.add(source)
+        outgoing = self._edges.setdefault(source, array("i"))
+        parts = module.split(".")
+        for depth in range(1, len(parts)):  # importing a module imports its parent packages first
+            outgoing.append(self._node(".".join(parts[:depth])))
         found.sort(key=lambda site: site[0])
         headers = _HEADER.finditer(text) if any(indent for _, indent, _ in found) else iter(())
         header = next(headers, None)
@@ -183,6 +211,9 @@ class LoadSites:
                 for target in targets:
                     self._note(self._modules, target, at_module)
                     self._note(self._names, target.rpartition(".")[2], at_module)
+                    self._name(target, module)
+                    if at_module:
+                        outgoing.append(self._node(target))
         if self.headers_read > MAX_BLOCK_HEADERS:
             self.truncated_by = "MAX_BLOCK_HEADERS"
         elif self.names_kept > MAX_LOAD_NAMES:
@@ -202,6 +233,44 @@ class LoadSites:
                 self.globs_read += 1
             self._note(globs, pattern, at_module)
 
+    def _node(self, name: str) -> int:
+        """The number of a dotted name (or a file's path) in the import graph."""
+        node = self._nodes.get(name)
+        if node is None:
+            node = self._nodes[name] = len(self._nodes)
+            self.names_kept += 1
+        return node
+
+    def _name(self, target: str, importer: str) -> None:
+        """`importer` imports `target`: it and its parent packages are imported by name, up to the
+        first that is `importer` itself or one of its own packages (those run before it anyway)."""
+        node = self._node(target)
+        if node in self._named_whole:
+            return
+        name, whole = target, True
+        while name:
+            if name == importer or importer.startswith(name + "."):
+                whole = False
+                break
+            self._named.add(self._node(name))
+            name = name.rpartition(".")[0]
+        if whole:
+            self._named_whole.add(node)
+
+    def _at_import(self) -> set[int]:
+        """The modules (and the names they import) that run when the layer's packages are imported:
+        everything reached over unguarded module-level imports from the modules nothing imports."""
+        if self._runs is None:
+            runs = {node for node in self._read if node not in self._named}
+            waiting = list(runs)
+            while waiting:
+                for target in self._edges.get(waiting.pop(), ()):
+                    if target not in runs:
+                        runs.add(target)
+                        waiting.append(target)
+            self._runs = runs
+        return self._runs
+
     def _note(self, index: dict[str, bool], key: str, at_module: bool) -> None:
         """Key `key` in `index`, noting whether a site of it is at module level."""
         known = index.get(key)
@@ -216,7 +285,13 @@ class LoadSites:
         if name is None:
             return None
         dotted = dotted_module(extension_path)
-        hits = [self._modules.get(dotted) if dotted else self._names.get(name), self._words.get(name)]
+        if dotted is None:
+            hits = [self._names.get(name)]
+        else:
+            hits = [self._modules.get(dotted)]
+            if hits[0] and not self.truncated:  # a module-level site: does its module run at import?
+                hits[0] = self._nodes[dotted] in self._at_import()
+        hits.append(self._words.get(name))
         if dotted:  # a glob names files of its own package
             basename = posixpath.basename(extension_path)
             globs = self._globs.get(dotted.partition(".")[0], {})
