@@ -49,6 +49,12 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
   `libgint.so`, whose PTX is device-link input only, has nothing. Builds for one architecture or
   family only (vLLM's FlashMLA, sm_90a and sm_100a) and builds for older GPUs only stay extensions
   used on other hardware.
+* Optional code (an optional package) with nothing for a GPU runs "without" there, unless the GPU is
+  newer than every build of it (generic SASS only, all older, no PTX) and the image's own code that
+  runs there does so only through PTX: then the image was written before the GPU, and picks its
+  optional paths by where they start. vLLM 0.6.1 takes vllm-flash-attn 2.6.1 (sm_80, sm_90) from
+  compute capability 8.0 up: on a T4 it runs without it, on a B200 (vLLM's PTX compute_90 only) it
+  would load it, a reason (`BUILT_BEFORE`).
 * A package whose every kernel is built for one architecture or family alone (`sm_90a`, `sm_100f`) is
   fast paths, picked on those GPUs only: where none of it runs but the image's other code does, the
   image runs without it (cuEquivariance's torch extension, built for sm_90a to sm_120a, beside
@@ -98,6 +104,11 @@ NAMED_FILES = 4  # files a reason names before "and N more"
 NOT_BUILT_FOR = (
     "loads it at import, and none of its code was built for this GPU: its other libraries run here only"
     " through PTX"
+)
+BUILT_BEFORE = (
+    "was built only for older GPUs, as the image's code that runs here was (only its PTX runs here): code"
+    " written before a GPU picks its optional paths by where they start (vLLM 0.6.1 takes FlashAttention"
+    " from compute capability 8.0 up), so it would load it here"
 )
 RULE = "SASS runs only on its own major at or above its minor, an `a` build only at its exact CC, PTX at or above its arch"
 
@@ -443,6 +454,18 @@ def _not_built_for(package: PackageFacts, files: Sequence[FileVerdict], covered:
 FAST_PATHS_ONLY = "is built for some GPUs alone: used on other GPUs"
 
 
+def _built_before(file: FileVerdict, cc: CC) -> bool:
+    """The file has no code for `cc` because every build of it is for older GPUs: generic SASS only,
+    all below `cc`, and no PTX (which would JIT here, or is for newer GPUs)."""
+    return (
+        not file.refused
+        and file.newest_generic is not None
+        and file.newest_generic < cc
+        and not any(container.ptx for container in file.missing)
+        and not any(specific_only(container) for container in file.missing)
+    )
+
+
 def _no_code_here(package: PackageFacts, files: Sequence[FileVerdict], cc: CC) -> str:
     """The reason a package that needs its code does not run on a GPU where none of it runs."""
     lacking = "; ".join(f.lacks(cc) if not f.refused else _absent(f, cc) for f in files)
@@ -493,12 +516,14 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     where = f"compute capability {cc_text(cc)}"
     verdict = CodeVerdict(runs=True)
     own = [g for g in groups.values() if g[0].kind != "nvidia"]
-    own_runs = False  # some code of the image's own packages runs here
+    own_running: list[FileVerdict] = []  # the image's own files with code here
     fast_path_packages: list[tuple[PackageFacts, list[FileVerdict]]] = []  # decided once that is known
+    optional_absent: list[tuple[PackageFacts, list[FileVerdict]]] = []  # the same
     for package, files in groups.values():
         needs_it = package.kind != "nvidia" and not package.optional
         running = [f for f in files if f.runs]
-        own_runs = own_runs or (bool(running) and package.kind != "nvidia")
+        if package.kind != "nvidia":
+            own_running += running
         generic = sum(f.generic for f in files)
         covered = sum(f.generic_covering for f in files)
         fast_paths = any(specific_only(c) for f in files for c, _ in f.covering)  # built for this GPU
@@ -517,9 +542,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
             elif needs_it:
                 verdict.reasons.append(_no_code_here(package, files, cc))
             elif package.optional:
-                verdict.without += [
-                    f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files
-                ]
+                optional_absent.append((package, files))
             else:
                 verdict.without += [
                     f"{_absent(f, cc)}; calls into this NVIDIA library fail here" for f in files
@@ -554,12 +577,24 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
                 else:
                     verdict.without.append(line)
         verdict.without += [f"{_absent(f, cc)}; used on other GPUs" for f in files if not f.runs]
+    built_before_here = bool(own_running) and all(one.through_ptx_only for one in own_running)
+    for package, files in optional_absent:
+        # Optional code with nothing for this GPU. Code that knows the GPU, or that was built for GPUs
+        # past it (FlashAttention 2 starts at sm_80: vLLM uses XFormers on a T4), leaves it unpicked.
+        # Where the GPU is newer than every build of it and of the image's code that runs here, that
+        # code was written before the GPU: it picks by lower bounds, so the optional code is loaded.
+        if built_before_here and all(_built_before(f, cc) for f in files):
+            verdict.reasons += [
+                f"{where}: {f.lacks(cc)}: {_package_text(package)} {BUILT_BEFORE}" for f in files
+            ]
+        else:
+            verdict.without += [f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files]
     for package, files in fast_path_packages:
         # Every kernel of the package is built for one architecture or family alone (`sm_90a`,
         # `sm_100f`): fast paths, which it and its callers pick on those GPUs only (cuEquivariance's
         # torch extension beside the library with its generic kernels). Used on other GPUs where the
         # image's other code runs; where none does, nothing runs.
-        if own_runs:
+        if own_running:
             verdict.without += [
                 f"{_absent(f, cc)}; {_package_text(package)} {FAST_PATHS_ONLY}" for f in files
             ]

@@ -650,6 +650,42 @@ def test_where_a_package_runs_only_through_ptx_what_it_loads_at_import_without_c
     ).runs  # SASS sm_100 runs on 10.3
 
 
+def test_optional_code_built_only_for_older_gpus_is_loaded_where_the_image_was_built_before_the_gpu() -> None:
+    """vLLM 0.6.1's shape: its own kernels built for sm_70 to sm_90 with PTX compute_90, and the
+    FlashAttention package it loads on demand (optional) built for sm_80 and sm_90 alone. Its selector
+    takes FlashAttention from compute capability 8.0 up: on a T4 it runs without it (the builds start
+    past the T4); on a B200, where vLLM runs only through its PTX, it was written before the GPU and
+    picks FlashAttention there too, which has nothing for it: a reason. A build of the image for
+    Blackwell knows the GPU, and runs there without it."""
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.6.1", kind="python", optional=True)
+    fa = PackageFacts(id="python:vllm-flash-attn", name="vllm-flash-attn", version="2.6.1", kind="python",
+                      optional=True)  # fmt: skip
+    own = FileArchs(path=f"{SITE}/vllm/_C.abi3.so", package=vllm.id, imported="optional",
+                    containers=[ContainerArchs(sass=("70", "75", "80", "86", "89", "90"), ptx=("90",))])  # fmt: skip
+    flash = FileArchs(path=f"{SITE}/vllm_flash_attn_2_cuda.abi3.so", package=fa.id, imported="optional",
+                      containers=[ContainerArchs(sass=("80", "90"))])  # fmt: skip
+    image = archs(own, flash, packages=(vllm, fa))
+    turing = gpu_code.judge(image, (7, 5))
+    assert turing.runs and turing.without == [
+        f"{flash.path}: no kernel image for compute capability 7.5 (SASS sm_80, sm_90, no PTX);"
+        " vllm-flash-attn 2.6.1 runs without it"
+    ]
+    assert gpu_code.judge(image, (9, 0)).runs
+    blackwell = gpu_code.judge(image, (10, 0))
+    assert blackwell.reasons == [
+        f"compute capability 10.0: {flash.path} has no kernel image for compute capability 10.0 (SASS sm_80,"
+        f" sm_90, no PTX): vllm-flash-attn 2.6.1 {gpu_code.BUILT_BEFORE}"
+    ]
+    for_blackwell = own.model_copy(
+        update={"containers": [ContainerArchs(sass=("80", "90", "100"), ptx=("100",))]}
+    )
+    assert gpu_code.judge(archs(for_blackwell, flash, packages=(vllm, fa)), (10, 0)).runs
+    with_ptx = flash.model_copy(update={"containers": [ContainerArchs(sass=("80",), ptx=("80",))]})
+    assert gpu_code.judge(archs(own, with_ptx, packages=(vllm, fa)), (10, 0)).runs  # it JITs here
+    hopper_only = flash.model_copy(update={"containers": [ContainerArchs(sass=("90a",))]})
+    assert gpu_code.judge(archs(own, hopper_only, packages=(vllm, fa)), (10, 0)).runs  # a fast path
+
+
 def test_a_package_with_code_for_a_gpu_in_a_few_odd_objects_only_was_not_built_for_it() -> None:
     """PaddlePaddle 2.6.2's shape, its containers as the scan read them from its wheel: `libphi.so` has
     654 containers built for sm_61 to sm_86 and one odd object built for sm_35 to sm_90, and
