@@ -49,12 +49,14 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
   `libgint.so`, whose PTX is device-link input only, has nothing. Builds for one architecture or
   family only (vLLM's FlashMLA, sm_90a and sm_100a) and builds for older GPUs only stay extensions
   used on other hardware.
-* Optional code (an optional package) with nothing for a GPU runs "without" there, unless the GPU is
-  newer than every build of it (generic SASS only, all older, no PTX) and the image's own code that
-  runs there does so only through PTX: then the image was written before the GPU, and picks its
-  optional paths by where they start. vLLM 0.6.1 takes vllm-flash-attn 2.6.1 (sm_80, sm_90) from
-  compute capability 8.0 up: on a T4 it runs without it, on a B200 (vLLM's PTX compute_90 only) it
-  would load it, a reason (`BUILT_BEFORE`).
+* Optional code (an optional package's files) with nothing for a GPU runs "without" there, unless
+  the file was built for older GPUs (its newest SASS generic and older, no PTX) and the image's own
+  code that runs there does so only through PTX: then the image was written before the GPU, and
+  picks its optional paths by where they start, a reason (`BUILT_BEFORE`). vLLM 0.6.1 takes
+  vllm-flash-attn 2.6.1 (sm_80, sm_90) from compute capability 8.0 up: on a T4 it runs without it, on
+  a B200 (vLLM's PTX compute_90 only) it would load it. vLLM 0.8.5 imports its own `_C` in a `try:`:
+  on a B200 its `_C` and FlashAttention 2 are reasons, FlashMLA (sm_90a) and FlashAttention 3 (sm_80
+  with sm_90a, taken on Hopper alone) fast paths of an older GPU.
 * A package whose every kernel is built for one architecture or family alone (`sm_90a`, `sm_100f`) is
   fast paths, picked on those GPUs only: where none of it runs but the image's other code does, the
   image runs without it (cuEquivariance's torch extension, built for sm_90a to sm_120a, beside
@@ -455,14 +457,15 @@ FAST_PATHS_ONLY = "is built for some GPUs alone: used on other GPUs"
 
 
 def _built_before(file: FileVerdict, cc: CC) -> bool:
-    """The file has no code for `cc` because every build of it is for older GPUs: generic SASS only,
-    all below `cc`, and no PTX (which would JIT here, or is for newer GPUs)."""
-    return (
-        not file.refused
-        and file.newest_generic is not None
-        and file.newest_generic < cc
-        and not any(container.ptx for container in file.missing)
-        and not any(specific_only(container) for container in file.missing)
+    """The file has no code for `cc` because it was built for older GPUs, for a range of them: its
+    newest SASS is generic and below `cc` (an `a` or `f` build past it is a fast path for that GPU:
+    vLLM's FlashAttention 3, sm_80 and sm_90a, which vLLM picks on Hopper alone), and it has no PTX
+    (which would JIT here, or is for newer GPUs)."""
+    if file.refused or file.newest_generic is None or file.newest_generic >= cc:
+        return False
+    archs = [parse_arch(arch) for container in file.missing for arch in container.sass]
+    return not any(container.ptx for container in file.missing) and all(
+        arch[:2] <= file.newest_generic for arch in archs if arch[2]
     )
 
 
@@ -581,14 +584,13 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     for package, files in optional_absent:
         # Optional code with nothing for this GPU. Code that knows the GPU, or that was built for GPUs
         # past it (FlashAttention 2 starts at sm_80: vLLM uses XFormers on a T4), leaves it unpicked.
-        # Where the GPU is newer than every build of it and of the image's code that runs here, that
-        # code was written before the GPU: it picks by lower bounds, so the optional code is loaded.
-        if built_before_here and all(_built_before(f, cc) for f in files):
-            verdict.reasons += [
-                f"{where}: {f.lacks(cc)}: {_package_text(package)} {BUILT_BEFORE}" for f in files
-            ]
-        else:
-            verdict.without += [f"{_absent(f, cc)}; {_package_text(package)} runs without it" for f in files]
+        # Where the GPU is newer than a file's every build and than the image's code that runs here,
+        # that code was written before the GPU: it picks by lower bounds, so the file is loaded.
+        for f in files:
+            if built_before_here and _built_before(f, cc):
+                verdict.reasons.append(f"{where}: {f.lacks(cc)}: {_package_text(package)} {BUILT_BEFORE}")
+            else:
+                verdict.without.append(f"{_absent(f, cc)}; {_package_text(package)} runs without it")
     for package, files in fast_path_packages:
         # Every kernel of the package is built for one architecture or family alone (`sm_90a`,
         # `sm_100f`): fast paths, which it and its callers pick on those GPUs only (cuEquivariance's

@@ -703,6 +703,41 @@ def test_optional_code_built_only_for_older_gpus_is_loaded_where_the_image_was_b
     assert gpu_code.judge(archs(own, hopper_only, packages=(vllm, fa)), (10, 0)).runs  # a fast path
 
 
+def test_each_optional_file_built_before_the_gpu_is_a_reason_its_fast_paths_are_not() -> None:
+    """vLLM 0.8.5's shape beside torch built up to sm_90 with PTX: every vLLM extension is imported in
+    a `try:`, so vLLM reads as optional. On a B200, where torch runs only through its PTX, vLLM's `_C`
+    (sm_70 to sm_90, and sm_90a kernels) and FlashAttention 2 (sm_80, sm_90) were built before the GPU:
+    reasons. FlashMLA (sm_90a alone) and FlashAttention 3 (sm_80 with sm_90a: vLLM takes it on Hopper
+    alone) are fast paths of a GPU before it: it runs without them. vLLM 0.8.5 does not run on
+    Blackwell; it ran "without" all of them before."""
+    torch = PackageFacts(id="python:torch", name="torch", version="2.6.0", kind="python")
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.8.5", kind="python", optional=True)
+    libtorch = FileArchs(path=f"{SITE}/torch/lib/libtorch_cuda.so", package=torch.id,
+                         containers=[ContainerArchs(sass=("50", "60", "70", "75", "80", "86", "90"), ptx=("90",))])  # fmt: skip
+
+    def extension(name: str, *containers: ContainerArchs) -> FileArchs:
+        return FileArchs(
+            path=f"{SITE}/vllm/{name}", package=vllm.id, imported="optional", containers=list(containers)
+        )
+
+    core = extension(
+        "_C.abi3.so", ContainerArchs(sass=("70", "80", "90"), count=20), ContainerArchs(sass=("90a",))
+    )
+    fa2 = extension("vllm_flash_attn/_vllm_fa2_C.abi3.so", ContainerArchs(sass=("80", "90"), count=60))
+    fa3 = extension("vllm_flash_attn/_vllm_fa3_C.abi3.so", ContainerArchs(sass=("80", "90a"), count=172))
+    mla = extension("_flashmla_C.abi3.so", ContainerArchs(sass=("90a",)))
+    image = archs(libtorch, core, fa2, fa3, mla, packages=(torch, vllm))
+    blackwell = gpu_code.judge(image, (10, 0))
+    assert len(blackwell.reasons) == 2 and all(
+        gpu_code.BUILT_BEFORE in reason for reason in blackwell.reasons
+    )
+    assert (
+        f": {core.path} has no" in blackwell.reasons[0]
+        and f": {fa2.path} (FlashAttention 2)" in blackwell.reasons[1]
+    )
+    assert gpu_code.judge(image, (9, 0)).runs and gpu_code.judge(image, (7, 5)).runs
+
+
 def test_a_package_with_code_for_a_gpu_in_a_few_odd_objects_only_was_not_built_for_it() -> None:
     """PaddlePaddle 2.6.2's shape, its containers as the scan read them from its wheel: `libphi.so` has
     654 containers built for sm_61 to sm_86 and one odd object built for sm_35 to sm_90, and
