@@ -508,6 +508,19 @@ def test_cublas_13_alone_runs_where_its_kernels_are(cuda13: CudaLayerEvidence) -
 # -- bitsandbytes 0.43.3: a CUDA 12.1 build, read where cuobjdump 13.5 stops
 
 
+def read_as_walked(local: Path, path: str) -> gpu_code.FileArchs:
+    """One library's reading, its bytes fed in 1 MiB slices as a layer's walk feeds them, as if at `path`."""
+    data = local.read_bytes()
+    probe = ElfCudaProbe(len(data))
+    for start in range(0, len(data), 1 << 20):
+        probe.feed(memoryview(data)[start : start + (1 << 20)])
+    facts = probe.finish()
+    assert facts is not None
+    found = file_archs(path, facts)
+    assert found is not None
+    return found
+
+
 def test_a_cuda_12_1_build_is_read_as_cuda_12_4s_cuobjdump_lists_it() -> None:
     """bitsandbytes 0.43.3's `libbitsandbytes_cuda121.so`, built by CUDA 12.1: cuobjdump 13.5 lists
     four of its cubins, then stops ("Invalid ELF"); cuobjdump 12.4 lists what CUDA loads, SASS sm_50
@@ -515,14 +528,7 @@ def test_a_cuda_12_1_build_is_read_as_cuda_12_4s_cuobjdump_lists_it() -> None:
     file is read as a layer's walk reads it (the library alone: it links CUDA 12's cuSPARSE, which
     this image lacks, so it would not load; the reading is what is checked)."""
     local = bitsandbytes_043_cuda121()
-    data = local.read_bytes()
-    probe = ElfCudaProbe(len(data))
-    for start in range(0, len(data), 1 << 20):
-        probe.feed(memoryview(data)[start : start + (1 << 20)])
-    facts = probe.finish()
-    assert facts is not None
-    found = file_archs(f"{SITE}/bitsandbytes/libbitsandbytes_cuda121.so", facts)
-    assert found is not None
+    found = read_as_walked(local, f"{SITE}/bitsandbytes/libbitsandbytes_cuda121.so")
     tool = str(cuobjdump_12_4())
     loaded = subprocess.run(
         [tool, "--list-elf", "--list-ptx", str(local)], capture_output=True, text=True, timeout=300
@@ -555,14 +561,8 @@ def test_modules_with_no_kernel_set_no_floor_though_they_carry_ptx(tmp_path: Pat
     cuda-cccl was refused on all of them on driver 580.65 (CUDA 13.0); the package's kernels are the
     ones it compiles at run time with NVRTC."""
     local = cccl_parallel_cu13()
-    data = local.read_bytes()
-    probe = ElfCudaProbe(len(data))
-    for start in range(0, len(data), 1 << 20):
-        probe.feed(memoryview(data)[start : start + (1 << 20)])
-    facts = probe.finish()
-    assert facts is not None
-    found = file_archs(f"{SITE}/cuda/compute/cu13/cccl/libcccl.c.parallel.so", facts)
-    assert found is not None and found.error is None
+    found = read_as_walked(local, f"{SITE}/cuda/compute/cu13/cccl/libcccl.c.parallel.so")
+    assert found.error is None
     tool = str(cuobjdump())
     elf = subprocess.run([tool, "-elf", str(local)], capture_output=True, text=True, timeout=300).stdout
     assert elf.count(".section .symtab") == 13 and " ENTRY " not in elf
