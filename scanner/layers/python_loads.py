@@ -38,17 +38,19 @@ itself (`from . import _C`) does not count as importing it: that package runs fi
 runs at import loads it at module level (or, for a library loaded by path or a file outside a
 package, when any module-level site does), `optional` when only guarded or lazy sites, or modules
 that run on demand, do; None when none was found. A layer whose sources were not all read (a bound)
-answers by the sites alone: any module-level site needs the extension. The scan reads lines, it does not parse Python: one regular expression finds the
-statements, another the block headers (`try`, `def`, `with`, `if`, ...), and a stack of the open
-headers by indentation says what encloses each statement (a header-like line inside a
-triple-quoted string can mislead it; real packages' sources were read right, `tests/test_gpu_packages.py`).
-Work is bounded: each file is read up to `MAX_SOURCE_BYTES`, a dotted name up to `MAX_MODULE_NAME`
-(a longer one is not read), and a layer's block headers, load
-sites, load-by-path calls, globs and the distinct names kept are counted against `MAX_BLOCK_HEADERS`,
-`MAX_SITES_PER_LAYER`, `MAX_PATH_LOADS_PER_LAYER`, `MAX_GLOBS_PER_LAYER` and `MAX_LOAD_NAMES`; past
-any bound the layer's remaining sources are not read, and `truncated_by` names the bound. Sites are
-indexed as they are read, so the state of each extension is a few lookups, whatever the number of
-sites and extensions.
+answers by the sites alone: any module-level site needs the extension.
+
+The scan reads lines, it does not parse Python: one regular expression finds the statements,
+another the block headers (`try`, `def`, `with`, `if`, ...), and a stack of the open headers by
+indentation says what encloses each statement (a header-like line inside a triple-quoted string can
+mislead it; real packages' sources were read right, `tests/test_gpu_packages.py`). Work is bounded:
+each file is read up to `MAX_SOURCE_BYTES`, a dotted name up to `MAX_MODULE_NAME` (a longer one is
+not read), and a layer's block headers, load sites, load-by-path calls, globs and the distinct names
+kept (the graph's included) are counted against `MAX_BLOCK_HEADERS`, `MAX_SITES_PER_LAYER`,
+`MAX_PATH_LOADS_PER_LAYER`, `MAX_GLOBS_PER_LAYER` and `MAX_LOAD_NAMES`; past any bound the layer's
+remaining sources are not read, and `truncated_by` names the bound. Sites are indexed as they are
+read and what runs at import is one walk of the graph per layer, so the state of each extension is a
+few lookups, whatever the number of sites and extensions.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ MAX_PATH_LOADS_PER_LAYER = 4096  # load-by-path calls per layer (FlashInfer 0.7.
 MAX_GLOBS_PER_LAYER = 256  # distinct quoted globs in their scopes (vLLM has 4, torchao 1)
 MAX_BLOCK_TEXT = 2048  # text of a load-by-path call's scope kept, up to the call
 # A longer name is not read: every import of it would copy it (20,000 names imported from one module
-# named by 20,000 characters: 400 MB and 1.3 s for one line). The longest of 29,252 real sources read
+# named by 20,000 characters: 400 MB and up to 1.3 s for one line). The longest of 29,252 real sources read
 # here is 121 (FlashInfer's), and a file name is at most 255 bytes.
 MAX_MODULE_NAME = 512
 PYTHON_TREES = re.compile(r"/(?:site|dist)-packages/|^/(?:app|opt|srv|workspace|home|root|usr/src)/")
