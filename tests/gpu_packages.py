@@ -138,6 +138,11 @@ VLLM_FLASH_ATTN_261 = _wheel(
     "vllm_flash_attn-2.6.1-cp311-cp311-manylinux1_x86_64.whl",
     "2ce0a1ca09bc07dca4b59a56f0db98f5f6a93f8392377fbfd2979e639bc91e88",
 )
+VLLM_085 = _wheel(
+    "vllm",
+    "vllm-0.8.5-cp38-abi3-manylinux1_x86_64.whl",
+    "74bfe92953bee1269c1e1c27827bc156777751cdd6a3457ee8e27dd8ebf1e247",
+)
 CUDA_CCCL = _wheel(
     "cuda-cccl",
     "cuda_cccl-1.2.1-cp311-cp311-manylinux_2_26_x86_64.whl",

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tests.gpu_packages import (
     VLLM_061,
+    VLLM_085,
     VLLM_FLASH_ATTN_261,
     bitsandbytes_043_cuda121,
     cccl_parallel_cu13,
@@ -77,8 +78,8 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
     found.append(("cuda-cccl 1.2.1's libcccl.c.parallel.so", cccl_parallel_cu13))
     found.append(
         (
-            "vLLM 0.6.1's and vllm-flash-attn 2.6.1's sources",
-            lambda: python_sources(VLLM_061, VLLM_FLASH_ATTN_261),
+            "vLLM 0.6.1's, vllm-flash-attn 2.6.1's and vLLM 0.8.5's sources",
+            lambda: python_sources(VLLM_061, VLLM_FLASH_ATTN_261, VLLM_085),
         )
     )
     for number, layer in enumerate(package_layers()):

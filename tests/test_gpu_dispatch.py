@@ -97,6 +97,24 @@ def test_a_module_level_import_needs_the_extension_only_where_its_module_runs_at
     assert sites(*layer, guarded).state(fast) == "optional"  # run, but written to go on without it
 
 
+def test_a_module_its_package_names_in_a_string_runs_at_import() -> None:
+    """vLLM 0.8.5 imports `vllm._C` at the top of `vllm/platforms/cuda.py`, which one module imports
+    inside a function, and which `vllm/platforms/__init__.py` names in a string that
+    `resolve_obj_by_qualname` imports when the package first asks for its platform. A module its own
+    package names so may be imported by name at any time: it counts as run at import."""
+    layer = [
+        ("pkg/platforms/cuda.py", "import pkg._C  # noqa\n"),
+        ("pkg/engine.py", "def start():\n    from pkg.platforms.cuda import device_id\n"),
+        ("pkg/__init__.py", "from pkg import engine\n"),
+    ]
+    core = f"{SITE}/pkg/_C.abi3.so"
+    assert sites(*layer).state(core) == "optional"  # only a function imports the module
+    resolver = ("pkg/platforms/__init__.py", 'def plugin():\n    return "pkg.platforms.cuda.CudaPlatform"\n')
+    assert sites(*layer, resolver).state(core) == "required"
+    other = ("other/names.py", 'NAMES = ["pkg.platforms.cuda.CudaPlatform"]\n')  # another package's string
+    assert sites(*layer, other).state(core) == "optional"
+
+
 def test_a_layer_not_read_whole_needs_what_any_module_level_site_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

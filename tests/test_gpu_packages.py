@@ -53,6 +53,7 @@ from tests.gpu_packages import (
     TORCHAO_018,
     VLLM,
     VLLM_061,
+    VLLM_085,
     VLLM_FLASH_ATTN_261,
     bitsandbytes_043_cuda121,
     bitsandbytes_layers,
@@ -692,8 +693,8 @@ def test_a_whole_environment_in_one_layer_is_read_whole() -> None:
 
 def test_vllm_0_6_1_loads_flash_attention_only_where_its_selector_picks_it() -> None:
     """vLLM 0.5.5 to 0.6.1 pin vllm-flash-attn 2.6.1, whose extension (SASS sm_80 and sm_90 only) its
-    own `flash_attn_interface` imports at module level, and its `__init__` imports that. vLLM imports
-    `vllm_flash_attn` at the top of its FlashAttention backend alone, and that backend is imported
+    own `flash_attn_interface` imports at module level, and its `__init__` imports that. vLLM 0.6.1
+    imports `vllm_flash_attn` at the top of its FlashAttention backend alone, and that backend is imported
     only inside functions: by the attention selector, which picks it on compute capability 8.0 and
     up and XFormers below, and by three other modules. Read from both wheels' sources in one layer,
     as pip installs them, the extension loads on demand, so vLLM runs on a T4 without it; it was a
@@ -712,6 +713,21 @@ def test_vllm_0_6_1_loads_flash_attention_only_where_its_selector_picks_it() -> 
     backend = (VLLM_061, "vllm/attention/backends/flash_attn.py")
     (path,) = member_files(backend[0], lambda name: name == backend[1]).values()
     assert re.search(r"^from vllm_flash_attn import", path.read_text(), re.MULTILINE)  # at its top
+
+
+def test_vllm_0_8_5_needs_its_core_where_it_resolves_its_platform_by_name() -> None:
+    """vLLM 0.8.5 imports `vllm._C` in a `try:` in `_custom_ops.py`, and at the top of
+    `vllm/platforms/cuda.py`, which `vllm/v1/engine/core.py` imports inside a function and
+    `vllm/platforms/__init__.py` names in a string (`"vllm.platforms.cuda.CudaPlatform"`) that it
+    imports when the platform is first asked for. Its core is needed; its FlashAttention and FlashMLA
+    extensions are not."""
+    loads = LoadSites()
+    for name, path in python_sources(VLLM_085):
+        loads.add_source(f"{SITE}/{name}", path.read_bytes())
+    assert not loads.truncated
+    assert loads.state(f"{SITE}/vllm/_C.abi3.so") == "required"
+    for optional in ("_flashmla_C", "_moe_C", "vllm_flash_attn/_vllm_fa2_C", "vllm_flash_attn/_vllm_fa3_C"):
+        assert loads.state(f"{SITE}/vllm/{optional}.abi3.so") == "optional", optional
 
 
 # -- through a real registry: pushed by skopeo, read by the scanner's own client and walk

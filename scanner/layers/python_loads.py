@@ -27,8 +27,10 @@ a `try:` of its own, inside a loop, so `_C_cutlass_90a.abi3.so` (Hopper only) an
 A module-level import only runs when its own module does. The imports are also a graph: each
 module's unguarded module-level imports (and its parent packages, which Python imports first) are
 what importing it runs. A module runs at import when nothing in the layer imports it (a package's
-top, a script, a module resolved by name, what the image's own code or its user imports), or when a
-module that runs imports it at module level. vLLM 0.6.1 imports `vllm_flash_attn` at the top of its
+top, a script, a module resolved by name, what the image's own code or its user imports), when its
+own package quotes its dotted name (vLLM 0.8.5 resolves `"vllm.platforms.cuda.CudaPlatform"` by name
+when it first asks for its platform, though a function also imports that module), or when a module
+that runs imports it at module level. vLLM 0.6.1 imports `vllm_flash_attn` at the top of its
 FlashAttention backend, a module its attention selector imports inside a function, on GPUs of
 compute capability 8.0 and up; so vllm-flash-attn's extension (sm_80 and sm_90 only) is optional,
 and vLLM runs on a T4 with XFormers, as its selector picks. A name a module gives its own package or
@@ -86,6 +88,7 @@ _STATEMENT = re.compile(
 )
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
 _QUOTED_NAME = re.compile(r"""['"]([\w.*?-]{1,200})['"]""")  # a quoted file name or pattern: linear
+_QUALIFIED = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")  # a dotted name, quoted
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
@@ -139,6 +142,7 @@ class LoadSites:
     _read: set[int] = field(default_factory=set, repr=False)
     _named: set[int] = field(default_factory=set, repr=False)
     _named_down_to: dict[int, int] = field(default_factory=dict, repr=False)  # `_name`'s progress per name
+    _by_name: set[int] = field(default_factory=set, repr=False)  # named in a string of their own package
     _runs: set[int] | None = field(default=None, repr=False)  # what runs at import (`_at_import`)
 
     @property
@@ -156,6 +160,7 @@ class LoadSites:
         found: list[tuple[int, int, list[str] | None]] = []  # (offset, indent, targets; None: by path)
         for match in _STATEMENT.finditer(text):
             found.append((match.start(), len(match.group(1)), _targets(match, package)))
+        named = _qualified_names(text, module.partition(".")[0])
         for call in _LOAD_CALLS:
             at = text.find(call)
             while at >= 0:
@@ -164,10 +169,8 @@ class LoadSites:
                 if not content.startswith(b"#"):
                     found.append((line, at - line - 1 - len(content), None))
                 at = text.find(call, at + 1)
-        if not found:
-            return
         by_path = sum(1 for site in found if site[2] is None)
-        sites = sum(1 if targets is None else len(targets) for _, _, targets in found)  # each name counts
+        sites = sum(1 if targets is None else len(targets) for _, _, targets in found) + len(named)
         if self.sites_read + sites > MAX_SITES_PER_LAYER:
             self.truncated_by = "MAX_SITES_PER_LAYER"
             return
@@ -182,6 +185,11 @@ class LoadSites:
         parts = module.split(".")
         for depth in range(1, len(parts)):  # importing a module imports its parent packages first
             outgoing.append(self._node(".".join(parts[:depth])))
+        for name in named:  # "vllm.platforms.cuda.CudaPlatform": the module, or the module of an attribute
+            self._by_name.add(self._node(name))
+            self._by_name.add(self._node(name.rpartition(".")[0]))
+        if not found:
+            return
         found.sort(key=lambda site: site[0])
         headers = _HEADER.finditer(text) if any(indent for _, indent, _ in found) else iter(())
         header = next(headers, None)
@@ -273,7 +281,7 @@ class LoadSites:
         """The modules (and the names they import) that run when the layer's packages are imported:
         everything reached over unguarded module-level imports from the modules nothing imports."""
         if self._runs is None:
-            runs = {node for node in self._read if node not in self._named}
+            runs = {node for node in self._read if node not in self._named or node in self._by_name}
             waiting = list(runs)
             while waiting:
                 for target in self._edges.get(waiting.pop(), ()):
@@ -311,6 +319,25 @@ class LoadSites:
         if any(hits):
             return "required"
         return "optional" if any(hit is not None for hit in hits) else None
+
+
+def _qualified_names(text: bytes, top: str) -> list[str]:
+    """The dotted names of the file's own top-level package quoted in its text
+    (`"vllm.platforms.cuda.CudaPlatform"`, which `resolve_obj_by_qualname` imports): a module named so
+    may be imported by name, at any time, so it counts as run at import. Each hit is read once."""
+    found: list[str] = []
+    if not top:
+        return found
+    for quote in (b'"', b"'"):
+        needle = quote + top.encode() + b"."
+        at = text.find(needle)
+        while at >= 0:
+            match = _QUALIFIED.match(text, at + 1)
+            end = match.end() if match is not None else at
+            if match is not None and text[end : end + 1] == quote and end - match.start() <= MAX_MODULE_NAME:
+                found.append(match.group().decode())
+            at = text.find(needle, at + 1)
+    return found
 
 
 def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
