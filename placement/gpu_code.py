@@ -54,9 +54,10 @@ and CUDA version at run time (vLLM builds sources for `MARLIN_SM75_ARCHS "7.5"`,
   code that runs there does so only through PTX: then the image was written before the GPU, and
   picks its optional paths by where they start, a reason (`BUILT_BEFORE`). vLLM 0.6.1 takes
   vllm-flash-attn 2.6.1 (sm_80, sm_90) from compute capability 8.0 up: on a T4 it runs without it, on
-  a B200 (vLLM's PTX compute_90 only) it would load it. vLLM 0.8.5 imports its own `_C` in a `try:`:
-  on a B200 its `_C` and FlashAttention 2 are reasons, FlashMLA (sm_90a) and FlashAttention 3 (sm_80
-  with sm_90a, taken on Hopper alone) fast paths of an older GPU.
+  a B200 (vLLM's PTX compute_90 only) it would load it. Per file: a package whose every extension
+  import is guarded (as vLLM 0.8.5's `_custom_ops.py` imports its `_C`) has its generic builds for
+  older GPUs as reasons there, and FlashMLA (sm_90a) and FlashAttention 3 (sm_80 with sm_90a, taken
+  on Hopper alone) stay fast paths of an older GPU.
 * A package whose every kernel is built for one architecture or family alone (`sm_90a`, `sm_100f`) is
   fast paths, picked on those GPUs only: where none of it runs but the image's other code does, the
   image runs without it (cuEquivariance's torch extension, built for sm_90a to sm_120a, beside

@@ -722,12 +722,13 @@ def test_optional_code_built_only_for_older_gpus_is_loaded_where_the_image_was_b
 
 
 def test_each_optional_file_built_before_the_gpu_is_a_reason_its_fast_paths_are_not() -> None:
-    """vLLM 0.8.5's shape beside torch built up to sm_90 with PTX: every vLLM extension is imported in
-    a `try:`, so vLLM reads as optional. On a B200, where torch runs only through its PTX, vLLM's `_C`
-    (sm_70 to sm_90, and sm_90a kernels) and FlashAttention 2 (sm_80, sm_90) were built before the GPU:
-    reasons. FlashMLA (sm_90a alone) and FlashAttention 3 (sm_80 with sm_90a: vLLM takes it on Hopper
-    alone) are fast paths of a GPU before it: it runs without them. vLLM 0.8.5 does not run on
-    Blackwell; it ran "without" all of them before."""
+    """vLLM 0.8.5's files beside torch built up to sm_90 with PTX, in a package whose every extension
+    import is guarded (as `_custom_ops.py` imports `_C`), so it reads as optional. On a B200, where
+    torch runs only through its PTX, vLLM's `_C` (sm_70 to sm_90, and sm_90a kernels) and
+    FlashAttention 2 (sm_80, sm_90) were built before the GPU: reasons. FlashMLA (sm_90a alone) and
+    FlashAttention 3 (sm_80 with sm_90a: vLLM takes it on Hopper alone) are fast paths of a GPU before
+    it: it runs without them. A rule for the whole package, which the fast paths kept from applying,
+    left the B200 eligible "without" all of them."""
     torch = PackageFacts(id="python:torch", name="torch", version="2.6.0", kind="python")
     vllm = PackageFacts(id="python:vllm", name="vllm", version="0.8.5", kind="python", optional=True)
     libtorch = FileArchs(path=f"{SITE}/torch/lib/libtorch_cuda.so", package=torch.id,
