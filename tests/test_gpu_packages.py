@@ -674,7 +674,7 @@ def test_a_whole_environment_in_one_layer_is_read_whole() -> None:
     wheels = (BITSANDBYTES, FLASHINFER, ONNXRUNTIME, SGLANG_KERNEL, TENSORFLOW, TORCH_214, TORCHAO_018, VLLM)
     everything, alone = LoadSites(), {}
     for wheel in wheels:
-        sources = sorted(member_files(wheel, lambda name: name.endswith(".py")).items())
+        sources = python_sources(wheel)
         alone[wheel] = LoadSites()
         for name, path in sources:
             text = path.read_bytes()

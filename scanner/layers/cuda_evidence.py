@@ -671,7 +671,7 @@ def combine(
     """Merge per-layer evidence (top layer first) into the image's inferred CUDA and GPU code. Only code
     the image can load speaks: a library whose CUDA libraries the image does not carry, or a build
     its package does not select, names no CUDA version (`scanner.layers.code_loading`). `overrides`:
-    the builds the config's variables make packages load (`code_loading.build_overrides`)."""
+    the builds the config's variables make packages load (`scanner.facts.gpu.build_overrides`)."""
     merged = _merge(layers_top_down)
     findings = list(merged.findings)
     runtime = runtime_cuda(findings, merged.carried)
