@@ -138,6 +138,11 @@ VLLM_FLASH_ATTN_261 = _wheel(
     "vllm_flash_attn-2.6.1-cp311-cp311-manylinux1_x86_64.whl",
     "2ce0a1ca09bc07dca4b59a56f0db98f5f6a93f8392377fbfd2979e639bc91e88",
 )
+VLLM_055 = _wheel(
+    "vllm",
+    "vllm-0.5.5-cp38-abi3-manylinux1_x86_64.whl",
+    "64fb5b8a3300af3006a3b9ba4eacdf5f4bd2a85887a695e6587684447c49eb8e",
+)
 VLLM_085 = _wheel(
     "vllm",
     "vllm-0.8.5-cp38-abi3-manylinux1_x86_64.whl",

@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 
 from tests.gpu_packages import (
+    VLLM_055,
     VLLM_061,
     VLLM_085,
     VLLM_FLASH_ATTN_261,
@@ -78,8 +79,8 @@ def steps() -> list[tuple[str, Callable[[], object]]]:
     found.append(("cuda-cccl 1.2.1's libcccl.c.parallel.so", cccl_parallel_cu13))
     found.append(
         (
-            "vLLM 0.6.1's, vllm-flash-attn 2.6.1's and vLLM 0.8.5's sources",
-            lambda: python_sources(VLLM_061, VLLM_FLASH_ATTN_261, VLLM_085),
+            "vLLM 0.5.5's, 0.6.1's, vllm-flash-attn 2.6.1's and vLLM 0.8.5's sources",
+            lambda: python_sources(VLLM_055, VLLM_061, VLLM_FLASH_ATTN_261, VLLM_085),
         )
     )
     for number, layer in enumerate(package_layers()):

@@ -115,6 +115,51 @@ def test_a_module_its_package_names_in_a_string_runs_at_import() -> None:
     assert sites(*layer, other).state(core) == "optional"
 
 
+@pytest.mark.parametrize(
+    "registry",
+    [
+        (
+            "pkg/models/__init__.py",
+            'def load(name):\n    return import_module(\n        f"pkg.models.{name}")\n',
+        ),
+        (
+            "pkg/models/__init__.py",
+            "def load(name):\n    return importlib.import_module('pkg.models.' + name)\n",
+        ),
+        ("pkg/models/__init__.py", 'def load(name):\n    return import_module("pkg.models.%s" % name)\n'),
+        (
+            "pkg/models/__init__.py",
+            'def __getattr__(name):\n    return import_module(f".{name}", __name__)\n',
+        ),
+        (
+            "pkg/models/__init__.py",
+            "def __getattr__(name):\n    return import_module('.' + name, __name__)\n",
+        ),
+    ],
+)
+def test_modules_a_package_imports_by_a_name_it_makes_run_on_demand(registry: tuple[str, str]) -> None:
+    """vLLM 0.5.5's model registry imports `f"vllm.model_executor.models.{module_name}"` for the model
+    it serves, and its SigLIP module, which three vision models import at their top, imports
+    `vllm_flash_attn` at its own: FlashAttention loads with those models only, so vLLM runs on a T4
+    without it. Nothing else imports a model module; without the registry's made name each would
+    count as run at import (a script, or what a user imports), and the extension as needed. A module
+    of that package its own package names whole still runs at import."""
+    layer = [
+        ("pkg/__init__.py", "from pkg import engine\n"),
+        ("pkg/engine.py", "def start(arch):\n    from pkg.models import load\n    return load(arch)\n"),
+        ("pkg/models/paligemma.py", "from pkg.models.siglip import Vision\n"),
+        ("pkg/models/siglip.py", "from fastlib import attention\n"),
+        ("fastlib/__init__.py", "import fastlib_cuda\n"),
+    ]
+    fast = f"{SITE}/fastlib_cuda.cpython-311-x86_64-linux-gnu.so"
+    assert sites(*layer).state(fast) == "required"  # paligemma: imported by nothing, so it runs
+    assert sites(*layer, registry).state(fast) == "optional"
+    named = ("pkg/config.py", 'DEFAULT = "pkg.models.paligemma.Model"\n')
+    assert sites(*layer, registry, named).state(fast) == "required"
+    elsewhere = ("other/loader.py", 'def load(name):\n    return import_module(f"pkg.models.{name}")\n')
+    assert sites(*layer, elsewhere).state(fast) == "required"  # another package's made name
+
+
 def test_a_layer_not_read_whole_needs_what_any_module_level_site_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -52,6 +52,7 @@ from tests.gpu_packages import (
     TORCH_214,
     TORCHAO_018,
     VLLM,
+    VLLM_055,
     VLLM_061,
     VLLM_085,
     VLLM_FLASH_ATTN_261,
@@ -713,6 +714,34 @@ def test_vllm_0_6_1_loads_flash_attention_only_where_its_selector_picks_it() -> 
     backend = (VLLM_061, "vllm/attention/backends/flash_attn.py")
     (path,) = member_files(backend[0], lambda name: name == backend[1]).values()
     assert re.search(r"^from vllm_flash_attn import", path.read_text(), re.MULTILINE)  # at its top
+
+
+def test_vllm_0_5_5_loads_flash_attention_with_the_models_that_import_it() -> None:
+    """vLLM 0.5.5 imports `vllm_flash_attn` at the top of its SigLIP module alone, which PaliGemma,
+    LLaVA and LLaVA-NeXT import at theirs; nothing imports a model module but the registry, which
+    imports `f"vllm.model_executor.models.{module_name}"` for the model it serves. So FlashAttention
+    (SASS sm_80 and sm_90 only) loads with those models: vLLM runs on a T4 without it, as its selector
+    (XFormers below 8.0) runs it. Before the registry's made name was read, each model module counted
+    as run at import, and the T4 and V100 were refused."""
+    extension = f"{SITE}/vllm_flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so"
+    loads = LoadSites()
+    sources = dict(python_sources(VLLM_055, VLLM_FLASH_ATTN_261))
+    for name, path in sources.items():
+        loads.add_source(f"{SITE}/{name}", path.read_bytes())
+    assert not loads.truncated and loads.sites_read > 8000
+    assert loads.state(extension) == "optional"
+    registry = sources["vllm/model_executor/models/__init__.py"].read_text()
+    assert 'f"vllm.model_executor.models.{module_name}"' in registry
+    siglip = sources["vllm/model_executor/models/siglip.py"].read_text()
+    assert re.search(r"^from vllm_flash_attn import", siglip, re.MULTILINE)  # at its top
+    importers = [
+        name
+        for name, path in sources.items()
+        if re.search(r"^from \.siglip import", path.read_text(), re.MULTILINE)
+    ]
+    assert sorted(importers) == [
+        f"vllm/model_executor/models/{model}.py" for model in ("llava", "llava_next", "paligemma")
+    ]
 
 
 def test_vllm_0_8_5_needs_its_core_where_it_resolves_its_platform_by_name() -> None:

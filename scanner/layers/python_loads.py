@@ -27,7 +27,10 @@ a `try:` of its own, inside a loop, so `_C_cutlass_90a.abi3.so` (Hopper only) an
 A module-level import only runs when its own module does. The imports are also a graph: each
 module's unguarded module-level imports (and its parent packages, which Python imports first) are
 what importing it runs. A module runs at import when nothing in the layer imports it (a package's
-top, a script, a module resolved by name, what the image's own code or its user imports), when its
+top, a script, what the image's own code or its user imports) and its package does not import its
+modules by a name made at run time (vLLM 0.5.5's model registry imports
+`f"vllm.model_executor.models.{module_name}"` for the model it serves: its model modules run on
+demand, and so does the FlashAttention their SigLIP module imports), when its
 own package quotes its dotted name (vLLM 0.8.5 resolves `"vllm.platforms.cuda.CudaPlatform"` by name
 when it first asks for its platform, though a function also imports that module), or when a module
 that runs imports it at module level. vLLM 0.6.1 imports `vllm_flash_attn` at the top of its
@@ -89,6 +92,13 @@ _STATEMENT = re.compile(
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
 _QUOTED_NAME = re.compile(r"""['"]([\w.*?-]{1,200})['"]""")  # a quoted file name or pattern: linear
 _QUALIFIED = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")  # a dotted name, quoted
+_CONCATENATED = re.compile(rb"[ \t]*\+")  # `"pkg.plugins." + name`: the rest of the name is made
+# `import_module(f".{name}", __name__)`, `import_module("." + name, "pkg.plugins")`: the package's name
+# the second argument, `__name__` or `__package__` the file's own package (another expression: not read)
+_RELATIVE_MADE = re.compile(
+    rb"""import_module\([ \t]*(?:f['"]\.\{[^'"\n]{0,200}['"]|(['"])\.\1[ \t]*\+[ \t]*[\w.]{1,200})"""
+    rb"""[ \t]*,[ \t]*(?:package[ \t]*=[ \t]*)?(__name__|__package__|(['"])([\w.]{1,512})\3)[ \t]*[,)]"""
+)
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
@@ -143,6 +153,9 @@ class LoadSites:
     _named: set[int] = field(default_factory=set, repr=False)
     _named_down_to: dict[int, int] = field(default_factory=dict, repr=False)  # `_name`'s progress per name
     _by_name: set[int] = field(default_factory=set, repr=False)  # named in a string of their own package
+    # packages whose modules the layer imports by a name made at run time (their modules run on demand)
+    _on_demand: set[int] = field(default_factory=set, repr=False)
+    _parent: dict[int, int] = field(default_factory=dict, repr=False)  # a module read -> its package
     _runs: set[int] | None = field(default=None, repr=False)  # what runs at import (`_at_import`)
 
     @property
@@ -160,7 +173,10 @@ class LoadSites:
         found: list[tuple[int, int, list[str] | None]] = []  # (offset, indent, targets; None: by path)
         for match in _STATEMENT.finditer(text):
             found.append((match.start(), len(match.group(1)), _targets(match, package)))
-        named = _qualified_names(text, module.partition(".")[0])
+        named, made = _qualified_names(text, module.partition(".")[0])
+        if b"import_module(" in text:
+            for relative in _RELATIVE_MADE.finditer(text):
+                made.append(relative.group(4).decode() if relative.group(4) else package)
         for call in _LOAD_CALLS:
             at = text.find(call)
             while at >= 0:
@@ -170,7 +186,9 @@ class LoadSites:
                     found.append((line, at - line - 1 - len(content), None))
                 at = text.find(call, at + 1)
         by_path = sum(1 for site in found if site[2] is None)
-        sites = sum(1 if targets is None else len(targets) for _, _, targets in found) + len(named)
+        sites = (
+            sum(1 if targets is None else len(targets) for _, _, targets in found) + len(named) + len(made)
+        )
         if self.sites_read + sites > MAX_SITES_PER_LAYER:
             self.truncated_by = "MAX_SITES_PER_LAYER"
             return
@@ -185,9 +203,14 @@ class LoadSites:
         parts = module.split(".")
         for depth in range(1, len(parts)):  # importing a module imports its parent packages first
             outgoing.append(self._node(".".join(parts[:depth])))
+        if len(parts) > 1:
+            self._parent[source] = outgoing[-1]
         for name in named:  # "vllm.platforms.cuda.CudaPlatform": the module, or the module of an attribute
             self._by_name.add(self._node(name))
             self._by_name.add(self._node(name.rpartition(".")[0]))
+        for name in made:  # f"vllm.model_executor.models.{name}": that package's modules load on demand
+            if name:
+                self._on_demand.add(self._node(name))
         if not found:
             return
         found.sort(key=lambda site: site[0])
@@ -279,9 +302,16 @@ class LoadSites:
 
     def _at_import(self) -> set[int]:
         """The modules (and the names they import) that run when the layer's packages are imported:
-        everything reached over unguarded module-level imports from the modules nothing imports."""
+        everything reached over unguarded module-level imports from the modules nothing imports, but
+        those of a package whose modules are imported by a name made at run time."""
         if self._runs is None:
-            runs = {node for node in self._read if node not in self._named or node in self._by_name}
+            on_demand, parent = self._on_demand, self._parent
+            runs = {
+                node
+                for node in self._read
+                if node in self._by_name
+                or (node not in self._named and parent.get(node, -1) not in on_demand)
+            }
             waiting = list(runs)
             while waiting:
                 for target in self._edges.get(waiting.pop(), ()):
@@ -321,23 +351,36 @@ class LoadSites:
         return "optional" if any(hit is not None for hit in hits) else None
 
 
-def _qualified_names(text: bytes, top: str) -> list[str]:
-    """The dotted names of the file's own top-level package quoted in its text
-    (`"vllm.platforms.cuda.CudaPlatform"`, which `resolve_obj_by_qualname` imports): a module named so
-    may be imported by name, at any time, so it counts as run at import. Each hit is read once."""
-    found: list[str] = []
+def _qualified_names(text: bytes, top: str) -> tuple[list[str], list[str]]:
+    """The dotted names of the file's own top-level package quoted in its text, and the packages whose
+    modules it names by a name made at run time.
+
+    A whole name (`"vllm.platforms.cuda.CudaPlatform"`, which `resolve_obj_by_qualname` imports) is a
+    module that may be imported by name, at any time, so it counts as run at import. A quoted package
+    followed by a placeholder or a `+` (`f"vllm.model_executor.models.{module_name}"`, `"pkg.plugins." +
+    name`, `"pkg.plugins.%s"`) makes a module's name when it is needed: vLLM 0.5.5's model registry
+    imports the module of the model it serves, so the modules of that package run on demand. Each
+    hit is read once."""
+    named: list[str] = []
+    made: list[str] = []
     if not top:
-        return found
+        return named, made
     for quote in (b'"', b"'"):
         needle = quote + top.encode() + b"."
         at = text.find(needle)
         while at >= 0:
             match = _QUALIFIED.match(text, at + 1)
             end = match.end() if match is not None else at
-            if match is not None and text[end : end + 1] == quote and end - match.start() <= MAX_MODULE_NAME:
-                found.append(match.group().decode())
+            if match is not None and end - match.start() <= MAX_MODULE_NAME:
+                after = text[end : end + 2]
+                if after[:1] == quote:
+                    named.append(match.group().decode())
+                elif after in (b".{", b".%") or (
+                    after == b"." + quote and _CONCATENATED.match(text, end + 2)
+                ):
+                    made.append(match.group().decode())
             at = text.find(needle, at + 1)
-    return found
+    return named, made
 
 
 def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
