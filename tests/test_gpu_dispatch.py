@@ -64,6 +64,22 @@ def test_module_level_imports_need_the_extension_guarded_and_lazy_ones_do_not() 
     assert loads.state(f"{SITE}/pkg/_never.abi3.so") is None
 
 
+@pytest.mark.parametrize("method", ["def import_module(self, name):", "async def load_library(self, path):"])
+def test_a_method_named_like_a_load_call_loads_nothing(method: str) -> None:
+    """torch.package's `PackageImporter` defines `import_module`, in a class whose text names
+    `torch._C`. Read as a call, that class's text was a module-level scope naming `_C`, and every
+    extension called `_C` in the layer was needed: xformers' (loaded in a `try:`) and vLLM 0.6.3's
+    (imported in a `try:`), wherever torch shared their layer."""
+    importer = (
+        "torch/package/importer.py",
+        f'class Importer:\n    """Imports modules, torch._C\'s too."""\n\n    {method}\n        return name\n',
+    )
+    guarded = ("xlib/__init__.py", "try:\n    from . import _C\nexcept ImportError:\n    _C = None\n")
+    assert sites(importer, guarded).state(f"{SITE}/xlib/_C.so") == "optional"
+    called = ("torch/ops.py", 'import ctypes\n_C = ctypes.CDLL("libtorch_cuda.so")  # loads, naming _C\n')
+    assert sites(importer, guarded, called).state(f"{SITE}/xlib/_C.so") == "required"
+
+
 def test_a_block_closed_by_a_dedent_no_longer_guards() -> None:
     loads = sites(
         ("pkg/__init__.py", "try:\n    import json\nexcept ImportError:\n    pass\nimport pkg._core\n")

@@ -16,7 +16,8 @@ how it runs:
 
 A load site is an `import`/`from ... import` statement (relative imports resolved against the
 file's package), `importlib.import_module("...")`, or a call that loads a library by path
-(`torch.ops.load_library`, `ctypes.CDLL`, `cdll.LoadLibrary`). For a call, the text of its scope
+(`torch.ops.load_library`, `ctypes.CDLL`, `cdll.LoadLibrary`; a method defined with one of those
+names, as torch.package's `def import_module(self, ...)`, is not a call). For a call, the text of its scope
 up to the call stands for what is loaded: the enclosing function, or else the outermost block
 around it (its last `MAX_BLOCK_TEXT` bytes), or else its own line. An extension is named there by
 its module name as a word, or, in its own package's code, by a quoted glob pattern that matches
@@ -90,6 +91,8 @@ _STATEMENT = re.compile(
     rb"\n([ \t]*)(?:from[ \t]+([.\w]+)[ \t]+import[ \t]+\(?([^#\n]*)|import[ \t]+([^#\n]*))"
 )
 _LOAD_CALLS = (b"import_module(", b"load_library(", b"CDLL(", b"LoadLibrary(")
+# `def import_module(self, name):` (torch.package's PackageImporter): a definition, not a call
+_DEFINITION = re.compile(rb"(?:async[ \t]+)?def[ \t]+\w*")
 _QUOTED_NAME = re.compile(r"""['"]([\w.*?-]{1,200})['"]""")  # a quoted file name or pattern: linear
 _QUALIFIED = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")  # a dotted name, quoted
 _CONCATENATED = re.compile(rb"[ \t]*\+")  # `"pkg.plugins." + name`: the rest of the name is made
@@ -182,7 +185,7 @@ class LoadSites:
             while at >= 0:
                 line = text.rfind(b"\n", 0, at)
                 content = text[line + 1 : at].lstrip(b" \t")
-                if not content.startswith(b"#"):
+                if not content.startswith(b"#") and not _DEFINITION.fullmatch(content):
                     found.append((line, at - line - 1 - len(content), None))
                 at = text.find(call, at + 1)
         by_path = sum(1 for site in found if site[2] is None)
