@@ -69,15 +69,38 @@ def test_a_method_named_like_a_load_call_loads_nothing(method: str) -> None:
     """torch.package's `PackageImporter` defines `import_module`, in a class whose text names
     `torch._C`. Read as a call, that class's text was a module-level scope naming `_C`, and every
     extension called `_C` in the layer was needed: xformers' (loaded in a `try:`) and vLLM 0.6.3's
-    (imported in a `try:`), wherever torch shared their layer."""
+    (imported in a `try:`), wherever torch shared their layer. Here the class is in the extension's
+    own package, where a real call's words do name it."""
     importer = (
-        "torch/package/importer.py",
+        "xlib/package/importer.py",
         f'class Importer:\n    """Imports modules, torch._C\'s too."""\n\n    {method}\n        return name\n',
     )
     guarded = ("xlib/__init__.py", "try:\n    from . import _C\nexcept ImportError:\n    _C = None\n")
     assert sites(importer, guarded).state(f"{SITE}/xlib/_C.so") == "optional"
-    called = ("torch/ops.py", 'import ctypes\n_C = ctypes.CDLL("libtorch_cuda.so")  # loads, naming _C\n')
+    called = ("xlib/ops.py", 'import ctypes\n_C = ctypes.CDLL("_C.so")  # a call, at module level\n')
     assert sites(importer, guarded, called).state(f"{SITE}/xlib/_C.so") == "required"
+
+
+def test_a_call_that_loads_by_path_names_its_own_packages_extensions() -> None:
+    """torch loads libraries by path at module level in scopes that say `os.path.join`; pylibcudf
+    ships `join.abi3.so`, `replace.abi3.so` and `round.abi3.so`. With torch in its layer, each of those
+    read as needed. The words of a call's scope name its own top-level package's extension modules; a
+    file outside any package is named by any scope's words, as before."""
+    torch_init = (
+        "torch/__init__.py",
+        "import ctypes, os\n_lib = ctypes.CDLL(os.path.join(os.path.dirname(__file__), 'lib', 'libtorch_global_deps.so'))\n",
+    )
+    assert sites(torch_init).state(f"{SITE}/pylibcudf/join.abi3.so") is None
+    own = (
+        "pylibcudf/__init__.py",
+        "import ctypes, os\nctypes.CDLL(os.path.join(os.path.dirname(__file__), 'x'))\n",
+    )
+    assert sites(torch_init, own).state(f"{SITE}/pylibcudf/join.abi3.so") == "required"
+    loads = sites(torch_init)
+    loads.add_source(
+        "/opt/app/main.py", b"import ctypes, os\nctypes.CDLL(os.path.join('/opt/app', 'join.so'))\n"
+    )
+    assert loads.state("/opt/app/join.so") == "required"
 
 
 def test_a_block_closed_by_a_dedent_no_longer_guards() -> None:

@@ -82,7 +82,7 @@ from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, ImportState, InferredCuda
 
-CUDA_EVIDENCE_SCHEMA = 12  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 13  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -91,7 +91,8 @@ CUDA_EVIDENCE_SCHEMA = 12  # 2: containers carry their section; 3: and whether t
 # 9: a PTX entry beside a kernel-free cubin of its arch holds no kernel (cuda-cccl);
 # 10: an extension imported at module level is needed only where that module runs at import;
 # 11: the modules of a package that imports them by a name made at run time run on demand;
-# 12: a method defined with a load call's name (`def import_module(self, ...)`) loads nothing
+# 12: a method defined with a load call's name (`def import_module(self, ...)`) loads nothing;
+# 13: a load-by-path call's words name its own top-level package's extension modules only
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES

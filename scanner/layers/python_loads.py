@@ -20,7 +20,8 @@ file's package), `importlib.import_module("...")`, or a call that loads a librar
 names, as torch.package's `def import_module(self, ...)`, is not a call). For a call, the text of its scope
 up to the call stands for what is loaded: the enclosing function, or else the outermost block
 around it (its last `MAX_BLOCK_TEXT` bytes), or else its own line. An extension is named there by
-its module name as a word, or, in its own package's code, by a quoted glob pattern that matches
+its module name as a word in its own top-level package's code (any code, for a file outside a
+package), or, in its own package's code, by a quoted glob pattern that matches
 its file name as `glob` would: torchao 0.18 globs `"_C*.so"` in a `try:` and loads each match in
 a `try:` of its own, inside a loop, so `_C_cutlass_90a.abi3.so` (Hopper only) and
 `_C_mxfp8...so` (Blackwell) are both optional.
@@ -147,6 +148,7 @@ class LoadSites:
     _modules: dict[str, bool] = field(default_factory=dict, repr=False)  # dotted target -> at module level
     _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
     _words: dict[str, bool] = field(default_factory=dict, repr=False)  # a word in a by-path scope -> same
+    _own_words: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> word -> same
     _globs: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> glob -> same
     # the import graph: dotted names as numbers, what each module read imports at module level
     # (unguarded), the modules read, and the names imported from outside their own package line
@@ -261,8 +263,10 @@ class LoadSites:
             self.truncated_by = "MAX_LOAD_NAMES"
 
     def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
+        own = self._own_words.setdefault(top, {})
         for word in _WORD.findall(scope):
             self._note(self._words, word, at_module)
+            self._note(own, word, at_module)
         globs = self._globs.setdefault(top, {})
         for pattern in _QUOTED_NAME.findall(scope):
             if "*" not in pattern and "?" not in pattern:
@@ -344,7 +348,10 @@ class LoadSites:
             hits = [self._modules.get(dotted)]
             if hits[0] and not self.truncated:  # a module-level site: does its module run at import?
                 hits[0] = self._nodes[dotted] in self._at_import()
-        hits.append(self._words.get(name))
+        # a call names its own package's extensions (torch's `os.path.join` names no `join.abi3.so` of cuDF's)
+        hits.append(
+            self._own_words.get(dotted.partition(".")[0], {}).get(name) if dotted else self._words.get(name)
+        )
         if dotted:  # a glob names files of its own package
             basename = posixpath.basename(extension_path)
             globs = self._globs.get(dotted.partition(".")[0], {})
