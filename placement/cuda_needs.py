@@ -326,7 +326,8 @@ def summary(gpu: GpuFacts, rule: Rule = "dispatch") -> str | None:
 
 
 def hint(gpus: Sequence[GpuFacts], gpus_requested: int | None) -> str | None:
-    """The hint for a request without `gpus` for an image that carries CUDA but declares no GPU."""
+    """The hint for a request without GPUs (`gpus`, or MIG devices, counted in `gpus_requested`) for
+    an image that carries CUDA but declares no GPU."""
     if gpus_requested:
         return None
     for gpu in gpus:

@@ -69,8 +69,11 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     hints = [
         hint
         for hint in (
-            cuda_needs.hint([platform.gpu for platform in image.platforms], request.gpus),
-            image.idle_gpus_hint(request.gpus),
+            cuda_needs.hint(
+                [platform.gpu for platform in image.platforms], request.gpus or request.slices_needed
+            ),
+            image.idle_gpus_hint(request.gpus, request.slices_needed),
+            image.mig_devices_hint(request.slices_needed),
         )
         if hint
     ]

@@ -56,15 +56,31 @@ class ImageFacts(BaseModel):
         says what could change)."""
         return strongest(gpu_use(p.gpu.required, carries_cuda(p.gpu)) for p in self.platforms)
 
-    def idle_gpus_hint(self, gpus_requested: int | None) -> str | None:
-        """The hint for GPUs asked for an image that shows no sign of using one (they would idle)."""
-        if not gpus_requested or self.gpu_use != "none" or not self.platforms:
+    def idle_gpus_hint(self, gpus_requested: int | None, mig_devices: int = 0) -> str | None:
+        """The hint for GPUs (or MIG devices) asked for an image that shows no sign of using one
+        (they would idle)."""
+        if not (gpus_requested or mig_devices) or self.gpu_use != "none" or not self.platforms:
             return None
         so_far = " so far (its layers are still being read)" if self.pending else ""
+        if gpus_requested:
+            reserved, leave = f"{gpus_requested} GPU(s)", "gpus"
+        else:
+            reserved, leave = f"{mig_devices} MIG device(s)", "mig_devices and mig_profiles"
         return (
             f"shows no sign of using a GPU{so_far}: no NVIDIA or CUDA settings in its config, no CUDA"
-            f" in its layers; the {gpus_requested} GPU(s) reserved for it would sit idle (leave gpus"
+            f" in its layers; the {reserved} reserved for it would sit idle (leave {leave}"
             " out to place it on any server)"
+        )
+
+    def mig_devices_hint(self, mig_devices: int) -> str | None:
+        """The hint for more than one MIG device asked for an image that uses a GPU: one CUDA process
+        sees one of them."""
+        if mig_devices < 2 or self.gpu_use == "none" or not self.platforms:
+            return None
+        return (
+            f"a CUDA process enumerates one MIG device, however many its container is given (NVIDIA's MIG"
+            f" user guide): the {mig_devices} MIG devices serve {mig_devices} processes, each started with"
+            " one MIG UUID in CUDA_VISIBLE_DEVICES; one process cannot spread over them"
         )
 
     @property

@@ -16,7 +16,7 @@ from placement.image_facts import ImageFacts
 from placement.index import FleetIndex
 from placement.inventory import Server, parse_inventory
 from placement.request import DeployRequest
-from scanner.models import GpuFacts, ImageReport, PlatformReport
+from scanner.models import GpuFacts, ImageReport, InferredCuda, PlatformReport
 from store import GpuTaken, SqliteStore, queries
 from tests.fake_pynvml import FakeNvml, a100_40gb_mig, h100, h200_mig
 
@@ -137,6 +137,34 @@ def test_image_requirements_apply_to_the_parent_gpu() -> None:
     assert {e["server"] for e in cuda13.eligible} == {"h200-mig", "b200-mig"}  # drivers with CUDA 13.0
     h200 = decide(image(), DeployRequest(mig_devices=2, gpu_models=["h200"]), FLEET)
     assert [e["server"] for e in h200.eligible] == ["h200-mig"]
+
+
+def facts_of(gpu: GpuFacts) -> ImageFacts:
+    platform = PlatformReport(platform="linux/amd64", digest="sha256:" + "8" * 64, gpu=gpu)
+    return ImageFacts.from_report(ImageReport(reference="example/other:1", platforms=[platform]))
+
+
+def test_hints_count_mig_devices_as_the_gpus_asked_for() -> None:
+    """MIG devices asked for are GPUs asked for: an image that carries CUDA is not told to ask for
+    gpus, and one that shows no sign of a GPU is told its MIG devices would idle. More than one MIG
+    device for a GPU image says what CUDA does with them: a process enumerates one."""
+    carried = facts_of(GpuFacts(required=False, inferred=InferredCuda(cuda="12.1", sources=["torch 2.3.0"])))
+    assert decide(carried, DeployRequest(), FLEET).hints == [
+        "carries CUDA 12.1 (torch 2.3.0): ask for gpus to run it on a GPU"
+    ]
+    assert decide(carried, DeployRequest(mig_devices=1), FLEET).hints == []
+    assert decide(carried, DeployRequest(mig_profiles=["1g.10gb"]), FLEET).hints == []
+    cpu = facts_of(GpuFacts(required=False))
+    (idle,) = decide(cpu, DeployRequest(mig_devices=2), FLEET).hints
+    assert (
+        "the 2 MIG device(s) reserved for it would sit idle (leave mig_devices and mig_profiles out" in idle
+    )
+    (whole,) = decide(cpu, DeployRequest(gpus=2), FLEET).hints
+    assert "the 2 GPU(s) reserved for it would sit idle (leave gpus out" in whole
+    (spread,) = decide(image(), DeployRequest(mig_devices=3, min_gpu_memory="9Gi"), FLEET).hints
+    assert spread.startswith("a CUDA process enumerates one MIG device") and "3 processes" in spread
+    assert decide(image(), DeployRequest(mig_devices=1), FLEET).hints == []
+    assert len(decide(carried, DeployRequest(mig_devices=2), FLEET).hints) == 1  # it uses CUDA: spread
 
 
 def test_requests_ask_for_one_kind() -> None:
