@@ -170,11 +170,21 @@ def gpu_resources(container: Container) -> set[str]:
 
 def gpu_count(container: Container) -> int:
     """GPUs and MIG devices the container asks for (nvidia.com/gpu, nvidia.com/mig-*); 0 when absent or bad."""
+    return _requested(container, gpu_resources(container))
+
+
+def mig_device_count(container: Container) -> int:
+    """MIG devices the container asks for under the mixed strategy (every nvidia.com/mig-* resource)."""
+    return _requested(container, gpu_resources(container) - {GPU_RESOURCE})
+
+
+def _requested(container: Container, names: set[str]) -> int:
+    """The sum of the container's limits (else requests) of `names`; a value that is not a count is 0."""
     resources = container.resources
     if resources is None:
         return 0
     total = 0
-    for name in gpu_resources(container):
+    for name in names:
         value = resources.limits.get(name, resources.requests.get(name))
         try:
             total += max(0, int(str(value))) if value is not None else 0
@@ -257,6 +267,13 @@ def review_pod(
                 review.denials.append(problem)
             else:
                 review.warnings.append(problem)
+        slices = mig_device_count(ref.container)
+        if slices > 1:
+            review.warnings.append(
+                f"{ref.label} runs {image} on {slices} MIG devices: a CUDA process enumerates one MIG device"
+                " (NVIDIA's MIG user guide), so they serve as many processes, each started with one MIG UUID"
+                " in CUDA_VISIBLE_DEVICES"
+            )
         unreachable = unreachable_reason(report, terms)
         if unreachable is not None:
             review.denials.append(f"{ref.label} runs {image}: {unreachable}")

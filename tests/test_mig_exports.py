@@ -367,6 +367,16 @@ def test_nomad_selects_mig_devices_by_name_and_never_an_ineligible_node(
     assert NOT_A_MIG_DEVICE in body["hcl"] or request.slices_needed or "${device.model}" in body["hcl"]
 
 
+def test_two_mig_devices_note_that_a_cuda_process_sees_one() -> None:
+    for format in ("kubernetes", "dra", "nomad"):
+        two = export_constraints(IMAGES["cuda-12.2"], REQUESTS["two-mig"], KNOWN, format)
+        assert any(note.startswith("a CUDA process enumerates one MIG device") for note in two["notes"]), (
+            format
+        )
+        one = export_constraints(IMAGES["cuda-12.2"], REQUESTS["profile-1g.10gb"], KNOWN, format)
+        assert not any("enumerates one MIG device" in note for note in one["notes"]), format
+
+
 def test_akash_says_it_has_no_mig() -> None:
     body = export_constraints(IMAGES["cuda-12.2"], REQUESTS["profile-1g.10gb"], KNOWN, "akash")
     assert body["sdl"] is None and any("Akash has no MIG" in note for note in body["notes"])
@@ -376,7 +386,8 @@ def test_akash_says_it_has_no_mig() -> None:
 
 def test_admission_counts_a_mig_device_as_a_gpu_request() -> None:
     """A pod asking for nvidia.com/mig-1g.10gb (mixed strategy) has its GPU: not denied, not patched
-    with an nvidia.com/gpu it would then also have to get."""
+    with an nvidia.com/gpu it would then also have to get. A container given two MIG devices is
+    warned that one CUDA process sees one of them."""
     report = ImageReport(
         reference="example/mig:1",
         gpu_required=True,
@@ -410,6 +421,15 @@ def test_admission_counts_a_mig_device_as_a_gpu_request() -> None:
     assert profile_from_resource("nvidia.com/gpu") is None
     bare = review_pod(pod({}), {"example/mig:1": report})
     assert not bare.allowed and "nvidia.com/mig-<profile>" in bare.message
+    assert not review.warnings
+    two = review_pod(
+        pod({"limits": {"nvidia.com/mig-1g.10gb": "1", "nvidia.com/mig-2g.20gb": "1"}}),
+        {"example/mig:1": report},
+    )
+    (spread,) = two.warnings
+    assert two.allowed and "on 2 MIG devices: a CUDA process enumerates one MIG device" in spread
+    whole = review_pod(pod({"limits": {"nvidia.com/gpu": "2"}}), {"example/mig:1": report})
+    assert whole.allowed and not whole.warnings
 
 
 def test_the_cli_prints_both_strategies_as_yaml_documents() -> None:

@@ -431,6 +431,9 @@ def build_constraints(image: ImageFacts, request: DeployRequest, fleet: Sequence
         result.platforms.append(_platform(platform, request, fleet, result))
     if not image.platforms:
         result.note("the image has no runnable platform")
+    spread = image.mig_devices_hint(request.slices_needed)
+    if spread:
+        result.note(spread)
     if not result.satisfiable:
         result.note("no node can run this image with this request; the constraints match nothing")
     return result
