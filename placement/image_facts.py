@@ -74,13 +74,13 @@ class ImageFacts(BaseModel):
 
     def mig_devices_hint(self, mig_devices: int) -> str | None:
         """The hint for more than one MIG device asked for an image that uses a GPU: one CUDA process
-        sees one of them."""
+        sees one of them. Like every hint, it reads after "the image"."""
         if mig_devices < 2 or self.gpu_use == "none" or not self.platforms:
             return None
         return (
-            f"a CUDA process enumerates one MIG device, however many its container is given (NVIDIA's MIG"
-            f" user guide): the {mig_devices} MIG devices serve {mig_devices} processes, each started with"
-            " one MIG UUID in CUDA_VISIBLE_DEVICES; one process cannot spread over them"
+            f"needs a process per MIG device to use all {mig_devices}: a CUDA process enumerates one MIG"
+            " device, however many its container is given (NVIDIA's MIG user guide), so start each with one"
+            " MIG UUID in CUDA_VISIBLE_DEVICES"
         )
 
     @property

@@ -370,7 +370,7 @@ def test_nomad_selects_mig_devices_by_name_and_never_an_ineligible_node(
 def test_two_mig_devices_note_that_a_cuda_process_sees_one() -> None:
     for format in ("kubernetes", "dra", "nomad"):
         two = export_constraints(IMAGES["cuda-12.2"], REQUESTS["two-mig"], KNOWN, format)
-        assert any(note.startswith("a CUDA process enumerates one MIG device") for note in two["notes"]), (
+        assert any(note.startswith("the image needs a process per MIG device") for note in two["notes"]), (
             format
         )
         one = export_constraints(IMAGES["cuda-12.2"], REQUESTS["profile-1g.10gb"], KNOWN, format)

@@ -433,7 +433,7 @@ def build_constraints(image: ImageFacts, request: DeployRequest, fleet: Sequence
         result.note("the image has no runnable platform")
     spread = image.mig_devices_hint(request.slices_needed)
     if spread:
-        result.note(spread)
+        result.note(f"the image {spread}")
     if not result.satisfiable:
         result.note("no node can run this image with this request; the constraints match nothing")
     return result
