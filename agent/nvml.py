@@ -134,6 +134,7 @@ def _read_mig_device(nvml: Any, mig: Any, index: int, parent_total_bytes: int) -
         multiprocessors=int(attributes.multiprocessorCount),
         gpu_instance_id=_optional_id(nvml, "nvmlDeviceGetGpuInstanceId", mig),
         compute_instance_id=_optional_id(nvml, "nvmlDeviceGetComputeInstanceId", mig),
+        decoders=int(attributes.sharedDecoderCount),
     )
 
 

@@ -42,6 +42,7 @@ class GpuClass:
     mig_profile: str | None = None  # None: a whole GPU
     multiprocessors: int = 0  # a MIG device's SMs (0 for a whole GPU: NVML's count is not read)
     parent_memory_mib: int = 0  # a MIG device's parent GPU memory
+    decoders: int | None = None  # a MIG device's video decoders (NVDEC); None: not known, or a whole GPU
 
     @property
     def label(self) -> str:
@@ -137,9 +138,9 @@ class FleetIndex:
     classes: list[GpuClass] = field(default_factory=list)
     shape_count: int = 0  # shapes ever seen; present ones are in the view
     label_sets: list[dict[str, str]] = field(default_factory=list)
-    _class_ids: dict[tuple[str, int, str, str, str | None, str | None, str | None, int, int], int] = field(
-        default_factory=dict
-    )
+    _class_ids: dict[
+        tuple[str, int, str, str, str | None, str | None, str | None, int, int, int | None], int
+    ] = field(default_factory=dict)
     _shape_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _label_ids: dict[tuple[tuple[str, str], ...], int] = field(default_factory=dict)
     _view: IndexView | None = None
@@ -291,7 +292,9 @@ class FleetIndex:
                     if parent_busy or device.uuid in busy:
                         busy_mig_devices += 1
                         continue
-                    key: tuple[str, int, str, str, str | None, str | None, str | None, int, int] = (
+                    key: tuple[
+                        str, int, str, str, str | None, str | None, str | None, int, int, int | None
+                    ] = (
                         gpu.name,
                         device.memory_mib,
                         gpu.compute_capability,
@@ -301,6 +304,7 @@ class FleetIndex:
                         device.profile,
                         device.multiprocessors,
                         gpu.memory_mib,
+                        device.decoders,
                     )
                     class_id = class_ids.get(key)
                     if class_id is None:
@@ -311,7 +315,18 @@ class FleetIndex:
             if uuid in busy:
                 busy_gpus += 1
                 continue
-            key = (gpu.name, gpu.memory_mib, gpu.compute_capability, gpu.brand, driver, cuda, None, 0, 0)
+            key = (
+                gpu.name,
+                gpu.memory_mib,
+                gpu.compute_capability,
+                gpu.brand,
+                driver,
+                cuda,
+                None,
+                0,
+                0,
+                None,
+            )
             class_id = class_ids.get(key)
             if class_id is None:
                 class_id = class_ids[key] = len(self.classes)

@@ -83,6 +83,12 @@ class MigDevice(BaseModel):
     multiprocessors: int = Field(default=0, ge=0)
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    decoders: int | None = Field(
+        default=None,
+        ge=0,
+        description="video decoders (NVDEC) in the MIG device, NVML's sharedDecoderCount: a 1g.5gb of an A100"
+        " has none, its 1g.5gb+me one; None: not known",
+    )
 
     @field_validator("profile", mode="before")
     @classmethod

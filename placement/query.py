@@ -48,6 +48,7 @@ class Plan:
     passes: dict[int, tuple[str, ...]] = field(default_factory=dict)  # why each usable GPU class suits
     inferred: GpuFacts | None = None  # CUDA found in the layers: driver floor and archs per GPU
     rule: Rule = "dispatch"  # how the image's GPU code is judged (placement.gpu_code)
+    video: bool = False  # NVIDIA_DRIVER_CAPABILITIES asks for `video` (or `all`): NVDEC and NVENC libraries
 
 
 def _cuda_major(facts: GpuFacts) -> int | None:
@@ -55,6 +56,13 @@ def _cuda_major(facts: GpuFacts) -> int | None:
     text = cuda_needs.needed_cuda(facts) or facts.env.get("CUDA_VERSION", "")
     head = text.lstrip("v").split(".", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def asks_for_video(facts: GpuFacts) -> bool:
+    """Whether the image's NVIDIA_DRIVER_CAPABILITIES includes `video` (or `all`): the runtime then mounts
+    the video decode and encode libraries, which need the GPU's (or MIG device's) media engines."""
+    text = facts.env.get("NVIDIA_DRIVER_CAPABILITIES", "")
+    return bool({part.strip().lower() for part in text.split(",")} & {"video", "all"})
 
 
 def _fmt_sizes(have: int, need: int) -> tuple[str, str]:
@@ -89,6 +97,7 @@ class Query:
                 slices=slices,
                 inferred=platform.gpu if platform.gpu.inferred or platform.gpu.archs else None,
                 rule=request.gpu_code_rule or "dispatch",
+                video=asks_for_video(platform.gpu),
             )
         self.platform_names = ", ".join(p.platform for p in image.platforms) or "none"
         self.models = list(request.gpu_models)
@@ -183,13 +192,23 @@ class Query:
 
     def caveats(self) -> list[str]:
         """What the image runs without on each GPU class it is eligible on ("runs; without ...":
-        extensions used on other hardware, optional packages, NVIDIA libraries; placement.gpu_code)."""
+        extensions used on other hardware, optional packages, NVIDIA libraries; placement.gpu_code),
+        and the MIG devices with no video decoder for an image that asks for the `video` capability."""
         found: list[str] = []
         for plan in self.plans.values():
-            if plan.inferred is None:
-                continue
             for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
                 gpu = self.index.classes[class_id]
+                asked = gpu.mig_profile is not None and (
+                    not self.profiles or gpu.mig_profile in self.profiles
+                )
+                if usable and plan.video and plan.slices and asked and gpu.decoders == 0:
+                    found.append(
+                        f"on {gpu.label}: no video decoder (NVDEC) in this MIG device; the image asks for the"
+                        " video driver capability (NVIDIA_DRIVER_CAPABILITIES), and decoding on the GPU fails"
+                        " there (a profile with media engines, +me, has one)"
+                    )
+                if plan.inferred is None:
+                    continue
                 if usable and gpu.compute_capability:
                     for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
                         found.append(

@@ -187,6 +187,46 @@ def agent_server(name: str, *gpus: object) -> Server:
     return build_server(name, facts, ["runtime"], arch="x86_64", cpus=32, memory=1 << 38)
 
 
+def test_an_image_that_asks_for_video_is_warned_of_mig_devices_without_a_decoder() -> None:
+    """NVML counts each MIG device's video decoders (sharedDecoderCount): an A100-40GB's 1g.5gb has
+    none, its 1g.5gb+me one (NVIDIA's MIG user guide, as the stand-in's profiles hold them). An image
+    whose NVIDIA_DRIVER_CAPABILITIES asks for `video` (NGC's PyTorch and Triton images do) is still
+    placed there, and the answer says that GPU decoding fails on the 1g.5gb devices."""
+    server = agent_server(
+        "agent-a100",
+        a100_40gb_mig("GPU-a1000000-0000-4000-8000-000000000000", ["1g.5gb+me", "1g.5gb", "3g.20gb"]),
+    )
+    decoders = {device.profile: device.decoders for gpu in server.gpus for device in gpu.mig_devices}
+    assert decoders == {"1g.5gb+me": 1, "1g.5gb": 0, "3g.20gb": 2}
+    video = image()
+    env = {**video.platforms[0].gpu.env, "NVIDIA_DRIVER_CAPABILITIES": "compute,utility,video"}
+    gpu = video.platforms[0].gpu.model_copy(update={"env": env})
+    video = ImageFacts.from_report(
+        ImageReport(
+            reference="example/video:1",
+            platforms=[PlatformReport(platform="linux/amd64", digest="sha256:" + "9" * 64, gpu=gpu)],
+        )
+    )
+    decision = decide(video, DeployRequest(mig_devices=1), [server])
+    assert decision.eligible_count == 1
+    (warning,) = [w for w in decision.warnings if "video decoder" in w]
+    assert warning.startswith("on NVIDIA A100-SXM4-40GB MIG 1g.5gb: no video decoder (NVDEC)")
+    assert not [w for w in decide(image(), DeployRequest(mig_devices=1), [server]).warnings if "video" in w]
+    for other in (DeployRequest(mig_profiles=["3g.20gb"]), DeployRequest(gpus=1)):
+        assert not [w for w in decide(video, other, [server]).warnings if "video" in w]
+    everything = env | {"NVIDIA_DRIVER_CAPABILITIES": "all"}
+    gpu_all = gpu.model_copy(update={"env": everything})
+    facts_all = ImageFacts.from_report(
+        ImageReport(
+            reference="example/video:2",
+            platforms=[PlatformReport(platform="linux/amd64", digest="sha256:" + "a" * 64, gpu=gpu_all)],
+        )
+    )
+    assert [w for w in decide(facts_all, DeployRequest(mig_devices=1), [server]).warnings if "video" in w]
+    # an inventory file that does not say how many decoders a MIG device has: nothing is claimed
+    assert not [w for w in decide(video, DeployRequest(mig_devices=1), FLEET).warnings if "video" in w]
+
+
 def test_reservations_are_per_mig_device_and_are_released_and_reused() -> None:
     server = agent_server(
         "agent-a100",
