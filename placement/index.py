@@ -50,6 +50,10 @@ class GpuClass:
         return self.name if self.mig_profile is None else f"{self.name} MIG {self.mig_profile}"
 
 
+# GpuClass's fields, in order: what makes two units the same for placement
+ClassKey = tuple[str, int, str, str, str | None, str | None, str | None, int, int, int | None]
+
+
 @dataclass(slots=True)
 class ServerEntry:
     server: Server
@@ -138,9 +142,7 @@ class FleetIndex:
     classes: list[GpuClass] = field(default_factory=list)
     shape_count: int = 0  # shapes ever seen; present ones are in the view
     label_sets: list[dict[str, str]] = field(default_factory=list)
-    _class_ids: dict[
-        tuple[str, int, str, str, str | None, str | None, str | None, int, int, int | None], int
-    ] = field(default_factory=dict)
+    _class_ids: dict[ClassKey, int] = field(default_factory=dict)
     _shape_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _label_ids: dict[tuple[tuple[str, str], ...], int] = field(default_factory=dict)
     _view: IndexView | None = None
@@ -292,9 +294,7 @@ class FleetIndex:
                     if parent_busy or device.uuid in busy:
                         busy_mig_devices += 1
                         continue
-                    key: tuple[
-                        str, int, str, str, str | None, str | None, str | None, int, int, int | None
-                    ] = (
+                    key: ClassKey = (
                         gpu.name,
                         device.memory_mib,
                         gpu.compute_capability,

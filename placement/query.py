@@ -61,7 +61,7 @@ def _cuda_major(facts: GpuFacts) -> int | None:
 def asks_for_video(facts: GpuFacts) -> bool:
     """Whether the image's NVIDIA_DRIVER_CAPABILITIES includes `video` (or `all`): the runtime then mounts
     the video decode and encode libraries, which need the GPU's (or MIG device's) media engines."""
-    text = facts.env.get("NVIDIA_DRIVER_CAPABILITIES", "")
+    text = facts.driver_capabilities or ""
     return bool({part.strip().lower() for part in text.split(",")} & {"video", "all"})
 
 
@@ -196,20 +196,18 @@ class Query:
         and the MIG devices with no video decoder for an image that asks for the `video` capability."""
         found: list[str] = []
         for plan in self.plans.values():
+            decodes = plan.video and plan.slices > 0
             for class_id, (usable, _, _) in sorted(plan.verdicts.items()):
+                if not usable:
+                    continue
                 gpu = self.index.classes[class_id]
-                asked = gpu.mig_profile is not None and (
-                    not self.profiles or gpu.mig_profile in self.profiles
-                )
-                if usable and plan.video and plan.slices and asked and gpu.decoders == 0:
+                if decodes and gpu.decoders == 0 and (not self.profiles or gpu.mig_profile in self.profiles):
                     found.append(
                         f"on {gpu.label}: no video decoder (NVDEC) in this MIG device; the image asks for the"
                         " video driver capability (NVIDIA_DRIVER_CAPABILITIES), and decoding on the GPU fails"
                         " there (a profile with media engines, +me, has one)"
                     )
-                if plan.inferred is None:
-                    continue
-                if usable and gpu.compute_capability:
+                if plan.inferred is not None and gpu.compute_capability:
                     for caveat in cuda_needs.gpu_caveats(plan.inferred, gpu.compute_capability, plan.rule):
                         found.append(
                             f"on {gpu.label} (compute capability {gpu.compute_capability}): runs; without {caveat}"

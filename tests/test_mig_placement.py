@@ -200,7 +200,9 @@ def test_an_image_that_asks_for_video_is_warned_of_mig_devices_without_a_decoder
     assert decoders == {"1g.5gb+me": 1, "1g.5gb": 0, "3g.20gb": 2}
     video = image()
     env = {**video.platforms[0].gpu.env, "NVIDIA_DRIVER_CAPABILITIES": "compute,utility,video"}
-    gpu = video.platforms[0].gpu.model_copy(update={"env": env})
+    gpu = video.platforms[0].gpu.model_copy(
+        update={"env": env, "driver_capabilities": "compute,utility,video"}
+    )
     video = ImageFacts.from_report(
         ImageReport(
             reference="example/video:1",
@@ -215,7 +217,7 @@ def test_an_image_that_asks_for_video_is_warned_of_mig_devices_without_a_decoder
     for other in (DeployRequest(mig_profiles=["3g.20gb"]), DeployRequest(gpus=1)):
         assert not [w for w in decide(video, other, [server]).warnings if "video" in w]
     everything = env | {"NVIDIA_DRIVER_CAPABILITIES": "all"}
-    gpu_all = gpu.model_copy(update={"env": everything})
+    gpu_all = gpu.model_copy(update={"env": everything, "driver_capabilities": "all"})
     facts_all = ImageFacts.from_report(
         ImageReport(
             reference="example/video:2",

@@ -147,8 +147,8 @@ class LoadSites:
     truncated_by: str | None = None  # the bound past which the layer's remaining sources were not read
     _modules: dict[str, bool] = field(default_factory=dict, repr=False)  # dotted target -> at module level
     _names: dict[str, bool] = field(default_factory=dict, repr=False)  # a target's last name -> same
-    _words: dict[str, bool] = field(default_factory=dict, repr=False)  # a word in a by-path scope -> same
-    _own_words: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> word -> same
+    # a word in a by-path call's scope, per top-level package of the call -> at module level
+    _words: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)
     _globs: dict[str, dict[str, bool]] = field(default_factory=dict, repr=False)  # top -> glob -> same
     # the import graph: dotted names as numbers, what each module read imports at module level
     # (unguarded), the modules read, and the names imported from outside their own package line
@@ -162,6 +162,9 @@ class LoadSites:
     _on_demand: set[int] = field(default_factory=set, repr=False)
     _parent: dict[int, int] = field(default_factory=dict, repr=False)  # a module read -> its package
     _runs: set[int] | None = field(default=None, repr=False)  # what runs at import (`_at_import`)
+    _any_words: dict[str, bool] | None = field(
+        default=None, repr=False
+    )  # every package's words (`_all_words`)
 
     @property
     def truncated(self) -> bool:
@@ -174,7 +177,7 @@ class LoadSites:
         text = b"\n" + text[:MAX_SOURCE_BYTES]  # every line, the first too, follows a newline
         module = dotted_module(path) or ""
         package = module if path.endswith("/__init__.py") else module.rpartition(".")[0]
-        self._runs = None
+        self._runs = self._any_words = None
         found: list[tuple[int, int, list[str] | None]] = []  # (offset, indent, targets; None: by path)
         for match in _STATEMENT.finditer(text):
             found.append((match.start(), len(match.group(1)), _targets(match, package)))
@@ -263,10 +266,9 @@ class LoadSites:
             self.truncated_by = "MAX_LOAD_NAMES"
 
     def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
-        own = self._own_words.setdefault(top, {})
+        words = self._words.setdefault(top, {})
         for word in _WORD.findall(scope):
-            self._note(self._words, word, at_module)
-            self._note(own, word, at_module)
+            self._note(words, word, at_module)
         globs = self._globs.setdefault(top, {})
         for pattern in _QUOTED_NAME.findall(scope):
             if "*" not in pattern and "?" not in pattern:
@@ -328,6 +330,17 @@ class LoadSites:
             self._runs = runs
         return self._runs
 
+    def _all_words(self) -> dict[str, bool]:
+        """Every package's by-path words in one index, merged once per layer read (files outside a
+        package are named by any call)."""
+        if self._any_words is None:
+            merged: dict[str, bool] = {}
+            for words in self._words.values():
+                for word, at_module in words.items():
+                    merged[word] = merged.get(word, False) or at_module
+            self._any_words = merged
+        return self._any_words
+
     def _note(self, index: dict[str, bool], key: str, at_module: bool) -> None:
         """Key `key` in `index`, noting whether a site of it is at module level."""
         known = index.get(key)
@@ -348,10 +361,10 @@ class LoadSites:
             hits = [self._modules.get(dotted)]
             if hits[0] and not self.truncated:  # a module-level site: does its module run at import?
                 hits[0] = self._nodes[dotted] in self._at_import()
-        # a call names its own package's extensions (torch's `os.path.join` names no `join.abi3.so` of cuDF's)
-        hits.append(
-            self._own_words.get(dotted.partition(".")[0], {}).get(name) if dotted else self._words.get(name)
-        )
+        # a call names its own package's extensions (torch's `os.path.join` names no `join.abi3.so` of cuDF's);
+        # a file outside any package, any call's words
+        words = self._words.get(dotted.partition(".")[0], {}) if dotted else self._all_words()
+        hits.append(words.get(name))
         if dotted:  # a glob names files of its own package
             basename = posixpath.basename(extension_path)
             globs = self._globs.get(dotted.partition(".")[0], {})
