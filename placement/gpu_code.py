@@ -89,6 +89,7 @@ from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.nvidia_require import compare_version
+from placement.triton_compiler import compile_gap
 from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
 from scanner.layers.code_loading import build_groups, nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
@@ -606,6 +607,8 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)
+    if (gap := compile_gap(archs.triton, cc)) is not None:
+        verdict.without.append(gap)
     verdict.runs = not verdict.reasons
     if not verdict.runs:
         verdict.without, verdict.covered_by, verdict.ptx = [], [], []
@@ -643,6 +646,8 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
     verdict.without = [
         f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ] + unselected_builds(archs)
+    if (gap := compile_gap(archs.triton, cc)) is not None:
+        verdict.without.append(gap)
     verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]
@@ -685,6 +690,7 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
         tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
         archs.runtime_cuda,  # and what chose the builds, which `unselected_builds` names
         tuple(sorted(archs.build_overrides.items())),
+        archs.triton.model_dump_json() if archs.triton is not None else None,
     )
     with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads
         table = _TABLES.get(key)

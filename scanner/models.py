@@ -167,6 +167,22 @@ class PackageFacts(BaseModel):
     )
 
 
+class TritonFacts(BaseModel):
+    """Triton as the image carries it: the compiler that builds its kernels (and torch.compile's) for
+    the GPU at hand, with the `ptxas` it runs (`scanner.layers.ptxas`)."""
+
+    version: str | None = Field(default=None, description="the installed distribution's version")
+    ptxas: dict[str, str] = Field(
+        default_factory=dict,
+        description='`ptxas` or `ptxas-blackwell` -> the CUDA release of the copy Triton runs ("12.8"):'
+        " its own, or the one a config variable (`TRITON_PTXAS_PATH`) names where the image carries it",
+    )
+    paths: dict[str, str] = Field(default_factory=dict, description="the same tools -> the file's path")
+    users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import triton"
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -197,6 +213,13 @@ class GpuArchs(BaseModel):
         default_factory=dict,
         description="package -> the CUDA version whose build a config variable makes it load instead"
         " (`GpuFacts.build_overrides`)",
+    )
+    triton: TritonFacts | None = Field(
+        default=None, description="Triton, where the image carries it: what it compiles kernels with"
+    )
+    ptxas: dict[str, str] = Field(
+        default_factory=dict,
+        description="every `ptxas` the image carries (path -> CUDA release), which `TRITON_PTXAS_PATH` may name",
     )
 
 
@@ -263,6 +286,11 @@ class GpuFacts(BaseModel):
         default_factory=dict,
         description="package -> the CUDA version whose build it loads, as a variable of the config forces"
         " it (`BNB_CUDA_VERSION=124`: bitsandbytes loads `libbitsandbytes_cuda124.so`)",
+    )
+    triton_ptxas: dict[str, str] = Field(
+        default_factory=dict,
+        description="`ptxas` or `ptxas-blackwell` -> the path a config variable makes Triton run"
+        " (`TRITON_PTXAS_PATH`, `TRITON_PTXAS_BLACKWELL_PATH`)",
     )
     inferred: InferredCuda | None = Field(
         default=None,

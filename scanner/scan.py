@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
+from scanner.layers.cuda_evidence import with_triton_ptxas
 from scanner.layers.errors import AnalysisCrashed, LayerError
 from scanner.layers.limits import INLINE_OUTCOMES, LimitExceeded, scan_too_slow
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
@@ -616,7 +617,10 @@ class Scanner:
             libc = verdict.libc
             warnings += [f"deep scan: {warning}" for warning in verdict.warnings]
             if deep:
-                gpu = gpu.model_copy(update={"inferred": verdict.inferred, "archs": verdict.archs})
+                archs = verdict.archs
+                if archs is not None:
+                    archs = with_triton_ptxas(archs, gpu.triton_ptxas)
+                gpu = gpu.model_copy(update={"inferred": verdict.inferred, "archs": archs})
                 mismatch = cuda_mismatch(gpu)
                 if mismatch:
                     warnings.append(mismatch)

@@ -158,6 +158,23 @@ TRITON_31 = _wheel(
     "triton-3.1.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
     "0f34f6e7885d1bf0eaaf7ba875a5f0ce6f3c13ba98f9503651c1e6dc6757ed5c",
 )
+# Triton as torch 2.8.0 and 2.9.0 pin it (ptxas of CUDA 12.8) and as torch 2.14.0 does (ptxas of CUDA
+# 12.9 below compute capability 9.0, `ptxas-blackwell` of CUDA 13.4 from 9.0 on).
+TRITON_34 = _wheel(
+    "triton",
+    "triton-3.4.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+    "7b70f5e6a41e52e48cfc087436c8a28c17ff98db369447bcaff3b887a3ab4467",
+)
+CUDA13_NVCC = _wheel(  # CUDA 13.0's compiler, whose ptxas `TRITON_PTXAS_PATH` may name
+    "nvidia-cuda-nvcc",
+    "nvidia_cuda_nvcc-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+    "56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03",
+)
+TRITON_39 = _wheel(
+    "triton",
+    "triton-3.9.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+    "1622118a038b0c6e16fa4a0305da62c8b3c15904ee1cc4d4e65846a25969e41e",
+)
 # CUDA 13.0's libraries as torch 2.14.0 pins them (cuda-toolkit 13.0.3's extras and its own pins).
 CUDA13 = {
     "cudart": _wheel(
@@ -451,6 +468,24 @@ def sglang_kernel_layer() -> list[Part]:
 GPU4PYSCF_LIBRARIES = ("libcupy_helper.so", "libgint.so", "libgvhf.so", "libsolvent.so")
 
 
+def _triton_member(name: str) -> bool:
+    return name.endswith(".dist-info/RECORD") or re.search(r"/bin/ptxas(?:-blackwell)?$", name) is not None
+
+
+def triton_layer(wheel: RemoteWheel) -> list[Part]:
+    """Triton's RECORD and the `ptxas` copies it compiles kernels with (`backends/nvidia/bin/`)."""
+    return [members(wheel, _triton_member, "triton:ptxas")]
+
+
+def triton_ptxas(wheel: RemoteWheel) -> dict[str, Path]:
+    """The wheel's `ptxas` copies, runnable: tool name -> file."""
+    found = member_files(wheel, lambda name: re.search(r"/bin/ptxas(?:-blackwell)?$", name) is not None)
+    for path in found.values():
+        if not path.stat().st_mode & 0o100:
+            path.chmod(0o755)
+    return {name.rsplit("/", 1)[1]: path for name, path in found.items()}
+
+
 def _gpu4pyscf_member(name: str) -> bool:
     return name.endswith((".py", ".dist-info/RECORD")) or name.rpartition("/")[2] in GPU4PYSCF_LIBRARIES
 
@@ -524,4 +559,7 @@ def package_layers() -> list[list[Part]]:
         *onnxruntime_layers(),
         *tensorflow_layers(),
         *flashinfer_layers(),
+        triton_layer(TRITON_34),
+        triton_layer(TRITON_39),
+        [libraries(CUDA13_NVCC, "ptxas")],
     ]

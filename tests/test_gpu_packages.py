@@ -26,10 +26,22 @@ from placement.decision import Decision
 from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
-from scanner.layers.cuda_evidence import CudaLayerEvidence, combine, file_archs
+from placement.triton_compiler import arch_name, ptxas_knows, release
+from scanner.facts.gpu import gpu_facts
+from scanner.layers.cuda_evidence import CudaLayerEvidence, combine, file_archs, with_triton_ptxas
 from scanner.layers.cudaelf import ElfCudaProbe
+from scanner.layers.fatbin import PTX_ISA_TOOLKITS
+from scanner.layers.ptxas import ReleaseReader
 from scanner.layers.python_loads import LoadSites
-from scanner.models import GpuArchs, GpuFacts, ImageReport, InferredCuda, LibcVerdict, PlatformReport
+from scanner.models import (
+    GpuArchs,
+    GpuFacts,
+    ImageReport,
+    InferredCuda,
+    LibcVerdict,
+    PlatformReport,
+    TritonFacts,
+)
 from scanner.registry.client import RegistryClient
 from scanner.scan import Scanner
 from scanner.settings import ScannerSettings
@@ -40,6 +52,7 @@ from tests.gpu_packages import (
     BUNDLED_RUNTIME,
     CUDA12,
     CUDA13,
+    CUDA13_NVCC,
     FLASHINFER,
     FLASHINFER_CUBIN,
     GPU4PYSCF,
@@ -51,6 +64,8 @@ from tests.gpu_packages import (
     TORCH_210,
     TORCH_214,
     TORCHAO_018,
+    TRITON_34,
+    TRITON_39,
     VLLM,
     VLLM_055,
     VLLM_061,
@@ -73,6 +88,8 @@ from tests.gpu_packages import (
     tensorflow_layers,
     torch_214,
     torchao_layer,
+    triton_layer,
+    triton_ptxas,
     vllm_layer,
 )
 from tests.nvidia_wheels import cuobjdump
@@ -858,3 +875,157 @@ def test_the_image_page_rows_per_generation_for_vllm(vllm: ImageFacts) -> None:
         "FlashAttention 3" in line for line in rows["9.0"].decided_by
     )
     assert rows["12.1"].status in ("runs", "runs without") and rows["12.1"].driver is not None
+
+
+# -- Triton: the ptxas it compiles kernels with, per GPU
+
+
+@pytest.fixture(scope="module")
+def triton34(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
+    """Triton 3.4.0 (as torch 2.8.0 pins it) beside vLLM 0.33.0, whose sources import it, and torch."""
+    return image([layer_evidence(triton_layer(TRITON_34)), layer_evidence(vllm_layer()), torch14, cuda13])
+
+
+@pytest.fixture(scope="module")
+def triton39(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
+    return image([layer_evidence(triton_layer(TRITON_39)), torch14, cuda13])
+
+
+def _triton_lines(archs: GpuArchs, cc: tuple[int, int]) -> list[str]:
+    return [line for line in gpu_code.judge(archs, cc).without if line.startswith("Triton")]
+
+
+@pytest.mark.parametrize("wheel", [TRITON_34, TRITON_39], ids=["3.4.0", "3.9.0"])
+def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWheel, tmp_path: Path) -> None:
+    """Ground truth: each copy's `--version` names the release the scan reads from its bytes, and it
+    assembles a kernel for exactly the GPUs `ptxas_knows` says (`--gpu-name` as Triton passes it)."""
+    tools = triton_ptxas(wheel)
+    assert set(tools) == ({"ptxas"} if wheel is TRITON_34 else {"ptxas", "ptxas-blackwell"})
+    for tool, path in tools.items():
+        reader = ReleaseReader()
+        with path.open("rb") as stream:
+            while (chunk := stream.read(1 << 20)) and reader.feed(chunk):
+                pass
+        banner = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+        assert reader.release is not None and f"release {reader.release}," in banner, tool
+        cuda = release(reader.release)
+        assert cuda is not None
+        isa = max(isa for isa, toolkit in PTX_ISA_TOOLKITS.items() if toolkit <= cuda)
+        for cc in (cc for cc in gpu_code.KNOWN_COMPUTE_CAPABILITIES if cc >= (7, 0)):
+            facts = TritonFacts(version=wheel.filename.split("-")[1], ptxas={tool: reader.release})
+            name = arch_name(facts, cc)
+            source = tmp_path / f"{tool}-{name}.ptx"
+            source.write_text(
+                f".version {isa[0]}.{isa[1]}\n.target {name}\n.address_size 64\n"
+                ".visible .entry k(.param .u64 p) { ret; }\n"
+            )
+            run = subprocess.run(
+                [path, f"--gpu-name={name}", source, "-o", tmp_path / "k.cubin"],
+                capture_output=True,
+                text=True,
+            )
+            assert ptxas_knows(cuda, cc) == (run.returncode == 0), (tool, name, run.stderr)
+
+
+def test_triton_that_cannot_compile_for_a_gpu_is_named_where_it_runs_without_it(
+    triton34: ImageFacts, vllm: ImageFacts
+) -> None:
+    """Triton 3.4.0's ptxas (CUDA 12.8) stops at sm_121a, sm_103a and sm_110a: the image is placed as
+    without it (a caveat: how a package is run decides whether it compiles a Triton kernel, and torch's
+    eager kernels need none), and the answer names what fails there."""
+    archs = archs_of(triton34)
+    assert archs.triton is not None
+    assert (archs.triton.version, archs.triton.ptxas) == ("3.4.0", {"ptxas": "12.8"})
+    assert archs.triton.users == ["vllm"]
+    decision = place(triton34, FLEET_580)
+    assert eligible(decision) == eligible(place(vllm, FLEET_580))
+    line = (
+        "Triton 3.4.0's kernels: its ptxas (CUDA 12.8) does not know sm_121a, so nothing Triton compiles"
+        " runs here (torch.compile, and the Triton kernels of vllm); TRITON_PTXAS_PATH can name a newer ptxas"
+    )
+    assert f"on NVIDIA GB10 (compute capability 12.1): runs; without {line}" in decision.warnings
+    assert _triton_lines(archs, (12, 1)) == [line]
+    assert len(_triton_lines(archs, (10, 3))) == 1
+    assert not gpu_code.judge(archs, (11, 0)).runs  # Thor: torch 2.14.0 has no code there; no caveats
+    for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert _triton_lines(archs, cc) == [], cc
+    assert "runs without Triton 3.4.0's kernels on compute capability 10.3, 12.1" in gpu_code.caveats(archs)
+
+
+def test_triton_39_runs_ptxas_blackwell_from_hopper_on(triton39: ImageFacts) -> None:
+    """Triton 3.9.0 runs `ptxas-blackwell` (CUDA 13.4) from compute capability 9.0 on: it knows every
+    GPU in the fleet, but not Thor as CUDA 12.x named it (sm_101a); below 9.0, CUDA 12.9's ptxas."""
+    archs = archs_of(triton39)
+    assert archs.triton is not None and archs.triton.ptxas == {"ptxas": "12.9", "ptxas-blackwell": "13.4"}
+    decision = place(triton39, FLEET_580)
+    assert not [w for w in decision.warnings if "Triton" in w]
+    assert _triton_lines(archs, (10, 1)) == [
+        "Triton 3.9.0's kernels: its ptxas-blackwell (CUDA 13.4) does not know sm_101a, so nothing Triton"
+        " compiles runs here (torch.compile); TRITON_PTXAS_PATH can name a newer ptxas"
+    ]
+    assert _triton_lines(archs, (7, 0)) == []  # CUDA 12.9's ptxas still knows Volta
+
+
+def test_a_ptxas_named_by_the_config_replaces_tritons_own(
+    triton34: ImageFacts, cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence
+) -> None:
+    """`TRITON_PTXAS_PATH` naming CUDA 13.0's ptxas, which the image carries (nvidia-cuda-nvcc), makes
+    Triton 3.4.0 compile for a GB10; a path the image lacks, or one for a tool it does not run, changes
+    nothing (Triton falls back to its own copy)."""
+    nvcc = layer_evidence([libraries(CUDA13_NVCC, "ptxas")])
+    (ptxas,) = [path for path in nvcc.ptxas if path.endswith("/bin/ptxas")]
+    assert nvcc.ptxas[ptxas] == "13.0"
+    _, archs = combine([layer_evidence(triton_layer(TRITON_34)), nvcc, torch14, cuda13])
+    assert archs is not None and archs.triton is not None
+    env = gpu_facts({"config": {"Env": [f"TRITON_PTXAS_PATH={ptxas}"]}})
+    assert env.triton_ptxas == {"ptxas": ptxas}
+    chosen = with_triton_ptxas(archs, env.triton_ptxas)
+    assert chosen.triton is not None and chosen.triton.ptxas == {"ptxas": "13.0"}
+    assert _triton_lines(chosen, (12, 1)) == []
+    for unknown in ({"ptxas": "/usr/local/cuda/bin/ptxas"}, {"ptxas-blackwell": ptxas}):
+        assert with_triton_ptxas(archs, unknown).triton == archs.triton
+
+
+async def test_the_ptxas_a_config_variable_names_reaches_the_report(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """Triton 3.4.0's RECORD and ptxas, CUDA 13.0's ptxas (nvidia-cuda-nvcc) and FlashInfer's `.ptx`
+    files, pushed with skopeo twice: as is, and with `TRITON_PTXAS_PATH` naming CUDA 13.0's ptxas. The
+    walk in an analysis process reads each release from the bytes; the config picks the one Triton runs."""
+    parts = [
+        triton_layer(TRITON_34)[0].files(),
+        libraries(CUDA13_NVCC, "ptxas").files(),
+        member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD"))),
+    ]
+    layer = LayerSpec(
+        [
+            file(f"{SITE}/{name}", path.read_bytes())
+            for files in parts
+            for name, path in sorted(files.items())
+        ],
+        compression="zstd",
+    )
+    nvcc = f"{SITE}/nvidia/cu13/bin/ptxas"
+    assert any(f"{SITE}/{name}" == nvcc for name in parts[1])
+    push(ImageSpec([layer]), "pkg/triton:plain")
+    push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:cuda13")
+    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            reports = [await scanner.scan(f"{registry.host}/pkg/triton:{tag}") for tag in ("plain", "cuda13")]
+            await scanner.close()
+    finally:
+        await store.close()
+    found = []
+    for report in reports:
+        assert report.error is None, report.error
+        archs = report.platforms[0].gpu.archs
+        assert archs is not None and archs.triton is not None
+        found.append(archs.triton.ptxas)
+    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}]
+    gb10 = [s for s in FLEET if s.name == "gb10"]
+    warnings = [decide(ImageFacts.from_report(r), DeployRequest(gpus=1), gb10).warnings for r in reports]
+    assert any("does not know sm_121a" in line for line in warnings[0])
+    assert not any("Triton" in line for line in warnings[1])

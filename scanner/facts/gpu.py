@@ -162,6 +162,25 @@ def build_overrides(env: Mapping[str, str]) -> dict[str, str]:
     return found
 
 
+# Variables of an image's config that name the `ptxas` Triton runs instead of its own copy (its
+# `knobs.py`; 3.3 spells the second `TRITON_PTXAS-BLACKWELL_PATH`): variable -> the tool it replaces.
+TRITON_PTXAS_VARIABLES = {
+    "TRITON_PTXAS_PATH": "ptxas",
+    "TRITON_PTXAS_BLACKWELL_PATH": "ptxas-blackwell",
+    "TRITON_PTXAS-BLACKWELL_PATH": "ptxas-blackwell",
+}
+
+
+def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
+    """Tool -> the absolute path a config variable makes Triton run (an empty or relative value, which
+    the image's working directory would resolve, is left out)."""
+    return {
+        tool: env[variable].strip()
+        for variable, tool in TRITON_PTXAS_VARIABLES.items()
+        if env.get(variable, "").strip().startswith("/")
+    }
+
+
 def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
     """What the image config says about NVIDIA GPUs. Never raises on odd input."""
     section = _config_section(config)
@@ -249,4 +268,5 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
         effective_requirements=effective,
         runtime_gpu_request=runtime_gpu_request,
         build_overrides=build_overrides(env),
+        triton_ptxas=triton_ptxas(env),
     )

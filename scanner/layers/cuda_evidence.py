@@ -77,12 +77,21 @@ from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.limits import AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
+from scanner.layers.ptxas import ReleaseReader, is_ptxas
 from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
-from scanner.models import ContainerArchs, CudaSource, FileArchs, GpuArchs, ImportState, InferredCuda
+from scanner.models import (
+    ContainerArchs,
+    CudaSource,
+    FileArchs,
+    GpuArchs,
+    ImportState,
+    InferredCuda,
+    TritonFacts,
+)
 
-CUDA_EVIDENCE_SCHEMA = 13  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 14  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -92,7 +101,8 @@ CUDA_EVIDENCE_SCHEMA = 13  # 2: containers carry their section; 3: and whether t
 # 10: an extension imported at module level is needed only where that module runs at import;
 # 11: the modules of a package that imports them by a name made at run time run on demand;
 # 12: a method defined with a load call's name (`def import_module(self, ...)`) loads nothing;
-# 13: a load-by-path call's words name its own top-level package's extension modules only
+# 13: a load-by-path call's words name its own top-level package's extension modules only;
+# 14: each `ptxas`'s CUDA release, and the packages that import Triton
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -106,6 +116,7 @@ MAX_EVIDENCE_LINES = 2000
 MAX_LIBRARIES_PER_LAYER = 4096  # CUDA library files and links a layer may name (a full toolkit: ~700)
 MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubin: 12)
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
+MAX_PTXAS_PER_LAYER = 64  # files named `ptxas` read for their release (a toolkit and triton: 3)
 RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
 _RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
 MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
@@ -157,6 +168,13 @@ class CudaLayerEvidence(BaseModel):
     )
     extensions: dict[str, ImportState] = Field(
         default_factory=dict, description="how the layer's Python loads its GPU-code extension modules"
+    )
+    ptxas: dict[str, str] = Field(
+        default_factory=dict,
+        description='files named `ptxas` -> the CUDA release their banner names ("12.8"; "": none found)',
+    )
+    triton_users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import `triton`"
     )
     bounds_reached: list[str] = Field(
         default_factory=list,
@@ -219,11 +237,18 @@ class CudaLayerCollector:
             return PTX_HEAD_BYTES
         return 0
 
-    def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | None:
-        """What reads the whole file: a module file's reader (`.cubin`, `.fatbin`), else an ELF probe
-        for any regular file that may be ELF (it gives up after its first bytes)."""
+    def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _PtxasSink | None:
+        """What reads the whole file: a module file's reader (`.cubin`, `.fatbin`), the release banner's
+        reader for a `ptxas`, else an ELF probe for any regular file that may be ELF (it gives up after
+        its first bytes)."""
         if entry.kind != "file" or self.wants(entry):
             return None
+        if is_ptxas(entry.path):
+            if len(self.evidence.ptxas) >= MAX_PTXAS_PER_LAYER:
+                self._bound_reached("MAX_PTXAS_PER_LAYER")
+                return None
+            self.evidence.ptxas[entry.path] = ""
+            return _PtxasSink(self.evidence.ptxas, entry.path)
         kind = module_kind(entry.path)
         if kind in ("cubin", "fatbin"):
             return _ModuleSink(
@@ -447,6 +472,7 @@ class CudaLayerCollector:
                 state = self._loads.state(path)
                 if state is not None:
                     self.evidence.extensions[path] = state
+        self.evidence.triton_users = self._loads.importers_of("triton")
         if self._loads.truncated_by is not None:
             self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:
@@ -526,6 +552,23 @@ class _ModuleSink:
         self._collector.add_module(self._path, [], f"not read: {type(exc).__name__}")
 
 
+class _PtxasSink:
+    """Streams one `ptxas` into a `ReleaseReader`; records the release it names, if any."""
+
+    __slots__ = ("_found", "_path", "_reader")
+
+    def __init__(self, found: dict[str, str], path: str) -> None:
+        self._found = found
+        self._path = path
+        self._reader = ReleaseReader()
+
+    def feed(self, data: memoryview) -> bool:
+        return self._reader.feed(data)
+
+    def close(self, complete: bool) -> None:
+        self._found[self._path] = self._reader.release or ""
+
+
 class CudaEntryCollector:
     """The CUDA analysis as a streaming `EntryCollector` of the layer walk. Never satisfied early:
     evidence can sit in any entry of any layer, so a walk with it attached reads the layer whole."""
@@ -553,7 +596,7 @@ class CudaEntryCollector:
     def finish(self, complete: bool) -> CudaLayerEvidence:
         return self.layer.finish(complete)
 
-    def stream(self, entry: TarEntry) -> _ElfSink | _ModuleSink | None:
+    def stream(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _PtxasSink | None:
         return self.layer.sink(entry)
 
 
@@ -607,6 +650,8 @@ class _Merged:
     modules: dict[str, ModuleDir] = field(default_factory=dict)
     distributions: dict[str, Distribution] = field(default_factory=dict)
     extensions: dict[str, ImportState] = field(default_factory=dict)
+    ptxas: dict[str, str] = field(default_factory=dict)
+    triton_users: set[str] = field(default_factory=set)
 
 
 def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
@@ -631,7 +676,9 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
                 merged.distributions.setdefault(dist_info, distribution)
         for path, state in layer.extensions.items():
             merged.extensions.setdefault(path, state)
-        occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows)
+        merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p) and p not in merged.ptxas)
+        merged.triton_users.update(layer.triton_users)
+        occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows, layer.ptxas.keys())
         for path in layer.whiteouts:
             hides.delete(index, path)
         for path in layer.opaque_dirs:
@@ -764,6 +811,7 @@ def _bounds_text() -> dict[str, str]:
         "MAX_LIBRARIES_PER_LAYER": f"{MAX_LIBRARIES_PER_LAYER:,} files named like CUDA libraries",
         "MAX_DISTRIBUTIONS_PER_LAYER": f"{MAX_DISTRIBUTIONS_PER_LAYER:,} Python distributions",
         "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
+        "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
@@ -875,6 +923,7 @@ def image_archs(
     ]
     summary: ArchSummary = summarise(runnable)
     used = {f.package for f in files}
+    carried_ptxas = dict(sorted((p, r) for p, r in merged.ptxas.items() if r))
     return GpuArchs(
         sass=summary.sass,
         ptx=summary.ptx,
@@ -884,4 +933,47 @@ def image_archs(
         libraries=sorted(merged.carried),
         runtime_cuda=runtime,
         build_overrides=dict(overrides or {}),
+        triton=_triton(merged, carried_ptxas),
+        ptxas=carried_ptxas,
     )
+
+
+TRITON_DISTRIBUTIONS = frozenset({"triton", "pytorch-triton"})  # PyPI's, and PyTorch's nightly index's
+
+
+def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | None:
+    """Triton's facts where a Triton distribution is installed: the `ptxas` copies it ships, by tool
+    (3.x keeps them in `triton/backends/nvidia/bin/`, 2.x in `triton/third_party/cuda/bin/`)."""
+    for dist_info, distribution in sorted(merged.distributions.items()):
+        if distribution.name not in TRITON_DISTRIBUTIONS:
+            continue
+        package = posixpath.join(posixpath.dirname(dist_info), "triton") + "/"
+        own = sorted(
+            (p for p in carried_ptxas if p.startswith(package)),
+            key=lambda p: "/backends/nvidia/bin/" not in p,
+        )
+        paths: dict[str, str] = {}
+        for path in own:
+            paths.setdefault(posixpath.basename(path), path)
+        return TritonFacts(
+            version=distribution.version,
+            ptxas={tool: carried_ptxas[path] for tool, path in paths.items()},
+            paths=paths,
+            users=sorted(merged.triton_users),
+        )
+    return None
+
+
+def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
+    """`archs` with the `ptxas` copies the image's config makes Triton run (`GpuFacts.triton_ptxas`:
+    tool -> path). As Triton does, a path the image does not carry (or whose release was not read)
+    falls back to Triton's own copy."""
+    triton = archs.triton
+    if triton is None or not chosen:
+        return archs
+    ptxas, paths = dict(triton.ptxas), dict(triton.paths)
+    for tool, path in chosen.items():
+        release = archs.ptxas.get(posixpath.normpath(path))
+        if release and tool in ptxas:  # a variable for a tool this Triton does not run is not read
+            ptxas[tool], paths[tool] = release, posixpath.normpath(path)
+    return archs.model_copy(update={"triton": triton.model_copy(update={"ptxas": ptxas, "paths": paths})})

@@ -104,6 +104,9 @@ _RELATIVE_MADE = re.compile(
     rb"""[ \t]*,[ \t]*(?:package[ \t]*=[ \t]*)?(__name__|__package__|(['"])([\w.]{1,512})\3)[ \t]*[,)]"""
 )
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
+# Packages whose importers are listed (`LoadSites.importers_of`): Triton compiles its kernels for the
+# GPU at hand, and placement names who is left without them (`placement.triton_compiler`).
+WATCHED_IMPORTS = frozenset({"triton"})
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 
@@ -165,6 +168,7 @@ class LoadSites:
     _any_words: dict[str, bool] | None = field(
         default=None, repr=False
     )  # every package's words (`_all_words`)
+    _importers: dict[str, set[str]] = field(default_factory=dict, repr=False)  # watched -> importing tops
 
     @property
     def truncated(self) -> bool:
@@ -255,6 +259,9 @@ class LoadSites:
                 self._add_scope(scope.decode("utf-8", "replace"), module.partition(".")[0], at_module)
             else:
                 for target in targets:
+                    watched = target.partition(".")[0]
+                    if watched in WATCHED_IMPORTS and module:
+                        self._importers.setdefault(watched, set()).add(module.partition(".")[0])
                     self._note(self._modules, target, at_module)
                     self._note(self._names, target.rpartition(".")[2], at_module)
                     self._name(target, module)
@@ -347,6 +354,11 @@ class LoadSites:
         if known is None:
             self.names_kept += 1
         index[key] = bool(known) or at_module
+
+    def importers_of(self, package: str) -> list[str]:
+        """The top-level packages (one of `WATCHED_IMPORTS`, itself left out) whose sources import
+        `package` anywhere, guarded or not, sorted."""
+        return sorted(self._importers.get(package, set()) - {package})
 
     def state(self, extension_path: str) -> ImportState | None:
         """`required`, `optional` or None for the extension module at `extension_path` (see the module

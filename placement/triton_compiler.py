@@ -1,0 +1,98 @@
+"""Whether the image's Triton can compile kernels for a GPU. Pure.
+
+Triton builds every kernel (its users' and torch.compile's) on the GPU at hand: LLVM writes PTX for
+`sm_{capability}`, with an `a` from 9.0 on (`sm_arch_from_capability` in its
+`backends/nvidia/compiler.py`; before 3.3 at 9.0 alone), and a `ptxas` assembles it. Which `ptxas`
+(the same file, 3.3 to 3.9): `ptxas-blackwell` from capability 10.0 (9.0 from 3.9 on) where the
+wheel ships one, else `ptxas`; `TRITON_PTXAS_PATH` (`TRITON_PTXAS_BLACKWELL_PATH`) replaces either.
+A `ptxas` knows the architectures of its CUDA release and no later one, so on a newer GPU every
+kernel fails to build: "ptxas fatal: Value 'sm_121a' is not defined for option 'gpu-name'" (triton
+3.4.0 and 3.5.1, CUDA 12.8, on a GB10).
+
+Which releases know which architectures (NVIDIA's release notes; each copy triton 3.0.0 to 3.9.0
+ships was run on a PTX file for every architecture here, and agrees): 12.8 brought sm_100, sm_101
+and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110 and dropped what came before
+sm_75.
+
+This is a caveat, never a reason: the answer says "runs without" Triton's kernels there, naming the
+packages that import Triton. Whether a package builds a Triton kernel on its way to serving depends
+on how it is run (vLLM compiles with torch.compile and launches Triton kernels unless told not to;
+torch itself only under torch.compile), which its sources do not say line by line.
+"""
+
+from __future__ import annotations
+
+from scanner.models import TritonFacts
+
+CC = tuple[int, int]
+Release = tuple[int, int]
+
+# The first CUDA release whose ptxas knows each architecture, and for sm_101, the last.
+FIRST_RELEASE: dict[CC, Release] = {
+    (8, 0): (11, 0), (8, 6): (11, 1), (8, 7): (11, 4), (8, 9): (11, 8), (9, 0): (11, 8),
+    (10, 0): (12, 8), (10, 1): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9), (11, 0): (13, 0),
+}  # fmt: skip
+LAST_RELEASE: dict[CC, Release] = {(10, 1): (12, 9)}  # CUDA 13.0 calls Thor sm_110
+# The oldest architecture each major's ptxas knows.
+OLDEST: dict[int, CC] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
+NEWEST_KNOWN: CC = (12, 1)
+MAX_USERS_NAMED = 6  # packages named in a line, then how many more
+
+
+def release(text: str) -> Release | None:
+    """`"12.8"` -> (12, 8); None for anything else."""
+    major, _, minor = text.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
+
+def ptxas_knows(cuda: Release, cc: CC) -> bool:
+    """Whether a `ptxas` of CUDA release `cuda` assembles code for compute capability `cc`."""
+    if cc > NEWEST_KNOWN and cc not in FIRST_RELEASE:
+        return False  # no release known here names it
+    oldest = OLDEST.get(cuda[0], OLDEST[max(OLDEST)] if cuda[0] > max(OLDEST) else (3, 0))
+    if cc < oldest:
+        return False
+    return FIRST_RELEASE.get(cc, (0, 0)) <= cuda <= LAST_RELEASE.get(cc, (99, 99))
+
+
+def _version(text: str | None) -> tuple[int, int]:
+    """(major, minor) of a distribution's version ("3.4.0", "3.3.1+git1a2b"); 0 for what is not a number."""
+    major, minor = [*(text or "").split(".")[:2], "", ""][:2]
+    return int("".join(c for c in major if c.isdigit()) or 0), int(
+        "".join(c for c in minor if c.isdigit()) or 0
+    )
+
+
+def tool_for(triton: TritonFacts, cc: CC) -> str:
+    """The `ptxas` tool Triton runs for compute capability `cc`."""
+    capability = cc[0] * 10 + cc[1]
+    newer = 90 if _version(triton.version) >= (3, 9) else 100
+    return "ptxas-blackwell" if "ptxas-blackwell" in triton.ptxas and capability >= newer else "ptxas"
+
+
+def arch_name(triton: TritonFacts, cc: CC) -> str:
+    """The `--gpu-name` Triton asks its `ptxas` for."""
+    capability = cc[0] * 10 + cc[1]
+    specific = capability >= 90 if _version(triton.version) >= (3, 3) else capability == 90
+    return f"sm_{capability}{'a' if specific else ''}"
+
+
+def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:
+    """Why Triton cannot build kernels on compute capability `cc`, as a "without" line, or None
+    where it can (or the release of its `ptxas` is unknown)."""
+    if triton is None:
+        return None
+    tool = tool_for(triton, cc)
+    cuda = release(triton.ptxas.get(tool, ""))
+    if cuda is None or ptxas_knows(cuda, cc):
+        return None
+    name = f"Triton {triton.version}" if triton.version else "Triton"
+    users = [user for user in triton.users if user != "triton"]
+    shown = ", ".join(users[:MAX_USERS_NAMED]) + (
+        f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
+    )
+    what = f"torch.compile, and the Triton kernels of {shown}" if users else "torch.compile"
+    return (
+        f"{name}'s kernels: its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}, so"
+        f" nothing Triton compiles runs here ({what}); TRITON_PTXAS_PATH can name a newer ptxas"
+    )

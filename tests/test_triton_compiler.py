@@ -1,0 +1,140 @@
+"""Triton's compiler: the `ptxas` release read from a file's bytes, who imports Triton, and which GPUs
+Triton can build kernels for (`scanner.layers.ptxas`, `placement.triton_compiler`).
+
+Real copies of ptxas (triton 3.4.0's and 3.9.0's) are read and run in tests/test_gpu_packages.py;
+here, the reader's edges on crafted bytes and the rules' tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from placement import gpu_code
+from placement.triton_compiler import arch_name, compile_gap, ptxas_knows, tool_for
+from scanner.facts.gpu import gpu_facts
+from scanner.layers.cuda_evidence import MAX_PTXAS_PER_LAYER, collect_layer, combine, layer_problems
+from scanner.layers.ptxas import BANNER, ReleaseReader
+from scanner.layers.python_loads import LoadSites
+from scanner.layers.tarstream import TarEntry
+from scanner.models import TritonFacts
+
+SITE = "/usr/local/lib/python3.11/site-packages"
+
+
+def _read(content: bytes, chunk: int) -> str | None:
+    reader = ReleaseReader()
+    for start in range(0, len(content), chunk):
+        if not reader.feed(memoryview(content)[start : start + chunk]):
+            break
+    return reader.release
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 7, 31, 64, 1 << 20])
+def test_the_release_is_read_wherever_a_chunk_cuts_the_banner(chunk: int) -> None:
+    content = b"\x7fELF" + b"x" * 1000 + BANNER + b"12.8, V12.8.93\x00" + BANNER + b"99.9" + b"y" * 100
+    assert _read(content, chunk) == "12.8"
+    assert _read(b"\x00" * 300 + BANNER + b"13.10\n", chunk) == "13.10"  # never cut to 13.1
+
+
+def test_a_file_without_a_banner_has_no_release() -> None:
+    assert _read(b"\x7fELF" + b"Cuda compilation tools" * 50, 16) is None
+    assert _read(BANNER + b"twelve", 1 << 20) is None
+    assert _read(BANNER, 1 << 20) is None  # the banner at the end, no release after it
+
+
+def test_releases_know_the_architectures_nvidia_lists() -> None:
+    # (release, what it knows, what it does not), from NVIDIA's release notes; tests/test_gpu_packages.py
+    # runs real copies of 12.8, 12.9 and 13.4 on every architecture
+    table = [
+        ((12, 4), [(7, 0), (8, 9), (9, 0)], [(10, 0), (12, 0), (12, 1)]),
+        ((12, 8), [(10, 0), (10, 1), (12, 0)], [(10, 3), (11, 0), (12, 1)]),
+        ((12, 9), [(10, 3), (12, 1), (10, 1)], [(11, 0)]),
+        ((13, 0), [(7, 5), (11, 0), (12, 1)], [(7, 0), (10, 1)]),
+        ((13, 5), [(10, 3), (11, 0)], [(7, 2), (13, 0)]),
+    ]
+    for cuda, known, unknown in table:
+        assert all(ptxas_knows(cuda, cc) for cc in known), cuda
+        assert not any(ptxas_knows(cuda, cc) for cc in unknown), cuda
+    assert not ptxas_knows((13, 5), gpu_code.NEWER_THAN_KNOWN)
+
+
+def test_which_ptxas_triton_runs_and_what_it_asks_for_follow_its_version() -> None:
+    both = {"ptxas": "12.8", "ptxas-blackwell": "13.1"}
+    assert tool_for(TritonFacts(version="3.7.1", ptxas=both), (9, 0)) == "ptxas"
+    assert tool_for(TritonFacts(version="3.7.1", ptxas=both), (10, 0)) == "ptxas-blackwell"
+    assert tool_for(TritonFacts(version="3.9.0", ptxas=both), (9, 0)) == "ptxas-blackwell"
+    assert tool_for(TritonFacts(version="3.10.0", ptxas=both), (8, 9)) == "ptxas"
+    assert tool_for(TritonFacts(version="3.4.0", ptxas={"ptxas": "12.8"}), (12, 1)) == "ptxas"
+    assert arch_name(TritonFacts(version="3.4.0"), (12, 1)) == "sm_121a"
+    assert arch_name(TritonFacts(version="3.2.0"), (10, 0)) == "sm_100"  # before 3.3: `a` at 9.0 alone
+    assert arch_name(TritonFacts(version="3.2.0"), (9, 0)) == "sm_90a"
+
+
+def test_no_gap_is_claimed_without_a_release() -> None:
+    assert compile_gap(None, (12, 1)) is None
+    assert compile_gap(TritonFacts(version="3.4.0", ptxas={"ptxas": ""}), (12, 1)) is None
+    assert compile_gap(TritonFacts(version="3.4.0"), (12, 1)) is None
+    users = [f"pkg{n}" for n in range(9)]
+    line = compile_gap(TritonFacts(version="3.4.0", ptxas={"ptxas": "12.8"}, users=users), (12, 1))
+    assert line is not None and "the Triton kernels of pkg0, pkg1, pkg2, pkg3, pkg4, pkg5 and 3 more" in line
+
+
+def test_the_packages_that_import_triton_are_listed_guarded_or_not() -> None:
+    sites = LoadSites()
+    sites.add_source(f"{SITE}/vllm/triton_utils/__init__.py", b"if HAS_TRITON:\n    import triton\n")
+    sites.add_source(f"{SITE}/xformers/ops/k.py", b"def f():\n    from triton import language as tl\n")
+    sites.add_source(f"{SITE}/triton/language/__init__.py", b"from triton.language import core\n")
+    sites.add_source(f"{SITE}/other/m.py", b"import tritonclient\nimport numpy\n")
+    assert sites.importers_of("triton") == ["vllm", "xformers"]
+
+
+def test_config_variables_name_the_ptxas_triton_runs() -> None:
+    facts = gpu_facts(
+        {
+            "config": {
+                "Env": [
+                    "TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas",
+                    "TRITON_PTXAS-BLACKWELL_PATH=/opt/cuda-13/bin/ptxas",
+                    "TRITON_CUOBJDUMP_PATH=/x",
+                ]
+            }
+        }
+    )
+    assert facts.triton_ptxas == {
+        "ptxas": "/usr/local/cuda/bin/ptxas",
+        "ptxas-blackwell": "/opt/cuda-13/bin/ptxas",
+    }
+    assert (
+        gpu_facts(
+            {"config": {"Env": ["TRITON_PTXAS_PATH=bin/ptxas", "TRITON_PTXAS_BLACKWELL_PATH="]}}
+        ).triton_ptxas
+        == {}
+    )
+
+
+def _entry(path: str, content: bytes) -> tuple[TarEntry, bytes]:
+    return TarEntry(path=path, kind="file", size=len(content), mode=0o755), content
+
+
+def test_a_layer_records_each_ptxas_and_triton_only_where_its_distribution_is() -> None:
+    ptxas = f"{SITE}/triton/backends/nvidia/bin/ptxas"
+    toolkit = "/usr/local/cuda-12.9/bin/ptxas"
+    layer = collect_layer(
+        [
+            _entry(ptxas, b"\x7fELF" + b"\x00" * 100 + BANNER + b"12.8, V12.8.93"),
+            _entry(toolkit, b"\x7fELF" + BANNER + b"12.9, V12.9.86"),
+            _entry(f"{SITE}/triton-3.4.0.dist-info/RECORD", b"triton/__init__.py,,\n"),
+            _entry(f"{SITE}/app/main.py", b"import triton\n"),
+        ]
+    )
+    assert layer.ptxas == {ptxas: "12.8", toolkit: "12.9"}
+    assert layer.triton_users == ["app"]
+    assert combine([layer])[1] is None  # no GPU code: nothing is judged
+
+
+def test_past_the_bound_on_ptxas_files_the_layer_says_so() -> None:
+    layer = collect_layer(
+        [_entry(f"/opt/t{n}/bin/ptxas", BANNER + b"12.8, V") for n in range(MAX_PTXAS_PER_LAYER + 1)]
+    )
+    assert len(layer.ptxas) == MAX_PTXAS_PER_LAYER and layer.bounds_reached == ["MAX_PTXAS_PER_LAYER"]
+    assert any("64 files named ptxas (MAX_PTXAS_PER_LAYER)" in line for line in layer_problems([layer]))
