@@ -970,8 +970,8 @@ def test_a_ptxas_named_by_the_config_replaces_tritons_own(
     triton34: ImageFacts, cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence
 ) -> None:
     """`TRITON_PTXAS_PATH` naming CUDA 13.0's ptxas, which the image carries (nvidia-cuda-nvcc), makes
-    Triton 3.4.0 compile for a GB10; a path the image lacks, or one for a tool it does not run, changes
-    nothing (Triton falls back to its own copy)."""
+    Triton 3.4.0 compile for a GB10; a path the image does not carry as a file (a link into a toolkit,
+    a mount) leaves the release unknown, and a variable for a tool Triton 3.4.0 does not run is not read."""
     nvcc = layer_evidence([libraries(CUDA13_NVCC, "ptxas")])
     (ptxas,) = [path for path in nvcc.ptxas if path.endswith("/bin/ptxas")]
     assert nvcc.ptxas[ptxas] == "13.0"
@@ -982,8 +982,12 @@ def test_a_ptxas_named_by_the_config_replaces_tritons_own(
     chosen = with_triton_ptxas(archs, env.triton_ptxas)
     assert chosen.triton is not None and chosen.triton.ptxas == {"ptxas": "13.0"}
     assert _triton_lines(chosen, (12, 1)) == []
-    for unknown in ({"ptxas": "/usr/local/cuda/bin/ptxas"}, {"ptxas-blackwell": ptxas}):
-        assert with_triton_ptxas(archs, unknown).triton == archs.triton
+    assert (
+        with_triton_ptxas(archs, {"ptxas-blackwell": ptxas}).triton == archs.triton
+    )  # 3.4 runs no such tool
+    linked = with_triton_ptxas(archs, {"ptxas": "/usr/local/cuda/bin/ptxas"})  # a link, or nothing: unknown
+    assert linked.triton is not None and linked.triton.ptxas == {"ptxas": ""}
+    assert _triton_lines(linked, (12, 1)) == []  # nothing is claimed
 
 
 async def test_the_ptxas_a_config_variable_names_reaches_the_report(

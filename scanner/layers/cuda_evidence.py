@@ -966,14 +966,16 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
 
 def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
     """`archs` with the `ptxas` copies the image's config makes Triton run (`GpuFacts.triton_ptxas`:
-    tool -> path). As Triton does, a path the image does not carry (or whose release was not read)
-    falls back to Triton's own copy."""
+    tool -> path), for the tools this Triton runs. A path the image carries as a `ptxas` file gives its
+    release; any other path (a link such as `/usr/local/cuda/bin/ptxas`, a file mounted at run time,
+    or none at all, where Triton falls back to its own copy) leaves the release unknown, and nothing is
+    claimed for that tool."""
     triton = archs.triton
     if triton is None or not chosen:
         return archs
     ptxas, paths = dict(triton.ptxas), dict(triton.paths)
     for tool, path in chosen.items():
-        release = archs.ptxas.get(posixpath.normpath(path))
-        if release and tool in ptxas:  # a variable for a tool this Triton does not run is not read
-            ptxas[tool], paths[tool] = release, posixpath.normpath(path)
+        if tool in ptxas:  # a variable for a tool this Triton does not run is not read
+            paths[tool] = posixpath.normpath(path)
+            ptxas[tool] = archs.ptxas.get(paths[tool], "")
     return archs.model_copy(update={"triton": triton.model_copy(update={"ptxas": ptxas, "paths": paths})})
