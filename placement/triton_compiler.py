@@ -2,9 +2,10 @@
 
 Triton builds every kernel (its users' and torch.compile's) on the GPU at hand: LLVM writes PTX for
 `sm_{capability}`, with an `a` from 9.0 on (`sm_arch_from_capability` in its
-`backends/nvidia/compiler.py`; before 3.3 at 9.0 alone), and a `ptxas` assembles it. Which `ptxas`
-(the same file, 3.3 to 3.9): `ptxas-blackwell` from capability 10.0 (9.0 from 3.9 on) where the
-wheel ships one, else `ptxas`; `TRITON_PTXAS_PATH` (`TRITON_PTXAS_BLACKWELL_PATH`) replaces either.
+`backends/nvidia/compiler.py`; before 3.3 at 9.0 alone), and a `ptxas` assembles it. Which one (its
+`get_ptxas`, 3.3 to 3.9): `ptxas-blackwell` from capability 10.0 (9.0 from 3.9 on) where the wheel
+ships one, else `ptxas`; `TRITON_PTXAS_PATH` (`TRITON_PTXAS_BLACKWELL_PATH`) replaces either
+(`scanner.layers.cuda_evidence.with_triton_ptxas`).
 A `ptxas` knows the architectures of its CUDA release and no later one, so on a newer GPU every
 kernel fails to build: "ptxas fatal: Value 'sm_121a' is not defined for option 'gpu-name'" (triton
 3.4.0 and 3.5.1, CUDA 12.8, on a GB10).
