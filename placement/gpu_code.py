@@ -89,7 +89,7 @@ from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.nvidia_require import compare_version
-from placement.triton_compiler import compile_gap
+from placement.triton_compiler import compile_gap, compile_refusal
 from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
 from scanner.layers.code_loading import build_groups, nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
@@ -607,8 +607,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)
-    if (gap := compile_gap(archs.triton, cc)) is not None:
-        verdict.without.append(gap)
+    _judge_triton(archs, cc, verdict)
     verdict.runs = not verdict.reasons
     if not verdict.runs:
         verdict.without, verdict.covered_by, verdict.ptx = [], [], []
@@ -618,6 +617,16 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     elif not own:
         verdict.ptx = []  # some NVIDIA library runs here from SASS: the image needs no JIT to run
     return verdict
+
+
+def _judge_triton(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
+    """Triton's kernels on `cc` (`placement.triton_compiler`): a reason where a package needs them on its
+    default path and Triton cannot build them here, else a line of what the image runs without."""
+    refusal = compile_refusal(archs.triton, archs.packages, cc)
+    if refusal is not None:
+        verdict.reasons.append(f"compute capability {cc_text(cc)}: {refusal}")
+    elif (gap := compile_gap(archs.triton, cc)) is not None:
+        verdict.without.append(gap)
 
 
 def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
@@ -646,8 +655,10 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
     verdict.without = [
         f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ] + unselected_builds(archs)
-    if (gap := compile_gap(archs.triton, cc)) is not None:
-        verdict.without.append(gap)
+    _judge_triton(archs, cc, verdict)
+    if verdict.reasons:
+        verdict.runs, verdict.without = False, []
+        return verdict
     verdict.covered_by = [v.covered(cc) for v in deciding]
     if own:
         verdict.ptx = [v for v in deciding if v.ptx_isa is not None]

@@ -15,15 +15,20 @@ ships was run on a PTX file for every architecture here, and agrees): 12.8 broug
 and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110 and dropped what came before
 sm_75.
 
-This is a caveat, never a reason: the answer says "runs without" Triton's kernels there, naming the
-packages that import Triton. Whether a package builds a Triton kernel on its way to serving depends
-on how it is run (vLLM compiles with torch.compile and launches Triton kernels unless told not to;
-torch itself only under torch.compile), which its sources do not say line by line.
+Where a package of the image compiles Triton kernels on its default path, as its own source says
+(`DEFAULT_PATH_USERS`: vLLM from 0.8.0, whose V1 engine compiles the model with torch.compile unless
+run with `--enforce-eager`; vllm-project/vllm#32575 is vLLM failing so on a GB10), the GPU is refused
+(`compile_refusal`). Elsewhere it is a caveat: the answer says "runs without" Triton's kernels there,
+naming the packages that import Triton (`compile_gap`). Whether other packages build a Triton kernel
+depends on how they are used (torch only under torch.compile), which their sources do not say line
+by line.
 """
 
 from __future__ import annotations
 
-from scanner.models import TritonFacts
+from collections.abc import Sequence
+
+from scanner.models import PackageFacts, TritonFacts
 
 CC = tuple[int, int]
 Release = tuple[int, int]
@@ -38,6 +43,15 @@ LAST_RELEASE: dict[CC, Release] = {(10, 1): (12, 9)}  # CUDA 13.0 calls Thor sm_
 OLDEST: dict[int, CC] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
 NEWEST_KNOWN: CC = (12, 1)
 MAX_USERS_NAMED = 6  # packages named in a line, then how many more
+# Packages that compile Triton kernels on their default path, from a version, as their source says.
+# vLLM's V1 engine (the default from 0.8.0: `VLLM_USE_V1` defaults to 1 in its `envs.py`) sets
+# torch.compile's piecewise level with Inductor unless the model is run eager (`VllmConfig.__post_init__`).
+DEFAULT_PATH_USERS: dict[str, tuple[tuple[int, int], str]] = {
+    "vllm": (
+        (0, 8),
+        "compiles its model with torch.compile (Triton kernels) unless run with --enforce-eager",
+    ),
+}
 
 
 def release(text: str) -> Release | None:
@@ -78,22 +92,51 @@ def arch_name(triton: TritonFacts, cc: CC) -> str:
     return f"sm_{capability}{'a' if specific else ''}"
 
 
-def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:
-    """Why Triton cannot build kernels on compute capability `cc`, as a "without" line, or None
-    where it can (or the release of its `ptxas` is unknown)."""
+def _gap(triton: TritonFacts | None, cc: CC) -> str | None:
+    """ "its ptxas (CUDA 12.8) does not know sm_121a" where Triton cannot build kernels on `cc`; None
+    where it can, or where the release of the `ptxas` it runs there is unknown."""
     if triton is None:
         return None
     tool = tool_for(triton, cc)
     cuda = release(triton.ptxas.get(tool, ""))
     if cuda is None or ptxas_knows(cuda, cc):
         return None
-    name = f"Triton {triton.version}" if triton.version else "Triton"
+    return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}"
+
+
+def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:
+    """Why Triton cannot build kernels on compute capability `cc`, as a "without" line, or None
+    where it can (or the release of its `ptxas` is unknown)."""
+    gap = _gap(triton, cc)
+    if triton is None or gap is None:
+        return None
     users = [user for user in triton.users if user != "triton"]
     shown = ", ".join(users[:MAX_USERS_NAMED]) + (
         f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
     )
     what = f"torch.compile, and the Triton kernels of {shown}" if users else "torch.compile"
     return (
-        f"{name}'s kernels: its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}, so"
-        f" nothing Triton compiles runs here ({what}); TRITON_PTXAS_PATH can name a newer ptxas"
+        f"{_name(triton)}'s kernels: {gap}, so nothing Triton compiles runs here ({what});"
+        " TRITON_PTXAS_PATH can name a newer ptxas"
     )
+
+
+def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts], cc: CC) -> str | None:
+    """Why the image does not run on compute capability `cc` for want of Triton's kernels, or None: a
+    package that compiles Triton kernels on its default path (`DEFAULT_PATH_USERS`) meets a Triton
+    that cannot build them there."""
+    gap = _gap(triton, cc)
+    if triton is None or gap is None:
+        return None
+    for package in packages:
+        since = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
+        if since is not None and _version(package.version) >= since[0]:
+            return (
+                f"{_name(triton)} cannot compile kernels here: {gap}, and {package.name} {package.version}"
+                f" {since[1]}; TRITON_PTXAS_PATH can name a newer ptxas"
+            )
+    return None
+
+
+def _name(triton: TritonFacts) -> str:
+    return f"Triton {triton.version}" if triton.version else "Triton"

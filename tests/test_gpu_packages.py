@@ -882,7 +882,7 @@ def test_the_image_page_rows_per_generation_for_vllm(vllm: ImageFacts) -> None:
 
 @pytest.fixture(scope="module")
 def triton34(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFacts:
-    """Triton 3.4.0 (as torch 2.8.0 pins it) beside vLLM 0.33.0, whose sources import it, and torch."""
+    """Triton 3.4.0 (as torch 2.8.0 pins it) beside vLLM 0.33.0, whose sources import it, and torch's code."""
     return image([layer_evidence(triton_layer(TRITON_34)), layer_evidence(vllm_layer()), torch14, cuda13])
 
 
@@ -927,21 +927,42 @@ def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWh
             assert ptxas_knows(cuda, cc) == (run.returncode == 0), (tool, name, run.stderr)
 
 
-def test_triton_that_cannot_compile_for_a_gpu_is_named_where_it_runs_without_it(
+def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
     triton34: ImageFacts, vllm: ImageFacts
 ) -> None:
-    """Triton 3.4.0's ptxas (CUDA 12.8) stops at sm_121a, sm_103a and sm_110a: the image is placed as
-    without it (a caveat: how a package is run decides whether it compiles a Triton kernel, and torch's
-    eager kernels need none), and the answer names what fails there."""
+    """Triton 3.4.0's ptxas (CUDA 12.8) stops at sm_121a and sm_103a. vLLM from 0.8.0 compiles its model
+    with torch.compile on its default path (vllm-project/vllm#32575: a GB10), so those GPUs are refused,
+    naming why; nothing changes where Triton's ptxas knows the GPU."""
     archs = archs_of(triton34)
     assert archs.triton is not None
     assert (archs.triton.version, archs.triton.ptxas) == ("3.4.0", {"ptxas": "12.8"})
     assert archs.triton.users == ["vllm"]
     decision = place(triton34, FLEET_580)
-    assert eligible(decision) == eligible(place(vllm, FLEET_580))
+    assert eligible(decision) == eligible(place(vllm, FLEET_580)) - {"gb10"}
+    assert only(decision, "gb10") == (
+        "1 free NVIDIA GB10: compute capability 12.1: Triton 3.4.0 cannot compile kernels here: its ptxas (CUDA 12.8) does not know"
+        " sm_121a, and vllm 0.33.0 compiles its model with torch.compile (Triton kernels) unless run with"
+        " --enforce-eager; TRITON_PTXAS_PATH can name a newer ptxas"
+    )
+    assert not gpu_code.judge(archs, (10, 3)).runs
+    for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        verdict = gpu_code.judge(archs, cc)
+        assert verdict.runs and _triton_lines(archs, cc) == [], cc
+    assert not gpu_code.judge(archs, (12, 1), rule="strict").runs
+
+
+def test_triton_that_cannot_compile_for_a_gpu_is_named_where_the_image_runs_without_it(
+    cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence
+) -> None:
+    """With no package that compiles Triton kernels on its default path (torch's eager kernels need
+    none), the image runs there, and the answer names what fails: torch.compile."""
+    facts = image([layer_evidence(triton_layer(TRITON_34)), torch14, cuda13])
+    archs = archs_of(facts)
+    decision = place(facts, FLEET_580)
+    assert eligible(decision) == ALL - {"v100"}  # wherever torch 2.14.0+cu130 runs
     line = (
         "Triton 3.4.0's kernels: its ptxas (CUDA 12.8) does not know sm_121a, so nothing Triton compiles"
-        " runs here (torch.compile, and the Triton kernels of vllm); TRITON_PTXAS_PATH can name a newer ptxas"
+        " runs here (torch.compile); TRITON_PTXAS_PATH can name a newer ptxas"
     )
     assert f"on NVIDIA GB10 (compute capability 12.1): runs; without {line}" in decision.warnings
     assert _triton_lines(archs, (12, 1)) == [line]

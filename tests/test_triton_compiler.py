@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 
 from placement import gpu_code
-from placement.triton_compiler import arch_name, compile_gap, ptxas_knows, tool_for
+from placement.triton_compiler import arch_name, compile_gap, compile_refusal, ptxas_knows, tool_for
 from scanner.facts.gpu import gpu_facts
 from scanner.layers.cuda_evidence import MAX_PTXAS_PER_LAYER, collect_layer, combine, layer_problems
 from scanner.layers.ptxas import BANNER, ReleaseReader
 from scanner.layers.python_loads import LoadSites
 from scanner.layers.tarstream import TarEntry
-from scanner.models import TritonFacts
+from scanner.models import PackageFacts, TritonFacts
 
 SITE = "/usr/local/lib/python3.11/site-packages"
 
@@ -138,3 +138,18 @@ def test_past_the_bound_on_ptxas_files_the_layer_says_so() -> None:
     )
     assert len(layer.ptxas) == MAX_PTXAS_PER_LAYER and layer.bounds_reached == ["MAX_PTXAS_PER_LAYER"]
     assert any("64 files named ptxas (MAX_PTXAS_PER_LAYER)" in line for line in layer_problems([layer]))
+
+
+def test_vllm_from_its_v1_engine_on_needs_triton_where_it_cannot_compile() -> None:
+    """vLLM 0.8.0 made its V1 engine the default (`VLLM_USE_V1` defaults to 1), which compiles the model
+    with torch.compile unless run eager: a refusal. vLLM 0.7.3 (V0 by default) and other packages: a caveat."""
+    triton = TritonFacts(version="3.5.1", ptxas={"ptxas": "12.8"}, users=["vllm"])
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.8.0", kind="python")
+    refusal = compile_refusal(triton, [vllm], (12, 1))
+    assert refusal is not None and "sm_121a, and vllm 0.8.0 compiles its model with torch.compile" in refusal
+    assert compile_refusal(triton, [vllm], (12, 0)) is None  # CUDA 12.8 knows sm_120a
+    old = vllm.model_copy(update={"version": "0.7.3"})
+    other = PackageFacts(id="python:xformers", name="xformers", version="0.0.32", kind="python")
+    assert compile_refusal(triton, [old, other], (12, 1)) is None
+    assert compile_gap(triton, (12, 1)) is not None
+    assert compile_refusal(triton.model_copy(update={"ptxas": {"ptxas": ""}}), [vllm], (12, 1)) is None
