@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from scanner.layers.code_loading import release_of
 from scanner.models import PackageFacts, TritonFacts
 
 CC = tuple[int, int]
@@ -70,25 +71,17 @@ def ptxas_knows(cuda: Release, cc: CC) -> bool:
     return FIRST_RELEASE.get(cc, (0, 0)) <= cuda <= LAST_RELEASE.get(cc, (99, 99))
 
 
-def _version(text: str | None) -> tuple[int, int]:
-    """(major, minor) of a distribution's version ("3.4.0", "3.3.1+git1a2b"); 0 for what is not a number."""
-    major, minor = [*(text or "").split(".")[:2], "", ""][:2]
-    return int("".join(c for c in major if c.isdigit()) or 0), int(
-        "".join(c for c in minor if c.isdigit()) or 0
-    )
-
-
 def tool_for(triton: TritonFacts, cc: CC) -> str:
     """The `ptxas` tool Triton runs for compute capability `cc`."""
     capability = cc[0] * 10 + cc[1]
-    newer = 90 if _version(triton.version) >= (3, 9) else 100
+    newer = 90 if (release_of(triton.version) or (0, 0)) >= (3, 9) else 100
     return "ptxas-blackwell" if "ptxas-blackwell" in triton.ptxas and capability >= newer else "ptxas"
 
 
 def arch_name(triton: TritonFacts, cc: CC) -> str:
     """The `--gpu-name` Triton asks its `ptxas` for."""
     capability = cc[0] * 10 + cc[1]
-    specific = capability >= 90 if _version(triton.version) >= (3, 3) else capability == 90
+    specific = capability >= 90 if (release_of(triton.version) or (0, 0)) >= (3, 3) else capability == 90
     return f"sm_{capability}{'a' if specific else ''}"
 
 
@@ -130,7 +123,7 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
         return None
     for package in packages:
         since = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
-        if since is not None and _version(package.version) >= since[0]:
+        if since is not None and (release_of(package.version) or (0, 0)) >= since[0]:
             return (
                 f"{_name(triton)} cannot compile kernels here: {gap}, and {package.name} {package.version}"
                 f" {since[1]}; TRITON_PTXAS_PATH can name a newer ptxas"

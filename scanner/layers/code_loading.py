@@ -258,13 +258,19 @@ def build_groups(files: Sequence[FileArchs]) -> list[list[FileArchs]]:
 EXACT_BUILD_PACKAGES = {"bitsandbytes": (0, 50)}
 
 
+def release_of(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a distribution's version ("0.49.2", "3.5.0+git7416ffcb"), or None."""
+    numbers = re.match(r"^(\d{1,6})\.(\d{1,6})", version or "")
+    return (int(numbers[1]), int(numbers[2])) if numbers is not None else None
+
+
 def exact_builds_only(package: PackageFacts | None) -> bool:
     """Whether `package` loads the build of the runtime's exact CUDA version or none (bitsandbytes
     before 0.50.0, whose `cextension.py` looks for `libbitsandbytes_cuda{torch.version.cuda}` alone)."""
-    if package is None or package.version is None or package.name not in EXACT_BUILD_PACKAGES:
+    if package is None or package.name not in EXACT_BUILD_PACKAGES:
         return False
-    numbers = re.match(r"^(\d{1,6})\.(\d{1,6})", package.version)
-    return numbers is not None and (int(numbers[1]), int(numbers[2])) < EXACT_BUILD_PACKAGES[package.name]
+    release = release_of(package.version)
+    return release is not None and release < EXACT_BUILD_PACKAGES[package.name]
 
 
 def chosen_build(

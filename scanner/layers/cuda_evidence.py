@@ -676,7 +676,7 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
                 merged.distributions.setdefault(dist_info, distribution)
         for path, state in layer.extensions.items():
             merged.extensions.setdefault(path, state)
-        merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p) and p not in merged.ptxas)
+        merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p))
         merged.triton_users.update(layer.triton_users)
         occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows, layer.ptxas.keys())
         for path in layer.whiteouts:
