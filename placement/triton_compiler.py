@@ -16,9 +16,12 @@ and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110 and dropped wh
 sm_75.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
-(`DEFAULT_PATH_USERS`: vLLM from 0.8.0, whose V1 engine compiles the model with torch.compile unless
-run with `--enforce-eager`; vllm-project/vllm#32575 is vLLM failing so on a GB10), the GPU is refused
-(`compile_refusal`). Elsewhere it is a caveat: the answer says "runs without" Triton's kernels there,
+(`DEFAULT_PATH_USERS`), the GPU is refused (`compile_refusal`). vLLM from 0.8.0: its V1 engine
+compiles the model with torch.compile unless run with `--enforce-eager`, and runs Triton kernels of
+its own either way (fused MoE, Mamba, some attention backends); from 0.19.0 its model runner builds
+the KV cache's slot mapping with a Triton kernel at every step, so `--enforce-eager` keeps Triton in
+every model. vllm-project/vllm#32575 is vLLM failing so on a GB10; vllm-project/vllm#29469 on a GB10
+with torch.compile turned off (`TORCHDYNAMO_DISABLE=1`). Elsewhere it is a caveat: the answer says "runs without" Triton's kernels there,
 naming the packages that import Triton (`compile_gap`). Whether other packages build a Triton kernel
 depends on how they are used (torch only under torch.compile), which their sources do not say line
 by line.
@@ -44,13 +47,23 @@ LAST_RELEASE: dict[CC, Release] = {(10, 1): (12, 9)}  # CUDA 13.0 calls Thor sm_
 OLDEST: dict[int, CC] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
 NEWEST_KNOWN: CC = (12, 1)
 MAX_USERS_NAMED = 6  # packages named in a line, then how many more
-# Packages that compile Triton kernels on their default path, from a version, as their source says.
+# Packages that compile Triton kernels on their default path, as their source says: from each version
+# on (ascending), why.
 # vLLM's V1 engine (the default from 0.8.0: `VLLM_USE_V1` defaults to 1 in its `envs.py`) sets
 # torch.compile's piecewise level with Inductor unless the model is run eager (`VllmConfig.__post_init__`).
-DEFAULT_PATH_USERS: dict[str, tuple[tuple[int, int], str]] = {
+# From 0.19.0 `BlockTable.compute_slot_mapping` (`v1/worker/block_table.py`), which the GPU model
+# runner calls for every step's inputs, is a `@triton.jit` kernel (0.18.1 computed it in numpy).
+DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "vllm": (
-        (0, 8),
-        "compiles its model with torch.compile (Triton kernels) unless run with --enforce-eager",
+        (
+            (0, 8),
+            "compiles its model with torch.compile (Triton kernels) unless run with --enforce-eager, and runs"
+            " Triton kernels of its own (fused MoE, Mamba, some attention backends) either way",
+        ),
+        (
+            (0, 19),
+            "builds a Triton kernel at every step (its KV cache's slot mapping), --enforce-eager or not",
+        ),
     ),
 }
 
@@ -122,13 +135,22 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
     if triton is None or gap is None:
         return None
     for package in packages:
-        since = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
-        if since is not None and (release_of(package.version) or (0, 0)) >= since[0]:
+        why = default_path_use(package)
+        if why is not None:
             return (
                 f"{_name(triton)} cannot compile kernels here: {gap}, and {package.name} {package.version}"
-                f" {since[1]}; TRITON_PTXAS_PATH can name a newer ptxas"
+                f" {why}; TRITON_PTXAS_PATH can name a newer ptxas"
             )
     return None
+
+
+def default_path_use(package: PackageFacts) -> str | None:
+    """How `package` builds Triton kernels on its default path, at its version (`DEFAULT_PATH_USERS`), or
+    None where it does not (or its version is not read)."""
+    stages = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
+    version = release_of(package.version) or (0, 0)
+    reached = [why for since, why in stages or () if version >= since]
+    return reached[-1] if reached else None
 
 
 def _name(triton: TritonFacts) -> str:

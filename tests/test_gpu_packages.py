@@ -11,6 +11,7 @@ eligible set is asserted with the reason for each refused server, from the packa
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from collections.abc import Sequence
@@ -761,6 +762,30 @@ def test_vllm_0_5_5_loads_flash_attention_with_the_models_that_import_it() -> No
     ]
 
 
+def _function_source(path: Path, name: str) -> str:
+    """The source of the first function called `name` in `path` (empty if none)."""
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(source, node) or ""
+    return ""
+
+
+def test_vllm_builds_a_triton_kernel_at_every_step_eager_or_not() -> None:
+    """The ground of `DEFAULT_PATH_USERS`' second vLLM stage, in the pinned 0.33.0 wheel's own source: the
+    GPU model runner's `_prepare_inputs` computes the slot mapping with no test of eager mode, and
+    `BlockTable.compute_slot_mapping` launches a `@triton.jit` kernel. 0.8.5 prepares its inputs with
+    no Triton at all, so before 0.19.0 only torch.compile (which eager mode turns off) is certain."""
+    names = ("vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/block_table.py")
+    runner, table = (member_files(VLLM, names.__contains__)[name] for name in names)
+    prepare = _function_source(runner, "_prepare_inputs")
+    assert ".block_table.compute_slot_mapping(" in prepare and "eager" not in prepare
+    assert "_COMPUTE_SLOT_MAPPING_KERNEL(" in _function_source(table, "compute_slot_mapping")
+    assert re.search(r"class ComputeSlotMappingKernel\b[\s\S]*@triton\.jit", table.read_text())
+    old_runner, old_table = (member_files(VLLM_085, names.__contains__)[name] for name in names)
+    assert "triton" not in _function_source(old_runner, "_prepare_inputs") + old_table.read_text()
+
+
 def test_vllm_0_8_5_needs_its_core_where_it_resolves_its_platform_by_name() -> None:
     """vLLM 0.8.5 imports `vllm._C` in a `try:` in `_custom_ops.py`, and at the top of
     `vllm/platforms/cuda.py`, which `vllm/v1/engine/core.py` imports inside a function and
@@ -930,8 +955,8 @@ def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWh
 def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
     triton34: ImageFacts, vllm: ImageFacts
 ) -> None:
-    """Triton 3.4.0's ptxas (CUDA 12.8) stops at sm_121a and sm_103a. vLLM from 0.8.0 compiles its model
-    with torch.compile on its default path (vllm-project/vllm#32575: a GB10), so those GPUs are refused,
+    """Triton 3.4.0's ptxas (CUDA 12.8) stops at sm_121a and sm_103a. vLLM 0.33.0 builds a Triton kernel at
+    every step, eager or not (vllm-project/vllm#32575: a GB10), so those GPUs are refused,
     naming why; nothing changes where Triton's ptxas knows the GPU."""
     archs = archs_of(triton34)
     assert archs.triton is not None
@@ -941,8 +966,8 @@ def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
     assert eligible(decision) == eligible(place(vllm, FLEET_580)) - {"gb10"}
     assert only(decision, "gb10") == (
         "1 free NVIDIA GB10: compute capability 12.1: Triton 3.4.0 cannot compile kernels here: its ptxas (CUDA 12.8) does not know"
-        " sm_121a, and vllm 0.33.0 compiles its model with torch.compile (Triton kernels) unless run with"
-        " --enforce-eager; TRITON_PTXAS_PATH can name a newer ptxas"
+        " sm_121a, and vllm 0.33.0 builds a Triton kernel at every step (its KV cache's slot mapping), --enforce-eager"
+        " or not; TRITON_PTXAS_PATH can name a newer ptxas"
     )
     assert not gpu_code.judge(archs, (10, 3)).runs
     for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):

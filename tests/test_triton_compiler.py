@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 
 from placement import gpu_code
-from placement.triton_compiler import arch_name, compile_gap, compile_refusal, ptxas_knows, tool_for
+from placement.triton_compiler import (
+    arch_name,
+    compile_gap,
+    compile_refusal,
+    default_path_use,
+    ptxas_knows,
+    tool_for,
+)
 from scanner.facts.gpu import gpu_facts
 from scanner.layers.cuda_evidence import MAX_PTXAS_PER_LAYER, collect_layer, combine, layer_problems
 from scanner.layers.ptxas import BANNER, ReleaseReader
@@ -147,9 +154,33 @@ def test_vllm_from_its_v1_engine_on_needs_triton_where_it_cannot_compile() -> No
     vllm = PackageFacts(id="python:vllm", name="vllm", version="0.8.0", kind="python")
     refusal = compile_refusal(triton, [vllm], (12, 1))
     assert refusal is not None and "sm_121a, and vllm 0.8.0 compiles its model with torch.compile" in refusal
+    assert "runs Triton kernels of its own (fused MoE, Mamba, some attention backends) either way" in refusal
     assert compile_refusal(triton, [vllm], (12, 0)) is None  # CUDA 12.8 knows sm_120a
     old = vllm.model_copy(update={"version": "0.7.3"})
     other = PackageFacts(id="python:xformers", name="xformers", version="0.0.32", kind="python")
     assert compile_refusal(triton, [old, other], (12, 1)) is None
     assert compile_gap(triton, (12, 1)) is not None
     assert compile_refusal(triton.model_copy(update={"ptxas": {"ptxas": ""}}), [vllm], (12, 1)) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "why"),
+    [
+        ("0.7.3", None),
+        ("0.8.0", "compiles its model with torch.compile"),
+        ("0.18.1", "compiles its model with torch.compile"),
+        (
+            "0.19.0",
+            "builds a Triton kernel at every step (its KV cache's slot mapping), --enforce-eager or not",
+        ),
+        ("0.33.0rc1", "builds a Triton kernel at every step"),
+        ("main", None),
+    ],
+)
+def test_how_vllm_builds_triton_kernels_follows_its_version(version: str, why: str | None) -> None:
+    """From 0.19.0 vLLM's model runner computes the slot mapping with a Triton kernel at every step, so
+    running eager no longer avoids Triton; 0.8 to 0.18 compile with torch.compile unless eager."""
+    package = PackageFacts(id="python:vllm", name="vllm", version=version, kind="python")
+    found = default_path_use(package)
+    assert (found is None) if why is None else (found is not None and found.startswith(why))
+    assert default_path_use(package.model_copy(update={"kind": "deb"})) is None
