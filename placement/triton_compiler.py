@@ -16,7 +16,9 @@ and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110 and dropped wh
 sm_75.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
-(`DEFAULT_PATH_USERS`), the GPU is refused (`compile_refusal`). vLLM from 0.8.0: its V1 engine
+(`DEFAULT_PATH_USERS`: vLLM, SGLang, Unsloth), the GPU is refused (`compile_refusal`). A package is
+found among those shipping GPU code or among the distributions whose sources import Triton
+(`TritonFacts.user_versions`), so pure-Python ones count too. vLLM from 0.8.0: its V1 engine
 compiles the model with torch.compile unless run with `--enforce-eager`, and runs Triton kernels of
 its own either way (fused MoE, Mamba, some attention backends); from 0.19.0 its model runner builds
 the KV cache's slot mapping with a Triton kernel at every step, so `--enforce-eager` keeps Triton in
@@ -64,6 +66,20 @@ DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
             (0, 19),
             "builds a Triton kernel at every step (its KV cache's slot mapping), --enforce-eager or not",
         ),
+    ),
+    # SGLang computes each prefill batch's positions with `compute_position_triton`
+    # (`srt/model_executor/forward_batch_info.py`) on every attention backend but `torch_native`: read in
+    # 0.4.0 to 0.5.9 (0.3.6 too; 0.3.5 had no Triton there).
+    "sglang": (
+        (
+            (0, 4),
+            "computes every prefill's positions with a Triton kernel (any attention backend but torch_native)",
+        ),
+    ),
+    # Unsloth patches the models it loads with its own Triton kernels (`unsloth/kernels/`: RoPE, RMS norm,
+    # cross-entropy), which every training step runs.
+    "unsloth": (
+        ((2024, 0), "runs its own Triton kernels (RoPE, RMS norm, cross-entropy) at every training step"),
     ),
 }
 
@@ -134,7 +150,10 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
     gap = _gap(triton, cc)
     if triton is None or gap is None:
         return None
-    for package in packages:
+    users = [PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
+             for name, version in triton.user_versions.items()]  # fmt: skip
+    named = {package.name for package in users}
+    for package in [*users, *(p for p in packages if p.name not in named)]:
         why = default_path_use(package)
         if why is not None:
             return (

@@ -181,6 +181,11 @@ class TritonFacts(BaseModel):
     users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import triton"
     )
+    user_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="the installed distributions that ship those packages (as PyPI names them) -> their"
+        ' versions ({"sglang": "0.5.9"}); a package no distribution claims is not here',
+    )
 
 
 class GpuArchs(BaseModel):

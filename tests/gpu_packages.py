@@ -109,6 +109,21 @@ SGLANG_KERNEL = _wheel(
     "sglang_kernel-0.4.10-cp310-abi3-manylinux2014_x86_64.whl",
     "043cbe4a10e7887ea1b25599b729ff1ce115a0d5217b2c177aff9f9ae5327724",
 )
+SGLANG = _wheel(  # pure Python: its Triton kernels are built on the GPU at hand
+    "sglang",
+    "sglang-0.5.9-py3-none-any.whl",
+    "8a936c4d25fea605f44254e533cff2144c73ceffbc1f8738aba393461bbb64d1",
+)
+SGLANG_040 = _wheel(
+    "sglang",
+    "sglang-0.4.0-py3-none-any.whl",
+    "f0ae1c466f2480baec034decf8676c46e30beb900e018184fa6076da920391db",
+)
+UNSLOTH = _wheel(
+    "unsloth",
+    "unsloth-2025.11.1-py3-none-any.whl",
+    "67ab663e4f89817647ee343bffb400eeca3a1725470bbfc1509ef2c42ef0f418",
+)
 GPU4PYSCF = _wheel(
     "gpu4pyscf-cuda12x",
     "gpu4pyscf_cuda12x-1.9.0-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
@@ -465,6 +480,16 @@ def sglang_kernel_layer() -> list[Part]:
     return [members(SGLANG_KERNEL, _sglang_kernel_member, "py:no-flash_ops")]
 
 
+def sglang_layer() -> list[Part]:
+    """SGLang's own sources (pure Python; over `sglang_kernel_layer`, `torch_214` and `cuda13_stack`)."""
+    return [python_package(SGLANG)]
+
+
+def unsloth_layer() -> list[Part]:
+    """Unsloth's own sources (pure Python; over `torch_214` and `cuda13_stack`)."""
+    return [python_package(UNSLOTH)]
+
+
 GPU4PYSCF_LIBRARIES = ("libcupy_helper.so", "libgint.so", "libgvhf.so", "libsolvent.so")
 
 
@@ -552,6 +577,8 @@ def package_layers() -> list[list[Part]]:
         vllm_layer(),
         torchao_layer(),
         sglang_kernel_layer(),
+        sglang_layer(),
+        unsloth_layer(),
         gpu4pyscf_layer(),
         pynvvideocodec_layer(),
         pynvvideocodec_layer(runtime=False),

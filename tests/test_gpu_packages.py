@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,8 @@ from tests.gpu_packages import (
     GPU4PYSCF,
     ONNXRUNTIME,
     PYNVVIDEOCODEC,
+    SGLANG,
+    SGLANG_040,
     SGLANG_KERNEL,
     SITE,
     TENSORFLOW,
@@ -67,11 +69,13 @@ from tests.gpu_packages import (
     TORCHAO_018,
     TRITON_34,
     TRITON_39,
+    UNSLOTH,
     VLLM,
     VLLM_055,
     VLLM_061,
     VLLM_085,
     VLLM_FLASH_ATTN_261,
+    Part,
     bitsandbytes_043_cuda121,
     bitsandbytes_layers,
     cccl_parallel_cu13,
@@ -86,11 +90,13 @@ from tests.gpu_packages import (
     python_package,
     python_sources,
     sglang_kernel_layer,
+    sglang_layer,
     tensorflow_layers,
     torch_214,
     torchao_layer,
     triton_layer,
     triton_ptxas,
+    unsloth_layer,
     vllm_layer,
 )
 from tests.nvidia_wheels import cuobjdump
@@ -786,6 +792,39 @@ def test_vllm_builds_a_triton_kernel_at_every_step_eager_or_not() -> None:
     assert "triton" not in _function_source(old_runner, "_prepare_inputs") + old_table.read_text()
 
 
+def test_sglang_builds_a_triton_kernel_for_every_prefill() -> None:
+    """The ground of SGLang's stage, in the pinned wheels' own source: a prefill batch's positions come
+    from `compute_position_triton`, a `@triton.jit` kernel, unless the attention backend is
+    `torch_native` (0.4.0: that test inline in `ForwardBatch.init_new`; 0.5.9: `support_triton`, which
+    also spares `intel_amx`)."""
+    batch = "sglang/srt/model_executor/forward_batch_info.py"
+    new = member_files(SGLANG, lambda name: name in (batch, "sglang/srt/utils/common.py"))
+    assert "compute_position(" in _function_source(new[batch], "init_new")
+    position = _function_source(new[batch], "compute_position")
+    assert position.index("if support_triton(attn_backend):") < position.index("compute_position_triton(")
+    assert 'backend not in ["torch_native", "intel_amx"]' in _function_source(
+        new["sglang/srt/utils/common.py"], "support_triton"
+    )
+    assert re.search(r"@triton\.jit\ndef compute_position_kernel\(", new[batch].read_text())
+    old = _function_source(member_files(SGLANG_040, lambda name: name == batch)[batch], "init_new")
+    assert old.index('attention_backend != "torch_native"') < old.index("compute_position_triton(")
+
+
+def test_unsloth_runs_its_own_triton_kernels_in_the_models_it_patches() -> None:
+    """The ground of Unsloth's stage: its Llama attention applies RoPE with `fast_rope_embedding` and its
+    decoder layers normalise with `fast_rms_layernorm`, both Triton kernels of `unsloth/kernels/`."""
+    names = (
+        "unsloth/models/llama.py",
+        "unsloth/kernels/rope_embedding.py",
+        "unsloth/kernels/rms_layernorm.py",
+    )
+    llama, rope, rms = (member_files(UNSLOTH, names.__contains__)[name] for name in names)
+    assert "Q, K = fast_rope_embedding(Q, K, cos, sin)" in llama.read_text()
+    assert "fast_rms_layernorm(self.input_layernorm, hidden_states)" in llama.read_text()
+    assert "_rope_embedding = triton.jit(_rope_embedding)" in rope.read_text()
+    assert "@triton.jit" in rms.read_text()
+
+
 def test_vllm_0_8_5_needs_its_core_where_it_resolves_its_platform_by_name() -> None:
     """vLLM 0.8.5 imports `vllm._C` in a `try:` in `_custom_ops.py`, and at the top of
     `vllm/platforms/cuda.py`, which `vllm/v1/engine/core.py` imports inside a function and
@@ -962,6 +1001,7 @@ def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
     assert archs.triton is not None
     assert (archs.triton.version, archs.triton.ptxas) == ("3.4.0", {"ptxas": "12.8"})
     assert archs.triton.users == ["vllm"]
+    assert archs.triton.user_versions == {"vllm": "0.33.0"}
     decision = place(triton34, FLEET_580)
     assert eligible(decision) == eligible(place(vllm, FLEET_580)) - {"gb10"}
     assert only(decision, "gb10") == (
@@ -974,6 +1014,64 @@ def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
         verdict = gpu_code.judge(archs, cc)
         assert verdict.runs and _triton_lines(archs, cc) == [], cc
     assert not gpu_code.judge(archs, (12, 1), rule="strict").runs
+
+
+@pytest.mark.parametrize(
+    ("layers", "name", "why"),
+    [
+        (
+            lambda: [sglang_layer(), sglang_kernel_layer()],
+            "sglang 0.5.9",
+            "computes every prefill's positions with a Triton kernel (any attention backend but torch_native)",
+        ),
+        (
+            lambda: [unsloth_layer()],
+            "unsloth 2025.11.1",
+            "runs its own Triton kernels (RoPE, RMS norm, cross-entropy) at every training step",
+        ),
+    ],
+    ids=["sglang", "unsloth"],
+)
+def test_pure_python_packages_that_build_triton_kernels_are_refused_where_triton_cannot(
+    layers: Callable[[], list[list[Part]]],
+    name: str,
+    why: str,
+    cuda13: CudaLayerEvidence,
+    torch14: CudaLayerEvidence,
+) -> None:
+    """SGLang and Unsloth ship no GPU code of their own, so they are found as the distributions whose
+    sources import Triton. Beside Triton 3.4.0 they are refused on the GPUs its ptxas does not know,
+    and placed as before elsewhere."""
+    own = [layer_evidence(layer) for layer in layers()]
+    without = image([*own, torch14, cuda13])
+    facts = image([layer_evidence(triton_layer(TRITON_34)), *own, torch14, cuda13])
+    archs = archs_of(facts)
+    assert archs.triton is not None
+    package, version = name.split()
+    assert archs.triton.user_versions[package] == version
+    b200 = next(server for server in FLEET_580 if server.name == "b200")
+    b300 = b200.model_copy(
+        update={
+            "name": "b300",
+            "gpus": [
+                gpu.model_copy(
+                    update={"uuid": "GPU-b300", "name": "NVIDIA B300", "compute_capability": "10.3"}
+                )
+                for gpu in b200.gpus
+            ],
+        }
+    )
+    fleet = [*FLEET_580, b300]
+    before = eligible(place(without, fleet))
+    decision = place(facts, fleet)
+    assert "b300" in before  # sglang-kernel's sm_100f and torch's sm_103f run there
+    assert eligible(decision) == before - {"b300", "gb10"}
+    for server, model, cc, arch in (("b300", "B300", "10.3", "sm_103a"), ("gb10", "GB10", "12.1", "sm_121a")):
+        if server in before:
+            assert only(decision, server) == (
+                f"1 free NVIDIA {model}: compute capability {cc}: Triton 3.4.0 cannot compile kernels here: its"
+                f" ptxas (CUDA 12.8) does not know {arch}, and {name} {why}; TRITON_PTXAS_PATH can name a newer ptxas"
+            )
 
 
 def test_triton_that_cannot_compile_for_a_gpu_is_named_where_the_image_runs_without_it(

@@ -184,3 +184,23 @@ def test_how_vllm_builds_triton_kernels_follows_its_version(version: str, why: s
     found = default_path_use(package)
     assert (found is None) if why is None else (found is not None and found.startswith(why))
     assert default_path_use(package.model_copy(update={"kind": "deb"})) is None
+
+
+def test_pure_python_users_are_judged_by_the_distribution_that_ships_them() -> None:
+    """SGLang and Unsloth ship no GPU code, so `packages` lacks them; `user_versions` names them."""
+    triton = TritonFacts(version="3.4.0", ptxas={"ptxas": "12.8"}, users=["liger_kernel", "sglang"])
+    for name, version, refused in (
+        ("sglang", "0.4.0", True),
+        ("sglang", "0.3.6", False),  # 0.3.x is not read as one, though 0.3.6 has the kernel
+        ("unsloth", "2025.11.1", True),
+        ("liger-kernel", "0.6.2", False),  # its kernels run only where a model is patched with them
+    ):
+        facts = triton.model_copy(update={"user_versions": {name: version}})
+        refusal = compile_refusal(facts, [], (12, 1))
+        assert (refusal is not None) == refused, (name, version)
+        assert refusal is None or f"sm_121a, and {name} {version} " in refusal
+        assert compile_refusal(facts, [], (12, 0)) is None
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.11.0", kind="python")
+    both = triton.model_copy(update={"user_versions": {"vllm": "0.19.0"}})
+    refusal = compile_refusal(both, [vllm], (12, 1))
+    assert refusal is not None and "vllm 0.19.0 builds a Triton kernel at every step" in refusal

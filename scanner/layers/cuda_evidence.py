@@ -955,11 +955,17 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
         paths: dict[str, str] = {}
         for path in own:
             paths.setdefault(posixpath.basename(path), path)
+        users = sorted(merged.triton_users)
         return TritonFacts(
             version=distribution.version,
             ptxas={tool: carried_ptxas[path] for tool, path in paths.items()},
             paths=paths,
-            users=sorted(merged.triton_users),
+            users=users,
+            user_versions={
+                shipper.name: shipper.version
+                for _, shipper in sorted(merged.distributions.items())
+                if set(shipper.top_level).intersection(users)
+            },
         )
     return None
 
