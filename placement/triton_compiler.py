@@ -11,9 +11,10 @@ kernel fails to build: "ptxas fatal: Value 'sm_121a' is not defined for option '
 3.4.0 and 3.5.1, CUDA 12.8, on a GB10).
 
 Which releases know which architectures (NVIDIA's release notes; each copy triton 3.0.0 to 3.9.0
-ships was run on a PTX file for every architecture here, and agrees): 12.8 brought sm_100, sm_101
-and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110 and dropped what came before
-sm_75.
+ships, and nvcc 13.0's and 13.5's, was run on a PTX file for every architecture here, and agrees):
+12.8 brought sm_100, sm_101 and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110,
+brought sm_88 and dropped what came before sm_75; 13.4 brought sm_107. An architecture from sm_80
+on that the table does not list is taken as known to none.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
 (`DEFAULT_PATH_USERS`: vLLM, SGLang, Unsloth), the GPU is refused (`compile_refusal`). A package is
@@ -43,11 +44,12 @@ Release = tuple[int, int]
 FIRST_RELEASE: dict[CC, Release] = {
     (8, 0): (11, 0), (8, 6): (11, 1), (8, 7): (11, 4), (8, 9): (11, 8), (9, 0): (11, 8),
     (10, 0): (12, 8), (10, 1): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9), (11, 0): (13, 0),
+    (8, 8): (13, 0), (10, 7): (13, 4),
 }  # fmt: skip
 LAST_RELEASE: dict[CC, Release] = {(10, 1): (12, 9)}  # CUDA 13.0 calls Thor sm_110
 # The oldest architecture each major's ptxas knows.
 OLDEST: dict[int, CC] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
-NEWEST_KNOWN: CC = (12, 1)
+FIRST_LISTED: CC = min(FIRST_RELEASE)  # from here on, only the architectures listed are claimed known
 MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 # Packages that compile Triton kernels on their default path, as their source says: from each version
 # on (ascending), why.
@@ -92,7 +94,7 @@ def release(text: str) -> Release | None:
 
 def ptxas_knows(cuda: Release, cc: CC) -> bool:
     """Whether a `ptxas` of CUDA release `cuda` assembles code for compute capability `cc`."""
-    if cc > NEWEST_KNOWN and cc not in FIRST_RELEASE:
+    if cc >= FIRST_LISTED and cc not in FIRST_RELEASE:
         return False  # no release known here names it
     oldest = OLDEST.get(cuda[0], OLDEST[max(OLDEST)] if cuda[0] > max(OLDEST) else (3, 0))
     if cc < oldest:

@@ -975,7 +975,8 @@ def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWh
         cuda = release(reader.release)
         assert cuda is not None
         isa = max(isa for isa, toolkit in PTX_ISA_TOOLKITS.items() if toolkit <= cuda)
-        for cc in (cc for cc in gpu_code.KNOWN_COMPUTE_CAPABILITIES if cc >= (7, 0)):
+        # and two architectures no GPU of the fleet tables has yet: sm_88 (CUDA 13.0) and sm_107 (13.4)
+        for cc in [*(cc for cc in gpu_code.KNOWN_COMPUTE_CAPABILITIES if cc >= (7, 0)), (8, 8), (10, 7)]:
             facts = TritonFacts(version=wheel.filename.split("-")[1], ptxas={tool: reader.release})
             name = arch_name(facts, cc)
             source = tmp_path / f"{tool}-{name}.ptx"
