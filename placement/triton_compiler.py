@@ -17,7 +17,7 @@ brought sm_88 and dropped what came before sm_75; 13.4 brought sm_107. An archit
 on that the table does not list is taken as known to none.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
-(`DEFAULT_PATH_USERS`: vLLM, SGLang, Unsloth), the GPU is refused (`compile_refusal`). A package is
+(`DEFAULT_PATH_USERS`: vLLM, SGLang, mamba-ssm, Unsloth), the GPU is refused (`compile_refusal`). A package is
 found among those shipping GPU code or among the distributions whose sources import Triton
 (`TritonFacts.user_versions`), so pure-Python ones count too. vLLM from 0.8.0: its V1 engine
 compiles the model with torch.compile unless run with `--enforce-eager`, and runs Triton kernels of
@@ -78,6 +78,10 @@ DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
             "computes every prefill's positions with a Triton kernel (any attention backend but torch_native)",
         ),
     ),
+    # mamba-ssm updates a model's recurrent state with a Triton kernel at each decoding step
+    # (`selective_state_update`, taken wherever Triton imports: `modules/mamba_simple.py`, 1.0.1 to 2.3.1,
+    # as transformers' Mamba does too), and Mamba-2 scans its inputs with Triton (`ssd_combined`).
+    "mamba-ssm": (((1, 0), "updates its models' state with a Triton kernel at every decoding step"),),
     # Unsloth patches the models it loads with its own Triton kernels (`unsloth/kernels/`: RoPE, RMS norm,
     # cross-entropy), which every training step runs.
     "unsloth": (

@@ -119,6 +119,16 @@ SGLANG_040 = _wheel(
     "sglang-0.4.0-py3-none-any.whl",
     "f0ae1c466f2480baec034decf8676c46e30beb900e018184fa6076da920391db",
 )
+MAMBA_SSM = _wheel(  # no wheel on PyPI: its source distribution, as a build from source installs it
+    "mamba-ssm",
+    "mamba_ssm-2.3.1.tar.gz",
+    "4d529477ad94753962216d583fc8f1c127c717b7d7c875d6bbb9376366d0d761",
+)
+MAMBA_SSM_101 = _wheel(
+    "mamba-ssm",
+    "mamba_ssm-1.0.1.tar.gz",
+    "809970f3187378c2546e8c9492a52149fd31b8de650e21a40394536df527de93",
+)
 UNSLOTH = _wheel(
     "unsloth",
     "unsloth-2025.11.1-py3-none-any.whl",

@@ -6,15 +6,19 @@ and compressed bytes, inflates them, checks the CRC-32 and the size, and caches 
 `CACHE/members/<wheel>/` (ignored by git, never committed). The wheel itself is pinned by its sha256,
 checked against PyPI's own listing of the file (the simple API's JSON, PEP 691) before any byte is
 read, so the members are those of the pinned wheel. vLLM's 320 MiB wheel costs its 60 MiB of GPU
-libraries this way, cuDNN's 527 MiB wheel its 100 KiB `libcudnn.so.9`.
+libraries this way, cuDNN's 527 MiB wheel its 100 KiB `libcudnn.so.9`. A package PyPI has no wheel
+of is read from its source distribution, whole, when it is small (`sdist_files`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
 import struct
+import tarfile
 import threading
 import urllib.request
 import zlib
@@ -208,6 +212,41 @@ def member_files(wheel: RemoteWheel, wanted: Callable[[str], bool]) -> dict[str,
         root.mkdir(parents=True, exist_ok=True)
         listing.write_text(json.dumps([m.name for m in members]))
         return {m.name: root / m.name for m in members if wanted(m.name) and not m.name.endswith("/")}
+
+
+MAX_SDIST_BYTES = 8 << 20  # a source distribution read whole: small ones only
+
+
+def sdist_files(sdist: RemoteWheel, wanted: Callable[[str], bool]) -> dict[str, Path]:
+    """Every member of the source distribution `sdist` (a `.tar.gz`, read whole and checked against its
+    pinned sha256) that `wanted(name)` accepts, its first directory left off ("pkg-1.0/pkg/m.py" is
+    "pkg/m.py"), as cached files: {name: path}. For packages PyPI has no wheel of (mamba-ssm)."""
+    root = CACHE / "members" / sdist.filename.removesuffix(".tar.gz")
+    listing = root / ".members.json"
+    with _LOCK, cache_lock(f"members-{sdist.filename}"):
+        if not listing.exists():
+            url, size = wheel_url(sdist)
+            if size > MAX_SDIST_BYTES:
+                raise RuntimeError(f"{sdist.filename}: {size} bytes, more than {MAX_SDIST_BYTES}")
+            data = _get(url)
+            if hashlib.sha256(data).hexdigest() != sdist.sha256:
+                raise RuntimeError(f"{sdist.filename}: its bytes do not have the pinned sha256")
+            names: list[str] = []
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+                for entry in archive:
+                    name = entry.name.partition("/")[2]
+                    if not entry.isfile() or not name or ".." in name.split("/"):
+                        continue
+                    source = archive.extractfile(entry)
+                    if source is None:
+                        continue
+                    target = root / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(source.read())
+                    names.append(name)
+            root.mkdir(parents=True, exist_ok=True)
+            listing.write_text(json.dumps(names))
+        return {name: root / name for name in json.loads(listing.read_text()) if wanted(name)}
 
 
 def clear(wheel: RemoteWheel) -> None:

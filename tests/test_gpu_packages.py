@@ -57,6 +57,8 @@ from tests.gpu_packages import (
     FLASHINFER,
     FLASHINFER_CUBIN,
     GPU4PYSCF,
+    MAMBA_SSM,
+    MAMBA_SSM_101,
     ONNXRUNTIME,
     PYNVVIDEOCODEC,
     SGLANG,
@@ -100,7 +102,7 @@ from tests.gpu_packages import (
     vllm_layer,
 )
 from tests.nvidia_wheels import cuobjdump
-from tests.pypi_members import RemoteWheel, member_files
+from tests.pypi_members import RemoteWheel, member_files, sdist_files
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -823,6 +825,23 @@ def test_unsloth_runs_its_own_triton_kernels_in_the_models_it_patches() -> None:
     assert "fast_rms_layernorm(self.input_layernorm, hidden_states)" in llama.read_text()
     assert "_rope_embedding = triton.jit(_rope_embedding)" in rope.read_text()
     assert "@triton.jit" in rms.read_text()
+
+
+@pytest.mark.parametrize("sdist", [MAMBA_SSM_101, MAMBA_SSM], ids=["1.0.1", "2.3.1"])
+def test_mamba_ssm_updates_its_state_with_a_triton_kernel_at_every_decoding_step(sdist: RemoteWheel) -> None:
+    """The ground of mamba-ssm's stage, in its pinned source distributions (PyPI has no wheel): `Mamba.step`,
+    which each decoding step runs, calls `selective_state_update`, a `@triton.jit` kernel, whenever its
+    import in a `try:` succeeded, that is wherever Triton is installed."""
+    names = ("mamba_ssm/modules/mamba_simple.py", "mamba_ssm/ops/triton/selective_state_update.py")
+    simple, kernel = (sdist_files(sdist, names.__contains__)[name] for name in names)
+    source = simple.read_text()
+    assert re.search(
+        r"try:\n\s+from mamba_ssm\.ops\.triton\.selective_state_update import selective_state_update\n",
+        source,
+    )
+    step = _function_source(simple, "step")
+    assert step.index("if selective_state_update is None:") < step.index("selective_state_update(")
+    assert re.search(r"@triton\.jit\ndef _selective_scan_update_kernel\(", kernel.read_text())
 
 
 def test_vllm_0_8_5_needs_its_core_where_it_resolves_its_platform_by_name() -> None:

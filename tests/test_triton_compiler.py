@@ -195,6 +195,7 @@ def test_pure_python_users_are_judged_by_the_distribution_that_ships_them() -> N
         ("sglang", "0.4.0", True),
         ("sglang", "0.3.6", False),  # 0.3.x is not read as one, though 0.3.6 has the kernel
         ("unsloth", "2025.11.1", True),
+        ("mamba-ssm", "2.3.1", True),
         ("liger-kernel", "0.6.2", False),  # its kernels run only where a model is patched with them
     ):
         facts = triton.model_copy(update={"user_versions": {name: version}})
