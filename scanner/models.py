@@ -226,6 +226,11 @@ class GpuArchs(BaseModel):
         default_factory=dict,
         description="every `ptxas` the image carries (path -> CUDA release), which `TRITON_PTXAS_PATH` may name",
     )
+    ptxas_links: dict[str, str] = Field(
+        default_factory=dict,
+        description="paths that reach one of those `ptxas` through the image's links -> that file's path"
+        " (`/usr/local/cuda/bin/ptxas` -> `/usr/local/cuda-12.8/bin/ptxas`)",
+    )
 
 
 class CudaSource(BaseModel):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.oci import ImageSpec, LayerSpec, file
+from fixtures.oci import ImageSpec, LayerSpec, file, symlink
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
 from placement.decide import decide
@@ -1175,14 +1175,28 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
     )
     nvcc = f"{SITE}/nvidia/cu13/bin/ptxas"
     assert any(f"{SITE}/{name}" == nvcc for name in parts[1])
+    toolkit = LayerSpec(  # CUDA 13.0's ptxas where NVIDIA's images install it, and their links to it
+        [
+            file("/usr/local/cuda-13.0/bin/ptxas", parts[1]["nvidia/cu13/bin/ptxas"].read_bytes(), 0o755),
+            symlink("/usr/local/cuda", "/etc/alternatives/cuda"),
+            symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
+        ]
+    )
     push(ImageSpec([layer]), "pkg/triton:plain")
     push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:cuda13")
+    push(
+        ImageSpec([toolkit, layer], env={"TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}),
+        "pkg/triton:linked",
+    )
     settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
     store = open_store(tmp_path / "scan.db")
     try:
         async with RegistryClient(settings) as client:
             scanner = Scanner(client, store.scan_cache, settings)
-            reports = [await scanner.scan(f"{registry.host}/pkg/triton:{tag}") for tag in ("plain", "cuda13")]
+            reports = [
+                await scanner.scan(f"{registry.host}/pkg/triton:{tag}")
+                for tag in ("plain", "cuda13", "linked")
+            ]
             await scanner.close()
     finally:
         await store.close()
@@ -1192,8 +1206,13 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
         archs = report.platforms[0].gpu.archs
         assert archs is not None and archs.triton is not None
         found.append(archs.triton.ptxas)
-    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}]
+    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}]
+    linked = reports[2].platforms[0].gpu.archs
+    assert (
+        linked is not None
+        and linked.ptxas_links["/usr/local/cuda/bin/ptxas"] == "/usr/local/cuda-13.0/bin/ptxas"
+    )
     gb10 = [s for s in FLEET if s.name == "gb10"]
     warnings = [decide(ImageFacts.from_report(r), DeployRequest(gpus=1), gb10).warnings for r in reports]
     assert any("does not know sm_121a" in line for line in warnings[0])
-    assert not any("Triton" in line for line in warnings[1])
+    assert not any("Triton" in line for line in warnings[1] + warnings[2])

@@ -19,7 +19,16 @@ from placement.triton_compiler import (
     tool_for,
 )
 from scanner.facts.gpu import gpu_facts
-from scanner.layers.cuda_evidence import MAX_PTXAS_PER_LAYER, collect_layer, combine, layer_problems
+from scanner.layers.cuda_evidence import (
+    MAX_PTXAS_ALIASES,
+    MAX_PTXAS_PER_LAYER,
+    MAX_TOOLKIT_LINKS_PER_LAYER,
+    CudaLayerEvidence,
+    collect_layer,
+    combine,
+    layer_problems,
+    ptxas_aliases,
+)
 from scanner.layers.ptxas import BANNER, ReleaseReader
 from scanner.layers.python_loads import LoadSites
 from scanner.layers.tarstream import TarEntry
@@ -139,6 +148,56 @@ def test_a_layer_records_each_ptxas_and_triton_only_where_its_distribution_is() 
     assert layer.ptxas == {ptxas: "12.8", toolkit: "12.9"}
     assert layer.triton_users == ["app"]
     assert combine([layer])[1] is None  # no GPU code: nothing is judged
+
+
+def _link(path: str, target: str) -> tuple[TarEntry, bytes]:
+    return TarEntry(path=path, kind="symlink", size=0, mode=0o777, linkname=target), b""
+
+
+def test_the_links_a_toolkit_is_reached_by_lead_to_its_ptxas() -> None:
+    """NVIDIA's images: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8` (update-alternatives),
+    so `TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas` names CUDA 12.8's. Links in another layer count;
+    relative targets resolve from the link's directory; other links are not recorded."""
+    base = collect_layer(
+        [
+            _link("/usr/local/cuda", "/etc/alternatives/cuda"),
+            _link("/etc/alternatives/cuda", "/usr/local/cuda-12.8/"),
+            _link("/usr/local/cuda-12", "cuda-12.8"),
+            _link("/usr/lib/libfoo.so", "libfoo.so.1"),
+        ]
+    )
+    assert base.toolkit_links == {
+        "/usr/local/cuda": "/etc/alternatives/cuda",
+        "/etc/alternatives/cuda": "/usr/local/cuda-12.8/",
+        "/usr/local/cuda-12": "cuda-12.8",
+    }
+    toolkit = collect_layer(
+        [
+            _entry("/usr/local/cuda-12.8/bin/ptxas", b"\x7fELF" + BANNER + b"12.8, V12.8.93"),
+            _link("/usr/bin/ptxas", "../local/cuda-12/bin/ptxas"),
+        ]
+    )
+    aliases = ptxas_aliases(combine_ptxas([toolkit, base]), {**base.toolkit_links, **toolkit.toolkit_links})
+    assert aliases == {
+        "/etc/alternatives/cuda/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
+        "/usr/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
+        "/usr/local/cuda-12/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
+        "/usr/local/cuda/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
+    }
+    loop = ptxas_aliases({"/opt/c/ptxas": "13.0"}, {"/opt/a": "/opt/b", "/opt/b": "/opt/a"})
+    assert loop == {}  # a loop reaches nothing
+    wide = ptxas_aliases({"/opt/c/ptxas": "13.0"}, {f"/l{n}/cuda": "/" for n in range(MAX_PTXAS_ALIASES + 9)})
+    assert len(wide) == MAX_PTXAS_ALIASES
+
+
+def combine_ptxas(layers_top_down: list[CudaLayerEvidence]) -> dict[str, str]:
+    return {path: release for layer in layers_top_down for path, release in layer.ptxas.items() if release}
+
+
+def test_past_the_bound_on_toolkit_links_the_layer_says_so() -> None:
+    layer = collect_layer([_link(f"/opt/t{n}/cuda", "/x") for n in range(MAX_TOOLKIT_LINKS_PER_LAYER + 1)])
+    assert len(layer.toolkit_links) == MAX_TOOLKIT_LINKS_PER_LAYER
+    assert layer.bounds_reached == ["MAX_TOOLKIT_LINKS_PER_LAYER"]
 
 
 def test_past_the_bound_on_ptxas_files_the_layer_says_so() -> None:

@@ -91,7 +91,7 @@ from scanner.models import (
     TritonFacts,
 )
 
-CUDA_EVIDENCE_SCHEMA = 14  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 15  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -102,7 +102,8 @@ CUDA_EVIDENCE_SCHEMA = 14  # 2: containers carry their section; 3: and whether t
 # 11: the modules of a package that imports them by a name made at run time run on demand;
 # 12: a method defined with a load call's name (`def import_module(self, ...)`) loads nothing;
 # 13: a load-by-path call's words name its own top-level package's extension modules only;
-# 14: each `ptxas`'s CUDA release, and the packages that import Triton
+# 14: each `ptxas`'s CUDA release, and the packages that import Triton;
+# 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`)
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -117,6 +118,13 @@ MAX_LIBRARIES_PER_LAYER = 4096  # CUDA library files and links a layer may name 
 MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubin: 12)
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
 MAX_PTXAS_PER_LAYER = 64  # files named `ptxas` read for their release (a toolkit and triton: 3)
+MAX_TOOLKIT_LINKS_PER_LAYER = 64  # links a toolkit's `ptxas` may be reached by (NVIDIA's images: 3)
+MAX_LINK_HOPS = 8  # links followed from a path to a `ptxas` (NVIDIA's images: 2)
+MAX_PTXAS_ALIASES = 256  # paths reaching a carried `ptxas` through links, per image
+# A link a toolkit is reached by: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8`
+# (update-alternatives, as NVIDIA's CUDA images install the toolkit), `/usr/local/cuda-12`, or a
+# link to a `ptxas` itself.
+_TOOLKIT_LINK = re.compile(r"^(?:cuda(?:-\d+(?:\.\d+)?)?|ptxas(?:-blackwell)?)$")
 RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
 _RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
 MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
@@ -175,6 +183,11 @@ class CudaLayerEvidence(BaseModel):
     )
     triton_users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import `triton`"
+    )
+    toolkit_links: dict[str, str] = Field(
+        default_factory=dict,
+        description="links named like a toolkit's root or a `ptxas` (`/usr/local/cuda`) -> their targets as"
+        " the link holds them",
     )
     bounds_reached: list[str] = Field(
         default_factory=list,
@@ -383,7 +396,13 @@ class CudaLayerCollector:
         self._finding(path, Finding(source="conda", cuda=major_minor(version), detail=f"{name} {version}"))
 
     def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
-        """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees."""
+        """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees and
+        the links that reach them."""
+        if entry.kind == "symlink" and _TOOLKIT_LINK.match(posixpath.basename(path)):
+            if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
+                self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
+            else:
+                self.evidence.toolkit_links[path] = entry.linkname
         dist = dist_info_component(path)
         if dist is not None and dist[0] not in self._dirs_seen:
             self._dirs_seen.add(dist[0])
@@ -652,6 +671,7 @@ class _Merged:
     extensions: dict[str, ImportState] = field(default_factory=dict)
     ptxas: dict[str, str] = field(default_factory=dict)
     triton_users: set[str] = field(default_factory=set)
+    toolkit_links: dict[str, str] = field(default_factory=dict)
 
 
 def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
@@ -677,8 +697,15 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         for path, state in layer.extensions.items():
             merged.extensions.setdefault(path, state)
         merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p))
+        merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.triton_users.update(layer.triton_users)
-        occupied.update(layer.findings.keys(), layer.elves.keys(), layer.shadows, layer.ptxas.keys())
+        occupied.update(
+            layer.findings.keys(),
+            layer.elves.keys(),
+            layer.shadows,
+            layer.ptxas.keys(),
+            layer.toolkit_links.keys(),
+        )
         for path in layer.whiteouts:
             hides.delete(index, path)
         for path in layer.opaque_dirs:
@@ -812,6 +839,7 @@ def _bounds_text() -> dict[str, str]:
         "MAX_DISTRIBUTIONS_PER_LAYER": f"{MAX_DISTRIBUTIONS_PER_LAYER:,} Python distributions",
         "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
         "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
+        "MAX_TOOLKIT_LINKS_PER_LAYER": f"{MAX_TOOLKIT_LINKS_PER_LAYER:,} links to a CUDA toolkit or a ptxas",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
@@ -935,6 +963,7 @@ def image_archs(
         build_overrides=dict(overrides or {}),
         triton=_triton(merged, carried_ptxas),
         ptxas=carried_ptxas,
+        ptxas_links=ptxas_aliases(carried_ptxas, merged.toolkit_links),
     )
 
 
@@ -970,12 +999,41 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
     return None
 
 
+def ptxas_aliases(carried: Mapping[str, str], links: Mapping[str, str]) -> dict[str, str]:
+    """The paths that reach a carried `ptxas` through the image's toolkit links -> that file's path:
+    `/usr/local/cuda/bin/ptxas` -> `/usr/local/cuda-12.8/bin/ptxas` where `/usr/local/cuda` ->
+    `/etc/alternatives/cuda` -> `/usr/local/cuda-12.8`, as the kernel resolves them (a relative target
+    from the link's directory), up to `MAX_LINK_HOPS` links and `MAX_PTXAS_ALIASES` paths."""
+    targets = {
+        link: posixpath.normpath(posixpath.join(posixpath.dirname(link), target))
+        for link, target in sorted(links.items())
+        if target
+    }
+    reached = {path: path for path in carried}
+    for _ in range(MAX_LINK_HOPS):
+        grown = False
+        for link, target in targets.items():
+            for path, real in list(reached.items()):
+                if path == target:
+                    alias = link
+                elif path.startswith(target.rstrip("/") + "/"):
+                    alias = link + path[len(target.rstrip("/")) :]
+                else:
+                    continue
+                if alias not in reached and len(reached) < len(carried) + MAX_PTXAS_ALIASES:
+                    reached[alias], grown = real, True
+        if not grown:
+            break
+    return {alias: real for alias, real in sorted(reached.items()) if alias != real}
+
+
 def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
     """`archs` with the `ptxas` copies the image's config makes Triton run (`GpuFacts.triton_ptxas`:
-    tool -> path), for the tools this Triton runs. A path the image carries as a `ptxas` file gives its
-    release; any other path (a link such as `/usr/local/cuda/bin/ptxas`, a file mounted at run time,
-    or none at all, where Triton falls back to its own copy) leaves the release unknown, and nothing is
-    claimed for that tool."""
+    tool -> path), for the tools this Triton runs. A path the image carries as a `ptxas` file, or that
+    reaches one through the image's toolkit links (`/usr/local/cuda/bin/ptxas` in NVIDIA's images:
+    `ptxas_aliases`), gives its release; any other path (a file mounted at run time, a link the walk
+    does not record, or none at all, where Triton falls back to its own copy) leaves the release
+    unknown, and nothing is claimed for that tool."""
     triton = archs.triton
     if triton is None or not chosen:
         return archs
@@ -983,5 +1041,5 @@ def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
     for tool, path in chosen.items():
         if tool in ptxas:  # a variable for a tool this Triton does not run is not read
             paths[tool] = posixpath.normpath(path)
-            ptxas[tool] = archs.ptxas.get(paths[tool], "")
+            ptxas[tool] = archs.ptxas.get(archs.ptxas_links.get(paths[tool], paths[tool]), "")
     return archs.model_copy(update={"triton": triton.model_copy(update={"ptxas": ptxas, "paths": paths})})
