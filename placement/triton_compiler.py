@@ -17,17 +17,18 @@ brought sm_88 and dropped what came before sm_75; 13.4 brought sm_107. An archit
 on that the table does not list is taken as known to none.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
-(`DEFAULT_PATH_USERS`: vLLM, SGLang, mamba-ssm, Unsloth), the GPU is refused (`compile_refusal`). A package is
-found among those shipping GPU code or among the distributions whose sources import Triton
-(`TritonFacts.user_versions`), so pure-Python ones count too. vLLM from 0.8.0: its V1 engine
+(`DEFAULT_PATH_USERS`: vLLM, SGLang, mamba-ssm, Unsloth), the GPU is refused (`compile_refusal`). A
+package is found among those shipping GPU code or among the distributions whose sources import
+Triton (`TritonFacts.user_versions`), so pure-Python ones count too. vLLM from 0.8.0: its V1 engine
 compiles the model with torch.compile unless run with `--enforce-eager`, and runs Triton kernels of
 its own either way (fused MoE, Mamba, some attention backends); from 0.19.0 its model runner builds
 the KV cache's slot mapping with a Triton kernel at every step, so `--enforce-eager` keeps Triton in
-every model. vllm-project/vllm#32575 is vLLM failing so on a GB10; vllm-project/vllm#29469 on a GB10
-with torch.compile turned off (`TORCHDYNAMO_DISABLE=1`). Elsewhere it is a caveat: the answer says "runs without" Triton's kernels there,
-naming the packages that import Triton (`compile_gap`). Whether other packages build a Triton kernel
-depends on how they are used (torch only under torch.compile), which their sources do not say line
-by line.
+every model. vllm-project/vllm#32575 is vLLM failing so on a GB10, and vllm-project/vllm#29469 the
+same with torch.compile turned off (`TORCHDYNAMO_DISABLE=1`).
+
+Elsewhere it is a caveat: the answer says "runs without" Triton's kernels there, naming the packages
+that import Triton (`compile_gap`). Whether other packages build a Triton kernel depends on how they
+are used (torch only under torch.compile), which their sources do not say line by line.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
     gap = _gap(triton, cc)
     if triton is None or gap is None:
         return None
-    users = [PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
-             for name, version in triton.user_versions.items()]  # fmt: skip
+    users = [
+        PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
+        for name, version in triton.user_versions.items()
+    ]
     named = {package.name for package in users}
     for package in [*users, *(p for p in packages if p.name not in named)]:
         why = default_path_use(package)
