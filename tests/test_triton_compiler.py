@@ -184,10 +184,19 @@ def test_the_links_a_toolkit_is_reached_by_lead_to_its_ptxas() -> None:
         "/usr/local/cuda-12/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
         "/usr/local/cuda/bin/ptxas": "/usr/local/cuda-12.8/bin/ptxas",
     }
+    upper = collect_layer([(TarEntry(path="/usr/local/cuda", kind="dir", size=0, mode=0o755), b"")])
+    _, archs = combine([upper, toolkit, base, ptx_layer()])
+    assert archs is not None and "/usr/local/cuda/bin/ptxas" not in archs.ptxas_links  # a directory now
+    assert archs.ptxas_links["/usr/bin/ptxas"] == "/usr/local/cuda-12.8/bin/ptxas"
     loop = ptxas_aliases({"/opt/c/ptxas": "13.0"}, {"/opt/a": "/opt/b", "/opt/b": "/opt/a"})
     assert loop == {}  # a loop reaches nothing
     wide = ptxas_aliases({"/opt/c/ptxas": "13.0"}, {f"/l{n}/cuda": "/" for n in range(MAX_PTXAS_ALIASES + 9)})
     assert len(wide) == MAX_PTXAS_ALIASES
+
+
+def ptx_layer() -> CudaLayerEvidence:
+    """A layer with GPU code (one PTX module), so that the image's archs are judged."""
+    return collect_layer([_entry("/opt/app/k.ptx", b".version 8.7\n.target sm_90\n.address_size 64\n")])
 
 
 def combine_ptxas(layers_top_down: list[CudaLayerEvidence]) -> dict[str, str]:

@@ -187,7 +187,7 @@ class CudaLayerEvidence(BaseModel):
     toolkit_links: dict[str, str] = Field(
         default_factory=dict,
         description="links named like a toolkit's root or a `ptxas` (`/usr/local/cuda`) -> their targets as"
-        " the link holds them",
+        ' the link holds them; a directory so named -> "" (it replaces a lower layer\'s link there)',
     )
     bounds_reached: list[str] = Field(
         default_factory=list,
@@ -398,11 +398,11 @@ class CudaLayerCollector:
     def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
         """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees and
         the links that reach them."""
-        if entry.kind == "symlink" and _TOOLKIT_LINK.match(posixpath.basename(path)):
+        if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(posixpath.basename(path)):
             if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
                 self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
-            else:
-                self.evidence.toolkit_links[path] = entry.linkname
+            else:  # a directory ("") replaces a lower layer's link there
+                self.evidence.toolkit_links[path] = entry.linkname if entry.kind == "symlink" else ""
         dist = dist_info_component(path)
         if dist is not None and dist[0] not in self._dirs_seen:
             self._dirs_seen.add(dist[0])
