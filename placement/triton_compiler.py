@@ -8,7 +8,11 @@ ships one, else `ptxas`; `TRITON_PTXAS_PATH` (`TRITON_PTXAS_BLACKWELL_PATH`) rep
 (`scanner.layers.cuda_evidence.with_triton_ptxas`).
 A `ptxas` knows the architectures of its CUDA release and no later one, so on a newer GPU every
 kernel fails to build: "ptxas fatal: Value 'sm_121a' is not defined for option 'gpu-name'" (triton
-3.4.0 and 3.5.1, CUDA 12.8, on a GB10).
+3.4.0 and 3.5.1, CUDA 12.8, on a GB10). Before any of that, Triton builds its launcher with a C
+compiler at first use (`runtime/build.py`: `$CC`, else `gcc` or `clang` on PATH); in an image with
+none ("Failed to find C compiler", vllm-project/vllm#15329, sgl-project/sglang#1067: an image moved
+from NVIDIA's `devel` base to `runtime`), Triton builds nothing on any GPU
+(`TritonFacts.c_compiler`, `scanner.layers.cuda_evidence.c_compiler_on`).
 
 Which releases know which architectures (NVIDIA's release notes; each copy triton 3.0.0 to 3.9.0
 ships, and nvcc 13.0's and 13.5's, was run on a PTX file for every architecture here, and agrees):
@@ -121,42 +125,51 @@ def arch_name(triton: TritonFacts, cc: CC) -> str:
     return f"sm_{capability}{'a' if specific else ''}"
 
 
-def _gap(triton: TritonFacts | None, cc: CC) -> str | None:
-    """ "its ptxas (CUDA 12.8) does not know sm_121a" where Triton cannot build kernels on `cc`; None
-    where it can, or where the release of the `ptxas` it runs there is unknown."""
+NO_C_COMPILER = (
+    "it finds no C compiler in the image (gcc or clang on its PATH, or $CC) to build its launcher with"
+)
+NEWER_PTXAS = "TRITON_PTXAS_PATH can name a newer ptxas"
+ADD_A_COMPILER = "a C compiler in the image (Debian's gcc, build-essential) gives it one"
+
+
+def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
+    """Why Triton cannot build kernels on `cc`, and what gives it the means: no C compiler in the image
+    (on every GPU), or "its ptxas (CUDA 12.8) does not know sm_121a"; None where it can, or where the
+    compiler or the release of the `ptxas` it runs there is unknown."""
     if triton is None:
         return None
+    if triton.c_compiler == "":
+        return NO_C_COMPILER, ADD_A_COMPILER
     tool = tool_for(triton, cc)
     cuda = release(triton.ptxas.get(tool, ""))
     if cuda is None or ptxas_knows(cuda, cc):
         return None
-    return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}"
+    return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}", NEWER_PTXAS
 
 
 def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:
     """Why Triton cannot build kernels on compute capability `cc`, as a "without" line, or None
     where it can (or the release of its `ptxas` is unknown)."""
-    gap = _gap(triton, cc)
-    if triton is None or gap is None:
+    found = _gap(triton, cc)
+    if triton is None or found is None:
         return None
+    gap, remedy = found
     users = [user for user in triton.users if user != "triton"]
     shown = ", ".join(users[:MAX_USERS_NAMED]) + (
         f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
     )
     what = f"torch.compile, and the Triton kernels of {shown}" if users else "torch.compile"
-    return (
-        f"{_name(triton)}'s kernels: {gap}, so nothing Triton compiles runs here ({what});"
-        " TRITON_PTXAS_PATH can name a newer ptxas"
-    )
+    return f"{_name(triton)}'s kernels: {gap}, so nothing Triton compiles runs here ({what}); {remedy}"
 
 
 def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts], cc: CC) -> str | None:
     """Why the image does not run on compute capability `cc` for want of Triton's kernels, or None: a
     package that compiles Triton kernels on its default path (`DEFAULT_PATH_USERS`) meets a Triton
     that cannot build them there."""
-    gap = _gap(triton, cc)
-    if triton is None or gap is None:
+    found = _gap(triton, cc)
+    if triton is None or found is None:
         return None
+    gap, remedy = found
     users = [
         PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
         for name, version in triton.user_versions.items()
@@ -167,7 +180,7 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
         if why is not None:
             return (
                 f"{_name(triton)} cannot compile kernels here: {gap}, and {package.name} {package.version}"
-                f" {why}; TRITON_PTXAS_PATH can name a newer ptxas"
+                f" {why}; {remedy}"
             )
     return None
 

@@ -25,6 +25,10 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+# The PATH a container gets where its image's config sets none (Docker's and containerd's default).
+DEFAULT_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
 class Platform(BaseModel):
     """An OCI platform, printed the way Docker prints it (`linux/arm64/v8`)."""
 
@@ -181,6 +185,12 @@ class TritonFacts(BaseModel):
     users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import triton"
     )
+    c_compiler: str | None = Field(
+        default=None,
+        description="the C compiler Triton builds its launcher with at first use: `$CC`, else `gcc` or"
+        ' `clang` on the image\'s PATH; "" where there is none (nothing Triton compiles runs); null where'
+        " unknown",
+    )
     user_versions: dict[str, str] = Field(
         default_factory=dict,
         description="the installed distributions that ship those packages (as PyPI names them) -> their"
@@ -230,6 +240,11 @@ class GpuArchs(BaseModel):
         default_factory=dict,
         description="paths that reach one of those `ptxas` through the image's links -> that file's path"
         " (`/usr/local/cuda/bin/ptxas` -> `/usr/local/cuda-12.8/bin/ptxas`)",
+    )
+    c_compilers: list[str] | None = Field(
+        default=None,
+        description="the files and links the image carries named `gcc` or `clang` (the C compilers Triton"
+        " looks for); null where a layer was not read whole",
     )
 
 
@@ -301,6 +316,14 @@ class GpuFacts(BaseModel):
         default_factory=dict,
         description="`ptxas` or `ptxas-blackwell` -> the path a config variable makes Triton run"
         " (`TRITON_PTXAS_PATH`, `TRITON_PTXAS_BLACKWELL_PATH`)",
+    )
+    executable_path: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PATH),
+        description="the directories of the config's `PATH` (Docker's default where it sets none), where"
+        " Triton looks for a C compiler",
+    )
+    c_compiler: str | None = Field(
+        default=None, description="the config's `CC`, the C compiler Triton builds its launcher with if set"
     )
     inferred: InferredCuda | None = Field(
         default=None,

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
-from scanner.layers.cuda_evidence import with_triton_ptxas
+from scanner.layers.cuda_evidence import with_triton_config
 from scanner.layers.errors import AnalysisCrashed, LayerError
 from scanner.layers.limits import INLINE_OUTCOMES, LimitExceeded, scan_too_slow
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
@@ -619,7 +619,7 @@ class Scanner:
             if deep:
                 archs = verdict.archs
                 if archs is not None:
-                    archs = with_triton_ptxas(archs, gpu.triton_ptxas)
+                    archs = with_triton_config(archs, gpu)
                 gpu = gpu.model_copy(update={"inferred": verdict.inferred, "archs": archs})
                 mismatch = cuda_mismatch(gpu)
                 if mismatch:

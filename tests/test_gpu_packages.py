@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.oci import ImageSpec, LayerSpec, file, symlink
+from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file, symlink
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
 from placement.decide import decide
@@ -1182,12 +1182,12 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
             symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
         ]
     )
-    push(ImageSpec([layer]), "pkg/triton:plain")
-    push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:cuda13")
-    push(
-        ImageSpec([toolkit, layer], env={"TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}),
-        "pkg/triton:linked",
-    )
+    compiler = LayerSpec([symlink("/usr/bin/gcc", "gcc-12"), file("/usr/bin/gcc-12", fake_elf(None), 0o755)])
+    push(ImageSpec([compiler, layer]), "pkg/triton:plain")
+    push(ImageSpec([compiler, layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:cuda13")
+    linked = {"TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}
+    push(ImageSpec([compiler, toolkit, layer], env=linked), "pkg/triton:linked")
+    push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:nocc")  # no C compiler at all
     settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
     store = open_store(tmp_path / "scan.db")
     try:
@@ -1195,7 +1195,7 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
             scanner = Scanner(client, store.scan_cache, settings)
             reports = [
                 await scanner.scan(f"{registry.host}/pkg/triton:{tag}")
-                for tag in ("plain", "cuda13", "linked")
+                for tag in ("plain", "cuda13", "linked", "nocc")
             ]
             await scanner.close()
     finally:
@@ -1206,13 +1206,15 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
         archs = report.platforms[0].gpu.archs
         assert archs is not None and archs.triton is not None
         found.append(archs.triton.ptxas)
-    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}]
-    linked = reports[2].platforms[0].gpu.archs
+    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}]
+    triton = [r.platforms[0].gpu.archs.triton for r in reports if r.platforms[0].gpu.archs is not None]
+    assert [t.c_compiler if t is not None else "-" for t in triton] == ["/usr/bin/gcc"] * 3 + [""]
+    via = reports[2].platforms[0].gpu.archs
     assert (
-        linked is not None
-        and linked.ptxas_links["/usr/local/cuda/bin/ptxas"] == "/usr/local/cuda-13.0/bin/ptxas"
+        via is not None and via.ptxas_links["/usr/local/cuda/bin/ptxas"] == "/usr/local/cuda-13.0/bin/ptxas"
     )
     gb10 = [s for s in FLEET if s.name == "gb10"]
     warnings = [decide(ImageFacts.from_report(r), DeployRequest(gpus=1), gb10).warnings for r in reports]
     assert any("does not know sm_121a" in line for line in warnings[0])
     assert not any("Triton" in line for line in warnings[1] + warnings[2])
+    assert any("finds no C compiler in the image" in line for line in warnings[3])

@@ -20,10 +20,12 @@ from placement.triton_compiler import (
 )
 from scanner.facts.gpu import gpu_facts
 from scanner.layers.cuda_evidence import (
+    MAX_C_COMPILERS_PER_LAYER,
     MAX_PTXAS_ALIASES,
     MAX_PTXAS_PER_LAYER,
     MAX_TOOLKIT_LINKS_PER_LAYER,
     CudaLayerEvidence,
+    c_compiler_on,
     collect_layer,
     combine,
     layer_problems,
@@ -201,6 +203,58 @@ def ptx_layer() -> CudaLayerEvidence:
 
 def combine_ptxas(layers_top_down: list[CudaLayerEvidence]) -> dict[str, str]:
     return {path: release for layer in layers_top_down for path, release in layer.ptxas.items() if release}
+
+
+def test_the_c_compiler_triton_builds_its_launcher_with_is_found_as_triton_finds_it() -> None:
+    """Triton's `_find_compiler`: `$CC`, else `gcc` on PATH, else `clang`. The walk records the files and links
+    so named; the config's PATH (Docker's default where unset) and CC pick one; where none is found, Triton
+    builds nothing, on any GPU, and vLLM is refused everywhere, saying what gives it one."""
+    layer = collect_layer(
+        [
+            _link("/usr/bin/gcc", "gcc-12"),
+            _entry("/opt/llvm/bin/clang", b"\x7fELF"),
+            _entry("/usr/share/doc/gcc-12/README", b"docs"),
+        ]
+    )
+    assert layer.c_compilers == ["/usr/bin/gcc", "/opt/llvm/bin/clang"]
+    _, archs = combine([layer, ptx_layer()])
+    assert archs is not None and archs.c_compilers == ["/opt/llvm/bin/clang", "/usr/bin/gcc"]
+    assert c_compiler_on(archs, gpu_facts({"config": {}})) == "/usr/bin/gcc"  # Docker's default PATH
+    assert (
+        c_compiler_on(archs, gpu_facts({"config": {"Env": ["PATH=/opt/llvm/bin:/usr/bin"]}}))
+        == "/usr/bin/gcc"
+    )
+    assert (
+        c_compiler_on(archs, gpu_facts({"config": {"Env": ["PATH=/opt/llvm/bin:/bin"]}}))
+        == "/opt/llvm/bin/clang"
+    )
+    assert c_compiler_on(archs, gpu_facts({"config": {"Env": ["PATH=/sbin", "CC=/x/cc"]}})) == "/x/cc"
+    assert c_compiler_on(archs, gpu_facts({"config": {"Env": ["PATH=/sbin:relative"]}})) == ""
+    _, unread = combine([layer.model_copy(update={"complete": False}), ptx_layer()])
+    assert unread is not None and unread.c_compilers is None  # a name past a stopped read is unseen
+    assert c_compiler_on(unread, gpu_facts({"config": {"Env": ["PATH=/sbin"]}})) is None
+
+    none = TritonFacts(version="3.9.0", ptxas={"ptxas": "12.9", "ptxas-blackwell": "13.4"}, c_compiler="")
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.19.0", kind="python")
+    for cc in ((7, 5), (9, 0), (12, 1)):
+        refusal = compile_refusal(none, [vllm], cc)
+        assert refusal == (
+            "Triton 3.9.0 cannot compile kernels here: it finds no C compiler in the image (gcc or clang on its"
+            " PATH, or $CC) to build its launcher with, and vllm 0.19.0 builds a Triton kernel at every step (its"
+            " KV cache's slot mapping), --enforce-eager or not; a C compiler in the image (Debian's gcc,"
+            " build-essential) gives it one"
+        )
+        line = compile_gap(none, cc)
+        assert line is not None and line.startswith("Triton 3.9.0's kernels: it finds no C compiler")
+    for found in ("/usr/bin/gcc", None):  # a compiler, or none known either way: nothing is claimed
+        facts = none.model_copy(update={"c_compiler": found})
+        assert compile_refusal(facts, [vllm], (9, 0)) is None and compile_gap(facts, (9, 0)) is None
+
+
+def test_past_the_bound_on_c_compilers_the_layer_says_so() -> None:
+    layer = collect_layer([_link(f"/opt/t{n}/gcc", "x") for n in range(MAX_C_COMPILERS_PER_LAYER + 1)])
+    assert len(layer.c_compilers) == MAX_C_COMPILERS_PER_LAYER
+    assert layer.bounds_reached == ["MAX_C_COMPILERS_PER_LAYER"]
 
 
 def test_past_the_bound_on_toolkit_links_the_layer_says_so() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from scanner.facts.require_grammar import latent_error, parse_requirement_lenient
 from scanner.layers.code_loading import build_digits_version
-from scanner.models import GpuFacts, RequirementIssue
+from scanner.models import DEFAULT_PATH, GpuFacts, RequirementIssue
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"
@@ -181,6 +181,13 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def executable_path(env: Mapping[str, str]) -> list[str]:
+    """The absolute directories of the config's `PATH`, in order (Docker's default where it sets none)."""
+    if "PATH" not in env:
+        return list(DEFAULT_PATH)
+    return [part.rstrip("/") or "/" for part in env["PATH"].split(":") if part.startswith("/")]
+
+
 def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
     """What the image config says about NVIDIA GPUs. Never raises on odd input."""
     section = _config_section(config)
@@ -269,4 +276,6 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
         runtime_gpu_request=runtime_gpu_request,
         build_overrides=build_overrides(env),
         triton_ptxas=triton_ptxas(env),
+        executable_path=executable_path(env),
+        c_compiler=env.get("CC") or None,
     )

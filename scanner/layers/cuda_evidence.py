@@ -86,6 +86,7 @@ from scanner.models import (
     CudaSource,
     FileArchs,
     GpuArchs,
+    GpuFacts,
     ImportState,
     InferredCuda,
     TritonFacts,
@@ -103,7 +104,8 @@ CUDA_EVIDENCE_SCHEMA = 15  # 2: containers carry their section; 3: and whether t
 # 12: a method defined with a load call's name (`def import_module(self, ...)`) loads nothing;
 # 13: a load-by-path call's words name its own top-level package's extension modules only;
 # 14: each `ptxas`'s CUDA release, and the packages that import Triton;
-# 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`)
+# 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`), and
+#     the C compilers Triton looks for
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -119,6 +121,9 @@ MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubi
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
 MAX_PTXAS_PER_LAYER = 64  # files named `ptxas` read for their release (a toolkit and triton: 3)
 MAX_TOOLKIT_LINKS_PER_LAYER = 64  # links a toolkit's `ptxas` may be reached by (NVIDIA's images: 3)
+MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc` or `clang` (Debian's gcc: 1)
+# What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
+C_COMPILERS = ("gcc", "clang")
 MAX_LINK_HOPS = 8  # links followed from a path to a `ptxas` (NVIDIA's images: 2)
 MAX_PTXAS_ALIASES = 256  # paths reaching a carried `ptxas` through links, per image
 # A link a toolkit is reached by: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8`
@@ -183,6 +188,10 @@ class CudaLayerEvidence(BaseModel):
     )
     triton_users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import `triton`"
+    )
+    c_compilers: list[str] = Field(
+        default_factory=list,
+        description="files and links named `gcc` or `clang` (the C compilers Triton looks for)",
     )
     toolkit_links: dict[str, str] = Field(
         default_factory=dict,
@@ -398,6 +407,11 @@ class CudaLayerCollector:
     def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
         """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees and
         the links that reach them."""
+        if entry.kind in ("file", "symlink", "hardlink") and posixpath.basename(path) in C_COMPILERS:
+            if len(self.evidence.c_compilers) >= MAX_C_COMPILERS_PER_LAYER:
+                self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
+            else:
+                self.evidence.c_compilers.append(path)
         if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(posixpath.basename(path)):
             if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
                 self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
@@ -672,6 +686,7 @@ class _Merged:
     ptxas: dict[str, str] = field(default_factory=dict)
     triton_users: set[str] = field(default_factory=set)
     toolkit_links: dict[str, str] = field(default_factory=dict)
+    c_compilers: set[str] = field(default_factory=set)
 
 
 def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
@@ -698,6 +713,7 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
             merged.extensions.setdefault(path, state)
         merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p))
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
+        merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
         merged.triton_users.update(layer.triton_users)
         occupied.update(
             layer.findings.keys(),
@@ -827,6 +843,8 @@ def combine(
         conflict=conflict,
         complete=complete,
     )
+    if archs is not None and not complete:  # a name past a layer's read is unseen: no compiler is not known
+        archs = archs.model_copy(update={"c_compilers": None})
     return inferred, archs
 
 
@@ -840,6 +858,7 @@ def _bounds_text() -> dict[str, str]:
         "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
         "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
         "MAX_TOOLKIT_LINKS_PER_LAYER": f"{MAX_TOOLKIT_LINKS_PER_LAYER:,} links to a CUDA toolkit or a ptxas",
+        "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc or clang",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
@@ -964,6 +983,7 @@ def image_archs(
         triton=_triton(merged, carried_ptxas),
         ptxas=carried_ptxas,
         ptxas_links=ptxas_aliases(carried_ptxas, merged.toolkit_links),
+        c_compilers=sorted(merged.c_compilers),
     )
 
 
@@ -1025,6 +1045,33 @@ def ptxas_aliases(carried: Mapping[str, str], links: Mapping[str, str]) -> dict[
         if not grown:
             break
     return {alias: real for alias, real in sorted(reached.items()) if alias != real}
+
+
+def c_compiler_on(archs: GpuArchs, gpu: GpuFacts) -> str | None:
+    """The C compiler Triton builds its launcher with in this image (its `_find_compiler`): the config's
+    `CC` if set, else the first `gcc` on its PATH, else the first `clang`; "" where there is none; None
+    where the image's names are not all known (`GpuArchs.c_compilers`)."""
+    if gpu.c_compiler:
+        return gpu.c_compiler
+    if archs.c_compilers is None:
+        return None
+    carried = set(archs.c_compilers)
+    for name in C_COMPILERS:
+        for directory in gpu.executable_path:
+            path = posixpath.join(directory, name)
+            if path in carried:
+                return path
+    return ""
+
+
+def with_triton_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
+    """`archs` with what the image's config decides for Triton: the `ptxas` it runs
+    (`with_triton_ptxas`) and the C compiler it builds its launcher with (`c_compiler_on`)."""
+    chosen = with_triton_ptxas(archs, gpu.triton_ptxas)
+    if chosen.triton is None:
+        return chosen
+    triton = chosen.triton.model_copy(update={"c_compiler": c_compiler_on(chosen, gpu)})
+    return chosen.model_copy(update={"triton": triton})
 
 
 def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
