@@ -98,7 +98,7 @@ def test_legacy_cuda_version_only_image() -> None:
 
 def test_plain_image_needs_no_gpu() -> None:
     facts = gpu_facts(config({"PATH": "/usr/bin", "LANG": "C.UTF-8"}))
-    assert facts == GpuFacts()
+    assert facts == GpuFacts(executable_path=["/usr/bin"])  # where Triton would look for a C compiler
 
 
 def test_arm64_upper_case_key_still_gives_the_cuda_version() -> None:
