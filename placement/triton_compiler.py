@@ -128,7 +128,6 @@ def arch_name(triton: TritonFacts, cc: CC) -> str:
 NO_C_COMPILER = (
     "it finds no C compiler in the image (gcc or clang on its PATH, or $CC) to build its launcher with"
 )
-NEWER_PTXAS = "TRITON_PTXAS_PATH can name a newer ptxas"
 ADD_A_COMPILER = "a C compiler in the image (Debian's gcc, build-essential) gives it one"
 
 
@@ -144,7 +143,23 @@ def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
     cuda = release(triton.ptxas.get(tool, ""))
     if cuda is None or ptxas_knows(cuda, cc):
         return None
-    return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}", NEWER_PTXAS
+    return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}", ptxas_remedy(
+        cuda, cc
+    )
+
+
+def ptxas_remedy(cuda: Release, cc: CC) -> str:
+    """What `TRITON_PTXAS_PATH` can name instead of a `ptxas` of release `cuda`, which does not know
+    `cc`: by the releases whose `ptxas` does."""
+    first, last = FIRST_RELEASE.get(cc), LAST_RELEASE.get(cc)
+    if cc < OLDEST.get(cuda[0], (0, 0)):  # a major that dropped it: an older one knows it
+        releases = f"CUDA {cuda[0] - 1} or earlier"
+    elif first is None:
+        return "TRITON_PTXAS_PATH can name a newer ptxas"
+    else:
+        since = f"{first[0]}.{first[1]}"
+        releases = f"CUDA {since} to {last[0]}.{last[1]}" if last else f"CUDA {since} or later"
+    return f"TRITON_PTXAS_PATH can name a ptxas that knows it ({releases})"
 
 
 def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:

@@ -1027,7 +1027,7 @@ def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
     assert only(decision, "gb10") == (
         "1 free NVIDIA GB10: compute capability 12.1: Triton 3.4.0 cannot compile kernels here: its ptxas (CUDA 12.8) does not know"
         " sm_121a, and vllm 0.33.0 builds a Triton kernel at every step (its KV cache's slot mapping), --enforce-eager"
-        " or not; TRITON_PTXAS_PATH can name a newer ptxas"
+        " or not; TRITON_PTXAS_PATH can name a ptxas that knows it (CUDA 12.9 or later)"
     )
     assert not gpu_code.judge(archs, (10, 3)).runs
     for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
@@ -1090,7 +1090,8 @@ def test_pure_python_packages_that_build_triton_kernels_are_refused_where_triton
         if server in before:
             assert only(decision, server) == (
                 f"1 free NVIDIA {model}: compute capability {cc}: Triton 3.4.0 cannot compile kernels here: its"
-                f" ptxas (CUDA 12.8) does not know {arch}, and {name} {why}; TRITON_PTXAS_PATH can name a newer ptxas"
+                f" ptxas (CUDA 12.8) does not know {arch}, and {name} {why}; TRITON_PTXAS_PATH can name a ptxas"
+                " that knows it (CUDA 12.9 or later)"
             )
 
 
@@ -1105,7 +1106,7 @@ def test_triton_that_cannot_compile_for_a_gpu_is_named_where_the_image_runs_with
     assert eligible(decision) == ALL - {"v100"}  # wherever torch 2.14.0+cu130 runs
     line = (
         "Triton 3.4.0's kernels: its ptxas (CUDA 12.8) does not know sm_121a, so nothing Triton compiles"
-        " runs here (torch.compile); TRITON_PTXAS_PATH can name a newer ptxas"
+        " runs here (torch.compile); TRITON_PTXAS_PATH can name a ptxas that knows it (CUDA 12.9 or later)"
     )
     assert f"on NVIDIA GB10 (compute capability 12.1): runs; without {line}" in decision.warnings
     assert _triton_lines(archs, (12, 1)) == [line]
@@ -1125,7 +1126,7 @@ def test_triton_39_runs_ptxas_blackwell_from_hopper_on(triton39: ImageFacts) -> 
     assert not [w for w in decision.warnings if "Triton" in w]
     assert _triton_lines(archs, (10, 1)) == [
         "Triton 3.9.0's kernels: its ptxas-blackwell (CUDA 13.4) does not know sm_101a, so nothing Triton"
-        " compiles runs here (torch.compile); TRITON_PTXAS_PATH can name a newer ptxas"
+        " compiles runs here (torch.compile); TRITON_PTXAS_PATH can name a ptxas that knows it (CUDA 12.8 to 12.9)"
     ]
     assert _triton_lines(archs, (7, 0)) == []  # CUDA 12.9's ptxas still knows Volta
 

@@ -16,6 +16,7 @@ from placement.triton_compiler import (
     compile_refusal,
     default_path_use,
     ptxas_knows,
+    ptxas_remedy,
     tool_for,
 )
 from scanner.facts.gpu import gpu_facts
@@ -329,3 +330,21 @@ def test_pure_python_users_are_judged_by_the_distribution_that_ships_them() -> N
     both = triton.model_copy(update={"user_versions": {"vllm": "0.19.0"}})
     refusal = compile_refusal(both, [vllm], (12, 1))
     assert refusal is not None and "vllm 0.19.0 builds a Triton kernel at every step" in refusal
+
+
+def test_the_answer_names_the_releases_whose_ptxas_knows_the_gpu() -> None:
+    """A newer release for a newer GPU, an older one where a major dropped it (CUDA 13 and Volta), and the
+    range where a name lived for one release span (sm_101a, Thor as CUDA 12 named it)."""
+    cases = [
+        ((12, 8), (12, 1), "CUDA 12.9 or later", [(12, 9), (13, 0)]),
+        ((12, 9), (11, 0), "CUDA 13.0 or later", [(13, 0), (13, 5)]),
+        ((13, 4), (10, 1), "CUDA 12.8 to 12.9", [(12, 8), (12, 9)]),
+        ((13, 0), (7, 0), "CUDA 12 or earlier", [(12, 9), (11, 8)]),
+    ]
+    for cuda, cc, releases, knowing in cases:
+        assert not ptxas_knows(cuda, cc)
+        assert ptxas_remedy(cuda, cc) == f"TRITON_PTXAS_PATH can name a ptxas that knows it ({releases})"
+        assert all(ptxas_knows(other, cc) for other in knowing)
+    assert (
+        ptxas_remedy((13, 5), (13, 0)) == "TRITON_PTXAS_PATH can name a newer ptxas"
+    )  # no release known does
