@@ -185,6 +185,11 @@ class TritonFacts(BaseModel):
     users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import triton"
     )
+    prebuilt_utils: list[str] = Field(
+        default_factory=list,
+        description="built copies of its driver module the image carries in a Triton cache (`cuda_utils.*.so`):"
+        " from 3.7 on, what spares it a C compiler",
+    )
     c_compiler: str | None = Field(
         default=None,
         description="the C compiler Triton builds its launcher with at first use: `$CC`, else `gcc` or"

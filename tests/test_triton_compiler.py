@@ -252,6 +252,26 @@ def test_the_c_compiler_triton_builds_its_launcher_with_is_found_as_triton_finds
         assert compile_refusal(facts, [vllm], (9, 0)) is None and compile_gap(facts, (9, 0)) is None
 
 
+@pytest.mark.parametrize(("version", "compiler"), [("3.7.1", None), ("3.4.0", "")])
+def test_a_triton_cache_holding_its_built_driver_spares_the_compiler_from_3_7_on(
+    version: str, compiler: str | None
+) -> None:
+    """From 3.7 Triton builds one module with a C compiler (`cuda_utils`, its driver), and a cache the image
+    carries may hold it built; 3.0 to 3.6 also build a launcher per kernel, so a compiler is still needed."""
+    layer = collect_layer(
+        [
+            _entry(f"{SITE}/triton-{version}.dist-info/RECORD", b"triton/__init__.py,,\n"),
+            _entry("/root/.triton/cache/5f2a/cuda_utils.cpython-311-x86_64-linux-gnu.so", b"\x7fELF"),
+        ]
+    )
+    assert layer.triton_utils == ["/root/.triton/cache/5f2a/cuda_utils.cpython-311-x86_64-linux-gnu.so"]
+    _, archs = combine([layer, ptx_layer()])
+    assert (
+        archs is not None and archs.triton is not None and archs.triton.prebuilt_utils == layer.triton_utils
+    )
+    assert c_compiler_on(archs, gpu_facts({"config": {}})) == compiler
+
+
 def test_past_the_bound_on_c_compilers_the_layer_says_so() -> None:
     layer = collect_layer([_link(f"/opt/t{n}/gcc", "x") for n in range(MAX_C_COMPILERS_PER_LAYER + 1)])
     assert len(layer.c_compilers) == MAX_C_COMPILERS_PER_LAYER

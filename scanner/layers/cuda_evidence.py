@@ -48,6 +48,7 @@ from scanner.layers.code_loading import (
     annotate,
     cuda_library_file,
     distribution_from_record,
+    release_of,
 )
 from scanner.layers.cuda_sources import (
     CONDA_META,
@@ -124,6 +125,10 @@ MAX_TOOLKIT_LINKS_PER_LAYER = 64  # links a toolkit's `ptxas` may be reached by 
 MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc` or `clang` (Debian's gcc: 1)
 # What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
 C_COMPILERS = ("gcc", "clang")
+# Triton's driver module as its cache keeps it once built (`~/.triton/cache/<hash>/cuda_utils.*.so`): from
+# 3.7 on the only thing Triton builds with a C compiler (3.0 to 3.6 also build a launcher per kernel).
+_TRITON_UTILS = re.compile(r"^cuda_utils\.[^/]*\.so$")
+PREBUILT_UTILS_FROM = (3, 7)
 MAX_LINK_HOPS = 8  # links followed from a path to a `ptxas` (NVIDIA's images: 2)
 MAX_PTXAS_ALIASES = 256  # paths reaching a carried `ptxas` through links, per image
 # A link a toolkit is reached by: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8`
@@ -192,6 +197,10 @@ class CudaLayerEvidence(BaseModel):
     c_compilers: list[str] = Field(
         default_factory=list,
         description="files and links named `gcc` or `clang` (the C compilers Triton looks for)",
+    )
+    triton_utils: list[str] = Field(
+        default_factory=list,
+        description="built copies of Triton's driver module (`cuda_utils.*.so`, as its cache keeps them)",
     )
     toolkit_links: dict[str, str] = Field(
         default_factory=dict,
@@ -412,6 +421,11 @@ class CudaLayerCollector:
                 self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
             else:
                 self.evidence.c_compilers.append(path)
+        if entry.kind == "file" and _TRITON_UTILS.match(posixpath.basename(path)):
+            if len(self.evidence.triton_utils) >= MAX_C_COMPILERS_PER_LAYER:
+                self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
+            else:
+                self.evidence.triton_utils.append(path)
         if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(posixpath.basename(path)):
             if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
                 self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
@@ -687,6 +701,7 @@ class _Merged:
     triton_users: set[str] = field(default_factory=set)
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
+    triton_utils: set[str] = field(default_factory=set)
 
 
 def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
@@ -714,6 +729,7 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p))
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
+        merged.triton_utils.update(p for p in layer.triton_utils if not hides.hidden_above(p, index))
         merged.triton_users.update(layer.triton_users)
         occupied.update(
             layer.findings.keys(),
@@ -858,7 +874,7 @@ def _bounds_text() -> dict[str, str]:
         "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
         "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
         "MAX_TOOLKIT_LINKS_PER_LAYER": f"{MAX_TOOLKIT_LINKS_PER_LAYER:,} links to a CUDA toolkit or a ptxas",
-        "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc or clang",
+        "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc or clang, or Triton's built modules",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
@@ -1010,6 +1026,7 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
             ptxas={tool: carried_ptxas[path] for tool, path in paths.items()},
             paths=paths,
             users=users,
+            prebuilt_utils=sorted(merged.triton_utils),
             user_versions={
                 shipper.name: shipper.version
                 for _, shipper in sorted(merged.distributions.items())
@@ -1053,8 +1070,13 @@ def c_compiler_on(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     where the image's names are not all known (`GpuArchs.c_compilers`)."""
     if gpu.c_compiler:
         return gpu.c_compiler
-    if archs.c_compilers is None:
-        return None
+    triton = archs.triton
+    version = release_of(triton.version) if triton is not None else None
+    prebuilt = (
+        triton is not None and bool(triton.prebuilt_utils) and (version or (0, 0)) >= PREBUILT_UTILS_FROM
+    )
+    if archs.c_compilers is None or prebuilt:
+        return None  # unknown, or nothing left for a compiler to build
     carried = set(archs.c_compilers)
     for name in C_COMPILERS:
         for directory in gpu.executable_path:
