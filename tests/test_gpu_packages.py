@@ -29,7 +29,13 @@ from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
 from placement.triton_compiler import arch_name, ptxas_knows, release
 from scanner.facts.gpu import gpu_facts
-from scanner.layers.cuda_evidence import CudaLayerEvidence, combine, file_archs, with_triton_ptxas
+from scanner.layers.cuda_evidence import (
+    PREBUILT_UTILS_FROM,
+    CudaLayerEvidence,
+    combine,
+    file_archs,
+    with_triton_ptxas,
+)
 from scanner.layers.cudaelf import ElfCudaProbe
 from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.layers.ptxas import ReleaseReader
@@ -976,6 +982,20 @@ def triton39(cuda13: CudaLayerEvidence, torch14: CudaLayerEvidence) -> ImageFact
 
 def _triton_lines(archs: GpuArchs, cc: tuple[int, int]) -> list[str]:
     return [line for line in gpu_code.judge(archs, cc).without if line.startswith("Triton")]
+
+
+@pytest.mark.parametrize("wheel", [TRITON_34, TRITON_39], ids=["3.4.0", "3.9.0"])
+def test_what_triton_builds_with_a_c_compiler_follows_its_version(wheel: RemoteWheel) -> None:
+    """The ground of `c_compiler_on`, in the pinned wheels' own source: `gcc`, else `clang` (or `$CC`), found
+    as `shutil.which` finds them; 3.4.0 builds its driver module and a launcher per kernel with it, 3.9.0
+    its driver module alone (`PREBUILT_UTILS_FROM`), which a Triton cache in the image may hold built."""
+    names = ("triton/runtime/build.py", "triton/backends/nvidia/driver.py")
+    build, driver = (member_files(wheel, names.__contains__)[name].read_text() for name in names)
+    assert 'os.environ.get("CC")' in build
+    assert build.index('shutil.which("clang")') < build.index("gcc if gcc is not None else clang")
+    version = release(".".join(wheel.filename.split("-")[1].split(".")[:2]))
+    assert version is not None and '"cuda_utils"' in driver
+    assert ("__triton_launcher" in driver) == (version < PREBUILT_UTILS_FROM)  # a launcher per kernel
 
 
 @pytest.mark.parametrize("wheel", [TRITON_34, TRITON_39], ids=["3.4.0", "3.9.0"])
