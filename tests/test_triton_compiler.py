@@ -7,6 +7,8 @@ here, the reader's edges on crafted bytes and the rules' tables.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from placement import gpu_code
@@ -32,6 +34,7 @@ from scanner.layers.cuda_evidence import (
     layer_problems,
     ptxas_aliases,
 )
+from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES
 from scanner.layers.ptxas import BANNER, ReleaseReader
 from scanner.layers.python_loads import LoadSites
 from scanner.layers.tarstream import TarEntry
@@ -200,6 +203,22 @@ def test_the_links_a_toolkit_is_reached_by_lead_to_its_ptxas() -> None:
 def ptx_layer() -> CudaLayerEvidence:
     """A layer with GPU code (one PTX module), so that the image's archs are judged."""
     return collect_layer([_entry("/opt/app/k.ptx", b".version 8.7\n.target sm_90\n.address_size 64\n")])
+
+
+def test_following_links_is_bounded_in_work_whatever_the_image_holds() -> None:
+    """127 layers, each at its bound of `ptxas` files and links (8,128 of each, plus links to `/`): each reached
+    path's directories are looked up once, so this takes milliseconds where pairing every link with every path
+    took seconds; no alias passes the caps on paths and on a path's length."""
+    carried = {
+        f"/l{layer}/d{n}/bin/ptxas": "12.8" for layer in range(127) for n in range(MAX_PTXAS_PER_LAYER)
+    }
+    links = {f"/k{layer}/c{n}/cuda": f"/l{layer}/d{n}" for layer in range(127) for n in range(64)}
+    links |= {f"/z{n}/{'x' * 4000}/cuda": "/" for n in range(64)}  # aliases past a path's length
+    started = time.process_time()
+    aliases = ptxas_aliases(carried, links)
+    assert time.process_time() - started < 2.0
+    assert len(aliases) == MAX_PTXAS_ALIASES
+    assert all(len(alias) <= DEFAULT_MAX_PATH_BYTES for alias in aliases)
 
 
 def combine_ptxas(layers_top_down: list[CudaLayerEvidence]) -> dict[str, str]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -77,7 +78,7 @@ from scanner.layers.cuda_sources import (
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
-from scanner.layers.limits import AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
+from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.ptxas import ReleaseReader, is_ptxas
 from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
@@ -131,6 +132,7 @@ _TRITON_UTILS = re.compile(r"^cuda_utils\.[^/]*\.so$")
 PREBUILT_UTILS_FROM = (3, 7)
 MAX_LINK_HOPS = 8  # links followed from a path to a `ptxas` (NVIDIA's images: 2)
 MAX_PTXAS_ALIASES = 256  # paths reaching a carried `ptxas` through links, per image
+MAX_ALIAS_STEPS = 20_000  # directories looked up for a link while following them, per image (NVIDIA's: ~20)
 # A link a toolkit is reached by: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8`
 # (update-alternatives, as NVIDIA's CUDA images install the toolkit), `/usr/local/cuda-12`, or a
 # link to a `ptxas` itself.
@@ -302,6 +304,13 @@ class CudaLayerCollector:
         self.evidence.elves.pop(path, None)
         self._shadow(path)
 
+    def _keep_name(self, kept: list[str], path: str) -> None:
+        """`path` kept in `kept` (a C compiler's or Triton's built module), up to `MAX_C_COMPILERS_PER_LAYER`."""
+        if len(kept) >= MAX_C_COMPILERS_PER_LAYER:
+            self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
+        else:
+            kept.append(path)
+
     def _bound_reached(self, bound: str) -> None:
         """A per-layer bound was hit: evidence past it is dropped, and the report will say which."""
         if bound not in self.evidence.bounds_reached:
@@ -416,17 +425,12 @@ class CudaLayerCollector:
     def _add_path_evidence(self, path: str, entry: TarEntry) -> None:
         """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees and
         the links that reach them."""
-        if entry.kind in ("file", "symlink", "hardlink") and posixpath.basename(path) in C_COMPILERS:
-            if len(self.evidence.c_compilers) >= MAX_C_COMPILERS_PER_LAYER:
-                self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
-            else:
-                self.evidence.c_compilers.append(path)
-        if entry.kind == "file" and _TRITON_UTILS.match(posixpath.basename(path)):
-            if len(self.evidence.triton_utils) >= MAX_C_COMPILERS_PER_LAYER:
-                self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
-            else:
-                self.evidence.triton_utils.append(path)
-        if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(posixpath.basename(path)):
+        name = posixpath.basename(path)
+        if entry.kind in ("file", "symlink", "hardlink") and name in C_COMPILERS:
+            self._keep_name(self.evidence.c_compilers, path)
+        if entry.kind == "file" and _TRITON_UTILS.match(name):
+            self._keep_name(self.evidence.triton_utils, path)
+        if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(name):
             if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
                 self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
             else:  # a directory ("") replaces a lower layer's link there
@@ -1040,27 +1044,35 @@ def ptxas_aliases(carried: Mapping[str, str], links: Mapping[str, str]) -> dict[
     """The paths that reach a carried `ptxas` through the image's toolkit links -> that file's path:
     `/usr/local/cuda/bin/ptxas` -> `/usr/local/cuda-12.8/bin/ptxas` where `/usr/local/cuda` ->
     `/etc/alternatives/cuda` -> `/usr/local/cuda-12.8`, as the kernel resolves them (a relative target
-    from the link's directory), up to `MAX_LINK_HOPS` links and `MAX_PTXAS_ALIASES` paths."""
-    targets = {
-        link: posixpath.normpath(posixpath.join(posixpath.dirname(link), target))
-        for link, target in sorted(links.items())
-        if target
-    }
+    from the link's directory). Each reached path's directories are looked up once among the links'
+    targets (breadth first, up to `MAX_LINK_HOPS` links deep), so the work is bounded by
+    `MAX_ALIAS_STEPS` lookups and `MAX_PTXAS_ALIASES` paths of at most `DEFAULT_MAX_PATH_BYTES`."""
+    linking: dict[str, list[str]] = {}  # a link's resolved target -> the links that point there
+    for link, target in sorted(links.items()):
+        if target:
+            linking.setdefault(
+                posixpath.normpath(posixpath.join(posixpath.dirname(link), target)), []
+            ).append(link)
     reached = {path: path for path in carried}
-    for _ in range(MAX_LINK_HOPS):
-        grown = False
-        for link, target in targets.items():
-            for path, real in list(reached.items()):
-                if path == target:
-                    alias = link
-                elif path.startswith(target.rstrip("/") + "/"):
-                    alias = link + path[len(target.rstrip("/")) :]
-                else:
+    queue = deque((path, 0) for path in sorted(carried))  # a reached path, and the links followed to it
+    steps = 0
+    while queue and steps < MAX_ALIAS_STEPS:
+        path, hops = queue.popleft()
+        directory = path
+        while hops < MAX_LINK_HOPS and steps < MAX_ALIAS_STEPS:
+            steps += 1
+            rest = path if directory == "/" else path[len(directory) :]
+            for link in linking.get(directory, ()):
+                alias = link + rest
+                if alias in reached or len(alias) > DEFAULT_MAX_PATH_BYTES:
                     continue
-                if alias not in reached and len(reached) < len(carried) + MAX_PTXAS_ALIASES:
-                    reached[alias], grown = real, True
-        if not grown:
-            break
+                if len(reached) >= len(carried) + MAX_PTXAS_ALIASES:
+                    break
+                reached[alias] = reached[path]
+                queue.append((alias, hops + 1))
+            if directory == "/":
+                break
+            directory = posixpath.dirname(directory)
     return {alias: real for alias, real in sorted(reached.items()) if alias != real}
 
 
@@ -1070,10 +1082,11 @@ def c_compiler_on(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     where the image's names are not all known (`GpuArchs.c_compilers`)."""
     if gpu.c_compiler:
         return gpu.c_compiler
-    triton = archs.triton
-    version = release_of(triton.version) if triton is not None else None
+    triton = archs.triton  # before 3.7 a cache spares nothing: each new kernel's launcher is built too
     prebuilt = (
-        triton is not None and bool(triton.prebuilt_utils) and (version or (0, 0)) >= PREBUILT_UTILS_FROM
+        triton is not None
+        and bool(triton.prebuilt_utils)
+        and (release_of(triton.version) or (0, 0)) >= PREBUILT_UTILS_FROM
     )
     if archs.c_compilers is None or prebuilt:
         return None  # unknown, or nothing left for a compiler to build
