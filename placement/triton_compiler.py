@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scanner.layers.code_loading import release_of
+from scanner.layers.code_loading import release_of, release_parts
 from scanner.models import PackageFacts, TritonFacts
 
 CC = tuple[int, int]
@@ -62,7 +62,7 @@ MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 # torch.compile's piecewise level with Inductor unless the model is run eager (`VllmConfig.__post_init__`).
 # From 0.19.0 `BlockTable.compute_slot_mapping` (`v1/worker/block_table.py`), which the GPU model
 # runner calls for every step's inputs, is a `@triton.jit` kernel (0.18.1 computed it in numpy).
-DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
+DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, ...], str], ...]] = {
     "vllm": (
         (
             (0, 8),
@@ -75,11 +75,11 @@ DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
         ),
     ),
     # SGLang computes each prefill batch's positions with `compute_position_triton`
-    # (`srt/model_executor/forward_batch_info.py`) on every attention backend but `torch_native`: read in
-    # 0.4.0 to 0.5.9 (0.3.6 too; 0.3.5 had no Triton there).
+    # (`srt/model_executor/forward_batch_info.py`): on every attention backend in 0.3.6, on every one but
+    # `torch_native` from 0.4.0 (read to 0.5.9); 0.3.5.post2 had no Triton there.
     "sglang": (
         (
-            (0, 4),
+            (0, 3, 6),
             "computes every prefill's positions with a Triton kernel (any attention backend but torch_native)",
         ),
     ),
@@ -204,7 +204,7 @@ def default_path_use(package: PackageFacts) -> str | None:
     """How `package` builds Triton kernels on its default path, at its version (`DEFAULT_PATH_USERS`), or
     None where it does not (or its version is not read)."""
     stages = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
-    version = release_of(package.version) or (0, 0)
+    version = release_parts(package.version) or (0, 0, 0)
     reached = [why for since, why in stages or () if version >= since]
     return reached[-1] if reached else None
 

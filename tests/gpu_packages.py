@@ -119,6 +119,16 @@ SGLANG_040 = _wheel(
     "sglang-0.4.0-py3-none-any.whl",
     "f0ae1c466f2480baec034decf8676c46e30beb900e018184fa6076da920391db",
 )
+SGLANG_036 = _wheel(
+    "sglang",
+    "sglang-0.3.6-py3-none-any.whl",
+    "00b98a4d81d7a0773faaafc6b8bf997e52c539ddf0ca7f2ad15133d5feb62740",
+)
+SGLANG_035 = _wheel(
+    "sglang",
+    "sglang-0.3.5.post2-py3-none-any.whl",
+    "c5bb8bf4c5718f7097a30900d389e3a817360a6862508f8cd506654ca9aba106",
+)
 MAMBA_SSM = _wheel(  # no wheel on PyPI: its source distribution, as a build from source installs it
     "mamba-ssm",
     "mamba_ssm-2.3.1.tar.gz",

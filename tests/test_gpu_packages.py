@@ -68,6 +68,8 @@ from tests.gpu_packages import (
     ONNXRUNTIME,
     PYNVVIDEOCODEC,
     SGLANG,
+    SGLANG_035,
+    SGLANG_036,
     SGLANG_040,
     SGLANG_KERNEL,
     SITE,
@@ -802,9 +804,9 @@ def test_vllm_builds_a_triton_kernel_at_every_step_eager_or_not() -> None:
 
 def test_sglang_builds_a_triton_kernel_for_every_prefill() -> None:
     """The ground of SGLang's stage, in the pinned wheels' own source: a prefill batch's positions come
-    from `compute_position_triton`, a `@triton.jit` kernel, unless the attention backend is
-    `torch_native` (0.4.0: that test inline in `ForwardBatch.init_new`; 0.5.9: `support_triton`, which
-    also spares `intel_amx`)."""
+    from `compute_position_triton`, a `@triton.jit` kernel: always in 0.3.6, unless the attention backend
+    is `torch_native` in 0.4.0 (that test inline in `ForwardBatch.init_new`) and 0.5.9 (`support_triton`,
+    which also spares `intel_amx`); 0.3.5.post2 has no Triton there."""
     batch = "sglang/srt/model_executor/forward_batch_info.py"
     new = member_files(SGLANG, lambda name: name in (batch, "sglang/srt/utils/common.py"))
     assert "compute_position(" in _function_source(new[batch], "init_new")
@@ -816,6 +818,10 @@ def test_sglang_builds_a_triton_kernel_for_every_prefill() -> None:
     assert re.search(r"@triton\.jit\ndef compute_position_kernel\(", new[batch].read_text())
     old = _function_source(member_files(SGLANG_040, lambda name: name == batch)[batch], "init_new")
     assert old.index('attention_backend != "torch_native"') < old.index("compute_position_triton(")
+    first = _function_source(member_files(SGLANG_036, lambda name: name == batch)[batch], "init_new")
+    assert "compute_position_triton(" in first and "torch_native" not in first
+    before = member_files(SGLANG_035, lambda name: name == batch)[batch].read_text()
+    assert "triton" not in before and "def init_new(" in before
 
 
 def test_unsloth_runs_its_own_triton_kernels_in_the_models_it_patches() -> None:

@@ -355,7 +355,8 @@ def test_pure_python_users_are_judged_by_the_distribution_that_ships_them() -> N
     triton = TritonFacts(version="3.4.0", ptxas={"ptxas": "12.8"}, users=["liger_kernel", "sglang"])
     for name, version, refused in (
         ("sglang", "0.4.0", True),
-        ("sglang", "0.3.6", False),  # 0.3.x is not read as one, though 0.3.6 has the kernel
+        ("sglang", "0.3.6", True),
+        ("sglang", "0.3.5.post2", False),  # no Triton kernel there yet
         ("unsloth", "2025.11.1", True),
         ("mamba-ssm", "2.3.1", True),
         ("liger-kernel", "0.6.2", False),  # its kernels run only where a model is patched with them

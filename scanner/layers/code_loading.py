@@ -264,6 +264,15 @@ def release_of(version: str | None) -> tuple[int, int] | None:
     return (int(numbers[1]), int(numbers[2])) if numbers is not None else None
 
 
+def release_parts(version: str | None) -> tuple[int, int, int] | None:
+    """(major, minor, micro) of a distribution's version ("0.3.6.post2" -> (0, 3, 6); "2.1" -> (2, 1, 0)),
+    or None."""
+    numbers = re.match(r"^(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?", version or "")
+    if numbers is None:
+        return None
+    return int(numbers[1]), int(numbers[2]), int(numbers[3] or 0)
+
+
 def exact_builds_only(package: PackageFacts | None) -> bool:
     """Whether `package` loads the build of the runtime's exact CUDA version or none (bitsandbytes
     before 0.50.0, whose `cextension.py` looks for `libbitsandbytes_cuda{torch.version.cuda}` alone)."""
