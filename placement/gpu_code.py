@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
+from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.nvidia_require import compare_version
 from placement.triton_compiler import compile_gap, compile_refusal
 from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
@@ -607,7 +608,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)
-    _judge_triton(archs, cc, verdict)
+    _judge_compilers(archs, cc, verdict)
     verdict.runs = not verdict.reasons
     if not verdict.runs:
         verdict.without, verdict.covered_by, verdict.ptx = [], [], []
@@ -619,14 +620,19 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     return verdict
 
 
-def _judge_triton(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
-    """Triton's kernels on `cc` (`placement.triton_compiler`): a reason where a package needs them on its
-    default path and Triton cannot build them here, else a line of what the image runs without."""
-    refusal = compile_refusal(archs.triton, archs.packages, cc)
-    if refusal is not None:
-        verdict.reasons.append(f"compute capability {cc_text(cc)}: {refusal}")
-    elif (gap := compile_gap(archs.triton, cc)) is not None:
-        verdict.without.append(gap)
+def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
+    """The kernels Triton and FlashInfer build on `cc` (`placement.triton_compiler`,
+    `placement.flashinfer_compiler`): for each, a reason where a package needs them on its default path
+    and they cannot be built here, else a line of what the image runs without."""
+    judges = (
+        (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
+        (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
+    )
+    for refusal, gap in judges:
+        if refusal is not None:
+            verdict.reasons.append(f"compute capability {cc_text(cc)}: {refusal}")
+        elif gap is not None:
+            verdict.without.append(gap)
 
 
 def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
@@ -655,7 +661,7 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
     verdict.without = [
         f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ] + unselected_builds(archs)
-    _judge_triton(archs, cc, verdict)
+    _judge_compilers(archs, cc, verdict)
     if verdict.reasons:
         verdict.runs, verdict.without = False, []
         return verdict

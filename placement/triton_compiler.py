@@ -14,11 +14,7 @@ none ("Failed to find C compiler", vllm-project/vllm#15329, sgl-project/sglang#1
 from NVIDIA's `devel` base to `runtime`), Triton builds nothing on any GPU
 (`TritonFacts.c_compiler`, `scanner.layers.cuda_evidence.c_compiler_on`).
 
-Which releases know which architectures (NVIDIA's release notes; each copy triton 3.0.0 to 3.9.0
-ships, and nvcc 13.0's and 13.5's, was run on a PTX file for every architecture here, and agrees):
-12.8 brought sm_100, sm_101 and sm_120; 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110,
-brought sm_88 and dropped what came before sm_75; 13.4 brought sm_107. An architecture from sm_80
-on that the table does not list is taken as known to none.
+Which releases know which architectures is `placement.compiler_releases`'s table.
 
 Where a package of the image compiles Triton kernels on its default path, as its own source says
 (`DEFAULT_PATH_USERS`: vLLM, SGLang, mamba-ssm, Unsloth), the GPU is refused (`compile_refusal`). A
@@ -39,22 +35,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
 from scanner.layers.code_loading import release_of, release_parts
 from scanner.models import PackageFacts, TritonFacts
 
-CC = tuple[int, int]
-Release = tuple[int, int]
-
-# The first CUDA release whose ptxas knows each architecture, and for sm_101, the last.
-FIRST_RELEASE: dict[CC, Release] = {
-    (8, 0): (11, 0), (8, 6): (11, 1), (8, 7): (11, 4), (8, 9): (11, 8), (9, 0): (11, 8),
-    (10, 0): (12, 8), (10, 1): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9), (11, 0): (13, 0),
-    (8, 8): (13, 0), (10, 7): (13, 4),
-}  # fmt: skip
-LAST_RELEASE: dict[CC, Release] = {(10, 1): (12, 9)}  # CUDA 13.0 calls Thor sm_110
-# The oldest architecture each major's ptxas knows.
-OLDEST: dict[int, CC] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
-FIRST_LISTED: CC = min(FIRST_RELEASE)  # from here on, only the architectures listed are claimed known
 MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 # Packages that compile Triton kernels on their default path, as their source says: from each version
 # on (ascending), why.
@@ -95,22 +79,6 @@ DEFAULT_PATH_USERS: dict[str, tuple[tuple[tuple[int, ...], str], ...]] = {
 }
 
 
-def release(text: str) -> Release | None:
-    """`"12.8"` -> (12, 8); None for anything else."""
-    major, _, minor = text.partition(".")
-    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
-
-
-def ptxas_knows(cuda: Release, cc: CC) -> bool:
-    """Whether a `ptxas` of CUDA release `cuda` assembles code for compute capability `cc`."""
-    if cc >= FIRST_LISTED and cc not in FIRST_RELEASE:
-        return False  # no release known here names it
-    oldest = OLDEST.get(cuda[0], OLDEST[max(OLDEST)] if cuda[0] > max(OLDEST) else (3, 0))
-    if cc < oldest:
-        return False
-    return FIRST_RELEASE.get(cc, (0, 0)) <= cuda <= LAST_RELEASE.get(cc, (99, 99))
-
-
 def tool_for(triton: TritonFacts, cc: CC) -> str:
     """The `ptxas` tool Triton runs for compute capability `cc`."""
     capability = cc[0] * 10 + cc[1]
@@ -141,7 +109,7 @@ def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
         return NO_C_COMPILER, ADD_A_COMPILER
     tool = tool_for(triton, cc)
     cuda = release(triton.ptxas.get(tool, ""))
-    if cuda is None or ptxas_knows(cuda, cc):
+    if cuda is None or compiles_for(cuda, cc):
         return None
     return f"its {tool} (CUDA {cuda[0]}.{cuda[1]}) does not know {arch_name(triton, cc)}", ptxas_remedy(
         cuda, cc
@@ -151,14 +119,9 @@ def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
 def ptxas_remedy(cuda: Release, cc: CC) -> str:
     """What `TRITON_PTXAS_PATH` can name instead of a `ptxas` of release `cuda`, which does not know
     `cc`: by the releases whose `ptxas` does."""
-    first, last = FIRST_RELEASE.get(cc), LAST_RELEASE.get(cc)
-    if cc < OLDEST.get(cuda[0], (0, 0)):  # a major that dropped it: an older one knows it
-        releases = f"CUDA {cuda[0] - 1} or earlier"
-    elif first is None:
+    releases = releases_knowing(cuda, cc)
+    if releases is None:
         return "TRITON_PTXAS_PATH can name a newer ptxas"
-    else:
-        since = f"{first[0]}.{first[1]}"
-        releases = f"CUDA {since} to {last[0]}.{last[1]}" if last else f"CUDA {since} or later"
     return f"TRITON_PTXAS_PATH can name a ptxas that knows it ({releases})"
 
 

@@ -203,6 +203,43 @@ class TritonFacts(BaseModel):
     )
 
 
+class FlashInferFacts(BaseModel):
+    """FlashInfer as the image carries it: a library that compiles its kernels with `nvcc` at first use,
+    for the GPU at hand (`placement.flashinfer_compiler`), unless the image carries them built."""
+
+    version: str | None = Field(default=None, description="the installed distribution's version")
+    prebuilt: list[str] = Field(
+        default_factory=list,
+        description="built kernels the image carries, which FlashInfer loads instead of compiling them:"
+        " `flashinfer-jit-cache <version>`, or the path of an AOT build's modules (`flashinfer/data/aot`)",
+    )
+    nvcc: str | None = Field(
+        default=None,
+        description="the `nvcc` it runs (`$FLASHINFER_NVCC`, else `bin/nvcc` below `$CUDA_HOME`, `$CUDA_PATH`,"
+        ' the `nvcc` on PATH or `/usr/local/cuda`); "" where there is none; null where unknown',
+    )
+    nvcc_release: str | None = Field(
+        default=None, description='the CUDA release of that `nvcc` ("12.8"); null where unknown'
+    )
+    cxx: str | None = Field(
+        default=None,
+        description='the C++ compiler it links its kernels with (`$CXX`, else `c++` on PATH); "" where there'
+        " is none; null where unknown",
+    )
+    settings: dict[str, str] = Field(
+        default_factory=dict,
+        description="the config's variables that decide whether its users call it (vLLM's"
+        " `VLLM_USE_FLASHINFER_SAMPLER`, `VLLM_ATTENTION_BACKEND`) -> their values",
+    )
+    users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import flashinfer"
+    )
+    user_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description='the installed distributions that ship those packages -> their versions ({"sglang": "0.5.9"})',
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -249,7 +286,23 @@ class GpuArchs(BaseModel):
     c_compilers: list[str] | None = Field(
         default=None,
         description="the files and links the image carries named `gcc` or `clang` (the C compilers Triton"
-        " looks for); null where a layer was not read whole",
+        " looks for) or `c++` (FlashInfer's); null where a layer was not read whole",
+    )
+    nvcc: dict[str, str] = Field(
+        default_factory=dict,
+        description='every `nvcc` the image carries (path -> CUDA release; "" where its banner names none)',
+    )
+    nvcc_links: dict[str, str] = Field(
+        default_factory=dict,
+        description="paths that reach one of those `nvcc` through the image's links -> that file's path",
+    )
+    toolkit_roots: list[str] = Field(
+        default_factory=list,
+        description="directories and links named like a toolkit's root (`/usr/local/cuda`), which FlashInfer"
+        " takes for `CUDA_HOME` where it finds no other",
+    )
+    flashinfer: FlashInferFacts | None = Field(
+        default=None, description="FlashInfer, where the image carries it: what it compiles kernels with"
     )
 
 
@@ -329,6 +382,12 @@ class GpuFacts(BaseModel):
     )
     c_compiler: str | None = Field(
         default=None, description="the config's `CC`, the C compiler Triton builds its launcher with if set"
+    )
+    flashinfer_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="the config's variables that decide FlashInfer's kernels (`CUDA_HOME`, `CUDA_PATH`,"
+        " `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and"
+        " `VLLM_ATTENTION_BACKEND`) -> their values",
     )
     inferred: InferredCuda | None = Field(
         default=None,

@@ -94,6 +94,36 @@ FLASHINFER = _wheel(
     "flashinfer_python-0.7.4-py3-none-any.whl",
     "a051a62e09a2738e8b0de47a1944fd2f0f3eff01b728b662141ea660cb09dd32",
 )
+FLASHINFER_070 = _wheel(
+    "flashinfer-python",
+    "flashinfer_python-0.7.0.post1-py3-none-any.whl",
+    "c7adf826568d61fc1b7d3aadd4cae387a35a138bfc08e2deca2f34ecfa280716",
+)
+FLASHINFER_050 = _wheel(
+    "flashinfer-python",
+    "flashinfer_python-0.5.0-py3-none-any.whl",
+    "f02f13c616482617e7bee0031e5777a3328989a0b1842496ce273086f6a5aeab",
+)
+FLASHINFER_041 = _wheel(  # no wheel on PyPI: its source distribution
+    "flashinfer-python",
+    "flashinfer_python-0.4.1.tar.gz",
+    "fd120f05139d2c75b09c039009eec58ad1278c95bcf16466b90d480042b13a39",
+)
+VLLM_0210 = _wheel(
+    "vllm",
+    "vllm-0.21.0-cp38-abi3-manylinux_2_24_x86_64.whl",
+    "b241b085742cf04a68c82c089d12afe4d9ee729e0c7f81b2b2b9961d36105ee5",
+)
+VLLM_0202 = _wheel(
+    "vllm",
+    "vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl",
+    "22a7dd06eb03371298e13d6100f3dedbf307352342aaf08e87c929c60aae9b4d",
+)
+VLLM_0110 = _wheel(
+    "vllm",
+    "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl",
+    "3861c75ff2b12e24f6d179ff5c084d791b42ded8675d76c8706697c79f68cd62",
+)
 FLASHINFER_CUBIN = _wheel(
     "flashinfer-cubin",
     "flashinfer_cubin-0.6.13-py3-none-any.whl",

@@ -22,12 +22,14 @@ import pytest
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file, symlink
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
+from placement.compiler_releases import compiles_for, release
 from placement.decide import decide
 from placement.decision import Decision
+from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.image_facts import ImageFacts
 from placement.inventory import Gpu, Server
 from placement.request import DeployRequest
-from placement.triton_compiler import arch_name, ptxas_knows, release
+from placement.triton_compiler import arch_name
 from scanner.facts.gpu import gpu_facts
 from scanner.layers.cuda_evidence import (
     PREBUILT_UTILS_FROM,
@@ -41,11 +43,13 @@ from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.layers.ptxas import ReleaseReader
 from scanner.layers.python_loads import LoadSites
 from scanner.models import (
+    FlashInferFacts,
     GpuArchs,
     GpuFacts,
     ImageReport,
     InferredCuda,
     LibcVerdict,
+    PackageFacts,
     PlatformReport,
     TritonFacts,
 )
@@ -61,6 +65,9 @@ from tests.gpu_packages import (
     CUDA13,
     CUDA13_NVCC,
     FLASHINFER,
+    FLASHINFER_041,
+    FLASHINFER_050,
+    FLASHINFER_070,
     FLASHINFER_CUBIN,
     GPU4PYSCF,
     MAMBA_SSM,
@@ -81,6 +88,9 @@ from tests.gpu_packages import (
     TRITON_39,
     UNSLOTH,
     VLLM,
+    VLLM_0110,
+    VLLM_0202,
+    VLLM_0210,
     VLLM_055,
     VLLM_061,
     VLLM_085,
@@ -109,7 +119,7 @@ from tests.gpu_packages import (
     unsloth_layer,
     vllm_layer,
 )
-from tests.nvidia_wheels import cuobjdump
+from tests.nvidia_wheels import cuobjdump, nvcc
 from tests.pypi_members import RemoteWheel, member_files, sdist_files
 
 pytestmark = pytest.mark.timeout(900)
@@ -824,6 +834,112 @@ def test_sglang_builds_a_triton_kernel_for_every_prefill() -> None:
     assert "triton" not in before and "def init_new(" in before
 
 
+def test_flashinfer_finds_its_tools_as_the_scan_does() -> None:
+    """The ground of `scanner.layers.flashinfer_tools`, in FlashInfer's own source: `get_cuda_path` takes
+    `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above `which nvcc`, else `/usr/local/cuda` where it
+    exists (0.5.0, 0.7.4; 0.4.1 stops with "Could not find nvcc" instead); the build runs `$FLASHINFER_NVCC`,
+    else `$cuda_home/bin/nvcc`, and links with `$CXX`, else `c++`."""
+    cpp_ext = "flashinfer/jit/cpp_ext.py"
+    for wheel in (FLASHINFER_050, FLASHINFER):
+        source = member_files(wheel, lambda name: name == cpp_ext)[cpp_ext]
+        find = _function_source(source, "get_cuda_path")
+        steps = ('"CUDA_HOME"', '"CUDA_PATH"', '["which", "nvcc"]', "os.path.dirname(", '"/usr/local/cuda"')
+        assert [find.index(step) for step in steps] == sorted(find.index(step) for step in steps), wheel
+        assert "Could not find nvcc and default" in find
+        text = source.read_text()
+        assert 'os.environ.get("CXX", "c++")' in text
+        assert 'os.environ.get("FLASHINFER_NVCC", "$cuda_home/bin/nvcc")' in text
+    old = _function_source(
+        sdist_files(FLASHINFER_041, lambda name: name == cpp_ext)[cpp_ext], "get_cuda_path"
+    )
+    assert 'raise RuntimeError("Could not find nvcc")' in old and "/usr/local/cuda" not in old
+
+
+def test_flashinfer_asks_its_own_release_of_nvcc_on_compute_capability_12() -> None:
+    """The ground of `placement.flashinfer_compiler`'s rule for 12.x: 0.7.0.post1 asks CUDA 12.9 on every 12.x
+    GPU, 0.7.4 asks 12.8 on 12.0 and 12.9 from 12.1 (`CompilationContext._normalize_cuda_arch`)."""
+    name = "flashinfer/compilation_context.py"
+    old, new = (
+        _function_source(member_files(wheel, lambda n: n == name)[name], "_normalize_cuda_arch")
+        for wheel in (FLASHINFER_070, FLASHINFER)
+    )
+    assert 'raise RuntimeError("SM 12.x requires CUDA >= 12.9")' in old and "12.8" not in old
+    assert 'raise RuntimeError("SM 120 requires CUDA >= 12.8")' in new
+    assert 'raise RuntimeError("SM 12.1+ requires CUDA >= 12.9")' in new
+    for cc, floor in (((12, 0), "12.9"), ((12, 1), "12.9")):
+        line = flashinfer_gap(
+            FlashInferFacts(version="0.7.0.post1", nvcc="n", nvcc_release="12.8", cxx="c"), cc
+        )
+        assert line is not None and f"it asks CUDA {floor} or later of its nvcc" in line
+    assert (
+        flashinfer_gap(FlashInferFacts(version="0.7.4", nvcc="n", nvcc_release="12.8", cxx="c"), (12, 0))
+        is None
+    )
+
+
+def test_vllm_samples_with_flashinfer_at_start_up_as_its_versions_say() -> None:
+    """The ground of vLLM's FlashInfer stages, in its wheels' own source. 0.33.0: `VLLM_USE_FLASHINFER_SAMPLER`
+    defaults to True; the sampler takes FlashInfer on compute capability 8.0 to 12.1, unless the GPU has 16
+    SMs or fewer or FlashInfer's own check of it fails; start-up profiling samples with `top_p` 0.9 whatever
+    the requests; FlashInfer is the first attention backend on 10.x. The default was None (off) in 0.20.2,
+    True from 0.21.0; 0.11.0 took FlashInfer unless the variable was set to 0."""
+    envs, sampler = "vllm/envs.py", "vllm/v1/sample/ops/topk_topp_sampler.py"
+    runner, platform = "vllm/v1/worker/gpu_model_runner.py", "vllm/platforms/cuda.py"
+    backend = "vllm/v1/attention/backends/flashinfer.py"
+    wanted = (envs, sampler, runner, platform, backend)
+    new = member_files(VLLM, wanted.__contains__)
+    assert re.search(
+        r"in os\.environ\s+else True\s+\),",
+        new[envs].read_text().split('"VLLM_USE_FLASHINFER_SAMPLER": lambda')[1][:300],
+    )
+    supported = _function_source(new[sampler], "flashinfer_sampler_supported")
+    assert "FlashInferBackend.supports_compute_capability(capability)" in supported
+    assert ") <= 16:" in supported and "_flashinfer_jit_unsupported_reason(capability)" in supported
+    compute = _function_source(new[backend], "supports_compute_capability")
+    assert "capability >= DeviceCapability(8, 0) and capability <= DeviceCapability(" in compute
+    assert "top_p=dummy_tensors(0.9)" in _function_source(new[runner], "_dummy_sampler_run")
+    priorities = new[platform].read_text()
+    blackwell = priorities.index("if device_capability.major == 10 and not use_non_causal:")
+    assert priorities.index("AttentionBackendEnum.FLASHINFER,", blackwell) < priorities.index(
+        "AttentionBackendEnum.FLASH_ATTN,", blackwell
+    )
+    for wheel, default in ((VLLM_0202, "None"), (VLLM_0210, "True")):
+        text = member_files(wheel, lambda name: name == envs)[envs].read_text()
+        assert re.search(
+            rf"in os\.environ\s+else {default}\s+\),",
+            text.split('"VLLM_USE_FLASHINFER_SAMPLER": lambda')[1][:300],
+        )
+    eleven = member_files(VLLM_0110, lambda name: name == sampler)[sampler].read_text()
+    assert "elif envs.VLLM_USE_FLASHINFER_SAMPLER is not False:" in eleven
+    facts = FlashInferFacts(version="0.7.2.post1", nvcc="", cxx="")
+    for version, cc, refused in (
+        ("0.20.2", (9, 0), False),
+        ("0.21.0", (9, 0), True),
+        ("0.11.0", (9, 0), True),
+    ):
+        vllm = PackageFacts(id="python:vllm", name="vllm", version=version, kind="python")
+        assert (flashinfer_refusal(facts, [vllm], cc) is not None) == refused, version
+
+
+def test_sglang_takes_flashinfer_for_attention_as_its_versions_say() -> None:
+    """The ground of SGLang's FlashInfer stage: with no backend named, 0.4.0 takes FlashInfer wherever it is
+    available; 0.5.9 takes FlashAttention 3 on Hopper, `trtllm_mha` (FlashInfer's) on 10.x, else FlashInfer."""
+    args = "sglang/srt/server_args.py"
+    old = member_files(SGLANG_040, lambda name: name == args)[args].read_text()
+    assert re.search(
+        r'self\.attention_backend = \(\s+"flashinfer" if is_flashinfer_available\(\) else "triton"', old
+    )
+    new = member_files(SGLANG, lambda name: name == args)[args].read_text()
+    mha = new[new.index("if not use_mla_backend:") : new.index("# MLA architecture")]
+    steps = (
+        'self.attention_backend = "fa3"',
+        'self.attention_backend = "trtllm_mha"',
+        '"flashinfer" if is_flashinfer_available() else "triton"',
+    )
+    assert [mha.index(step) for step in steps] == sorted(mha.index(step) for step in steps)
+    assert "is_hopper_with_cuda_12_3()" in mha[: mha.index(steps[0])]
+
+
 def test_unsloth_runs_its_own_triton_kernels_in_the_models_it_patches() -> None:
     """The ground of Unsloth's stage: its Llama attention applies RoPE with `fast_rope_embedding` and its
     decoder layers normalise with `fast_rms_layernorm`, both Triton kernels of `unsloth/kernels/`."""
@@ -1007,7 +1123,7 @@ def test_what_triton_builds_with_a_c_compiler_follows_its_version(wheel: RemoteW
 @pytest.mark.parametrize("wheel", [TRITON_34, TRITON_39], ids=["3.4.0", "3.9.0"])
 def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWheel, tmp_path: Path) -> None:
     """Ground truth: each copy's `--version` names the release the scan reads from its bytes, and it
-    assembles a kernel for exactly the GPUs `ptxas_knows` says (`--gpu-name` as Triton passes it)."""
+    assembles a kernel for exactly the GPUs `compiles_for` says (`--gpu-name` as Triton passes it)."""
     tools = triton_ptxas(wheel)
     assert set(tools) == ({"ptxas"} if wheel is TRITON_34 else {"ptxas", "ptxas-blackwell"})
     for tool, path in tools.items():
@@ -1034,7 +1150,7 @@ def test_each_ptxas_triton_ships_knows_the_gpus_it_assembles_for(wheel: RemoteWh
                 capture_output=True,
                 text=True,
             )
-            assert ptxas_knows(cuda, cc) == (run.returncode == 0), (tool, name, run.stderr)
+            assert compiles_for(cuda, cc) == (run.returncode == 0), (tool, name, run.stderr)
 
 
 def test_triton_that_cannot_compile_for_a_gpu_refuses_vllm_there(
@@ -1179,6 +1295,81 @@ def test_a_ptxas_named_by_the_config_replaces_tritons_own(
     linked = with_triton_ptxas(archs, {"ptxas": "/usr/local/cuda/bin/ptxas"})  # a link, or nothing: unknown
     assert linked.triton is not None and linked.triton.ptxas == {"ptxas": ""}
     assert _triton_lines(linked, (12, 1)) == []  # nothing is claimed
+
+
+async def test_flashinfers_tools_reach_the_report_and_decide_sglangs_gpus(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """SGLang 0.5.9's RECORD and FlashInfer backend, FlashInfer 0.7.4's RECORD and `.ptx` files, pushed with
+    skopeo three ways: over NVIDIA's runtime layout (`/usr/local/cuda` holds libraries, no nvcc), over its
+    devel layout (CUDA 13.0's real nvcc behind the same links, on PATH), and that without a C++ compiler.
+    The scan finds the tools as FlashInfer would; SGLang is refused on an L4 (FlashInfer is its attention
+    there) where FlashInfer cannot build, and runs on an H100 (FlashAttention 3), told what it runs without."""
+    sources = [
+        member_files(
+            SGLANG, lambda name: name.endswith(("attention/flashinfer_backend.py", ".dist-info/RECORD"))
+        ),
+        member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD"))),
+    ]
+    python = LayerSpec(
+        [
+            file(f"{SITE}/{name}", path.read_bytes())
+            for files in sources
+            for name, path in sorted(files.items())
+        ],
+        compression="zstd",
+    )
+    home = [
+        symlink("/usr/local/cuda", "/etc/alternatives/cuda"),
+        symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
+    ]
+    runtime = LayerSpec([*home, file("/usr/local/cuda-13.0/lib64/libcudart.so.13", fake_elf(None))])
+    devel = LayerSpec([*home, file("/usr/local/cuda-13.0/bin/nvcc", nvcc().read_bytes(), 0o755)])
+    cxx = LayerSpec(
+        [symlink("/usr/bin/c++", "/etc/alternatives/c++"), file("/usr/bin/g++-12", fake_elf(None), 0o755)]
+    )
+    path = {"PATH": "/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    push(ImageSpec([cxx, runtime, python]), "pkg/flashinfer:runtime")
+    push(ImageSpec([cxx, devel, python], env=path), "pkg/flashinfer:devel")
+    push(ImageSpec([devel, python], env=path), "pkg/flashinfer:nocxx")
+    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            reports = [
+                await scanner.scan(f"{registry.host}/pkg/flashinfer:{tag}")
+                for tag in ("runtime", "devel", "nocxx")
+            ]
+            await scanner.close()
+    finally:
+        await store.close()
+    archs: list[GpuArchs] = []
+    for report in reports:
+        assert report.error is None, report.error
+        found = report.platforms[0].gpu.archs
+        assert found is not None and found.flashinfer is not None
+        archs.append(found)
+    tools = [(a.flashinfer.nvcc, a.flashinfer.nvcc_release, a.flashinfer.cxx) for a in archs if a.flashinfer]
+    assert tools == [
+        ("", None, "/usr/bin/c++"),
+        ("/usr/local/cuda/bin/nvcc", "13.0", "/usr/bin/c++"),
+        ("/usr/local/cuda/bin/nvcc", "13.0", ""),
+    ]
+    assert archs[0].flashinfer is not None and archs[0].flashinfer.user_versions == {"sglang": "0.5.9"}
+    for facts, missing in (
+        (archs[0], "it finds no nvcc in the image"),
+        (archs[2], "it finds no C++ compiler"),
+    ):
+        refused = [r for r in gpu_code.judge(facts, (8, 9)).reasons if "FlashInfer" in r]
+        assert len(refused) == 1 and missing in refused[0]
+        assert "and sglang 0.5.9 takes FlashInfer's attention kernels for models without MLA" in refused[0]
+        hopper = gpu_code.judge(facts, (9, 0))
+        assert not any("FlashInfer" in r for r in hopper.reasons)
+        assert any(w.startswith("FlashInfer 0.7.4's kernels: " + missing) for w in hopper.without)
+    for cc in ((8, 9), (9, 0), (12, 1)):
+        verdict = gpu_code.judge(archs[1], cc)
+        assert not any("FlashInfer" in line for line in verdict.reasons + verdict.without), cc
 
 
 async def test_the_ptxas_a_config_variable_names_reaches_the_report(

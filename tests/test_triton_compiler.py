@@ -12,12 +12,12 @@ import time
 import pytest
 
 from placement import gpu_code
+from placement.compiler_releases import compiles_for
 from placement.triton_compiler import (
     arch_name,
     compile_gap,
     compile_refusal,
     default_path_use,
-    ptxas_knows,
     ptxas_remedy,
     tool_for,
 )
@@ -77,9 +77,9 @@ def test_releases_know_the_architectures_nvidia_lists() -> None:
         ((13, 5), [(10, 3), (11, 0), (10, 7)], [(7, 2), (13, 0), (9, 5)]),
     ]
     for cuda, known, unknown in table:
-        assert all(ptxas_knows(cuda, cc) for cc in known), cuda
-        assert not any(ptxas_knows(cuda, cc) for cc in unknown), cuda
-    assert not ptxas_knows((13, 5), gpu_code.NEWER_THAN_KNOWN)
+        assert all(compiles_for(cuda, cc) for cc in known), cuda
+        assert not any(compiles_for(cuda, cc) for cc in unknown), cuda
+    assert not compiles_for((13, 5), gpu_code.NEWER_THAN_KNOWN)
 
 
 def test_which_ptxas_triton_runs_and_what_it_asks_for_follow_its_version() -> None:
@@ -382,9 +382,9 @@ def test_the_answer_names_the_releases_whose_ptxas_knows_the_gpu() -> None:
         ((13, 0), (7, 0), "CUDA 12 or earlier", [(12, 9), (11, 8)]),
     ]
     for cuda, cc, releases, knowing in cases:
-        assert not ptxas_knows(cuda, cc)
+        assert not compiles_for(cuda, cc)
         assert ptxas_remedy(cuda, cc) == f"TRITON_PTXAS_PATH can name a ptxas that knows it ({releases})"
-        assert all(ptxas_knows(other, cc) for other in knowing)
+        assert all(compiles_for(other, cc) for other in knowing)
     assert (
         ptxas_remedy((13, 5), (13, 0)) == "TRITON_PTXAS_PATH can name a newer ptxas"
     )  # no release known does

@@ -181,6 +181,25 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+# Variables of an image's config that decide FlashInfer's kernels: the tools it compiles them with
+# (`jit/cpp_ext.py`: its CUDA home, its `nvcc` (`PYTORCH_NVCC` before 0.4), its C++ compiler), and whether
+# vLLM calls them by default (its sampler, its attention backend: `envs.py`).
+FLASHINFER_VARIABLES = (
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "FLASHINFER_NVCC",
+    "PYTORCH_NVCC",
+    "CXX",
+    "VLLM_USE_FLASHINFER_SAMPLER",
+    "VLLM_ATTENTION_BACKEND",
+)
+
+
+def flashinfer_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Variable -> its value, for those of `FLASHINFER_VARIABLES` the config sets to a non-empty value."""
+    return {name: env[name].strip() for name in FLASHINFER_VARIABLES if env.get(name, "").strip()}
+
+
 def executable_path(env: Mapping[str, str]) -> list[str]:
     """The absolute directories of the config's `PATH`, in order (Docker's default where it sets none)."""
     if "PATH" not in env:
@@ -278,4 +297,5 @@ def gpu_facts(config: Mapping[str, Any]) -> GpuFacts:
         triton_ptxas=triton_ptxas(env),
         executable_path=executable_path(env),
         c_compiler=env.get("CC") or None,
+        flashinfer_env=flashinfer_env(env),
     )

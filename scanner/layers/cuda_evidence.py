@@ -79,7 +79,7 @@ from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
-from scanner.layers.ptxas import ReleaseReader, is_ptxas
+from scanner.layers.ptxas import ReleaseReader, is_nvcc, is_ptxas
 from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
@@ -87,6 +87,7 @@ from scanner.models import (
     ContainerArchs,
     CudaSource,
     FileArchs,
+    FlashInferFacts,
     GpuArchs,
     GpuFacts,
     ImportState,
@@ -94,7 +95,7 @@ from scanner.models import (
     TritonFacts,
 )
 
-CUDA_EVIDENCE_SCHEMA = 15  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 16  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -107,7 +108,8 @@ CUDA_EVIDENCE_SCHEMA = 15  # 2: containers carry their section; 3: and whether t
 # 13: a load-by-path call's words name its own top-level package's extension modules only;
 # 14: each `ptxas`'s CUDA release, and the packages that import Triton;
 # 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`), and
-#     the C compilers Triton looks for
+#     the C compilers Triton looks for;
+# 16: each `nvcc`'s CUDA release, the `c++` FlashInfer links with, and the packages that import FlashInfer
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -123,9 +125,12 @@ MAX_MODULE_DIRS_PER_LAYER = 1024  # directories of module files (flashinfer-cubi
 MAX_DISTRIBUTIONS_PER_LAYER = 4096
 MAX_PTXAS_PER_LAYER = 64  # files named `ptxas` read for their release (a toolkit and triton: 3)
 MAX_TOOLKIT_LINKS_PER_LAYER = 64  # links a toolkit's `ptxas` may be reached by (NVIDIA's images: 3)
-MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc` or `clang` (Debian's gcc: 1)
+MAX_NVCC_PER_LAYER = 64  # files named `nvcc` read for their release (a toolkit: 1)
+MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc`, `clang` or `c++` (Debian's g++: 2)
 # What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
 C_COMPILERS = ("gcc", "clang")
+# What FlashInfer links its kernels with where `$CXX` is unset (`jit/cpp_ext.py`, 0.2.6 to 0.7.4).
+CXX_COMPILER = "c++"
 # Triton's driver module as its cache keeps it once built (`~/.triton/cache/<hash>/cuda_utils.*.so`): from
 # 3.7 on the only thing Triton builds with a C compiler (3.0 to 3.6 also build a launcher per kernel).
 _TRITON_UTILS = re.compile(r"^cuda_utils\.[^/]*\.so$")
@@ -135,8 +140,9 @@ MAX_PTXAS_ALIASES = 256  # paths reaching a carried `ptxas` through links, per i
 MAX_ALIAS_STEPS = 20_000  # directories looked up for a link while following them, per image (NVIDIA's: ~20)
 # A link a toolkit is reached by: `/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-12.8`
 # (update-alternatives, as NVIDIA's CUDA images install the toolkit), `/usr/local/cuda-12`, or a
-# link to a `ptxas` itself.
-_TOOLKIT_LINK = re.compile(r"^(?:cuda(?:-\d+(?:\.\d+)?)?|ptxas(?:-blackwell)?)$")
+# link to a `ptxas` or an `nvcc` itself.
+_TOOLKIT_LINK = re.compile(r"^(?:cuda(?:-\d+(?:\.\d+)?)?|ptxas(?:-blackwell)?|nvcc)$")
+_TOOLKIT_ROOT = re.compile(r"^cuda(?:-\d+(?:\.\d+)?)?$")
 RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
 _RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
 MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
@@ -193,12 +199,20 @@ class CudaLayerEvidence(BaseModel):
         default_factory=dict,
         description='files named `ptxas` -> the CUDA release their banner names ("12.8"; "": none found)',
     )
+    nvcc: dict[str, str] = Field(
+        default_factory=dict,
+        description='files named `nvcc` -> the CUDA release their banner names ("12.8"; "": none found)',
+    )
     triton_users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import `triton`"
     )
+    flashinfer_users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import `flashinfer`"
+    )
     c_compilers: list[str] = Field(
         default_factory=list,
-        description="files and links named `gcc` or `clang` (the C compilers Triton looks for)",
+        description="files and links named `gcc` or `clang` (the C compilers Triton looks for) or `c++` (the"
+        " C++ compiler FlashInfer links with)",
     )
     triton_utils: list[str] = Field(
         default_factory=list,
@@ -206,7 +220,7 @@ class CudaLayerEvidence(BaseModel):
     )
     toolkit_links: dict[str, str] = Field(
         default_factory=dict,
-        description="links named like a toolkit's root or a `ptxas` (`/usr/local/cuda`) -> their targets as"
+        description="links named like a toolkit's root, a `ptxas` or an `nvcc` (`/usr/local/cuda`) -> their targets as"
         ' the link holds them; a directory so named -> "" (it replaces a lower layer\'s link there)',
     )
     bounds_reached: list[str] = Field(
@@ -270,18 +284,20 @@ class CudaLayerCollector:
             return PTX_HEAD_BYTES
         return 0
 
-    def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _PtxasSink | None:
+    def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _ReleaseSink | None:
         """What reads the whole file: a module file's reader (`.cubin`, `.fatbin`), the release banner's
-        reader for a `ptxas`, else an ELF probe for any regular file that may be ELF (it gives up after
-        its first bytes)."""
+        reader for a `ptxas` or an `nvcc`, else an ELF probe for any regular file that may be ELF (it
+        gives up after its first bytes)."""
         if entry.kind != "file" or self.wants(entry):
             return None
         if is_ptxas(entry.path):
-            if len(self.evidence.ptxas) >= MAX_PTXAS_PER_LAYER:
-                self._bound_reached("MAX_PTXAS_PER_LAYER")
-                return None
-            self.evidence.ptxas[entry.path] = ""
-            return _PtxasSink(self.evidence.ptxas, entry.path)
+            return self._release_sink(
+                self.evidence.ptxas, entry.path, MAX_PTXAS_PER_LAYER, "MAX_PTXAS_PER_LAYER"
+            )
+        if is_nvcc(entry.path):
+            return self._release_sink(
+                self.evidence.nvcc, entry.path, MAX_NVCC_PER_LAYER, "MAX_NVCC_PER_LAYER"
+            )
         kind = module_kind(entry.path)
         if kind in ("cubin", "fatbin"):
             return _ModuleSink(
@@ -303,6 +319,14 @@ class CudaLayerCollector:
         self.evidence.findings.pop(path, None)
         self.evidence.elves.pop(path, None)
         self._shadow(path)
+
+    def _release_sink(self, found: dict[str, str], path: str, bound: int, name: str) -> _ReleaseSink | None:
+        """The reader of a CUDA tool's release banner, recording into `found`, within its bound."""
+        if len(found) >= bound:
+            self._bound_reached(name)
+            return None
+        found[path] = ""
+        return _ReleaseSink(found, path)
 
     def _keep_name(self, kept: list[str], path: str) -> None:
         """`path` kept in `kept` (a C compiler's or Triton's built module), up to `MAX_C_COMPILERS_PER_LAYER`."""
@@ -426,7 +450,7 @@ class CudaLayerCollector:
         """Evidence from names alone: dist-info, nvidia/<comp>/lib, jax plugin dirs, toolkit trees and
         the links that reach them."""
         name = posixpath.basename(path)
-        if entry.kind in ("file", "symlink", "hardlink") and name in C_COMPILERS:
+        if entry.kind in ("file", "symlink", "hardlink") and (name in C_COMPILERS or name == CXX_COMPILER):
             self._keep_name(self.evidence.c_compilers, path)
         if entry.kind == "file" and _TRITON_UTILS.match(name):
             self._keep_name(self.evidence.triton_utils, path)
@@ -524,6 +548,7 @@ class CudaLayerCollector:
                 if state is not None:
                     self.evidence.extensions[path] = state
         self.evidence.triton_users = self._loads.importers_of("triton")
+        self.evidence.flashinfer_users = self._loads.importers_of("flashinfer")
         if self._loads.truncated_by is not None:
             self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:
@@ -603,8 +628,8 @@ class _ModuleSink:
         self._collector.add_module(self._path, [], f"not read: {type(exc).__name__}")
 
 
-class _PtxasSink:
-    """Streams one `ptxas` into a `ReleaseReader`; records the release it names, if any."""
+class _ReleaseSink:
+    """Streams one `ptxas` or `nvcc` into a `ReleaseReader`; records the release it names, if any."""
 
     __slots__ = ("_found", "_path", "_reader")
 
@@ -647,7 +672,7 @@ class CudaEntryCollector:
     def finish(self, complete: bool) -> CudaLayerEvidence:
         return self.layer.finish(complete)
 
-    def stream(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _PtxasSink | None:
+    def stream(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _ReleaseSink | None:
         return self.layer.sink(entry)
 
 
@@ -702,7 +727,9 @@ class _Merged:
     distributions: dict[str, Distribution] = field(default_factory=dict)
     extensions: dict[str, ImportState] = field(default_factory=dict)
     ptxas: dict[str, str] = field(default_factory=dict)
+    nvcc: dict[str, str] = field(default_factory=dict)
     triton_users: set[str] = field(default_factory=set)
+    flashinfer_users: set[str] = field(default_factory=set)
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
     triton_utils: set[str] = field(default_factory=set)
@@ -731,15 +758,18 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         for path, state in layer.extensions.items():
             merged.extensions.setdefault(path, state)
         merged.ptxas.update((p, r) for p, r in layer.ptxas.items() if visible(p))
+        merged.nvcc.update((p, r) for p, r in layer.nvcc.items() if visible(p))
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
         merged.triton_utils.update(p for p in layer.triton_utils if not hides.hidden_above(p, index))
         merged.triton_users.update(layer.triton_users)
+        merged.flashinfer_users.update(layer.flashinfer_users)
         occupied.update(
             layer.findings.keys(),
             layer.elves.keys(),
             layer.shadows,
             layer.ptxas.keys(),
+            layer.nvcc.keys(),
             layer.toolkit_links.keys(),
         )
         for path in layer.whiteouts:
@@ -878,7 +908,8 @@ def _bounds_text() -> dict[str, str]:
         "MAX_MODULE_DIRS_PER_LAYER": f"{MAX_MODULE_DIRS_PER_LAYER:,} directories of GPU module files",
         "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
         "MAX_TOOLKIT_LINKS_PER_LAYER": f"{MAX_TOOLKIT_LINKS_PER_LAYER:,} links to a CUDA toolkit or a ptxas",
-        "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc or clang, or Triton's built modules",
+        "MAX_NVCC_PER_LAYER": f"{MAX_NVCC_PER_LAYER:,} files named nvcc",
+        "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc, clang or c++, or Triton's built modules",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
@@ -991,6 +1022,7 @@ def image_archs(
     summary: ArchSummary = summarise(runnable)
     used = {f.package for f in files}
     carried_ptxas = dict(sorted((p, r) for p, r in merged.ptxas.items() if r))
+    carried_nvcc = dict(sorted(merged.nvcc.items()))
     return GpuArchs(
         sass=summary.sass,
         ptx=summary.ptx,
@@ -1004,6 +1036,10 @@ def image_archs(
         ptxas=carried_ptxas,
         ptxas_links=ptxas_aliases(carried_ptxas, merged.toolkit_links),
         c_compilers=sorted(merged.c_compilers),
+        nvcc=carried_nvcc,
+        nvcc_links=ptxas_aliases(carried_nvcc, merged.toolkit_links),
+        toolkit_roots=sorted(p for p in merged.toolkit_links if _TOOLKIT_ROOT.match(posixpath.basename(p))),
+        flashinfer=_flashinfer(merged),
     )
 
 
@@ -1038,6 +1074,41 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
             },
         )
     return None
+
+
+# FlashInfer's distributions: PyPI's JIT package (0.2 on), and the name its own index used before that.
+FLASHINFER_DISTRIBUTIONS = frozenset({"flashinfer-python", "flashinfer"})
+# Its built kernels: the jit-cache wheels (flashinfer.ai's index; 0.7 on also one per architecture,
+# `flashinfer-jit-cache-<tag>`), and the modules an AOT build keeps (`flashinfer/data/aot/`, 0.2.6 on;
+# `flashinfer/_kernels` and `flashinfer_kernels`, 0.2.0 to 0.2.5).
+_JIT_CACHE = re.compile(r"^flashinfer-jit-cache(?:-[\w.]+)?$")
+_AOT_MODULE = re.compile(
+    r"(?:^|/)(?:flashinfer/data/aot/|flashinfer/_kernels[^/]*\.so$|flashinfer_kernels[^/]*\.so$)"
+)
+
+
+def _flashinfer(merged: _Merged) -> FlashInferFacts | None:
+    """FlashInfer's facts where its distribution is installed: its version, the built kernels the image
+    carries for it, and who imports it. The tools it compiles with depend on the config
+    (`scanner.layers.flashinfer_tools.with_flashinfer_config`)."""
+    found = [d for _, d in sorted(merged.distributions.items()) if d.name in FLASHINFER_DISTRIBUTIONS]
+    if not found:
+        return None
+    prebuilt = [
+        f"{d.name} {d.version}" for _, d in sorted(merged.distributions.items()) if _JIT_CACHE.match(d.name)
+    ]
+    aot = sorted({path for path, _ in merged.elves if _AOT_MODULE.search(path)})
+    users = sorted(merged.flashinfer_users)
+    return FlashInferFacts(
+        version=found[0].version,
+        prebuilt=prebuilt + aot[:1],
+        users=users,
+        user_versions={
+            shipper.name: shipper.version
+            for _, shipper in sorted(merged.distributions.items())
+            if set(shipper.top_level).intersection(users)
+        },
+    )
 
 
 def ptxas_aliases(carried: Mapping[str, str], links: Mapping[str, str]) -> dict[str, str]:

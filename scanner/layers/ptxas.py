@@ -8,6 +8,10 @@ GB10. So the scan records, for every file named `ptxas` or `ptxas-blackwell`, th
 version banner names (`Cuda compilation tools, release 12.8, V12.8.93`, as `ptxas --version`
 prints it); placement (`placement.triton_compiler`) decides which GPUs that release compiles for.
 
+FlashInfer compiles its kernels with `nvcc` at first use (`placement.flashinfer_compiler`), and an
+`nvcc` knows the architectures of its release as its `ptxas` does; its banner is the same, so every
+file named `nvcc` is read the same way.
+
 The banner lies in the program's read-only data (at 21.9 MB of triton 3.4.0's 31.9 MB copy), so the
 sink reads the file as the walk streams it, carrying a needle's length across chunks, and stops at
 the first banner. A file with no banner has no release (`""`), and is judged by nothing.
@@ -24,9 +28,17 @@ _RELEASE = re.compile(rb"(\d{1,3})\.(\d{1,3})\b")
 _TAIL = len(BANNER) + 8  # bytes carried across chunks: a banner and its release split by a chunk's end
 
 
+NVCC_NAME = "nvcc"
+
+
 def is_ptxas(path: str) -> bool:
     """Whether the file at `path` is named as CUDA's PTX assembler."""
     return posixpath.basename(path) in PTXAS_NAMES
+
+
+def is_nvcc(path: str) -> bool:
+    """Whether the file at `path` is named as CUDA's compiler driver."""
+    return posixpath.basename(path) == NVCC_NAME
 
 
 class ReleaseReader:

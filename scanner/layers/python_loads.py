@@ -104,9 +104,10 @@ _RELATIVE_MADE = re.compile(
     rb"""[ \t]*,[ \t]*(?:package[ \t]*=[ \t]*)?(__name__|__package__|(['"])([\w.]{1,512})\3)[ \t]*[,)]"""
 )
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
-# Packages whose importers are listed (`LoadSites.importers_of`): Triton compiles its kernels for the
-# GPU at hand, and placement names who is left without them (`placement.triton_compiler`).
-WATCHED_IMPORTS = frozenset({"triton"})
+# Packages whose importers are listed (`LoadSites.importers_of`): Triton and FlashInfer compile their
+# kernels for the GPU at hand, and placement names who is left without them
+# (`placement.triton_compiler`, `placement.flashinfer_compiler`).
+WATCHED_IMPORTS = frozenset({"triton", "flashinfer"})
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 

@@ -1,0 +1,106 @@
+"""Which tools FlashInfer compiles its kernels with in an image, as its own code finds them. Pure.
+
+FlashInfer (`flashinfer-python`) ships CUDA sources and no built kernel: at the first call of each
+kernel module (sampling, attention, norms) it writes a ninja file and builds the module with `nvcc`,
+linking it with a C++ compiler (`jit/cpp_ext.py`, 0.2.6 to 0.7.4; 0.2.0 to 0.2.5 through torch's
+`cpp_extension.load`, which finds them the same way), unless the image carries the module built
+(`FlashInferFacts.prebuilt`). Where it finds them, by its own `get_cuda_path` and torch's
+`_find_cuda_home`:
+
+* `nvcc`: `$FLASHINFER_NVCC` (`$PYTORCH_NVCC` before 0.4), else `bin/nvcc` below the CUDA home:
+  `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above the `nvcc` on PATH, else
+  `/usr/local/cuda` where it exists (not in 0.4.x, which stops with "Could not find nvcc");
+* the C++ compiler: `$CXX`, else `c++` on PATH (every module is linked with it, sampling's too).
+
+A path the image carries, directly or through its toolkit links (`/usr/local/cuda/bin/nvcc` in
+NVIDIA's `devel` images: `GpuArchs.nvcc_links`), gives that `nvcc`'s release; a path it does not carry
+may be mounted at run time, so it is unknown (null) and nothing is claimed. "" means the image has
+none: FlashInfer can build nothing there.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from scanner.layers.code_loading import release_of
+from scanner.models import GpuArchs, GpuFacts
+
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
+NO_DEFAULT_HOME = ((0, 4), (0, 5))  # 0.4.x looks nowhere else: "Could not find nvcc"
+NVCC_VARIABLE_FROM = (0, 4)  # `FLASHINFER_NVCC`; before it, torch's `PYTORCH_NVCC`
+
+
+def nvcc_path(archs: GpuArchs, gpu: GpuFacts, version: str | None) -> str | None:
+    """The `nvcc` FlashInfer `version` runs in this image; "" where it finds none; None where the image's
+    names are not all known (a layer not read whole)."""
+    tools = gpu.flashinfer_env
+    release = release_of(version) or (0, 0)
+    variable = "FLASHINFER_NVCC" if release >= NVCC_VARIABLE_FROM else "PYTORCH_NVCC"
+    if tools.get(variable):
+        return tools[variable]
+    for home in (tools.get("CUDA_HOME"), tools.get("CUDA_PATH")):
+        if home:
+            return posixpath.join(home, "bin", "nvcc")
+    if archs.c_compilers is None:  # names past a layer's read are unseen
+        return None
+    for directory in gpu.executable_path:
+        found = posixpath.join(directory, "nvcc")
+        if _carried(archs, found):
+            return posixpath.join(posixpath.dirname(posixpath.dirname(found)), "bin", "nvcc")
+    if DEFAULT_CUDA_HOME in archs.toolkit_roots and not NO_DEFAULT_HOME[0] <= release < NO_DEFAULT_HOME[1]:
+        return posixpath.join(DEFAULT_CUDA_HOME, "bin", "nvcc")
+    return ""
+
+
+def nvcc_release(archs: GpuArchs, path: str | None) -> str | None:
+    """The CUDA release of the `nvcc` at `path` where the image carries it (through its links too), or
+    None: not carried (mounted at run time, or absent below a CUDA home that is there), or no banner."""
+    if not path:
+        return None
+    return archs.nvcc.get(archs.nvcc_links.get(path, path)) or None
+
+
+def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
+    """The C++ compiler FlashInfer links with: `$CXX`, else the first `c++` on the config's PATH; "" where
+    there is none; None where the image's names are not all known."""
+    if gpu.flashinfer_env.get("CXX"):
+        return gpu.flashinfer_env["CXX"]
+    if archs.c_compilers is None:
+        return None
+    carried = set(archs.c_compilers)
+    for directory in gpu.executable_path:
+        path = posixpath.join(directory, "c++")
+        if path in carried:
+            return path
+    return ""
+
+
+def with_flashinfer_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
+    """`archs` with the tools the image's config makes FlashInfer compile with (module docstring)."""
+    flashinfer = archs.flashinfer
+    if flashinfer is None:
+        return archs
+    nvcc = nvcc_path(archs, gpu, flashinfer.version)
+    if nvcc and _in_own_toolkit(archs, nvcc) and not _carried(archs, nvcc):
+        nvcc = ""  # a CUDA home the image has, without an `nvcc` (NVIDIA's `runtime` images: libraries only)
+    settings = {name: value for name, value in gpu.flashinfer_env.items() if name.startswith("VLLM_")}
+    facts = flashinfer.model_copy(
+        update={
+            "nvcc": nvcc,
+            "nvcc_release": nvcc_release(archs, nvcc),
+            "cxx": cxx_compiler(archs, gpu),
+            "settings": settings,
+        }
+    )
+    return archs.model_copy(update={"flashinfer": facts})
+
+
+def _carried(archs: GpuArchs, path: str) -> bool:
+    return path in archs.nvcc or path in archs.nvcc_links
+
+
+def _in_own_toolkit(archs: GpuArchs, path: str) -> bool:
+    """Whether `path` lies below a toolkit root the image has (`/usr/local/cuda/bin/nvcc`), all its names
+    known: what is not there is not there."""
+    home = posixpath.dirname(posixpath.dirname(path))
+    return archs.c_compilers is not None and home in archs.toolkit_roots
