@@ -280,3 +280,19 @@ def test_past_the_bound_on_nvcc_files_the_layer_says_so() -> None:
     )
     assert len(layer.nvcc) == MAX_NVCC_PER_LAYER and set(layer.nvcc.values()) == {""}
     assert layer.bounds_reached == ["MAX_NVCC_PER_LAYER"]
+
+
+def _dir(path: str) -> tuple[TarEntry, bytes]:
+    return TarEntry(path=path, kind="dir", size=0, mode=0o755), b""
+
+
+def test_directories_named_cuda_count_as_a_toolkit_root_only_where_one_can_be() -> None:
+    """torch's `torch/cuda` and a dozen more, FlashInfer's headers and a toolkit's own `include/cuda` are no
+    toolkit root: a layer of them records none (and reaches no bound), while `/usr/local/cuda` counts."""
+    names = [f"{SITE}/torch/cuda", f"{SITE}/torch/include/ATen/cuda", "/usr/local/cuda-12.8/include/cuda"]
+    names += [f"{SITE}/pkg{n}/cuda" for n in range(80)]
+    layer = collect_layer(
+        [*(_dir(name) for name in names), _dir("/usr/local/cuda"), _dir("/usr/local/cuda-12.8")]
+    )
+    assert layer.toolkit_links == {"/usr/local/cuda": "", "/usr/local/cuda-12.8": ""}
+    assert layer.bounds_reached == []

@@ -143,6 +143,9 @@ MAX_ALIAS_STEPS = 20_000  # directories looked up for a link while following the
 # link to a `ptxas` or an `nvcc` itself.
 _TOOLKIT_LINK = re.compile(r"^(?:cuda(?:-\d+(?:\.\d+)?)?|ptxas(?:-blackwell)?|nvcc)$")
 _TOOLKIT_ROOT = re.compile(r"^cuda(?:-\d+(?:\.\d+)?)?$")
+# Where a directory named `cuda` is a package's or a header tree's, never a toolkit's root: torch's
+# `torch/cuda`, `ATen/cuda` and a dozen more, FlashInfer's CCCL headers, a toolkit's own `include/cuda`.
+_NO_TOOLKIT_HERE = re.compile(r"/(?:site|dist)-packages/|/include/")
 RECORD_BYTES = 1 << 20  # a dist-info RECORD's head: the top-level names come early
 _RECORD = re.compile(r"/[^/]+\.dist-info/RECORD$")
 MAX_PROBLEMS_SHOWN = 16  # files that could not be read, listed per image (then a count)
@@ -454,7 +457,9 @@ class CudaLayerCollector:
             self._keep_name(self.evidence.c_compilers, path)
         if entry.kind == "file" and _TRITON_UTILS.match(name):
             self._keep_name(self.evidence.triton_utils, path)
-        if entry.kind in ("symlink", "dir") and _TOOLKIT_LINK.match(name):
+        if (
+            entry.kind == "symlink" or (entry.kind == "dir" and not _NO_TOOLKIT_HERE.search(path))
+        ) and _TOOLKIT_LINK.match(name):
             if len(self.evidence.toolkit_links) >= MAX_TOOLKIT_LINKS_PER_LAYER:
                 self._bound_reached("MAX_TOOLKIT_LINKS_PER_LAYER")
             else:  # a directory ("") replaces a lower layer's link there
