@@ -1025,6 +1025,32 @@ async def test_flashinfer_modules_through_a_registry(
     assert eligible(decision) == {"t4-580", "h100", "b200", "gb10"}
 
 
+def _site_layer(parts: Sequence[dict[str, Path]]) -> LayerSpec:
+    """One zstd layer holding wheel members (name -> file) where pip puts them, below `SITE`."""
+    return LayerSpec(
+        [
+            file(f"{SITE}/{name}", path.read_bytes())
+            for files in parts
+            for name, path in sorted(files.items())
+        ],
+        compression="zstd",
+    )
+
+
+async def _scan_all(tmp_path: Path, references: Sequence[str]) -> list[ImageReport]:
+    """Each reference scanned by the scanner the service runs, its walk in an analysis process."""
+    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
+    store = open_store(tmp_path / "scan.db")
+    try:
+        async with RegistryClient(settings) as client:
+            scanner = Scanner(client, store.scan_cache, settings)
+            reports = [await scanner.scan(reference) for reference in references]
+            await scanner.close()
+    finally:
+        await store.close()
+    return reports
+
+
 async def test_a_config_variable_that_names_a_build_reaches_the_analysis_process(
     registry: LocalRegistry, push: Pusher, tmp_path: Path
 ) -> None:
@@ -1041,26 +1067,11 @@ async def test_a_config_variable_that_names_a_build_reaches_the_analysis_process
         libraries(TORCH_210, "version.py").files(),
         libraries(CUDA12["cudart"], "libcudart.so.12").files(),
     ]
-    layer = LayerSpec(
-        [
-            file(f"{SITE}/{name}", path.read_bytes())
-            for files in parts
-            for name, path in sorted(files.items())
-        ],
-        compression="zstd",
-    )
+    layer = _site_layer(parts)
     plain, forced = f"{registry.host}/pkg/bnb:plain", f"{registry.host}/pkg/bnb:forced"
     push(ImageSpec([layer]), "pkg/bnb:plain")
     push(ImageSpec([layer], env={"BNB_CUDA_VERSION": "126"}), "pkg/bnb:forced")
-    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
-    store = open_store(tmp_path / "scan.db")
-    try:
-        async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store.scan_cache, settings)
-            reports = [await scanner.scan(plain), await scanner.scan(forced)]
-            await scanner.close()
-    finally:
-        await store.close()
+    reports = await _scan_all(tmp_path, [plain, forced])
     chosen: list[list[str]] = []
     for report in reports:
         assert report.error is None, report.error
@@ -1311,14 +1322,7 @@ async def test_flashinfers_tools_reach_the_report_and_decide_sglangs_gpus(
         ),
         member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD"))),
     ]
-    python = LayerSpec(
-        [
-            file(f"{SITE}/{name}", path.read_bytes())
-            for files in sources
-            for name, path in sorted(files.items())
-        ],
-        compression="zstd",
-    )
+    python = _site_layer(sources)
     home = [
         symlink("/usr/local/cuda", "/etc/alternatives/cuda"),
         symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
@@ -1332,18 +1336,9 @@ async def test_flashinfers_tools_reach_the_report_and_decide_sglangs_gpus(
     push(ImageSpec([cxx, runtime, python]), "pkg/flashinfer:runtime")
     push(ImageSpec([cxx, devel, python], env=path), "pkg/flashinfer:devel")
     push(ImageSpec([devel, python], env=path), "pkg/flashinfer:nocxx")
-    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
-    store = open_store(tmp_path / "scan.db")
-    try:
-        async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store.scan_cache, settings)
-            reports = [
-                await scanner.scan(f"{registry.host}/pkg/flashinfer:{tag}")
-                for tag in ("runtime", "devel", "nocxx")
-            ]
-            await scanner.close()
-    finally:
-        await store.close()
+    reports = await _scan_all(
+        tmp_path, [f"{registry.host}/pkg/flashinfer:{tag}" for tag in ("runtime", "devel", "nocxx")]
+    )
     archs: list[GpuArchs] = []
     for report in reports:
         assert report.error is None, report.error
@@ -1383,14 +1378,7 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
         libraries(CUDA13_NVCC, "ptxas").files(),
         member_files(FLASHINFER, lambda name: name.endswith((".ptx", ".dist-info/RECORD"))),
     ]
-    layer = LayerSpec(
-        [
-            file(f"{SITE}/{name}", path.read_bytes())
-            for files in parts
-            for name, path in sorted(files.items())
-        ],
-        compression="zstd",
-    )
+    layer = _site_layer(parts)
     nvcc = f"{SITE}/nvidia/cu13/bin/ptxas"
     assert any(f"{SITE}/{name}" == nvcc for name in parts[1])
     toolkit = LayerSpec(  # CUDA 13.0's ptxas where NVIDIA's images install it, and their links to it
@@ -1406,18 +1394,9 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
     linked = {"TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}
     push(ImageSpec([compiler, toolkit, layer], env=linked), "pkg/triton:linked")
     push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:nocc")  # no C compiler at all
-    settings = ScannerSettings(docker_config=None, analysis_processes=1, inline_analysis_bytes=0)
-    store = open_store(tmp_path / "scan.db")
-    try:
-        async with RegistryClient(settings) as client:
-            scanner = Scanner(client, store.scan_cache, settings)
-            reports = [
-                await scanner.scan(f"{registry.host}/pkg/triton:{tag}")
-                for tag in ("plain", "cuda13", "linked", "nocc")
-            ]
-            await scanner.close()
-    finally:
-        await store.close()
+    reports = await _scan_all(
+        tmp_path, [f"{registry.host}/pkg/triton:{tag}" for tag in ("plain", "cuda13", "linked", "nocc")]
+    )
     found = []
     for report in reports:
         assert report.error is None, report.error
