@@ -12,7 +12,9 @@ kernel fails to build: "ptxas fatal: Value 'sm_121a' is not defined for option '
 compiler at first use (`runtime/build.py`: `$CC`, else `gcc` or `clang` on PATH); in an image with
 none ("Failed to find C compiler", vllm-project/vllm#15329, sgl-project/sglang#1067: an image moved
 from NVIDIA's `devel` base to `runtime`), Triton builds nothing on any GPU
-(`TritonFacts.c_compiler`, `scanner.layers.cuda_evidence.c_compiler_on`).
+(`TritonFacts.c_compiler`, `scanner.layers.cuda_evidence.c_compiler_on`); nor where its interpreter has
+no `Python.h`, which that build includes ("fatal error: Python.h: No such file or directory",
+sgl-project/sglang#1117: `TritonFacts.python_header`, `scanner.layers.python_headers`).
 
 Which releases know which architectures is `placement.compiler_releases`'s table.
 
@@ -97,6 +99,8 @@ NO_C_COMPILER = (
     "it finds no C compiler in the image (gcc or clang on its PATH, or $CC) to build its launcher with"
 )
 ADD_A_COMPILER = "a C compiler in the image (Debian's gcc, build-essential) gives it one"
+NO_PYTHON_HEADER = "it finds no C header of its Python in the image"
+ADD_PYTHON_HEADERS = "the interpreter's headers (Debian's python3-dev) give it them"
 
 
 def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
@@ -107,6 +111,9 @@ def _gap(triton: TritonFacts | None, cc: CC) -> tuple[str, str] | None:
         return None
     if triton.c_compiler == "":
         return NO_C_COMPILER, ADD_A_COMPILER
+    if triton.python_header == "" and triton.c_compiler is not None:  # where it builds with a compiler
+        where = triton.python_include or "its interpreter's include directory"
+        return f"{NO_PYTHON_HEADER} ({where}/Python.h) to build its launcher with", ADD_PYTHON_HEADERS
     tool = tool_for(triton, cc)
     cuda = release(triton.ptxas.get(tool, ""))
     if cuda is None or compiles_for(cuda, cc):

@@ -201,6 +201,16 @@ class TritonFacts(BaseModel):
         description="the installed distributions that ship those packages (as PyPI names them) -> their"
         ' versions ({"sglang": "0.5.9"}); a package no distribution claims is not here',
     )
+    python_include: str | None = Field(
+        default=None,
+        description="the C header directory of the interpreter Triton is installed for, as `sysconfig` names"
+        " it (`/usr/include/python3.11`), which its launcher's build includes; null where not known",
+    )
+    python_header: str | None = Field(
+        default=None,
+        description='that directory\'s `Python.h` where the image carries it; "" where it does not (Triton'
+        " builds nothing: Debian's python3-dev gives it one); null where unknown or not needed",
+    )
 
 
 class FlashInferFacts(BaseModel):

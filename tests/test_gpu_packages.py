@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -1122,13 +1123,23 @@ def test_what_triton_builds_with_a_c_compiler_follows_its_version(wheel: RemoteW
     """The ground of `c_compiler_on`, in the pinned wheels' own source: `gcc`, else `clang` (or `$CC`), found
     as `shutil.which` finds them; 3.4.0 builds its driver module and a launcher per kernel with it, 3.9.0
     its driver module alone (`PREBUILT_UTILS_FROM`), which a Triton cache in the image may hold built."""
-    names = ("triton/runtime/build.py", "triton/backends/nvidia/driver.py")
-    build, driver = (member_files(wheel, names.__contains__)[name].read_text() for name in names)
+    names = ("triton/runtime/build.py", "triton/backends/nvidia/driver.py", "triton/backends/nvidia/driver.c")
+    build, driver, source = (member_files(wheel, names.__contains__)[name].read_text() for name in names)
     assert 'os.environ.get("CC")' in build
     assert build.index('shutil.which("clang")') < build.index("gcc if gcc is not None else clang")
     version = release(".".join(wheel.filename.split("-")[1].split(".")[:2]))
     assert version is not None and '"cuda_utils"' in driver
     assert ("__triton_launcher" in driver) == (version < PREBUILT_UTILS_FROM)  # a launcher per kernel
+    # the ground of `python_headers.include_dir`: its driver module includes Python.h, from the directory
+    # CPython's `posix_prefix` scheme names (Debian's `posix_local` read as it), as this interpreter's own
+    # `sysconfig` says: the base interpreter's prefix, `include/python{X.Y}{abiflags}`
+    assert "#include <Python.h>" in source
+    assert "if scheme == 'posix_local':\n        scheme = 'posix_prefix'" in build
+    assert 'py_include_dir = sysconfig.get_paths(scheme=scheme)["include"]' in build
+    assert 'cc_cmd += [f"-I{dir}" for dir in include_dirs' in build
+    assert sysconfig.get_paths(scheme="posix_prefix", expand=False)["include"] == (
+        "{installed_base}/include/python{py_version_short}{abiflags}"
+    )
 
 
 @pytest.mark.parametrize("wheel", [TRITON_34, TRITON_39], ids=["3.4.0", "3.9.0"])
@@ -1388,24 +1399,33 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
             symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
         ]
     )
-    compiler = LayerSpec([symlink("/usr/bin/gcc", "gcc-12"), file("/usr/bin/gcc-12", fake_elf(None), 0o755)])
+    gcc = [symlink("/usr/bin/gcc", "gcc-12"), file("/usr/bin/gcc-12", fake_elf(None), 0o755)]
+    headers = file(
+        "/usr/local/include/python3.11/Python.h", b"#include <patchlevel.h>\n"
+    )  # as python:3.11 has it
+    compiler = LayerSpec([*gcc, headers])
     push(ImageSpec([compiler, layer]), "pkg/triton:plain")
     push(ImageSpec([compiler, layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:cuda13")
     linked = {"TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}
     push(ImageSpec([compiler, toolkit, layer], env=linked), "pkg/triton:linked")
     push(ImageSpec([layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:nocc")  # no C compiler at all
-    reports = await _scan_all(
-        tmp_path, [f"{registry.host}/pkg/triton:{tag}" for tag in ("plain", "cuda13", "linked", "nocc")]
-    )
+    push(ImageSpec([LayerSpec(gcc), layer], env={"TRITON_PTXAS_PATH": nvcc}), "pkg/triton:noheaders")
+    tags = ("plain", "cuda13", "linked", "nocc", "noheaders")
+    reports = await _scan_all(tmp_path, [f"{registry.host}/pkg/triton:{tag}" for tag in tags])
     found = []
     for report in reports:
         assert report.error is None, report.error
         archs = report.platforms[0].gpu.archs
         assert archs is not None and archs.triton is not None
         found.append(archs.triton.ptxas)
-    assert found == [{"ptxas": "12.8"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}, {"ptxas": "13.0"}]
+    assert found == [{"ptxas": "12.8"}] + [{"ptxas": "13.0"}] * 4
     triton = [r.platforms[0].gpu.archs.triton for r in reports if r.platforms[0].gpu.archs is not None]
-    assert [t.c_compiler if t is not None else "-" for t in triton] == ["/usr/bin/gcc"] * 3 + [""]
+    assert [t.c_compiler if t is not None else "-" for t in triton] == ["/usr/bin/gcc"] * 3 + [
+        "",
+        "/usr/bin/gcc",
+    ]
+    header = "/usr/local/include/python3.11/Python.h"
+    assert [t.python_header if t is not None else "-" for t in triton] == [header] * 3 + ["", ""]
     via = reports[2].platforms[0].gpu.archs
     assert (
         via is not None and via.ptxas_links["/usr/local/cuda/bin/ptxas"] == "/usr/local/cuda-13.0/bin/ptxas"
@@ -1415,3 +1435,4 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
     assert any("does not know sm_121a" in line for line in warnings[0])
     assert not any("Triton" in line for line in warnings[1] + warnings[2])
     assert any("finds no C compiler in the image" in line for line in warnings[3])
+    assert any(f"it finds no C header of its Python in the image ({header})" in line for line in warnings[4])

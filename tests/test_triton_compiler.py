@@ -26,16 +26,20 @@ from scanner.layers.cuda_evidence import (
     MAX_C_COMPILERS_PER_LAYER,
     MAX_PTXAS_ALIASES,
     MAX_PTXAS_PER_LAYER,
+    MAX_PYTHON_HEADERS_PER_LAYER,
     MAX_TOOLKIT_LINKS_PER_LAYER,
+    MAX_VENVS_PER_LAYER,
     CudaLayerEvidence,
     c_compiler_on,
     collect_layer,
     combine,
     layer_problems,
     ptxas_aliases,
+    with_triton_config,
 )
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES
 from scanner.layers.ptxas import BANNER, ReleaseReader
+from scanner.layers.python_headers import include_dir
 from scanner.layers.python_loads import LoadSites
 from scanner.layers.tarstream import TarEntry
 from scanner.models import PackageFacts, TritonFacts
@@ -388,3 +392,92 @@ def test_the_answer_names_the_releases_whose_ptxas_knows_the_gpu() -> None:
     assert (
         ptxas_remedy((13, 5), (13, 0)) == "TRITON_PTXAS_PATH can name a newer ptxas"
     )  # no release known does
+
+
+@pytest.mark.parametrize(
+    ("site", "venvs", "include"),
+    [
+        ("/usr/local/lib/python3.11/site-packages", {}, "/usr/local/include/python3.11"),  # python:3.11
+        ("/usr/local/lib/python3.10/dist-packages", {}, "/usr/include/python3.10"),  # pip as root on Ubuntu
+        ("/usr/lib/python3.12/dist-packages", {}, "/usr/include/python3.12"),
+        ("/opt/conda/envs/x/lib/python3.11/site-packages", {}, "/opt/conda/envs/x/include/python3.11"),
+        ("/opt/venv/lib/python3.12/site-packages", {"/opt/venv": "/usr/bin"}, "/usr/include/python3.12"),
+        (
+            "/opt/venv/lib/python3.13t/site-packages",
+            {"/opt/venv": "/usr/local/bin"},
+            "/usr/local/include/python3.13t",
+        ),
+        ("/root/.local/lib/python3.11/site-packages", {}, None),  # a user's: any interpreter's
+        ("/opt/venv/lib/python3.12/site-packages", {"/opt/venv": ""}, None),  # a venv whose home is not read
+        ("/opt/lib/python3.11/dist-packages", {}, None),
+        ("/app/vendor", {}, None),
+    ],
+)
+def test_the_headers_triton_includes_are_those_of_the_interpreter_it_is_installed_for(
+    site: str, venvs: dict[str, str], include: str | None
+) -> None:
+    assert include_dir(site, venvs) == include
+
+
+def test_a_layer_records_python_headers_and_virtual_environments() -> None:
+    """A venv made from Debian's python3 without python3-dev: Triton's launcher includes
+    `/usr/include/python3.11/Python.h`, which is not there, so it builds nothing (sgl-project/sglang#1117);
+    with the headers, or from 3.7 with its driver module built in a cache, nothing is claimed."""
+    venv = "/opt/venv/lib/python3.11/site-packages"
+    layer = collect_layer(
+        [
+            _entry(
+                "/opt/venv/pyvenv.cfg",
+                b"home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.11.2\n",
+            ),
+            _entry(f"{venv}/triton-3.4.0.dist-info/RECORD", b"triton/__init__.py,,\n"),
+            _link("/usr/bin/gcc", "gcc-12"),
+        ]
+    )
+    assert layer.venv_homes == {"/opt/venv": "/usr/bin"}
+    _, archs = combine([layer, ptx_layer()])
+    assert archs is not None and archs.triton is not None
+    assert (archs.triton.python_include, archs.triton.python_header) == ("/usr/include/python3.11", "")
+    chosen = with_triton_config(archs, gpu_facts({"config": {}})).triton
+    assert chosen is not None and chosen.c_compiler == "/usr/bin/gcc"
+    line = compile_gap(chosen, (9, 0))
+    assert line is not None and line.startswith(
+        "Triton 3.4.0's kernels: it finds no C header of its Python in the image (/usr/include/python3.11/Python.h)"
+        " to build its launcher with, so nothing Triton compiles runs here"
+    )
+    assert line.endswith("; the interpreter's headers (Debian's python3-dev) give it them")
+    vllm = PackageFacts(id="python:vllm", name="vllm", version="0.19.0", kind="python")
+    assert compile_refusal(chosen, [vllm], (9, 0)) is not None
+    headers = collect_layer([_entry("/usr/include/python3.11/Python.h", b"#include <patchlevel.h>\n")])
+    _, with_headers = combine([headers, layer, ptx_layer()])
+    assert with_headers is not None and with_headers.triton is not None
+    assert with_headers.triton.python_header == "/usr/include/python3.11/Python.h"
+    _, unread = combine([layer.model_copy(update={"complete": False}), ptx_layer()])
+    assert unread is not None and unread.triton is not None and unread.triton.python_header is None
+    built = collect_layer(
+        [
+            _entry("/opt/venv/pyvenv.cfg", b"home = /usr/bin\n"),
+            _entry(f"{venv}/triton-3.7.1.dist-info/RECORD", b"triton/__init__.py,,\n"),
+            _entry("/root/.triton/cache/5f2a/cuda_utils.cpython-311-x86_64-linux-gnu.so", b"\x7fELF"),
+            _link("/usr/bin/gcc", "gcc-12"),
+        ]
+    )
+    _, cached = combine([built, ptx_layer()])
+    assert cached is not None
+    spared = with_triton_config(cached, gpu_facts({"config": {}})).triton
+    assert spared is not None and spared.python_header is None and compile_gap(spared, (9, 0)) is None
+
+
+def test_past_the_bounds_on_headers_and_venvs_the_layer_says_so() -> None:
+    layer = collect_layer(
+        [
+            _entry(f"/opt/p{n}/include/python3.11/Python.h", b"")
+            for n in range(MAX_PYTHON_HEADERS_PER_LAYER + 1)
+        ]
+        + [_entry(f"/opt/v{n}/pyvenv.cfg", b"home = /usr/bin\n") for n in range(MAX_VENVS_PER_LAYER + 1)]
+    )
+    assert (
+        len(layer.python_headers) == MAX_PYTHON_HEADERS_PER_LAYER
+        and len(layer.venv_homes) == MAX_VENVS_PER_LAYER
+    )
+    assert layer.bounds_reached == ["MAX_PYTHON_HEADERS_PER_LAYER", "MAX_VENVS_PER_LAYER"]

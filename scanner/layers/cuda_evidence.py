@@ -80,6 +80,13 @@ from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signat
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.ptxas import ReleaseReader, is_nvcc, is_ptxas
+from scanner.layers.python_headers import (
+    PYVENV_BYTES,
+    include_dir,
+    is_python_header,
+    is_venv_config,
+    venv_home,
+)
 from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
@@ -109,7 +116,8 @@ CUDA_EVIDENCE_SCHEMA = 16  # 2: containers carry their section; 3: and whether t
 # 14: each `ptxas`'s CUDA release, and the packages that import Triton;
 # 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`), and
 #     the C compilers Triton looks for;
-# 16: each `nvcc`'s CUDA release, the `c++` FlashInfer links with, and the packages that import FlashInfer
+# 16: each `nvcc`'s CUDA release, the `c++` FlashInfer links with, the packages that import FlashInfer,
+#     and the Python headers and virtual environments (where Triton's launcher finds `Python.h`)
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -126,6 +134,8 @@ MAX_DISTRIBUTIONS_PER_LAYER = 4096
 MAX_PTXAS_PER_LAYER = 64  # files named `ptxas` read for their release (a toolkit and triton: 3)
 MAX_TOOLKIT_LINKS_PER_LAYER = 64  # links a toolkit's `ptxas` may be reached by (NVIDIA's images: 3)
 MAX_NVCC_PER_LAYER = 64  # files named `nvcc` read for their release (a toolkit: 1)
+MAX_PYTHON_HEADERS_PER_LAYER = 64  # files named `Python.h` (one per interpreter with its headers)
+MAX_VENVS_PER_LAYER = 64  # virtual environments' `pyvenv.cfg` read for their base interpreter
 MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc`, `clang` or `c++` (Debian's g++: 2)
 # What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
 C_COMPILERS = ("gcc", "clang")
@@ -221,6 +231,14 @@ class CudaLayerEvidence(BaseModel):
         default_factory=list,
         description="built copies of Triton's driver module (`cuda_utils.*.so`, as its cache keeps them)",
     )
+    python_headers: list[str] = Field(
+        default_factory=list, description="files named `Python.h`: an interpreter's C headers"
+    )
+    venv_homes: dict[str, str] = Field(
+        default_factory=dict,
+        description="virtual environments (the directory of their `pyvenv.cfg`) -> the base interpreter's"
+        ' directory their `home` names ("" where it names none)',
+    )
     toolkit_links: dict[str, str] = Field(
         default_factory=dict,
         description="links named like a toolkit's root, a `ptxas` or an `nvcc` (`/usr/local/cuda`) -> their targets as"
@@ -285,6 +303,8 @@ class CudaLayerCollector:
             return RECORD_BYTES
         if module_kind(path) == "ptx":
             return PTX_HEAD_BYTES
+        if is_venv_config(path):
+            return PYVENV_BYTES
         return 0
 
     def sink(self, entry: TarEntry) -> _ElfSink | _ModuleSink | _ReleaseSink | None:
@@ -331,10 +351,16 @@ class CudaLayerCollector:
         found[path] = ""
         return _ReleaseSink(found, path)
 
-    def _keep_name(self, kept: list[str], path: str) -> None:
-        """`path` kept in `kept` (a C compiler's or Triton's built module), up to `MAX_C_COMPILERS_PER_LAYER`."""
-        if len(kept) >= MAX_C_COMPILERS_PER_LAYER:
-            self._bound_reached("MAX_C_COMPILERS_PER_LAYER")
+    def _keep_name(
+        self,
+        kept: list[str],
+        path: str,
+        bound: int = MAX_C_COMPILERS_PER_LAYER,
+        name: str = "MAX_C_COMPILERS_PER_LAYER",
+    ) -> None:
+        """`path` kept in `kept` (a C compiler's, Triton's built module, a Python header), up to `bound`."""
+        if len(kept) >= bound:
+            self._bound_reached(name)
         else:
             kept.append(path)
 
@@ -389,6 +415,12 @@ class CudaLayerCollector:
                 self.add_module(path, [], str(exc))
             return
         text = head.decode("utf-8", "replace")
+        if is_venv_config(path):
+            if len(self.evidence.venv_homes) >= MAX_VENVS_PER_LAYER:
+                self._bound_reached("MAX_VENVS_PER_LAYER")
+            else:
+                self.evidence.venv_homes[posixpath.dirname(path)] = venv_home(text)
+            return
         if TORCH_VERSION.search(path):
             cuda = parse_torch_version(text)
             if cuda is False:
@@ -457,6 +489,13 @@ class CudaLayerCollector:
             self._keep_name(self.evidence.c_compilers, path)
         if entry.kind == "file" and _TRITON_UTILS.match(name):
             self._keep_name(self.evidence.triton_utils, path)
+        if entry.kind in ("file", "symlink", "hardlink") and is_python_header(path):
+            self._keep_name(
+                self.evidence.python_headers,
+                path,
+                MAX_PYTHON_HEADERS_PER_LAYER,
+                "MAX_PYTHON_HEADERS_PER_LAYER",
+            )
         if (
             entry.kind == "symlink" or (entry.kind == "dir" and not _NO_TOOLKIT_HERE.search(path))
         ) and _TOOLKIT_LINK.match(name):
@@ -738,6 +777,8 @@ class _Merged:
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
     triton_utils: set[str] = field(default_factory=set)
+    python_headers: set[str] = field(default_factory=set)
+    venv_homes: dict[str, str] = field(default_factory=dict)
 
 
 def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
@@ -767,6 +808,10 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
         merged.triton_utils.update(p for p in layer.triton_utils if not hides.hidden_above(p, index))
+        merged.python_headers.update(p for p in layer.python_headers if not hides.hidden_above(p, index))
+        for root, home in layer.venv_homes.items():
+            if not hides.hidden_above(posixpath.join(root, "pyvenv.cfg"), index):
+                merged.venv_homes.setdefault(root, home)
         merged.triton_users.update(layer.triton_users)
         merged.flashinfer_users.update(layer.flashinfer_users)
         occupied.update(
@@ -899,7 +944,8 @@ def combine(
         complete=complete,
     )
     if archs is not None and not complete:  # a name past a layer's read is unseen: no compiler is not known
-        archs = archs.model_copy(update={"c_compilers": None})
+        triton = archs.triton.model_copy(update={"python_header": None}) if archs.triton else None
+        archs = archs.model_copy(update={"c_compilers": None, "triton": triton})
     return inferred, archs
 
 
@@ -914,6 +960,8 @@ def _bounds_text() -> dict[str, str]:
         "MAX_PTXAS_PER_LAYER": f"{MAX_PTXAS_PER_LAYER:,} files named ptxas",
         "MAX_TOOLKIT_LINKS_PER_LAYER": f"{MAX_TOOLKIT_LINKS_PER_LAYER:,} links to a CUDA toolkit or a ptxas",
         "MAX_NVCC_PER_LAYER": f"{MAX_NVCC_PER_LAYER:,} files named nvcc",
+        "MAX_PYTHON_HEADERS_PER_LAYER": f"{MAX_PYTHON_HEADERS_PER_LAYER:,} files named Python.h",
+        "MAX_VENVS_PER_LAYER": f"{MAX_VENVS_PER_LAYER:,} virtual environments",
         "MAX_C_COMPILERS_PER_LAYER": f"{MAX_C_COMPILERS_PER_LAYER:,} files named gcc, clang or c++, or Triton's built modules",
         "MAX_SITES_PER_LAYER": f"{python_loads.MAX_SITES_PER_LAYER:,} Python import sites",
         "MAX_BLOCK_HEADERS": f"{python_loads.MAX_BLOCK_HEADERS:,} Python block headers",
@@ -1066,8 +1114,12 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
         for path in own:
             paths.setdefault(posixpath.basename(path), path)
         users = sorted(merged.triton_users)
+        include = include_dir(posixpath.dirname(dist_info), merged.venv_homes)
+        header = posixpath.join(include, "Python.h") if include is not None else None
         return TritonFacts(
             version=distribution.version,
+            python_header=None if header is None else header if header in merged.python_headers else "",
+            python_include=include,
             ptxas={tool: carried_ptxas[path] for tool, path in paths.items()},
             paths=paths,
             users=users,
@@ -1158,13 +1210,7 @@ def c_compiler_on(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     where the image's names are not all known (`GpuArchs.c_compilers`)."""
     if gpu.c_compiler:
         return gpu.c_compiler
-    triton = archs.triton  # before 3.7 a cache spares nothing: each new kernel's launcher is built too
-    prebuilt = (
-        triton is not None
-        and bool(triton.prebuilt_utils)
-        and (release_of(triton.version) or (0, 0)) >= PREBUILT_UTILS_FROM
-    )
-    if archs.c_compilers is None or prebuilt:
+    if archs.c_compilers is None or _launcher_built(archs):
         return None  # unknown, or nothing left for a compiler to build
     carried = set(archs.c_compilers)
     for name in C_COMPILERS:
@@ -1181,8 +1227,21 @@ def with_triton_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
     chosen = with_triton_ptxas(archs, gpu.triton_ptxas)
     if chosen.triton is None:
         return chosen
-    triton = chosen.triton.model_copy(update={"c_compiler": c_compiler_on(chosen, gpu)})
-    return chosen.model_copy(update={"triton": triton})
+    update: dict[str, str | None] = {"c_compiler": c_compiler_on(chosen, gpu)}
+    if _launcher_built(chosen):  # nor for Python's headers
+        update["python_header"] = None
+    return chosen.model_copy(update={"triton": chosen.triton.model_copy(update=update)})
+
+
+def _launcher_built(archs: GpuArchs) -> bool:
+    """Whether the image's Triton cache holds what Triton would build with a C compiler: its driver module,
+    the only such build from 3.7 on (before it, each new kernel's launcher is built too)."""
+    triton = archs.triton
+    return (
+        triton is not None
+        and bool(triton.prebuilt_utils)
+        and (release_of(triton.version) or (0, 0)) >= PREBUILT_UTILS_FROM
+    )
 
 
 def with_triton_ptxas(archs: GpuArchs, chosen: Mapping[str, str]) -> GpuArchs:
