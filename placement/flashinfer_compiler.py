@@ -10,6 +10,8 @@ build's `flashinfer/data/aot/`). Which tools it finds is the scan's answer
 * no `nvcc` ("Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist"): every GPU;
   vllm-project/vllm#49497 and flashinfer-ai/flashinfer#1781 are vLLM dying so at start-up;
 * no C++ compiler (`$CXX`, else `c++`): every GPU;
+* its own minimum, compute capability 7.5 (`check_cuda_arch`, run by every module's spec, built ahead
+  or not): every GPU below it;
 * its own rule for compute capability 12.x (`CompilationContext._normalize_cuda_arch`): from 0.6.7
   it asks CUDA 12.9 of its `nvcc` there ("SM 12.x requires CUDA >= 12.9"); from 0.7.1, 12.8 for 12.0;
 * an `nvcc` whose release does not know the GPU (`placement.compiler_releases`).
@@ -60,6 +62,10 @@ SAMPLER_FROM = (0, 21, 0)  # vLLM's FlashInfer sampler on by default again
 SAMPLER_FLOOR: dict[tuple[int, ...], CC] = {(0, 21, 0): (7, 5), (0, 24, 0): (8, 0)}
 SAMPLER_PREFLIGHT_FROM = (0, 31, 0)  # vLLM samples natively where FlashInfer's own GPU check fails
 JETSON_ORIN: CC = (8, 7)  # 16 streaming multiprocessors or fewer in every model
+OLDEST_TARGET: CC = (
+    7,
+    5,
+)  # `check_cuda_arch`, which every module's spec runs: "requires GPUs with sm75 or higher"
 
 
 def target(version: str | None, cc: CC) -> str:
@@ -80,8 +86,13 @@ def _family_floor(version: str | None, cc: CC) -> Release | None:
 
 def _gap(flashinfer: FlashInferFacts | None, cc: CC) -> tuple[GapKind, str, str] | None:
     """What stops FlashInfer building its kernels on `cc`: its kind, the words, and what gives it the
-    means; None where it can, carries them built, or a tool it runs is unknown."""
-    if flashinfer is None or flashinfer.prebuilt:
+    means ("" where nothing in the image can); None where it can, carries them built, or a tool it runs
+    is unknown."""
+    if flashinfer is None:
+        return None
+    if cc < OLDEST_TARGET:  # its own check, before any module is built or loaded
+        return "family", "it builds and loads them for compute capability 7.5 and later only", ""
+    if flashinfer.prebuilt:
         return None
     if flashinfer.nvcc == "":
         return "tool", NO_NVCC, ADD_NVCC
@@ -200,7 +211,7 @@ def flashinfer_refusal(
         if why is not None:
             return (
                 f"{_name(flashinfer)} cannot build its kernels here: {gap}, and {package.name}"
-                f" {package.version} {why}; {remedy}"
+                f" {package.version} {why}" + (f"; {remedy}" if remedy else "")
             )
     return None
 
@@ -217,7 +228,9 @@ def flashinfer_gap(flashinfer: FlashInferFacts | None, cc: CC) -> str | None:
         f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
     )
     what = f" ({shown} import{'s' if len(users) == 1 else ''} it)" if users else ""
-    return f"{_name(flashinfer)}'s kernels: {gap}, so none of them builds here{what}; {remedy}"
+    return f"{_name(flashinfer)}'s kernels: {gap}, so none of them builds here{what}" + (
+        f"; {remedy}" if remedy else ""
+    )
 
 
 def _name(flashinfer: FlashInferFacts) -> str:

@@ -251,6 +251,28 @@ def test_sglang_is_refused_where_flashinfer_is_its_default_attention(
     assert (flashinfer_refusal(facts, [], cc) is not None) == refused
 
 
+def test_below_compute_capability_7_5_flashinfer_runs_nothing_built_ahead_or_not() -> None:
+    """FlashInfer's own `check_cuda_arch` runs before any module is built or loaded: a V100 gets nothing of
+    it, whatever tools or built kernels the image has. vLLM 0.10 samples with it on any GPU (refused);
+    from 0.21 its sampler starts at 7.5 (a line only)."""
+    ready = _fi("/usr/local/cuda/bin/nvcc", "12.8").model_copy(
+        update={"prebuilt": ["flashinfer-jit-cache 0.7.4"]}
+    )
+    line = flashinfer_gap(ready, (7, 0))
+    assert (
+        line
+        == "FlashInfer 0.7.4's kernels: it builds and loads them for compute capability 7.5 and later only, so none of them builds here"
+    )
+    assert flashinfer_gap(ready, (7, 5)) is None
+    old = ready.model_copy(update={"version": "0.2.5", "user_versions": {"vllm": "0.10.0"}})
+    refusal = flashinfer_refusal(old, [], (7, 0))
+    assert refusal is not None and refusal.endswith(
+        "whatever the requests (VLLM_USE_FLASHINFER_SAMPLER=0 turns that off)"
+    )
+    new = ready.model_copy(update={"user_versions": {"vllm": "0.33.0"}})
+    assert flashinfer_refusal(new, [], (7, 0)) is None
+
+
 def test_other_importers_are_told_what_they_run_without() -> None:
     """A package not known to call FlashInfer on its default path: a line of what the image runs without."""
     facts = _fi().model_copy(update={"users": ["my_app"], "user_versions": {"my-app": "1.0"}})

@@ -865,6 +865,12 @@ def test_flashinfer_asks_its_own_release_of_nvcc_on_compute_capability_12() -> N
         for wheel in (FLASHINFER_070, FLASHINFER)
     )
     assert 'raise RuntimeError("SM 12.x requires CUDA >= 12.9")' in old and "12.8" not in old
+    core = "flashinfer/jit/core.py"
+    source = member_files(FLASHINFER, lambda n: n == core)[core]
+    assert "check_cuda_arch()" in _function_source(
+        source, "gen_jit_spec"
+    )  # every module's spec, built or not
+    assert '"FlashInfer requires GPUs with sm75 or higher. "' in _function_source(source, "check_cuda_arch")
     assert 'raise RuntimeError("SM 120 requires CUDA >= 12.8")' in new
     assert 'raise RuntimeError("SM 12.1+ requires CUDA >= 12.9")' in new
     for cc, floor in (((12, 0), "12.9"), ((12, 1), "12.9")):
