@@ -5,7 +5,7 @@ kernel. At the first call of each of its kernel modules (sampling, attention, no
 module for the GPU at hand with `nvcc` and links it with a C++ compiler (`jit/core.py`,
 `jit/cpp_ext.py`), unless the image carries the module built (`flashinfer-jit-cache`, or an AOT
 build's `flashinfer/data/aot/`). Which tools it finds is the scan's answer
-(`scanner.layers.flashinfer_tools`); what stops it on a GPU (`_gap`), in the order it meets them:
+(`scanner.layers.cuda_jit_tools`); what stops it on a GPU (`_gap`), in the order it meets them:
 
 * no `nvcc` ("Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist"): every GPU;
   vllm-project/vllm#49497 and flashinfer-ai/flashinfer#1781 are vLLM dying so at start-up;

@@ -91,6 +91,7 @@ from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.nvidia_require import compare_version
 from placement.triton_compiler import compile_gap, compile_refusal
+from placement.tvm_ffi_compiler import tvm_ffi_gap, tvm_ffi_refusal
 from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
 from scanner.layers.code_loading import build_groups, nvidia_library, nvidia_profiling_library, package_of
 from scanner.layers.fatbin import LOADED_SECTION, RELOCATABLE_SECTION, arch_sort_key, parse_arch
@@ -621,12 +622,13 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
 
 
 def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
-    """The kernels Triton and FlashInfer build on `cc` (`placement.triton_compiler`,
-    `placement.flashinfer_compiler`): for each, a reason where a package needs them on its default path
+    """The kernels Triton, FlashInfer and tvm-ffi build on `cc` (`placement.triton_compiler`,
+    `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`): for each, a reason where a package needs them on its default path
     and they cannot be built here, else a line of what the image runs without."""
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
+        (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
     )
     for refusal, gap in judges:
         if refusal is not None:

@@ -250,6 +250,33 @@ class FlashInferFacts(BaseModel):
     )
 
 
+class TvmFfiFacts(BaseModel):
+    """apache-tvm-ffi as the image carries it: its `cpp.load_inline` compiles its users' CUDA kernels with
+    `nvcc` at first use, for the GPU at hand (SGLang's own kernels: `placement.tvm_ffi_compiler`)."""
+
+    version: str | None = Field(default=None, description="the installed distribution's version")
+    nvcc: str | None = Field(
+        default=None,
+        description="the `nvcc` it runs (`bin/nvcc` below `$CUDA_HOME`, `$CUDA_PATH`, the `nvcc` on PATH or"
+        ' `/usr/local/cuda`); "" where there is none; null where unknown',
+    )
+    nvcc_release: str | None = Field(
+        default=None, description='the CUDA release of that `nvcc` ("12.8"); null where unknown'
+    )
+    cxx: str | None = Field(
+        default=None,
+        description='the C++ compiler it links with (`$CXX`, else `c++` on PATH); "" where there is none;'
+        " null where unknown",
+    )
+    users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import tvm_ffi"
+    )
+    user_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description='the installed distributions that ship those packages -> their versions ({"sglang": "0.5.11"})',
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -313,6 +340,10 @@ class GpuArchs(BaseModel):
     )
     flashinfer: FlashInferFacts | None = Field(
         default=None, description="FlashInfer, where the image carries it: what it compiles kernels with"
+    )
+    tvm_ffi: TvmFfiFacts | None = Field(
+        default=None,
+        description="apache-tvm-ffi, where the image carries it: what it compiles its users' kernels with",
     )
 
 

@@ -44,8 +44,8 @@ from scanner.facts.badges import badges, cuda_mismatch
 from scanner.facts.gpu import gpu_facts
 from scanner.facts.platforms import PlatformPolicy, with_fleet
 from scanner.layers.cuda_evidence import with_triton_config
+from scanner.layers.cuda_jit_tools import with_jit_tools
 from scanner.layers.errors import AnalysisCrashed, LayerError
-from scanner.layers.flashinfer_tools import with_flashinfer_config
 from scanner.layers.limits import INLINE_OUTCOMES, LimitExceeded, scan_too_slow
 from scanner.models import GpuFacts, ImageReport, LayerInfo, LibcVerdict, Platform, PlatformReport
 from scanner.registry.descriptors import Descriptor, Manifest, is_attestation, is_layer
@@ -620,7 +620,7 @@ class Scanner:
             if deep:
                 archs = verdict.archs
                 if archs is not None:
-                    archs = with_flashinfer_config(with_triton_config(archs, gpu), gpu)
+                    archs = with_jit_tools(with_triton_config(archs, gpu), gpu)
                 gpu = gpu.model_copy(update={"inferred": verdict.inferred, "archs": archs})
                 mismatch = cuda_mismatch(gpu)
                 if mismatch:

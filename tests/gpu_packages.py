@@ -159,6 +159,21 @@ SGLANG_035 = _wheel(
     "sglang-0.3.5.post2-py3-none-any.whl",
     "c5bb8bf4c5718f7097a30900d389e3a817360a6862508f8cd506654ca9aba106",
 )
+SGLANG_0511 = _wheel(  # from 0.5.11 a wheel per platform (its Rust parts), its kernels still JIT sources
+    "sglang",
+    "sglang-0.5.11-cp310-cp310-manylinux_2_34_x86_64.whl",
+    "a0a1b9db9b03c2b4176257dfb2ac58b878db5b8a551828c641c672b8f9ee9147",
+)
+SGLANG_0510 = _wheel(
+    "sglang",
+    "sglang-0.5.10-py3-none-any.whl",
+    "ac8855a5d57dac8831fee526bca5212f1ae451f378e2ab08b3baecbc4deb4076",
+)
+TVM_FFI = _wheel(
+    "apache-tvm-ffi",
+    "apache_tvm_ffi-0.1.9-cp310-cp310-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+    "7f6bc8846d570b8ce38692fc91b530b44cd6ae092c805a844da23970e81b12c0",
+)
 MAMBA_SSM = _wheel(  # no wheel on PyPI: its source distribution, as a build from source installs it
     "mamba-ssm",
     "mamba_ssm-2.3.1.tar.gz",

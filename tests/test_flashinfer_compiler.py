@@ -1,5 +1,5 @@
 """FlashInfer's kernels, built with `nvcc` at first use: which tools the image gives it
-(`scanner.layers.flashinfer_tools`), and which GPUs its users are refused on (`placement.flashinfer_compiler`).
+(`scanner.layers.cuda_jit_tools`), and which GPUs its users are refused on (`placement.flashinfer_compiler`).
 The ground of each rule, in the packages' own sources, is in tests/test_gpu_packages.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from placement.flashinfer_compiler import (
 )
 from scanner.facts.gpu import gpu_facts
 from scanner.layers.cuda_evidence import MAX_NVCC_PER_LAYER, CudaLayerEvidence, collect_layer, combine
-from scanner.layers.flashinfer_tools import with_flashinfer_config
+from scanner.layers.cuda_jit_tools import with_jit_tools
 from scanner.layers.ptxas import BANNER
 from scanner.layers.tarstream import TarEntry
 from scanner.models import FlashInferFacts, GpuArchs, PackageFacts
@@ -66,7 +66,7 @@ def _toolkit(release: str = "13.0") -> CudaLayerEvidence:
 def _archs(layers_top_down: list[CudaLayerEvidence], *env: str) -> GpuArchs:
     _, archs = combine(layers_top_down)
     assert archs is not None
-    return with_flashinfer_config(archs, gpu_facts({"config": {"Env": list(env)}}))
+    return with_jit_tools(archs, gpu_facts({"config": {"Env": list(env)}}))
 
 
 def _facts(layers_top_down: list[CudaLayerEvidence], *env: str) -> FlashInferFacts:

@@ -79,6 +79,8 @@ from tests.gpu_packages import (
     SGLANG_035,
     SGLANG_036,
     SGLANG_040,
+    SGLANG_0510,
+    SGLANG_0511,
     SGLANG_KERNEL,
     SITE,
     TENSORFLOW,
@@ -87,6 +89,7 @@ from tests.gpu_packages import (
     TORCHAO_018,
     TRITON_34,
     TRITON_39,
+    TVM_FFI,
     UNSLOTH,
     VLLM,
     VLLM_0110,
@@ -836,7 +839,7 @@ def test_sglang_builds_a_triton_kernel_for_every_prefill() -> None:
 
 
 def test_flashinfer_finds_its_tools_as_the_scan_does() -> None:
-    """The ground of `scanner.layers.flashinfer_tools`, in FlashInfer's own source: `get_cuda_path` takes
+    """The ground of `scanner.layers.cuda_jit_tools`, in FlashInfer's own source: `get_cuda_path` takes
     `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above `which nvcc`, else `/usr/local/cuda` where it
     exists (0.5.0, 0.7.4; 0.4.1 stops with "Could not find nvcc" instead); the build runs `$FLASHINFER_NVCC`,
     else `$cuda_home/bin/nvcc`, and links with `$CXX`, else `c++`."""
@@ -945,6 +948,39 @@ def test_sglang_takes_flashinfer_for_attention_as_its_versions_say() -> None:
     )
     assert [mha.index(step) for step in steps] == sorted(mha.index(step) for step in steps)
     assert "is_hopper_with_cuda_12_3()" in mha[: mha.index(steps[0])]
+
+
+def test_sglang_builds_its_own_activation_with_tvm_ffi_from_0_5_11() -> None:
+    """The ground of `placement.tvm_ffi_compiler`: SGLang 0.5.11's `SiluAndMul` calls `sglang.jit_kernel`'s
+    `silu_and_mul` on CUDA, imported with no guard, whose module is built by `load_jit` with tvm-ffi's
+    `load_inline` and no fallback; 0.5.10's comes from sgl-kernel. tvm-ffi 0.1.9's `_find_cuda_home` takes
+    `$CUDA_HOME`, `$CUDA_PATH`, two directories above `which nvcc`, then `/usr/local/cuda`, and its build
+    runs that home's `bin/nvcc` and links with `$CXX`, else `c++`."""
+    layer = "sglang/srt/layers/activation.py"
+    names = (layer, "sglang/jit_kernel/activation.py", "sglang/jit_kernel/utils.py")
+    new = member_files(SGLANG_0511, names.__contains__)
+    text = new[layer].read_text()
+    assert re.search(
+        r"if _is_cuda:\n    from sglang\.jit_kernel\.activation import \(\n[^)]*silu_and_mul,", text
+    )
+    assert "silu_and_mul(x, out)" in _function_source(new[layer], "forward_cuda")
+    jit = new["sglang/jit_kernel/activation.py"].read_text()
+    assert "return load_jit(" in jit and "try:" not in _function_source(
+        new["sglang/jit_kernel/activation.py"], "_run_activation_inplace"
+    )
+    assert "from tvm_ffi.cpp import load, load_inline" in _function_source(
+        new["sglang/jit_kernel/utils.py"], "load_jit"
+    )
+    old = member_files(SGLANG_0510, lambda name: name == layer)[layer].read_text()
+    assert "jit_kernel" not in old and "from sgl_kernel import" in old
+    extension = "tvm_ffi/cpp/extension.py"
+    source = member_files(TVM_FFI, lambda name: name == extension)[extension]
+    find = _function_source(source, "_find_cuda_home")
+    steps = ('"CUDA_HOME"', '"CUDA_PATH"', 'shutil.which("nvcc")', ".parent.parent", '"/usr/local/cuda"')
+    assert [find.index(step) for step in steps] == sorted(find.index(step) for step in steps)
+    build = source.read_text()
+    assert 'str(Path(_find_cuda_home()) / "bin" / "nvcc")' in build
+    assert 'os.environ.get("CXX", "cl" if IS_WINDOWS else "c++")' in build
 
 
 def test_unsloth_runs_its_own_triton_kernels_in_the_models_it_patches() -> None:

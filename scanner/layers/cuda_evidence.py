@@ -100,6 +100,7 @@ from scanner.models import (
     ImportState,
     InferredCuda,
     TritonFacts,
+    TvmFfiFacts,
 )
 
 CUDA_EVIDENCE_SCHEMA = 16  # 2: containers carry their section; 3: and whether they hold kernels;
@@ -221,6 +222,9 @@ class CudaLayerEvidence(BaseModel):
     )
     flashinfer_users: list[str] = Field(
         default_factory=list, description="top-level Python packages whose sources import `flashinfer`"
+    )
+    tvm_ffi_users: list[str] = Field(
+        default_factory=list, description="top-level Python packages whose sources import `tvm_ffi`"
     )
     c_compilers: list[str] = Field(
         default_factory=list,
@@ -593,6 +597,7 @@ class CudaLayerCollector:
                     self.evidence.extensions[path] = state
         self.evidence.triton_users = self._loads.importers_of("triton")
         self.evidence.flashinfer_users = self._loads.importers_of("flashinfer")
+        self.evidence.tvm_ffi_users = self._loads.importers_of("tvm_ffi")
         if self._loads.truncated_by is not None:
             self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:
@@ -774,6 +779,7 @@ class _Merged:
     nvcc: dict[str, str] = field(default_factory=dict)
     triton_users: set[str] = field(default_factory=set)
     flashinfer_users: set[str] = field(default_factory=set)
+    tvm_ffi_users: set[str] = field(default_factory=set)
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
     triton_utils: set[str] = field(default_factory=set)
@@ -814,6 +820,7 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
                 merged.venv_homes.setdefault(root, home)
         merged.triton_users.update(layer.triton_users)
         merged.flashinfer_users.update(layer.flashinfer_users)
+        merged.tvm_ffi_users.update(layer.tvm_ffi_users)
         occupied.update(
             layer.findings.keys(),
             layer.elves.keys(),
@@ -1093,6 +1100,7 @@ def image_archs(
         nvcc_links=ptxas_aliases(carried_nvcc, merged.toolkit_links),
         toolkit_roots=sorted(p for p in merged.toolkit_links if _TOOLKIT_ROOT.match(posixpath.basename(p))),
         flashinfer=_flashinfer(merged),
+        tvm_ffi=_tvm_ffi(merged),
     )
 
 
@@ -1124,11 +1132,7 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
             paths=paths,
             users=users,
             prebuilt_utils=sorted(merged.triton_utils),
-            user_versions={
-                shipper.name: shipper.version
-                for _, shipper in sorted(merged.distributions.items())
-                if set(shipper.top_level).intersection(users)
-            },
+            user_versions=_shippers(merged, users),
         )
     return None
 
@@ -1147,7 +1151,7 @@ _AOT_MODULE = re.compile(
 def _flashinfer(merged: _Merged) -> FlashInferFacts | None:
     """FlashInfer's facts where its distribution is installed: its version, the built kernels the image
     carries for it, and who imports it. The tools it compiles with depend on the config
-    (`scanner.layers.flashinfer_tools.with_flashinfer_config`)."""
+    (`scanner.layers.cuda_jit_tools.with_jit_tools`)."""
     found = [d for _, d in sorted(merged.distributions.items()) if d.name in FLASHINFER_DISTRIBUTIONS]
     if not found:
         return None
@@ -1160,12 +1164,27 @@ def _flashinfer(merged: _Merged) -> FlashInferFacts | None:
         version=found[0].version,
         prebuilt=prebuilt + aot[:1],
         users=users,
-        user_versions={
-            shipper.name: shipper.version
-            for _, shipper in sorted(merged.distributions.items())
-            if set(shipper.top_level).intersection(users)
-        },
+        user_versions=_shippers(merged, users),
     )
+
+
+def _tvm_ffi(merged: _Merged) -> TvmFfiFacts | None:
+    """apache-tvm-ffi's facts where it is installed: its version and who imports it. The tools it compiles
+    with depend on the config (`scanner.layers.cuda_jit_tools.with_jit_tools`)."""
+    found = [d for _, d in sorted(merged.distributions.items()) if d.name == "apache-tvm-ffi"]
+    if not found:
+        return None
+    users = sorted(merged.tvm_ffi_users)
+    return TvmFfiFacts(version=found[0].version, users=users, user_versions=_shippers(merged, users))
+
+
+def _shippers(merged: _Merged, users: Sequence[str]) -> dict[str, str]:
+    """The installed distributions that ship any of the top-level packages `users` -> their versions."""
+    return {
+        shipper.name: shipper.version
+        for _, shipper in sorted(merged.distributions.items())
+        if set(shipper.top_level).intersection(users)
+    }
 
 
 def ptxas_aliases(carried: Mapping[str, str], links: Mapping[str, str]) -> dict[str, str]:

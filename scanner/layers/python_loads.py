@@ -104,10 +104,10 @@ _RELATIVE_MADE = re.compile(
     rb"""[ \t]*,[ \t]*(?:package[ \t]*=[ \t]*)?(__name__|__package__|(['"])([\w.]{1,512})\3)[ \t]*[,)]"""
 )
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's name matches a whole one
-# Packages whose importers are listed (`LoadSites.importers_of`): Triton and FlashInfer compile their
+# Packages whose importers are listed (`LoadSites.importers_of`): Triton, FlashInfer and tvm-ffi compile
 # kernels for the GPU at hand, and placement names who is left without them
-# (`placement.triton_compiler`, `placement.flashinfer_compiler`).
-WATCHED_IMPORTS = frozenset({"triton", "flashinfer"})
+# (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`).
+WATCHED_IMPORTS = frozenset({"triton", "flashinfer", "tvm_ffi"})
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 

@@ -1,21 +1,21 @@
-"""Which tools FlashInfer compiles its kernels with in an image, as its own code finds them. Pure.
+"""Which tools the libraries that compile CUDA at run time find in an image, as their own code finds them. Pure.
 
-FlashInfer (`flashinfer-python`) ships CUDA sources and no built kernel: at the first call of each
-kernel module (sampling, attention, norms) it writes a ninja file and builds the module with `nvcc`,
-linking it with a C++ compiler (`jit/cpp_ext.py`, 0.2.6 to 0.7.4; 0.2.0 to 0.2.5 through torch's
-`cpp_extension.load`, which finds them the same way), unless the image carries the module built
-(`FlashInferFacts.prebuilt`). Where it finds them, by its own `get_cuda_path` and torch's
-`_find_cuda_home`:
+FlashInfer (`flashinfer-python`) and apache-tvm-ffi (`tvm_ffi.cpp.load_inline`, with which SGLang builds
+its own kernels) ship CUDA sources: at the first call of a kernel module they write a ninja file, compile
+it with `nvcc` and link it with a C++ compiler (FlashInfer's `jit/cpp_ext.py`, 0.2.6 to 0.7.4; 0.2.0 to
+0.2.5 through torch's `cpp_extension.load`, which finds them the same way; tvm-ffi's `cpp/extension.py`),
+unless the image carries the module built (`FlashInferFacts.prebuilt`). Where they find them (FlashInfer's
+`get_cuda_path`, tvm-ffi's and torch's `_find_cuda_home`):
 
-* `nvcc`: `$FLASHINFER_NVCC` (`$PYTORCH_NVCC` before 0.4), else `bin/nvcc` below the CUDA home:
-  `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above the `nvcc` on PATH, else
-  `/usr/local/cuda` where it exists (not in 0.4.x, which stops with "Could not find nvcc");
-* the C++ compiler: `$CXX`, else `c++` on PATH (every module is linked with it, sampling's too).
+* `nvcc`: FlashInfer's `$FLASHINFER_NVCC` (`$PYTORCH_NVCC` before 0.4), else `bin/nvcc` below the CUDA
+  home: `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above the `nvcc` on PATH, else
+  `/usr/local/cuda` where it exists (FlashInfer 0.4.x looks nowhere else: "Could not find nvcc");
+* the C++ compiler: `$CXX`, else `c++` on PATH (every module is linked with it).
 
 A path the image carries, directly or through its toolkit links (`/usr/local/cuda/bin/nvcc` in
 NVIDIA's `devel` images: `GpuArchs.nvcc_links`), gives that `nvcc`'s release; a path it does not carry
 may be mounted at run time, so it is unknown (null) and nothing is claimed. "" means the image has
-none: FlashInfer can build nothing there.
+none: nothing is built there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import posixpath
 
 from scanner.layers.code_loading import release_of
-from scanner.models import GpuArchs, GpuFacts
+from scanner.models import GpuArchs, GpuFacts, TvmFfiFacts
 
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
 NO_DEFAULT_HOME = ((0, 4), (0, 5))  # 0.4.x looks nowhere else: "Could not find nvcc"
@@ -33,11 +33,16 @@ NVCC_VARIABLE_FROM = (0, 4)  # `FLASHINFER_NVCC`; before it, torch's `PYTORCH_NV
 def nvcc_path(archs: GpuArchs, gpu: GpuFacts, version: str | None) -> str | None:
     """The `nvcc` FlashInfer `version` runs in this image; "" where it finds none; None where the image's
     names are not all known (a layer not read whole)."""
-    tools = gpu.flashinfer_env
     release = release_of(version) or (0, 0)
     variable = "FLASHINFER_NVCC" if release >= NVCC_VARIABLE_FROM else "PYTORCH_NVCC"
-    if tools.get(variable):
-        return tools[variable]
+    if gpu.flashinfer_env.get(variable):
+        return gpu.flashinfer_env[variable]
+    return _home_nvcc(archs, gpu, default_home=not NO_DEFAULT_HOME[0] <= release < NO_DEFAULT_HOME[1])
+
+
+def _home_nvcc(archs: GpuArchs, gpu: GpuFacts, default_home: bool) -> str | None:
+    """`bin/nvcc` below the CUDA home `_find_cuda_home` finds (module docstring)."""
+    tools = gpu.flashinfer_env
     for home in (tools.get("CUDA_HOME"), tools.get("CUDA_PATH")):
         if home:
             return posixpath.join(home, "bin", "nvcc")
@@ -47,7 +52,7 @@ def nvcc_path(archs: GpuArchs, gpu: GpuFacts, version: str | None) -> str | None
         found = posixpath.join(directory, "nvcc")
         if _carried(archs, found):
             return posixpath.join(posixpath.dirname(posixpath.dirname(found)), "bin", "nvcc")
-    if DEFAULT_CUDA_HOME in archs.toolkit_roots and not NO_DEFAULT_HOME[0] <= release < NO_DEFAULT_HOME[1]:
+    if DEFAULT_CUDA_HOME in archs.toolkit_roots and default_home:
         return posixpath.join(DEFAULT_CUDA_HOME, "bin", "nvcc")
     return ""
 
@@ -75,14 +80,33 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     return ""
 
 
-def with_flashinfer_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
-    """`archs` with the tools the image's config makes FlashInfer compile with (module docstring)."""
+def with_jit_tools(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
+    """`archs` with the tools the image's config makes FlashInfer and tvm-ffi compile with (module docstring)."""
+    return _with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu)
+
+
+def _found(archs: GpuArchs, nvcc: str | None) -> str | None:
+    """`nvcc`, or "" where it lies below a CUDA home the image has and is not there (NVIDIA's `runtime`
+    images: libraries only)."""
+    return "" if nvcc and _in_own_toolkit(archs, nvcc) and not _carried(archs, nvcc) else nvcc
+
+
+def _with_tvm_ffi_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
+    tvm_ffi: TvmFfiFacts | None = archs.tvm_ffi
+    if tvm_ffi is None:
+        return archs
+    nvcc = _found(archs, _home_nvcc(archs, gpu, default_home=True))
+    facts = tvm_ffi.model_copy(
+        update={"nvcc": nvcc, "nvcc_release": nvcc_release(archs, nvcc), "cxx": cxx_compiler(archs, gpu)}
+    )
+    return archs.model_copy(update={"tvm_ffi": facts})
+
+
+def _with_flashinfer_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
     flashinfer = archs.flashinfer
     if flashinfer is None:
         return archs
-    nvcc = nvcc_path(archs, gpu, flashinfer.version)
-    if nvcc and _in_own_toolkit(archs, nvcc) and not _carried(archs, nvcc):
-        nvcc = ""  # a CUDA home the image has, without an `nvcc` (NVIDIA's `runtime` images: libraries only)
+    nvcc = _found(archs, nvcc_path(archs, gpu, flashinfer.version))
     settings = {name: value for name, value in gpu.flashinfer_env.items() if name.startswith("VLLM_")}
     facts = flashinfer.model_copy(
         update={
