@@ -25,6 +25,9 @@ from scanner.models import PackageFacts, TvmFfiFacts
 
 ADD_NVCC = "a CUDA toolkit in the image (NVIDIA's devel images) gives it one"
 MAX_USERS_NAMED = 6  # packages named in a line, then how many more
+# Importers that build nothing through `load_inline`: tvm-ffi itself, and FlashInfer, which loads its
+# modules with tvm-ffi but builds them itself (`placement.flashinfer_compiler` judges those).
+OWN_BUILDERS = frozenset({"tvm_ffi", "flashinfer"})
 # Packages that call kernels tvm-ffi compiles on their default path: from each version on, why.
 DEFAULT_PATH_USERS: dict[str, tuple[tuple[int, int, int], str]] = {
     "sglang": (
@@ -91,9 +94,11 @@ def tvm_ffi_gap(tvm_ffi: TvmFfiFacts | None, cc: CC) -> str | None:
     if tvm_ffi is None or found is None:
         return None
     gap, remedy = found
-    users = [user for user in tvm_ffi.users if user != "tvm_ffi"]
+    users = [user for user in tvm_ffi.users if user not in OWN_BUILDERS]
+    if not users:
+        return None  # nothing in the image builds through it
     shown = ", ".join(users[:MAX_USERS_NAMED]) + (
         f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
     )
-    what = f" ({shown} import{'s' if len(users) == 1 else ''} it)" if users else ""
+    what = f" ({shown} import{'s' if len(users) == 1 else ''} it)"
     return f"the kernels tvm-ffi builds: {gap}, so none of them builds here{what}; {remedy}"

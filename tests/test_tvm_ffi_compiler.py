@@ -83,6 +83,9 @@ def test_what_stops_tvm_ffi_is_named() -> None:
         old.model_copy(update={"cxx": None, "nvcc_release": "13.0"}),
     ):
         assert tvm_ffi_gap(unknown, (12, 1)) is None and tvm_ffi_refusal(unknown, [], (12, 1)) is None
+    assert (
+        tvm_ffi_gap(no_cxx.model_copy(update={"users": ["flashinfer", "tvm_ffi"]}), (9, 0)) is None
+    )  # builds its own
     other = PackageFacts(id="python:other", name="other", version="1.0", kind="python")
     assert (
         tvm_ffi_refusal(no_cxx.model_copy(update={"user_versions": {"other": "1.0"}}), [other], (9, 0))
