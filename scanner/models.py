@@ -426,8 +426,8 @@ class GpuFacts(BaseModel):
     )
     flashinfer_env: dict[str, str] = Field(
         default_factory=dict,
-        description="the config's variables that decide FlashInfer's kernels (`CUDA_HOME`, `CUDA_PATH`,"
-        " `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and"
+        description="the config's variables that decide the kernels FlashInfer and tvm-ffi build (`CUDA_HOME`,"
+        " `CUDA_PATH`, `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and"
         " `VLLM_ATTENTION_BACKEND`) -> their values",
     )
     inferred: InferredCuda | None = Field(
