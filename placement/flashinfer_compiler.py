@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
+from placement.compiler_users import candidates
 from scanner.layers.code_loading import release_parts
 from scanner.models import FlashInferFacts, PackageFacts
 
@@ -201,12 +202,7 @@ def flashinfer_refusal(
     if flashinfer is None or found is None:
         return None
     kind, gap, remedy = found
-    users = [
-        PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
-        for name, version in flashinfer.user_versions.items()
-    ]
-    named = {package.name for package in users}
-    for package in [*users, *(p for p in packages if p.name not in named)]:
+    for package in candidates(flashinfer.user_versions, packages):
         why = default_path_use(package, flashinfer, cc, kind)
         if why is not None:
             return (

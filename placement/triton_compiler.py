@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
+from placement.compiler_users import candidates
 from scanner.layers.code_loading import release_of, release_parts
 from scanner.models import PackageFacts, TritonFacts
 
@@ -155,12 +156,7 @@ def compile_refusal(triton: TritonFacts | None, packages: Sequence[PackageFacts]
     if triton is None or found is None:
         return None
     gap, remedy = found
-    users = [
-        PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
-        for name, version in triton.user_versions.items()
-    ]
-    named = {package.name for package in users}
-    for package in [*users, *(p for p in packages if p.name not in named)]:
+    for package in candidates(triton.user_versions, packages):
         why = default_path_use(package)
         if why is not None:
             return (

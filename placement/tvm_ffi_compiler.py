@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement.compiler_releases import CC, compiles_for, release, releases_knowing
+from placement.compiler_users import candidates
 from placement.flashinfer_compiler import ADD_CXX, NO_CXX, NO_NVCC
 from scanner.layers.code_loading import release_parts
 from scanner.models import PackageFacts, TvmFfiFacts
@@ -57,13 +58,6 @@ def _gap(tvm_ffi: TvmFfiFacts | None, cc: CC) -> tuple[str, str] | None:
     return f"its nvcc (CUDA {cuda[0]}.{cuda[1]}) does not know {arch}", remedy
 
 
-def _users(tvm_ffi: TvmFfiFacts) -> list[PackageFacts]:
-    return [
-        PackageFacts(id=f"python:{name}", name=name, version=version, kind="python")
-        for name, version in tvm_ffi.user_versions.items()
-    ]
-
-
 def default_path_use(package: PackageFacts) -> str | None:
     """How `package` calls kernels tvm-ffi builds on its default path, at its version, or None."""
     stage = DEFAULT_PATH_USERS.get(package.name) if package.kind == "python" else None
@@ -78,9 +72,7 @@ def tvm_ffi_refusal(tvm_ffi: TvmFfiFacts | None, packages: Sequence[PackageFacts
     if tvm_ffi is None or found is None:
         return None
     gap, remedy = found
-    users = _users(tvm_ffi)
-    named = {package.name for package in users}
-    for package in [*users, *(p for p in packages if p.name not in named)]:
+    for package in candidates(tvm_ffi.user_versions, packages):
         why = default_path_use(package)
         if why is not None:
             return f"tvm-ffi cannot build kernels here: {gap}, and {package.name} {package.version} {why}; {remedy}"

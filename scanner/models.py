@@ -213,52 +213,15 @@ class TritonFacts(BaseModel):
     )
 
 
-class FlashInferFacts(BaseModel):
-    """FlashInfer as the image carries it: a library that compiles its kernels with `nvcc` at first use,
-    for the GPU at hand (`placement.flashinfer_compiler`), unless the image carries them built."""
-
-    version: str | None = Field(default=None, description="the installed distribution's version")
-    prebuilt: list[str] = Field(
-        default_factory=list,
-        description="built kernels the image carries, which FlashInfer loads instead of compiling them:"
-        " `flashinfer-jit-cache <version>`, or the path of an AOT build's modules (`flashinfer/data/aot`)",
-    )
-    nvcc: str | None = Field(
-        default=None,
-        description="the `nvcc` it runs (`$FLASHINFER_NVCC`, else `bin/nvcc` below `$CUDA_HOME`, `$CUDA_PATH`,"
-        ' the `nvcc` on PATH or `/usr/local/cuda`); "" where there is none; null where unknown',
-    )
-    nvcc_release: str | None = Field(
-        default=None, description='the CUDA release of that `nvcc` ("12.8"); null where unknown'
-    )
-    cxx: str | None = Field(
-        default=None,
-        description='the C++ compiler it links its kernels with (`$CXX`, else `c++` on PATH); "" where there'
-        " is none; null where unknown",
-    )
-    settings: dict[str, str] = Field(
-        default_factory=dict,
-        description="the config's variables that decide whether its users call it (vLLM's"
-        " `VLLM_USE_FLASHINFER_SAMPLER`, `VLLM_ATTENTION_BACKEND`) -> their values",
-    )
-    users: list[str] = Field(
-        default_factory=list, description="top-level Python packages whose sources import flashinfer"
-    )
-    user_versions: dict[str, str] = Field(
-        default_factory=dict,
-        description='the installed distributions that ship those packages -> their versions ({"sglang": "0.5.9"})',
-    )
-
-
-class TvmFfiFacts(BaseModel):
-    """apache-tvm-ffi as the image carries it: its `cpp.load_inline` compiles its users' CUDA kernels with
-    `nvcc` at first use, for the GPU at hand (SGLang's own kernels: `placement.tvm_ffi_compiler`)."""
+class NvccBuilder(BaseModel):
+    """A library that compiles CUDA sources with `nvcc` at first use, for the GPU at hand, as the image
+    carries it: the tools it finds (`scanner.layers.cuda_jit_tools`) and who imports it."""
 
     version: str | None = Field(default=None, description="the installed distribution's version")
     nvcc: str | None = Field(
         default=None,
         description="the `nvcc` it runs (`bin/nvcc` below `$CUDA_HOME`, `$CUDA_PATH`, the `nvcc` on PATH or"
-        ' `/usr/local/cuda`); "" where there is none; null where unknown',
+        ' `/usr/local/cuda`; FlashInfer\'s `$FLASHINFER_NVCC` first); "" where there is none; null where unknown',
     )
     nvcc_release: str | None = Field(
         default=None, description='the CUDA release of that `nvcc` ("12.8"); null where unknown'
@@ -269,12 +232,33 @@ class TvmFfiFacts(BaseModel):
         " null where unknown",
     )
     users: list[str] = Field(
-        default_factory=list, description="top-level Python packages whose sources import tvm_ffi"
+        default_factory=list, description="top-level Python packages whose sources import it"
     )
     user_versions: dict[str, str] = Field(
         default_factory=dict,
-        description='the installed distributions that ship those packages -> their versions ({"sglang": "0.5.11"})',
+        description='the installed distributions that ship those packages -> their versions ({"sglang": "0.5.9"})',
     )
+
+
+class FlashInferFacts(NvccBuilder):
+    """FlashInfer as the image carries it: it compiles its kernels with `nvcc` at first use, for the GPU at
+    hand (`placement.flashinfer_compiler`), unless the image carries them built."""
+
+    prebuilt: list[str] = Field(
+        default_factory=list,
+        description="built kernels the image carries, which FlashInfer loads instead of compiling them:"
+        " `flashinfer-jit-cache <version>`, or the path of an AOT build's modules (`flashinfer/data/aot`)",
+    )
+    settings: dict[str, str] = Field(
+        default_factory=dict,
+        description="the config's variables that decide whether its users call it (vLLM's"
+        " `VLLM_USE_FLASHINFER_SAMPLER`, `VLLM_ATTENTION_BACKEND`) -> their values",
+    )
+
+
+class TvmFfiFacts(NvccBuilder):
+    """apache-tvm-ffi as the image carries it: its `cpp.load_inline` compiles its users' CUDA kernels with
+    `nvcc` at first use, for the GPU at hand (SGLang's own kernels: `placement.tvm_ffi_compiler`)."""
 
 
 class GpuArchs(BaseModel):
