@@ -99,3 +99,20 @@ def test_the_verdict_carries_tvm_ffis_reason_on_hopper() -> None:
     assert not h100.runs and any("sglang 0.5.11 builds its own kernels with it" in r for r in h100.reasons)
     devel = gpu_code.judge(_archs([_sglang("0.5.11"), _toolkit("13.0")]), (9, 0))
     assert not any("tvm-ffi" in line for line in devel.reasons + devel.without)
+
+
+def test_only_importers_of_its_builder_count_as_building_through_it() -> None:
+    """`tvm_ffi.cpp` (`load_inline`) builds with nvcc; vLLM 0.33's CuTe DSL kernels import `tvm_ffi` alone, to
+    call what another compiler built, and are no user."""
+    layer = collect_layer(
+        [
+            _entry(f"{SITE}/vllm/kernels/cute.py", b"import tvm_ffi\nfrom tvm_ffi import Module\n"),
+            _entry(
+                f"{SITE}/sglang/jit_kernel/utils.py",
+                b"def load_jit():\n    from tvm_ffi.cpp import load_inline\n",
+            ),
+            _entry(f"{SITE}/other/build.py", b"from tvm_ffi import cpp\n"),
+            _entry(f"{SITE}/tvm_ffi/cpp/extension.py", b"import tvm_ffi.cpp\n"),
+        ]
+    )
+    assert layer.tvm_ffi_users == ["other", "sglang"]

@@ -224,7 +224,9 @@ class CudaLayerEvidence(BaseModel):
         default_factory=list, description="top-level Python packages whose sources import `flashinfer`"
     )
     tvm_ffi_users: list[str] = Field(
-        default_factory=list, description="top-level Python packages whose sources import `tvm_ffi`"
+        default_factory=list,
+        description="top-level Python packages whose sources import `tvm_ffi.cpp` (its `load_inline`, which"
+        " builds with nvcc; vLLM's CuTe DSL kernels import `tvm_ffi` alone)",
     )
     c_compilers: list[str] = Field(
         default_factory=list,
@@ -597,7 +599,7 @@ class CudaLayerCollector:
                     self.evidence.extensions[path] = state
         self.evidence.triton_users = self._loads.importers_of("triton")
         self.evidence.flashinfer_users = self._loads.importers_of("flashinfer")
-        self.evidence.tvm_ffi_users = self._loads.importers_of("tvm_ffi")
+        self.evidence.tvm_ffi_users = self._loads.importers_of("tvm_ffi.cpp")
         if self._loads.truncated_by is not None:
             self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:

@@ -107,7 +107,7 @@ _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's
 # Packages whose importers are listed (`LoadSites.importers_of`): Triton, FlashInfer and tvm-ffi compile
 # kernels for the GPU at hand, and placement names who is left without them
 # (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`).
-WATCHED_IMPORTS = frozenset({"triton", "flashinfer", "tvm_ffi"})
+WATCHED_IMPORTS = frozenset({"triton", "flashinfer", "tvm_ffi.cpp"})  # tvm-ffi's JIT, not its calls
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
 
 
@@ -260,9 +260,9 @@ class LoadSites:
                 self._add_scope(scope.decode("utf-8", "replace"), module.partition(".")[0], at_module)
             else:
                 for target in targets:
-                    watched = target.partition(".")[0]
-                    if watched in WATCHED_IMPORTS and module:
-                        self._importers.setdefault(watched, set()).add(module.partition(".")[0])
+                    for watched in WATCHED_IMPORTS:
+                        if module and (target == watched or target.startswith(watched + ".")):
+                            self._importers.setdefault(watched, set()).add(module.partition(".")[0])
                     self._note(self._modules, target, at_module)
                     self._note(self._names, target.rpartition(".")[2], at_module)
                     self._name(target, module)
@@ -357,9 +357,9 @@ class LoadSites:
         index[key] = bool(known) or at_module
 
     def importers_of(self, package: str) -> list[str]:
-        """The top-level packages (one of `WATCHED_IMPORTS`, itself left out) whose sources import
-        `package` anywhere, guarded or not, sorted."""
-        return sorted(self._importers.get(package, set()) - {package})
+        """The top-level packages (`package` is one of `WATCHED_IMPORTS`; its own top-level package is
+        left out) whose sources import it or a module below it anywhere, guarded or not, sorted."""
+        return sorted(self._importers.get(package, set()) - {package.partition(".")[0]})
 
     def state(self, extension_path: str) -> ImportState | None:
         """`required`, `optional` or None for the extension module at `extension_path` (see the module
