@@ -46,12 +46,11 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
-from placement.compiler_users import candidates
+from placement.compiler_users import candidates, named
 from scanner.layers.code_loading import release_parts
 from scanner.models import FlashInferFacts, PackageFacts
 
 GapKind = Literal["tool", "family", "arch"]
-MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 
 NO_NVCC = (
     "it finds no nvcc in the image ($CUDA_HOME, $CUDA_PATH, PATH or /usr/local/cuda) to compile them with"
@@ -220,9 +219,7 @@ def flashinfer_gap(flashinfer: FlashInferFacts | None, cc: CC) -> str | None:
         return None
     _, gap, remedy = found
     users = [user for user in flashinfer.users if user != "flashinfer"]
-    shown = ", ".join(users[:MAX_USERS_NAMED]) + (
-        f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
-    )
+    shown = named(users)
     what = f" ({shown} import{'s' if len(users) == 1 else ''} it)" if users else ""
     return f"{_name(flashinfer)}'s kernels: {gap}, so none of them builds here{what}" + (
         f"; {remedy}" if remedy else ""

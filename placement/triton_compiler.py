@@ -38,11 +38,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
-from placement.compiler_users import candidates
+from placement.compiler_users import candidates, named
 from scanner.layers.code_loading import release_of, release_parts
 from scanner.models import PackageFacts, TritonFacts
 
-MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 # Packages that compile Triton kernels on their default path, as their source says: from each version
 # on (ascending), why.
 # vLLM's V1 engine (the default from 0.8.0: `VLLM_USE_V1` defaults to 1 in its `envs.py`) sets
@@ -141,9 +140,7 @@ def compile_gap(triton: TritonFacts | None, cc: CC) -> str | None:
         return None
     gap, remedy = found
     users = [user for user in triton.users if user != "triton"]
-    shown = ", ".join(users[:MAX_USERS_NAMED]) + (
-        f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
-    )
+    shown = named(users)
     what = f"torch.compile, and the Triton kernels of {shown}" if users else "torch.compile"
     return f"{_name(triton)}'s kernels: {gap}, so nothing Triton compiles runs here ({what}); {remedy}"
 

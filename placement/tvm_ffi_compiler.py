@@ -19,13 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placement.compiler_releases import CC, compiles_for, release, releases_knowing
-from placement.compiler_users import candidates
+from placement.compiler_users import candidates, named
 from placement.flashinfer_compiler import ADD_CXX, NO_CXX, NO_NVCC
 from scanner.layers.code_loading import release_parts
 from scanner.models import PackageFacts, TvmFfiFacts
 
 ADD_NVCC = "a CUDA toolkit in the image (NVIDIA's devel images) gives it one"
-MAX_USERS_NAMED = 6  # packages named in a line, then how many more
 # Importers that build nothing through `load_inline`: tvm-ffi itself, and FlashInfer, which loads its
 # modules with tvm-ffi but builds them itself (`placement.flashinfer_compiler` judges those).
 OWN_BUILDERS = frozenset({"tvm_ffi", "flashinfer"})
@@ -89,8 +88,6 @@ def tvm_ffi_gap(tvm_ffi: TvmFfiFacts | None, cc: CC) -> str | None:
     users = [user for user in tvm_ffi.users if user not in OWN_BUILDERS]
     if not users:
         return None  # nothing in the image builds through it
-    shown = ", ".join(users[:MAX_USERS_NAMED]) + (
-        f" and {len(users) - MAX_USERS_NAMED} more" if len(users) > MAX_USERS_NAMED else ""
-    )
+    shown = named(users)
     what = f" ({shown} import{'s' if len(users) == 1 else ''} it)"
     return f"the kernels tvm-ffi builds: {gap}, so none of them builds here{what}; {remedy}"

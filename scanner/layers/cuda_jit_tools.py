@@ -46,7 +46,7 @@ def _home_nvcc(archs: GpuArchs, gpu: GpuFacts, default_home: bool) -> str | None
     for home in (tools.get("CUDA_HOME"), tools.get("CUDA_PATH")):
         if home:
             return posixpath.join(home, "bin", "nvcc")
-    if archs.c_compilers is None:  # names past a layer's read are unseen
+    if not _names_known(archs):
         return None
     for directory in gpu.executable_path:
         found = posixpath.join(directory, "nvcc")
@@ -70,7 +70,7 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     there is none; None where the image's names are not all known."""
     if gpu.flashinfer_env.get("CXX"):
         return gpu.flashinfer_env["CXX"]
-    if archs.c_compilers is None:
+    if archs.c_compilers is None:  # not `_names_known`: this spelling narrows the type
         return None
     carried = set(archs.c_compilers)
     for directory in gpu.executable_path:
@@ -127,4 +127,10 @@ def _in_own_toolkit(archs: GpuArchs, path: str) -> bool:
     """Whether `path` lies below a toolkit root the image has (`/usr/local/cuda/bin/nvcc`), all its names
     known: what is not there is not there."""
     home = posixpath.dirname(posixpath.dirname(path))
-    return archs.c_compilers is not None and home in archs.toolkit_roots
+    return _names_known(archs) and home in archs.toolkit_roots
+
+
+def _names_known(archs: GpuArchs) -> bool:
+    """Whether every layer was read whole, so a name the image lacks is absent, not unseen (the scan nulls
+    `GpuArchs.c_compilers` where one was not)."""
+    return archs.c_compilers is not None
