@@ -90,6 +90,7 @@ from typing import Literal
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.nvidia_require import compare_version
+from placement.torch_extension_compiler import torch_extension_refusal
 from placement.triton_compiler import compile_gap, compile_refusal
 from placement.tvm_ffi_compiler import tvm_ffi_gap, tvm_ffi_refusal
 from scanner.facts.gpu import BUILD_OVERRIDE_VARIABLES
@@ -622,13 +623,16 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
 
 
 def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
-    """The kernels Triton, FlashInfer and tvm-ffi build on `cc` (`placement.triton_compiler`,
-    `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`): for each, a reason where a package needs them on its default path
-    and they cannot be built here, else a line of what the image runs without."""
+    """The kernels Triton, FlashInfer, tvm-ffi and torch's `cpp_extension` build on `cc`
+    (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`,
+    `placement.torch_extension_compiler`): for each, a reason where a package needs them on its default
+    path (torch's: at its import) and they cannot be built here, else a line of what the image runs without."""
+    torch = archs.torch_extensions
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
         (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
+        (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
     )
     for refusal, gap in judges:
         if refusal is not None:

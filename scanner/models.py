@@ -261,6 +261,39 @@ class TvmFfiFacts(NvccBuilder):
     `nvcc` at first use, for the GPU at hand (SGLang's own kernels: `placement.tvm_ffi_compiler`)."""
 
 
+class TorchExtensionFacts(NvccBuilder):
+    """Torch's `cpp_extension` as the image carries it, where packages build a CUDA extension with it when
+    they are imported (`users`: ExLlamaV2 and ExLlamaV3 as PyPI serves them): the build runs ninja, `nvcc`
+    and a C++ compiler for the GPU at hand, and the package does not import without it
+    (`placement.torch_extension_compiler`). `version` is torch's."""
+
+    prebuilt: list[str] = Field(
+        default_factory=list,
+        description="built extensions the image carries that builders import first, which spares their"
+        " build (`exllamav2_ext.cpython-311-x86_64-linux-gnu.so`, from ExLlamaV2's own wheels)",
+    )
+    ninja_carried: list[str] | None = Field(
+        default_factory=list,
+        description="files and links named `ninja` the image carries; null where its names are not all known",
+    )
+    ninja: str | None = Field(
+        default=None,
+        description='the `ninja` on the config\'s PATH that torch runs; "" where there is none; null where unknown',
+    )
+    arch_list: str | None = Field(
+        default=None,
+        description="the config's `TORCH_CUDA_ARCH_LIST`: the architectures torch builds for, in place of the GPU's",
+    )
+    python_include: str | None = Field(
+        default=None, description="the include directory of the interpreter torch is installed for"
+    )
+    python_header: str | None = Field(
+        default=None,
+        description='that directory\'s `Python.h`, which every build includes; "" where the image lacks it;'
+        " null where unknown",
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -328,6 +361,11 @@ class GpuArchs(BaseModel):
     tvm_ffi: TvmFfiFacts | None = Field(
         default=None,
         description="apache-tvm-ffi, where the image carries it: what it compiles its users' kernels with",
+    )
+    torch_extensions: TorchExtensionFacts | None = Field(
+        default=None,
+        description="torch's `cpp_extension`, where packages of the image build a CUDA extension with it when"
+        " imported (ExLlamaV2 from PyPI): what it builds with",
     )
 
 
@@ -410,9 +448,10 @@ class GpuFacts(BaseModel):
     )
     flashinfer_env: dict[str, str] = Field(
         default_factory=dict,
-        description="the config's variables that decide the kernels FlashInfer and tvm-ffi build (`CUDA_HOME`,"
-        " `CUDA_PATH`, `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and"
-        " `VLLM_ATTENTION_BACKEND`) -> their values",
+        description="the config's variables that decide the kernels FlashInfer, tvm-ffi and torch's"
+        " `cpp_extension` build (`CUDA_HOME`, `CUDA_PATH`, `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`,"
+        " `TORCH_CUDA_ARCH_LIST`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and `VLLM_ATTENTION_BACKEND`) -> their"
+        " values",
     )
     inferred: InferredCuda | None = Field(
         default=None,

@@ -174,6 +174,16 @@ TVM_FFI = _wheel(
     "apache_tvm_ffi-0.1.9-cp310-cp310-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
     "7f6bc8846d570b8ce38692fc91b530b44cd6ae092c805a844da23970e81b12c0",
 )
+EXLLAMAV2 = _wheel(  # CUDA sources, no built extension: it builds one with torch when imported
+    "exllamav2",
+    "exllamav2-0.3.2-py3-none-any.whl",
+    "7cd61ae4bf1d8d12034595ab9731f0f43bac415d6394fbb273d4383293d6079e",
+)
+EXLLAMAV3 = _wheel(
+    "exllamav3",
+    "exllamav3-1.6.5-py3-none-any.whl",
+    "550c0d04c755f249840e5c1edc26b0e80c7342c33b5d99ad17479abb407e8ded",
+)
 MAMBA_SSM = _wheel(  # no wheel on PyPI: its source distribution, as a build from source installs it
     "mamba-ssm",
     "mamba_ssm-2.3.1.tar.gz",

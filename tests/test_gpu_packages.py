@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.hostile_gpu_code import smallest_gpu_library
 from fixtures.oci import ImageSpec, LayerSpec, fake_elf, file, symlink
 from fixtures.registry import LocalRegistry
 from placement import gpu_code
@@ -65,6 +66,8 @@ from tests.gpu_packages import (
     CUDA12,
     CUDA13,
     CUDA13_NVCC,
+    EXLLAMAV2,
+    EXLLAMAV3,
     FLASHINFER,
     FLASHINFER_041,
     FLASHINFER_050,
@@ -1478,3 +1481,123 @@ async def test_the_ptxas_a_config_variable_names_reaches_the_report(
     assert not any("Triton" in line for line in warnings[1] + warnings[2])
     assert any("finds no C compiler in the image" in line for line in warnings[3])
     assert any(f"it finds no C header of its Python in the image ({header})" in line for line in warnings[4])
+
+
+def test_exllama_builds_its_extension_with_torch_when_imported() -> None:
+    """The ground of `placement.torch_extension_compiler`: ExLlamaV2 0.3.2 and ExLlamaV3 1.6.5 as PyPI
+    serves them carry CUDA sources and no built extension; their tops import `ext.py` at module level
+    (through `model.py` and the modules that use the extension), which calls torch's `cpp_extension.load`
+    at module level unless the extension their own release wheels build imports first. Torch 2.14.0's
+    `load` checks for ninja on PATH, runs `bin/nvcc` below the CUDA home `_find_cuda_home` finds, links
+    with `$CXX`, else `c++`, and builds for the visible GPUs' architectures capped at torch's newest, as
+    both packages also set `TORCH_CUDA_ARCH_LIST`."""
+    for wheel, top in ((EXLLAMAV2, "exllamav2"), (EXLLAMAV3, "exllamav3")):
+        files = member_files(wheel, lambda name: name.endswith((".py", ".dist-info/RECORD")))
+        assert not any(
+            ".so" in line
+            for line in next(p for n, p in files.items() if n.endswith("RECORD")).read_text().splitlines()
+        )
+        sites = LoadSites()
+        for name, path in files.items():
+            if name.endswith(".py"):
+                sites.add_source(f"{SITE}/{name}", path.read_bytes())
+        builds = sites.torch_builders()
+        assert list(builds) == [top] and f"{top}_ext" in builds[top], (top, builds)
+        ext = files[f"{top}/ext.py"].read_text()
+        assert "from torch.utils.cpp_extension import load" in ext
+        assert (
+            'os.environ["TORCH_CUDA_ARCH_LIST"]'
+            in files[f"{top}/ext.py" if top == "exllamav2" else f"{top}/util/arch_list.py"].read_text()
+        )
+    name = "torch/utils/cpp_extension.py"
+    source = member_files(TORCH_214, lambda member: member == name)[name]
+    text = source.read_text()
+    assert "subprocess.check_output(['ninja', '--version'])" in text
+    find = _function_source(source, "_find_cuda_home")
+    steps = (
+        "'CUDA_HOME'",
+        "'CUDA_PATH'",
+        'shutil.which("nvcc")',
+        "os.path.dirname(os.path.dirname(nvcc_path))",
+        "'/usr/local/cuda'",
+    )
+    assert [find.index(step) for step in steps] == sorted(find.index(step) for step in steps)
+    assert "_join_cuda_home('bin', 'nvcc')" in text and "os.environ.get('CXX', 'c++')" in text
+    assert "capability = min(max_supported_sm, capability)" in _function_source(
+        source, "_get_cuda_arch_flags"
+    )
+
+
+async def test_exllama_is_refused_where_torch_cannot_build_its_extension(
+    registry: LocalRegistry, push: Pusher, tmp_path: Path
+) -> None:
+    """ExLlamaV2 0.3.2's sources and RECORD, with torch 2.14.0's RECORD, PyPI's `ninja` script (a dependency
+    of ExLlamaV2) and the interpreter's `Python.h` (stand-ins: the names decide), and a PTX module standing
+    in for torch's GPU code, pushed with skopeo three ways: over NVIDIA's runtime layout (no nvcc), over
+    its devel layout (CUDA 13.0's real nvcc behind the same links, on PATH, with a C++ compiler), and with
+    the extension built by ExLlamaV2's release wheels beside it (a stand-in library of that name). The
+    scan finds who builds and the tools torch finds; the image is refused on every GPU without nvcc, on a
+    V100 with CUDA 13.0's (it does not know sm_70), and nowhere when the built extension is there."""
+    python = _site_layer(
+        [
+            member_files(EXLLAMAV2, lambda name: name.endswith((".py", ".dist-info/RECORD"))),
+            member_files(TORCH_214, lambda name: name.endswith(".dist-info/RECORD")),
+        ]
+    )
+    tools = LayerSpec(
+        [
+            file("/usr/local/bin/ninja", b"#!/usr/local/bin/python\nfrom ninja import ninja\n", 0o755),
+            file("/usr/local/include/python3.11/Python.h", b"#include <patchlevel.h>\n"),
+            file("/opt/torch-code/kernels.ptx", b".version 8.7\n.target sm_75\n.address_size 64\n"),
+        ]
+    )
+    home = [
+        symlink("/usr/local/cuda", "/etc/alternatives/cuda"),
+        symlink("/etc/alternatives/cuda", "/usr/local/cuda-13.0"),
+    ]
+    runtime = LayerSpec([*home, file("/usr/local/cuda-13.0/lib64/libcudart.so.13", fake_elf(None))])
+    devel = LayerSpec(
+        [
+            *home,
+            file("/usr/local/cuda-13.0/bin/nvcc", nvcc().read_bytes(), 0o755),
+            symlink("/usr/bin/c++", "/etc/alternatives/c++"),
+        ]
+    )
+    built = LayerSpec([file(f"{SITE}/exllamav2_ext.cpython-311-x86_64-linux-gnu.so", smallest_gpu_library())])
+    path = {"PATH": "/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    push(ImageSpec([tools, runtime, python], env=path), "pkg/exllama:runtime")
+    push(ImageSpec([tools, devel, python], env=path), "pkg/exllama:devel")
+    push(ImageSpec([built, tools, runtime, python], env=path), "pkg/exllama:built")
+    reports = await _scan_all(
+        tmp_path, [f"{registry.host}/pkg/exllama:{tag}" for tag in ("runtime", "devel", "built")]
+    )
+    facts = []
+    for report in reports:
+        assert report.error is None, report.error
+        archs = report.platforms[0].gpu.archs
+        assert archs is not None and archs.torch_extensions is not None
+        facts.append(archs.torch_extensions)
+    runtime_facts, devel_facts, built_facts = facts
+    assert (runtime_facts.users, runtime_facts.user_versions) == (["exllamav2"], {"exllamav2": "0.3.2"})
+    assert (runtime_facts.nvcc, runtime_facts.ninja) == ("", "/usr/local/bin/ninja")
+    assert runtime_facts.python_header == "/usr/local/include/python3.11/Python.h"
+    assert (devel_facts.nvcc, devel_facts.nvcc_release, devel_facts.cxx) == (
+        "/usr/local/cuda/bin/nvcc",
+        "13.0",
+        "/usr/bin/c++",
+    )
+    assert built_facts.users == [] and built_facts.prebuilt == [
+        f"{SITE}/exllamav2_ext.cpython-311-x86_64-linux-gnu.so"
+    ]
+    builds = "exllamav2 0.3.2 builds its CUDA extension with torch's cpp_extension when imported, and here "
+    for cc in ((8, 0), (9, 0), (12, 1)):  # the stand-in built extension has PTX compute_80
+        refused = gpu_code.judge(reports[0].platforms[0].gpu.archs, cc).reasons  # type: ignore[arg-type]
+        assert refused == [
+            f"compute capability {cc[0]}.{cc[1]}: {builds}it finds no nvcc in the image ($CUDA_HOME, $CUDA_PATH, PATH or /usr/local/cuda) to compile with; a CUDA toolkit in the image (NVIDIA's devel images) gives it one, or the package's own built extension"
+        ]
+        assert gpu_code.judge(reports[1].platforms[0].gpu.archs, cc).runs, cc  # type: ignore[arg-type]
+        assert gpu_code.judge(reports[2].platforms[0].gpu.archs, cc).runs, cc  # type: ignore[arg-type]
+    volta = gpu_code.judge(reports[1].platforms[0].gpu.archs, (7, 0)).reasons  # type: ignore[arg-type]
+    assert [r for r in volta if builds in r] == [
+        f"compute capability 7.0: {builds}its nvcc (CUDA 13.0) does not know sm_70; CUDA_HOME can name a toolkit whose nvcc knows it (CUDA 12 or earlier)"
+    ]

@@ -183,7 +183,8 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
 
 # Variables of an image's config that decide FlashInfer's kernels: the tools it compiles them with
 # (`jit/cpp_ext.py`: its CUDA home, its `nvcc` (`PYTORCH_NVCC` before 0.4), its C++ compiler), and whether
-# vLLM calls them by default (its sampler, its attention backend: `envs.py`).
+# vLLM calls them by default (its sampler, its attention backend: `envs.py`); the same home and C++ compiler
+# serve tvm-ffi and torch's `cpp_extension`, whose builds target `TORCH_CUDA_ARCH_LIST` where it is set.
 FLASHINFER_VARIABLES = (
     "CUDA_HOME",
     "CUDA_PATH",
@@ -192,6 +193,7 @@ FLASHINFER_VARIABLES = (
     "CXX",
     "VLLM_USE_FLASHINFER_SAMPLER",
     "VLLM_ATTENTION_BACKEND",
+    "TORCH_CUDA_ARCH_LIST",
 )
 
 

@@ -80,6 +80,7 @@ from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signat
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.ptxas import ReleaseReader, is_nvcc, is_ptxas
+from scanner.layers.python_builds import MAX_CLAUSE_SCAN_BYTES
 from scanner.layers.python_headers import (
     PYVENV_BYTES,
     include_dir,
@@ -87,7 +88,13 @@ from scanner.layers.python_headers import (
     is_venv_config,
     venv_home,
 )
-from scanner.layers.python_loads import MAX_SOURCE_BYTES, PYTHON_TREES, LoadSites, extension_name
+from scanner.layers.python_loads import (
+    MAX_SOURCE_BYTES,
+    PYTHON_TREES,
+    LoadSites,
+    dotted_module,
+    extension_name,
+)
 from scanner.layers.tarstream import TarEntry
 from scanner.layers.whiteouts import WhiteoutIndex, whiteout_target
 from scanner.models import (
@@ -99,11 +106,12 @@ from scanner.models import (
     GpuFacts,
     ImportState,
     InferredCuda,
+    TorchExtensionFacts,
     TritonFacts,
     TvmFfiFacts,
 )
 
-CUDA_EVIDENCE_SCHEMA = 16  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 17  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -118,7 +126,8 @@ CUDA_EVIDENCE_SCHEMA = 16  # 2: containers carry their section; 3: and whether t
 # 15: the links a toolkit's `ptxas` is reached by (`/usr/local/cuda -> /etc/alternatives/cuda`), and
 #     the C compilers Triton looks for;
 # 16: each `nvcc`'s CUDA release, the `c++` FlashInfer links with, the packages that import FlashInfer,
-#     and the Python headers and virtual environments (where Triton's launcher finds `Python.h`)
+#     and the Python headers and virtual environments (where Triton's launcher finds `Python.h`);
+# 17: the packages that build a CUDA extension with torch's `cpp_extension` when imported, and `ninja`
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -138,10 +147,13 @@ MAX_NVCC_PER_LAYER = 64  # files named `nvcc` read for their release (a toolkit:
 MAX_PYTHON_HEADERS_PER_LAYER = 64  # files named `Python.h` (one per interpreter with its headers)
 MAX_VENVS_PER_LAYER = 64  # virtual environments' `pyvenv.cfg` read for their base interpreter
 MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc`, `clang` or `c++` (Debian's g++: 2)
+MAX_NINJA_PER_LAYER = 64  # files and links named `ninja` (PyPI's ninja: 2, Debian's ninja-build: 1)
 # What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
 C_COMPILERS = ("gcc", "clang")
 # What FlashInfer links its kernels with where `$CXX` is unset (`jit/cpp_ext.py`, 0.2.6 to 0.7.4).
 CXX_COMPILER = "c++"
+# What torch's `cpp_extension` runs to build an extension (`verify_ninja_availability`: `ninja` on PATH).
+NINJA = "ninja"
 # Triton's driver module as its cache keeps it once built (`~/.triton/cache/<hash>/cuda_utils.*.so`): from
 # 3.7 on the only thing Triton builds with a C compiler (3.0 to 3.6 also build a launcher per kernel).
 _TRITON_UTILS = re.compile(r"^cuda_utils\.[^/]*\.so$")
@@ -232,6 +244,16 @@ class CudaLayerEvidence(BaseModel):
         default_factory=list,
         description="files and links named `gcc` or `clang` (the C compilers Triton looks for) or `c++` (the"
         " C++ compiler FlashInfer links with)",
+    )
+    ninja: list[str] = Field(
+        default_factory=list,
+        description="files and links named `ninja` (what torch's `cpp_extension` builds extensions with)",
+    )
+    torch_builds: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="top-level Python packages that build a CUDA extension with torch's `cpp_extension` when"
+        " they are imported -> the modules the building file imports (the built extension among them spares"
+        " the build: `scanner.layers.python_builds`)",
     )
     triton_utils: list[str] = Field(
         default_factory=list,
@@ -493,6 +515,8 @@ class CudaLayerCollector:
         name = posixpath.basename(path)
         if entry.kind in ("file", "symlink", "hardlink") and (name in C_COMPILERS or name == CXX_COMPILER):
             self._keep_name(self.evidence.c_compilers, path)
+        if entry.kind in ("file", "symlink", "hardlink") and name == NINJA:
+            self._keep_name(self.evidence.ninja, path, MAX_NINJA_PER_LAYER, "MAX_NINJA_PER_LAYER")
         if entry.kind == "file" and _TRITON_UTILS.match(name):
             self._keep_name(self.evidence.triton_utils, path)
         if entry.kind in ("file", "symlink", "hardlink") and is_python_header(path):
@@ -600,6 +624,7 @@ class CudaLayerCollector:
         self.evidence.triton_users = self._loads.importers_of("triton")
         self.evidence.flashinfer_users = self._loads.importers_of("flashinfer")
         self.evidence.tvm_ffi_users = self._loads.importers_of("tvm_ffi.cpp")
+        self.evidence.torch_builds = self._loads.torch_builders()
         if self._loads.truncated_by is not None:
             self._bound_reached(self._loads.truncated_by)
         if self._work is not None and self._work.exceeded is not None:
@@ -784,6 +809,8 @@ class _Merged:
     tvm_ffi_users: set[str] = field(default_factory=set)
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
+    ninja: set[str] = field(default_factory=set)
+    torch_builds: dict[str, set[str]] = field(default_factory=dict)
     triton_utils: set[str] = field(default_factory=set)
     python_headers: set[str] = field(default_factory=set)
     venv_homes: dict[str, str] = field(default_factory=dict)
@@ -815,6 +842,9 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         merged.nvcc.update((p, r) for p, r in layer.nvcc.items() if visible(p))
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
+        merged.ninja.update(p for p in layer.ninja if not hides.hidden_above(p, index))
+        for top, imports in layer.torch_builds.items():
+            merged.torch_builds.setdefault(top, set()).update(imports)
         merged.triton_utils.update(p for p in layer.triton_utils if not hides.hidden_above(p, index))
         merged.python_headers.update(p for p in layer.python_headers if not hides.hidden_above(p, index))
         for root, home in layer.venv_homes.items():
@@ -954,7 +984,10 @@ def combine(
     )
     if archs is not None and not complete:  # a name past a layer's read is unseen: no compiler is not known
         triton = archs.triton.model_copy(update={"python_header": None}) if archs.triton else None
-        archs = archs.model_copy(update={"c_compilers": None, "triton": triton})
+        torch = archs.torch_extensions
+        if torch is not None:
+            torch = torch.model_copy(update={"python_header": None, "ninja_carried": None})
+        archs = archs.model_copy(update={"c_compilers": None, "triton": triton, "torch_extensions": torch})
     return inferred, archs
 
 
@@ -977,6 +1010,8 @@ def _bounds_text() -> dict[str, str]:
         "MAX_PATH_LOADS_PER_LAYER": f"{python_loads.MAX_PATH_LOADS_PER_LAYER:,} libraries loaded by path",
         "MAX_GLOBS_PER_LAYER": f"{python_loads.MAX_GLOBS_PER_LAYER:,} globs naming libraries",
         "MAX_LOAD_NAMES": f"{python_loads.MAX_LOAD_NAMES:,} names Python loads",
+        "MAX_NINJA_PER_LAYER": f"{MAX_NINJA_PER_LAYER:,} files named ninja",
+        "MAX_CLAUSE_SCAN_BYTES": f"{MAX_CLAUSE_SCAN_BYTES:,} bytes of Python read for the clauses of a try: around a build",
     }
 
 
@@ -1103,6 +1138,7 @@ def image_archs(
         toolkit_roots=sorted(p for p in merged.toolkit_links if _TOOLKIT_ROOT.match(posixpath.basename(p))),
         flashinfer=_flashinfer(merged),
         tvm_ffi=_tvm_ffi(merged),
+        torch_extensions=_torch_extensions(merged),
     )
 
 
@@ -1124,11 +1160,10 @@ def _triton(merged: _Merged, carried_ptxas: Mapping[str, str]) -> TritonFacts | 
         for path in own:
             paths.setdefault(posixpath.basename(path), path)
         users = sorted(merged.triton_users)
-        include = include_dir(posixpath.dirname(dist_info), merged.venv_homes)
-        header = posixpath.join(include, "Python.h") if include is not None else None
+        include, header = _python_header(merged, dist_info)
         return TritonFacts(
             version=distribution.version,
-            python_header=None if header is None else header if header in merged.python_headers else "",
+            python_header=header,
             python_include=include,
             ptxas={tool: carried_ptxas[path] for tool, path in paths.items()},
             paths=paths,
@@ -1178,6 +1213,44 @@ def _tvm_ffi(merged: _Merged) -> TvmFfiFacts | None:
         return None
     users = sorted(merged.tvm_ffi_users)
     return TvmFfiFacts(version=found[0].version, users=users, user_versions=_shippers(merged, users))
+
+
+def _python_header(merged: _Merged, dist_info: str) -> tuple[str | None, str | None]:
+    """The include directory of the interpreter whose site directory holds `dist_info`, and its `Python.h`
+    where the image carries it ("" where it does not; None where the interpreter is not known)."""
+    include = include_dir(posixpath.dirname(dist_info), merged.venv_homes)
+    if include is None:
+        return None, None
+    header = posixpath.join(include, "Python.h")
+    return include, header if header in merged.python_headers else ""
+
+
+def _torch_extensions(merged: _Merged) -> TorchExtensionFacts | None:
+    """Torch's facts where packages of the image build a CUDA extension with its `cpp_extension` when
+    imported: who builds (less those whose built extension the image carries, which they import first), and
+    what the build needs that the image's layers alone say (`Python.h`, the `ninja` files). The tools found
+    on the config's paths: `scanner.layers.cuda_jit_tools.with_jit_tools`."""
+    torch = [(path, d) for path, d in sorted(merged.distributions.items()) if d.name == "torch"]
+    if not merged.torch_builds or not torch:
+        return None
+    built = {dotted_module(path): path for path, _ in merged.elves if extension_name(path) is not None}
+    users, prebuilt = [], []
+    for top, imports in sorted(merged.torch_builds.items()):
+        carried = sorted(built[name] for name in imports if name in built)
+        if carried:
+            prebuilt.append(carried[0])
+        else:
+            users.append(top)
+    include, header = _python_header(merged, torch[0][0])
+    return TorchExtensionFacts(
+        version=torch[0][1].version,
+        users=users,
+        user_versions=_shippers(merged, users),
+        prebuilt=prebuilt,
+        ninja_carried=sorted(merged.ninja),
+        python_include=include,
+        python_header=header,
+    )
 
 
 def _shippers(merged: _Merged, users: Sequence[str]) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Which tools the libraries that compile CUDA at run time find in an image, as their own code finds them. Pure.
 
 FlashInfer (`flashinfer-python`) and apache-tvm-ffi (`tvm_ffi.cpp.load_inline`, with which SGLang builds
-its own kernels) ship CUDA sources: at the first call of a kernel module they write a ninja file, compile
-it with `nvcc` and link it with a C++ compiler (FlashInfer's `jit/cpp_ext.py`, 0.2.6 to 0.7.4; 0.2.0 to
+its own kernels) ship CUDA sources, and so do packages that build their extension with torch's
+`cpp_extension` when imported (ExLlamaV2): at the first call of a kernel module (at the import) they
+write a ninja file, compile it with `nvcc` and link it with a C++ compiler (FlashInfer's `jit/cpp_ext.py`, 0.2.6 to 0.7.4; 0.2.0 to
 0.2.5 through torch's `cpp_extension.load`, which finds them the same way; tvm-ffi's `cpp/extension.py`),
 unless the image carries the module built (`FlashInferFacts.prebuilt`). Where they find them (FlashInfer's
 `get_cuda_path`, tvm-ffi's and torch's `_find_cuda_home`):
@@ -10,7 +11,9 @@ unless the image carries the module built (`FlashInferFacts.prebuilt`). Where th
 * `nvcc`: FlashInfer's `$FLASHINFER_NVCC` (`$PYTORCH_NVCC` before 0.4), else `bin/nvcc` below the CUDA
   home: `$CUDA_HOME`, else `$CUDA_PATH`, else two directories above the `nvcc` on PATH, else
   `/usr/local/cuda` where it exists (FlashInfer 0.4.x looks nowhere else: "Could not find nvcc");
-* the C++ compiler: `$CXX`, else `c++` on PATH (every module is linked with it).
+* the C++ compiler: `$CXX`, else `c++` on PATH (every module is linked with it);
+* for torch's `cpp_extension`, `ninja` on PATH (`verify_ninja_availability`), and the architectures of
+  `$TORCH_CUDA_ARCH_LIST` where the config sets it.
 
 A path the image carries, directly or through its toolkit links (`/usr/local/cuda/bin/nvcc` in
 NVIDIA's `devel` images: `GpuArchs.nvcc_links`), gives that `nvcc`'s release; a path it does not carry
@@ -81,8 +84,9 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
 
 
 def with_jit_tools(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
-    """`archs` with the tools the image's config makes FlashInfer and tvm-ffi compile with (module docstring)."""
-    return _with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu)
+    """`archs` with the tools the image's config makes FlashInfer, tvm-ffi and torch's `cpp_extension`
+    compile with (module docstring)."""
+    return _with_torch_extension_config(_with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu), gpu)
 
 
 def _found(archs: GpuArchs, nvcc: str | None) -> str | None:
@@ -100,6 +104,36 @@ def _with_tvm_ffi_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
         update={"nvcc": nvcc, "nvcc_release": nvcc_release(archs, nvcc), "cxx": cxx_compiler(archs, gpu)}
     )
     return archs.model_copy(update={"tvm_ffi": facts})
+
+
+def _with_torch_extension_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
+    torch = archs.torch_extensions
+    if torch is None:
+        return archs
+    nvcc = _found(archs, _home_nvcc(archs, gpu, default_home=True))  # torch's `_find_cuda_home`
+    facts = torch.model_copy(
+        update={
+            "nvcc": nvcc,
+            "nvcc_release": nvcc_release(archs, nvcc),
+            "cxx": cxx_compiler(archs, gpu),
+            "ninja": ninja_path(torch.ninja_carried, gpu),
+            "arch_list": gpu.flashinfer_env.get("TORCH_CUDA_ARCH_LIST"),
+        }
+    )
+    return archs.model_copy(update={"torch_extensions": facts})
+
+
+def ninja_path(carried: list[str] | None, gpu: GpuFacts) -> str | None:
+    """The first `ninja` on the config's PATH among the `carried` ones; "" where there is none; None where
+    the image's names are not all known."""
+    if carried is None:
+        return None
+    names = set(carried)
+    for directory in gpu.executable_path:
+        path = posixpath.join(directory, "ninja")
+        if path in names:
+            return path
+    return ""
 
 
 def _with_flashinfer_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:

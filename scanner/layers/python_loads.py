@@ -47,6 +47,12 @@ package, when any module-level site does), `optional` when only guarded or lazy 
 that run on demand, do; None when none was found. A layer whose sources were not all read (a bound)
 answers by the sites alone: any module-level site needs the extension.
 
+`LoadSites.torch_builders()` names the top-level packages that build a CUDA extension with torch's
+`cpp_extension` when they are imported: a build call that runs with its module
+(`scanner.layers.python_builds`), in a module that importing the package's top runs (a stricter walk
+than the one above: a module nothing imports builds nothing, since a wrong build would refuse the
+image everywhere).
+
 The scan reads lines, it does not parse Python: one regular expression finds the statements,
 another the block headers (`try`, `def`, `with`, `if`, ...), and a stack of the open headers by
 indentation says what encloses each statement (a header-like line inside a triple-quoted string can
@@ -69,6 +75,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scanner.layers.python_builds import MAX_CLAUSE_SCAN_BYTES, build_calls, goes_on
 from scanner.models import ImportState
 
 Guard = Literal["module", "guarded", "lazy"]
@@ -109,6 +116,9 @@ _WORD = re.compile(r"[A-Za-z0-9_]+")  # a name in a scope's text: an extension's
 # (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`).
 WATCHED_IMPORTS = frozenset({"triton", "flashinfer", "tvm_ffi.cpp"})  # tvm-ffi's JIT, not its calls
 _HEADER = re.compile(rb"\n([ \t]*)(try|def|async|with|class|if|elif|else|for|while|except|finally)\b")
+# A site that is a call of torch's extension builder (`scanner.layers.python_builds`), among import sites
+_BUILD: list[str] = []
+MAX_BUILD_IMPORTS = 64  # the modules a building file imports, kept as the built extension it may try first
 
 
 def extension_name(path: str) -> str | None:
@@ -170,6 +180,9 @@ class LoadSites:
         default=None, repr=False
     )  # every package's words (`_all_words`)
     _importers: dict[str, set[str]] = field(default_factory=dict, repr=False)  # watched -> importing tops
+    # a module whose build call runs with it -> (its dotted name, the modules its file imports)
+    _builders: dict[int, tuple[str, list[str]]] = field(default_factory=dict, repr=False)
+    clause_bytes: int = 0  # bytes read looking for the clauses of `try:`s around build calls
 
     @property
     def truncated(self) -> bool:
@@ -198,6 +211,10 @@ class LoadSites:
                 if not content.startswith(b"#") and not _DEFINITION.fullmatch(content):
                     found.append((line, at - line - 1 - len(content), None))
                 at = text.find(call, at + 1)
+        imports: list[str] = []  # what the file imports, where it imports torch's builder
+        if module and any("cpp_extension" in name for _, _, targets in found if targets for name in targets):
+            imports = sorted({name for _, _, targets in found if targets for name in targets})
+            found += [(at, indent, _BUILD) for at, indent in build_calls(text, set(imports))]
         by_path = sum(1 for site in found if site[2] is None)
         sites = (
             sum(1 if targets is None else len(targets) for _, _, targets in found) + len(named) + len(made)
@@ -253,7 +270,10 @@ class LoadSites:
             while stack and stack[-1][0] >= indent:
                 stack.pop()
             at_module = not stack or stack[-1][1] == "module"
-            if targets is None:  # a library loaded by path: the names in its scope stand for it
+            if targets is _BUILD:
+                if self._build_runs(text, stack, at):
+                    self._builders[source] = (module, imports[:MAX_BUILD_IMPORTS])
+            elif targets is None:  # a library loaded by path: the names in its scope stand for it
                 end = text.find(b"\n", at + 1)
                 end = end if end >= 0 else len(text)
                 scope = text[max(_scope_start(stack, at), end - MAX_BLOCK_TEXT) : end]
@@ -272,6 +292,24 @@ class LoadSites:
             self.truncated_by = "MAX_BLOCK_HEADERS"
         elif self.names_kept > MAX_LOAD_NAMES:
             self.truncated_by = "MAX_LOAD_NAMES"
+
+    def _build_runs(self, text: bytes, stack: list[tuple[int, Guard, int, bool]], at: int) -> bool:
+        """Whether the build call on the line after offset `at`, inside the blocks `stack`, runs when its
+        module does (`scanner.layers.python_builds`)."""
+        for depth, _, offset, function in stack:
+            head = offset + 1 + depth
+            if function or (
+                text.startswith(b"with", head) and b"suppress" in text[head : text.find(b"\n", head)]
+            ):
+                return False
+            if text.startswith(b"try", head):
+                caught, read = goes_on(text, depth, at, MAX_CLAUSE_SCAN_BYTES - self.clause_bytes)
+                self.clause_bytes += read
+                if caught is None:
+                    self.truncated_by = "MAX_CLAUSE_SCAN_BYTES"
+                if caught is not False:
+                    return False
+        return True
 
     def _add_scope(self, scope: str, top: str, at_module: bool) -> None:
         words = self._words.setdefault(top, {})
@@ -329,14 +367,19 @@ class LoadSites:
                 if node in self._by_name
                 or (node not in self._named and parent.get(node, -1) not in on_demand)
             }
-            waiting = list(runs)
-            while waiting:
-                for target in self._edges.get(waiting.pop(), ()):
-                    if target not in runs:
-                        runs.add(target)
-                        waiting.append(target)
-            self._runs = runs
+            self._runs = self._reach(runs)
         return self._runs
+
+    def _reach(self, roots: set[int]) -> set[int]:
+        """`roots` and everything they reach over unguarded module-level imports."""
+        reached = set(roots)
+        waiting = list(reached)
+        while waiting:
+            for target in self._edges.get(waiting.pop(), ()):
+                if target not in reached:
+                    reached.add(target)
+                    waiting.append(target)
+        return reached
 
     def _all_words(self) -> dict[str, bool]:
         """Every package's by-path words in one index, merged once per layer read (files outside a
@@ -355,6 +398,27 @@ class LoadSites:
         if known is None:
             self.names_kept += 1
         index[key] = bool(known) or at_module
+
+    def _from_tops(self) -> set[int]:
+        """What importing the layer's top-level packages (and modules) runs: everything reached over
+        unguarded module-level imports from them."""
+        return self._reach({node for node in self._read if node not in self._parent})
+
+    def torch_builders(self) -> dict[str, list[str]]:
+        """The top-level packages that build a CUDA extension with torch's `cpp_extension` when they are
+        imported -> the modules the building files import (the built extension, where the image carries
+        it, spares the build). A build counts where its call runs with its module
+        (`scanner.layers.python_builds`) and importing its top-level package runs that module; a module
+        nothing imports (a test, a benchmark) builds nothing. Empty where the layer's sources were not all
+        read: nothing is claimed."""
+        if self.truncated or not self._builders:
+            return {}
+        reached = self._from_tops()
+        found: dict[str, set[str]] = {}
+        for node, (module, imports) in self._builders.items():
+            if node in reached:
+                found.setdefault(module.partition(".")[0], set()).update(imports)
+        return {top: sorted(imports) for top, imports in sorted(found.items())}
 
     def importers_of(self, package: str) -> list[str]:
         """The top-level packages (`package` is one of `WATCHED_IMPORTS`; its own top-level package is
