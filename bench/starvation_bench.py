@@ -38,8 +38,8 @@ from fixtures.loopback_http import serve_on_free_port
 from fixtures.oci import push_many
 from fixtures.registry import LocalRegistry, run_registry
 from fixtures.service import run_service_inprocess
+from jobs import runtime as job_runtime
 from scanner.registry.client import RegistryClient
-from web import app as web_app
 from web.settings import ServiceSettings
 
 SECTION = "starvation"
@@ -139,13 +139,14 @@ async def measure(
         workers=8,
         drain_seconds=0.5,
         analysis_processes=0,
+        worker_processes=0,  # scans in this process, where the peer's client stands in for the runtime's
         **overrides,
     )
     seconds: list[float] = []
     unfinished = 0
-    built = web_app.RegistryClient
+    built = job_runtime.RegistryClient
     if peer:  # main's workers slept on a Retry-After (up to retry_after_max, 60 s) inside the worker
-        web_app.RegistryClient = SleepingClient  # type: ignore[misc]
+        job_runtime.RegistryClient = SleepingClient  # type: ignore[misc]
     try:
         async with run_service_inprocess(settings) as service, aiohttp.ClientSession() as session:
             for repo in slow_repos:
@@ -170,7 +171,7 @@ async def measure(
                 seconds.append(deadline if took is None else took)
                 unfinished += took is None
     finally:
-        web_app.RegistryClient = built  # type: ignore[misc]
+        job_runtime.RegistryClient = built  # type: ignore[misc]
         await slow.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return Outcome(seconds, unfinished)
