@@ -318,10 +318,8 @@ def list_images(
     if query:  # its own name, digest and distro, or any other name a tag gives it
         columns = ["r.repository", "r.reference", "r.digest", "coalesce(r.distro, '')"]
         named = dialect.search(["t.registry", "t.repository", "t.tag"], "q")
-        where.append(
-            f"({dialect.search(columns, 'q')} OR r.digest IN"
-            f" (SELECT t.digest FROM tags t WHERE t.gone_at IS NULL AND {named}))"
-        )
+        tagged = f"SELECT t.digest FROM tags t WHERE t.gone_at IS NULL AND {named}"
+        where.append(f"({dialect.search(columns, 'q')} OR {dialect.in_rows('r.digest', tagged)})")
         escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         params["q"] = f"%{escaped}%"
     clause = f"WHERE {' AND '.join(where)}" if where else ""
