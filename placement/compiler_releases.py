@@ -55,3 +55,11 @@ def releases_knowing(cuda: Release, cc: CC) -> str | None:
         return None
     since = f"{first[0]}.{first[1]}"
     return f"CUDA {since} to {last[0]}.{last[1]}" if last else f"CUDA {since} or later"
+
+
+def toolkit_remedy(cuda: Release, cc: CC) -> str:
+    """What gives a build through `$CUDA_HOME` an `nvcc` that knows `cc`, where the one of release `cuda` does not."""
+    releases = releases_knowing(cuda, cc)
+    return "CUDA_HOME can name " + (
+        f"a toolkit whose nvcc knows it ({releases})" if releases else "a newer toolkit"
+    )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from placement.compiler_releases import CC, compiles_for, release, releases_knowing
+from placement.compiler_releases import CC, compiles_for, release, toolkit_remedy
 from placement.compiler_users import named
 from placement.flashinfer_compiler import ADD_CXX, NO_CXX
 from scanner.layers.fatbin import parse_arch
@@ -130,14 +130,8 @@ def _gap(facts: TorchExtensionFacts, cc: CC, newest: CC | None) -> tuple[str, st
     if cuda is not None:
         for built, specific, _ in targets:
             if not compiles_for(cuda, built):
-                releases = releases_knowing(cuda, built)
-                remedy = "CUDA_HOME can name " + (
-                    f"a toolkit whose nvcc knows it ({releases})" if releases else "a newer toolkit"
-                )
-                return (
-                    f"its nvcc (CUDA {cuda[0]}.{cuda[1]}) does not know {_arch_text(built, specific)}",
-                    remedy,
-                )
+                known = f"its nvcc (CUDA {cuda[0]}.{cuda[1]}) does not know {_arch_text(built, specific)}"
+                return known, toolkit_remedy(cuda, built)
     if facts.cxx == "":
         return NO_CXX, ADD_CXX
     if facts.python_header == "":

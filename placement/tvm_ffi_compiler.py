@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from placement.compiler_releases import CC, compiles_for, release, releases_knowing
+from placement.compiler_releases import CC, compiles_for, release, toolkit_remedy
 from placement.compiler_users import candidates, named
 from placement.flashinfer_compiler import ADD_CXX, NO_CXX, NO_NVCC
 from scanner.layers.code_loading import release_parts
@@ -49,12 +49,8 @@ def _gap(tvm_ffi: TvmFfiFacts | None, cc: CC) -> tuple[str, str] | None:
     cuda = release(tvm_ffi.nvcc_release or "")
     if cuda is None or compiles_for(cuda, cc):
         return None
-    releases = releases_knowing(cuda, cc)
     arch = f"sm_{cc[0] * 10 + cc[1]}{'a' if cc >= (9, 0) else ''}"
-    remedy = "CUDA_HOME can name " + (
-        f"a toolkit whose nvcc knows it ({releases})" if releases else "a newer toolkit"
-    )
-    return f"its nvcc (CUDA {cuda[0]}.{cuda[1]}) does not know {arch}", remedy
+    return f"its nvcc (CUDA {cuda[0]}.{cuda[1]}) does not know {arch}", toolkit_remedy(cuda, cc)
 
 
 def default_path_use(package: PackageFacts) -> str | None:

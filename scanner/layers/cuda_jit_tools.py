@@ -73,14 +73,7 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
     there is none; None where the image's names are not all known."""
     if gpu.flashinfer_env.get("CXX"):
         return gpu.flashinfer_env["CXX"]
-    if archs.c_compilers is None:  # not `_names_known`: this spelling narrows the type
-        return None
-    carried = set(archs.c_compilers)
-    for directory in gpu.executable_path:
-        path = posixpath.join(directory, "c++")
-        if path in carried:
-            return path
-    return ""
+    return on_path("c++", archs.c_compilers, gpu)
 
 
 def with_jit_tools(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
@@ -116,21 +109,21 @@ def _with_torch_extension_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
             "nvcc": nvcc,
             "nvcc_release": nvcc_release(archs, nvcc),
             "cxx": cxx_compiler(archs, gpu),
-            "ninja": ninja_path(torch.ninja_carried, gpu),
+            "ninja": on_path("ninja", torch.ninja_carried, gpu),
             "arch_list": gpu.flashinfer_env.get("TORCH_CUDA_ARCH_LIST"),
         }
     )
     return archs.model_copy(update={"torch_extensions": facts})
 
 
-def ninja_path(carried: list[str] | None, gpu: GpuFacts) -> str | None:
-    """The first `ninja` on the config's PATH among the `carried` ones; "" where there is none; None where
-    the image's names are not all known."""
+def on_path(name: str, carried: list[str] | None, gpu: GpuFacts) -> str | None:
+    """The first `name` on the config's PATH among the `carried` paths; "" where there is none; None where
+    the image's names are not all known (`carried` is None)."""
     if carried is None:
         return None
     names = set(carried)
     for directory in gpu.executable_path:
-        path = posixpath.join(directory, "ninja")
+        path = posixpath.join(directory, name)
         if path in names:
             return path
     return ""

@@ -258,10 +258,7 @@ class LoadSites:
                 if function:
                     inner = "lazy"
                 elif outer == "module" and (
-                    word == b"try"
-                    or (
-                        word == b"with" and b"suppress" in text[header.end() : text.find(b"\n", header.end())]
-                    )
+                    word == b"try" or (word == b"with" and _suppresses(text, header.end()))
                 ):
                     inner = "guarded"
                 stack.append((depth, inner, header.start(), function))
@@ -298,9 +295,7 @@ class LoadSites:
         module does (`scanner.layers.python_builds`)."""
         for depth, _, offset, function in stack:
             head = offset + 1 + depth
-            if function or (
-                text.startswith(b"with", head) and b"suppress" in text[head : text.find(b"\n", head)]
-            ):
+            if function or (text.startswith(b"with", head) and _suppresses(text, head)):
                 return False
             if text.startswith(b"try", head):
                 caught, read = goes_on(text, depth, at, MAX_CLAUSE_SCAN_BYTES - self.clause_bytes)
@@ -481,6 +476,11 @@ def _qualified_names(text: bytes, top: str) -> tuple[list[str], list[str]]:
                     made.append(match.group().decode())
             at = text.find(needle, at + 1)
     return named, made
+
+
+def _suppresses(text: bytes, at: int) -> bool:
+    """Whether the `with` header whose line goes on from `at` enters a `suppress(...)`."""
+    return b"suppress" in text[at : text.find(b"\n", at)]
 
 
 def _scope_start(stack: list[tuple[int, Guard, int, bool]], at: int) -> int:
