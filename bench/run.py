@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
+    cpu_split_bench,
     deep_bench,
     export_bench,
     fleet_bench,
@@ -54,6 +55,7 @@ SECTIONS = (
     "webhook",
     "registry",
     "burst",
+    "cpusplit",
     "hostile",
     "gpucode",
     "index",
@@ -260,6 +262,7 @@ def run_sections(results: Results, wanted: set[str], quick: bool) -> None:
         "webhook": webhook_cpu_bench.run_all,
         "registry": registry_request_bench.run_all,
         "burst": push_burst_bench.run_all,
+        "cpusplit": cpu_split_bench.run_all,
         "hostile": hostile_bench.run_all,
         "gpucode": gpu_code_bench.run_all,
         "index": index_bench.run_all,
