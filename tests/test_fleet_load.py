@@ -55,8 +55,12 @@ def test_heartbeats_are_cheap_and_write_no_inventory(figures: dict[str, object])
     # everything the service spent while the fleet beat, divided by the heartbeats. The 0.4 ms target
     # is the bench's, at 10,000 agents (0.22-0.28 ms, bench/RESULTS.md). This 500-agent run measured
     # 0.415 ms once, on a VM whose idle-thread wake-ups cost 120-190 us that hour (35-60 us an hour
-    # earlier, when it stayed under 0.4). Rewriting inventories per heartbeat, what this guards, cost 1.1 ms.
-    assert float(str(figures["cpu_ms_per_heartbeat"])) <= 0.5, figures["lines"]
+    # earlier, when it stayed under 0.4). Rewriting inventories per heartbeat, what this guards, cost 1.1 ms,
+    # against a poll renewal's 0.41 ms. On 2026-12-01 the same VM ran 2-3x slower for hours: a heartbeat
+    # measured 0.25-0.58 ms and a renewal 0.54-1.26 ms. So the bound is 0.5 ms, or, on a host that slow,
+    # what renewing a held poll (the cheapest request an agent makes) cost in the same run.
+    per_heartbeat = float(str(figures["cpu_ms_per_heartbeat"]))
+    assert per_heartbeat <= max(0.5, float(str(figures["cpu_ms_per_poll"]))), figures["lines"]
     assert float(str(figures["heartbeats_per_second"])) >= 0.8 * AGENTS / HEARTBEAT, figures["lines"]
 
 
