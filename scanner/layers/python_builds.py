@@ -46,15 +46,25 @@ def build_calls(text: bytes, imported: set[str]) -> list[tuple[int, int]]:
     import statements bind (`torch.utils.cpp_extension.load` for `from torch.utils.cpp_extension import load`)."""
     bare = {name.rpartition(".")[2].encode() for name in BUILDERS if name in imported}
     calls: list[tuple[int, int]] = []
+    # Each line is looked at once, and a newline is looked for only since the last call: a line of
+    # many calls (in a comment, past the bound's count) costs its length, not its length per call.
+    line, searched, indent, comment = -1, 0, 0, False
     for match in _BUILD_CALL.finditer(text):
         if match.group(1) is None and match.group(2) not in bare:
             continue
-        line = text.rfind(b"\n", 0, match.start())
-        before = text[line + 1 : match.start()]
-        content = before.lstrip(b" \t")
-        if content.startswith(b"#") or _DEFINITION.fullmatch(content):
+        newline = text.rfind(b"\n", searched, match.start())
+        first_on_line = newline >= 0 or searched == 0
+        searched = match.start() + 1  # a call may span a backslash's line break
+        if first_on_line:
+            line = newline
+            before = text[line + 1 : match.start()]
+            content = before.lstrip(b" \t")
+            indent, comment = len(before) - len(content), content.startswith(b"#")
+            if _DEFINITION.fullmatch(content):
+                continue  # only a line's first call can follow `def`
+        if comment:
             continue
-        calls.append((line, len(before) - len(content)))
+        calls.append((line, indent))
         if len(calls) >= MAX_BUILD_CALLS_PER_FILE:
             break
     return calls
