@@ -93,6 +93,7 @@ def build_parser(*, require_command: bool = True) -> argparse.ArgumentParser:
 
 def scan_parser() -> argparse.ArgumentParser:
     from gpubadge.stores import default_db
+    from scanner.settings import sqlite_file_argument
 
     scan = argparse.ArgumentParser(
         prog="gpubadge scan",
@@ -117,7 +118,7 @@ def scan_parser() -> argparse.ArgumentParser:
     )
     scan.add_argument(
         "--db",
-        type=Path,
+        type=sqlite_file_argument,
         default=None,
         help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {default_db()})",
     )
@@ -287,7 +288,11 @@ def run_scan(args: argparse.Namespace) -> int:
         from gpubadge.stores import store_location
         from store import StoreUnavailable, open_store
 
-        db_path, database_url = store_location(args.db)
+        try:
+            db_path, database_url = store_location(args.db)
+        except ValueError as exc:
+            print(f"gpubadge scan: invalid settings: {exc}", file=sys.stderr)
+            return 2
         try:
             store = open_store(db_path, database_url=database_url)
         except StoreUnavailable as exc:

@@ -51,6 +51,7 @@ def _batch(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from gpubadge.stores import default_db
+    from scanner.settings import sqlite_file_argument
 
     parser = argparse.ArgumentParser(
         prog="gpubadge export", description="Export every stored report for SQL and Datasette."
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sqlite.add_argument("out", type=Path, metavar="OUT", help="the SQLite file to write or update")
     sqlite.add_argument(
         "--db",
-        type=Path,
+        type=sqlite_file_argument,
         default=None,
         help=f"SQLite store (default $GPUBADGE_DATABASE_URL's PostgreSQL, else $GPUBADGE_DB or {default_db()})",
     )
@@ -98,7 +99,11 @@ def main(argv: Sequence[str]) -> int:
         args = build_parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    db_path, database_url = store_location(args.db)
+    try:
+        db_path, database_url = store_location(args.db)
+    except ValueError as exc:
+        print(f"gpubadge export: invalid settings: {exc}", file=sys.stderr)
+        return 2
     if database_url is None and not db_path.is_file():
         print(f"gpubadge export: no store at {db_path} (scan something first, or pass --db)", file=sys.stderr)
         return 1

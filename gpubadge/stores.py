@@ -21,10 +21,15 @@ def default_db() -> Path:
 
 
 def store_location(db: Path | None) -> tuple[Path, str | None]:
-    """The store a command uses: (SQLite path, PostgreSQL URL or None); see the module."""
+    """The store a command uses: (SQLite path, PostgreSQL URL or None); see the module. ValueError
+    when GPUBADGE_DB holds a URL (`--db` is refused so by its argparse type)."""
+    from scanner.settings import sqlite_file_problem
+
     if db is not None:
         return db, None
     env_db = os.environ.get("GPUBADGE_DB")
+    if env_db and (problem := sqlite_file_problem(env_db)) is not None:
+        raise ValueError(f"GPUBADGE_DB: {problem}")
     return Path(env_db) if env_db else default_db(), os.environ.get("GPUBADGE_DATABASE_URL") or None
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gpubadge.cli import _positive
 from scanner.redaction import process_logging
+from scanner.settings import sqlite_file_argument
 
 if TYPE_CHECKING:
     from jobs.metrics import JobMetrics
@@ -34,7 +35,9 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--concurrency", type=_positive, help="scans run at once (GPUBADGE_WORKERS, default 8)"
     )
-    parser.add_argument("--db", type=Path, help="SQLite file (GPUBADGE_DB), when no database URL is set")
+    parser.add_argument(
+        "--db", type=sqlite_file_argument, help="SQLite file (GPUBADGE_DB), when no database URL is set"
+    )
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     parser.add_argument(
         "--metrics-port",

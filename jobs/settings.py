@@ -22,7 +22,7 @@ from pydantic_core import to_jsonable_python
 from pydantic_settings import SettingsConfigDict
 
 from scanner.registry.reference import DOCKER_HUB, is_loopback
-from scanner.settings import ScannerSettings, default_db_path, mirror_parts
+from scanner.settings import ScannerSettings, default_db_path, mirror_parts, sqlite_file_problem
 from store import AsyncStore, open_store
 
 MAX_AUTO_PROCESSES = 8  # `auto` stops here: each process holds connections, analysis processes, memory
@@ -185,8 +185,13 @@ class JobSettings(ScannerSettings):
     @field_validator("db", mode="before")
     @classmethod
     def _empty_db_is_the_default(cls, value: Any) -> Any:
-        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it."""
-        return default_db_path() if value is None or (isinstance(value, str) and not value.strip()) else value
+        """`GPUBADGE_DB=` (set but empty) means the default file, as `gpubadge scan` reads it; a URL
+        is refused (`sqlite_file_problem`)."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return default_db_path()
+        if isinstance(value, str | Path) and (problem := sqlite_file_problem(str(value))) is not None:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _journal_needs_postgres(self) -> JobSettings:

@@ -51,6 +51,26 @@ def default_db_path() -> Path:
     return Path(data_home) / "gpubadge" / "gpubadge.db"
 
 
+def sqlite_file_problem(text: str) -> str | None:
+    """Why `text` cannot name a SQLite store, or None. A database URL where a file is asked for
+    (`--db postgresql://…`) would otherwise become a file named after the URL, and every report a
+    command stores would land in it unseen. The message never echoes `text`: a URL may hold a password."""
+    if "://" in text:
+        return "a URL is not a SQLite file; PostgreSQL is named by GPUBADGE_DATABASE_URL"
+    return None
+
+
+def sqlite_file_argument(text: str) -> Path:
+    """The argparse type of every command's `--db`: a file name, never a URL (a usage error that
+    names the option, exit 2)."""
+    import argparse
+
+    problem = sqlite_file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
 def default_docker_config() -> Path:
     """`$DOCKER_CONFIG/config.json` when set, as the Docker CLI does; else `~/.docker/config.json`."""
     directory = os.environ.get("DOCKER_CONFIG")

@@ -103,6 +103,58 @@ def test_a_port_past_65535_is_a_usage_error_naming_the_option(
     assert f"error: argument {option}: {words}" in done.stderr
 
 
+A_DATABASE_URL = "postgresql://gpubadge:hunter2@db.example/gpubadge"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("scan", "alpine", "--db", A_DATABASE_URL),
+        ("export", "sqlite", "out.db", "--db", A_DATABASE_URL),
+        ("serve", "--db", A_DATABASE_URL),
+        ("worker", "--db", A_DATABASE_URL),
+        ("db", "upgrade", "--db", A_DATABASE_URL),
+    ],
+)
+def test_a_database_url_given_as_db_is_a_usage_error_and_no_file(
+    args: tuple[str, ...], tmp_path: Path
+) -> None:
+    """`--db postgresql://…` would store every report in a file named after the URL, unseen."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        "error: argument --db: a URL is not a SQLite file; PostgreSQL is named by GPUBADGE_DATABASE_URL"
+        in (done.stderr)
+    )
+    assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args", [("scan", "alpine"), ("export", "sqlite", "out.db"), ("serve",), ("worker",)]
+)
+def test_a_database_url_in_gpubadge_db_is_refused_naming_it(args: tuple[str, ...], tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "GPUBADGE_DATABASE_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubadge.cli", *args],
+        cwd=tmp_path,
+        env={**env, "GPUBADGE_DB": A_DATABASE_URL, "XDG_DATA_HOME": str(tmp_path / "data")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "invalid settings: GPUBADGE_DB: a URL is not a SQLite file" in done.stderr, done.stderr
+    assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_port_setting_past_65535_is_refused_naming_it() -> None:
     done = gpubadge("serve", env={"GPUBADGE_PORT": "70000"})
     assert done.returncode == 2, done.stderr

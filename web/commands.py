@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from jobs.settings import port_argument
 from scanner.redaction import process_logging
+from scanner.settings import sqlite_file_argument
 from web.settings import ServiceSettings
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ def serve_parser() -> argparse.ArgumentParser:
         help="registries' webhooks, answered on threads of their own (GPUBADGE_INTAKE_PORT, default 8081; 0: none)",
     )
     parser.add_argument(
-        "--db", type=Path, help="SQLite file (GPUBADGE_DB, default ~/.local/share/gpubadge/gpubadge.db)"
+        "--db",
+        type=sqlite_file_argument,
+        help="SQLite file (GPUBADGE_DB, default ~/.local/share/gpubadge/gpubadge.db)",
     )
     parser.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     parser.add_argument(
@@ -64,7 +67,9 @@ def db_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument(
-            "--db", type=Path, help="SQLite file; required when GPUBADGE_DATABASE_URL is not set"
+            "--db",
+            type=sqlite_file_argument,
+            help="SQLite file; required when GPUBADGE_DATABASE_URL is not set",
         )
         sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
     return parser
