@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
+from placement.cupy_compiler import cupy_refusal
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.nvidia_require import compare_version
 from placement.torch_extension_compiler import torch_extension_refusal
@@ -633,6 +634,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
         (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
+        (cupy_refusal(archs.cupy, cc), None),
     )
     for refusal, gap in judges:
         if refusal is not None:
@@ -713,7 +715,11 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
         tuple((p.id, p.kind, p.optional, p.name, p.version) for p in archs.packages),
         archs.runtime_cuda,  # and what chose the builds, which `unselected_builds` names
         tuple(sorted(archs.build_overrides.items())),
-        archs.triton.model_dump_json() if archs.triton is not None else None,
+        # and what the run-time compilers build with: two images with the same files may differ there
+        tuple(
+            facts.model_dump_json() if facts is not None else None
+            for facts in (archs.triton, archs.flashinfer, archs.tvm_ffi, archs.torch_extensions, archs.cupy)
+        ),
     )
     with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads
         table = _TABLES.get(key)

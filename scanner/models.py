@@ -294,6 +294,32 @@ class TorchExtensionFacts(NvccBuilder):
     )
 
 
+class CupyFacts(BaseModel):
+    """CuPy as the image carries it: it compiles nearly every kernel it runs (elementwise operations,
+    most reductions) at first use with NVRTC, for the GPU at hand (`scanner.layers.cupy_nvrtc`)."""
+
+    distribution: str = Field(description='the installed distribution ("cupy-cuda12x")')
+    version: str | None = Field(default=None, description="its version")
+    cuda_major: int | None = Field(
+        default=None, description="the CUDA major its name says it was built with; null for a source build"
+    )
+    soname: str | None = Field(
+        default=None,
+        description="the NVRTC library it loads by name (`libnvrtc.so.12`); null where it takes the first of"
+        " several (14.x: NVIDIA's wheels, then `libnvrtc.so.13`, `.12`)",
+    )
+    nvrtc: str | None = Field(
+        default=None,
+        description='the CUDA release of the NVRTC it loads ("12.8"); "" where the image carries none (CuPy'
+        " compiles nothing); null where the copies it may load disagree or their release is not known",
+    )
+    nvrtc_paths: list[str] = Field(default_factory=list, description="the copies it may load")
+    compile_with_ptx: bool = Field(
+        default=False,
+        description="the config sets `CUPY_COMPILE_WITH_PTX=1`: it asks NVRTC for PTX, which the driver compiles",
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -361,6 +387,10 @@ class GpuArchs(BaseModel):
     tvm_ffi: TvmFfiFacts | None = Field(
         default=None,
         description="apache-tvm-ffi, where the image carries it: what it compiles its users' kernels with",
+    )
+    cupy: CupyFacts | None = Field(
+        default=None,
+        description="CuPy, where the image carries a CUDA build of it: the NVRTC it compiles with",
     )
     torch_extensions: TorchExtensionFacts | None = Field(
         default=None,
@@ -450,8 +480,8 @@ class GpuFacts(BaseModel):
         default_factory=dict,
         description="the config's variables that decide the kernels FlashInfer, tvm-ffi and torch's"
         " `cpp_extension` build (`CUDA_HOME`, `CUDA_PATH`, `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`,"
-        " `TORCH_CUDA_ARCH_LIST`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and `VLLM_ATTENTION_BACKEND`) -> their"
-        " values",
+        " `TORCH_CUDA_ARCH_LIST`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and `VLLM_ATTENTION_BACKEND`; CuPy's"
+        " `CUPY_COMPILE_WITH_PTX`) -> their values",
     )
     inferred: InferredCuda | None = Field(
         default=None,

@@ -185,6 +185,7 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
 # (`jit/cpp_ext.py`: its CUDA home, its `nvcc` (`PYTORCH_NVCC` before 0.4), its C++ compiler), and whether
 # vLLM calls them by default (its sampler, its attention backend: `envs.py`); the same home and C++ compiler
 # serve tvm-ffi and torch's `cpp_extension`, whose builds target `TORCH_CUDA_ARCH_LIST` where it is set.
+# CuPy's `CUPY_COMPILE_WITH_PTX` makes its NVRTC write PTX rather than a cubin (`placement.cupy_compiler`).
 FLASHINFER_VARIABLES = (
     "CUDA_HOME",
     "CUDA_PATH",
@@ -194,6 +195,7 @@ FLASHINFER_VARIABLES = (
     "VLLM_USE_FLASHINFER_SAMPLER",
     "VLLM_ATTENTION_BACKEND",
     "TORCH_CUDA_ARCH_LIST",
+    "CUPY_COMPILE_WITH_PTX",
 )
 
 

@@ -76,6 +76,7 @@ from scanner.layers.cuda_sources import (
     tf_cuda_version,
 )
 from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
+from scanner.layers.cupy_nvrtc import cupy_facts
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
@@ -799,6 +800,7 @@ class _Merged:
     findings: list[tuple[str, Finding]] = field(default_factory=list)
     elves: list[tuple[str, ElfCudaFacts]] = field(default_factory=list)
     carried: set[str] = field(default_factory=set)  # names of the CUDA libraries the image carries
+    library_paths: set[str] = field(default_factory=set)  # and where
     modules: dict[str, ModuleDir] = field(default_factory=dict)
     distributions: dict[str, Distribution] = field(default_factory=dict)
     extensions: dict[str, ImportState] = field(default_factory=dict)
@@ -827,9 +829,9 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
 
         merged.findings += [(p, f) for p, f in layer.findings.items() if visible(p)]
         merged.elves += [(p, e) for p, e in layer.elves.items() if visible(p)]
-        merged.carried.update(
-            posixpath.basename(p) for p in layer.libraries if not hides.hidden_above(p, index)
-        )
+        libraries = [p for p in layer.libraries if not hides.hidden_above(p, index)]
+        merged.carried.update(posixpath.basename(p) for p in libraries)
+        merged.library_paths.update(libraries)
         for directory, found in layer.modules.items():
             if directory not in merged.modules and not hides.hidden_above(directory + "/", index):
                 merged.modules[directory] = found
@@ -1139,6 +1141,7 @@ def image_archs(
         flashinfer=_flashinfer(merged),
         tvm_ffi=_tvm_ffi(merged),
         torch_extensions=_torch_extensions(merged),
+        cupy=cupy_facts(merged.distributions, merged.library_paths),
     )
 
 

@@ -78,8 +78,19 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
 
 def with_jit_tools(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
     """`archs` with the tools the image's config makes FlashInfer, tvm-ffi and torch's `cpp_extension`
-    compile with (module docstring)."""
-    return _with_torch_extension_config(_with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu), gpu)
+    compile with (module docstring), and whether it makes CuPy's NVRTC write PTX."""
+    chosen = _with_torch_extension_config(_with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu), gpu)
+    if chosen.cupy is None or not _cupy_ptx(gpu.flashinfer_env.get("CUPY_COMPILE_WITH_PTX", "")):
+        return chosen
+    return chosen.model_copy(update={"cupy": chosen.cupy.model_copy(update={"compile_with_ptx": True})})
+
+
+def _cupy_ptx(value: str) -> bool:
+    """`CUPY_COMPILE_WITH_PTX` as CuPy reads it (`_get_bool_env_variable`): on where it is the integer 1."""
+    try:
+        return int(value) == 1
+    except ValueError:
+        return False
 
 
 def _found(archs: GpuArchs, nvcc: str | None) -> str | None:
