@@ -90,6 +90,7 @@ from typing import Literal
 from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.cupy_compiler import cupy_refusal
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
+from placement.jax_compiler import jax_refusal
 from placement.nvidia_require import compare_version
 from placement.torch_extension_compiler import torch_extension_refusal
 from placement.triton_compiler import compile_gap, compile_refusal
@@ -624,10 +625,11 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
 
 
 def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
-    """The kernels Triton, FlashInfer, tvm-ffi and torch's `cpp_extension` build on `cc`
-    (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`,
-    `placement.torch_extension_compiler`): for each, a reason where a package needs them on its default
-    path (torch's: at its import) and they cannot be built here, else a line of what the image runs without."""
+    """The kernels Triton, FlashInfer, tvm-ffi, torch's `cpp_extension`, CuPy's NVRTC and JAX's XLA build on
+    `cc` (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`,
+    `placement.torch_extension_compiler`, `placement.cupy_compiler`, `placement.jax_compiler`): for each, a
+    reason where a package needs them on its default path (torch's: at its import; CuPy's and JAX's: for
+    nearly anything they do) and they cannot be built here, else a line of what the image runs without."""
     torch = archs.torch_extensions
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
@@ -635,6 +637,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
         (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
         (cupy_refusal(archs.cupy, cc), None),
+        (jax_refusal(archs.jax, cc), None),
     )
     for refusal, gap in judges:
         if refusal is not None:
@@ -718,7 +721,14 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
         # and what the run-time compilers build with: two images with the same files may differ there
         tuple(
             facts.model_dump_json() if facts is not None else None
-            for facts in (archs.triton, archs.flashinfer, archs.tvm_ffi, archs.torch_extensions, archs.cupy)
+            for facts in (
+                archs.triton,
+                archs.flashinfer,
+                archs.tvm_ffi,
+                archs.torch_extensions,
+                archs.cupy,
+                archs.jax,
+            )
         ),
     )
     with _TABLES_LOCK:  # pages, by-ref and placement judge from several threads

@@ -320,6 +320,28 @@ class CupyFacts(BaseModel):
     )
 
 
+class JaxFacts(BaseModel):
+    """JAX as the image carries it: XLA compiles every jitted computation at run time and assembles it
+    with a `ptxas` process for the GPU at hand (`scanner.layers.jax_ptxas`)."""
+
+    distribution: str = Field(description='the distribution that carries XLA ("jax-cuda12-pjrt")')
+    version: str | None = Field(default=None, description="its version")
+    cuda_major: int | None = Field(default=None, description="the CUDA major it was built for")
+    site: str | None = Field(
+        default=None, description="its site directory, where NVIDIA's nvcc wheel is looked for"
+    )
+    ptxas: str | None = Field(
+        default=None,
+        description='the `ptxas` XLA runs (its path); "" where the image has none; null where not known',
+    )
+    ptxas_release: str | None = Field(default=None, description='that `ptxas`\'s CUDA release ("12.8")')
+    driver_fallback: bool = Field(
+        default=False,
+        description="`XLA_FLAGS` sets `--xla_gpu_unsafe_fallback_to_driver_on_ptxas_not_found`: with no `ptxas`,"
+        " the driver compiles the PTX",
+    )
+
+
 class GpuArchs(BaseModel):
     """GPU architectures found in the image's GPU code, as facts; where they run is placement's answer.
 
@@ -387,6 +409,10 @@ class GpuArchs(BaseModel):
     tvm_ffi: TvmFfiFacts | None = Field(
         default=None,
         description="apache-tvm-ffi, where the image carries it: what it compiles its users' kernels with",
+    )
+    jax: JaxFacts | None = Field(
+        default=None,
+        description="JAX, where the image carries a CUDA build of it: the ptxas XLA assembles with",
     )
     cupy: CupyFacts | None = Field(
         default=None,
@@ -481,7 +507,7 @@ class GpuFacts(BaseModel):
         description="the config's variables that decide the kernels FlashInfer, tvm-ffi and torch's"
         " `cpp_extension` build (`CUDA_HOME`, `CUDA_PATH`, `FLASHINFER_NVCC`, `PYTORCH_NVCC`, `CXX`,"
         " `TORCH_CUDA_ARCH_LIST`; vLLM's `VLLM_USE_FLASHINFER_SAMPLER` and `VLLM_ATTENTION_BACKEND`; CuPy's"
-        " `CUPY_COMPILE_WITH_PTX`) -> their values",
+        " `CUPY_COMPILE_WITH_PTX`; JAX's `CUDA_ROOT` and `XLA_FLAGS`) -> their values",
     )
     inferred: InferredCuda | None = Field(
         default=None,

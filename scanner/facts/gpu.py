@@ -186,6 +186,7 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
 # vLLM calls them by default (its sampler, its attention backend: `envs.py`); the same home and C++ compiler
 # serve tvm-ffi and torch's `cpp_extension`, whose builds target `TORCH_CUDA_ARCH_LIST` where it is set.
 # CuPy's `CUPY_COMPILE_WITH_PTX` makes its NVRTC write PTX rather than a cubin (`placement.cupy_compiler`).
+# JAX's `CUDA_ROOT` names the `ptxas` XLA runs, and `XLA_FLAGS` may let the driver compile (`placement.jax_compiler`).
 FLASHINFER_VARIABLES = (
     "CUDA_HOME",
     "CUDA_PATH",
@@ -196,6 +197,8 @@ FLASHINFER_VARIABLES = (
     "VLLM_ATTENTION_BACKEND",
     "TORCH_CUDA_ARCH_LIST",
     "CUPY_COMPILE_WITH_PTX",
+    "CUDA_ROOT",
+    "XLA_FLAGS",
 )
 
 

@@ -79,6 +79,7 @@ from scanner.layers.cudaelf import ELF_MAGIC_BYTES, ElfCudaFacts, ElfCudaProbe
 from scanner.layers.cupy_nvrtc import cupy_facts
 from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signatures, ptx_toolkit, summarise
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
+from scanner.layers.jax_ptxas import jax_facts
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
 from scanner.layers.ptxas import ReleaseReader, is_nvcc, is_ptxas
 from scanner.layers.python_builds import MAX_CLAUSE_SCAN_BYTES
@@ -1142,6 +1143,7 @@ def image_archs(
         tvm_ffi=_tvm_ffi(merged),
         torch_extensions=_torch_extensions(merged),
         cupy=cupy_facts(merged.distributions, merged.library_paths),
+        jax=jax_facts(merged.distributions),
     )
 
 
