@@ -294,3 +294,14 @@ def test_images_with_the_same_files_and_another_nvrtc_are_judged_apart() -> None
     same_files = newer.model_copy(update={"files": older.files, "packages": older.packages})
     assert not gpu_code.verdicts(older)[(12, 0)].runs
     assert gpu_code.verdicts(same_files)[(12, 0)].runs
+
+
+def test_cupy_14_takes_another_site_directorys_wheel_rather_than_none() -> None:
+    user = "/root/.local/lib/python3.11/site-packages"
+    wheel = {
+        f"{user}/nvidia_cuda_nvrtc_cu12-12.8.93.dist-info": Distribution(
+            name="nvidia-cuda-nvrtc-cu12", version="12.8.93"
+        )
+    }
+    found = facts_of("cupy-cuda12x 14.2.0", f"{user}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", more=wheel)
+    assert found is not None and found.nvrtc == "12.8" and cupy_refusal(found, (12, 0)) is None

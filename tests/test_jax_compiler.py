@@ -251,3 +251,17 @@ def test_the_distribution_that_carries_xla_is_named() -> None:
     assert (
         jax_facts({f"{site}/jaxlib-0.4.26.dist-info": Distribution(name="jaxlib", version="0.4.26")}) is None
     )
+
+
+def test_an_nvcc_wheel_in_another_site_directory_is_found() -> None:
+    user = "/root/.local/lib/python3.11/site-packages"
+    archs = GpuArchs(
+        ptxas={f"{user}/nvidia/cuda_nvcc/bin/ptxas": "12.9"},
+        c_compilers=[],
+        jax=JaxFacts(distribution="jax-cuda12-pjrt", version="0.7.2", site=SITE),
+    )
+    jax = with_jax_ptxas(archs, GpuFacts(executable_path=[])).jax
+    assert jax is not None and (jax.ptxas, jax.ptxas_release) == (
+        f"{user}/nvidia/cuda_nvcc/bin/ptxas",
+        "12.9",
+    )

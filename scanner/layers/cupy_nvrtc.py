@@ -12,7 +12,7 @@ its wheels 10.0 to 14.2:
 * 13.x loads the soname of the CUDA major it was built with by `dlopen` at the first compile
   (`cupy_backends/cuda/_softlink.pyx`): `libnvrtc.so.11.2`, `.12` or `.13`;
 * 14.x asks `cuda.pathfinder`: the `nvidia/cu13/lib` then `nvidia/cuda_nvrtc/lib` of the site
-  directories first (NVIDIA's wheels, which its `[ctk]` extra installs), then the system's
+  directories first (its own; another's counts too, as it may be on the path) (NVIDIA's wheels, which its `[ctk]` extra installs), then the system's
   `libnvrtc.so.13`, `.so.12`, `libnvrtc.so`, newest first, whatever major CuPy was built for.
 
 Files are matched by name, as `scanner.layers.code_loading.MissingLinks` matches what the loader finds:
@@ -108,16 +108,17 @@ def _candidates(
 ) -> tuple[str | None, list[str]]:
     """(the soname CuPy asks for, None where it takes any of several; the carried files it may load)."""
     if version >= PATHFINDER_FROM:
+        wheels = [
+            p for p in nvrtc if _in_wheel(p) is not None and posixpath.basename(p) in PATHFINDER_SYSTEM_ORDER
+        ]
         for kind in ("cu13", "cuda_nvrtc"):  # its own site directory's NVIDIA wheels first
             found = [
-                p
-                for p in nvrtc
-                if (wheel := _in_wheel(p)) is not None
-                and wheel.groups() == (site, kind)
-                and posixpath.basename(p) in PATHFINDER_SYSTEM_ORDER
+                p for p in wheels if (wheel := _in_wheel(p)) is not None and wheel.groups() == (site, kind)
             ]
             if found:
                 return None, found
+        if wheels:  # another site directory's (a user's, a venv's base): on its path, perhaps
+            return None, wheels
         for name in PATHFINDER_SYSTEM_ORDER:
             found = [p for p in nvrtc if posixpath.basename(p) == name and _in_wheel(p) is None]
             if found:

@@ -29,6 +29,7 @@ CUDA_ROOT_FROM = (0, 4, 35)  # `_cuda_path` reads `$CUDA_ROOT` first
 CU13_FROM = (0, 7, 2)  # and looks for CUDA 13's `nvidia.cu13` before `nvidia.cuda_nvcc`
 OLDEST_PTXAS = (11, 8)  # XLA passes over an older one
 SYSTEM_ROOTS = ("/usr/local/cuda", "/opt/cuda")
+_WHEEL_PTXAS = re.compile(r"^(.*/(?:site|dist)-packages)/nvidia/(cu13|cuda_nvcc)/bin/ptxas$")
 DRIVER_FALLBACK = "--xla_gpu_unsafe_fallback_to_driver_on_ptxas_not_found"
 
 
@@ -92,6 +93,8 @@ def _ptxas(archs: GpuArchs, jax: JaxFacts, gpu: GpuFacts) -> str | None:
     elif jax.site:
         kinds = ("cu13", "cuda_nvcc") if version >= CU13_FROM else ("cuda_nvcc",)
         candidates += [posixpath.join(jax.site, "nvidia", kind, "bin", "ptxas") for kind in kinds]
+        # the same wheels in another site directory (a user's, a venv's base), which may be on its path
+        candidates += sorted(p for p in archs.ptxas if (m := _WHEEL_PTXAS.match(p)) and m.group(2) in kinds)
     candidates += [posixpath.join(directory, "ptxas") for directory in gpu.executable_path]
     candidates += [posixpath.join(root, "bin", "ptxas") for root in SYSTEM_ROOTS]
     for path in candidates:
