@@ -305,3 +305,17 @@ def test_cupy_14_takes_another_site_directorys_wheel_rather_than_none() -> None:
     }
     found = facts_of("cupy-cuda12x 14.2.0", f"{user}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", more=wheel)
     assert found is not None and found.nvrtc == "12.8" and cupy_refusal(found, (12, 0)) is None
+
+
+def test_many_copies_of_nvrtc_cost_their_number_not_its_square() -> None:
+    """A crafted image may name tens of thousands of `libnvrtc.so.12` (4,096 a layer): each copy's release
+    is read from one index of the files beside it, not from a pass over all of them (which took minutes)."""
+    import time
+
+    paths = [f"/d{i}/libnvrtc.so.12" for i in range(40_000)] + [
+        f"/d{i}/libnvrtc.so.12.{i % 9}.1" for i in range(40_000)
+    ]
+    started = time.process_time()
+    found = facts_of("cupy-cuda12x 13.6.0", *paths)
+    assert time.process_time() - started < 10
+    assert found is not None and found.nvrtc is None and len(found.nvrtc_paths) == 8

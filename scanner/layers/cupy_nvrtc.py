@@ -59,7 +59,9 @@ def cupy_facts(distributions: Mapping[str, Distribution], library_paths: Iterabl
         version = release_of(distribution.version) or (0, 0)
         nvrtc = sorted(p for p in library_paths if _NVRTC.match(posixpath.basename(p)))
         soname, paths = _candidates(version, built_for, posixpath.dirname(dist_info), nvrtc)
-        releases = {_release(path, nvrtc, distributions) for path in paths}
+        beside = _versions_by_directory(nvrtc)
+        wheels = _wheel_releases(distributions)
+        releases = {_release(path, beside, wheels) for path in paths}
         return CupyFacts(
             distribution=distribution.name,
             version=distribution.version,
@@ -130,27 +132,44 @@ def _candidates(
     return soname, [p for p in nvrtc if posixpath.basename(p) == soname]
 
 
-def _release(path: str, nvrtc: Sequence[str], distributions: Mapping[str, Distribution]) -> str | None:
+def _versions_by_directory(nvrtc: Sequence[str]) -> dict[str, set[tuple[str, str]]]:
+    """Directory -> the (major, minor) its files named with NVRTC's full version say, one pass over them."""
+    found: dict[str, set[tuple[str, str]]] = {}
+    for path in nvrtc:
+        full = _full_version(path)
+        if full is not None:
+            found.setdefault(posixpath.dirname(path), set()).add(full)
+    return found
+
+
+def _wheel_releases(distributions: Mapping[str, Distribution]) -> dict[tuple[str, str], str | None]:
+    """(site directory, wheel kind) -> the CUDA release of the NVIDIA NVRTC wheel installed there."""
+    found: dict[tuple[str, str], str | None] = {}
+    for dist_info, distribution in sorted(distributions.items()):
+        for kind, name in _WHEEL_DIST.items():
+            if name.match(distribution.name):
+                parts = release_of(distribution.version)
+                found.setdefault(
+                    (posixpath.dirname(dist_info), kind), f"{parts[0]}.{parts[1]}" if parts else None
+                )
+    return found
+
+
+def _release(
+    path: str, beside: Mapping[str, set[tuple[str, str]]], wheels: Mapping[tuple[str, str], str | None]
+) -> str | None:
     """The CUDA release of the NVRTC at `path` ("12.8"), or None where nothing beside it says."""
     wheel = _in_wheel(path)
     if wheel is not None:
         site, kind = wheel.groups()
-        for dist_info, distribution in distributions.items():
-            if posixpath.dirname(dist_info) == site and _WHEEL_DIST[kind].match(distribution.name):
-                found = release_of(distribution.version)
-                return f"{found[0]}.{found[1]}" if found else None
-        return None
-    directory = posixpath.dirname(path)
-    major = posixpath.basename(path).split(".")[2:3]  # libnvrtc.so.12 -> ["12"]; libnvrtc.so -> []
-    beside = {
-        full
-        for other in nvrtc
-        if posixpath.dirname(other) == directory
-        and (full := _full_version(other)) is not None
-        and (not major or full[0] == major[0])
+        return wheels.get((site, kind))
+    match = _NVRTC.match(posixpath.basename(path))
+    major = match.group(1) if match is not None else None  # libnvrtc.so.12 -> "12"; libnvrtc.so -> None
+    versions = {
+        full for full in beside.get(posixpath.dirname(path), set()) if major is None or full[0] == major
     }
-    if len(beside) == 1:
-        found_major, found_minor = beside.pop()
+    if len(versions) == 1:
+        found_major, found_minor = versions.pop()
         return f"{found_major}.{found_minor}"
     toolkit = _TOOLKIT.match(path)
-    return f"{toolkit.group(1)}.{toolkit.group(2)}" if toolkit is not None and not beside else None
+    return f"{toolkit.group(1)}.{toolkit.group(2)}" if toolkit is not None and not versions else None

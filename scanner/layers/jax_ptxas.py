@@ -61,35 +61,32 @@ def with_jax_ptxas(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
     jax = archs.jax
     if jax is None:
         return archs
-    path = _ptxas(archs, jax, gpu)
-    ptxas_release = None if not path else archs.ptxas.get(archs.ptxas_links.get(path, path)) or None
+    path, found = _ptxas(archs, jax, gpu)
     update = {
         "ptxas": path,
-        "ptxas_release": ptxas_release,
+        "ptxas_release": found,
         "driver_fallback": _driver_fallback(gpu.flashinfer_env.get("XLA_FLAGS", "")),
     }
     return archs.model_copy(update={"jax": jax.model_copy(update=update)})
 
 
-def _release(archs: GpuArchs, path: str) -> tuple[int, int] | str | None:
-    """The CUDA release of the `ptxas` the image carries at `path`; "" where it carries none there; None
-    where its banner names none."""
-    file = archs.ptxas_links.get(path, path)
-    if file not in archs.ptxas:
-        return ""
-    return release_of(archs.ptxas[file] or None)
+def _carried(archs: GpuArchs, path: str) -> str | None:
+    """The release the image's `ptxas` at `path` (or reached through its links) names ("" where its banner
+    names none), or None where the image carries none there."""
+    return archs.ptxas.get(archs.ptxas_links.get(path, path))
 
 
-def _ptxas(archs: GpuArchs, jax: JaxFacts, gpu: GpuFacts) -> str | None:
-    """The `ptxas` XLA runs for this JAX: its path, "" where the image has none, None where unknown."""
+def _ptxas(archs: GpuArchs, jax: JaxFacts, gpu: GpuFacts) -> tuple[str | None, str | None]:
+    """The `ptxas` XLA runs for this JAX and its release: its path, "" where the image has none, None where
+    unknown."""
     version = release_parts(jax.version) or (0, 0, 0)
     candidates: list[str] = []
-    root = gpu.flashinfer_env.get("CUDA_ROOT") if version >= CUDA_ROOT_FROM else None
-    if root:
-        path = posixpath.join(posixpath.normpath(root), "bin", "ptxas")
-        if _release(archs, path) == "":
-            return None  # a directory the image does not carry: a mount, perhaps
-        candidates.append(path)
+    cuda_root = gpu.flashinfer_env.get("CUDA_ROOT") if version >= CUDA_ROOT_FROM else None
+    if cuda_root:
+        named = posixpath.join(posixpath.normpath(cuda_root), "bin", "ptxas")
+        if _carried(archs, named) is None:
+            return None, None  # a directory the image does not carry: a mount, perhaps
+        candidates.append(named)
     elif jax.site:
         kinds = ("cu13", "cuda_nvcc") if version >= CU13_FROM else ("cuda_nvcc",)
         candidates += [posixpath.join(jax.site, "nvidia", kind, "bin", "ptxas") for kind in kinds]
@@ -98,14 +95,17 @@ def _ptxas(archs: GpuArchs, jax: JaxFacts, gpu: GpuFacts) -> str | None:
     candidates += [posixpath.join(directory, "ptxas") for directory in gpu.executable_path]
     candidates += [posixpath.join(root, "bin", "ptxas") for root in SYSTEM_ROOTS]
     for path in candidates:
-        found = _release(archs, path)
-        if found == "":
-            continue
+        found = _carried(archs, path)
         if found is None:
-            return None  # carried, but its release is not known
-        if isinstance(found, tuple) and found >= OLDEST_PTXAS:
-            return path
-    return "" if archs.c_compilers is not None else None  # every name known (a layer read whole), or not
+            continue
+        parsed = release_of(found)
+        if parsed is None:
+            return None, None  # carried, but its release is not known
+        if parsed >= OLDEST_PTXAS:
+            return path, found
+    return (
+        "" if archs.c_compilers is not None else None
+    ), None  # every name known (a layer read whole), or not
 
 
 def _driver_fallback(flags: str) -> bool:
