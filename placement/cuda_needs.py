@@ -306,7 +306,7 @@ def generations(gpu: GpuFacts, rule: Rule = "dispatch", driver: str | None = Non
 def summary(gpu: GpuFacts, rule: Rule = "dispatch") -> str | None:
     """Where the image's CUDA and GPU code run, in one line: "GPU code for sm_50–sm_90, no PTX: compute
     capability 7.5–9.0" (a CUDA 13 image), the capabilities listed without holes; None without GPU code."""
-    if gpu.archs is None or not gpu.archs.files:
+    if gpu.archs is None or not (gpu.archs.files or gpu.archs.numba):
         return None
     code = gpu_code.summary(gpu.archs, rule).split(": compute capability", 1)[0].split(": runs on", 1)[0]
     if not gpu_code.has_code(gpu.archs):

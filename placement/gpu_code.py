@@ -91,6 +91,7 @@ from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.cupy_compiler import cupy_refusal
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.jax_compiler import jax_refusal
+from placement.numba_compiler import numba_refusal
 from placement.nvidia_require import compare_version
 from placement.torch_extension_compiler import torch_extension_refusal
 from placement.triton_compiler import compile_gap, compile_refusal
@@ -625,11 +626,12 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
 
 
 def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
-    """The kernels Triton, FlashInfer, tvm-ffi, torch's `cpp_extension`, CuPy's NVRTC and JAX's XLA build on
-    `cc` (`placement.triton_compiler`, `placement.flashinfer_compiler`, `placement.tvm_ffi_compiler`,
-    `placement.torch_extension_compiler`, `placement.cupy_compiler`, `placement.jax_compiler`): for each, a
-    reason where a package needs them on its default path (torch's: at its import; CuPy's and JAX's: for
-    nearly anything they do) and they cannot be built here, else a line of what the image runs without."""
+    """The kernels Triton, FlashInfer, tvm-ffi, torch's `cpp_extension`, CuPy's NVRTC, JAX's XLA and
+    numba-cuda build on `cc` (`placement.triton_compiler`, `placement.flashinfer_compiler`,
+    `placement.tvm_ffi_compiler`, `placement.torch_extension_compiler`, `placement.cupy_compiler`,
+    `placement.jax_compiler`, `placement.numba_compiler`): for each, a reason where a package needs them on its
+    default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: every
+    kernel) and they cannot be built here, else a line of what the image runs without."""
     torch = archs.torch_extensions
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
@@ -638,6 +640,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
         (cupy_refusal(archs.cupy, cc), None),
         (jax_refusal(archs.jax, cc), None),
+        (numba_refusal(archs.numba, cc), None),
     )
     for refusal, gap in judges:
         if refusal is not None:
@@ -685,8 +688,9 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
 
 
 def has_code(archs: GpuArchs | None) -> bool:
-    """Whether the image carries GPU code it can load (else only its CUDA version can be judged)."""
-    return archs is not None and any(counted(f) for f in archs.files)
+    """Whether the image carries GPU code to judge (else only its CUDA version can be judged): code it can
+    load, or numba-cuda, which carries none and compiles every kernel at run time (`placement.numba_compiler`)."""
+    return archs is not None and (archs.numba is not None or any(counted(f) for f in archs.files))
 
 
 NEWER_THAN_KNOWN: CC = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)  # what only PTX can reach
@@ -728,6 +732,7 @@ def verdicts(archs: GpuArchs, rule: Rule = "dispatch") -> dict[CC, CodeVerdict]:
                 archs.torch_extensions,
                 archs.cupy,
                 archs.jax,
+                archs.numba,
             )
         ),
     )
@@ -772,13 +777,16 @@ def summary(archs: GpuArchs, rule: Rule = "dispatch") -> str:
     shown = [f for f in archs.files if counted(f) and not nvidia_library(f.path)] or [
         f for f in archs.files if counted(f)
     ]
-    if not shown:
+    if not shown and archs.numba is None:
         return "no GPU code CUDA loads"
-    containers = [c for f in shown for c in counted_containers(f)]
-    sass = {a for c in containers for a in c.sass if not parse_arch(a)[2]}
-    ptx = {a for c in containers for a in c.ptx}
-    code = "GPU code for " + (_arch_range(sass, "sm_") or "no generic SASS")
-    code += f", PTX {_arch_range(ptx, 'compute_')}" if ptx else ", no PTX"
+    if shown:
+        containers = [c for f in shown for c in counted_containers(f)]
+        sass = {a for c in containers for a in c.sass if not parse_arch(a)[2]}
+        ptx = {a for c in containers for a in c.ptx}
+        code = "GPU code for " + (_arch_range(sass, "sm_") or "no generic SASS")
+        code += f", PTX {_arch_range(ptx, 'compute_')}" if ptx else ", no PTX"
+    else:
+        code = "no precompiled GPU code (numba-cuda compiles its kernels at run time)"
     where = runs_at(archs, rule)
     if not where:
         return f"{code}: runs on no known GPU"

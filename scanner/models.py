@@ -320,6 +320,24 @@ class CupyFacts(BaseModel):
     )
 
 
+class NumbaFacts(BaseModel):
+    """numba-cuda as the image carries it: it compiles every `@cuda.jit` kernel at its first launch, for an
+    architecture NVRTC lists (`scanner.layers.numba_nvrtc`)."""
+
+    distribution: str = Field(description='the installed distribution ("numba-cuda")')
+    version: str | None = Field(default=None, description="its version")
+    nvrtc: str | None = Field(
+        default=None,
+        description='the CUDA release of the NVRTC whose list of architectures it compiles for ("12.8"); ""'
+        " where the image carries none; null where the copies it may load disagree or their release is not known",
+    )
+    nvrtc_paths: list[str] = Field(default_factory=list, description="the copies it may load")
+    forced_cc: str | None = Field(
+        default=None,
+        description="the config's `NUMBA_FORCE_CUDA_CC`: the architecture it compiles for instead of the GPU's",
+    )
+
+
 class JaxFacts(BaseModel):
     """JAX as the image carries it: XLA compiles every jitted computation at run time and assembles it
     with a `ptxas` process for the GPU at hand (`scanner.layers.jax_ptxas`)."""
@@ -417,6 +435,11 @@ class GpuArchs(BaseModel):
     cupy: CupyFacts | None = Field(
         default=None,
         description="CuPy, where the image carries a CUDA build of it: the NVRTC it compiles with",
+    )
+    numba: NumbaFacts | None = Field(
+        default=None,
+        description="numba-cuda, where the image carries it: the NVRTC whose architectures its kernels are"
+        " compiled for",
     )
     torch_extensions: TorchExtensionFacts | None = Field(
         default=None,

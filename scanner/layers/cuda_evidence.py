@@ -81,6 +81,7 @@ from scanner.layers.fatbin import RELOCATABLE_SECTION, ArchSummary, merge_signat
 from scanner.layers.gpu_modules import PTX_HEAD_BYTES, ModuleError, ModuleSink, module_kind, parse_ptx_head
 from scanner.layers.jax_ptxas import jax_facts
 from scanner.layers.limits import DEFAULT_MAX_PATH_BYTES, AnalysisLimits, GpuCodeWork, LayerGpuCodeWork
+from scanner.layers.numba_nvrtc import numba_facts
 from scanner.layers.ptxas import ReleaseReader, is_nvcc, is_ptxas
 from scanner.layers.python_builds import MAX_CLAUSE_SCAN_BYTES
 from scanner.layers.python_headers import (
@@ -1102,7 +1103,8 @@ def image_archs(
                 error=None if found.containers or found.error is None else found.error,
             )
         )
-    if not files:
+    numba = numba_facts(merged.distributions, merged.library_paths)
+    if not files and numba is None:  # numba-cuda carries no GPU code: it compiles every kernel at run time
         return None
     listed = len(files)
     files, packages = annotate(
@@ -1144,6 +1146,7 @@ def image_archs(
         torch_extensions=_torch_extensions(merged),
         cupy=cupy_facts(merged.distributions, merged.library_paths),
         jax=jax_facts(merged.distributions),
+        numba=numba,
     )
 
 

@@ -27,6 +27,7 @@ import posixpath
 
 from scanner.layers.code_loading import release_of
 from scanner.layers.jax_ptxas import with_jax_ptxas
+from scanner.layers.numba_nvrtc import with_numba_config
 from scanner.models import GpuArchs, GpuFacts, TvmFfiFacts
 
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
@@ -79,10 +80,10 @@ def cxx_compiler(archs: GpuArchs, gpu: GpuFacts) -> str | None:
 
 def with_jit_tools(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
     """`archs` with the tools the image's config makes FlashInfer, tvm-ffi and torch's `cpp_extension`
-    compile with (module docstring), the `ptxas` JAX runs (`scanner.layers.jax_ptxas`), and whether it makes
-    CuPy's NVRTC write PTX."""
+    compile with (module docstring), the `ptxas` JAX runs (`scanner.layers.jax_ptxas`), the architecture it
+    forces on numba-cuda (`scanner.layers.numba_nvrtc`), and whether it makes CuPy's NVRTC write PTX."""
     chosen = _with_torch_extension_config(_with_tvm_ffi_config(_with_flashinfer_config(archs, gpu), gpu), gpu)
-    chosen = with_jax_ptxas(chosen, gpu)
+    chosen = with_numba_config(with_jax_ptxas(chosen, gpu), gpu)
     if chosen.cupy is None or not _cupy_ptx(gpu.flashinfer_env.get("CUPY_COMPILE_WITH_PTX", "")):
         return chosen
     return chosen.model_copy(update={"cupy": chosen.cupy.model_copy(update={"compile_with_ptx": True})})
