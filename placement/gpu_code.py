@@ -91,7 +91,7 @@ from placement.cuda_drivers import ptx_cuda_reason, ptx_driver_floor
 from placement.cupy_compiler import cupy_refusal
 from placement.flashinfer_compiler import flashinfer_gap, flashinfer_refusal
 from placement.jax_compiler import jax_refusal
-from placement.numba_compiler import numba_refusal
+from placement.numba_compiler import numba_gap, numba_refusal
 from placement.nvidia_require import compare_version
 from placement.torch_extension_compiler import torch_extension_refusal
 from placement.triton_compiler import compile_gap, compile_refusal
@@ -630,9 +630,10 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
     numba-cuda build on `cc` (`placement.triton_compiler`, `placement.flashinfer_compiler`,
     `placement.tvm_ffi_compiler`, `placement.torch_extension_compiler`, `placement.cupy_compiler`,
     `placement.jax_compiler`, `placement.numba_compiler`): for each, a reason where a package needs them on its
-    default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: every
-    kernel) and they cannot be built here, else a line of what the image runs without."""
+    default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: where
+    it is the image's only GPU code) and they cannot be built here, else a line of what the image runs without."""
     torch = archs.torch_extensions
+    own = any(counted(f) for f in archs.files)  # numba-cuda's kernels beside GPU code the image carries
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
@@ -640,7 +641,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
         (cupy_refusal(archs.cupy, cc), None),
         (jax_refusal(archs.jax, cc), None),
-        (numba_refusal(archs.numba, cc), None),
+        (numba_refusal(archs.numba, cc, own), numba_gap(archs.numba, cc, own)),
     )
     for refusal, gap in judges:
         if refusal is not None:

@@ -15,7 +15,9 @@ linked for the GPU (by nvJitLink or the driver). Which NVRTC it asks is the scan
   first launch stops with "Can't use arch-specific compute_121a with closest found compute capability
   compute_120" (a GB10 with CUDA 12.8's NVRTC).
 
-Nothing falls back: the launch raises. `NUMBA_FORCE_CUDA_CC` in the config replaces the GPU's
+Nothing falls back: the launch raises. Where numba-cuda is the image's only GPU code, its kernels are
+what the image runs on the GPU, and it is refused there; beside GPU code of its own (cuDF, which calls
+numba-cuda for its UDFs), what the image runs without is named instead. `NUMBA_FORCE_CUDA_CC` in the config replaces the GPU's
 architecture, and nothing is judged then. Not judged either: numba-cuda before 0.16 (its table keyed by
 the CUDA runtime, PTX of the closest older architecture), numba's own built-in CUDA target, and the link
 step (an nvJitLink or driver older than NVVM's PTX). Which releases list which architecture is
@@ -57,9 +59,31 @@ def compile_target(numba: Release, nvrtc: Release, cc: CC) -> str | None:
     return f"compute_{closest[0]}{closest[1]}{suffix}"
 
 
-def numba_refusal(numba: NumbaFacts | None, cc: CC) -> str | None:
+def numba_refusal(numba: NumbaFacts | None, cc: CC, other_code: bool) -> str | None:
     """Why the image does not run on `cc` for want of the kernels its numba-cuda compiles, or None where it
-    can compile them (or the NVRTC it asks is not known)."""
+    can compile them, the NVRTC it asks is not known, or the image carries GPU code of its own
+    (`other_code`: there numba-cuda serves what its users call on demand, cuDF's UDFs among them, and
+    `numba_gap` names what the image runs without)."""
+    found = _gap(numba, cc)
+    if found is None or other_code:
+        return None
+    name, why = found
+    return f"{name} {WHAT}: {why}"
+
+
+def numba_gap(numba: NumbaFacts | None, cc: CC, other_code: bool) -> str | None:
+    """What the image runs without on `cc` where numba-cuda cannot compile there beside GPU code of its
+    own, as a "without" line, or None."""
+    found = _gap(numba, cc)
+    if found is None or not other_code:
+        return None
+    name, why = found
+    return f"{name}'s kernels: {why}, so no @cuda.jit kernel runs here"
+
+
+def _gap(numba: NumbaFacts | None, cc: CC) -> tuple[str, str] | None:
+    """(numba-cuda's name, why it cannot compile its kernels on `cc`, with the remedy), or None where it
+    can (or the NVRTC it asks is not known, or the config forces an architecture)."""
     if numba is None or numba.nvrtc is None or numba.forced_cc:
         return None
     version = release_of(numba.version) or (0, 0)
@@ -67,8 +91,8 @@ def numba_refusal(numba: NumbaFacts | None, cc: CC) -> str | None:
         return None
     name = f"{numba.distribution} {numba.version}"
     if numba.nvrtc == "":
-        return (
-            f"{name} {WHAT}, and the image carries no NVRTC for it to ask; its [cu12] or [cu13] extra"
+        return name, (
+            "the image carries no NVRTC for it to ask, so the first launch stops; its [cu12] or [cu13] extra"
             " (NVIDIA's NVRTC wheel) gives it one"
         )
     nvrtc = release(numba.nvrtc)
@@ -91,5 +115,4 @@ def numba_refusal(numba: NumbaFacts | None, cc: CC) -> str | None:
             f' closest found compute capability compute_{closest[0]}{closest[1]}"'
         )
     knowing = releases_knowing(nvrtc, cc)
-    remedy = f"; an NVRTC of {knowing} lists it" if knowing else ""
-    return f"{name} {WHAT}: {why}{remedy}"
+    return name, why + (f"; an NVRTC of {knowing} lists it" if knowing else "")

@@ -21,14 +21,14 @@ import pytest
 from placement import gpu_code
 from placement.compiler_releases import CC, Release
 from placement.image_facts import ImageFacts
-from placement.numba_compiler import compile_target, listed, numba_refusal
+from placement.numba_compiler import compile_target, listed, numba_gap, numba_refusal
 from scanner.layers.code_loading import Distribution, release_of
 from scanner.layers.cuda_jit_tools import with_jit_tools
 from scanner.layers.numba_nvrtc import numba_facts
 from scanner.models import GpuFacts, NumbaFacts
 from tests.gpu_packages import CUDA13, SITE, layer_evidence, libraries, members
 from tests.pypi_members import RemoteWheel, member_files
-from tests.test_cupy_compiler import NVRTC, supported_archs
+from tests.test_cupy_compiler import _CUPY_MEMBERS, CUPY, NVRTC, supported_archs
 from tests.test_gpu_packages import ALL, FLEET_580, archs_of, eligible, image, only, place
 
 pytestmark = pytest.mark.timeout(900)
@@ -151,7 +151,8 @@ def test_numba_compiles_for_what_its_own_source_picks(
             assert (ours or theirs) == theirs and (ours is None) == (theirs.endswith("Error")), (nvrtc, cc)
             outcomes.add(theirs if theirs.endswith("Error") else "compiles")
             facts = NumbaFacts(distribution="numba-cuda", version=version, nvrtc=f"{nvrtc[0]}.{nvrtc[1]}")
-            assert (numba_refusal(facts, cc) is None) == (ours is not None)
+            assert (numba_refusal(facts, cc, other_code=False) is None) == (ours is not None)
+            assert (numba_gap(facts, cc, other_code=True) is None) == (ours is not None)
     arch_specific = numba >= (0, 24)
     assert outcomes == {"compiles", "CCSupportError", *(["ValueError"] if arch_specific else [])}
 
@@ -195,6 +196,27 @@ def test_numba_cuda_0_30_with_cuda_12_8s_nvrtc_is_refused_on_gb10() -> None:
         " of CUDA 12.9 or later lists it"
     )
     assert eligible(place(numba_image("0.23.0", (12, 8)), FLEET_580)) == ALL
+
+
+def test_beside_gpu_code_of_its_own_the_image_runs_without_numbas_kernels() -> None:
+    """cuDF's stack: numba-cuda beside packages that carry GPU code (CuPy's CUB module here), which call
+    numba-cuda on demand (cuDF's UDFs): the GB10 is not refused, and what it runs without is named."""
+    facts = image(
+        [
+            layer_evidence([members(NUMBA["0.30.4"], _NUMBA_MEMBERS, "numba-cuda")]),
+            layer_evidence([members(CUPY["cupy-cuda12x", "13.6.0"], _CUPY_MEMBERS, "cupy-cub")]),
+            layer_evidence([libraries(NVRTC[(12, 8)], "libnvrtc.so.12")]),
+        ]
+    )
+    decision = place(facts, FLEET_580)
+    assert eligible(decision) == ALL
+    verdict = gpu_code.judge(archs_of(facts), (12, 1))
+    assert verdict.runs and verdict.without == [
+        "numba-cuda 0.30.4's kernels: on compute capability 9.0 and later it compiles for the GPU's own"
+        " architecture, which its NVRTC (CUDA 12.8) does not list, so the first launch stops: \"Can't use"
+        ' arch-specific compute_121a with closest found compute capability compute_120"; an NVRTC of CUDA'
+        " 12.9 or later lists it, so no @cuda.jit kernel runs here"
+    ]
 
 
 def test_numba_cuda_with_cuda_13s_nvrtc_is_refused_on_a_v100() -> None:
@@ -253,7 +275,9 @@ def test_numba_cuda_from_0_21_asks_the_nvrtc_cuda_pathfinder_loads() -> None:
 
 def test_numba_cuda_before_0_21_claims_a_release_only_where_every_copy_agrees() -> None:
     found = facts_of("0.20.0", f"{PY}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", *_SYSTEM, more=_WHEEL_12_9)
-    assert found is not None and found.nvrtc is None and numba_refusal(found, (7, 0)) is None
+    assert (
+        found is not None and found.nvrtc is None and numba_refusal(found, (7, 0), other_code=False) is None
+    )
     found = facts_of("0.16.0", f"{PY}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", more=_WHEEL_12_9)
     assert found is not None and found.nvrtc == "12.9"
 
@@ -261,11 +285,14 @@ def test_numba_cuda_before_0_21_claims_a_release_only_where_every_copy_agrees() 
 def test_numba_cuda_before_0_16_is_not_judged_and_none_is_refused_everywhere() -> None:
     found = facts_of("0.15.2", *_SYSTEM)
     assert found == NumbaFacts(distribution="numba-cuda", version="0.15.2")
-    assert all(numba_refusal(found, cc) is None for cc in CCS)
+    assert all(numba_refusal(found, cc, other_code=False) is None for cc in CCS)
     found = facts_of("0.30.4")
     assert found is not None and found.nvrtc == ""
-    refusal = numba_refusal(found, (9, 0))
-    assert refusal is not None and "its [cu12] or [cu13] extra (NVIDIA's NVRTC wheel) gives it one" in refusal
+    refusal = numba_refusal(found, (9, 0), other_code=False)
+    assert refusal is not None and refusal.endswith(
+        "the image carries no NVRTC for it to ask, so the first launch stops; its [cu12] or [cu13] extra"
+        " (NVIDIA's NVRTC wheel) gives it one"
+    )
     assert (
         numba_facts({f"{PY}/numba-0.60.0.dist-info": Distribution(name="numba", version="0.60.0")}, [])
         is None
