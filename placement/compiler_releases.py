@@ -5,7 +5,7 @@ with "Value 'sm_121a' is not defined for option 'gpu-name'" on a GB10, and so do
 `nvcc`. NVIDIA's release notes, and each `ptxas` triton 3.0.0 to 3.9.0 ships, and nvcc 13.0's and
 13.5's, run on a PTX file for every architecture here, agree: 12.8 brought sm_100, sm_101 and sm_120;
 12.9 sm_103 and sm_121; 13.0 renamed sm_101 to sm_110, brought sm_88 and dropped what came before
-sm_75; 13.4 brought sm_107. The lists NVIDIA's NVRTC 12.6, 12.8 and 13.0 give (`nvrtcGetSupportedArchs`)
+sm_75; 13.4 brought sm_107. The lists NVIDIA's NVRTC 12.6, 12.8, 12.9, 13.0 and 13.5 give (`nvrtcGetSupportedArchs`)
 agree too. An architecture from sm_80 on that the table does not list is taken as known to none. The
 judges of the run-time compilers (Triton, FlashInfer, tvm-ffi, torch's `cpp_extension`, CuPy, JAX,
 numba-cuda) read it.

@@ -21,7 +21,7 @@ numba-cuda for its UDFs), what the image runs without is named instead. `NUMBA_F
 architecture, and nothing is judged then. Not judged either: numba-cuda before 0.16 (its table keyed by
 the CUDA runtime, PTX of the closest older architecture), numba's own built-in CUDA target, and the link
 step (an nvJitLink or driver older than NVVM's PTX). Which releases list which architecture is
-`placement.compiler_releases`'s table; the tests hold it against NVIDIA's NVRTC of 12.6, 12.8 and 13.0.
+`placement.compiler_releases`'s table; the tests hold it against NVIDIA's NVRTC of 12.6, 12.8, 12.9, 13.0 and 13.5.
 """
 
 from __future__ import annotations

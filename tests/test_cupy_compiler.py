@@ -77,7 +77,17 @@ NVRTC = {
         "nvidia_cuda_nvrtc_cu12-12.8.93-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
         "a7756528852ef889772a84c6cd89d41dfa74667e24cca16bb31f8f061e3e9994",
     ),
+    (12, 9): RemoteWheel(
+        "nvidia-cuda-nvrtc-cu12",
+        "nvidia_cuda_nvrtc_cu12-12.9.86-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4",
+    ),
     (13, 0): CUDA13["nvrtc"],
+    (13, 5): RemoteWheel(
+        "nvidia-cuda-nvrtc",
+        "nvidia_cuda_nvrtc-13.5.37-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "86b4d68058807988b7d9af5b44917a0601e9c337f35ccd657bfb3c759ff8d8bc",
+    ),
 }
 # The NVRTC releases each build may load (14.x's `cuda.pathfinder` takes either major), and the CUDA it was built with.
 LOADS: dict[str, tuple[tuple[Release, ...], int]] = {
