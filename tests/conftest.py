@@ -64,8 +64,11 @@ _PREFETCH: list[subprocess.Popen[bytes]] = []
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the cache's prefetch (`python -m tests.prefetch`, lowest priority) when the session will
-    run a test that reads PyPI's wheels, unless GPUBADGE_PREFETCH=0."""
+    run a test that reads PyPI's wheels, unless GPUBADGE_PREFETCH=0. Under pytest-xdist every worker
+    collects the whole suite, and the first worker alone starts it."""
     if os.environ.get("GPUBADGE_PREFETCH", "1") == "0" or session.config.option.collectonly:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return
     if any(
         item.module is not None and item.module.__name__.rpartition(".")[2] in PREFETCHED_MODULES

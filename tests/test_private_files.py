@@ -53,8 +53,12 @@ def _plant(directory: Path, targets: list[Path], owner: int = OTHER_USER, mode: 
         (directory / name).symlink_to(target)
         names.append(name)
     (directory / "readme").write_text("planted\n")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as theirs:
-        theirs.bind(str(directory / "4242.0badf00d"))
+    held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # through the descriptor, as the service binds: a deep temp path would pass AF_UNIX's 108 bytes
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as theirs:
+            theirs.bind(f"/proc/self/fd/{held}/4242.0badf00d")
+    finally:
+        os.close(held)
     for name in [*names, "readme", "4242.0badf00d"]:
         os.lchown(directory / name, owner, owner)
     os.chown(directory, owner, owner)
