@@ -10,6 +10,7 @@ linked for the GPU (by nvJitLink or the driver). Which NVRTC it asks is the scan
   compiles forward), else, past the whole list, the newest listed;
 * a GPU older than every listed architecture stops the first launch: "GPU compute capability 7.0 is not
   supported(requires >=7.5)" (a V100 with CUDA 13's NVRTC);
+* with no libNVVM in the image (NVIDIA's runtime images carry none) nothing compiles at all;
 * from 0.24, on compute capability 9.0 and later it asks for the architecture-specific target
   (`compute_103a`), which has no older stand-in: where NVRTC does not list the GPU's own architecture the
   first launch stops with "Can't use arch-specific compute_121a with closest found compute capability
@@ -90,6 +91,11 @@ def _gap(numba: NumbaFacts | None, cc: CC) -> tuple[str, str] | None:
     if version < NVRTC_LIST_FROM:
         return None
     name = f"{numba.distribution} {numba.version}"
+    if numba.nvvm == "":
+        return name, (
+            "the image carries no libNVVM, which compiles every kernel, so the first launch stops; its [cu12] or"
+            " [cu13] extra (NVIDIA's nvcc or nvvm wheel) gives it one, as a CUDA devel image does"
+        )
     if numba.nvrtc == "":
         return name, (
             "the image carries no NVRTC for it to ask, so the first launch stops; its [cu12] or [cu13] extra"

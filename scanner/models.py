@@ -332,6 +332,12 @@ class NumbaFacts(BaseModel):
         " where the image carries none; null where the copies it may load disagree or their release is not known",
     )
     nvrtc_paths: list[str] = Field(default_factory=list, description="the copies it may load")
+    nvvm: str | None = Field(
+        default=None,
+        description='a libNVVM the image carries, which compiles every kernel (its path); "" where the image'
+        " carries none; null where not known (a layer not read whole, or a CUDA home the config names and the"
+        " image does not carry: a mount, perhaps)",
+    )
     forced_cc: str | None = Field(
         default=None,
         description="the config's `NUMBA_FORCE_CUDA_CC`: the architecture it compiles for instead of the GPU's",

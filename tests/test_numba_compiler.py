@@ -23,6 +23,7 @@ from placement.compiler_releases import CC, Release
 from placement.image_facts import ImageFacts
 from placement.numba_compiler import compile_target, listed, numba_gap, numba_refusal
 from scanner.layers.code_loading import Distribution, release_of
+from scanner.layers.cuda_evidence import CudaLayerEvidence
 from scanner.layers.cuda_jit_tools import with_jit_tools
 from scanner.layers.numba_nvrtc import numba_facts
 from scanner.models import GpuFacts, NumbaFacts
@@ -30,6 +31,7 @@ from tests.gpu_packages import CUDA13, SITE, layer_evidence, libraries, members
 from tests.pypi_members import RemoteWheel, member_files
 from tests.test_cupy_compiler import _CUPY_MEMBERS, CUPY, NVRTC, supported_archs
 from tests.test_gpu_packages import ALL, FLEET_580, archs_of, eligible, image, only, place
+from tests.test_jax_compiler import NVCC
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -164,13 +166,22 @@ _NUMBA_MEMBERS: Callable[[str], bool] = lambda name: (  # noqa: E731
 )
 
 
-def numba_image(version: str, nvrtc: Release) -> ImageFacts:
+NVVM = f"{SITE}/nvidia/cuda_nvcc/nvvm/lib64/libnvvm.so"  # NVIDIA's nvcc wheel's, which `[cu12]` installs
+
+
+def nvvm_layer() -> CudaLayerEvidence:
+    """libNVVM as NVIDIA's nvcc wheel 12.8.93 installs it (what numba-cuda compiles its kernels with)."""
+    return layer_evidence([libraries(NVCC["12.8"], "libnvvm.so")])
+
+
+def numba_image(version: str, nvrtc: Release, nvvm: bool = True) -> ImageFacts:
     soname = f"libnvrtc.so.{nvrtc[0]}"
     wheel = CUDA13["nvrtc"] if nvrtc[0] == 13 else NVRTC[nvrtc]
     return image(
         [
             layer_evidence([members(NUMBA[version], _NUMBA_MEMBERS, "numba-cuda")]),
             layer_evidence([libraries(wheel, soname)]),
+            *([nvvm_layer()] if nvvm else []),
         ]
     )
 
@@ -185,6 +196,7 @@ def test_numba_cuda_0_30_with_cuda_12_8s_nvrtc_is_refused_on_gb10() -> None:
         version="0.30.4",
         nvrtc="12.8",
         nvrtc_paths=[f"{SITE}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"],
+        nvvm=NVVM,
     )
     decision = place(facts, FLEET_580)
     assert eligible(decision) == ALL - {"gb10"}
@@ -198,6 +210,35 @@ def test_numba_cuda_0_30_with_cuda_12_8s_nvrtc_is_refused_on_gb10() -> None:
     assert eligible(place(numba_image("0.23.0", (12, 8)), FLEET_580)) == ALL
 
 
+def test_numba_cuda_without_libnvvm_is_refused_everywhere_unless_a_cuda_home_may_bring_one() -> None:
+    """`pip install numba-cuda` on NVIDIA's runtime image: NVRTC is there, libNVVM is not, and every kernel
+    fails to compile. A CUDA home the config names and the image lacks may be mounted: nothing is claimed."""
+    facts = numba_image("0.30.4", (12, 8), nvvm=False)
+    archs = archs_of(facts)
+    assert archs.numba is not None and archs.numba.nvvm == "" and archs.numba.nvrtc == "12.8"
+    decision = place(facts, FLEET_580)
+    assert eligible(decision) == set()
+    assert only(decision, "h100") == (
+        "1 free NVIDIA H100 80GB HBM3: compute capability 9.0: numba-cuda 0.30.4 compiles every @cuda.jit kernel"
+        " at its first launch, for an architecture its NVRTC lists: the image carries no libNVVM, which compiles"
+        " every kernel, so the first launch stops; its [cu12] or [cu13] extra (NVIDIA's nvcc or nvvm wheel)"
+        " gives it one, as a CUDA devel image does"
+    )
+    mounted = with_jit_tools(archs, GpuFacts(flashinfer_env={"CUDA_HOME": "/opt/cuda"}))
+    assert mounted.numba is not None and mounted.numba.nvvm is None
+    assert all(gpu_code.judge(mounted, cc).runs for cc in [(7, 0), (9, 0), (12, 0)])
+    partial = image(
+        [
+            layer_evidence([members(NUMBA["0.30.4"], _NUMBA_MEMBERS, "numba-cuda")]),
+            layer_evidence([libraries(NVRTC[(12, 8)], "libnvrtc.so.12")]).model_copy(
+                update={"complete": False}
+            ),
+        ]
+    )
+    unread = archs_of(partial).numba  # a layer not read whole: its names are not all known
+    assert unread is not None and unread.nvvm is None and unread.nvrtc == "12.8"
+
+
 def test_beside_gpu_code_of_its_own_the_image_runs_without_numbas_kernels() -> None:
     """cuDF's stack: numba-cuda beside packages that carry GPU code (CuPy's CUB module here), which call
     numba-cuda on demand (cuDF's UDFs): the GB10 is not refused, and what it runs without is named."""
@@ -206,6 +247,7 @@ def test_beside_gpu_code_of_its_own_the_image_runs_without_numbas_kernels() -> N
             layer_evidence([members(NUMBA["0.30.4"], _NUMBA_MEMBERS, "numba-cuda")]),
             layer_evidence([members(CUPY["cupy-cuda12x", "13.6.0"], _CUPY_MEMBERS, "cupy-cub")]),
             layer_evidence([libraries(NVRTC[(12, 8)], "libnvrtc.so.12")]),
+            nvvm_layer(),
         ]
     )
     decision = place(facts, FLEET_580)
@@ -255,7 +297,7 @@ PY = "/usr/local/lib/python3.11/site-packages"
 
 def facts_of(version: str, *paths: str, more: dict[str, Distribution] | None = None) -> NumbaFacts | None:
     dist = {f"{PY}/numba_cuda-{version}.dist-info": Distribution(name="numba-cuda", version=version)}
-    return numba_facts({**dist, **(more or {})}, paths)
+    return numba_facts({**dist, **(more or {})}, paths, [NVVM])
 
 
 _WHEEL_12_9 = {
@@ -284,7 +326,7 @@ def test_numba_cuda_before_0_21_claims_a_release_only_where_every_copy_agrees() 
 
 def test_numba_cuda_before_0_16_is_not_judged_and_none_is_refused_everywhere() -> None:
     found = facts_of("0.15.2", *_SYSTEM)
-    assert found == NumbaFacts(distribution="numba-cuda", version="0.15.2")
+    assert found == NumbaFacts(distribution="numba-cuda", version="0.15.2")  # nothing read: not judged
     assert all(numba_refusal(found, cc, other_code=False) is None for cc in CCS)
     found = facts_of("0.30.4")
     assert found is not None and found.nvrtc == ""
@@ -294,6 +336,6 @@ def test_numba_cuda_before_0_16_is_not_judged_and_none_is_refused_everywhere() -
         " (NVIDIA's NVRTC wheel) gives it one"
     )
     assert (
-        numba_facts({f"{PY}/numba-0.60.0.dist-info": Distribution(name="numba", version="0.60.0")}, [])
+        numba_facts({f"{PY}/numba-0.60.0.dist-info": Distribution(name="numba", version="0.60.0")}, [], [])
         is None
     )

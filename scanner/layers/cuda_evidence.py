@@ -114,7 +114,7 @@ from scanner.models import (
     TvmFfiFacts,
 )
 
-CUDA_EVIDENCE_SCHEMA = 17  # 2: containers carry their section; 3: and whether they hold kernels;
+CUDA_EVIDENCE_SCHEMA = 18  # 2: containers carry their section; 3: and whether they hold kernels;
 # 4: the CUDA libraries carried, standalone module files, distributions, extension imports;
 # 5: extensions loaded by path are named by globs and by the whole scope of the call (torchao 0.18);
 # 6: CUDA libraries as auditwheel renames its bundled copies (`libcudart-c64a25f3.so.12.3.101`);
@@ -131,6 +131,7 @@ CUDA_EVIDENCE_SCHEMA = 17  # 2: containers carry their section; 3: and whether t
 # 16: each `nvcc`'s CUDA release, the `c++` FlashInfer links with, the packages that import FlashInfer,
 #     and the Python headers and virtual environments (where Triton's launcher finds `Python.h`);
 # 17: the packages that build a CUDA extension with torch's `cpp_extension` when imported, and `ninja`
+# 18: files named like libNVVM (what numba-cuda compiles its kernels with)
 SMALL_FILE_BYTES = 64 << 10  # torch/version.py, build_info.py, version.json
 CONDA_META_BYTES = 1 << 20  # conda-meta JSON lists every file; name/version may come after
 ELF_MIN_BYTES = ELF_MAGIC_BYTES
@@ -151,6 +152,8 @@ MAX_PYTHON_HEADERS_PER_LAYER = 64  # files named `Python.h` (one per interpreter
 MAX_VENVS_PER_LAYER = 64  # virtual environments' `pyvenv.cfg` read for their base interpreter
 MAX_C_COMPILERS_PER_LAYER = 64  # files and links named `gcc`, `clang` or `c++` (Debian's g++: 2)
 MAX_NINJA_PER_LAYER = 64  # files and links named `ninja` (PyPI's ninja: 2, Debian's ninja-build: 1)
+MAX_NVVM_PER_LAYER = 64  # files and links named like libNVVM (a toolkit: 3, NVIDIA's nvcc wheel: 1)
+_NVVM = re.compile(r"^libnvvm\.so(?:\.\d{1,6}){0,3}$")
 # What Triton's `_find_compiler` (`runtime/build.py`, 3.0 to 3.9) looks for on PATH: `gcc`, else `clang`.
 C_COMPILERS = ("gcc", "clang")
 # What FlashInfer links its kernels with where `$CXX` is unset (`jit/cpp_ext.py`, 0.2.6 to 0.7.4).
@@ -251,6 +254,10 @@ class CudaLayerEvidence(BaseModel):
     ninja: list[str] = Field(
         default_factory=list,
         description="files and links named `ninja` (what torch's `cpp_extension` builds extensions with)",
+    )
+    nvvm: list[str] = Field(
+        default_factory=list,
+        description="files and links named like libNVVM (`libnvvm.so.4`: what numba-cuda compiles kernels with)",
     )
     torch_builds: dict[str, list[str]] = Field(
         default_factory=dict,
@@ -520,6 +527,8 @@ class CudaLayerCollector:
             self._keep_name(self.evidence.c_compilers, path)
         if entry.kind in ("file", "symlink", "hardlink") and name == NINJA:
             self._keep_name(self.evidence.ninja, path, MAX_NINJA_PER_LAYER, "MAX_NINJA_PER_LAYER")
+        if entry.kind in ("file", "symlink", "hardlink") and _NVVM.match(name):
+            self._keep_name(self.evidence.nvvm, path, MAX_NVVM_PER_LAYER, "MAX_NVVM_PER_LAYER")
         if entry.kind == "file" and _TRITON_UTILS.match(name):
             self._keep_name(self.evidence.triton_utils, path)
         if entry.kind in ("file", "symlink", "hardlink") and is_python_header(path):
@@ -814,6 +823,7 @@ class _Merged:
     toolkit_links: dict[str, str] = field(default_factory=dict)
     c_compilers: set[str] = field(default_factory=set)
     ninja: set[str] = field(default_factory=set)
+    nvvm: set[str] = field(default_factory=set)
     torch_builds: dict[str, set[str]] = field(default_factory=dict)
     triton_utils: set[str] = field(default_factory=set)
     python_headers: set[str] = field(default_factory=set)
@@ -847,6 +857,7 @@ def _merge(layers_top_down: Sequence[CudaLayerEvidence]) -> _Merged:
         merged.toolkit_links.update((p, t) for p, t in layer.toolkit_links.items() if visible(p))
         merged.c_compilers.update(p for p in layer.c_compilers if not hides.hidden_above(p, index))
         merged.ninja.update(p for p in layer.ninja if not hides.hidden_above(p, index))
+        merged.nvvm.update(p for p in layer.nvvm if not hides.hidden_above(p, index))
         for top, imports in layer.torch_builds.items():
             merged.torch_builds.setdefault(top, set()).update(imports)
         merged.triton_utils.update(p for p in layer.triton_utils if not hides.hidden_above(p, index))
@@ -991,7 +1002,20 @@ def combine(
         torch = archs.torch_extensions
         if torch is not None:
             torch = torch.model_copy(update={"python_header": None, "ninja_carried": None})
-        archs = archs.model_copy(update={"c_compilers": None, "triton": triton, "torch_extensions": torch})
+        cupy, numba = archs.cupy, archs.numba  # and no NVRTC or libNVVM found is not known either
+        if cupy is not None and cupy.nvrtc == "":
+            cupy = cupy.model_copy(update={"nvrtc": None})
+        if numba is not None:
+            numba = numba.model_copy(update={"nvrtc": numba.nvrtc or None, "nvvm": numba.nvvm or None})
+        archs = archs.model_copy(
+            update={
+                "c_compilers": None,
+                "triton": triton,
+                "torch_extensions": torch,
+                "cupy": cupy,
+                "numba": numba,
+            }
+        )
     return inferred, archs
 
 
@@ -1015,6 +1039,7 @@ def _bounds_text() -> dict[str, str]:
         "MAX_GLOBS_PER_LAYER": f"{python_loads.MAX_GLOBS_PER_LAYER:,} globs naming libraries",
         "MAX_LOAD_NAMES": f"{python_loads.MAX_LOAD_NAMES:,} names Python loads",
         "MAX_NINJA_PER_LAYER": f"{MAX_NINJA_PER_LAYER:,} files named ninja",
+        "MAX_NVVM_PER_LAYER": f"{MAX_NVVM_PER_LAYER:,} files named like libNVVM",
         "MAX_CLAUSE_SCAN_BYTES": f"{MAX_CLAUSE_SCAN_BYTES:,} bytes of Python read for the clauses of a try: around a build",
     }
 
@@ -1103,7 +1128,7 @@ def image_archs(
                 error=None if found.containers or found.error is None else found.error,
             )
         )
-    numba = numba_facts(merged.distributions, merged.library_paths)
+    numba = numba_facts(merged.distributions, merged.library_paths, merged.nvvm)
     if not files and numba is None:  # numba-cuda carries no GPU code: it compiles every kernel at run time
         return None
     listed = len(files)

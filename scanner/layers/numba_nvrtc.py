@@ -13,7 +13,13 @@ extras install NVIDIA's wheel. Where it finds one, read in its source 0.16.0 to 
   carries may be the one, so a release is claimed only where every copy agrees;
 * before 0.16 it kept a table keyed by the CUDA runtime's version: no NVRTC is read (the facts carry none).
 
-The config's `NUMBA_FORCE_CUDA_CC` replaces the GPU's architecture (`with_numba_config`).
+NVVM compiles every kernel (numba's LLVM IR to PTX), and no NVIDIA runtime image or driver mount brings it:
+NVIDIA's nvcc wheel (`nvidia/cuda_nvcc/nvvm/lib64/libnvvm.so`, CUDA 12, which the `[cu12]` extra installs),
+its `nvidia-nvvm` wheel (`nvidia/cu13/lib/libnvvm.so.4`, CUDA 13) and a toolkit's `nvvm/lib64` (the `devel`
+images) do. Where the image carries no file named like libNVVM, numba-cuda compiles nothing (`nvvm` "").
+
+The config's `NUMBA_FORCE_CUDA_CC` replaces the GPU's architecture, and a `CUDA_HOME` or `CUDA_PATH` it
+sets may name a mounted toolkit, whose libNVVM numba-cuda looks for there (`with_numba_config`).
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ BINDINGS_FROM = (0, 21)  # NVRTC through `cuda.bindings`, hence `cuda.pathfinder
 MAX_PATHS_SHOWN = 8
 
 
-def numba_facts(distributions: Mapping[str, Distribution], library_paths: Iterable[str]) -> NumbaFacts | None:
+def numba_facts(
+    distributions: Mapping[str, Distribution], library_paths: Iterable[str], nvvm: Iterable[str]
+) -> NumbaFacts | None:
     """numba-cuda's facts where it is installed (the first found, by dist-info path): its version, the
-    NVRTC copies it may load and their CUDA release (module docstring)."""
+    NVRTC copies it may load and their CUDA release, and a libNVVM the image carries (`nvvm`: the files
+    named like one), "" where none (module docstring)."""
     for dist_info, distribution in sorted(distributions.items()):
         if distribution.name != "numba-cuda":
             continue
@@ -49,13 +58,20 @@ def numba_facts(distributions: Mapping[str, Distribution], library_paths: Iterab
             version=distribution.version,
             nvrtc=copies_release(paths, nvrtc, distributions),
             nvrtc_paths=paths[:MAX_PATHS_SHOWN],
+            nvvm=min(nvvm, default=""),
         )
     return None
 
 
 def with_numba_config(archs: GpuArchs, gpu: GpuFacts) -> GpuArchs:
-    """`archs` with the config's `NUMBA_FORCE_CUDA_CC`, where it sets one and the image carries numba-cuda."""
-    forced = gpu.flashinfer_env.get("NUMBA_FORCE_CUDA_CC", "").strip()
-    if archs.numba is None or not forced:
+    """`archs` with the config's `NUMBA_FORCE_CUDA_CC`, and no libNVVM taken as unknown where the config
+    names a CUDA home (`CUDA_HOME`, `CUDA_PATH`), which may be mounted, where the image carries numba-cuda."""
+    numba = archs.numba
+    if numba is None:
         return archs
-    return archs.model_copy(update={"numba": archs.numba.model_copy(update={"forced_cc": forced})})
+    forced = gpu.flashinfer_env.get("NUMBA_FORCE_CUDA_CC", "").strip()
+    update: dict[str, str | None] = {"forced_cc": forced or None}
+    if numba.nvvm == "" and (gpu.flashinfer_env.get("CUDA_HOME") or gpu.flashinfer_env.get("CUDA_PATH")):
+        update["nvvm"] = None
+    changed = numba.model_copy(update=update)
+    return archs if changed == numba else archs.model_copy(update={"numba": changed})
