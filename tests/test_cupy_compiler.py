@@ -329,3 +329,12 @@ def test_many_copies_of_nvrtc_cost_their_number_not_its_square() -> None:
     found = facts_of("cupy-cuda12x 13.6.0", *paths)
     assert time.process_time() - started < 10
     assert found is not None and found.nvrtc is None and len(found.nvrtc_paths) == 8
+
+
+def test_a_layer_not_read_whole_leaves_a_missing_nvrtc_unknown() -> None:
+    """An NVRTC past a layer's read is unseen: CuPy is not refused everywhere for want of one."""
+    cub = layer_evidence([members(CUPY["cupy-cuda12x", "13.6.0"], _CUPY_MEMBERS, "cupy-cub")])
+    whole = archs_of(image([cub])).cupy
+    assert whole is not None and whole.nvrtc == ""
+    partial = archs_of(image([cub.model_copy(update={"complete": False})])).cupy
+    assert partial is not None and partial.nvrtc is None and cupy_refusal(partial, (9, 0)) is None
