@@ -2,27 +2,28 @@
 
 numba-cuda compiles every `@cuda.jit` kernel at its first launch: NVVM writes PTX for the architecture
 `nvrtc.get_arch_option` picks from the list its NVRTC gives (`nvrtcGetSupportedArchs`), and the PTX is
-linked for the GPU (by nvJitLink or the driver). Which NVRTC it asks is the scan's
-(`scanner.layers.numba_nvrtc`); what it picks, read in its source 0.16.0 to 0.30.4 (`find_closest_arch`,
-`get_arch_option`, `codegen._ensure_cc`):
+linked for the GPU (by nvJitLink or the driver). Which NVRTC it asks, and whether the image carries the
+libNVVM it compiles with, is the scan's (`scanner.layers.numba_nvrtc`). What it picks, read in its
+source 0.16.0 to 0.30.4 (`find_closest_arch`, `get_arch_option`, `codegen._ensure_cc`):
 
 * the GPU's own architecture where NVRTC lists it, else the newest listed below it (PTX the driver
   compiles forward), else, past the whole list, the newest listed;
 * a GPU older than every listed architecture stops the first launch: "GPU compute capability 7.0 is not
   supported(requires >=7.5)" (a V100 with CUDA 13's NVRTC);
-* with no libNVVM in the image (NVIDIA's runtime images carry none) nothing compiles at all;
 * from 0.24, on compute capability 9.0 and later it asks for the architecture-specific target
   (`compute_103a`), which has no older stand-in: where NVRTC does not list the GPU's own architecture the
   first launch stops with "Can't use arch-specific compute_121a with closest found compute capability
   compute_120" (a GB10 with CUDA 12.8's NVRTC).
 
-Nothing falls back: the launch raises. Where numba-cuda is the image's only GPU code, its kernels are
-what the image runs on the GPU, and it is refused there; beside GPU code of its own (cuDF, which calls
-numba-cuda for its UDFs), what the image runs without is named instead. `NUMBA_FORCE_CUDA_CC` in the config replaces the GPU's
-architecture, and nothing is judged then. Not judged either: numba-cuda before 0.16 (its table keyed by
-the CUDA runtime, PTX of the closest older architecture), numba's own built-in CUDA target, and the link
-step (an nvJitLink or driver older than NVVM's PTX). Which releases list which architecture is
-`placement.compiler_releases`'s table; the tests hold it against NVIDIA's NVRTC of 12.6, 12.8, 12.9, 13.0 and 13.5.
+With no libNVVM in the image (NVIDIA's runtime images carry none) nothing compiles at all. Nothing falls
+back: the launch raises. Where numba-cuda is the image's only GPU code, its kernels are what the image
+runs on the GPU, and it is refused there; beside GPU code of its own (cuDF, which calls numba-cuda for its
+UDFs), what the image runs without is named instead. `NUMBA_FORCE_CUDA_CC` in the config replaces the
+GPU's architecture, and nothing is judged then. Not judged either: numba-cuda before 0.16 (its table keyed
+by the CUDA runtime, PTX of the closest older architecture), numba's own built-in CUDA target, and the
+link step (an nvJitLink or driver older than NVVM's PTX). Which releases list which architecture is
+`placement.compiler_releases`'s table; the tests hold it against NVIDIA's NVRTC of 12.6, 12.8, 12.9, 13.0
+and 13.5.
 """
 
 from __future__ import annotations
