@@ -633,7 +633,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
     default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: where
     it is the image's only GPU code) and they cannot be built here, else a line of what the image runs without."""
     torch = archs.torch_extensions
-    own = any(counted(f) for f in archs.files)  # numba-cuda's kernels beside GPU code the image carries
+    own = _loads_code(archs)  # numba-cuda's kernels beside GPU code the image carries
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
@@ -691,7 +691,12 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
 def has_code(archs: GpuArchs | None) -> bool:
     """Whether the image carries GPU code to judge (else only its CUDA version can be judged): code it can
     load, or numba-cuda, which carries none and compiles every kernel at run time (`placement.numba_compiler`)."""
-    return archs is not None and (archs.numba is not None or any(counted(f) for f in archs.files))
+    return archs is not None and (archs.numba is not None or _loads_code(archs))
+
+
+def _loads_code(archs: GpuArchs) -> bool:
+    """Whether the image carries GPU code it can load."""
+    return any(counted(f) for f in archs.files)
 
 
 NEWER_THAN_KNOWN: CC = (KNOWN_COMPUTE_CAPABILITIES[-1][0] + 1, 0)  # what only PTX can reach
