@@ -29,7 +29,7 @@ import yaml
 from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
 from fixtures.registry import LocalRegistry, free_port, run_registry
-from fixtures.service import RunningService, run_role_process, run_service_process
+from fixtures.service import RunningService, run_role_process, run_service_process, wait_healthy
 from store import queries
 from tests.test_service_e2e import call, metric_values, wait_job
 
@@ -146,11 +146,11 @@ async def test_two_apis_two_workers_one_killed_every_image_scanned_once(
             )
             for n in range(2)
         ]
-        metrics_port = free_port()
+        metrics_ports = [free_port(), free_port()]
         workers = [
             stack.enter_context(
                 run_role_process(
-                    ("worker", "--concurrency", "4", *(("--metrics-port", str(metrics_port)) if n else ())),
+                    ("worker", "--concurrency", "4", "--metrics-port", str(metrics_ports[n])),
                     sqlite_paths[2 + n],
                     env,
                     tmp_path / f"worker{n}.log",
@@ -158,7 +158,11 @@ async def test_two_apis_two_workers_one_killed_every_image_scanned_once(
             )
             for n in range(2)
         ]
-        victim = workers[0]
+        # Both claim before the first push: a worker that started after the victim died would hand its
+        # jobs back at start (a dead local owner), not through their leases, which this test is about.
+        for port, worker in zip(metrics_ports, workers, strict=True):
+            await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", worker, 60.0)
+        victim, metrics_port = workers[0], metrics_ports[1]
         acked: dict[str, list[str]] = {}
         timeout = aiohttp.ClientTimeout(total=20)
         async with aiohttp.ClientSession(timeout=timeout) as session:
