@@ -21,8 +21,8 @@ import pytest
 
 from fixtures.notifications import distribution_push
 from fixtures.oci import ImageSpec, LayerSpec, file, push_many
-from fixtures.registry import run_registry
-from fixtures.service import run_role_process, run_service_process
+from fixtures.registry import free_port, run_registry
+from fixtures.service import run_role_process, run_service_process, wait_healthy
 from store import AsyncStore, EnqueueBatch, SqliteStore, queries
 from store.events import (
     ALL_CHANNELS,
@@ -212,10 +212,15 @@ def test_an_api_process_and_a_worker_process_on_one_sqlite_file_wake_each_other(
             "GPUBADGE_WORKERS": "0",
         }
         worker_env = {**env, "GPUBADGE_WORKERS": "2"}
+        metrics_port = free_port()
         with (
             run_service_process(db, env=env) as api,
-            run_role_process(["worker"], db, worker_env, tmp_path / "worker.log"),
+            run_role_process(
+                ["worker", "--metrics-port", str(metrics_port)], db, worker_env, tmp_path / "worker.log"
+            ) as worker,
         ):
+            # the worker claims before the first push: its start-up is not what the bound below times
+            wait_healthy(f"http://127.0.0.1:{metrics_port}", worker, 60.0)
             for repository, digest in digests.items():
                 started = time.monotonic()
                 delivered = call(
