@@ -134,6 +134,7 @@ class ScanWorkers:
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # job id -> its scan
         self._before_facts: set[str] = set()  # jobs whose config facts are not published yet
+        self._recording: set[str] = set()  # jobs whose outcome is being written (the write checks the lease)
         self._started: dict[str, tuple[Job, float]] = {}  # job id -> the job and when its scan began
         self._waiting_since: dict[str, float] = {}  # registry with ready jobs and none in flight -> since
         self._next_wait_check = 0.0
@@ -316,6 +317,7 @@ class ScanWorkers:
         self._running.pop(job_id, None)
         self._started.pop(job_id, None)
         self._before_facts.discard(job_id)
+        self._recording.discard(job_id)
 
     async def _preempt_for_a_waiting_registry(self) -> None:
         """Every slot here is busy: if a registry has waited `preempt_after` seconds with ready jobs
@@ -398,6 +400,10 @@ class ScanWorkers:
             held = set(await self.store.renew_leases(self.owner, ids, self.settings.lease_seconds))
             for job_id in ids:
                 task = self._running.get(job_id)
+                # A job whose outcome is being written is not renewed once that write commits (it is
+                # done): its scan is not cancelled, and a lease truly lost shows in that write's answer.
+                if job_id in self._recording:
+                    continue
                 if job_id not in held and task is not None and not task.done():
                     log.warning("lost the lease on job %s; another worker runs it now", job_id)
                     task.cancel()
@@ -420,12 +426,14 @@ class ScanWorkers:
             # Counted before the outcome is written: whoever sees the job settled sees it counted.
             if self.events.on_outcome:
                 self.events.on_outcome(JobOutcome(job, report, time.monotonic() - started))
+            self._recording.add(job.id)
             await self._record(job, report)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not kill the pool; the lease brings the job back
             log.exception("worker crashed on job %s", job.id)
             error = f"internal error: {_describe(exc)}"
+            self._recording.add(job.id)
 
             async def fail() -> JobState | None:
                 return await self.store.fail_job(
