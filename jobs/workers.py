@@ -355,7 +355,10 @@ class ScanWorkers:
         candidates = [
             (-running.get(job.registry, 0), began, job)
             for job_id, (job, began) in self._started.items()
-            if running.get(job.registry, 0) >= 2 and job_id in self._running and job_id in holding
+            if running.get(job.registry, 0) >= 2
+            and job_id in self._running
+            and job_id in holding
+            and job_id not in self._recording  # its scan is over: putting it back would only redo it
         ]
         if not candidates:
             return
