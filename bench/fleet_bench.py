@@ -128,6 +128,7 @@ class SimAgent:
     answered_since: float = 0.0  # monotonic time the last poll the service answered (200) was sent
     polls: int = 0  # polls the service answered
     received: dict[str, float] = field(default_factory=dict)  # deployment id -> when the poll got it
+    reported: set[str] = field(default_factory=set)  # deployments the service accepted "running" for
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -242,9 +243,16 @@ class Fleet:
                 continue
             agent.poll_since = None
             for deployment in deployments:
-                if deployment.id not in agent.received:
-                    agent.received[deployment.id] = time.monotonic()
+                agent.received.setdefault(deployment.id, time.monotonic())
+                if deployment.id in agent.reported:
+                    continue
+                # As the agent does, a report the service did not take (it was restarting) is not
+                # the end of the agent: it polls on, and reports when the deployment comes again.
+                try:
                     await self.polls.report(deployment.id, DeploymentStatus(state="running"))
+                    agent.reported.add(deployment.id)
+                except ServiceError as exc:
+                    self._error(exc)
 
     def total_beats(self) -> int:
         return sum(agent.beats for agent in self.agents)

@@ -205,3 +205,49 @@ def test_the_agent_backs_off_with_jitter_and_honours_retry_after() -> None:
     assert ceilings[-1] <= 10.0 and ceilings[-1] >= 5.0  # doubled up to `most`, never past it
     told = [Backoff(rng=random.Random(seed)).next(retry_after=5.0) for seed in range(200)]
     assert min(told) >= 5.0 and max(told) <= 7.5 and max(told) - min(told) > 2.0  # spread, not lockstep
+
+
+async def test_a_simulated_agent_whose_report_fails_polls_on_and_reports_again() -> None:
+    """The bench's agents stand in for real ones: a report the service does not take (a restart cut
+    it) ends neither the agent's poll loop nor its report, as in agent/loop.py. The reconnect storm
+    once waited its full minute for an agent whose loop had died of a report cut by the restart."""
+    deployment = {
+        "id": "d1",
+        "image": "r.example/app:1",
+        "digest": "sha256:" + "0" * 64,
+        "gpu_required": True,
+    }
+    polls = 0
+    statuses: list[int] = []
+    reported = asyncio.Event()
+
+    async def poll(request: web.Request) -> web.Response:
+        nonlocal polls
+        polls += 1
+        if reported.is_set():  # held, as a long poll with nothing new is
+            await asyncio.sleep(float(request.query["wait"]))
+        return web.json_response({"deployments": [deployment]})
+
+    async def status(request: web.Request) -> web.Response:
+        statuses.append(503 if not statuses else 200)
+        if statuses[-1] == 200:
+            reported.set()
+        return web.json_response({"error": "restarting"} if statuses[-1] == 503 else {}, status=statuses[-1])
+
+    app = web.Application()
+    app.router.add_get("/api/agents/{name}/deployments", poll)
+    app.router.add_post("/api/deployments/{id}/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    fleet = fleet_bench.Fleet(f"http://127.0.0.1:{port}", 0, 1, heartbeat=60.0, poll_wait=1.0, gpus=1)
+    try:
+        [agent] = fleet.agents
+        fleet.start(agent)
+        await asyncio.wait_for(reported.wait(), 10)
+        assert statuses == [503, 200] and agent.reported == {"d1"} and "d1" in agent.received
+        assert polls >= 2 and not agent.tasks[1].done()  # the poll loop lives on
+    finally:
+        await fleet.close()
+        await runner.cleanup()
