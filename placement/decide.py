@@ -66,6 +66,7 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
             (refused if result[0] else eligible).append(bucket)
     warnings = list(dict.fromkeys(w for plan in query.plans.values() for w in plan.requirements.warnings))
     warnings += [caveat for caveat in dict.fromkeys(query.caveats()) if caveat not in warnings]
+    warnings += image.outdated
     hints = [
         hint
         for hint in (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from placement.image_needs import GpuUse, carries_cuda, gpu_use, strongest
-from scanner.models import GpuFacts, ImageReport, LibcVerdict, Platform
+from scanner.models import ANALYSIS_VERSION, GpuFacts, ImageReport, LibcVerdict, Platform
 
 
 class PlatformFacts(BaseModel):
@@ -19,6 +19,9 @@ class PlatformFacts(BaseModel):
     architecture: str
     gpu: GpuFacts = Field(default_factory=GpuFacts)
     libc: LibcVerdict = Field(default_factory=LibcVerdict)
+    analysis: int = Field(
+        default=ANALYSIS_VERSION, description="the analysis that read it (`PlatformReport.analysis`)"
+    )
 
 
 class ImageFacts(BaseModel):
@@ -39,7 +42,11 @@ class ImageFacts(BaseModel):
                 continue  # attestation manifests and other non-runnable entries
             platforms.append(
                 PlatformFacts(
-                    platform=item.platform, architecture=platform.architecture, gpu=item.gpu, libc=item.libc
+                    platform=item.platform,
+                    architecture=platform.architecture,
+                    gpu=item.gpu,
+                    libc=item.libc,
+                    analysis=item.analysis,
                 )
             )
         return cls(reference=report.reference, platforms=platforms)
@@ -82,6 +89,19 @@ class ImageFacts(BaseModel):
             " device, however many its container is given (NVIDIA's MIG user guide), so start each with one"
             " MIG UUID in CUDA_VISIBLE_DEVICES"
         )
+
+    @property
+    def outdated(self) -> list[str]:
+        """A warning per platform read by an older analysis than this service runs: facts that newer
+        judges read are missing from it (a run-time compiler, an optional extension), so a verdict on
+        it may be wrong either way until the image is scanned again."""
+        return [
+            f"{platform.platform}: read by an older gpubadge analysis ({platform.analysis}; this service"
+            f" runs {ANALYSIS_VERSION}), so what newer judges read is missing and a verdict may be wrong;"
+            " scan it again (POST /api/scans with rescan: true, or ask with the API token)"
+            for platform in self.platforms
+            if platform.analysis < ANALYSIS_VERSION
+        ]
 
     @property
     def pending(self) -> list[str]:

@@ -8,9 +8,9 @@ them, the API serves them and placement reads them. The JSON field names of
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 LibcFlavour = Literal["glibc", "musl", "none", "unknown"]
 # Where a platform's layer verdicts (libc, inferred CUDA, archs) stand:
@@ -19,6 +19,17 @@ LibcFlavour = Literal["glibc", "musl", "none", "unknown"]
 # `not_analysed`: no layer is read for this platform (not linux, outside GPUBADGE_PLATFORMS,
 # a config-only scan); `reason` says which.
 LayerState = Literal["analysed", "pending", "not_analysed"]
+
+
+# The analysis a platform report comes from: bumped whenever a scan would now record facts that an
+# earlier scan of the same image did not (a new judge's facts, a layer walk that keeps more evidence),
+# so that a report stored before is read again instead of reused (`PlatformReport.analysis`).
+# tests/test_analysis_version.py pins it to the report's shape and the evidence schemas, and fails
+# when either changes without it.
+ANALYSIS_VERSION = 1
+# How a stored report's JSON is validated (`store.queries.reports`): a report without `analysis` was
+# stored before versions were recorded, and counts as analysis 0.
+STORED = {"stored": True}
 
 
 def utc_now() -> datetime:
@@ -616,6 +627,25 @@ class PlatformReport(BaseModel):
         " pending report is trusted only while that job holds a live lease; once it does not, the read was"
         " interrupted and the next scan of the image reads the layers again",
     )
+    analysis: int = Field(
+        default=ANALYSIS_VERSION,
+        ge=0,
+        description="the version of gpubadge's analysis that read this platform; one older than the"
+        " running service's is not reused: a scan reads the image again (0: stored before versions)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_versions(cls, data: Any, info: ValidationInfo) -> Any:
+        """A stored report (validated with the `STORED` context) that records no analysis is analysis 0."""
+        if info.context == STORED and isinstance(data, dict) and "analysis" not in data:
+            return {**data, "analysis": 0}
+        return data
+
+    @property
+    def outdated(self) -> bool:
+        """Read by an older analysis than this one: its facts may lack what newer judges read."""
+        return self.analysis < ANALYSIS_VERSION
 
 
 class ImageReport(BaseModel):

@@ -27,7 +27,9 @@ A pending report names the scan job reading its layers (`PlatformReport.pending_
 a live lease (`ScanCache.scan_in_flight`): the job will complete it. A read that was interrupted
 (pre-empted, its worker killed or cut off, a shutdown that ended mid-read) leaves a pending report
 whose job no longer runs, or runs again as this very scan: then the layers are read again.
-`ScanOptions.force` (a rescan) reuses nothing stored.
+`ScanOptions.force` (a rescan) reuses nothing stored, and nothing stored by an older analysis
+(`PlatformReport.analysis` below `ANALYSIS_VERSION`) is reused either: after an upgrade, each image is
+read again at its next scan (its layers' evidence comes from the cache while its schema stands).
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def _reusable(stored: ImageReport | None, options: ScanOptions) -> bool:
         return False
     if any(platform.error for platform in stored.platforms):
         return False  # an unreachable blob or a crashed analysis: try those platforms again
+    if any(platform.outdated for platform in stored.platforms):
+        return False  # read by an older analysis: read again, for what newer judges read
     return not (stored.config_only and not options.config_only)
 
 
@@ -433,7 +437,8 @@ class Scanner:
     ) -> PlatformReport | None:
         """A platform image already scanned (e.g. as part of its index) that answers `options`.
 
-        Reused when nothing failed on it, and its layers were read if they are to be read now; one
+        Reused when nothing failed on it, this analysis read it (`PlatformReport.outdated`), and its
+        layers were read if they are to be read now; one
         whose layers are being read right now by a live scan only with `accept_pending`. A libc
         flavour of `unknown` comes from layers that could not be read (or a report stored before
         layer states existed), so a scan that reads layers reads them again.
@@ -453,7 +458,7 @@ class Scanner:
         accept_pending: bool = False,
     ) -> PlatformReport | None:
         """`stored` when it answers `options` (see `_stored_platform`), else None."""
-        if stored is None or stored.error or options.force:
+        if stored is None or stored.error or options.force or stored.outdated:
             return None
         if stored.libc.state == "pending":
             return stored if accept_pending else None

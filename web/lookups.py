@@ -141,11 +141,18 @@ async def scan_jobs_of(services: Services, reference: Reference) -> tuple[Job | 
     return pending, pending or await services.store.run(queries.latest_job_for, str(reference))
 
 
+def _outdated(report: ImageReport) -> bool:
+    return any(platform.outdated for platform in report.platforms)
+
+
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
     """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
 
     A scan costs registry traffic and a worker's time, so a caller without the API token
-    (`may_scan=False`) gets a 404 that says how to ask for the scan instead.
+    (`may_scan=False`) gets a 404 that says how to ask for the scan instead. A report an older
+    analysis read (`PlatformReport.outdated`) is read again first when `may_scan` (the scan does not
+    reuse it); where that cannot be done now (its registry left the allowlist, the scan fails) the
+    stored report answers, and placement's answer says it is outdated.
     """
     try:
         reference = parse_reference(text)
@@ -153,6 +160,14 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
         raise json_http_error(web.HTTPBadRequest, str(exc)) from None
     report = await find_report(services, reference)
     if report is not None:
+        if (
+            may_scan
+            and _outdated(report)
+            and services.scanner
+            and services.settings.allows(reference.registry)
+        ):
+            again = await services.scanner.scan(str(reference))
+            return report if again.error else again
         return report
     if not may_scan:
         if await services.store.run(queries.pending_job_for, str(reference)) is not None:

@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from scanner.facts.badges import libc_label
-from scanner.models import ImageReport, PlatformReport
+from scanner.models import STORED, ImageReport, PlatformReport
 from store.dialect import Db, reads, writes
 from store.models import ImageRow
 from store.queries.jobs import JobEnd, finish_job
@@ -161,7 +161,7 @@ def save_scan_results(db: Db, writes: Sequence[ScanWrite]) -> frozenset[str]:
 @reads
 def report(db: Db, digest: str) -> ImageReport | None:
     row = db.one("SELECT report FROM reports WHERE digest = :digest", {"digest": digest})
-    return ImageReport.model_validate_json(row[0]) if row else None
+    return ImageReport.model_validate_json(row[0], context=STORED) if row else None
 
 
 @reads
@@ -175,7 +175,7 @@ def report_page(db: Db, *, after: str, since: datetime | None, limit: int) -> li
         where += " AND scanned_at > :since"
         params["since"] = db.dialect.stamp_param(since)
     rows = db.all(f"SELECT report FROM reports WHERE {where} ORDER BY digest LIMIT :limit", params)
-    return [ImageReport.model_validate_json(row[0]) for row in rows]
+    return [ImageReport.model_validate_json(row[0], context=STORED) for row in rows]
 
 
 @reads
@@ -192,7 +192,7 @@ def has_report(db: Db, digest: str) -> bool:
 @reads
 def platform_report(db: Db, digest: str) -> PlatformReport | None:
     row = db.one("SELECT report FROM platform_reports WHERE digest = :digest", {"digest": digest})
-    return PlatformReport.model_validate_json(row[0]) if row else None
+    return PlatformReport.model_validate_json(row[0], context=STORED) if row else None
 
 
 # A digest's report as an image and as one platform of an index (JSON texts), in one statement.
@@ -205,8 +205,8 @@ def stored(db: Db, digest: str) -> tuple[ImageReport | None, PlatformReport | No
     row = db.one(_BOTH_REPORTS, {"d": digest})
     image, platform = row if row else (None, None)
     return (
-        ImageReport.model_validate_json(image) if image else None,
-        PlatformReport.model_validate_json(platform) if platform else None,
+        ImageReport.model_validate_json(image, context=STORED) if image else None,
+        PlatformReport.model_validate_json(platform, context=STORED) if platform else None,
     )
 
 
@@ -224,8 +224,8 @@ def reference_report(
     row = db.one(_BOTH_REPORTS, {"d": digest})
     image, platform = row if row else (None, None)
     if image:  # the platform's JSON is parsed only when there is no image report
-        return digest, ImageReport.model_validate_json(image), None
-    return digest, None, PlatformReport.model_validate_json(platform) if platform else None
+        return digest, ImageReport.model_validate_json(image, context=STORED), None
+    return digest, None, PlatformReport.model_validate_json(platform, context=STORED) if platform else None
 
 
 @reads
@@ -243,9 +243,9 @@ def stored_many(
     for digest, document, as_image in rows:
         image, platform = found[digest]
         if as_image:
-            image = ImageReport.model_validate_json(document)
+            image = ImageReport.model_validate_json(document, context=STORED)
         else:
-            platform = PlatformReport.model_validate_json(document)
+            platform = PlatformReport.model_validate_json(document, context=STORED)
         found[digest] = (image, platform)
     return found
 
@@ -416,7 +416,7 @@ def index_of(db: Db, registry: str, repository: str, digest: str) -> IndexOf | N
         row = db.one(sql.format(where="1 = 1"), params)
     if row is None:
         return None
-    report = ImageReport.model_validate_json(row[3])
+    report = ImageReport.model_validate_json(row[3], context=STORED)
     platform = next((p.platform for p in report.platforms if p.digest == digest), "")
     return IndexOf(row[0], row[1], platform, db.dialect.stamp(row[2]) or "")
 
@@ -452,7 +452,7 @@ def scan_verdicts(db: Db, names: Mapping[str, tuple[str, str]]) -> dict[str, Sca
             f"SELECT p.digest, p.report FROM platform_reports p WHERE {dialect.in_list('p.digest', 'rest')}",
             {"rest": dialect.array(rest)},
         ):
-            platform = PlatformReport.model_validate_json(document)
+            platform = PlatformReport.model_validate_json(document, context=STORED)
             registry, repository = names[digest]
             index = index_of(db, registry, repository, digest)
             found[digest] = ScanVerdict(digest, platform.gpu.required, list(platform.badges), index)

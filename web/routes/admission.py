@@ -135,6 +135,16 @@ async def _answer(
         return response
     reports, warnings = await _stored_reports(services, pod)
     unknown = [image for image, report in reports.items() if report is None]
+    outdated = [
+        image
+        for image, report in reports.items()
+        if report is not None and any(platform.outdated for platform in report.platforms)
+    ]
+    warnings += [
+        f"{image}: judged from a report an older gpubadge analysis wrote, which may miss what newer judges read"
+        for image in outdated
+    ]
+    unknown += outdated  # a scan reads them again (it does not reuse an outdated report)
     if not request.dry_run and unknown:  # queuing a scan is our one side effect: NoneOnDryRun
         if may_queue:
             _scan_unknown(services, background, unknown)
