@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 import typing
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -108,10 +111,12 @@ def as_an_older_gpubadge_wrote(db: Path) -> int:
     return changed
 
 
-async def scan_into(db: Path, reference: str, options: ScanOptions | None = None) -> ImageReport:
+async def scan_into(
+    db: Path, reference: str, options: ScanOptions | None = None, database_url: str | None = None
+) -> ImageReport:
     settings = ScannerSettings(docker_config=None, deep_scan="never")
     async with RegistryClient(settings) as client:
-        store = open_store(db)
+        store = open_store(db, database_url=database_url)
         try:
             return await Scanner(client, store.scan_cache, settings).scan(reference, options)
         finally:
@@ -251,3 +256,88 @@ async def test_admission_judges_an_outdated_report_with_a_warning_and_queues_its
         assert job["source"] == "admission" and wait_job(service.url, str(job["id"]))["state"] == "done"
         after = admit(service, gpu_pod)
         assert after["allowed"] is True and not after.get("warnings"), after
+
+
+def _rescan_outdated(db: Path | None, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpubadge.cli",
+            "db",
+            "rescan-outdated",
+            *(["--db", str(db)] if db else []),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0 and not done.stderr, done
+    return done.stdout
+
+
+async def test_rescan_outdated_queues_each_outdated_image_once_within_its_limit_and_the_workers_bring_it_up(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher
+) -> None:
+    push(ImageSpec([catalog.ubuntu_base()]), "analysis/sweep-one:1")
+    push(catalog.multi_arch(), "analysis/sweep-index:1")
+    push(catalog.plain_glibc(), "analysis/sweep-today:1")
+    db = tmp_path / "sweep.db"
+    old = [await scan_into(db, f"{registry.host}/analysis/sweep-{name}:1") for name in ("one", "index")]
+    as_an_older_gpubadge_wrote(db)
+    assert (await scan_into(db, f"{registry.host}/analysis/sweep-today:1")).error is None
+
+    first = _rescan_outdated(db, "--limit", "1")
+    assert first.startswith(
+        "3 stored images read; 2 read by an analysis older than this one (1): 1 scans queued now,"
+    )
+    assert "1 not queued (past --limit 1" in first
+    second = _rescan_outdated(db)  # the first is waiting: not queued twice
+    assert "2 read by an analysis older than this one (1): 1 scans queued now, 1 already waiting" in second
+    assert "not queued" not in second
+
+    env = {"GPUBADGE_REGISTRIES": registry.host}
+    with run_service_process(db, env=env) as service:
+        listed = call("GET", f"{service.url}/api/scans?limit=200").body["jobs"]
+        jobs = {job["reference"]: job for job in listed if job["source"] == "outdated"}
+        assert sorted(jobs) == sorted(f"{registry.host}/{r.repository}@{r.digest}" for r in old)
+        for job in jobs.values():
+            assert wait_job(service.url, str(job["id"]), wait=30)["state"] == "done"
+    assert "0 read by an analysis older than this one (1): 0 scans queued now" in _rescan_outdated(db)
+    with sqlite3.connect(db) as conn:
+        stored = [
+            ImageReport.model_validate_json(row[0], context=STORED)
+            for row in conn.execute("SELECT report FROM reports")
+        ]
+    conn.close()
+    assert len(stored) == 3 and all(not p.outdated for report in stored for p in report.platforms)
+
+
+async def test_rescan_outdated_on_postgresql(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher, postgres_url: str
+) -> None:
+    import psycopg
+
+    push(ImageSpec([catalog.ubuntu_base()]), "analysis/sweep-pg:1")
+    reference = f"{registry.host}/analysis/sweep-pg:1"
+    report = await scan_into(tmp_path / "unused.db", reference, database_url=postgres_url)
+    assert report.error is None
+    env = {"GPUBADGE_DATABASE_URL": postgres_url}
+    assert "1 stored images read; 0 read by an analysis older" in _rescan_outdated(None, env=env)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        (text,) = conn.execute("SELECT report FROM reports").fetchone()  # type: ignore[misc]
+        document = json.loads(text) if isinstance(text, str) else text
+        del document["platforms"][0]["analysis"]  # as an older gpubadge stored it
+        conn.execute("UPDATE reports SET report = %s", (json.dumps(document),))
+    out = _rescan_outdated(None, env=env)
+    assert "1 read by an analysis older than this one (1): 1 scans queued now, 0 already waiting" in out
+    assert (
+        "1 read by an analysis older than this one (1): 0 scans queued now, 1 already waiting"
+        in _rescan_outdated(None, env=env)
+    )
+    with psycopg.connect(postgres_url) as conn:
+        jobs = conn.execute("SELECT reference, source, state FROM jobs").fetchall()
+    assert jobs == [(f"{registry.host}/analysis/sweep-pg@{report.digest}", "outdated", "queued")]

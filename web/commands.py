@@ -21,6 +21,7 @@ from web.settings import ServiceSettings
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from store import StoreBackend
     from web.intake_listener import IntakeListener
 
 
@@ -64,6 +65,11 @@ def db_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("upgrade", "apply every pending migration (they also run at start)"),
         ("status", "print the applied and pending migrations"),
+        (
+            "rescan-outdated",
+            "queue a scan of every stored image an older gpubadge analysis read (after an upgrade), by"
+            " digest, at most --limit per run and never past GPUBADGE_MAX_QUEUED_SCANS",
+        ),
     ):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument(
@@ -72,6 +78,10 @@ def db_parser() -> argparse.ArgumentParser:
             help="SQLite file; required when GPUBADGE_DATABASE_URL is not set",
         )
         sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
+        if name == "rescan-outdated":
+            sub.add_argument(
+                "--limit", type=_count, default=10_000, help="most scans this run queues (default 10000)"
+            )
     return parser
 
 
@@ -259,10 +269,31 @@ def _raise_fd_limit(long_poll_max: int) -> None:
         )
 
 
+def _rescan_outdated(backend: StoreBackend, settings: ServiceSettings, limit: int) -> int:
+    from jobs.outdated_reports import queue_outdated_scans
+    from scanner.models import ANALYSIS_VERSION
+
+    found = queue_outdated_scans(
+        backend, limit=limit, max_queued=settings.max_queued_scans, max_attempts=settings.max_attempts
+    )
+    print(
+        f"{found.reports:,} stored images read; {found.outdated:,} read by an analysis older than this"
+        f" one ({ANALYSIS_VERSION}): {found.queued:,} scans queued now, {found.waiting:,} already waiting"
+    )
+    if found.left:
+        print(
+            f"{found.left:,} not queued (past --limit {limit:,} or the queue's cap of"
+            f" {settings.max_queued_scans:,}): run it again once the queue has drained"
+        )
+    return 0
+
+
 def run_db(argv: list[str]) -> int:
-    """`gpubadge db upgrade | status`: the schema of whichever store the settings select."""
+    """`gpubadge db upgrade | status | rescan-outdated`: the schema of whichever store the settings
+    select, and the scans that bring its reports up to this version's analysis."""
     args = db_parser().parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(message)s")
+    # the migrations' progress is `upgrade`'s and `status`'s output; the sweep prints its own counts
+    logging.basicConfig(level="WARNING" if args.action == "rescan-outdated" else "INFO", format="%(message)s")
     try:
         settings = load_settings(args.config, db=args.db)
     except (ValueError, OSError) as exc:
@@ -287,18 +318,28 @@ def run_db(argv: list[str]) -> int:
         for migration in migrations(engine):
             print(f"{migration.version:04d} {migration.name:<24} pending")
         return 0
+    if args.action == "rescan-outdated" and engine == "sqlite" and not settings.db.exists():
+        print(f"{where}: no database yet; nothing to scan again")
+        return 0
     try:
         backend = open_backend(
             settings.db,
             busy_timeout=settings.sqlite_busy_timeout,
             threads=1,
             database_url=settings.database_url.get_secret_value() if settings.database_url else None,
-            upgrade=args.action == "upgrade",
+            # the sweep reads and queues as the service does, which migrates at every start too
+            upgrade=args.action in ("upgrade", "rescan-outdated"),
         )
     except StoreUnavailable as exc:
         print(f"gpubadge db: {exc}", file=sys.stderr)
         return 1
     try:
+        if args.action == "rescan-outdated":
+            try:
+                return _rescan_outdated(backend, settings, args.limit)
+            except StoreUnavailable as exc:
+                print(f"gpubadge db: {exc}", file=sys.stderr)
+                return 1
         current = backend.schema_version()
     finally:
         backend.close()
