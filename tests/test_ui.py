@@ -399,6 +399,23 @@ async def test_a_pending_report_whose_scan_no_longer_runs_says_it_was_interrupte
     assert "The layer read was interrupted." in page and "Reading the layers." not in page
 
 
+async def test_a_report_an_older_analysis_wrote_says_so_with_the_rescan_button(
+    app_client: tuple[TestClient[Any, Any], Services],
+) -> None:
+    client, services = app_client
+    report = make_report("127.0.0.1:5000", "ml/older", "1", gpu=True)
+    save(services.store.backend, report)
+    page = await (await client.get("/images/127.0.0.1:5000/ml/older:1")).text()
+    assert "older gpubadge analysis" not in page
+    older = report.model_copy(
+        update={"platforms": [p.model_copy(update={"analysis": 0}) for p in report.platforms]}
+    )
+    save(services.store.backend, older)
+    services.store.report_lookups.forget()  # as a store event from the process that saved it would
+    page = await (await client.get("/images/127.0.0.1:5000/ml/older:1")).text()
+    assert "Read by an older gpubadge analysis." in page and 'name="rescan" value="1"' in page
+
+
 # The requirement of nvidia/cuda:12.8.1-runtime-ubuntu24.04 (21 clauses), as Docker Hub serves it.
 REQUIRE_CUDA_128 = "cuda>=12.8 " + " ".join(
     f"brand={brand},driver>={major},driver<{major + 1}"

@@ -144,6 +144,7 @@ async def detail_context(
         "scan_time_known": report.scanned_at != UNKNOWN_TIME,
         "token_required": services.settings.api_token is not None,
         "interrupted": await interrupted_read(services, report),
+        "outdated": any(platform.outdated for platform in report.platforms),
         "report": report.model_copy(update={"error": redact_secrets(report.error)})
         if report.error
         else report,
