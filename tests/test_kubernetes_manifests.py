@@ -88,7 +88,7 @@ def test_secrets_are_referenced_never_inlined() -> None:
     for _, doc in _resources():
         if doc["kind"] == "ConfigMap":
             assert not [key for key in doc["data"] if SECRET_LIKE.search(key)], "a secret in a ConfigMap"
-        if doc["kind"] not in ("Deployment", "DaemonSet"):
+        if doc["kind"] not in ("Deployment", "DaemonSet", "Job"):
             continue
         for container in _containers(doc):
             for env in container.get("env", []):
@@ -183,6 +183,7 @@ WORKLOADS = [
     ("Deployment", "gpubadge-api"),
     ("Deployment", "gpubadge-workers"),
     ("DaemonSet", "gpubadge-agent"),
+    ("Job", "gpubadge-rescan-outdated"),
 ]
 
 
@@ -235,6 +236,19 @@ def test_probes_reach_what_the_images_healthcheck_probes(
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     for http in probes:
         assert probe.url.endswith(f":{ports[http['port']]}{http['path']}"), (probe.url, http)
+
+
+def test_the_outdated_reports_job_runs_the_sweep_once_per_apply() -> None:
+    """`kubectl apply -k` after an upgrade queues the scans of reports an older analysis wrote: the Job
+    runs `gpubadge db rescan-outdated` as our parser reads it, against the database, and deletes
+    itself after it ends so that the next apply runs it again."""
+    job = _by_kind("Job", "gpubadge-rescan-outdated")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["args"][:2] == ["db", "rescan-outdated"]
+    parsed = db_parser().parse_args(container["args"][1:])
+    assert parsed.action == "rescan-outdated" and parsed.limit == 10_000
+    assert "GPUBADGE_DATABASE_URL" in {env["name"] for env in container["env"]}
+    assert container["image"] == "gpubadge" and job["spec"]["ttlSecondsAfterFinished"] > 0
 
 
 def test_the_agent_uses_the_docker_socket_through_its_group_not_root() -> None:
