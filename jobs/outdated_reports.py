@@ -2,18 +2,21 @@
 
 A report an older gpubadge analysis wrote (`PlatformReport.outdated`) is never reused: its image is
 read again at its next scan. An image that nobody pushes or asks about again keeps its old report
-until then; after an upgrade, this queues those scans in one go, by digest (the image that was
-judged, whatever its tag points at now), the way any scan is queued, so the service's workers run
-them as they run the rest.
+until then; after an upgrade, this queues those scans, by digest (the image that was judged,
+whatever its tag points at now), the way any scan is queued, so the service's workers run them as
+they run the rest.
 
-Bounded: the reports are read a page at a time (`queries.report_page`, keyset pages), at most
-`limit` scans are queued per run and never past the queue's cap (`max_queued_scans`), so a store of
-a million reports is converged by running it again as the queue drains; an image whose scan is
-already waiting is not queued twice.
+One pass over the stored reports, a page at a time in digest order (`queries.report_page`, keyset
+pages: a report saved meanwhile never shifts one). Bounded: at most `limit` scans are queued at once
+and never past the queue's cap (`max_queued`); an image whose scan is already waiting is not queued
+twice. Where that leaves outdated images unqueued, the pass either counts them as left for another
+run or, given `wait_for_room`, waits there until the queue has drained to half of `limit` and goes
+on from the same page, so that one pass converges a store of any size without reading it twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from store import StoreBackend, queries
@@ -25,21 +28,42 @@ PAGE = 500
 
 @dataclass
 class OutdatedScans:
-    """What one run found and did."""
+    """What one pass found and did."""
 
     reports: int = 0  # stored image reports read
     outdated: int = 0  # of which an older analysis read
-    queued: int = 0  # scans queued by this run
+    queued: int = 0  # scans queued by this pass
     waiting: int = 0  # outdated, with a scan already waiting to run
     left: int = 0  # outdated and not queued: past `limit` or the queue's cap
+    waits: int = 0  # times the pass waited for the queue to drain
 
 
 def queue_outdated_scans(
-    backend: StoreBackend, *, limit: int, max_queued: int, max_attempts: int
+    backend: StoreBackend,
+    *,
+    limit: int,
+    max_queued: int,
+    max_attempts: int,
+    wait_for_room: Callable[[Callable[[], bool]], None] | None = None,
 ) -> OutdatedScans:
-    """Queue a scan of each stored image an older analysis read, by digest; see the module's bounds."""
+    """Queue a scan of each stored image an older analysis read, by digest; see the module's bounds.
+    `wait_for_room(drained)` returns once `drained()` is true (it polls, or gives up by raising)."""
     found = OutdatedScans()
-    room = min(limit, max(0, max_queued - backend.queued_for_intake(max_queued)))
+
+    def room() -> int:
+        queued = backend.queued_for_intake(max_queued)
+        return max(0, min(limit - queued, max_queued - queued))
+
+    def drained() -> bool:
+        return backend.queued_for_intake(max_queued) <= limit // 2
+
+    def commit(wanted: list[tuple[str, str]]) -> None:
+        if wanted:
+            backend.enqueue_many([EnqueueBatch(list(wanted), source=SOURCE, max_attempts=max_attempts)])
+            found.queued += len(wanted)
+            wanted.clear()
+
+    free = min(limit, room())
     after = ""
     while page := backend.run(queries.report_page, after=after, since=None, limit=PAGE):
         after = page[-1].digest or after
@@ -54,11 +78,16 @@ def queue_outdated_scans(
             reference = f"{report.registry}/{report.repository}@{report.digest}"
             if backend.run(queries.pending_job_for, reference) is not None:
                 found.waiting += 1
-            elif len(wanted) + found.queued < room:
+                continue
+            if free == 0 and wait_for_room is not None:
+                commit(wanted)
+                wait_for_room(drained)
+                found.waits += 1
+                free = room()
+            if free > 0:
                 wanted.append((reference, report.registry))
+                free -= 1
             else:
                 found.left += 1
-        if wanted:
-            backend.enqueue_many([EnqueueBatch(wanted, source=SOURCE, max_attempts=max_attempts)])
-            found.queued += len(wanted)
+        commit(wanted)
     return found

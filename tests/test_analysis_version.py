@@ -341,3 +341,18 @@ async def test_rescan_outdated_on_postgresql(
     with psycopg.connect(postgres_url) as conn:
         jobs = conn.execute("SELECT reference, source, state FROM jobs").fetchall()
     assert jobs == [(f"{registry.host}/analysis/sweep-pg@{report.digest}", "outdated", "queued")]
+
+
+async def test_rescan_outdated_follow_waits_for_the_workers_and_queues_every_outdated_image_in_one_pass(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher
+) -> None:
+    db = tmp_path / "follow.db"
+    for name in ("a", "b", "c"):
+        push(ImageSpec([catalog.ubuntu_base(), catalog.app_layer(name)]), f"analysis/follow-{name}:1")
+        assert (await scan_into(db, f"{registry.host}/analysis/follow-{name}:1")).error is None
+    as_an_older_gpubadge_wrote(db)
+    with run_service_process(db, env={"GPUBADGE_REGISTRIES": registry.host}):
+        out = _rescan_outdated(db, "--limit", "2", "--follow")
+    assert "2 scans waiting; going on once the queue has drained to 1" in out
+    assert "3 stored images read; 3 read by an analysis older than this one (1): 3 scans queued now" in out
+    assert "not queued" not in out

@@ -246,7 +246,7 @@ def test_the_outdated_reports_job_runs_the_sweep_once_per_apply() -> None:
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["args"][:2] == ["db", "rescan-outdated"]
     parsed = db_parser().parse_args(container["args"][1:])
-    assert parsed.action == "rescan-outdated" and parsed.limit == 10_000
+    assert parsed.action == "rescan-outdated" and parsed.limit == 10_000 and parsed.follow
     assert "GPUBADGE_DATABASE_URL" in {env["name"] for env in container["env"]}
     assert container["image"] == "gpubadge" and job["spec"]["ttlSecondsAfterFinished"] > 0
 

@@ -80,7 +80,16 @@ def db_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", type=Path, help="settings file, TOML or YAML (GPUBADGE_CONFIG)")
         if name == "rescan-outdated":
             sub.add_argument(
-                "--limit", type=_count, default=10_000, help="most scans this run queues (default 10000)"
+                "--limit",
+                type=_count,
+                default=10_000,
+                help="most scans queued at once (default 10000); past it the rest are left for another run",
+            )
+            sub.add_argument(
+                "--follow",
+                action="store_true",
+                help="go on past --limit: wait until the queue has drained to half of it, then queue"
+                " more, until every outdated image is queued (one pass over the reports)",
             )
     return parser
 
@@ -269,12 +278,26 @@ def _raise_fd_limit(long_poll_max: int) -> None:
         )
 
 
-def _rescan_outdated(backend: StoreBackend, settings: ServiceSettings, limit: int) -> int:
+FOLLOW_POLL_SECONDS = 1.0  # how often `rescan-outdated --follow` looks at the queue while it waits
+
+
+def _rescan_outdated(backend: StoreBackend, settings: ServiceSettings, limit: int, follow: bool) -> int:
+    import time
+
     from jobs.outdated_reports import queue_outdated_scans
     from scanner.models import ANALYSIS_VERSION
 
+    def wait_for_room(drained: Callable[[], bool]) -> None:
+        print(f"{limit:,} scans waiting; going on once the queue has drained to {limit // 2:,}", flush=True)
+        while not drained():
+            time.sleep(FOLLOW_POLL_SECONDS)
+
     found = queue_outdated_scans(
-        backend, limit=limit, max_queued=settings.max_queued_scans, max_attempts=settings.max_attempts
+        backend,
+        limit=limit,
+        max_queued=settings.max_queued_scans,
+        max_attempts=settings.max_attempts,
+        wait_for_room=wait_for_room if follow and limit > 0 else None,
     )
     print(
         f"{found.reports:,} stored images read; {found.outdated:,} read by an analysis older than this"
@@ -283,7 +306,7 @@ def _rescan_outdated(backend: StoreBackend, settings: ServiceSettings, limit: in
     if found.left:
         print(
             f"{found.left:,} not queued (past --limit {limit:,} or the queue's cap of"
-            f" {settings.max_queued_scans:,}): run it again once the queue has drained"
+            f" {settings.max_queued_scans:,}): run it again once the queue has drained, or with --follow"
         )
     return 0
 
@@ -336,7 +359,7 @@ def run_db(argv: list[str]) -> int:
     try:
         if args.action == "rescan-outdated":
             try:
-                return _rescan_outdated(backend, settings, args.limit)
+                return _rescan_outdated(backend, settings, args.limit, args.follow)
             except StoreUnavailable as exc:
                 print(f"gpubadge db: {exc}", file=sys.stderr)
                 return 1
