@@ -67,17 +67,22 @@ def queue_outdated_scans(
     after = ""
     while page := backend.run(queries.report_page, after=after, since=None, limit=PAGE):
         after = page[-1].digest or after
+        found.reports += len(page)
+        outdated = {
+            f"{report.registry}/{report.repository}@{report.digest}": report.registry
+            for report in page
+            # nothing to name it by: an error report, which no scan reuses anyway
+            if report.digest
+            and report.registry
+            and report.repository
+            and any(platform.outdated for platform in report.platforms)
+        }
+        found.outdated += len(outdated)
+        waiting = backend.run(queries.waiting_references, list(outdated)) if outdated else set()
+        found.waiting += len(waiting)
         wanted: list[tuple[str, str]] = []
-        for report in page:
-            found.reports += 1
-            if not any(platform.outdated for platform in report.platforms):
-                continue
-            if not (report.digest and report.registry and report.repository):
-                continue  # nothing to name it by: an error report, which no scan reuses anyway
-            found.outdated += 1
-            reference = f"{report.registry}/{report.repository}@{report.digest}"
-            if backend.run(queries.pending_job_for, reference) is not None:
-                found.waiting += 1
+        for reference, registry in outdated.items():
+            if reference in waiting:
                 continue
             if free == 0 and wait_for_room is not None:
                 commit(wanted)
@@ -85,7 +90,7 @@ def queue_outdated_scans(
                 found.waits += 1
                 free = room()
             if free > 0:
-                wanted.append((reference, report.registry))
+                wanted.append((reference, registry))
                 free -= 1
             else:
                 found.left += 1

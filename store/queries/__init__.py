@@ -45,6 +45,7 @@ from store.queries.jobs import (
     queue_depth,
     queued_jobs,
     scan_in_flight,
+    waiting_references,
 )
 from store.queries.reports import (
     IndexOf,
@@ -169,4 +170,5 @@ __all__ = [
     "tags_for_digest",
     "update_deployment",
     "upsert_server",
+    "waiting_references",
 ]

@@ -119,6 +119,19 @@ def lease_owners(db: Db) -> list[str]:
 
 
 @reads
+def waiting_references(db: Db, references: Sequence[str]) -> set[str]:
+    """Those of `references` with a scan or a rescan of exactly that reference waiting or running: one
+    statement for a page of them, through the active jobs' unique index on `dedupe_key`."""
+    keys = [*references, *(dedupe_key(reference, rescan=True) for reference in references)]
+    rows = db.all(
+        "SELECT dedupe_key FROM jobs WHERE state IN ('queued', 'running') AND "
+        + db.dialect.in_list("dedupe_key", "keys"),
+        {"keys": db.dialect.array(keys)},
+    )
+    return {row[0].removeprefix(RESCAN_KEY) for row in rows}
+
+
+@reads
 def jobs(db: Db, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
     clause = f"WHERE {db.dialect.in_list('state', 'states')}" if states else ""
     rows = db.all(
