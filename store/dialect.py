@@ -136,6 +136,11 @@ class Dialect:
         """The planner's row estimate for `sql`, where the engine has one."""
         return None
 
+    def bytewise(self, column: str) -> str:
+        """`column` compared byte by byte, so a range of it is a prefix whatever the database's
+        locale: SQLite's own collation (BINARY) already is; PostgreSQL's is the locale's unless told."""
+        return column
+
     def read_through(self, table: str, index: str) -> str:
         """`table` in a FROM clause, read along `index` where the planner must be told: SQLite keeps
         no statistics, and would rather sort a million finished jobs found by the state index than
@@ -267,6 +272,9 @@ class PostgresDialect(Dialect):
 
     def in_list(self, column: str, param: str) -> str:
         return f"{column} = ANY(:{param})"
+
+    def bytewise(self, column: str) -> str:
+        return f'({column} COLLATE "C")'  # as indexes that serve ranges of it are declared
 
     def in_rows(self, column: str, subquery: str) -> str:
         # An array computed once (an InitPlan) and looked up through the column's index: beside a

@@ -22,6 +22,7 @@ from store import AsyncStore, queries
 from store.queries.jobs import QUEUE_DEPTH
 from store.sqlite import SqliteStore
 from tests.conftest import OpenBackend
+from tests.store_plans import jobs_rows_read
 
 NOW = datetime.now(UTC)
 
@@ -72,29 +73,6 @@ def remaining(backend: Any, ids: Iterable[str]) -> set[str]:
     return {job_id for job_id in wanted if backend.job(job_id) is not None}
 
 
-def jobs_rows_read(backend: Any) -> int | str:
-    """What reading `queue_depth` costs in rows of `jobs`: PostgreSQL's actual rows out of every plan
-    node on `jobs` or its indexes; on SQLite, the plan, which must search (not scan) `jobs`."""
-    if isinstance(backend, SqliteStore):
-        with sqlite3.connect(backend.path) as peer:
-            return " | ".join(str(row[3]) for row in peer.execute(f"EXPLAIN QUERY PLAN {QUEUE_DEPTH}"))
-    import psycopg
-
-    with psycopg.connect(backend._url) as peer:
-        plan = peer.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {QUEUE_DEPTH}").fetchone()[0][0]["Plan"]
-    read = 0
-    pending = [plan]
-    while pending:
-        node = pending.pop()
-        pending.extend(node.get("Plans", []))
-        if node.get("Relation Name") == "jobs":
-            read += int(node["Actual Rows"]) * int(node.get("Actual Loops", 1))
-            read += int(node.get("Rows Removed by Filter", 0)) + int(
-                node.get("Rows Removed by Index Recheck", 0)
-            )
-    return read
-
-
 def test_counts_by_state_read_no_finished_job(open_backend: OpenBackend) -> None:
     backend = open_backend()
     seed(backend, [("done", NOW - timedelta(minutes=n % 600)) for n in range(20_000)])
@@ -104,7 +82,7 @@ def test_counts_by_state_read_no_finished_job(open_backend: OpenBackend) -> None
     expected = {"queued": 3, "running": 2, "done": 20_000, "failed": 3_000}
     assert counted(backend) == expected
     assert backend.run(queries.queue_depth) == expected
-    cost = jobs_rows_read(backend)
+    cost = jobs_rows_read(backend, QUEUE_DEPTH)
     if isinstance(cost, str):  # SQLite: queued and running jobs are found by index, never every row
         assert "SCAN jobs" not in cost and cost.count("SEARCH jobs") == 2, cost
     else:  # PostgreSQL: the rows read of jobs are the active ones, not the 23,000 finished

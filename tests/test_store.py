@@ -22,6 +22,7 @@ from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
 from store import queries
 from tests.conftest import OpenBackend
+from tests.store_plans import jobs_rows_read
 
 
 def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: str = "glibc") -> ImageReport:
@@ -165,6 +166,60 @@ def test_leases_renew_expire_and_guard_outcomes(open_backend: OpenBackend) -> No
     assert [job.id for job in store.run(queries.jobs, states=["done"])] == [ids[1]]
     assert store.run(queries.next_job_due) is not None
     store.check_writable(5.0)
+
+
+# Queued images beside the one asked for: enough that PostgreSQL's generic plan for the old query walked
+# them all newest first (its estimate for a range of parameters thought a match near).
+NEIGHBOURS = 3000
+
+
+def test_a_waiting_scan_is_found_by_its_reference_without_reading_the_queue(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pending_job_for` finds a scan of the reference, its rescan, or one queued by digest
+    (`reference@sha256:…`), never a neighbour's or a finished one; each arm an index lookup, so the image
+    page's question does not read the queue (it read every active job: 27 ms at 100,000 on SQLite)."""
+    from store import EnqueueBatch
+    from store.dialect import Db
+
+    store = open_backend()
+    (finished,) = store.enqueue([("r/app@sha256:" + "3" * 64, "r")])
+    assert [job.id for job in store.claim_jobs(1, owner="w", lease_seconds=60)] == [finished]
+    assert store.finish_job(finished, digest="sha256:" + "3" * 64, owner="w")
+    # neighbours on both sides of the `r/app@` range, and a crowd of other queued images
+    store.enqueue([(f"r/app{n}@sha256:{n:064x}", "r") for n in range(NEIGHBOURS)])
+    store.enqueue([("r/app?@sha256:" + "1" * 64, "r"), ("r/appA@sha256:" + "2" * 64, "r"), ("r/ap", "r")])
+    assert store.run(queries.pending_job_for, "r/app") is None  # a finished scan is not waiting
+
+    (by_digest,) = store.enqueue([("r/app@sha256:" + "4" * 64, "r")])
+    found = store.run(queries.pending_job_for, "r/app")
+    assert found is not None and found.id == by_digest
+    ((rescan,),) = store.enqueue_many([EnqueueBatch([("r/app", "r")], rescan=True)])
+    assert store.run(queries.pending_job_for, "r/app").id in {rescan, by_digest}
+    assert store.run(queries.pending_job_for, "r/app@sha256:" + "4" * 64).id == by_digest
+    assert store.run(queries.pending_job_for, "r/app:1") is None
+    (tagged,) = store.enqueue([("r/app:1", "r")])
+    assert store.run(queries.pending_job_for, "r/app:1").id == tagged
+
+    statements: list[tuple[str, dict[str, Any]]] = []
+    execute = Db.execute
+
+    def recording(self: Db, sql: str, params: Any = None) -> Any:
+        if "dedupe_key = :rescan" in sql:
+            statements.append((self.dialect.translate(sql), self._params(params or {})))
+        return execute(self, sql, params)
+
+    monkeypatch.setattr(Db, "execute", recording)
+    assert store.run(queries.pending_job_for, "r/app200") is not None
+    monkeypatch.undo()
+    ((sql, params),) = statements
+    read = jobs_rows_read(store, sql, params, generic=True)
+    if isinstance(read, str):  # SQLite: every search of jobs is by key, none by state or time
+        searches = [step for step in read.split(" | ") if "jobs" in step and "SEARCH" in step]
+        assert searches and all("dedupe_key" in step for step in searches), read
+        assert "SCAN jobs" not in read, read
+    else:
+        assert read <= 3, read  # the one job of `r/app200@…`, not the queue
 
 
 def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:

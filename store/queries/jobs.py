@@ -144,13 +144,29 @@ def jobs(db: Db, *, states: Sequence[str] = (), limit: int = 50) -> list[Job]:
 @reads
 def pending_job_for(db: Db, reference: str) -> Job | None:
     """An active job for `reference` (a scan or a rescan), or for `reference@<digest>` (as webhooks
-    queue them)."""
+    queue them).
+
+    Each arm is an index lookup, so its cost does not grow with the queue: the `reference@` prefix is
+    the byte range [`reference@`, `referenceA`) ('A' follows '@'), compared bytewise
+    (`Dialect.bytewise`). SQLite reads the three arms through `jobs_reference` (every job of a key,
+    as many as retention keeps); left to choose, it read every active job through the state index.
+    PostgreSQL reads them through `jobs_reference` and `jobs_active_key_bytewise`. The matches are
+    found apart from the newest-first order (a materialised CTE): a prepared statement's generic plan
+    otherwise walked every job newest first (`jobs_created`) until one matched, 1.8 ms at 10,000 queued.
+    """
+    key = db.dialect.bytewise("dedupe_key")
     row = db.one(
-        f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
+        f"WITH active AS MATERIALIZED (SELECT {JOB_COLUMNS}"
+        f" FROM {db.dialect.read_through('jobs', 'jobs_reference')} WHERE state IN ('queued', 'running')"
         " AND (dedupe_key = :ref OR dedupe_key = :rescan"
-        " OR substr(dedupe_key, 1, length(:ref) + 1) = :ref || '@')"
-        " ORDER BY created_at DESC LIMIT 1",
-        {"ref": reference, "rescan": dedupe_key(reference, rescan=True)},
+        f" OR ({key} >= :digests_from AND {key} < :digests_to)))"
+        f" SELECT {JOB_COLUMNS} FROM active ORDER BY created_at DESC LIMIT 1",
+        {
+            "ref": reference,
+            "rescan": dedupe_key(reference, rescan=True),
+            "digests_from": f"{reference}@",
+            "digests_to": f"{reference}A",
+        },
     )
     return job_of(db, row) if row else None
 

@@ -1,0 +1,3 @@
+-- Version 14 gives PostgreSQL an index of the active jobs' dedupe_key in byte order, for the
+-- `reference@` prefix of a waiting scan. SQLite's jobs_active_key already orders bytewise (BINARY),
+-- and serves that range as it is; nothing changes here.
