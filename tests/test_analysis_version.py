@@ -14,6 +14,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 import typing
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,6 +44,7 @@ from scanner.scan import Scanner, ScanOptions
 from scanner.settings import ScannerSettings
 from store import open_store
 from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule
 from tests.test_admission import admit, container, pod
 from tests.test_scale_out import wait_until
 from tests.test_service_e2e import call, wait_job
@@ -171,11 +173,11 @@ async def service_on(tmp_path: Path) -> AsyncIterator[Any]:
     """Start the service on a SQLite file prepared beforehand; yields a function of the file."""
     runners: list[web.AppRunner] = []
 
-    async def start(db: Path) -> str:
+    async def start(db: Path, **overrides: Any) -> str:
         inventory = tmp_path / "fleet.yaml"
         inventory.write_text(yaml.safe_dump({"servers": []}))
         settings = ServiceSettings(
-            db=db, port=0, inventory_file=inventory, api_token=API_TOKEN, docker_config=None
+            db=db, port=0, inventory_file=inventory, api_token=API_TOKEN, docker_config=None, **overrides
         )
         runner = web.AppRunner(create_app(settings))
         await runner.setup()
@@ -223,6 +225,37 @@ async def test_the_service_answers_an_outdated_report_with_a_warning_and_reads_i
     assert not any(
         "older gpubadge analysis" in w for w in (await _eligibility(url, reference, None))["warnings"]
     )
+
+
+async def test_a_registry_that_does_not_answer_holds_an_outdated_answer_only_for_the_wait(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher, service_on: Any
+) -> None:
+    """With the token, an outdated image is scanned again before it is judged; but where its registry does
+    not answer, the answer waits only GPUBADGE_OUTDATED_SCAN_WAIT: then the stored report answers, with
+    its warning, and the scan it queued finishes once the registry answers. (The scan once ran in the
+    request itself and held it for the registry's timeouts and retries: minutes.)"""
+    push(catalog.cuda_ubuntu(), "analysis/hanging:1")
+    async with FaultProxy(registry.url) as proxy, aiohttp.ClientSession() as session:
+        reference, db = f"{proxy.host}/analysis/hanging:1", tmp_path / "service.db"
+        assert (await scan_into(db, reference)).error is None
+        as_an_older_gpubadge_wrote(db)
+        url = await service_on(db, outdated_scan_wait=1.0)
+        proxy.add(Rule("hang", path="/manifests/", times=None))
+
+        started = time.monotonic()
+        held = await _eligibility(url, reference, API_TOKEN)
+        assert time.monotonic() - started < 6  # the 1 s wait and a margin
+        assert any("older gpubadge analysis (0;" in w for w in held["warnings"]), held["warnings"]
+        async with session.get(f"{url}/api/scans", params={"state": "queued,running"}) as reply:
+            (job,) = [job for job in (await reply.json())["jobs"] if job["reference"] == reference]
+        assert job["source"] == "outdated"
+        await proxy.wait_for_in_flight(1, timeout=30)  # the queued scan waits on the registry now
+
+        proxy.release.set()
+        async with session.get(f"{url}/api/scans/{job['id']}", params={"wait": "30"}) as reply:
+            assert (await reply.json())["state"] == "done"
+        answered = await _eligibility(url, reference, None)
+        assert not any("older gpubadge analysis" in w for w in answered["warnings"]), answered["warnings"]
 
 
 async def test_admission_judges_an_outdated_report_with_a_warning_and_queues_its_scan(

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from jobs.scan_requests import ScanRefused, request_scan
 from scanner.models import ImageReport
 from scanner.registry.reference import Reference, ReferenceError, parse_reference
 from store import Job, queries
@@ -145,14 +146,35 @@ def _outdated(report: ImageReport) -> bool:
     return any(platform.outdated for platform in report.platforms)
 
 
+async def read_again(services: Services, reference: Reference, stored: ImageReport) -> ImageReport:
+    """The report of `reference` as this gpubadge's analysis reads it, for a stored one an older
+    analysis wrote: its scan is queued like any other (joined to one already waiting, run by whichever
+    worker is free, here or elsewhere; the scan never reuses an outdated report) and waited for up to
+    `GPUBADGE_OUTDATED_SCAN_WAIT` seconds. `stored` answers when the scan is not done by then (a
+    registry down or slow, layers to read again, a full queue), or failed; the scan goes on."""
+    try:
+        job = await request_scan(
+            services.intake, services.settings, str(reference), source="outdated", wake=services.wake_workers
+        )
+    except ScanRefused:  # only a full queue: the reference parsed and its registry is allowed
+        return stored
+    wait = services.settings.outdated_scan_wait
+    if wait > 0 and job.state in ("queued", "running"):
+        job = await services.store.wait_for_job(job.id, wait) or job
+    if job.state != "done":
+        return stored
+    fresh = await find_report(services, reference)
+    return fresh if fresh is not None and not _outdated(fresh) else stored
+
+
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
     """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
 
     A scan costs registry traffic and a worker's time, so a caller without the API token
     (`may_scan=False`) gets a 404 that says how to ask for the scan instead. A report an older
-    analysis read (`PlatformReport.outdated`) is read again first when `may_scan` (the scan does not
-    reuse it); where that cannot be done now (its registry left the allowlist, the scan fails) the
-    stored report answers, and placement's answer says it is outdated.
+    analysis read (`PlatformReport.outdated`) is scanned again first when `may_scan`
+    (`read_again`); where that cannot be done in time the stored report answers, and placement's
+    answer says it is outdated.
     """
     try:
         reference = parse_reference(text)
@@ -160,14 +182,8 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
         raise json_http_error(web.HTTPBadRequest, str(exc)) from None
     report = await find_report(services, reference)
     if report is not None:
-        if (
-            may_scan
-            and _outdated(report)
-            and services.scanner
-            and services.settings.allows(reference.registry)
-        ):
-            again = await services.scanner.scan(str(reference))
-            return report if again.error else again
+        if may_scan and _outdated(report) and services.settings.allows(reference.registry):
+            return await read_again(services, reference, report)
         return report
     if not may_scan:
         if await services.store.run(queries.pending_job_for, str(reference)) is not None:

@@ -99,6 +99,14 @@ class ServiceSettings(JobSettings):
     health_timeout: float = Field(
         default=1.5, gt=0, description="/healthz gives the database this long to take a write"
     )
+    outdated_scan_wait: float = Field(
+        default=10.0,
+        ge=0,
+        le=60,
+        description="seconds a request that may scan (it holds the API token) waits for an image an older"
+        " gpubadge analysis read to be scanned again (a queued scan, joined to one already waiting); past it"
+        " the stored report answers, with a warning, and the scan goes on. 0: queue it and never wait",
+    )
     stall_seconds: float = Field(
         default=300.0,
         gt=0,
