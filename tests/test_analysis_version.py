@@ -231,9 +231,9 @@ async def test_a_registry_that_does_not_answer_holds_an_outdated_answer_only_for
     tmp_path: Path, registry: LocalRegistry, push: Pusher, service_on: Any
 ) -> None:
     """With the token, an outdated image is scanned again before it is judged; but where its registry does
-    not answer, the answer waits only GPUBADGE_OUTDATED_SCAN_WAIT: then the stored report answers, with
-    its warning, and the scan it queued finishes once the registry answers. (The scan once ran in the
-    request itself and held it for the registry's timeouts and retries: minutes.)"""
+    not answer, that scan holds the answer only GPUBADGE_OUTDATED_SCAN_WAIT: then the stored report
+    answers, with its warning, and a queued scan finishes once the registry answers. (The scan once held
+    the request for the registry's timeouts and retries: minutes.)"""
     push(catalog.cuda_ubuntu(), "analysis/hanging:1")
     async with FaultProxy(registry.url) as proxy, aiohttp.ClientSession() as session:
         reference, db = f"{proxy.host}/analysis/hanging:1", tmp_path / "service.db"
@@ -256,6 +256,23 @@ async def test_a_registry_that_does_not_answer_holds_an_outdated_answer_only_for
             assert (await reply.json())["state"] == "done"
         answered = await _eligibility(url, reference, None)
         assert not any("older gpubadge analysis" in w for w in answered["warnings"]), answered["warnings"]
+
+
+async def test_an_outdated_image_is_read_again_for_the_answer_with_no_worker_free(
+    tmp_path: Path, registry: LocalRegistry, push: Pusher, service_on: Any
+) -> None:
+    """The answer's own scan does not wait its turn in the queue (after an upgrade, `db rescan-outdated`
+    may have queued thousands): an API replica with no worker at all answers an outdated image current."""
+    push(catalog.cuda_ubuntu(), "analysis/no-worker:1")
+    reference, db = f"{registry.host}/analysis/no-worker:1", tmp_path / "service.db"
+    assert (await scan_into(db, reference)).error is None
+    as_an_older_gpubadge_wrote(db)
+    url = await service_on(db, workers=0, worker_processes=0, outdated_scan_wait=30.0)
+    answered = await _eligibility(url, reference, API_TOKEN)
+    assert not any("older gpubadge analysis" in w for w in answered["warnings"]), answered["warnings"]
+    assert not any(
+        "older gpubadge analysis" in w for w in (await _eligibility(url, reference, None))["warnings"]
+    )
 
 
 async def test_admission_judges_an_outdated_report_with_a_warning_and_queues_its_scan(

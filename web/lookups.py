@@ -6,6 +6,7 @@ Route modules import this module and never each other.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -148,23 +149,31 @@ def _outdated(report: ImageReport) -> bool:
 
 async def read_again(services: Services, reference: Reference, stored: ImageReport) -> ImageReport:
     """The report of `reference` as this gpubadge's analysis reads it, for a stored one an older
-    analysis wrote: its scan is queued like any other (joined to one already waiting, run by whichever
-    worker is free, here or elsewhere; the scan never reuses an outdated report) and waited for up to
-    `GPUBADGE_OUTDATED_SCAN_WAIT` seconds. `stored` answers when the scan is not done by then (a
-    registry down or slow, layers to read again, a full queue), or failed; the scan goes on."""
-    try:
-        job = await request_scan(
+    analysis wrote (the scan never reuses an outdated report).
+
+    It is scanned here and now, as an image never scanned would be, but for at most
+    `GPUBADGE_OUTDATED_SCAN_WAIT` seconds: past that (a registry down or slow, layers to read again),
+    or where the scan failed for a reason that may pass, `stored` answers and a scan is queued
+    (joined to one already waiting) for the workers to finish. A queue behind it does not hold the
+    answer: after an upgrade `gpubadge db rescan-outdated` may have queued thousands.
+    """
+    wait = services.settings.outdated_scan_wait
+    if services.scanner is not None and wait > 0:
+        try:
+            async with asyncio.timeout(wait):
+                again = await services.scanner.scan(str(reference))
+        except TimeoutError:
+            pass
+        else:
+            if again.error is None:
+                return again
+            if not again.retryable:
+                return stored
+    with contextlib.suppress(ScanRefused):  # only a full queue: the reference parsed, its registry is allowed
+        await request_scan(
             services.intake, services.settings, str(reference), source="outdated", wake=services.wake_workers
         )
-    except ScanRefused:  # only a full queue: the reference parsed and its registry is allowed
-        return stored
-    wait = services.settings.outdated_scan_wait
-    if wait > 0 and job.state in ("queued", "running"):
-        job = await services.store.wait_for_job(job.id, wait) or job
-    if job.state != "done":
-        return stored
-    fresh = await find_report(services, reference)
-    return fresh if fresh is not None and not _outdated(fresh) else stored
+    return stored
 
 
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:

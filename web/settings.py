@@ -103,9 +103,9 @@ class ServiceSettings(JobSettings):
         default=10.0,
         ge=0,
         le=60,
-        description="seconds a request that may scan (it holds the API token) waits for an image an older"
-        " gpubadge analysis read to be scanned again (a queued scan, joined to one already waiting); past it"
-        " the stored report answers, with a warning, and the scan goes on. 0: queue it and never wait",
+        description="seconds a request that may scan (it holds the API token) spends scanning again an image"
+        " an older gpubadge analysis read; past it the stored report answers, with a warning, and a queued"
+        " scan reads it again. 0: queue that scan at once",
     )
     stall_seconds: float = Field(
         default=300.0,
