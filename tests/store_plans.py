@@ -1,4 +1,4 @@
-"""What a statement costs in rows of `jobs`, read from the engine's own plan: the plan-shape checks of
+"""What a statement costs in rows of a table, read from the engine's own plan: the plan-shape checks of
 the store's tests, on either backend."""
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ from store.sqlite import SqliteStore
 _NAMED = re.compile(r"%\((\w+)\)s")
 
 
-def jobs_rows_read(
-    backend: Any, sql: str, params: dict[str, Any] | None = None, *, generic: bool = False
+def rows_read(
+    backend: Any,
+    sql: str,
+    params: dict[str, Any] | None = None,
+    *,
+    table: str = "jobs",
+    generic: bool = False,
 ) -> int | str:
     """On SQLite, `sql`'s plan, one step after another (" | "), which a test reads for its searches and
-    scans (SQLite keeps no statistics to count rows by). On PostgreSQL, the rows of `jobs` it actually
+    scans (SQLite keeps no statistics to count rows by). On PostgreSQL, the rows of `table` it actually
     read, found and filtered, over every plan node. `generic`: the plan a prepared statement settles on
     from its sixth run, which knows its parameters' types but not their values, after statistics are
     gathered (as autovacuum would have); `sql` is then in psycopg's `%(name)s` style."""
@@ -31,7 +36,7 @@ def jobs_rows_read(
         if generic:
             names = list(dict.fromkeys(_NAMED.findall(sql)))
             numbered = _NAMED.sub(lambda match: f"${names.index(match[1]) + 1}", sql)
-            peer.execute("ANALYZE jobs")
+            peer.execute(f"ANALYZE {table}")
             peer.execute("SET plan_cache_mode = force_generic_plan")
             peer.execute(f"PREPARE statement AS {numbered}")
             values = ", ".join(Literal(params[name]).as_string(peer) for name in names)
@@ -43,7 +48,7 @@ def jobs_rows_read(
     while pending:
         node = pending.pop()
         pending.extend(node.get("Plans", []))
-        if node.get("Relation Name") == "jobs":
+        if node.get("Relation Name") == table:
             read += int(node["Actual Rows"]) * int(node.get("Actual Loops", 1))
             read += int(node.get("Rows Removed by Filter", 0))
             read += int(node.get("Rows Removed by Index Recheck", 0))

@@ -22,7 +22,7 @@ from store import AsyncStore, queries
 from store.queries.jobs import QUEUE_DEPTH
 from store.sqlite import SqliteStore
 from tests.conftest import OpenBackend
-from tests.store_plans import jobs_rows_read
+from tests.store_plans import rows_read
 
 NOW = datetime.now(UTC)
 
@@ -82,7 +82,7 @@ def test_counts_by_state_read_no_finished_job(open_backend: OpenBackend) -> None
     expected = {"queued": 3, "running": 2, "done": 20_000, "failed": 3_000}
     assert counted(backend) == expected
     assert backend.run(queries.queue_depth) == expected
-    cost = jobs_rows_read(backend, QUEUE_DEPTH)
+    cost = rows_read(backend, QUEUE_DEPTH)
     if isinstance(cost, str):  # SQLite: queued and running jobs are found by index, never every row
         assert "SCAN jobs" not in cost and cost.count("SEARCH jobs") == 2, cost
     else:  # PostgreSQL: the rows read of jobs are the active ones, not the 23,000 finished
