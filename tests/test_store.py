@@ -69,6 +69,44 @@ def test_tag_history_and_gone(open_backend: OpenBackend) -> None:
     assert store.run(queries.is_gone, "r", "app", first)
 
 
+def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image page's tag history is its repository's newest events, read along `tags_history`
+    (migration 0016) and no further; it read and sorted every event (122 ms for 50,000 on SQLite)."""
+    from store.dialect import Db
+    from store.queries.tags import TagSeen
+
+    store = open_backend()
+    events = [TagSeen("r", "ci/app", f"commit-{n:05d}", f"sha256:{n:064x}") for n in range(2000)]
+    for first in range(0, len(events), 500):
+        store.run(queries.record_tags, events[first : first + 500])
+    # newer events of other repositories, which a walk of every event newest first would read
+    store.run(
+        queries.record_tags,
+        [TagSeen("r", f"team{n % 50}/svc", f"v{n}", f"sha256:{n + 10**6:064x}") for n in range(500)],
+    )
+    statements: list[tuple[str, dict[str, Any]]] = []
+    execute = Db.execute
+
+    def recording(self: Db, sql: str, params: Any = None) -> Any:
+        if "FROM tags" in sql and "ORDER BY id DESC" in sql:
+            statements.append((self.dialect.translate(sql), self._params(params or {})))
+        return execute(self, sql, params)
+
+    monkeypatch.setattr(Db, "execute", recording)
+    newest = store.run(queries.tag_history, "r", "ci/app", limit=3)
+    monkeypatch.undo()
+    assert [event.tag for event in newest] == ["commit-01999", "commit-01998", "commit-01997"]
+    assert len(store.run(queries.tag_history, "r", "ci/app")) == 2000  # no limit: every event
+    ((sql, params),) = statements
+    read = rows_read(store, sql, params, table="tags", generic=True)
+    if isinstance(read, str):  # SQLite: down the repository's events in order, no sort of them
+        assert "tags_history" in read and "TEMP B-TREE" not in read, read
+    else:  # PostgreSQL: the three events asked for, not the repository's 2,000 nor the newer 500
+        assert read <= 5, read
+
+
 def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBackend) -> None:
     store = open_backend()
     ids = store.enqueue([("r/app:1", "r"), ("r/app:1", "r"), ("r/app:2", "r")])

@@ -416,6 +416,27 @@ async def test_a_report_an_older_analysis_wrote_says_so_with_the_rescan_button(
     assert "Read by an older gpubadge analysis." in page and 'name="rescan" value="1"' in page
 
 
+async def test_the_image_page_shows_its_repositorys_newest_tag_events(
+    app_client: tuple[TestClient[Any, Any], Services],
+) -> None:
+    """A CI repository may tag every commit: the page lists the newest TAG_HISTORY_ROWS events and says so."""
+    from store.queries.tags import TagSeen
+    from web.routes.pages import TAG_HISTORY_ROWS
+
+    client, services = app_client
+    report = make_report("127.0.0.1:5000", "ci/busy", "commit-0", gpu=True)
+    save(services.store.backend, report)
+    events = [TagSeen("127.0.0.1:5000", "ci/busy", f"commit-{n}", f"sha256:{n:064x}") for n in range(1, 151)]
+    services.store.backend.run(queries.record_tags, events)
+    page = await (await client.get("/images/127.0.0.1:5000/ci/busy:commit-0")).text()
+    history = page[page.index('id="history-title"') :]
+    assert history.count('<a class="tag"') == TAG_HISTORY_ROWS
+    assert ">commit-150<" in history and ">commit-51<" in history and ">commit-50<" not in history
+    assert (
+        f"The newest {TAG_HISTORY_ROWS} tag events of this repository; older ones are not shown." in history
+    )
+
+
 # The requirement of nvidia/cuda:12.8.1-runtime-ubuntu24.04 (21 clauses), as Docker Hub serves it.
 REQUIRE_CUDA_128 = "cuda>=12.8 " + " ".join(
     f"brand={brand},driver>={major},driver<{major + 1}"

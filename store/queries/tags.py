@@ -119,11 +119,14 @@ def resolve_tags(db: Db, keys: Iterable[TagKey]) -> dict[TagKey, str | None]:
 
 
 @reads
-def tag_history(db: Db, registry: str, repository: str) -> list[TagEvent]:
+def tag_history(db: Db, registry: str, repository: str, *, limit: int | None = None) -> list[TagEvent]:
+    """The repository's tag events, newest first; with `limit`, the newest `limit` only, read along
+    `tags_history` (migration 0016) and no further."""
+    clause = "" if limit is None else " LIMIT :limit"
     rows = db.all(
-        "SELECT tag, digest, first_seen, last_seen, gone_at FROM tags"
-        " WHERE registry = :registry AND repository = :repository ORDER BY id DESC",
-        {"registry": registry, "repository": repository},
+        f"SELECT tag, digest, first_seen, last_seen, gone_at FROM {db.dialect.read_through('tags', 'tags_history')}"
+        f" WHERE registry = :registry AND repository = :repository ORDER BY id DESC{clause}",
+        {"registry": registry, "repository": repository, "limit": limit},
     )
     stamp = db.dialect.stamp
     return [TagEvent(row[0], row[1], stamp(row[2]) or "", stamp(row[3]) or "", stamp(row[4])) for row in rows]

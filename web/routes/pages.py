@@ -124,13 +124,19 @@ def eligibility_link(reference: Reference | str, gpu: bool) -> str:
     return "/eligibility?" + urlencode(fields)
 
 
+# Tag events an image page shows: its repository's newest (a CI repository may hold one per commit).
+TAG_HISTORY_ROWS = 100
+
+
 async def detail_context(
     services: Services, reference: Reference, report: ImageReport, index: queries.IndexOf | None = None
 ) -> dict[str, Any]:
     store = services.store
     digests = {report.digest or ""} | {p.digest for p in report.platforms}
     tags = await store.run(queries.tags_for_digest, report.digest) if report.digest else []
-    history = await store.run(queries.tag_history, reference.registry, reference.repository)
+    history = await store.run(
+        queries.tag_history, reference.registry, reference.repository, limit=TAG_HISTORY_ROWS + 1
+    )
     # the verdicts judge every file of GPU code per compute capability: a thread's work, not the loop's
     needs, platforms = await asyncio.to_thread(
         lambda: (image_needs(report), [platform_view(p) for p in report.platforms])
@@ -150,7 +156,8 @@ async def detail_context(
         else report,
         "platforms": platforms,
         "tags": [(tag, image_url(f"{registry}/{repository}:{tag}")) for registry, repository, tag in tags],
-        "history": tag_history_view(history, reference.name, digests),
+        "history": tag_history_view(history[:TAG_HISTORY_ROWS], reference.name, digests),
+        "history_cut": len(history) > TAG_HISTORY_ROWS,
         "badge_url": badge_url(reference),
         "error": explain_error(report.error) if report.error else None,
         "progress": progress_of(str(reference), services.layer_progress()) if report.pending else None,
