@@ -107,6 +107,39 @@ def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(
         assert read <= 5, read
 
 
+def test_a_deleted_manifest_marks_its_tags_gone_through_its_own_rows(
+    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry's manifest delete flags the digest's tag events gone in the store's write transaction,
+    found by the digest; SQLite, with no statistics, walked every event of the repository instead."""
+    from store.dialect import Db
+    from store.queries.tags import TagSeen
+
+    store = open_backend()
+    events = [TagSeen("r", "ci/app", f"commit-{n:05d}", f"sha256:{n:064x}") for n in range(2000)]
+    for first in range(0, len(events), 500):
+        store.run(queries.record_tags, events[first : first + 500])
+    statements: list[tuple[str, dict[str, Any]]] = []
+    execute = Db.execute
+
+    def recording(self: Db, sql: str, params: Any = None) -> Any:
+        if sql.startswith("UPDATE tags") and "digest = :digest" in sql:
+            statements.append((self.dialect.translate(sql), self._params(params or {})))
+        return execute(self, sql, params)
+
+    monkeypatch.setattr(Db, "execute", recording)
+    store.run(queries.mark_gone, "r", "ci/app", tag=None, digest=f"sha256:{1234:064x}")
+    monkeypatch.undo()
+    gone = [event.tag for event in store.run(queries.tag_history, "r", "ci/app") if event.gone_at]
+    assert gone == ["commit-01234"] and store.run(queries.resolve_tag, "r", "ci/app", "commit-01234") is None
+    ((sql, params),) = statements
+    read = rows_read(store, sql, params, table="tags", generic=True)
+    if isinstance(read, str):
+        assert "tags_digest" in read and "SCAN" not in read, read
+    else:
+        assert read <= 3, read
+
+
 def test_queue_coalesces_claims_once_and_survives_reopen(open_backend: OpenBackend) -> None:
     store = open_backend()
     ids = store.enqueue([("r/app:1", "r"), ("r/app:1", "r"), ("r/app:2", "r")])

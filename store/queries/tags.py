@@ -158,9 +158,10 @@ def mark_gone(db: Db, registry: str, repository: str, *, tag: str | None, digest
         )
     if digest:
         announce_reference(db, f"{registry}/{repository}@{digest}")
+        # by the digest's own few rows (SQLite, with no statistics, would walk the repository's events)
         db.execute(
-            "UPDATE tags SET gone_at = :now WHERE registry = :registry AND repository = :repository"
-            " AND digest = :digest AND gone_at IS NULL",
+            f"UPDATE {db.dialect.read_through('tags', 'tags_digest')} SET gone_at = :now"
+            " WHERE registry = :registry AND repository = :repository AND digest = :digest AND gone_at IS NULL",
             key,
         )
         db.execute(
