@@ -121,11 +121,12 @@ def resolve_tags(db: Db, keys: Iterable[TagKey]) -> dict[TagKey, str | None]:
 @reads
 def tag_history(db: Db, registry: str, repository: str, *, limit: int | None = None) -> list[TagEvent]:
     """The repository's tag events, newest first; with `limit`, the newest `limit` only, read along
-    `tags_history` (migration 0016) and no further."""
+    `tags_history` (migration 0016) and no further. Newest first is `ORDER BY -id`, the order of that
+    index alone, so no planner takes the primary key backwards through other repositories' events."""
     clause = "" if limit is None else " LIMIT :limit"
     rows = db.all(
         f"SELECT tag, digest, first_seen, last_seen, gone_at FROM {db.dialect.read_through('tags', 'tags_history')}"
-        f" WHERE registry = :registry AND repository = :repository ORDER BY id DESC{clause}",
+        f" WHERE registry = :registry AND repository = :repository ORDER BY -id{clause}",
         {"registry": registry, "repository": repository, "limit": limit},
     )
     stamp = db.dialect.stamp
