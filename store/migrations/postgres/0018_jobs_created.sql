@@ -1,0 +1,1 @@
+-- Version 18 gives SQLite the jobs_created index PostgreSQL has had since 0001; nothing changes here.
