@@ -441,6 +441,33 @@ def test_a_filtered_image_list_reads_its_page_in_list_order(
             assert read <= 25, read
 
 
+def test_sqlite_lists_deployments_and_releases_gpus_through_their_indexes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The indexes PostgreSQL has had since 0001 that SQLite lacked (migration 0018): the newest deployments
+    are read along `deployments_created`, a deployment's GPUs released through `reservations_deployment`,
+    not by reading every deployment or every reservation of the fleet."""
+    from store.dialect import Db
+
+    store = Store(tmp_path / "store.db")
+    statements: list[tuple[str, dict[str, Any]]] = []
+    execute = Db.execute
+
+    def recording(self: Db, sql: str, params: Any = None) -> Any:
+        if ("FROM deployments" in sql and "ORDER BY created_at" in sql) or "DELETE FROM reservations" in sql:
+            statements.append((sql, self._params(params or {})))
+        return execute(self, sql, params)
+
+    monkeypatch.setattr(Db, "execute", recording)
+    store.run(queries.deployments, limit=10)
+    store.run(queries.update_deployment, "d-1", "{}", state="stopped", release=True)
+    monkeypatch.undo()
+    plans = [rows_read(store, sql, params) for sql, params in statements]
+    assert len(plans) == 2 and "deployments_created" in plans[0] and "TEMP B-TREE" not in plans[0], plans
+    assert "reservations_deployment" in plans[1], plans
+    store.close()
+
+
 def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
     from store import GpuTaken
 

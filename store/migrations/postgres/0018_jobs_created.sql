@@ -1,1 +1,2 @@
--- Version 18 gives SQLite the jobs_created index PostgreSQL has had since 0001; nothing changes here.
+-- Version 18 gives SQLite jobs_created, deployments_created and reservations_deployment, which PostgreSQL has
+-- had since 0001; nothing changes here.
