@@ -3,20 +3,25 @@
     python3 -m bench.repository_scale_bench [--quick]
 
 A CI repository tags every commit and keeps a report per digest. Setup (unmeasured), on SQLite and
-on PostgreSQL (`initdb` in a temp dir), then `ANALYZE`: `events` tag events and as many reports in
-`reg.example/ci/app`, one multi-arch index newer than them, and as many newer reports and tag events
-spread over 50 other repositories. Measured, each through the store's own `run`, 50 calls after 10
+on PostgreSQL (`initdb` in a temp dir): `events` tag events and as many reports in
+`reg.example/ci/app`, one multi-arch index newer than them, as many newer reports and tag events
+spread over 50 other repositories, and twice `events` finished jobs; then, on PostgreSQL, `VACUUM
+ANALYZE`, as autovacuum would have (without the visibility map it sets, the image list's count took
+a sequential scan: 9.0 ms against 3.5). Measured, each through the store's own `run`, 50 calls after 10
 warm-up calls (so PostgreSQL runs a prepared statement's generic plan):
 
 - `index_of`: the index a platform manifest belongs to (a lookup by a child's digest, each such job
   on the scans page);
 - `tag_history(limit=101)`: what an image page shows of its repository's tags;
-- `mark_gone` of a digest: a registry's manifest delete (the digest of a different event each call).
+- `mark_gone` of a digest: a registry's manifest delete (the digest of a different event each call);
+- `jobs(limit=50)`: the scans page, beside twice `events` finished jobs;
+- `list_images(registry=…)`: the image list filtered by registry (every report is of that registry).
 
-The peer is the same store as it was before migrations 0015 and 0016 and the delete's index hint
-(`reports_repo` on (registry, repository), no `tags_history`, the whole history read, the update
-planned freely), in the same run on the same rows: the indexes are swapped and the statistics
-gathered again. Target: each call under 5 ms at 50,000 events. (The delete was fine before: SQLite
+The peer is the same store as it was before migrations 0015 to 0018 and the delete's index hint
+(`reports_repo` on (registry, repository), no `tags_history` nor `reports_registry_order`, and on
+SQLite no `reports_gpu_order` nor `jobs_created`; the whole history read, the update planned freely;
+the image list's own-tags hint stays, so its "before" is an understatement), in the same run on the same rows: the indexes are swapped and the statistics
+gathered again. Targets: p99 under 5 ms a call at 50,000 events, 25 ms for the image list. (The delete was fine before: SQLite
 took `tags_digest` until `tags_history` came; its row guards the hint that keeps it so.)
 """
 
@@ -41,15 +46,20 @@ from store.queries.tags import TagEvent, TagSeen, announce_reference
 SECTION = "repository"
 REGISTRY, REPOSITORY = "reg.example", "ci/app"
 CALLS, WARM_UP = 50, 10
+# p99 targets: 5 ms a call, and the image list (a count, a page, each row's tags) as the UI pages' is
+TARGETS_MS = {"the image list filtered by registry": 25.0}
 BATCH = 1_000
 START = datetime(2026, 1, 1, tzinfo=UTC)
 CHILD = "sha256:" + "c" * 64
-# The indexes before migrations 0015 and 0016, and the statements that read without them.
+# The indexes before migrations 0015 to 0018 (the statements that read without them are below).
 BEFORE = (
     "DROP INDEX reports_repo_newest",
     "DROP INDEX tags_history",
+    "DROP INDEX reports_registry_order",
     "CREATE INDEX reports_repo ON reports (registry, repository)",
 )
+# what SQLite lacked besides (PostgreSQL has had these since 0001)
+BEFORE_SQLITE = (*BEFORE, "DROP INDEX reports_gpu_order", "DROP INDEX jobs_created")
 
 
 @reads
@@ -128,6 +138,31 @@ def _fill(store: Any, events: int) -> None:
         )
 
 
+def _seed_jobs(store: Any, count: int) -> None:
+    """`count` finished scan jobs, as retention keeps them (100,000 by default), written directly."""
+    rows = []
+    for n in range(count):
+        at = START + timedelta(seconds=n)
+        reference = f"{REGISTRY}/{REPOSITORY}@sha256:{n:064x}"
+        rows.append((f"{n:032x}", reference, REGISTRY, reference, "done", at, at, at))
+    insert = (
+        "INSERT INTO jobs (id, reference, registry, dedupe_key, state, attempts, max_attempts, not_before,"
+        " created_at, updated_at) VALUES ({p}, {p}, {p}, {p}, {p}, 1, 5, {p}, {p}, {p})"
+    )
+    url = getattr(store, "_url", None)
+    if url is None:
+        with sqlite3.connect(store.path) as conn:
+            conn.executemany(
+                insert.format(p="?"), [(*row[:5], *(m.isoformat() for m in row[5:])) for row in rows]
+            )
+        conn.close()
+        return
+    import psycopg
+
+    with psycopg.connect(url) as conn, conn.cursor() as cursor:
+        cursor.executemany(insert.format(p="%s"), rows)
+
+
 def _timed(call: Callable[[int], object]) -> list[float]:
     for number in range(WARM_UP):
         call(number)
@@ -159,7 +194,23 @@ def _calls(store: Any, events: int, before: bool) -> dict[str, Callable[[int], o
             return store.run(mark_gone_before, REGISTRY, REPOSITORY, digest)
         return store.run(queries.mark_gone, REGISTRY, REPOSITORY, tag=None, digest=digest)
 
-    return {"index_of": index_of, "tag history (an image page)": history, "a manifest delete": delete}
+    def scans_page(_: int) -> object:
+        jobs = store.run(queries.jobs, limit=50)
+        assert len(jobs) == 50
+        return jobs
+
+    def listing(_: int) -> object:
+        rows, total = store.run(queries.list_images, registry=REGISTRY, limit=50)
+        assert len(rows) == 50 and total > 50
+        return rows
+
+    return {
+        "index_of": index_of,
+        "tag history (an image page)": history,
+        "a manifest delete": delete,
+        "the scans page (newest 50 jobs)": scans_page,
+        "the image list filtered by registry": listing,
+    }
 
 
 def _measure(
@@ -171,6 +222,7 @@ def _measure(
     swap: Callable[[], None],
 ) -> None:
     _fill(store, events)
+    _seed_jobs(store, 2 * events)
     analyze()
     now = {name: _timed(call) for name, call in _calls(store, events, before=False).items()}
     swap()
@@ -185,8 +237,8 @@ def _measure(
                 f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
                 f"before: p50 {statistics.median(peer):.2f} ms, p99 {percentile(peer, 0.99):.2f} ms",
                 ratio=statistics.median(peer) / p50,
-                target="p99 < 5 ms",
-                met=p99 < 5.0,
+                target=f"p99 < {TARGETS_MS.get(name, 5.0):g} ms",
+                met=p99 < TARGETS_MS.get(name, 5.0),
             )
         )
 
@@ -221,7 +273,7 @@ def run_all(results: Results, quick: bool) -> None:
 
         def swap_sqlite() -> None:
             with sqlite3.connect(store.path) as conn:
-                for statement in BEFORE:
+                for statement in BEFORE_SQLITE:
                     conn.execute(statement)
             conn.close()
 
@@ -238,8 +290,8 @@ def run_all(results: Results, quick: bool) -> None:
                 "PostgreSQL",
                 store,
                 events,
-                lambda: _postgres_sql(server.url, ["ANALYZE"]),
-                lambda: _postgres_sql(server.url, [*BEFORE, "ANALYZE"]),
+                lambda: _postgres_sql(server.url, ["VACUUM ANALYZE"]),
+                lambda: _postgres_sql(server.url, [*BEFORE, "VACUUM ANALYZE"]),
             )
         finally:
             store.close()
