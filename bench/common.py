@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fixtures.oci import push_layout
 
@@ -210,6 +211,19 @@ def measure(watch_pid: int | None = None) -> Iterator[CpuWindow]:
         window.children_cpu_s = children_cpu_seconds() - children
         if watch_pid:
             window.watched_cpu_s = process_cpu_seconds(watch_pid) - watched
+
+
+@contextmanager
+def temporary_sqlite_store(prefix: str) -> Iterator[Any]:
+    """A `SqliteStore` on a fresh file in a temporary directory, closed and removed afterwards."""
+    from store.sqlite import SqliteStore
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as root:
+        store = SqliteStore(Path(root) / "store.db")
+        try:
+            yield store
+        finally:
+            store.close()
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

@@ -19,14 +19,12 @@ median: a p99 of tens of microseconds is one thread hop's scheduling jitter.)
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Results, percentile, run_section
+from bench.common import Figure, Results, percentile, run_section, temporary_sqlite_store
 from store import queries
 from store.dialect import Db, reads
 from store.models import Job
@@ -79,18 +77,6 @@ def _timed(store: Any, lookup: Any, count: int) -> tuple[list[float], list[str |
         samples.append((time.perf_counter() - started) * 1000)
         found.append(job.id if job is not None else None)
     return samples, found
-
-
-@contextmanager
-def _sqlite() -> Iterator[Any]:
-    from store.sqlite import SqliteStore
-
-    with tempfile.TemporaryDirectory(prefix="gpubadge-joblookup-") as root:
-        store = SqliteStore(Path(root) / "store.db")
-        try:
-            yield store
-        finally:
-            store.close()
 
 
 @contextmanager
@@ -162,7 +148,7 @@ def run_all(results: Results, quick: bool) -> None:
 
     sizes = [10_000] if quick else [10_000, 100_000]
     print(f"job lookup: {', '.join(f'{n:,}' for n in sizes)} queued jobs", flush=True)
-    _measure(results, "SQLite", _sqlite, sizes)
+    _measure(results, "SQLite", lambda: temporary_sqlite_store("gpubadge-joblookup-"), sizes)
     reason = postgres_unavailable_reason()
     if reason is not None:
         results.add(Figure(SECTION, "pending_job_for, PostgreSQL", f"not run: {reason}"))

@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import sqlite3
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Results, percentile, run_section
+from bench.common import Figure, Results, percentile, run_section, temporary_sqlite_store
 from scanner.models import ImageReport, LibcVerdict, PlatformReport
 from store import queries
 from store.dialect import Db, reads, writes
@@ -251,25 +248,13 @@ def _postgres_sql(url: str, statements: list[str]) -> None:
             conn.execute(statement.encode())
 
 
-@contextmanager
-def _sqlite_store() -> Iterator[Any]:
-    from store.sqlite import SqliteStore
-
-    with tempfile.TemporaryDirectory(prefix="gpubadge-repository-") as root:
-        store = SqliteStore(Path(root) / "store.db")
-        try:
-            yield store
-        finally:
-            store.close()
-
-
 def run_all(results: Results, quick: bool) -> None:
     from fixtures.postgres import postgres_unavailable_reason, run_postgres
     from store.postgres import PostgresStore
 
     events = 10_000 if quick else 50_000
     print(f"repository scale: {events:,} tag events and reports in one repository", flush=True)
-    with _sqlite_store() as store:
+    with temporary_sqlite_store("gpubadge-repository-") as store:
 
         def swap_sqlite() -> None:
             with sqlite3.connect(store.path) as conn:

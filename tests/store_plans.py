@@ -5,11 +5,34 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from store.dialect import Db
 from store.sqlite import SqliteStore
 
 _NAMED = re.compile(r"%\((\w+)\)s")
+
+
+@contextmanager
+def recorded_statements(wanted: Callable[[str], bool]) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """The statements the store runs meanwhile (`Db.execute`, in any thread) whose SQL, as a query writes
+    it, `wanted` picks: each as its engine receives it, translated, with its parameters (the clock's too),
+    ready for `rows_read`."""
+    statements: list[tuple[str, dict[str, Any]]] = []
+    execute = Db.execute
+
+    def recording(self: Db, sql: str, params: Any = None) -> Any:
+        if wanted(sql):
+            statements.append((self.dialect.translate(sql), self._params(params or {})))
+        return execute(self, sql, params)
+
+    Db.execute = recording  # type: ignore[method-assign]
+    try:
+        yield statements
+    finally:
+        Db.execute = execute  # type: ignore[method-assign]
 
 
 def rows_read(

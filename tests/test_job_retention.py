@@ -22,7 +22,7 @@ from store import AsyncStore, queries
 from store.queries.jobs import QUEUE_DEPTH
 from store.sqlite import SqliteStore
 from tests.conftest import OpenBackend
-from tests.store_plans import rows_read
+from tests.store_plans import recorded_statements, rows_read
 
 NOW = datetime.now(UTC)
 
@@ -73,26 +73,15 @@ def remaining(backend: Any, ids: Iterable[str]) -> set[str]:
     return {job_id for job_id in wanted if backend.job(job_id) is not None}
 
 
-def test_the_newest_jobs_are_listed_without_reading_the_rest(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_newest_jobs_are_listed_without_reading_the_rest(open_backend: OpenBackend) -> None:
     """The scans page and GET /api/scans list the newest jobs along `jobs_created` (SQLite's migration 0018;
     PostgreSQL's since 0001): SQLite read and sorted every job retention keeps (100,000: 104 ms a page)."""
-    from store.dialect import Db
-
     backend = open_backend()
     ids = seed(backend, [("done", NOW - timedelta(seconds=n)) for n in range(3_000)])
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if "FROM jobs" in sql and "ORDER BY created_at DESC LIMIT :limit" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    newest = backend.run(queries.jobs, limit=20)
-    monkeypatch.undo()
+    with recorded_statements(
+        lambda sql: "FROM jobs" in sql and "ORDER BY created_at DESC LIMIT :limit" in sql
+    ) as statements:
+        newest = backend.run(queries.jobs, limit=20)
     assert [job.id for job in newest] == ids[:20]
     ((sql, params),) = statements
     read = rows_read(backend, sql, params)

@@ -22,7 +22,7 @@ from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from store import SqliteStore as Store
 from store import queries
 from tests.conftest import OpenBackend
-from tests.store_plans import rows_read
+from tests.store_plans import recorded_statements, rows_read
 
 
 def _report(digest: str, *, gpu: bool = False, cuda: str | None = None, libc: str = "glibc") -> ImageReport:
@@ -69,12 +69,9 @@ def test_tag_history_and_gone(open_backend: OpenBackend) -> None:
     assert store.run(queries.is_gone, "r", "app", first)
 
 
-def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(open_backend: OpenBackend) -> None:
     """An image page's tag history is its repository's newest events, read along `tags_history`
     (migration 0016) and no further; it read and sorted every event (122 ms for 50,000 on SQLite)."""
-    from store.dialect import Db
     from store.queries.tags import TagSeen
 
     store = open_backend()
@@ -86,17 +83,8 @@ def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(
         queries.record_tags,
         [TagSeen("r", f"team{n % 50}/svc", f"v{n}", f"sha256:{n + 10**6:064x}") for n in range(500)],
     )
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if "FROM tags" in sql and "ORDER BY -id" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    newest = store.run(queries.tag_history, "r", "ci/app", limit=3)
-    monkeypatch.undo()
+    with recorded_statements(lambda sql: "FROM tags" in sql and "ORDER BY -id" in sql) as statements:
+        newest = store.run(queries.tag_history, "r", "ci/app", limit=3)
     assert [event.tag for event in newest] == ["commit-01999", "commit-01998", "commit-01997"]
     assert len(store.run(queries.tag_history, "r", "ci/app")) == 2000  # no limit: every event
     ((sql, params),) = statements
@@ -109,29 +97,19 @@ def test_the_newest_tag_events_are_read_without_the_rest_of_the_repository(
         assert rows_read(store, sql, params, table="tags") <= 5
 
 
-def test_a_deleted_manifest_marks_its_tags_gone_through_its_own_rows(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_deleted_manifest_marks_its_tags_gone_through_its_own_rows(open_backend: OpenBackend) -> None:
     """A registry's manifest delete flags the digest's tag events gone in the store's write transaction,
     found by the digest; SQLite, with no statistics, walked every event of the repository instead."""
-    from store.dialect import Db
     from store.queries.tags import TagSeen
 
     store = open_backend()
     events = [TagSeen("r", "ci/app", f"commit-{n:05d}", f"sha256:{n:064x}") for n in range(2000)]
     for first in range(0, len(events), 500):
         store.run(queries.record_tags, events[first : first + 500])
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if sql.startswith("UPDATE tags") and "digest = :digest" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    store.run(queries.mark_gone, "r", "ci/app", tag=None, digest=f"sha256:{1234:064x}")
-    monkeypatch.undo()
+    with recorded_statements(
+        lambda sql: sql.startswith("UPDATE tags") and "digest = :digest" in sql
+    ) as statements:
+        store.run(queries.mark_gone, "r", "ci/app", tag=None, digest=f"sha256:{1234:064x}")
     gone = [event.tag for event in store.run(queries.tag_history, "r", "ci/app") if event.gone_at]
     assert gone == ["commit-01234"] and store.run(queries.resolve_tag, "r", "ci/app", "commit-01234") is None
     ((sql, params),) = statements
@@ -247,13 +225,12 @@ NEIGHBOURS = 3000
 
 
 def test_a_waiting_scan_is_found_by_its_reference_without_reading_the_queue(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+    open_backend: OpenBackend,
 ) -> None:
     """`pending_job_for` finds a scan of the reference, its rescan, or one queued by digest
     (`reference@sha256:…`), never a neighbour's or a finished one; each arm an index lookup, so the image
     page's question does not read the queue (it read every active job: 27 ms at 100,000 on SQLite)."""
     from store import EnqueueBatch
-    from store.dialect import Db
 
     store = open_backend()
     (finished,) = store.enqueue([("r/app@sha256:" + "3" * 64, "r")])
@@ -274,17 +251,8 @@ def test_a_waiting_scan_is_found_by_its_reference_without_reading_the_queue(
     (tagged,) = store.enqueue([("r/app:1", "r")])
     assert store.run(queries.pending_job_for, "r/app:1").id == tagged
 
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if "dedupe_key = :rescan" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    assert store.run(queries.pending_job_for, "r/app200") is not None
-    monkeypatch.undo()
+    with recorded_statements(lambda sql: "dedupe_key = :rescan" in sql) as statements:
+        assert store.run(queries.pending_job_for, "r/app200") is not None
     ((sql, params),) = statements
     read = rows_read(store, sql, params, generic=True)
     if isinstance(read, str):  # SQLite: every search of jobs is by key, none by state or time
@@ -300,14 +268,12 @@ REPOSITORY_CROWD = 2000
 
 
 def test_the_index_of_a_platform_manifest_is_found_without_reading_its_whole_repository(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+    open_backend: OpenBackend,
 ) -> None:
     """`index_of` answers with the newest report of the repository that lists the platform manifest,
     walking the repository's reports newest first until one does (migration 0015); it read and sorted
     every report of the repository (38 ms at 20,000 on SQLite), for each such lookup and scans-page row."""
     from datetime import timedelta
-
-    from store.dialect import Db
 
     store = open_backend()
     start, child = datetime(2026, 1, 1, tzinfo=UTC), "sha256:" + "c" * 64
@@ -344,17 +310,8 @@ def test_the_index_of_a_platform_manifest_is_found_without_reading_its_whole_rep
         [image(n, [f"sha256:{n + 10**7:064x}"], later + timedelta(seconds=n), "other/app") for n in newer],
     )
 
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if "report LIKE" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    found = store.run(queries.index_of, "reg.example", "ci/app", child)
-    monkeypatch.undo()
+    with recorded_statements(lambda sql: "report LIKE" in sql) as statements:
+        found = store.run(queries.index_of, "reg.example", "ci/app", child)
     assert found is not None and (found.digest, found.platform) == (f"sha256:{2:064x}", "linux/amd64")
     # named through another repository: found anywhere; listed by no image: none
     elsewhere = store.run(queries.index_of, "reg.example", "ci/app", "sha256:" + "e" * 64)
@@ -372,17 +329,13 @@ def test_the_index_of_a_platform_manifest_is_found_without_reading_its_whole_rep
         assert read <= 3, read
 
 
-def test_a_filtered_image_list_reads_its_page_in_list_order(
-    open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_filtered_image_list_reads_its_page_in_list_order(open_backend: OpenBackend) -> None:
     """The image list filtered by registry or by GPU walks an index in list order and stops at its page
     (migration 0017): SQLite sorted every report of the registry for each page (179 ms at 100,000) and
     read every report to count the GPU images; PostgreSQL sorted the registry's rows. And each row's tags
     are found by its digest: SQLite walked its repository's tag events (a page of a CI repository with
     50,000 events: 865 ms)."""
     from datetime import timedelta
-
-    from store.dialect import Db
 
     store = open_backend()
     start = datetime(2026, 1, 1, tzinfo=UTC)
@@ -408,18 +361,9 @@ def test_a_filtered_image_list_reads_its_page_in_list_order(
     store.run(queries.save_reports, [image(n, "rare.example") for n in range(300)])
     for first in range(300, 2300, 500):
         store.run(queries.save_reports, [image(n, "main.example") for n in range(first, first + 500)])
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if "ORDER BY r.scanned_at DESC" in sql:
-            statements.append((self.dialect.translate(sql), self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    rare, rare_total = store.run(queries.list_images, registry="rare.example", limit=20)
-    gpu, gpu_total = store.run(queries.list_images, gpu=True, limit=20)
-    monkeypatch.undo()
+    with recorded_statements(lambda sql: "ORDER BY r.scanned_at DESC" in sql) as statements:
+        rare, rare_total = store.run(queries.list_images, registry="rare.example", limit=20)
+        gpu, gpu_total = store.run(queries.list_images, gpu=True, limit=20)
     assert rare_total == 300 and [row.digest for row in rare] == [
         f"sha256:{n:064x}" for n in range(299, 279, -1)
     ]
@@ -441,27 +385,18 @@ def test_a_filtered_image_list_reads_its_page_in_list_order(
             assert read <= 25, read
 
 
-def test_sqlite_lists_deployments_and_releases_gpus_through_their_indexes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sqlite_lists_deployments_and_releases_gpus_through_their_indexes(tmp_path: Path) -> None:
     """The indexes PostgreSQL has had since 0001 that SQLite lacked (migration 0018): the newest deployments
     are read along `deployments_created`, a deployment's GPUs released through `reservations_deployment`,
     not by reading every deployment or every reservation of the fleet."""
-    from store.dialect import Db
-
     store = Store(tmp_path / "store.db")
-    statements: list[tuple[str, dict[str, Any]]] = []
-    execute = Db.execute
-
-    def recording(self: Db, sql: str, params: Any = None) -> Any:
-        if ("FROM deployments" in sql and "ORDER BY created_at" in sql) or "DELETE FROM reservations" in sql:
-            statements.append((sql, self._params(params or {})))
-        return execute(self, sql, params)
-
-    monkeypatch.setattr(Db, "execute", recording)
-    store.run(queries.deployments, limit=10)
-    store.run(queries.update_deployment, "d-1", "{}", state="stopped", release=True)
-    monkeypatch.undo()
+    with recorded_statements(
+        lambda sql: (
+            ("FROM deployments" in sql and "ORDER BY created_at" in sql) or "DELETE FROM reservations" in sql
+        )
+    ) as statements:
+        store.run(queries.deployments, limit=10)
+        store.run(queries.update_deployment, "d-1", "{}", state="stopped", release=True)
     plans = [rows_read(store, sql, params) for sql, params in statements]
     assert len(plans) == 2 and "deployments_created" in plans[0] and "TEMP B-TREE" not in plans[0], plans
     assert "reservations_deployment" in plans[1], plans
