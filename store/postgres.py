@@ -43,7 +43,7 @@ from store import queries
 from store.backend import SharedMethods
 from store.dialect import POSTGRES, Db, P, Query, T
 from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
-from store.fairness import RegistryTurn, claim_order, plan_claims
+from store.fairness import claim_order, plan_claims
 from store.intake_journal import JournaledJob
 from store.intake_mover import IntakeMover
 from store.migrations import apply_pending, latest_version
@@ -62,7 +62,7 @@ from store.postgres_errors import describe_error as _describe
 from store.postgres_errors import error_cause as _cause
 from store.postgres_intake import INTAKE_NAME, LoopIntake, enqueue_plan
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, queued_jobs, registry_turns
 from store.queries.journal_moves import move_journaled, queued_beside_journal
 
 log = logging.getLogger(__name__)
@@ -449,18 +449,7 @@ class PostgresStore(SharedMethods):
                 " WHERE g.registry = j.registry AND g.cool_until > now()"
                 " AND j.state = 'queued' AND j.not_before < g.cool_until"
             )
-            turns = [
-                RegistryTurn(registry, int(ready), int(running), POSTGRES.stamp(last))
-                for registry, ready, running, last in conn.execute(
-                    "SELECT q.registry, q.ready,"
-                    " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
-                    " g.last_claimed"
-                    " FROM (SELECT registry, count(*) AS ready FROM jobs"
-                    "   WHERE state = 'queued' AND not_before <= now() GROUP BY registry) q"
-                    " LEFT JOIN registry_gates g ON g.registry = q.registry"
-                    " WHERE g.cool_until IS NULL OR g.cool_until <= now()"
-                ).fetchall()
-            ]
+            turns = registry_turns(Db(conn, POSTGRES), limit)
             plan = plan_claims(turns, limit, per_registry)
             claimed: list[Job] = []
             for registry in dict.fromkeys(plan):

@@ -32,7 +32,7 @@ from typing import Literal
 from store.backend import SharedMethods
 from store.dialect import SQLITE, Db, P, Query, T
 from store.events import ALL_CHANNELS, FLEET_CHANNEL, JOB_CHANNELS, JOB_SETTLED_CHANNEL, JOBS_QUEUED_CHANNEL
-from store.fairness import RegistryTurn, claim_order, plan_claims
+from store.fairness import claim_order, plan_claims
 from store.intake_journal import JournaledJob, journal_path
 from store.intake_mover import IntakeMover
 from store.migrations import apply_pending, latest_version
@@ -47,7 +47,7 @@ from store.models import (
     StoreUnavailable,
 )
 from store.queries import JOB_READS
-from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, job_ready
+from store.queries.jobs import JOB_COLUMNS, LEASE_LAPSED_ERROR, job_of, job_ready, registry_turns
 from store.queries.journal_moves import move_journaled, queued_beside_journal
 from store.sqlite_access import WriterLock, create_private_file, immediate_transaction, unwritable_hint
 from store.sqlite_notify import PAYLOAD_MAX, BoundListener, LocalNotifier, Notice
@@ -375,26 +375,14 @@ class SqliteStore(SharedMethods):
                 return []
             # Jobs of a registry cooling down (queued since its gate closed) wait for the gate: then
             # neither the idle loop, nor /healthz's stall check, nor /metrics counts them as ready.
-            conn.execute(
-                "UPDATE jobs SET not_before = (SELECT g.cool_until FROM registry_gates g"
+            conn.execute(  # along the queued jobs' registry index: a probe per cooling registry
+                "UPDATE jobs INDEXED BY jobs_ready_registry SET not_before = (SELECT g.cool_until FROM registry_gates g"
                 "   WHERE g.registry = jobs.registry)"
                 " WHERE state = 'queued' AND not_before <= :now"
                 " AND registry IN (SELECT registry FROM registry_gates WHERE cool_until > :now)",
                 {"now": now},
             )
-            turns = [
-                RegistryTurn(*row)
-                for row in conn.execute(
-                    "SELECT q.registry, q.ready,"
-                    " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
-                    " g.last_claimed"
-                    " FROM (SELECT registry, count(*) AS ready FROM jobs"
-                    "   WHERE state = 'queued' AND not_before <= :now GROUP BY registry) q"
-                    " LEFT JOIN registry_gates g ON g.registry = q.registry"
-                    " WHERE g.cool_until IS NULL OR g.cool_until <= :now",
-                    {"now": now},
-                )
-            ]
+            turns = registry_turns(Db(conn, SQLITE), limit)
             plan = plan_claims(turns, limit, per_registry)
             ids: list[str] = []
             for registry in dict.fromkeys(plan):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,10 +35,41 @@ def recorded_statements(wanted: Callable[[str], bool]) -> Iterator[list[tuple[st
         Db.execute = execute  # type: ignore[method-assign]
 
 
+@contextmanager
+def engine_statements(backend: Any) -> Iterator[list[tuple[str, Any]]]:
+    """Every statement `backend`'s writes send to the engine meanwhile, however the store words them
+    (`Db` or the driver's own `execute`): on SQLite the writer's statements with their values bound
+    (its trace), on PostgreSQL each `execute` of any pooled connection with its parameters; each
+    ready for `rows_read`."""
+    statements: list[tuple[str, Any]] = []
+    if isinstance(backend, SqliteStore):
+        writer = backend._writer
+        writer.set_trace_callback(lambda sql: statements.append((sql, {})))
+        try:
+            yield statements
+        finally:
+            writer.set_trace_callback(None)
+        return
+    import psycopg
+
+    execute = psycopg.Connection.execute
+
+    def recording(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if isinstance(query, str):
+            statements.append((query, params))
+        return execute(self, query, params, **kwargs)
+
+    psycopg.Connection.execute = recording  # type: ignore[method-assign]
+    try:
+        yield statements
+    finally:
+        psycopg.Connection.execute = execute  # type: ignore[method-assign]
+
+
 def rows_read(
     backend: Any,
     sql: str,
-    params: dict[str, Any] | None = None,
+    params: dict[str, Any] | Sequence[Any] | None = None,
     *,
     table: str = "jobs",
     generic: bool = False,
@@ -48,7 +79,7 @@ def rows_read(
     read, found and filtered, over every plan node. `generic`: the plan a prepared statement settles on
     from its sixth run, which knows its parameters' types but not their values, after statistics are
     gathered (as autovacuum would have); `sql` is then in psycopg's `%(name)s` style."""
-    params = params or {}
+    params = params if params is not None else {}
     if isinstance(backend, SqliteStore):
         with sqlite3.connect(backend.path) as peer:
             return " | ".join(str(row[3]) for row in peer.execute(f"EXPLAIN QUERY PLAN {sql}", params))
@@ -57,6 +88,7 @@ def rows_read(
 
     with psycopg.connect(backend._url, autocommit=True) as peer:
         if generic:
+            assert isinstance(params, dict), "a generic plan is asked with named parameters"
             names = list(dict.fromkeys(_NAMED.findall(sql)))
             numbered = _NAMED.sub(lambda match: f"${names.index(match[1]) + 1}", sql)
             peer.execute(f"ANALYZE {table}")

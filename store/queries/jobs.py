@@ -4,7 +4,8 @@ Claims, leases, enqueueing and the other outcomes (what locks, and how) differ p
 stay in `store.sqlite` and `store.postgres`; what they share is here: a job's end (`finish_job`:
 one conditional update, also written in the batch of its scan's results as a `JobEnd`), the job column list and its row
 reader (`JOB_COLUMNS`, `job_of`), the job read their `retry_job` answers with, the lease owners,
-whether a job runs under a live lease (`scan_in_flight`), the error a job whose lease lapsed is
+whether a job runs under a live lease (`scan_in_flight`), the registries a claim chooses among
+(`registry_turns`), the error a job whose lease lapsed is
 left with (`LEASE_LAPSED_ERROR`, one SQL expression), the counts by state that read no finished job
 (`queue_depth`), and retention's reads and deletes.
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from store.dialect import Db, reads, writes
 from store.events import JOB_SETTLED_CHANNEL
+from store.fairness import RegistryTurn
 from store.models import JOB_STATES, Job
 
 JOB_COLUMNS = (
@@ -247,6 +249,38 @@ def next_job_due(db: Db) -> datetime | None:
     row = db.one("SELECT min(not_before) FROM jobs WHERE state = 'queued'")
     due = db.dialect.stamp(row[0]) if row else None
     return datetime.fromisoformat(due) if due else None
+
+
+def registry_turns(db: Db, limit: int) -> list[RegistryTurn]:
+    """Each registry with a queued job and no cool-down, as a claim of up to `limit` jobs sees it
+    (`store.fairness.plan_claims`): its ready jobs counted up to `limit` (the most a claim takes
+    from one registry), its running jobs, and its last claim. Called inside the claim's write
+    transaction.
+
+    Its cost grows with the registries that have queued jobs, not with the queue: the registries
+    are found by a skip scan of the queued jobs' registry index (one probe per registry), and each
+    count stops at `limit`. Counting every ready job, as it once did, read the whole queue on every
+    claim: 69 ms a claim at the queue's cap (100,000) on SQLite, inside the write lock."""
+    queued = db.dialect.read_through("jobs", "jobs_ready_registry")
+    rows = db.all(
+        "WITH RECURSIVE queued(registry) AS ("
+        f" SELECT (SELECT min(registry) FROM {queued} WHERE state = 'queued')"
+        " UNION ALL"
+        f" SELECT (SELECT min(registry) FROM {queued} WHERE state = 'queued' AND registry > q.registry)"
+        " FROM queued q WHERE q.registry IS NOT NULL)"
+        " SELECT q.registry,"
+        " (SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'queued' AND registry = q.registry"
+        "   AND not_before <= :now LIMIT :limit) AS due),"
+        " (SELECT count(*) FROM jobs r WHERE r.state = 'running' AND r.registry = q.registry),"
+        " g.last_claimed"
+        " FROM queued q LEFT JOIN registry_gates g ON g.registry = q.registry"
+        " WHERE q.registry IS NOT NULL AND (g.cool_until IS NULL OR g.cool_until <= :now)",
+        {"limit": limit},
+    )
+    return [
+        RegistryTurn(registry, int(ready), int(running), db.dialect.stamp(last))
+        for registry, ready, running, last in rows
+    ]
 
 
 @reads
