@@ -11,15 +11,17 @@ a sequential scan: 9.0 ms against 3.5). Measured, each through the store's own `
 warm-up calls (so PostgreSQL runs a prepared statement's generic plan):
 
 - `index_of`: the index a platform manifest belongs to (a lookup by a child's digest, each such job
-  on the scans page);
+  on the scans page); and the same for a child no stored index lists (named through a repository
+  whose index was deleted), which searched every report;
 - `tag_history(limit=101)`: what an image page shows of its repository's tags;
 - `mark_gone` of a digest: a registry's manifest delete (the digest of a different event each call);
 - `jobs(limit=50)`: the scans page, beside twice `events` finished jobs;
 - `list_images(registry=…)`: the image list filtered by registry (every report is of that registry).
 
-The peer is the same store as it was before migrations 0015 to 0018 and the delete's index hint
+The peer is the same store as it was before migrations 0015 to 0019 and the delete's index hint
 (`reports_repo` on (registry, repository), no `tags_history` nor `reports_registry_order`, and on
-SQLite no `reports_gpu_order` nor `jobs_created`; the whole history read, the update planned freely;
+SQLite no `reports_gpu_order` nor `jobs_created`; `index_of` searching the reports' text, not
+`index_children`; the whole history read, the update planned freely;
 the image list's own-tags hint stays, so its "before" is an understatement), in the same run on the same rows: the indexes are swapped and the statistics
 gathered again. Targets: p99 under 5 ms a call at 50,000 events, 25 ms for the image list. (The delete was fine before: SQLite
 took `tags_digest` until `tags_history` came; its row guards the hint that keeps it so.)
@@ -48,6 +50,7 @@ TARGETS_MS = {"the image list filtered by registry": 25.0}
 BATCH = 1_000
 START = datetime(2026, 1, 1, tzinfo=UTC)
 CHILD = "sha256:" + "c" * 64
+UNLISTED = "sha256:" + "f" * 64  # a platform manifest whose index report is gone
 # The indexes before migrations 0015 to 0018 (the statements that read without them are below).
 BEFORE = (
     "DROP INDEX reports_repo_newest",
@@ -68,6 +71,22 @@ def history_before(db: Db, registry: str, repository: str) -> list[TagEvent]:
         {"registry": registry, "repository": repository},
     )
     return [TagEvent(row[0], row[1], str(row[2]), str(row[3]), row[4]) for row in rows]
+
+
+@reads
+def index_of_before(db: Db, registry: str, repository: str, digest: str) -> str | None:
+    """`index_of` before migration 0019 (the digest of the index found): the repository's reports'
+    text searched for the child newest first, then, where none lists it, every report's."""
+    sql = (
+        "SELECT digest FROM reports WHERE {where} AND digest <> :digest AND report LIKE :pattern"
+        " ORDER BY scanned_at DESC LIMIT 1"
+    )
+    params = {"registry": registry, "repository": repository, "digest": digest}
+    params["pattern"] = f'%"digest":"{digest}"%'
+    row = db.one(sql.format(where="registry = :registry AND repository = :repository"), params)
+    if row is None:
+        row = db.one(sql.format(where="1 = 1"), params)
+    return str(row[0]) if row else None
 
 
 @writes
@@ -173,9 +192,19 @@ def _timed(call: Callable[[int], object]) -> list[float]:
 
 def _calls(store: Any, events: int, before: bool) -> dict[str, Callable[[int], object]]:
     def index_of(_: int) -> object:
+        if before:
+            assert store.run(index_of_before, REGISTRY, REPOSITORY, CHILD) == f"sha256:{10**9:064x}"
+            return None
         found = store.run(queries.index_of, REGISTRY, REPOSITORY, CHILD)
         assert found is not None and found.digest == f"sha256:{10**9:064x}"
         return found
+
+    def unlisted(_: int) -> object:
+        if before:
+            assert store.run(index_of_before, REGISTRY, REPOSITORY, UNLISTED) is None
+        else:
+            assert store.run(queries.index_of, REGISTRY, REPOSITORY, UNLISTED) is None
+        return None
 
     def history(_: int) -> object:
         if before:
@@ -203,6 +232,7 @@ def _calls(store: Any, events: int, before: bool) -> dict[str, Callable[[int], o
 
     return {
         "index_of": index_of,
+        "index_of, a child no stored index lists": unlisted,
         "tag history (an image page)": history,
         "a manifest delete": delete,
         "the scans page (newest 50 jobs)": scans_page,

@@ -310,23 +310,92 @@ def test_the_index_of_a_platform_manifest_is_found_without_reading_its_whole_rep
         [image(n, [f"sha256:{n + 10**7:064x}"], later + timedelta(seconds=n), "other/app") for n in newer],
     )
 
-    with recorded_statements(lambda sql: "report LIKE" in sql) as statements:
+    with recorded_statements(lambda sql: "FROM reports" in sql or "index_children" in sql) as statements:
         found = store.run(queries.index_of, "reg.example", "ci/app", child)
+        # named through another repository: found; listed by no stored image (its index deleted): none
+        elsewhere = store.run(queries.index_of, "reg.example", "ci/app", "sha256:" + "e" * 64)
+        orphan = store.run(queries.index_of, "reg.example", "ci/app", "sha256:" + "f" * 64)
     assert found is not None and (found.digest, found.platform) == (f"sha256:{2:064x}", "linux/amd64")
-    # named through another repository: found anywhere; listed by no image: none
-    elsewhere = store.run(queries.index_of, "reg.example", "ci/app", "sha256:" + "e" * 64)
     assert elsewhere is not None and (elsewhere.digest, elsewhere.platform) == (
         f"sha256:{3:064x}",
         "linux/arm64",
     )
-    assert store.run(queries.index_of, "reg.example", "ci/app", "sha256:" + "f" * 64) is None
+    assert orphan is None
+    # the child's own repository first, however new another repository's index is
+    store.run(
+        queries.save_reports,
+        [image(4, [child, "sha256:" + "9" * 64], later + timedelta(days=1), "mirror/app")],
+    )
+    assert store.run(queries.index_of, "reg.example", "ci/app", child).digest == f"sha256:{2:064x}"
+    assert store.run(queries.index_of, "reg.example", "mirror/app", child).digest == f"sha256:{4:064x}"
 
-    (sql, params), *_ = statements  # the repository's own reports: the first statement
-    read = rows_read(store, sql, params, table="reports", generic=True)
-    if isinstance(read, str):  # SQLite: down the repository's reports in scan order, no sort of them
-        assert "reports_repo_newest" in read and "TEMP B-TREE" not in read, read
-    else:  # PostgreSQL: the newest index, not the repository's crowd, nor the newer reports elsewhere
-        assert read <= 3, read
+    assert len(statements) == 3
+    for sql, params in statements:  # each lookup reads the indexes that list its child, nothing else
+        read = rows_read(store, sql, params, table="reports", generic=True)
+        if isinstance(read, str):  # SQLite: searches by key only, no scan and no sort of the reports
+            assert all(step.startswith(("SEARCH", "USE TEMP B-TREE")) for step in read.split(" | ")), read
+        else:  # PostgreSQL: the indexes that list the child (three by now), not the repository's crowd
+            assert read <= 3, read
+
+
+def test_upgrading_links_the_stored_indexes_to_their_platform_manifests(open_backend: OpenBackend) -> None:
+    """Migration 0019 fills `index_children` from the index reports already stored, so `index_of` finds
+    an index saved before it; a single-platform image links nothing."""
+    store = open_backend()
+    child = "sha256:" + "c" * 64
+    index = ImageReport(
+        reference="reg.example/app:1",
+        digest="sha256:" + "1" * 64,
+        registry="reg.example",
+        repository="app",
+        media_type="application/vnd.oci.image.index.v1+json",
+        platforms=[
+            PlatformReport(platform="linux/amd64", digest=child, libc=LibcVerdict(flavour="glibc")),
+            PlatformReport(
+                platform="linux/arm64", digest="sha256:" + "a" * 64, libc=LibcVerdict(flavour="glibc")
+            ),
+        ],
+    )
+    single = ImageReport(
+        reference="reg.example/app:2",
+        digest="sha256:" + "2" * 64,
+        registry="reg.example",
+        repository="app",
+        media_type="application/vnd.oci.image.manifest.v1+json",
+        platforms=[PlatformReport(platform="linux/amd64", digest="sha256:" + "2" * 64)],
+    )
+    store.run(queries.save_reports, [index, single])
+    _back_to_version_18(store)
+    again = open_backend()  # opening applies the pending migration
+    found = again.run(queries.index_of, "reg.example", "app", child)
+    assert found is not None and (found.digest, found.platform) == (index.digest, "linux/amd64")
+    assert _links(again) == [("sha256:" + "a" * 64, index.digest), (child, index.digest)]
+
+
+def _back_to_version_18(store: Any) -> None:
+    """The database as version 18 left it: no `index_children`, migration 19 not recorded."""
+    undo = ["DROP TABLE index_children", "DELETE FROM schema_migrations WHERE version = 19"]
+    if isinstance(store, Store):
+        with sqlite3.connect(store.path) as peer:
+            for statement in undo:
+                peer.execute(statement)
+        return
+    import psycopg
+
+    with psycopg.connect(store._url, autocommit=True) as peer:
+        for statement in undo:
+            peer.execute(statement)
+
+
+def _links(store: Any) -> list[tuple[str, str]]:
+    sql = "SELECT child, parent FROM index_children ORDER BY child, parent"
+    if isinstance(store, Store):
+        with sqlite3.connect(store.path) as peer:
+            return [tuple(row) for row in peer.execute(sql)]
+    import psycopg
+
+    with psycopg.connect(store._url) as peer:
+        return [tuple(row) for row in peer.execute(sql)]
 
 
 def test_a_filtered_image_list_reads_its_page_in_list_order(open_backend: OpenBackend) -> None:

@@ -34,6 +34,9 @@ _SAVE_PLATFORM = (
     "INSERT INTO platform_reports (digest, report) VALUES (:digest, :report)"
     " ON CONFLICT (digest) DO UPDATE SET report = excluded.report"
 )
+# An index lists a platform manifest (`index_of` reads these); a manifest's digest names its content,
+# so a pair once written stays true.
+_LINK_CHILD = "INSERT INTO index_children (child, parent) VALUES (:child, :parent) ON CONFLICT (child, parent) DO NOTHING"
 
 
 def report_row(db: Db, report: ImageReport, document: str) -> dict[str, Any]:
@@ -81,11 +84,13 @@ def report_document(report: ImageReport, platforms: Sequence[str]) -> str:
 def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
     """Store successful reports under their manifest digests, and each platform under its own, in
     one transaction: each statement prepared once for the batch, each report serialised once (a
-    platform's JSON is the slice of its image's)."""
+    platform's JSON is the slice of its image's). An index's platform manifests are linked to it
+    (`index_children`, which `index_of` reads)."""
     covered = _covered_children(db, reports)
     rows: list[dict[str, Any]] = []
     platform_rows: list[dict[str, str]] = []
     children: list[str] = []
+    links: list[dict[str, str]] = []
     for report in reports:
         documents = [platform.model_dump_json() for platform in report.platforms]
         if report.digest not in covered:
@@ -94,8 +99,10 @@ def save_reports(db: Db, reports: Sequence[ImageReport]) -> None:
             platform_rows.append({"digest": platform.digest, "report": document})
             if platform.digest != report.digest:
                 children.append(platform.digest)
+                links.append({"child": platform.digest, "parent": report.digest or ""})
     db.many(_SAVE_REPORT, rows)
     db.many(_SAVE_PLATFORM, platform_rows)
+    db.many(_LINK_CHILD, links)
     if children:
         # Platform manifests scanned on their own before their index arrived are not images of
         # their own: the index report covers them.
@@ -404,18 +411,18 @@ class IndexOf:
 
 @reads
 def index_of(db: Db, registry: str, repository: str, digest: str) -> IndexOf | None:
-    """The newest stored index report that lists `digest` as one of its platforms: first among the
-    repository's own reports (its index), then anywhere (a child named through another repository:
-    a scan of the reports table, for this rare case only). None when no image lists it."""
-    pattern = f'%"digest":"{digest}"%'
-    sql = (
-        "SELECT digest, reference, scanned_at, report FROM reports WHERE {where} AND digest <> :digest"
-        " AND report LIKE :pattern ORDER BY scanned_at DESC LIMIT 1"
+    """The newest stored index report that lists `digest` as one of its platforms, its own
+    repository's first (then one that names it through another repository); None when no stored
+    image lists it. Read through the child's links (`index_children`): its cost is the indexes that
+    list it, whatever the repository's or the store's size."""
+    row = db.one(
+        "SELECT r.digest, r.reference, r.scanned_at, r.report FROM index_children c"
+        " JOIN reports r ON r.digest = c.parent"
+        " WHERE c.child = :digest AND r.digest <> :digest"
+        " ORDER BY CASE WHEN r.registry = :registry AND r.repository = :repository THEN 0 ELSE 1 END,"
+        " r.scanned_at DESC LIMIT 1",
+        {"registry": registry, "repository": repository, "digest": digest},
     )
-    params = {"registry": registry, "repository": repository, "digest": digest, "pattern": pattern}
-    row = db.one(sql.format(where="registry = :registry AND repository = :repository"), params)
-    if row is None:
-        row = db.one(sql.format(where="1 = 1"), params)
     if row is None:
         return None
     report = ImageReport.model_validate_json(row[3], context=STORED)
