@@ -95,7 +95,8 @@ def rows_read(
             peer.execute("SET plan_cache_mode = force_generic_plan")
             peer.execute(f"PREPARE statement AS {numbered}")
             values = ", ".join(Literal(params[name]).as_string(peer) for name in names)
-            found = peer.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE statement({values})").fetchone()
+            arguments = f"({values})" if names else ""
+            found = peer.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE statement{arguments}").fetchone()
         else:
             found = peer.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params).fetchone()
     assert found is not None

@@ -472,6 +472,42 @@ def test_sqlite_lists_deployments_and_releases_gpus_through_their_indexes(tmp_pa
     store.close()
 
 
+HISTORY = 1500  # deployments that ended: every one ever made stays in the table
+
+
+def test_the_deployments_to_act_on_are_read_without_the_fleets_history(open_backend: OpenBackend) -> None:
+    """An agent's poll (`actionable_deployments`) and the set of servers with work (`actionable_servers`,
+    read again whenever another process changed a deployment) read the deployments to act on alone
+    (migration 0020), not every deployment the fleet or the server ever had."""
+    store = open_backend()
+    for server in ("node-a", "node-b"):
+        store.run(queries.upsert_server, server, f'{{"name": "{server}"}}')
+    for n in range(HISTORY):
+        store.create_deployment(f"old-{n}", ("node-a", "node-b")[n % 2], [], f'{{"id": "old-{n}"}}')
+        store.run(queries.update_deployment, f"old-{n}", f'{{"id": "old-{n}"}}', state="exited", release=True)
+    store.create_deployment("new", "node-a", ["GPU-1"], '{"id": "new"}')
+    store.create_deployment("stopping", "node-b", [], '{"id": "stopping"}')
+    store.run(queries.update_deployment, "stopping", '{"id": "stopping"}', state="running", desired="stop")
+
+    with recorded_statements(lambda sql: "FROM deployments" in sql and "desired" in sql) as statements:
+        assert store.run(queries.actionable_servers) == {"node-a", "node-b"}
+        assert [r.record_json for r in store.run(queries.actionable_deployments, "node-a")] == [
+            '{"id": "new"}'
+        ]
+        assert [r.state for r in store.run(queries.actionable_deployments, "node-b")] == ["running"]
+    assert len(statements) == 3
+    for sql, params in statements:
+        read = rows_read(store, sql, params, table="deployments", generic=True)
+        if isinstance(read, str):  # SQLite: through the partial index, never a walk of the history
+            steps = [step for step in read.split(" | ") if "deployments" in step]
+            assert steps and all(
+                step.endswith("deployments_actionable") or "deployments_actionable (" in step
+                for step in steps
+            ), read
+        else:
+            assert read <= 2, (sql, read)
+
+
 def test_fleet_reservations_and_deployments(open_backend: OpenBackend) -> None:
     from store import GpuTaken
 
