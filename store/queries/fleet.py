@@ -312,7 +312,8 @@ def actionable_servers(db: Db) -> set[str]:
 def actionable_deployments(db: Db, server: str) -> list[DeploymentRecord]:
     """Deployments the server's agent must act on: new ones to run, live ones to stop."""
     rows = db.all(
-        f"SELECT record, state, desired FROM deployments WHERE server = :server AND {_ACTIONABLE}"
+        f"SELECT record, state, desired FROM {db.dialect.read_through('deployments', 'deployments_actionable')}"
+        f" WHERE server = :server AND {_ACTIONABLE}"
         " ORDER BY created_at",
         {"server": server},
     )
