@@ -100,6 +100,11 @@ async def test_eligibility_scans_first_and_explains_every_rejection(
         assert "has not been scanned" in body["error"] and "POST /api/scans" in body["error"]
         async with session.get(f"{service.url}/api/scans") as response:
             assert (await response.json())["jobs"] == []
+        async with session.get(f"{service.url}/api/scans", params={"state": "queued,paused"}) as response:
+            assert response.status == 400  # a state that is none names the option and the states there are
+            assert (await response.json())["error"].startswith(
+                "state: no job state 'paused' (states: queued,"
+            )
         status, body = await _post(session, f"{service.url}/api/eligibility", request, API_TOKEN)
         assert status == 200, body
         # Stored now: the same read without the token answers from the store.

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from jobs.intake import RETRY_AFTER_SECONDS
 from jobs.scan_requests import ScanRefused, request_scan
 from store import queries
+from store.models import JOB_STATES
 from web.api_description import (
     BAD_QUERY,
     ERROR,
@@ -21,7 +22,7 @@ from web.api_description import (
     query,
 )
 from web.api_models import JobView, ScanBody
-from web.errors import json_error, read_json
+from web.errors import json_error, json_http_error, read_json
 from web.lookups import MAX_PAGE, int_param, public_wait, require_api_token, wait_param
 from web.state import services_of
 
@@ -132,6 +133,11 @@ async def retry_scan(request: web.Request) -> web.Response:
 async def list_scans(request: web.Request) -> web.Response:
     services = services_of(request)
     states = [s for s in request.query.get("state", "").split(",") if s]
+    unknown = sorted(set(states) - set(JOB_STATES))
+    if unknown:
+        raise json_http_error(
+            web.HTTPBadRequest, f"state: no job state {unknown[0][:40]!r} (states: {', '.join(JOB_STATES)})"
+        )
     jobs = await services.store.run(
         queries.jobs, states=states, limit=int_param(request, "limit", 50, 1, MAX_PAGE)
     )
