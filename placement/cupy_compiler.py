@@ -18,17 +18,22 @@ wheel from 10.0 to 14.2 (`_get_max_compute_capability`, `_get_arch`, `_get_arch_
   (`CUDA_ERROR_NO_BINARY_FOR_GPU`, cupy/cupy#9106: 13.4.1 with CUDA 12.0 on an RTX 5080). Nothing
   falls back: the first kernel raises.
 
-PTX is compiled by the driver, which must be as new as the NVRTC that wrote it; that floor is not
-judged here. Which releases know which architecture is `placement.compiler_releases`'s table.
+PTX is compiled by the driver, which must be as new as the NVRTC that wrote it (NVRTC writes its own
+release's PTX ISA; CuPy's `compiler.py` says so of CUDA 11.3 on): where CuPy asks for PTX on a GPU, a
+server whose driver cannot compile that ISA is refused (`ptx_refusal`, the server's driver's judge),
+and a cubin, where CuPy would ask for one without `CUPY_COMPILE_WITH_PTX`, is named as the remedy.
+Which releases know which architecture is `placement.compiler_releases`'s table.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Literal
 
 from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
 from scanner.layers.code_loading import release_of
+from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.models import CupyFacts
 
 WHAT = "compiles its kernels (every elementwise operation, most reductions) with NVRTC at first use"
@@ -110,9 +115,19 @@ def _remedy(cupy: CupyFacts, nvrtc: Release, cc: CC) -> str:
     return fix
 
 
-def cupy_refusal(cupy: CupyFacts | None, cc: CC) -> str | None:
+def written_isa(nvrtc: Release) -> str | None:
+    """The PTX ISA an NVRTC of release `nvrtc` writes ("8.7" for CUDA 12.8), or None where the table of
+    ISAs does not know that release."""
+    isas = [isa for isa, toolkit in PTX_ISA_TOOLKITS.items() if toolkit == nvrtc]
+    return f"{max(isas)[0]}.{max(isas)[1]}" if isas else None
+
+
+def cupy_refusal(
+    cupy: CupyFacts | None, cc: CC, ptx_refusal: Callable[[str | None], str | None] | None = None
+) -> str | None:
     """Why the image does not run on `cc` for want of the kernels its CuPy compiles, or None where it
-    can compile them (or the NVRTC it loads is not known)."""
+    can compile them (or the NVRTC it loads is not known). `ptx_refusal`: why the server's driver cannot
+    compile PTX of an ISA (`gpu_code.Jit.refusal`); without it, the driver is not judged."""
     if cupy is None or cupy.nvrtc is None:
         return None
     name = f"{cupy.distribution} {cupy.version}"
@@ -125,8 +140,10 @@ def cupy_refusal(cupy: CupyFacts | None, cc: CC) -> str | None:
         )
         return f"{name} {WHAT}, and the image carries no {wanted} for it to load; {fix}"
     nvrtc = release(cupy.nvrtc)
-    if nvrtc is None or _runs(cupy, nvrtc, cc):
+    if nvrtc is None:
         return None
+    if _runs(cupy, nvrtc, cc):
+        return _driver_refusal(cupy, name, nvrtc, cc, ptx_refusal)
     arch, kind = nvrtc_target(cupy, nvrtc, cc)
     target = f"{'sm' if kind == 'cubin' else 'compute'}_{arch}"
     said = f"its NVRTC (CUDA {nvrtc[0]}.{nvrtc[1]})"
@@ -141,3 +158,23 @@ def cupy_refusal(cupy: CupyFacts | None, cc: CC) -> str | None:
             " and that cubin does not load on this GPU"
         )
     return f"{name} {WHAT}: {why}; {_remedy(cupy, nvrtc, cc)}"
+
+
+def _driver_refusal(
+    cupy: CupyFacts, name: str, nvrtc: Release, cc: CC, ptx_refusal: Callable[[str | None], str | None] | None
+) -> str | None:
+    """Where CuPy asks its NVRTC for PTX on `cc`: why this server's driver cannot compile it, or None."""
+    arch, kind = nvrtc_target(cupy, nvrtc, cc)
+    if kind != "ptx" or ptx_refusal is None:
+        return None
+    why = ptx_refusal(written_isa(nvrtc))
+    if why is None:
+        return None
+    asked = " (CUPY_COMPILE_WITH_PTX=1)" if cupy.compile_with_ptx else ""
+    fix = ""
+    if cupy.compile_with_ptx and _runs(cupy.model_copy(update={"compile_with_ptx": False}), nvrtc, cc):
+        fix = "; without CUPY_COMPILE_WITH_PTX it asks for a cubin, which this driver loads"
+    return (
+        f"{name} {WHAT}: it asks its NVRTC (CUDA {nvrtc[0]}.{nvrtc[1]}) for PTX of compute_{arch}{asked},"
+        f" which the driver compiles, and {why}{fix}"
+    )

@@ -613,7 +613,7 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     if not own and groups and not verdict.covered_by:
         verdict.reasons.append(f"{where}: none of the image's GPU libraries runs here; {RULE}")
     verdict.without += unselected_builds(archs)
-    _judge_compilers(archs, cc, verdict)
+    _judge_compilers(archs, cc, verdict, jit)
     verdict.runs = not verdict.reasons
     if not verdict.runs:
         verdict.without, verdict.covered_by, verdict.ptx = [], [], []
@@ -625,13 +625,14 @@ def judge(archs: GpuArchs, cc: CC, jit: Jit | None = None, rule: Rule = "dispatc
     return verdict
 
 
-def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
+def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict, jit: Jit | None) -> None:
     """The kernels Triton, FlashInfer, tvm-ffi, torch's `cpp_extension`, CuPy's NVRTC, JAX's XLA and
     numba-cuda build on `cc` (`placement.triton_compiler`, `placement.flashinfer_compiler`,
     `placement.tvm_ffi_compiler`, `placement.torch_extension_compiler`, `placement.cupy_compiler`,
     `placement.jax_compiler`, `placement.numba_compiler`): for each, a reason where a package needs them on its
     default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: where
-    it is the image's only GPU code) and they cannot be built here, else a line of what the image runs without."""
+    it is the image's only GPU code) and they cannot be built here, else a line of what the image runs without.
+    `jit`: the server's driver, which compiles the PTX CuPy asks for where it asks for PTX."""
     torch = archs.torch_extensions
     own = _loads_code(archs)  # numba-cuda's kernels beside GPU code the image carries
     judges = (
@@ -639,7 +640,7 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict) -> None:
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
         (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
-        (cupy_refusal(archs.cupy, cc), None),
+        (cupy_refusal(archs.cupy, cc, jit.refusal if jit is not None else None), None),
         (jax_refusal(archs.jax, cc), None),
         (numba_refusal(archs.numba, cc, own), numba_gap(archs.numba, cc, own)),
     )
@@ -676,7 +677,7 @@ def _judge_strict(archs: GpuArchs, cc: CC, jit: Jit | None) -> CodeVerdict:
     verdict.without = [
         f"{_absent(v, cc)}; calls into this NVIDIA library fail here" for v in libraries if not v.runs
     ] + unselected_builds(archs)
-    _judge_compilers(archs, cc, verdict)
+    _judge_compilers(archs, cc, verdict, jit)
     if verdict.reasons:
         verdict.runs, verdict.without = False, []
         return verdict

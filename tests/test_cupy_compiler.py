@@ -338,3 +338,23 @@ def test_a_layer_not_read_whole_leaves_a_missing_nvrtc_unknown() -> None:
     assert whole is not None and whole.nvrtc == ""
     partial = archs_of(image([cub.model_copy(update={"complete": False})])).cupy
     assert partial is not None and partial.nvrtc is None and cupy_refusal(partial, (9, 0)) is None
+
+
+def test_the_ptx_cupy_asks_for_needs_a_driver_as_new_as_its_nvrtc() -> None:
+    """With `CUPY_COMPILE_WITH_PTX=1` CuPy asks NVRTC for PTX, which the driver compiles, and NVRTC writes
+    its own release's ISA: CUDA 12.8's PTX (ISA 8.7) does not load with a driver of CUDA 12.2, where the
+    cubin CuPy asks for without the setting does (CUDA's minor-version compatibility)."""
+    archs = archs_of(cupy_image((12, 8)))
+    configured = with_jit_tools(archs, GpuFacts(flashinfer_env={"CUPY_COMPILE_WITH_PTX": "1"}))
+    old, new = gpu_code.Jit("535.104.05", "12.2"), gpu_code.Jit("570.86.10", "12.8")
+    refused = gpu_code.judge(configured, (8, 0), old)
+    assert refused.reasons == [
+        "compute capability 8.0: cupy-cuda12x 13.6.0 compiles its kernels (every elementwise operation, most"
+        " reductions) with NVRTC at first use: it asks its NVRTC (CUDA 12.8) for PTX of compute_80"
+        " (CUPY_COMPILE_WITH_PTX=1), which the driver compiles, and PTX ISA 8.7 comes from CUDA 12.8, and this"
+        " server's driver supports CUDA 12.2: a driver JIT-compiles only the PTX of its own CUDA version or"
+        " older; without CUPY_COMPILE_WITH_PTX it asks for a cubin, which this driver loads"
+    ]
+    assert gpu_code.judge(configured, (8, 0), new).runs
+    assert gpu_code.judge(archs, (8, 0), old).runs  # the cubin
+    assert gpu_code.judge(configured, (8, 0)).runs  # no driver known: not judged
