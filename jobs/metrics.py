@@ -269,6 +269,13 @@ class JobMetrics:
                 "Finished scan jobs deleted by retention (GPUBADGE_JOB_RETENTION_SECONDS, _COUNT) in this process.",
             )
         )
+        self.deployments_deleted = add(
+            Counter(
+                "gpubadge_deployments_deleted_total",
+                "Ended deployments deleted by retention (GPUBADGE_DEPLOYMENT_RETENTION_SECONDS, _COUNT) in this"
+                " process.",
+            )
+        )
         self.transfer_cutoffs = add(
             Counter(
                 "gpubadge_registry_transfer_cutoffs_total",

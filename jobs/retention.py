@@ -13,6 +13,11 @@ jobs are tallied as they change state (`store.queries.finished_jobs`), and only 
 than the cap does one read find where the newest `count` end. Queued and running jobs are never
 touched. Every sweep also folds PostgreSQL's tally rows, so it runs even where the settings keep
 every job.
+
+Deployments that ended (exited, failed or stopped) go the same way, by their own policy
+(`GPUBADGE_DEPLOYMENT_RETENTION_SECONDS`, default 90 days, and `GPUBADGE_DEPLOYMENT_RETENTION_COUNT`,
+default 100,000), with any GPU reservation a lost update left them: every deployment ever made
+stayed in the table. A live deployment (pending, pulling, running) is never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from store import AsyncStore, queries
+from store.dialect import Query
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +58,44 @@ async def sweep(
         beyond = await store.run(queries.finished_beyond, keep=policy.max_count)
         if beyond is not None:
             cutoffs.append(beyond)
-    deleted = 0
-    if cutoffs:
-        through = max(cutoffs)
-        while True:
-            started = time.monotonic()
-            gone = await store.run(queries.delete_finished, through=through, limit=batch)
-            deleted += gone
-            if gone < batch:
-                break
-            await asyncio.sleep(time.monotonic() - started)  # the writer is the intake's as long again
+    deleted = await _delete_through(store, cutoffs, queries.delete_finished, batch)
     await store.compact_job_tallies()
     return deleted
+
+
+async def sweep_deployments(
+    store: AsyncStore, policy: RetentionPolicy, *, batch: int = BATCH, now: datetime | None = None
+) -> int:
+    """Delete the ended deployments `policy` no longer keeps, oldest first, `batch` per transaction;
+    returns how many went."""
+    cutoffs: list[datetime] = []
+    if policy.max_age_seconds > 0:
+        cutoffs.append((now or datetime.now(UTC)) - timedelta(seconds=policy.max_age_seconds))
+    if (
+        policy.max_count > 0
+        and await store.run(queries.ended_deployments, cap=policy.max_count + 1) > policy.max_count
+    ):
+        beyond = await store.run(queries.ended_beyond, keep=policy.max_count)
+        if beyond is not None:
+            cutoffs.append(beyond)
+    return await _delete_through(store, cutoffs, queries.delete_ended, batch)
+
+
+async def _delete_through(
+    store: AsyncStore, cutoffs: list[datetime], delete: Query[..., int], batch: int
+) -> int:
+    """Run `delete(through=, limit=batch)` through the latest of `cutoffs` until a batch comes back short,
+    waiting after each batch as long as it took; how many went."""
+    if not cutoffs:
+        return 0
+    through, deleted = max(cutoffs), 0
+    while True:
+        started = time.monotonic()
+        gone = await store.run(delete, through=through, limit=batch)
+        deleted += gone
+        if gone < batch:
+            return deleted
+        await asyncio.sleep(time.monotonic() - started)  # the writer is the intake's as long again
 
 
 class JobRetention:
@@ -75,11 +107,15 @@ class JobRetention:
         store: AsyncStore,
         policy: RetentionPolicy,
         *,
+        deployments: RetentionPolicy | None = None,
         every: float = SWEEP_SECONDS,
         on_swept: Callable[[int], None] | None = None,
+        on_deployments_swept: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
+        self.deployments = deployments
+        self.on_deployments_swept = on_deployments_swept
         self.every = every
         self.on_swept = on_swept
         self.sweeps = 0  # sweeps finished, failed ones included
@@ -109,6 +145,22 @@ class JobRetention:
                     log.info("job retention: deleted %d finished job(s)", deleted)
                     if self.on_swept is not None:
                         self.on_swept(deleted)
+            if self.deployments is not None:
+                try:
+                    ended = await sweep_deployments(self.store, self.deployments)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning(
+                        "deployment retention: the sweep failed (%s); it runs again in %.0f s",
+                        exc,
+                        self.every,
+                    )
+                else:
+                    if ended:
+                        log.info("deployment retention: deleted %d ended deployment(s)", ended)
+                        if self.on_deployments_swept is not None:
+                            self.on_deployments_swept(ended)
             self.sweeps += 1
             self.swept.set()
             await asyncio.sleep(self.every)

@@ -142,7 +142,13 @@ class ScanRuntime:
                 runtime.retention = JobRetention(
                     store,
                     RetentionPolicy(settings.job_retention_seconds, settings.job_retention_count),
+                    deployments=RetentionPolicy(
+                        settings.deployment_retention_seconds, settings.deployment_retention_count
+                    ),
                     on_swept=lambda deleted: metrics.jobs_deleted.inc(amount=float(deleted)),
+                    on_deployments_swept=lambda deleted: metrics.deployments_deleted.inc(
+                        amount=float(deleted)
+                    ),
                 )
                 runtime.retention.start()
         return runtime

@@ -159,6 +159,17 @@ class JobSettings(ScannerSettings):
         ge=0,
         description="at most this many finished scan jobs are kept, the most recently finished; 0: no cap",
     )
+    deployment_retention_seconds: float = Field(
+        default=90 * 24 * 3600.0,
+        ge=0,
+        description="deployments that ended (exited, failed or stopped) last updated longer ago than this are"
+        " deleted; 0: kept whatever their age",
+    )
+    deployment_retention_count: int = Field(
+        default=100_000,
+        ge=0,
+        description="at most this many ended deployments are kept, the most recently updated; 0: no cap",
+    )
     inventory_file: Path | None = Field(default=None, description="static fleet (YAML/JSON servers list)")
 
     @field_validator("worker_processes")

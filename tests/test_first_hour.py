@@ -354,6 +354,10 @@ def test_a_second_name_of_a_digest_is_found_by_search(demo: Demo) -> None:
     assert "samples/static" in listing and f"{demo.registry}/prod/static:1" in listing
     api = json.loads(demo.get("/api/images?q=prod%2Fstatic"))["images"]
     assert [image["other_names"] for image in api] == [[f"{demo.registry}/prod/static:1"]]
+    # a search text is bounded, as every report is matched against it: past it a 400 names the option
+    assert json.loads(demo.get("/api/images?q=" + "s" * 200))["images"] == []
+    refused = call("GET", f"{demo.service}/api/images?q={'s' * 201}")
+    assert refused.status == 400 and json.loads(refused.text)["error"] == "q: at most 200 characters"
 
 
 # The text before each line break inside the elements a selector names (a break: the next character's top lower).

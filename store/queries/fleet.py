@@ -318,3 +318,56 @@ def actionable_deployments(db: Db, server: str) -> list[DeploymentRecord]:
         {"server": server},
     )
     return [DeploymentRecord(*row) for row in rows]
+
+
+# The states a deployment ends in (placement.protocol.TERMINAL_STATES, which the store must not import).
+_ENDED = "state IN ('exited', 'failed', 'stopped')"
+
+
+@reads
+def ended_deployments(db: Db, *, cap: int) -> int:
+    """Deployments that ended (exited, failed or stopped), counted up to `cap` (a partial index's range)."""
+    row = db.one(
+        f"SELECT count(*) FROM (SELECT 1 FROM deployments WHERE {_ENDED} LIMIT :cap) AS ended", {"cap": cap}
+    )
+    return int(row[0]) if row else 0
+
+
+@reads
+def ended_beyond(db: Db, *, keep: int) -> datetime | None:
+    """The last update of the newest ended deployment past the newest `keep` (what a count cap deletes
+    through), or None where no more than `keep` ended."""
+    ended = db.dialect.read_through("deployments", "deployments_ended")
+    row = db.one(
+        f"SELECT updated_at FROM {ended} WHERE {_ENDED} ORDER BY updated_at DESC LIMIT 1 OFFSET :keep",
+        {"keep": keep},
+    )
+    stamp = db.dialect.stamp(row[0]) if row else None
+    return datetime.fromisoformat(stamp) if stamp else None
+
+
+DEPLOYMENT_RETENTION_LOCK = "deployment retention"
+
+
+@writes
+def delete_ended(db: Db, *, through: datetime, limit: int) -> int:
+    """Delete up to `limit` ended deployments last updated at or before `through`, oldest first, with any
+    GPU reservation they still hold (an end frees its GPUs; this frees what a lost update left); how many
+    went. Never a deployment that has not ended, even one an agent's late report made live meanwhile. One
+    sweeper at a time deletes (an advisory lock on PostgreSQL; SQLite's one writer)."""
+    db.dialect.lock(db, DEPLOYMENT_RETENTION_LOCK)
+    ended = db.dialect.read_through("deployments", "deployments_ended")
+    rows = db.all(
+        f"DELETE FROM deployments WHERE id IN (SELECT id FROM {ended} WHERE {_ENDED} AND updated_at <= :through"
+        f" ORDER BY updated_at LIMIT :limit) AND {_ENDED} RETURNING id",
+        {"through": db.dialect.stamp_param(through), "limit": limit},
+    )
+    ids = [row[0] for row in rows]
+    if ids:
+        released = db.execute(
+            f"DELETE FROM reservations WHERE {db.dialect.in_list('deployment_id', 'ids')}",
+            {"ids": db.dialect.array(ids)},
+        )
+        if released.rowcount:
+            db.notify(FLEET_CHANNEL, "reservations")
+    return len(ids)

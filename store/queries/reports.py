@@ -272,6 +272,9 @@ def stored_digests(db: Db, limit: int) -> tuple[frozenset[str], frozenset[str]] 
     return sets[0], sets[1]
 
 
+SEARCH_MAX_CHARS = 200  # the longest search text (`list_images(query=…)`): every report is matched against it
+
+
 @reads
 def list_images(
     db: Db,

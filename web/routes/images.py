@@ -90,7 +90,7 @@ def _ready(report: ImageReport | None, until: str) -> bool:
         query("cuda", "CUDA version an image declares or carries, e.g. 12 or 12.2"),
         query("inferred", "true: CUDA found in the layers (declared or not); false: none found", "boolean"),
         query("registry", "registry host"),
-        query("q", "free text over repository, reference, digest and distro"),
+        query("q", "free text over repository, reference, digest, distro and tags (at most 200 characters)"),
         query("page", "page number, from 1", "integer"),
         query("limit", "rows per page (max 200)", "integer"),
     ],
@@ -105,13 +105,16 @@ async def list_images(request: web.Request) -> web.Response:
     if libc == "no-libc":
         libc = "none"
     declared, carried = _gpu_params(request)
+    search = query.get("q") or None
+    if search is not None and len(search) > queries.SEARCH_MAX_CHARS:
+        raise json_http_error(web.HTTPBadRequest, f"q: at most {queries.SEARCH_MAX_CHARS} characters")
     rows, total = await services.store.run(
         queries.list_images,
         gpu=declared,
         libc=libc,
         cuda=query.get("cuda") or None,
         registry=query.get("registry") or None,
-        query=query.get("q") or None,
+        query=search,
         limit=limit,
         offset=(page - 1) * limit,
         inferred=carried,

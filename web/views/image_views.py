@@ -25,7 +25,7 @@ from scanner.models import PlatformReport
 from scanner.redaction import redact_secrets
 from scanner.registry.reference import ReferenceError, parse_reference
 from store import ImageRow, Job, TagEvent
-from store.queries import ScanVerdict
+from store.queries import SEARCH_MAX_CHARS, ScanVerdict
 from web.views.templating import image_url
 
 MAX_PAGE = 1_000_000
@@ -512,7 +512,7 @@ class ImageFilters:
             libc=libc if libc in cls.LIBC_CHOICES else "",
             cuda=cuda if re.fullmatch(r"\d+(\.\d+)?", cuda) else "",
             registry=query.get("registry", "").strip(),
-            q=query.get("q", "").strip()[:200],
+            q=query.get("q", "").strip()[:SEARCH_MAX_CHARS],
             page=page,
         )
 
