@@ -294,7 +294,7 @@ async def test_eligibility_of_an_unscanned_image_needs_the_token_to_scan(service
         await service.call("GET", f"/api/images/by-ref?ref={service.image}")
     ).status == 404  # nothing scanned
     # Once a scan is queued (by the token holder), the answer says so instead.
-    queued_reference = service.image.replace(":1", ":queued")
+    queued_reference = service.image.rsplit(":", 1)[0] + ":queued"  # the tag, never the registry's port
     job = await service.call("POST", "/api/scans", {"ref": queued_reference}, bearer(API_TOKEN))
     assert job.status == 202, job.text
     reply = await service.call("POST", "/api/eligibility", {"image": queued_reference})
