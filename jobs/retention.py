@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 from store import AsyncStore, queries
 from store.dialect import Query
@@ -51,13 +52,12 @@ async def sweep(
 ) -> int:
     """Delete the finished jobs `policy` no longer keeps, oldest first, `batch` per transaction;
     returns how many went. Then fold the tallies' change rows (PostgreSQL)."""
-    cutoffs: list[datetime] = []
-    if policy.max_age_seconds > 0:
-        cutoffs.append((now or datetime.now(UTC)) - timedelta(seconds=policy.max_age_seconds))
-    if policy.max_count > 0 and await store.run(queries.finished_jobs) > policy.max_count:
-        beyond = await store.run(queries.finished_beyond, keep=policy.max_count)
-        if beyond is not None:
-            cutoffs.append(beyond)
+    cutoffs = await _cutoffs(
+        policy,
+        now,
+        lambda: store.run(queries.finished_jobs),
+        lambda: store.run(queries.finished_beyond, keep=policy.max_count),
+    )
     deleted = await _delete_through(store, cutoffs, queries.delete_finished, batch)
     await store.compact_job_tallies()
     return deleted
@@ -68,17 +68,31 @@ async def sweep_deployments(
 ) -> int:
     """Delete the ended deployments `policy` no longer keeps, oldest first, `batch` per transaction;
     returns how many went."""
+    cutoffs = await _cutoffs(
+        policy,
+        now,
+        lambda: store.run(queries.ended_deployments, cap=policy.max_count + 1),
+        lambda: store.run(queries.ended_beyond, keep=policy.max_count),
+    )
+    return await _delete_through(store, cutoffs, queries.delete_ended, batch)
+
+
+async def _cutoffs(
+    policy: RetentionPolicy,
+    now: datetime | None,
+    count: Callable[[], Awaitable[int]],
+    beyond: Callable[[], Awaitable[datetime | None]],
+) -> list[datetime]:
+    """What `policy` deletes through: its age limit, and where the newest `max_count` end (`beyond`),
+    asked only when `count` says there are more than that."""
     cutoffs: list[datetime] = []
     if policy.max_age_seconds > 0:
         cutoffs.append((now or datetime.now(UTC)) - timedelta(seconds=policy.max_age_seconds))
-    if (
-        policy.max_count > 0
-        and await store.run(queries.ended_deployments, cap=policy.max_count + 1) > policy.max_count
-    ):
-        beyond = await store.run(queries.ended_beyond, keep=policy.max_count)
-        if beyond is not None:
-            cutoffs.append(beyond)
-    return await _delete_through(store, cutoffs, queries.delete_ended, batch)
+    if policy.max_count > 0 and await count() > policy.max_count:
+        cut = await beyond()
+        if cut is not None:
+            cutoffs.append(cut)
+    return cutoffs
 
 
 async def _delete_through(
@@ -99,8 +113,9 @@ async def _delete_through(
 
 
 class JobRetention:
-    """Sweeps at start and every `every` seconds until stopped; a failed sweep is logged and the
-    next one tries again. `on_swept(deleted)` hears of each sweep that deleted jobs."""
+    """Sweeps at start and every `every` seconds until stopped: finished jobs by `policy`, then ended
+    deployments by `deployments` (when given); a failed sweep is logged and the next one tries again.
+    `on_swept(deleted)` hears of each sweep that deleted jobs, `on_deployments_swept` of deployments."""
 
     def __init__(
         self,
@@ -134,33 +149,36 @@ class JobRetention:
 
     async def _run(self) -> None:
         while True:
-            try:
-                deleted = await sweep(self.store, self.policy)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("job retention: the sweep failed (%s); it runs again in %.0f s", exc, self.every)
-            else:
-                if deleted:
-                    log.info("job retention: deleted %d finished job(s)", deleted)
-                    if self.on_swept is not None:
-                        self.on_swept(deleted)
+            await self._logged(
+                "job retention", "finished job(s)", partial(sweep, self.store, self.policy), self.on_swept
+            )
             if self.deployments is not None:
-                try:
-                    ended = await sweep_deployments(self.store, self.deployments)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning(
-                        "deployment retention: the sweep failed (%s); it runs again in %.0f s",
-                        exc,
-                        self.every,
-                    )
-                else:
-                    if ended:
-                        log.info("deployment retention: deleted %d ended deployment(s)", ended)
-                        if self.on_deployments_swept is not None:
-                            self.on_deployments_swept(ended)
+                await self._logged(
+                    "deployment retention",
+                    "ended deployment(s)",
+                    partial(sweep_deployments, self.store, self.deployments),
+                    self.on_deployments_swept,
+                )
             self.sweeps += 1
             self.swept.set()
             await asyncio.sleep(self.every)
+
+    async def _logged(
+        self,
+        what: str,
+        rows: str,
+        run: Callable[[], Awaitable[int]],
+        on_swept: Callable[[int], None] | None,
+    ) -> None:
+        """One sweep, `run`: a failure is logged (the next one tries again), a deletion logged and told."""
+        try:
+            deleted = await run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s: the sweep failed (%s); it runs again in %.0f s", what, exc, self.every)
+        else:
+            if deleted:
+                log.info("%s: deleted %d %s", what, deleted, rows)
+                if on_swept is not None:
+                    on_swept(deleted)

@@ -296,10 +296,13 @@ def update_deployment(
     db.notify(FLEET_CHANNEL, "reservations")
 
 
+# The states a deployment ends in (placement.protocol.TERMINAL_STATES, which the store must not import).
+_ENDED_STATES = "('exited', 'failed', 'stopped')"
+# Both conditions are also partial indexes' (migrations 0020 and 0023), word for word.
 _ACTIONABLE = (
-    "((desired = 'run' AND state = 'pending') OR"
-    " (desired = 'stop' AND state NOT IN ('exited', 'failed', 'stopped')))"
+    f"((desired = 'run' AND state = 'pending') OR (desired = 'stop' AND state NOT IN {_ENDED_STATES}))"
 )
+_ENDED = f"state IN {_ENDED_STATES}"
 
 
 @reads
@@ -320,15 +323,12 @@ def actionable_deployments(db: Db, server: str) -> list[DeploymentRecord]:
     return [DeploymentRecord(*row) for row in rows]
 
 
-# The states a deployment ends in (placement.protocol.TERMINAL_STATES, which the store must not import).
-_ENDED = "state IN ('exited', 'failed', 'stopped')"
-
-
 @reads
 def ended_deployments(db: Db, *, cap: int) -> int:
     """Deployments that ended (exited, failed or stopped), counted up to `cap` (a partial index's range)."""
+    ended = db.dialect.read_through("deployments", "deployments_ended")
     row = db.one(
-        f"SELECT count(*) FROM (SELECT 1 FROM deployments WHERE {_ENDED} LIMIT :cap) AS ended", {"cap": cap}
+        f"SELECT count(*) FROM (SELECT 1 FROM {ended} WHERE {_ENDED} LIMIT :cap) AS counted", {"cap": cap}
     )
     return int(row[0]) if row else 0
 
