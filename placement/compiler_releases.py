@@ -13,6 +13,8 @@ numba-cuda) read it.
 
 from __future__ import annotations
 
+from scanner.layers.fatbin import PTX_ISA_TOOLKITS
+
 CC = tuple[int, int]
 Release = tuple[int, int]
 
@@ -64,3 +66,13 @@ def toolkit_remedy(cuda: Release, cc: CC) -> str:
     return "CUDA_HOME can name " + (
         f"a toolkit whose nvcc knows it ({releases})" if releases else "a newer toolkit"
     )
+
+
+def written_isa(compiler: Release) -> str | None:
+    """The PTX ISA NVRTC or libNVVM of release `compiler` writes: the newest ISA of a toolkit no newer than it
+    ("8.7" for CUDA 12.8, "8.5" for 12.6, which brought none), as NVIDIA's NVRTC and libNVVM of 12.6 to 13.0
+    do; None for a release newer than every toolkit the table of ISAs knows."""
+    if compiler > max(PTX_ISA_TOOLKITS.values()):
+        return None
+    isa = max(isa for isa, toolkit in PTX_ISA_TOOLKITS.items() if toolkit <= compiler)
+    return f"{isa[0]}.{isa[1]}"

@@ -31,9 +31,8 @@ import re
 from collections.abc import Callable
 from typing import Literal
 
-from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing
+from placement.compiler_releases import CC, Release, compiles_for, release, releases_knowing, written_isa
 from scanner.layers.code_loading import release_of
-from scanner.layers.fatbin import PTX_ISA_TOOLKITS
 from scanner.models import CupyFacts
 
 WHAT = "compiles its kernels (every elementwise operation, most reductions) with NVRTC at first use"
@@ -113,13 +112,6 @@ def _remedy(cupy: CupyFacts, nvrtc: Release, cc: CC) -> str:
     if not cupy.compile_with_ptx and _runs(ptx, nvrtc, cc):
         fix += " (or CUPY_COMPILE_WITH_PTX=1, whose PTX the driver compiles)"
     return fix
-
-
-def written_isa(nvrtc: Release) -> str | None:
-    """The PTX ISA an NVRTC of release `nvrtc` writes ("8.7" for CUDA 12.8), or None where the table of
-    ISAs does not know that release."""
-    isas = [isa for isa, toolkit in PTX_ISA_TOOLKITS.items() if toolkit == nvrtc]
-    return f"{max(isas)[0]}.{max(isas)[1]}" if isas else None
 
 
 def cupy_refusal(

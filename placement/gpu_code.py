@@ -632,17 +632,19 @@ def _judge_compilers(archs: GpuArchs, cc: CC, verdict: CodeVerdict, jit: Jit | N
     `placement.jax_compiler`, `placement.numba_compiler`): for each, a reason where a package needs them on its
     default path (torch's: at its import; CuPy's and JAX's: for nearly anything they do; numba-cuda's: where
     it is the image's only GPU code) and they cannot be built here, else a line of what the image runs without.
-    `jit`: the server's driver, which compiles the PTX CuPy asks for where it asks for PTX."""
+    `jit`: the server's driver, which compiles the PTX CuPy asks for where it asks for PTX, and numba-cuda's
+    where no nvJitLink links it."""
     torch = archs.torch_extensions
     own = _loads_code(archs)  # numba-cuda's kernels beside GPU code the image carries
+    driver = jit.refusal if jit is not None else None  # why the server's driver cannot compile PTX of an ISA
     judges = (
         (compile_refusal(archs.triton, archs.packages, cc), compile_gap(archs.triton, cc)),
         (flashinfer_refusal(archs.flashinfer, archs.packages, cc), flashinfer_gap(archs.flashinfer, cc)),
         (tvm_ffi_refusal(archs.tvm_ffi, archs.packages, cc), tvm_ffi_gap(archs.tvm_ffi, cc)),
         (torch_extension_refusal(torch, archs.files, archs.packages, cc), None),
-        (cupy_refusal(archs.cupy, cc, jit.refusal if jit is not None else None), None),
+        (cupy_refusal(archs.cupy, cc, driver), None),
         (jax_refusal(archs.jax, cc), None),
-        (numba_refusal(archs.numba, cc, own), numba_gap(archs.numba, cc, own)),
+        (numba_refusal(archs.numba, cc, own, driver), numba_gap(archs.numba, cc, own, driver)),
     )
     for refusal, gap in judges:
         if refusal is not None:

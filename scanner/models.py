@@ -26,7 +26,7 @@ LayerState = Literal["analysed", "pending", "not_analysed"]
 # so that a report stored before is read again instead of reused (`PlatformReport.analysis`).
 # tests/test_analysis_version.py pins it to the report's shape and the evidence schemas, and fails
 # when either changes without it.
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2
 # How a stored report's JSON is validated (`store.queries.reports`): a report without `analysis` was
 # stored before versions were recorded, and counts as analysis 0.
 STORED = {"stored": True}
@@ -349,6 +349,18 @@ class NumbaFacts(BaseModel):
         " carries none; null where not known (a layer not read whole, or a CUDA home the config names and the"
         " image does not carry: a mount, perhaps)",
     )
+    nvvm_release: str | None = Field(
+        default=None,
+        description='the CUDA release of the libNVVM copies the image carries ("12.8"): the PTX ISA it writes, and'
+        " the oldest nvJitLink that links what it writes; null where they disagree, or none is known",
+    )
+    nvjitlink: str | None = Field(
+        default=None,
+        description='the CUDA release of the nvJitLink it links its kernels with ("12.8"; from 12.3 on, else the'
+        ' driver links them); "" where the image carries none; null where the copies it may load disagree or'
+        " their release is not known",
+    )
+    nvjitlink_paths: list[str] = Field(default_factory=list, description="the nvJitLink copies it may load")
     forced_cc: str | None = Field(
         default=None,
         description="the config's `NUMBA_FORCE_CUDA_CC`: the architecture it compiles for instead of the GPU's",

@@ -317,6 +317,11 @@ CUDA13 = {
         "nvidia_nvjitlink-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
         "13a74f429e23b921c1109976abefacc69835f2f433ebd323d3946e11d804e47b",
     ),
+    "nvvm": _wheel(
+        "nvidia-nvvm",
+        "nvidia_nvvm-13.0.88-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0",
+    ),
     "cudnn": _wheel(
         "nvidia-cudnn-cu13",
         "nvidia_cudnn_cu13-9.24.0.43-py3-none-manylinux_2_27_x86_64.whl",

@@ -79,7 +79,7 @@ def test_the_version_is_pinned_to_the_reports_shape_and_the_evidence_schemas() -
         "evidence": [CUDA_EVIDENCE_SCHEMA, EVIDENCE_SCHEMA, CACHE_SCHEMA],
     }
     fingerprint = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-    assert (ANALYSIS_VERSION, fingerprint) == (1, "7d3c2f1633838377"), (
+    assert (ANALYSIS_VERSION, fingerprint) == (2, "4589a36108d540bb"), (
         "a report's shape or an evidence schema changed: bump scanner.models.ANALYSIS_VERSION and pin"
         f" ({ANALYSIS_VERSION + 1}, {fingerprint!r}) here"
     )
@@ -89,7 +89,10 @@ def test_a_stored_report_without_a_version_is_analysis_0_and_one_made_now_is_cur
     made = PlatformReport(platform="linux/amd64", digest="sha256:" + "1" * 64)
     assert made.analysis == ANALYSIS_VERSION and not made.outdated
     written = json.loads(ImageReport(reference="r", platforms=[made]).model_dump_json())
-    assert ImageReport.model_validate_json(json.dumps(written), context=STORED).platforms[0].analysis == 1
+    assert (
+        ImageReport.model_validate_json(json.dumps(written), context=STORED).platforms[0].analysis
+        == ANALYSIS_VERSION
+    )
     del written["platforms"][0]["analysis"]
     old = ImageReport.model_validate_json(json.dumps(written), context=STORED)
     assert old.platforms[0].analysis == 0 and old.platforms[0].outdated
@@ -164,7 +167,9 @@ def test_placement_warns_on_an_outdated_platform_and_only_there() -> None:
         ImageFacts.from_report(ImageReport(reference="r", platforms=[older])), DeployRequest(), index
     )
     (warning,) = [w for w in outdated.warnings if "older gpubadge analysis" in w]
-    assert warning.startswith("linux/amd64: read by an older gpubadge analysis (0; this service runs 1)")
+    assert warning.startswith(
+        f"linux/amd64: read by an older gpubadge analysis (0; this service runs {ANALYSIS_VERSION})"
+    )
     assert "rescan" in warning
 
 
@@ -342,11 +347,14 @@ async def test_rescan_outdated_queues_each_outdated_image_once_within_its_limit_
 
     first = _rescan_outdated(db, "--limit", "1")
     assert first.startswith(
-        "3 stored images read; 2 read by an analysis older than this one (1): 1 scans queued now,"
+        f"3 stored images read; 2 read by an analysis older than this one ({ANALYSIS_VERSION}): 1 scans queued now,"
     )
     assert "1 not queued (past --limit 1" in first
     second = _rescan_outdated(db)  # the first is waiting: not queued twice
-    assert "2 read by an analysis older than this one (1): 1 scans queued now, 1 already waiting" in second
+    assert (
+        f"2 read by an analysis older than this one ({ANALYSIS_VERSION}): 1 scans queued now, 1 already waiting"
+        in second
+    )
     assert "not queued" not in second
 
     env = {"GPUBADGE_REGISTRIES": registry.host}
@@ -356,7 +364,10 @@ async def test_rescan_outdated_queues_each_outdated_image_once_within_its_limit_
         assert sorted(jobs) == sorted(f"{registry.host}/{r.repository}@{r.digest}" for r in old)
         for job in jobs.values():
             assert wait_job(service.url, str(job["id"]), wait=30)["state"] == "done"
-    assert "0 read by an analysis older than this one (1): 0 scans queued now" in _rescan_outdated(db)
+    assert (
+        f"0 read by an analysis older than this one ({ANALYSIS_VERSION}): 0 scans queued now"
+        in _rescan_outdated(db)
+    )
     with sqlite3.connect(db) as conn:
         stored = [
             ImageReport.model_validate_json(row[0], context=STORED)
@@ -383,9 +394,12 @@ async def test_rescan_outdated_on_postgresql(
         del document["platforms"][0]["analysis"]  # as an older gpubadge stored it
         conn.execute("UPDATE reports SET report = %s", (json.dumps(document),))
     out = _rescan_outdated(None, env=env)
-    assert "1 read by an analysis older than this one (1): 1 scans queued now, 0 already waiting" in out
     assert (
-        "1 read by an analysis older than this one (1): 0 scans queued now, 1 already waiting"
+        f"1 read by an analysis older than this one ({ANALYSIS_VERSION}): 1 scans queued now, 0 already waiting"
+        in out
+    )
+    assert (
+        f"1 read by an analysis older than this one ({ANALYSIS_VERSION}): 0 scans queued now, 1 already waiting"
         in _rescan_outdated(None, env=env)
     )
     with psycopg.connect(postgres_url) as conn:
@@ -404,5 +418,8 @@ async def test_rescan_outdated_follow_waits_for_the_workers_and_queues_every_out
     with run_service_process(db, env={"GPUBADGE_REGISTRIES": registry.host}):
         out = _rescan_outdated(db, "--limit", "2", "--follow")
     assert "2 scans waiting; going on once the queue has drained to 1" in out
-    assert "3 stored images read; 3 read by an analysis older than this one (1): 3 scans queued now" in out
+    assert (
+        f"3 stored images read; 3 read by an analysis older than this one ({ANALYSIS_VERSION}): 3 scans queued now"
+        in out
+    )
     assert "not queued" not in out

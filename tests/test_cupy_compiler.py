@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from placement import gpu_code
-from placement.compiler_releases import CC, Release, compiles_for
+from placement.compiler_releases import CC, Release, compiles_for, written_isa
 from placement.cupy_compiler import cupy_refusal, nvrtc_target
 from placement.image_facts import ImageFacts
 from scanner.layers.code_loading import Distribution
@@ -173,6 +173,33 @@ def test_each_nvrtc_knows_the_architectures_the_release_table_gives_it(release: 
     assert (major.value, minor.value) == release
     known = supported_archs(library)
     assert {cc for cc in CCS if compiles_for(release, cc)} == {cc for cc in CCS if cc in known}
+
+
+@pytest.mark.parametrize("release", sorted(NVRTC))
+def test_each_nvrtc_writes_the_ptx_isa_the_table_gives_its_release(release: Release) -> None:
+    """The driver that compiles CuPy's PTX must know its ISA: each real NVRTC writes its release's (12.6, which
+    brought none, 12.5's 8.5)."""
+    files = member_files(
+        NVRTC[release],
+        lambda name: (
+            name.endswith(("/lib/libnvrtc.so.12", "/lib/libnvrtc.so.13")) or "/libnvrtc-builtins.so." in name
+        ),
+    )
+    (library,) = [path for name, path in files.items() if "builtins" not in name]
+    (builtins,) = [path for name, path in files.items() if "builtins" in name]
+    ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)  # found by its soname when NVRTC opens it
+    nvrtc = ctypes.CDLL(str(library))
+    program = ctypes.c_void_p()
+    source = b'extern "C" __global__ void k(int *p) { *p = 1; }'
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"k.cu", 0, None, None) == 0
+    option = (ctypes.c_char_p * 1)(b"-arch=compute_80")
+    assert nvrtc.nvrtcCompileProgram(program, 1, option) == 0
+    size = ctypes.c_size_t()
+    assert nvrtc.nvrtcGetPTXSize(program, ctypes.byref(size)) == 0
+    ptx = ctypes.create_string_buffer(size.value)
+    assert nvrtc.nvrtcGetPTX(program, ptx) == 0
+    (version,) = [line for line in ptx.value.decode().splitlines() if line.startswith(".version ")]
+    assert version == f".version {written_isa(release)}"
 
 
 # -- an image: CuPy 13.6.0's package (its CUB module carries its precompiled code) over an NVRTC wheel

@@ -147,7 +147,7 @@ def test_the_sections_beside_the_fatbin_ones_are_told_apart_in_linear_work() -> 
     probe.feed(content)
     facts = probe.finish()
     assert facts is not None and facts.fatbin is not None and facts.fatbin.error is not None
-    assert time.process_time() - started < 2.0
+    assert time.process_time() - started < 3.5  # 1.1-1.2 s alone here, 2.1 s beside a busy test worker
 
 
 # ------------------------------------------------------------ point 4: CPU per container

@@ -169,8 +169,11 @@ _NUMBA_MEMBERS: Callable[[str], bool] = lambda name: (  # noqa: E731
 NVVM = f"{SITE}/nvidia/cuda_nvcc/nvvm/lib64/libnvvm.so"  # NVIDIA's nvcc wheel's, which `[cu12]` installs
 
 
-def nvvm_layer() -> CudaLayerEvidence:
-    """libNVVM as NVIDIA's nvcc wheel 12.8.93 installs it (what numba-cuda compiles its kernels with)."""
+def nvvm_layer(major: int = 12) -> CudaLayerEvidence:
+    """libNVVM as NVIDIA's nvcc wheel 12.8.93 installs it, or for CUDA 13 its nvvm wheel 13.0.88 (what
+    numba-cuda compiles its kernels with)."""
+    if major == 13:
+        return layer_evidence([libraries(CUDA13["nvvm"], "libnvvm.so.4")])
     return layer_evidence([libraries(NVCC["12.8"], "libnvvm.so")])
 
 
@@ -181,7 +184,7 @@ def numba_image(version: str, nvrtc: Release, nvvm: bool = True) -> ImageFacts:
         [
             layer_evidence([members(NUMBA[version], _NUMBA_MEMBERS, "numba-cuda")]),
             layer_evidence([libraries(wheel, soname)]),
-            *([nvvm_layer()] if nvvm else []),
+            *([nvvm_layer(nvrtc[0])] if nvvm else []),
         ]
     )
 
@@ -197,6 +200,8 @@ def test_numba_cuda_0_30_with_cuda_12_8s_nvrtc_is_refused_on_gb10() -> None:
         nvrtc="12.8",
         nvrtc_paths=[f"{SITE}/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"],
         nvvm=NVVM,
+        nvvm_release="12.8",
+        nvjitlink="",  # none: the driver links what libNVVM writes
     )
     decision = place(facts, FLEET_580)
     assert eligible(decision) == ALL - {"gb10"}

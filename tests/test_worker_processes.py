@@ -94,8 +94,12 @@ def test_every_scan_of_every_worker_process_is_counted_and_named(
         assert metric_values(exposition, "gpubadge_worker_processes") == {"": 2.0}
         received = metric_values(exposition, "gpubadge_registry_received_bytes_total")
         assert received.get(f'{{registry="{registry.host}"}}', 0) > 0  # counted in the children
-        inline = metric_values(exposition, "gpubadge_inline_analyses_total")  # small images: every one
-        assert inline == {'{outcome="finished"}': len(staged), '{outcome="handed_over"}': 0.0}, inline
+        # small images: each analysed inline, counted in the child that ran it; one whose loop thread spent
+        # inline_analysis_ms of CPU (other scans' work on that loop counts too, as on a busy 2-core host)
+        # is handed over to an analysis process, and counted so
+        inline = metric_values(exposition, "gpubadge_inline_analyses_total")
+        assert set(inline) == {'{outcome="finished"}', '{outcome="handed_over"}'}, inline
+        assert sum(inline.values()) == len(staged) and inline['{outcome="finished"}'] >= 1, inline
         health = call("GET", f"{service.url}/healthz").body
         assert health["status"] == "ok" and health["workers"] == "running in 2 worker processes", health
 

@@ -187,7 +187,8 @@ def triton_ptxas(env: Mapping[str, str]) -> dict[str, str]:
 # serve tvm-ffi and torch's `cpp_extension`, whose builds target `TORCH_CUDA_ARCH_LIST` where it is set.
 # CuPy's `CUPY_COMPILE_WITH_PTX` makes its NVRTC write PTX rather than a cubin (`placement.cupy_compiler`).
 # JAX's `CUDA_ROOT` names the `ptxas` XLA runs, and `XLA_FLAGS` may let the driver compile (`placement.jax_compiler`).
-# numba-cuda's `NUMBA_FORCE_CUDA_CC` replaces the GPU's architecture in its compiles (`placement.numba_compiler`).
+# numba-cuda's `NUMBA_FORCE_CUDA_CC` replaces the GPU's architecture in its compiles, and before 0.23
+# `NUMBA_CUDA_USE_NVIDIA_BINDING=0` has the driver link them (`placement.numba_compiler`).
 FLASHINFER_VARIABLES = (
     "CUDA_HOME",
     "CUDA_PATH",
@@ -201,6 +202,7 @@ FLASHINFER_VARIABLES = (
     "CUDA_ROOT",
     "XLA_FLAGS",
     "NUMBA_FORCE_CUDA_CC",
+    "NUMBA_CUDA_USE_NVIDIA_BINDING",
 )
 
 

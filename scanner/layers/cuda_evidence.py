@@ -1006,7 +1006,13 @@ def combine(
         if cupy is not None and cupy.nvrtc == "":
             cupy = cupy.model_copy(update={"nvrtc": None})
         if numba is not None:
-            numba = numba.model_copy(update={"nvrtc": numba.nvrtc or None, "nvvm": numba.nvvm or None})
+            numba = numba.model_copy(
+                update={
+                    "nvrtc": numba.nvrtc or None,
+                    "nvvm": numba.nvvm or None,
+                    "nvjitlink": numba.nvjitlink or None,
+                }
+            )
         archs = archs.model_copy(
             update={
                 "c_compilers": None,

@@ -15,7 +15,7 @@ its wheels 10.0 to 14.2:
   directories first (its own; another's counts too, as it may be on the path) (NVIDIA's wheels, which its `[ctk]` extra installs), then the system's
   `libnvrtc.so.13`, `.so.12`, `libnvrtc.so`, newest first, whatever major CuPy was built for.
 
-How copies are matched and their releases read is `scanner.layers.nvrtc_copies`'s. Where the
+How copies are matched and their releases read is `scanner.layers.compiler_library_copies`'s. Where the
 candidates CuPy may load disagree, or one's release is not known, the release is unknown and nothing is
 claimed; where the image carries none, CuPy compiles nothing ("").
 """
@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from scanner.layers.code_loading import Distribution, release_of
-from scanner.layers.nvrtc_copies import (
+from scanner.layers.compiler_library_copies import (
     PATHFINDER_SYSTEM_ORDER,
     copies_release,
     nvrtc_files,
