@@ -53,7 +53,14 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     """`make run` itself (fixtures.demo), up and showing its samples, for the whole module."""
     tmp = tmp_path_factory.mktemp("first-hour")
     env = {key: value for key, value in os.environ.items() if not key.startswith("GPUBADGE")}
-    env |= {"GPUBADGE_PORT": "0", "TMPDIR": str(tmp), "PYTHONPATH": str(REPO_ROOT)}
+    # free ports for both listeners: the intake's default, 8081, is one port for the whole host, which
+    # another test's service may hold (the demo then says so and exits)
+    env |= {
+        "GPUBADGE_PORT": "0",
+        "GPUBADGE_INTAKE_PORT": "0",
+        "TMPDIR": str(tmp),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "fixtures.demo"],
         cwd=REPO_ROOT,
@@ -63,12 +70,21 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout or ()], daemon=True).start()
+    ended = "(the demo exited)\n"
+
+    def read() -> None:
+        for line in process.stdout or ():
+            lines.put(line)
+        lines.put(ended)
+
+    threading.Thread(target=read, daemon=True).start()
     printed = ""
     try:
         deadline = time.monotonic() + 240
         while "Ctrl-C to stop." not in printed:
-            printed += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line != ended, printed  # what it said before it stopped
+            printed += line
         found = re.search(r"export GPUBADGE=(\S+) REGISTRY=(\S+)", printed)
         assert found, printed
         yield Demo(found.group(1), found.group(2), tmp)
