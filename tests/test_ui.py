@@ -649,6 +649,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService
     port = free_port()
     database = tmp_path_factory.mktemp("service") / "gpubadge.db"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUBADGE_")}
+    env["GPUBADGE_INTAKE_PORT"] = str(free_port())  # not the host's one 8081 (the first-hour demo's default)
     process = subprocess.Popen(
         [sys.executable, "-m", "gpubadge.cli", "serve", "--port", str(port), "--db", str(database)],
         stdout=subprocess.DEVNULL,
