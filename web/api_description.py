@@ -161,7 +161,10 @@ NOT_PLACEABLE = {
     "503": json_reply(ERROR, "scanner not ready"),
 }
 QUEUE_FULL = "the queue holds GPUBADGE_MAX_QUEUED_SCANS scans; Retry-After says when"
-NOT_SCANNED_NO_TOKEN = "never scanned, and no API token to scan it: says how to request it"
+NOT_SCANNED_NO_TOKEN = (
+    "never scanned, and no API token to scan it: says how to request it; or, with the token, its scan took"
+    " longer than GPUBADGE_UNSCANNED_SCAN_WAIT: it is queued, and the message names the scan's ID"
+)
 
 
 # ------------------------------------------------------------------ the document

@@ -177,7 +177,8 @@ async def read_again(services: Services, reference: Reference, stored: ImageRepo
 
 
 async def image_report(services: Services, text: str, *, may_scan: bool = True) -> ImageReport:
-    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`.
+    """The stored report for `text`, scanning it now if it was never scanned and `may_scan`, for at most
+    `GPUBADGE_UNSCANNED_SCAN_WAIT` seconds (past it the scan is queued, and a 404 names its job).
 
     A scan costs registry traffic and a worker's time, so a caller without the API token
     (`may_scan=False`) gets a 404 that says how to ask for the scan instead. A report an older
@@ -210,10 +211,32 @@ async def image_report(services: Services, text: str, *, may_scan: bool = True) 
         raise json_http_error(web.HTTPForbidden, f"registry not on the allowlist: {reference.registry}")
     if services.scanner is None:
         raise json_http_error(web.HTTPServiceUnavailable, "scanner not ready")
-    report = await services.scanner.scan(str(reference))
+    wait = services.settings.unscanned_scan_wait
+    try:
+        async with asyncio.timeout(wait):
+            report = await services.scanner.scan(str(reference))
+    except TimeoutError:
+        raise await _queued_instead(services, reference, wait) from None
     if report.error:
         raise json_http_error(web.HTTPUnprocessableEntity, f"could not scan {reference}: {report.error}")
     return report
+
+
+async def _queued_instead(services: Services, reference: Reference, wait: float) -> web.HTTPException:
+    """The answer for an image never scanned whose scan here took longer than `wait` seconds: the scan is
+    queued for the workers (joined to one already waiting), and the 404 names its job."""
+    try:
+        job = await request_scan(
+            services.intake, services.settings, str(reference), source="api", wake=services.wake_workers
+        )
+    except ScanRefused as refused:  # only a full queue: the reference parsed, its registry is allowed
+        return json_http_error(web.HTTPServiceUnavailable, refused.message, headers={"Retry-After": "30"})
+    return json_http_error(
+        web.HTTPNotFound,
+        f"{reference} has not been scanned yet: scanning it took longer than {wait:g} s"
+        f" (GPUBADGE_UNSCANNED_SCAN_WAIT), so it is queued as scan {job.id}; ask again when it is done"
+        f" (GET /api/scans/{job.id}?wait=60 waits for it)",
+    )
 
 
 async def requested_deployment(request: web.Request) -> Deployment:

@@ -107,6 +107,14 @@ class ServiceSettings(JobSettings):
         " an older gpubadge analysis read; past it the stored report answers, with a warning, and a queued"
         " scan reads it again. 0: queue that scan at once",
     )
+    unscanned_scan_wait: float = Field(
+        default=60.0,
+        gt=0,
+        le=1800,
+        description="seconds a request that may scan (it holds the API token) spends scanning an image never"
+        " scanned before; past it the scan is queued for the workers and the answer (404) names its job, to"
+        " ask again when it is done, so a slow or stalled registry never holds a deploy pipeline's request",
+    )
     stall_seconds: float = Field(
         default=300.0,
         gt=0,

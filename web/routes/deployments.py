@@ -54,7 +54,9 @@ RESERVE_ATTEMPTS = 5
         "201": json_reply(Deployment, "reserved; the server's agent will run it"),
         **NOT_PLACEABLE,
         "401": json_reply(ERROR, "token required"),
-        "404": json_reply(ERROR, "no stored report for the image"),
+        "404": json_reply(
+            ERROR, "no stored report for the image (or its scan is queued: the message names it)"
+        ),
         "409": json_reply(
             {
                 "allOf": [

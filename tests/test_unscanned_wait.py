@@ -1,0 +1,104 @@
+"""An image never scanned, asked about with the API token, is scanned for the answer, but for at most
+GPUBADGE_UNSCANNED_SCAN_WAIT: a registry that does not answer holds a deploy pipeline's request that long
+and no longer (it held it for the whole scan's bound, GPUBADGE_MAX_SCAN_SECONDS: 30 minutes). Then the
+scan is queued for the workers, the 404 names its job, and the answer comes once the registry does."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from fixtures import catalog
+from fixtures.registry import LocalRegistry, free_port
+from tests.conftest import Pusher
+from tests.faultproxy import FaultProxy, Rule
+from web.app import create_app
+from web.settings import ServiceSettings
+
+TOKEN = "unscanned-wait-token"
+
+
+@pytest.fixture
+async def service(tmp_path: Path) -> AsyncIterator[Any]:
+    """Start the service (SQLite, no fleet, the API token set) with settings given; yields its URL."""
+    runners: list[web.AppRunner] = []
+
+    async def start(**overrides: Any) -> str:
+        inventory = tmp_path / "fleet.yaml"
+        inventory.write_text(yaml.safe_dump({"servers": []}))
+        settings = ServiceSettings(
+            db=tmp_path / "service.db",
+            port=0,
+            inventory_file=inventory,
+            api_token=TOKEN,
+            docker_config=None,
+            **overrides,
+        )
+        runner = web.AppRunner(create_app(settings))
+        await runner.setup()
+        runners.append(runner)
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_a_registry_that_does_not_answer_holds_a_never_scanned_answer_only_for_the_wait(
+    registry: LocalRegistry, push: Pusher, service: Any
+) -> None:
+    push(catalog.cuda_ubuntu(), "unscanned/hanging:1")
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with FaultProxy(registry.url) as proxy, aiohttp.ClientSession(headers=headers) as session:
+        reference = f"{proxy.host}/unscanned/hanging:1"
+        url = await service(unscanned_scan_wait=1.0)
+        proxy.add(Rule("hang", path="/manifests/", times=None))
+
+        started = time.monotonic()
+        async with session.post(f"{url}/api/eligibility", json={"image": reference}) as reply:
+            body = await reply.json()
+            assert reply.status == 404, body
+        assert time.monotonic() - started < 6  # the 1 s wait and a margin
+        found = re.search(r"queued as scan (\S+); ask again when it is done", body["error"])
+        assert found and "took longer than 1 s (GPUBADGE_UNSCANNED_SCAN_WAIT)" in body["error"], body
+        job_id = found.group(1)
+        async with session.get(f"{url}/api/scans/{job_id}") as reply:
+            job = await reply.json()
+            assert job["reference"] == reference and job["state"] in ("queued", "running"), job
+        await proxy.wait_for_in_flight(1, timeout=30)  # the queued scan waits on the registry now
+
+        proxy.release.set()
+        async with session.get(f"{url}/api/scans/{job_id}", params={"wait": "30"}) as reply:
+            assert (await reply.json())["state"] == "done"
+        async with session.post(f"{url}/api/eligibility", json={"image": reference}) as reply:
+            answered = await reply.json()
+            assert reply.status == 200 and answered["image"]["reference"] == reference, answered
+
+
+async def test_an_image_scanned_within_the_wait_is_answered_at_once(
+    registry: LocalRegistry, push: Pusher, service: Any
+) -> None:
+    push(catalog.cuda_ubuntu(), "unscanned/quick:1")
+    url = await service()
+    reference = f"{registry.host}/unscanned/quick:1"
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session,
+        session.post(f"{url}/api/eligibility", json={"image": reference}) as reply,
+    ):
+        assert reply.status == 200, await reply.text()
+
+
+def test_the_wait_is_bounded_and_named() -> None:
+    assert ServiceSettings.model_fields["unscanned_scan_wait"].default == 60.0
+    with pytest.raises(ValueError, match="unscanned_scan_wait"):
+        ServiceSettings(unscanned_scan_wait=0)
