@@ -11,11 +11,13 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from gpubadge.files import load_inventory
-from gpubadge.service import SERVICE_ENV, call, service_from_env, service_url
+from gpubadge.service import SERVICE_ENV, ServiceError, call, service_from_env, service_url
 
 if TYPE_CHECKING:
     from scanner.models import ImageReport
@@ -192,9 +194,37 @@ async def ask_service(
     reference: str, url: str, fields: dict[str, Any], token: str | None, *, path: str = "/api/eligibility"
 ) -> dict[str, Any]:
     """POST `{"image": reference, **fields}` to the service (`--service`); its JSON answer, or
-    ServiceError saying what went wrong and what to do."""
-    return await call(url, path, token, body={"image": reference, **fields})
+    ServiceError saying what went wrong and what to do.
 
+    An image the service could not scan within GPUBADGE_UNSCANNED_SCAN_WAIT comes back 404 with the scan
+    it queued: that scan is waited for (a line on stderr says so), for at most `SCAN_WAIT_SECONDS`, and
+    the question asked again once it is done."""
+    deadline = time.monotonic() + SCAN_WAIT_SECONDS
+    while True:
+        try:
+            return await call(url, path, token, body={"image": reference, **fields})
+        except ServiceError as error:
+            if error.scan is None or time.monotonic() >= deadline:
+                raise
+            print(f"scanning    {reference} (scan {error.scan}); waiting for it", file=sys.stderr)
+            await _wait_for_scan(url, error.scan, token, deadline)
+
+
+async def _wait_for_scan(url: str, scan: str, token: str | None, deadline: float) -> None:
+    """Until scan `scan` is done; ServiceError where it failed, or is still waiting at `deadline`."""
+    while (left := deadline - time.monotonic()) > 0:
+        job = await call(url, f"/api/scans/{quote(scan, safe='')}?wait={min(60, max(1, int(left)))}", token)
+        if job.get("state") == "done":
+            return
+        if job.get("state") == "failed":
+            raise ServiceError(f"scan {scan} failed: {job.get('error') or 'no reason given'}")
+    raise ServiceError(
+        f"scan {scan} was not done within {SCAN_WAIT_SECONDS // 60} minutes: ask again when it is"
+        f" (GET /api/scans/{scan})"
+    )
+
+
+SCAN_WAIT_SECONDS = 1800  # a queued scan of the image is waited for this long (the scan's own default bound)
 
 GPU_WORDS = {  # placement.image_needs' answer, as the image page and `gpubadge scan` say it
     "required": "needs an NVIDIA GPU (it declares one)",

@@ -17,7 +17,12 @@ TIMEOUT_SECONDS = 120
 
 
 class ServiceError(RuntimeError):
-    """The service could not be asked, or said no; the message is one line for the user."""
+    """The service could not be asked, or said no; the message is one line for the user. `scan`: the ID of
+    the scan the service queued for the answer (an image it could not scan in time), to wait on."""
+
+    def __init__(self, message: str, *, scan: str | None = None) -> None:
+        super().__init__(message)
+        self.scan = scan
 
 
 def service_url(text: str) -> str:
@@ -95,5 +100,8 @@ async def call(
     if status != 200:
         message = answer.get("error", answer)
         hint = " (pass --token, or set GPUBADGE_API_TOKEN)" if status == 401 and not token else ""
-        raise ServiceError(f"the service answered {status}: {message}{hint}")
+        scan = answer.get("scan") if status == 404 else None
+        raise ServiceError(
+            f"the service answered {status}: {message}{hint}", scan=scan if isinstance(scan, str) else None
+        )
     return answer

@@ -5,7 +5,10 @@ scan is queued for the workers, the 404 names its job, and the answer comes once
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from aiohttp import web
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
+from gpubadge.eligible import EXIT_NONE
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule
 from web.app import create_app
@@ -72,6 +76,7 @@ async def test_a_registry_that_does_not_answer_holds_a_never_scanned_answer_only
         found = re.search(r"queued as scan (\S+); ask again when it is done", body["error"])
         assert found and "took longer than 1 s (GPUBADGE_UNSCANNED_SCAN_WAIT)" in body["error"], body
         job_id = found.group(1)
+        assert body["scan"] == job_id  # for clients to wait on (`gpubadge eligible` does)
         async with session.get(f"{url}/api/scans/{job_id}") as reply:
             job = await reply.json()
             assert job["reference"] == reference and job["state"] in ("queued", "running"), job
@@ -102,3 +107,42 @@ def test_the_wait_is_bounded_and_named() -> None:
     assert ServiceSettings.model_fields["unscanned_scan_wait"].default == 60.0
     with pytest.raises(ValueError, match="unscanned_scan_wait"):
         ServiceSettings(unscanned_scan_wait=0)
+
+
+async def test_gpubadge_eligible_waits_for_the_scan_the_service_queued_and_asks_again(
+    registry: LocalRegistry, push: Pusher, service: Any
+) -> None:
+    """The CLI, told the image's scan is queued, says so on stderr, waits for that scan and answers, exit
+    status and all, as if the service had scanned it at once."""
+    push(catalog.cuda_ubuntu(), "unscanned/cli:1")
+    async with FaultProxy(registry.url) as proxy:
+        reference = f"{proxy.host}/unscanned/cli:1"
+        url = await service(unscanned_scan_wait=1.0)
+        proxy.add(Rule("hang", path="/manifests/", times=None))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUBADGE")}
+        cli = await asyncio.create_subprocess_exec(
+            *(
+                sys.executable,
+                "-m",
+                "gpubadge.cli",
+                "eligible",
+                reference,
+                "--service",
+                url,
+                "--token",
+                TOKEN,
+            ),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert cli.stderr is not None
+        line = (await asyncio.wait_for(cli.stderr.readline(), timeout=30)).decode()
+        assert re.match(rf"scanning +{re.escape(reference)} \(scan \S+\); waiting for it$", line.strip()), (
+            line
+        )
+        await proxy.wait_for_in_flight(1, timeout=30)  # the queued scan waits on the registry now
+        proxy.release.set()
+        out, err = await asyncio.wait_for(cli.communicate(), timeout=60)
+        assert cli.returncode == EXIT_NONE, (out, err)  # no fleet here: no server can run it
+        assert b"no server can run this image with this request" in out and not err.strip(), (out, err)

@@ -132,7 +132,17 @@ def json_reply(schema: Any, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {"type": "string"},
+        "scan": {
+            "type": "string",
+            "description": "the ID of the scan queued for the answer, to wait on and ask again",
+        },
+    },
+    "required": ["error"],
+}
 ERROR = {"$ref": "#/components/schemas/Error"}
 OBJECT = {"type": "object"}
 # With GPUBADGE_PUBLIC_READS=false every read needs the API token too.

@@ -33,11 +33,12 @@ def json_error(status: int, message: str, **extra: object) -> web.Response:
 
 
 def json_http_error(
-    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
+    kind: type[web.HTTPException], message: str, headers: dict[str, str] | None = None, **extra: object
 ) -> web.HTTPException:
-    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error."""
+    """An HTTP error to raise from deep in a handler, with the same `{"error": ...}` body as json_error
+    (and `extra` fields beside it: a queued scan's ID)."""
     return kind(
-        text=json.dumps({"error": redact_secrets(message)}),
+        text=json.dumps({"error": redact_secrets(message), **extra}),
         content_type="application/json",
         headers=headers,
     )

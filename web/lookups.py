@@ -236,6 +236,7 @@ async def _queued_instead(services: Services, reference: Reference, wait: float)
         f"{reference} has not been scanned yet: scanning it took longer than {wait:g} s"
         f" (GPUBADGE_UNSCANNED_SCAN_WAIT), so it is queued as scan {job.id}; ask again when it is done"
         f" (GET /api/scans/{job.id}?wait=60 waits for it)",
+        scan=job.id,
     )
 
 
