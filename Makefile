@@ -36,8 +36,8 @@ typecheck:
 # whole in one of them (its module fixtures built once), takes it from 18 to 13 minutes on 2 cores.
 PYTEST_WORKERS ?= --numprocesses=auto --maxprocesses=4 --dist=loadfile
 
-pytest:  ## deps-system installed Docker, PostgreSQL, gcc and g++: a test that cannot use them fails, not skips
-	GPUBADGE_REQUIRE_DOCKER=1 GPUBADGE_REQUIRE_SYSTEM=1 $(PYTHON) -m pytest -q $(PYTEST_WORKERS)
+pytest:  ## deps-system installed Docker, PostgreSQL, gcc and g++: a test that cannot use them fails, not skips; the 15 slowest are listed
+	GPUBADGE_REQUIRE_DOCKER=1 GPUBADGE_REQUIRE_SYSTEM=1 $(PYTHON) -m pytest -q --durations=15 $(PYTEST_WORKERS)
 
 test: deps-system deps-python lint typecheck pytest
 

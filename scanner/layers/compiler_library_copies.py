@@ -24,6 +24,7 @@ site, so a crafted image naming tens of thousands of copies costs their number, 
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,8 +47,9 @@ class CompilerLibrary:
     wheel_dirs: Mapping[str, re.Pattern[str]]  # below `<site>/nvidia/`, in pathfinder's order -> its wheel
     system_order: tuple[str, ...]  # the sonames pathfinder takes from the system, newest first
 
-    @property
+    @functools.cached_property
     def wheel_dir(self) -> re.Pattern[str]:
+        """`<site>/nvidia/<one of wheel_dirs>`: groups (site, wheel directory)."""
         kinds = "|".join(re.escape(kind) for kind in self.wheel_dirs)
         return re.compile(rf"^(.*/(?:site|dist)-packages)/nvidia/({kinds})$")
 

@@ -6,8 +6,8 @@ numba-cuda compiles every `@cuda.jit` kernel at its first launch: NVVM writes PT
 extras install NVIDIA's wheel. Where it finds one, read in its source 0.16.0 to 0.30.4:
 
 * 0.21 on call `cuda.bindings.nvrtc` (cuda-bindings 12.9.1 or later, which it requires), which loads the
-  library through `cuda.pathfinder` (`scanner.layers.compiler_library_copies.pathfinder_copies`: NVIDIA's wheels of
-  its own site directory first);
+  library through `cuda.pathfinder` (`scanner.layers.compiler_library_copies.pathfinder_copies`: NVIDIA's
+  wheels of its own site directory first);
 * 0.16 to 0.20 load it with ctypes through numba's own search (conda, NVIDIA's wheel, `CUDA_HOME`, the
   system) or, where `NUMBA_CUDA_USE_NVIDIA_BINDING` is set, through `cuda.bindings`: any copy the image
   carries may be the one, so a release is claimed only where every copy agrees;
@@ -47,10 +47,8 @@ from scanner.models import GpuArchs, GpuFacts, NumbaFacts
 
 NVRTC_LIST_FROM = (0, 16)  # the architectures come from NVRTC's own list
 BINDINGS_FROM = (0, 21)  # NVRTC through `cuda.bindings`, hence `cuda.pathfinder`
-CTYPES_UNTIL = (
-    0,
-    23,
-)  # before, `NUMBA_CUDA_USE_NVIDIA_BINDING=0` gives it ctypes bindings (the driver links)
+# Before 0.23, `NUMBA_CUDA_USE_NVIDIA_BINDING=0` gives it ctypes bindings, whose linker is the driver's.
+CTYPES_UNTIL = (0, 23)
 MAX_PATHS_SHOWN = 8
 
 
