@@ -213,11 +213,14 @@ async def ask_service(
 async def _wait_for_scan(url: str, scan: str, token: str | None, deadline: float) -> None:
     """Until scan `scan` is done; ServiceError where it failed, or is still waiting at `deadline`."""
     while (left := deadline - time.monotonic()) > 0:
+        asked = time.monotonic()
         job = await call(url, f"/api/scans/{quote(scan, safe='')}?wait={min(60, max(1, int(left)))}", token)
         if job.get("state") == "done":
             return
         if job.get("state") == "failed":
             raise ServiceError(f"scan {scan} failed: {job.get('error') or 'no reason given'}")
+        # at most one question a second, whatever the service does with `wait`
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - asked)))
     raise ServiceError(
         f"scan {scan} was not done within {SCAN_WAIT_SECONDS // 60} minutes: ask again when it is"
         f" (GET /api/scans/{scan})"

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from fixtures import catalog
 from fixtures.registry import LocalRegistry, free_port
-from gpubadge.eligible import EXIT_NONE
+from gpubadge.eligible import EXIT_NONE, ask_service
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule
 from web.app import create_app
@@ -146,3 +146,36 @@ async def test_gpubadge_eligible_waits_for_the_scan_the_service_queued_and_asks_
         out, err = await asyncio.wait_for(cli.communicate(), timeout=60)
         assert cli.returncode == EXIT_NONE, (out, err)  # no fleet here: no server can run it
         assert b"no server can run this image with this request" in out and not err.strip(), (out, err)
+
+
+async def test_the_cli_asks_about_the_scan_at_most_once_a_second_whatever_the_service_does_with_wait() -> (
+    None
+):
+    """A service that answers `?wait=` at once (an older or a foreign one) is not asked in a busy loop."""
+    asked: list[float] = []
+    posts: list[int] = []
+
+    async def eligibility(request: web.Request) -> web.Response:
+        posts.append(1)
+        if len(posts) == 1:
+            return web.json_response({"error": "not scanned yet: queued", "scan": "s/1"}, status=404)
+        return web.json_response({"eligible": [], "eligible_count": 0})
+
+    async def scan(request: web.Request) -> web.Response:
+        assert request.match_info["id"] == "s%2F1" or request.match_info["id"] == "s/1"
+        asked.append(time.monotonic())
+        return web.json_response({"state": "done" if len(asked) >= 3 else "queued"})
+
+    app = web.Application()
+    app.router.add_post("/api/eligibility", eligibility)
+    app.router.add_get("/api/scans/{id}", scan)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        answer = await ask_service("registry.example/x:1", f"http://127.0.0.1:{port}", {}, None)
+    finally:
+        await runner.cleanup()
+    assert answer["eligible_count"] == 0 and len(posts) == 2 and len(asked) == 3
+    assert asked[2] - asked[0] >= 1.9, asked  # two pauses of a second between three questions
