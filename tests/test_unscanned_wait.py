@@ -6,6 +6,7 @@ scan is queued for the workers, the 404 names its job, and the answer comes once
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 import sys
@@ -88,6 +89,31 @@ async def test_a_registry_that_does_not_answer_holds_a_never_scanned_answer_only
         async with session.post(f"{url}/api/eligibility", json={"image": reference}) as reply:
             answered = await reply.json()
             assert reply.status == 200 and answered["image"]["reference"] == reference, answered
+
+
+async def test_the_eligibility_page_says_the_scan_is_queued_and_where_to_find_it(
+    registry: LocalRegistry, push: Pusher, service: Any
+) -> None:
+    """The browser's form, with the token (HTTP Basic), past the wait: the page says the scan is queued, names
+    it and says to reload, instead of the API's words."""
+    push(catalog.cuda_ubuntu(), "unscanned/page:1")
+    basic = {"Authorization": "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()}
+    async with FaultProxy(registry.url) as proxy, aiohttp.ClientSession(headers=basic) as session:
+        reference = f"{proxy.host}/unscanned/page:1"
+        url = await service(unscanned_scan_wait=1.0)
+        proxy.add(Rule("hang", path="/manifests/", times=None))
+        async with session.get(f"{url}/eligibility", params={"image": reference}) as reply:
+            html = await reply.text()
+            assert reply.status == 404, html[:2000]
+        found = re.search(
+            r"its scan took longer than this page waits, so it is queued \(scan (\S+), on the Scans"
+            r" page\); reload this page once it is done",
+            html,
+        )
+        assert found, html[:4000]
+        async with session.get(f"{url}/api/scans/{found.group(1)}") as reply:
+            assert (await reply.json())["reference"] == reference
+        proxy.release.set()
 
 
 async def test_an_image_scanned_within_the_wait_is_answered_at_once(

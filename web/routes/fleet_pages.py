@@ -18,6 +18,7 @@ from web.views.fleet_views import (
     EligibilityForm,
     FormError,
     ResultView,
+    http_error_body,
     http_error_message,
     page_status,
     result_view,
@@ -66,6 +67,13 @@ async def eligibility_page(request: web.Request) -> web.Response:
                 404,
                 f"{form.image} has not been scanned yet. Request a scan on the Scans page"
                 " (it needs the API token); its eligibility shows here once the scan is done.",
+            )
+        queued = http_error_body(exc).get("scan") if exc.status == 404 else None
+        if isinstance(queued, str):
+            return show(
+                404,
+                f"{form.image} has not been scanned yet: its scan took longer than this page waits, so it is"
+                f" queued (scan {queued}, on the Scans page); reload this page once it is done.",
             )
         return show(page_status(exc), http_error_message(exc))
     try:

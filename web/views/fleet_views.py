@@ -286,14 +286,19 @@ def validation_message(exc: ValidationError) -> str:
     return f"{label}: {message}" if label else message
 
 
-def http_error_message(exc: web.HTTPException) -> str:
-    """The `error` text of an API error (JSON body), else its reason phrase."""
+def http_error_body(exc: web.HTTPException) -> dict[str, object]:
+    """The JSON object of an API error (`{"error": ..., "scan": ...}`), or {} where it has none."""
     text = exc.text or ""
     try:
         body = json.loads(text.removeprefix(f"{exc.status}: "))
     except ValueError:
-        body = None
-    message = body.get("error") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def http_error_message(exc: web.HTTPException) -> str:
+    """The `error` text of an API error (JSON body), else its reason phrase."""
+    message = http_error_body(exc).get("error")
     if isinstance(message, str):
         return message
     return exc.reason
