@@ -179,7 +179,14 @@ def layer_gets(registry: LocalRegistry, digest: str) -> int:
     return len(re.findall(rf'"GET /v2/[^"]*/blobs/{re.escape(digest)} ', registry.log()))
 
 
+def handed_over(url: str) -> float:
+    """Inline analyses handed over to an analysis process so far: each starts its layer over, read again."""
+    exposition = call("GET", f"{url}/metrics").text
+    return metric_values(exposition, "gpubadge_inline_analyses_total").get('{outcome="handed_over"}', 0.0)
+
+
 def test_multi_arch_push_coalesces_into_one_index_report(stack: Stack) -> None:
+    before = handed_over(stack.url)
     index_digest = stack.push(catalog.multi_arch(), "e2e/multi:1")  # with a buildkit attestation
     reply = by_ref(stack.url, f"{stack.registry.host}/e2e/multi:1")
     assert reply.status == 200, reply.text
@@ -201,9 +208,12 @@ def test_multi_arch_push_coalesces_into_one_index_report(stack: Stack) -> None:
 
     listing = call("GET", f"{stack.url}/api/images?q=e2e/multi").body
     assert [image["digest"] for image in listing["images"]] == [index_digest], listing
+    # each layer read once; one whose inline analysis passed inline_analysis_ms of CPU (a busy host) and
+    # started over in an analysis process is read again there
+    again = handed_over(stack.url) - before
     for platform in report["platforms"]:
         for layer in platform["layers"]:
-            assert layer_gets(stack.registry, layer["digest"]) <= 1, layer["digest"]
+            assert layer_gets(stack.registry, layer["digest"]) <= 1 + again, (layer["digest"], again)
     for child in children:
         child_view = by_ref(stack.url, f"{stack.registry.host}/e2e/multi@{child}", wait=0)
         assert child_view.status == 200
