@@ -190,6 +190,9 @@ async def scan_locally(reference: str) -> ImageReport:
     return report
 
 
+SCAN_WAIT_SECONDS = 1800  # a queued scan of the image is waited for this long (the scan's own default bound)
+
+
 async def ask_service(
     reference: str, url: str, fields: dict[str, Any], token: str | None, *, path: str = "/api/eligibility"
 ) -> dict[str, Any]:
@@ -226,8 +229,6 @@ async def _wait_for_scan(url: str, scan: str, token: str | None, deadline: float
         f" (GET /api/scans/{scan})"
     )
 
-
-SCAN_WAIT_SECONDS = 1800  # a queued scan of the image is waited for this long (the scan's own default bound)
 
 GPU_WORDS = {  # placement.image_needs' answer, as the image page and `gpubadge scan` say it
     "required": "needs an NVIDIA GPU (it declares one)",

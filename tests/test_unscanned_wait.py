@@ -11,13 +11,11 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 
 from fixtures import catalog
@@ -25,38 +23,16 @@ from fixtures.registry import LocalRegistry, free_port
 from gpubadge.eligible import EXIT_NONE, ask_service
 from tests.conftest import Pusher
 from tests.faultproxy import FaultProxy, Rule
-from web.app import create_app
+from tests.test_analysis_version import API_TOKEN as TOKEN
+from tests.test_analysis_version import service_on  # noqa: F401 (the service fixture, shared)
 from web.settings import ServiceSettings
-
-TOKEN = "unscanned-wait-token"
 
 
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[Any]:
-    """Start the service (SQLite, no fleet, the API token set) with settings given; yields its URL."""
-    runners: list[web.AppRunner] = []
-
-    async def start(**overrides: Any) -> str:
-        inventory = tmp_path / "fleet.yaml"
-        inventory.write_text(yaml.safe_dump({"servers": []}))
-        settings = ServiceSettings(
-            db=tmp_path / "service.db",
-            port=0,
-            inventory_file=inventory,
-            api_token=TOKEN,
-            docker_config=None,
-            **overrides,
-        )
-        runner = web.AppRunner(create_app(settings))
-        await runner.setup()
-        runners.append(runner)
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+def service(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """Start the service (SQLite, no fleet, the API token set) with settings given; its URL, awaited."""
+    start = request.getfixturevalue("service_on")
+    return lambda **overrides: start(tmp_path / "service.db", **overrides)
 
 
 async def test_a_registry_that_does_not_answer_holds_a_never_scanned_answer_only_for_the_wait(
