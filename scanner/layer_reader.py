@@ -14,14 +14,17 @@ and gives verdicts out; nothing under scanner/layers/ imports scanner/registry/)
   the layer is the blob streamed, once, into one walk;
 - a layer another scan of this process is reading right now is waited for, not fetched twice:
   the scans that need it wait for that one read, then take its cache entry all at once; one
-  that fails fails them with it (the same bytes), one cancelled hands the read to the next. So a
+  that fails fails them with it (the same bytes), one cancelled hands the read to the next, one
+  whose inline budget ran out hands them the bytes it kept (below). So a
   thousand platforms of one index that share a layer cost one read and a thousand cache offers,
   not a thousand turns on it, each waking every scan still waiting;
 - the loop ends as soon as no lower layer can change a verdict (`done`);
 - an image whose cache entries and layers still to read are small is analysed inline, on this
   process's event loop within `inline_analysis_bytes` and `inline_analysis_ms` (`InlineBudget`),
   not handed to an analysis process; one that reaches that budget starts over in one, its layers
-  read whole so far taken from the cache then.
+  read whole so far taken from the cache then, and the layer it was reading given the bytes the
+  registry already sent (the rest of that small blob is read to its end and checked against its
+  digest first), so a hand-over never fetches a layer twice.
 
 Bytes are counted as the registry sends them (`BlobStream.bytes_received`: partial reads
 included, and the rest of a range asked for when a read stops), per platform image in its
@@ -146,13 +149,24 @@ class LayerReader:
         *,
         whole: bool,
         known: dict[str, str],
+        replay: dict[str, bytes] | None = None,
+        inline: bool = False,
     ) -> None:
-        """Feed one layer to `session`: from the cache when it covers it (`known`: the image's entries
-        as read before its first layer), else read once (a read of the same digest running now is
-        waited for, then its entry offered, read afresh)."""
+        """Feed one layer to `session`: from `replay` when an inline read of this image fetched it
+        before its hand-over, else from the cache when it covers it (`known`: the image's entries as
+        read before its first layer), else read once (a read of the same digest running now is
+        waited for, then its entry offered, read afresh). `inline`: the session runs within the
+        inline budget; where it spends it mid-layer, the layer's bytes are kept in `replay`."""
         digest = layer.digest
         first: dict[str, str] | None = known
         while True:
+            # Fetched by an inline read before its hand-over; dropped once fed, so that a session
+            # that is inline too and spends its budget on it leaves the bytes to the next one.
+            kept = replay.get(digest) if replay is not None else None
+            if kept is not None and replay is not None:
+                await self._replay(kept, layer, session)
+                del replay[digest]
+                return
             covered = await self._offer_cached(digest, session, first)
             first = None
             if covered:
@@ -161,7 +175,11 @@ class LayerReader:
             if running is not None:
                 await running.done.wait()
                 if isinstance(running.error, InlineBudgetSpent):
-                    continue  # that scan's image went to an analysis process: read the layer here
+                    # That scan's image went to an analysis process: its bytes, where it kept them,
+                    # else the layer is read here.
+                    if running.kept is not None and replay is not None:
+                        replay[digest] = running.kept
+                    continue
                 if running.error is not None:
                     raise running.error  # the same bytes fail the same way for every scan of them
                 if covered is None:
@@ -170,11 +188,15 @@ class LayerReader:
                     await running.done.wait()  # the session took a partial entry: read it after that
             read = self._inflight[digest] = _Read()
             try:
-                await self._read(reference, layer, session, progress, whole=whole)
+                await self._read(
+                    reference, layer, session, progress, whole=whole, keep=replay if inline else None
+                )
             except asyncio.CancelledError:
                 raise  # this scan only: a scan waiting for the read takes it over
             except Exception as exc:
                 read.error = exc
+                if isinstance(exc, InlineBudgetSpent) and replay is not None:
+                    read.kept = replay.get(digest)
                 raise
             finally:
                 del self._inflight[digest]
@@ -203,10 +225,11 @@ class LayerReader:
             raise LimitExceeded(f"image has {len(layers):,} layers", self.limits.max_layers, "max_layers")
         known = await self._cached_all(layers)  # one read for the image, not one per layer
         inline = self._inline_budget(layers, known)
+        replay: dict[str, bytes] = {}  # a layer the inline walk was reading at its hand-over: its bytes
         if inline is not None:
             try:
                 verdict = await self._analyse(
-                    reference, layers, arch, cuda, deadline, progress, known, inline, overrides
+                    reference, layers, arch, cuda, deadline, progress, known, inline, overrides, replay
                 )
                 self.inline_counts[INLINE_FINISHED] += 1
                 return verdict
@@ -215,7 +238,9 @@ class LayerReader:
                 progress.layers_done = 0  # the bytes fetched stay counted: the registry sent them
                 progress.skipped.clear()
                 known = await self._cached_all(layers)  # with what the inline walk read whole
-        return await self._analyse(reference, layers, arch, cuda, deadline, progress, known, None, overrides)
+        return await self._analyse(
+            reference, layers, arch, cuda, deadline, progress, known, None, overrides, replay
+        )
 
     def _inline_budget(self, layers: Sequence[Descriptor], known: dict[str, str]) -> InlineBudget | None:
         """The inline budget, when the image's cache entries and the layers it may still read (their
@@ -240,6 +265,7 @@ class LayerReader:
         known: dict[str, str],
         inline: InlineBudget | None,
         overrides: Mapping[str, str] | None = None,
+        replay: dict[str, bytes] | None = None,
     ) -> ImageVerdict:
         session = await self.pool.open(
             arch, len(layers), self.limits, deadline, cuda=cuda, inline=inline, overrides=overrides
@@ -257,7 +283,16 @@ class LayerReader:
                         )
                     )
                 else:
-                    await self._layer(reference, layer, session, progress, whole=cuda, known=known)
+                    await self._layer(
+                        reference,
+                        layer,
+                        session,
+                        progress,
+                        whole=cuda,
+                        known=known,
+                        replay=replay,
+                        inline=inline is not None,
+                    )
                 progress.layers_done += 1
             return await session.verdict(progress.bytes_fetched, progress.bytes_total)
         finally:
@@ -271,31 +306,70 @@ class LayerReader:
         progress: LayerProgress,
         *,
         whole: bool,
+        keep: dict[str, bytes] | None = None,
     ) -> None:
         """Stream one layer into the session: in one request when it will be read whole (a deep
-        scan), else in growing ranges, so that an early stop costs at most the rest of one range."""
+        scan), else in growing ranges, so that an early stop costs at most the rest of one range.
+
+        `keep` (an inline session): where the session spends its inline budget on this layer, and
+        the blob is no bigger than that budget's bytes, the rest of the blob is read (its digest
+        checked at the end) and all of it kept there under its digest, for the analysis process
+        the image's analysis starts over in (`_replay`); a blob that cannot be read to its end
+        is not kept, and that process fetches it."""
         stream: BlobStream | None = None
+        taken: list[bytes] | None = None
+        if keep is not None and self.inline is not None and layer.size <= self.inline.bytes:
+            taken = []
         try:
             async with self.client.stream_blob(
                 reference, layer.digest, size=layer.size, ranged=not whole
             ) as stream:
-                outcome = await session.read_layer(_counted(stream, progress), layer.media_type)
+                try:
+                    outcome = await session.read_layer(_counted(stream, progress, taken), layer.media_type)
+                except InlineBudgetSpent:
+                    if taken is not None and keep is not None:
+                        try:
+                            async for _ in _counted(stream, progress, taken):
+                                pass
+                        except Exception:  # not kept: the analysis process fetches it afresh
+                            taken = None
+                        if taken is not None and stream.verified:
+                            keep[layer.digest] = b"".join(taken)
+                    raise
         finally:
             if stream is not None:  # what arrived unread at the early close counts too
                 progress.bytes_fetched += stream.bytes_received - stream.bytes_read
         if outcome.evidence_json is not None:
             await self._remember(layer.digest, outcome.evidence_json)
 
+    async def _replay(self, data: bytes, layer: Descriptor, session: Session) -> None:
+        """Feed `session` a layer's bytes that an inline read already fetched and checked: counted
+        as fetched once, where the registry sent them."""
+        outcome = await session.read_layer(_once(data), layer.media_type)
+        if outcome.evidence_json is not None:
+            await self._remember(layer.digest, outcome.evidence_json)
+
 
 @dataclass
 class _Read:
-    """One layer read running now: set `done` when it ends, with `error` when it failed."""
+    """One layer read running now: set `done` when it ends, with `error` when it failed (and `kept`,
+    the blob's bytes, where an inline read that spent its budget kept them)."""
 
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
+    kept: bytes | None = None
 
 
-async def _counted(stream: BlobStream, progress: LayerProgress) -> AsyncIterator[bytes]:
+async def _counted(
+    stream: BlobStream, progress: LayerProgress, taken: list[bytes] | None = None
+) -> AsyncIterator[bytes]:
+    """The stream's chunks, counted in `progress`; each also kept in `taken` when given."""
     async for chunk in stream:
         progress.bytes_fetched += len(chunk)
+        if taken is not None:
+            taken.append(chunk)
         yield chunk
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data

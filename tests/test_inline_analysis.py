@@ -110,6 +110,7 @@ async def test_a_layer_past_the_inline_bytes_starts_over_in_an_analysis_process(
     assert (scanner.layers.analysed_inline, scanner.layers.handed_over, started) == (0, 1, 1)
     alone, _, _ = await scan(reference, inline_analysis_bytes=0)
     assert verdicts(report) == verdicts(alone)
+    assert (report.requests, report.bytes_fetched) == (alone.requests, alone.bytes_fetched)
 
 
 async def test_an_inline_analysis_past_its_cpu_budget_starts_over(
@@ -121,6 +122,8 @@ async def test_an_inline_analysis_past_its_cpu_budget_starts_over(
     assert (scanner.layers.analysed_inline, scanner.layers.handed_over, started) == (0, 1, 1)
     alone, _, _ = await scan(reference, inline_analysis_bytes=0)
     assert verdicts(report) == verdicts(alone)
+    # The layer the inline walk was reading is not fetched again: its bytes go to the process.
+    assert (report.requests, report.bytes_fetched) == (alone.requests, alone.bytes_fetched)
 
 
 async def test_gpu_code_past_the_inline_steps_is_read_in_an_analysis_process(
@@ -184,34 +187,46 @@ class _Blobs:
 
     def __init__(self, blobs: dict[str, bytes], gated: str) -> None:
         self.blobs, self.gated, self.gate = blobs, gated, asyncio.Event()
+        self.opened: list[str] = []  # the digests fetched, in order
 
     @contextlib.asynccontextmanager
     async def stream_blob(self, ref: object, digest: str, **_: object) -> AsyncIterator[_Stream]:
+        self.opened.append(digest)
         yield _Stream(self.blobs[digest], self.gate if digest == self.gated else None)
 
 
 class _Stream:
+    """A blob read as `BlobStream` reads one: one iterator, resumed where it stopped; `verified` once
+    it reached its end."""
+
     def __init__(self, data: bytes, gate: asyncio.Event | None) -> None:
         self.data, self.gate, self.bytes_received, self.bytes_read = data, gate, 0, 0
+        self.verified = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> bytes:
         step = 16 if self.gate is not None else 4096  # 16 bytes of gzipped zeros: a few KiB whole
-        for start in range(0, len(self.data), step):
-            chunk = self.data[start : start + step]
-            self.bytes_received += len(chunk)
-            self.bytes_read += len(chunk)
-            yield chunk
-            if self.gate is not None:
-                await asyncio.wait_for(self.gate.wait(), 30)
+        if self.gate is not None and self.bytes_read:
+            await asyncio.wait_for(self.gate.wait(), 30)
+        if self.bytes_read >= len(self.data):
+            self.verified = True
+            raise StopAsyncIteration
+        chunk = self.data[self.bytes_read : self.bytes_read + step]
+        self.bytes_received += len(chunk)
+        self.bytes_read += len(chunk)
+        return chunk
 
 
-async def test_a_scan_waiting_for_an_inline_read_that_was_handed_over_reads_the_layer_itself(
+async def test_a_scan_waiting_for_an_inline_read_that_was_handed_over_takes_the_bytes_it_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two images share a layer that looks small and is not. The small image reads it inline; the
     other, too big to go inline, waits for that read instead of fetching the layer twice. When the
-    inline read reaches its budget, that is no error of the layer: the waiting scan reads it in its
-    analysis process, and both get their verdicts (the small one from an analysis process too)."""
+    inline read reaches its budget, that is no error of the layer: the inline read takes the rest of
+    the small blob, and both analyses, each in an analysis process, are given those bytes. Both get
+    their verdicts, and the layer was fetched once."""
     watched: list[_WatchedEvent] = []
 
     def watched_event() -> asyncio.Event:
@@ -259,6 +274,7 @@ async def test_a_scan_waiting_for_an_inline_read_that_was_handed_over_reads_the_
     finally:
         await pool.close()
     assert (reader.analysed_inline, reader.handed_over) == (0, 1)
+    assert sorted(blobs.opened) == sorted([zeros.digest, base.digest, big.digest]), blobs.opened
     assert small_verdict.libc.flavour == "glibc"
     assert large_verdict.libc.flavour == "none" and large_verdict.libc.layers_read == 2
 

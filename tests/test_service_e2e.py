@@ -180,16 +180,10 @@ def layer_gets(registry: LocalRegistry, digest: str, since: int = 0) -> int:
     return len(re.findall(rf'"GET /v2/[^"]*/blobs/{re.escape(digest)} ', registry.log()[since:]))
 
 
-def handed_over(url: str) -> float:
-    """Inline analyses handed over to an analysis process so far: each starts its layer over, read again."""
-    exposition = call("GET", f"{url}/metrics").text
-    return metric_values(exposition, "gpubadge_inline_analyses_total").get('{outcome="handed_over"}', 0.0)
-
-
 def test_multi_arch_push_coalesces_into_one_index_report(stack: Stack) -> None:
-    # The counts start here: the previous test's image shares the amd64 base layer, and its reads of it
-    # (two, where its inline analysis was handed over) are not this push's.
-    before, log_mark = handed_over(stack.url), len(stack.registry.log())
+    # The counts start here: the previous test's image shares the amd64 base layer, and its read of it
+    # is not this push's.
+    log_mark = len(stack.registry.log())
     index_digest = stack.push(catalog.multi_arch(), "e2e/multi:1")  # with a buildkit attestation
     reply = by_ref(stack.url, f"{stack.registry.host}/e2e/multi:1")
     assert reply.status == 200, reply.text
@@ -211,13 +205,11 @@ def test_multi_arch_push_coalesces_into_one_index_report(stack: Stack) -> None:
 
     listing = call("GET", f"{stack.url}/api/images?q=e2e/multi").body
     assert [image["digest"] for image in listing["images"]] == [index_digest], listing
-    # each layer read once; one whose inline analysis passed inline_analysis_ms of CPU (a busy host) and
-    # started over in an analysis process is read again there
-    again = handed_over(stack.url) - before
+    # each layer read once, an inline analysis handed over to an analysis process on a busy host too
+    # (that process is given the bytes the inline read took)
     for platform in report["platforms"]:
         for layer in platform["layers"]:
-            reads = layer_gets(stack.registry, layer["digest"], log_mark)
-            assert reads <= 1 + again, (layer["digest"], reads, again)
+            assert layer_gets(stack.registry, layer["digest"], log_mark) <= 1, layer["digest"]
     for child in children:
         child_view = by_ref(stack.url, f"{stack.registry.host}/e2e/multi@{child}", wait=0)
         assert child_view.status == 200
