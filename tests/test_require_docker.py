@@ -12,6 +12,29 @@ import pytest
 from tests.conftest import REQUIRE_DOCKER_ENV, REQUIRE_SYSTEM_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The children run pytest with the plugins the suite uses and no others: the installed ones load
+# hypothesis and schemathesis at start-up, 4 s of a child's 5 on a slow host.
+CHILD_PYTEST = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "pytest_asyncio.plugin",
+    "-p",
+    "pytest_timeout",
+]
+
+
+def child_env(without: str) -> dict[str, str]:
+    """This process's environment less `without`, with pytest's plugin autoload off (CHILD_PYTEST)."""
+    env = {key: value for key, value in os.environ.items() if key != without}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return env
+
+
 USES_DOCKERD = """
 from fixtures.dockerd import LocalDockerd
 
@@ -24,13 +47,19 @@ def test_needs_docker(dockerd: LocalDockerd) -> None:
 def run_without_runc(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess[str]:
     """pytest in a child whose PATH has no runc, so the dockerd fixture cannot start an engine."""
     (tmp_path / "test_uses_dockerd.py").write_text(USES_DOCKERD)
-    env = {key: value for key, value in os.environ.items() if key != REQUIRE_DOCKER_ENV}
+    env = child_env(REQUIRE_DOCKER_ENV)
     env.update({"PATH": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)})
     if require is not None:
         env[REQUIRE_DOCKER_ENV] = require
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider"]
     return subprocess.run(
-        [*command, "--rootdir", str(tmp_path), str(tmp_path / "test_uses_dockerd.py")],
+        [
+            *CHILD_PYTEST,
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_uses_dockerd.py"),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -64,12 +93,12 @@ def test_the_image_test_needs_debootstrap_and_says_so(
         if found is None:
             pytest.skip(f"{tool} is not installed")
         (bin_dir / tool).symlink_to(found)
-    env = {key: value for key, value in os.environ.items() if key != REQUIRE_DOCKER_ENV}
+    env = child_env(REQUIRE_DOCKER_ENV)
     env.update({"PATH": str(bin_dir), "PYTHONPATH": str(REPO_ROOT)})
     if require is not None:
         env[REQUIRE_DOCKER_ENV] = require
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_image.py"],
+        [*CHILD_PYTEST, "-rs", "tests/test_image.py"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -98,13 +127,13 @@ def test_needs_postgres(postgres_url: str) -> None:
 
 
 def run_child(tmp_path: Path, require: str | None, target: str, path: str | None = None) -> str:
-    env = {key: value for key, value in os.environ.items() if key != REQUIRE_SYSTEM_ENV}
+    env = child_env(REQUIRE_SYSTEM_ENV)
     env["PYTHONPATH"] = str(REPO_ROOT)
     if path is not None:
         env["PATH"] = path
     if require is not None:
         env[REQUIRE_SYSTEM_ENV] = require
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    command = [*CHILD_PYTEST, "-rs"]
     if target.startswith(str(tmp_path)):  # a test file of ours in tmp_path: the repository's fixtures
         command += ["-p", "tests.conftest", "--rootdir", str(tmp_path)]
     result = subprocess.run(
