@@ -328,13 +328,9 @@ class LayerReader:
                     outcome = await session.read_layer(_counted(stream, progress, taken), layer.media_type)
                 except InlineBudgetSpent:
                     if taken is not None and keep is not None:
-                        try:
-                            async for _ in _counted(stream, progress, taken):
-                                pass
-                        except Exception:  # not kept: the analysis process fetches it afresh
-                            taken = None
-                        if taken is not None and stream.verified:
-                            keep[layer.digest] = b"".join(taken)
+                        whole_blob = await _rest_of(stream, progress, taken, layer.size)
+                        if whole_blob is not None:
+                            keep[layer.digest] = whole_blob
                     raise
         finally:
             if stream is not None:  # what arrived unread at the early close counts too
@@ -369,6 +365,21 @@ async def _counted(
         if taken is not None:
             taken.append(chunk)
         yield chunk
+
+
+async def _rest_of(
+    stream: BlobStream, progress: LayerProgress, taken: list[bytes], size: int
+) -> bytes | None:
+    """The whole blob: `taken`, what was read of `stream` so far, and the rest of it, read here (no
+    more than `size` bytes in all) and checked against its digest; None where it cannot be read to
+    its end, is not `size` bytes long or does not match (the analysis process then fetches it afresh)."""
+    try:
+        async for _ in _counted(stream, progress, taken):
+            if stream.bytes_read > size:
+                return None
+    except Exception:  # a registry error or a digest mismatch, met again by the fetch that follows
+        return None
+    return b"".join(taken) if stream.verified and stream.bytes_read == size else None
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

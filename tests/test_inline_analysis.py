@@ -188,11 +188,13 @@ class _Blobs:
     def __init__(self, blobs: dict[str, bytes], gated: str) -> None:
         self.blobs, self.gated, self.gate = blobs, gated, asyncio.Event()
         self.opened: list[str] = []  # the digests fetched, in order
+        self.streams: list[_Stream] = []
 
     @contextlib.asynccontextmanager
     async def stream_blob(self, ref: object, digest: str, **_: object) -> AsyncIterator[_Stream]:
         self.opened.append(digest)
-        yield _Stream(self.blobs[digest], self.gate if digest == self.gated else None)
+        self.streams.append(_Stream(self.blobs[digest], self.gate if digest == self.gated else None))
+        yield self.streams[-1]
 
 
 class _Stream:
@@ -283,3 +285,36 @@ async def blobs_started(reader: LayerReader, digest: str) -> None:
     """Until a read of `digest` is in flight (bounded by the caller)."""
     while digest not in reader._inflight:
         await asyncio.sleep(0.001)
+
+
+async def test_a_blob_longer_than_its_descriptor_is_not_kept_at_a_hand_over() -> None:
+    """A registry that sends more than the manifest's size for a small layer: the inline read that
+    spends its budget there reads the rest of the blob for the analysis process only up to that size,
+    then lets the process fetch it afresh, so what it keeps stays bounded by the inline budget."""
+    data = gzip.compress(tar_bytes([file("opt/app/zeros.bin", bytes(1 << 20))]), compresslevel=6)
+    zeros = Descriptor(
+        LAYER_MEDIA_TYPES["gzip"], "sha256:" + hashlib.sha256(data).hexdigest(), len(data) // 2
+    )
+    blobs = _Blobs({zeros.digest: data}, gated=zeros.digest)
+    blobs.gate.set()  # never waits: the blob comes 16 bytes at a time
+    pool = AnalysisPool(1)
+    reader = LayerReader(blobs, None, AnalysisLimits(), pool, InlineBudget())  # type: ignore[arg-type]
+    progress = LayerProgress(1, zeros.size)
+    try:
+        await pool.start()
+        await asyncio.wait_for(
+            reader.analyse(
+                parse_reference("r.example/app:1"),
+                [zeros],
+                "amd64",
+                cuda=True,
+                deadline=time.monotonic() + 60,
+                progress=progress,
+            ),
+            60,
+        )
+    finally:
+        await pool.close()
+    assert reader.handed_over == 1
+    assert blobs.opened == [zeros.digest, zeros.digest]  # nothing kept: the process fetched it
+    assert blobs.streams[0].bytes_read <= zeros.size + 16  # the inline read stopped at the size
