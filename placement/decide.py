@@ -41,11 +41,16 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     # (image facts and request) and shape id: after a fleet change, only shapes new to it are judged.
     known = index.shape_results(form)
     results = []
+    reused = False
     for entry, gpu_shape in zip(view.shape_entries, view.shape_gpu, strict=True):
         result = known.get(entry.shape)
         if result is None:
             result = known[entry.shape] = query.evaluate(entry, gpu_shape)
+        else:
+            reused = True
         results.append(result)
+    if reused:  # the caveats below read the verdicts of every GPU class in the answer
+        query.judge_present_classes(view)
     labels = list(request.labels.items())
     eligible: list[Bucket] = []
     refused: list[Bucket] = []

@@ -94,6 +94,20 @@ class IndexView:
     # GPU sub-shape per dense shape: shapes that differ only in arch, CPUs or memory share one, and
     # with it the GPU part of their verdict (the expensive part) within a query.
     shape_gpu: list[int]
+    # The GPU classes free on its servers with NVIDIA's driver, by CPU architecture (`present_classes`).
+    classes_present: dict[str, frozenset[int]] | None = None
+
+
+def present_classes(view: IndexView) -> dict[str, frozenset[int]]:
+    """The GPU classes free on `view`'s servers that have NVIDIA's driver, by CPU architecture:
+    worked out at the first call for each view (views never change), one pass over its shapes."""
+    if view.classes_present is None:
+        found: dict[str, set[int]] = {}
+        for entry, names in zip(view.shape_entries, view.shape_names, strict=True):
+            if names and entry.driver is not None:
+                found.setdefault(entry.arch, set()).update(class_id for class_id, _ in entry.groups)
+        view.classes_present = {arch: frozenset(ids) for arch, ids in found.items()}
+    return view.classes_present
 
 
 _gpu_position = attrgetter("index")

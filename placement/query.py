@@ -21,7 +21,7 @@ from placement.decision import NO_KEY, ShapeResult
 from placement.gpu_code import Rule
 from placement.gpus import MEMORY_TOLERANCE, matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
-from placement.index import FleetIndex, GpuClass, ServerEntry
+from placement.index import FleetIndex, GpuClass, IndexView, ServerEntry, present_classes
 from placement.mig import count_profiles
 from placement.nvidia_require import DeviceFacts, ImageRequirements, Verdict, compare_version
 from placement.request import DeployRequest
@@ -213,6 +213,31 @@ class Query:
                             f"on {gpu.label} (compute capability {gpu.compute_capability}): runs; without {caveat}"
                         )
         return found
+
+    def judge_present_classes(self, view: IndexView) -> None:
+        """Judge every GPU class that `evaluate` would judge on the servers of `view`, as a query that
+        reuses shape verdicts kept from an earlier query of its form must (placement.decide):
+        `caveats` reads the class verdicts, so it then covers the GPU classes of every server in the
+        answer, not only of the shapes new to the fleet since that query."""
+        classes = self.index.classes
+        for arch_name, class_ids in present_classes(view).items():
+            arch = self.arch_plans.get(arch_name)
+            if arch is None:
+                arch = self.arch_plans[arch_name] = self._arch_plan(arch_name)
+            plan = arch[0]
+            if plan is None:
+                continue
+            slices = plan.slices > 0
+            if (plan.slices if slices else plan.needed) <= 0:
+                continue
+            for class_id in sorted(class_ids):
+                profile = classes[class_id].mig_profile
+                if (profile is not None) != slices:
+                    continue
+                if profile is not None and self.profiles and profile not in self.profiles:
+                    continue
+                if class_id not in plan.verdicts:
+                    self.class_verdict(plan, class_id)
 
     @staticmethod
     def _shape_rules(plan: Plan, entry: ServerEntry) -> list[str]:

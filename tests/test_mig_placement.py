@@ -229,6 +229,40 @@ def test_an_image_that_asks_for_video_is_warned_of_mig_devices_without_a_decoder
     assert not [w for w in decide(video, DeployRequest(mig_devices=1), FLEET).warnings if "video" in w]
 
 
+def test_a_warning_stays_in_the_answer_after_the_fleet_changes() -> None:
+    """The index keeps each question's shape verdicts across fleet changes, and judges only the shapes
+    new to it when the question comes again. The warnings of the answer (here: MIG devices with no
+    video decoder, for an image that asks for `video`) come from the GPU classes judged, so the
+    answer after a change must judge the classes of the kept shapes too: it is the answer a fresh
+    index gives, warnings included."""
+    server = agent_server(
+        "agent-a100",
+        a100_40gb_mig("GPU-a1000000-0000-4000-8000-000000000000", ["1g.5gb+me", "1g.5gb", "3g.20gb"]),
+    )
+    other = agent_server(
+        "agent-b100", a100_40gb_mig("GPU-b1000000-0000-4000-8000-000000000000", ["3g.20gb", "3g.20gb"])
+    )
+    base = image()
+    env = {**base.platforms[0].gpu.env, "NVIDIA_DRIVER_CAPABILITIES": "compute,utility,video"}
+    gpu = base.platforms[0].gpu.model_copy(
+        update={"env": env, "driver_capabilities": "compute,utility,video"}
+    )
+    video = ImageFacts.from_report(
+        ImageReport(
+            reference="example/video:1",
+            platforms=[PlatformReport(platform="linux/amd64", digest="sha256:" + "9" * 64, gpu=gpu)],
+        )
+    )
+    request = DeployRequest(mig_devices=1)
+    index = FleetIndex.build([server])
+    first = decide(video, request, index)
+    assert [w for w in first.warnings if "video decoder" in w]
+    index.update([other])  # agent-a100's shape is kept; only agent-b100's is new
+    after = decide(video, request, index)
+    assert after.warnings == first.warnings
+    assert after == decide(video, request, FleetIndex.build([server, other]))
+
+
 def test_reservations_are_per_mig_device_and_are_released_and_reused() -> None:
     server = agent_server(
         "agent-a100",

@@ -458,13 +458,16 @@ def test_bad_cursors_are_refused(cursor: str) -> None:
 
 def test_index_updates_match_a_fresh_build() -> None:
     index = FleetIndex.build(FLEET)
+    requests = (DeployRequest(gpus=1), DeployRequest(gpus=2, labels={"zone": "b"}), DeployRequest())
+    for request in requests:  # asked before the update too: the index keeps these forms' shape verdicts
+        decide(cuda_image("12.2.2"), request, index)
     h100 = next(server for server in FLEET if server.name == "h100-a")
     busier = h100.model_copy(update={"gpus_in_use": [gpu.uuid for gpu in h100.gpus[:5]]})
     extra = h100.model_copy(update={"name": "h100-b", "labels": {"zone": "b"}})
     index.update([busier, extra])
     index.remove(["l4-edge"])
     fleet = [busier if s.name == "h100-a" else s for s in FLEET if s.name != "l4-edge"] + [extra]
-    for request in (DeployRequest(gpus=1), DeployRequest(gpus=2, labels={"zone": "b"}), DeployRequest()):
+    for request in requests:
         updated = decide(cuda_image("12.2.2"), request, index)
         assert updated == decide(cuda_image("12.2.2"), request, FleetIndex.build(fleet))
     decision = decide(cuda_image("12.2.2"), DeployRequest(gpus=4), index)
