@@ -5,8 +5,10 @@ peer has every GPU whole; in the other, the A100 and H100 servers (about half) h
 mode with NVIDIA's common layouts (7 × 1g, 3g + 4g, 3g + 2g + 2 × 1g), one layout per server as
 mig-parted's named configurations apply them (`--layout gpu`: one per GPU, the worst case for the
 index), 40% of MIG devices (and of whole GPUs) in use at random. For each fleet: `FleetIndex.build`, then `answer(decide(...))` for a whole-GPU request,
-a profile request and a minimum-memory request, each twice: the same question repeated (the index keeps
-shape verdicts per form) and a new form every time. Prints p50/p99 and MIG/peer ratios.
+a profile request and a minimum-memory request, each three ways: the same question repeated (the index
+keeps shape verdicts per form), a new form every time that differs in its CPUs alone (the index keeps GPU
+parts per GPU form, so these judge no GPU sub-shape again), and a new GPU form every time (a new
+`min_driver` that every server meets: nothing kept applies). Prints p50/p99 and MIG/peer ratios.
 
 Run: python3 -m bench.mig_bench [--sizes 10000,100000] [--queries N]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 import statistics
 import time
@@ -105,12 +108,18 @@ REQUESTS = {
 
 
 def _asker(
-    image: ImageFacts, request: DeployRequest, index: FleetIndex, options: AnswerOptions, vary: bool
+    image: ImageFacts, request: DeployRequest, index: FleetIndex, options: AnswerOptions, vary: str
 ) -> Callable[[int], object]:
-    """One question: the same each time, or (vary) a new query form each time (nothing kept applies)."""
+    """One question: the same each time (vary ""), a new form in its CPUs ("cpus"), or a new GPU form
+    ("gpu", a `min_driver` of 450.<n> that every server meets) each time."""
+    seen = itertools.count(int(time.time() * 1000) % 1_000_000)  # never a form an earlier run kept
 
     def ask(q: int) -> object:
-        asked = request.model_copy(update={"cpus": float(q % 97)}) if vary else request
+        asked = request
+        if vary == "cpus":
+            asked = request.model_copy(update={"cpus": float(q % 97)})
+        elif vary == "gpu":
+            asked = request.model_copy(update={"min_driver": f"450.{next(seen)}"})
         return answer(decide(image, asked, index), options)
 
     return ask
@@ -149,10 +158,9 @@ def main() -> None:
             for name, request in REQUESTS.items():
                 if not mig and name != "whole":
                     continue
-                p50, p99 = timed(_asker(image, request, index, options, vary=False), args.queries)
-                row[f"{name} p50"], row[f"{name} p99"] = p50, p99
-                p50, p99 = timed(_asker(image, request, index, options, vary=True), args.queries)
-                row[f"{name}-new-form p50"], row[f"{name}-new-form p99"] = p50, p99
+                for suffix, vary in (("", ""), ("-new-form", "cpus"), ("-new-gpu-form", "gpu")):
+                    p50, p99 = timed(_asker(image, request, index, options, vary), args.queries)
+                    row[f"{name}{suffix} p50"], row[f"{name}{suffix} p99"] = p50, p99
             gc.unfreeze()
             figures[label] = row
             parts = ", ".join(f"{key} {value:.2f}" for key, value in row.items())
@@ -161,8 +169,9 @@ def main() -> None:
         print(
             f"{size} ratio mig/peer: build {mig['build'] / peer['build']:.2f}x, whole p99 "
             f"{mig['whole p99'] / peer['whole p99']:.2f}x, whole new-form p99 "
-            f"{mig['whole-new-form p99'] / peer['whole-new-form p99']:.2f}x, profile new-form p99 "
-            f"{mig['profile-new-form p99'] / peer['whole-new-form p99']:.2f}x of whole",
+            f"{mig['whole-new-form p99'] / peer['whole-new-form p99']:.2f}x, whole new-gpu-form p99 "
+            f"{mig['whole-new-gpu-form p99'] / peer['whole-new-gpu-form p99']:.2f}x, profile new-gpu-form p99 "
+            f"{mig['profile-new-gpu-form p99'] / peer['whole-new-gpu-form p99']:.2f}x of whole",
             flush=True,
         )
 

@@ -36,21 +36,19 @@ def decide(image: ImageFacts, request: DeployRequest, inventory: Sequence[Server
     kept = index.kept_decision(form, view)
     if kept is not None:
         return kept
-    query = Query(image, request, index)
+    query = Query(image, request, index, view)
     # A shape's verdict depends on the shape and the query only, so it is kept per query form
     # (image facts and request) and shape id: after a fleet change, only shapes new to it are judged.
     known = index.shape_results(form)
     results = []
-    reused = False
     for entry, gpu_shape in zip(view.shape_entries, view.shape_gpu, strict=True):
         result = known.get(entry.shape)
         if result is None:
             result = known[entry.shape] = query.evaluate(entry, gpu_shape)
-        else:
-            reused = True
         results.append(result)
-    if reused:  # the caveats below read the verdicts of every GPU class in the answer
-        query.judge_present_classes(view)
+    # The caveats below read the verdicts of the GPU classes judged: those of shape verdicts and GPU
+    # parts kept from earlier questions were judged then, so every class in the answer is judged here.
+    query.judge_present_classes(view)
     labels = list(request.labels.items())
     eligible: list[Bucket] = []
     refused: list[Bucket] = []

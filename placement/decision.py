@@ -23,6 +23,9 @@ NO_KEY: SortKey = (0, 0, 0, 0.0, 0)
 # (reasons, GPU picks as (group position, count), sort key, platform, score, why it passes) for one
 # server shape
 ShapeResult = tuple[tuple[str, ...], tuple[tuple[int, int], ...], SortKey, str, float, tuple[str, ...]]
+# The GPU part of a shape's verdict (placement.query): (reasons, GPU picks, rank, spare GPUs, GPU MiB
+# assigned, score, why it passes)
+GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float, tuple[str, ...]]
 
 
 class EligibleServer(TypedDict):

@@ -4,7 +4,9 @@ Pure. `FleetIndex.build` derives each server once (GPUs, and the MIG devices of 
 grouped into classes of identical facts; a GPU in MIG mode is never a unit of its own,
 servers into shapes that get identical verdicts); `update` and `remove` keep it current server by
 server, copy-on-write, so a query already reading a view is unaffected. The index also keeps the
-last `QUERY_FORMS_KEPT` query forms' shape verdicts and decisions (placement.decide reads them).
+last `QUERY_FORMS_KEPT` query forms' shape verdicts and decisions, and the last `GPU_FORMS_KEPT` GPU
+forms' GPU parts, which questions differing only in CPUs, memory or labels share (placement.decide
+and placement.query read them).
 Built for fleets of 100,000 servers: a query's cost grows with the number of shapes, not servers.
 """
 
@@ -16,10 +18,11 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TypeVar
 
-from placement.decision import Decision, ShapeResult
+from placement.decision import Decision, GpuPart, ShapeResult
 from placement.inventory import Server
 
 QUERY_FORMS_KEPT = 64  # query forms (image facts + request) whose verdicts an index keeps
+GPU_FORMS_KEPT = 16  # GPU forms (placement.query.gpu_form) whose GPU parts an index keeps
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -94,6 +97,9 @@ class IndexView:
     # GPU sub-shape per dense shape: shapes that differ only in arch, CPUs or memory share one, and
     # with it the GPU part of their verdict (the expensive part) within a query.
     shape_gpu: list[int]
+    # How `shape_gpu` numbers GPU sub-shapes: views of one epoch (a build, and the updates after it)
+    # number them alike, so GPU parts kept by number (`FleetIndex.gpu_parts`) hold across them.
+    gpu_epoch: int = 0
     # The GPU classes free on its servers with NVIDIA's driver, by CPU architecture (`present_classes`).
     classes_present: dict[str, frozenset[int]] | None = None
 
@@ -113,12 +119,12 @@ def present_classes(view: IndexView) -> dict[str, frozenset[int]]:
 _gpu_position = attrgetter("index")
 
 
-def _bounded_put(kept: dict[_K, _V], key: _K, value: _V) -> None:
-    """`kept[key] = value`, dropping the oldest entries beyond QUERY_FORMS_KEPT.
+def _bounded_put(kept: dict[_K, _V], key: _K, value: _V, limit: int = QUERY_FORMS_KEPT) -> None:
+    """`kept[key] = value`, dropping the oldest entries beyond `limit`.
 
     Safe from several threads (dict operations are atomic); a race only costs a recomputation.
     """
-    while len(kept) >= QUERY_FORMS_KEPT:
+    while len(kept) >= limit:
         try:
             oldest = next(iter(kept))
         except (StopIteration, RuntimeError):  # emptied or changed by another thread
@@ -167,6 +173,8 @@ class FleetIndex:
     _empty_lists: int = 0  # shape/combination lists emptied by updates, compacted by a rebuild
     _shape_results: dict[tuple[str, str], dict[int, ShapeResult]] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], tuple[IndexView, Decision]] = field(default_factory=dict)
+    _gpu_epoch: int = 0  # bumped whenever `_gpu_ids` starts afresh
+    _gpu_parts: dict[tuple[int, str], dict[tuple[str, int], GpuPart]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, servers: Iterable[Server]) -> FleetIndex:
@@ -200,6 +208,18 @@ class FleetIndex:
 
     def keep_decision(self, query: tuple[str, str], view: IndexView, decision: Decision) -> None:
         _bounded_put(self._decisions, query, (view, decision))
+
+    def gpu_parts(self, view: IndexView, gpu_form: str) -> dict[tuple[str, int], GpuPart]:
+        """GPU parts of verdicts already worked out for this GPU form (placement.query.gpu_form), by
+        (platform, GPU sub-shape number as `view` gives it), for the last few forms. A GPU sub-shape's
+        number stands for the same GPUs, driver and counts for as long as its epoch; a part never goes
+        stale. Safe from several threads, as `shape_results`."""
+        key = (view.gpu_epoch, gpu_form)
+        found = self._gpu_parts.get(key)
+        if found is None:
+            found = {}
+            _bounded_put(self._gpu_parts, key, found, GPU_FORMS_KEPT)
+        return found
 
     def shape_results(self, query: tuple[str, str]) -> dict[int, ShapeResult]:
         """Shape verdicts already computed for this query form, by shape id (the last few forms).
@@ -280,7 +300,14 @@ class FleetIndex:
                 member_names.insert(position, entry.name)
                 member_groups.insert(position, entry.groups)
         self._view = IndexView(
-            shape_entries, shape_names, shape_groups, combos, combo_names, combo_groups, shape_gpu
+            shape_entries,
+            shape_names,
+            shape_groups,
+            combos,
+            combo_names,
+            combo_groups,
+            shape_gpu,
+            self._gpu_epoch,
         )
         if self._empty_lists > len(shape_entries) + len(combos):  # mostly dead lists: compact
             self._view = self._build_view()
@@ -407,6 +434,7 @@ class FleetIndex:
     def _build_view(self) -> IndexView:
         """Every list derived afresh (built, after large changes, or to drop emptied lists)."""
         self._dense, self._combo_ids, self._gpu_ids, self._empty_lists = {}, {}, {}, 0
+        self._gpu_epoch += 1
         shape_entries: list[ServerEntry] = []
         shape_names: list[list[str]] = []
         shape_groups: list[list[tuple[tuple[int, tuple[str, ...]], ...]]] = []
@@ -437,4 +465,5 @@ class FleetIndex:
             combo_names=combo_names,
             combo_groups=combo_groups,
             shape_gpu=shape_gpu,
+            gpu_epoch=self._gpu_epoch,
         )

@@ -14,10 +14,11 @@ server to server, so summaries group them; the counts follow).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from placement import cuda_needs
-from placement.decision import NO_KEY, ShapeResult
+from placement.decision import NO_KEY, GpuPart, ShapeResult
 from placement.gpu_code import Rule
 from placement.gpus import MEMORY_TOLERANCE, matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
@@ -29,8 +30,9 @@ from placement.sizes import compared_sizes, size_text
 from scanner.models import GpuFacts
 
 _GIB = 1024**3
-# (reasons, GPU picks, rank, spare GPUs, GPU MiB assigned, score, why it passes)
-GpuPart = tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int, int, float, tuple[str, ...]]
+# The request's fields that only the per-shape CPU, memory and label checks read: a question that
+# differs from another in these alone shares its GPU parts (`gpu_form`).
+_NOT_GPU_FIELDS = frozenset({"cpus", "memory", "labels"})
 
 
 @dataclass(slots=True)
@@ -74,10 +76,32 @@ def _fmt_cpus(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-class Query:
-    """One image and request judged against one index: verdicts cached per GPU class, GPU sub-shape and arch."""
+def gpu_form(image: ImageFacts, request: DeployRequest) -> str:
+    """What the GPU part of every verdict reads of a question: each platform's GPU facts and libc (all a
+    `Plan` is made of) and the request less its CPU, memory and label fields. Questions of one GPU
+    form share their GPU parts in the index (`FleetIndex.gpu_parts`)."""
+    platforms = [
+        [
+            platform.architecture,
+            platform.platform,
+            platform.libc.flavour,
+            platform.gpu.model_dump(mode="json"),
+        ]
+        for platform in image.platforms
+    ]
+    return json.dumps([platforms, request.model_dump(mode="json", exclude=set(_NOT_GPU_FIELDS))])
 
-    def __init__(self, image: ImageFacts, request: DeployRequest, index: FleetIndex) -> None:
+
+class Query:
+    """One image and request judged against one index: verdicts cached per GPU class, GPU sub-shape and arch.
+
+    With `view`, the GPU parts come from, and go to, the index's store for the question's GPU form
+    (`gpu_form`), so a question that differs from an earlier one only in CPUs, memory or labels judges
+    no GPU sub-shape again."""
+
+    def __init__(
+        self, image: ImageFacts, request: DeployRequest, index: FleetIndex, view: IndexView | None = None
+    ) -> None:
         self.request = request
         self.index = index
         self.plans: dict[str, Plan] = {}
@@ -105,7 +129,9 @@ class Query:
         self.ordered = request.gpu_model_order == "ordered"
         self.arch_plans: dict[str, tuple[Plan | None, str | None]] = {}
         self._mig_texts: dict[tuple[tuple[tuple[str, int], ...], int, int, bool], str] = {}
-        self.gpu_parts: dict[tuple[str, int], GpuPart] = {}
+        self.gpu_parts: dict[tuple[str, int], GpuPart] = (
+            index.gpu_parts(view, gpu_form(image, request)) if view is not None else {}
+        )
 
     def class_verdict(self, plan: Plan, class_id: int) -> tuple[bool, int, tuple[str, ...]]:
         """(usable, preference rank, reasons) for one GPU class, computed once per query."""
@@ -216,9 +242,9 @@ class Query:
 
     def judge_present_classes(self, view: IndexView) -> None:
         """Judge every GPU class that `evaluate` would judge on the servers of `view`, as a query that
-        reuses shape verdicts kept from an earlier query of its form must (placement.decide):
+        reuses shape verdicts or GPU parts kept from earlier questions must (placement.decide):
         `caveats` reads the class verdicts, so it then covers the GPU classes of every server in the
-        answer, not only of the shapes new to the fleet since that query."""
+        answer, not only of the shapes and GPU sub-shapes this query judged itself."""
         classes = self.index.classes
         for arch_name, class_ids in present_classes(view).items():
             arch = self.arch_plans.get(arch_name)

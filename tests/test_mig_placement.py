@@ -261,6 +261,9 @@ def test_a_warning_stays_in_the_answer_after_the_fleet_changes() -> None:
     after = decide(video, request, index)
     assert after.warnings == first.warnings
     assert after == decide(video, request, FleetIndex.build([server, other]))
+    # another question of the same GPU form: its GPU parts are the kept ones, its warnings the same
+    fewer_cpus = DeployRequest(mig_devices=1, cpus=4)
+    assert decide(video, fewer_cpus, index).warnings == first.warnings
 
 
 def test_reservations_are_per_mig_device_and_are_released_and_reused() -> None:

@@ -24,6 +24,7 @@ from placement.gpus import matches_model, memory_satisfies, runtime_brands
 from placement.image_facts import ImageFacts
 from placement.index import FleetIndex
 from placement.inventory import Server, parse_bytes, parse_inventory
+from placement.query import Query
 from placement.request import DeployRequest
 from scanner.models import GpuFacts, ImageReport, LibcVerdict, PlatformReport
 from tests.conftest import Pusher
@@ -474,6 +475,46 @@ def test_index_updates_match_a_fresh_build() -> None:
     assert "needs 4 free GPU(s), has 3 free of 8, 5 in use" in reasons_of(decision, "h100-a")
     assert "h100-b" in eligible_names(decision)
     assert all(item["server"] != "l4-edge" for item in [*decision.eligible, *decision.ineligible])
+
+
+def test_questions_differing_only_in_cpus_memory_or_labels_share_their_gpu_parts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU part of a verdict (driver, requirements, GPU picks: the expensive part) reads neither the
+    request's CPUs, memory nor labels, so the index keeps it for the question's GPU form and a question
+    that differs in those alone judges no GPU sub-shape again, before and after a fleet change. Each
+    answer is the one a fresh index gives; a request that asks for other GPUs judges them afresh."""
+    judged: list[str] = []
+    gpu_part = Query._gpu_part
+
+    def counted(self: Query, plan: Any, entry: Any) -> Any:
+        judged.append(entry.name)
+        return gpu_part(self, plan, entry)
+
+    monkeypatch.setattr(Query, "_gpu_part", counted)
+    image = cuda_image("12.2.2")
+    index = FleetIndex.build(FLEET)
+    decide(image, DeployRequest(gpus=1), index)
+    assert judged
+    h100 = next(server for server in FLEET if server.name == "h100-a")
+    busier = h100.model_copy(update={"gpus_in_use": [gpu.uuid for gpu in h100.gpus[:5]]})
+    fleet = FLEET
+    for request, change in (
+        (DeployRequest(gpus=1, cpus=16), False),
+        (DeployRequest(gpus=1, memory="64Gi"), False),
+        (DeployRequest(gpus=1, labels={"zone": "b"}), True),  # after h100-a's GPUs went busy
+        (DeployRequest(gpus=1, cpus=8, memory="32Gi"), False),
+    ):
+        if change:
+            index.update([busier])
+            fleet = [busier if s.name == "h100-a" else s for s in FLEET]
+        judged.clear()
+        shared = decide(image, request, index)
+        assert judged == ([busier.name] if change else []), (request, judged)  # only its new sub-shape
+        assert shared == decide(image, request, FleetIndex.build(fleet))
+    judged.clear()
+    decide(image, DeployRequest(gpus=2, cpus=16), index)
+    assert judged  # another GPU request: its GPU parts are its own
 
 
 async def test_a_question_asked_again_is_paged_from_the_kept_decision_without_a_thread(
