@@ -568,22 +568,25 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("big") / "big.db"
     store = Store(path)
     start = datetime(2026, 1, 1, tzinfo=UTC)
+    batch: list[queries.ScanWrite] = []
     for number in range(10_000):
         registry = ("127.0.0.1:5000", "ghcr.io", "docker.io")[number % 3]
         gpu = number % 4 == 0
-        save(
-            store,
-            make_report(
-                registry,
-                f"team{number % 50}/app{number}",
-                "latest",
-                gpu=gpu,
-                cuda=f"12.{number % 6}" if gpu else None,
-                libc=("glibc", "musl", "none")[number % 3],
-                env={"NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA} if gpu else {},
-                scanned_at=start + timedelta(seconds=number),
-            ),
+        report = make_report(
+            registry,
+            f"team{number % 50}/app{number}",
+            "latest",
+            gpu=gpu,
+            cuda=f"12.{number % 6}" if gpu else None,
+            libc=("glibc", "musl", "none")[number % 3],
+            env={"NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA} if gpu else {},
+            scanned_at=start + timedelta(seconds=number),
         )
+        assert report.registry and report.repository and report.tag and report.digest
+        batch += [report, queries.TagSeen(report.registry, report.repository, report.tag, report.digest)]
+        if len(batch) == 2_000:  # the store's group commit, as the scan workers write: one per 1,000
+            store.run(queries.save_scan_results, batch)
+            batch = []
     store.close()
     return path
 
